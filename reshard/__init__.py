@@ -1,0 +1,27 @@
+"""reshard: convert, export, validate and inspect distributed training checkpoints.
+
+The Python API:
+
+    catalog = reshard.open_checkpoint("ckpt/")            # metadata only, nothing executed
+    info = reshard.inspect(catalog, params=True)           # plain data (what `reshard inspect --json` prints)
+    report = reshard.validate(catalog, deep=False)         # report.ok, report.problems
+    weight = reshard.full_tensor(catalog, "l1.weight", "fp32")   # a torch tensor, bit-exact
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from reshard.errors import CheckpointError, ReshardError
+from reshard.inspect import inspect
+from reshard.tensorio import full_tensor
+from reshard.validate import validate
+
+
+def open_checkpoint(path, tag: str | None = None):
+    """Read a checkpoint's metadata into a Catalog (see reshard.catalog)."""
+    from reshard.formats import read
+    return read(str(path), tag)
+
+
+__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",
+           "__version__"]

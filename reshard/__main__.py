@@ -1,0 +1,5 @@
+import sys
+
+from reshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""The Catalog: every logical tensor of a checkpoint and where its elements live on disk.
+
+A logical tensor is a (name, state) pair: ("l1.weight", "exp_avg"). Its elements are spread
+over fragments; a fragment says which flat range [start, stop) of the full tensor (row-major)
+sits contiguously in which storage, starting at which element of that storage. Readers fill a
+Catalog from metadata alone; nothing here reads tensor bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reshard.formats.torchzip import Storage
+
+# State names with a fixed meaning; optimizer states keep the optimizer's own names.
+MASTER = "fp32"        # the fp32 master copy of a trainable parameter
+MODULE = "module"      # the model's state_dict value as saved (16-bit copy, frozen params, buffers)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    start: int           # first element of the logical tensor held here (flat, row-major)
+    stop: int            # one past the last
+    storage: Storage
+    elem_offset: int     # element of `storage` holding element `start`
+    rank: int | None = None   # the rank whose file this is, for messages
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class LogicalTensor:
+    name: str
+    state: str
+    shape: tuple
+    dtype: str
+    fragments: list = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, self.state)
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    shape: tuple
+    kind: str                  # "trainable", "frozen" or "buffer"
+    group: int | None = None   # optimizer param group of a trainable param
+
+
+@dataclass
+class FileInfo:
+    path: str                  # relative to the catalog's root
+    role: str                  # e.g. "model_states", "optim_states"
+    rank: int | None = None    # data-parallel rank, when the file belongs to one
+    size: int = 0
+
+
+@dataclass
+class Catalog:
+    root: str                              # the directory the files are relative to
+    format: str                            # e.g. "deepspeed"
+    layout: "Layout"                       # noqa: F821 - reshard.layout.Layout
+    tensors: dict = field(default_factory=dict)        # (name, state) -> LogicalTensor
+    params: dict = field(default_factory=dict)         # name -> ParamInfo, model order
+    aliases: dict = field(default_factory=dict)        # tied name -> the name holding the data
+    param_groups: list = field(default_factory=list)   # [{hyper-params..., "params": [names]}]
+    group_scalars: list = field(default_factory=list)  # per group: {"step": 3, ...} optimizer scalars
+    state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
+    files: list = field(default_factory=list)          # FileInfo of every file read or expected
+    problems: list = field(default_factory=list)       # what the reader found wrong, one line each
+
+    def add(self, tensor: LogicalTensor) -> LogicalTensor:
+        return self.tensors.setdefault(tensor.key, tensor)
+
+    def tensor(self, name: str, state: str) -> LogicalTensor:
+        try:
+            return self.tensors[(self.aliases.get(name, name), state)]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} with state {state!r} in this checkpoint") from None
+
+    def states(self) -> list:
+        """State names present, master and module first, then optimizer states in file order."""
+        seen = dict.fromkeys(s for _, s in self.tensors)
+        first = [s for s in (MASTER, MODULE) if s in seen]
+        return first + [s for s in seen if s not in first]
+
+    def optimizer_states(self) -> list:
+        return [s for s in self.states() if s not in (MASTER, MODULE)]
+
+    def bytes_per_state(self) -> dict:
+        from reshard.dtypes import itemsize
+        out = {}
+        for t in self.tensors.values():
+            out[t.state] = out.get(t.state, 0) + t.numel * itemsize(t.dtype)
+        return out
+
+    def problem(self, path, text: str) -> None:
+        self.problems.append(f"{path}: {text}")

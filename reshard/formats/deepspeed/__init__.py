@@ -1,0 +1,1 @@
+"""DeepSpeed checkpoints (save dir with `latest`, tag folders of per-rank torch.save files)."""

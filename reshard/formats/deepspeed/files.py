@@ -1,0 +1,59 @@
+"""DeepSpeed's checkpoint directory: the tag folder and the names of its rank files."""
+from __future__ import annotations
+
+import os
+import re
+
+from reshard.errors import ReshardError
+
+LATEST = "latest"
+
+MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")                      # ZeRO 0/1/2
+ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+LAYER_STATES = re.compile(r"^layer_\d+(-model_\d+)?-model_states\.pt$")              # PipelineModule
+EXPERT_STATES = re.compile(r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
+
+
+def model_states_name(mp: int, dp: int | None = None) -> str:
+    """ZeRO 0/1/2 write one file per model-parallel rank; ZeRO-3 one per data-parallel rank."""
+    if dp is None:
+        return f"mp_rank_{mp:02d}_model_states.pt"
+    return f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt"
+
+
+def optim_states_name(dp: int, mp: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
+
+
+def is_deepspeed_dir(path: str) -> bool:
+    if os.path.isfile(os.path.join(path, LATEST)):
+        return True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(MODEL_STATES.match(n) or ZERO3_MODEL_STATES.match(n) for n in names)
+
+
+def resolve_tag_dir(path: str, tag: str | None = None) -> tuple[str, str]:
+    """(tag directory, tag) for a save dir with `latest`, a save dir plus --tag, or a tag dir."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise ReshardError(f"{path}: no such directory")
+    latest = os.path.join(path, LATEST)
+    if tag is None and os.path.isfile(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        if not tag:
+            raise ReshardError(f"{latest}: file is empty; name the tag with --tag")
+    if tag is not None:
+        if os.sep in tag or tag in ("", ".", ".."):
+            raise ReshardError(f"{path}: invalid tag {tag!r}")
+        tag_dir = os.path.join(path, tag)
+        if not os.path.isdir(tag_dir):
+            raise ReshardError(f"{tag_dir}: tag folder does not exist")
+        return tag_dir, tag
+    if is_deepspeed_dir(path):
+        return path, os.path.basename(path)
+    raise ReshardError(f"{path}: not a DeepSpeed checkpoint (no '{LATEST}' file and no *_model_states.pt)")

@@ -1,0 +1,274 @@
+"""DeepSpeed ZeRO-1/2/3 checkpoint -> Catalog, from metadata only.
+
+The rank files are opened with the safe unpickler; tensors stay on disk. The geometry of the
+optimizer partitions (ZeRO-1/2: slices of one flat vector per param group; ZeRO-3: per-parameter
+ceil(n/dp) slices) is turned into fragments by `zero12` and `zero3`. Whatever is missing or
+inconsistent is recorded in `catalog.problems`, one line per problem naming the file, so
+`validate` can report it all; only a checkpoint that cannot be understood at all raises.
+"""
+from __future__ import annotations
+
+import os
+
+from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
+from reshard.dtypes import is_floating
+from reshard.errors import CheckpointError, ReshardError
+from reshard.formats import torchzip
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import zero12, zero3
+from reshard.formats.torchzip import TensorRef
+from reshard.layout import Layout
+from reshard.tensorio import file_size
+
+# Keys of a model-states file that DeepSpeed itself writes; everything else is client state.
+ENGINE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
+    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "shared_params", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "compiled_autograd",
+    "ds_autotp_universal_checkpoint_meta",
+}
+TRAINING_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "data_sampler",
+                       "random_ltd", "ds_config", "ds_version", "dp_world_size", "mp_world_size")
+OPTIMIZER_SCALAR_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+
+
+def read(path: str, tag: str | None = None) -> Catalog:
+    tag_dir, tag = names.resolve_tag_dir(path, tag)
+    listing = sorted(os.listdir(tag_dir))
+    _refuse_unsupported(tag_dir, listing)
+
+    model0_name = _first_model_states(tag_dir, listing)
+    model0 = _load_or_raise(os.path.join(tag_dir, model0_name))
+    dp = int(model0.get("dp_world_size") or 1)
+    mp = int(model0.get("mp_world_size") or 1)
+    dims = model0.get("checkpoint_parallel_dimensions") or {}
+    if mp > 1 or dims.get("tp_degree", 1) > 1 or dims.get("pp_degree", 1) > 1:
+        raise ReshardError(f"{tag_dir}: tensor/pipeline parallel checkpoint (mp_world_size={mp}, {dims}); "
+                           "only data-parallel ZeRO checkpoints are supported so far")
+
+    catalog = Catalog(root=tag_dir, format="deepspeed", layout=Layout(dp=dp))
+    catalog.state["tag"] = tag
+    bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
+    optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix)
+    if not any(names.OPTIM_STATES.match(n) for n in listing):
+        raise ReshardError(f"{tag_dir}: no *_optim_states.pt files; ZeRO stage 0 checkpoints are not supported")
+    first_optim = next((sd for _, sd in optim.values() if sd is not None), None)
+    if first_optim is None:
+        raise ReshardError(f"{tag_dir}: no optimizer state file could be read")
+
+    stage = _zero_stage(first_optim)
+    catalog.layout.zero = stage
+    if stage == 3:
+        models = _load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0)
+    else:
+        models = {0: model0}
+        catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
+
+    _read_model(catalog, model0, models, stage)
+    if stage == 3:
+        zero3.read_partitions(catalog, model0, models, optim)
+    else:
+        zero12.read_partitions(catalog, model0, optim)
+    _check_steps_agree(catalog, models)
+    _fill_state(catalog, model0, first_optim)
+    _fill_layout(catalog, model0, first_optim, bf16_prefix)
+    return catalog
+
+
+def _refuse_unsupported(tag_dir, listing):
+    if any(names.LAYER_STATES.match(n) for n in listing):
+        raise ReshardError(f"{tag_dir}: pipeline-parallel (PipelineModule layer_*) checkpoints are not supported yet")
+    if any(names.EXPERT_STATES.match(n) for n in listing):
+        raise ReshardError(f"{tag_dir}: mixture-of-experts checkpoints are not supported yet")
+
+
+def _first_model_states(tag_dir, listing) -> str:
+    for pattern in (names.MODEL_STATES, names.ZERO3_MODEL_STATES):
+        found = sorted((n for n in listing if pattern.match(n)), key=lambda n: [int(x) for x in pattern.match(n).groups()])
+        if found:
+            return found[0]
+    raise ReshardError(f"{tag_dir}: no *_model_states.pt file; not a DeepSpeed checkpoint tag folder")
+
+
+def _load_or_raise(path):
+    obj = torchzip.load(path)
+    if not isinstance(obj, dict):
+        raise CheckpointError(path, f"expected a dict at the top level, found {type(obj).__name__}")
+    return obj
+
+
+def _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix) -> dict:
+    """Optimizer files of every data-parallel rank: rank -> (path, state dict or None if unusable)."""
+    found = {}
+    for n in listing:
+        m = names.OPTIM_STATES.match(n)
+        if m:
+            found.setdefault(int(m.group(2)), n)
+    optim = {}
+    for rank in range(dp):
+        name = found.get(rank, names.optim_states_name(rank, 0, bf16_prefix))
+        path = os.path.join(tag_dir, name)
+        optim[rank] = (path, _load_rank_file(catalog, tag_dir, name, "optim_states", rank, "optimizer_state_dict"))
+    for rank in sorted(set(found) - set(range(dp))):
+        catalog.problem(os.path.join(tag_dir, found[rank]), f"rank {rank} is outside the saved world size dp={dp}")
+    return optim
+
+
+def _load_rank_file(catalog, tag_dir, name, role, rank, required_key):
+    path = os.path.join(tag_dir, name)
+    catalog.files.append(FileInfo(name, role, rank, file_size(path)))
+    if not os.path.exists(path):
+        catalog.problem(path, f"missing (expected for data-parallel rank {rank})")
+        return None
+    try:
+        sd = _load_or_raise(path)
+    except CheckpointError as e:
+        catalog.problems.append(str(e))
+        return None
+    if required_key not in sd:
+        catalog.problem(path, f"no '{required_key}' key; not a DeepSpeed {role.replace('_', ' ')} file")
+        return None
+    return sd[required_key] if role == "optim_states" else sd
+
+
+def _load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0) -> dict:
+    models = {}
+    for rank in range(dp):
+        name = names.model_states_name(0, rank)
+        if name == model0_name:
+            catalog.files.append(FileInfo(name, "model_states", rank, file_size(os.path.join(tag_dir, name))))
+            models[rank] = model0
+        else:
+            models[rank] = _load_rank_file(catalog, tag_dir, name, "model_states", rank, "param_shapes")
+    for rank, sd in models.items():
+        if sd is None or sd is model0:
+            continue
+        path = os.path.join(tag_dir, names.model_states_name(0, rank))
+        if _shapes(sd.get("param_shapes")) != _shapes(model0.get("param_shapes")):
+            catalog.problem(path, f"param_shapes differ from {model0_name}")
+        if sd.get("dp_world_size") != model0.get("dp_world_size"):
+            catalog.problem(path, f"dp_world_size {sd.get('dp_world_size')} differs from {model0_name}'s "
+                            f"{model0.get('dp_world_size')}")
+    return models
+
+
+def _shapes(param_shapes):
+    return [[(k, tuple(v)) for k, v in group.items()] for group in (param_shapes or [])]
+
+
+def _zero_stage(optim_sd) -> int:
+    stage = optim_sd.get("zero_stage")
+    if stage is None:
+        return 1          # BF16_Optimizer writes no stage; it partitions like ZeRO-1
+    return int(stage)
+
+
+def _read_model(catalog, model0, models, stage):
+    """Parameters, buffers, aliases and the module state_dict copy (16-bit weights, buffers)."""
+    module = model0.get("module") or {}
+    buffer_names = list(model0.get("buffer_names") or [])
+    catalog.aliases = dict(model0.get("shared_params") or {})
+    param_shapes = model0.get("param_shapes") or []
+    trainable = {}
+    for g, group in enumerate(param_shapes):
+        for name, shape in group.items():
+            trainable[name] = (tuple(shape), g)
+    frozen_shapes = dict(model0.get("frozen_param_shapes") or {})
+
+    for key, ref in module.items():
+        if key in catalog.aliases:
+            continue
+        if key in trainable:
+            shape, group = trainable.pop(key)
+            catalog.params[key] = ParamInfo(key, shape, "trainable", group if stage != 3 else None)
+            if stage != 3:
+                _add_whole(catalog, key, MODULE, ref)
+        elif key in buffer_names:
+            catalog.params[key] = ParamInfo(key, tuple(ref.shape), "buffer")
+            _add_whole(catalog, key, MODULE, ref)
+        elif isinstance(ref, TensorRef):
+            shape = tuple(frozen_shapes.get(key, ref.shape))
+            catalog.params[key] = ParamInfo(key, shape, "frozen")
+            if stage != 3:
+                _add_whole(catalog, key, MODULE, ref)
+    for name, (shape, group) in trainable.items():   # trainable but absent from `module`
+        catalog.params[name] = ParamInfo(name, shape, "trainable", group if stage != 3 else None)
+    if stage == 3:
+        zero3.read_frozen(catalog, models)
+
+
+def _add_whole(catalog, name, state, ref):
+    if not isinstance(ref, TensorRef):
+        return
+    if not ref.is_contiguous():
+        catalog.problem(ref.storage.file, f"{name}: non-contiguous tensor in the module state_dict")
+        return
+    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), ref.dtype))
+    if ref.numel:
+        tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
+
+
+def _check_steps_agree(catalog, models):
+    base = models.get(0)
+    for rank, sd in models.items():
+        if sd is None or base is None or sd is base:
+            continue
+        if sd.get("global_steps") != base.get("global_steps"):
+            path = os.path.join(catalog.root, names.model_states_name(0, rank))
+            catalog.problem(path, f"global_steps {sd.get('global_steps')} differs from rank 0's "
+                            f"{base.get('global_steps')} (a file from another save?)")
+
+
+def _fill_state(catalog, model0, optim0):
+    for key in TRAINING_STATE_KEYS:
+        if key in model0:
+            catalog.state[key] = model0[key]
+    client = {k: v for k, v in model0.items() if k not in ENGINE_KEYS}
+    if client:
+        catalog.state["client_state"] = client
+    for key in OPTIMIZER_SCALAR_KEYS:
+        if key in optim0:
+            catalog.state[key] = optim0[key]
+
+
+def _fill_layout(catalog, model0, optim0, bf16_prefix):
+    layout = catalog.layout
+    config = model0.get("ds_config") or {}
+    zero_cfg = config.get("zero_optimization") or {}
+    trainable_dtypes = {catalog.tensors[(n, MODULE)].dtype for n, p in catalog.params.items()
+                        if p.kind != "buffer" and (n, MODULE) in catalog.tensors}
+    floating = sorted(d for d in trainable_dtypes if is_floating(d))
+    layout.dtype = _config_dtype(config) or (floating[0] if floating else "float32")
+    layout.optimizer = ((config.get("optimizer") or {}).get("type")) or ""
+    layout.states = catalog.optimizer_states()
+    params = [p for p in catalog.params.values() if p.kind != "buffer"]
+    layout.params = len(params)
+    layout.elements = sum(_numel(p.shape) for p in params)
+    steps = {s.get("step") for s in catalog.group_scalars if s.get("step") is not None}
+    layout.step = int(max(steps)) if steps else None
+    options = {}
+    if bf16_prefix and "zero_stage" not in optim0:
+        options["bf16_optimizer"] = True
+    if isinstance(optim0.get("base_optimizer_state"), list):
+        options["elastic"] = True
+    for key in ("round_robin_gradients", "parameter_alignment"):
+        if zero_cfg.get(key):
+            options[key] = True
+    if layout.zero == 3:
+        options["sub_group_size"] = int(zero_cfg.get("sub_group_size", 1_000_000_000))
+    layout.options = options
+
+
+def _config_dtype(config) -> str | None:
+    for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        if (config.get(key) or {}).get("enabled"):
+            return dtype
+    return "float32" if config else None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

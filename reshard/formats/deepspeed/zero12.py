@@ -1,0 +1,117 @@
+"""ZeRO-1/2 (and BF16_Optimizer) optimizer partitions as fragments.
+
+Per optimizer param group, DeepSpeed flattens the trainable params in `param_shapes` order
+(round-robin order when `round_robin_gradients` is on; `param_shapes` records it), with optional
+per-param alignment padding, pads the end to a multiple of 2*dp, and gives rank r the slice
+[r*P, (r+1)*P) of that flat vector. The fp32 master partition is saved with its share of the tail
+padding stripped (BF16_Optimizer keeps it); optimizer moments keep it (elastic files strip it).
+A param's elements in rank r's file are the overlap of the param's range with the rank's range.
+"""
+from __future__ import annotations
+
+from reshard.catalog import MASTER, Fragment, LogicalTensor
+from reshard.formats.torchzip import TensorRef
+from reshard.geometry import intersect
+from reshard.tensorio import read_scalar
+
+FP32_PARTITIONS = "single_partition_of_fp32_groups"
+
+
+def read_partitions(catalog, model0, optim) -> None:
+    dp = catalog.layout.dp
+    present = {r: (path, sd) for r, (path, sd) in optim.items() if sd is not None}
+    if not present:
+        return
+    first_path, first = present[min(present)]
+    bf16_optimizer = "zero_stage" not in first
+    elastic = isinstance(first.get("base_optimizer_state"), list)
+    alignment = first.get("param_alignment_paddings")
+
+    for g, shapes in enumerate(model0.get("param_shapes") or []):
+        ranges, end = _param_ranges(shapes, alignment[g] if alignment else None)
+        padded = _padded_length(end, dp)
+        part = padded // dp
+        catalog.param_groups.append(_hyper_params(first, g, elastic, list(shapes)))
+        catalog.group_scalars.append({})
+        for rank, (path, sd) in sorted(present.items()):
+            _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_optimizer, elastic)
+
+
+def _param_ranges(shapes, alignment):
+    """name -> (start, numel) in the flat group; and the end of the last param."""
+    ranges, offset = {}, 0
+    for i, (name, shape) in enumerate(shapes.items()):
+        n = 1
+        for s in shape:
+            n *= s
+        ranges[name] = (offset, n)
+        offset += n + (alignment[i] if alignment else 0)
+    return ranges, offset
+
+
+def _padded_length(n: int, dp: int) -> int:
+    align = 2 * dp          # DeepSpeed's nccl_start_alignment_factor (2) times dp
+    return -(-n // align) * align
+
+
+def _group_state(sd, g, elastic) -> dict:
+    base = sd.get("base_optimizer_state")
+    if elastic:
+        return base[g] if g < len(base) else {}
+    state = (base or {}).get("state", {})
+    return state.get(g, state.get(str(g), {}))
+
+
+def _hyper_params(sd, g, elastic, names) -> dict:
+    groups = [] if elastic else (sd.get("base_optimizer_state") or {}).get("param_groups", [])
+    hyper = {k: v for k, v in groups[g].items() if k != "params"} if g < len(groups) else {}
+    return {**hyper, "params": names}
+
+
+def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_optimizer, elastic):
+    rank_start = rank * part
+    tail_padding = max(0, min(rank_start + part, part * dp) - max(rank_start, end))
+    paddings = sd.get("group_paddings") or []
+    if g < len(paddings) and paddings[g] != tail_padding:
+        catalog.problem(path, f"group {g}: group_paddings says {paddings[g]} padding elements, "
+                        f"the param shapes imply {tail_padding}")
+    counts = sd.get("partition_count") or []
+    if g < len(counts) and counts[g] != dp:
+        catalog.problem(path, f"group {g}: partition_count {counts[g]} but the checkpoint's dp is {dp}")
+
+    fp32_parts = sd.get(FP32_PARTITIONS) or []
+    if g >= len(fp32_parts):
+        catalog.problem(path, f"group {g}: no fp32 master partition")
+        return
+    lean = part - tail_padding
+    sources = {MASTER: (fp32_parts[g], part if bf16_optimizer else lean)}
+    for key, value in _group_state(sd, g, elastic).items():
+        if isinstance(value, TensorRef) and len(value.shape) >= 1:
+            sources[key] = (value, lean if elastic else part)
+        else:
+            _record_scalar(catalog, path, g, key, value, rank)
+
+    for state, (ref, expected) in sources.items():
+        if ref.numel != expected:
+            catalog.problem(path, f"group {g}: {state} partition has {ref.numel} elements, expected {expected} "
+                            f"(dp={dp}, partition size {part})")
+        usable = min(ref.numel, expected)
+        for name, (start, numel) in ranges.items():
+            overlap = intersect(start, start + numel, rank_start, rank_start + usable)
+            tensor = catalog.add(LogicalTensor(name, state, catalog.params[name].shape, ref.dtype))
+            if overlap:
+                a, b = overlap
+                tensor.fragments.append(Fragment(a - start, b - start, ref.storage,
+                                                 ref.storage_offset + a - rank_start, rank))
+
+
+def _record_scalar(catalog, path, g, key, value, rank):
+    """Per-group scalars such as `step`; every rank must agree with the first one read."""
+    if isinstance(value, TensorRef):
+        value = read_scalar(value)
+    scalars = catalog.group_scalars[g]
+    if key not in scalars:
+        scalars[key] = value
+    elif scalars[key] != value:
+        catalog.problem(path, f"group {g}: optimizer {key} is {value} but another rank has {scalars[key]} "
+                        "(a file from another save?)")

@@ -1,0 +1,256 @@
+"""Safe, metadata-only reading of `torch.save` zip files.
+
+A torch.save file is a zip archive (members stored, not compressed) holding `data.pkl`, the
+pickled object tree, and one member per storage with its raw bytes. We unpickle `data.pkl` with
+an allow-list: every global the pickle names is looked up in `ALLOWED`, never imported, so a
+checkpoint cannot run code. Tensors come back as `TensorRef`s that say where their bytes are
+(file, byte offset, dtype, shape, strides); the bytes themselves are not read.
+
+torch itself is not imported here: opening a checkpoint to inspect it costs no torch start-up.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass, field
+
+from reshard.errors import CheckpointError
+from reshard.formats import standins
+from reshard.dtypes import STORAGE_DTYPES, itemsize
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A run of raw bytes inside a file: one torch storage."""
+    file: str          # path of the file holding it
+    offset: int        # byte offset of the storage's first byte in `file`
+    nbytes: int
+    dtype: str         # element type name, e.g. "float32", "bfloat16"
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // itemsize(self.dtype)
+
+
+@dataclass
+class TensorRef:
+    """A tensor as torch.save described it: a strided view into a storage."""
+    storage: Storage
+    storage_offset: int          # in elements
+    shape: tuple
+    stride: tuple
+    requires_grad: bool = False
+    attrs: dict = field(default_factory=dict)   # Python attributes pickled with it (ZeRO-3 ds_id)
+
+    @property
+    def dtype(self) -> str:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.dtype}{list(self.shape)} @ {os.path.basename(self.storage.file)}+{self.storage.offset})"
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """What `torch.FloatStorage` & co. unpickle to: only the element type matters."""
+    dtype: str
+
+
+@dataclass(frozen=True)
+class DType:
+    """What `torch.float16` & co. unpickle to."""
+    name: str
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class _TensorClass:
+    """Stand-in for `torch.Tensor` / `torch.nn.Parameter` passed to _rebuild_from_type_v2."""
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
+                       backward_hooks=None, metadata=None):
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), bool(requires_grad))
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    ref = func(*args)
+    if isinstance(ref, TensorRef) and isinstance(state, dict):
+        ref.attrs.update(state)
+    return ref
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, *state):
+    if isinstance(data, TensorRef):
+        data.requires_grad = bool(requires_grad)
+    return data
+
+
+def _codecs_encode(text, encoding="latin1"):
+    # Protocol-2 pickles spell `bytes` objects as _codecs.encode(str, "latin1").
+    if encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
+def _size(dims=()):
+    return tuple(dims)
+
+
+ALLOWED = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _TensorClass,
+    ("torch.nn.parameter", "Parameter"): _TensorClass,
+    ("torch", "Size"): _size,
+    ("_codecs", "encode"): _codecs_encode,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+}
+ALLOWED.update({("torch", cls): _StorageType(dt) for cls, dt in STORAGE_DTYPES.items()})
+ALLOWED.update({("torch", dt): DType(dt) for dt in set(STORAGE_DTYPES.values())})
+ALLOWED.update({("torch", alias): DType(dt) for alias, dt in
+                {"float": "float32", "half": "float16", "double": "float64", "long": "int64",
+                 "int": "int32", "short": "int16"}.items()})
+ALLOWED.update(standins.BY_GLOBAL)
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path: str, storages: dict):
+        super().__init__(io.BytesIO(data))
+        self._path = path
+        self._storages = storages
+
+    def find_class(self, module, name):
+        try:
+            return ALLOWED[(module, name)]
+        except KeyError:
+            raise CheckpointError(self._path, f"refusing to unpickle global {module}.{name} "
+                                  "(not on reshard's allow-list; nothing was executed)") from None
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType)):
+            raise CheckpointError(self._path, f"unexpected persistent id {pid!r:.80}")
+        _, stype, key, _location, numel = pid
+        raw = self._storages.get(str(key))
+        if raw is None:
+            raise CheckpointError(self._path, f"pickle names storage {key!r}, which is not in the archive")
+        storage = Storage(raw.file, raw.offset, raw.nbytes, stype.dtype)
+        if storage.numel < numel:
+            raise CheckpointError(self._path, f"storage {key} holds {storage.numel} elements, "
+                                  f"the pickle expects {numel}")
+        return storage
+
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")   # zip local file header, 30 bytes
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def load(path: str) -> object:
+    """Unpickle a torch.save file safely; tensors become TensorRefs into `path`."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise CheckpointError(path, f"cannot read: {e.strerror}") from None
+    if size == 0:
+        raise CheckpointError(path, "file is empty (0 bytes)")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if not zipfile.is_zipfile(f):
+                raise CheckpointError(path, _not_zip_reason(head, size))
+            f.seek(0)
+            with zipfile.ZipFile(f) as zf:
+                infos = zf.infolist()
+                pkl = [i for i in infos if i.filename.endswith("data.pkl")
+                       and i.filename.count("/") == 1]
+                if len(pkl) != 1:
+                    raise CheckpointError(path, "zip archive is not a torch.save file (no data.pkl)")
+                prefix = pkl[0].filename[: -len("data.pkl")]
+                storages = _locate_storages(f, path, size, prefix, infos)
+                data = zf.read(pkl[0])
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, OSError, EOFError, struct.error) as e:
+        raise CheckpointError(path, f"damaged zip archive ({e})") from None
+    try:
+        return _SafeUnpickler(data, path, storages).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # a malformed pickle: report, never propagate a traceback
+        raise CheckpointError(path, f"malformed pickle in data.pkl ({type(e).__name__}: {e})") from None
+
+
+def _locate_storages(f, path, size, prefix, infos) -> dict:
+    """Map storage key -> byte range of the member's data in the file.
+
+    The element type is only known once the pickle names the storage's class (persistent_load).
+    """
+    located = {}
+    data_prefix = prefix + "data/"
+    for info in infos:
+        if not info.filename.startswith(data_prefix):
+            continue
+        key = info.filename[len(data_prefix):]
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(path, f"storage {key} is compressed; torch.save never does that")
+        f.seek(info.header_offset)
+        header = f.read(_LOCAL_HEADER.size)
+        if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+            raise CheckpointError(path, f"zip entry for storage {key} points outside the file or at garbage")
+        fields = _LOCAL_HEADER.unpack(header)
+        name_len, extra_len = fields[-2], fields[-1]
+        offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if offset + info.file_size > size:
+            raise CheckpointError(path, f"truncated: storage {key} ends at byte {offset + info.file_size} "
+                                  f"but the file has {size}")
+        located[key] = _RawBytes(path, offset, info.file_size)
+    return located
+
+
+@dataclass(frozen=True)
+class _RawBytes:
+    file: str
+    offset: int
+    nbytes: int
+
+
+def _not_zip_reason(head: bytes, size: int) -> str:
+    if head[:2] == b"\x80\x02" and _looks_legacy(head):
+        return ("legacy (non-zip) torch serialization is not supported; re-save with torch.save's default "
+                "zip format (DeepSpeed: remove \"checkpoint_serialization\": false)")
+    if head[:2] == b"PK":
+        return f"truncated or damaged zip archive ({size} bytes, no central directory)"
+    return "not a torch.save zip file"
+
+
+def _looks_legacy(head: bytes) -> bool:
+    # Legacy files start with the pickled magic number 0x1950a86a20f9469cfc6c (a LONG1).
+    return _LEGACY_MAGIC.to_bytes(10, "little") in head

@@ -1,0 +1,87 @@
+"""What a checkpoint holds, as plain data (printed as text or JSON by the CLI)."""
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import asdict, is_dataclass
+
+from reshard.catalog import MASTER, MODULE, Catalog
+from reshard.formats.torchzip import DType, TensorRef
+
+
+def inspect(catalog: Catalog, params: bool = False) -> dict:
+    layout = catalog.layout
+    kinds = [p.kind for p in catalog.params.values()]
+    info = {
+        "path": catalog.root,
+        "format": catalog.format,
+        "tag": catalog.state.get("tag"),
+        "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
+        "zero_stage": layout.zero,
+        "dtype": layout.dtype,
+        "master_dtype": layout.master_dtype,
+        "optimizer": layout.optimizer,
+        "optimizer_states": layout.states,
+        "options": layout.options,
+        "step": layout.step,
+        "global_steps": catalog.state.get("global_steps"),
+        "global_samples": catalog.state.get("global_samples"),
+        "parameters": layout.params,
+        "elements": layout.elements,
+        "trainable": kinds.count("trainable"),
+        "frozen": kinds.count("frozen"),
+        "buffers": kinds.count("buffer"),
+        "aliases": catalog.aliases,
+        "param_groups": [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
+                          "params": len(g["params"]), **{k: jsonable(v) for k, v in scalars.items()}}
+                         for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
+        "bytes_per_state": catalog.bytes_per_state(),
+        "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
+        "problems": len(catalog.problems),
+    }
+    if params:
+        info["parameter_table"] = [_param_row(catalog, p) for p in catalog.params.values()]
+    return info
+
+
+def _param_row(catalog, p) -> dict:
+    states = [s for s in catalog.states() if (p.name, s) in catalog.tensors]
+    dtypes = {s: catalog.tensors[(p.name, s)].dtype for s in states}
+    return {"name": p.name, "shape": list(p.shape), "kind": p.kind, "group": p.group,
+            "dtype": dtypes.get(MODULE) or dtypes.get(MASTER), "states": states,
+            "tied_to_it": sorted(a for a, src in catalog.aliases.items() if src == p.name)}
+
+
+def jsonable(value):
+    """Plain JSON data for anything a checkpoint's non-tensor state can hold."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value.value if isinstance(value, enum.Enum) else value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, TensorRef):
+        return f"<tensor {value.dtype} {list(value.shape)}>"
+    if isinstance(value, DType):
+        return repr(value)
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    if is_dataclass(value):
+        return jsonable(asdict(value))
+    if hasattr(value, "__dict__"):
+        return {"class": type(value).__name__, **jsonable(vars(value))}
+    return repr(value)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def relpath(path: str, root: str) -> str:
+    return os.path.relpath(path, root)

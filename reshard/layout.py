@@ -1,0 +1,96 @@
+"""Layout: the topology and precision a checkpoint was saved for (or should be written for).
+
+A Layout is detected from a checkpoint, read from a descriptor file (JSON, the format `layouts/`
+holds), or derived from another Layout and a spec such as `dp=4,zero=3`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from reshard.errors import ReshardError
+
+DESCRIPTOR_KIND = "reshard.layout"
+DESCRIPTOR_VERSION = 1
+
+
+@dataclass
+class Layout:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    dtype: str = "float32"           # the model's (16-bit or fp32) parameter dtype
+    master_dtype: str = "float32"    # dtype of the optimizer's master copy
+    optimizer: str = ""              # e.g. "Adam", "SGD"
+    states: list = field(default_factory=list)   # per-element optimizer state names
+    params: int = 0                  # trainable + frozen parameters (aliases not counted)
+    elements: int = 0                # elements in those parameters
+    step: int | None = None          # optimizer step count
+    # How the optimizer partitions were cut, where the format has variants (DeepSpeed: elastic,
+    # round_robin, bf16_optimizer, parameter_alignment, sub_group_size).
+    options: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def topology(self) -> str:
+        return f"dp={self.dp},tp={self.tp},pp={self.pp},zero={self.zero}"
+
+    def to_dict(self) -> dict:
+        return {"kind": DESCRIPTOR_KIND, "version": DESCRIPTOR_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "layout") -> "Layout":
+        if data.get("kind") != DESCRIPTOR_KIND:
+            raise ReshardError(f"{source}: not a reshard layout descriptor (kind is {data.get('kind')!r})")
+        if data.get("version") != DESCRIPTOR_VERSION:
+            raise ReshardError(f"{source}: layout descriptor version {data.get('version')!r} is not supported")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"kind", "version"})
+        if unknown:
+            raise ReshardError(f"{source}: unknown layout keys {', '.join(unknown)}")
+        layout = cls(**{k: v for k, v in data.items() if k in known})
+        layout.check(source)
+        return layout
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path) -> "Layout":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ReshardError(f"{path}: cannot read layout descriptor: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ReshardError(f"{path}: layout descriptor is not valid JSON ({e})") from None
+        return cls.from_dict(data, str(path))
+
+    def check(self, source: str = "layout") -> None:
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ReshardError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ReshardError(f"{source}: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+
+    def with_spec(self, spec: str) -> "Layout":
+        """This layout with the degrees named in `spec` ("dp=4,zero=3") changed."""
+        changes = {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in ("dp", "tp", "pp", "zero"):
+                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero as key=value")
+            try:
+                changes[key] = int(value)
+            except ValueError:
+                raise ReshardError(f"bad layout spec {spec!r}: {key} must be an integer") from None
+        target = replace(self, **changes)
+        target.check(f"layout spec {spec!r}")
+        return target

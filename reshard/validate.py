@@ -1,0 +1,133 @@
+"""Is a checkpoint whole? Proven on the Catalog by interval arithmetic, never element by element.
+
+Problems come from two places: what the reader noticed while opening files (missing, unreadable,
+disagreeing rank files, partitions of the wrong size) and the checks here: every element of every
+logical tensor covered exactly once, every trainable parameter with its master copy and every
+optimizer state, fragments inside their storages. `deep=True` also reads the bytes for NaN/Inf.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from reshard.catalog import MASTER, Catalog
+from reshard.dtypes import is_floating
+from reshard.geometry import coverage, total_length
+
+MAX_RANGES_SHOWN = 3
+
+
+@dataclass
+class Report:
+    problems: list = field(default_factory=list)
+    tensors: int = 0
+    elements: int = 0
+    missing_elements: int = 0
+    duplicate_elements: int = 0
+    files: int = 0
+    deep: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def missing_fraction(self) -> float:
+        return self.missing_elements / self.elements if self.elements else 0.0
+
+    def summary(self) -> str:
+        head = "complete" if self.ok else f"NOT complete: {len(self.problems)} problem(s)"
+        text = (f"{head}; {self.tensors} logical tensors, {self.elements:,} elements in {self.files} files")
+        if self.missing_elements:
+            text += f"; {self.missing_elements:,} elements missing ({100 * self.missing_fraction:.1f}%)"
+        if self.duplicate_elements:
+            text += f"; {self.duplicate_elements:,} elements held twice"
+        if self.deep:
+            text += "; bytes checked for NaN/Inf"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "problems": self.problems, "tensors": self.tensors, "elements": self.elements,
+                "missing_elements": self.missing_elements, "missing_fraction": self.missing_fraction,
+                "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep}
+
+
+def validate(catalog: Catalog, deep: bool = False) -> Report:
+    report = Report(problems=list(catalog.problems), files=len(catalog.files), deep=deep)
+    _check_coverage(catalog, report)
+    _check_states_present(catalog, report)
+    if deep:
+        _check_values(catalog, report)
+    return report
+
+
+def _where(catalog, tensor) -> str:
+    files = sorted({os.path.basename(f.storage.file) for f in tensor.fragments})
+    return os.path.join(catalog.root, files[0]) if len(files) == 1 else catalog.root
+
+
+def _check_coverage(catalog, report):
+    for tensor in catalog.tensors.values():
+        report.tensors += 1
+        report.elements += tensor.numel
+        for frag in tensor.fragments:
+            if frag.elem_offset < 0 or frag.elem_offset + frag.numel > frag.storage.numel:
+                report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}) reaches outside "
+                                       "its storage")
+        gaps, overlaps, outside = coverage([(f.start, f.stop) for f in tensor.fragments], tensor.numel)
+        missing, doubled = total_length(gaps), total_length(overlaps)
+        report.missing_elements += missing
+        report.duplicate_elements += doubled
+        label = f"{tensor.name} ({tensor.state}, {tensor.numel} elements)"
+        if missing:
+            report.problems.append(f"{_where(catalog, tensor)}: {label}: {missing} elements missing, "
+                                   f"at {_ranges(gaps)}")
+        if doubled:
+            report.problems.append(f"{_where(catalog, tensor)}: {label}: {doubled} elements held more than once, "
+                                   f"at {_ranges(overlaps)}")
+        if outside:
+            report.problems.append(f"{_where(catalog, tensor)}: {label}: fragments outside the tensor at "
+                                   f"{_ranges(outside)}")
+
+
+def _ranges(ranges) -> str:
+    shown = ", ".join(f"[{a}, {b})" for a, b in ranges[:MAX_RANGES_SHOWN])
+    return shown + (f" and {len(ranges) - MAX_RANGES_SHOWN} more" if len(ranges) > MAX_RANGES_SHOWN else "")
+
+
+def _check_states_present(catalog, report):
+    wanted = [MASTER] + list(catalog.layout.states)
+    for p in catalog.params.values():
+        if p.kind != "trainable":
+            continue
+        for state in wanted:
+            if (p.name, state) not in catalog.tensors:
+                report.problems.append(f"{catalog.root}: trainable parameter {p.name} has no {state} state")
+
+
+def _check_values(catalog, report):
+    import numpy as np
+
+    from reshard.dtypes import torch_dtype
+    from reshard.tensorio import MappedFiles
+
+    with MappedFiles() as files:
+        for tensor in catalog.tensors.values():
+            if not is_floating(tensor.dtype):
+                continue
+            for frag in tensor.fragments:
+                try:
+                    values = files.fragment(frag, tensor.dtype)
+                except Exception as e:  # a damaged file: already reported by the coverage checks
+                    report.problems.append(str(e))
+                    break
+                bad = _count_non_finite(values, tensor.dtype, np, torch_dtype)
+                if bad:
+                    report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}): {bad} NaN/Inf "
+                                           f"values in elements [{frag.start}, {frag.stop})")
+
+
+def _count_non_finite(values, dtype, np, torch_dtype) -> int:
+    if dtype == "bfloat16":     # numpy has no bfloat16: exponent bits all ones means NaN or Inf
+        return int(np.count_nonzero((values & 0x7F80) == 0x7F80))
+    return int(values.size - np.count_nonzero(np.isfinite(values)))
