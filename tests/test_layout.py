@@ -1,0 +1,43 @@
+"""Layout: detected from checkpoints, written to and read from descriptor files, changed by specs."""
+import json
+
+import pytest
+
+import reshard
+from reshard.errors import ReshardError
+from reshard.layout import Layout
+from conftest import fixture_dir, truth_json
+
+
+def test_detected_layout_round_trips_through_a_descriptor(fixture_name, tmp_path):
+    layout = reshard.open_checkpoint(fixture_dir(fixture_name)).layout
+    meta = truth_json(fixture_name)
+    assert (layout.dp, layout.tp, layout.pp, layout.zero) == (meta["world_size"], 1, 1, meta["zero_stage"])
+    assert layout.optimizer == meta["ds_config"]["optimizer"]["type"]
+    n_trainable = len(meta["trainable"])
+    assert layout.params == n_trainable + len(meta["frozen"])
+    path = tmp_path / "layout.json"
+    layout.save(path)
+    assert Layout.load(path) == layout
+    assert json.loads(path.read_text())["kind"] == "reshard.layout"
+
+
+def test_spec_changes_only_named_degrees():
+    base = Layout(dp=8, zero=3, dtype="bfloat16", optimizer="Adam", states=["exp_avg", "exp_avg_sq"])
+    target = base.with_spec("dp=4")
+    assert (target.dp, target.zero, target.dtype, target.states) == (4, 3, "bfloat16", base.states)
+    assert base.with_spec("dp=2, zero=1,tp=2").topology() == "dp=2,tp=2,pp=1,zero=1"
+    for bad in ("dp=0", "dp=x", "zero=5", "gpus=2", "dp"):
+        with pytest.raises(ReshardError):
+            base.with_spec(bad)
+
+
+def test_bad_descriptors_are_refused(tmp_path):
+    path = tmp_path / "l.json"
+    for content in ("{", json.dumps({"kind": "other"}),
+                    json.dumps({**Layout(dp=2).to_dict(), "colour": "red"}),
+                    json.dumps({**Layout(dp=2).to_dict(), "dp": -1})):
+        path.write_text(content)
+        with pytest.raises(ReshardError) as err:
+            Layout.load(path)
+        assert str(path) in str(err.value)

@@ -1,0 +1,134 @@
+"""The safe torch.save reader: exact byte locations, and nothing executed."""
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from reshard.errors import CheckpointError
+from reshard.formats import torchzip
+from reshard.formats.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
+from reshard.formats.torchzip import TensorRef
+from reshard.tensorio import MappedFiles, read_scalar
+from reshard.catalog import Fragment
+from conftest import FIXTURE_NAMES, copy_fixture, run_cli, tag_dir
+
+
+def _bytes_of(ref: TensorRef) -> bytes:
+    size = torch.empty((), dtype=getattr(torch, ref.dtype)).element_size()
+    with open(ref.storage.file, "rb") as f:
+        f.seek(ref.storage.offset + ref.storage_offset * size)
+        return f.read(ref.numel * size)
+
+
+def test_tensors_are_located_not_read(tmp_path):
+    values = {
+        "bf16": torch.arange(12, dtype=torch.bfloat16).view(3, 4),
+        "view": torch.arange(10, dtype=torch.float32)[3:7],
+        "int": torch.tensor([5, -1], dtype=torch.int64),
+        "half": torch.randn(2, 2).half(),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.empty(0),
+        "nested": [{"x": torch.ones(2)}, (torch.zeros(1), "s")],
+        "dtype": torch.float16, "size": torch.Size([2, 3]), "bytes": b"\x00\xff",
+    }
+    path = tmp_path / "t.pt"
+    torch.save(values, path)
+    loaded = torchzip.load(path)
+    for key in ("bf16", "view", "int", "half", "scalar"):
+        ref, tensor = loaded[key], values[key]
+        assert isinstance(ref, TensorRef) and ref.shape == tuple(tensor.shape)
+        assert _bytes_of(ref) == tensor.contiguous().numpy().tobytes() if tensor.dtype != torch.bfloat16 \
+            else _bytes_of(ref) == tensor.view(torch.int16).numpy().tobytes()
+    assert loaded["view"].storage_offset == 3
+    assert read_scalar(loaded["scalar"]) == 3.0
+    assert loaded["empty"].numel == 0
+    assert loaded["size"] == (2, 3) and repr(loaded["dtype"]) == "torch.float16" and loaded["bytes"] == b"\x00\xff"
+    with MappedFiles() as files:
+        ref = loaded["int"]
+        got = files.fragment(Fragment(0, 2, ref.storage, ref.storage_offset), "int64")
+        assert got.tolist() == [5, -1]
+
+
+class _Payload:
+    def __init__(self, call, args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return (self.call, self.args)
+
+
+@pytest.mark.parametrize("call, argument, shown", [
+    (os.system, "touch {canary}", "system"),
+    (subprocess.call, ["touch", "{canary}"], "call"),
+    (eval, "open('{canary}', 'w')", "eval"),
+    (exec, "open('{canary}', 'w')", "exec"),
+])
+def test_hostile_global_is_refused_and_nothing_runs(tmp_path, call, argument, shown):
+    canary = tmp_path / "canary"
+    arg = [a.format(canary=canary) for a in argument] if isinstance(argument, list) else argument.format(canary=canary)
+    path = tmp_path / "evil.pt"
+    torch.save({"ok": torch.ones(2), "deep": {"state": [_Payload(call, (arg,))]}}, path)
+    with pytest.raises(CheckpointError) as err:
+        torchzip.load(path)
+    assert str(path) in str(err.value) and shown in str(err.value) and "allow-list" in str(err.value)
+    assert not canary.exists()
+
+
+def test_hostile_payload_inside_a_real_checkpoint_through_the_cli(tmp_path):
+    name = "z2_fp32_dp2" if "z2_fp32_dp2" in FIXTURE_NAMES else FIXTURE_NAMES[0]
+    save = copy_fixture(name, tmp_path)
+    canary = tmp_path / "canary"
+    optim = sorted(tag_dir(save).glob("*optim_states.pt"))[-1]
+    sd = torch.load(optim, weights_only=False)
+    sd["optimizer_state_dict"]["clip_grad"] = _Payload(os.system, (f"touch {canary}",))
+    torch.save(sd, optim)
+    for command in ("inspect", "validate"):
+        proc = run_cli(command, save)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(optim) in lines[0] and "system" in lines[0], proc.stderr
+    assert not canary.exists()
+
+
+def test_deepspeed_classes_become_inert_standins(tmp_path):
+    # Pickle objects under DeepSpeed's global names without DeepSpeed: write the bytes by hand.
+    import pickle
+    import zipfile
+    payload = pickle.dumps(
+        {"stage": ZeroStageEnum.weights, "scaler": DynamicLossScaler(), "addr": fragment_address(5, 7)}, protocol=2)
+    for cls, (module, name) in __import__("reshard.formats.standins", fromlist=["x"]).GLOBAL_NAMES.items():
+        payload = payload.replace(f"c{cls.__module__}\n{cls.__qualname__}\n".encode(), f"c{module}\n{name}\n".encode())
+    path = tmp_path / "ds.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("ds/data.pkl", payload)
+    loaded = torchzip.load(path)
+    assert loaded["stage"] == 3 and isinstance(loaded["stage"], ZeroStageEnum)
+    assert isinstance(loaded["scaler"], DynamicLossScaler)
+    assert loaded["addr"] == fragment_address(5, 7)
+
+
+def test_legacy_format_is_refused_clearly(tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"a": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match="legacy .non-zip. torch serialization"):
+        torchzip.load(path)
+
+
+def test_empty_truncated_and_garbage_files(tmp_path):
+    good = tmp_path / "good.pt"
+    torch.save({"a": torch.arange(1000, dtype=torch.float32)}, good)
+    data = good.read_bytes()
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty"):
+        torchzip.load(tmp_path / "empty.pt")
+    for cut in (10, 100, len(data) // 2, len(data) - 30, len(data) - 1):
+        bad = tmp_path / f"cut{cut}.pt"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError) as err:
+            torchzip.load(bad)
+        assert str(bad) in str(err.value)
+    (tmp_path / "junk.pt").write_bytes(np.arange(100, dtype=np.uint8).tobytes())
+    with pytest.raises(CheckpointError, match="not a torch.save"):
+        torchzip.load(tmp_path / "junk.pt")

@@ -1,0 +1,114 @@
+"""validate: complete fixtures pass; each kind of damage is caught, named, and exits 1."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import reshard
+from conftest import FIXTURE_NAMES, copy_fixture, fixture_dir, run_cli, tag_dir
+
+
+def test_every_fixture_is_complete(fixture_name):
+    report = reshard.validate(reshard.open_checkpoint(fixture_dir(fixture_name)), deep=True)
+    assert report.ok, report.problems
+    assert report.missing_elements == 0 and report.duplicate_elements == 0 and report.elements > 0
+
+
+def _problems(save, deep=False):
+    proc = run_cli("validate", save, *(["--deep"] if deep else []))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    *problems, summary = proc.stdout.strip().splitlines()
+    assert summary.startswith("NOT complete")
+    return problems, summary
+
+
+def test_missing_rank_file(tmp_path):
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    victim = tag_dir(save) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.unlink()
+    problems, _ = _problems(save)
+    assert any(str(victim) in p and "missing" in p for p in problems)
+
+
+def test_zero3_with_only_rank0_saved_reports_the_missing_fraction(tmp_path):
+    save = copy_fixture("z3_fp32_dp4", tmp_path)
+    for path in tag_dir(save).glob("*zero_pp_rank_[123]_*"):
+        path.unlink()
+    report = reshard.validate(reshard.open_checkpoint(save))
+    assert not report.ok
+    # rank 0 holds a quarter of every partitioned tensor; buffers live in its model-states file
+    assert 0.6 < report.missing_fraction < 0.76
+    problems, summary = _problems(save)
+    assert "elements missing" in summary and "%" in summary
+    for rank in (1, 2, 3):
+        assert any(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt: missing" in p for p in problems)
+        assert any(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt: missing" in p for p in problems)
+
+
+@pytest.mark.parametrize("keep", [0, 100, 0.5, -100])
+def test_truncated_or_empty_file(tmp_path, keep):
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    victim = tag_dir(save) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = victim.read_bytes()
+    cut = int(len(data) * keep) if isinstance(keep, float) else (keep if keep >= 0 else len(data) + keep)
+    victim.write_bytes(data[:cut])
+    problems, _ = _problems(save)
+    expected = "empty" if cut == 0 else ""
+    assert any(str(victim) in p and expected in p for p in problems), problems
+
+
+def test_file_from_another_step_mixed_in(tmp_path):
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(save / "global_step2" / name, tag_dir(save) / name)
+    problems, _ = _problems(save)
+    assert any(name in p and "another save" in p for p in problems), problems
+
+
+def test_zero3_model_states_from_another_step(tmp_path):
+    save = copy_fixture("z3_fp32_dp2", tmp_path)
+    victim = tag_dir(save) / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    sd = torch.load(victim, weights_only=False)
+    sd["global_steps"] = 2
+    torch.save(sd, victim)
+    problems, _ = _problems(save)
+    assert any(str(victim) in p and "global_steps 2" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("name", ["z2_fp32_dp2", "z3_fp32_dp2"])
+def test_optimizer_partition_of_the_wrong_size(tmp_path, name):
+    save = copy_fixture(name, tmp_path)
+    victim = tag_dir(save) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    sd = torch.load(victim, weights_only=False)
+    inner = sd["optimizer_state_dict"]
+    state = inner["base_optimizer_state"]["state"][0] if "base_optimizer_state" in inner \
+        else inner["optimizer_state_dict"]["state"][0]
+    state["exp_avg"] = state["exp_avg"][:-3].clone()
+    torch.save(sd, victim)
+    problems, _ = _problems(save)
+    assert any(str(victim) in p and "exp_avg" in p and "expected" in p for p in problems), problems
+
+
+def test_deep_finds_nan(tmp_path):
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    victim = tag_dir(save) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = torch.load(victim, weights_only=False)
+    sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"][5] = float("nan")
+    torch.save(sd, victim)
+    assert run_cli("validate", save).returncode == 0          # the geometry is fine
+    problems, _ = _problems(save, deep=True)
+    assert any(str(victim) in p and "NaN/Inf" in p for p in problems), problems
+
+
+def test_json_and_usage_errors(tmp_path):
+    proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--json", check=0)
+    data = json.loads(proc.stdout)
+    assert data["ok"] and data["problems"] == [] and data["missing_fraction"] == 0
+    assert run_cli("validate").returncode == 2
+    assert run_cli("validate", "--bogus", fixture_dir("z2_fp32_dp2")).returncode == 2
+    proc = run_cli("validate", tmp_path / "nowhere", check=1)
+    assert "nowhere" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--tag", "global_step9", check=1)
+    assert "global_step9" in proc.stderr
+    proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--tag", "global_step2", check=0)
