@@ -13,3 +13,7 @@ class CheckpointError(ReshardError):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file asks to run code (a global outside the allow-list). Always fatal, never skipped."""

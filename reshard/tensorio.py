@@ -29,7 +29,10 @@ class MappedFiles:
 
     def close(self) -> None:
         for m in self._maps.values():
-            m.close()
+            try:
+                m.close()
+            except BufferError:
+                pass   # a numpy view still uses it; the map goes when the last view does
         self._maps.clear()
 
     def _map(self, path: str) -> mmap.mmap:

@@ -23,7 +23,12 @@ def test_every_truth_tensor_is_rebuilt_bit_exactly(fixture_name):
     assert truth, "empty truth"
     for key, expected in truth.items():
         state, name = key.split("/", 1)
-        got = reshard.full_tensor(catalog, name, state)
+        if state == MODULE and meta["zero_stage"] == 3 and name in meta["trainable"] + list(meta["tied"]):
+            # ZeRO-3 saves no 16-bit copy of trainable params: it is the master copy cast down
+            assert (name, MODULE) not in catalog.tensors
+            got = reshard.full_tensor(catalog, name, MASTER).to(expected.dtype)
+        else:
+            got = reshard.full_tensor(catalog, name, state)
         assert got.dtype == expected.dtype and got.shape == expected.shape, key
         assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got, expected), key
     # and nothing the engine did not have: every catalog tensor is in the truth

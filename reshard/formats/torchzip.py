@@ -18,7 +18,7 @@ import struct
 import zipfile
 from dataclasses import dataclass, field
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, UnsafeCheckpointError
 from reshard.formats import standins
 from reshard.dtypes import STORAGE_DTYPES, itemsize
 
@@ -113,8 +113,18 @@ def _codecs_encode(text, encoding="latin1"):
     return text.encode("latin1")
 
 
+class Size(tuple):
+    """What `torch.Size` unpickles to: a tuple that, like torch.Size, knows its element count."""
+
+    def numel(self) -> int:
+        n = 1
+        for s in self:
+            n *= s
+        return n
+
+
 def _size(dims=()):
-    return tuple(dims)
+    return Size(dims)
 
 
 ALLOWED = {
@@ -150,7 +160,7 @@ class _SafeUnpickler(pickle.Unpickler):
         try:
             return ALLOWED[(module, name)]
         except KeyError:
-            raise CheckpointError(self._path, f"refusing to unpickle global {module}.{name} "
+            raise UnsafeCheckpointError(self._path, f"refusing to unpickle global {module}.{name} "
                                   "(not on reshard's allow-list; nothing was executed)") from None
 
     def persistent_load(self, pid):

@@ -12,7 +12,7 @@ import os
 
 from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
 from reshard.dtypes import is_floating
-from reshard.errors import CheckpointError, ReshardError
+from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import zero12, zero3
@@ -123,6 +123,8 @@ def _load_rank_file(catalog, tag_dir, name, role, rank, required_key):
         return None
     try:
         sd = _load_or_raise(path)
+    except UnsafeCheckpointError:
+        raise
     except CheckpointError as e:
         catalog.problems.append(str(e))
         return None

@@ -1,0 +1,177 @@
+"""Writing files that `torch.load` reads, without torch and without holding tensor bytes.
+
+A file is described as an object tree whose tensors are `NewTensor` slots. `pickle_tree` turns
+the tree into `data.pkl` bytes (protocol 2, as torch.save writes): slots become torch's
+`_rebuild_tensor_v2` over a persistent storage id, the DeepSpeed stand-ins are written under
+DeepSpeed's own global names, so DeepSpeed loads them as its own classes. `TorchZipWriter` then
+lays out the zip archive with 64-byte-aligned storage members that the caller streams in.
+"""
+from __future__ import annotations
+
+import collections
+import copyreg
+import enum
+import hashlib
+import io
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass, field
+
+from reshard.dtypes import STORAGE_DTYPES, itemsize
+from reshard.formats import standins
+from reshard.formats.torchzip import DType, Size
+
+STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
+_FIXED_TIME = (1980, 1, 1, 0, 0, 0)   # reproducible archives
+
+
+@dataclass
+class NewTensor:
+    """A tensor to be written: its storage `key` inside the file, element type and shape."""
+    key: str
+    dtype: str
+    shape: tuple
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class _Global:
+    """A global spelled by name; the pickler writes it without importing anything."""
+    module: str
+    name: str
+
+    def __call__(self, *args):  # pickle insists a reduce function be callable; this one never runs
+        raise TypeError(f"{self.module}.{self.name} is only a name to pickle")
+
+
+_REBUILD = _Global("torch._utils", "_rebuild_tensor_v2")
+_SIZE = _Global("torch", "Size")
+
+
+@dataclass(frozen=True)
+class _StorageId:
+    key: str
+    dtype: str
+    numel: int
+
+
+class _TreePickler(pickle._Pickler):
+    """Pure-Python pickler (metadata is small) whose globals are written by name, never imported."""
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def persistent_id(self, obj):
+        if isinstance(obj, _StorageId):
+            return ("storage", _Global("torch", STORAGE_CLASS[obj.dtype]), obj.key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj):
+        if isinstance(obj, NewTensor):
+            stride, step = [], 1
+            for s in reversed(obj.shape):
+                stride.append(step)
+                step *= s
+            args = (_StorageId(obj.key, obj.dtype, obj.numel), 0, Size(obj.shape), tuple(reversed(stride)),
+                    False, collections.OrderedDict())
+            return (_REBUILD, args)
+        if isinstance(obj, Size):
+            return (_SIZE, (tuple(obj),))
+        if isinstance(obj, DType):
+            return obj.name                      # -> save_global(obj, name)
+        if isinstance(obj, enum.Enum) and type(obj) in standins.GLOBAL_NAMES:
+            return (type(obj), (int(obj.value),))
+        if type(obj) in standins.GLOBAL_NAMES:
+            return (copyreg.__newobj__, (type(obj),), dict(vars(obj)))
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        if isinstance(obj, DType):
+            glob = _Global("torch", obj.name)
+        elif isinstance(obj, type) and obj in standins.GLOBAL_NAMES:
+            glob = _Global(*standins.GLOBAL_NAMES[obj])
+        else:
+            return super().save_global(obj, name)
+        self._write_global(glob)
+        self.memoize(obj)
+
+    def _write_global(self, glob):
+        self.write(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode("utf-8"))
+
+    def _save_named_global(self, glob):
+        self._write_global(glob)
+        self.memoize(glob)
+
+    dispatch[_Global] = _save_named_global
+
+
+def pickle_tree(tree) -> bytes:
+    """`data.pkl` bytes for an object tree (dicts, lists, numbers, strings, NewTensor, stand-ins)."""
+    buf = io.BytesIO()
+    _TreePickler(buf, protocol=2).dump(tree)
+    return buf.getvalue()
+
+
+class TorchZipWriter:
+    """A torch.save zip archive written front to back: data.pkl, then each storage streamed in.
+
+    Storage members are stored (uncompressed) with their data 64-byte aligned, as torch.save does,
+    so `torch.load(mmap=True)` maps them in place. Use as a context manager; call `storage(key)`
+    for each storage in the order given and write exactly its byte count into the returned stream.
+    """
+
+    def __init__(self, path: str, archive: str, data_pkl: bytes, storages: list):
+        self.path = path
+        self.archive = archive
+        self.data_pkl = data_pkl
+        self.storages = list(storages)           # [(key, nbytes)] in write order
+        self._zip = None
+        self._file = None
+
+    def __enter__(self):
+        self._file = open(self.path, "wb")
+        self._zip = zipfile.ZipFile(self._file, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self._put("data.pkl", self.data_pkl)
+        self._put(".format_version", b"1")
+        self._put(".storage_alignment", str(ALIGNMENT).encode())
+        self._put("byteorder", b"little")
+        return self
+
+    def storage(self, key: str, nbytes: int):
+        """A write stream for storage `key` (exactly `nbytes` must be written, then closed)."""
+        return self._zip.open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=nbytes >= 0xFFFFFFFF)
+
+    def __exit__(self, exc_type, *exc):
+        try:
+            if exc_type is None:
+                self._put("version", b"3\n")
+                digest = hashlib.sha1(self.data_pkl).hexdigest()
+                self._put(".data/serialization_id", digest.encode())
+            self._zip.close()
+        finally:
+            self._file.close()
+
+    def _put(self, name: str, data: bytes) -> None:
+        with self._zip.open(self._aligned_info(name, len(data)), "w") as f:
+            f.write(data)
+
+    def _aligned_info(self, name: str, nbytes: int) -> zipfile.ZipInfo:
+        info = zipfile.ZipInfo(f"{self.archive}/{name}", date_time=_FIXED_TIME)
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = nbytes
+        zip64_extra = 20 if nbytes >= 0xFFFFFFFF else 0
+        header_end = self._file.tell() + 30 + len(info.filename.encode()) + zip64_extra
+        pad = (-(header_end + 4)) % ALIGNMENT
+        info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad   # the padding field torch uses ("FB")
+        return info
