@@ -29,6 +29,13 @@ class Fragment:
         return self.stop - self.start
 
 
+@dataclass(frozen=True)
+class ScalarTensor:
+    """A one-element tensor of the optimizer state (a `step` counter): value and dtype, no storage."""
+    value: float
+    dtype: str
+
+
 @dataclass
 class LogicalTensor:
     name: str
@@ -73,8 +80,9 @@ class Catalog:
     tensors: dict = field(default_factory=dict)        # (name, state) -> LogicalTensor
     params: dict = field(default_factory=dict)         # name -> ParamInfo, model order
     aliases: dict = field(default_factory=dict)        # tied name -> the name holding the data
-    param_groups: list = field(default_factory=list)   # [{hyper-params..., "params": [names]}]
-    group_scalars: list = field(default_factory=list)  # per group: {"step": 3, ...} optimizer scalars
+    order: list = field(default_factory=list)          # the model's state_dict keys, in order (aliases too)
+    param_groups: list = field(default_factory=list)   # [{hyper-params..., "params": [names, optimizer order]}]
+    group_scalars: list = field(default_factory=list)  # per group: {"step": ScalarTensor | value}
     state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each

@@ -5,7 +5,7 @@ import enum
 import os
 from dataclasses import asdict, is_dataclass
 
-from reshard.catalog import MASTER, MODULE, Catalog
+from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.formats.torchzip import DType, TensorRef
 
 
@@ -62,6 +62,8 @@ def jsonable(value):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [jsonable(v) for v in value]
+    if isinstance(value, ScalarTensor):
+        return value.value
     if isinstance(value, TensorRef):
         return f"<tensor {value.dtype} {list(value.shape)}>"
     if isinstance(value, DType):

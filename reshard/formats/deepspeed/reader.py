@@ -59,6 +59,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
 
     stage = _zero_stage(first_optim)
     catalog.layout.zero = stage
+    catalog.layout.options = _options(model0, first_optim, bf16_prefix, stage)
     if stage == 3:
         models = _load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0)
     else:
@@ -72,7 +73,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
         zero12.read_partitions(catalog, model0, optim)
     _check_steps_agree(catalog, models)
     _fill_state(catalog, model0, first_optim)
-    _fill_layout(catalog, model0, first_optim, bf16_prefix)
+    _fill_layout(catalog, model0)
     return catalog
 
 
@@ -171,6 +172,7 @@ def _read_model(catalog, model0, models, stage):
     module = model0.get("module") or {}
     buffer_names = list(model0.get("buffer_names") or [])
     catalog.aliases = dict(model0.get("shared_params") or {})
+    catalog.order = list(module)
     param_shapes = model0.get("param_shapes") or []
     trainable = {}
     for g, group in enumerate(param_shapes):
@@ -234,10 +236,25 @@ def _fill_state(catalog, model0, optim0):
             catalog.state[key] = optim0[key]
 
 
-def _fill_layout(catalog, model0, optim0, bf16_prefix):
+def _options(model0, optim0, bf16_prefix, stage) -> dict:
+    """How DeepSpeed cut this checkpoint's partitions, where it has variants."""
+    zero_cfg = (model0.get("ds_config") or {}).get("zero_optimization") or {}
+    options = {}
+    if bf16_prefix and "zero_stage" not in optim0:
+        options["bf16_optimizer"] = True
+    if isinstance(optim0.get("base_optimizer_state"), list):
+        options["elastic"] = True
+    for key in ("round_robin_gradients", "parameter_alignment"):
+        if zero_cfg.get(key):
+            options[key] = True
+    if stage == 3:
+        options["sub_group_size"] = int(zero_cfg.get("sub_group_size", 1_000_000_000))
+    return options
+
+
+def _fill_layout(catalog, model0):
     layout = catalog.layout
     config = model0.get("ds_config") or {}
-    zero_cfg = config.get("zero_optimization") or {}
     trainable_dtypes = {catalog.tensors[(n, MODULE)].dtype for n, p in catalog.params.items()
                         if p.kind != "buffer" and (n, MODULE) in catalog.tensors}
     floating = sorted(d for d in trainable_dtypes if is_floating(d))
@@ -247,19 +264,8 @@ def _fill_layout(catalog, model0, optim0, bf16_prefix):
     params = [p for p in catalog.params.values() if p.kind != "buffer"]
     layout.params = len(params)
     layout.elements = sum(_numel(p.shape) for p in params)
-    steps = {s.get("step") for s in catalog.group_scalars if s.get("step") is not None}
+    steps = {getattr(s["step"], "value", s["step"]) for s in catalog.group_scalars if s.get("step") is not None}
     layout.step = int(max(steps)) if steps else None
-    options = {}
-    if bf16_prefix and "zero_stage" not in optim0:
-        options["bf16_optimizer"] = True
-    if isinstance(optim0.get("base_optimizer_state"), list):
-        options["elastic"] = True
-    for key in ("round_robin_gradients", "parameter_alignment"):
-        if zero_cfg.get(key):
-            options[key] = True
-    if layout.zero == 3:
-        options["sub_group_size"] = int(zero_cfg.get("sub_group_size", 1_000_000_000))
-    layout.options = options
 
 
 def _config_dtype(config) -> str | None:

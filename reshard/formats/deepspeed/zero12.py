@@ -9,7 +9,7 @@ A param's elements in rank r's file are the overlap of the param's range with th
 """
 from __future__ import annotations
 
-from reshard.catalog import MASTER, Fragment, LogicalTensor
+from reshard.catalog import MASTER, Fragment, LogicalTensor, ScalarTensor
 from reshard.formats.torchzip import TensorRef
 from reshard.geometry import intersect
 from reshard.tensorio import read_scalar
@@ -31,7 +31,8 @@ def read_partitions(catalog, model0, optim) -> None:
         ranges, end = _param_ranges(shapes, alignment[g] if alignment else None)
         padded = _padded_length(end, dp)
         part = padded // dp
-        catalog.param_groups.append(_hyper_params(first, g, elastic, list(shapes)))
+        order = _optimizer_order(present, g, list(shapes), catalog.layout)
+        catalog.param_groups.append(_hyper_params(first, g, elastic, order))
         catalog.group_scalars.append({})
         for rank, (path, sd) in sorted(present.items()):
             _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_optimizer, elastic)
@@ -52,6 +53,24 @@ def _param_ranges(shapes, alignment):
 def _padded_length(n: int, dp: int) -> int:
     align = 2 * dp          # DeepSpeed's nccl_start_alignment_factor (2) times dp
     return -(-n // align) * align
+
+
+def _optimizer_order(present, g, flat_order, layout):
+    """The group's params in the optimizer's order.
+
+    It is the flat order unless round_robin_gradients permuted the flat buffer; then
+    param_slice_mappings, built in the original order, give it back: each rank lists the params
+    of a contiguous run of that order, so the ranks' lists chained together and deduplicated are
+    the whole order.
+    """
+    if not layout.options.get("round_robin_gradients"):
+        return flat_order
+    order = []
+    for rank, (path, sd) in sorted(present.items()):
+        mappings = sd.get("param_slice_mappings") or []
+        if g < len(mappings):
+            order.extend(name for name in mappings[g] if name not in order)
+    return order if sorted(order) == sorted(flat_order) else flat_order
 
 
 def _group_state(sd, g, elastic) -> dict:
@@ -108,10 +127,14 @@ def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_opt
 def _record_scalar(catalog, path, g, key, value, rank):
     """Per-group scalars such as `step`; every rank must agree with the first one read."""
     if isinstance(value, TensorRef):
-        value = read_scalar(value)
+        value = ScalarTensor(read_scalar(value), value.dtype)
     scalars = catalog.group_scalars[g]
     if key not in scalars:
         scalars[key] = value
     elif scalars[key] != value:
-        catalog.problem(path, f"group {g}: optimizer {key} is {value} but another rank has {scalars[key]} "
+        catalog.problem(path, f"group {g}: optimizer {key} is {_plain(value)} but another rank has {_plain(scalars[key])} "
                         "(a file from another save?)")
+
+
+def _plain(value):
+    return value.value if isinstance(value, ScalarTensor) else value

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from reshard.catalog import MASTER, MODULE, Fragment, LogicalTensor
+from reshard.catalog import MASTER, MODULE, Fragment, LogicalTensor, ScalarTensor
 from reshard.formats.deepspeed import files as names
 from reshard.formats.torchzip import TensorRef
 from reshard.geometry import ceil_div, intersect
@@ -106,13 +106,14 @@ def _assign_groups(catalog, sd, parts) -> dict:
 
 def _record_scalar(catalog, path, g, key, value):
     if isinstance(value, TensorRef):
-        value = read_scalar(value)
+        value = ScalarTensor(read_scalar(value), value.dtype)
     scalars = catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}
     if key not in scalars:
         scalars[key] = value
     elif scalars[key] != value:
-        catalog.problem(path, f"param group {g}: optimizer {key} is {value} but another rank or sub-group has "
-                        f"{scalars[key]} (a file from another save?)")
+        plain = [v.value if isinstance(v, ScalarTensor) else v for v in (value, scalars[key])]
+        catalog.problem(path, f"param group {g}: optimizer {key} is {plain[0]} but another rank or sub-group has "
+                        f"{plain[1]} (a file from another save?)")
 
 
 def read_frozen(catalog, models) -> None:
