@@ -42,7 +42,45 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deep", action="store_true", help="also read the bytes and report NaN/Inf")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_validate)
+
+    p = sub.add_parser("plan", help="what a conversion would read and write, without writing")
+    _source_args(p)
+    p.add_argument("--to", required=True, metavar="SPEC",
+                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's) or a layout file")
+    p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
+    p.add_argument("--dst", help="where the output would go (for the free-disk check)")
+    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE")
+    p.add_argument("--workers", type=int, default=1, metavar="K")
+    p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
+    p.set_defaults(run=_plan)
+
+    p = sub.add_parser("convert", help="write the checkpoint for another topology (DeepSpeed resumes from it)")
+    p.add_argument("path", metavar="SRC", help="a DeepSpeed save dir (with 'latest') or a tag folder")
+    p.add_argument("dst", metavar="DST", help="the new save dir (created; holds 'latest' and the tag folder)")
+    p.add_argument("--to", required=True, metavar="SPEC",
+                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's) or a layout file")
+    p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
+    p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    p.add_argument("--workers", type=int, default=1, metavar="K", help="local processes writing files")
+    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE",
+                   help="bound on copy buffers (default 512MiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_convert)
     return parser
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def _size_arg(text: str) -> int:
+    import re
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _source_args(p):
@@ -100,6 +138,69 @@ def _validate(args) -> int:
             print(problem)
         print(report.summary())
     return 0 if report.ok else 1
+
+
+def _make_plan(args):
+    from reshard.convert import make_plan
+    catalog = reshard.open_checkpoint(args.path, args.tag)
+    return catalog, make_plan(catalog, args.to, args.tag_out)
+
+
+def _plan(args) -> int:
+    catalog, plan = _make_plan(args)
+    _print_plan(catalog, plan, args.dst, args.memory_budget, args.workers, args.json)
+    return 0
+
+
+def _convert(args) -> int:
+    from reshard.executor import execute
+    catalog, plan = _make_plan(args)
+    if args.dry_run:
+        _print_plan(catalog, plan, args.dst, args.memory_budget, args.workers, False)
+        return 0
+    execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
+            progress=not args.quiet)
+    if not args.quiet:
+        print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
+              f"{human_bytes(plan.bytes_written)}")
+    return 0
+
+
+def _print_plan(catalog, plan, dst, memory_budget, workers, as_json):
+    import os
+    import shutil
+    from reshard.convert import batch_size_advice
+    from reshard.executor import BUFFERS_PER_WORKER, chunk_bytes
+
+    summary = plan.summary()
+    buffers = BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers) * workers
+    summary["estimated_peak_buffer_bytes"] = buffers
+    where = os.path.abspath(dst) if dst else os.getcwd()
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    summary["free_disk_bytes"] = free
+    summary["disk_ok"] = free > plan.bytes_written
+    summary["advice"] = batch_size_advice(catalog, plan.target)
+    if as_json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+        return
+    print(f"source   {plan.source}")
+    print(f"         {summary['source_topology']}")
+    print(f"target   {summary['target_topology']} (tag {plan.tag})")
+    print(f"files    {len(summary['files'])} to write:")
+    for f in summary["files"]:
+        size = human_bytes(f["bytes"]) if "bytes" in f else "copied"
+        print(f"           {f['path']:<56} {size:>10}")
+    print(f"read     {human_bytes(summary['bytes_read'])}")
+    print(f"write    {human_bytes(summary['bytes_written'])}")
+    print(f"memory   copy buffers at most {human_bytes(buffers)} (--memory-budget {human_bytes(memory_budget)}, "
+          f"{workers} worker(s))")
+    verdict = "enough" if summary["disk_ok"] else "NOT ENOUGH"
+    print(f"disk     {human_bytes(free)} free at {where}: {verdict}")
+    if summary["advice"]:
+        print(f"advice   {summary['advice']}")
 
 
 if __name__ == "__main__":

@@ -14,3 +14,11 @@ def read(path: str, tag: str | None = None):
     if os.path.isdir(path) and (files.is_deepspeed_dir(path) or tag is not None):
         return reader.read(path, tag)
     raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders)")
+
+
+def writer(format_name: str):
+    """The module that lays out target files for a format: `target_files(catalog, layout, tag, save_dir)`."""
+    if format_name == "deepspeed":
+        from reshard.formats.deepspeed import writer as deepspeed_writer
+        return deepspeed_writer
+    raise ReshardError(f"no writer for format {format_name!r}")

@@ -1,0 +1,59 @@
+"""convert: source checkpoint + target spec -> Plan -> files. The steps in order, nothing more."""
+from __future__ import annotations
+
+import os
+
+from reshard.catalog import Catalog
+from reshard.errors import ReshardError
+from reshard.layout import Layout
+from reshard.planner import Plan, plan
+
+
+def target_layout(catalog: Catalog, to: str) -> Layout:
+    """`to` is a spec ("dp=4,zero=3"; unnamed degrees keep the source's) or a layout descriptor file."""
+    source = catalog.layout
+    if os.path.isfile(to):
+        target = Layout.load(to)
+        for key in ("dtype", "master_dtype"):
+            if getattr(target, key) != getattr(source, key):
+                raise ReshardError(f"{to}: {key} {getattr(target, key)} differs from the source's "
+                                   f"{getattr(source, key)}; convert keeps the training precision")
+        target.states, target.options, target.optimizer = source.states, source.options, source.optimizer
+        target.params, target.elements, target.step = source.params, source.elements, source.step
+        return target
+    return source.with_spec(to)
+
+
+def make_plan(catalog: Catalog, to: str, tag_out: str | None = None) -> Plan:
+    from reshard.formats import writer
+    from reshard.validate import validate
+
+    report = validate(catalog)
+    if not report.ok:
+        raise ReshardError(f"{catalog.root}: the source checkpoint is not complete ({len(report.problems)} "
+                           f"problem(s), first: {report.problems[0]}); run `reshard validate`")
+    target = target_layout(catalog, to)
+    tag = tag_out or catalog.state.get("tag") or "converted"
+    save_dir = os.path.dirname(catalog.root)
+    targets = writer(catalog.format).target_files(catalog, target, tag, save_dir)
+    return plan(catalog, target, targets, tag)
+
+
+def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
+    """What happens to the global batch size when dp changes, and how to keep it."""
+    config = catalog.state.get("ds_config") or {}
+    micro = config.get("train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps", 1)
+    source_dp = catalog.layout.dp
+    if not micro or source_dp == target.dp:
+        return None
+    before = config.get("train_batch_size", micro * gas * source_dp)
+    after = micro * gas * target.dp
+    if before == after:
+        return None
+    advice = f"train_batch_size {before} -> {after} unless the config changes"
+    if before % (micro * target.dp) == 0:
+        advice += f": set gradient_accumulation_steps {gas} -> {before // (micro * target.dp)}"
+    elif before % (gas * target.dp) == 0:
+        advice += f": set train_micro_batch_size_per_gpu {micro} -> {before // (gas * target.dp)}"
+    return advice

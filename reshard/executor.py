@@ -1,0 +1,200 @@
+"""Plan -> files on disk. The only place that writes tensor bytes.
+
+Each target file is written front to back: its pickle, then every storage filled op by op from
+source byte ranges (pread into a bounded buffer, cast if the dtypes differ) or constants. Output
+goes to a temporary sibling of the destination, is fsynced, and is renamed into place only when
+everything is complete; on any failure the temporary directory is removed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+from reshard.dtypes import itemsize, numpy_carrier
+from reshard.errors import ReshardError
+from reshard.formats.torchsave import TorchZipWriter
+from reshard.planner import Copy, FilePlan, Plan
+
+DEFAULT_MEMORY_BUDGET = 512 * 2**20
+BUFFERS_PER_WORKER = 3          # read buffer, cast result, fill constant
+DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
+
+
+def chunk_bytes(memory_budget: int, workers: int) -> int:
+    return max(1 << 16, min(64 << 20, memory_budget // (BUFFERS_PER_WORKER * max(1, workers))))
+
+
+def check_destination(source_root: str, dst: str, overwrite: bool) -> None:
+    src = os.path.realpath(source_root)
+    real = os.path.realpath(dst)
+    save_dir = os.path.dirname(src)
+    for protected in (src, save_dir):
+        if real == protected or real.startswith(protected + os.sep) or protected.startswith(real + os.sep):
+            raise ReshardError(f"{dst}: the destination overlaps the source checkpoint {protected}")
+    if os.path.exists(dst):
+        if not os.path.isdir(dst):
+            raise ReshardError(f"{dst}: exists and is not a directory")
+        if os.listdir(dst) and not overwrite:
+            raise ReshardError(f"{dst}: exists and is not empty (use --overwrite to replace it)")
+
+
+def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
+            workers: int = 1, progress: bool = True) -> None:
+    check_destination(plan.source, dst, overwrite)
+    dst = os.path.abspath(dst)
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(dst)}.reshard-tmp-{os.getpid()}")
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    try:
+        os.makedirs(tmp)
+        _write_all(plan, tmp, chunk_bytes(memory_budget, workers), workers, progress)
+        _commit(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_all(plan: Plan, root: str, chunk: int, workers: int, progress: bool) -> None:
+    for directory in sorted({os.path.dirname(f.path) for f in plan.files} | {os.path.dirname(t.path) for t in plan.texts}):
+        os.makedirs(os.path.join(root, directory), exist_ok=True)
+    bar = _progress(plan.bytes_written, progress)
+    try:
+        if workers > 1 and len(plan.files) > 1:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                jobs = [pool.submit(write_file, f, root, chunk) for f in _balanced(plan.files)]
+                for job in jobs:
+                    bar.update(job.result())
+        else:
+            for f in plan.files:
+                write_file(f, root, chunk, bar.update)
+    finally:
+        bar.close()
+    for copied in plan.copied:
+        shutil.copyfile(copied.source, os.path.join(root, copied.path))
+        _fsync(os.path.join(root, copied.path))
+    for text in plan.texts:     # `latest` last: it names the tag only once the tag is whole
+        path = os.path.join(root, text.path)
+        with open(path, "w") as fh:
+            fh.write(text.text)
+        _fsync(path)
+
+
+def _balanced(files):
+    return sorted(files, key=lambda f: -f.nbytes)
+
+
+def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> int:
+    """Write one target file; returns its storage bytes. Runs in worker processes too."""
+    path = os.path.join(root, plan.path)
+    sources = _SourceFiles()
+    try:
+        with TorchZipWriter(path, plan.archive, plan.data_pkl, [(s.key, s.nbytes) for s in plan.storages]) as zw:
+            for storage in plan.storages:
+                with zw.storage(storage.key, storage.nbytes) as out:
+                    for op in storage.ops:
+                        for block in _blocks(op, storage.dtype, chunk, sources):
+                            out.write(block)
+                            if report:
+                                report(len(block))
+    except OSError as e:
+        raise ReshardError(f"{path}: write failed: {e.strerror or e}") from None
+    finally:
+        sources.close()
+    _fsync(path)
+    return plan.nbytes
+
+
+def _blocks(op, dtype: str, chunk: int, sources):
+    """The op's bytes in the target dtype, in blocks of at most `chunk` bytes."""
+    out_size = itemsize(dtype)
+    if isinstance(op, Copy):
+        in_size = itemsize(op.src_dtype)
+        step = max(1, chunk // max(in_size, out_size))
+        for first in range(0, op.count, step):
+            n = min(step, op.count - first)
+            raw = sources.read(op.src_file, op.src_offset + first * in_size, n * in_size)
+            yield raw if op.src_dtype == dtype else cast(raw, op.src_dtype, dtype)
+    else:
+        step = max(1, chunk // out_size)
+        block = constant(op.value, dtype, min(step, op.count))
+        for first in range(0, op.count, step):
+            n = min(step, op.count - first)
+            yield block if n == len(block) // out_size else block[: n * out_size]
+
+
+def constant(value, dtype: str, count: int) -> bytes:
+    if dtype == "bfloat16":
+        return cast(np.full(count, value, dtype="<f4").tobytes(), "float32", "bfloat16")
+    return np.full(count, value, dtype=numpy_carrier(dtype)).tobytes()
+
+
+def cast(raw: bytes, src: str, dst: str) -> bytes:
+    """Convert element type, rounding to nearest even as torch does (bfloat16 included)."""
+    values = np.frombuffer(raw, dtype=numpy_carrier(src))
+    if src == "bfloat16":
+        values = (values.astype("<u4") << 16).view("<f4")
+    if dst == "bfloat16":
+        bits = values.astype("<f4").view("<u4")
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+        rounded[np.isnan(values.astype("<f4"))] = 0x7FC0
+        return rounded.tobytes()
+    return values.astype(numpy_carrier(dst)).tobytes()
+
+
+class _SourceFiles:
+    """Open source files by path; positioned reads into fresh buffers (no mapped pages kept)."""
+
+    def __init__(self):
+        self._fds = {}
+
+    def read(self, path: str, offset: int, nbytes: int) -> bytes:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise ReshardError(f"{path}: cannot open: {e.strerror}") from None
+        data = os.pread(fd, nbytes, offset)
+        if len(data) != nbytes:
+            raise ReshardError(f"{path}: truncated: needed bytes [{offset}, {offset + nbytes})")
+        if nbytes >= DROP_CACHE_BYTES:     # read once: let the kernel drop these pages
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        return data
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: str, dst: str) -> None:
+    for folder, _, files in os.walk(tmp):
+        _fsync(folder)
+    if os.path.exists(dst):
+        trash = f"{tmp}.old"
+        os.rename(dst, trash)
+        os.rename(tmp, dst)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp, dst)
+    _fsync(os.path.dirname(dst))
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing",
+                disable=not enabled or not sys.stderr.isatty() and enabled == "auto", file=sys.stderr)

@@ -1,0 +1,368 @@
+"""Catalog x target Layout -> the files DeepSpeed itself writes for that dp and ZeRO stage.
+
+The partition arithmetic mirrors DeepSpeed 0.19 (see zero12.py and zero3.py for the reading side):
+ZeRO-1/2 flatten each param group (round-robin order if configured, optional per-param
+alignment), pad the end to 2*dp and cut it into dp equal partitions; ZeRO-3 cuts every param into
+ceil(n/dp) parts and groups a rank's parts into sub-groups of `sub_group_size` elements.
+Everything here is arithmetic on names and counts; the bytes are described as Pieces.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections import OrderedDict
+
+from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.dtypes import itemsize
+from reshard.errors import ReshardError
+from reshard.formats import standins
+from reshard.formats.deepspeed import files as names
+from reshard.formats.torchzip import Size
+from reshard.geometry import ceil_div, intersect
+from reshard.layout import Layout
+from reshard.targets import CopiedFile, Piece, TensorFile, TextFile
+
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    if target.tp != 1 or target.pp != 1:
+        raise ReshardError(f"target {target.topology()}: tensor/pipeline parallel targets are not supported yet "
+                           "(only dp and zero may change)")
+    if target.zero not in (1, 2, 3):
+        raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written")
+    ctx = _Context(catalog, target)
+    out = []
+    if target.zero == 3:
+        sub_groups = _zero3_sub_groups(ctx)
+        for rank in range(target.dp):
+            out.append(_zero3_model_states(ctx, rank, sub_groups, tag))
+            out.append(_zero3_optim_states(ctx, rank, sub_groups, tag))
+    else:
+        groups = [_FlatGroup(ctx, g) for g in range(len(catalog.param_groups))]
+        out.append(_zero12_model_states(ctx, groups, tag))
+        for rank in range(target.dp):
+            out.append(_zero12_optim_states(ctx, rank, groups, tag))
+    out.append(TextFile(names.LATEST, tag + "\n"))
+    if source_save_dir:
+        for script in SCRIPTS:
+            path = os.path.join(source_save_dir, script)
+            if os.path.isfile(path):
+                out.append(CopiedFile(script, path))
+    return out
+
+
+class _Context:
+    """What every file of the target needs: source catalog, target layout, precision choices."""
+
+    def __init__(self, catalog: Catalog, target: Layout):
+        self.catalog = catalog
+        self.target = target
+        self.dp = target.dp
+        self.lp_dtype = target.dtype
+        source_config = catalog.state.get("ds_config") or {}
+        self.config = copy.deepcopy(source_config)
+        if self.config:
+            self.config.setdefault("zero_optimization", {})["stage"] = target.zero
+        zero_cfg = self.config.get("zero_optimization") or {}
+        options = target.options
+        self.bf16_prefix = self.lp_dtype == "bfloat16"
+        grad_accum = ((self.config.get("data_types") or {}).get("grad_accum_dtype") or "").lower()
+        self.bf16_optimizer = (target.zero == 1 and self.lp_dtype == "bfloat16"
+                               and (grad_accum in ("fp32", "float32", "float") or
+                                    (options.get("bf16_optimizer") and not grad_accum)))
+        self.elastic = bool(options.get("elastic")) and target.zero in (1, 2) and not self.bf16_optimizer
+        self.round_robin = bool(zero_cfg.get("round_robin_gradients", options.get("round_robin_gradients")))
+        self.param_alignment = bool(zero_cfg.get("parameter_alignment", options.get("parameter_alignment")))
+        self.sub_group_size = int(zero_cfg.get("sub_group_size", options.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+        self.states = list(target.states)
+        self.ds_version = catalog.state.get("ds_version", "0.0.0")
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.catalog.params[name].shape)
+
+    def shape(self, name: str) -> Size:
+        return Size(self.catalog.params[name].shape)
+
+    def weight_source(self, name: str) -> tuple:
+        """The 16-bit module copy: saved one if any, else the master copy (cast on the way)."""
+        return (name, MODULE) if (name, MODULE) in self.catalog.tensors else (name, MASTER)
+
+    def trainable(self):
+        return [p for p in self.catalog.params.values() if p.kind == "trainable"]
+
+    def frozen(self):
+        return [p for p in self.catalog.params.values() if p.kind == "frozen"]
+
+    def scalars(self, g: int) -> dict:
+        return self.catalog.group_scalars[g] if g < len(self.catalog.group_scalars) else {}
+
+    def hyper_params(self, g: int) -> dict:
+        return {k: v for k, v in self.catalog.param_groups[g].items() if k != "params"}
+
+    def loss_scaler_state(self) -> dict:
+        """The ZeRO optimizer's global scalars, carried over (fresh defaults after a BF16_Optimizer)."""
+        state = self.catalog.state
+        scaler = state.get("loss_scaler")
+        if scaler is None:
+            scaler = standins.LossScaler()
+            scaler.__dict__.update(cur_scale=1.0, dynamic=False)
+        return {"loss_scaler": scaler, "dynamic_loss_scale": state.get("dynamic_loss_scale", False),
+                "overflow": state.get("overflow", False), "clip_grad": state.get("clip_grad", 0.0)}
+
+    def model_states_tail(self) -> dict:
+        """Training state of a model-states file, after the parameter bookkeeping keys."""
+        state = self.catalog.state
+        tail = {key: state.get(key) for key in ("lr_scheduler", "data_sampler", "random_ltd")}
+        tail.update(skipped_steps=state.get("skipped_steps", 0), global_steps=state.get("global_steps", 0),
+                    global_samples=state.get("global_samples", 0), dp_world_size=self.dp, mp_world_size=1,
+                    checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1},
+                    ds_config=self.config, ds_version=self.ds_version)
+        tail.update(state.get("client_state") or {})
+        return tail
+
+
+def _scalar_slot(file: TensorFile, value) -> object:
+    if isinstance(value, ScalarTensor):
+        return file.slot(value.dtype, (), [Piece(1, value=value.value)])
+    return value
+
+
+def _state_dict_entry(ctx, file, g, lengths_by_state) -> dict:
+    """One optimizer state entry: scalars (step) first, then per-element states as slots."""
+    entry = {key: _scalar_slot(file, value) for key, value in ctx.scalars(g).items()}
+    for state, (length, pieces) in lengths_by_state.items():
+        entry[state] = file.slot("float32", (length,), pieces)
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1/2
+
+
+class _FlatGroup:
+    """One param group flattened as DeepSpeed does for the target dp."""
+
+    def __init__(self, ctx: _Context, g: int):
+        self.g = g
+        self.original = list(ctx.catalog.param_groups[g]["params"])
+        self.flat = _round_robin(self.original, ctx.dp) if ctx.round_robin else list(self.original)
+        align = 16 // math.gcd(16, itemsize(ctx.lp_dtype)) if ctx.param_alignment else 1
+        self.offsets, self.paddings, offset = {}, [], 0
+        for i, name in enumerate(self.flat):
+            self.offsets[name] = offset
+            offset += ctx.numel(name)
+            pad = 0 if i == len(self.flat) - 1 else (-offset) % align
+            self.paddings.append(pad)
+            offset += pad
+        self.end = offset
+        self.padded = ceil_div(offset, 2 * ctx.dp) * 2 * ctx.dp
+        self.part = self.padded // ctx.dp
+        self.ctx = ctx
+
+    def tail_padding(self, rank: int) -> int:
+        lo = rank * self.part
+        return max(0, min(lo + self.part, self.padded) - max(lo, self.end))
+
+    def pieces(self, state: str, lo: int, hi: int) -> list:
+        """Elements [lo, hi) of the flat group for `state`, as pieces (zeros in the gaps)."""
+        out, cursor = [], lo
+        for name in self.flat:
+            start = self.offsets[name]
+            overlap = intersect(start, start + self.ctx.numel(name), lo, hi)
+            if overlap is None:
+                continue
+            a, b = overlap
+            if a > cursor:
+                out.append(Piece.zeros(a - cursor))
+            out.append(Piece(b - a, (name, state), a - start))
+            cursor = b
+        if hi > cursor:
+            out.append(Piece.zeros(hi - cursor))
+        return out
+
+    def slice_mappings(self, rank: int) -> OrderedDict:
+        """param_slice_mappings exactly as DeepSpeed writes them.
+
+        DeepSpeed computes them in the original param order, with offsets of the flat buffer only
+        when per-param alignment padding exists, else by summing sizes in the original order; under
+        round_robin_gradients that is not where the params are (its defect B1). Nothing loads them,
+        but readers take the original order from them, so we write the same.
+        """
+        lo, hi = rank * self.part, (rank + 1) * self.part
+        offsets, running = {}, 0
+        for name in self.original:
+            offsets[name] = self.offsets[name] if any(self.paddings) else running
+            running += self.ctx.numel(name)
+        mappings = OrderedDict()
+        for name in self.original:
+            start = offsets[name]
+            overlap = intersect(start, start + self.ctx.numel(name), lo, hi)
+            if overlap:
+                mappings[name] = standins.fragment_address(numel=overlap[1] - overlap[0], start=overlap[0] - lo)
+        return mappings
+
+
+def _round_robin(names_in_order, dp):
+    """DeepSpeed's _round_robin_reorder: param i goes to bucket i % dp, buckets concatenated."""
+    buckets = OrderedDict()
+    for i, name in enumerate(names_in_order):
+        buckets.setdefault(i % dp, []).append(name)
+    return [name for bucket in buckets.values() for name in bucket]
+
+
+def _zero12_model_states(ctx: _Context, groups, tag) -> TensorFile:
+    name = names.model_states_name(0)
+    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    catalog = ctx.catalog
+    module, slots = OrderedDict(), {}
+    for key in catalog.order:
+        source = catalog.aliases.get(key, key)
+        if source not in slots:
+            p = catalog.params[source]
+            dtype = catalog.tensors[(source, MODULE)].dtype if p.kind == "buffer" else ctx.lp_dtype
+            src = (source, MODULE) if p.kind != "trainable" else ctx.weight_source(source)
+            slots[source] = file.slot(dtype, p.shape, [Piece(ctx.numel(source), src, 0)])
+        module[key] = slots[source]
+    stage2 = ctx.target.zero == 2
+    frozen = ctx.frozen()
+    tree = {
+        "module": module,
+        "buffer_names": [p.name for p in catalog.params.values() if p.kind == "buffer"],
+        "optimizer": None,
+        "param_shapes": [OrderedDict((n, ctx.shape(n)) for n in group.flat) for group in groups],
+        "frozen_param_shapes": OrderedDict((p.name, ctx.shape(p.name)) for p in frozen) if stage2 else None,
+        "shared_params": dict(catalog.aliases),
+        "frozen_param_fragments": OrderedDict((p.name, slots[p.name]) for p in frozen) if stage2 else None,
+        **ctx.model_states_tail(),
+    }
+    file.tree = tree
+    return file
+
+
+def _zero12_optim_states(ctx: _Context, rank, groups, tag) -> TensorFile:
+    name = names.optim_states_name(rank, 0, ctx.bf16_prefix)
+    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    fp32_parts, paddings, states, lean_states, param_groups, mappings = [], [], {}, [], [], []
+    for group in groups:
+        lo = rank * group.part
+        pad = group.tail_padding(rank)
+        lean = group.part - pad
+        fp32_len = group.part if ctx.bf16_optimizer else lean
+        fp32_parts.append(file.slot("float32", (fp32_len,), group.pieces(MASTER, lo, lo + fp32_len)))
+        state_len = lean if ctx.elastic else group.part
+        entry = _state_dict_entry(ctx, file, group.g, {
+            s: (state_len, group.pieces(s, lo, lo + state_len)) for s in ctx.states})
+        if ctx.elastic:
+            lean_states.append(entry)
+        else:
+            states[group.g] = entry
+        param_groups.append({**ctx.hyper_params(group.g), "params": [group.g]})
+        paddings.append(pad)
+        mappings.append(group.slice_mappings(rank))
+    base = lean_states if ctx.elastic else {"state": states, "param_groups": param_groups}
+    count = [ctx.dp] * len(groups)
+    if ctx.bf16_optimizer:
+        inner = {"clip_grad": ctx.loss_scaler_state()["clip_grad"], "base_optimizer_state": base,
+                 "single_partition_of_fp32_groups": fp32_parts, "group_paddings": paddings,
+                 "partition_count": count, "ds_version": ctx.ds_version, "param_slice_mappings": mappings}
+    else:
+        inner = {**ctx.loss_scaler_state(), "base_optimizer_state": base,
+                 "single_partition_of_fp32_groups": fp32_parts,
+                 "zero_stage": standins.ZeroStageEnum(ctx.target.zero), "group_paddings": paddings,
+                 "param_alignment_paddings": [list(group.paddings) for group in groups],
+                 "partition_count": count, "ds_version": ctx.ds_version, "param_slice_mappings": mappings}
+    file.tree = {"optimizer_state_dict": inner, "ds_config": ctx.config, "ds_version": ctx.ds_version}
+    return file
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-3
+
+
+def _zero3_sub_groups(ctx: _Context) -> list:
+    """[(param group, [names])] as DeepSpeed's _create_fp16_sub_groups forms them for the target dp."""
+    out = []
+    for g, group in enumerate(ctx.catalog.param_groups):
+        params = list(group["params"])
+        parts = [ceil_div(ctx.numel(n), ctx.dp) for n in params]
+        if ctx.sub_group_size >= sum(parts):
+            out.append((g, params))
+            continue
+        current, size = [], 0
+        for name, part in zip(params, parts):
+            current.append(name)
+            size += part
+            if size >= ctx.sub_group_size or name == params[-1]:
+                out.append((g, current))
+                current, size = [], 0
+    return out
+
+
+def _zero3_part_pieces(ctx, name, state, rank) -> list:
+    """Rank's ceil(n/dp) part of one param: its real elements, then padding zeros."""
+    n = ctx.numel(name)
+    part = ceil_div(n, ctx.dp)
+    held = max(0, min(part, n - rank * part))
+    pieces = [Piece(held, (name, state), rank * part)] if held else []
+    if part > held:
+        pieces.append(Piece.zeros(part - held))
+    return pieces
+
+
+def _zero3_model_states(ctx: _Context, rank, sub_groups, tag) -> TensorFile:
+    name = names.model_states_name(0, rank)
+    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    catalog = ctx.catalog
+    module, slots = OrderedDict(), {}
+    for key in catalog.order:
+        source = catalog.aliases.get(key, key)
+        if source not in slots:
+            p = catalog.params[source]
+            if p.kind == "buffer":
+                tensor = catalog.tensors[(source, MODULE)]
+                slots[source] = file.slot(tensor.dtype, p.shape, [Piece(tensor.numel, (source, MODULE), 0)])
+            else:   # ZeRO-3 params are partitioned: the module holds empty placeholders
+                slots[source] = file.slot(ctx.lp_dtype, (0,), [])
+        module[key] = slots[source]
+    frozen_fragments = OrderedDict()
+    for p in ctx.frozen():
+        part = ceil_div(ctx.numel(p.name), ctx.dp)
+        frozen_fragments[p.name] = file.slot(catalog.tensors[(p.name, MODULE)].dtype, (part,),
+                                             _zero3_part_pieces(ctx, p.name, MODULE, rank))
+    file.tree = {
+        "module": module,
+        "buffer_names": [p.name for p in catalog.params.values() if p.kind == "buffer"],
+        "optimizer": None,
+        "param_shapes": [OrderedDict((n, ctx.shape(n)) for n in members) for _, members in sub_groups],
+        "frozen_param_shapes": OrderedDict((p.name, ctx.shape(p.name)) for p in ctx.frozen()),
+        "shared_params": dict(catalog.aliases) if rank == 0 else {},
+        "frozen_param_fragments": frozen_fragments,
+        **ctx.model_states_tail(),
+    }
+    return file
+
+
+def _zero3_optim_states(ctx: _Context, rank, sub_groups, tag) -> TensorFile:
+    name = names.optim_states_name(rank, 0, ctx.bf16_prefix)
+    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    states, flat_groups = {}, []
+    group_members = [[] for _ in ctx.catalog.param_groups]
+    for i, (g, members) in enumerate(sub_groups):
+        length = sum(ceil_div(ctx.numel(n), ctx.dp) for n in members)
+        pieces = {s: [p for n in members for p in _zero3_part_pieces(ctx, n, s, rank)]
+                  for s in [MASTER, *ctx.states]}
+        states[i] = _state_dict_entry(ctx, file, g, {s: (length, pieces[s]) for s in ctx.states})
+        flat_groups.append(file.slot("float32", (length,), pieces[MASTER]))
+        group_members[g].append(i)
+    param_groups = [{**ctx.hyper_params(g), "params": members} for g, members in enumerate(group_members)]
+    scaler = ctx.loss_scaler_state()
+    inner = {"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
+             "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
+             "partition_count": ctx.dp,
+             "optimizer_state_dict": {"state": states, "param_groups": param_groups},
+             "fp32_flat_groups": flat_groups}
+    file.tree = {"optimizer_state_dict": inner, "ds_config": ctx.config, "ds_version": ctx.ds_version}
+    return file

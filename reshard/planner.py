@@ -1,0 +1,174 @@
+"""Catalog x target files -> Plan: every target byte tied to its source bytes. Pure: no I/O.
+
+The target format's writer lists the files and, for each tensor in them, the pieces of source
+logical tensors it holds. Intersecting each piece with the source fragments of that tensor gives
+copy operations (source file and byte offset -> target storage and element offset). A Plan is data:
+it can be printed, saved as JSON, or split among workers.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from reshard.catalog import Catalog
+from reshard.dtypes import itemsize
+from reshard.errors import ReshardError
+from reshard.formats.torchsave import pickle_tree
+from reshard.layout import Layout
+from reshard.targets import CopiedFile, TensorFile, TextFile
+
+
+@dataclass(frozen=True)
+class Copy:
+    dst: int            # first target element (within its storage)
+    count: int          # elements
+    src_file: str
+    src_offset: int     # byte offset of the first source element in src_file
+    src_dtype: str
+
+
+@dataclass(frozen=True)
+class Fill:
+    dst: int
+    count: int
+    value: float
+
+
+@dataclass
+class StoragePlan:
+    key: str
+    dtype: str
+    numel: int
+    ops: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass
+class FilePlan:
+    path: str                    # relative to the target directory
+    archive: str
+    data_pkl: bytes
+    storages: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.storages)
+
+
+@dataclass
+class Plan:
+    source: str
+    source_layout: Layout
+    target: Layout
+    tag: str
+    files: list = field(default_factory=list)      # FilePlan
+    texts: list = field(default_factory=list)      # TextFile
+    copied: list = field(default_factory=list)     # CopiedFile
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(op.count * itemsize(op.src_dtype) for f in self.files for s in f.storages
+                   for op in s.ops if isinstance(op, Copy))
+
+    def summary(self) -> dict:
+        return {"source": self.source, "source_topology": self.source_layout.topology(),
+                "target_topology": self.target.topology(), "tag": self.tag,
+                "files": [{"path": f.path, "bytes": f.nbytes, "tensors": len(f.storages),
+                           "copies": sum(isinstance(op, Copy) for s in f.storages for op in s.ops)}
+                          for f in self.files] + [{"path": t.path, "bytes": len(t.text)} for t in self.texts]
+                + [{"path": c.path, "copied_from": c.source} for c in self.copied],
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+
+
+def plan(catalog: Catalog, target: Layout, targets: list, tag: str) -> Plan:
+    index = _FragmentIndex(catalog)
+    out = Plan(catalog.root, catalog.layout, target, tag)
+    for item in targets:
+        if isinstance(item, TensorFile):
+            out.files.append(_plan_file(item, index))
+        elif isinstance(item, TextFile):
+            out.texts.append(item)
+        elif isinstance(item, CopiedFile):
+            out.copied.append(item)
+        else:
+            raise TypeError(f"unknown target item {item!r}")
+    return out
+
+
+def _plan_file(file: TensorFile, index) -> FilePlan:
+    planned = FilePlan(file.path, file.archive, pickle_tree(file.tree))
+    for slot in file.slots:
+        storage = StoragePlan(slot.key, slot.dtype, slot.numel)
+        cursor = 0
+        for piece in file.pieces[slot.key]:
+            if piece.source is None:
+                _append(storage.ops, Fill(cursor, piece.count, piece.value))
+            else:
+                for op in index.copies(piece.source, piece.start, piece.count, cursor):
+                    _append(storage.ops, op)
+            cursor += piece.count
+        planned.storages.append(storage)
+    return planned
+
+
+def _append(ops: list, op) -> None:
+    """Add an op, merging it into the previous one when they continue each other."""
+    if ops:
+        last = ops[-1]
+        if isinstance(op, Copy) and isinstance(last, Copy) and last.src_file == op.src_file \
+                and last.src_dtype == op.src_dtype and last.dst + last.count == op.dst \
+                and last.src_offset + last.count * itemsize(last.src_dtype) == op.src_offset:
+            ops[-1] = Copy(last.dst, last.count + op.count, last.src_file, last.src_offset, last.src_dtype)
+            return
+        if isinstance(op, Fill) and isinstance(last, Fill) and last.value == op.value \
+                and last.dst + last.count == op.dst:
+            ops[-1] = Fill(last.dst, last.count + op.count, last.value)
+            return
+    ops.append(op)
+
+
+class _FragmentIndex:
+    """Each logical tensor's fragments sorted by start, for interval lookups."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+        self._sorted = {}
+
+    def _fragments(self, key):
+        found = self._sorted.get(key)
+        if found is None:
+            tensor = self.catalog.tensors.get(key)
+            if tensor is None:
+                raise ReshardError(f"{self.catalog.root}: the source has no {key[1]} for {key[0]}, "
+                                   "which the target needs")
+            frags = sorted(tensor.fragments, key=lambda f: f.start)
+            found = (tensor, frags, [f.start for f in frags])
+            self._sorted[key] = found
+        return found
+
+    def copies(self, key, start: int, count: int, dst: int):
+        tensor, frags, starts = self._fragments(key)
+        size = itemsize(tensor.dtype)
+        stop, covered = start + count, start
+        i = max(0, bisect.bisect_right(starts, start) - 1)
+        while covered < stop and i < len(frags):
+            frag = frags[i]
+            i += 1
+            if frag.stop <= covered:
+                continue
+            if frag.start > covered:
+                break
+            end = min(frag.stop, stop)
+            offset = frag.storage.offset + (frag.elem_offset + covered - frag.start) * size
+            yield Copy(dst + covered - start, end - covered, frag.storage.file, offset, tensor.dtype)
+            covered = end
+        if covered < stop:
+            raise ReshardError(f"{self.catalog.root}: {key[0]} ({key[1]}) elements [{covered}, {stop}) are "
+                               "missing from the source; run `reshard validate`")

@@ -1,0 +1,164 @@
+"""convert without the engine: complete outputs, N -> M -> N identity, the CLI's promises."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import reshard
+from reshard.convert import make_plan
+from reshard.dtypes import itemsize, numpy_carrier
+from reshard.executor import execute
+from reshard.formats import torchzip
+from reshard.formats.torchzip import TensorRef
+from conftest import FIXTURE_NAMES, copy_fixture, fixture_dir, run_cli, tag_dir, truth_json
+
+TARGETS = [1, 2, 3, 5]
+
+
+def _convert(src, dst, to):
+    catalog = reshard.open_checkpoint(src)
+    execute(make_plan(catalog, to), str(dst), progress=False)
+    return reshard.open_checkpoint(dst)
+
+
+def _assert_same_tensors(a, b):
+    assert set(a.tensors) == set(b.tensors)
+    for name, state in a.tensors:
+        assert torch.equal(reshard.full_tensor(a, name, state), reshard.full_tensor(b, name, state)), (name, state)
+
+
+@pytest.mark.parametrize("dp", TARGETS)
+def test_every_fixture_converts_to_a_complete_checkpoint(fixture_name, dp, tmp_path):
+    source = reshard.open_checkpoint(fixture_dir(fixture_name))
+    out = _convert(fixture_dir(fixture_name), tmp_path / "out", f"dp={dp}")
+    report = reshard.validate(out, deep=True)
+    assert report.ok, report.problems
+    assert out.layout.dp == dp and out.layout.zero == source.layout.zero
+    assert out.layout.step == source.layout.step and out.state["global_steps"] == source.state["global_steps"]
+    _assert_same_tensors(source, out)
+    assert out.param_groups == source.param_groups and out.aliases == source.aliases
+
+
+def _covered_elements(catalog):
+    """Storage (file, offset) -> element ranges holding real data; the rest is padding."""
+    covered = {}
+    for tensor in catalog.tensors.values():
+        for f in tensor.fragments:
+            covered.setdefault((f.storage.file, f.storage.offset), []).append((f.elem_offset, f.elem_offset + f.numel))
+    return covered
+
+
+def _assert_same_tree(a, b, where, covered):
+    if isinstance(a, TensorRef):
+        assert isinstance(b, TensorRef) and (a.dtype, a.shape) == (b.dtype, b.shape), where
+        x, y = _elements(a), _elements(b)
+        differ = np.flatnonzero(x != y)
+        if differ.size:
+            # only padding may differ (DeepSpeed leaves whatever was in memory there)
+            real = covered.get((a.storage.file, a.storage.offset), [])
+            positions = differ + a.storage_offset
+            assert not any(((positions >= lo) & (positions < hi)).any() for lo, hi in real), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _assert_same_tree(a[k], b[k], f"{where}.{k}", covered)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_tree(x, y, f"{where}[{i}]", covered)
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+def _elements(ref):
+    size = itemsize(ref.dtype)
+    with open(ref.storage.file, "rb") as f:
+        f.seek(ref.storage.offset + ref.storage_offset * size)
+        return np.frombuffer(f.read(ref.numel * size), dtype=numpy_carrier(ref.dtype))
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_round_trip_gives_back_deepspeeds_own_files(fixture_name, dp, tmp_path):
+    """N -> M -> N: every file DeepSpeed wrote comes back: same objects, same tensor bytes but padding."""
+    meta = truth_json(fixture_name)
+    _convert(fixture_dir(fixture_name), tmp_path / "m", f"dp={dp}")
+    _convert(tmp_path / "m", tmp_path / "n", f"dp={meta['world_size']}")
+    original, back = tag_dir(fixture_dir(fixture_name)), tag_dir(tmp_path / "n")
+    assert sorted(os.listdir(original)) == sorted(os.listdir(back))
+    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(fixture_name)))
+    for name in sorted(os.listdir(original)):
+        _assert_same_tree(torchzip.load(original / name), torchzip.load(back / name), name, covered)
+
+
+STAGE_CHANGES = [("z1_fp32_dp2", 3), ("z3_fp32_dp2", 1), ("z2_fp32_dp2", 3), ("z3_bf16_dp4", 2),
+                 ("z1_bf16_frozen_tied_dp2", 3), ("z3_fp32_frozen_tied_dp2", 2), ("z3_fp32_subgroup_dp2", 1),
+                 ("bf16opt_z1_dp2", 3), ("z2_bf16_dp2", 1)]
+
+
+@pytest.mark.parametrize("name, stage", STAGE_CHANGES)
+def test_stage_changes_keep_every_tensor(name, stage, tmp_path):
+    source = reshard.open_checkpoint(fixture_dir(name))
+    out = _convert(fixture_dir(name), tmp_path / "out", f"dp=3,zero={stage}")
+    assert reshard.validate(out, deep=True).ok
+    assert out.layout.zero == stage
+    for (param, state), tensor in source.tensors.items():
+        if stage == 3 and state == "module" and source.params[param].kind == "trainable":
+            assert (param, state) not in out.tensors    # ZeRO-3 keeps no 16-bit copy of trainable params
+            continue
+        assert torch.equal(reshard.full_tensor(source, param, state), reshard.full_tensor(out, param, state))
+    if source.layout.zero == 3 and stage != 3:   # the 16-bit module copy is the master cast down
+        for p in source.params.values():
+            if p.kind == "trainable":
+                master = reshard.full_tensor(source, p.name, "fp32")
+                module = reshard.full_tensor(out, p.name, "module")
+                assert torch.equal(master.to(module.dtype), module), p.name
+
+
+def test_plan_cli_reports_topology_sizes_disk_and_batch_advice():
+    out = run_cli("plan", fixture_dir("z2_fp32_dp4"), "--to", "dp=2", check=0).stdout
+    for needle in ("dp=4,tp=1,pp=1,zero=2", "dp=2,tp=1,pp=1,zero=2", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                   "read", "write", "memory", "free", "train_batch_size 8 -> 4",
+                   "gradient_accumulation_steps 1 -> 2"):
+        assert needle in out, needle
+    import json
+    data = json.loads(run_cli("plan", fixture_dir("z2_fp32_dp4"), "--to", "dp=3", "--json", check=0).stdout)
+    assert data["target_topology"] == "dp=3,tp=1,pp=1,zero=2" and data["bytes_written"] > 0 and data["disk_ok"]
+
+
+def test_convert_refuses_what_it_must(tmp_path):
+    src = fixture_dir("z2_fp32_dp2")
+    for spec, needle in (("tp=2", "tensor/pipeline"), ("pp=2", "tensor/pipeline"), ("dp=0", "dp must be"),
+                         ("zero=0", "stages 1, 2 and 3"), ("gpus=3", "bad layout spec")):
+        proc = run_cli("convert", src, tmp_path / "x", "--to", spec, check=1)
+        assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not (tmp_path / "x").exists()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep").write_text("x")
+    proc = run_cli("convert", src, busy, "--to", "dp=3", check=1)
+    assert "not empty" in proc.stderr and (busy / "keep").exists()
+    run_cli("convert", src, busy, "--to", "dp=3", "--overwrite", "--quiet", check=0)
+    assert not (busy / "keep").exists() and reshard.validate(reshard.open_checkpoint(busy)).ok
+    inside = run_cli("convert", src, src / "nested", "--to", "dp=3", check=1)
+    assert "overlaps the source" in inside.stderr
+    dry = run_cli("convert", src, tmp_path / "dry", "--to", "dp=3", "--dry-run", check=0)
+    assert "zero_pp_rank_2" in dry.stdout and not (tmp_path / "dry").exists()
+
+
+def test_incomplete_source_is_refused_and_nothing_is_written(tmp_path):
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    (tag_dir(save) / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    proc = run_cli("convert", save, tmp_path / "out", "--to", "dp=3", check=1)
+    assert "not complete" in proc.stderr and not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if "reshard-tmp" in p.name]
+
+
+def test_source_is_never_modified(tmp_path):
+    save = copy_fixture("z3_bf16_dp4", tmp_path)
+    before = {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
+    stat = {p: p.stat().st_mtime_ns for p in before}
+    run_cli("convert", save, tmp_path / "out", "--to", "dp=3,zero=1", "--workers", "2", "--quiet", check=0)
+    assert {p: p.read_bytes() for p in before} == before
+    assert {p: p.stat().st_mtime_ns for p in before} == stat
+    assert reshard.validate(reshard.open_checkpoint(tmp_path / "out"), deep=True).ok
