@@ -8,8 +8,12 @@ Catalog from metadata alone; nothing here reads tensor bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from reshard.formats.torchzip import Storage
+
+if TYPE_CHECKING:
+    from reshard.layout import Layout
 
 # State names with a fixed meaning; optimizer states keep the optimizer's own names.
 MASTER = "fp32"        # the fp32 master copy of a trainable parameter
@@ -76,7 +80,7 @@ class FileInfo:
 class Catalog:
     root: str                              # the directory the files are relative to
     format: str                            # e.g. "deepspeed"
-    layout: "Layout"                       # noqa: F821 - reshard.layout.Layout
+    layout: "Layout"
     tensors: dict = field(default_factory=dict)        # (name, state) -> LogicalTensor
     params: dict = field(default_factory=dict)         # name -> ParamInfo, model order
     aliases: dict = field(default_factory=dict)        # tied name -> the name holding the data

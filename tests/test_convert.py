@@ -11,7 +11,7 @@ from reshard.dtypes import itemsize, numpy_carrier
 from reshard.executor import execute
 from reshard.formats import torchzip
 from reshard.formats.torchzip import TensorRef
-from conftest import FIXTURE_NAMES, copy_fixture, fixture_dir, run_cli, tag_dir, truth_json
+from conftest import copy_fixture, fixture_dir, run_cli, tag_dir, truth_json
 
 TARGETS = [1, 2, 3, 5]
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import reshard
 from reshard.catalog import MASTER
-from conftest import FIXTURES, REPO, truth_tensors
+from conftest import REPO, truth_tensors
 
 pytestmark = pytest.mark.engine
 NAMES = ["z2_fp32_dp2", "z3_bf16_dp2"]

@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-import time
 
 from conftest import REPO, fixture_dir, run_cli, truth_json
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import reshard
-from conftest import FIXTURE_NAMES, copy_fixture, fixture_dir, run_cli, tag_dir
+from conftest import copy_fixture, fixture_dir, run_cli, tag_dir
 
 
 def test_every_fixture_is_complete(fixture_name):

@@ -196,55 +196,30 @@ def _flat_truth(engine, base, names_by_id, state_names):
     return out
 
 
-def worker(name, out_dir):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.comm as dist
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    from safetensors.torch import save_file
-
-    sys.dont_write_bytecode = True  # keep tools/ free of __pycache__
-    sys.path.insert(0, HERE)
-    from fixture_model import build_model, param_groups, make_batch
-
-    spec = CONFIGS[name]
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == spec["world"], (world, spec["world"])
-
+def allow_cpu_fp16(spec):
+    """fp16 on CPU: DeepSpeed's CPU accelerator reports fp16 as unsupported unless oneDNN has native fp16
+    kernels (AVX512-FP16/AMX); torch's CPU fp16 ops work regardless, and the checkpoint format does not
+    depend on the device, so lift that capability check (it changes nothing of saving or loading)."""
     if spec["dtype"] == "fp16":
-        # DeepSpeed's CPU accelerator reports fp16 as unsupported unless oneDNN has native fp16 kernels
-        # (AVX512-FP16/AMX); torch's CPU fp16 ops work regardless, and the checkpoint format does not depend
-        # on the device, so lift that capability check.
         from deepspeed.accelerator import get_accelerator
         acc = get_accelerator()
         if not acc.is_fp16_supported():
             acc.is_fp16_supported = lambda: True
 
-    model = build_model(tied=spec["tied"], frozen=spec["frozen"])
-    groups, group_names = param_groups(model, two_groups=spec["two_groups"])
-    ds_config = copy.deepcopy(spec["ds_config"])
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
 
-    ckpt_dir = os.path.join(out_dir, "checkpoint")
-    losses, step_idx = [], 0
-    overflow_steps = []
-    while engine.global_steps - engine.skipped_steps < STEPS:
-        assert step_idx < STEPS + 10, "too many overflow-skipped steps"
-        batch = make_batch(step_idx, rank, MICRO_BATCH).to(engine.device)
-        loss = engine(batch)
-        engine.backward(loss)
-        skipped_before = engine.skipped_steps
-        engine.step()
-        if engine.skipped_steps != skipped_before:
-            overflow_steps.append(engine.global_steps)
-        losses.append(float(loss.detach().float()))
-        step_idx += 1
-        if spec["save_step2"] and engine.global_steps == 2:
-            engine.save_checkpoint(ckpt_dir, client_state=dict(CLIENT_STATE))
+def engine_truth(engine, spec):
+    """(tensors, info) read from a live engine: what the fixture's truth files hold.
 
+    A collective under ZeRO-3: every rank must call it. Also used by tests/engine_resume.py to read
+    a resumed engine the same way.
+    """
+    import torch
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from fixture_model import param_groups
+
+    zero_stage = int(engine.zero_optimization_stage())
+    group_names = param_groups(engine.module, two_groups=spec["two_groups"])[1]
     # ---------------- truth from the live engine (collectives: all ranks, same order) ----------------
     base = _base_optimizer(engine)
     if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
@@ -281,7 +256,7 @@ def worker(name, out_dir):
     # ZeRO-1/2 and BF16_Optimizer: independent truth from the flat buffers (see _flat_truth); the helpers are wrong
     # under round_robin_gradients, where they use the original instead of the round-robin flat order.
     helper_mismatch = {}
-    if spec["stage"] in (1, 2):
+    if zero_stage in (1, 2):
         tensors = _flat_truth(engine, base, dict((id(p), n) for n, p in named), state_names)
         assert set(tensors) == set(helper), (sorted(tensors), sorted(helper))
         for k in tensors:
@@ -291,7 +266,7 @@ def worker(name, out_dir):
         tensors = helper
 
     params = [p for _, p in named]
-    if spec["stage"] == 3:
+    if zero_stage == 3:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             sd = engine.module.state_dict()
             sd = {k: v.detach().cpu().clone().contiguous() for k, v in sd.items()}
@@ -319,6 +294,68 @@ def worker(name, out_dir):
 
     lr_sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
 
+    return tensors, {
+        "zero_stage": zero_stage,
+        "global_steps": int(engine.global_steps),
+        "global_samples": int(engine.global_samples),
+        "skipped_steps": int(engine.skipped_steps),
+        "helper_mismatch": helper_mismatch,
+        "optimizer_class": type(base).__name__,
+        "optimizer_wrapper": type(engine.optimizer).__name__,
+        "state_names": state_names,
+        "step": steps[0] if steps else None,
+        "param_groups": pg,
+        "trainable": trainable,
+        "frozen": frozen,
+        "tied": tied,
+        "buffers": buffers,
+        "lr_scheduler": _jsonable(lr_sched),
+    }
+
+
+def worker(name, out_dir):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.comm as dist
+    from safetensors.torch import save_file
+
+    sys.dont_write_bytecode = True  # keep tools/ free of __pycache__
+    sys.path.insert(0, HERE)
+    from fixture_model import build_model, param_groups, make_batch
+
+    spec = CONFIGS[name]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == spec["world"], (world, spec["world"])
+
+    allow_cpu_fp16(spec)
+
+    model = build_model(tied=spec["tied"], frozen=spec["frozen"])
+    groups, group_names = param_groups(model, two_groups=spec["two_groups"])
+    ds_config = copy.deepcopy(spec["ds_config"])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+
+    ckpt_dir = os.path.join(out_dir, "checkpoint")
+    losses, step_idx = [], 0
+    overflow_steps = []
+    while engine.global_steps - engine.skipped_steps < STEPS:
+        assert step_idx < STEPS + 10, "too many overflow-skipped steps"
+        batch = make_batch(step_idx, rank, MICRO_BATCH).to(engine.device)
+        loss = engine(batch)
+        engine.backward(loss)
+        skipped_before = engine.skipped_steps
+        engine.step()
+        if engine.skipped_steps != skipped_before:
+            overflow_steps.append(engine.global_steps)
+        losses.append(float(loss.detach().float()))
+        step_idx += 1
+        if spec["save_step2"] and engine.global_steps == 2:
+            engine.save_checkpoint(ckpt_dir, client_state=dict(CLIENT_STATE))
+
+    tensors, info = engine_truth(engine, spec)
+
     # ---------------- save ----------------
     engine.save_checkpoint(ckpt_dir, client_state=dict(CLIENT_STATE))
     dist.barrier()
@@ -329,25 +366,17 @@ def worker(name, out_dir):
         truth = {
             "name": name,
             "world_size": world,
-            "zero_stage": int(engine.zero_optimization_stage()),
+            "zero_stage": info["zero_stage"],
             "dtype": spec["dtype"],
             "ds_config": spec["ds_config"],
             "tag": tag,
-            "global_steps": int(engine.global_steps),
-            "global_samples": int(engine.global_samples),
-            "skipped_steps": int(engine.skipped_steps),
+            "global_steps": info["global_steps"],
+            "global_samples": info["global_samples"],
+            "skipped_steps": info["skipped_steps"],
             "overflow_steps": overflow_steps,
-            "helper_mismatch": helper_mismatch,
-            "optimizer_class": type(base).__name__,
-            "optimizer_wrapper": type(engine.optimizer).__name__,
-            "state_names": state_names,
-            "step": steps[0] if steps else None,
-            "param_groups": pg,
-            "trainable": trainable,
-            "frozen": frozen,
-            "tied": tied,
-            "buffers": buffers,
-            "lr_scheduler": _jsonable(lr_sched),
+            **{k: info[k] for k in ("helper_mismatch", "optimizer_class", "optimizer_wrapper", "state_names",
+                                    "step", "param_groups", "trainable", "frozen", "tied", "buffers",
+                                    "lr_scheduler")},
             "client_state": dict(CLIENT_STATE),
             "micro_batch": MICRO_BATCH,
             "losses": losses,
