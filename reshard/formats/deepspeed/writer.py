@@ -269,13 +269,30 @@ def _zero12_optim_states(ctx: _Context, rank, groups, tag) -> TensorFile:
                  "single_partition_of_fp32_groups": fp32_parts, "group_paddings": paddings,
                  "partition_count": count, "ds_version": ctx.ds_version, "param_slice_mappings": mappings}
     else:
-        inner = {**ctx.loss_scaler_state(), "base_optimizer_state": base,
-                 "single_partition_of_fp32_groups": fp32_parts,
+        inner = {**ctx.loss_scaler_state(), "base_optimizer_state": base}
+        if ctx.elastic:
+            inner.update(_elastic_step(ctx))
+        inner.update({"single_partition_of_fp32_groups": fp32_parts,
                  "zero_stage": standins.ZeroStageEnum(ctx.target.zero), "group_paddings": paddings,
                  "param_alignment_paddings": [list(group.paddings) for group in groups],
-                 "partition_count": count, "ds_version": ctx.ds_version, "param_slice_mappings": mappings}
+                 "partition_count": count, "ds_version": ctx.ds_version, "param_slice_mappings": mappings})
     file.tree = {"optimizer_state_dict": inner, "ds_config": ctx.config, "ds_version": ctx.ds_version}
     return file
+
+
+def _elastic_step(ctx) -> dict:
+    """`base_optimizer_state_step` for elastic files.
+
+    DeepSpeed writes it only when the optimizer keeps `step` in its param groups (its FusedAdam),
+    yet its elastic loader asserts it is there, so its own elastic checkpoints of torch.optim.Adam
+    cannot be resumed. We always write it (the per-group step counter) so the engine can load ours.
+    """
+    steps = {getattr(s.get("step"), "value", s.get("step")) for s in ctx.catalog.group_scalars}
+    steps.discard(None)
+    if len(steps) != 1:
+        return {}
+    step = steps.pop()
+    return {"base_optimizer_state_step": int(step) if float(step).is_integer() else step}
 
 
 # ---------------------------------------------------------------------------------------------
