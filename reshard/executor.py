@@ -7,10 +7,12 @@ everything is complete; on any failure the temporary directory is removed.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 
@@ -20,7 +22,8 @@ from reshard.formats.torchsave import TorchZipWriter
 from reshard.planner import Copy, FilePlan, Plan
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
-BUFFERS_PER_WORKER = 3          # read buffer, cast result, fill constant
+READ_AHEAD = 2                  # blocks read ahead of the one being written
+BUFFERS_PER_WORKER = READ_AHEAD + 2   # + the block being written and a cast temporary
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
 
 
@@ -90,18 +93,22 @@ def _balanced(files):
 
 
 def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> int:
-    """Write one target file; returns its storage bytes. Runs in worker processes too."""
+    """Write one target file; returns its storage bytes. Runs in worker processes too.
+
+    A reader thread fetches (and casts) the next blocks while this thread writes the current
+    one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
+    """
     path = os.path.join(root, plan.path)
     sources = _SourceFiles()
     try:
-        with TorchZipWriter(path, plan.archive, plan.data_pkl, [(s.key, s.nbytes) for s in plan.storages]) as zw:
+        with ThreadPoolExecutor(max_workers=1) as reader, \
+                TorchZipWriter(path, plan.archive, plan.data_pkl, [(s.key, s.nbytes) for s in plan.storages]) as zw:
             for storage in plan.storages:
                 with zw.storage(storage.key, storage.nbytes) as out:
-                    for op in storage.ops:
-                        for block in _blocks(op, storage.dtype, chunk, sources):
-                            out.write(block)
-                            if report:
-                                report(len(block))
+                    for block in _read_ahead(reader, _blocks(storage, chunk, sources)):
+                        out.write(block)
+                        if report:
+                            report(len(block))
     except OSError as e:
         raise ReshardError(f"{path}: write failed: {e.strerror or e}") from None
     finally:
@@ -110,22 +117,36 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> int:
     return plan.nbytes
 
 
-def _blocks(op, dtype: str, chunk: int, sources):
-    """The op's bytes in the target dtype, in blocks of at most `chunk` bytes."""
+def _read_ahead(pool, tasks):
+    pending = deque()
+    for task in tasks:
+        pending.append(pool.submit(task))
+        if len(pending) > READ_AHEAD:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _blocks(storage, chunk: int, sources):
+    """Callables producing the storage's bytes (target dtype) in blocks of at most `chunk` bytes."""
+    dtype = storage.dtype
     out_size = itemsize(dtype)
-    if isinstance(op, Copy):
-        in_size = itemsize(op.src_dtype)
-        step = max(1, chunk // max(in_size, out_size))
-        for first in range(0, op.count, step):
-            n = min(step, op.count - first)
-            raw = sources.read(op.src_file, op.src_offset + first * in_size, n * in_size)
-            yield raw if op.src_dtype == dtype else cast(raw, op.src_dtype, dtype)
-    else:
-        step = max(1, chunk // out_size)
-        block = constant(op.value, dtype, min(step, op.count))
-        for first in range(0, op.count, step):
-            n = min(step, op.count - first)
-            yield block if n == len(block) // out_size else block[: n * out_size]
+    for op in storage.ops:
+        if isinstance(op, Copy):
+            in_size = itemsize(op.src_dtype)
+            step = max(1, chunk // max(in_size, out_size))
+            for first in range(0, op.count, step):
+                n = min(step, op.count - first)
+                yield functools.partial(_copy_block, sources, op, first * in_size, n * in_size, dtype)
+        else:
+            step = max(1, chunk // out_size)
+            for first in range(0, op.count, step):
+                yield functools.partial(constant, op.value, dtype, min(step, op.count - first))
+
+
+def _copy_block(sources, op, offset, nbytes, dtype):
+    raw = sources.read(op.src_file, op.src_offset + offset, nbytes)
+    return raw if op.src_dtype == dtype else cast(raw, op.src_dtype, dtype)
 
 
 def constant(value, dtype: str, count: int) -> bytes:
