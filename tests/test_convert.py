@@ -166,3 +166,26 @@ def test_source_is_never_modified(tmp_path):
     assert {p: p.read_bytes() for p in before} == before
     assert {p: p.stat().st_mtime_ns for p in before} == stat
     assert reshard.validate(reshard.open_checkpoint(tmp_path / "out"), deep=True).ok
+
+
+def _tree_bytes(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_workers_descriptor_and_tag_out(tmp_path):
+    """--workers K writes the same bytes as one process; a layout file works as SPEC; --tag-out names the tag."""
+    src = fixture_dir("z3_fp32_frozen_tied_dp2")
+    run_cli("convert", src, tmp_path / "one", "--to", "dp=3,zero=2", "--quiet", check=0)
+    run_cli("convert", src, tmp_path / "three", "--to", "dp=3,zero=2", "--workers", "3", "--quiet", check=0)
+    assert _tree_bytes(tmp_path / "one") == _tree_bytes(tmp_path / "three")
+
+    layout = reshard.open_checkpoint(src).layout.with_spec("dp=3,zero=2")
+    layout.save(tmp_path / "target.json")
+    run_cli("convert", src, tmp_path / "described", "--to", tmp_path / "target.json", "--quiet", check=0)
+    assert _tree_bytes(tmp_path / "one") == _tree_bytes(tmp_path / "described")
+
+    run_cli("convert", src, tmp_path / "renamed", "--to", "dp=1", "--tag-out", "resharded", "--quiet",
+            "--memory-budget", "1MiB", check=0)
+    assert (tmp_path / "renamed" / "latest").read_text().strip() == "resharded"
+    assert reshard.open_checkpoint(tmp_path / "renamed").state["tag"] == "resharded"
+    assert run_cli("convert", src, tmp_path / "x", "--to", "dp=2", "--memory-budget", "lots").returncode == 2
