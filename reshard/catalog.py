@@ -7,6 +7,8 @@ Catalog from metadata alone; nothing here reads tensor bytes.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,10 +52,7 @@ class LogicalTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def key(self) -> tuple:

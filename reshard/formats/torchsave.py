@@ -8,6 +8,8 @@ lays out the zip archive with 64-byte-aligned storage members that the caller st
 """
 from __future__ import annotations
 
+import math
+
 import collections
 import copyreg
 import enum
@@ -38,10 +40,7 @@ class NewTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -10,6 +10,8 @@ torch itself is not imported here: opening a checkpoint to inspect it costs no t
 """
 from __future__ import annotations
 
+import math
+
 import collections
 import io
 import os
@@ -52,10 +54,7 @@ class TensorRef:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
         expected = 1
@@ -117,10 +116,7 @@ class Size(tuple):
     """What `torch.Size` unpickles to: a tuple that, like torch.Size, knows its element count."""
 
     def numel(self) -> int:
-        n = 1
-        for s in self:
-            n *= s
-        return n
+        return math.prod(self)
 
 
 def _size(dims=()):

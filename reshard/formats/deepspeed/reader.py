@@ -8,6 +8,8 @@ inconsistent is recorded in `catalog.problems`, one line per problem naming the 
 """
 from __future__ import annotations
 
+import math
+
 import os
 
 from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
@@ -263,7 +265,7 @@ def _fill_layout(catalog, model0):
     layout.states = catalog.optimizer_states()
     params = [p for p in catalog.params.values() if p.kind != "buffer"]
     layout.params = len(params)
-    layout.elements = sum(_numel(p.shape) for p in params)
+    layout.elements = sum(math.prod(p.shape) for p in params)
     steps = {getattr(s["step"], "value", s["step"]) for s in catalog.group_scalars if s.get("step") is not None}
     layout.step = int(max(steps)) if steps else None
 
@@ -275,8 +277,3 @@ def _config_dtype(config) -> str | None:
     return "float32" if config else None
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -9,6 +9,8 @@ A param's elements in rank r's file are the overlap of the param's range with th
 """
 from __future__ import annotations
 
+import math
+
 from reshard.catalog import MASTER, Fragment, LogicalTensor, ScalarTensor
 from reshard.formats.torchzip import TensorRef
 from reshard.geometry import intersect
@@ -42,9 +44,7 @@ def _param_ranges(shapes, alignment):
     """name -> (start, numel) in the flat group; and the end of the last param."""
     ranges, offset = {}, 0
     for i, (name, shape) in enumerate(shapes.items()):
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         ranges[name] = (offset, n)
         offset += n + (alignment[i] if alignment else 0)
     return ranges, offset

@@ -8,6 +8,8 @@ rank's model-states file.
 """
 from __future__ import annotations
 
+import math
+
 import os
 
 from reshard.catalog import MASTER, MODULE, Fragment, LogicalTensor, ScalarTensor
@@ -24,7 +26,7 @@ def read_partitions(catalog, model0, models, optim) -> None:
     entries = [(name, tuple(shape)) for group in (model0.get("param_shapes") or []) for name, shape in group.items()]
     parts, offset = [], 0
     for name, shape in entries:
-        n = _numel(shape)
+        n = math.prod(shape)
         part = ceil_div(n, dp)
         parts.append((name, n, part, offset))
         offset += part
@@ -126,7 +128,7 @@ def read_frozen(catalog, models) -> None:
         path = os.path.join(catalog.root, names.model_states_name(0, rank))
         fragments = sd.get("frozen_param_fragments") or {}
         for p in frozen:
-            n = _numel(p.shape)
+            n = math.prod(p.shape)
             part = ceil_div(n, dp)
             ref = fragments.get(p.name)
             if not isinstance(ref, TensorRef):
@@ -142,8 +144,3 @@ def read_frozen(catalog, models) -> None:
                 tensor.fragments.append(Fragment(start, stop, ref.storage, ref.storage_offset, rank))
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
