@@ -18,7 +18,7 @@ import numpy as np
 
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import ReshardError
-from reshard.formats.torchsave import TorchZipWriter
+from reshard.formats import container_writer
 from reshard.planner import Copy, FilePlan, Plan
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -102,7 +102,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> int:
     sources = _SourceFiles()
     try:
         with ThreadPoolExecutor(max_workers=1) as reader, \
-                TorchZipWriter(path, plan.archive, plan.data_pkl, [(s.key, s.nbytes) for s in plan.storages]) as zw:
+                container_writer(plan.container)(path, plan.header, plan.storages, **plan.options) as zw:
             for storage in plan.storages:
                 with zw.storage(storage.key, storage.nbytes) as out:
                     for block in _read_ahead(reader, _blocks(storage, chunk, sources)):

@@ -8,12 +8,12 @@ it can be printed, saved as JSON, or split among workers.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from reshard.catalog import Catalog
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats.torchsave import pickle_tree
 from reshard.layout import Layout
 from reshard.targets import CopiedFile, TensorFile, TextFile
 
@@ -38,8 +38,12 @@ class Fill:
 class StoragePlan:
     key: str
     dtype: str
-    numel: int
+    shape: tuple
     ops: list = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -49,8 +53,9 @@ class StoragePlan:
 @dataclass
 class FilePlan:
     path: str                    # relative to the target directory
-    archive: str
-    data_pkl: bytes
+    container: str               # which writer lays the file out (reshard.formats.container_writer)
+    header: bytes                # the bytes the container puts before the storages
+    options: dict = field(default_factory=dict)
     storages: list = field(default_factory=list)
 
     @property
@@ -103,9 +108,9 @@ def plan(catalog: Catalog, target: Layout, targets: list, tag: str) -> Plan:
 
 
 def _plan_file(file: TensorFile, index) -> FilePlan:
-    planned = FilePlan(file.path, file.archive, pickle_tree(file.tree))
+    planned = FilePlan(file.path, file.container, file.header(), file.writer_options())
     for slot in file.slots:
-        storage = StoragePlan(slot.key, slot.dtype, slot.numel)
+        storage = StoragePlan(slot.key, slot.dtype, slot.shape)
         cursor = 0
         for piece in file.pieces[slot.key]:
             if piece.source is None:

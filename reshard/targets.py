@@ -7,9 +7,26 @@ byte copies; the executor performs them. Nothing here reads or writes a file.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from reshard.formats.torchsave import NewTensor
+from reshard.dtypes import itemsize
+
+
+@dataclass
+class NewTensor:
+    """A tensor to be written: its storage `key` inside the file, element type and shape."""
+    key: str
+    dtype: str
+    shape: tuple
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -26,16 +43,26 @@ class Piece:
 
 @dataclass
 class TensorFile:
-    """A torch.save file: pickle `tree`; storage bytes of each slot from its pieces."""
+    """A file of tensors: a format-specific header, then each slot's bytes, filled from its pieces.
+
+    Formats subclass it (torchsave.TorchFile, safetensors_file.SafetensorsFile): `container`
+    names the writer that lays the file out, `header()` gives the bytes before the storages.
+    """
     path: str                                    # relative to the target directory
-    archive: str                                 # the zip's top folder (torch uses the file stem)
-    tree: object
+    tree: object = None                          # what the header describes (a pickled tree, metadata)
     slots: list = field(default_factory=list)    # NewTensor, in storage order
     pieces: dict = field(default_factory=dict)   # slot key -> [Piece]
+    container = ""
 
-    def slot(self, dtype: str, shape: tuple, pieces: list) -> NewTensor:
+    def header(self) -> bytes:
+        raise NotImplementedError
+
+    def writer_options(self) -> dict:
+        return {}
+
+    def slot(self, dtype: str, shape: tuple, pieces: list, key: str | None = None) -> NewTensor:
         """A new tensor of this file filled from `pieces` (which must add up to its size)."""
-        tensor = NewTensor(str(len(self.slots)), dtype, tuple(shape))
+        tensor = NewTensor(key if key is not None else str(len(self.slots)), dtype, tuple(shape))
         total = sum(p.count for p in pieces)
         if total != tensor.numel:
             raise AssertionError(f"{self.path}: pieces hold {total} elements for a tensor of {tensor.numel}")

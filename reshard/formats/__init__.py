@@ -22,3 +22,14 @@ def writer(format_name: str):
         from reshard.formats.deepspeed import writer as deepspeed_writer
         return deepspeed_writer
     raise ReshardError(f"no writer for format {format_name!r}")
+
+
+def container_writer(container: str):
+    """The class that lays out a file of tensors: (path, header, storages, **options), storage(key, nbytes)."""
+    if container == "torch":
+        from reshard.formats.torchsave import TorchZipWriter
+        return TorchZipWriter
+    if container == "safetensors":
+        from reshard.formats.safetensors_file import SafetensorsWriter
+        return SafetensorsWriter
+    raise ReshardError(f"no writer for {container!r} files")

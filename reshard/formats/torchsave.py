@@ -8,7 +8,6 @@ lays out the zip archive with 64-byte-aligned storage members that the caller st
 """
 from __future__ import annotations
 
-import math
 
 import collections
 import copyreg
@@ -19,11 +18,12 @@ import os
 import pickle
 import struct
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from reshard.dtypes import STORAGE_DTYPES, itemsize
+from reshard.dtypes import STORAGE_DTYPES
 from reshard.formats import standins
 from reshard.formats.torchzip import DType, Size
+from reshard.targets import NewTensor, TensorFile
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
@@ -31,20 +31,16 @@ _FIXED_TIME = (1980, 1, 1, 0, 0, 0)   # reproducible archives
 
 
 @dataclass
-class NewTensor:
-    """A tensor to be written: its storage `key` inside the file, element type and shape."""
-    key: str
-    dtype: str
-    shape: tuple
-    attrs: dict = field(default_factory=dict)
+class TorchFile(TensorFile):
+    """A torch.save file: the pickled `tree` (with NewTensor slots) as data.pkl."""
+    archive: str = "archive"                     # the zip's top folder (torch uses the file stem)
+    container = "torch"
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def header(self) -> bytes:
+        return pickle_tree(self.tree)
 
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+    def writer_options(self) -> dict:
+        return {"archive": self.archive}
 
 
 @dataclass(frozen=True)
@@ -131,18 +127,18 @@ class TorchZipWriter:
     for each storage in the order given and write exactly its byte count into the returned stream.
     """
 
-    def __init__(self, path: str, archive: str, data_pkl: bytes, storages: list):
+    def __init__(self, path: str, data_pkl: bytes, storages: list, archive: str = "archive"):
         self.path = path
         self.archive = archive
         self.data_pkl = data_pkl
-        self.storages = list(storages)           # [(key, nbytes)] in write order
+        self.storages = list(storages)           # objects with .key and .nbytes, in write order
         self._zip = None
         self._file = None
 
     def size_bound(self) -> int:
         """At least the archive's final size: data plus generous room for headers and alignment."""
         members = len(self.storages) + 6
-        return len(self.data_pkl) + sum(n for _, n in self.storages) + members * (ALIGNMENT + 256) + 1024
+        return len(self.data_pkl) + sum(s.nbytes for s in self.storages) + members * (ALIGNMENT + 256) + 1024
 
     def __enter__(self):
         self._file = open(self.path, "wb")

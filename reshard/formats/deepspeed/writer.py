@@ -21,7 +21,8 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.torchzip import Size
 from reshard.geometry import ceil_div, intersect
 from reshard.layout import Layout
-from reshard.targets import CopiedFile, Piece, TensorFile, TextFile
+from reshard.formats.torchsave import TorchFile
+from reshard.targets import CopiedFile, Piece, TextFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -124,7 +125,7 @@ class _Context:
         return tail
 
 
-def _scalar_slot(file: TensorFile, value) -> object:
+def _scalar_slot(file: TorchFile, value) -> object:
     if isinstance(value, ScalarTensor):
         return file.slot(value.dtype, (), [Piece(1, value=value.value)])
     return value
@@ -213,9 +214,9 @@ def _round_robin(names_in_order, dp):
     return [name for bucket in buckets.values() for name in bucket]
 
 
-def _zero12_model_states(ctx: _Context, groups, tag) -> TensorFile:
+def _zero12_model_states(ctx: _Context, groups, tag) -> TorchFile:
     name = names.model_states_name(0)
-    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     catalog = ctx.catalog
     module, slots = OrderedDict(), {}
     for key in catalog.order:
@@ -242,9 +243,9 @@ def _zero12_model_states(ctx: _Context, groups, tag) -> TensorFile:
     return file
 
 
-def _zero12_optim_states(ctx: _Context, rank, groups, tag) -> TensorFile:
+def _zero12_optim_states(ctx: _Context, rank, groups, tag) -> TorchFile:
     name = names.optim_states_name(rank, 0, ctx.bf16_prefix)
-    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     fp32_parts, paddings, states, lean_states, param_groups, mappings = [], [], {}, [], [], []
     for group in groups:
         lo = rank * group.part
@@ -329,9 +330,9 @@ def _zero3_part_pieces(ctx, name, state, rank) -> list:
     return pieces
 
 
-def _zero3_model_states(ctx: _Context, rank, sub_groups, tag) -> TensorFile:
+def _zero3_model_states(ctx: _Context, rank, sub_groups, tag) -> TorchFile:
     name = names.model_states_name(0, rank)
-    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     catalog = ctx.catalog
     module, slots = OrderedDict(), {}
     for key in catalog.order:
@@ -362,9 +363,9 @@ def _zero3_model_states(ctx: _Context, rank, sub_groups, tag) -> TensorFile:
     return file
 
 
-def _zero3_optim_states(ctx: _Context, rank, sub_groups, tag) -> TensorFile:
+def _zero3_optim_states(ctx: _Context, rank, sub_groups, tag) -> TorchFile:
     name = names.optim_states_name(rank, 0, ctx.bf16_prefix)
-    file = TensorFile(f"{tag}/{name}", name[:-3], None)
+    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     states, flat_groups = {}, []
     group_members = [[] for _ in ctx.catalog.param_groups]
     for i, (g, members) in enumerate(sub_groups):
