@@ -68,6 +68,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_convert)
+
+    p = sub.add_parser("export", help="one consolidated state dict: safetensors (or HF shards), or torch")
+    p.add_argument("path", metavar="SRC", help="a DeepSpeed save dir (with 'latest') or a tag folder")
+    p.add_argument("out", metavar="OUT", help="a .safetensors (or .bin/.pt with --format torch) file, or a "
+                   "directory for Hugging Face shards + index")
+    p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="dtype of floating tensors (auto: the training precision); integer buffers keep theirs")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="shard limit in huggingface_hub's units (5GB = 5e9 bytes; default 5GB in a directory)")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help="also every optimizer state (one safetensors set per state) and optimizer.json")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"])
+    p.add_argument("--weights", default="master", choices=["master", "module"],
+                   help="fp32 master copy (default) or the saved 16-bit module copy where there is one")
+    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_export)
     return parser
 
 
@@ -163,6 +182,23 @@ def _convert(args) -> int:
     if not args.quiet:
         print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
               f"{human_bytes(plan.bytes_written)}")
+    return 0
+
+
+def _export(args) -> int:
+    from reshard.executor import execute
+    from reshard.export import export_plan
+    catalog = reshard.open_checkpoint(args.path, args.tag)
+    report = reshard.validate(catalog)
+    if not report.ok:
+        raise ReshardError(f"{catalog.root}: the checkpoint is not complete ({len(report.problems)} problem(s), "
+                           f"first: {report.problems[0]}); run `reshard validate`")
+    plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                    with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
+    execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
+            progress=not args.quiet, single_file=single_file)
+    if not args.quiet:
+        print(f"wrote {args.out}: {len(plan.files)} file(s), {human_bytes(plan.bytes_written)}")
     return 0
 
 

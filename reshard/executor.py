@@ -31,14 +31,19 @@ def chunk_bytes(memory_budget: int, workers: int) -> int:
     return max(1 << 16, min(64 << 20, memory_budget // (BUFFERS_PER_WORKER * max(1, workers))))
 
 
-def check_destination(source_root: str, dst: str, overwrite: bool) -> None:
+def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False) -> None:
     src = os.path.realpath(source_root)
     real = os.path.realpath(dst)
     save_dir = os.path.dirname(src)
     for protected in (src, save_dir):
         if real == protected or real.startswith(protected + os.sep) or protected.startswith(real + os.sep):
             raise ReshardError(f"{dst}: the destination overlaps the source checkpoint {protected}")
-    if os.path.exists(dst):
+    if single_file:
+        if os.path.isdir(dst):
+            raise ReshardError(f"{dst}: is a directory, not a file name")
+        if os.path.exists(dst) and not overwrite:
+            raise ReshardError(f"{dst}: exists (use --overwrite to replace it)")
+    elif os.path.exists(dst):
         if not os.path.isdir(dst):
             raise ReshardError(f"{dst}: exists and is not a directory")
         if os.listdir(dst) and not overwrite:
@@ -46,8 +51,9 @@ def check_destination(source_root: str, dst: str, overwrite: bool) -> None:
 
 
 def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-            workers: int = 1, progress: bool = True) -> None:
-    check_destination(plan.source, dst, overwrite)
+            workers: int = 1, progress: bool = True, single_file: bool = False) -> None:
+    """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`)."""
+    check_destination(plan.source, dst, overwrite, single_file)
     dst = os.path.abspath(dst)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
@@ -57,7 +63,13 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     try:
         os.makedirs(tmp)
         _write_all(plan, tmp, chunk_bytes(memory_budget, workers), workers, progress)
-        _commit(tmp, dst)
+        if single_file:
+            (only,) = plan.files
+            os.replace(os.path.join(tmp, only.path), dst)
+            _fsync(os.path.dirname(dst))
+            shutil.rmtree(tmp)
+        else:
+            _commit(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

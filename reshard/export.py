@@ -1,0 +1,164 @@
+"""export: the checkpoint as one consolidated state dict, plus its optimizer state on request.
+
+An export is a conversion to a single rank in another container: the same planner and executor
+move the bytes. Weights come from the fp32 master copy (or the saved 16-bit copy with
+`weights="module"`), cast to the chosen dtype; frozen params and persistent buffers are included
+(integer buffers keep their dtype); a tied weight is written once and recorded. Large outputs
+follow Hugging Face's sharded convention.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.dtypes import SHORT, is_floating, itemsize
+from reshard.errors import ReshardError
+from reshard.formats import hf
+from reshard.formats.safetensors_file import SafetensorsFile
+from reshard.formats.torchsave import TorchFile
+from reshard.inspect import jsonable
+from reshard.layout import Layout
+from reshard.planner import plan
+from reshard.targets import Piece, TextFile
+
+FORMATS = {"safetensors": ("model", "safetensors"), "torch": ("pytorch_model", "bin")}
+SINGLE_FILE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
+OPTIMIZER_JSON = "optimizer.json"
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    source: tuple        # (name, state) in the catalog
+    dtype: str
+    shape: tuple
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_size=None,
+                with_optimizer: bool = False, fmt: str = "safetensors", weights: str = "master"):
+    """(Plan, single_file): the files of the export; single_file when OUT names one file."""
+    if fmt not in FORMATS:
+        raise ReshardError(f"unknown export format {fmt!r} (safetensors or torch)")
+    if dtype not in ("auto", *SHORT):
+        raise ReshardError(f"unknown dtype {dtype!r} (fp32, bf16, fp16 or auto)")
+    if weights not in ("master", "module"):
+        raise ReshardError(f"unknown weights {weights!r} (master or module)")
+    single_file = out.endswith(SINGLE_FILE_SUFFIXES[fmt]) and max_shard_size is None
+    if single_file and with_optimizer:
+        raise ReshardError(f"{out}: --with-optimizer writes several files; give a directory")
+    entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
+    stem, extension = FORMATS[fmt]
+    metadata = {"format": "pt"}
+    if catalog.aliases:
+        metadata["tied"] = json.dumps(catalog.aliases)
+    if single_file:
+        targets = [_tensor_file(fmt, os.path.basename(out), entries, catalog.aliases, metadata)]
+    else:
+        targets = _sharded(fmt, stem, extension, entries, catalog.aliases, metadata,
+                           max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
+    if with_optimizer:
+        for state in optimizer_sets(catalog, entries):
+            state_entries = [Entry(p.name, (p.name, state), catalog.tensors[(p.name, state)].dtype, p.shape)
+                             for p in catalog.params.values() if p.kind == "trainable"]
+            targets += _sharded(fmt, f"optimizer-{state}", extension, state_entries, {}, {"format": "pt"},
+                                max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
+        targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
+    target = Layout(dp=1, zero=0, dtype=entries[0].dtype if entries else "float32")
+    return plan(catalog, target, targets, catalog.state.get("tag", "")), single_file
+
+
+def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
+    """One entry per state_dict key that holds data (tied aliases excluded), in model order."""
+    out = []
+    for key in catalog.order:
+        if key in catalog.aliases:
+            continue
+        p = catalog.params[key]
+        if p.kind == "trainable":
+            use_module = weights == "module" and (key, MODULE) in catalog.tensors
+            source = (key, MODULE) if use_module else (key, MASTER)
+        else:
+            source = (key, MODULE)
+        saved = catalog.tensors[source].dtype
+        if not is_floating(saved):
+            target = saved                      # integer buffers keep their type
+        elif dtype is not None:
+            target = dtype
+        else:                                   # auto: the training precision; buffers as saved
+            target = saved if p.kind == "buffer" else catalog.layout.dtype
+        out.append(Entry(key, source, target, tuple(p.shape)))
+    return out
+
+
+def optimizer_sets(catalog: Catalog, entries) -> list:
+    """State names exported with --with-optimizer; the fp32 master too unless the weights are it."""
+    masters_exported = all(e.source[1] == MASTER and e.dtype == "float32"
+                           for e in entries if catalog.params[e.name].kind == "trainable")
+    return ([] if masters_exported else [MASTER]) + list(catalog.layout.states)
+
+
+def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
+    _, extension = FORMATS[fmt]
+    groups = []
+    for g, group in enumerate(catalog.param_groups):
+        scalars = catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}
+        groups.append({**{k: jsonable(v) for k, v in group.items() if k != "params"},
+                       **{k: (v.value if isinstance(v, ScalarTensor) else jsonable(v)) for k, v in scalars.items()},
+                       "params": list(group["params"])})
+    sets = optimizer_sets(catalog, entries)
+    return {
+        "optimizer": catalog.layout.optimizer,
+        "states": {s: f"optimizer-{s}.{extension}" for s in sets},
+        "master_weights": f"optimizer-{MASTER}.{extension}" if MASTER in sets else "the exported model weights",
+        "param_groups": groups,
+        "global_steps": catalog.state.get("global_steps"),
+        "global_samples": catalog.state.get("global_samples"),
+        "skipped_steps": catalog.state.get("skipped_steps"),
+        "lr_scheduler": jsonable(catalog.state.get("lr_scheduler")),
+        "source": catalog.root,
+    }
+
+
+def _tensor_file(fmt, path, entries, aliases, metadata):
+    if fmt == "safetensors":
+        file = SafetensorsFile(path, dict(metadata))
+        for e in entries:
+            file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)], key=e.name)
+        return file
+    file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
+    tree = OrderedDict()
+    for e in entries:
+        tree[e.name] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)])
+    for alias, source in aliases.items():   # torch keeps the tie: one tensor under both names
+        if source in tree:
+            tree[alias] = tree[source]
+    file.tree = tree
+    return file
+
+
+def _sharded(fmt, stem, extension, entries, aliases, metadata, max_shard_size) -> list:
+    by_name = {e.name: e for e in entries}
+    groups = hf.shard([(e.name, e.nbytes) for e in entries], max_shard_size)
+    names = hf.shard_names(stem, extension, len(groups))
+    files, weight_map = [], {}
+    for filename, members in zip(names, groups):
+        tied = {a: s for a, s in aliases.items() if s in members}
+        files.append(_tensor_file(fmt, filename, [by_name[n] for n in members], tied, metadata))
+        for name in members + (list(tied) if fmt == "torch" else []):
+            weight_map[name] = filename
+    if len(groups) > 1:
+        files.append(TextFile(f"{names[0].split('-00001-of-')[0]}.{extension}.index.json",
+                              hf.index(sum(e.nbytes for e in entries), weight_map)))
+    return files

@@ -1,0 +1,99 @@
+"""Writing safetensors files front to back: the JSON header first, then each tensor streamed in.
+
+Layout (safetensors 0.x): u64 little-endian header length N, N bytes of JSON, then the packed
+tensor bytes (no gaps allowed). The header is padded with spaces to a multiple of 8 so the data
+starts 8-byte aligned; tensors are ordered by decreasing element size, then name (as the
+safetensors library orders them), so each tensor starts aligned to its own element size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+from reshard.dtypes import itemsize
+from reshard.errors import ReshardError
+from reshard.targets import TensorFile
+
+DTYPE_CODES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
+}
+
+
+def storage_order(slots) -> list:
+    """The order tensors are laid out in: larger elements first, then by name."""
+    return sorted(slots, key=lambda t: (-itemsize(t.dtype), t.key))
+
+
+@dataclass
+class SafetensorsFile(TensorFile):
+    """A safetensors file; `tree` is its string metadata, each slot's key is the tensor's name."""
+    container = "safetensors"
+
+    def slot(self, dtype, shape, pieces, key=None):
+        tensor = super().slot(dtype, shape, pieces, key)
+        self.slots = storage_order(self.slots)     # the storage order is the file's order
+        return tensor
+
+    def header(self) -> bytes:
+        entries, offset = {}, 0
+        if self.tree:
+            entries["__metadata__"] = {str(k): str(v) for k, v in self.tree.items()}
+        for t in self.slots:
+            if t.dtype not in DTYPE_CODES:
+                raise ReshardError(f"{self.path}: safetensors has no dtype for {t.dtype} ({t.key})")
+            entries[t.key] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return struct.pack("<Q", len(text)) + text
+
+
+class SafetensorsWriter:
+    """Writes the header, then each storage's bytes in order through `storage(key, nbytes)`."""
+
+    def __init__(self, path: str, header: bytes, storages: list):
+        self.path = path
+        self.header = header
+        self.storages = list(storages)
+        self._file = None
+        self._next = 0
+
+    def __enter__(self):
+        self._file = open(self.path, "wb")
+        total = len(self.header) + sum(s.nbytes for s in self.storages)
+        try:
+            os.posix_fallocate(self._file.fileno(), 0, total)
+        except OSError:
+            pass
+        self._file.write(self.header)
+        return self
+
+    def storage(self, key: str, nbytes: int):
+        expected = self.storages[self._next]
+        if expected.key != key or expected.nbytes != nbytes:
+            raise AssertionError(f"{self.path}: storage {key} written out of order")
+        self._next += 1
+        return _Unclosable(self._file)
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+
+class _Unclosable:
+    """The file, as a stream the caller may 'close' after each tensor."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data) -> int:
+        return self._f.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
