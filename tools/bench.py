@@ -4,10 +4,11 @@
     python tools/bench.py make DIR [--params 170e6] [--dp 8] [--stage 3] [--dtype bf16]
         Train a stack of Linear layers one step with the real DeepSpeed engine (torchrun, CPU,
         gloo, ZeRO-3 params built partitioned) and save a checkpoint of about 12 bytes/param.
-    python tools/bench.py run SRC [--to dp=4 --to dp=3] [--repeat 3] [--json out.json]
-        Alternate `cp -r SRC` and `reshard convert SRC --to ...` (caches dropped before each run
-        when permitted), median of --repeat runs; print wall time, ratio to cp, bytes read and
-        written (block I/O), and the peak RSS of each command's process.
+    python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--repeat 3] [--json out.json]
+        Alternate `cp -r SRC` (+ sync), `reshard convert SRC --to ...` and, with --export,
+        `reshard export` and DeepSpeed's zero_to_fp32 (caches dropped before each run when
+        permitted); median of --repeat runs; print wall time, ratio to cp, bytes read and written
+        (block I/O), and the peak RSS of each command's process.
 
 Nothing here is asserted: it prints figures for people (see README's Performance section).
 """
@@ -93,6 +94,10 @@ def run(args):
     commands = {"cp -r": lambda dst: ["sh", "-c", 'cp -r "$0" "$1" && sync', src, dst]}
     for spec in args.to:
         commands[f"convert {spec}"] = (lambda s: lambda dst: reshard + ["convert", src, dst, "--to", s, "--quiet"])(spec)
+    if args.export:
+        commands["export fp32"] = lambda dst: reshard + ["export", src, dst + ".safetensors", "--quiet"]
+        script = os.path.join(src, "zero_to_fp32.py")
+        commands["zero_to_fp32"] = lambda dst: [sys.executable, script, src, dst, "--safe_serialization"]
     samples = {name: [] for name in commands}
     cold = True
     try:
@@ -101,7 +106,11 @@ def run(args):
                 dst = os.path.join(work, "out")
                 cold = _drop_caches() and cold
                 samples[name].append(_measure(make_cmd(dst)))
-                shutil.rmtree(dst)
+                for leftover in (dst, dst + ".safetensors"):
+                    if os.path.isdir(leftover):
+                        shutil.rmtree(leftover)
+                    elif os.path.exists(leftover):
+                        os.remove(leftover)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = statistics.median(s["seconds"] for s in samples["cp -r"])
@@ -149,6 +158,7 @@ def main():
     r.add_argument("--to", action="append", default=None)
     r.add_argument("--repeat", type=int, default=3)
     r.add_argument("--workdir", help="where outputs go (default: beside the source)")
+    r.add_argument("--export", action="store_true", help="also time `reshard export` and DeepSpeed's zero_to_fp32")
     r.add_argument("--json")
     args = p.parse_args()
     if args.cmd == "run" and not args.to:

@@ -1,0 +1,50 @@
+"""A Llama trained with DeepSpeed, exported by reshard, loads in transformers with the engine's logits."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+
+pytestmark = pytest.mark.engine
+CASES = [("2", "fp32"), ("3", "bf16")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"zero{s}-{d}" for s, d in CASES])
+def trained(request, tmp_path_factory):
+    stage, dtype = request.param
+    out = tmp_path_factory.mktemp(f"llama-zero{stage}-{dtype}")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29377",
+                           str(REPO / "tests" / "engine_llama.py"), str(out), stage, dtype],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return out, dtype
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_from_pretrained_gives_the_engine_logits(trained, shard, tmp_path):
+    from transformers import LlamaForCausalLM
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine_llama import probe
+
+    out, dtype = trained
+    export = tmp_path / "export"
+    args = ["--dtype", "auto"] + (["--max-shard-size", shard] if shard else [])
+    run_cli("export", out / "checkpoint", export, "--quiet", *args, check=0)
+    if shard:
+        assert (export / "model.safetensors.index.json").exists()
+        assert len(list(export.glob("model-*-of-*.safetensors"))) > 1
+    shutil.copy(out / "hf_config" / "config.json", export / "config.json")
+    model = LlamaForCausalLM.from_pretrained(export, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model.eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()   # re-tied
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+    expected = torch.load(out / "logits.pt")
+    assert logits.dtype == expected.dtype
+    assert torch.equal(logits, expected), (logits - expected).abs().max()
