@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import reshard
@@ -16,7 +17,8 @@ def main(argv=None) -> int:
     try:
         return args.run(args)
     except ReshardError as e:
-        print(f"reshard: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":     # under torchrun, one line from rank 0
+            print(f"reshard: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)
@@ -177,9 +179,10 @@ def _convert(args) -> int:
     if args.dry_run:
         _print_plan(catalog, plan, args.dst, args.memory_budget, args.workers, False)
         return 0
+    group = _group()
     execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
-            progress=not args.quiet)
-    if not args.quiet:
+            progress=not args.quiet, group=group)
+    if not args.quiet and group.rank == 0:
         print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
               f"{human_bytes(plan.bytes_written)}")
     return 0
@@ -195,11 +198,18 @@ def _export(args) -> int:
                            f"first: {report.problems[0]}); run `reshard validate`")
     plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
+    group = _group()
     execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
-            progress=not args.quiet, single_file=single_file)
-    if not args.quiet:
+            progress=not args.quiet, single_file=single_file, group=group)
+    if not args.quiet and group.rank == 0:
         print(f"wrote {args.out}: {len(plan.files)} file(s), {human_bytes(plan.bytes_written)}")
     return 0
+
+
+def _group():
+    """Under torchrun, the ranks share the files of one plan; otherwise this process writes them all."""
+    from reshard.distributed import Solo, TorchGroup, launched_by_torchrun
+    return TorchGroup() if launched_by_torchrun() else Solo()
 
 
 def _print_plan(catalog, plan, dst, memory_budget, workers, as_json):

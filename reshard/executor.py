@@ -18,6 +18,7 @@ import numpy as np
 
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import ReshardError
+from reshard.distributed import Solo, share
 from reshard.formats import container_writer
 from reshard.planner import Copy, FilePlan, Plan
 
@@ -51,45 +52,76 @@ def check_destination(source_root: str, dst: str, overwrite: bool, single_file: 
 
 
 def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-            workers: int = 1, progress: bool = True, single_file: bool = False) -> None:
-    """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`)."""
-    check_destination(plan.source, dst, overwrite, single_file)
+            workers: int = 1, progress: bool = True, single_file: bool = False, group=None) -> None:
+    """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`).
+
+    With a `group` (reshard.distributed) every rank writes its share of the files into the same
+    temporary directory; rank 0 commits once all ranks report success.
+    """
+    group = group or Solo()
     dst = os.path.abspath(dst)
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(dst)}.reshard-tmp-{os.getpid()}")
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
+    tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.reshard-tmp-{os.getpid()}")
+    if group.rank == 0:
+        try:
+            check_destination(plan.source, dst, overwrite, single_file)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            _make_dirs(plan, tmp)
+        except ReshardError as e:
+            tmp = e
+    tmp = group.broadcast(tmp)
+    if isinstance(tmp, ReshardError):
+        raise tmp
+    mine = share(plan.files, group.rank, group.world)
+    error = None
     try:
-        os.makedirs(tmp)
-        _write_all(plan, tmp, chunk_bytes(memory_budget, workers), workers, progress)
-        if single_file:
-            (only,) = plan.files
-            os.replace(os.path.join(tmp, only.path), dst)
-            _fsync(os.path.dirname(dst))
-            shutil.rmtree(tmp)
-        else:
-            _commit(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _write_files(mine, tmp, chunk_bytes(memory_budget, workers), workers,
+                     _progress(sum(f.nbytes for f in mine), progress and group.rank == 0))
+    except BaseException as e:      # report to the others first, then re-raise
+        error = e
+    everyone_ok = group.all_ok(error is None)
+    if group.rank == 0:
+        try:
+            if not everyone_ok:
+                raise error or ReshardError(f"{dst}: another rank failed; nothing was written")
+            _write_small_files(plan, tmp)
+            if single_file:
+                (only,) = plan.files
+                os.replace(os.path.join(tmp, only.path), dst)
+                _fsync(os.path.dirname(dst))
+                shutil.rmtree(tmp)
+            else:
+                _commit(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    elif error is not None:
+        raise error
+    elif not everyone_ok:
+        raise ReshardError(f"{dst}: another rank failed; nothing was written")
 
 
-def _write_all(plan: Plan, root: str, chunk: int, workers: int, progress: bool) -> None:
+def _make_dirs(plan: Plan, root: str) -> None:
+    os.makedirs(root)
     for directory in sorted({os.path.dirname(f.path) for f in plan.files} | {os.path.dirname(t.path) for t in plan.texts}):
         os.makedirs(os.path.join(root, directory), exist_ok=True)
-    bar = _progress(plan.bytes_written, progress)
+
+
+def _write_files(files, root: str, chunk: int, workers: int, bar) -> None:
     try:
-        if workers > 1 and len(plan.files) > 1:
+        if workers > 1 and len(files) > 1:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                jobs = [pool.submit(write_file, f, root, chunk) for f in _balanced(plan.files)]
+                jobs = [pool.submit(write_file, f, root, chunk) for f in _balanced(files)]
                 for job in jobs:
                     bar.update(job.result())
         else:
-            for f in plan.files:
+            for f in files:
                 write_file(f, root, chunk, bar.update)
     finally:
         bar.close()
+
+
+def _write_small_files(plan: Plan, root: str) -> None:
     for copied in plan.copied:
         shutil.copyfile(copied.source, os.path.join(root, copied.path))
         _fsync(os.path.join(root, copied.path))
@@ -230,4 +262,4 @@ def _commit(tmp: str, dst: str) -> None:
 def _progress(total: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing",
-                disable=not enabled or not sys.stderr.isatty() and enabled == "auto", file=sys.stderr)
+                disable=not enabled, file=sys.stderr)

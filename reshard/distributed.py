@@ -1,0 +1,60 @@
+"""Who writes what when several processes execute one plan (torchrun, or --workers).
+
+A Group gives this process's rank, the world size, and two collectives: broadcast a small object
+from rank 0, and agree that every rank succeeded. `Solo` is the single-process case; `TorchGroup`
+uses torch.distributed (gloo), as set up by torchrun's environment variables.
+"""
+from __future__ import annotations
+
+import os
+
+
+class Solo:
+    rank, world = 0, 1
+
+    def broadcast(self, obj):
+        return obj
+
+    def all_ok(self, ok: bool) -> bool:
+        return ok
+
+
+class TorchGroup:
+    """torch.distributed over gloo, initialised from torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self._dist = dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def broadcast(self, obj):
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_ok(self, ok: bool) -> bool:
+        import torch
+        flag = torch.tensor([0 if ok else 1])
+        self._dist.all_reduce(flag)
+        return int(flag) == 0
+
+    def close(self):
+        self._dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def share(files: list, rank: int, world: int) -> list:
+    """This rank's files: largest first, each to the least loaded rank (the same answer on every rank)."""
+    loads = [0] * world
+    mine = []
+    for index, f in sorted(enumerate(files), key=lambda item: (-item[1].nbytes, item[0])):
+        owner = min(range(world), key=lambda r: (loads[r], r))
+        loads[owner] += f.nbytes
+        if owner == rank:
+            mine.append(f)
+    return mine

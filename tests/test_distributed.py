@@ -1,0 +1,45 @@
+"""`torchrun -m reshard convert|export`: the ranks share the files; output identical to one process."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, fixture_dir, run_cli
+
+
+def _torchrun(k, *args):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([torchrun, "--nproc_per_node", str(k), "--master_port", str(29700 + k), "-m", "reshard",
+                           *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+
+
+def _tree(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_ranks_write_their_share_and_rank0_commits(k, tmp_path):
+    src = fixture_dir("z3_fp32_frozen_tied_dp2")
+    run_cli("convert", src, tmp_path / "single", "--to", "dp=5,zero=1", "--quiet", check=0)
+    proc = _torchrun(k, "convert", src, tmp_path / "multi", "--to", "dp=5,zero=1", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _tree(tmp_path / "single") == _tree(tmp_path / "multi")
+    assert not [p for p in tmp_path.iterdir() if "reshard-tmp" in p.name]
+
+    run_cli("export", src, tmp_path / "single-export", "--max-shard-size", "1KB", "--quiet", check=0)
+    proc = _torchrun(k, "export", src, tmp_path / "multi-export", "--max-shard-size", "1KB", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _tree(tmp_path / "single-export") == _tree(tmp_path / "multi-export")
+
+
+def test_a_refusal_is_one_line_from_rank0(tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep").write_text("x")
+    proc = _torchrun(2, "convert", fixture_dir("z2_fp32_dp2"), busy, "--to", "dp=3")
+    assert proc.returncode != 0
+    assert [line for line in proc.stderr.splitlines() if line.startswith("reshard:")] == \
+        [f"reshard: {busy}: exists and is not empty (use --overwrite to replace it)"]
+    assert (busy / "keep").read_text() == "x"
