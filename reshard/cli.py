@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                        "(exit 0 complete, 1 not, 2 usage)")
     _source_args(p)
     p.add_argument("--deep", action="store_true", help="also read the bytes and report NaN/Inf")
+    p.add_argument("--checksums", action="store_true",
+                   help="verify every file's sha256 against the reshard manifest (convert/export write one)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_validate)
 
@@ -150,7 +152,8 @@ def _inspect(args) -> int:
 
 
 def _validate(args) -> int:
-    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag), deep=args.deep)
+    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag), deep=args.deep,
+                              checksums=args.checksums)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()

@@ -18,6 +18,9 @@ class Solo:
     def all_ok(self, ok: bool) -> bool:
         return ok
 
+    def gather_dicts(self, mine: dict) -> dict:
+        return dict(mine)
+
 
 class TorchGroup:
     """torch.distributed over gloo, initialised from torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
@@ -39,6 +42,12 @@ class TorchGroup:
         flag = torch.tensor([0 if ok else 1])
         self._dist.all_reduce(flag)
         return int(flag) == 0
+
+    def gather_dicts(self, mine: dict) -> dict:
+        """Every rank's dict merged (on every rank)."""
+        parts = [None] * self.world
+        self._dist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in part.items()}
 
     def close(self):
         self._dist.destroy_process_group()

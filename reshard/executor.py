@@ -8,6 +8,7 @@ everything is complete; on any failure the temporary directory is removed.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import sys
@@ -16,6 +17,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 
+from reshard import manifest
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
@@ -73,24 +75,30 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     if isinstance(tmp, ReshardError):
         raise tmp
     mine = share(plan.files, group.rank, group.world)
-    error = None
+    error, digests = None, {}
     try:
-        _write_files(mine, tmp, chunk_bytes(memory_budget, workers), workers,
-                     _progress(sum(f.nbytes for f in mine), progress and group.rank == 0))
+        digests = _write_files(mine, tmp, chunk_bytes(memory_budget, workers), workers,
+                               _progress(sum(f.nbytes for f in mine), progress and group.rank == 0))
     except BaseException as e:      # report to the others first, then re-raise
         error = e
     everyone_ok = group.all_ok(error is None)
+    digests = group.gather_dicts(digests)
     if group.rank == 0:
         try:
             if not everyone_ok:
                 raise error or ReshardError(f"{dst}: another rank failed; nothing was written")
-            _write_small_files(plan, tmp)
+            digests.update(_write_small_files(plan, tmp))
+            record = manifest.build(plan, digests)
             if single_file:
                 (only,) = plan.files
+                record["files"] = {os.path.basename(dst): record["files"][only.path]}
+                _write_text(os.path.join(tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
                 os.replace(os.path.join(tmp, only.path), dst)
+                os.replace(os.path.join(tmp, manifest.NAME), f"{dst}.{manifest.NAME}")
                 _fsync(os.path.dirname(dst))
                 shutil.rmtree(tmp)
             else:
+                _write_text(os.path.join(tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
                 _commit(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -107,37 +115,50 @@ def _make_dirs(plan: Plan, root: str) -> None:
         os.makedirs(os.path.join(root, directory), exist_ok=True)
 
 
-def _write_files(files, root: str, chunk: int, workers: int, bar) -> None:
+def _write_files(files, root: str, chunk: int, workers: int, bar) -> dict:
+    """Write the files; returns {path: (size, sha256)}."""
+    digests = {}
     try:
         if workers > 1 and len(files) > 1:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                jobs = [pool.submit(write_file, f, root, chunk) for f in _balanced(files)]
-                for job in jobs:
-                    bar.update(job.result())
+                jobs = {pool.submit(write_file, f, root, chunk): f for f in _balanced(files)}
+                for job, f in jobs.items():
+                    path, size, sha = job.result()
+                    digests[path] = (size, sha)
+                    bar.update(f.nbytes)
         else:
             for f in files:
-                write_file(f, root, chunk, bar.update)
+                path, size, sha = write_file(f, root, chunk, bar.update)
+                digests[path] = (size, sha)
     finally:
         bar.close()
+    return digests
 
 
-def _write_small_files(plan: Plan, root: str) -> None:
+def _write_small_files(plan: Plan, root: str) -> dict:
+    digests = {}
     for copied in plan.copied:
         shutil.copyfile(copied.source, os.path.join(root, copied.path))
         _fsync(os.path.join(root, copied.path))
+        digests[copied.path] = manifest.file_digest(os.path.join(root, copied.path))
     for text in plan.texts:     # `latest` last: it names the tag only once the tag is whole
-        path = os.path.join(root, text.path)
-        with open(path, "w") as fh:
-            fh.write(text.text)
-        _fsync(path)
+        _write_text(os.path.join(root, text.path), text.text)
+        digests[text.path] = manifest.file_digest(os.path.join(root, text.path))
+    return digests
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+    _fsync(path)
 
 
 def _balanced(files):
     return sorted(files, key=lambda f: -f.nbytes)
 
 
-def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> int:
-    """Write one target file; returns its storage bytes. Runs in worker processes too.
+def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
+    """Write one target file; returns (path, size, sha256). Runs in worker processes too.
 
     A reader thread fetches (and casts) the next blocks while this thread writes the current
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
@@ -145,8 +166,8 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> int:
     path = os.path.join(root, plan.path)
     sources = _SourceFiles()
     try:
-        with ThreadPoolExecutor(max_workers=1) as reader, \
-                container_writer(plan.container)(path, plan.header, plan.storages, **plan.options) as zw:
+        writer = container_writer(plan.container)(path, plan.header, plan.storages, **plan.options)
+        with ThreadPoolExecutor(max_workers=1) as reader, writer as zw:
             for storage in plan.storages:
                 with zw.storage(storage.key, storage.nbytes) as out:
                     for block in _read_ahead(reader, _blocks(storage, chunk, sources)):
@@ -158,7 +179,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> int:
     finally:
         sources.close()
     _fsync(path)
-    return plan.nbytes
+    return plan.path, writer.size, writer.sha256
 
 
 def _read_ahead(pool, tasks):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from reshard import manifest
 from reshard.catalog import MASTER, Catalog
 from reshard.dtypes import is_floating
 from reshard.geometry import coverage, total_length
@@ -26,6 +27,7 @@ class Report:
     duplicate_elements: int = 0
     files: int = 0
     deep: bool = False
+    manifest: str | None = None     # the manifest checked, if any
 
     @property
     def ok(self) -> bool:
@@ -44,21 +46,37 @@ class Report:
             text += f"; {self.duplicate_elements:,} elements held twice"
         if self.deep:
             text += "; bytes checked for NaN/Inf"
+        if self.manifest:
+            text += f"; files checked against {os.path.basename(self.manifest)}"
         return text
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "problems": self.problems, "tensors": self.tensors, "elements": self.elements,
                 "missing_elements": self.missing_elements, "missing_fraction": self.missing_fraction,
-                "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep}
+                "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep,
+                "manifest": self.manifest}
 
 
-def validate(catalog: Catalog, deep: bool = False) -> Report:
+def validate(catalog: Catalog, deep: bool = False, checksums: bool = False) -> Report:
+    """`deep` reads every byte for NaN/Inf; `checksums` verifies the sha256 of every file against the
+    reshard manifest (sizes are checked whenever a manifest is there)."""
     report = Report(problems=list(catalog.problems), files=len(catalog.files), deep=deep)
     _check_coverage(catalog, report)
     _check_states_present(catalog, report)
+    _check_manifest(catalog, report, checksums)
     if deep:
         _check_values(catalog, report)
     return report
+
+
+def _check_manifest(catalog, report, checksums):
+    found = manifest.find(catalog.root)
+    if found:
+        report.problems += manifest.verify(found, checksums, within=catalog.root)
+        report.manifest = found
+    elif checksums:
+        report.problems.append(f"{catalog.root}: no {manifest.NAME} to check against (written by reshard "
+                               "convert and export)")
 
 
 def _where(catalog, tensor) -> str:

@@ -189,3 +189,28 @@ def test_workers_descriptor_and_tag_out(tmp_path):
     assert (tmp_path / "renamed" / "latest").read_text().strip() == "resharded"
     assert reshard.open_checkpoint(tmp_path / "renamed").state["tag"] == "resharded"
     assert run_cli("convert", src, tmp_path / "x", "--to", "dp=2", "--memory-budget", "lots").returncode == 2
+
+
+def test_manifest_records_every_file_and_validate_checks_it(tmp_path):
+    import hashlib
+    import json
+    out = tmp_path / "out"
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", check=0)
+    manifest = json.loads((out / "reshard-manifest.json").read_text())
+    files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"reshard-manifest.json"}
+    assert set(manifest["files"]) == files
+    for rel, entry in manifest["files"].items():
+        data = (out / rel).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest["source"]["topology"] == "dp=2,tp=1,pp=1,zero=2" and manifest["reshard_version"]
+    assert "files checked against" in run_cli("validate", out, "--checksums", check=0).stdout
+
+    victim = out / "global_step3" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[-200] ^= 0xFF          # same size, one flipped byte in the zip's central directory
+    victim.write_bytes(bytes(data))
+    proc = run_cli("validate", out, "--checksums", check=1)
+    assert any(str(victim) in line and "sha256" in line for line in proc.stdout.splitlines()), proc.stdout
+    victim.write_bytes(bytes(data) + b"x")
+    proc = run_cli("validate", out, check=1)    # sizes are checked even without --checksums
+    assert any(str(victim) in line and "manifest says" in line for line in proc.stdout.splitlines())

@@ -4,11 +4,12 @@
     python tools/bench.py make DIR [--params 170e6] [--dp 8] [--stage 3] [--dtype bf16]
         Train a stack of Linear layers one step with the real DeepSpeed engine (torchrun, CPU,
         gloo, ZeRO-3 params built partitioned) and save a checkpoint of about 12 bytes/param.
-    python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--repeat 3] [--json out.json]
+    python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--repeat 3] [--json out.json]
         Alternate `cp -r SRC` (+ sync), `reshard convert SRC --to ...` and, with --export,
-        `reshard export` and DeepSpeed's zero_to_fp32 (caches dropped before each run when
+        `reshard export` and DeepSpeed's zero_to_fp32, with --universal DeepSpeed's ds_to_universal
+        (caches dropped before each run when
         permitted); median of --repeat runs; print wall time, ratio to cp, bytes read and written
-        (block I/O), and the peak RSS of each command's process.
+        (block I/O), and the peak RSS of each command's whole process tree.
 
 Nothing here is asserted: it prints figures for people (see README's Performance section).
 """
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,15 +75,49 @@ def _drop_caches() -> bool:
         return False
 
 
+def _tree_rss(root: int) -> int:
+    """Resident bytes of a process and all its descendants (the whole tree, summed)."""
+    children, rss = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
 def _measure(cmd):
-    """Wall seconds, peak RSS (bytes) and block I/O (bytes read, written) of one command."""
+    """Wall seconds, peak RSS of the process tree (sampled), block I/O bytes read and written."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = [0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            stop.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stderr = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
+    stop.set()
+    sampler.join()
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-2000:]}")
-    return {"seconds": wall, "peak_rss": usage.ru_maxrss * 1024,
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{stderr.decode()[-2000:]}")
+    return {"seconds": wall, "peak_rss": max(peak[0], usage.ru_maxrss * 1024),
             "read": usage.ru_inblock * 512, "written": usage.ru_oublock * 512}
 
 
@@ -98,6 +134,12 @@ def run(args):
         commands["export fp32"] = lambda dst: reshard + ["export", src, dst + ".safetensors", "--quiet"]
         script = os.path.join(src, "zero_to_fp32.py")
         commands["zero_to_fp32"] = lambda dst: [sys.executable, script, src, dst, "--safe_serialization"]
+    if args.universal:
+        with open(os.path.join(src, "latest")) as f:
+            tag_dir = os.path.join(src, f.read().strip())
+        commands["ds_to_universal"] = lambda dst: [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                                                   "--input_folder", tag_dir, "--output_folder", dst,
+                                                   "--inject_missing_state"]
     samples = {name: [] for name in commands}
     cold = True
     try:
@@ -124,12 +166,17 @@ def run(args):
         row["ratio_to_cp"] = row["median_seconds"] / base
         row["gb_per_s"] = size / 1e9 / row["median_seconds"]
         table.append(row)
+    by_name = {r["command"]: r for r in table}
+    for ours, theirs in (("export fp32", "zero_to_fp32"),) + tuple((f"convert {t}", "ds_to_universal") for t in args.to):
+        if ours in by_name and theirs in by_name:
+            by_name[ours][f"ratio_to_{theirs}"] = by_name[ours]["median_seconds"] / by_name[theirs]["median_seconds"]
     print(f"source {src}: {size / 1e9:.2f} GB; {args.repeat} alternating runs; caches "
           f"{'dropped before each run' if cold else 'NOT dropped (no permission)'}")
     print(f"{'command':<20} {'median s':>9} {'x cp':>6} {'GB/s':>6} {'read GB':>8} {'written GB':>10} {'peak RSS MiB':>13}")
     for r in table:
+        versus = ", ".join(f"{v:.2f}x {k[9:]}" for k, v in r.items() if k.startswith("ratio_to_") and k != "ratio_to_cp")
         print(f"{r['command']:<20} {r['median_seconds']:>9.2f} {r['ratio_to_cp']:>6.2f} {r['gb_per_s']:>6.2f} "
-              f"{r['read_gb']:>8.2f} {r['written_gb']:>10.2f} {r['peak_rss_mib']:>13.0f}")
+              f"{r['read_gb']:>8.2f} {r['written_gb']:>10.2f} {r['peak_rss_mib']:>13.0f}  {versus}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": src, "bytes": size, "cold": cold, "rows": table}, f, indent=1)
@@ -159,6 +206,7 @@ def main():
     r.add_argument("--repeat", type=int, default=3)
     r.add_argument("--workdir", help="where outputs go (default: beside the source)")
     r.add_argument("--export", action="store_true", help="also time `reshard export` and DeepSpeed's zero_to_fp32")
+    r.add_argument("--universal", action="store_true", help="also time DeepSpeed's ds_to_universal")
     r.add_argument("--json")
     args = p.parse_args()
     if args.cmd == "run" and not args.to:

@@ -8,12 +8,12 @@ safetensors library orders them), so each tensor starts aligned to its own eleme
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
+from reshard.formats.torchsave import HashingSink
 from reshard.targets import TensorFile
 
 DTYPE_CODES = {
@@ -61,14 +61,10 @@ class SafetensorsWriter:
         self.storages = list(storages)
         self._file = None
         self._next = 0
+        self.size = self.sha256 = None
 
     def __enter__(self):
-        self._file = open(self.path, "wb")
-        total = len(self.header) + sum(s.nbytes for s in self.storages)
-        try:
-            os.posix_fallocate(self._file.fileno(), 0, total)
-        except OSError:
-            pass
+        self._file = HashingSink(self.path, len(self.header) + sum(s.nbytes for s in self.storages))
         self._file.write(self.header)
         return self
 
@@ -80,6 +76,7 @@ class SafetensorsWriter:
         return _Unclosable(self._file)
 
     def __exit__(self, *exc):
+        self.size, self.sha256 = self._file.size, self._file.sha256
         self._file.close()
 
 

@@ -119,12 +119,58 @@ def pickle_tree(tree) -> bytes:
     return buf.getvalue()
 
 
+class HashingSink(io.RawIOBase):
+    """A file written strictly front to back, hashed (sha256) as it goes.
+
+    It claims not to be seekable, so zipfile streams each member and appends a data descriptor
+    instead of seeking back to patch its header: the bytes hashed are the bytes on disk.
+    """
+
+    def __init__(self, path: str, reserve: int = 0):
+        super().__init__()
+        self._file = open(path, "wb")
+        self._sha = hashlib.sha256()
+        self.size = 0
+        if reserve:
+            # Reserve the blocks up front: filling a sparse file costs this disk several times the write.
+            try:
+                os.posix_fallocate(self._file.fileno(), 0, reserve)
+            except OSError:
+                pass    # a filesystem without fallocate: write as usual
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def write(self, data) -> int:
+        self._sha.update(data)
+        written = self._file.write(data)
+        self.size += written
+        return written
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.truncate(self.size)    # give back the unused reservation
+            self._file.close()
+        super().close()
+
+
 class TorchZipWriter:
     """A torch.save zip archive written front to back: data.pkl, then each storage streamed in.
 
     Storage members are stored (uncompressed) with their data 64-byte aligned, as torch.save does,
     so `torch.load(mmap=True)` maps them in place. Use as a context manager; call `storage(key)`
     for each storage in the order given and write exactly its byte count into the returned stream.
+    Afterwards `size` and `sha256` describe the file.
     """
 
     def __init__(self, path: str, data_pkl: bytes, storages: list, archive: str = "archive"):
@@ -133,7 +179,8 @@ class TorchZipWriter:
         self.data_pkl = data_pkl
         self.storages = list(storages)           # objects with .key and .nbytes, in write order
         self._zip = None
-        self._file = None
+        self._sink = None
+        self.size = self.sha256 = None
 
     def size_bound(self) -> int:
         """At least the archive's final size: data plus generous room for headers and alignment."""
@@ -141,13 +188,8 @@ class TorchZipWriter:
         return len(self.data_pkl) + sum(s.nbytes for s in self.storages) + members * (ALIGNMENT + 256) + 1024
 
     def __enter__(self):
-        self._file = open(self.path, "wb")
-        # Reserve the blocks up front: filling a sparse file costs this disk several times the write.
-        try:
-            os.posix_fallocate(self._file.fileno(), 0, self.size_bound())
-        except OSError:
-            pass    # a filesystem without fallocate: write as usual
-        self._zip = zipfile.ZipFile(self._file, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self._sink = HashingSink(self.path, self.size_bound())
+        self._zip = zipfile.ZipFile(self._sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
         self._put("data.pkl", self.data_pkl)
         self._put(".format_version", b"1")
         self._put(".storage_alignment", str(ALIGNMENT).encode())
@@ -156,7 +198,7 @@ class TorchZipWriter:
 
     def storage(self, key: str, nbytes: int):
         """A write stream for storage `key` (exactly `nbytes` must be written, then closed)."""
-        return self._zip.open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=nbytes >= 0xFFFFFFFF)
+        return self._zip.open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=_zip64(nbytes))
 
     def __exit__(self, exc_type, *exc):
         try:
@@ -165,9 +207,9 @@ class TorchZipWriter:
                 digest = hashlib.sha1(self.data_pkl).hexdigest()
                 self._put(".data/serialization_id", digest.encode())
             self._zip.close()
-            self._file.truncate(self._file.tell())    # give back the unused reservation
+            self.size, self.sha256 = self._sink.size, self._sink.sha256
         finally:
-            self._file.close()
+            self._sink.close()
 
     def _put(self, name: str, data: bytes) -> None:
         with self._zip.open(self._aligned_info(name, len(data)), "w") as f:
@@ -177,8 +219,12 @@ class TorchZipWriter:
         info = zipfile.ZipInfo(f"{self.archive}/{name}", date_time=_FIXED_TIME)
         info.compress_type = zipfile.ZIP_STORED
         info.file_size = nbytes
-        zip64_extra = 20 if nbytes >= 0xFFFFFFFF else 0
-        header_end = self._file.tell() + 30 + len(info.filename.encode()) + zip64_extra
+        zip64_extra = 20 if _zip64(nbytes) else 0
+        header_end = self._sink.tell() + 30 + len(info.filename.encode()) + zip64_extra
         pad = (-(header_end + 4)) % ALIGNMENT
         info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad   # the padding field torch uses ("FB")
         return info
+
+
+def _zip64(nbytes: int) -> bool:
+    return nbytes * 1.05 > zipfile.ZIP64_LIMIT    # zipfile's own rule for a member of known size

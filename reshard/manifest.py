@@ -1,0 +1,87 @@
+"""The integrity manifest every convert and export writes, and its verification.
+
+`reshard-manifest.json` at the top of the output lists each file's size and sha256 (computed as
+the bytes were written), the reshard version, where the data came from (the source's files with
+their sizes and modification times) and a summary of the plan. `verify` re-reads the files:
+sizes always, hashes when asked (`reshard validate --checksums`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+NAME = "reshard-manifest.json"
+KIND = "reshard.manifest"
+
+
+def build(plan, digests: dict) -> dict:
+    from reshard import __version__
+    source_files = sorted({op.src_file for f in plan.files for s in f.storages for op in s.ops
+                           if hasattr(op, "src_file")})
+    summary = plan.summary()
+    return {
+        "kind": KIND, "version": 1, "reshard_version": __version__,
+        "source": {"path": plan.source, "topology": summary["source_topology"],
+                   "files": [_identity(p) for p in source_files]},
+        "target": {"topology": summary["target_topology"], "tag": plan.tag},
+        "bytes_read": summary["bytes_read"], "bytes_written": summary["bytes_written"],
+        "files": {path: {"size": size, "sha256": sha} for path, (size, sha) in sorted(digests.items())},
+    }
+
+
+def _identity(path: str) -> dict:
+    st = os.stat(path)
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def file_digest(path: str) -> tuple:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+            size += len(block)
+    return size, sha.hexdigest()
+
+
+def find(root: str) -> str | None:
+    """The manifest governing a checkpoint directory (its own, or its save dir's for a tag folder)."""
+    for folder in (root, os.path.dirname(root)):
+        path = os.path.join(folder, NAME)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def verify(path: str, checksums: bool, within: str | None = None) -> list:
+    """Problems, one line each: unreadable manifest, missing files, size or sha256 mismatches.
+
+    `within` limits the check to the files under one folder (the tag being validated: a save dir
+    that training later adds tags to, and rewrites `latest` in, is still whole for this tag).
+    """
+    folder = os.path.dirname(path)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"{path}: unreadable manifest ({e})"]
+    if not isinstance(manifest, dict) or manifest.get("kind") != KIND or not isinstance(manifest.get("files"), dict):
+        return [f"{path}: not a reshard manifest"]
+    problems = []
+    for rel, entry in manifest["files"].items():
+        target = os.path.normpath(os.path.join(folder, rel))
+        if not target.startswith(folder + os.sep):
+            problems.append(f"{path}: names a file outside its folder: {rel}")
+            continue
+        if within and not target.startswith(os.path.abspath(within) + os.sep):
+            continue
+        if not os.path.isfile(target):
+            problems.append(f"{target}: missing (listed in {NAME})")
+            continue
+        size = os.path.getsize(target)
+        if size != entry.get("size"):
+            problems.append(f"{target}: {size} bytes, the manifest says {entry.get('size')}")
+        elif checksums and file_digest(target)[1] != entry.get("sha256"):
+            problems.append(f"{target}: sha256 differs from the manifest (changed after it was written)")
+    return problems
