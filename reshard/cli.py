@@ -20,6 +20,9 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":     # under torchrun, one line from rank 0
             print(f"reshard: {e}", file=sys.stderr)
         return 1
+    except OSError as e:       # an I/O failure no layer turned into a ReshardError: still one line
+        print(f"reshard: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)
         return 130
@@ -70,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE",
                    help="bound on copy buffers (default 512MiB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    p.add_argument("--resume", action="store_true",
+                   help="after an interrupted run, keep the files it finished (checked by sha256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_convert)
 
@@ -89,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="fp32 master copy (default) or the saved 16-bit module copy where there is one")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--resume", action="store_true",
+                   help="after an interrupted run, keep the files it finished (checked by sha256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_export)
     return parser
@@ -184,7 +191,7 @@ def _convert(args) -> int:
         return 0
     group = _group()
     execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
-            progress=not args.quiet, group=group)
+            progress=not args.quiet, resume=args.resume, group=group)
     if not args.quiet and group.rank == 0:
         print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
               f"{human_bytes(plan.bytes_written)}")
@@ -203,7 +210,7 @@ def _export(args) -> int:
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
     group = _group()
     execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
-            progress=not args.quiet, single_file=single_file, group=group)
+            progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
     if not args.quiet and group.rank == 0:
         print(f"wrote {args.out}: {len(plan.files)} file(s), {human_bytes(plan.bytes_written)}")
     return 0

@@ -7,6 +7,7 @@ everything is complete; on any failure the temporary directory is removed.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -54,81 +55,178 @@ def check_destination(source_root: str, dst: str, overwrite: bool, single_file: 
 
 
 def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-            workers: int = 1, progress: bool = True, single_file: bool = False, group=None) -> None:
+            workers: int = 1, progress: bool = True, single_file: bool = False, resume: bool = False,
+            group=None) -> None:
     """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`).
 
-    With a `group` (reshard.distributed) every rank writes its share of the files into the same
-    temporary directory; rank 0 commits once all ranks report success.
+    Output is built in a temporary sibling (`.DST.reshard-tmp`) under a lock; each finished file
+    is journaled with its sha256, so after a crash `resume=True` keeps the files that are whole.
+    With a `group` (reshard.distributed) every rank writes its share; rank 0 commits once all
+    ranks report success. Any failure but a hard kill removes the temporary sibling.
     """
     group = group or Solo()
-    dst = os.path.abspath(dst)
-    tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.reshard-tmp-{os.getpid()}")
+    staging = Staging(dst)
+    problem = None
     if group.rank == 0:
         try:
-            check_destination(plan.source, dst, overwrite, single_file)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            _make_dirs(plan, tmp)
+            check_destination(plan.source, staging.dst, overwrite, single_file)
+            staging.acquire()
+            check_free_space(plan, staging, resume)
+            staging.prepare(plan, resume)
         except ReshardError as e:
-            tmp = e
-    tmp = group.broadcast(tmp)
-    if isinstance(tmp, ReshardError):
-        raise tmp
-    mine = share(plan.files, group.rank, group.world)
+            staging.release()
+            problem = e
+    problem = group.broadcast(problem)
+    if problem is not None:
+        raise problem
     error, digests = None, {}
     try:
-        digests = _write_files(mine, tmp, chunk_bytes(memory_budget, workers), workers,
+        mine = share(plan.files, group.rank, group.world)
+        digests = _write_files(mine, staging, chunk_bytes(memory_budget, workers), workers, resume,
                                _progress(sum(f.nbytes for f in mine), progress and group.rank == 0))
     except BaseException as e:      # report to the others first, then re-raise
         error = e
     everyone_ok = group.all_ok(error is None)
     digests = group.gather_dicts(digests)
-    if group.rank == 0:
-        try:
-            if not everyone_ok:
-                raise error or ReshardError(f"{dst}: another rank failed; nothing was written")
-            digests.update(_write_small_files(plan, tmp))
-            record = manifest.build(plan, digests)
-            if single_file:
-                (only,) = plan.files
-                record["files"] = {os.path.basename(dst): record["files"][only.path]}
-                _write_text(os.path.join(tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
-                os.replace(os.path.join(tmp, only.path), dst)
-                os.replace(os.path.join(tmp, manifest.NAME), f"{dst}.{manifest.NAME}")
-                _fsync(os.path.dirname(dst))
-                shutil.rmtree(tmp)
-            else:
-                _write_text(os.path.join(tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
-                _commit(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    elif error is not None:
-        raise error
-    elif not everyone_ok:
-        raise ReshardError(f"{dst}: another rank failed; nothing was written")
-
-
-def _make_dirs(plan: Plan, root: str) -> None:
-    os.makedirs(root)
-    for directory in sorted({os.path.dirname(f.path) for f in plan.files} | {os.path.dirname(t.path) for t in plan.texts}):
-        os.makedirs(os.path.join(root, directory), exist_ok=True)
-
-
-def _write_files(files, root: str, chunk: int, workers: int, bar) -> dict:
-    """Write the files; returns {path: (size, sha256)}."""
-    digests = {}
+    if group.rank != 0:
+        if error is not None:
+            raise error
+        if not everyone_ok:
+            raise ReshardError(f"{staging.dst}: another rank failed; nothing was written")
+        return
     try:
-        if workers > 1 and len(files) > 1:
+        if not everyone_ok:
+            raise error or ReshardError(f"{staging.dst}: another rank failed; nothing was written")
+        try:
+            digests.update(_write_small_files(plan, staging.tmp))
+            staging.commit(plan, digests, single_file)
+        except OSError as e:
+            raise ReshardError(f"{e.filename or staging.dst}: write failed: {e.strerror or e}") from None
+    except BaseException:
+        staging.discard()
+        raise
+    finally:
+        staging.release()
+
+
+def check_free_space(plan: Plan, staging, resume: bool) -> None:
+    need = plan.bytes_written - (staging.reusable_bytes() if resume else 0)
+    free = shutil.disk_usage(os.path.dirname(staging.dst)).free
+    if need > free:
+        raise ReshardError(f"{staging.dst}: needs {need / 2**30:.2f} GiB to write, "
+                           f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
+
+
+class Staging:
+    """The temporary sibling where output is built, its lock, and the journal of finished files."""
+
+    JOURNAL = ".reshard-journal"
+
+    def __init__(self, dst: str):
+        self.dst = os.path.abspath(dst)
+        parent, name = os.path.split(self.dst)
+        self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
+        self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
+        self._lock = None
+
+    def acquire(self) -> None:
+        os.makedirs(os.path.dirname(self.dst), exist_ok=True)
+        fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ReshardError(f"{self.dst}: another reshard is writing it (lock {self.lock_path} is held)") from None
+        self._lock = fd
+
+    def release(self) -> None:
+        if self._lock is not None:
+            try:
+                os.unlink(self.lock_path)
+            except OSError:
+                pass
+            os.close(self._lock)
+            self._lock = None
+
+    def prepare(self, plan: Plan, resume: bool) -> None:
+        if os.path.exists(self.tmp) and not resume:
+            shutil.rmtree(self.tmp)     # the leftovers of an interrupted run; --resume would keep them
+        os.makedirs(self.tmp, exist_ok=True)
+        for directory in {os.path.dirname(f.path) for f in plan.files} | {os.path.dirname(t.path) for t in plan.texts}:
+            os.makedirs(os.path.join(self.tmp, directory), exist_ok=True)
+
+    def finished(self) -> dict:
+        """Files a previous run completed: {path: (size, sha256)}, from the journal."""
+        done = {}
+        try:
+            with open(os.path.join(self.tmp, self.JOURNAL)) as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                        done[entry["path"]] = (entry["size"], entry["sha256"])
+                    except (ValueError, KeyError, TypeError):
+                        continue    # a line cut short by the crash
+        except OSError:
+            pass
+        return done
+
+    def reusable_bytes(self) -> int:
+        return sum(size for size, _ in self.finished().values())
+
+    def record(self, path: str, size: int, sha256: str) -> None:
+        line = json.dumps({"path": path, "size": size, "sha256": sha256}) + "\n"
+        fd = os.open(os.path.join(self.tmp, self.JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def commit(self, plan: Plan, digests: dict, single_file: bool) -> None:
+        journal = os.path.join(self.tmp, self.JOURNAL)
+        if os.path.exists(journal):
+            os.unlink(journal)
+        record = manifest.build(plan, digests)
+        if single_file:
+            (only,) = plan.files
+            record["files"] = {os.path.basename(self.dst): record["files"][only.path]}
+            _write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
+            os.replace(os.path.join(self.tmp, only.path), self.dst)
+            os.replace(os.path.join(self.tmp, manifest.NAME), f"{self.dst}.{manifest.NAME}")
+            _fsync(os.path.dirname(self.dst))
+            shutil.rmtree(self.tmp)
+        else:
+            _write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
+            _commit(self.tmp, self.dst)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) -> dict:
+    """Write the files (keeping whole ones from an interrupted run); returns {path: (size, sha256)}."""
+    digests, todo = {}, []
+    done = staging.finished() if resume else {}
+    for f in files:
+        path = os.path.join(staging.tmp, f.path)
+        if f.path in done and os.path.isfile(path) and manifest.file_digest(path) == done[f.path]:
+            digests[f.path] = done[f.path]
+            bar.update(f.nbytes)
+        else:
+            todo.append(f)
+    try:
+        if workers > 1 and len(todo) > 1:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                jobs = {pool.submit(write_file, f, root, chunk): f for f in _balanced(files)}
+                jobs = {pool.submit(write_file, f, staging.tmp, chunk): f for f in _balanced(todo)}
                 for job, f in jobs.items():
                     path, size, sha = job.result()
+                    staging.record(path, size, sha)
                     digests[path] = (size, sha)
                     bar.update(f.nbytes)
         else:
-            for f in files:
-                path, size, sha = write_file(f, root, chunk, bar.update)
+            for f in todo:
+                path, size, sha = write_file(f, staging.tmp, chunk, bar.update)
+                staging.record(path, size, sha)
                 digests[path] = (size, sha)
     finally:
         bar.close()

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import reshard
-from conftest import FIXTURE_NAMES, fixture_dir, run_cli, truth_json, truth_tensors
+from conftest import fixture_dir, run_cli, truth_json, truth_tensors
 
 
 def _export(src, out, *args):

@@ -1,0 +1,108 @@
+"""Interruption, resumption, locking and disk failures: never a half-written destination."""
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import reshard
+from conftest import REPO, fixture_dir, run_cli
+
+SRC = fixture_dir("z3_bf16_dp4")
+ARGS = ["--to", "dp=3,zero=2", "--quiet"]
+DRIVER = str(REPO / "tests" / "fault_driver.py")
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _driver(mode, n, *args, **kwargs):
+    return subprocess.run([sys.executable, DRIVER, mode, str(n), *map(str, args)], capture_output=True, text=True,
+                          env=ENV, **kwargs)
+
+
+def _tree(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "out"
+    run_cli("convert", SRC, out, *ARGS, check=0)
+    return _tree(out)
+
+
+
+
+KILL_POINTS = [1, 3, 8, 15, 25, 40, 60, 80, 100, 120, 140, 160]
+
+
+@pytest.mark.parametrize("at", KILL_POINTS)
+def test_sigkill_leaves_no_destination_and_resume_completes_identically(at, tmp_path, reference):
+    dst = tmp_path / "out"
+    proc = _driver("kill", at, "convert", SRC, dst, *ARGS)
+    staging = tmp_path / ".out.reshard-tmp"
+    if proc.returncode == 0:
+        pytest.fail(f"the run finished before write {at}; lower the kill points")
+    assert proc.returncode == -signal.SIGKILL
+    assert not dst.exists() and staging.is_dir()
+    journaled = (staging / ".reshard-journal").read_text().splitlines() if (staging / ".reshard-journal").exists() else []
+    inodes = {line.split('"path": "')[1].split('"')[0]: None for line in journaled}
+    for rel in inodes:
+        inodes[rel] = os.stat(staging / rel).st_ino
+    # without --resume a rerun starts afresh; with it, finished files are kept (checked by sha256)
+    run_cli("convert", SRC, dst, *ARGS, "--resume", check=0)
+    assert _tree(dst) == reference
+    for rel, inode in inodes.items():
+        assert os.stat(dst / rel).st_ino == inode, f"{rel} was rewritten instead of reused"
+    assert not staging.exists() and not (tmp_path / ".out.reshard-lock").exists()
+
+
+def test_a_rerun_without_resume_starts_afresh(tmp_path, reference):
+    dst = tmp_path / "out"
+    assert _driver("kill", 60, "convert", SRC, dst, *ARGS).returncode == -signal.SIGKILL
+    run_cli("convert", SRC, dst, *ARGS, check=0)
+    assert _tree(dst) == reference
+
+
+def test_sigint_exits_cleanly(tmp_path):
+    dst = tmp_path / "out"
+    proc = _driver("int", 30, "convert", SRC, dst, *ARGS)
+    assert proc.returncode == 130 and proc.stderr.strip().splitlines()[-1] == "reshard: interrupted"
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_converts_into_one_destination(tmp_path, reference):
+    dst = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, DRIVER, "pause", "3", "convert", str(SRC), str(dst), *ARGS],
+                             env=ENV, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    second = run_cli("convert", SRC, dst, *ARGS, check=1)
+    assert "another reshard is writing it" in second.stderr
+    assert first.wait(timeout=60) == 0
+    assert _tree(dst) == reference
+
+
+def test_short_disk_is_refused_with_the_numbers(tmp_path):
+    for command in (["convert", SRC, tmp_path / "out", *ARGS], ["export", SRC, tmp_path / "m.safetensors", "--quiet"]):
+        proc = _driver("disk", 1000, *command)
+        assert proc.returncode == 1
+        assert "needs" in proc.stderr and "GiB free" in proc.stderr, proc.stderr
+        assert os.listdir(tmp_path) == []
+    proc = _driver("disk", 1000, "plan", SRC, "--to", "dp=3")
+    assert "NOT ENOUGH" in proc.stdout
+
+
+def test_write_error_midway_cleans_up_and_says_so(tmp_path):
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    proc = subprocess.run([sys.executable, "-m", "reshard", "convert", str(SRC), str(tmp_path / "out"), *ARGS],
+                          capture_output=True, text=True, env=ENV, preexec_fn=small_files)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "write failed" in lines[0] and "File too large" in lines[0], proc.stderr
+    assert os.listdir(tmp_path) == []
+    assert reshard.validate(reshard.open_checkpoint(SRC)).ok
