@@ -115,7 +115,11 @@ class _TreePickler(pickle._Pickler):
 def pickle_tree(tree) -> bytes:
     """`data.pkl` bytes for an object tree (dicts, lists, numbers, strings, NewTensor, stand-ins)."""
     buf = io.BytesIO()
-    _TreePickler(buf, protocol=2).dump(tree)
+    pickler = _TreePickler(buf, protocol=2)
+    # No memo: equal trees give equal bytes whatever objects they share (a tied tensor written
+    # twice still names one storage, so it loads shared), and the output is reproducible.
+    pickler.fast = True
+    pickler.dump(tree)
     return buf.getvalue()
 
 

@@ -257,10 +257,11 @@ def _options(model0, optim0, bf16_prefix, stage) -> dict:
 def _fill_layout(catalog, model0):
     layout = catalog.layout
     config = model0.get("ds_config") or {}
-    trainable_dtypes = {catalog.tensors[(n, MODULE)].dtype for n, p in catalog.params.items()
-                        if p.kind != "buffer" and (n, MODULE) in catalog.tensors}
-    floating = sorted(d for d in trainable_dtypes if is_floating(d))
-    layout.dtype = _config_dtype(config) or (floating[0] if floating else "float32")
+    saved = {catalog.tensors[(n, MODULE)].dtype for n, p in catalog.params.items()
+             if p.kind == "trainable" and (n, MODULE) in catalog.tensors}
+    floating = sorted(d for d in saved if is_floating(d))
+    # the 16-bit copy says it when there is one (ZeRO-1/2); ZeRO-3 saves none, its config says it
+    layout.dtype = floating[0] if len(floating) == 1 else (_config_dtype(config) or "float32")
     layout.optimizer = ((config.get("optimizer") or {}).get("type")) or ""
     layout.states = catalog.optimizer_states()
     params = [p for p in catalog.params.values() if p.kind != "buffer"]
