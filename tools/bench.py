@@ -39,6 +39,18 @@ def make(args):
     print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {_du(args.dir) / 1e9:.2f} GB")
 
 
+HIDDEN = 4096
+
+
+def engine_config(stage, dtype):
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
 def worker(args):
     import deepspeed
     import torch
@@ -46,14 +58,9 @@ def worker(args):
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    hidden = 4096
+    hidden = HIDDEN
     layers = max(1, round(float(args.params) / hidden ** 2))
-    # small sub-groups and no foreach: the optimizer step's temporaries stay small, so 8 ranks fit in RAM
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "foreach": False}},
-              "zero_optimization": {"stage": args.stage, "sub_group_size": 10**7}, "steps_per_print": 10**9}
-    if args.dtype == "bf16":
-        config["bf16"] = {"enabled": True}
+    config = engine_config(args.stage, args.dtype)
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=args.stage == 3):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(hidden, hidden, bias=False) for _ in range(layers)])
@@ -63,6 +70,101 @@ def worker(args):
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(args.dir)
+
+
+# ------------------------------------------------------------------------------- make-synthetic
+def make_synthetic(args):
+    """The checkpoint `make` would save for this model, written by reshard's DeepSpeed writer.
+
+    The real engine needs ~24 GB of RAM for 800 M parameters on 8 ranks; this needs none. Tensor
+    bytes are random (one 64 MiB block, reused); everything else is what the engine writes, which
+    `compare` checks against a real `make` checkpoint of the same size.
+    """
+    import numpy as np
+
+    import deepspeed
+    from reshard.catalog import MASTER, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+    from reshard.executor import execute
+    from reshard.formats import standins, writer
+    from reshard.formats.torchzip import Storage
+    from reshard.layout import Layout
+    from reshard.planner import plan
+
+    layers = max(1, round(float(args.params) / HIDDEN ** 2))
+    work = tempfile.mkdtemp(prefix="reshard-synthetic-", dir=os.path.dirname(os.path.abspath(args.dir)))
+    block = os.path.join(work, "src", "global_step1", "random.bin")
+    os.makedirs(os.path.dirname(block))
+    with open(block, "wb") as f:
+        f.write(np.random.default_rng(0).bytes(HIDDEN * HIDDEN * 4))
+    states = ["exp_avg", "exp_avg_sq"]
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
+    catalog = Catalog(root=os.path.dirname(block), format="deepspeed",
+                      layout=Layout(dp=args.dp, zero=args.stage, dtype=dtype, states=states,
+                                    options={"sub_group_size": 1_000_000_000}))
+    scaler = standins.LossScaler()
+    scaler.__dict__.update(cur_scale=1.0, dynamic=False)
+    catalog.state.update(ds_config=engine_config(args.stage, args.dtype), ds_version=deepspeed.__version__,
+                         global_steps=1, global_samples=args.dp, skipped_steps=0, lr_scheduler=None,
+                         data_sampler=None, random_ltd=None, loss_scaler=scaler, dynamic_loss_scale=False,
+                         overflow=False, clip_grad=0.0)
+    names = [f"{i}.weight" for i in range(layers)]
+    storage = Storage(block, 0, HIDDEN * HIDDEN * 4, "float32")
+    for name in names:
+        catalog.params[name] = ParamInfo(name, (HIDDEN, HIDDEN), "trainable", 0)
+        catalog.order.append(name)
+        for state in [MASTER, *states]:
+            tensor = catalog.add(LogicalTensor(name, state, (HIDDEN, HIDDEN), "float32"))
+            tensor.fragments.append(Fragment(0, HIDDEN * HIDDEN, storage, 0))
+    hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+             "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+             "decoupled_weight_decay": True}
+    catalog.param_groups.append({**hyper, "params": names})
+    catalog.group_scalars.append({"step": ScalarTensor(1.0, "float32")})
+    target = catalog.layout
+    targets = writer("deepspeed").target_files(catalog, target, "global_step1")
+    start = time.perf_counter()
+    execute(plan(catalog, target, targets, "global_step1"), args.dir, progress=False)
+    shutil.rmtree(work)
+    script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")
+    shutil.copy(script, os.path.join(args.dir, "zero_to_fp32.py"))
+    os.remove(os.path.join(args.dir, "reshard-manifest.json"))
+    print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {_du(args.dir) / 1e9:.2f} GB")
+
+
+def compare(args):
+    """Same files, same pickled trees (keys, values, tensor dtypes and shapes) as a real checkpoint."""
+    from reshard.formats import torchzip
+    from reshard.formats.deepspeed.files import resolve_tag_dir
+
+    real, synthetic = resolve_tag_dir(args.real)[0], resolve_tag_dir(args.synthetic)[0]
+    names = sorted(os.listdir(real))
+    problems = [] if names == sorted(os.listdir(synthetic)) else [f"files differ: {names} vs {sorted(os.listdir(synthetic))}"]
+    for name in names:
+        if os.path.exists(os.path.join(synthetic, name)):
+            _same_tree(torchzip.load(os.path.join(real, name)), torchzip.load(os.path.join(synthetic, name)),
+                       name, problems)
+    print("\n".join(problems) if problems else f"same structure: {len(names)} files, every key, dtype and shape")
+    return 1 if problems else 0
+
+
+def _same_tree(a, b, where, problems):
+    from reshard.formats.torchzip import TensorRef
+    if isinstance(a, TensorRef):
+        if not isinstance(b, TensorRef) or (a.dtype, a.shape) != (b.dtype, b.shape):
+            problems.append(f"{where}: {a} vs {b}")
+    elif isinstance(a, dict):
+        if list(a) != list(b):
+            problems.append(f"{where}: keys {list(a)} vs {list(b)}")
+        for k in a:
+            if k in b and k not in ("ds_config",):    # the real run's config has the same keys
+                _same_tree(a[k], b[k], f"{where}.{k}", problems)
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            problems.append(f"{where}: {len(a)} vs {len(b)} items")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_tree(x, y, f"{where}[{i}]", problems)
+    elif type(a) is not type(b) or (a != b and not (isinstance(a, float) and where.endswith(("lr",)))):
+        problems.append(f"{where}: {a!r} vs {b!r}")
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -196,6 +298,15 @@ def main():
     m.add_argument("--dp", type=int, default=8)
     m.add_argument("--stage", type=int, default=3)
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    m = sub.add_parser("make-synthetic")
+    m.add_argument("dir")
+    m.add_argument("--params", type=float, default=170e6)
+    m.add_argument("--dp", type=int, default=8)
+    m.add_argument("--stage", type=int, default=3)
+    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    c = sub.add_parser("compare")
+    c.add_argument("real")
+    c.add_argument("synthetic")
     w = sub.add_parser("worker")
     w.add_argument("dir")
     w.add_argument("--params", type=float)
@@ -212,7 +323,8 @@ def main():
     args = p.parse_args()
     if args.cmd == "run" and not args.to:
         args.to = ["dp=4"]
-    {"make": make, "worker": worker, "run": run}[args.cmd](args)
+    sys.exit({"make": make, "make-synthetic": make_synthetic, "compare": compare, "worker": worker,
+              "run": run}[args.cmd](args))
 
 
 if __name__ == "__main__":
