@@ -119,11 +119,21 @@ def _source_args(p):
 
 
 def _inspect(args) -> int:
-    info = reshard.inspect(reshard.open_checkpoint(args.path, args.tag), params=args.params)
+    catalog = reshard.open_checkpoint(args.path, args.tag)
+    info = reshard.inspect(catalog, params=args.params)
     if args.json:
         json.dump(jsonable(info), sys.stdout, indent=2)
         print()
-        return 0
+    else:
+        _print_inspect(info)
+    if catalog.problems:    # what could be read is shown; the checkpoint is still not whole
+        more = f" (and {len(catalog.problems) - 1} more; run `reshard validate`)" if len(catalog.problems) > 1 else ""
+        print(f"reshard: {catalog.problems[0]}{more}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_inspect(info) -> None:
     t = info["topology"]
     print(f"{info['path']}")
     print(f"  format        {info['format']} (tag {info['tag']})")
@@ -155,7 +165,6 @@ def _inspect(args) -> int:
         tied = f"tied: {', '.join(row['tied_to_it'])}" if row["tied_to_it"] else ""
         print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {group:<8} "
               f"{','.join(row['states'])} {tied}")
-    return 0
 
 
 def _validate(args) -> int:

@@ -204,8 +204,8 @@ def load(path: str) -> object:
                 data = zf.read(pkl[0])
     except CheckpointError:
         raise
-    except (zipfile.BadZipFile, OSError, EOFError, struct.error) as e:
-        raise CheckpointError(path, f"damaged zip archive ({e})") from None
+    except Exception as e:  # zipfile fails in many ways on damaged archives; all mean the same here
+        raise CheckpointError(path, f"damaged zip archive ({type(e).__name__}: {e})") from None
     try:
         return _SafeUnpickler(data, path, storages).load()
     except CheckpointError:

@@ -37,6 +37,14 @@ OPTIMIZER_SCALAR_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_
 
 def read(path: str, tag: str | None = None) -> Catalog:
     tag_dir, tag = names.resolve_tag_dir(path, tag)
+    try:
+        return _read(tag_dir, tag)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.
+        raise ReshardError(f"{tag_dir}: not the structure DeepSpeed writes ({type(e).__name__}: {e})") from None
+
+
+def _read(tag_dir: str, tag: str) -> Catalog:
     listing = sorted(os.listdir(tag_dir))
     _refuse_unsupported(tag_dir, listing)
 
