@@ -188,7 +188,11 @@ def _make_plan(args):
 
 def _plan(args) -> int:
     catalog, plan = _make_plan(args)
-    _print_plan(catalog, plan, args.dst, args.memory_budget, args.workers, args.json)
+    summary = _print_plan(catalog, plan, args.dst, args.memory_budget, args.workers, args.json)
+    if not summary["disk_ok"]:
+        print(f"reshard: {summary['free_disk_at']}: {human_bytes(summary['free_disk_bytes'])} free, the conversion "
+              f"writes {human_bytes(plan.bytes_written)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -245,12 +249,13 @@ def _print_plan(catalog, plan, dst, memory_budget, workers, as_json):
         where = os.path.dirname(where)
     free = shutil.disk_usage(where).free
     summary["free_disk_bytes"] = free
+    summary["free_disk_at"] = where
     summary["disk_ok"] = free > plan.bytes_written
     summary["advice"] = batch_size_advice(catalog, plan.target)
     if as_json:
         json.dump(summary, sys.stdout, indent=2)
         print()
-        return
+        return summary
     print(f"source   {plan.source}")
     print(f"         {summary['source_topology']}")
     print(f"target   {summary['target_topology']} (tag {plan.tag})")
@@ -266,6 +271,7 @@ def _print_plan(catalog, plan, dst, memory_budget, workers, as_json):
     print(f"disk     {human_bytes(free)} free at {where}: {verdict}")
     if summary["advice"]:
         print(f"advice   {summary['advice']}")
+    return summary
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ class Report:
     files: int = 0
     deep: bool = False
     manifest: str | None = None     # the manifest checked, if any
+    checksums: bool = False         # whether its sha256 sums were verified (sizes always are)
 
     @property
     def ok(self) -> bool:
@@ -47,7 +48,8 @@ class Report:
         if self.deep:
             text += "; bytes checked for NaN/Inf"
         if self.manifest:
-            text += f"; files checked against {os.path.basename(self.manifest)}"
+            what = "sizes and sha256" if self.checksums else "sizes (sha256 with --checksums)"
+            text += f"; files checked against {os.path.basename(self.manifest)}: {what}"
         return text
 
     def to_dict(self) -> dict:
@@ -73,7 +75,7 @@ def _check_manifest(catalog, report, checksums):
     found = manifest.find(catalog.root)
     if found:
         report.problems += manifest.verify(found, checksums, within=catalog.root)
-        report.manifest = found
+        report.manifest, report.checksums = found, checksums
     elif checksums:
         report.problems.append(f"{catalog.root}: no {manifest.NAME} to check against (written by reshard "
                                "convert and export)")

@@ -91,7 +91,7 @@ def test_short_disk_is_refused_with_the_numbers(tmp_path):
         assert "needs" in proc.stderr and "GiB free" in proc.stderr, proc.stderr
         assert os.listdir(tmp_path) == []
     proc = _driver("disk", 1000, "plan", SRC, "--to", "dp=3")
-    assert "NOT ENOUGH" in proc.stdout
+    assert proc.returncode == 1 and "NOT ENOUGH" in proc.stdout and "free, the conversion writes" in proc.stderr
 
 
 def test_write_error_midway_cleans_up_and_says_so(tmp_path):
