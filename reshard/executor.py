@@ -27,12 +27,14 @@ from reshard.planner import Copy, FilePlan, Plan
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
-BUFFERS_PER_WORKER = READ_AHEAD + 2   # + the block being written and a cast temporary
+# blocks alive per worker: read ahead, being written, waiting for the hash (HashingSink.HASH_BEHIND)
+BUFFERS_PER_WORKER = READ_AHEAD + 1 + 2
+MAX_CHUNK = 16 << 20            # larger blocks do not copy faster here, they only take memory
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
 
 
 def chunk_bytes(memory_budget: int, workers: int) -> int:
-    return max(1 << 16, min(64 << 20, memory_budget // (BUFFERS_PER_WORKER * max(1, workers))))
+    return max(1 << 16, min(MAX_CHUNK, memory_budget // (BUFFERS_PER_WORKER * max(1, workers))))
 
 
 def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False) -> None:
