@@ -9,13 +9,12 @@ follow Hugging Face's sharded convention.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
-from reshard.dtypes import SHORT, is_floating, itemsize
+from reshard.dtypes import SHORT, is_floating
 from reshard.errors import ReshardError
 from reshard.formats import hf
 from reshard.formats.safetensors_file import SafetensorsFile
@@ -23,27 +22,17 @@ from reshard.formats.torchsave import TorchFile
 from reshard.inspect import jsonable
 from reshard.layout import Layout
 from reshard.planner import plan
-from reshard.targets import Piece, TextFile
+from reshard.targets import NewTensor, Piece, TextFile
 
 FORMATS = {"safetensors": ("model", "safetensors"), "torch": ("pytorch_model", "bin")}
 SINGLE_FILE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
 OPTIMIZER_JSON = "optimizer.json"
 
 
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    source: tuple        # (name, state) in the catalog
-    dtype: str
-    shape: tuple
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+@dataclass
+class Entry(NewTensor):
+    """A tensor of the export: its name (the key), dtype and shape, and the logical tensor it copies."""
+    source: tuple = ()
 
 
 def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_size=None,
@@ -70,7 +59,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
                            max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
     if with_optimizer:
         for state in optimizer_sets(catalog, entries):
-            state_entries = [Entry(p.name, (p.name, state), catalog.tensors[(p.name, state)].dtype, p.shape)
+            state_entries = [Entry(p.name, catalog.tensors[(p.name, state)].dtype, p.shape, (p.name, state))
                              for p in catalog.params.values() if p.kind == "trainable"]
             targets += _sharded(fmt, f"optimizer-{state}", extension, state_entries, {}, {"format": "pt"},
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
@@ -98,14 +87,14 @@ def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
             target = dtype
         else:                                   # auto: the training precision; buffers as saved
             target = saved if p.kind == "buffer" else catalog.layout.dtype
-        out.append(Entry(key, source, target, tuple(p.shape)))
+        out.append(Entry(key, target, tuple(p.shape), source))
     return out
 
 
 def optimizer_sets(catalog: Catalog, entries) -> list:
     """State names exported with --with-optimizer; the fp32 master too unless the weights are it."""
     masters_exported = all(e.source[1] == MASTER and e.dtype == "float32"
-                           for e in entries if catalog.params[e.name].kind == "trainable")
+                           for e in entries if catalog.params[e.key].kind == "trainable")
     return ([] if masters_exported else [MASTER]) + list(catalog.layout.states)
 
 
@@ -135,12 +124,12 @@ def _tensor_file(fmt, path, entries, aliases, metadata):
     if fmt == "safetensors":
         file = SafetensorsFile(path, dict(metadata))
         for e in entries:
-            file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)], key=e.name)
+            file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)], key=e.key)
         return file
     file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
     tree = OrderedDict()
     for e in entries:
-        tree[e.name] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)])
+        tree[e.key] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)])
     for alias, source in aliases.items():   # torch keeps the tie: one tensor under both names
         if source in tree:
             tree[alias] = tree[source]
@@ -149,8 +138,8 @@ def _tensor_file(fmt, path, entries, aliases, metadata):
 
 
 def _sharded(fmt, stem, extension, entries, aliases, metadata, max_shard_size) -> list:
-    by_name = {e.name: e for e in entries}
-    groups = hf.shard([(e.name, e.nbytes) for e in entries], max_shard_size)
+    by_name = {e.key: e for e in entries}
+    groups = hf.shard([(e.key, e.nbytes) for e in entries], max_shard_size)
     names = hf.shard_names(stem, extension, len(groups))
     files, weight_map = [], {}
     for filename, members in zip(names, groups):

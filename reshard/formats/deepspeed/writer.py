@@ -206,6 +206,17 @@ class _FlatGroup:
         return mappings
 
 
+def _module(catalog, make_slot) -> tuple:
+    """The module state_dict in model order, a tied name sharing its source's tensor; and the slots."""
+    module, slots = OrderedDict(), {}
+    for key in catalog.order:
+        source = catalog.aliases.get(key, key)
+        if source not in slots:
+            slots[source] = make_slot(catalog.params[source])
+        module[key] = slots[source]
+    return module, slots
+
+
 def _round_robin(names_in_order, dp):
     """DeepSpeed's _round_robin_reorder: param i goes to bucket i % dp, buckets concatenated."""
     buckets = OrderedDict()
@@ -218,15 +229,13 @@ def _zero12_model_states(ctx: _Context, groups, tag) -> TorchFile:
     name = names.model_states_name(0)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     catalog = ctx.catalog
-    module, slots = OrderedDict(), {}
-    for key in catalog.order:
-        source = catalog.aliases.get(key, key)
-        if source not in slots:
-            p = catalog.params[source]
-            dtype = catalog.tensors[(source, MODULE)].dtype if p.kind == "buffer" else ctx.lp_dtype
-            src = (source, MODULE) if p.kind != "trainable" else ctx.weight_source(source)
-            slots[source] = file.slot(dtype, p.shape, [Piece(ctx.numel(source), src, 0)])
-        module[key] = slots[source]
+
+    def full(p):    # ZeRO-1/2 save the whole 16-bit module: buffers, frozen and trainable weights
+        dtype = catalog.tensors[(p.name, MODULE)].dtype if p.kind == "buffer" else ctx.lp_dtype
+        src = (p.name, MODULE) if p.kind != "trainable" else ctx.weight_source(p.name)
+        return file.slot(dtype, p.shape, [Piece(ctx.numel(p.name), src, 0)])
+
+    module, slots = _module(catalog, full)
     stage2 = ctx.target.zero == 2
     frozen = ctx.frozen()
     tree = {
@@ -334,17 +343,14 @@ def _zero3_model_states(ctx: _Context, rank, sub_groups, tag) -> TorchFile:
     name = names.model_states_name(0, rank)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     catalog = ctx.catalog
-    module, slots = OrderedDict(), {}
-    for key in catalog.order:
-        source = catalog.aliases.get(key, key)
-        if source not in slots:
-            p = catalog.params[source]
-            if p.kind == "buffer":
-                tensor = catalog.tensors[(source, MODULE)]
-                slots[source] = file.slot(tensor.dtype, p.shape, [Piece(tensor.numel, (source, MODULE), 0)])
-            else:   # ZeRO-3 params are partitioned: the module holds empty placeholders
-                slots[source] = file.slot(ctx.lp_dtype, (0,), [])
-        module[key] = slots[source]
+
+    def partitioned(p):     # ZeRO-3 params are partitioned: the module holds empty placeholders
+        if p.kind != "buffer":
+            return file.slot(ctx.lp_dtype, (0,), [])
+        tensor = catalog.tensors[(p.name, MODULE)]
+        return file.slot(tensor.dtype, p.shape, [Piece(tensor.numel, (p.name, MODULE), 0)])
+
+    module, _ = _module(catalog, partitioned)
     frozen_fragments = OrderedDict()
     for p in ctx.frozen():
         part = ceil_div(ctx.numel(p.name), ctx.dp)
