@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from reshard import manifest
 from reshard.catalog import MASTER, Catalog
 from reshard.dtypes import is_floating
@@ -126,9 +128,6 @@ def _check_states_present(catalog, report):
 
 
 def _check_values(catalog, report):
-    import numpy as np
-
-    from reshard.dtypes import torch_dtype
     from reshard.tensorio import MappedFiles
 
     with MappedFiles() as files:
@@ -141,13 +140,18 @@ def _check_values(catalog, report):
                 except Exception as e:  # a damaged file: already reported by the coverage checks
                     report.problems.append(str(e))
                     break
-                bad = _count_non_finite(values, tensor.dtype, np, torch_dtype)
+                bad = _count_non_finite(values, tensor.dtype)
                 if bad:
                     report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}): {bad} NaN/Inf "
                                            f"values in elements [{frag.start}, {frag.stop})")
 
 
-def _count_non_finite(values, dtype, np, torch_dtype) -> int:
-    if dtype == "bfloat16":     # numpy has no bfloat16: exponent bits all ones means NaN or Inf
-        return int(np.count_nonzero((values & 0x7F80) == 0x7F80))
-    return int(values.size - np.count_nonzero(np.isfinite(values)))
+def _count_non_finite(values, dtype, block: int = 1 << 24) -> int:
+    bad = 0
+    for first in range(0, values.size, block):      # in blocks: the temporaries stay small
+        part = values[first:first + block]
+        if dtype == "bfloat16":     # numpy has no bfloat16: exponent bits all ones means NaN or Inf
+            bad += int(np.count_nonzero((part & 0x7F80) == 0x7F80))
+        else:
+            bad += int(part.size - np.count_nonzero(np.isfinite(part)))
+    return bad
