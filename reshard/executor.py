@@ -1,15 +1,13 @@
 """Plan -> files on disk. The only place that writes tensor bytes.
 
-Each target file is written front to back: its pickle, then every storage filled op by op from
-source byte ranges (pread into a bounded buffer, cast if the dtypes differ) or constants. Output
-goes to a temporary sibling of the destination, is fsynced, and is renamed into place only when
-everything is complete; on any failure the temporary directory is removed.
+Each target file is written front to back: its header, then every storage filled op by op from
+source byte ranges (pread into bounded blocks, read ahead in a thread, cast if the dtypes differ)
+or constants. Files are built in a Staging area (reshard.staging) and committed only when all of
+them are complete; on any failure but a hard kill the staging area is removed.
 """
 from __future__ import annotations
 
-import fcntl
 import functools
-import json
 import os
 import shutil
 import sys
@@ -24,6 +22,7 @@ from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
 from reshard.formats import container_writer
 from reshard.planner import Copy, FilePlan, Plan
+from reshard.staging import Staging, fsync, write_text
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
@@ -119,92 +118,6 @@ def check_free_space(plan: Plan, staging, resume: bool) -> None:
                            f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
 
 
-class Staging:
-    """The temporary sibling where output is built, its lock, and the journal of finished files."""
-
-    JOURNAL = ".reshard-journal"
-
-    def __init__(self, dst: str):
-        self.dst = os.path.abspath(dst)
-        parent, name = os.path.split(self.dst)
-        self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
-        self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
-        self._lock = None
-
-    def acquire(self) -> None:
-        os.makedirs(os.path.dirname(self.dst), exist_ok=True)
-        fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise ReshardError(f"{self.dst}: another reshard is writing it (lock {self.lock_path} is held)") from None
-        self._lock = fd
-
-    def release(self) -> None:
-        if self._lock is not None:
-            try:
-                os.unlink(self.lock_path)
-            except OSError:
-                pass
-            os.close(self._lock)
-            self._lock = None
-
-    def prepare(self, plan: Plan, resume: bool) -> None:
-        if os.path.exists(self.tmp) and not resume:
-            shutil.rmtree(self.tmp)     # the leftovers of an interrupted run; --resume would keep them
-        os.makedirs(self.tmp, exist_ok=True)
-        for directory in {os.path.dirname(f.path) for f in plan.files} | {os.path.dirname(t.path) for t in plan.texts}:
-            os.makedirs(os.path.join(self.tmp, directory), exist_ok=True)
-
-    def finished(self) -> dict:
-        """Files a previous run completed: {path: (size, sha256)}, from the journal."""
-        done = {}
-        try:
-            with open(os.path.join(self.tmp, self.JOURNAL)) as f:
-                for line in f:
-                    try:
-                        entry = json.loads(line)
-                        done[entry["path"]] = (entry["size"], entry["sha256"])
-                    except (ValueError, KeyError, TypeError):
-                        continue    # a line cut short by the crash
-        except OSError:
-            pass
-        return done
-
-    def reusable_bytes(self) -> int:
-        return sum(size for size, _ in self.finished().values())
-
-    def record(self, path: str, size: int, sha256: str) -> None:
-        line = json.dumps({"path": path, "size": size, "sha256": sha256}) + "\n"
-        fd = os.open(os.path.join(self.tmp, self.JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def commit(self, plan: Plan, digests: dict, single_file: bool) -> None:
-        journal = os.path.join(self.tmp, self.JOURNAL)
-        if os.path.exists(journal):
-            os.unlink(journal)
-        record = manifest.build(plan, digests)
-        if single_file:
-            (only,) = plan.files
-            record["files"] = {os.path.basename(self.dst): record["files"][only.path]}
-            _write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
-            os.replace(os.path.join(self.tmp, only.path), self.dst)
-            os.replace(os.path.join(self.tmp, manifest.NAME), f"{self.dst}.{manifest.NAME}")
-            _fsync(os.path.dirname(self.dst))
-            shutil.rmtree(self.tmp)
-        else:
-            _write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
-            _commit(self.tmp, self.dst)
-
-    def discard(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
 def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) -> dict:
     """Write the files (keeping whole ones from an interrupted run); returns {path: (size, sha256)}."""
     digests, todo = {}, []
@@ -239,18 +152,12 @@ def _write_small_files(plan: Plan, root: str) -> dict:
     digests = {}
     for copied in plan.copied:
         shutil.copyfile(copied.source, os.path.join(root, copied.path))
-        _fsync(os.path.join(root, copied.path))
+        fsync(os.path.join(root, copied.path))
         digests[copied.path] = manifest.file_digest(os.path.join(root, copied.path))
     for text in plan.texts:     # `latest` last: it names the tag only once the tag is whole
-        _write_text(os.path.join(root, text.path), text.text)
+        write_text(os.path.join(root, text.path), text.text)
         digests[text.path] = manifest.file_digest(os.path.join(root, text.path))
     return digests
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-    _fsync(path)
 
 
 def _balanced(files):
@@ -278,7 +185,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
         raise ReshardError(f"{path}: write failed: {e.strerror or e}") from None
     finally:
         sources.close()
-    _fsync(path)
+    fsync(path)
     return plan.path, writer.size, writer.sha256
 
 
@@ -357,27 +264,6 @@ class _SourceFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _commit(tmp: str, dst: str) -> None:
-    for folder, _, files in os.walk(tmp):
-        _fsync(folder)
-    if os.path.exists(dst):
-        trash = f"{tmp}.old"
-        os.rename(dst, trash)
-        os.rename(tmp, dst)
-        shutil.rmtree(trash)
-    else:
-        os.rename(tmp, dst)
-    _fsync(os.path.dirname(dst))
 
 
 def _progress(total: int, enabled: bool):

@@ -1,0 +1,129 @@
+"""Where output is built before it is committed: a hidden sibling of the destination.
+
+`.DST.reshard-tmp` holds the files being written; `.DST.reshard-lock` (flock) keeps a second
+writer out; a journal lists each finished file with its sha256, so a run killed half way can be
+resumed keeping what is whole. Committing writes the manifest and renames the sibling into place,
+so the destination appears complete or not at all.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+
+from reshard import manifest
+from reshard.errors import ReshardError
+
+
+class Staging:
+    """The temporary sibling where output is built, its lock, and the journal of finished files."""
+
+    JOURNAL = ".reshard-journal"
+
+    def __init__(self, dst: str):
+        self.dst = os.path.abspath(dst)
+        parent, name = os.path.split(self.dst)
+        self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
+        self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
+        self._lock = None
+
+    def acquire(self) -> None:
+        os.makedirs(os.path.dirname(self.dst), exist_ok=True)
+        fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ReshardError(f"{self.dst}: another reshard is writing it (lock {self.lock_path} is held)") from None
+        self._lock = fd
+
+    def release(self) -> None:
+        if self._lock is not None:
+            try:
+                os.unlink(self.lock_path)
+            except OSError:
+                pass
+            os.close(self._lock)
+            self._lock = None
+
+    def prepare(self, plan, resume: bool) -> None:
+        if os.path.exists(self.tmp) and not resume:
+            shutil.rmtree(self.tmp)     # the leftovers of an interrupted run; --resume would keep them
+        os.makedirs(self.tmp, exist_ok=True)
+        for directory in {os.path.dirname(f.path) for f in plan.files} | {os.path.dirname(t.path) for t in plan.texts}:
+            os.makedirs(os.path.join(self.tmp, directory), exist_ok=True)
+
+    def finished(self) -> dict:
+        """Files a previous run completed: {path: (size, sha256)}, from the journal."""
+        done = {}
+        try:
+            with open(os.path.join(self.tmp, self.JOURNAL)) as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                        done[entry["path"]] = (entry["size"], entry["sha256"])
+                    except (ValueError, KeyError, TypeError):
+                        continue    # a line cut short by the crash
+        except OSError:
+            pass
+        return done
+
+    def reusable_bytes(self) -> int:
+        return sum(size for size, _ in self.finished().values())
+
+    def record(self, path: str, size: int, sha256: str) -> None:
+        line = json.dumps({"path": path, "size": size, "sha256": sha256}) + "\n"
+        fd = os.open(os.path.join(self.tmp, self.JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def commit(self, plan, digests: dict, single_file: bool) -> None:
+        journal = os.path.join(self.tmp, self.JOURNAL)
+        if os.path.exists(journal):
+            os.unlink(journal)
+        record = manifest.build(plan, digests)
+        if single_file:
+            (only,) = plan.files
+            record["files"] = {os.path.basename(self.dst): record["files"][only.path]}
+            write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
+            os.replace(os.path.join(self.tmp, only.path), self.dst)
+            os.replace(os.path.join(self.tmp, manifest.NAME), f"{self.dst}.{manifest.NAME}")
+            fsync(os.path.dirname(self.dst))
+            shutil.rmtree(self.tmp)
+        else:
+            write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
+            _rename_into_place(self.tmp, self.dst)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_text(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+    fsync(path)
+
+
+def fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_into_place(tmp: str, dst: str) -> None:
+    for folder, _, files in os.walk(tmp):
+        fsync(folder)
+    if os.path.exists(dst):
+        trash = f"{tmp}.old"
+        os.rename(dst, trash)
+        os.rename(tmp, dst)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp, dst)
+    fsync(os.path.dirname(dst))
