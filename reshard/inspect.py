@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import asdict, is_dataclass
 
 from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
@@ -83,7 +82,3 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
-
-
-def relpath(path: str, root: str) -> str:
-    return os.path.relpath(path, root)

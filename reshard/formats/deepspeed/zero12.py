@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from reshard.catalog import MASTER, Fragment, LogicalTensor, ScalarTensor
+from reshard.catalog import MASTER, Fragment, LogicalTensor
+from reshard.formats.deepspeed import group_scalars
 from reshard.formats.torchzip import TensorRef
 from reshard.geometry import intersect
-from reshard.tensorio import read_scalar
 
 FP32_PARTITIONS = "single_partition_of_fp32_groups"
 
@@ -108,7 +108,7 @@ def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_opt
         if isinstance(value, TensorRef) and len(value.shape) >= 1:
             sources[key] = (value, lean if elastic else part)
         else:
-            _record_scalar(catalog, path, g, key, value, rank)
+            group_scalars.record(catalog, path, g, key, value)
 
     for state, (ref, expected) in sources.items():
         if ref.numel != expected:
@@ -122,19 +122,3 @@ def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_opt
                 a, b = overlap
                 tensor.fragments.append(Fragment(a - start, b - start, ref.storage,
                                                  ref.storage_offset + a - rank_start, rank))
-
-
-def _record_scalar(catalog, path, g, key, value, rank):
-    """Per-group scalars such as `step`; every rank must agree with the first one read."""
-    if isinstance(value, TensorRef):
-        value = ScalarTensor(read_scalar(value), value.dtype)
-    scalars = catalog.group_scalars[g]
-    if key not in scalars:
-        scalars[key] = value
-    elif scalars[key] != value:
-        catalog.problem(path, f"group {g}: optimizer {key} is {_plain(value)} but another rank has {_plain(scalars[key])} "
-                        "(a file from another save?)")
-
-
-def _plain(value):
-    return value.value if isinstance(value, ScalarTensor) else value

@@ -12,11 +12,11 @@ import math
 
 import os
 
-from reshard.catalog import MASTER, MODULE, Fragment, LogicalTensor, ScalarTensor
+from reshard.catalog import MASTER, MODULE, Fragment, LogicalTensor
 from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import group_scalars
 from reshard.formats.torchzip import TensorRef
 from reshard.geometry import ceil_div, intersect
-from reshard.tensorio import read_scalar
 
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 
@@ -62,7 +62,7 @@ def read_partitions(catalog, model0, models, optim) -> None:
                         catalog.problem(path, f"sub-group {i}: {key} has {value.numel} elements, "
                                         f"expected {fp32.numel}")
                 else:
-                    _record_scalar(catalog, path, sub_group_of.get(i, 0), key, value)
+                    group_scalars.record(catalog, path, sub_group_of.get(i, 0), key, value)
             _add_fragments(catalog, sources, parts, rank, sub_start, fp32.numel)
             sub_start += fp32.numel
 
@@ -104,18 +104,6 @@ def _assign_groups(catalog, sd, parts) -> dict:
         catalog.param_groups.append({**hyper, "params": members[g]})
         catalog.group_scalars.append({})
     return sub_group_of
-
-
-def _record_scalar(catalog, path, g, key, value):
-    if isinstance(value, TensorRef):
-        value = ScalarTensor(read_scalar(value), value.dtype)
-    scalars = catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}
-    if key not in scalars:
-        scalars[key] = value
-    elif scalars[key] != value:
-        plain = [v.value if isinstance(v, ScalarTensor) else v for v in (value, scalars[key])]
-        catalog.problem(path, f"param group {g}: optimizer {key} is {plain[0]} but another rank or sub-group has "
-                        f"{plain[1]} (a file from another save?)")
 
 
 def read_frozen(catalog, models) -> None:
