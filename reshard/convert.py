@@ -40,20 +40,6 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None) -> Plan:
 
 
 def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
-    """What happens to the global batch size when dp changes, and how to keep it."""
-    config = catalog.state.get("ds_config") or {}
-    micro = config.get("train_micro_batch_size_per_gpu")
-    gas = config.get("gradient_accumulation_steps", 1)
-    source_dp = catalog.layout.dp
-    if not micro or source_dp == target.dp:
-        return None
-    before = config.get("train_batch_size", micro * gas * source_dp)
-    after = micro * gas * target.dp
-    if before == after:
-        return None
-    advice = f"train_batch_size {before} -> {after} unless the config changes"
-    if before % (micro * target.dp) == 0:
-        advice += f": set gradient_accumulation_steps {gas} -> {before // (micro * target.dp)}"
-    elif before % (gas * target.dp) == 0:
-        advice += f": set train_micro_batch_size_per_gpu {micro} -> {before // (gas * target.dp)}"
-    return advice
+    """What happens to the global batch size when dp changes, and how to keep it (format-specific)."""
+    from reshard.formats import writer
+    return writer(catalog.format).batch_size_advice(catalog, target)

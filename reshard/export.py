@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
@@ -22,10 +21,9 @@ from reshard.formats.torchsave import TorchFile
 from reshard.inspect import jsonable
 from reshard.layout import Layout
 from reshard.planner import plan
-from reshard.targets import NewTensor, Piece, TextFile
+from reshard.targets import NewTensor, TextFile
 
-FORMATS = {"safetensors": ("model", "safetensors"), "torch": ("pytorch_model", "bin")}
-SINGLE_FILE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
+FORMATS = {"safetensors": SafetensorsFile, "torch": TorchFile}   # each: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"
 
 
@@ -44,24 +42,24 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
         raise ReshardError(f"unknown dtype {dtype!r} (fp32, bf16, fp16 or auto)")
     if weights not in ("master", "module"):
         raise ReshardError(f"unknown weights {weights!r} (master or module)")
-    single_file = out.endswith(SINGLE_FILE_SUFFIXES[fmt]) and max_shard_size is None
+    file_type = FORMATS[fmt]
+    single_file = out.endswith(file_type.SUFFIXES) and max_shard_size is None
     if single_file and with_optimizer:
         raise ReshardError(f"{out}: --with-optimizer writes several files; give a directory")
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
-    stem, extension = FORMATS[fmt]
     metadata = {"format": "pt"}
     if catalog.aliases:
         metadata["tied"] = json.dumps(catalog.aliases)
     if single_file:
-        targets = [_tensor_file(fmt, os.path.basename(out), entries, catalog.aliases, metadata)]
+        targets = [file_type.from_entries(os.path.basename(out), entries, catalog.aliases, metadata)]
     else:
-        targets = _sharded(fmt, stem, extension, entries, catalog.aliases, metadata,
+        targets = _sharded(file_type, file_type.STEM, entries, catalog.aliases, metadata,
                            max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
     if with_optimizer:
         for state in optimizer_sets(catalog, entries):
             state_entries = [Entry(p.name, catalog.tensors[(p.name, state)].dtype, p.shape, (p.name, state))
                              for p in catalog.params.values() if p.kind == "trainable"]
-            targets += _sharded(fmt, f"optimizer-{state}", extension, state_entries, {}, {"format": "pt"},
+            targets += _sharded(file_type, f"optimizer-{state}", state_entries, {}, {"format": "pt"},
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     target = Layout(dp=1, zero=0, dtype=entries[0].dtype if entries else "float32")
@@ -99,7 +97,7 @@ def optimizer_sets(catalog: Catalog, entries) -> list:
 
 
 def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
-    _, extension = FORMATS[fmt]
+    extension = FORMATS[fmt].EXTENSION
     groups = []
     for g, group in enumerate(catalog.param_groups):
         scalars = catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}
@@ -120,32 +118,17 @@ def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
     }
 
 
-def _tensor_file(fmt, path, entries, aliases, metadata):
-    if fmt == "safetensors":
-        file = SafetensorsFile(path, dict(metadata))
-        for e in entries:
-            file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)], key=e.key)
-        return file
-    file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
-    tree = OrderedDict()
-    for e in entries:
-        tree[e.key] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)])
-    for alias, source in aliases.items():   # torch keeps the tie: one tensor under both names
-        if source in tree:
-            tree[alias] = tree[source]
-    file.tree = tree
-    return file
-
-
-def _sharded(fmt, stem, extension, entries, aliases, metadata, max_shard_size) -> list:
+def _sharded(file_type, stem, entries, aliases, metadata, max_shard_size) -> list:
+    extension = file_type.EXTENSION
     by_name = {e.key: e for e in entries}
     groups = hf.shard([(e.key, e.nbytes) for e in entries], max_shard_size)
     names = hf.shard_names(stem, extension, len(groups))
     files, weight_map = [], {}
     for filename, members in zip(names, groups):
         tied = {a: s for a, s in aliases.items() if s in members}
-        files.append(_tensor_file(fmt, filename, [by_name[n] for n in members], tied, metadata))
-        for name in members + (list(tied) if fmt == "torch" else []):
+        file = file_type.from_entries(filename, [by_name[n] for n in members], tied, metadata)
+        files.append(file)
+        for name in members + [alias for alias in tied if file.holds(alias)]:
             weight_map[name] = filename
     if len(groups) > 1:
         files.append(TextFile(f"{names[0].split('-00001-of-')[0]}.{extension}.index.json",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.torchsave import HashingSink
-from reshard.targets import TensorFile
+from reshard.targets import Piece, TensorFile
 
 DTYPE_CODES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
@@ -31,6 +31,19 @@ def storage_order(slots) -> list:
 class SafetensorsFile(TensorFile):
     """A safetensors file; `tree` is its string metadata, each slot's key is the tensor's name."""
     container = "safetensors"
+    STEM, EXTENSION, SUFFIXES = "model", "safetensors", (".safetensors",)   # Hugging Face's names
+
+    @classmethod
+    def from_entries(cls, path, entries, aliases, metadata) -> "SafetensorsFile":
+        """A state dict file: one tensor per entry (NewTensor with a `source`); ties are listed in
+        the metadata, never written twice (safetensors has no shared storage)."""
+        file = cls(path, dict(metadata))
+        for e in entries:
+            file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)], key=e.key)
+        return file
+
+    def holds(self, name: str) -> bool:
+        return any(t.key == name for t in self.slots)
 
     def slot(self, dtype, shape, pieces, key=None):
         tensor = super().slot(dtype, shape, pieces, key)

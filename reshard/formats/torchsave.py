@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from reshard.dtypes import STORAGE_DTYPES
 from reshard.formats import standins
 from reshard.formats.torchzip import DType, Size
-from reshard.targets import NewTensor, TensorFile
+from reshard.targets import NewTensor, Piece, TensorFile
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
@@ -36,6 +36,24 @@ class TorchFile(TensorFile):
     """A torch.save file: the pickled `tree` (with NewTensor slots) as data.pkl."""
     archive: str = "archive"                     # the zip's top folder (torch uses the file stem)
     container = "torch"
+    STEM, EXTENSION, SUFFIXES = "pytorch_model", "bin", (".bin", ".pt", ".pth")   # Hugging Face's names
+
+    @classmethod
+    def from_entries(cls, path, entries, aliases, metadata=None) -> "TorchFile":
+        """A state dict file: one tensor per entry (NewTensor with a `source`); a tied name is the
+        same tensor as its source, as in torch."""
+        file = cls(path, archive=os.path.splitext(os.path.basename(path))[0])
+        tree = collections.OrderedDict()
+        for e in entries:
+            tree[e.key] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, 0)])
+        for alias, source in aliases.items():
+            if source in tree:
+                tree[alias] = tree[source]
+        file.tree = tree
+        return file
+
+    def holds(self, name: str) -> bool:
+        return name in self.tree
 
     def header(self) -> bytes:
         return pickle_tree(self.tree)

@@ -55,6 +55,26 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     return out
 
 
+def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
+    """What happens to DeepSpeed's train_batch_size when dp changes, and which setting keeps it."""
+    config = catalog.state.get("ds_config") or {}
+    micro = config.get("train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps", 1)
+    source_dp = catalog.layout.dp
+    if not micro or source_dp == target.dp:
+        return None
+    before = config.get("train_batch_size", micro * gas * source_dp)
+    after = micro * gas * target.dp
+    if before == after:
+        return None
+    advice = f"train_batch_size {before} -> {after} unless the config changes"
+    if before % (micro * target.dp) == 0:
+        advice += f": set gradient_accumulation_steps {gas} -> {before // (micro * target.dp)}"
+    elif before % (gas * target.dp) == 0:
+        advice += f": set train_micro_batch_size_per_gpu {micro} -> {before // (gas * target.dp)}"
+    return advice
+
+
 class _Context:
     """What every file of the target needs: source catalog, target layout, precision choices."""
 
