@@ -214,11 +214,9 @@ def _convert(args) -> int:
 def _export(args) -> int:
     from reshard.executor import execute
     from reshard.export import export_plan
+    from reshard.validate import require_complete
     catalog = reshard.open_checkpoint(args.path, args.tag)
-    report = reshard.validate(catalog)
-    if not report.ok:
-        raise ReshardError(f"{catalog.root}: the checkpoint is not complete ({len(report.problems)} problem(s), "
-                           f"first: {report.problems[0]}); run `reshard validate`")
+    require_complete(catalog)
     plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
     group = _group()

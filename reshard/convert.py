@@ -26,12 +26,9 @@ def target_layout(catalog: Catalog, to: str) -> Layout:
 
 def make_plan(catalog: Catalog, to: str, tag_out: str | None = None) -> Plan:
     from reshard.formats import writer
-    from reshard.validate import validate
+    from reshard.validate import require_complete
 
-    report = validate(catalog)
-    if not report.ok:
-        raise ReshardError(f"{catalog.root}: the source checkpoint is not complete ({len(report.problems)} "
-                           f"problem(s), first: {report.problems[0]}); run `reshard validate`")
+    require_complete(catalog)
     target = target_layout(catalog, to)
     tag = tag_out or catalog.state.get("tag") or "converted"
     save_dir = os.path.dirname(catalog.root)

@@ -15,6 +15,7 @@ import numpy as np
 from reshard import manifest
 from reshard.catalog import MASTER, Catalog
 from reshard.dtypes import is_floating
+from reshard.errors import ReshardError
 from reshard.geometry import coverage, total_length
 
 MAX_RANGES_SHOWN = 3
@@ -71,6 +72,14 @@ def validate(catalog: Catalog, deep: bool = False, checksums: bool = False) -> R
     if deep:
         _check_values(catalog, report)
     return report
+
+
+def require_complete(catalog: Catalog) -> None:
+    """Raise one line when the checkpoint is not whole: nothing is converted or exported from it."""
+    report = validate(catalog)
+    if not report.ok:
+        raise ReshardError(f"{catalog.root}: the checkpoint is not complete ({len(report.problems)} problem(s), "
+                           f"first: {report.problems[0]}); run `reshard validate`")
 
 
 def _check_manifest(catalog, report, checksums):
