@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, metavar="SPEC",
                    help="target topology: dp=M[,zero=S] (unnamed keys keep the source's) or a layout file")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
+    p.add_argument("--format", dest="fmt", metavar="FORMAT",
+                   help="target format: deepspeed (default for a DeepSpeed source), dcp, universal")
     p.add_argument("--dst", help="where the output would go (for the free-disk check)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE")
     p.add_argument("--workers", type=int, default=1, metavar="K")
@@ -68,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="target topology: dp=M[,zero=S] (unnamed keys keep the source's) or a layout file")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
+    p.add_argument("--format", dest="fmt", metavar="FORMAT",
+                   help="target format: deepspeed (default for a DeepSpeed source), dcp, universal")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--workers", type=int, default=1, metavar="K", help="local processes writing files")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE",
@@ -183,12 +187,12 @@ def _validate(args) -> int:
 def _make_plan(args):
     from reshard.convert import make_plan
     catalog = reshard.open_checkpoint(args.path, args.tag)
-    return catalog, make_plan(catalog, args.to, args.tag_out)
+    return catalog, make_plan(catalog, args.to, args.tag_out, args.fmt)
 
 
 def _plan(args) -> int:
     catalog, plan = _make_plan(args)
-    summary = _print_plan(catalog, plan, args.dst, args.memory_budget, args.workers, args.json)
+    summary = _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
     if not summary["disk_ok"]:
         print(f"reshard: {summary['free_disk_at']}: {human_bytes(summary['free_disk_bytes'])} free, the conversion "
               f"writes {human_bytes(plan.bytes_written)}", file=sys.stderr)
@@ -200,7 +204,7 @@ def _convert(args) -> int:
     from reshard.executor import execute
     catalog, plan = _make_plan(args)
     if args.dry_run:
-        _print_plan(catalog, plan, args.dst, args.memory_budget, args.workers, False)
+        _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, False)
         return 0
     group = _group()
     execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
@@ -233,7 +237,7 @@ def _group():
     return TorchGroup() if launched_by_torchrun() else Solo()
 
 
-def _print_plan(catalog, plan, dst, memory_budget, workers, as_json):
+def _print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
     import os
     import shutil
     from reshard.convert import batch_size_advice
@@ -249,7 +253,7 @@ def _print_plan(catalog, plan, dst, memory_budget, workers, as_json):
     summary["free_disk_bytes"] = free
     summary["free_disk_at"] = where
     summary["disk_ok"] = free > plan.bytes_written
-    summary["advice"] = batch_size_advice(catalog, plan.target)
+    summary["advice"] = batch_size_advice(catalog, plan.target, fmt)
     if as_json:
         json.dump(summary, sys.stdout, indent=2)
         print()

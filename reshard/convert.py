@@ -24,7 +24,8 @@ def target_layout(catalog: Catalog, to: str) -> Layout:
     return source.with_spec(to)
 
 
-def make_plan(catalog: Catalog, to: str, tag_out: str | None = None) -> Plan:
+def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | None = None) -> Plan:
+    """The plan writing `catalog` at topology `to` in format `fmt` (default: the source's format)."""
     from reshard.formats import writer
     from reshard.validate import require_complete
 
@@ -32,11 +33,11 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None) -> Plan:
     target = target_layout(catalog, to)
     tag = tag_out or catalog.state.get("tag") or "converted"
     save_dir = os.path.dirname(catalog.root)
-    targets = writer(catalog.format).target_files(catalog, target, tag, save_dir)
+    targets = writer(fmt or catalog.format).target_files(catalog, target, tag, save_dir)
     return plan(catalog, target, targets, tag)
 
 
-def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
+def batch_size_advice(catalog: Catalog, target: Layout, fmt: str | None = None) -> str | None:
     """What happens to the global batch size when dp changes, and how to keep it (format-specific)."""
     from reshard.formats import writer
-    return writer(catalog.format).batch_size_advice(catalog, target)
+    return writer(fmt or catalog.format).batch_size_advice(catalog, target)

@@ -1,27 +1,39 @@
-"""File formats. Only this package knows file names, keys and byte layouts."""
+"""File formats. Only this package knows file names, keys and byte layouts.
+
+A reader module has `sniff(path, tag) -> bool` (is this checkpoint mine? from names and magic
+bytes only) and `read(path, tag) -> Catalog`. A writer module has
+`target_files(catalog, layout, tag, source_save_dir) -> [target files]` and
+`batch_size_advice(catalog, layout) -> str | None`.
+"""
 from __future__ import annotations
 
+import importlib
+import os
+
 from reshard.errors import ReshardError
+
+# Tried in order; the first whose sniff() accepts the path reads it.
+READERS = ["reshard.formats.deepspeed.reader"]
+# Target formats of `convert --format`.
+WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer"}
 
 
 def read(path: str, tag: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format."""
-    from reshard.formats.deepspeed import files, reader
-
-    import os
     if not os.path.exists(path):
         raise ReshardError(f"{path}: no such file or directory")
-    if os.path.isdir(path) and (files.is_deepspeed_dir(path) or tag is not None):
-        return reader.read(path, tag)
+    for name in READERS:
+        module = importlib.import_module(name)
+        if module.sniff(path, tag):
+            return module.read(path, tag)
     raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders)")
 
 
 def writer(format_name: str):
-    """The module that lays out target files for a format: `target_files(catalog, layout, tag, save_dir)`."""
-    if format_name == "deepspeed":
-        from reshard.formats.deepspeed import writer as deepspeed_writer
-        return deepspeed_writer
-    raise ReshardError(f"no writer for format {format_name!r}")
+    """The writer module of a target format."""
+    if format_name not in WRITERS:
+        raise ReshardError(f"no writer for format {format_name!r} (known: {', '.join(WRITERS)})")
+    return importlib.import_module(WRITERS[format_name])
 
 
 def container_writer(container: str):

@@ -35,6 +35,10 @@ TRAINING_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "lr_sc
 OPTIMIZER_SCALAR_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 
 
+def sniff(path: str, tag: str | None = None) -> bool:
+    return os.path.isdir(path) and (names.is_deepspeed_dir(path) or tag is not None)
+
+
 def read(path: str, tag: str | None = None) -> Catalog:
     tag_dir, tag = names.resolve_tag_dir(path, tag)
     try:
