@@ -18,7 +18,6 @@ from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import group_scalars, reader as zero_reader
 from reshard.formats.deepspeed import universal as uc
-from reshard.formats.deepspeed.zero3 import read_frozen
 from reshard.formats.torchzip import TensorRef
 from reshard.layout import Layout
 from reshard.tensorio import file_size
@@ -95,9 +94,7 @@ def _read(tag_dir, tag) -> Catalog:
     else:
         models = {0: model0}
         catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
-    zero_reader._read_model(catalog, model0, models, stage)
-    if stage == 3:
-        read_frozen(catalog, models)
+    zero_reader._read_model(catalog, model0, models, stage)     # ZeRO-3: frozen params from every rank's file
     groups = _groups(catalog, model0, optim, stage)
     for g, members in enumerate(groups):
         for name in members:
