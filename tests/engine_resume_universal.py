@@ -7,8 +7,8 @@ Like tests/engine_resume.py, but a job with "universal": true builds the engine 
 `latest_universal` and loads `zero/`. The resumed fp32 params, every optimizer state, steps and
 hyper-parameters are compared with the fixture's truth (engine_resume.compare) and one more step
 is trained. Run it with a fixed PYTHONHASHSEED: that set order decides the order of each rank's
-optimizer states, and the truth reader gathers states across ranks in that order. A job with "universal": false is an ordinary ZeRO load (a universal source converted
-back to ZeRO files).
+optimizer states, and the truth reader gathers states across ranks in that order. A job with
+"universal": false is an ordinary ZeRO load (a universal source converted back to ZeRO files).
 """
 import copy
 import gc

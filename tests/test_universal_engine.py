@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import FIXTURES, REPO, fixture_dir, run_cli
+from conftest import FIXTURES, REPO, run_cli
 from test_universal import ds_to_universal, ours
 
 pytestmark = pytest.mark.engine
@@ -79,7 +79,8 @@ def resumed(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name, to, stage, world", OURS, ids=[f"{n}-{t or 'same'}-zero{s}-dp{w}" for n, t, s, w in OURS])
+@pytest.mark.parametrize("name, to, stage, world", OURS,
+                         ids=[f"{n}-{t or 'same'}-zero{s}-dp{w}" for n, t, s, w in OURS])
 def test_engine_resumes_our_universal_checkpoint_bit_exactly(resumed, name, to, stage, world):
     result = resumed[f"ours {name} {to} zero{stage} dp{world}"]
     assert result["problems"] == [], "\n".join(result["problems"])

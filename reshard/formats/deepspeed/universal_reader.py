@@ -162,8 +162,8 @@ def _state_tensor(catalog, path, obj, shape):
     if isinstance(obj, dict):
         parallel = [k for k in uc.PARALLEL_KEYS if obj.get(k)]
         if parallel or obj.get(uc.CAT_DIM, 0) != 0:
-            raise ReshardError(f"{path}: tensor- or expert-parallel universal metadata ({', '.join(parallel) or 'cat_dim'})"
-                               " is not supported yet")
+            what = ", ".join(parallel) or "cat_dim"
+            raise ReshardError(f"{path}: tensor- or expert-parallel universal metadata ({what}) is not supported yet")
         obj = obj.get(uc.PARAM)
     if not isinstance(obj, TensorRef):
         catalog.problem(path, f"holds {type(obj).__name__}, not a tensor")
