@@ -26,6 +26,7 @@ OURS = [
     ("z2_fp32_roundrobin_dp4", "", 2, 2),
     ("z1_bf16_frozen_tied_dp2", "", 1, 3),
     ("z2_bf16_dp4", "zero=3", 3, 3),                    # stage change 2 -> 3
+    ("z1_fp32_dp4", "zero=2", 2, 2),                    # stage change 1 -> 2
     ("z3_fp32_frozen_tied_dp2", "zero=2", 2, 3),        # stage change 3 -> 2, frozen, tied, 2 groups
     ("z2_fp32_sgd_dp2", "", 2, 3),                      # SGD momentum (ds_to_universal refuses SGD)
     ("bf16opt_z1_dp2", "", 1, 3),                       # BF16_Optimizer

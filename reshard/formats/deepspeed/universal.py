@@ -10,7 +10,8 @@ The two flavours differ because DeepSpeed 0.19.8's loaders do (checkpoint/univer
 runtime/zero/stage3.py): ZeRO-1/2 and BF16_Optimizer load every `<state>.pt` of a param folder as
 `{'cat_dim': 0, 'param': <full shape>}` plus a per-param `step.pt`; ZeRO-3 loads only fp32, exp_avg
 and exp_avg_sq, as bare flat tensors (a dict with 'param' works too), and the step from
-optimizer_state.pt. Neither loader reads the other's model-states file names.
+optimizer_state.pt. Neither loader reads the other's model-states file names. No `latest` is
+written: with load_universal on, the engine reads only `latest_universal` (engine.py:4428).
 """
 from __future__ import annotations
 
