@@ -5,6 +5,7 @@ same tensors) wherever that tool is right; on the round-robin fixture ours equal
 truth and ds_to_universal's does not; ds_to_universal's output read by reshard gives the truth
 back. The real engine resuming from these trees is in test_universal_engine.py.
 """
+import json
 import os
 import subprocess
 import sys
@@ -130,7 +131,9 @@ def _assert_catalog_is_truth(catalog, name):
     meta = truth_json(name)
     hyper = [{k: v for k, v in g.items() if k != "param_names"} for g in meta["param_groups"]]
     assert [g["params"] for g in catalog.param_groups] == [g["param_names"] for g in meta["param_groups"]]
-    assert len(catalog.param_groups) == len(hyper)
+    plain = [json.loads(json.dumps({k: v for k, v in g.items() if k != "params"})) for g in catalog.param_groups]
+    # DeepSpeed's elastic files hold no hyper-parameters; the resuming engine keeps its configured ones
+    assert plain == hyper or (meta["ds_config"]["zero_optimization"].get("elastic_checkpoint") and plain == [{}])
     assert catalog.layout.step == meta["step"]
 
 
