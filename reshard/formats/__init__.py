@@ -13,9 +13,9 @@ import os
 from reshard.errors import ReshardError
 
 # Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.deepspeed.reader"]
+READERS = ["reshard.formats.deepspeed.universal_reader", "reshard.formats.deepspeed.reader"]
 # Target formats of `convert --format`.
-WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer"}
+WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer"}
 
 
 def read(path: str, tag: str | None = None):
