@@ -219,8 +219,11 @@ def _convert(args) -> int:
         _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, False)
         return 0
     group = _group()
-    execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
-            progress=not args.quiet, resume=args.resume, group=group)
+    try:
+        execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
+                progress=not args.quiet, resume=args.resume, group=group)
+    finally:
+        group.close()
     if not args.quiet and group.rank == 0:
         print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
               f"{human_bytes(plan.bytes_written)}")
@@ -236,8 +239,11 @@ def _export(args) -> int:
     plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
     group = _group()
-    execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
-            progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
+    try:
+        execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
+                progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
+    finally:
+        group.close()
     if not args.quiet and group.rank == 0:
         print(f"wrote {args.out}: {len(plan.files)} file(s), {human_bytes(plan.bytes_written)}")
     return 0
