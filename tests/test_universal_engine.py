@@ -1,20 +1,16 @@
 """The real DeepSpeed engine resumes from our universal checkpoints at other dp (and other stages).
 
-Each job loads one checkpoint with `"checkpoint": {"load_universal": true}` (tests/engine_resume_universal.py),
+Each job loads one checkpoint with `"checkpoint": {"load_universal": true}` (tests/engine_resume.py),
 reads back full fp32 params and every optimizer state, steps and hyper-parameters, compares them
 with the fixture's truth bit for bit, and trains one more step. Also: ds_to_universal's output read by
 reshard and converted back to ZeRO files resumes natively; and on the round-robin fixture the engine
 resuming ds_to_universal's tree does NOT match the truth (the check sees its corruption).
 """
-import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
 
-from conftest import FIXTURES, REPO, run_cli
+from conftest import FIXTURES, run_cli, run_engine_resume
 from test_universal import ds_to_universal, ours
 
 pytestmark = pytest.mark.engine
@@ -39,16 +35,7 @@ ROUND_ROBIN = "z2_fp32_roundrobin_dp4"
 
 
 def _run_world(world, jobs, out):
-    jobs_path, results_path = out / f"jobs-{world}.json", out / f"results-{world}.json"
-    jobs_path.write_text(json.dumps(jobs))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "PYTHONHASHSEED": "0"}   # every rank orders its optimizer states alike (engine_resume_universal.py)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(29470 + world),
-                           str(REPO / "tests" / "engine_resume_universal.py"), str(jobs_path), str(results_path)],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(results_path.read_text())
+    return run_engine_resume(world, jobs, out, port=29470)
 
 
 def _job(key, fixture, checkpoint, stage, universal):
