@@ -1,0 +1,350 @@
+"""Tensor- and pipeline-parallel DeepSpeed checkpoints -> one Catalog of FULL logical tensors.
+
+Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 checkpoint of its own
+(reader.read_mp_rank): its tensors are local ones. Then
+* tensor parallel (mp = tp ranks): each local tensor is a set of boxes of the full tensor (tp_geometry);
+  a box becomes contiguous flat runs, and each run is cut out of the local fragments. Replicated blocks
+  are read from their first holder; the other holders' bytes are compared (small tensors: norms,
+  replicated embeddings) and the first difference is a catalog problem.
+* pipeline parallel (mp = stages): the stages' params are already named as the PipelineModule names
+  them; a tied module trained in several stages appears once, its copies compared. The module weights
+  come from the `layer_XX-model_states.pt` files, whose local keys are mapped to those names.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+
+import numpy as np
+
+from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
+from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
+from reshard.formats import torchzip
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import reader
+from reshard.formats.deepspeed.tp_geometry import Geometry, runs
+from reshard.formats.torchzip import TensorRef
+from reshard.tensorio import MappedFiles, file_size, read_flat
+
+
+def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str | None) -> Catalog:
+    mp = int(model0.get("mp_world_size") or 1)
+    dims = model0.get("checkpoint_parallel_dimensions") or {}
+    tp, pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
+    if any(names.LAYER_STATES.match(n) for n in listing) and "pp_degree" not in dims:
+        pp = mp                                     # older saves: layer files and mp ranks = stages
+    if tp > 1 and pp > 1:
+        raise ReshardError(f"{tag_dir}: tensor and pipeline parallel together (tp={tp}, pp={pp}) are not "
+                           "supported yet")
+    if tp * pp != mp:
+        raise ReshardError(f"{tag_dir}: mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}")
+    locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp)
+    if pp > 1:
+        catalog = _merge_stages(tag_dir, listing, locals_)
+    else:
+        geometry = _geometry(tag_dir, locals_, layout_rules)
+        catalog = _merge_tp(tag_dir, locals_, geometry, tp)
+    catalog.problems[:0] = problems
+    catalog.files[:0] = files
+    catalog.layout.tp, catalog.layout.pp = tp, pp
+    _fill_layout(catalog)
+    return catalog
+
+
+def _read_ranks(tag_dir, tag, listing, mp):
+    """mp rank -> its local Catalog (None when its model-states file is missing or unreadable)."""
+    locals_, problems, files = {}, [], []
+    for rank in range(mp):
+        name = names.model_states_name(rank)
+        path = os.path.join(tag_dir, name)
+        if not os.path.exists(path):
+            problems.append(f"{path}: missing (expected for model-parallel rank {rank} of {mp})")
+            files.append(FileInfo(name, "model_states", None, 0))
+            locals_[rank] = None
+            continue
+        try:
+            model = reader._load_or_raise(path)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:
+            problems.append(str(e))
+            locals_[rank] = None
+            continue
+        locals_[rank] = reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
+        locals_[rank].state["_model_states"] = model
+    if all(c is None for c in locals_.values()):
+        raise ReshardError(f"{tag_dir}: no model-parallel rank's files could be read")
+    return locals_, problems, files
+
+
+def _first(locals_):
+    return next(c for c in locals_.values() if c is not None)
+
+
+def _new_catalog(tag_dir, base: Catalog) -> Catalog:
+    catalog = Catalog(root=tag_dir, format="deepspeed", layout=base.layout)
+    catalog.state = {k: v for k, v in base.state.items() if not k.startswith("_")}
+    return catalog
+
+
+def _gather_files_and_problems(catalog, locals_):
+    for rank, local in sorted(locals_.items()):
+        if local is None:
+            continue
+        catalog.files += local.files
+        catalog.problems += local.problems
+
+
+def _check_scalars(catalog, locals_, what):
+    base = catalog.group_scalars
+    for rank, local in sorted(locals_.items()):
+        if local is None:
+            continue
+        for g, scalars in enumerate(local.group_scalars):
+            for key, value in scalars.items():
+                if g < len(base) and key in base[g] and base[g][key] != value:
+                    catalog.problem(os.path.join(catalog.root, names.model_states_name(rank)),
+                                    f"param group {g}: optimizer {key} differs from {what} 0's")
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+
+def _geometry(tag_dir, locals_, layout_rules) -> Geometry:
+    model = _first(locals_).state["_model_states"]
+    info = model.get("universal_checkpoint_info")
+    if isinstance(info, dict) and (info.get("affine_map") or any(k.endswith("_patterns") for k in info)):
+        return Geometry.from_checkpoint(info, os.path.join(tag_dir, names.model_states_name(0)))
+    if layout_rules:
+        return Geometry.from_rule_file(layout_rules)
+    raise ReshardError(f"{tag_dir}: tensor-parallel checkpoint without universal_checkpoint_info: how each "
+                       "parameter was cut is unknown; give it with --layout-rules FILE (see layouts/)")
+
+
+def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
+    base = _first(locals_)
+    catalog = _new_catalog(tag_dir, base)
+    _gather_files_and_problems(catalog, locals_)
+    model0 = base.state["_model_states"]
+    catalog.aliases = dict(model0.get("shared_params") or {})
+    # every rank but the first saves an empty shared_params: the aliases of the first hold for all
+    catalog.order = list(base.order)
+    catalog.param_groups = [dict(g) for g in base.param_groups]
+    catalog.group_scalars = [dict(s) for s in base.group_scalars]
+    _check_scalars(catalog, locals_, "tensor-parallel rank")
+    with MappedFiles() as files:
+        for name, info in base.params.items():
+            if name in catalog.aliases:
+                continue
+            shard_shapes = {r: c.params[name].shape for r, c in locals_.items()
+                            if c is not None and name in c.params}
+            if info.kind == "buffer":
+                split = _buffer_split(geometry, name, shard_shapes, tp)
+            else:
+                split = geometry.split(name, shard_shapes, tp)
+            catalog.params[name] = ParamInfo(name, split.full_shape, info.kind, info.group)
+            for state in [s for s in base.states() if (name, s) in base.tensors]:
+                _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files)
+    return catalog
+
+
+def _buffer_split(geometry, name, shard_shapes, tp):
+    """Buffers are never cut by tensor parallelism (it cuts weights); they are checked equal across ranks."""
+    from reshard.formats.deepspeed.tp_geometry import Rule, _from_rule
+    try:
+        return geometry.split(name, shard_shapes, tp)
+    except ReshardError:
+        return _from_rule(name, Rule(name, "replicated"), shard_shapes, tp, "buffer")
+
+
+def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):
+    dtype = next(c.tensors[(name, state)].dtype for c in locals_.values()
+                 if c is not None and (name, state) in c.tensors)
+    full = catalog.add(LogicalTensor(name, state, split.full_shape, dtype))
+    for rank, local in sorted(locals_.items()):
+        if local is None or (name, state) not in local.tensors:
+            continue
+        tensor = local.tensors[(name, state)]
+        if tensor.shape != tuple(shard_shapes[rank]):
+            catalog.problem(_file_of(tensor, local), f"{name} ({state}): shard shape {list(tensor.shape)} but the "
+                            f"parameter's is {list(shard_shapes[rank])}")
+            continue
+        frags = sorted(tensor.fragments, key=lambda f: f.start)
+        starts = [f.start for f in frags]
+        for f_start, s_start, length in runs(split, rank, tensor.shape):
+            full.fragments += _cut(frags, starts, f_start, s_start, length)
+    _check_replicas(catalog, locals_, name, state, split, files)
+
+
+def _cut(frags, starts, f_start, s_start, length):
+    """The parts of the local fragments covering shard elements [s_start, s_start+length), re-addressed
+    to full-tensor elements starting at f_start."""
+    out = []
+    i = max(bisect.bisect_right(starts, s_start) - 1, 0)
+    stop = s_start + length
+    for frag in frags[i:]:
+        if frag.start >= stop:
+            break
+        lo, hi = max(s_start, frag.start), min(stop, frag.stop)
+        if lo < hi:
+            out.append(Fragment(f_start + lo - s_start, f_start + hi - s_start, frag.storage,
+                                frag.elem_offset + lo - frag.start, frag.rank))
+    return out
+
+
+def _check_replicas(catalog, locals_, name, state, split, files):
+    """Blocks held by several ranks must hold the same bytes; the first difference is a problem."""
+    replicated = [(rank, p) for rank, ps in split.pieces.items() for p in ps if len(p.holders) > 1]
+    if not replicated:
+        return
+    blocks = {}
+    for rank, piece in replicated:
+        local = locals_.get(rank)
+        tensor = local.tensors.get((name, state)) if local is not None else None
+        if tensor is None or sum(f.numel for f in tensor.fragments) != tensor.numel:
+            continue                       # missing or incomplete: reported by the coverage check
+        values = read_flat(files, tensor).reshape(tensor.shape)
+        box = tuple(slice(a, a + n) for a, n in zip(piece.shard_start, piece.shape))
+        key = (piece.full_start, piece.shape)
+        if key in blocks:
+            first_rank, first = blocks[key]
+            if not np.array_equal(first, values[box]):
+                catalog.problem(_file_of(tensor, local), f"{name} ({state}): replicated across tensor-parallel "
+                                f"ranks, but rank {rank} differs from rank {first_rank}")
+                return
+        else:
+            blocks[key] = (rank, values[box])
+
+
+def _file_of(tensor, local):
+    files = sorted({f.storage.file for f in tensor.fragments})
+    return files[0] if files else local.root
+
+
+# ---------------------------------------------------------------------------------------- pipeline parallel
+
+def _merge_stages(tag_dir, listing, locals_) -> Catalog:
+    base = _first(locals_)
+    catalog = _new_catalog(tag_dir, base)
+    _gather_files_and_problems(catalog, locals_)
+    catalog.group_scalars = [dict(s) for s in base.group_scalars]
+    _check_scalars(catalog, locals_, "pipeline stage")
+    holder = {}                                      # param name -> the stage whose copy is used
+    with MappedFiles() as files:
+        for stage, local in sorted(locals_.items()):
+            if local is None:
+                continue
+            for g, group in enumerate(local.param_groups):
+                while g >= len(catalog.param_groups):
+                    catalog.param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": []})
+                catalog.param_groups[g]["params"] += [n for n in group["params"] if n not in holder]
+            for name, info in local.params.items():
+                if name in holder:
+                    _check_tied(catalog, locals_, holder[name], stage, name, files)
+                    continue
+                holder[name] = stage
+                catalog.params[name] = info
+                for key, tensor in local.tensors.items():
+                    if key[0] == name:
+                        catalog.tensors[key] = tensor
+    _read_layers(catalog, tag_dir, listing, locals_)
+    return catalog
+
+
+def _check_tied(catalog, locals_, first, stage, name, files):
+    """A tied module is trained in every stage using it; each stage's copy must be the same."""
+    a, b = locals_[first], locals_[stage]
+    for state in a.states():
+        ta, tb = a.tensors.get((name, state)), b.tensors.get((name, state))
+        if ta is None or tb is None or ta.shape != tb.shape:
+            catalog.problem(os.path.join(catalog.root, names.model_states_name(stage)),
+                            f"{name} ({state}): tied with stage {first}, but not held alike")
+            return
+        if sum(f.numel for f in ta.fragments) != ta.numel or sum(f.numel for f in tb.fragments) != tb.numel:
+            continue                                 # incomplete: reported by the coverage check
+        if not np.array_equal(read_flat(files, ta), read_flat(files, tb)):
+            catalog.problem(os.path.join(catalog.root, names.model_states_name(stage)),
+                            f"{name} ({state}): tied with stage {first}, but the copies differ")
+            return
+
+
+def _read_layers(catalog, tag_dir, listing, locals_):
+    """Module weights and buffers from the layer files, under the PipelineModule's names."""
+    known, buffers = set(), set()
+    for local in locals_.values():
+        if local is not None:
+            known.update(local.params)
+            buffers.update(local.state["_model_states"].get("buffer_names") or [])
+    known |= buffers
+    layers = {}
+    for n in listing:
+        m = names.LAYER_STATES.match(n)
+        if m:
+            if m.group(1):
+                raise ReshardError(f"{tag_dir}: {n}: pipeline layer files of a tensor-parallel run are not "
+                                   "supported yet")
+            layers[int(n.split("_")[1].split("-")[0])] = n
+    expected = {int(k.split(".")[0]) for k in known if k.split(".")[0].isdigit()}
+    for index in sorted(expected - set(layers)):
+        catalog.problem(os.path.join(tag_dir, names.layer_states_name(index)),
+                        f"missing (layer {index} has parameters in the pipeline stages)")
+    seen = set()
+    for index in sorted(layers):
+        path = os.path.join(tag_dir, layers[index])
+        catalog.files.append(FileInfo(layers[index], "layer_states", None, file_size(path)))
+        try:
+            sd = torchzip.load(path)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:
+            catalog.problems.append(str(e))
+            continue
+        if not isinstance(sd, dict):
+            catalog.problem(path, f"expected a state dict, found {type(sd).__name__}")
+            continue
+        prefix = _layer_prefix(index, list(sd), known)
+        for key, ref in sd.items():
+            if not isinstance(ref, TensorRef):
+                continue
+            name = prefix + key
+            if name in seen:                         # a tied module's later occurrence
+                _check_same_module(catalog, name, ref, path)
+                continue
+            seen.add(name)
+            if name not in catalog.params:
+                kind = "buffer" if name in buffers else "frozen"
+                catalog.params[name] = ParamInfo(name, tuple(ref.shape), kind)
+            catalog.order.append(name)
+            reader._add_whole(catalog, name, MODULE, ref)
+
+
+def _layer_prefix(index, keys, known) -> str:
+    """`tied_modules.KEY.` when exactly one tied module of the stages holds all these keys, else `INDEX.`."""
+    tied = {k.split(".")[1] for k in known if k.startswith("tied_modules.")}
+    matches = [t for t in sorted(tied) if all(f"tied_modules.{t}.{k}" in known for k in keys if k)]
+    own = any(f"{index}.{k}" in known for k in keys)
+    if len(matches) == 1 and not own:
+        return f"tied_modules.{matches[0]}."
+    return f"{index}."
+
+
+def _check_same_module(catalog, name, ref, path):
+    first = catalog.tensors.get((name, MODULE))
+    if first is None or tuple(first.shape) != tuple(ref.shape) or first.dtype != ref.dtype:
+        catalog.problem(path, f"{name}: tied module copy has another shape or dtype than its first occurrence")
+        return
+    with MappedFiles() as files:
+        other = LogicalTensor(name, MODULE, tuple(ref.shape), ref.dtype,
+                              [Fragment(0, ref.numel, ref.storage, ref.storage_offset)] if ref.numel else [])
+        if not np.array_equal(read_flat(files, first), read_flat(files, other)):
+            catalog.problem(path, f"{name}: tied module copy differs from its first occurrence")
+
+
+def _fill_layout(catalog):
+    layout = catalog.layout
+    params = [p for p in catalog.params.values() if p.kind != "buffer"]
+    layout.params = len(params)
+    layout.elements = sum(math.prod(p.shape) for p in params)
+    layout.states = catalog.optimizer_states()
+    if MASTER not in catalog.states():
+        layout.states = []
