@@ -89,6 +89,10 @@ class Catalog:
     state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
+    # Model-parallel sources keep how they were cut, for writers of tp/pp targets and for messages:
+    tp_splits: dict = field(default_factory=dict)      # name -> tp_geometry.Split (boxes each TP rank holds)
+    stages: dict = field(default_factory=dict)         # name -> pipeline stages whose optimizer trains it
+    layers: dict = field(default_factory=dict)         # name -> (layer index, key in its layer file)
 
     def add(self, tensor: LogicalTensor) -> LogicalTensor:
         return self.tensors.setdefault(tensor.key, tensor)

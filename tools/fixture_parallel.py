@@ -86,12 +86,12 @@ def autotp_truth(engine, state_names):
 
 def autotp_worker(spec, out_dir, rank):
     import deepspeed
+    from deepspeed.utils import groups
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(spec["tied"]))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=spec["ds_config"])
-    from deepspeed.utils import groups
     dp_rank = groups.get_data_parallel_rank()
     generator = torch.Generator().manual_seed(100 + dp_rank)    # TP ranks of a DP group see the same batch
     losses = []
@@ -104,6 +104,8 @@ def autotp_worker(spec, out_dir, rank):
     engine.module.eval()
     with torch.no_grad():
         logits = engine.module(input_ids=probe()).logits.float()
+    if logits.shape[-1] != TOKENS:   # a vocabulary-parallel lm_head (tied embeddings) gives each rank its columns
+        logits = torch.cat(_gather(logits, groups.get_tensor_model_parallel_group()), dim=-1)
     engine.module.train()
     if rank == 0:
         engine.module.config.save_pretrained(os.path.join(out_dir, "hf_config"))

@@ -143,6 +143,7 @@ def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
             else:
                 split = geometry.split(name, shard_shapes, tp)
             catalog.params[name] = ParamInfo(name, split.full_shape, info.kind, info.group)
+            catalog.tp_splits[name] = split
             for state in [s for s in base.states() if (name, s) in base.tensors]:
                 _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files)
     return catalog
@@ -239,6 +240,8 @@ def _merge_stages(tag_dir, listing, locals_) -> Catalog:
                     catalog.param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": []})
                 catalog.param_groups[g]["params"] += [n for n in group["params"] if n not in holder]
             for name, info in local.params.items():
+                if info.kind == "trainable":
+                    catalog.stages.setdefault(name, []).append(stage)
                 if name in holder:
                     _check_tied(catalog, locals_, holder[name], stage, name, files)
                     continue
@@ -311,6 +314,7 @@ def _read_layers(catalog, tag_dir, listing, locals_):
                 _check_same_module(catalog, name, ref, path)
                 continue
             seen.add(name)
+            catalog.layers[name] = (index, key)
             if name not in catalog.params:
                 kind = "buffer" if name in buffers else "frozen"
                 catalog.params[name] = ParamInfo(name, tuple(ref.shape), kind)
