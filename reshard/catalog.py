@@ -60,6 +60,14 @@ class LogicalTensor:
 
 
 @dataclass
+class Replica:
+    copy: LogicalTensor      # same name/state/shape as the catalog's tensor; fragments from another holder
+    holder: str              # who holds the copy, for messages ("tensor-parallel rank 1")
+    first: str               # who holds the catalog's own elements there
+    checked: bool = False
+
+
+@dataclass
 class ParamInfo:
     name: str
     shape: tuple
@@ -93,6 +101,10 @@ class Catalog:
     tp_splits: dict = field(default_factory=dict)      # name -> tp_geometry.Split (boxes each TP rank holds)
     stages: dict = field(default_factory=dict)         # name -> pipeline stages whose optimizer trains it
     layers: dict = field(default_factory=dict)         # name -> (layer index, key in its layer file)
+    # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose
+    # fragments hold, at the same flat positions, elements the catalog's own tensor holds. They must be
+    # equal; readers compare the small ones, `validate --deep` every one not yet compared.
+    replicas: list = field(default_factory=list)       # [Replica]
 
     def add(self, tensor: LogicalTensor) -> LogicalTensor:
         return self.tensors.setdefault(tensor.key, tensor)

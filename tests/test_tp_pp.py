@@ -298,4 +298,21 @@ def test_tied_pipeline_copies_that_differ_are_reported(tmp_path):
         sd["weight"][0, 0] += 1.0
     _rewrite(tag / "layer_04-model_states.pt", change)
     proc = run_cli("validate", save, check=1)
-    assert "layer_04-model_states.pt: tied_modules.emb.weight: tied module copy differs" in proc.stdout
+    assert ("layer_04-model_states.pt: tied_modules.emb.weight (module): replicated, but layer_04-model_states.pt "
+            "differs from its first occurrence (first at element 0)") in proc.stdout
+
+
+def test_big_replicas_are_compared_by_validate_deep(tmp_path, monkeypatch):
+    from reshard.formats.deepspeed import parallel
+    save, tag = _copy("autotp2_z1_fp32_dp2", tmp_path)
+
+    def change(sd):
+        sd["module"]["model.norm.weight"][5] += 1.0
+    _rewrite(tag / "mp_rank_01_model_states.pt", change)
+    monkeypatch.setattr(parallel, "REPLICA_CHECK_BYTES", 0)       # as if every replica were big
+    catalog = reshard.open_checkpoint(save)
+    assert not catalog.problems and catalog.replicas and not any(r.checked for r in catalog.replicas)
+    assert reshard.validate(catalog).ok
+    problems = reshard.validate(catalog, deep=True).problems
+    assert len(problems) == 1 and "model.norm.weight (module): replicated, but tensor-parallel rank 1 differs " \
+        "from rank 0 (first at element 5)" in problems[0]

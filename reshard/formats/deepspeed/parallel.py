@@ -16,16 +16,19 @@ import bisect
 import math
 import os
 
-import numpy as np
-
-from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
+from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
+from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import reader
-from reshard.formats.deepspeed.tp_geometry import Geometry, runs
+from reshard.formats.deepspeed.tp_geometry import Geometry, Split, runs
 from reshard.formats.torchzip import TensorRef
-from reshard.tensorio import MappedFiles, file_size, read_flat
+from reshard.tensorio import MappedFiles, file_size, replica_problem
+
+# Replicated blocks up to this size (per copy) are compared when the checkpoint is read; larger ones
+# (a replicated embedding of a big vocabulary) by `validate --deep`, so reading stays metadata-cheap.
+REPLICA_CHECK_BYTES = 16 << 20
 
 
 def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str | None) -> Catalog:
@@ -174,7 +177,7 @@ def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):
         starts = [f.start for f in frags]
         for f_start, s_start, length in runs(split, rank, tensor.shape):
             full.fragments += _cut(frags, starts, f_start, s_start, length)
-    _check_replicas(catalog, locals_, name, state, split, files)
+    _add_replicas(catalog, locals_, full, split, files)
 
 
 def _cut(frags, starts, f_start, s_start, length):
@@ -193,28 +196,35 @@ def _cut(frags, starts, f_start, s_start, length):
     return out
 
 
-def _check_replicas(catalog, locals_, name, state, split, files):
-    """Blocks held by several ranks must hold the same bytes; the first difference is a problem."""
-    replicated = [(rank, p) for rank, ps in split.pieces.items() for p in ps if len(p.holders) > 1]
-    if not replicated:
-        return
-    blocks = {}
-    for rank, piece in replicated:
-        local = locals_.get(rank)
+def _add_replicas(catalog, locals_, full, split, files):
+    """Blocks held by several TP ranks: each other holder's copy becomes a Replica of `full`; the small
+    ones are compared now (a norm weight, a bias), the others by `validate --deep`."""
+    name, state = full.name, full.state
+    for rank, local in sorted(locals_.items()):
         tensor = local.tensors.get((name, state)) if local is not None else None
-        if tensor is None or sum(f.numel for f in tensor.fragments) != tensor.numel:
-            continue                       # missing or incomplete: reported by the coverage check
-        values = read_flat(files, tensor).reshape(tensor.shape)
-        box = tuple(slice(a, a + n) for a, n in zip(piece.shard_start, piece.shape))
-        key = (piece.full_start, piece.shape)
-        if key in blocks:
-            first_rank, first = blocks[key]
-            if not np.array_equal(first, values[box]):
-                catalog.problem(_file_of(tensor, local), f"{name} ({state}): replicated across tensor-parallel "
-                                f"ranks, but rank {rank} differs from rank {first_rank}")
-                return
-        else:
-            blocks[key] = (rank, values[box])
+        if tensor is None:
+            continue
+        pieces = [p for p in split.pieces.get(rank, []) if len(p.holders) > 1 and p.holders[0] != rank]
+        if not pieces:
+            continue
+        frags = sorted(tensor.fragments, key=lambda f: f.start)
+        starts = [f.start for f in frags]
+        copy = LogicalTensor(name, state, full.shape, full.dtype)
+        for f_start, s_start, length in runs(Split(split.full_shape, {rank: pieces}, split.source), rank,
+                                             tensor.shape, primary_only=False):
+            copy.fragments += _cut(frags, starts, f_start, s_start, length)
+        holders = sorted({p.holders[0] for p in pieces})
+        _replica(catalog, full, copy, f"tensor-parallel rank {rank}", f"rank {holders[0]}", files)
+
+
+def _replica(catalog, tensor, copy, holder, first, files) -> None:
+    """Record a second copy of (part of) `tensor`; compare it now when it is small."""
+    replica = Replica(copy, holder, first)
+    catalog.replicas.append(replica)
+    if sum(f.numel for f in copy.fragments) * itemsize(tensor.dtype) <= REPLICA_CHECK_BYTES:
+        problem = replica_problem(files, tensor, replica)
+        if problem:
+            catalog.problems.append(problem)
 
 
 def _file_of(tensor, local):
@@ -250,7 +260,7 @@ def _merge_stages(tag_dir, listing, locals_) -> Catalog:
                 for key, tensor in local.tensors.items():
                     if key[0] == name:
                         catalog.tensors[key] = tensor
-    _read_layers(catalog, tag_dir, listing, locals_)
+        _read_layers(catalog, tag_dir, listing, locals_, files)
     return catalog
 
 
@@ -263,15 +273,10 @@ def _check_tied(catalog, locals_, first, stage, name, files):
             catalog.problem(os.path.join(catalog.root, names.model_states_name(stage)),
                             f"{name} ({state}): tied with stage {first}, but not held alike")
             return
-        if sum(f.numel for f in ta.fragments) != ta.numel or sum(f.numel for f in tb.fragments) != tb.numel:
-            continue                                 # incomplete: reported by the coverage check
-        if not np.array_equal(read_flat(files, ta), read_flat(files, tb)):
-            catalog.problem(os.path.join(catalog.root, names.model_states_name(stage)),
-                            f"{name} ({state}): tied with stage {first}, but the copies differ")
-            return
+        _replica(catalog, ta, tb, f"pipeline stage {stage}", f"stage {first}", files)
 
 
-def _read_layers(catalog, tag_dir, listing, locals_):
+def _read_layers(catalog, tag_dir, listing, locals_, files):
     """Module weights and buffers from the layer files, under the PipelineModule's names."""
     known, buffers = set(), set()
     for local in locals_.values():
@@ -311,7 +316,7 @@ def _read_layers(catalog, tag_dir, listing, locals_):
                 continue
             name = prefix + key
             if name in seen:                         # a tied module's later occurrence
-                _check_same_module(catalog, name, ref, path)
+                _check_same_module(catalog, name, ref, path, files)
                 continue
             seen.add(name)
             catalog.layers[name] = (index, key)
@@ -332,16 +337,14 @@ def _layer_prefix(index, keys, known) -> str:
     return f"{index}."
 
 
-def _check_same_module(catalog, name, ref, path):
+def _check_same_module(catalog, name, ref, path, files):
     first = catalog.tensors.get((name, MODULE))
     if first is None or tuple(first.shape) != tuple(ref.shape) or first.dtype != ref.dtype:
         catalog.problem(path, f"{name}: tied module copy has another shape or dtype than its first occurrence")
         return
-    with MappedFiles() as files:
-        other = LogicalTensor(name, MODULE, tuple(ref.shape), ref.dtype,
-                              [Fragment(0, ref.numel, ref.storage, ref.storage_offset)] if ref.numel else [])
-        if not np.array_equal(read_flat(files, first), read_flat(files, other)):
-            catalog.problem(path, f"{name}: tied module copy differs from its first occurrence")
+    other = LogicalTensor(name, MODULE, tuple(ref.shape), ref.dtype,
+                          [Fragment(0, ref.numel, ref.storage, ref.storage_offset)] if ref.numel else [])
+    _replica(catalog, first, other, os.path.basename(path), "its first occurrence", files)
 
 
 def _fill_layout(catalog):
