@@ -183,8 +183,11 @@ def _print_inspect(info) -> None:
         shape = "x".join(map(str, row["shape"])) or "scalar"
         group = "" if row["group"] is None else f"group {row['group']}"
         tied = f"tied: {', '.join(row['tied_to_it'])}" if row["tied_to_it"] else ""
+        where = f"tp {row['tensor_parallel']}" if "tensor_parallel" in row else ""
+        if len(row.get("stages", [])) > 1:
+            where = f"stages {','.join(map(str, row['stages']))}"
         print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {group:<8} "
-              f"{','.join(row['states'])} {tied}")
+              f"{','.join(row['states'])} {tied} {where}".rstrip())
 
 
 def _validate(args) -> int:

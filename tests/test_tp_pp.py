@@ -84,6 +84,14 @@ def test_inspect_and_validate_commands(name):
     assert f"tp={tp} pp={pp}" in run_cli("inspect", fixture_dir(name), check=0).stdout
     out = run_cli("validate", fixture_dir(name), check=0).stdout
     assert out.startswith("complete")
+    rows = {r["name"]: r for r in json.loads(run_cli("inspect", fixture_dir(name), "--params", "--json",
+                                                     check=0).stdout)["parameter_table"]}
+    if meta["kind"] == "autotp":
+        assert rows["model.layers.1.self_attn.o_proj.weight"]["tensor_parallel"] == "split dim 1"
+        assert rows["model.layers.1.mlp.up_proj.weight"]["tensor_parallel"] == "split dim 0"
+        assert rows["model.norm.weight"]["tensor_parallel"] == "replicated"
+    else:
+        assert rows["tied_modules.emb.weight"]["stages"] == [0, 1] and rows["3.fc.weight"]["stages"] == [1]
 
 
 @pytest.mark.parametrize("name", PARALLEL_FIXTURES)
@@ -316,3 +324,24 @@ def test_big_replicas_are_compared_by_validate_deep(tmp_path, monkeypatch):
     problems = reshard.validate(catalog, deep=True).problems
     assert len(problems) == 1 and "model.norm.weight (module): replicated, but tensor-parallel rank 1 differs " \
         "from rank 0 (first at element 5)" in problems[0]
+
+
+@pytest.mark.parametrize("name,victim", [("pipe2_z1_fp32_dp2", "layer_02-model_states.pt"),
+                                         ("autotp2_z1_fp32_dp2", "mp_rank_01_model_states.pt")])
+def test_a_hostile_pickle_in_a_layer_or_tp_rank_file_never_runs(name, victim, tmp_path):
+    import sys
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_hostile import Payload
+    save, tag = _copy(name, tmp_path)
+    canary = tmp_path / "canary"
+
+    def change(sd):
+        sd["evil"] = Payload(os.system, f"touch {canary}")
+    _rewrite(tag / victim, change)
+    before = {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
+    for command in (["inspect", save], ["validate", save], ["export", save, tmp_path / "x.safetensors"]):
+        proc = run_cli(*command, check=1)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and victim in lines[0] and "system" in lines[0], command
+    assert not canary.exists() and not (tmp_path / "x.safetensors").exists()
+    assert before == {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
