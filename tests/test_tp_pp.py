@@ -23,7 +23,8 @@ LAYOUTS = REPO / "layouts"
 
 
 def test_the_parallel_fixtures_are_there():
-    assert {"autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2"} <= set(AUTOTP)
+    assert {"autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2",
+            "autotp2_z1_fp32_uneven_dp2"} <= set(AUTOTP)
     assert PIPE == ["pipe2_z1_fp32_dp2"]
 
 
@@ -64,6 +65,12 @@ def test_pipeline_names_are_the_pipeline_modules_and_the_tied_weight_appears_onc
     fp32 = catalog.tensors[("tied_modules.emb.weight", "fp32")]
     assert {os.path.basename(f.storage.file) for f in fp32.fragments} <= {
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+
+
+def test_uneven_heads_are_read_as_saved():
+    catalog = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_uneven_dp2"))
+    split = catalog.tp_splits["model.layers.0.self_attn.k_proj.weight"]   # 3 kv heads over 2 ranks: 2 + 1
+    assert split.full_shape == (12, 24) and [p.shape for r in (0, 1) for p in split.pieces[r]] == [(8, 24), (4, 24)]
 
 
 def test_a_dim1_shard_is_one_run_per_row():
@@ -109,7 +116,7 @@ def test_export_is_the_truth_bit_for_bit(name, tmp_path):
         assert torch.equal(value, expected), key
 
 
-@pytest.mark.parametrize("name", ["autotp2_z1_fp32_dp2", "autotp2_z2_fp32_tied_dp2"])
+@pytest.mark.parametrize("name", ["autotp2_z1_fp32_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"])
 def test_transformers_loads_the_export_and_gives_the_gathered_models_logits(name, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     out = tmp_path / "hf"
@@ -168,6 +175,7 @@ def test_pattern_lists_without_affine_map_give_the_same_tensors(name, tmp_path):
 
 
 @pytest.mark.parametrize("name,rules", [("autotp2_z1_fp32_dp2", "llama-autotp.json"),
+                                        ("autotp2_z1_fp32_uneven_dp2", "llama-autotp.json"),
                                         ("autotp2_z2_fp32_tied_dp2", "llama-autotp-tied.json")])
 def test_unknown_geometry_is_refused_and_a_rule_file_gives_it(name, rules, tmp_path):
     save, tag = _copy(name, tmp_path)

@@ -19,10 +19,12 @@ TOKENS = 48
 
 # --------------------------------------------------------------------------------------------- AutoTP Llama
 
-def llama_config(tied):
+def llama_config(tied, uneven=False):
+    """uneven: 3 key-value heads (6 query heads) over tp=2, which AutoTP splits 2 + 1 heads."""
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=TOKENS, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    heads, kv_heads, hidden = (6, 3, 24) if uneven else (4, 2, 16)
+    return LlamaConfig(vocab_size=TOKENS, hidden_size=hidden, intermediate_size=24, num_hidden_layers=2,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
                        tie_word_embeddings=tied)
 
 
@@ -32,11 +34,17 @@ def probe():
 
 
 def _gather(t, group):
+    """Every rank's `t` (shapes may differ: uneven AutoTP shards), gathered over `group`."""
     import torch.distributed as tdist
     world = tdist.get_world_size(group=group)
-    parts = [torch.empty_like(t) for _ in range(world)]
-    tdist.all_gather(parts, t.contiguous(), group=group)
-    return parts
+    shapes = [None] * world
+    tdist.all_gather_object(shapes, tuple(t.shape), group=group)
+    longest = max(torch.Size(s).numel() for s in shapes)
+    flat = torch.zeros(longest, dtype=t.dtype)
+    flat[:t.numel()] = t.reshape(-1)
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    tdist.all_gather(parts, flat, group=group)
+    return [p[:torch.Size(s).numel()].reshape(s) for p, s in zip(parts, shapes)]
 
 
 def autotp_truth(engine, state_names):
@@ -90,7 +98,7 @@ def autotp_worker(spec, out_dir, rank):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(spec["tied"]))
+    model = LlamaForCausalLM(llama_config(spec["tied"], spec.get("uneven", False)))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=spec["ds_config"])
     dp_rank = groups.get_data_parallel_rank()
     generator = torch.Generator().manual_seed(100 + dp_rank)    # TP ranks of a DP group see the same batch

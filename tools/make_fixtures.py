@@ -126,6 +126,9 @@ def _configs():
         add(name, stage, dtype, 4, tied=tied, extra={"tensor_parallel": {"autotp_size": 2}})
         out[name]["kind"] = "autotp"
         del out[name]["ds_config"]["scheduler"]
+    add("autotp2_z1_fp32_uneven_dp2", 1, "fp32", 4, extra={"tensor_parallel": {"autotp_size": 2}})
+    out["autotp2_z1_fp32_uneven_dp2"].update(kind="autotp", uneven=True)
+    del out["autotp2_z1_fp32_uneven_dp2"]["ds_config"]["scheduler"]
     add("pipe2_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_accumulation_steps": 2})
     out["pipe2_z1_fp32_dp2"]["kind"] = "pipe"
     return out
