@@ -264,6 +264,23 @@ def test_missing_optimizer_file_of_a_tp_rank_is_reported(tmp_path):
     assert "zero_pp_rank_1_mp_rank_01_optim_states.pt: missing" in proc.stdout
 
 
+def test_a_tp_rank_without_any_optimizer_file_is_reported(tmp_path):
+    save, tag = _copy("autotp2_z1_fp32_dp2", tmp_path)
+    for dp in (0, 1):
+        os.remove(tag / f"zero_pp_rank_{dp}_mp_rank_01_optim_states.pt")
+    proc = run_cli("validate", save, check=1)
+    assert ("no optimizer state file of model-parallel rank 1 could be read (expected "
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt, zero_pp_rank_1_mp_rank_01_optim_states.pt)") in proc.stdout
+    assert "elements missing" in proc.stdout
+
+
+def test_a_tp_rank_file_from_another_save_is_reported(tmp_path):
+    save, tag = _copy("autotp2_z1_fp32_dp2", tmp_path)
+    _rewrite(tag / "mp_rank_01_model_states.pt", lambda sd: sd.update(global_steps=2))
+    proc = run_cli("validate", save, check=1)
+    assert "mp_rank_01_model_states.pt: mp_world_size 2, global_steps 2: not the same save" in proc.stdout
+
+
 @pytest.mark.parametrize("gone", ["layer_03-model_states.pt", "mp_rank_01_model_states.pt"])
 def test_missing_pipeline_files_are_reported(gone, tmp_path):
     save, tag = _copy("pipe2_z1_fp32_dp2", tmp_path)

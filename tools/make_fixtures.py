@@ -20,6 +20,15 @@ ZeRO-1/2 and BF16_Optimizer the values are read from the live flat buffers inste
 ``round_robin_gradients``); ``truth.json["helper_mismatch"]`` lists where the helpers disagree (max abs error).
 Under fp32 the fp32 masters are asserted equal to the module weights.
 
+Tensor/pipeline-parallel fixtures (``truth.json["kind"]`` ``autotp`` or ``pipe``, 4 ranks each; models and
+truth assembly in ``tools/fixture_parallel.py``): ``autotp2_*`` train a tiny random ``transformers`` Llama with
+``"tensor_parallel": {"autotp_size": 2}`` at dp=2 (ZeRO-1 fp32, ZeRO-1 bf16 tied embeddings, ZeRO-2 fp32 tied, ZeRO-1
+fp32 with 3 key-value heads split 2+1) and also save ``hf_config/`` and ``logits.pt`` (the TP engine's logits on a
+fixed probe); ``pipe2_z1_fp32_dp2`` trains a ``PipelineModule`` (tied embedding via ``TiedLayerSpec`` at both ends) at
+pp=2, dp=2 with ``train_batch``. Their truth holds the FULL tensors under the names the checkpoint uses: TP shards are
+gathered over the TP group and put together with each parameter's own AutoTP affine map; pipeline stages' dicts are
+gathered over the world (a tied weight's copies asserted equal). About 15-30 s per fixture.
+
 Determinism: truth files are bit-identical across reruns, and so are all checkpoint files except the ZeRO-3
 ``*_optim_states.pt`` files, whose ``fp32_flat_groups`` padding elements are uninitialised memory in DeepSpeed.
 Environment: ``DS_ACCELERATOR=cpu`` and ``OMP_NUM_THREADS=1`` are set for the workers. fp16 configs override the
@@ -412,7 +421,6 @@ def parallel_worker(spec, out_dir, rank):
     import fixture_parallel as fp
 
     spec = copy.deepcopy(spec)
-    t0 = time.time()
     if spec["kind"] == "autotp":
         engine, losses = fp.autotp_worker(spec, out_dir, rank)
     else:
@@ -452,7 +460,7 @@ def parallel_worker(spec, out_dir, rank):
             "trainable": trainable, "tied": spec["tied"], "losses": losses,
             "client_state": dict(CLIENT_STATE), "ds_version": deepspeed.__version__, "helper_mismatch": {},
             "overflow_steps": [],
-            "torch_version": torch.__version__.split("+")[0], "seconds": round(time.time() - t0, 1),
+            "torch_version": torch.__version__.split("+")[0],
         }
         save_file(tensors, os.path.join(out_dir, "truth.safetensors"), metadata={"name": spec["name"]})
         with open(os.path.join(out_dir, "truth.json"), "w") as f:

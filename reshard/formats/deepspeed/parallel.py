@@ -4,8 +4,8 @@ Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 ch
 (reader.read_mp_rank): its tensors are local ones. Then
 * tensor parallel (mp = tp ranks): each local tensor is a set of boxes of the full tensor (tp_geometry);
   a box becomes contiguous flat runs, and each run is cut out of the local fragments. Replicated blocks
-  are read from their first holder; the other holders' bytes are compared (small tensors: norms,
-  replicated embeddings) and the first difference is a catalog problem.
+  are read from their first holder; the other holders' copies are kept as catalog.replicas and compared
+  (now when small, such as norms; by `validate --deep` when big) and a difference is a catalog problem.
 * pipeline parallel (mp = stages): the stages' params are already named as the PipelineModule names
   them; a tied module trained in several stages appears once, its copies compared. The module weights
   come from the `layer_XX-model_states.pt` files, whose local keys are mapped to those names.
@@ -35,15 +35,16 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
     mp = int(model0.get("mp_world_size") or 1)
     dims = model0.get("checkpoint_parallel_dimensions") or {}
     tp, pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
-    if any(names.LAYER_STATES.match(n) for n in listing) and "pp_degree" not in dims:
-        pp = mp                                     # older saves: layer files and mp ranks = stages
+    pipeline = any(names.LAYER_STATES.match(n) for n in listing)
+    if not dims:                    # saves before checkpoint_parallel_dimensions: mp ranks are stages or TP ranks
+        tp, pp = (1, mp) if pipeline else (mp, 1)
     if tp > 1 and pp > 1:
         raise ReshardError(f"{tag_dir}: tensor and pipeline parallel together (tp={tp}, pp={pp}) are not "
                            "supported yet")
     if tp * pp != mp:
         raise ReshardError(f"{tag_dir}: mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}")
     locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp)
-    if pp > 1:
+    if pipeline:
         catalog = _merge_stages(tag_dir, listing, locals_)
     else:
         geometry = _geometry(tag_dir, locals_, layout_rules)
@@ -58,6 +59,7 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
 def _read_ranks(tag_dir, tag, listing, mp):
     """mp rank -> its local Catalog (None when its model-states file is missing or unreadable)."""
     locals_, problems, files = {}, [], []
+    first_steps = {}
     for rank in range(mp):
         name = names.model_states_name(rank)
         path = os.path.join(tag_dir, name)
@@ -74,10 +76,23 @@ def _read_ranks(tag_dir, tag, listing, mp):
             problems.append(str(e))
             locals_[rank] = None
             continue
-        locals_[rank] = reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
+        if model.get("mp_world_size") != mp or model.get("global_steps") != first_steps.setdefault(0, model.get(
+                "global_steps")):
+            problems.append(f"{path}: mp_world_size {model.get('mp_world_size')}, global_steps "
+                            f"{model.get('global_steps')}: not the same save as model-parallel rank 0's")
+        try:
+            locals_[rank] = reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
+        except UnsafeCheckpointError:
+            raise
+        except ReshardError as e:           # e.g. none of its optimizer files is there
+            if rank == 0 and mp == 1:
+                raise
+            problems.append(str(e))
+            locals_[rank] = None
+            continue
         locals_[rank].state["_model_states"] = model
     if all(c is None for c in locals_.values()):
-        raise ReshardError(f"{tag_dir}: no model-parallel rank's files could be read")
+        raise ReshardError(problems[0] if problems else f"{tag_dir}: no model-parallel rank's files could be read")
     return locals_, problems, files
 
 

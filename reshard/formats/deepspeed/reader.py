@@ -76,7 +76,9 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
         raise ReshardError(f"{tag_dir}: no *_optim_states.pt files; ZeRO stage 0 checkpoints are not supported")
     first_optim = next((sd for _, sd in optim.values() if sd is not None), None)
     if first_optim is None:
-        raise ReshardError(f"{tag_dir}: no optimizer state file of model-parallel rank {mp} could be read")
+        expected = ", ".join(os.path.basename(path) for path, _ in optim.values())
+        raise ReshardError(f"{tag_dir}: no optimizer state file of model-parallel rank {mp} could be read "
+                           f"(expected {expected})")
 
     stage = _zero_stage(first_optim)
     catalog.layout.zero = stage
