@@ -19,13 +19,28 @@ from conftest import FIXTURES, PARALLEL_FIXTURES, REPO, fixture_dir, run_cli, tr
 
 AUTOTP = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "autotp"]
 PIPE = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "pipe"]
+MEGATRON = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "megatron"]
 LAYOUTS = REPO / "layouts"
+# The Megatron-style (mpu) run publishes no universal_checkpoint_info: only a rule file says how it was cut.
+RULES = {name: LAYOUTS / "megatron-gpt.json" for name in MEGATRON}
+
+
+def _open(name, save=None):
+    return reshard.open_checkpoint(save or fixture_dir(name), layout_rules=RULES.get(name))
+
+
+def _rules_args(name):
+    return ["--layout-rules", RULES[name]] if name in RULES else []
+
+
+def _degrees(name):
+    return (1, 2) if truth_json(name)["kind"] == "pipe" else (2, 1)
 
 
 def test_the_parallel_fixtures_are_there():
     assert {"autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2",
             "autotp2_z1_fp32_uneven_dp2"} <= set(AUTOTP)
-    assert PIPE == ["pipe2_z1_fp32_dp2"]
+    assert PIPE == ["pipe2_z1_fp32_dp2"] and MEGATRON == ["megatron_tp2_z1_fp32_dp2"]
 
 
 def _assert_equals_truth(catalog, name):
@@ -43,10 +58,10 @@ def _assert_equals_truth(catalog, name):
 
 @pytest.mark.parametrize("name", PARALLEL_FIXTURES)
 def test_full_tensors_equal_the_engine_truth(name):
-    catalog = reshard.open_checkpoint(fixture_dir(name))
+    catalog = _open(name)
     meta = truth_json(name)
     assert catalog.layout.world_size == meta["world_size"] and catalog.layout.zero == meta["zero_stage"]
-    assert (catalog.layout.tp, catalog.layout.pp) == ((2, 1) if meta["kind"] == "autotp" else (1, 2))
+    assert (catalog.layout.tp, catalog.layout.pp) == _degrees(name)
     assert catalog.layout.step == meta["step"] and catalog.state["global_steps"] == meta["global_steps"]
     assert sorted(p for p, i in catalog.params.items() if i.kind == "trainable") == sorted(meta["trainable"])
     _assert_equals_truth(catalog, name)
@@ -85,15 +100,21 @@ def test_a_dim1_shard_is_one_run_per_row():
 @pytest.mark.parametrize("name", PARALLEL_FIXTURES)
 def test_inspect_and_validate_commands(name):
     meta = truth_json(name)
-    info = json.loads(run_cli("inspect", fixture_dir(name), "--json", check=0).stdout)
-    tp, pp = (2, 1) if meta["kind"] == "autotp" else (1, 2)
+    rules = _rules_args(name)
+    info = json.loads(run_cli("inspect", fixture_dir(name), "--json", *rules, check=0).stdout)
+    tp, pp = _degrees(name)
     assert info["topology"] == {"dp": 2, "tp": tp, "pp": pp, "world_size": 4}
-    assert f"tp={tp} pp={pp}" in run_cli("inspect", fixture_dir(name), check=0).stdout
-    out = run_cli("validate", fixture_dir(name), check=0).stdout
+    assert f"tp={tp} pp={pp}" in run_cli("inspect", fixture_dir(name), *rules, check=0).stdout
+    out = run_cli("validate", fixture_dir(name), *rules, check=0).stdout
     assert out.startswith("complete")
-    rows = {r["name"]: r for r in json.loads(run_cli("inspect", fixture_dir(name), "--params", "--json",
+    rows = {r["name"]: r for r in json.loads(run_cli("inspect", fixture_dir(name), "--params", "--json", *rules,
                                                      check=0).stdout)["parameter_table"]}
-    if meta["kind"] == "autotp":
+    if meta["kind"] == "megatron":
+        layer = "language_model.encoder.layers.0."
+        assert rows[layer + "mlp.dense_h_to_4h.weight"]["tensor_parallel"] == "4 boxes"     # [gate_r; up_r] x 2
+        assert rows[layer + "self_attention.dense.weight"]["tensor_parallel"] == "split dim 1"
+        assert rows["language_model.embedding.word_embeddings.weight"]["shape"] == [40, 8]    # padded, as trained
+    elif meta["kind"] == "autotp":
         assert rows["model.layers.1.self_attn.o_proj.weight"]["tensor_parallel"] == "split dim 1"
         assert rows["model.layers.1.mlp.up_proj.weight"]["tensor_parallel"] == "split dim 0"
         assert rows["model.norm.weight"]["tensor_parallel"] == "replicated"
@@ -105,10 +126,10 @@ def test_inspect_and_validate_commands(name):
 def test_export_is_the_truth_bit_for_bit(name, tmp_path):
     from safetensors.torch import load_file
     out = tmp_path / "model.safetensors"
-    run_cli("export", fixture_dir(name), out, "--quiet", check=0)
+    run_cli("export", fixture_dir(name), out, "--quiet", *_rules_args(name), check=0)
     exported = load_file(str(out))
     truth = truth_tensors(name)
-    catalog = reshard.open_checkpoint(fixture_dir(name))
+    catalog = _open(name)
     assert set(exported) == {k for k in catalog.order if k not in catalog.aliases}
     for key, value in exported.items():
         kind = catalog.params[key].kind
@@ -191,6 +212,21 @@ def test_the_wrong_rule_file_is_caught_by_the_replica_check(tmp_path):
     _strip_info(tag)
     proc = run_cli("validate", save, "--layout-rules", LAYOUTS / "llama-autotp.json", check=1)
     assert "model.embed_tokens.weight" in proc.stdout and "differs from rank 0" in proc.stdout
+
+
+def test_megatron_checkpoint_is_refused_without_rules_and_trimmed_with_a_vocab_size(tmp_path):
+    name = MEGATRON[0]
+    proc = run_cli("validate", fixture_dir(name), check=1)
+    assert "without universal_checkpoint_info" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    rules = json.loads((LAYOUTS / "megatron-gpt.json").read_text())
+    rules["original_vocab_size"] = 37                     # drop the 3 padding rows of the 40
+    (tmp_path / "rules.json").write_text(json.dumps(rules))
+    catalog = reshard.open_checkpoint(fixture_dir(name), layout_rules=str(tmp_path / "rules.json"))
+    assert reshard.validate(catalog).ok
+    truth = truth_tensors(name)
+    for state in ("fp32", "module", "exp_avg", "exp_avg_sq"):
+        key = "language_model.embedding.word_embeddings.weight"
+        assert torch.equal(full_tensor(catalog, key, state), truth[f"{state}/{key}"][:37])
 
 
 def test_megatron_rule_file_parses_and_refuses_unknown_names():

@@ -25,7 +25,9 @@ truth assembly in ``tools/fixture_parallel.py``): ``autotp2_*`` train a tiny ran
 ``"tensor_parallel": {"autotp_size": 2}`` at dp=2 (ZeRO-1 fp32, ZeRO-1 bf16 tied embeddings, ZeRO-2 fp32 tied, ZeRO-1
 fp32 with 3 key-value heads split 2+1) and also save ``hf_config/`` and ``logits.pt`` (the TP engine's logits on a
 fixed probe); ``pipe2_z1_fp32_dp2`` trains a ``PipelineModule`` (tied embedding via ``TiedLayerSpec`` at both ends) at
-pp=2, dp=2 with ``train_batch``. Their truth holds the FULL tensors under the names the checkpoint uses: TP shards are
+pp=2, dp=2 with ``train_batch``; ``megatron_tp2_z1_fp32_dp2`` trains a Megatron-style GPT (tools/fixture_megatron.py:
+its own tensor-parallel layers through DeepSpeed's ``mpu`` interface, fused QKV, SwiGLU, padded vocab-parallel
+embedding) whose checkpoint carries no ``universal_checkpoint_info``. Their truth holds the FULL tensors under the names the checkpoint uses: TP shards are
 gathered over the TP group and put together with each parameter's own AutoTP affine map; pipeline stages' dicts are
 gathered over the world (a tied weight's copies asserted equal). About 15-30 s per fixture.
 
@@ -138,6 +140,8 @@ def _configs():
     add("autotp2_z1_fp32_uneven_dp2", 1, "fp32", 4, extra={"tensor_parallel": {"autotp_size": 2}})
     out["autotp2_z1_fp32_uneven_dp2"].update(kind="autotp", uneven=True)
     del out["autotp2_z1_fp32_uneven_dp2"]["ds_config"]["scheduler"]
+    add("megatron_tp2_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_clipping": 0.0})
+    out["megatron_tp2_z1_fp32_dp2"]["kind"] = "megatron"
     add("pipe2_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_accumulation_steps": 2})
     out["pipe2_z1_fp32_dp2"]["kind"] = "pipe"
     return out
@@ -423,6 +427,9 @@ def parallel_worker(spec, out_dir, rank):
     spec = copy.deepcopy(spec)
     if spec["kind"] == "autotp":
         engine, losses = fp.autotp_worker(spec, out_dir, rank)
+    elif spec["kind"] == "megatron":
+        import fixture_megatron
+        engine, losses = fixture_megatron.megatron_worker(spec, out_dir, rank)
     else:
         engine, losses = fp.pipe_worker(spec, out_dir, rank)
     base = _base_optimizer(engine)
@@ -438,6 +445,8 @@ def parallel_worker(spec, out_dir, rank):
                 state_names.append(k)
     if spec["kind"] == "autotp":
         tensors = fp.autotp_truth(engine, state_names)
+    elif spec["kind"] == "megatron":
+        tensors = fixture_megatron.megatron_truth(engine, engine.mpu, state_names)
     else:
         tensors = fp.pipe_truth(engine, state_names, _flat_truth)
     if spec["dtype"] == "fp32":   # the module weights are the fp32 masters: must agree exactly
