@@ -12,7 +12,7 @@ import torch
 
 import reshard
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, _from_rule, runs
+from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, runs, trim_rows
 from reshard.tensorio import full_tensor
 
 from conftest import FIXTURES, PARALLEL_FIXTURES, REPO, fixture_dir, run_cli, truth_json, truth_tensors
@@ -256,24 +256,24 @@ def test_fused_sub_params_and_vocab_padding_rebuild_exactly():
     rng = np.random.default_rng(0)
     gate, up = rng.normal(size=(8, 3)), rng.normal(size=(8, 3))
     shards = {r: np.concatenate([gate[4 * r:4 * r + 4], up[4 * r:4 * r + 4]]) for r in range(2)}
-    split = _from_rule("w", Rule("w", "sub_params", dim=0, sub_params=(2,), count_only=True),
+    split = from_rule("w", Rule("w", "sub_params", dim=0, sub_params=(2,), count_only=True),
                        {r: s.shape for r, s in shards.items()}, 2, "test")
     assert np.array_equal(_rebuild(split, shards), np.concatenate([gate, up]))
 
     q, k, v = rng.normal(size=(8, 2)), rng.normal(size=(4, 2)), rng.normal(size=(4, 2))   # GQA fused QKV
     shards = {r: np.concatenate([q[4 * r:4 * r + 4], k[2 * r:2 * r + 2], v[2 * r:2 * r + 2]]) for r in range(2)}
-    split = _from_rule("w", Rule("w", "sub_params", dim=0, sub_params=(8, 4, 4)), {0: (8, 2), 1: (8, 2)}, 2, "t")
+    split = from_rule("w", Rule("w", "sub_params", dim=0, sub_params=(8, 4, 4)), {0: (8, 2), 1: (8, 2)}, 2, "t")
     assert np.array_equal(_rebuild(split, shards), np.concatenate([q, k, v]))
 
     vocab = rng.normal(size=(10, 3))
     padded = np.concatenate([vocab, np.zeros((2, 3))])
     shards = {0: padded[:6], 1: padded[6:]}
-    split = _from_rule("e", Rule("e", "split", dim=0, trim=10), {0: (6, 3), 1: (6, 3)}, 2, "t")
+    split = trim_rows(from_rule("e", Rule("e", "split", dim=0), {0: (6, 3), 1: (6, 3)}, 2, "t"), 10)
     assert split.full_shape == (10, 3) and np.array_equal(_rebuild(split, shards), vocab)
 
     cols = rng.normal(size=(3, 4, 6))          # a 3-d tensor cut along its last dim, unevenly
     shards = {0: cols[..., :4].copy(), 1: cols[..., 4:].copy()}
-    split = _from_rule("c", Rule("c", "split", dim=2), {0: (3, 4, 4), 1: (3, 4, 2)}, 2, "t")
+    split = from_rule("c", Rule("c", "split", dim=2), {0: (3, 4, 4), 1: (3, 4, 2)}, 2, "t")
     assert len(runs(split, 1, (3, 4, 2))) == 12 and np.array_equal(_rebuild(split, shards), cols)
 
 
@@ -406,3 +406,24 @@ def test_a_hostile_pickle_in_a_layer_or_tp_rank_file_never_runs(name, victim, tm
         assert len(lines) == 1 and victim in lines[0] and "system" in lines[0], command
     assert not canary.exists() and not (tmp_path / "x.safetensors").exists()
     assert before == {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
+
+
+def test_pattern_lists_follow_deepspeeds_converter():
+    """Prefix matching (re.match), its order, legacy sub-param counts, vocabulary padding dropped after any cut."""
+    info = {"tp_replicated_parameter_patterns": [r"\d+\.input_layernorm", "shared"],
+            "parameter_to_average_patterns": ["shared", "avg"],
+            "parameter_with_row_parallelism_patterns": [r".*dense_4h_to_h\.weight"],
+            "parameter_with_sub_params": [{"patterns": [r".*qkv"], "shape": [3, -1], "partition_dim": 0}],
+            "vocabulary_parameter_patterns": [r".*word_embeddings"], "original_vocab_size": 37}
+    geometry = Geometry.from_checkpoint(info, "test")
+    two = lambda shape: {0: shape, 1: shape}
+    assert geometry.split("3.input_layernorm.weight", two((8,)), 2).pieces[1][0].holders == (0, 1)
+    assert geometry.split("shared.bias", two((8,)), 2).full_shape == (8,)           # replicated wins over average
+    with pytest.raises(ReshardError, match="averaged"):
+        geometry.split("avg.weight", two((8,)), 2)
+    assert geometry.split("1.dense_4h_to_h.weight", two((8, 6)), 2).full_shape == (8, 12)
+    qkv = geometry.split("1.attn.qkv.weight", two((12, 8)), 2)                       # 3 equal sub-params
+    assert qkv.full_shape == (24, 8) and [p.full_start[0] for p in qkv.pieces[1]] == [4, 12, 20]
+    emb = geometry.split("tied_modules.embed.word_embeddings.weight", two((20, 8)), 2)
+    assert emb.full_shape == (37, 8) and emb.pieces[1][0].shape == (17, 8)
+    assert geometry.split("anything.else", two((4, 2)), 2).full_shape == (8, 2)      # the default: dim 0

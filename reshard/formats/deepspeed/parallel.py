@@ -22,7 +22,7 @@ from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import reader
-from reshard.formats.deepspeed.tp_geometry import Geometry, Split, runs
+from reshard.formats.deepspeed.tp_geometry import Geometry, Split, replicated, runs
 from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import MappedFiles, file_size, replica_problem
 
@@ -43,7 +43,7 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
                            "supported yet")
     if tp * pp != mp:
         raise ReshardError(f"{tag_dir}: mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}")
-    locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp)
+    locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp, model0)
     if pipeline:
         catalog = _merge_stages(tag_dir, listing, locals_)
     else:
@@ -56,10 +56,9 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
     return catalog
 
 
-def _read_ranks(tag_dir, tag, listing, mp):
+def _read_ranks(tag_dir, tag, listing, mp, model0):
     """mp rank -> its local Catalog (None when its model-states file is missing or unreadable)."""
     locals_, problems, files = {}, [], []
-    first_steps = {}
     for rank in range(mp):
         name = names.model_states_name(rank)
         path = os.path.join(tag_dir, name)
@@ -76,10 +75,11 @@ def _read_ranks(tag_dir, tag, listing, mp):
             problems.append(str(e))
             locals_[rank] = None
             continue
-        if model.get("mp_world_size") != mp or model.get("global_steps") != first_steps.setdefault(0, model.get(
-                "global_steps")):
-            problems.append(f"{path}: mp_world_size {model.get('mp_world_size')}, global_steps "
-                            f"{model.get('global_steps')}: not the same save as model-parallel rank 0's")
+        saved = (model.get("mp_world_size"), model.get("global_steps"))
+        if saved != (mp, model0.get("global_steps")):
+            problems.append(f"{path}: mp_world_size {saved[0]}, global_steps {saved[1]}: not the same save as "
+                            f"the first model-parallel rank's (mp_world_size {mp}, global_steps "
+                            f"{model0.get('global_steps')})")
         try:
             locals_[rank] = reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
         except UnsafeCheckpointError:
@@ -168,12 +168,12 @@ def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
 
 
 def _buffer_split(geometry, name, shard_shapes, tp):
-    """Buffers are never cut by tensor parallelism (it cuts weights); they are checked equal across ranks."""
-    from reshard.formats.deepspeed.tp_geometry import Rule, _from_rule
+    """Buffers are never cut by tensor parallelism (it cuts weights): unless a rule says otherwise they are
+    replicated, and their copies are compared like any replica."""
     try:
         return geometry.split(name, shard_shapes, tp)
     except ReshardError:
-        return _from_rule(name, Rule(name, "replicated"), shard_shapes, tp, "buffer")
+        return replicated(name, shard_shapes, tp, "buffers are whole on every tensor-parallel rank")
 
 
 def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):

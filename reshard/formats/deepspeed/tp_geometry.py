@@ -42,11 +42,11 @@ class Split:
 
 @dataclass(frozen=True)
 class Rule:
-    """One way of cutting: replicated, along `dim` (optionally trimmed to `trim`), or fused sub-params."""
+    """One way of cutting: replicated, along `dim`, or fused sub-params; `vocab`: padding rows get dropped."""
     pattern: str
     kind: str                     # "replicated", "split", "sub_params", "refuse"
     dim: int = 0
-    trim: int | None = None       # vocabulary padding: the full tensor has this many rows along dim
+    vocab: bool = False           # rows past the original vocabulary size are padding, dropped
     sub_params: tuple = ()        # full sizes of the fused sub-params along dim, or (count,) with count_only
     count_only: bool = False
     shard_widths: tuple = ()      # per sub-param, per rank widths (uneven AutoTP splits)
@@ -56,15 +56,24 @@ class Rule:
 class Geometry:
     """Turns a parameter name and its shard shapes into a Split, from one of the three sources."""
 
-    def __init__(self, affine: dict, rules: list, source: str):
+    def __init__(self, affine: dict, rules: list, source: str, prefix_match: bool = False,
+                 vocab_patterns=(), vocab_size: int | None = None):
         self.affine = [(re.compile(p), entry) for p, entry in affine.items()]
         self.rules = [(re.compile(r.pattern), r) for r in rules]
         self.source = source
+        # DeepSpeed's converter matches its pattern lists with re.match (a prefix); rule files match whole names
+        self.prefix_match = prefix_match
+        # ...and strips vocabulary padding after any cut: rows past original_vocab_size are dropped
+        self.vocab = [re.compile(p) for p in vocab_patterns]
+        self.vocab_size = vocab_size
 
     @classmethod
     def from_checkpoint(cls, info: dict, where: str) -> "Geometry":
         affine = ((info.get("affine_map") or {}).get("params")) or {}
-        return cls(affine, _rules_from_uc_info(info), f"universal_checkpoint_info of {where}")
+        vocab = info.get("original_vocab_size")
+        return cls(affine, _rules_from_uc_info(info), f"universal_checkpoint_info of {where}", prefix_match=True,
+                   vocab_patterns=info.get("vocabulary_parameter_patterns") or [],
+                   vocab_size=int(vocab) if vocab else None)
 
     @classmethod
     def from_rule_file(cls, path: str) -> "Geometry":
@@ -75,17 +84,45 @@ class Geometry:
             raise ReshardError(f"{path}: cannot read layout rules: {e.strerror}") from None
         except json.JSONDecodeError as e:
             raise ReshardError(f"{path}: layout rules are not valid JSON ({e})") from None
-        return cls({}, _rules_from_file(data, path), path)
+        vocab = data.get("original_vocab_size") if isinstance(data, dict) else None
+        if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
+            raise ReshardError(f"{path}: original_vocab_size must be a positive integer or null")
+        return cls({}, _rules_from_file(data, path), path, vocab_size=vocab)
+
+    def _matches(self, pattern, name) -> bool:
+        return bool(pattern.match(name) if self.prefix_match else pattern.fullmatch(name))
 
     def split(self, name: str, shard_shapes: dict, tp: int) -> Split:
-        for pattern, entry in self.affine:
-            if pattern.fullmatch(name):
+        for pattern, entry in self.affine:       # a map states the geometry itself: no trimming on top
+            if self._matches(pattern, name):
                 return _from_affine(name, entry, shard_shapes, self.source)
         for pattern, rule in self.rules:
-            if pattern.fullmatch(name):
-                return _from_rule(name, rule, shard_shapes, tp, self.source)
+            if self._matches(pattern, name):
+                split = from_rule(name, rule, shard_shapes, tp, self.source)
+                if self.vocab_size and (rule.vocab or any(self._matches(p, name) for p in self.vocab)):
+                    split = trim_rows(split, self.vocab_size)
+                return split
         raise ReshardError(f"{self.source}: no rule says how tensor parallelism cut {name}; "
                            "give one in a --layout-rules file (see layouts/README.md)")
+
+
+def trim_rows(split: Split, rows: int) -> Split:
+    """The split of the tensor's first `rows` rows (vocabulary padding dropped): boxes clipped along dim 0."""
+    if not split.full_shape or rows >= split.full_shape[0]:
+        return split
+    pieces = {}
+    for rank, ps in split.pieces.items():
+        pieces[rank] = []
+        for p in ps:
+            keep = min(p.shape[0], rows - p.full_start[0])
+            if keep > 0:
+                pieces[rank].append(Piece(p.full_start, p.shard_start, (keep,) + p.shape[1:], p.holders))
+    return Split((rows,) + split.full_shape[1:], pieces, split.source)
+
+
+def replicated(name: str, shard_shapes: dict, tp: int, source: str) -> Split:
+    """Every rank holds the whole tensor."""
+    return from_rule(name, Rule(name, "replicated"), shard_shapes, tp, source)
 
 
 def runs(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True):
@@ -162,7 +199,7 @@ def _from_affine(name, entry, shard_shapes, source) -> Split:
     return Split(full, pieces, source)
 
 
-def _from_rule(name, rule, shard_shapes, tp, source) -> Split:
+def from_rule(name, rule, shard_shapes, tp, source) -> Split:
     if rule.kind == "refuse":
         raise ReshardError(f"{source}: {name}: {rule.reason}")
     shapes = {r: tuple(s) for r, s in shard_shapes.items()}
@@ -187,7 +224,7 @@ def _from_rule(name, rule, shard_shapes, tp, source) -> Split:
     if missing:   # a rank's files are missing (reported elsewhere): assume its shard is like rank 0's
         shapes.update({r: any_shape for r in missing})
     if rule.kind == "split":
-        return _contiguous(shapes, dim, rule.trim, tp, source)
+        return _contiguous(shapes, dim, tp, source)
     return _sub_params(name, rule, shapes, dim, tp, source)
 
 
@@ -198,16 +235,14 @@ def _box(start_in_dim, shard_start_in_dim, size, dim, shape):
     return full_start, shard_start, box
 
 
-def _contiguous(shapes, dim, trim, tp, source) -> Split:
+def _contiguous(shapes, dim, tp, source) -> Split:
     pieces, offset = {}, 0
-    total = sum(shapes[r][dim] for r in range(tp))
-    end = total if trim is None else min(trim, total)
     for r in range(tp):
-        size = min(shapes[r][dim], max(0, end - offset))
+        size = shapes[r][dim]
         pieces[r] = [Piece(*_box(offset, 0, size, dim, shapes[r]), (r,))] if size else []
-        offset += shapes[r][dim]
+        offset += size
     full = list(shapes[0])
-    full[dim] = end
+    full[dim] = offset
     return Split(tuple(full), pieces, source)
 
 
@@ -254,32 +289,32 @@ def _rules_from_uc_info(info: dict) -> list:
     rules = []
     for pattern, reason in (info.get("autotp_unsupported_parameter_patterns") or {}).items():
         rules.append(Rule(pattern, "refuse", reason=f"AutoTP could not describe it ({reason})"))
+    for pattern in info.get("tp_replicated_parameter_patterns") or []:
+        rules.append(Rule(pattern, "replicated"))
     for pattern in info.get("parameter_to_average_patterns") or []:
         rules.append(Rule(pattern, "refuse", reason="its tensor-parallel copies are averaged by DeepSpeed's "
                                                     "converter, which is not a byte copy; not supported"))
-    for pattern in info.get("tp_replicated_parameter_patterns") or []:
-        rules.append(Rule(pattern, "replicated"))
     widths = info.get("sub_param_shard_widths") or {}
+    for pattern in info.get("parameter_with_2_sub_params_cat_dim_0") or []:
+        rules.append(Rule(pattern, "sub_params", dim=0, sub_params=(2,), count_only=True))
     for entry in info.get("parameter_with_sub_params") or []:
         dim = int(entry.get("partition_dim", 0))
         shape = entry.get("shape") or []
         sizes = shape[dim] if dim < len(shape) else None
         for pattern in entry.get("patterns") or []:
             w = tuple(tuple(x) for x in widths.get(pattern, ()))
-            if w:
+            if w:                                          # UC 0.4: each sub-param's width on each rank
                 rules.append(Rule(pattern, "sub_params", dim=dim, shard_widths=w))
-            elif isinstance(sizes, (list, tuple)):
+            elif isinstance(sizes, (list, tuple)):         # their full sizes, split evenly
                 rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=tuple(int(n) for n in sizes)))
+            elif isinstance(sizes, int) and sizes > 0:     # before UC 0.4: a count of equal sub-params
+                rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=(sizes,), count_only=True))
             else:
                 rules.append(Rule(pattern, "refuse", reason="fused sub-params without their sizes; not supported"))
-    for pattern in info.get("parameter_with_2_sub_params_cat_dim_0") or []:
-        rules.append(Rule(pattern, "sub_params", dim=0, sub_params=(2,), count_only=True))
     for pattern in info.get("parameter_with_row_parallelism_patterns") or []:
         rules.append(Rule(pattern, "split", dim=1))
-    vocab = info.get("original_vocab_size")
-    for pattern in info.get("vocabulary_parameter_patterns") or []:
-        rules.append(Rule(pattern, "split", dim=0, trim=int(vocab) if vocab else None))
-    if rules:   # the lists only name the exceptions: DeepSpeed's converter cuts every other param along dim 0
+    if rules or info.get("vocabulary_parameter_patterns"):
+        # the lists only name the exceptions: DeepSpeed's converter cuts every other param along dim 0
         rules.append(Rule(r".*", "split", dim=0))
     return rules
 
@@ -289,7 +324,6 @@ def _rules_from_file(data: dict, path: str) -> list:
         raise ReshardError(f"{path}: not a reshard tensor-parallel rule file (kind must be {RULES_KIND!r})")
     if data.get("version") != RULES_VERSION:
         raise ReshardError(f"{path}: rule file version {data.get('version')!r} is not supported")
-    vocab = data.get("original_vocab_size")
     rules = []
     for i, item in enumerate(data.get("rules") or []):
         where = f"{path}: rule {i}"
@@ -308,7 +342,7 @@ def _rules_from_file(data: dict, path: str) -> list:
         elif isinstance(item.get("dim"), int):
             dim, sub = item["dim"], item.get("sub_params")
             if sub is None:
-                rules.append(Rule(pattern, "split", dim=dim, trim=int(vocab) if item.get("vocab") and vocab else None))
+                rules.append(Rule(pattern, "split", dim=dim, vocab=bool(item.get("vocab"))))
             elif isinstance(sub, int) and sub > 0:
                 rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=(sub,), count_only=True))
             elif isinstance(sub, list) and sub and all(isinstance(n, int) and n > 0 for n in sub):
