@@ -22,7 +22,7 @@ MASTER = "fp32"        # the fp32 master copy of a trainable parameter
 MODULE = "module"      # the model's state_dict value as saved (16-bit copy, frozen params, buffers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)   # slots: a row-parallel TP tensor has one fragment per row
 class Fragment:
     start: int           # first element of the logical tensor held here (flat, row-major)
     stop: int            # one past the last

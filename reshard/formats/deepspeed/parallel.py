@@ -12,9 +12,10 @@ Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 ch
 """
 from __future__ import annotations
 
-import bisect
 import math
 import os
+
+import numpy as np
 
 from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
 from reshard.dtypes import itemsize
@@ -22,7 +23,7 @@ from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import reader
-from reshard.formats.deepspeed.tp_geometry import Geometry, Split, replicated, runs
+from reshard.formats.deepspeed.tp_geometry import Geometry, Split, replicated, run_arrays
 from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import MappedFiles, file_size, replica_problem
 
@@ -188,26 +189,24 @@ def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):
             catalog.problem(_file_of(tensor, local), f"{name} ({state}): shard shape {list(tensor.shape)} but the "
                             f"parameter's is {list(shard_shapes[rank])}")
             continue
-        frags = sorted(tensor.fragments, key=lambda f: f.start)
-        starts = [f.start for f in frags]
-        for f_start, s_start, length in runs(split, rank, tensor.shape):
-            full.fragments += _cut(frags, starts, f_start, s_start, length)
+        full.fragments += _cut(tensor.fragments, *run_arrays(split, rank, tensor.shape))
     _add_replicas(catalog, locals_, full, split, files)
 
 
-def _cut(frags, starts, f_start, s_start, length):
-    """The parts of the local fragments covering shard elements [s_start, s_start+length), re-addressed
-    to full-tensor elements starting at f_start."""
+def _cut(frags, runs_f, runs_s, runs_n):
+    """The parts of the local fragments covering the shard runs, re-addressed to full-tensor elements:
+    run i holds shard elements [s_i, s_i + n_i), which are full elements [f_i, f_i + n_i)."""
     out = []
-    i = max(bisect.bisect_right(starts, s_start) - 1, 0)
-    stop = s_start + length
-    for frag in frags[i:]:
-        if frag.start >= stop:
-            break
-        lo, hi = max(s_start, frag.start), min(stop, frag.stop)
-        if lo < hi:
-            out.append(Fragment(f_start + lo - s_start, f_start + hi - s_start, frag.storage,
-                                frag.elem_offset + lo - frag.start, frag.rank))
+    for frag in frags:
+        lo = np.maximum(runs_s, frag.start)
+        hi = np.minimum(runs_s + runs_n, frag.stop)
+        hit = lo < hi
+        if not hit.any():
+            continue
+        lo, hi, shift = lo[hit], hi[hit], (runs_f - runs_s)[hit]
+        base = frag.elem_offset - frag.start
+        out += [Fragment(a + d, b + d, frag.storage, base + a, frag.rank)
+                for a, b, d in zip(lo.tolist(), hi.tolist(), shift.tolist())]
     return out
 
 
@@ -222,12 +221,9 @@ def _add_replicas(catalog, locals_, full, split, files):
         pieces = [p for p in split.pieces.get(rank, []) if len(p.holders) > 1 and p.holders[0] != rank]
         if not pieces:
             continue
-        frags = sorted(tensor.fragments, key=lambda f: f.start)
-        starts = [f.start for f in frags]
         copy = LogicalTensor(name, state, full.shape, full.dtype)
-        for f_start, s_start, length in runs(Split(split.full_shape, {rank: pieces}, split.source), rank,
-                                             tensor.shape, primary_only=False):
-            copy.fragments += _cut(frags, starts, f_start, s_start, length)
+        copy.fragments = _cut(tensor.fragments, *run_arrays(Split(split.full_shape, {rank: pieces}, split.source),
+                                                            rank, tensor.shape, primary_only=False))
         holders = sorted({p.holders[0] for p in pieces})
         _replica(catalog, full, copy, f"tensor-parallel rank {rank}", f"rank {holders[0]}", files)
 

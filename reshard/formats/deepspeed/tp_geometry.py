@@ -12,11 +12,12 @@ else looks at a name. A parameter no source describes is refused, never guessed.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
 from dataclasses import dataclass
+
+import numpy as np
 
 from reshard.errors import ReshardError
 
@@ -130,27 +131,39 @@ def runs(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True)
 
     A box is contiguous in the trailing dims it spans entirely (in both tensors); it is one run per
     index of the leading dims: a dim-0 shard is one run, a dim-1 shard one run per row."""
-    out = []
+    f, s, n = run_arrays(split, rank, shard_shape, primary_only)
+    return list(zip(f.tolist(), s.tolist(), n.tolist()))
+
+
+def run_arrays(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True):
+    """`runs` as three int64 arrays, computed without a Python loop over rows (row-parallel shards of big
+    models have tens of thousands of runs), ordered by shard offset within each piece."""
+    out_f, out_s, out_n = [], [], []
     full_strides, shard_strides = _strides(split.full_shape), _strides(shard_shape)
     for piece in split.pieces.get(rank, []):
         if primary_only and piece.holders[0] != rank:
             continue
         if not piece.shape:                                # a 0-dim tensor
-            out.append((0, 0, 1))
+            out_f.append(np.zeros(1, np.int64)), out_s.append(np.zeros(1, np.int64)), out_n.append(np.ones(1, np.int64))
             continue
         k = len(piece.shape) - 1                           # the run spans dims k.. (the last at least)
         while k > 0 and piece.shape[k] == split.full_shape[k] == shard_shape[k]:
             k -= 1
         length = math.prod(piece.shape[k:])
-        if length == 0:
+        if length == 0 or math.prod(piece.shape[:k]) == 0:
             continue
-        for index in itertools.product(*(range(n) for n in piece.shape[:k])):
-            at = [a + i for a, i in zip(piece.full_start, index)] + list(piece.full_start[k:])
-            sat = [a + i for a, i in zip(piece.shard_start, index)] + list(piece.shard_start[k:])
-            f = sum(x * st for x, st in zip(at, full_strides))
-            s = sum(x * st for x, st in zip(sat, shard_strides))
-            out.append((f, s, length))
-    return out
+        f = np.array(sum(a * st for a, st in zip(piece.full_start, full_strides)), dtype=np.int64)
+        s = np.array(sum(a * st for a, st in zip(piece.shard_start, shard_strides)), dtype=np.int64)
+        for d in range(k):                                 # offsets of every index of the leading dims
+            steps = np.arange(piece.shape[d], dtype=np.int64)
+            f = np.add.outer(f, steps * full_strides[d])
+            s = np.add.outer(s, steps * shard_strides[d])
+        out_f.append(f.reshape(-1)), out_s.append(s.reshape(-1))
+        out_n.append(np.full(f.size, length, dtype=np.int64))
+    if not out_f:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    return np.concatenate(out_f), np.concatenate(out_s), np.concatenate(out_n)
 
 
 def _strides(shape) -> tuple:
