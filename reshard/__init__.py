@@ -17,10 +17,11 @@ from reshard.tensorio import full_tensor
 from reshard.validate import validate
 
 
-def open_checkpoint(path, tag: str | None = None):
-    """Read a checkpoint's metadata into a Catalog (see reshard.catalog)."""
+def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = None):
+    """Read a checkpoint's metadata into a Catalog (see reshard.catalog). `layout_rules`: a rule file
+    saying how tensor parallelism cut the tensors, for checkpoints that do not carry it (layouts/)."""
     from reshard.formats import read
-    return read(str(path), tag)
+    return read(str(path), tag, layout_rules)
 
 
 __all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",

@@ -22,7 +22,7 @@ MASTER = "fp32"        # the fp32 master copy of a trainable parameter
 MODULE = "module"      # the model's state_dict value as saved (16-bit copy, frozen params, buffers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)   # slots: a row-parallel TP tensor has one fragment per row
 class Fragment:
     start: int           # first element of the logical tensor held here (flat, row-major)
     stop: int            # one past the last
@@ -60,6 +60,14 @@ class LogicalTensor:
 
 
 @dataclass
+class Replica:
+    copy: LogicalTensor      # same name/state/shape as the catalog's tensor; fragments from another holder
+    holder: str              # who holds the copy, for messages ("tensor-parallel rank 1")
+    first: str               # who holds the catalog's own elements there
+    checked: bool = False
+
+
+@dataclass
 class ParamInfo:
     name: str
     shape: tuple
@@ -89,6 +97,14 @@ class Catalog:
     state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
+    # Model-parallel sources keep how they were cut, for writers of tp/pp targets and for messages:
+    tp_splits: dict = field(default_factory=dict)      # name -> tp_geometry.Split (boxes each TP rank holds)
+    stages: dict = field(default_factory=dict)         # name -> pipeline stages whose optimizer trains it
+    layers: dict = field(default_factory=dict)         # name -> (layer index, key in its layer file)
+    # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose
+    # fragments hold, at the same flat positions, elements the catalog's own tensor holds. They must be
+    # equal; readers compare the small ones, `validate --deep` every one not yet compared.
+    replicas: list = field(default_factory=list)       # [Replica]
 
     def add(self, tensor: LogicalTensor) -> LogicalTensor:
         return self.tensors.setdefault(tensor.key, tensor)

@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                         "topology, e.g. to change only --format) or a layout file")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
+    p.add_argument("--layout-rules", metavar="FILE",
+                   help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
     p.add_argument("--format", dest="fmt", metavar="FORMAT",
                    help="target format: deepspeed (default for a DeepSpeed source), dcp, universal")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
@@ -89,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="a .safetensors (or .bin/.pt with --format torch) file, or a "
                    "directory for Hugging Face shards + index")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
+    p.add_argument("--layout-rules", metavar="FILE",
+                   help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
                    help="dtype of floating tensors (auto: the training precision); integer buffers keep theirs")
     p.add_argument("--max-shard-size", metavar="SIZE",
@@ -132,10 +136,12 @@ def _size_arg(text: str) -> int:
 def _source_args(p):
     p.add_argument("path", metavar="PATH", help="a DeepSpeed save dir (with 'latest') or a tag folder")
     p.add_argument("--tag", help="the tag folder to read (default: the one named in 'latest')")
+    p.add_argument("--layout-rules", metavar="FILE",
+                   help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
 
 
 def _inspect(args) -> int:
-    catalog = reshard.open_checkpoint(args.path, args.tag)
+    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
     info = reshard.inspect(catalog, params=args.params)
     if args.json:
         json.dump(jsonable(info), sys.stdout, indent=2)
@@ -179,12 +185,15 @@ def _print_inspect(info) -> None:
         shape = "x".join(map(str, row["shape"])) or "scalar"
         group = "" if row["group"] is None else f"group {row['group']}"
         tied = f"tied: {', '.join(row['tied_to_it'])}" if row["tied_to_it"] else ""
+        where = f"tp {row['tensor_parallel']}" if "tensor_parallel" in row else ""
+        if len(row.get("stages", [])) > 1:
+            where = f"stages {','.join(map(str, row['stages']))}"
         print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {group:<8} "
-              f"{','.join(row['states'])} {tied}")
+              f"{','.join(row['states'])} {tied} {where}".rstrip())
 
 
 def _validate(args) -> int:
-    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag), deep=args.deep,
+    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules), deep=args.deep,
                               checksums=args.checksums)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
@@ -198,7 +207,7 @@ def _validate(args) -> int:
 
 def _make_plan(args):
     from reshard.convert import make_plan
-    catalog = reshard.open_checkpoint(args.path, args.tag)
+    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
     return catalog, make_plan(catalog, args.to, args.tag_out, args.fmt)
 
 
@@ -234,7 +243,7 @@ def _export(args) -> int:
     from reshard.executor import execute
     from reshard.export import export_plan
     from reshard.validate import require_complete
-    catalog = reshard.open_checkpoint(args.path, args.tag)
+    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
     require_complete(catalog)
     plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)

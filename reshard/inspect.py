@@ -46,9 +46,25 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
 def _param_row(catalog, p) -> dict:
     states = [s for s in catalog.states() if (p.name, s) in catalog.tensors]
     dtypes = {s: catalog.tensors[(p.name, s)].dtype for s in states}
-    return {"name": p.name, "shape": list(p.shape), "kind": p.kind, "group": p.group,
-            "dtype": dtypes.get(MODULE) or dtypes.get(MASTER), "states": states,
-            "tied_to_it": sorted(a for a, src in catalog.aliases.items() if src == p.name)}
+    row = {"name": p.name, "shape": list(p.shape), "kind": p.kind, "group": p.group,
+           "dtype": dtypes.get(MODULE) or dtypes.get(MASTER), "states": states,
+           "tied_to_it": sorted(a for a, src in catalog.aliases.items() if src == p.name)}
+    if p.name in catalog.tp_splits:
+        row["tensor_parallel"] = describe_split(catalog.tp_splits[p.name])
+    if p.name in catalog.stages:
+        row["stages"] = catalog.stages[p.name]
+    return row
+
+
+def describe_split(split) -> str:
+    """How tensor parallelism cut a tensor, in words: replicated, split along dim d, or n boxes."""
+    pieces = [p for ps in split.pieces.values() for p in ps]
+    if pieces and all(len(p.holders) == len(split.pieces) for p in pieces):
+        return "replicated"
+    dims = {d for p in pieces for d, (n, full) in enumerate(zip(p.shape, split.full_shape)) if n != full}
+    if all(len(ps) == 1 for ps in split.pieces.values()) and len(dims) == 1:
+        return f"split dim {dims.pop()}"
+    return f"{len(pieces)} boxes"
 
 
 def jsonable(value):

@@ -121,3 +121,31 @@ def file_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
+
+
+def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTensor, block: int = 1 << 22):
+    """The first flat index where `copy` (fragments over part of the tensor) differs from `tensor`, or None.
+
+    Compared in blocks of at most `block` elements: memory stays bounded whatever the tensor size."""
+    fragments = sorted_fragments(tensor)
+    for frag in sorted_fragments(copy):
+        values = files.fragment(frag, copy.dtype)
+        for lo in range(frag.start, frag.stop, block):
+            hi = min(frag.stop, lo + block)
+            mine = read_range(files, tensor, lo, hi, fragments)
+            theirs = values[lo - frag.start:hi - frag.start]
+            mine, theirs = (a.view(f"u{a.itemsize}") for a in (mine, theirs))    # bits: NaN equals NaN
+            if not np.array_equal(mine, theirs):
+                return lo + int(np.flatnonzero(mine != theirs)[0])
+    return None
+
+
+def replica_problem(files: MappedFiles, tensor: LogicalTensor, replica) -> str | None:
+    """One line when a replica (catalog.Replica) differs from the tensor it copies, else None."""
+    replica.checked = True
+    at = first_difference(files, tensor, replica.copy)
+    if at is None:
+        return None
+    where = sorted({f.storage.file for f in replica.copy.fragments})
+    return (f"{where[0] if where else '?'}: {tensor.name} ({tensor.state}): replicated, but {replica.holder} "
+            f"differs from {replica.first} (first at element {at})")

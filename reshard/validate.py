@@ -137,9 +137,17 @@ def _check_states_present(catalog, report):
 
 
 def _check_values(catalog, report):
-    from reshard.tensorio import MappedFiles
+    from reshard.tensorio import MappedFiles, replica_problem
 
     with MappedFiles() as files:
+        for replica in catalog.replicas:       # second copies too big to compare when the checkpoint was read
+            if not replica.checked:
+                try:
+                    problem = replica_problem(files, catalog.tensor(replica.copy.name, replica.copy.state), replica)
+                except Exception as e:  # a damaged file: already reported by the coverage checks
+                    problem = str(e)
+                if problem:
+                    report.problems.append(problem)
         for tensor in catalog.tensors.values():
             if not is_floating(tensor.dtype):
                 continue

@@ -12,7 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("RESHARD_FIXTURES", REPO / "fixtures"))
-FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "truth.json").exists()) if FIXTURES.exists() else []
+ALL_FIXTURES = sorted(p.name for p in FIXTURES.iterdir() if (p / "truth.json").exists()) if FIXTURES.exists() else []
+# Tensor/pipeline-parallel fixtures (truth.json "kind": "autotp" or "pipe") train other models: they have
+# tests of their own (tests/test_tp_pp.py); the parametrized data-parallel tests take the others.
+FIXTURE_NAMES = [n for n in ALL_FIXTURES if "kind" not in json.loads((FIXTURES / n / "truth.json").read_text())]
+PARALLEL_FIXTURES = [n for n in ALL_FIXTURES if n not in FIXTURE_NAMES]
 
 
 def fixture_dir(name: str) -> Path:

@@ -20,6 +20,17 @@ ZeRO-1/2 and BF16_Optimizer the values are read from the live flat buffers inste
 ``round_robin_gradients``); ``truth.json["helper_mismatch"]`` lists where the helpers disagree (max abs error).
 Under fp32 the fp32 masters are asserted equal to the module weights.
 
+Tensor/pipeline-parallel fixtures (``truth.json["kind"]`` ``autotp`` or ``pipe``, 4 ranks each; models and
+truth assembly in ``tools/fixture_parallel.py``): ``autotp2_*`` train a tiny random ``transformers`` Llama with
+``"tensor_parallel": {"autotp_size": 2}`` at dp=2 (ZeRO-1 fp32, ZeRO-1 bf16 tied embeddings, ZeRO-2 fp32 tied, ZeRO-1
+fp32 with 3 key-value heads split 2+1) and also save ``hf_config/`` and ``logits.pt`` (the TP engine's logits on a
+fixed probe); ``pipe2_z1_fp32_dp2`` trains a ``PipelineModule`` (tied embedding via ``TiedLayerSpec`` at both ends) at
+pp=2, dp=2 with ``train_batch``; ``megatron_tp2_z1_fp32_dp2`` trains a Megatron-style GPT (tools/fixture_megatron.py:
+its own tensor-parallel layers through DeepSpeed's ``mpu`` interface, fused QKV, SwiGLU, padded vocab-parallel
+embedding) whose checkpoint carries no ``universal_checkpoint_info``. Their truth holds the FULL tensors under the names the checkpoint uses: TP shards are
+gathered over the TP group and put together with each parameter's own AutoTP affine map; pipeline stages' dicts are
+gathered over the world (a tied weight's copies asserted equal). About 15-30 s per fixture.
+
 Determinism: truth files are bit-identical across reruns, and so are all checkpoint files except the ZeRO-3
 ``*_optim_states.pt`` files, whose ``fp32_flat_groups`` padding elements are uninitialised memory in DeepSpeed.
 Environment: ``DS_ACCELERATOR=cpu`` and ``OMP_NUM_THREADS=1`` are set for the workers. fp16 configs override the
@@ -120,6 +131,19 @@ def _configs():
                "zero_allow_untested_optimizer": True})
     add("z2_fp32_elastic_dp2", 2, "fp32", 2, zero_extra={"elastic_checkpoint": True})
     add("z2_fp32_align_dp2", 2, "fp32", 2, zero_extra={"parameter_alignment": True})
+    # tensor parallel (AutoTP, tiny HF Llama) and pipeline parallel (PipelineModule), 4 ranks each
+    for stage, dtype, tied in ((1, "fp32", False), (1, "bf16", True), (2, "fp32", True)):
+        name = f"autotp2_z{stage}_{dtype}{'_tied' if tied else ''}_dp2"
+        add(name, stage, dtype, 4, tied=tied, extra={"tensor_parallel": {"autotp_size": 2}})
+        out[name]["kind"] = "autotp"
+        del out[name]["ds_config"]["scheduler"]
+    add("autotp2_z1_fp32_uneven_dp2", 1, "fp32", 4, extra={"tensor_parallel": {"autotp_size": 2}})
+    out["autotp2_z1_fp32_uneven_dp2"].update(kind="autotp", uneven=True)
+    del out["autotp2_z1_fp32_uneven_dp2"]["ds_config"]["scheduler"]
+    add("megatron_tp2_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_clipping": 0.0})
+    out["megatron_tp2_z1_fp32_dp2"]["kind"] = "megatron"
+    add("pipe2_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_accumulation_steps": 2})
+    out["pipe2_z1_fp32_dp2"]["kind"] = "pipe"
     return out
 
 
@@ -329,6 +353,8 @@ def worker(name, out_dir):
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == spec["world"], (world, spec["world"])
+    if spec.get("kind"):
+        return parallel_worker(spec, out_dir, rank)
 
     allow_cpu_fp16(spec)
 
@@ -386,6 +412,68 @@ def worker(name, out_dir):
         save_file(tensors, os.path.join(out_dir, "truth.safetensors"), metadata={"name": name})
         with open(os.path.join(out_dir, "truth.json"), "w") as f:
             json.dump(truth, f, indent=1, sort_keys=False)
+            f.write("\n")
+    dist.barrier()
+
+
+def parallel_worker(spec, out_dir, rank):
+    """The tensor/pipeline-parallel fixtures (tools/fixture_parallel.py): train, take the truth, save."""
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from safetensors.torch import save_file
+    import fixture_parallel as fp
+
+    spec = copy.deepcopy(spec)
+    if spec["kind"] == "autotp":
+        engine, losses = fp.autotp_worker(spec, out_dir, rank)
+    elif spec["kind"] == "megatron":
+        import fixture_megatron
+        engine, losses = fixture_megatron.megatron_worker(spec, out_dir, rank)
+    else:
+        engine, losses = fp.pipe_worker(spec, out_dir, rank)
+    base = _base_optimizer(engine)
+    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    state_names, steps = [], []
+    for st in base.state.values():
+        for k, v in st.items():
+            if k == "step":
+                steps.append(_number(v))
+            elif torch.is_tensor(v) and v.dim() > 0 and k not in state_names:
+                state_names.append(k)
+    if spec["kind"] == "autotp":
+        tensors = fp.autotp_truth(engine, state_names)
+    elif spec["kind"] == "megatron":
+        tensors = fixture_megatron.megatron_truth(engine, engine.mpu, state_names)
+    else:
+        tensors = fp.pipe_truth(engine, state_names, _flat_truth)
+    if spec["dtype"] == "fp32":   # the module weights are the fp32 masters: must agree exactly
+        for k in [k for k in tensors if k.startswith("fp32/")]:
+            assert torch.equal(tensors[k], tensors["module/" + k[5:]]), f"fp32 master != module weight for {k}"
+    ckpt_dir = os.path.join(out_dir, "checkpoint")
+    engine.save_checkpoint(ckpt_dir, client_state=dict(CLIENT_STATE))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(ckpt_dir, "latest")) as f:
+            tag = f.read().strip()
+        trainable = sorted({k.split("/", 1)[1] for k in tensors if k.startswith("fp32/")})
+        truth = {
+            "name": spec["name"], "kind": spec["kind"], "world_size": spec["world"],
+            "zero_stage": int(engine.zero_optimization_stage()), "dtype": spec["dtype"],
+            "ds_config": spec["ds_config"], "tag": tag, "global_steps": int(engine.global_steps),
+            "global_samples": int(engine.global_samples), "skipped_steps": int(engine.skipped_steps),
+            "state_names": state_names, "step": steps[0] if steps else None,
+            "optimizer_class": type(base).__name__, "optimizer_wrapper": type(engine.optimizer).__name__,
+            "trainable": trainable, "tied": spec["tied"], "losses": losses,
+            "client_state": dict(CLIENT_STATE), "ds_version": deepspeed.__version__, "helper_mismatch": {},
+            "overflow_steps": [],
+            "torch_version": torch.__version__.split("+")[0],
+        }
+        save_file(tensors, os.path.join(out_dir, "truth.safetensors"), metadata={"name": spec["name"]})
+        with open(os.path.join(out_dir, "truth.json"), "w") as f:
+            json.dump(truth, f, indent=1)
             f.write("\n")
     dist.barrier()
 

@@ -18,14 +18,15 @@ READERS = ["reshard.formats.deepspeed.universal_reader", "reshard.formats.deepsp
 WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer"}
 
 
-def read(path: str, tag: str | None = None):
-    """The Catalog of the checkpoint at `path`, whatever its format."""
+def read(path: str, tag: str | None = None, layout_rules: str | None = None):
+    """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
+    rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut."""
     if not os.path.exists(path):
         raise ReshardError(f"{path}: no such file or directory")
     for name in READERS:
         module = importlib.import_module(name)
         if module.sniff(path, tag):
-            return module.read(path, tag)
+            return module.read(path, tag, layout_rules) if layout_rules else module.read(path, tag)
     raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders)")
 
 

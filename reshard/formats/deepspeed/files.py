@@ -22,6 +22,10 @@ def model_states_name(mp: int, dp: int | None = None) -> str:
     return f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt"
 
 
+def layer_states_name(layer: int) -> str:
+    return f"layer_{layer:02d}-model_states.pt"
+
+
 def optim_states_name(dp: int, mp: int, bf16: bool) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
 

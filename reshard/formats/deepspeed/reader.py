@@ -39,42 +39,53 @@ def sniff(path: str, tag: str | None = None) -> bool:
     return os.path.isdir(path) and (names.is_deepspeed_dir(path) or tag is not None)
 
 
-def read(path: str, tag: str | None = None) -> Catalog:
+def read(path: str, tag: str | None = None, layout_rules: str | None = None) -> Catalog:
+    """`layout_rules`: a rule file (layouts/*.json) saying how tensor parallelism cut each parameter,
+    for tensor-parallel checkpoints that do not carry `universal_checkpoint_info`."""
     tag_dir, tag = names.resolve_tag_dir(path, tag)
     try:
-        return _read(tag_dir, tag)
+        return _read(tag_dir, tag, layout_rules)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.
         raise ReshardError(f"{tag_dir}: not the structure DeepSpeed writes ({type(e).__name__}: {e})") from None
 
 
-def _read(tag_dir: str, tag: str) -> Catalog:
+def _read(tag_dir: str, tag: str, layout_rules) -> Catalog:
     listing = sorted(os.listdir(tag_dir))
     _refuse_unsupported(tag_dir, listing)
-
     model0_name = _first_model_states(tag_dir, listing)
     model0 = _load_or_raise(os.path.join(tag_dir, model0_name))
-    dp = int(model0.get("dp_world_size") or 1)
     mp = int(model0.get("mp_world_size") or 1)
     dims = model0.get("checkpoint_parallel_dimensions") or {}
-    if mp > 1 or dims.get("tp_degree", 1) > 1 or dims.get("pp_degree", 1) > 1:
-        raise ReshardError(f"{tag_dir}: tensor/pipeline parallel checkpoint (mp_world_size={mp}, {dims}); "
-                           "only data-parallel ZeRO checkpoints are supported so far")
+    if mp > 1 or dims.get("tp_degree", 1) > 1 or dims.get("pp_degree", 1) > 1 \
+            or any(names.LAYER_STATES.match(n) for n in listing):
+        from reshard.formats.deepspeed import parallel
+        return parallel.read(tag_dir, tag, listing, model0, layout_rules)
+    return read_mp_rank(tag_dir, tag, listing, 0, model0_name, model0)
 
+
+def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: str, model0: dict) -> Catalog:
+    """The Catalog of one model-parallel rank's files (all of them when there is no model parallelism):
+    its tensors are that rank's local tensors (a tensor-parallel shard, a pipeline stage's params)."""
+    dp = int(model0.get("dp_world_size") or 1)
     catalog = Catalog(root=tag_dir, format="deepspeed", layout=Layout(dp=dp))
     catalog.state["tag"] = tag
     bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
-    optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix)
+    optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp)
     if not any(names.OPTIM_STATES.match(n) for n in listing):
         raise ReshardError(f"{tag_dir}: no *_optim_states.pt files; ZeRO stage 0 checkpoints are not supported")
     first_optim = next((sd for _, sd in optim.values() if sd is not None), None)
     if first_optim is None:
-        raise ReshardError(f"{tag_dir}: no optimizer state file could be read")
+        expected = ", ".join(os.path.basename(path) for path, _ in optim.values())
+        raise ReshardError(f"{tag_dir}: no optimizer state file of model-parallel rank {mp} could be read "
+                           f"(expected {expected})")
 
     stage = _zero_stage(first_optim)
     catalog.layout.zero = stage
     catalog.layout.options = _options(model0, first_optim, bf16_prefix, stage)
     if stage == 3:
+        if mp:
+            raise ReshardError(f"{tag_dir}: ZeRO-3 with tensor or pipeline parallelism is not supported")
         models = _load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0)
     else:
         models = {0: model0}
@@ -92,8 +103,6 @@ def _read(tag_dir: str, tag: str) -> Catalog:
 
 
 def _refuse_unsupported(tag_dir, listing):
-    if any(names.LAYER_STATES.match(n) for n in listing):
-        raise ReshardError(f"{tag_dir}: pipeline-parallel (PipelineModule layer_*) checkpoints are not supported yet")
     if any(names.EXPERT_STATES.match(n) for n in listing):
         raise ReshardError(f"{tag_dir}: mixture-of-experts checkpoints are not supported yet")
 
@@ -113,16 +122,17 @@ def _load_or_raise(path):
     return obj
 
 
-def _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix) -> dict:
-    """Optimizer files of every data-parallel rank: rank -> (path, state dict or None if unusable)."""
+def _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp=0) -> dict:
+    """Optimizer files of every data-parallel rank (of model-parallel rank `mp`): rank -> (path, state dict
+    or None if unusable)."""
     found = {}
     for n in listing:
         m = names.OPTIM_STATES.match(n)
-        if m:
+        if m and int(m.group(3)) == mp:
             found.setdefault(int(m.group(2)), n)
     optim = {}
     for rank in range(dp):
-        name = found.get(rank, names.optim_states_name(rank, 0, bf16_prefix))
+        name = found.get(rank, names.optim_states_name(rank, mp, bf16_prefix))
         path = os.path.join(tag_dir, name)
         optim[rank] = (path, _load_rank_file(catalog, tag_dir, name, "optim_states", rank, "optimizer_state_dict"))
     for rank in sorted(set(found) - set(range(dp))):

@@ -32,6 +32,12 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: tensor/pipeline parallel targets are not supported yet "
                            "(only dp and zero may change)")
+    source = catalog.layout
+    if source.tp != 1 or source.pp != 1:
+        # its tensors are whole in the catalog, but the model that saved it (AutoTP layers, a
+        # PipelineModule) loads only files cut its own way: that writer comes later
+        raise ReshardError(f"{catalog.root}: the source is tensor/pipeline parallel ({source.topology()}); "
+                           "converting it is not supported yet (reshard export gives the consolidated model)")
     if target.zero not in (1, 2, 3):
         raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written")
     ctx = _Context(catalog, target)

@@ -1,0 +1,368 @@
+"""Tensor- and pipeline-parallel DeepSpeed checkpoints -> one Catalog of FULL logical tensors.
+
+Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 checkpoint of its own
+(reader.read_mp_rank): its tensors are local ones. Then
+* tensor parallel (mp = tp ranks): each local tensor is a set of boxes of the full tensor (tp_geometry);
+  a box becomes contiguous flat runs, and each run is cut out of the local fragments. Replicated blocks
+  are read from their first holder; the other holders' copies are kept as catalog.replicas and compared
+  (now when small, such as norms; by `validate --deep` when big) and a difference is a catalog problem.
+* pipeline parallel (mp = stages): the stages' params are already named as the PipelineModule names
+  them; a tied module trained in several stages appears once, its copies compared. The module weights
+  come from the `layer_XX-model_states.pt` files, whose local keys are mapped to those names.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
+from reshard.dtypes import itemsize
+from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
+from reshard.formats import torchzip
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import reader
+from reshard.formats.deepspeed.tp_geometry import Geometry, Split, replicated, run_arrays
+from reshard.formats.torchzip import TensorRef
+from reshard.tensorio import MappedFiles, file_size, replica_problem
+
+# Replicated blocks up to this size (per copy) are compared when the checkpoint is read; larger ones
+# (a replicated embedding of a big vocabulary) by `validate --deep`, so reading stays metadata-cheap.
+REPLICA_CHECK_BYTES = 16 << 20
+
+
+def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str | None) -> Catalog:
+    mp = int(model0.get("mp_world_size") or 1)
+    dims = model0.get("checkpoint_parallel_dimensions") or {}
+    tp, pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
+    pipeline = any(names.LAYER_STATES.match(n) for n in listing)
+    if not dims:                    # saves before checkpoint_parallel_dimensions: mp ranks are stages or TP ranks
+        tp, pp = (1, mp) if pipeline else (mp, 1)
+    if tp > 1 and pp > 1:
+        raise ReshardError(f"{tag_dir}: tensor and pipeline parallel together (tp={tp}, pp={pp}) are not "
+                           "supported yet")
+    if tp * pp != mp:
+        raise ReshardError(f"{tag_dir}: mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}")
+    locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp, model0)
+    if pipeline:
+        catalog = _merge_stages(tag_dir, listing, locals_)
+    else:
+        geometry = _geometry(tag_dir, locals_, layout_rules)
+        catalog = _merge_tp(tag_dir, locals_, geometry, tp)
+    catalog.problems[:0] = problems
+    catalog.files[:0] = files
+    catalog.layout.tp, catalog.layout.pp = tp, pp
+    _fill_layout(catalog)
+    return catalog
+
+
+def _read_ranks(tag_dir, tag, listing, mp, model0):
+    """mp rank -> its local Catalog (None when its model-states file is missing or unreadable)."""
+    locals_, problems, files = {}, [], []
+    for rank in range(mp):
+        name = names.model_states_name(rank)
+        path = os.path.join(tag_dir, name)
+        if not os.path.exists(path):
+            problems.append(f"{path}: missing (expected for model-parallel rank {rank} of {mp})")
+            files.append(FileInfo(name, "model_states", None, 0))
+            locals_[rank] = None
+            continue
+        try:
+            model = reader._load_or_raise(path)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:
+            problems.append(str(e))
+            locals_[rank] = None
+            continue
+        saved = (model.get("mp_world_size"), model.get("global_steps"))
+        if saved != (mp, model0.get("global_steps")):
+            problems.append(f"{path}: mp_world_size {saved[0]}, global_steps {saved[1]}: not the same save as "
+                            f"the first model-parallel rank's (mp_world_size {mp}, global_steps "
+                            f"{model0.get('global_steps')})")
+        try:
+            locals_[rank] = reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
+        except UnsafeCheckpointError:
+            raise
+        except ReshardError as e:           # e.g. none of its optimizer files is there
+            if rank == 0 and mp == 1:
+                raise
+            problems.append(str(e))
+            locals_[rank] = None
+            continue
+        locals_[rank].state["_model_states"] = model
+    if all(c is None for c in locals_.values()):
+        raise ReshardError(problems[0] if problems else f"{tag_dir}: no model-parallel rank's files could be read")
+    return locals_, problems, files
+
+
+def _first(locals_):
+    return next(c for c in locals_.values() if c is not None)
+
+
+def _new_catalog(tag_dir, base: Catalog) -> Catalog:
+    catalog = Catalog(root=tag_dir, format="deepspeed", layout=base.layout)
+    catalog.state = {k: v for k, v in base.state.items() if not k.startswith("_")}
+    return catalog
+
+
+def _gather_files_and_problems(catalog, locals_):
+    for rank, local in sorted(locals_.items()):
+        if local is None:
+            continue
+        catalog.files += local.files
+        catalog.problems += local.problems
+
+
+def _check_scalars(catalog, locals_, what):
+    base = catalog.group_scalars
+    for rank, local in sorted(locals_.items()):
+        if local is None:
+            continue
+        for g, scalars in enumerate(local.group_scalars):
+            for key, value in scalars.items():
+                if g < len(base) and key in base[g] and base[g][key] != value:
+                    catalog.problem(os.path.join(catalog.root, names.model_states_name(rank)),
+                                    f"param group {g}: optimizer {key} differs from {what} 0's")
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+
+def _geometry(tag_dir, locals_, layout_rules) -> Geometry:
+    model = _first(locals_).state["_model_states"]
+    info = model.get("universal_checkpoint_info")
+    if isinstance(info, dict) and (info.get("affine_map") or any(k.endswith("_patterns") for k in info)):
+        return Geometry.from_checkpoint(info, os.path.join(tag_dir, names.model_states_name(0)))
+    if layout_rules:
+        return Geometry.from_rule_file(layout_rules)
+    raise ReshardError(f"{tag_dir}: tensor-parallel checkpoint without universal_checkpoint_info: how each "
+                       "parameter was cut is unknown; give it with --layout-rules FILE (see layouts/)")
+
+
+def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
+    base = _first(locals_)
+    catalog = _new_catalog(tag_dir, base)
+    _gather_files_and_problems(catalog, locals_)
+    model0 = base.state["_model_states"]
+    catalog.aliases = dict(model0.get("shared_params") or {})
+    # every rank but the first saves an empty shared_params: the aliases of the first hold for all
+    catalog.order = list(base.order)
+    catalog.param_groups = [dict(g) for g in base.param_groups]
+    catalog.group_scalars = [dict(s) for s in base.group_scalars]
+    _check_scalars(catalog, locals_, "tensor-parallel rank")
+    with MappedFiles() as files:
+        for name, info in base.params.items():
+            if name in catalog.aliases:
+                continue
+            shard_shapes = {r: c.params[name].shape for r, c in locals_.items()
+                            if c is not None and name in c.params}
+            if info.kind == "buffer":
+                split = _buffer_split(geometry, name, shard_shapes, tp)
+            else:
+                split = geometry.split(name, shard_shapes, tp)
+            catalog.params[name] = ParamInfo(name, split.full_shape, info.kind, info.group)
+            catalog.tp_splits[name] = split
+            for state in [s for s in base.states() if (name, s) in base.tensors]:
+                _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files)
+    return catalog
+
+
+def _buffer_split(geometry, name, shard_shapes, tp):
+    """Buffers are never cut by tensor parallelism (it cuts weights): unless a rule says otherwise they are
+    replicated, and their copies are compared like any replica."""
+    try:
+        return geometry.split(name, shard_shapes, tp)
+    except ReshardError:
+        return replicated(name, shard_shapes, tp, "buffers are whole on every tensor-parallel rank")
+
+
+def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):
+    dtype = next(c.tensors[(name, state)].dtype for c in locals_.values()
+                 if c is not None and (name, state) in c.tensors)
+    full = catalog.add(LogicalTensor(name, state, split.full_shape, dtype))
+    for rank, local in sorted(locals_.items()):
+        if local is None or (name, state) not in local.tensors:
+            continue
+        tensor = local.tensors[(name, state)]
+        if tensor.shape != tuple(shard_shapes[rank]):
+            catalog.problem(_file_of(tensor, local), f"{name} ({state}): shard shape {list(tensor.shape)} but the "
+                            f"parameter's is {list(shard_shapes[rank])}")
+            continue
+        full.fragments += _cut(tensor.fragments, *run_arrays(split, rank, tensor.shape))
+    _add_replicas(catalog, locals_, full, split, files)
+
+
+def _cut(frags, runs_f, runs_s, runs_n):
+    """The parts of the local fragments covering the shard runs, re-addressed to full-tensor elements:
+    run i holds shard elements [s_i, s_i + n_i), which are full elements [f_i, f_i + n_i)."""
+    out = []
+    for frag in frags:
+        lo = np.maximum(runs_s, frag.start)
+        hi = np.minimum(runs_s + runs_n, frag.stop)
+        hit = lo < hi
+        if not hit.any():
+            continue
+        lo, hi, shift = lo[hit], hi[hit], (runs_f - runs_s)[hit]
+        base = frag.elem_offset - frag.start
+        out += [Fragment(a + d, b + d, frag.storage, base + a, frag.rank)
+                for a, b, d in zip(lo.tolist(), hi.tolist(), shift.tolist())]
+    return out
+
+
+def _add_replicas(catalog, locals_, full, split, files):
+    """Blocks held by several TP ranks: each other holder's copy becomes a Replica of `full`; the small
+    ones are compared now (a norm weight, a bias), the others by `validate --deep`."""
+    name, state = full.name, full.state
+    for rank, local in sorted(locals_.items()):
+        tensor = local.tensors.get((name, state)) if local is not None else None
+        if tensor is None:
+            continue
+        pieces = [p for p in split.pieces.get(rank, []) if len(p.holders) > 1 and p.holders[0] != rank]
+        if not pieces:
+            continue
+        copy = LogicalTensor(name, state, full.shape, full.dtype)
+        copy.fragments = _cut(tensor.fragments, *run_arrays(Split(split.full_shape, {rank: pieces}, split.source),
+                                                            rank, tensor.shape, primary_only=False))
+        holders = sorted({p.holders[0] for p in pieces})
+        _replica(catalog, full, copy, f"tensor-parallel rank {rank}", f"rank {holders[0]}", files)
+
+
+def _replica(catalog, tensor, copy, holder, first, files) -> None:
+    """Record a second copy of (part of) `tensor`; compare it now when it is small."""
+    replica = Replica(copy, holder, first)
+    catalog.replicas.append(replica)
+    if sum(f.numel for f in copy.fragments) * itemsize(tensor.dtype) <= REPLICA_CHECK_BYTES:
+        problem = replica_problem(files, tensor, replica)
+        if problem:
+            catalog.problems.append(problem)
+
+
+def _file_of(tensor, local):
+    files = sorted({f.storage.file for f in tensor.fragments})
+    return files[0] if files else local.root
+
+
+# ---------------------------------------------------------------------------------------- pipeline parallel
+
+def _merge_stages(tag_dir, listing, locals_) -> Catalog:
+    base = _first(locals_)
+    catalog = _new_catalog(tag_dir, base)
+    _gather_files_and_problems(catalog, locals_)
+    catalog.group_scalars = [dict(s) for s in base.group_scalars]
+    _check_scalars(catalog, locals_, "pipeline stage")
+    holder = {}                                      # param name -> the stage whose copy is used
+    with MappedFiles() as files:
+        for stage, local in sorted(locals_.items()):
+            if local is None:
+                continue
+            for g, group in enumerate(local.param_groups):
+                while g >= len(catalog.param_groups):
+                    catalog.param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": []})
+                catalog.param_groups[g]["params"] += [n for n in group["params"] if n not in holder]
+            for name, info in local.params.items():
+                if info.kind == "trainable":
+                    catalog.stages.setdefault(name, []).append(stage)
+                if name in holder:
+                    _check_tied(catalog, locals_, holder[name], stage, name, files)
+                    continue
+                holder[name] = stage
+                catalog.params[name] = info
+                for key, tensor in local.tensors.items():
+                    if key[0] == name:
+                        catalog.tensors[key] = tensor
+        _read_layers(catalog, tag_dir, listing, locals_, files)
+    return catalog
+
+
+def _check_tied(catalog, locals_, first, stage, name, files):
+    """A tied module is trained in every stage using it; each stage's copy must be the same."""
+    a, b = locals_[first], locals_[stage]
+    for state in a.states():
+        ta, tb = a.tensors.get((name, state)), b.tensors.get((name, state))
+        if ta is None or tb is None or ta.shape != tb.shape:
+            catalog.problem(os.path.join(catalog.root, names.model_states_name(stage)),
+                            f"{name} ({state}): tied with stage {first}, but not held alike")
+            return
+        _replica(catalog, ta, tb, f"pipeline stage {stage}", f"stage {first}", files)
+
+
+def _read_layers(catalog, tag_dir, listing, locals_, files):
+    """Module weights and buffers from the layer files, under the PipelineModule's names."""
+    known, buffers = set(), set()
+    for local in locals_.values():
+        if local is not None:
+            known.update(local.params)
+            buffers.update(local.state["_model_states"].get("buffer_names") or [])
+    known |= buffers
+    layers = {}
+    for n in listing:
+        m = names.LAYER_STATES.match(n)
+        if m:
+            if m.group(1):
+                raise ReshardError(f"{tag_dir}: {n}: pipeline layer files of a tensor-parallel run are not "
+                                   "supported yet")
+            layers[int(n.split("_")[1].split("-")[0])] = n
+    expected = {int(k.split(".")[0]) for k in known if k.split(".")[0].isdigit()}
+    for index in sorted(expected - set(layers)):
+        catalog.problem(os.path.join(tag_dir, names.layer_states_name(index)),
+                        f"missing (layer {index} has parameters in the pipeline stages)")
+    seen = set()
+    for index in sorted(layers):
+        path = os.path.join(tag_dir, layers[index])
+        catalog.files.append(FileInfo(layers[index], "layer_states", None, file_size(path)))
+        try:
+            sd = torchzip.load(path)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:
+            catalog.problems.append(str(e))
+            continue
+        if not isinstance(sd, dict):
+            catalog.problem(path, f"expected a state dict, found {type(sd).__name__}")
+            continue
+        prefix = _layer_prefix(index, list(sd), known)
+        for key, ref in sd.items():
+            if not isinstance(ref, TensorRef):
+                continue
+            name = prefix + key
+            if name in seen:                         # a tied module's later occurrence
+                _check_same_module(catalog, name, ref, path, files)
+                continue
+            seen.add(name)
+            catalog.layers[name] = (index, key)
+            if name not in catalog.params:
+                kind = "buffer" if name in buffers else "frozen"
+                catalog.params[name] = ParamInfo(name, tuple(ref.shape), kind)
+            catalog.order.append(name)
+            reader._add_whole(catalog, name, MODULE, ref)
+
+
+def _layer_prefix(index, keys, known) -> str:
+    """`tied_modules.KEY.` when exactly one tied module of the stages holds all these keys, else `INDEX.`."""
+    tied = {k.split(".")[1] for k in known if k.startswith("tied_modules.")}
+    matches = [t for t in sorted(tied) if all(f"tied_modules.{t}.{k}" in known for k in keys if k)]
+    own = any(f"{index}.{k}" in known for k in keys)
+    if len(matches) == 1 and not own:
+        return f"tied_modules.{matches[0]}."
+    return f"{index}."
+
+
+def _check_same_module(catalog, name, ref, path, files):
+    first = catalog.tensors.get((name, MODULE))
+    if first is None or tuple(first.shape) != tuple(ref.shape) or first.dtype != ref.dtype:
+        catalog.problem(path, f"{name}: tied module copy has another shape or dtype than its first occurrence")
+        return
+    other = LogicalTensor(name, MODULE, tuple(ref.shape), ref.dtype,
+                          [Fragment(0, ref.numel, ref.storage, ref.storage_offset)] if ref.numel else [])
+    _replica(catalog, first, other, os.path.basename(path), "its first occurrence", files)
+
+
+def _fill_layout(catalog):
+    layout = catalog.layout
+    params = [p for p in catalog.params.values() if p.kind != "buffer"]
+    layout.params = len(params)
+    layout.elements = sum(math.prod(p.shape) for p in params)
+    layout.states = catalog.optimizer_states()
+    if MASTER not in catalog.states():
+        layout.states = []

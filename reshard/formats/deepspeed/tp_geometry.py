@@ -1,0 +1,367 @@
+"""How tensor parallelism cut each parameter: boxes of the full tensor held by each TP rank.
+
+The checkpoint itself says nothing about it unless the model published `universal_checkpoint_info`.
+The geometry comes, in this order, from
+1. its `affine_map` (DeepSpeed's affine IR: per rank, blocks given as `as_strided` arguments in the
+   full tensor ("source") and in the shard ("dest"), with the ranks holding each block);
+2. its pattern lists (replicated, row parallel, vocabulary, fused sub-params; anything else is cut
+   along dim 0, which is what those lists mean to DeepSpeed's own converter);
+3. a rule file (`layouts/*.json`, `--layout-rules`), whose format is documented in layouts/README.md.
+Name patterns live only in those inputs; they are turned into `Split`s (geometry) here and nothing
+else looks at a name. A parameter no source describes is refused, never guessed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.errors import ReshardError
+
+RULES_KIND = "reshard.tp-rules"
+RULES_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of the full tensor held by one rank: where it starts in the full tensor and in the shard."""
+    full_start: tuple
+    shard_start: tuple
+    shape: tuple
+    holders: tuple        # the ranks holding this very block (replicas); the first one is read
+
+
+@dataclass
+class Split:
+    full_shape: tuple
+    pieces: dict          # tp rank -> [Piece]
+    source: str           # where the geometry came from (for messages)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One way of cutting: replicated, along `dim`, or fused sub-params; `vocab`: padding rows get dropped."""
+    pattern: str
+    kind: str                     # "replicated", "split", "sub_params", "refuse"
+    dim: int = 0
+    vocab: bool = False           # rows past the original vocabulary size are padding, dropped
+    sub_params: tuple = ()        # full sizes of the fused sub-params along dim, or (count,) with count_only
+    count_only: bool = False
+    shard_widths: tuple = ()      # per sub-param, per rank widths (uneven AutoTP splits)
+    reason: str = ""
+
+
+class Geometry:
+    """Turns a parameter name and its shard shapes into a Split, from one of the three sources."""
+
+    def __init__(self, affine: dict, rules: list, source: str, prefix_match: bool = False,
+                 vocab_patterns=(), vocab_size: int | None = None):
+        self.affine = [(re.compile(p), entry) for p, entry in affine.items()]
+        self.rules = [(re.compile(r.pattern), r) for r in rules]
+        self.source = source
+        # DeepSpeed's converter matches its pattern lists with re.match (a prefix); rule files match whole names
+        self.prefix_match = prefix_match
+        # ...and strips vocabulary padding after any cut: rows past original_vocab_size are dropped
+        self.vocab = [re.compile(p) for p in vocab_patterns]
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_checkpoint(cls, info: dict, where: str) -> "Geometry":
+        affine = ((info.get("affine_map") or {}).get("params")) or {}
+        vocab = info.get("original_vocab_size")
+        return cls(affine, _rules_from_uc_info(info), f"universal_checkpoint_info of {where}", prefix_match=True,
+                   vocab_patterns=info.get("vocabulary_parameter_patterns") or [],
+                   vocab_size=int(vocab) if vocab else None)
+
+    @classmethod
+    def from_rule_file(cls, path: str) -> "Geometry":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ReshardError(f"{path}: cannot read layout rules: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ReshardError(f"{path}: layout rules are not valid JSON ({e})") from None
+        vocab = data.get("original_vocab_size") if isinstance(data, dict) else None
+        if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
+            raise ReshardError(f"{path}: original_vocab_size must be a positive integer or null")
+        return cls({}, _rules_from_file(data, path), path, vocab_size=vocab)
+
+    def _matches(self, pattern, name) -> bool:
+        return bool(pattern.match(name) if self.prefix_match else pattern.fullmatch(name))
+
+    def split(self, name: str, shard_shapes: dict, tp: int) -> Split:
+        for pattern, entry in self.affine:       # a map states the geometry itself: no trimming on top
+            if self._matches(pattern, name):
+                return _from_affine(name, entry, shard_shapes, self.source)
+        for pattern, rule in self.rules:
+            if self._matches(pattern, name):
+                split = from_rule(name, rule, shard_shapes, tp, self.source)
+                if self.vocab_size and (rule.vocab or any(self._matches(p, name) for p in self.vocab)):
+                    split = trim_rows(split, self.vocab_size)
+                return split
+        raise ReshardError(f"{self.source}: no rule says how tensor parallelism cut {name}; "
+                           "give one in a --layout-rules file (see layouts/README.md)")
+
+
+def trim_rows(split: Split, rows: int) -> Split:
+    """The split of the tensor's first `rows` rows (vocabulary padding dropped): boxes clipped along dim 0."""
+    if not split.full_shape or rows >= split.full_shape[0]:
+        return split
+    pieces = {}
+    for rank, ps in split.pieces.items():
+        pieces[rank] = []
+        for p in ps:
+            keep = min(p.shape[0], rows - p.full_start[0])
+            if keep > 0:
+                pieces[rank].append(Piece(p.full_start, p.shard_start, (keep,) + p.shape[1:], p.holders))
+    return Split((rows,) + split.full_shape[1:], pieces, split.source)
+
+
+def replicated(name: str, shard_shapes: dict, tp: int, source: str) -> Split:
+    """Every rank holds the whole tensor."""
+    return from_rule(name, Rule(name, "replicated"), shard_shapes, tp, source)
+
+
+def runs(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True):
+    """(full flat start, shard flat start, length) of the contiguous runs of rank's pieces, row-major.
+
+    A box is contiguous in the trailing dims it spans entirely (in both tensors); it is one run per
+    index of the leading dims: a dim-0 shard is one run, a dim-1 shard one run per row."""
+    f, s, n = run_arrays(split, rank, shard_shape, primary_only)
+    return list(zip(f.tolist(), s.tolist(), n.tolist()))
+
+
+def run_arrays(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True):
+    """`runs` as three int64 arrays, computed without a Python loop over rows (row-parallel shards of big
+    models have tens of thousands of runs), ordered by shard offset within each piece."""
+    out_f, out_s, out_n = [], [], []
+    full_strides, shard_strides = _strides(split.full_shape), _strides(shard_shape)
+    for piece in split.pieces.get(rank, []):
+        if primary_only and piece.holders[0] != rank:
+            continue
+        if not piece.shape:                                # a 0-dim tensor
+            out_f.append(np.zeros(1, np.int64)), out_s.append(np.zeros(1, np.int64)), out_n.append(np.ones(1, np.int64))
+            continue
+        k = len(piece.shape) - 1                           # the run spans dims k.. (the last at least)
+        while k > 0 and piece.shape[k] == split.full_shape[k] == shard_shape[k]:
+            k -= 1
+        length = math.prod(piece.shape[k:])
+        if length == 0 or math.prod(piece.shape[:k]) == 0:
+            continue
+        f = np.array(sum(a * st for a, st in zip(piece.full_start, full_strides)), dtype=np.int64)
+        s = np.array(sum(a * st for a, st in zip(piece.shard_start, shard_strides)), dtype=np.int64)
+        for d in range(k):                                 # offsets of every index of the leading dims
+            steps = np.arange(piece.shape[d], dtype=np.int64)
+            f = np.add.outer(f, steps * full_strides[d])
+            s = np.add.outer(s, steps * shard_strides[d])
+        out_f.append(f.reshape(-1)), out_s.append(s.reshape(-1))
+        out_n.append(np.full(f.size, length, dtype=np.int64))
+    if not out_f:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    return np.concatenate(out_f), np.concatenate(out_s), np.concatenate(out_n)
+
+
+def _strides(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _unravel(offset: int, shape) -> tuple:
+    coords = []
+    for n, stride in zip(shape, _strides(shape)):
+        coords.append(offset // stride if n else 0)
+        offset -= coords[-1] * stride
+    return tuple(coords)
+
+
+def _row_major(strides, box, shape) -> bool:
+    """Do `strides` walk a box of `shape`'s row-major layout (dims of the box of size 1 do not matter)?"""
+    return all(n == 1 or s == e for n, s, e in zip(box, strides, _strides(shape)))
+
+
+def _from_affine(name, entry, shard_shapes, source) -> Split:
+    full = tuple(int(n) for n in entry["logical_shape"])
+    pieces = {}
+    for rank_key, value in entry["ranks"].items():
+        rank = int(rank_key)
+        shard = tuple(int(n) for n in value["shard_shape"])
+        if rank in shard_shapes and tuple(shard_shapes[rank]) != shard:
+            raise ReshardError(f"{source}: {name}: the affine map gives tensor-parallel rank {rank} a shard of "
+                               f"shape {list(shard)}, the checkpoint holds {list(shard_shapes[rank])}")
+        pieces[rank] = []
+        for p in value["pieces"]:
+            shape = tuple(int(n) for n in p["shape"])
+            (f_off, f_strides), (s_off, s_strides) = p["source"], p["dest"]
+            if float(p.get("scale", 1.0)) != 1.0:
+                raise ReshardError(f"{source}: {name}: a scaled block (scale {p['scale']}) is not a byte copy; "
+                                   "not supported")
+            if len(shape) != len(full) or len(shard) != len(full) or \
+                    not (_row_major(f_strides, shape, full) and _row_major(s_strides, shape, shard)):
+                raise ReshardError(f"{source}: {name}: an affine block that is not an axis-aligned box of "
+                                   "row-major tensors; not supported")
+            holders = tuple(sorted(int(r) for r in p.get("locations", [rank])))
+            pieces[rank].append(Piece(_unravel(f_off, full), _unravel(s_off, shard), shape, holders))
+    return Split(full, pieces, source)
+
+
+def from_rule(name, rule, shard_shapes, tp, source) -> Split:
+    if rule.kind == "refuse":
+        raise ReshardError(f"{source}: {name}: {rule.reason}")
+    shapes = {r: tuple(s) for r, s in shard_shapes.items()}
+    if not shapes:
+        raise ReshardError(f"{source}: {name}: no tensor-parallel rank holds it")
+    any_shape = next(iter(shapes.values()))
+    if rule.kind == "replicated":
+        if len(set(shapes.values())) > 1:
+            raise ReshardError(f"{source}: {name} is replicated but its shapes differ across tensor-parallel ranks "
+                               f"({sorted(set(shapes.values()))})")
+        zeros = (0,) * len(any_shape)
+        holders = tuple(range(tp))
+        return Split(any_shape, {r: [Piece(zeros, zeros, any_shape, holders)] for r in range(tp)}, source)
+    dim = rule.dim if rule.dim >= 0 else len(any_shape) + rule.dim
+    if not 0 <= dim < len(any_shape):
+        raise ReshardError(f"{source}: {name} has {len(any_shape)} dims, the rule cuts dim {rule.dim}")
+    for r, s in shapes.items():
+        if s[:dim] + s[dim + 1:] != any_shape[:dim] + any_shape[dim + 1:]:
+            raise ReshardError(f"{source}: {name}: shard shapes {sorted(set(shapes.values()))} differ outside the "
+                               f"split dim {dim}")
+    missing = [r for r in range(tp) if r not in shapes]
+    if missing:   # a rank's files are missing (reported elsewhere): assume its shard is like rank 0's
+        shapes.update({r: any_shape for r in missing})
+    if rule.kind == "split":
+        return _contiguous(shapes, dim, tp, source)
+    return _sub_params(name, rule, shapes, dim, tp, source)
+
+
+def _box(start_in_dim, shard_start_in_dim, size, dim, shape):
+    full_start = tuple(start_in_dim if d == dim else 0 for d in range(len(shape)))
+    shard_start = tuple(shard_start_in_dim if d == dim else 0 for d in range(len(shape)))
+    box = tuple(size if d == dim else n for d, n in enumerate(shape))
+    return full_start, shard_start, box
+
+
+def _contiguous(shapes, dim, tp, source) -> Split:
+    pieces, offset = {}, 0
+    for r in range(tp):
+        size = shapes[r][dim]
+        pieces[r] = [Piece(*_box(offset, 0, size, dim, shapes[r]), (r,))] if size else []
+        offset += size
+    full = list(shapes[0])
+    full[dim] = offset
+    return Split(tuple(full), pieces, source)
+
+
+def _sub_params(name, rule, shapes, dim, tp, source) -> Split:
+    local = shapes[0][dim]
+    if rule.shard_widths:
+        widths = [list(w) for w in rule.shard_widths]
+        sizes = [sum(w) for w in widths]
+    else:
+        if rule.count_only:
+            count = rule.sub_params[0]
+            if (local * tp) % count:
+                raise ReshardError(f"{source}: {name}: {local * tp} rows along dim {dim} do not split into "
+                                   f"{count} sub-params")
+            sizes = [local * tp // count] * count
+        else:
+            sizes = list(rule.sub_params)
+        if any(n % tp for n in sizes):
+            raise ReshardError(f"{source}: {name}: sub-param sizes {sizes} do not divide by tp={tp}; give "
+                               "shard widths")
+        widths = [[n // tp] * tp for n in sizes]
+    pieces = {r: [] for r in range(tp)}
+    for r in range(tp):
+        have = sum(w[r] for w in widths)
+        if shapes[r][dim] != have:
+            raise ReshardError(f"{source}: {name}: tensor-parallel rank {r} holds {shapes[r][dim]} rows along dim "
+                               f"{dim}, the sub-param rule gives it {have}")
+        full_at, shard_at = 0, 0
+        for size, w in zip(sizes, widths):
+            start = full_at + sum(w[:r])
+            if w[r]:
+                pieces[r].append(Piece(*_box(start, shard_at, w[r], dim, shapes[r]), (r,)))
+            full_at += size
+            shard_at += w[r]
+    full = list(shapes[0])
+    full[dim] = sum(sizes)
+    return Split(tuple(full), pieces, source)
+
+
+# ------------------------------------------------------------------------------------------ rule sources
+
+def _rules_from_uc_info(info: dict) -> list:
+    """DeepSpeed's pattern lists (deepspeed/checkpoint/constants.py) as rules, in ds_to_universal's order."""
+    rules = []
+    for pattern, reason in (info.get("autotp_unsupported_parameter_patterns") or {}).items():
+        rules.append(Rule(pattern, "refuse", reason=f"AutoTP could not describe it ({reason})"))
+    for pattern in info.get("tp_replicated_parameter_patterns") or []:
+        rules.append(Rule(pattern, "replicated"))
+    for pattern in info.get("parameter_to_average_patterns") or []:
+        rules.append(Rule(pattern, "refuse", reason="its tensor-parallel copies are averaged by DeepSpeed's "
+                                                    "converter, which is not a byte copy; not supported"))
+    widths = info.get("sub_param_shard_widths") or {}
+    for pattern in info.get("parameter_with_2_sub_params_cat_dim_0") or []:
+        rules.append(Rule(pattern, "sub_params", dim=0, sub_params=(2,), count_only=True))
+    for entry in info.get("parameter_with_sub_params") or []:
+        dim = int(entry.get("partition_dim", 0))
+        shape = entry.get("shape") or []
+        sizes = shape[dim] if dim < len(shape) else None
+        for pattern in entry.get("patterns") or []:
+            w = tuple(tuple(x) for x in widths.get(pattern, ()))
+            if w:                                          # UC 0.4: each sub-param's width on each rank
+                rules.append(Rule(pattern, "sub_params", dim=dim, shard_widths=w))
+            elif isinstance(sizes, (list, tuple)):         # their full sizes, split evenly
+                rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=tuple(int(n) for n in sizes)))
+            elif isinstance(sizes, int) and sizes > 0:     # before UC 0.4: a count of equal sub-params
+                rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=(sizes,), count_only=True))
+            else:
+                rules.append(Rule(pattern, "refuse", reason="fused sub-params without their sizes; not supported"))
+    for pattern in info.get("parameter_with_row_parallelism_patterns") or []:
+        rules.append(Rule(pattern, "split", dim=1))
+    if rules or info.get("vocabulary_parameter_patterns"):
+        # the lists only name the exceptions: DeepSpeed's converter cuts every other param along dim 0
+        rules.append(Rule(r".*", "split", dim=0))
+    return rules
+
+
+def _rules_from_file(data: dict, path: str) -> list:
+    if not isinstance(data, dict) or data.get("kind") != RULES_KIND:
+        raise ReshardError(f"{path}: not a reshard tensor-parallel rule file (kind must be {RULES_KIND!r})")
+    if data.get("version") != RULES_VERSION:
+        raise ReshardError(f"{path}: rule file version {data.get('version')!r} is not supported")
+    rules = []
+    for i, item in enumerate(data.get("rules") or []):
+        where = f"{path}: rule {i}"
+        try:
+            pattern = item["match"]
+            re.compile(pattern)
+        except (KeyError, TypeError, re.error) as e:
+            raise ReshardError(f"{where}: needs a valid regular expression under 'match' ({e})") from None
+        unknown = set(item) - {"match", "replicated", "dim", "vocab", "sub_params", "refuse", "note"}
+        if unknown:
+            raise ReshardError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
+        if item.get("refuse"):
+            rules.append(Rule(pattern, "refuse", reason=str(item["refuse"])))
+        elif item.get("replicated"):
+            rules.append(Rule(pattern, "replicated"))
+        elif isinstance(item.get("dim"), int):
+            dim, sub = item["dim"], item.get("sub_params")
+            if sub is None:
+                rules.append(Rule(pattern, "split", dim=dim, vocab=bool(item.get("vocab"))))
+            elif isinstance(sub, int) and sub > 0:
+                rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=(sub,), count_only=True))
+            elif isinstance(sub, list) and sub and all(isinstance(n, int) and n > 0 for n in sub):
+                rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=tuple(sub)))
+            else:
+                raise ReshardError(f"{where}: sub_params must be a count or a list of sizes")
+        else:
+            raise ReshardError(f"{where}: say 'replicated': true, 'dim': N or 'refuse': REASON")
+    return rules
