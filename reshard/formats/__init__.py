@@ -13,7 +13,11 @@ import os
 from reshard.errors import ReshardError
 
 # Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.deepspeed.reader"]
+READERS = ["reshard.formats.deepspeed.reader",
+           "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
+           "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
+           "reshard.formats.single.lightning",           # *.ckpt
+           "reshard.formats.single.torchfile"]           # *.pt, *.pth, *.bin
 # Target formats of `convert --format`.
 WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer"}
 
@@ -26,7 +30,7 @@ def read(path: str, tag: str | None = None):
         module = importlib.import_module(name)
         if module.sniff(path, tag):
             return module.read(path, tag)
-    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders)")
+    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders, torch.save .pt/.pth/.bin, Lightning .ckpt, Hugging Face Trainer checkpoint folders, safetensors)")
 
 
 def writer(format_name: str):
