@@ -35,7 +35,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
         raise CheckpointError(path, f"{len(optimizers)} optimizers; only checkpoints of one optimizer can be mapped")
     if optimizers and not is_optimizer(optimizers[0]):
         raise CheckpointError(path, "optimizer_states[0] is not a torch.optim state_dict")
-    catalog = Catalog(root=os.path.dirname(path), format="lightning", layout=Layout(dp=1, zero=0))
+    catalog = Catalog(root=path, format="lightning", layout=Layout(dp=1, zero=0))
     model.add_file(catalog, path, "lightning_checkpoint")
     model.build(catalog, obj["state_dict"], path, optimizers[0] if optimizers else None, path)
     schedulers = obj.get("lr_schedulers") or []

@@ -27,7 +27,8 @@ STEP = "step"
 
 
 def add_file(catalog, path: str, role: str) -> None:
-    catalog.files.append(FileInfo(os.path.relpath(path, catalog.root), role, None, file_size(path)))
+    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
+    catalog.files.append(FileInfo(os.path.relpath(path, folder), role, None, file_size(path)))
 
 
 def build(catalog, module: dict, where: str, optimizer=None, optim_where: str = "", aliases=None,

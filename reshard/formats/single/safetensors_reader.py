@@ -27,7 +27,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
         folder = path
         weights = hf_weights.read(path)
     else:
-        folder = os.path.dirname(path)
+        folder = path      # a one-file source is its own root
         if path.endswith(INDEX_SUFFIX):
             tensors = safetensors_read.read_sharded(path)
             shards = dict.fromkeys(safetensors_read.read_index(path).values())

@@ -59,7 +59,7 @@ def split(path: str, obj) -> tuple:
 def read(path: str, tag: str | None = None) -> Catalog:
     path = os.path.abspath(path)
     module, optimizer, extra = split(path, torchzip.load(path))
-    catalog = Catalog(root=os.path.dirname(path), format="torch", layout=Layout(dp=1, zero=0))
+    catalog = Catalog(root=path, format="torch", layout=Layout(dp=1, zero=0))
     model.add_file(catalog, path, "state_dict")
     model.build(catalog, module, path, optimizer, path)
     if extra:
