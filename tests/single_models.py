@@ -59,3 +59,17 @@ def named_optimizer_truth(model, optimizer, state_dict):
             if torch.is_tensor(value) and value.dim() > 0:
                 out[f"{key}/{order[index]}"] = value.detach().float().clone().contiguous()
     return out
+
+
+def train_hf(out_dir, steps=3):
+    """A real transformers.Trainer run (CPU, tiny GPT-2, in-memory data); returns (model, trainer)."""
+    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config())
+    data = [{"input_ids": t, "labels": t} for t in (tokens(i, batch=1)[0] for i in range(2 * steps))]
+    args = TrainingArguments(output_dir=str(out_dir), max_steps=steps, save_steps=steps, per_device_train_batch_size=2,
+                             learning_rate=1e-2, weight_decay=0.01, use_cpu=True, report_to=[], logging_steps=1,
+                             disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return model, trainer
