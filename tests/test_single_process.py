@@ -187,3 +187,42 @@ def test_hf_trainer_and_lightning_resume_in_deepspeed_at_dp2(hf_run, lightning_r
     for result in results:
         assert result["problems"] == [] and result["compared"] > 0, result
     assert control["problems"] == [f"{key}: differs after resume"]
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors: one file, shards with an index
+
+
+def test_safetensors_single_and_sharded_inspect_validate_export(tmp_path):
+    src_dir = tmp_path / "src"
+    import huggingface_hub
+    from safetensors.torch import save_model
+    from transformers import GPT2LMHeadModel
+    src_dir.mkdir()
+    torch.manual_seed(0)
+    tiny = sm.TinyLM()
+    save_model(tiny, str(src_dir / "tiny.safetensors"))          # drops the tied duplicate
+    lm = GPT2LMHeadModel(sm.gpt2_config())
+    lm.save_pretrained(src_dir / "pretrained", max_shard_size="10KB")
+    plain = {k: v.clone() for k, v in tiny.state_dict().items() if k != "head.weight"}
+    (src_dir / "hub").mkdir()
+    huggingface_hub.save_torch_state_dict(plain, src_dir / "hub", max_shard_size="1KB")
+    assert (src_dir / "pretrained" / "model.safetensors.index.json").exists()
+    assert (src_dir / "hub" / "model.safetensors.index.json").exists()
+    cases = [(src_dir / "tiny.safetensors", plain, {}),
+             (src_dir / "pretrained", lm.state_dict(), {"lm_head.weight": "transformer.wte.weight"}),
+             (src_dir / "pretrained" / "model.safetensors.index.json",
+              {k: v for k, v in lm.state_dict().items() if k != "lm_head.weight"}, {}),
+             (src_dir / "hub", plain, {})]
+    for i, (src, expected, tied) in enumerate(cases):
+        info = json.loads(run_cli("inspect", src, "--json", check=0).stdout)
+        assert info["format"] == "safetensors" and info["aliases"] == tied, src
+        assert reshard.validate(reshard.open_checkpoint(src)).ok
+        out = tmp_path / "out"     # not beside a source folder: that is its save dir, protected
+        export_equals(src, out / f"export-{i}.safetensors", expected, tied)
+        refused = run_cli("convert", src, out / f"ds-{i}", "--to", "dp=2,zero=1", "--format", "deepspeed", check=1)
+        assert "no optimizer state" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+        assert not (out / f"ds-{i}").exists()
+    # reshard's own export reads back with its ties
+    again = reshard.open_checkpoint(tmp_path / "out" / "export-1.safetensors")
+    assert again.aliases == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" in again.order
