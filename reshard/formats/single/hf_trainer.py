@@ -33,16 +33,17 @@ def sniff(path: str, tag: str | None = None) -> bool:
 def read(path: str, tag: str | None = None) -> Catalog:
     folder = os.path.abspath(path)
     catalog = Catalog(root=folder, format="hf-trainer", layout=Layout(dp=1, zero=0))
-    weights = hf_weights.read(folder)
-    for file, role in weights.files:
-        model.add_file(catalog, file, role)
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
-    if os.path.isfile(optim_path):
-        model.add_file(catalog, optim_path, "optimizer")
+    if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
         optimizer = torchzip.load(optim_path)
         if not is_optimizer(optimizer):
             raise CheckpointError(optim_path, "not a torch.optim state_dict (state, param_groups)")
+    weights = hf_weights.read(folder)
+    for file, role in weights.files:
+        model.add_file(catalog, file, role)
+    if optimizer is not None:
+        model.add_file(catalog, optim_path, "optimizer")
         if weights.order is None:
             raise CheckpointError(optim_path, "cannot map the optimizer to parameter names: the weights do not keep "
                                   "the model's parameter order and config.json names no architecture the installed "
