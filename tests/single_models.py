@@ -61,11 +61,13 @@ def named_optimizer_truth(model, optimizer, state_dict):
     return out
 
 
-def train_hf(out_dir, steps=3):
+def train_hf(out_dir, steps=3, freeze=()):
     """A real transformers.Trainer run (CPU, tiny GPT-2, in-memory data); returns (model, trainer)."""
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config())
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in freeze)
     data = [{"input_ids": t, "labels": t} for t in (tokens(i, batch=1)[0] for i in range(2 * steps))]
     args = TrainingArguments(output_dir=str(out_dir), max_steps=steps, save_steps=steps, per_device_train_batch_size=2,
                              learning_rate=1e-2, weight_decay=0.01, use_cpu=True, report_to=[], logging_steps=1,

@@ -4,6 +4,7 @@ DeepSpeed ZeRO at other world sizes, and the unmodified DeepSpeed engine resumes
 fp32 param and optimizer state equal to the source's (tests/single_engine_resume.py)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -169,6 +170,25 @@ def test_hf_trainer_folder_inspect_validate_export(hf_run):
     assert catalog.state["lr_scheduler"]["last_epoch"] == 3
     assert reshard.validate(catalog).ok
     export_equals(folder, tmp / "export.safetensors", model.state_dict(), {"lm_head.weight": "transformer.wte.weight"})
+
+
+def test_hf_trainer_frozen_param_and_pytorch_model_bin(tmp_path):
+    """A frozen param is left out of the Trainer's groups: found as frozen. With pytorch_model.bin the
+    state-dict order comes from the file itself (config.json removed to prove it)."""
+    model, _ = sm.train_hf(tmp_path / "run", steps=1, freeze=("transformer.wpe.weight",))
+    folder = tmp_path / "src" / "checkpoint-1"
+    shutil.copytree(tmp_path / "run" / "checkpoint-1", folder)
+    expected = [g["names"] for g in sm.trainer_param_groups(model, 0)]
+    catalog = reshard.open_checkpoint(folder)
+    assert [g["params"] for g in catalog.param_groups] == expected
+    assert catalog.params["transformer.wpe.weight"].kind == "frozen" and reshard.validate(catalog).ok
+    (folder / "model.safetensors").unlink()
+    (folder / "config.json").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    catalog = reshard.open_checkpoint(folder)
+    assert [g["params"] for g in catalog.param_groups] == expected
+    assert catalog.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    assert catalog.order == list(model.state_dict())
 
 
 @pytest.mark.engine
