@@ -180,3 +180,43 @@ def test_the_mapping_rule():
         optim_map.assign("x", [("a", v), ("b", v)], [[v], [v]])
     with pytest.raises(CheckpointError, match="does not map"):
         optim_map.assign("x", [("w", s), ("b", v)], [[v, s]])
+
+
+class WithFloatBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+        self.register_buffer("scale", torch.ones(5))
+
+    def forward(self, x):
+        return self.lin(x).sum() * self.scale.sum()
+
+
+def test_float_buffer_or_frozen_param_is_not_guessed_for_zero3(tmp_path):
+    """A float entry the optimizer does not train: frozen param or buffer? ZeRO-3 would need to know."""
+    model = WithFloatBuffer()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3)).backward()
+    opt.step()
+    path = tmp_path / "buffer.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    info = json.loads(run_cli("inspect", path, "--json", check=0).stdout)
+    assert (info["trainable"], info["frozen"], info["buffers"]) == (2, 1, 0)
+    proc = run_cli("convert", path, tmp_path / "z3", "--to", "dp=2,zero=3", "--format", "deepspeed")
+    assert proc.returncode == 1 and "convert to zero=1 or zero=2" in proc.stderr and not (tmp_path / "z3").exists()
+    run_cli("convert", path, tmp_path / "z2", "--to", "dp=2,zero=2", "--format", "deepspeed", "--quiet", check=0)
+
+
+def test_batchnorm_running_stats_make_the_mapping_ambiguous(tmp_path):
+    """BatchNorm's running mean/var have the shape of its weight and bias and nothing in a state dict
+    says which are parameters: refused rather than guessed."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    path = tmp_path / "bn.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    refused(path, tmp_path, "more than one way", ("inspect", "convert"))
+    weights = tmp_path / "weights.pt"       # without the optimizer there is nothing to map
+    torch.save(model.state_dict(), weights)
+    assert run_cli("export", weights, tmp_path / "w.safetensors", "--quiet").returncode == 0

@@ -16,7 +16,7 @@ CONFIG = "config.json"
 
 
 def model_order(folder: str):
-    """(keys in state-dict order, {alias: holder}) or None when the architecture cannot be built."""
+    """(keys in state-dict order, {alias: holder}, buffer keys) or None when the architecture cannot be built."""
     path = os.path.join(folder, CONFIG)
     if not os.path.isfile(path):
         return None
@@ -37,6 +37,7 @@ def model_order(folder: str):
         with torch.device("meta"):
             model = cls(cls.config_class.from_dict(config))
         state = model.state_dict(keep_vars=True)
+        buffers = {id(b) for b in model.buffers()}
     except Exception:   # no transformers, an unknown or newer architecture: the order stays unknown
         return None
     first, aliases = {}, {}
@@ -44,16 +45,16 @@ def model_order(folder: str):
         holder = first.setdefault(id(value), key)
         if holder != key:
             aliases[key] = holder
-    return list(state), aliases
+    return list(state), aliases, {k for k, v in state.items() if id(v) in buffers}
 
 
 def ordered(tensors: dict, folder: str) -> tuple:
-    """(tensors in the model's order, aliases, full key order) for safetensors tensors; the order is
-    None when it cannot be known (the tensors then stay in file order)."""
+    """(tensors in the model's order, aliases, full key order, buffer keys) for safetensors tensors; the
+    order is None when it cannot be known (the tensors then stay in file order)."""
     found = model_order(folder)
     if found is None or not set(tensors) <= set(found[0]):
-        return tensors, {}, None
-    order, aliases = found
+        return tensors, {}, None, None
+    order, aliases, buffers = found
     out = {k: tensors[k] for k in order if k in tensors}
     ties = {}
     for alias, holder in aliases.items():
@@ -62,4 +63,4 @@ def ordered(tensors: dict, folder: str) -> tuple:
         kept, other = (holder, alias) if holder in out else (alias, holder)
         if kept in out:
             ties[other] = kept
-    return out, ties, [k for k in order if k in out or k in ties]
+    return out, ties, [k for k in order if k in out or k in ties], buffers

@@ -48,7 +48,8 @@ def read(path: str, tag: str | None = None) -> Catalog:
             raise CheckpointError(optim_path, "cannot map the optimizer to parameter names: the weights do not keep "
                                   "the model's parameter order and config.json names no architecture the installed "
                                   "transformers can build")
-    model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order)
+    model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order,
+                weights.buffers)
     _training_state(catalog, folder)
     step = catalog.state.get("global_steps") or catalog.layout.step or 0
     catalog.state["tag"] = tag or f"global_step{step}"

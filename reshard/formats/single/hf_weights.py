@@ -24,10 +24,12 @@ def present(folder: str) -> str | None:
 
 
 class Weights:
-    """tensors {key: TensorRef} (model order when `order` is known), aliases, order, files [(path, role)]."""
+    """tensors {key: TensorRef} (model order when `order` is known), aliases, order, files [(path, role)],
+    buffers (keys the model class says are buffers, when it is known)."""
 
-    def __init__(self, tensors, aliases, order, files):
+    def __init__(self, tensors, aliases, order, files, buffers=None):
         self.tensors, self.aliases, self.order, self.files = tensors, aliases, order, files
+        self.buffers = buffers
 
 
 def read(folder: str) -> Weights:
@@ -46,8 +48,8 @@ def read(folder: str) -> Weights:
             tied = tied_metadata(path, metadata)
             if tied:     # written by reshard export: the ties are in the metadata
                 return Weights(tensors, tied, list(tensors) + list(tied), files)
-        tensors, aliases, order = hf_model.ordered(tensors, folder)
-        return Weights(tensors, aliases, order, files)
+        tensors, aliases, order, buffers = hf_model.ordered(tensors, folder)
+        return Weights(tensors, aliases, order, files, buffers)
     if name == BIN_INDEX:
         shards = safetensors_read.read_index(path)
         loaded, tensors = {}, {}

@@ -6,8 +6,10 @@ index, its per-element states and step. `optim_map.assign` says which name each 
   one (torch.save keeps the sharing), or one the reader names;
 - trainable = taken by an optimizer group; fp32 trainable params register MASTER and MODULE over
   the same bytes (there is no separate master copy);
-- not taken and not floating point = buffer; not taken and floating point = frozen (a floating
-  buffer such as BatchNorm's running mean looks the same; both are kept whole in the module copy);
+- a buffer: what the model class says is one (HF, from config.json), or not taken and not floating
+  point; not taken and floating point = frozen (a floating buffer such as BatchNorm's running mean
+  looks the same: `state["frozen_or_buffer"]` lists them; ZeRO-1/2 keep both whole in the module
+  copy, ZeRO-3 partitions frozen params only, so the DeepSpeed writer refuses ZeRO-3 then);
 - weights only (no optimizer): nothing is known to be trained; every floating tensor is listed as
   frozen and conversion to a training format is refused.
 """
@@ -32,46 +34,51 @@ def add_file(catalog, path: str, role: str) -> None:
 
 
 def build(catalog, module: dict, where: str, optimizer=None, optim_where: str = "", aliases=None,
-          order=None) -> None:
+          order=None, buffers=None) -> None:
     """Fill `catalog` from `module` ({key: TensorRef}, model order) and a torch.optim state dict;
-    `aliases` and `order` (all state-dict keys, aliases too) when the reader knows ties the files omit."""
+    `aliases` and `order` (all state-dict keys, aliases too) when the reader knows ties the files omit;
+    `buffers` when it knows which keys are buffers (else: see the module docstring)."""
     aliases = dict(aliases or {})
-    tensors = {}
+    tensors, views = {}, {}
     for key, ref in module.items():
         if not isinstance(ref, TensorRef):
             catalog.problem(where, f"state dict entry {key!r} is not a tensor ({type(ref).__name__}); left out")
             continue
-        holder = _same_view(tensors, ref)
-        if holder is not None:
-            aliases[key] = holder
+        view = (ref.storage.file, ref.storage.offset, ref.storage_offset, tuple(ref.shape), tuple(ref.stride))
+        if view in views:       # torch.save kept the sharing: the same view of the same storage
+            aliases[key] = views[view]
         elif key not in aliases:
+            views[view] = key
             tensors[key] = ref
     catalog.aliases = aliases
     catalog.order = [k for k in (order or module) if k in tensors or k in aliases]
-    taken = _map_optimizer(catalog, tensors, optimizer, optim_where) if optimizer is not None else {}
+    known = buffers is not None
+    buffers = set(buffers or ())
+    params = {k: r for k, r in tensors.items() if k not in buffers}
+    taken = _map_optimizer(catalog, params, optimizer, optim_where) if optimizer is not None else {}
+    guessed = []
     for key, ref in tensors.items():
         if key in taken:
             kind, group = "trainable", taken[key][0]
+        elif key in buffers or not is_floating(ref.dtype):
+            kind, group = "buffer", None
         else:
-            kind, group = ("frozen" if is_floating(ref.dtype) else "buffer"), None
+            kind, group = "frozen", None
+            if not known:
+                guessed.append(key)
         catalog.params[key] = ParamInfo(key, tuple(ref.shape), kind, group)
         _add(catalog, key, MODULE, ref)
         if kind == "trainable":
             _add(catalog, key, MASTER, ref)
+    if optimizer is not None and guessed:
+        # A floating-point entry the optimizer does not train: a frozen param or a float buffer (BatchNorm's
+        # running mean); the state dict does not say which. Writers that store the two differently refuse.
+        catalog.state["frozen_or_buffer"] = guessed
     if optimizer is not None:
         _fill_optimizer(catalog, optimizer, optim_where, taken)
     else:
         catalog.state["weights_only"] = True
     _fill_layout(catalog)
-
-
-def _same_view(tensors: dict, ref: TensorRef):
-    for key, other in tensors.items():
-        if (other.storage.file == ref.storage.file and other.storage.offset == ref.storage.offset
-                and other.storage_offset == ref.storage_offset and other.shape == ref.shape
-                and other.stride == ref.stride):
-            return key
-    return None
 
 
 def _add(catalog, name, state, ref, dtype=None) -> None:

@@ -39,6 +39,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
     catalog = Catalog(root=folder, format="safetensors", layout=Layout(dp=1, zero=0))
     for file, role in weights.files:
         model.add_file(catalog, file, role)
-    model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order)
+    model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
+                weights.buffers)
     catalog.state["tag"] = tag or "weights"
     return catalog
