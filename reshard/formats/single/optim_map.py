@@ -17,6 +17,7 @@ from __future__ import annotations
 from reshard.errors import CheckpointError
 
 WILDCARD = None
+MAX_STATES = 2_000_000      # ways of being part-way through the groups; many groups and spare entries explode
 
 
 def assign(path: str, candidates: list, groups: list) -> dict:
@@ -31,6 +32,7 @@ def assign(path: str, candidates: list, groups: list) -> dict:
     # Each state keeps (number of ways, capped at 2; the previous state; the choice made).
     start = tuple(0 for _ in groups)
     layers = [{start: (1, None, None)}]
+    explored = 0
     for i, (_, shape) in enumerate(candidates):
         nxt = {}
         for state, (ways, _, _) in layers[-1].items():
@@ -47,13 +49,18 @@ def assign(path: str, candidates: list, groups: list) -> dict:
             raise CheckpointError(path, f"the optimizer state does not map to the parameters: no parameter order "
                                   f"fits at {name} (shapes of the optimizer's states differ from the model's)")
         layers.append(nxt)
+        explored += len(nxt)
+        if explored > MAX_STATES:
+            raise CheckpointError(path, f"cannot map the optimizer to the parameters: {len(groups)} param groups and "
+                                  f"{spare} entries outside them leave too many possible orders to check")
     end = tuple(len(g) for g in groups)
     if end not in layers[-1]:
         raise CheckpointError(path, "the optimizer state does not map to the parameters: its states' shapes do "
                               "not follow the model's parameter order")
     if layers[-1][end][0] > 1:
-        raise CheckpointError(path, "the optimizer state maps to the parameters in more than one way (parameters "
-                              "of equal shape, frozen params or params without state); refusing to guess")
+        raise CheckpointError(path, "the optimizer state maps to the parameters in more than one way (entries it "
+                              "does not train, frozen params or buffers, have the shape of ones it trains, or params "
+                              "have no state yet); refusing to guess")
     out, state = {}, end
     for i in range(len(candidates), 0, -1):
         _, previous, choice = layers[i][state]
