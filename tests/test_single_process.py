@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reshard
+from reshard.convert import make_plan
 from conftest import REPO, run_cli
 import single_models as sm
 
@@ -235,14 +236,17 @@ def test_safetensors_single_and_sharded_inspect_validate_export(tmp_path):
               {k: v for k, v in lm.state_dict().items() if k != "lm_head.weight"}, {}),
              (src_dir / "hub", plain, {})]
     for i, (src, expected, tied) in enumerate(cases):
-        info = json.loads(run_cli("inspect", src, "--json", check=0).stdout)
+        catalog = reshard.open_checkpoint(src)
+        info = reshard.inspect(catalog)
         assert info["format"] == "safetensors" and info["aliases"] == tied, src
-        assert reshard.validate(reshard.open_checkpoint(src)).ok
+        assert reshard.validate(catalog).ok
         out = tmp_path / "out"     # not beside a source folder: that is its save dir, protected
         export_equals(src, out / f"export-{i}.safetensors", expected, tied)
-        refused = run_cli("convert", src, out / f"ds-{i}", "--to", "dp=2,zero=1", "--format", "deepspeed", check=1)
-        assert "no optimizer state" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
-        assert not (out / f"ds-{i}").exists()
+        with pytest.raises(reshard.ReshardError, match="no optimizer state"):
+            make_plan(catalog, "dp=2,zero=1", fmt="deepspeed")
+    refused = run_cli("convert", cases[0][0], out / "ds", "--to", "dp=2,zero=1", "--format", "deepspeed", check=1)
+    assert "no optimizer state" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert not (out / "ds").exists()
     # reshard's own export reads back with its ties
     again = reshard.open_checkpoint(tmp_path / "out" / "export-1.safetensors")
     assert again.aliases == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" in again.order
