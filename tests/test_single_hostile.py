@@ -127,6 +127,10 @@ def test_damaged_shard_index(tmp_path):
     refused(folder, tmp_path, "leaves the checkpoint folder", ("inspect", "validate", "export"))
     write({"a": "model-00001-of-00002.safetensors", "b": "/etc/passwd"})
     refused(index, tmp_path, "leaves the checkpoint folder", ("inspect",))
+    os.symlink("/etc/passwd", folder / "link.safetensors")      # inside by name, outside in fact
+    write({"a": "model-00001-of-00002.safetensors", "b": "link.safetensors"})
+    refused(folder, tmp_path, "leaves the checkpoint folder", ("inspect",))
+    (folder / "link.safetensors").unlink()
     write({"a": "model-00001-of-00002.safetensors", "b": "model-00003-of-00003.safetensors"})
     refused(folder, tmp_path, "is missing", ("inspect", "validate", "export"))
     write({"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"})

@@ -99,7 +99,7 @@ def read_index(index_path: str) -> dict:
     real_folder = os.path.realpath(folder)
     for name, shard in weight_map.items():
         if (not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/")
-                or os.path.dirname(os.path.realpath(os.path.join(folder, shard))) != real_folder):
+                or not os.path.realpath(os.path.join(folder, shard)).startswith(real_folder + os.sep)):
             raise CheckpointError(index_path, f"tensor {name!r}: shard path {shard!r} leaves the checkpoint folder")
         path = os.path.join(folder, shard)
         if not os.path.isfile(path):

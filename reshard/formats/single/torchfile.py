@@ -49,7 +49,7 @@ def split(path: str, obj) -> tuple:
         what = "no" if not found else f"{len(found)} candidate"
         raise CheckpointError(path, f"{what} model state dict found (a dict of tensors, alone or under one of "
                               f"{', '.join(MODEL_KEYS)})")
-    optim = [k for k in OPTIMIZER_KEYS if k in obj]
+    optim = [k for k in OPTIMIZER_KEYS if obj.get(k) is not None]
     if optim and not is_optimizer(obj[optim[0]]):
         raise CheckpointError(path, f"'{optim[0]}' is not a torch.optim state_dict (state, param_groups)")
     used = {found[0], *optim[:1]}
