@@ -190,6 +190,16 @@ def test_hf_trainer_frozen_param_and_pytorch_model_bin(tmp_path):
     assert [g["params"] for g in catalog.param_groups] == expected
     assert catalog.aliases == {"lm_head.weight": "transformer.wte.weight"}
     assert catalog.order == list(model.state_dict())
+    # shards of pytorch_model.bin with an index (huggingface_hub): the order comes from config.json again
+    import huggingface_hub
+    (folder / "pytorch_model.bin").unlink()
+    shutil.copy(tmp_path / "run" / "checkpoint-1" / "config.json", folder)
+    weights = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    huggingface_hub.save_torch_state_dict(weights, folder, max_shard_size="10KB", safe_serialization=False)
+    assert (folder / "pytorch_model.bin.index.json").exists()
+    catalog = reshard.open_checkpoint(folder)
+    assert [g["params"] for g in catalog.param_groups] == expected
+    assert catalog.aliases == {"lm_head.weight": "transformer.wte.weight"} and reshard.validate(catalog).ok
 
 
 @pytest.mark.engine

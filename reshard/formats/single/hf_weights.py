@@ -59,7 +59,9 @@ def read(folder: str) -> Weights:
             if key not in loaded[shard]:
                 raise CheckpointError(shard, f"tensor {key!r} named by {BIN_INDEX} is not in this shard")
             tensors[key] = loaded[shard][key]
-        return Weights(tensors, {}, None, [(path, "index")] + [(p, "weights") for p in loaded])
+        files = [(path, "index")] + [(p, "weights") for p in loaded]
+        tensors, aliases, order, buffers = hf_model.ordered(tensors, folder)    # the index is sorted by name
+        return Weights(tensors, aliases, order, files, buffers)
     state = _state_dict(path)
     return Weights(state, {}, list(state), [(path, "weights")])
 
