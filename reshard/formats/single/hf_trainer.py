@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer `checkpoint-N/` folder.
+"""A Hugging Face Trainer `checkpoint-N/` folder (also a save_pretrained folder of pytorch_model.bin).
 
 Holds: the weights (see hf_weights), optimizer.pt (torch.optim state dict), scheduler.pt (the LR
 scheduler's state dict), rng_state*.pth (RNG states: numpy's is a pickled numpy object, so they are
@@ -26,13 +26,21 @@ OPAQUE = (ARGS, "config.json", "generation_config.json")
 
 
 def sniff(path: str, tag: str | None = None) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, TRAINER_STATE)) and \
-        hf_weights.present(path) is not None
+    """A folder of HF weights with a trainer state or an optimizer; or of pytorch_model.bin weights
+    (save_pretrained folders of safetensors alone are safetensors_reader's)."""
+    if not os.path.isdir(path):
+        return False
+    weights = hf_weights.present(path)
+    return weights is not None and (os.path.isfile(os.path.join(path, TRAINER_STATE)) or
+                                    os.path.isfile(os.path.join(path, OPTIMIZER)) or
+                                    weights in (hf_weights.BIN, hf_weights.BIN_INDEX))
 
 
 def read(path: str, tag: str | None = None) -> Catalog:
     folder = os.path.abspath(path)
-    catalog = Catalog(root=folder, format="hf-trainer", layout=Layout(dp=1, zero=0))
+    has_state = os.path.isfile(os.path.join(folder, TRAINER_STATE))
+    weights_format = "safetensors" if hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX) else "torch"
+    catalog = Catalog(root=folder, format="hf-trainer" if has_state else weights_format, layout=Layout(dp=1, zero=0))
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
     if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
@@ -52,21 +60,23 @@ def read(path: str, tag: str | None = None) -> Catalog:
                 weights.buffers)
     _training_state(catalog, folder)
     step = catalog.state.get("global_steps") or catalog.layout.step or 0
-    catalog.state["tag"] = tag or f"global_step{step}"
+    catalog.state.setdefault("global_steps", step)
+    catalog.state["tag"] = tag or (f"global_step{step}" if optimizer is not None or has_state else "weights")
     return catalog
 
 
 def _training_state(catalog, folder) -> None:
     state_path = os.path.join(folder, TRAINER_STATE)
-    try:
-        with open(state_path) as f:
-            trainer_state = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
-    model.add_file(catalog, state_path, "trainer_state")
-    catalog.state["trainer_state"] = trainer_state
-    if isinstance(trainer_state, dict) and isinstance(trainer_state.get("global_step"), int):
-        catalog.state["global_steps"] = trainer_state["global_step"]
+    if os.path.isfile(state_path):
+        try:
+            with open(state_path) as f:
+                trainer_state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
+        model.add_file(catalog, state_path, "trainer_state")
+        catalog.state["trainer_state"] = trainer_state
+        if isinstance(trainer_state, dict) and isinstance(trainer_state.get("global_step"), int):
+            catalog.state["global_steps"] = trainer_state["global_step"]
     scheduler = os.path.join(folder, SCHEDULER)
     if os.path.isfile(scheduler):
         model.add_file(catalog, scheduler, "scheduler")

@@ -41,6 +41,8 @@ def read(path: str, tag: str | None = None) -> Catalog:
     schedulers = obj.get("lr_schedulers") or []
     if schedulers:
         catalog.state["lr_schedulers"] = schedulers
+        if len(schedulers) == 1:        # the one DeepSpeed's engine keeps and reloads
+            catalog.state["lr_scheduler"] = schedulers[0]
     catalog.state["lightning"] = {k: v for k, v in obj.items() if k not in KNOWN}
     step = obj.get("global_step")
     catalog.state["global_steps"] = int(step) if isinstance(step, int) else (catalog.layout.step or 0)

@@ -19,6 +19,7 @@ from reshard.layout import Layout
 SUFFIXES = (".pt", ".pth", ".bin")
 MODEL_KEYS = ("state_dict", "model", "module", "model_state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")
+SCHEDULER_KEYS = ("lr_scheduler", "scheduler")
 ZIP_MAGIC, LEGACY_MAGIC = b"PK\x03\x04", b"\x80\x02"
 
 
@@ -64,6 +65,9 @@ def read(path: str, tag: str | None = None) -> Catalog:
     model.build(catalog, module, path, optimizer, path)
     if extra:
         catalog.state["extra"] = extra
+    scheduler = next((extra[k] for k in SCHEDULER_KEYS if isinstance(extra.get(k), dict)), None)
+    if scheduler is not None:
+        catalog.state["lr_scheduler"] = scheduler
     step = catalog.layout.step
     catalog.state["global_steps"] = step or 0
     catalog.state["tag"] = tag or (f"global_step{step}" if step is not None else "converted")
