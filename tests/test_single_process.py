@@ -93,6 +93,9 @@ def test_plain_torch_save_inspect_validate_export(tmp_path):
     assert (info["trainable"], info["buffers"], info["aliases"], info["step"]) == (7, 1, {"head.weight": "emb.weight"}, 3)
     assert "complete" in run_cli("validate", path, check=0).stdout
     export_equals(path, tmp_path / "out.safetensors", model.state_dict(), {"head.weight": "emb.weight"})
+    # converted to DeepSpeed and read back by the DeepSpeed reader: the same model
+    ds = convert(path, tmp_path / "ds", "dp=3,zero=3")
+    export_equals(ds, tmp_path / "ds-export.safetensors", model.state_dict(), {"head.weight": "emb.weight"})
 
 
 @pytest.mark.engine
