@@ -4,8 +4,9 @@
 
 JOBS.json is a list of jobs, each {"model": "tiny_lm" | "gpt2" | "lightning", "checkpoint": dir, "stage": S, "truth": file,
       "optimizer": "Adam" | "AdamW" | "SGD", "hyper": {...}, "groups": [{"names": [...], hyper...}],
-      "global_steps": N}. Every rank builds the model, the optimizer with the source's groups (as the
-source training built them), calls the ordinary engine.load_checkpoint, reads every fp32 param and
+      "global_steps": N, "scheduler": {"class", "kwargs", "expected": {state key: value}} or absent}.
+Every rank builds the model, the optimizer with the source's groups (as the source training built
+them) and its LR scheduler, calls the ordinary engine.load_checkpoint, reads every fp32 param and
 optimizer state back with deepspeed.utils.safe_get_full_*, compares them with the truth (the
 source's own optimizer state, named by parameter identity when it was saved), and trains one more step.
 """
@@ -29,6 +30,17 @@ def build(kind):
         import single_lightning
         return single_lightning.LitTiny()
     raise ValueError(kind)
+
+
+def make_scheduler(spec, optimizer):
+    """The source run's LR scheduler, built fresh: its state must come from the checkpoint."""
+    if spec is None:
+        return None
+    if spec["class"] == "hf_linear":
+        from transformers import get_linear_schedule_with_warmup
+        return get_linear_schedule_with_warmup(optimizer, **spec["kwargs"])
+    import torch
+    return getattr(torch.optim.lr_scheduler, spec["class"])(optimizer, **spec["kwargs"])
 
 
 def loss_of(kind, engine, batch):
@@ -68,10 +80,11 @@ def run(job, rank):
     groups = [{**{k: v for k, v in g.items() if k != "names"}, "params": [named[n] for n in g["names"]]}
               for g in job["groups"]]
     optimizer = getattr(torch.optim, job["optimizer"])(groups, **job["hyper"])
+    scheduler = make_scheduler(job.get("scheduler"), optimizer)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": job["stage"]}, "steps_per_print": 10**9,
               "zero_allow_untested_optimizer": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
     problems = []
     load_path, _ = engine.load_checkpoint(job["checkpoint"])
     if load_path is None:
@@ -97,6 +110,11 @@ def run(job, rank):
         steps = {float(st["step"]) for st in engine.optimizer.optimizer.state.values() if "step" in st}
         if job.get("step") is not None and steps != {float(job["step"])}:
             problems.append(f"optimizer step {steps} after resume, saved {job['step']}")
+        if scheduler is not None:
+            state = engine.lr_scheduler.state_dict()
+            for key, value in job["scheduler"]["expected"].items():
+                if state.get(key) != value:
+                    problems.append(f"lr scheduler {key}: {state.get(key)!r} after resume, saved {value!r}")
         if engine.global_steps != job["global_steps"]:
             problems.append(f"global_steps {engine.global_steps}, saved {job['global_steps']}")
     before = engine.global_steps

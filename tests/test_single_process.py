@@ -111,6 +111,11 @@ def test_plain_torch_save_resumes_in_deepspeed_at_dp_1_and_3(tmp_path):
             assert result["problems"] == [] and result["compared"] > 0, result
 
 
+def _scheduler_keys(state):
+    """What a resumed LR scheduler must have taken from the checkpoint."""
+    return {k: state[k] for k in ("last_epoch", "_step_count", "_last_lr", "base_lrs")}
+
+
 # ---------------------------------------------------------------------------------------------
 # Lightning
 
@@ -126,7 +131,9 @@ def lightning_run(tmp_path_factory):
     truth = truth_file(tmp / "truth.safetensors", saved["state_dict"], names,
                        sm.named_optimizer_truth(module, optimizer, saved["optimizer_states"][0]))
     job = {"model": "lightning", "truth": truth, "optimizer": "AdamW", "hyper": {"lr": 1e-2, "weight_decay": 0.01},
-           "groups": [{"names": names}], "global_steps": saved["global_step"], "step": 3}
+           "groups": [{"names": names}], "global_steps": saved["global_step"], "step": 3,
+           "scheduler": {"class": "StepLR", "kwargs": {"step_size": 2, "gamma": 0.5},
+                         "expected": _scheduler_keys(saved["lr_schedulers"][0])}}
     return path, saved, job, tmp
 
 
@@ -156,8 +163,11 @@ def hf_run(tmp_path_factory):
     names = [n for n, _ in model.named_parameters()]
     truth = truth_file(tmp / "truth.safetensors", saved_weights, names,
                        sm.named_optimizer_truth(model, trainer.optimizer, saved_optimizer))
+    scheduler = torch.load(folder / "scheduler.pt", weights_only=True)
     job = {"model": "gpt2", "truth": truth, "optimizer": "AdamW", "hyper": {"lr": 1e-2},
-           "groups": sm.trainer_param_groups(model, 0.01), "global_steps": 3, "step": 3}
+           "groups": sm.trainer_param_groups(model, 0.01), "global_steps": 3, "step": 3,
+           "scheduler": {"class": "hf_linear", "kwargs": {"num_warmup_steps": 0, "num_training_steps": 3},
+                         "expected": _scheduler_keys(scheduler)}}
     return folder, model, job, tmp
 
 
