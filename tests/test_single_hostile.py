@@ -169,6 +169,26 @@ def test_ambiguous_optimizer_is_refused(tmp_path):
     refused(path, tmp_path, "more than one way", ("inspect",))
 
 
+def test_saved_param_names_resolve_what_shapes_cannot(tmp_path):
+    """The BatchNorm case again, with an optimizer built from named_parameters(): torch saves the names."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.named_parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    path = tmp_path / "named.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    info = json.loads(run_cli("inspect", path, "--json", "--params", check=0).stdout)
+    kinds = {row["name"]: row["kind"] for row in info["parameter_table"]}
+    assert kinds == {"0.weight": "trainable", "0.bias": "trainable", "1.weight": "trainable", "1.bias": "trainable",
+                     "1.running_mean": "frozen", "1.running_var": "frozen", "1.num_batches_tracked": "buffer"}
+    assert "param_names" not in info["param_groups"][0]
+    # names that are not the model's are refused
+    state = opt.state_dict()
+    state["param_groups"][0]["param_names"][0] = "2.weight"
+    torch.save({"model": model.state_dict(), "optimizer": state}, path)
+    refused(path, tmp_path, "which the model state dict lacks", ("inspect",))
+
+
 def test_the_mapping_rule():
     s, v = (4, 4), (4,)
     # one group in model order; a buffer-like entry left out only when counts leave room for it

@@ -26,6 +26,7 @@ from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import file_size, read_scalar
 
 STEP = "step"
+NAMES = "param_names"     # saved by torch.optim when built from named_parameters()
 
 
 def add_file(catalog, path: str, role: str) -> None:
@@ -123,8 +124,28 @@ def _map_optimizer(catalog, tensors, optimizer, where) -> dict:
                 raise CheckpointError(where, f"optimizer entry {i}: its states have different shapes {per_element}")
             row.append(per_element[0] if per_element else optim_map.WILDCARD)
         shapes.append(row)
+    named = [g.get(NAMES) for g in optimizer["param_groups"]]
+    if all(isinstance(n, list) and len(n) == len(i) for n, i in zip(named, ids)):
+        return _by_saved_names(where, tensors, catalog.aliases, named, shapes)
     candidates = [(k, tuple(r.shape)) for k, r in tensors.items() if is_floating(r.dtype)]
     return optim_map.assign(where, candidates, shapes)
+
+
+def _by_saved_names(where, tensors, aliases, named, shapes) -> dict:
+    """torch.optim built from named_parameters() saves the names (`param_names`): no inference needed."""
+    out = {}
+    for g, names in enumerate(named):
+        for pos, name in enumerate(names):
+            key = aliases.get(name, name)
+            if key not in tensors:
+                raise CheckpointError(where, f"the optimizer names parameter {name!r}, which the model state dict lacks")
+            if shapes[g][pos] not in (optim_map.WILDCARD, tuple(tensors[key].shape)):
+                raise CheckpointError(where, f"the optimizer state of {name!r} has shape {list(shapes[g][pos])}, "
+                                      f"the parameter {list(tensors[key].shape)}")
+            if key in out:
+                raise CheckpointError(where, f"the optimizer names parameter {name!r} twice")
+            out[key] = (g, pos)
+    return out
 
 
 def _fill_optimizer(catalog, optimizer, where, taken) -> None:
@@ -134,7 +155,8 @@ def _fill_optimizer(catalog, optimizer, where, taken) -> None:
     catalog.param_groups, catalog.group_scalars = [], []
     for g, group in enumerate(optimizer["param_groups"]):
         names = [by_index[i] for i in ids[g]]
-        catalog.param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        hyper = {k: v for k, v in group.items() if k not in ("params", NAMES)}
+        catalog.param_groups.append({**hyper, "params": names})
         scalars = {}
         for i in ids[g]:
             entry = state.get(i) or {}

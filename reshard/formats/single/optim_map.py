@@ -1,7 +1,8 @@
 """Which parameter each torch.optim state entry belongs to.
 
 torch.optim's state_dict names parameters by integer index: param group 0's params get 0..n0-1,
-group 1's the next ones, in the order the groups listed them. The names are not saved. What we
+group 1's the next ones, in the order the groups listed them. The names are saved only when the
+optimizer was built from named_parameters() (`param_names`, used directly by model.py). What we
 rely on (verified against real runs in tests/test_single_process.py):
 - plain torch and Lightning usually build `Adam(model.parameters())`: one group, the model's
   parameter order, i.e. the state-dict order minus buffers and tied aliases;
