@@ -84,6 +84,8 @@ def run(job, rank):
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": job["stage"]}, "steps_per_print": 10**9,
               "zero_allow_untested_optimizer": True}
+    if job.get("bf16"):
+        config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
     problems = []
     load_path, _ = engine.load_checkpoint(job["checkpoint"])

@@ -66,23 +66,24 @@ def export_equals(src, out, expected: dict, aliases_expected: dict):
 # plain torch.save
 
 
-def _plain_run(tmp, optimizer="Adam"):
+def _plain_run(tmp, optimizer="Adam", bf16=False):
     torch.manual_seed(0)
-    model = sm.TinyLM()
+    model = sm.TinyLM().to(torch.bfloat16 if bf16 else torch.float32)     # bf16: pure bf16 training
     hyper = {"lr": 1e-2} if optimizer == "Adam" else {"lr": 1e-1, "momentum": 0.9}
     opt = getattr(torch.optim, optimizer)(model.parameters(), **hyper)
     for i in range(3):
         model(sm.tokens(i)).backward()
         opt.step()
         opt.zero_grad()
-    path = tmp / f"plain-{optimizer}.pt"
+    optimizer_tag = f"{optimizer}{'-bf16' if bf16 else ''}"
+    path = tmp / f"plain-{optimizer_tag}.pt"
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, path)
     names = [n for n, _ in model.named_parameters()]
-    truth = truth_file(tmp / f"truth-{optimizer}.safetensors", model.state_dict(), names,
+    truth = truth_file(tmp / f"truth-{optimizer_tag}.safetensors", model.state_dict(), names,
                        sm.named_optimizer_truth(model, opt, opt.state_dict()))
     step = 3 if optimizer == "Adam" else None
     job = {"model": "tiny_lm", "truth": truth, "optimizer": optimizer, "hyper": hyper,
-           "groups": [{"names": names}], "global_steps": 3 if step else 0, "step": step}
+           "groups": [{"names": names}], "global_steps": 3 if step else 0, "step": step, "bf16": bf16}
     return path, model, job
 
 
@@ -100,13 +101,18 @@ def test_plain_torch_save_inspect_validate_export(tmp_path):
 
 @pytest.mark.engine
 def test_plain_torch_save_resumes_in_deepspeed_at_dp_1_and_3(tmp_path):
+    """Adam at ZeRO-1/2/3 and SGD (momentum) at ZeRO-2, dp 1 and 3; pure-bf16 Adam at dp 3, ZeRO-2/3."""
     path, _, job = _plain_run(tmp_path)
     sgd_path, _, sgd_job = _plain_run(tmp_path, "SGD")
+    bf16_path, _, bf16_job = _plain_run(tmp_path, bf16=True)
     for world in (1, 3):
         jobs = [{**job, "stage": s, "checkpoint": convert(path, tmp_path / f"ds-{world}-{s}", f"dp={world},zero={s}")}
                 for s in (1, 2, 3)]
         jobs.append({**sgd_job, "stage": 2,
                      "checkpoint": convert(sgd_path, tmp_path / f"sgd-{world}", f"dp={world},zero=2")})
+        if world == 3:      # pure bf16 training: DeepSpeed's fp32 masters and states are the saved values widened
+            jobs += [{**bf16_job, "stage": s, "checkpoint": convert(bf16_path, tmp_path / f"bf16-{s}", f"dp=3,zero={s}")}
+                     for s in (2, 3)]
         for result in run_engine(world, jobs, tmp_path):
             assert result["problems"] == [] and result["compared"] > 0, result
 

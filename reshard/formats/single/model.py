@@ -184,7 +184,10 @@ def _fill_layout(catalog) -> None:
     trainable = [p for p in catalog.params.values() if p.kind == "trainable"]
     dtypes = sorted({catalog.tensors[(p.name, MODULE)].dtype for p in trainable})
     layout.dtype = dtypes[0] if len(dtypes) == 1 else "float32"
-    layout.master_dtype = "float32"
+    # no separate master: the optimizer updated the params as saved (pure bf16 training: bf16); a
+    # DeepSpeed target widens them to its fp32 master, the same values
+    masters = sorted({catalog.tensors[(p.name, MASTER)].dtype for p in trainable if (p.name, MASTER) in catalog.tensors})
+    layout.master_dtype = masters[0] if len(masters) == 1 else "float32"
     layout.states = catalog.optimizer_states()
     layout.optimizer = _optimizer_kind(layout.states, catalog.param_groups)
     counted = [p for p in catalog.params.values() if p.kind != "buffer"]
