@@ -189,6 +189,22 @@ def test_saved_param_names_resolve_what_shapes_cannot(tmp_path):
     refused(path, tmp_path, "which the model state dict lacks", ("inspect",))
 
 
+def test_unequal_steps_within_a_group_read_and_export_but_do_not_convert(tmp_path):
+    """Adam counts steps per parameter; one unused at first is a step behind. DeepSpeed keeps one per group."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model[0](torch.ones(1, 3)).sum().backward()       # the second layer gets no gradient: no step
+    opt.step()
+    opt.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    path = tmp_path / "steps.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    assert "complete" in run_cli("validate", path, check=0).stdout
+    run_cli("export", path, tmp_path / "w.safetensors", "--quiet", check=0)
+    refused(path, tmp_path, "optimizer step differs between parameters", ("convert",))
+
+
 def test_the_mapping_rule():
     s, v = (4, 4), (4,)
     # one group in model order; a buffer-like entry left out only when counts leave room for it

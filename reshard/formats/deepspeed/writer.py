@@ -40,6 +40,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if not catalog.param_groups:
         raise ReshardError(f"{catalog.root}: no optimizer state (weights only); a DeepSpeed checkpoint resumes "
                            "training and needs the optimizer's state, so it is not written")
+    for reason in catalog.state.get("not_convertible") or []:      # a reader's one-line reason
+        raise ReshardError(reason)
     unsure = catalog.state.get("frozen_or_buffer")
     if target.zero == 3 and unsure:
         raise ReshardError(f"{catalog.root}: {unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "

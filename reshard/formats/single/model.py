@@ -170,8 +170,10 @@ def _fill_optimizer(catalog, optimizer, where, taken) -> None:
                 if key not in scalars:
                     scalars[key] = value
                 elif scalars[key] != value:
-                    catalog.problem(where, f"param group {g}: optimizer {key} differs between parameters "
-                                    f"({_plain(scalars[key])} vs {_plain(value)} at {name}); DeepSpeed keeps one per group")
+                    # readable and exportable as it is; only a target keeping one counter per group cannot hold it
+                    catalog.state.setdefault("not_convertible", []).append(
+                        f"{where}: param group {g}: optimizer {key} differs between parameters ({_plain(scalars[key])} "
+                        f"vs {_plain(value)} at {name}); DeepSpeed keeps one per group")
         catalog.group_scalars.append(scalars)
 
 
