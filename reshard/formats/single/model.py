@@ -11,7 +11,9 @@ index, its per-element states and step. `optim_map.assign` says which name each 
   looks the same: `state["frozen_or_buffer"]` lists them; ZeRO-1/2 keep both whole in the module
   copy, ZeRO-3 partitions frozen params only, so the DeepSpeed writer refuses ZeRO-3 then);
 - weights only (no optimizer): nothing is known to be trained; every floating tensor is listed as
-  frozen and conversion to a training format is refused.
+  frozen and conversion to a training format is refused;
+- per-parameter `step` counters become one per group; when they differ within a group the source
+  stays readable and exportable and `state["not_convertible"]` says why DeepSpeed cannot take it.
 """
 from __future__ import annotations
 
