@@ -40,7 +40,9 @@ def check_destination(source_root: str, dst: str, overwrite: bool, single_file: 
     src = os.path.realpath(source_root)
     real = os.path.realpath(dst)
     save_dir = os.path.dirname(src)
-    for protected in (src, save_dir):
+    # A folder source protects its save dir too; a one-file source (a .pt, .ckpt) only itself: writing
+    # beside it in its folder touches nothing it holds.
+    for protected in (src, save_dir) if os.path.isdir(src) else (src,):
         if real == protected or real.startswith(protected + os.sep) or protected.startswith(real + os.sep):
             raise ReshardError(f"{dst}: the destination overlaps the source checkpoint {protected}")
     if single_file:

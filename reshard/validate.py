@@ -94,7 +94,8 @@ def _check_manifest(catalog, report, checksums):
 
 def _where(catalog, tensor) -> str:
     files = sorted({os.path.basename(f.storage.file) for f in tensor.fragments})
-    return os.path.join(catalog.root, files[0]) if len(files) == 1 else catalog.root
+    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
+    return os.path.join(folder, files[0]) if len(files) == 1 else catalog.root
 
 
 def _check_coverage(catalog, report):

@@ -13,7 +13,12 @@ import os
 from reshard.errors import ReshardError
 
 # Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.deepspeed.universal_reader", "reshard.formats.deepspeed.reader"]
+READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
+           "reshard.formats.deepspeed.reader",
+           "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
+           "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
+           "reshard.formats.single.lightning",           # *.ckpt
+           "reshard.formats.single.torchfile"]           # *.pt, *.pth, *.bin
 # Target formats of `convert --format`.
 WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer"}
 
@@ -27,7 +32,9 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
         module = importlib.import_module(name)
         if module.sniff(path, tag):
             return module.read(path, tag, layout_rules) if layout_rules else module.read(path, tag)
-    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders)")
+    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
+                       "tag folders, torch.save .pt/.pth/.bin, Lightning .ckpt, Hugging Face Trainer checkpoint "
+                       "folders, safetensors)")
 
 
 def writer(format_name: str):

@@ -25,6 +25,9 @@ from reshard.formats.torchsave import TorchFile
 from reshard.targets import CopiedFile, Piece, TextFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+# The version our files claim when the source is not DeepSpeed: the one whose layout they mirror
+# (DeepSpeed asserts a ds_version and refuses ZeRO-1 files older than 0.3.17).
+WRITTEN_AS_VERSION = "0.19.8"
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
@@ -40,6 +43,16 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
                            "converting it is not supported yet (reshard export gives the consolidated model)")
     if target.zero not in (1, 2, 3):
         raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written")
+    if not catalog.param_groups:
+        raise ReshardError(f"{catalog.root}: no optimizer state (weights only); a DeepSpeed checkpoint resumes "
+                           "training and needs the optimizer's state, so it is not written")
+    for reason in catalog.state.get("not_convertible") or []:      # a reader's one-line reason
+        raise ReshardError(reason)
+    unsure = catalog.state.get("frozen_or_buffer")
+    if target.zero == 3 and unsure:
+        raise ReshardError(f"{catalog.root}: {unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
+                           "floating-point buffer, the source does not say which, and ZeRO-3 stores the two "
+                           "differently; convert to zero=1 or zero=2")
     ctx = _Context(catalog, target)
     out = []
     if target.zero == 3:
@@ -105,7 +118,7 @@ class _Context:
         self.param_alignment = bool(zero_cfg.get("parameter_alignment", options.get("parameter_alignment")))
         self.sub_group_size = int(zero_cfg.get("sub_group_size", options.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
         self.states = list(target.states)
-        self.ds_version = catalog.state.get("ds_version", "0.0.0")
+        self.ds_version = catalog.state.get("ds_version", WRITTEN_AS_VERSION)
 
     def numel(self, name: str) -> int:
         return math.prod(self.catalog.params[name].shape)

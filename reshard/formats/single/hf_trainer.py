@@ -1,0 +1,89 @@
+"""A Hugging Face Trainer `checkpoint-N/` folder (also a save_pretrained folder of pytorch_model.bin).
+
+Holds: the weights (see hf_weights), optimizer.pt (torch.optim state dict), scheduler.pt (the LR
+scheduler's state dict), rng_state*.pth (RNG states: numpy's is a pickled numpy object, so they are
+recorded, never unpickled), trainer_state.json (global_step, log history), training_args.bin (a
+pickled TrainingArguments object: recorded as present, never unpickled), config.json.
+The Trainer's optimizer has two groups (weight decay, no weight decay), each in named_parameters()
+order; optim_map resolves them against the model order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from reshard.catalog import Catalog
+from reshard.errors import CheckpointError
+from reshard.formats import torchzip
+from reshard.formats.single import hf_weights, model
+from reshard.formats.single.torchfile import is_optimizer
+from reshard.layout import Layout
+
+TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
+RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
+OPAQUE = (ARGS, "config.json", "generation_config.json")
+
+
+def sniff(path: str, tag: str | None = None) -> bool:
+    """A folder of HF weights with a trainer state or an optimizer; or of pytorch_model.bin weights
+    (save_pretrained folders of safetensors alone are safetensors_reader's)."""
+    if not os.path.isdir(path):
+        return False
+    weights = hf_weights.present(path)
+    return weights is not None and (os.path.isfile(os.path.join(path, TRAINER_STATE)) or
+                                    os.path.isfile(os.path.join(path, OPTIMIZER)) or
+                                    weights in (hf_weights.BIN, hf_weights.BIN_INDEX))
+
+
+def read(path: str, tag: str | None = None) -> Catalog:
+    folder = os.path.abspath(path)
+    has_state = os.path.isfile(os.path.join(folder, TRAINER_STATE))
+    weights_format = "safetensors" if hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX) else "torch"
+    catalog = Catalog(root=folder, format="hf-trainer" if has_state else weights_format, layout=Layout(dp=1, zero=0))
+    optim_path = os.path.join(folder, OPTIMIZER)
+    optimizer = None
+    if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
+        optimizer = torchzip.load(optim_path)
+        if not is_optimizer(optimizer):
+            raise CheckpointError(optim_path, "not a torch.optim state_dict (state, param_groups)")
+    weights = hf_weights.read(folder)
+    for file, role in weights.files:
+        model.add_file(catalog, file, role)
+    if optimizer is not None:
+        model.add_file(catalog, optim_path, "optimizer")
+        if weights.order is None:
+            raise CheckpointError(optim_path, "cannot map the optimizer to parameter names: the weights do not keep "
+                                  "the model's parameter order and config.json names no architecture the installed "
+                                  "transformers can build")
+    model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order,
+                weights.buffers)
+    _training_state(catalog, folder)
+    step = catalog.state.get("global_steps") or catalog.layout.step or 0
+    catalog.state.setdefault("global_steps", step)
+    catalog.state["tag"] = tag or (f"global_step{step}" if optimizer is not None or has_state else "weights")
+    return catalog
+
+
+def _training_state(catalog, folder) -> None:
+    state_path = os.path.join(folder, TRAINER_STATE)
+    if os.path.isfile(state_path):
+        try:
+            with open(state_path) as f:
+                trainer_state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
+        model.add_file(catalog, state_path, "trainer_state")
+        catalog.state["trainer_state"] = trainer_state
+        if isinstance(trainer_state, dict) and isinstance(trainer_state.get("global_step"), int):
+            catalog.state["global_steps"] = trainer_state["global_step"]
+    scheduler = os.path.join(folder, SCHEDULER)
+    if os.path.isfile(scheduler):
+        model.add_file(catalog, scheduler, "scheduler")
+        catalog.state["lr_scheduler"] = torchzip.load(scheduler)
+    opaque = []
+    for name in sorted(os.listdir(folder)):
+        if RNG.match(name) or name in OPAQUE:
+            model.add_file(catalog, os.path.join(folder, name), "rng_state" if RNG.match(name) else "opaque")
+            opaque.append(name)
+    catalog.state["opaque_files"] = opaque      # present, not read: pickles of Python objects or plain config

@@ -1,0 +1,50 @@
+"""A Lightning `.ckpt` (Trainer.save_checkpoint / ModelCheckpoint): a torch.save zip of a dict.
+
+`state_dict` is the LightningModule's (keys prefixed by its attributes), `optimizer_states` a list
+of torch.optim state dicts (one per optimizer from configure_optimizers), `lr_schedulers` their
+scheduler state dicts, `epoch`/`global_step` the loop counters; `loops`, `callbacks`, `hparams`...
+are kept as plain data. The LightningModule's parameters() order (= state dict order minus buffers
+and ties) is the optimizer's order when configure_optimizers passes self.parameters().
+"""
+from __future__ import annotations
+
+import os
+
+from reshard.catalog import Catalog
+from reshard.errors import CheckpointError
+from reshard.formats import torchzip
+from reshard.formats.single import model
+from reshard.formats.single.torchfile import is_optimizer, is_state_dict
+from reshard.layout import Layout
+
+SUFFIX = ".ckpt"
+KNOWN = ("state_dict", "optimizer_states", "lr_schedulers")
+
+
+def sniff(path: str, tag: str | None = None) -> bool:
+    return os.path.isfile(path) and path.endswith(SUFFIX)
+
+
+def read(path: str, tag: str | None = None) -> Catalog:
+    path = os.path.abspath(path)
+    obj = torchzip.load(path)
+    if not isinstance(obj, dict) or not is_state_dict(obj.get("state_dict")):
+        raise CheckpointError(path, "not a Lightning checkpoint (no 'state_dict' of tensors)")
+    optimizers = obj.get("optimizer_states") or []
+    if len(optimizers) > 1:
+        raise CheckpointError(path, f"{len(optimizers)} optimizers; only checkpoints of one optimizer can be mapped")
+    if optimizers and not is_optimizer(optimizers[0]):
+        raise CheckpointError(path, "optimizer_states[0] is not a torch.optim state_dict")
+    catalog = Catalog(root=path, format="lightning", layout=Layout(dp=1, zero=0))
+    model.add_file(catalog, path, "lightning_checkpoint")
+    model.build(catalog, obj["state_dict"], path, optimizers[0] if optimizers else None, path)
+    schedulers = obj.get("lr_schedulers") or []
+    if schedulers:
+        catalog.state["lr_schedulers"] = schedulers
+        if len(schedulers) == 1:        # the one DeepSpeed's engine keeps and reloads
+            catalog.state["lr_scheduler"] = schedulers[0]
+    catalog.state["lightning"] = {k: v for k, v in obj.items() if k not in KNOWN}
+    step = obj.get("global_step")
+    catalog.state["global_steps"] = int(step) if isinstance(step, int) else (catalog.layout.step or 0)
+    catalog.state["tag"] = tag or f"global_step{catalog.state['global_steps']}"
+    return catalog

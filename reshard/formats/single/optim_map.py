@@ -1,0 +1,71 @@
+"""Which parameter each torch.optim state entry belongs to.
+
+torch.optim's state_dict names parameters by integer index: param group 0's params get 0..n0-1,
+group 1's the next ones, in the order the groups listed them. The names are saved only when the
+optimizer was built from named_parameters() (`param_names`, used directly by model.py). What we
+rely on (verified against real runs in tests/test_single_process.py):
+- plain torch and Lightning usually build `Adam(model.parameters())`: one group, the model's
+  parameter order, i.e. the state-dict order minus buffers and tied aliases;
+- the Hugging Face Trainer builds two groups (weight decay / no weight decay), each the
+  model's named_parameters() order filtered: each group is a subsequence of the model order.
+So we look for the ways of reading the model's parameter order as an interleaving of the groups
+where every per-element state has its parameter's shape (a parameter without state matches any),
+and where the model entries no group takes are frozen params or buffers. Exactly one way: that is
+the mapping. None, or more than one: we refuse, naming why.
+"""
+from __future__ import annotations
+
+from reshard.errors import CheckpointError
+
+WILDCARD = None
+MAX_STATES = 2_000_000      # ways of being part-way through the groups; many groups and spare entries explode
+
+
+def assign(path: str, candidates: list, groups: list) -> dict:
+    """{name: (group, position)} for `candidates` = [(name, shape)] in model order and
+    `groups` = [[shape or WILDCARD per param]]; raises one line when it is impossible or ambiguous."""
+    wanted = sum(len(g) for g in groups)
+    if wanted > len(candidates):
+        raise CheckpointError(path, f"the optimizer holds {wanted} parameters but the model state dict has only "
+                              f"{len(candidates)} floating-point tensors: it does not belong to this model")
+    spare = len(candidates) - wanted
+    # Forward dynamic programme over model positions; a state is how far each group has got.
+    # Each state keeps (number of ways, capped at 2; the previous state; the choice made).
+    start = tuple(0 for _ in groups)
+    layers = [{start: (1, None, None)}]
+    explored = 0
+    for i, (_, shape) in enumerate(candidates):
+        nxt = {}
+        for state, (ways, _, _) in layers[-1].items():
+            skipped = i - sum(state)
+            options = [(g, state[:g] + (state[g] + 1,) + state[g + 1:]) for g in range(len(groups))
+                       if state[g] < len(groups[g]) and groups[g][state[g]] in (WILDCARD, shape)]
+            if skipped < spare:
+                options.append((None, state))
+            for choice, new in options:
+                old = nxt.get(new)
+                nxt[new] = (min(2, ways + (old[0] if old else 0)), state, choice)
+        if not nxt:
+            name = candidates[i][0]
+            raise CheckpointError(path, f"the optimizer state does not map to the parameters: no parameter order "
+                                  f"fits at {name} (shapes of the optimizer's states differ from the model's)")
+        layers.append(nxt)
+        explored += len(nxt)
+        if explored > MAX_STATES:
+            raise CheckpointError(path, f"cannot map the optimizer to the parameters: {len(groups)} param groups and "
+                                  f"{spare} entries outside them leave too many possible orders to check")
+    end = tuple(len(g) for g in groups)
+    if end not in layers[-1]:
+        raise CheckpointError(path, "the optimizer state does not map to the parameters: its states' shapes do "
+                              "not follow the model's parameter order")
+    if layers[-1][end][0] > 1:
+        raise CheckpointError(path, "the optimizer state maps to the parameters in more than one way (entries it "
+                              "does not train, frozen params or buffers, have the shape of ones it trains, or params "
+                              "have no state yet); refusing to guess")
+    out, state = {}, end
+    for i in range(len(candidates), 0, -1):
+        _, previous, choice = layers[i][state]
+        if choice is not None:
+            out[candidates[i - 1][0]] = (choice, previous[choice])
+        state = previous
+    return out

@@ -1,0 +1,45 @@
+"""safetensors weights: one file, or a folder with model.safetensors / a shard index (save_pretrained).
+
+Weights only: there is no optimizer, so inspect, validate and export work and conversion to a
+training format is refused. A folder with config.json gets the model's order and ties (hf_model).
+"""
+from __future__ import annotations
+
+import os
+
+from reshard.catalog import Catalog
+from reshard.formats.single import hf_weights, model, safetensors_read
+from reshard.layout import Layout
+
+SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def sniff(path: str, tag: str | None = None) -> bool:
+    if os.path.isfile(path):
+        return path.endswith((SUFFIX, INDEX_SUFFIX))
+    return os.path.isdir(path) and hf_weights.present(path) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
+
+
+def read(path: str, tag: str | None = None) -> Catalog:
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        folder = path
+        weights = hf_weights.read(path)
+    else:
+        folder = path      # a one-file source is its own root
+        if path.endswith(INDEX_SUFFIX):
+            tensors = safetensors_read.read_sharded(path)
+            shards = dict.fromkeys(safetensors_read.read_index(path).values())
+            weights = hf_weights.Weights(tensors, {}, None, [(path, "index")] + [(p, "weights") for p in shards])
+        else:
+            tensors, metadata = safetensors_read.read_header(path)
+            tied = hf_weights.tied_metadata(path, metadata)
+            weights = hf_weights.Weights(tensors, tied, list(tensors) + list(tied), [(path, "weights")])
+    catalog = Catalog(root=folder, format="safetensors", layout=Layout(dp=1, zero=0))
+    for file, role in weights.files:
+        model.add_file(catalog, file, role)
+    model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
+                weights.buffers)
+    catalog.state["tag"] = tag or "weights"
+    return catalog
