@@ -4,6 +4,8 @@ What is compared is what both checkpoints mean, not how they are stored:
 - the weights: for every parameter and buffer, its master copy where there is one, else the saved
   value (so an fp32 export compares with the fp32 master of the ZeRO checkpoint it came from);
 - the 16-bit module copy of trainable parameters, where both keep one beside a master;
+- a tensor stored in another dtype with every value equal (bf16 frozen params exported as fp32)
+  is noted, not counted; with values changed, the dtype is a difference too;
 - every optimizer state both hold. When only one side holds optimizer state at all (an export
   next to its source), that is said once and is not a difference; when both do, a state present
   on one side only is.
@@ -43,6 +45,7 @@ class DiffReport:
     elements: int = 0
     differences: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    recast: dict = field(default_factory=dict)   # (dtype A, dtype B) -> tensors whose values are all equal
 
     @property
     def equal(self) -> bool:
@@ -72,6 +75,9 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0) -> DiffReport:
                 report.differences.append(Difference(label[0], label[1], side, f"only in {where}"))
                 continue
             _compare(a.tensors[key_a], b.tensors[key_b], label, files_a, files_b, report)
+    for (dtype_a, dtype_b), which in report.recast.items():
+        report.notes.append(f"{len(which)} tensor(s) stored as {dtype_a} in A and {dtype_b} in B with every value "
+                            f"equal: {', '.join(which[:3])}{' …' if len(which) > 3 else ''}")
     if a.layout.step is not None and b.layout.step is not None and a.layout.step != b.layout.step:
         report.differences.append(Difference("-", "step", "values", f"optimizer step {a.layout.step} != "
                                              f"{b.layout.step}"))
@@ -116,8 +122,6 @@ def _compare(ta, tb, label, files_a, files_b, report) -> None:
     if tuple(ta.shape) != tuple(tb.shape):
         report.differences.append(Difference(name, state, "shape", f"shape {list(ta.shape)} != {list(tb.shape)}"))
         return
-    if ta.dtype != tb.dtype:
-        report.differences.append(Difference(name, state, "dtype", f"dtype {ta.dtype} != {tb.dtype}"))
     worst, where = 0.0, None
     frags_a, frags_b = sorted_fragments(ta), sorted_fragments(tb)
     for start in range(0, ta.numel, BLOCK):
@@ -130,6 +134,11 @@ def _compare(ta, tb, label, files_a, files_b, report) -> None:
             worst, where = float(gap[i]), start + i
     report.compared += 1
     report.elements += ta.numel
+    if ta.dtype != tb.dtype:
+        if worst == 0:     # every value survived the change of dtype (an fp32 export of bf16 frozen params)
+            report.recast.setdefault((ta.dtype, tb.dtype), []).append(f"{name} ({state})")
+        else:
+            report.differences.append(Difference(name, state, "dtype", f"dtype {ta.dtype} != {tb.dtype}"))
     if worst > report.atol:
         report.differences.append(Difference(name, state, "values",
                                              f"max abs diff {worst:.6g} at element {where}", worst))

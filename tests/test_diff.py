@@ -85,3 +85,18 @@ def test_missing_extra_shape_and_state_differences():
 def test_diff_of_unreadable_input_is_trouble(tmp_path):
     proc = run_cli("diff", fixture_dir("z2_fp32_dp2"), tmp_path / "nothing", check=2)
     assert proc.stderr.count("\n") == 1 and "no such file" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["z1_bf16_frozen_tied_dp2", "z3_fp32_frozen_tied_dp2", "z2_fp32_roundrobin_dp4"])
+def test_export_has_no_difference_from_its_source(tmp_path, name):
+    src = fixture_dir(name)
+    run_cli("export", src, tmp_path / "one.safetensors", "--quiet", check=0)
+    run_cli("export", src, tmp_path / "shards", "--max-shard-size", "2KB", "--quiet", check=0)
+    for out in ("one.safetensors", "shards"):
+        report = json.loads(run_cli("diff", src, tmp_path / out, "--json", check=0).stdout)
+        assert report["equal"] and report["compared"] == len(reshard.open_checkpoint(src).order) - \
+            len(reshard.open_checkpoint(src).aliases)
+        assert any("only A holds optimizer state" in n for n in report["notes"])
+    run_cli("export", src, tmp_path / "bf16.safetensors", "--dtype", "bf16", "--quiet", check=0)
+    report = json.loads(run_cli("diff", src, tmp_path / "bf16.safetensors", "--json", check=1).stdout)
+    assert {d["kind"] for d in report["differences"]} == {"dtype", "values"}

@@ -279,3 +279,35 @@ def test_safetensors_single_and_sharded_inspect_validate_export(tmp_path):
     # reshard's own export reads back with its ties
     again = reshard.open_checkpoint(tmp_path / "out" / "export-1.safetensors")
     assert again.aliases == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" in again.order
+
+
+def _nudge_first_value(safetensors_path, name, delta):
+    """Add `delta` to element 0 of tensor `name` in a safetensors file, in place."""
+    import struct
+    import numpy as np
+    with open(safetensors_path, "r+b") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+        assert header[name]["dtype"] == "F32"
+        offset = 8 + header_len + header[name]["data_offsets"][0]
+        f.seek(offset)
+        value = np.frombuffer(f.read(4), dtype="<f4")[0]
+        f.seek(offset)
+        f.write(np.float32(value + delta).tobytes())
+
+
+@pytest.mark.parametrize("run", ["hf_run", "lightning_run"])
+def test_diff_export_equals_source_and_pinpoints_a_change(run, request, tmp_path):
+    source = request.getfixturevalue(run)[0]
+    export = tmp_path / "export.safetensors"
+    run_cli("export", source, export, "--quiet", check=0)
+    proc = run_cli("diff", source, export, check=0)
+    assert "no difference" in proc.stdout and "only A holds optimizer state" in proc.stdout
+
+    exported = reshard.open_checkpoint(export)
+    name = next(t.name for t in exported.tensors.values() if t.dtype == "float32")
+    _nudge_first_value(export, name, 0.5)
+    report = json.loads(run_cli("diff", source, export, "--json", check=1).stdout)
+    [d] = report["differences"]
+    assert (d["name"], d["kind"]) == (name, "values") and d["max_abs_diff"] == pytest.approx(0.5, rel=1e-3)
+    assert "at element 0" in d["detail"]
