@@ -13,9 +13,9 @@ import os
 from reshard.errors import ReshardError
 
 # Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.deepspeed.reader"]
+READERS = ["reshard.formats.deepspeed.reader", "reshard.formats.dcp.reader"]
 # Target formats of `convert --format`.
-WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer"}
+WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "dcp": "reshard.formats.dcp.writer"}
 
 
 def read(path: str, tag: str | None = None):
@@ -26,7 +26,7 @@ def read(path: str, tag: str | None = None):
         module = importlib.import_module(name)
         if module.sniff(path, tag):
             return module.read(path, tag)
-    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders)")
+    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders, PyTorch DCP directories)")
 
 
 def writer(format_name: str):
@@ -41,6 +41,9 @@ def container_writer(container: str):
     if container == "torch":
         from reshard.formats.torchsave import TorchZipWriter
         return TorchZipWriter
+    if container == "distcp":
+        from reshard.formats.dcp.chunkzip import DistcpWriter
+        return DistcpWriter
     if container == "safetensors":
         from reshard.formats.safetensors_file import SafetensorsWriter
         return SafetensorsWriter
