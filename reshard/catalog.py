@@ -89,6 +89,9 @@ class Catalog:
     state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
+    # The folder the whole save lives in, which output must not overlap; None: root's parent
+    # (a DeepSpeed tag folder's save dir). A DCP directory is its own save dir.
+    save_dir: str | None = None
 
     def add(self, tensor: LogicalTensor) -> LogicalTensor:
         return self.tensors.setdefault(tensor.key, tensor)

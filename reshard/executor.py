@@ -36,10 +36,11 @@ def chunk_bytes(memory_budget: int, workers: int) -> int:
     return max(1 << 16, min(MAX_CHUNK, memory_budget // (BUFFERS_PER_WORKER * max(1, workers))))
 
 
-def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False) -> None:
+def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False,
+                      save_dir: str | None = None) -> None:
     src = os.path.realpath(source_root)
     real = os.path.realpath(dst)
-    save_dir = os.path.dirname(src)
+    save_dir = os.path.realpath(save_dir) if save_dir else os.path.dirname(src)
     for protected in (src, save_dir):
         if real == protected or real.startswith(protected + os.sep) or protected.startswith(real + os.sep):
             raise ReshardError(f"{dst}: the destination overlaps the source checkpoint {protected}")
@@ -70,7 +71,7 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     problem = None
     if group.rank == 0:
         try:
-            check_destination(plan.source, staging.dst, overwrite, single_file)
+            check_destination(plan.source, staging.dst, overwrite, single_file, plan.save_dir)
             staging.acquire()
             check_free_space(plan, staging, resume)
             staging.prepare(plan, resume)

@@ -51,7 +51,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
     if not os.path.isfile(meta_path):
         raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
     meta = md.read(meta_path)
-    catalog = Catalog(root, "dcp", Layout(dp=1))
+    catalog = Catalog(root, "dcp", Layout(dp=1), save_dir=root)
     chunks = _Chunks(root, meta, catalog)
     values, model, optim = {}, {}, {}
     for key, entry in meta.state_dict_metadata.items():
