@@ -67,8 +67,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
-    for key, name, source, shape, dtype in _tensors(catalog):
-        for rank, (rows, pieces, chunk_shape) in enumerate(_row_blocks(key, shape, dtype, source, target.dp)):
+    for key, name, source, shape, dtype, ranks in _tensors(catalog, target.dp):
+        for rank, (rows, pieces, chunk_shape) in enumerate(_row_blocks(key, shape, dtype, source, ranks)):
             if pieces is None:
                 continue
             offset, length = files[rank].add_chunk(dtype, chunk_shape, pieces)
@@ -84,8 +84,10 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
     return None     # a DCP checkpoint says nothing about the batch size
 
 
-def _tensors(catalog: Catalog):
-    """(key, fqn, source (name, state) or ScalarTensor, shape, dtype) in get_state_dict's order."""
+def _tensors(catalog: Catalog, dp: int):
+    """(key, fqn, source (name, state) or ScalarTensor, shape, dtype, ranks sharing it) in
+    get_state_dict's order. Params and their states are sharded over dp; FSDP2 replicates
+    buffers and one-element steps, which DCP then saves once."""
     for name in catalog.order:
         holder = catalog.aliases.get(name, name)
         info = catalog.params[holder]
@@ -93,17 +95,19 @@ def _tensors(catalog: Catalog):
             else (holder, MODULE)
         if source not in catalog.tensors:
             raise ReshardError(f"{catalog.root}: no weights for {name} ({source[1]}) to write")
-        yield f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype
+        yield (f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype,
+               1 if info.kind == "buffer" else dp)
     for g, group in enumerate(catalog.param_groups):
         step = (catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}).get("step")
         for name in group["params"]:
             if step is not None:
                 value = step if isinstance(step, ScalarTensor) else ScalarTensor(float(step), "float32")
-                yield f"{OPTIM}.state.{name}.step", name, value, (), value.dtype
+                yield f"{OPTIM}.state.{name}.step", name, value, (), value.dtype, 1
             for state in catalog.optimizer_states():
                 tensor = catalog.tensors.get((name, state))
                 if tensor is not None:
-                    yield f"{OPTIM}.state.{name}.{state}", name, tensor.key, tuple(tensor.shape), tensor.dtype
+                    yield (f"{OPTIM}.state.{name}.{state}", name, tensor.key, tuple(tensor.shape), tensor.dtype,
+                           dp)
 
 
 def _values(catalog: Catalog):
