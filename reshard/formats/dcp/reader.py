@@ -24,7 +24,7 @@ import numpy as np
 
 from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
 from reshard.dtypes import is_floating, itemsize, numpy_carrier
-from reshard.errors import CheckpointError, ReshardError
+from reshard.errors import CheckpointError
 from reshard.formats import torchzip
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.geometry import flat_runs
@@ -138,8 +138,8 @@ def _group_step(meta_path, g: int, steps: dict, catalog) -> dict:
     if not values:
         return {}
     if len(values) > 1:
-        catalog.state.setdefault("refuse_conversion", f"{meta_path}: param group {g} has unequal per-parameter "
-                                 "step counters; reshard keeps one step per group")
+        catalog.problem(meta_path, f"param group {g} has unequal per-parameter step counters "
+                        f"{sorted(v for v, _ in values)}; reshard keeps one step per group")
     value, dtype = min(values)
     return {"step": ScalarTensor(value, dtype)}
 
@@ -180,15 +180,31 @@ class _Chunks:
                 return self._path(info), info
         return None, None
 
-    def _span(self, key, path, info) -> bool:
+    def _span_problem(self, key, path, info) -> str | None:
+        """What is wrong with the byte range of an item, if anything."""
         size = self.sizes.get(path)
         if size is None:
-            return False        # missing file: already a problem
+            return "missing (named in .metadata)"
         if info.offset < 0 or info.length <= 0 or info.offset + info.length > size:
-            self.catalog.problem(path, f"truncated or wrong offsets: {key} lies at bytes "
-                                 f"[{info.offset}, {info.offset + info.length}) of a {size}-byte file")
-            return False
-        return True
+            return (f"truncated or wrong offsets: {key} lies at bytes [{info.offset}, "
+                    f"{info.offset + info.length}) of a {size}-byte file")
+        return None
+
+    def _span(self, key, path, info) -> bool:
+        problem = self._span_problem(key, path, info)
+        if problem and self.sizes.get(path) is not None:    # a missing file is already a problem
+            self.catalog.problem(path, problem)
+        return problem is None
+
+    def _item(self, key):
+        """(path, info) of a one-chunk item (a value, a step), which must be readable."""
+        path, info = self._located(key)
+        if path is None:
+            raise CheckpointError(self.meta_path, f"{key}: no storage location")
+        problem = self._span_problem(key, path, info)
+        if problem:
+            raise CheckpointError(path, problem)
+        return path, info
 
     def tensor(self, key: str, entry, name: str, state: str) -> LogicalTensor:
         dtype = _dtype(entry, self.meta_path, key)
@@ -239,12 +255,10 @@ class _Chunks:
     def scalar(self, key: str, entry) -> ScalarTensor:
         """A one-element tensor (an optimizer `step`): its value is read, 8 bytes at most."""
         dtype = _dtype(entry, self.meta_path, key)
-        path, info = self._located(key)
-        if path is None or not self._span(key, path, info):
-            raise ReshardError(f"{path or self.meta_path}: {key}: the step counter cannot be read")
-        ref = self._ref(key, path, info)
-        if ref is None or ref.numel != 1:
-            raise ReshardError(f"{path}: {key}: the step counter is not a one-element tensor")
+        path, info = self._item(key)
+        ref = torchzip.load(path, span=(info.offset, info.length))
+        if not isinstance(ref, TensorRef) or ref.numel != 1 or ref.dtype != dtype:
+            raise CheckpointError(path, f"{key}: the step counter is not a one-element {dtype} tensor")
         with open(path, "rb") as f:
             f.seek(ref.storage.offset + ref.storage_offset * itemsize(ref.dtype))
             raw = f.read(itemsize(ref.dtype))
@@ -253,9 +267,7 @@ class _Chunks:
         return ScalarTensor(float(np.frombuffer(raw, dtype=numpy_carrier(dtype))[0]), ref.dtype)
 
     def value(self, key: str):
-        path, info = self._located(key)
-        if path is None or not self._span(key, path, info):
-            raise ReshardError(f"{path or self.meta_path}: {key}: the value cannot be read")
+        path, info = self._item(key)
         value = torchzip.load(path, span=(info.offset, info.length))
         if isinstance(value, TensorRef):
             raise CheckpointError(path, f"{key}: a tensor-valued hyper-parameter is not supported")
