@@ -35,6 +35,7 @@ METADATA = ".metadata"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 OPTIM_PREFIXES = ("optim.", "optimizer.")
 _ADAM_STATES = {"exp_avg", "exp_avg_sq"}
+MISSING = object()      # a value whose bytes could not be read (the reason is a catalog problem)
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -87,7 +88,9 @@ def read(path: str, tag: str | None = None) -> Catalog:
             catalog.problem(meta_path, f"{key}: optimizer state of a parameter no param group holds")
             continue
         if state == "step" and not entry.size:
-            steps[group_of[fqn]][fqn] = chunks.scalar(key, entry)
+            step = chunks.scalar(key, entry)
+            if step is not None:
+                steps[group_of[fqn]][fqn] = step
         else:
             chunks.tensor(key, entry, fqn, state)
     catalog.group_scalars = [_group_step(meta_path, g, s, catalog) for g, s in enumerate(steps)]
@@ -113,15 +116,19 @@ def _param_groups(meta, values: dict, chunks, meta_path) -> list:
             continue
         rest = key[len(prefix + "param_groups."):]
         path = planner.get(key)
+        value = chunks.value(key)
+        if value is MISSING:
+            continue
         if isinstance(path, tuple) and len(path) == 4 and isinstance(path[2], int):
-            indexed.setdefault(path[2], {})[path[3]] = chunks.value(key)
+            indexed.setdefault(path[2], {})[path[3]] = value
         else:
             fqn, _, hyper = rest.rpartition(".")
-            by_fqn.setdefault(fqn, {})[hyper] = chunks.value(key)
+            by_fqn.setdefault(fqn, {})[hyper] = value
     groups = [indexed[g] for g in sorted(indexed)]
     for g, group in enumerate(groups):
         if not isinstance(group.get("params"), list):
-            raise CheckpointError(meta_path, f"param group {g} has no list of parameter names")
+            chunks.catalog.problem(meta_path, f"param group {g} has no readable list of parameter names")
+            group["params"] = []
         group["params"] = [str(p) for p in group["params"]]
     for fqn, hyper in by_fqn.items():     # flattened: one entry per param; equal hyper-params = one group
         for group in groups:
@@ -197,14 +204,12 @@ class _Chunks:
         return problem is None
 
     def _item(self, key):
-        """(path, info) of a one-chunk item (a value, a step), which must be readable."""
+        """(path, info) of a one-chunk item (a value, a step); None (a problem noted) if unreadable."""
         path, info = self._located(key)
         if path is None:
-            raise CheckpointError(self.meta_path, f"{key}: no storage location")
-        problem = self._span_problem(key, path, info)
-        if problem:
-            raise CheckpointError(path, problem)
-        return path, info
+            self.catalog.problem(self.meta_path, f"{key}: no storage location")
+            return None, None
+        return (path, info) if self._span(key, path, info) else (None, None)
 
     def tensor(self, key: str, entry, name: str, state: str) -> LogicalTensor:
         dtype = _dtype(entry, self.meta_path, key)
@@ -252,10 +257,12 @@ class _Chunks:
             return None
         return ref
 
-    def scalar(self, key: str, entry) -> ScalarTensor:
+    def scalar(self, key: str, entry) -> ScalarTensor | None:
         """A one-element tensor (an optimizer `step`): its value is read, 8 bytes at most."""
         dtype = _dtype(entry, self.meta_path, key)
         path, info = self._item(key)
+        if path is None:
+            return None
         ref = torchzip.load(path, span=(info.offset, info.length))
         if not isinstance(ref, TensorRef) or ref.numel != 1 or ref.dtype != dtype:
             raise CheckpointError(path, f"{key}: the step counter is not a one-element {dtype} tensor")
@@ -268,6 +275,8 @@ class _Chunks:
 
     def value(self, key: str):
         path, info = self._item(key)
+        if path is None:
+            return MISSING
         value = torchzip.load(path, span=(info.offset, info.length))
         if isinstance(value, TensorRef):
             raise CheckpointError(path, f"{key}: a tensor-valued hyper-parameter is not supported")
