@@ -75,27 +75,36 @@ def _assert_same_as_export(sd, src, tmp_path, aliases=None):
 # reading a real dcp.save
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A real `dcp.save` (one process) of the fixture model and AdamW after two steps, and the state dicts."""
+def _real_save(out, variant):
+    """A real `dcp.save` (one process) of the fixture model and AdamW after two steps, keyed as
+    `variant` says: "nested" {"model": ..., "optim": ...} (get_state_dict's defaults), "flat_optim"
+    (flatten_optimizer_state_dict=True, two param groups), "no_prefix" (model keys at the top)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from fixture_model import build_model, make_batch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from fixture_model import build_model, make_batch, param_groups
 
     model = build_model(tied=True)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    groups, _ = param_groups(model, two_groups=variant == "flat_optim")
+    optim = torch.optim.AdamW(groups, lr=0.01)
     for step in range(2):
         model(make_batch(step, 0)).backward()
         optim.step()
         optim.zero_grad()
-    msd, osd = get_state_dict(model, optim)
-    out = tmp_path_factory.mktemp("dcp") / "saved"
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out), no_dist=True)
-    return out, msd, osd
+    options = StateDictOptions(flatten_optimizer_state_dict=variant == "flat_optim")
+    msd, osd = get_state_dict(model, optim, options=options)
+    state = {**msd, "optim": osd} if variant == "no_prefix" else {"model": msd, "optim": osd}
+    dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    return out, msd, get_state_dict(model, optim)[1]
 
 
-def test_reads_a_real_dcp_save(saved):
-    path, msd, osd = saved
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _real_save(tmp_path_factory.mktemp("dcp") / "saved", "nested")
+
+
+@pytest.mark.parametrize("variant", ["nested", "flat_optim", "no_prefix"])
+def test_reads_a_real_dcp_save(variant, tmp_path):
+    path, msd, osd = _real_save(tmp_path / variant, variant)
     catalog = reshard.open_checkpoint(path)
     assert catalog.format == "dcp" and catalog.layout.optimizer == "AdamW" and catalog.layout.step == 2
     assert reshard.validate(catalog).ok
@@ -106,9 +115,9 @@ def test_reads_a_real_dcp_save(saved):
         assert torch.equal(reshard.full_tensor(catalog, name, "fp32"), msd[name])
         for state in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(reshard.full_tensor(catalog, name, state), per_param[state]), (name, state)
-    assert catalog.group_scalars == [{"step": reshard.catalog.ScalarTensor(2.0, "float32")}]
-    assert catalog.param_groups[0]["params"] == list(osd["state"])
-    assert catalog.param_groups[0]["lr"] == 0.01
+    assert catalog.group_scalars == [{"step": reshard.catalog.ScalarTensor(2.0, "float32")}] * len(osd["param_groups"])
+    assert [{k: v for k, v in g.items()} for g in catalog.param_groups] == osd["param_groups"]
+    assert catalog.aliases == {} and catalog.params["head.weight"].kind == "frozen"   # DCP does not say it is tied
 
 
 def test_export_of_a_real_dcp_save_equals_dcp_to_torch_save(saved, tmp_path):
@@ -283,6 +292,9 @@ def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, world
     _torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", port=29610 + world)
     for name, job in zip(converted, jobs):
         _compare_with_truth(name, torch.load(job["out"], weights_only=False))
+    # the comparison sees another run's state (same model and optimizer, trained at dp=4)
+    with pytest.raises(AssertionError):
+        _compare_with_truth("z1_fp32_dp4", torch.load(jobs[0]["out"], weights_only=False))
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +352,13 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
     dst = tmp_path / "ds"
     run_cli("convert", ckpt, dst, "--to", "dp=2,zero=2", "--format", "deepspeed", "--quiet", check=0)
     result = tmp_path / "result.json"
+    # a control: the truth with one element of one Adam state nudged by one ulp must be told apart
+    truth = torch.load(fsdp2_save[0].parent / "truth.pt", weights_only=False)
+    moment = truth["optim"]["state"]["l1.weight"]["exp_avg"]
+    moment.view(-1)[5] = torch.nextafter(moment.view(-1)[5], torch.tensor(1.0))
+    torch.save(truth, tmp_path / "control.pt")
     _torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", dst, 2, fsdp2_save[0].parent / "truth.pt", result,
-              port=29640)
+              tmp_path / "control.pt", port=29640)
     outcome = json.loads(result.read_text())
     assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
+    assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome

@@ -66,6 +66,9 @@ def read(path: str, tag: str | None = None) -> Catalog:
         else:
             raise CheckpointError(meta_path, f"{key}: unknown storage metadata {type(entry).__name__}")
     model_names = _model_names(model)
+    other = [k for k in meta.state_dict_metadata if k not in model_names and k not in optim
+             and not k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))]
+    model = {k: v for k, v in model.items() if k in model_names}
     groups = _param_groups(meta, values, chunks, meta_path)
     group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
     catalog.param_groups = groups
@@ -95,14 +98,16 @@ def read(path: str, tag: str | None = None) -> Catalog:
             chunks.tensor(key, entry, fqn, state)
     catalog.group_scalars = [_group_step(meta_path, g, s, catalog) for g, s in enumerate(steps)]
     catalog.files = chunks.files()
-    _finish(catalog, meta, chunks)
+    _finish(catalog)
+    catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
     return catalog
 
 
 def _model_names(model: dict) -> dict:
-    """Flat key -> FQN: the "model." prefix of {"model": get_state_dict(...)[0]} removed."""
-    if model and all(k.startswith("model.") for k in model):
-        return {k: k[len("model."):] for k in model}
+    """Flat key -> FQN of the model's tensors: those under "model." ({"model": get_state_dict(...)[0]},
+    other top-level entries being someone else's), else every tensor outside the optimizer."""
+    if any(k.startswith("model.") for k in model):
+        return {k: k[len("model."):] for k in model if k.startswith("model.")}
     return {k: k for k in model}
 
 
@@ -302,7 +307,7 @@ def _dtype(entry, meta_path, key) -> str:
     return dtype.name
 
 
-def _finish(catalog: Catalog, meta, chunks) -> None:
+def _finish(catalog: Catalog) -> None:
     ranks = {f.rank for f in catalog.files if f.rank is not None}
     trainable = [p for p in catalog.params.values() if p.kind == "trainable"]
     states = catalog.optimizer_states()
@@ -325,6 +330,3 @@ def _finish(catalog: Catalog, meta, chunks) -> None:
     catalog.state["tag"] = f"global_step{step}" if step is not None else "dcp"
     if step is not None:
         catalog.state["global_steps"] = step
-    other = [k for k in meta.state_dict_metadata if not k.startswith(("model.",) + OPTIM_PREFIXES)
-             and k not in {f"model.{n}" for n in catalog.params}]
-    catalog.state["dcp_other_keys"] = [k for k in other if k not in catalog.params]
