@@ -180,10 +180,50 @@ def read(path: str) -> Metadata:
         raise
     except Exception as e:  # garbage or a damaged pickle: one line, never a traceback
         raise CheckpointError(path, f"not a DCP metadata pickle ({type(e).__name__}: {str(e)[:80]})") from None
-    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
-            or not isinstance(getattr(md, "storage_data", None), dict):
+    if not isinstance(md, Metadata):
         raise CheckpointError(path, f"not a DCP Metadata object (found {type(md).__name__})")
+    problem = _malformed(md)
+    if problem:
+        raise CheckpointError(path, f"malformed DCP metadata: {problem}")
     return md
+
+
+def _ints(value, length=None) -> bool:
+    return isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value) \
+        and (length is None or len(value) == length)
+
+
+def _malformed(md: Metadata) -> str | None:
+    """What makes `md` unusable, checked once here so readers can trust its shape."""
+    entries, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return "state_dict_metadata and storage_data must be dicts"
+    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        return "planner_data is not a dict"
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            return f"a key that is not a string: {key!r:.60}"
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"{key}: unknown storage metadata {type(entry).__name__}"
+        props, size, chunks = (getattr(entry, f, None) for f in ("properties", "size", "chunks"))
+        if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), DType):
+            return f"{key}: no dtype in its tensor properties"
+        if not _ints(size) or not isinstance(chunks, list):
+            return f"{key}: a size or chunk list of the wrong type"
+        for chunk in chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) or not _ints(getattr(chunk, "offsets", None), len(size)) \
+                    or not _ints(getattr(chunk, "sizes", None), len(size)):
+                return f"{key}: a chunk whose offsets and sizes do not match the tensor's {len(size)} dimensions"
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str) \
+                or not (getattr(index, "offset", None) is None or _ints(index.offset)):
+            return f"a storage index of the wrong type: {index!r:.80}"
+        if not isinstance(info, StorageInfo) or not isinstance(getattr(info, "relative_path", None), str) \
+                or not _ints((getattr(info, "offset", None), getattr(info, "length", None))):
+            return f"{index.fqn}: a storage location of the wrong type: {info!r:.80}"
+    return None
 
 
 class _MetadataPickler(_TreePickler):

@@ -55,16 +55,13 @@ def read(path: str, tag: str | None = None) -> Catalog:
     catalog = Catalog(root, "dcp", Layout(dp=1), save_dir=root)
     chunks = _Chunks(root, meta, catalog)
     values, model, optim = {}, {}, {}
-    for key, entry in meta.state_dict_metadata.items():
-        if not isinstance(key, str):
-            raise CheckpointError(meta_path, f"a state dict key that is not a string: {key!r:.60}")
+    for key, entry in meta.state_dict_metadata.items():     # types checked by md.read
         if isinstance(entry, md.BytesStorageMetadata):
             values[key] = entry
-        elif isinstance(entry, md.TensorStorageMetadata):
-            prefix = next((p for p in OPTIM_PREFIXES if key.startswith(p + "state.")), None)
-            (optim if prefix else model)[key] = entry
+        elif key.startswith(tuple(p + "state." for p in OPTIM_PREFIXES)):
+            optim[key] = entry
         else:
-            raise CheckpointError(meta_path, f"{key}: unknown storage metadata {type(entry).__name__}")
+            model[key] = entry
     model_names = _model_names(model)
     other = [k for k in meta.state_dict_metadata if k not in model_names and k not in optim
              and not k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))]
@@ -165,8 +162,6 @@ class _Chunks:
         self.by_fqn = {}
         self.sizes = {}
         for index, info in meta.storage_data.items():
-            if not isinstance(index, md.MetadataIndex) or not isinstance(info, md.StorageInfo):
-                raise CheckpointError(self.meta_path, "storage_data holds something other than chunk locations")
             self.by_fqn.setdefault(index.fqn, []).append((getattr(index, "offset", None), info))
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(self.meta_path, f"{index.fqn}: transformed (e.g. compressed) chunks "
