@@ -23,9 +23,9 @@ from conftest import FIXTURES, REPO, fixture_dir, run_cli, truth_json, truth_ten
 sys.path.insert(0, str(REPO / "tools"))
 from make_hostile import Payload  # noqa: E402
 
-# fp32 ZeRO-1/2/3, bf16, fp16, SGD, two param groups with frozen and tied params
-FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2",
-                    "z1_bf16_frozen_tied_dp2", "z2_fp32_sgd_dp2"]
+# fp32 ZeRO-1/2/3, bf16 (ZeRO-3, ZeRO-1, BF16_Optimizer), SGD, two param groups with frozen and tied params
+FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z1_bf16_frozen_tied_dp2",
+                    "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2", "z2_fp32_sgd_dp2"]
 
 
 def _torchrun(world, *args, port):
@@ -349,18 +349,19 @@ def test_an_fsdp2_save_converted_to_dcp_loads_at_2_ranks(fsdp2_save, tmp_path):
 
 
 @pytest.mark.engine
-def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, tmp_path):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, stage, tmp_path):
     ckpt, _ = fsdp2_save
     dst = tmp_path / "ds"
-    run_cli("convert", ckpt, dst, "--to", "dp=2,zero=2", "--format", "deepspeed", "--quiet", check=0)
+    run_cli("convert", ckpt, dst, "--to", f"dp=2,zero={stage}", "--format", "deepspeed", "--quiet", check=0)
     result = tmp_path / "result.json"
     # a control: the truth with one element of one Adam state nudged by one ulp must be told apart
     truth = torch.load(fsdp2_save[0].parent / "truth.pt", weights_only=False)
     moment = truth["optim"]["state"]["l1.weight"]["exp_avg"]
     moment.view(-1)[5] = torch.nextafter(moment.view(-1)[5], torch.tensor(1.0))
     torch.save(truth, tmp_path / "control.pt")
-    _torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", dst, 2, fsdp2_save[0].parent / "truth.pt", result,
-              tmp_path / "control.pt", port=29640)
+    _torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", dst, stage, fsdp2_save[0].parent / "truth.pt", result,
+              tmp_path / "control.pt", port=29640 + stage)
     outcome = json.loads(result.read_text())
     assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
     assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome

@@ -11,8 +11,10 @@ holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`
   optim.param_groups.<g>.<hyper|params> -> param_groups  (default get_state_dict)
   optim.param_groups.<fqn>.<hyper>      -> param_groups  (flatten_optimizer_state_dict=True)
 
-DCP does not record which model entries are buffers, frozen params or tied names: an entry the
-optimizer does not name is a frozen param when floating, a buffer otherwise.
+DCP does not record which model entries are buffers, frozen params or tied names. An entry the
+optimizer does not name is taken for a frozen param when it is floating and either sharded
+(FSDP cuts params over the ranks; buffers are replicated, so DCP saves them as one whole chunk)
+or saved by a single rank; otherwise for a buffer. A tied name looks like a frozen param.
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ def read(path: str, tag: str | None = None) -> Catalog:
         name = model_names[key]
         tensor = chunks.tensor(key, entry, name, MODULE)
         trainable = name in group_of
-        kind = "trainable" if trainable else ("frozen" if is_floating(tensor.dtype) else "buffer")
+        sharded = len(entry.chunks) > 1 or chunks.world() == 1
+        kind = "trainable" if trainable else ("frozen" if is_floating(tensor.dtype) and sharded else "buffer")
         catalog.params[name] = ParamInfo(name, tensor.shape, kind, group_of.get(name))
         catalog.order.append(name)
         if trainable and tensor.dtype == "float32":
@@ -95,7 +98,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
             chunks.tensor(key, entry, fqn, state)
     catalog.group_scalars = [_group_step(meta_path, g, s, catalog) for g, s in enumerate(steps)]
     catalog.files = chunks.files()
-    _finish(catalog)
+    _finish(catalog, chunks.world())
     catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
     return catalog
 
@@ -172,6 +175,11 @@ class _Chunks:
                 self.sizes[path] = os.path.getsize(path)
             except OSError:
                 catalog.problem(path, "missing (named in .metadata)")
+
+    def world(self) -> int:
+        """How many ranks saved the checkpoint, from the `__<rank>_<n>.distcp` names."""
+        ranks = [_rank(path) for path in self.sizes]
+        return max((r for r in ranks if r is not None), default=0) + 1
 
     def _path(self, info) -> str:
         rel = info.relative_path
@@ -302,8 +310,7 @@ def _dtype(entry, meta_path, key) -> str:
     return dtype.name
 
 
-def _finish(catalog: Catalog) -> None:
-    ranks = {f.rank for f in catalog.files if f.rank is not None}
+def _finish(catalog: Catalog, world: int) -> None:
     trainable = [p for p in catalog.params.values() if p.kind == "trainable"]
     states = catalog.optimizer_states()
     optimizer = ""
@@ -316,7 +323,7 @@ def _finish(catalog: Catalog) -> None:
     step = steps.pop() if len(steps) == 1 else None
     step = int(step) if step is not None and float(step).is_integer() else None
     weights = {catalog.tensors[(p.name, MODULE)].dtype for p in trainable}
-    catalog.layout = Layout(dp=max(ranks) + 1 if ranks else 1, zero=0,
+    catalog.layout = Layout(dp=world, zero=0,
                             dtype=weights.pop() if len(weights) == 1 else "float32",
                             optimizer=optimizer, states=states,
                             params=sum(p.kind != "buffer" for p in catalog.params.values()),

@@ -26,6 +26,7 @@ from reshard.targets import CopiedFile, Piece, TextFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+WRITES_DS_VERSION = "0.19.8"    # the DeepSpeed whose files this writer reproduces
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -99,7 +100,9 @@ class _Context:
         self.param_alignment = bool(zero_cfg.get("parameter_alignment", options.get("parameter_alignment")))
         self.sub_group_size = int(zero_cfg.get("sub_group_size", options.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
         self.states = list(target.states)
-        self.ds_version = catalog.state.get("ds_version", "0.0.0")
+        # A source not saved by DeepSpeed names no version; DeepSpeed refuses ZeRO-1 files older than
+        # 0.3.17, so say the version whose layout this writer follows.
+        self.ds_version = catalog.state.get("ds_version", WRITES_DS_VERSION)
 
     def numel(self, name: str) -> int:
         return math.prod(self.catalog.params[name].shape)
