@@ -11,7 +11,9 @@ replace), and loads the checkpoint the documented way: `get_state_dict` -> `dcp.
 state and param groups) to "out" for the test to compare.
 
 `train`: a few Adam steps of the untied fixture model under FSDP2, then `dcp.save` of
-{"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt.
+{"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt. Also
+DCP_DIR-boxes: DTensors cut into column shards and into a 2x2 grid (boxes no dim-0 shard
+gives), with their full values in TRUTH.pt under "boxes".
 """
 import json
 import os
@@ -79,9 +81,23 @@ def train(dcp_dir, truth_path, steps=3):
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
     result = gathered(model, optim)
+    result["boxes"] = save_boxes(dcp_dir + "-boxes")
     if rank == 0:
         torch.save(result, truth_path)
     dist.barrier()
+
+
+def save_boxes(path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    full = {"cols": torch.arange(5 * 12, dtype=torch.float32).reshape(5, 12) / 7,
+            "grid": torch.arange(6 * 8 * 3, dtype=torch.float32).reshape(6, 8, 3) - 50}
+    line = init_device_mesh("cpu", (dist.get_world_size(),))
+    grid = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("a", "b"))
+    state = {"cols": distribute_tensor(full["cols"], line, [Shard(1)]),
+             "grid": distribute_tensor(full["grid"], grid, [Shard(0), Shard(1)])}
+    dcp.save({"model": state}, checkpoint_id=path)
+    return full
 
 
 if __name__ == "__main__":
