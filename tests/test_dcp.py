@@ -126,6 +126,14 @@ def test_reads_a_real_dcp_save(variant, tmp_path):
     assert catalog.aliases == {} and catalog.params["head.weight"].kind == "frozen"   # DCP does not say it is tied
 
 
+def test_param_groups_are_found_without_planner_data(saved, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(saved[0], src)
+    _edit_metadata(src, lambda meta: setattr(meta, "planner_data", None))
+    assert reshard.open_checkpoint(src).param_groups == reshard.open_checkpoint(saved[0]).param_groups == \
+        saved[2]["param_groups"]
+
+
 def test_export_of_a_real_dcp_save_equals_dcp_to_torch_save(saved, tmp_path):
     path, _, _ = saved
     sd = _dcp_to_torch_save(path, tmp_path)
@@ -188,8 +196,32 @@ def _first_info(meta):
     return next(iter(meta.storage_data.values()))
 
 
+def _append_value(path, key, blob):
+    """Point `key`'s storage location at `blob`, appended to __0_0.distcp."""
+    distcp = path / "__0_0.distcp"
+    offset = os.path.getsize(distcp)
+    with open(distcp, "ab") as f:
+        f.write(blob)
+
+    def edit(meta):
+        info = next(i for index, i in meta.storage_data.items() if index.fqn == key)
+        info.relative_path, info.offset, info.length = "__0_0.distcp", offset, len(blob)
+    _edit_metadata(path, edit)
+
+
+def _torch_saved(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def _hostile_cases(canary):
     return {
+        "value_os_system": ("__0_0.distcp", "system", lambda p: _append_value(
+            p, "optim.param_groups.0.lr", _torch_saved(Payload(os.system, f"touch {canary}")))),
+        "chunk_os_system": ("__0_0.distcp", "system", lambda p: _append_value(
+            p, "model.l1.bias", _torch_saved({"x": Payload(os.system, f"touch {canary}")}))),
         "metadata_os_system": (".metadata", "system", lambda p: _edit_metadata(
             p, lambda m: m.planner_data.update(evil=Payload(os.system, f"touch {canary}")))),
         "chunk_outside_file": ("__0_0.distcp", "wrong offsets", lambda p: _edit_metadata(
@@ -205,7 +237,7 @@ def _hostile_cases(canary):
     }
 
 
-HOSTILE = ["metadata_os_system", "chunk_outside_file", "path_escapes", "truncated_distcp", "missing_distcp",
+HOSTILE = ["metadata_os_system", "value_os_system", "chunk_os_system", "chunk_outside_file", "path_escapes", "truncated_distcp", "missing_distcp",
            "garbage_metadata", "empty_metadata", "no_metadata"]
 
 

@@ -250,8 +250,7 @@ class _MetadataPickler(_TreePickler):
 def dumps(md: Metadata) -> bytes:
     """`.metadata` bytes for `md`, loadable by torch's own FileSystemReader."""
     buf = io.BytesIO()
-    pickler = _MetadataPickler(buf, protocol=2)
-    pickler.fast = True
+    pickler = _MetadataPickler(buf, protocol=2)     # memo on: each class name is spelled once
     pickler.dump(md)
     return buf.getvalue()
 

@@ -71,11 +71,12 @@ def read(path: str, tag: str | None = None) -> Catalog:
     groups = _param_groups(meta, values, chunks, meta_path)
     group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
     catalog.param_groups = groups
+    world = chunks.world()
     for key, entry in model.items():
         name = model_names[key]
         tensor = chunks.tensor(key, entry, name, MODULE)
         trainable = name in group_of
-        sharded = len(entry.chunks) > 1 or chunks.world() == 1
+        sharded = len(entry.chunks) > 1 or world == 1
         kind = "trainable" if trainable else ("frozen" if is_floating(tensor.dtype) and sharded else "buffer")
         catalog.params[name] = ParamInfo(name, tensor.shape, kind, group_of.get(name))
         catalog.order.append(name)
@@ -98,7 +99,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
             chunks.tensor(key, entry, fqn, state)
     catalog.group_scalars = [_group_step(meta_path, g, s, catalog) for g, s in enumerate(steps)]
     catalog.files = chunks.files()
-    _finish(catalog, chunks.world())
+    _finish(catalog, world)
     catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
     return catalog
 
@@ -124,8 +125,11 @@ def _param_groups(meta, values: dict, chunks, meta_path) -> list:
         value = chunks.value(key)
         if value is MISSING:
             continue
+        head, _, tail = rest.partition(".")
         if isinstance(path, tuple) and len(path) == 4 and isinstance(path[2], int):
             indexed.setdefault(path[2], {})[path[3]] = value
+        elif not path and head.isdigit() and f"{prefix}param_groups.{head}.params" in values:
+            indexed.setdefault(int(head), {})[tail] = value     # no planner_data: the index spelling
         else:
             fqn, _, hyper = rest.rpartition(".")
             by_fqn.setdefault(fqn, {})[hyper] = value
