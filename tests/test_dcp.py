@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
 from reshard.errors import ReshardError
-from conftest import FIXTURES, REPO, fixture_dir, run_cli, truth_json, truth_tensors
+from conftest import REPO, fixture_dir, run_cli, truth_json, truth_tensors
 
 sys.path.insert(0, str(REPO / "tools"))
 from make_hostile import Payload  # noqa: E402
@@ -132,6 +132,15 @@ def test_param_groups_are_found_without_planner_data(saved, tmp_path):
     _edit_metadata(src, lambda meta: setattr(meta, "planner_data", None))
     assert reshard.open_checkpoint(src).param_groups == reshard.open_checkpoint(saved[0]).param_groups == \
         saved[2]["param_groups"]
+
+
+def test_unequal_steps_within_a_group_are_reported(saved, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(saved[0], src)
+    _append_value(src, "optim.state.l1.bias.step", _torch_saved(torch.tensor(5.0)))
+    proc = run_cli("validate", src)
+    assert proc.returncode == 1 and "unequal per-parameter step counters [2.0, 5.0]" in proc.stdout, proc.stdout
+    assert run_cli("convert", src, tmp_path / "out", "--format", "dcp").returncode == 1
 
 
 def test_export_of_a_real_dcp_save_equals_dcp_to_torch_save(saved, tmp_path):
