@@ -18,13 +18,13 @@ from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.dcp import metadata as md
+from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
 from reshard.formats.torchsave import pickle_tree
 from reshard.formats.torchzip import Size
 from reshard.layout import Layout
 from reshard.targets import NewTensor, Piece, TensorFile, TextFile
 
-METADATA = ".metadata"
 MODEL, OPTIM = "model", "optim"
 
 
