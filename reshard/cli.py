@@ -19,10 +19,10 @@ def main(argv=None) -> int:
     except ReshardError as e:
         if os.environ.get("RANK", "0") == "0":     # under torchrun, one line from rank 0
             print(f"reshard: {e}", file=sys.stderr)
-        return 1
+        return getattr(args, "error_exit", 1)
     except OSError as e:       # an I/O failure no layer turned into a ReshardError: still one line
         print(f"reshard: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        return getattr(args, "error_exit", 1)
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)
         return 130
@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="what a conversion would read and write, without writing")
     _source_args(p)
     p.add_argument("--to", default="", metavar="SPEC",
-                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's; default: the "
-                        "source's topology) or a layout file")
+                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's; default: the source's "
+                        "topology, e.g. to change only --format) or a layout file")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--format", dest="fmt", metavar="FORMAT",
                    help="target format: deepspeed (default for a DeepSpeed source), dcp, universal")
@@ -68,8 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="SRC", help="a DeepSpeed save dir (with 'latest') or a tag folder")
     p.add_argument("dst", metavar="DST", help="the new save dir (created; holds 'latest' and the tag folder)")
     p.add_argument("--to", default="", metavar="SPEC",
-                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's; default: the "
-                        "source's topology) or a layout file")
+                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's; default: the source's "
+                        "topology, e.g. to change only --format) or a layout file")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--format", dest="fmt", metavar="FORMAT",
@@ -104,6 +104,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_export)
+
+    p = sub.add_parser("diff", help="compare two checkpoints of any formats and topologies, tensor by tensor "
+                       "(exit 0 equal, 1 different, 2 trouble)")
+    p.add_argument("a", metavar="A", help="a checkpoint (any format reshard reads)")
+    p.add_argument("b", metavar="B", help="another checkpoint")
+    p.add_argument("--tag-a", help="tag of A, for a DeepSpeed save dir")
+    p.add_argument("--tag-b", help="tag of B, for a DeepSpeed save dir")
+    p.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still equal (default 0)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=_diff, error_exit=2)
     return parser
 
 
@@ -209,8 +219,11 @@ def _convert(args) -> int:
         _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, False)
         return 0
     group = _group()
-    execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
-            progress=not args.quiet, resume=args.resume, group=group)
+    try:
+        execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
+                progress=not args.quiet, resume=args.resume, group=group)
+    finally:
+        group.close()
     if not args.quiet and group.rank == 0:
         print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
               f"{human_bytes(plan.bytes_written)}")
@@ -226,11 +239,30 @@ def _export(args) -> int:
     plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
     group = _group()
-    execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
-            progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
+    try:
+        execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
+                progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
+    finally:
+        group.close()
     if not args.quiet and group.rank == 0:
         print(f"wrote {args.out}: {len(plan.files)} file(s), {human_bytes(plan.bytes_written)}")
     return 0
+
+
+def _diff(args) -> int:
+    from reshard.diff import diff
+    report = diff(reshard.open_checkpoint(args.a, args.tag_a), reshard.open_checkpoint(args.b, args.tag_b),
+                  atol=args.atol)
+    if args.json:
+        json.dump(report.to_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        for note in report.notes:
+            print(f"note: {note}")
+        for d in report.differences:
+            print(d.line())
+        print(report.summary())
+    return 0 if report.equal else 1
 
 
 def _group():

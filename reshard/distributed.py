@@ -21,6 +21,9 @@ class Solo:
     def gather_dicts(self, mine: dict) -> dict:
         return dict(mine)
 
+    def close(self):
+        pass
+
 
 class TorchGroup:
     """torch.distributed over gloo, initialised from torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
@@ -50,7 +53,9 @@ class TorchGroup:
         return {k: v for part in parts for k, v in part.items()}
 
     def close(self):
-        self._dist.destroy_process_group()
+        # Leaving gloo's threads running at exit can abort the process ("terminate called ...").
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
 
 
 def launched_by_torchrun() -> bool:

@@ -5,6 +5,7 @@ numpy views (no copy). `full_tensor` rebuilds one logical tensor, for tests, exp
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 
@@ -64,6 +65,23 @@ def read_flat(files: MappedFiles, tensor: LogicalTensor) -> np.ndarray:
     out = np.zeros(tensor.numel, dtype=numpy_carrier(tensor.dtype))
     for frag in tensor.fragments:
         out[frag.start:frag.stop] = files.fragment(frag, tensor.dtype)
+    return out
+
+
+def sorted_fragments(tensor: LogicalTensor) -> list:
+    return sorted(tensor.fragments, key=lambda f: f.start)
+
+
+def read_range(files: MappedFiles, tensor: LogicalTensor, start: int, stop: int, fragments: list) -> np.ndarray:
+    """Elements [start, stop) of a logical tensor (carrier dtype); `fragments` sorted by start."""
+    out = np.zeros(stop - start, dtype=numpy_carrier(tensor.dtype))
+    first = max(bisect.bisect_right(fragments, start, key=lambda f: f.start) - 1, 0)
+    for frag in fragments[first:]:
+        if frag.start >= stop:
+            break
+        lo, hi = max(start, frag.start), min(stop, frag.stop)
+        if lo < hi:
+            out[lo - start:hi - start] = files.fragment(frag, tensor.dtype)[lo - frag.start:hi - frag.start]
     return out
 
 

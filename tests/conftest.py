@@ -56,3 +56,17 @@ def fixture_name(request):
 def pytest_collection_modifyitems(config, items):
     if not FIXTURE_NAMES:
         raise pytest.UsageError(f"no fixtures under {FIXTURES}; run tools/make_fixtures.py")
+
+
+def run_engine_resume(world: int, jobs: list, out: Path, port: int) -> list:
+    """Run tests/engine_resume.py under torchrun at `world` ranks on `jobs`; its results, one per job."""
+    jobs_path, results_path = out / f"jobs-{world}.json", out / f"results-{world}.json"
+    jobs_path.write_text(json.dumps(jobs))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "PYTHONHASHSEED": "0"}   # every rank orders universal optimizer states alike (engine_resume.py)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port + world),
+                           str(REPO / "tests" / "engine_resume.py"), str(jobs_path), str(results_path)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(results_path.read_text())

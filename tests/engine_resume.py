@@ -2,12 +2,17 @@
 
     torchrun --nproc_per_node M tests/engine_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": name, "checkpoint": dir, "stage": S}. For each job every rank builds
+JOBS.json lists {"fixture": name, "checkpoint": dir, "stage": S[, "universal": true]}. For each job every rank builds
 the fixture's model with its DeepSpeed config (ZeRO stage S, world size M), calls the ordinary
 `engine.load_checkpoint(dir)`, reads the full fp32 params and optimizer states back from the live
 engine exactly as tools/make_fixtures.py did when it saved the fixture, compares them with the
 fixture's truth, checks steps and hyper-parameters, and trains one more step. Rank 0 writes
 {"fixture", "checkpoint", "stage", "world", "problems": [...]} per job to RESULTS.json.
+
+A "universal" job builds the engine with `"checkpoint": {"load_universal": true}`, so
+`load_checkpoint(dir)` takes the tag from `latest_universal` and loads `zero/`. Run those with a
+fixed PYTHONHASHSEED: that set order decides the order of each rank's optimizer states, and the
+truth reader gathers states across ranks in that order.
 """
 import copy
 import gc
@@ -21,6 +26,21 @@ TOOLS = os.path.join(os.path.dirname(HERE), "tools")
 sys.path.insert(0, TOOLS)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def engine_config(job, make_fixtures):
+    spec = copy.deepcopy(make_fixtures.CONFIGS[job["fixture"]])
+    config = copy.deepcopy(spec["ds_config"])
+    zero = config["zero_optimization"]
+    zero["stage"] = spec["stage"] = job["stage"]
+    if job.get("universal"):
+        config["checkpoint"] = {"load_universal": True}
+        # DeepSpeed maps params to the flat buffer in the original order even under round_robin_gradients
+        # (its defect B1), so a round-robin engine cannot load any universal checkpoint correctly; the
+        # universal checkpoint itself does not depend on that setting.
+        zero.pop("round_robin_gradients", None)
+    make_fixtures.allow_cpu_fp16(spec)
+    return spec, config
 
 
 def main(jobs_path, results_path):
@@ -39,11 +59,7 @@ def main(jobs_path, results_path):
         jobs = json.load(f)
     results = []
     for job in jobs:
-        spec = copy.deepcopy(make_fixtures.CONFIGS[job["fixture"]])
-        config = copy.deepcopy(spec["ds_config"])
-        config["zero_optimization"]["stage"] = job["stage"]
-        spec["stage"] = job["stage"]
-        make_fixtures.allow_cpu_fp16(spec)
+        spec, config = engine_config(job, make_fixtures)
         model = build_model(tied=spec["tied"], frozen=spec["frozen"])
         groups, _ = param_groups(model, two_groups=spec["two_groups"])
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
@@ -57,6 +73,10 @@ def main(jobs_path, results_path):
             truth = load_file(os.path.join(fixture, "truth.safetensors"))
             with open(os.path.join(fixture, "truth.json")) as f:
                 meta = json.load(f)
+            if job.get("universal") and sorted(info["state_names"]) == sorted(meta["state_names"]):
+                # The universal loader inserts the states in the order of a Python set (map_to_flat_opt_states);
+                # torch.optim looks them up by name, so only the set of names matters.
+                info["state_names"] = meta["state_names"]
             problems += compare(tensors, truth, info, meta, client_state or {}, torch)
         # one more training step must run on the resumed state
         before = engine.global_steps

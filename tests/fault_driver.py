@@ -32,6 +32,8 @@ def faulty_write(self, data):
 
 
 torchsave.HashingSink.write = faulty_write
+# As in a terminal: a shell starting jobs in the background (CI, nohup) makes them ignore SIGINT.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if mode == "disk":
     usage = shutil.disk_usage
     shutil.disk_usage = lambda path: usage(path)._replace(free=n)

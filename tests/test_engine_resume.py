@@ -5,10 +5,6 @@ world size one torchrun launch loads all of its checkpoints with `engine.load_ch
 reads back full fp32 params and every optimizer state, and trains one more step
 (tests/engine_resume.py). Everything must equal the truth the engine reported when it saved.
 """
-import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
@@ -16,7 +12,7 @@ import pytest
 import reshard
 from reshard.convert import make_plan
 from reshard.executor import execute
-from conftest import FIXTURE_NAMES, FIXTURES, REPO, fixture_dir, truth_json
+from conftest import FIXTURE_NAMES, FIXTURES, fixture_dir, truth_json, run_engine_resume
 
 pytestmark = pytest.mark.engine
 TARGET_DPS = [1, 2, 3, 5]
@@ -29,15 +25,7 @@ CONTROL = ("z2_fp32_dp4", 2, 2)
 
 
 def _run_world(world, jobs, out):
-    jobs_path, results_path = out / f"jobs-{world}.json", out / f"results-{world}.json"
-    jobs_path.write_text(json.dumps(jobs))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(29400 + world),
-                           str(REPO / "tests" / "engine_resume.py"), str(jobs_path), str(results_path)],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(results_path.read_text())
+    return run_engine_resume(world, jobs, out, port=29400)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,11 @@ import os
 from reshard.errors import ReshardError
 
 # Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.deepspeed.reader", "reshard.formats.dcp.reader"]
+READERS = ["reshard.formats.deepspeed.universal_reader", "reshard.formats.deepspeed.reader",
+           "reshard.formats.dcp.reader"]
 # Target formats of `convert --format`.
-WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "dcp": "reshard.formats.dcp.writer"}
+WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer",
+           "dcp": "reshard.formats.dcp.writer"}
 
 
 def read(path: str, tag: str | None = None):

@@ -1,0 +1,196 @@
+"""DeepSpeed universal checkpoint -> Catalog, from metadata only (layout: see universal.py).
+
+Each trainable param's `zero/<param>/<state>.pt` holds one full tensor: it becomes one fragment of
+(param, state). Which params are trainable, their groups, the frozen params, buffers and tied
+names come from the model-states file(s) beside `zero/`, as for a ZeRO save; hyper-parameters,
+loss scaler and (ZeRO-3 flavour) the step from `zero/optimizer_state.pt`. Files are opened with
+the safe unpickler only. Folders that ds_to_universal writes for buffers, frozen and tied names are
+not read: no loader reads them either.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from reshard.catalog import MASTER, Catalog, FileInfo, Fragment, LogicalTensor
+from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
+from reshard.formats import torchzip
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import group_scalars, reader as zero_reader
+from reshard.formats.deepspeed import universal as uc
+from reshard.formats.torchzip import TensorRef
+from reshard.layout import Layout
+from reshard.tensorio import file_size
+
+
+def sniff(path: str, tag: str | None = None) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if tag is not None:
+        return uc.is_universal_tag_dir(os.path.join(path, tag))
+    if uc.is_universal_tag_dir(path):
+        return True
+    # A save dir holding both `latest` and `latest_universal` is read as the ordinary save it also is.
+    return os.path.isfile(os.path.join(path, uc.LATEST_UNIVERSAL)) and not os.path.isfile(
+        os.path.join(path, names.LATEST))
+
+
+def read(path: str, tag: str | None = None) -> Catalog:
+    tag_dir, tag = _resolve_tag_dir(path, tag)
+    try:
+        return _read(tag_dir, tag)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        raise ReshardError(f"{tag_dir}: not the structure of a DeepSpeed universal checkpoint "
+                           f"({type(e).__name__}: {e})") from None
+
+
+def _resolve_tag_dir(path, tag) -> tuple:
+    path = os.path.abspath(path)
+    if tag is None and not uc.is_universal_tag_dir(path):
+        latest = os.path.join(path, uc.LATEST_UNIVERSAL)
+        with open(latest) as f:
+            tag = f.read().strip()
+        if not tag:
+            raise ReshardError(f"{latest}: file is empty; name the tag with --tag")
+    if tag is None:
+        return path, os.path.basename(path)
+    if os.sep in tag or tag in ("", ".", ".."):
+        raise ReshardError(f"{path}: invalid tag {tag!r}")
+    tag_dir = os.path.join(path, tag)
+    if not uc.is_universal_tag_dir(tag_dir):
+        raise ReshardError(f"{tag_dir}: no '{uc.ZERO_DIR}' folder; not a universal checkpoint tag folder")
+    return tag_dir, tag
+
+
+def _load_dict(path):
+    if not os.path.isfile(path):
+        raise CheckpointError(path, "missing")
+    obj = torchzip.load(path)
+    if not isinstance(obj, dict):
+        raise CheckpointError(path, f"expected a dict at the top level, found {type(obj).__name__}")
+    return obj
+
+
+def _read(tag_dir, tag) -> Catalog:
+    listing = sorted(os.listdir(tag_dir))
+    optim_path = os.path.join(tag_dir, uc.ZERO_DIR, uc.OPTIMIZER_STATE)
+    optim = _load_dict(optim_path)
+    zero3_files = [n for n in listing if names.ZERO3_MODEL_STATES.match(n)]
+    model0_name = zero_reader._first_model_states(tag_dir, listing)
+    model0 = _load_dict(os.path.join(tag_dir, model0_name))
+    dp = int(model0.get("dp_world_size") or 1)
+    dims = model0.get("checkpoint_parallel_dimensions") or {}
+    if int(model0.get("mp_world_size") or 1) > 1 or dims.get("tp_degree", 1) > 1 or dims.get("pp_degree", 1) > 1:
+        raise ReshardError(f"{tag_dir}: a tensor/pipeline-parallel universal checkpoint ({dims}); "
+                           "only data-parallel ones are supported so far")
+    stage = 3 if zero3_files else int(optim.get("zero_stage") or 1)
+
+    catalog = Catalog(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage))
+    catalog.state["tag"] = tag
+    catalog.files.append(FileInfo(os.path.join(uc.ZERO_DIR, uc.OPTIMIZER_STATE), "optimizer_state", None,
+                                  file_size(optim_path)))
+    if stage == 3:
+        models = zero_reader._load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0)
+    else:
+        models = {0: model0}
+        catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
+    zero_reader._read_model(catalog, model0, models, stage)     # ZeRO-3: frozen params from every rank's file
+    groups = _groups(catalog, model0, optim, stage)
+    for g, members in enumerate(groups):
+        for name in members:
+            catalog.params[name].group = g
+            _read_param(catalog, name, g)
+    if stage == 3:
+        _zero3_steps(catalog, optim_path, optim)
+    _fill_state(catalog, model0, optim, stage)
+    return catalog
+
+
+def _groups(catalog, model0, optim, stage) -> list:
+    """Trainable param names per optimizer param group, in the optimizer's order; fills param_groups."""
+    shapes = [list(group) for group in (model0.get("param_shapes") or [])]
+    if stage == 3:
+        loaded = (optim.get("optimizer_state_dict") or {}).get("param_groups") or optim.get("param_groups") or []
+        groups = [[name for i in group.get("params", []) for name in shapes[i]] for group in loaded]
+    else:
+        loaded = optim.get("param_groups") or []
+        groups = shapes
+        config = (model0.get("ds_config") or {}).get("zero_optimization") or {}
+        if config.get("round_robin_gradients"):
+            # param_shapes are in the round-robin flat order; the optimizer's is the model's
+            position = {name: i for i, name in enumerate(catalog.order)}
+            groups = [sorted(group, key=lambda n: position.get(n, len(position))) for group in groups]
+    if len(loaded) != len(groups):
+        raise ReshardError(f"{os.path.join(catalog.root, uc.ZERO_DIR, uc.OPTIMIZER_STATE)}: {len(loaded)} param "
+                           f"groups, the model-states file has {len(groups)}")
+    for hyper, members in zip(loaded, groups):
+        catalog.param_groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": members})
+        catalog.group_scalars.append({})
+    return groups
+
+
+def _read_param(catalog, name, g):
+    folder = os.path.join(catalog.root, uc.ZERO_DIR, name)
+    shape = catalog.params[name].shape
+    if not os.path.isdir(folder):
+        catalog.problem(folder, f"missing: no universal state folder for trainable parameter {name}")
+        return
+    states = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".pt"))
+    if MASTER not in states:
+        catalog.problem(os.path.join(folder, MASTER + ".pt"), f"missing: the fp32 master of {name}")
+    for state in states:
+        path = os.path.join(folder, state + ".pt")
+        catalog.files.append(FileInfo(os.path.relpath(path, catalog.root), "universal_state", None, file_size(path)))
+        try:
+            obj = torchzip.load(path)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:
+            catalog.problems.append(str(e))
+            continue
+        if state == uc.STEP:
+            group_scalars.record(catalog, path, g, uc.STEP, obj)
+            continue
+        ref = _state_tensor(catalog, path, obj, shape)
+        if ref is not None:
+            tensor = catalog.add(LogicalTensor(name, state, shape, ref.dtype))
+            tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
+
+
+def _state_tensor(catalog, path, obj, shape):
+    """The full tensor of a state file, or None (a problem recorded) when it is not one of `shape`."""
+    if isinstance(obj, dict):
+        parallel = [k for k in uc.PARALLEL_KEYS if obj.get(k)]
+        if parallel or obj.get(uc.CAT_DIM, 0) != 0:
+            what = ", ".join(parallel) or "cat_dim"
+            raise ReshardError(f"{path}: tensor- or expert-parallel universal metadata ({what}) is not supported yet")
+        obj = obj.get(uc.PARAM)
+    if not isinstance(obj, TensorRef):
+        catalog.problem(path, f"holds {type(obj).__name__}, not a tensor")
+        return None
+    n = math.prod(shape)
+    if obj.numel != n or tuple(obj.shape) not in (tuple(shape), (n,)):
+        catalog.problem(path, f"tensor of shape {list(obj.shape)}, the parameter's shape is {list(shape)}")
+        return None
+    if not obj.is_contiguous():
+        catalog.problem(path, "non-contiguous tensor")
+        return None
+    return obj
+
+
+def _zero3_steps(catalog, path, optim):
+    """The ZeRO-3 flavour keeps one step per sub-group in optimizer_state.pt."""
+    inner = optim.get("optimizer_state_dict") or {}
+    sub_group_of = {i: g for g, group in enumerate(inner.get("param_groups") or []) for i in group.get("params", [])}
+    for i, entry in (inner.get("state") or {}).items():
+        for key, value in entry.items():
+            if key == uc.STEP:
+                group_scalars.record(catalog, path, sub_group_of.get(i, 0), key, value)
+
+
+def _fill_state(catalog, model0, optim, stage):
+    zero_reader._fill_state(catalog, model0, optim)
+    config = model0.get("ds_config") or {}
+    bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled"))
+    catalog.layout.options = zero_reader._options(model0, optim, bf16 and stage != 3, stage)
+    zero_reader._fill_layout(catalog, model0)

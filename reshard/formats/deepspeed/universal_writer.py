@@ -1,0 +1,164 @@
+"""Catalog -> a DeepSpeed universal checkpoint, written straight from the source's fragments.
+
+DeepSpeed's ds_to_universal extracts every rank's slices into a temporary tree, then merges them;
+here each `zero/<param>/<state>.pt` is a TorchFile whose one tensor is filled from the catalog's
+fragments, so bytes move once, in the executor. The catalog places params by their real flat
+offsets, so a round_robin_gradients source comes out right (ds_to_universal's is wrong there).
+
+`--to zero=N` chooses the flavour the engine of stage N loads (see universal.py): the model-states
+files and optimizer_state.pt are those of a ZeRO-N save at the target dp, which is what the engine
+reads its training state from; the dp of a universal checkpoint only sets `dp_world_size` there.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from reshard.catalog import MASTER, MODULE, Catalog
+from reshard.errors import ReshardError
+from reshard.formats import standins
+from reshard.formats.deepspeed import universal as uc
+from reshard.formats.deepspeed import writer as zero_writer
+from reshard.formats.torchsave import TorchFile
+from reshard.layout import Layout
+from reshard.targets import Piece, TextFile
+
+# Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
+_SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    _check_target(catalog, target)
+    # A universal checkpoint is never elastic: its optimizer_state.pt needs the param groups.
+    target = replace(target, options={k: v for k, v in target.options.items() if k != "elastic"})
+    ctx = zero_writer._Context(catalog, target)
+    if target.zero == 3:
+        out = _zero3_flavour(ctx, tag)
+    else:
+        out = _zero12_flavour(ctx, tag)
+    out.append(TextFile(uc.LATEST_UNIVERSAL, tag))   # ds_to_universal writes the bare tag
+    return out
+
+
+def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
+    return zero_writer.batch_size_advice(catalog, target)
+
+
+def _check_target(catalog, target):
+    if target.tp != 1 or target.pp != 1:
+        raise ReshardError(f"target {target.topology()}: universal checkpoints are written for tp=1, pp=1 only")
+    if target.zero not in (1, 2, 3):
+        raise ReshardError(f"target ZeRO stage {target.zero}: DeepSpeed loads a universal checkpoint only into a "
+                           "ZeRO-1, ZeRO-2 (incl. BF16_Optimizer) or ZeRO-3 engine; use --to zero=1, 2 or 3")
+    for name in catalog.params:
+        if os.sep in name or name in (".", "..") or name == uc.OPTIMIZER_STATE:
+            raise ReshardError(f"parameter name {name!r} cannot be a folder of a universal checkpoint")
+    if target.zero == 3:
+        unloadable = [s for s in target.states if s not in uc.ZERO3_LOADED_STATES]
+        if unloadable:
+            raise ReshardError(f"optimizer states {', '.join(unloadable)}: DeepSpeed's ZeRO-3 universal loader reads "
+                               "only fp32, exp_avg and exp_avg_sq (stage3.py); write --to zero=1 or 2 instead")
+        if any("step" not in s for s in catalog.group_scalars) or not catalog.group_scalars:
+            raise ReshardError("DeepSpeed's ZeRO-3 universal loader needs an optimizer step count, "
+                               "and this checkpoint has none")
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1/2 and BF16_Optimizer: {'cat_dim': 0, 'param': full shape} per state, step.pt per param
+
+
+def _zero12_flavour(ctx, tag) -> list:
+    catalog = ctx.catalog
+    groups = [zero_writer._FlatGroup(ctx, g) for g in range(len(catalog.param_groups))]
+    out = [zero_writer._zero12_model_states(ctx, groups, tag)]
+    for p in ctx.trainable():
+        for state in (MASTER, *ctx.states):
+            out.append(_shaped_file(uc.state_file(tag, p.name, state), p.shape, [Piece(ctx.numel(p.name),
+                                                                                       (p.name, state), 0)]))
+        step = ctx.scalars(p.group).get(uc.STEP)
+        if step is not None:
+            file = TorchFile(uc.state_file(tag, p.name, uc.STEP), archive=uc.STEP)
+            file.tree = zero_writer._scalar_slot(file, step)
+            out.append(file)
+    out += _module_only_files(ctx, tag)
+    out.append(_zero12_optimizer_state(ctx, groups, tag))
+    return out
+
+
+def _shaped_file(path, shape, pieces) -> TorchFile:
+    file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
+    file.tree = {uc.CAT_DIM: 0, uc.PARAM: file.slot("float32", shape, pieces)}
+    return file
+
+
+def _module_only_files(ctx, tag) -> list:
+    """fp32.pt of every module entry without optimizer state (frozen params, tied names, buffers).
+
+    ds_to_universal writes them (from the 16-bit module copy) and no loader reads them; we write the
+    same files so the trees match, a tied name taking its holder's fp32 master rather than the copy.
+    """
+    catalog, out = ctx.catalog, []
+    for key in catalog.order:
+        holder = catalog.aliases.get(key, key)
+        info = catalog.params.get(holder)
+        if info is None or (key == holder and info.kind == "trainable"):
+            continue
+        source = (holder, MASTER) if (holder, MASTER) in catalog.tensors else (holder, MODULE)
+        if source not in catalog.tensors:
+            continue
+        out.append(_paramless_file(uc.state_file(tag, key, MASTER), info.shape,
+                                   [Piece(ctx.numel(holder), source, 0)]))
+    return out
+
+
+def _paramless_file(path, shape, pieces) -> TorchFile:
+    file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
+    file.tree = {uc.PARAM: file.slot("float32", shape, pieces)}
+    return file
+
+
+def _zero12_optimizer_state(ctx, groups, tag) -> TorchFile:
+    """Rank 0's optimizer file without its slices, plus the param groups (ds_to_universal's layout)."""
+    rank0 = zero_writer._zero12_optim_states(ctx, 0, groups, tag).tree["optimizer_state_dict"]
+    file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
+    tree = {k: v for k, v in rank0.items() if k not in _SHARDED_KEYS}
+    tree["param_groups"] = rank0["base_optimizer_state"]["param_groups"]
+    file.tree = tree
+    return file
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-3: bare flat fp32 tensors, the step and hyper-parameters in optimizer_state.pt
+
+
+def _zero3_flavour(ctx, tag) -> list:
+    sub_groups = zero_writer._zero3_sub_groups(ctx)
+    out = [zero_writer._zero3_model_states(ctx, rank, sub_groups, tag) for rank in range(ctx.dp)]
+    for p in ctx.trainable():
+        for state in (MASTER, *ctx.states):
+            path = uc.state_file(tag, p.name, state)
+            file = TorchFile(path, archive=state)
+            file.tree = file.slot("float32", (ctx.numel(p.name),), [Piece(ctx.numel(p.name), (p.name, state), 0)])
+            out.append(file)
+    out.append(_zero3_optimizer_state(ctx, sub_groups, tag))
+    return out
+
+
+def _zero3_optimizer_state(ctx, sub_groups, tag) -> TorchFile:
+    """What the ZeRO-3 loader reads: loss scaler, per-sub-group step, param groups.
+
+    ds_to_universal copies rank 0's whole optimizer file here, its fp32 and moment partitions
+    included, which no loader reads; we leave those out.
+    """
+    file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
+    state, members = {}, [[] for _ in ctx.catalog.param_groups]
+    for i, (g, _) in enumerate(sub_groups):
+        state[i] = {key: zero_writer._scalar_slot(file, value) for key, value in ctx.scalars(g).items()}
+        members[g].append(i)
+    param_groups = [{**ctx.hyper_params(g), "params": m} for g, m in enumerate(members)]
+    scaler = ctx.loss_scaler_state()
+    file.tree = {"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
+                 "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
+                 "partition_count": ctx.dp, "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+                 "param_groups": param_groups}
+    return file
