@@ -49,7 +49,8 @@ def _exported(src, out, with_optimizer=True):
     if not with_optimizer:
         return load_file(str(out / "model.safetensors")), {}, {}
     info = json.loads((out / "optimizer.json").read_text())
-    return load_file(str(out / "model.safetensors")), {s: load_file(str(out / f)) for s, f in info["states"].items()}, info
+    states = {s: load_file(str(out / f)) for s, f in info["states"].items()}
+    return load_file(str(out / "model.safetensors")), states, info
 
 
 def _assert_same_as_export(sd, src, tmp_path, aliases=None):
@@ -240,13 +241,15 @@ def _hostile_cases(canary):
         "truncated_distcp": ("__0_0.distcp", "truncated", lambda p: os.truncate(
             p / "__0_0.distcp", os.path.getsize(p / "__0_0.distcp") // 2)),
         "missing_distcp": ("__0_0.distcp", "missing", lambda p: os.remove(p / "__0_0.distcp")),
-        "garbage_metadata": (".metadata", "not a DCP metadata", lambda p: (p / ".metadata").write_bytes(os.urandom(3000))),
+        "garbage_metadata": (".metadata", "not a DCP metadata",
+                             lambda p: (p / ".metadata").write_bytes(os.urandom(3000))),
         "empty_metadata": (".metadata", "empty", lambda p: (p / ".metadata").write_bytes(b"")),
         "no_metadata": (".metadata", "missing", lambda p: os.remove(p / ".metadata")),
     }
 
 
-HOSTILE = ["metadata_os_system", "value_os_system", "chunk_os_system", "chunk_outside_file", "path_escapes", "truncated_distcp", "missing_distcp",
+HOSTILE = ["metadata_os_system", "value_os_system", "chunk_os_system", "chunk_outside_file", "path_escapes",
+           "truncated_distcp", "missing_distcp",
            "garbage_metadata", "empty_metadata", "no_metadata"]
 
 

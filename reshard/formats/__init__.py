@@ -28,7 +28,8 @@ def read(path: str, tag: str | None = None):
         module = importlib.import_module(name)
         if module.sniff(path, tag):
             return module.read(path, tag)
-    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag folders, PyTorch DCP directories)")
+    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO save or tag "
+                       "folders, DeepSpeed universal checkpoints, PyTorch DCP directories)")
 
 
 def writer(format_name: str):

@@ -110,7 +110,8 @@ class Chunks:
             if ref is None:
                 continue
             if ref.dtype != dtype or ref.shape != sizes or not ref.is_contiguous():
-                self.catalog.problem(path, f"{key}: the chunk at byte {info.offset} holds {ref.dtype}{list(ref.shape)}, "
+                self.catalog.problem(path, f"{key}: the chunk at byte {info.offset} holds "
+                                     f"{ref.dtype}{list(ref.shape)}, "
                                      f".metadata says {dtype}{list(sizes)} (contiguous)")
                 continue
             rank = rank_of(info.relative_path)
