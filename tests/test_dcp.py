@@ -189,6 +189,25 @@ def tensor_dtype(tensor):
     return getattr(torch, tensor.dtype)
 
 
+def test_validate_proves_the_chunks_tile_each_tensor(tmp_path):
+    """Move one chunk of emb.weight up a row: one row held twice, the last row missing."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    dst = tmp_path / "dcp"
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), dst, "--format", "dcp", "--to", "dp=2", "--quiet", check=0)
+
+    def shift(meta):
+        chunk = meta.state_dict_metadata["model.emb.weight"].chunks[1]
+        info = meta.storage_data.pop(MetadataIndex("model.emb.weight", chunk.offsets))
+        chunk.offsets = torch.Size([chunk.offsets[0] - 1, 0])
+        meta.storage_data[MetadataIndex("model.emb.weight", chunk.offsets, 1)] = info
+    _edit_metadata(dst, shift)
+    proc = run_cli("validate", dst)
+    assert proc.returncode == 1, proc.stdout
+    for state in ("module", "fp32"):      # the fp32 master is the same bytes as the module entry
+        assert f"emb.weight ({state}, 444 elements): 12 elements missing, at [432, 444)" in proc.stdout
+        assert f"emb.weight ({state}, 444 elements): 12 elements held more than once, at [216, 228)" in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # hostile and broken DCP directories
 
