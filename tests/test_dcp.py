@@ -165,7 +165,7 @@ def test_dcp_to_torch_save_of_our_output_equals_our_export(name, tmp_path):
 
 def test_our_metadata_is_torchs_metadata_and_reads_back(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
     source = reshard.open_checkpoint(fixture_dir("z3_fp32_frozen_tied_dp2"))
     dst = tmp_path / "dcp3"
     run_cli("convert", fixture_dir("z3_fp32_frozen_tied_dp2"), dst, "--format", "dcp", "--to", "dp=3", "--quiet",
@@ -180,6 +180,11 @@ def test_our_metadata_is_torchs_metadata_and_reads_back(tmp_path):
     assert all(os.stat(dst / ".metadata").st_mtime_ns >= os.stat(p).st_mtime_ns for p in dst.glob("*.distcp"))
     back = reshard.open_checkpoint(dst)
     assert reshard.validate(back).ok and back.layout.dp == 3
+    # the tied name points at its holder's bytes, so the tie comes back; frozen params and buffers too
+    assert back.aliases == source.aliases == {"head.weight": "emb.weight"}
+    assert meta.storage_data[MetadataIndex("model.head.weight", [13, 0])] == \
+        meta.storage_data[MetadataIndex("model.emb.weight", [13, 0])]
+    assert {n: p.kind for n, p in back.params.items()} == {n: p.kind for n, p in source.params.items()}
     for (name, state), tensor in source.tensors.items():
         assert torch.equal(reshard.full_tensor(back, name, state).to(tensor_dtype(tensor)),
                            reshard.full_tensor(source, name, state)), (name, state)

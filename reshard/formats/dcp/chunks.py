@@ -56,6 +56,16 @@ class Chunks:
                                   "or is malformed")
         return os.path.join(self.root, rel)
 
+    def signature(self, key: str, entry) -> tuple | None:
+        """Where every chunk of an entry is, with its dtype and box: equal only for shared bytes."""
+        out = [dtype_of(entry, self.meta_path, key), tuple(entry.size)]
+        for chunk in entry.chunks:
+            path, info = self._located(key, chunk.offsets)
+            if path is None:
+                return None
+            out.append((tuple(chunk.offsets), tuple(chunk.sizes), path, info.offset, info.length))
+        return tuple(out) if len(out) > 2 else None
+
     def _located(self, key: str, offset=None):
         for saved_offset, info in self.by_fqn.get(key, ()):
             if offset is None or tuple(saved_offset or ()) == tuple(offset):

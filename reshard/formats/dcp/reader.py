@@ -64,8 +64,12 @@ def read(path: str, tag: str | None = None) -> Catalog:
     group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
     catalog.param_groups = groups
     world = chunks.world()
+    catalog.aliases = _ties(model, model_names, group_of, chunks)
     for key, entry in model.items():
         name = model_names[key]
+        if name in catalog.aliases:
+            catalog.order.append(name)
+            continue
         tensor = chunks.tensor(key, entry, name, MODULE)
         trainable = name in group_of
         sharded = len(entry.chunks) > 1 or world == 1
@@ -94,6 +98,21 @@ def read(path: str, tag: str | None = None) -> Catalog:
     _finish(catalog, world)
     catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
     return catalog
+
+
+def _ties(model: dict, names: dict, group_of: dict, chunks) -> dict:
+    """{tied name: holder}: model entries whose chunks are the very same bytes (as reshard writes a
+    tied weight). The holder is the one the optimizer names, else the first in model order."""
+    by_bytes = {}
+    for key, entry in model.items():
+        where = chunks.signature(key, entry)
+        if where:
+            by_bytes.setdefault(where, []).append(names[key])
+    ties = {}
+    for tied in by_bytes.values():
+        holder = next((n for n in tied if n in group_of), tied[0])
+        ties.update({n: holder for n in tied if n != holder})
+    return ties
 
 
 def _model_names(model: dict) -> dict:

@@ -4,6 +4,8 @@ Keys are those `get_state_dict(model, optimizer)` gives and `dcp.save({"model": 
 flattens (torch's `flatten_state_dict`): `model.<fqn>` for every state_dict entry (a tied name
 too, as torch keeps both), `optim.state.<fqn>.<state>` and `.step` for every trainable param,
 `optim.param_groups.<g>.<hyper>` and `optim.param_groups.<g>.params` (the group's FQNs).
+A tied name's chunks point at its holder's bytes: torch loads both keys from them, and our reader
+recognises the tie (a real FSDP save writes the bytes twice and the tie is lost).
 Weights are the fp32 master copy where there is one (the optimizer's view of the param), frozen
 params and buffers as saved. Every tensor is cut along dim 0 the way FSDP2 shards it over the
 target's dp ranks, rank r's chunks in `__r_0.distcp`; values go to rank 0's file. `.metadata`,
@@ -67,13 +69,20 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
+    written = {}        # source (name, state) -> its chunks' locations, for a tied name to share
     for key, name, source, shape, dtype, ranks in _tensors(catalog, target.dp):
+        if name in catalog.aliases and source in written:
+            for chunk in written[source]:        # the same bytes: the reader sees the tie again
+                out.chunk(key, shape, dtype, *chunk)
+            continue
+        written[source] = []
         for rank, (rows, pieces, chunk_shape) in enumerate(_row_blocks(key, shape, dtype, source, ranks)):
             if pieces is None:
                 continue
             offset, length = files[rank].add_chunk(dtype, chunk_shape, pieces)
-            out.chunk(key, shape, dtype, (rows,) + (0,) * (len(shape) - 1) if shape else (), chunk_shape,
-                      files[rank].path, offset, length)
+            chunk = ((rows,) + (0,) * (len(shape) - 1) if shape else (), chunk_shape, files[rank].path, offset, length)
+            written[source].append(chunk)
+            out.chunk(key, shape, dtype, *chunk)
     for key, path, value in _values(catalog):
         offset, length = files[0].add_value(value)
         out.value(key, path, files[0].path, offset, length)
