@@ -105,6 +105,9 @@ class Catalog:
     # fragments hold, at the same flat positions, elements the catalog's own tensor holds. They must be
     # equal; readers compare the small ones, `validate --deep` every one not yet compared.
     replicas: list = field(default_factory=list)       # [Replica]
+    # The folder the whole save lives in, which output must not overlap; None: root's parent
+    # (a DeepSpeed tag folder's save dir). A DCP directory is its own save dir.
+    save_dir: str | None = None
 
     def add(self, tensor: LogicalTensor) -> LogicalTensor:
         return self.tensors.setdefault(tensor.key, tensor)

@@ -36,10 +36,11 @@ def chunk_bytes(memory_budget: int, workers: int) -> int:
     return max(1 << 16, min(MAX_CHUNK, memory_budget // (BUFFERS_PER_WORKER * max(1, workers))))
 
 
-def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False) -> None:
+def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False,
+                      save_dir: str | None = None) -> None:
     src = os.path.realpath(source_root)
     real = os.path.realpath(dst)
-    save_dir = os.path.dirname(src)
+    save_dir = os.path.realpath(save_dir) if save_dir else os.path.dirname(src)
     # A folder source protects its save dir too; a one-file source (a .pt, .ckpt) only itself: writing
     # beside it in its folder touches nothing it holds.
     for protected in (src, save_dir) if os.path.isdir(src) else (src,):
@@ -72,7 +73,7 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     problem = None
     if group.rank == 0:
         try:
-            check_destination(plan.source, staging.dst, overwrite, single_file)
+            check_destination(plan.source, staging.dst, overwrite, single_file, plan.save_dir)
             staging.acquire()
             check_free_space(plan, staging, resume)
             staging.prepare(plan, resume)

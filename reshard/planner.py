@@ -72,6 +72,7 @@ class Plan:
     files: list = field(default_factory=list)      # FilePlan
     texts: list = field(default_factory=list)      # TextFile
     copied: list = field(default_factory=list)     # CopiedFile
+    save_dir: str | None = None                    # the source's save dir (None: source's parent)
 
     @property
     def bytes_written(self) -> int:
@@ -94,7 +95,7 @@ class Plan:
 
 def plan(catalog: Catalog, target: Layout, targets: list, tag: str) -> Plan:
     index = _FragmentIndex(catalog)
-    out = Plan(catalog.root, catalog.layout, target, tag)
+    out = Plan(catalog.root, catalog.layout, target, tag, save_dir=catalog.save_dir)
     for item in targets:
         if isinstance(item, TensorFile):
             out.files.append(_plan_file(item, index))

@@ -102,8 +102,8 @@ class Staging:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def write_text(path: str, text: str) -> None:
-    with open(path, "w") as fh:
+def write_text(path: str, text: str | bytes) -> None:
+    with open(path, "wb" if isinstance(text, bytes) else "w") as fh:
         fh.write(text)
     fsync(path)
 

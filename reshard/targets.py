@@ -73,8 +73,10 @@ class TensorFile:
 
 @dataclass
 class TextFile:
+    """A small file written whole after every tensor file (a commit marker: `latest`, DCP's
+    `.metadata`); `text` is str, or bytes for a binary one."""
     path: str
-    text: str
+    text: str | bytes
 
 
 @dataclass

@@ -15,12 +15,14 @@ from reshard.errors import ReshardError
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
            "reshard.formats.deepspeed.reader",
+           "reshard.formats.dcp.reader",                 # .metadata + *.distcp
            "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
            "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
            "reshard.formats.single.lightning",           # *.ckpt
            "reshard.formats.single.torchfile"]           # *.pt, *.pth, *.bin
 # Target formats of `convert --format`.
-WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer"}
+WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer",
+           "dcp": "reshard.formats.dcp.writer"}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
@@ -33,8 +35,8 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
         if module.sniff(path, tag):
             return module.read(path, tag, layout_rules) if layout_rules else module.read(path, tag)
     raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
-                       "tag folders, torch.save .pt/.pth/.bin, Lightning .ckpt, Hugging Face Trainer checkpoint "
-                       "folders, safetensors)")
+                       "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
+                       "Hugging Face Trainer checkpoint folders, safetensors)")
 
 
 def writer(format_name: str):
@@ -49,6 +51,9 @@ def container_writer(container: str):
     if container == "torch":
         from reshard.formats.torchsave import TorchZipWriter
         return TorchZipWriter
+    if container == "distcp":
+        from reshard.formats.dcp.chunkzip import DistcpWriter
+        return DistcpWriter
     if container == "safetensors":
         from reshard.formats.safetensors_file import SafetensorsWriter
         return SafetensorsWriter

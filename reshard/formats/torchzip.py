@@ -178,17 +178,29 @@ _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")   # zip local file header, 30 byte
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
-def load(path: str) -> object:
-    """Unpickle a torch.save file safely; tensors become TensorRefs into `path`."""
+def load(path: str, span: tuple | None = None) -> object:
+    """Unpickle a torch.save file safely; tensors become TensorRefs into `path`.
+
+    `span` = (offset, length) reads a torch.save archive embedded in a larger file (a DCP
+    `.distcp` chunk): the zip is parsed in place and storages are located by absolute offset.
+    """
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
     except OSError as e:
         raise CheckpointError(path, f"cannot read: {e.strerror}") from None
+    base = 0
+    if span is not None:
+        base, length = span
+        if base < 0 or length <= 0 or base + length > size:
+            raise CheckpointError(path, f"truncated: bytes [{base}, {base + length}) lie outside the file "
+                                  f"of {size} bytes")
+        size = length
     if size == 0:
         raise CheckpointError(path, "file is empty (0 bytes)")
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as raw:
+            f = raw if span is None else _Span(raw, base, size)
             head = f.read(64)
             if not zipfile.is_zipfile(f):
                 raise CheckpointError(path, _not_zip_reason(head, size))
@@ -200,12 +212,13 @@ def load(path: str) -> object:
                 if len(pkl) != 1:
                     raise CheckpointError(path, "zip archive is not a torch.save file (no data.pkl)")
                 prefix = pkl[0].filename[: -len("data.pkl")]
-                storages = _locate_storages(f, path, size, prefix, infos)
+                storages = _locate_storages(f, path, size, prefix, infos, base)
                 data = zf.read(pkl[0])
     except CheckpointError:
         raise
     except Exception as e:  # zipfile fails in many ways on damaged archives; all mean the same here
-        raise CheckpointError(path, f"damaged zip archive ({type(e).__name__}: {e})") from None
+        where = "" if span is None else f" at byte {base}"
+        raise CheckpointError(path, f"damaged zip archive{where} ({type(e).__name__}: {e})") from None
     try:
         return _SafeUnpickler(data, path, storages).load()
     except CheckpointError:
@@ -214,7 +227,40 @@ def load(path: str) -> object:
         raise CheckpointError(path, f"malformed pickle in data.pkl ({type(e).__name__}: {e})") from None
 
 
-def _locate_storages(f, path, size, prefix, infos) -> dict:
+class _Span(io.RawIOBase):
+    """Bytes [base, base + size) of an open file, seen as a whole file (for zipfile)."""
+
+    def __init__(self, raw, base: int, size: int):
+        super().__init__()
+        self._raw, self._base, self._size, self._pos = raw, base, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, {0: 0, 1: self._pos, 2: self._size}[whence] + pos)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else min(n, max(0, self._size - self._pos))
+        self._raw.seek(self._base + self._pos)
+        data = self._raw.read(n)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def _locate_storages(f, path, size, prefix, infos, base: int = 0) -> dict:
     """Map storage key -> byte range of the member's data in the file.
 
     The element type is only known once the pickle names the storage's class (persistent_load).
@@ -237,7 +283,7 @@ def _locate_storages(f, path, size, prefix, infos) -> dict:
         if offset + info.file_size > size:
             raise CheckpointError(path, f"truncated: storage {key} ends at byte {offset + info.file_size} "
                                   f"but the file has {size}")
-        located[key] = _RawBytes(path, offset, info.file_size)
+        located[key] = _RawBytes(path, base + offset, info.file_size)
     return located
 
 

@@ -25,10 +25,8 @@ from reshard.formats.torchsave import TorchFile
 from reshard.targets import CopiedFile, Piece, TextFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-# The version our files claim when the source is not DeepSpeed: the one whose layout they mirror
-# (DeepSpeed asserts a ds_version and refuses ZeRO-1 files older than 0.3.17).
-WRITTEN_AS_VERSION = "0.19.8"
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+WRITES_DS_VERSION = "0.19.8"    # the DeepSpeed whose files this writer reproduces
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -118,7 +116,9 @@ class _Context:
         self.param_alignment = bool(zero_cfg.get("parameter_alignment", options.get("parameter_alignment")))
         self.sub_group_size = int(zero_cfg.get("sub_group_size", options.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
         self.states = list(target.states)
-        self.ds_version = catalog.state.get("ds_version", WRITTEN_AS_VERSION)
+        # A source not saved by DeepSpeed names no version; DeepSpeed asserts one and refuses ZeRO-1
+        # files older than 0.3.17, so say the version whose layout this writer follows.
+        self.ds_version = catalog.state.get("ds_version", WRITES_DS_VERSION)
 
     def numel(self, name: str) -> int:
         return math.prod(self.catalog.params[name].shape)

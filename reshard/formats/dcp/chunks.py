@@ -1,0 +1,186 @@
+"""Where each item of a DCP checkpoint is: `.metadata`'s storage locations checked against the
+`.distcp` files, and each chunk's torch.save archive parsed in place (torchzip with a span) to
+find its storage. What is missing or out of range becomes a catalog problem, one line naming
+the file; a hostile pickle anywhere is fatal (UnsafeCheckpointError).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import numpy as np
+
+from reshard.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTensor
+from reshard.dtypes import itemsize, numpy_carrier
+from reshard.errors import CheckpointError
+from reshard.formats import torchzip
+from reshard.formats.dcp.geometry import flat_runs
+from reshard.formats.torchzip import DType, TensorRef
+
+METADATA = ".metadata"
+RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
+MISSING = object()      # a value whose bytes could not be read (the reason is a catalog problem)
+
+
+class Chunks:
+    """Locates every item of `.metadata` in its `.distcp` file, checking paths and ranges."""
+
+    def __init__(self, root: str, meta, catalog: Catalog):
+        self.root, self.catalog = root, catalog
+        self.meta_path = os.path.join(root, METADATA)
+        self.by_fqn = {}
+        self.sizes = {}
+        for index, info in meta.storage_data.items():
+            self.by_fqn.setdefault(index.fqn, []).append((getattr(index, "offset", None), info))
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(self.meta_path, f"{index.fqn}: transformed (e.g. compressed) chunks "
+                                      f"({info.transform_descriptors}) are not supported")
+            self.sizes.setdefault(self._path(info), None)
+        for path in self.sizes:
+            try:
+                self.sizes[path] = os.path.getsize(path)
+            except OSError:
+                catalog.problem(path, "missing (named in .metadata)")
+
+    def world(self) -> int:
+        """How many ranks saved the checkpoint, from the `__<rank>_<n>.distcp` names."""
+        ranks = [rank_of(path) for path in self.sizes]
+        return max((r for r in ranks if r is not None), default=0) + 1
+
+    def _path(self, info) -> str:
+        rel = info.relative_path
+        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") \
+                or not isinstance(info.offset, int) or not isinstance(info.length, int):
+            raise CheckpointError(self.meta_path, f"chunk location {rel!r:.80} escapes the checkpoint directory "
+                                  "or is malformed")
+        return os.path.join(self.root, rel)
+
+    def signature(self, key: str, entry) -> tuple | None:
+        """Where every chunk of an entry is, with its dtype and box: equal only for shared bytes."""
+        out = [dtype_of(entry, self.meta_path, key), tuple(entry.size)]
+        for chunk in entry.chunks:
+            path, info = self._located(key, chunk.offsets)
+            if path is None:
+                return None
+            out.append((tuple(chunk.offsets), tuple(chunk.sizes), path, info.offset, info.length))
+        return tuple(out) if len(out) > 2 else None
+
+    def _located(self, key: str, offset=None):
+        for saved_offset, info in self.by_fqn.get(key, ()):
+            if offset is None or tuple(saved_offset or ()) == tuple(offset):
+                return self._path(info), info
+        return None, None
+
+    def _span_problem(self, key, path, info) -> str | None:
+        """What is wrong with the byte range of an item, if anything."""
+        size = self.sizes.get(path)
+        if size is None:
+            return "missing (named in .metadata)"
+        if info.offset < 0 or info.length <= 0 or info.offset + info.length > size:
+            return (f"truncated or wrong offsets: {key} lies at bytes [{info.offset}, "
+                    f"{info.offset + info.length}) of a {size}-byte file")
+        return None
+
+    def _span(self, key, path, info) -> bool:
+        problem = self._span_problem(key, path, info)
+        if problem and self.sizes.get(path) is not None:    # a missing file is already a problem
+            self.catalog.problem(path, problem)
+        return problem is None
+
+    def _item(self, key):
+        """(path, info) of a one-chunk item (a value, a step); None (a problem noted) if unreadable."""
+        path, info = self._located(key)
+        if path is None:
+            self.catalog.problem(self.meta_path, f"{key}: no storage location")
+            return None, None
+        return (path, info) if self._span(key, path, info) else (None, None)
+
+    def tensor(self, key: str, entry, name: str, state: str) -> LogicalTensor:
+        dtype = dtype_of(entry, self.meta_path, key)
+        shape = tuple(int(d) for d in entry.size)
+        tensor = self.catalog.add(LogicalTensor(name, state, shape, dtype))
+        for chunk in entry.chunks:
+            offsets = tuple(int(o) for o in chunk.offsets)
+            sizes = tuple(int(s) for s in chunk.sizes)
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or \
+                    any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+                self.catalog.problem(self.meta_path, f"{key}: chunk at {offsets} of size {sizes} lies outside "
+                                     f"the tensor's shape {shape}")
+                continue
+            if not math.prod(sizes):
+                continue
+            path, info = self._located(key, offsets)
+            if path is None:
+                self.catalog.problem(self.meta_path, f"{key}: no storage location for the chunk at {offsets}")
+                continue
+            if not self._span(key, path, info):
+                continue
+            ref = self._ref(key, path, info)
+            if ref is None:
+                continue
+            if ref.dtype != dtype or ref.shape != sizes or not ref.is_contiguous():
+                self.catalog.problem(path, f"{key}: the chunk at byte {info.offset} holds "
+                                     f"{ref.dtype}{list(ref.shape)}, "
+                                     f".metadata says {dtype}{list(sizes)} (contiguous)")
+                continue
+            rank = rank_of(info.relative_path)
+            for start, count, elem in flat_runs(shape, offsets, sizes):
+                tensor.fragments.append(Fragment(start, start + count, ref.storage,
+                                                 ref.storage_offset + elem, rank))
+        return tensor
+
+    def _ref(self, key, path, info):
+        try:
+            ref = torchzip.load(path, span=(info.offset, info.length))
+        except CheckpointError as e:
+            if isinstance(e, torchzip.UnsafeCheckpointError):
+                raise
+            self.catalog.problem(path, f"{key}: damaged chunk at byte {info.offset} ({e.problem})")
+            return None
+        if not isinstance(ref, TensorRef):
+            self.catalog.problem(path, f"{key}: the chunk at byte {info.offset} is not a tensor")
+            return None
+        return ref
+
+    def scalar(self, key: str, entry) -> ScalarTensor | None:
+        """A one-element tensor (an optimizer `step`): its value is read, 8 bytes at most."""
+        dtype = dtype_of(entry, self.meta_path, key)
+        path, info = self._item(key)
+        if path is None:
+            return None
+        ref = torchzip.load(path, span=(info.offset, info.length))
+        if not isinstance(ref, TensorRef) or ref.numel != 1 or ref.dtype != dtype:
+            raise CheckpointError(path, f"{key}: the step counter is not a one-element {dtype} tensor")
+        with open(path, "rb") as f:
+            f.seek(ref.storage.offset + ref.storage_offset * itemsize(ref.dtype))
+            raw = f.read(itemsize(ref.dtype))
+        if dtype == "bfloat16":
+            raw, dtype = b"\0\0" + raw, "float32"
+        return ScalarTensor(float(np.frombuffer(raw, dtype=numpy_carrier(dtype))[0]), ref.dtype)
+
+    def value(self, key: str):
+        path, info = self._item(key)
+        if path is None:
+            return MISSING
+        value = torchzip.load(path, span=(info.offset, info.length))
+        if isinstance(value, TensorRef):
+            raise CheckpointError(path, f"{key}: a tensor-valued hyper-parameter is not supported")
+        return value
+
+    def files(self) -> list:
+        out = [FileInfo(METADATA, "metadata", None, os.path.getsize(self.meta_path))]
+        for path, size in sorted(self.sizes.items()):
+            out.append(FileInfo(os.path.relpath(path, self.root), "distcp", rank_of(path), size or 0))
+        return out
+
+def rank_of(path: str):
+    found = RANK_FILE.search(path)
+    return int(found.group(1)) if found else None
+
+def dtype_of(entry, meta_path, key) -> str:
+    props = getattr(entry, "properties", None)
+    dtype = getattr(props, "dtype", None)
+    if not isinstance(dtype, DType):
+        raise CheckpointError(meta_path, f"{key}: no dtype in its tensor properties")
+    return dtype.name

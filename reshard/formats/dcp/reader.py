@@ -1,0 +1,195 @@
+"""A DCP directory -> Catalog, from `.metadata` and each chunk archive's zip directory only.
+
+Every tensor chunk is a box (offsets, sizes) of the global tensor stored as a torch.save zip at
+[offset, offset + length) of a `.distcp` file; we parse that zip in place (torchzip with a span)
+to find where its one storage starts, and cut the box into the flat row-major runs the Catalog
+holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`:
+
+  [model.]<fqn>                         -> (fqn, MODULE), and (fqn, MASTER) for an fp32 trainable param
+  optim.state.<fqn>.<state>             -> (fqn, state)
+  optim.state.<fqn>.step                -> group_scalars[group]["step"] (equal within the group)
+  optim.param_groups.<g>.<hyper|params> -> param_groups  (default get_state_dict)
+  optim.param_groups.<fqn>.<hyper>      -> param_groups  (flatten_optimizer_state_dict=True)
+
+DCP does not record which model entries are buffers, frozen params or tied names. An entry the
+optimizer does not name is taken for a frozen param when it is floating and either sharded
+(FSDP cuts params over the ranks; buffers are replicated, so DCP saves them as one whole chunk)
+or saved by a single rank; otherwise for a buffer. A tied name looks like a frozen param.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor
+from reshard.dtypes import is_floating
+from reshard.errors import CheckpointError
+from reshard.formats.dcp import metadata as md
+from reshard.formats.dcp.chunks import METADATA, MISSING, RANK_FILE, Chunks
+from reshard.layout import Layout
+
+OPTIM_PREFIXES = ("optim.", "optimizer.")
+_ADAM_STATES = {"exp_avg", "exp_avg_sq"}
+
+
+def sniff(path: str, tag: str | None) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return True
+    return any(RANK_FILE.search(n) for n in os.listdir(path))
+
+
+def read(path: str, tag: str | None = None) -> Catalog:
+    root = os.path.abspath(path)
+    meta_path = os.path.join(root, METADATA)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
+    meta = md.read(meta_path)
+    catalog = Catalog(root, "dcp", Layout(dp=1), save_dir=root)
+    chunks = Chunks(root, meta, catalog)
+    values, model, optim = {}, {}, {}
+    for key, entry in meta.state_dict_metadata.items():     # types checked by md.read
+        if isinstance(entry, md.BytesStorageMetadata):
+            values[key] = entry
+        elif key.startswith(tuple(p + "state." for p in OPTIM_PREFIXES)):
+            optim[key] = entry
+        else:
+            model[key] = entry
+    model_names = _model_names(model)
+    other = [k for k in meta.state_dict_metadata if k not in model_names and k not in optim
+             and not k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))]
+    model = {k: v for k, v in model.items() if k in model_names}
+    groups = _param_groups(meta, values, chunks, meta_path)
+    group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
+    catalog.param_groups = groups
+    world = chunks.world()
+    catalog.aliases = _ties(model, model_names, group_of, chunks)
+    for key, entry in model.items():
+        name = model_names[key]
+        if name in catalog.aliases:
+            catalog.order.append(name)
+            continue
+        tensor = chunks.tensor(key, entry, name, MODULE)
+        trainable = name in group_of
+        sharded = len(entry.chunks) > 1 or world == 1
+        kind = "trainable" if trainable else ("frozen" if is_floating(tensor.dtype) and sharded else "buffer")
+        catalog.params[name] = ParamInfo(name, tensor.shape, kind, group_of.get(name))
+        catalog.order.append(name)
+        if trainable and tensor.dtype == "float32":
+            catalog.add(LogicalTensor(name, MASTER, tensor.shape, tensor.dtype, list(tensor.fragments)))
+    for name in group_of:
+        if name not in catalog.params:
+            catalog.problem(meta_path, f"the optimizer names {name}, which the model state dict lacks")
+    steps = [dict() for _ in groups]
+    for key, entry in optim.items():
+        fqn, _, state = key.split(".", 2)[2].rpartition(".")
+        if fqn not in group_of:
+            catalog.problem(meta_path, f"{key}: optimizer state of a parameter no param group holds")
+            continue
+        if state == "step" and not entry.size:
+            step = chunks.scalar(key, entry)
+            if step is not None:
+                steps[group_of[fqn]][fqn] = step
+        else:
+            chunks.tensor(key, entry, fqn, state)
+    catalog.group_scalars = [_group_step(meta_path, g, s, catalog) for g, s in enumerate(steps)]
+    catalog.files = chunks.files()
+    _finish(catalog, world)
+    catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
+    return catalog
+
+
+def _ties(model: dict, names: dict, group_of: dict, chunks) -> dict:
+    """{tied name: holder}: model entries whose chunks are the very same bytes (as reshard writes a
+    tied weight). The holder is the one the optimizer names, else the first in model order."""
+    by_bytes = {}
+    for key, entry in model.items():
+        where = chunks.signature(key, entry)
+        if where:
+            by_bytes.setdefault(where, []).append(names[key])
+    ties = {}
+    for tied in by_bytes.values():
+        holder = next((n for n in tied if n in group_of), tied[0])
+        ties.update({n: holder for n in tied if n != holder})
+    return ties
+
+
+def _model_names(model: dict) -> dict:
+    """Flat key -> FQN of the model's tensors: those under "model." ({"model": get_state_dict(...)[0]},
+    other top-level entries being someone else's), else every tensor outside the optimizer."""
+    if any(k.startswith("model.") for k in model):
+        return {k: k[len("model."):] for k in model if k.startswith("model.")}
+    return {k: k for k in model}
+
+
+def _param_groups(meta, values: dict, chunks, meta_path) -> list:
+    """Optimizer param groups from the value entries, in either of get_state_dict's spellings."""
+    planner = meta.planner_data if isinstance(getattr(meta, "planner_data", None), dict) else {}
+    indexed, by_fqn = {}, {}
+    for key in values:
+        prefix = next((p for p in OPTIM_PREFIXES if key.startswith(p + "param_groups.")), None)
+        if prefix is None:
+            continue
+        rest = key[len(prefix + "param_groups."):]
+        path = planner.get(key)
+        value = chunks.value(key)
+        if value is MISSING:
+            continue
+        head, _, tail = rest.partition(".")
+        if isinstance(path, tuple) and len(path) == 4 and isinstance(path[2], int):
+            indexed.setdefault(path[2], {})[path[3]] = value
+        elif not path and head.isdigit() and f"{prefix}param_groups.{head}.params" in values:
+            indexed.setdefault(int(head), {})[tail] = value     # no planner_data: the index spelling
+        else:
+            fqn, _, hyper = rest.rpartition(".")
+            by_fqn.setdefault(fqn, {})[hyper] = value
+    groups = [indexed[g] for g in sorted(indexed)]
+    for g, group in enumerate(groups):
+        if not isinstance(group.get("params"), list):
+            chunks.catalog.problem(meta_path, f"param group {g} has no readable list of parameter names")
+            group["params"] = []
+        group["params"] = [str(p) for p in group["params"]]
+    for fqn, hyper in by_fqn.items():     # flattened: one entry per param; equal hyper-params = one group
+        for group in groups:
+            if {k: v for k, v in group.items() if k != "params"} == hyper:
+                group["params"].append(fqn)
+                break
+        else:
+            groups.append({**hyper, "params": [fqn]})
+    return groups
+
+
+def _group_step(meta_path, g: int, steps: dict, catalog) -> dict:
+    values = {(s.value, s.dtype) for s in steps.values()}
+    if not values:
+        return {}
+    if len(values) > 1:
+        catalog.problem(meta_path, f"param group {g} has unequal per-parameter step counters "
+                        f"{sorted(v for v, _ in values)}; reshard keeps one step per group")
+    value, dtype = min(values)
+    return {"step": ScalarTensor(value, dtype)}
+
+
+def _finish(catalog: Catalog, world: int) -> None:
+    trainable = [p for p in catalog.params.values() if p.kind == "trainable"]
+    states = catalog.optimizer_states()
+    optimizer = ""
+    if states and set(states) == _ADAM_STATES:
+        decoupled = any(g.get("decoupled_weight_decay") for g in catalog.param_groups)
+        optimizer = "AdamW" if decoupled else "Adam"
+    elif states == ["momentum_buffer"]:
+        optimizer = "SGD"
+    steps = {s["step"].value for s in catalog.group_scalars if "step" in s}
+    step = steps.pop() if len(steps) == 1 else None
+    step = int(step) if step is not None and float(step).is_integer() else None
+    weights = {catalog.tensors[(p.name, MODULE)].dtype for p in trainable}
+    catalog.layout = Layout(dp=world, zero=0,
+                            dtype=weights.pop() if len(weights) == 1 else "float32",
+                            optimizer=optimizer, states=states,
+                            params=sum(p.kind != "buffer" for p in catalog.params.values()),
+                            elements=sum(math.prod(p.shape) for p in catalog.params.values() if p.kind != "buffer"),
+                            step=step)
+    catalog.state["tag"] = f"global_step{step}" if step is not None else "dcp"
+    if step is not None:
+        catalog.state["global_steps"] = step

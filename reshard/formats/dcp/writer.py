@@ -1,0 +1,185 @@
+"""Catalog x target Layout -> a DCP directory that `torch.distributed.checkpoint.load` reads.
+
+Keys are those `get_state_dict(model, optimizer)` gives and `dcp.save({"model": ..., "optim": ...})`
+flattens (torch's `flatten_state_dict`): `model.<fqn>` for every state_dict entry (a tied name
+too, as torch keeps both), `optim.state.<fqn>.<state>` and `.step` for every trainable param,
+`optim.param_groups.<g>.<hyper>` and `optim.param_groups.<g>.params` (the group's FQNs).
+A tied name's chunks point at its holder's bytes: torch loads both keys from them, and our reader
+recognises the tie (a real FSDP save writes the bytes twice and the tie is lost).
+Weights are the fp32 master copy where there is one (the optimizer's view of the param), frozen
+params and buffers as saved. Every tensor is cut along dim 0 the way FSDP2 shards it over the
+target's dp ranks, rank r's chunks in `__r_0.distcp`; values go to rank 0's file. `.metadata`,
+DCP's commit marker, is written last by the executor (texts follow the data files).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.dtypes import itemsize
+from reshard.errors import ReshardError
+from reshard.formats.dcp import metadata as md
+from reshard.formats.dcp.chunks import METADATA
+from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
+from reshard.formats.torchsave import pickle_tree
+from reshard.formats.torchzip import Size
+from reshard.layout import Layout
+from reshard.targets import NewTensor, Piece, TensorFile, TextFile
+
+MODEL, OPTIM = "model", "optim"
+
+
+@dataclass
+class DistcpFile(TensorFile):
+    """A `.distcp` file: items (tensor chunks and pickled values) end to end, each a torch.save zip."""
+    items: list = field(default_factory=list)    # ["value", None, n] | ["chunk", slot key, n]
+    fixed: list = field(default_factory=list)    # each item's fixed bytes
+    size: int = 0                                # bytes so far = the next item's offset
+    container = "distcp"
+
+    def add_chunk(self, dtype: str, shape: tuple, pieces: list) -> tuple:
+        slot = self.slot(dtype, shape, pieces)
+        data_pkl = pickle_tree(NewTensor("0", dtype, tuple(shape)))
+        return self._append("chunk", slot.key, data_pkl, Archive(data_pkl, slot.nbytes).length)
+
+    def add_value(self, value) -> tuple:
+        blob = Archive(pickle_tree(value)).whole()
+        return self._append("value", None, blob, len(blob))
+
+    def _append(self, kind, key, fixed: bytes, length: int) -> tuple:
+        self.items.append([kind, key, len(fixed)])
+        self.fixed.append(fixed)
+        offset, self.size = self.size, self.size + length
+        return offset, length
+
+    def header(self) -> bytes:
+        return b"".join(self.fixed)
+
+    def writer_options(self) -> dict:
+        return {"items": self.items}
+
+
+def file_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    if target.tp != 1 or target.pp != 1:
+        raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
+    files = [DistcpFile(file_name(r)) for r in range(target.dp)]
+    out = _Metadata()
+    written = {}        # source (name, state) -> its chunks' locations, for a tied name to share
+    for key, name, source, shape, dtype, ranks in _tensors(catalog, target.dp):
+        if name in catalog.aliases and source in written:
+            for chunk in written[source]:        # the same bytes: the reader sees the tie again
+                out.chunk(key, shape, dtype, *chunk)
+            continue
+        written[source] = []
+        for rank, (rows, pieces, chunk_shape) in enumerate(_row_blocks(key, shape, dtype, source, ranks)):
+            if pieces is None:
+                continue
+            offset, length = files[rank].add_chunk(dtype, chunk_shape, pieces)
+            chunk = ((rows,) + (0,) * (len(shape) - 1) if shape else (), chunk_shape, files[rank].path, offset, length)
+            written[source].append(chunk)
+            out.chunk(key, shape, dtype, *chunk)
+    for key, path, value in _values(catalog):
+        offset, length = files[0].add_value(value)
+        out.value(key, path, files[0].path, offset, length)
+    return [f for f in files if f.items] + [TextFile(METADATA, md.dumps(out.build(tag)))]
+
+
+def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
+    return None     # a DCP checkpoint says nothing about the batch size
+
+
+def _tensors(catalog: Catalog, dp: int):
+    """(key, fqn, source (name, state) or ScalarTensor, shape, dtype, ranks sharing it) in
+    get_state_dict's order. Params and their states are sharded over dp; FSDP2 replicates
+    buffers and one-element steps, which DCP then saves once."""
+    for name in catalog.order:
+        holder = catalog.aliases.get(name, name)
+        info = catalog.params[holder]
+        source = (holder, MASTER) if info.kind == "trainable" and (holder, MASTER) in catalog.tensors \
+            else (holder, MODULE)
+        if source not in catalog.tensors:
+            raise ReshardError(f"{catalog.root}: no weights for {name} ({source[1]}) to write")
+        yield (f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype,
+               1 if info.kind == "buffer" else dp)
+    for g, group in enumerate(catalog.param_groups):
+        step = (catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}).get("step")
+        for name in group["params"]:
+            if step is not None:
+                value = step if isinstance(step, ScalarTensor) else ScalarTensor(float(step), "float32")
+                yield f"{OPTIM}.state.{name}.step", name, value, (), value.dtype, 1
+            for state in catalog.optimizer_states():
+                tensor = catalog.tensors.get((name, state))
+                if tensor is not None:
+                    yield (f"{OPTIM}.state.{name}.{state}", name, tensor.key, tuple(tensor.shape), tensor.dtype,
+                           dp)
+
+
+def _values(catalog: Catalog):
+    """(key, planner path, value) of every optimizer hyper-parameter, then each group's FQNs."""
+    for g, group in enumerate(catalog.param_groups):
+        for hyper, value in group.items():
+            if hyper != "params":
+                yield f"{OPTIM}.param_groups.{g}.{hyper}", (OPTIM, "param_groups", g, hyper), value
+        yield f"{OPTIM}.param_groups.{g}.params", (OPTIM, "param_groups", g, "params"), list(group["params"])
+
+
+def _row_blocks(key, shape, dtype, source, dp):
+    """Per rank: (first row, pieces, chunk shape), FSDP2's dim-0 cut (torch.chunk); None when empty."""
+    if isinstance(source, ScalarTensor):
+        return [(0, [Piece(1, None, value=source.value)], ())]
+    if not shape:
+        return [(0, [Piece(1, source, 0)], ())]
+    rows, row = shape[0], math.prod(shape[1:])
+    per_rank = math.ceil(rows / dp) if rows else 0
+    if row * itemsize(dtype) * per_rank > CHUNK_LIMIT:
+        raise ReshardError(f"{key}: a shard of {row * per_rank * itemsize(dtype)} bytes is larger than "
+                           f"{CHUNK_LIMIT} bytes (ZIP64 chunks are not written yet); use more ranks")
+    out = []
+    for rank in range(dp):
+        first, last = min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank)
+        if last <= first:
+            out.append((first, None, None))
+            continue
+        count = (last - first) * row
+        out.append((first, [Piece(count, source, first * row)], (last - first,) + tuple(shape[1:])))
+    return out
+
+
+class _Metadata:
+    """DCP's Metadata, built up chunk by chunk."""
+
+    def __init__(self):
+        self.entries, self.storage, self.planner = {}, {}, {}
+
+    def chunk(self, key, shape, dtype, offsets, sizes, path, offset, length):
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = md.TensorStorageMetadata(md.tensor_properties(dtype), Size(shape), [])
+            self.planner[key] = _planner_path(key)
+        index = md.MetadataIndex(key, Size(offsets), len(entry.chunks))
+        entry.chunks.append(md.ChunkStorageMetadata(Size(offsets), Size(sizes)))
+        self.storage[index] = md.StorageInfo(path, offset, length)
+
+    def value(self, key, planner_path, path, offset, length):
+        self.entries[key] = md.BytesStorageMetadata()
+        self.planner[key] = planner_path
+        self.storage[md.MetadataIndex(key, None, None)] = md.StorageInfo(path, offset, length)
+
+    def build(self, tag: str) -> md.Metadata:
+        return md.Metadata(self.entries, self.planner, self.storage,
+                           md.StorageMeta(None, f"reshard-{tag}", None, []), "1.0.0")
+
+
+def _planner_path(key: str) -> tuple:
+    """flatten_state_dict's record of where a flat key sits in the nested state dict."""
+    head, _, rest = key.partition(".")
+    if head == OPTIM:
+        _, _, rest = rest.partition(".")             # "state."
+        fqn, _, state = rest.rpartition(".")
+        return (OPTIM, "state", fqn, state)
+    return (MODEL, rest)

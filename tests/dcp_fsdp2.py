@@ -1,0 +1,112 @@
+"""The real PyTorch clients of a DCP checkpoint, run under torchrun (CPU, gloo): FSDP2 + torch.optim.
+
+    torchrun --nproc_per_node N tests/dcp_fsdp2.py load JOBS.json
+    torchrun --nproc_per_node N tests/dcp_fsdp2.py train DCP_DIR TRUTH.pt
+
+`load`: for each job {"dcp", "out", "tied", "frozen", "two_groups", "optimizer", "hyper"} every
+rank builds the fixture model (tools/fixture_model.py), shards it with `fully_shard`, makes the
+optimizer over the same param groups (with a deliberately wrong lr, which the checkpoint must
+replace), and loads the checkpoint the documented way: `get_state_dict` -> `dcp.load` ->
+`set_state_dict`. Rank 0 then torch.saves the gathered full state (params, buffers, optimizer
+state and param groups) to "out" for the test to compare.
+
+`train`: a few Adam steps of the untied fixture model under FSDP2, then `dcp.save` of
+{"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt. Also
+DCP_DIR-boxes: DTensors cut into column shards and into a 2x2 grid (boxes no dim-0 shard
+gives), with their full values in TRUTH.pt under "boxes".
+"""
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,  # noqa: E402
+                                                     set_state_dict)
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from fixture_model import build_model, make_batch, param_groups  # noqa: E402
+
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+
+
+def make(job):
+    model = build_model(tied=job.get("tied", False), frozen=job.get("frozen", False))
+    fully_shard(model)
+    groups, _ = param_groups(model, two_groups=job.get("two_groups", False))
+    if not job.get("two_groups"):
+        groups = [{"params": groups}]
+    hyper = job.get("hyper") or [{} for _ in groups]
+    for group, h in zip(groups, hyper):
+        group.update(h)
+    cls = OPTIMIZERS[job.get("optimizer", "AdamW")]
+    kwargs = {"momentum": 0.9} if cls is torch.optim.SGD else {}
+    return model, cls(groups, lr=job.get("lr", 0.01), **kwargs)
+
+
+def gathered(model, optim):
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, optim, options=full)
+    return {"model": {k: v.clone() for k, v in msd.items()}, "optim": osd}
+
+
+def load(jobs_path):
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        # a wrong lr: the checkpoint's param groups must replace it
+        model, optim = make({**job, "lr": 123.0, "hyper": [{k: v for k, v in h.items() if k != "lr"}
+                                                             for h in job.get("hyper") or []] or None})
+        msd, osd = get_state_dict(model, optim)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=job["dcp"])
+        set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+        result = gathered(model, optim)
+        if dist.get_rank() == 0:
+            torch.save(result, job["out"])
+        dist.barrier()
+
+
+def train(dcp_dir, truth_path, steps=3):
+    model, optim = make({"optimizer": "Adam", "lr": 0.01})
+    rank = dist.get_rank()
+    for step in range(steps):
+        loss = model(make_batch(step, rank))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+    result = gathered(model, optim)
+    result["boxes"] = save_boxes(dcp_dir + "-boxes")
+    if rank == 0:
+        torch.save(result, truth_path)
+    dist.barrier()
+
+
+def save_boxes(path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    full = {"cols": torch.arange(5 * 12, dtype=torch.float32).reshape(5, 12) / 7,
+            "grid": torch.arange(6 * 8 * 3, dtype=torch.float32).reshape(6, 8, 3) - 50}
+    line = init_device_mesh("cpu", (dist.get_world_size(),))
+    grid = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("a", "b"))
+    state = {"cols": distribute_tensor(full["cols"], line, [Shard(1)]),
+             "grid": distribute_tensor(full["grid"], grid, [Shard(0), Shard(1)])}
+    dcp.save({"model": state}, checkpoint_id=path)
+    return full
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        if sys.argv[1] == "load":
+            load(sys.argv[2])
+        else:
+            train(sys.argv[2], sys.argv[3])
+    finally:
+        dist.destroy_process_group()

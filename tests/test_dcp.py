@@ -1,0 +1,479 @@
+"""PyTorch Distributed Checkpoint (DCP): reshard reads what torch writes and torch reads what reshard writes.
+
+Inputs come from the real library (`dcp.save` in one process, FSDP2 under torchrun) and the real
+DeepSpeed fixtures; outputs are proven by the real consumers: `torch.distributed.checkpoint.load`
+into FSDP2 models and optimizers at 2 and 3 ranks (tests/dcp_fsdp2.py), torch's own
+`dcp_to_torch_save`, and DeepSpeed's `engine.load_checkpoint` (tests/dcp_deepspeed_resume.py).
+"""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import reshard
+from reshard.errors import ReshardError
+from conftest import REPO, fixture_dir, run_cli, truth_json, truth_tensors
+
+sys.path.insert(0, str(REPO / "tools"))
+from make_hostile import Payload  # noqa: E402
+
+# fp32 ZeRO-1/2/3, bf16 (ZeRO-3, ZeRO-1, BF16_Optimizer), SGD, two param groups with frozen and tied params
+FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z1_bf16_frozen_tied_dp2",
+                    "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2", "z2_fp32_sgd_dp2"]
+
+
+def _torchrun(world, *args, port):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _dcp_to_torch_save(src, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = tmp_path / f"{os.path.basename(src)}-torch.pt"
+    dcp_to_torch_save(str(src), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _exported(src, out, with_optimizer=True):
+    from safetensors.torch import load_file
+    run_cli("export", src, out, *(["--with-optimizer"] if with_optimizer else []), "--quiet", check=0)
+    if not with_optimizer:
+        return load_file(str(out / "model.safetensors")), {}, {}
+    info = json.loads((out / "optimizer.json").read_text())
+    states = {s: load_file(str(out / f)) for s, f in info["states"].items()}
+    return load_file(str(out / "model.safetensors")), states, info
+
+
+def _assert_same_as_export(sd, src, tmp_path, aliases=None):
+    """Every tensor of a dcp_to_torch_save state dict bit-equal to reshard's export of `src`."""
+    weights, states, info = _exported(src, tmp_path / "export", "optim" in sd)
+    aliases = aliases or {}
+    assert sorted(sd["model"]) == sorted(set(weights) | set(aliases))
+    for name, value in sd["model"].items():
+        expected = weights[aliases.get(name, name)]
+        # export writes floats as fp32 (its default --dtype); a bf16 frozen param widens exactly
+        assert torch.equal(value.to(expected.dtype), expected) and value.shape == expected.shape, name
+    if "optim" not in sd:
+        return
+    compared = 0
+    for name, per_param in sd["optim"]["state"].items():
+        for state, value in per_param.items():
+            if state == "step":
+                group = next(g for g in info["param_groups"] if name in g["params"])
+                assert float(value) == group["step"], name
+            else:
+                assert torch.equal(value, states[state][name]), (name, state)
+                compared += 1
+    assert compared == sum(len(s) for s in states.values())
+    hyper = [{k: v for k, v in g.items() if k not in ("step",)} for g in info["param_groups"]]
+    assert json.loads(json.dumps(sd["optim"]["param_groups"])) == hyper
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a real dcp.save
+
+
+def _real_save(out, variant):
+    """A real `dcp.save` (one process) of the fixture model and AdamW after two steps, keyed as
+    `variant` says: "nested" {"model": ..., "optim": ...} (get_state_dict's defaults), "flat_optim"
+    (flatten_optimizer_state_dict=True, two param groups), "no_prefix" (model keys at the top)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from fixture_model import build_model, make_batch, param_groups
+
+    model = build_model(tied=True)
+    groups, _ = param_groups(model, two_groups=variant == "flat_optim")
+    optim = torch.optim.AdamW(groups, lr=0.01)
+    for step in range(2):
+        model(make_batch(step, 0)).backward()
+        optim.step()
+        optim.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=variant == "flat_optim")
+    msd, osd = get_state_dict(model, optim, options=options)
+    state = {**msd, "optim": osd} if variant == "no_prefix" else {"model": msd, "optim": osd}
+    dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    return out, msd, get_state_dict(model, optim)[1]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _real_save(tmp_path_factory.mktemp("dcp") / "saved", "nested")
+
+
+@pytest.mark.parametrize("variant", ["nested", "flat_optim", "no_prefix"])
+def test_reads_a_real_dcp_save(variant, tmp_path):
+    path, msd, osd = _real_save(tmp_path / variant, variant)
+    catalog = reshard.open_checkpoint(path)
+    assert catalog.format == "dcp" and catalog.layout.optimizer == "AdamW" and catalog.layout.step == 2
+    assert reshard.validate(catalog).ok
+    assert catalog.order == list(msd)
+    for name, value in msd.items():
+        assert torch.equal(reshard.full_tensor(catalog, name, "module"), value), name
+    for name, per_param in osd["state"].items():
+        assert torch.equal(reshard.full_tensor(catalog, name, "fp32"), msd[name])
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(reshard.full_tensor(catalog, name, state), per_param[state]), (name, state)
+    assert catalog.group_scalars == [{"step": reshard.catalog.ScalarTensor(2.0, "float32")}] * len(osd["param_groups"])
+    assert [{k: v for k, v in g.items()} for g in catalog.param_groups] == osd["param_groups"]
+    assert catalog.aliases == {} and catalog.params["head.weight"].kind == "frozen"   # DCP does not say it is tied
+
+
+def test_param_groups_are_found_without_planner_data(saved, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(saved[0], src)
+    _edit_metadata(src, lambda meta: setattr(meta, "planner_data", None))
+    assert reshard.open_checkpoint(src).param_groups == reshard.open_checkpoint(saved[0]).param_groups == \
+        saved[2]["param_groups"]
+
+
+def test_unequal_steps_within_a_group_are_reported(saved, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(saved[0], src)
+    _append_value(src, "optim.state.l1.bias.step", _torch_saved(torch.tensor(5.0)))
+    proc = run_cli("validate", src)
+    assert proc.returncode == 1 and "unequal per-parameter step counters [2.0, 5.0]" in proc.stdout, proc.stdout
+    assert run_cli("convert", src, tmp_path / "out", "--format", "dcp").returncode == 1
+
+
+def test_export_of_a_real_dcp_save_equals_dcp_to_torch_save(saved, tmp_path):
+    path, _, _ = saved
+    sd = _dcp_to_torch_save(path, tmp_path)
+    _assert_same_as_export(sd, path, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing DCP from DeepSpeed fixtures
+
+
+@pytest.mark.parametrize("name", ["z2_fp32_frozen_tied_dp2", "z3_bf16_dp2", "z1_fp32_dp4", "z2_fp32_sgd_dp2"])
+def test_dcp_to_torch_save_of_our_output_equals_our_export(name, tmp_path):
+    dst = tmp_path / "dcp"
+    run_cli("convert", fixture_dir(name), dst, "--format", "dcp", "--quiet", check=0)
+    assert (dst / ".metadata").is_file() and sorted(p.name for p in dst.glob("*.distcp"))
+    sd = _dcp_to_torch_save(dst, tmp_path)
+    _assert_same_as_export(sd, fixture_dir(name), tmp_path, truth_json(name)["tied"])
+
+
+def test_our_metadata_is_torchs_metadata_and_reads_back(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+    source = reshard.open_checkpoint(fixture_dir("z3_fp32_frozen_tied_dp2"))
+    dst = tmp_path / "dcp3"
+    run_cli("convert", fixture_dir("z3_fp32_frozen_tied_dp2"), dst, "--format", "dcp", "--to", "dp=3", "--quiet",
+            check=0)
+    meta = FileSystemReader(str(dst)).read_metadata()
+    assert isinstance(meta, Metadata)
+    weight = meta.state_dict_metadata["model.emb.weight"]
+    assert isinstance(weight, TensorStorageMetadata) and weight.size == torch.Size([37, 12])
+    assert [tuple(c.offsets) for c in weight.chunks] == [(0, 0), (13, 0), (26, 0)]   # FSDP2's dim-0 cut
+    assert sorted(p.name for p in dst.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    # .metadata, the commit marker, is written after the data files
+    assert all(os.stat(dst / ".metadata").st_mtime_ns >= os.stat(p).st_mtime_ns for p in dst.glob("*.distcp"))
+    back = reshard.open_checkpoint(dst)
+    assert reshard.validate(back).ok and back.layout.dp == 3
+    # the tied name points at its holder's bytes, so the tie comes back; frozen params and buffers too
+    assert back.aliases == source.aliases == {"head.weight": "emb.weight"}
+    assert meta.storage_data[MetadataIndex("model.head.weight", [13, 0])] == \
+        meta.storage_data[MetadataIndex("model.emb.weight", [13, 0])]
+    assert {n: p.kind for n, p in back.params.items()} == {n: p.kind for n, p in source.params.items()}
+    for (name, state), tensor in source.tensors.items():
+        assert torch.equal(reshard.full_tensor(back, name, state).to(tensor_dtype(tensor)),
+                           reshard.full_tensor(source, name, state)), (name, state)
+
+
+def tensor_dtype(tensor):
+    return getattr(torch, tensor.dtype)
+
+
+def test_validate_proves_the_chunks_tile_each_tensor(tmp_path):
+    """Move one chunk of emb.weight up a row: one row held twice, the last row missing."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    dst = tmp_path / "dcp"
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), dst, "--format", "dcp", "--to", "dp=2", "--quiet", check=0)
+
+    def shift(meta):
+        chunk = meta.state_dict_metadata["model.emb.weight"].chunks[1]
+        info = meta.storage_data.pop(MetadataIndex("model.emb.weight", chunk.offsets))
+        chunk.offsets = torch.Size([chunk.offsets[0] - 1, 0])
+        meta.storage_data[MetadataIndex("model.emb.weight", chunk.offsets, 1)] = info
+    _edit_metadata(dst, shift)
+    proc = run_cli("validate", dst)
+    assert proc.returncode == 1, proc.stdout
+    for state in ("module", "fp32"):      # the fp32 master is the same bytes as the module entry
+        assert f"emb.weight ({state}, 444 elements): 12 elements missing, at [432, 444)" in proc.stdout
+        assert f"emb.weight ({state}, 444 elements): 12 elements held more than once, at [216, 228)" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile and broken DCP directories
+
+
+def _edit_metadata(path, edit):
+    meta_path = path / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _first_info(meta):
+    return next(iter(meta.storage_data.values()))
+
+
+def _append_value(path, key, blob):
+    """Point `key`'s storage location at `blob`, appended to __0_0.distcp."""
+    distcp = path / "__0_0.distcp"
+    offset = os.path.getsize(distcp)
+    with open(distcp, "ab") as f:
+        f.write(blob)
+
+    def edit(meta):
+        info = next(i for index, i in meta.storage_data.items() if index.fqn == key)
+        info.relative_path, info.offset, info.length = "__0_0.distcp", offset, len(blob)
+    _edit_metadata(path, edit)
+
+
+def _torch_saved(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _hostile_cases(canary):
+    return {
+        "value_os_system": ("__0_0.distcp", "system", lambda p: _append_value(
+            p, "optim.param_groups.0.lr", _torch_saved(Payload(os.system, f"touch {canary}")))),
+        "chunk_os_system": ("__0_0.distcp", "system", lambda p: _append_value(
+            p, "model.l1.bias", _torch_saved({"x": Payload(os.system, f"touch {canary}")}))),
+        "metadata_os_system": (".metadata", "system", lambda p: _edit_metadata(
+            p, lambda m: m.planner_data.update(evil=Payload(os.system, f"touch {canary}")))),
+        "chunk_outside_file": ("__0_0.distcp", "wrong offsets", lambda p: _edit_metadata(
+            p, lambda m: setattr(_first_info(m), "offset", 10**9))),
+        "path_escapes": (".metadata", "escapes", lambda p: _edit_metadata(
+            p, lambda m: setattr(_first_info(m), "relative_path", "../x"))),
+        "truncated_distcp": ("__0_0.distcp", "truncated", lambda p: os.truncate(
+            p / "__0_0.distcp", os.path.getsize(p / "__0_0.distcp") // 2)),
+        "missing_distcp": ("__0_0.distcp", "missing", lambda p: os.remove(p / "__0_0.distcp")),
+        "garbage_metadata": (".metadata", "not a DCP metadata",
+                             lambda p: (p / ".metadata").write_bytes(os.urandom(3000))),
+        "empty_metadata": (".metadata", "empty", lambda p: (p / ".metadata").write_bytes(b"")),
+        "no_metadata": (".metadata", "missing", lambda p: os.remove(p / ".metadata")),
+    }
+
+
+HOSTILE = ["metadata_os_system", "value_os_system", "chunk_os_system", "chunk_outside_file", "path_escapes",
+           "truncated_distcp", "missing_distcp",
+           "garbage_metadata", "empty_metadata", "no_metadata"]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_dcp_is_refused_by_every_command(saved, case, tmp_path):
+    canary = tmp_path / "canary"
+    victim, needle, edit = _hostile_cases(canary)[case]
+    src = tmp_path / "src"
+    shutil.copytree(saved[0], src)
+    edit(src)
+    before = {p: p.read_bytes() for p in src.iterdir()}
+    victim = str(src / victim)
+    for command in (["inspect", src], ["validate", src], ["export", src, tmp_path / "out-export", "--quiet"],
+                    ["convert", src, tmp_path / "out-convert", "--format", "dcp", "--quiet"]):
+        proc = run_cli(*command)
+        assert proc.returncode == 1, (command, proc.stdout, proc.stderr)
+        if command[0] == "validate":
+            lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if victim in line]
+        else:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1, (command, proc.stderr)
+        assert any(victim in line and needle in line for line in lines), (command, proc.stdout, proc.stderr)
+        assert not canary.exists()
+        assert not (tmp_path / "out-export").exists() and not (tmp_path / "out-convert").exists()
+        assert {p: p.read_bytes() for p in src.iterdir()} == before
+
+
+# ---------------------------------------------------------------------------------------------
+# the real clients under torchrun
+
+
+def _load_jobs(converted, out, world):
+    jobs = []
+    for name, dst in converted.items():
+        truth = truth_json(name)
+        jobs.append({"dcp": str(dst), "out": str(out / f"{name}-loaded-{world}.pt"), "tied": bool(truth["tied"]),
+                     "frozen": bool(truth["frozen"]), "two_groups": len(truth["param_groups"]) == 2,
+                     "optimizer": truth["optimizer_class"],
+                     "hyper": [{k: v for k, v in g.items() if k != "param_names"} for g in truth["param_groups"]]})
+    return jobs
+
+
+def _compare_with_truth(name, loaded):
+    """The gathered FSDP2 state equals what DeepSpeed reported when it saved the fixture."""
+    truth, meta = truth_tensors(name), truth_json(name)
+    model, optim = loaded["model"], loaded["optim"]
+    trainable = [n for g in meta["param_groups"] for n in g["param_names"]]
+    checked = 0
+    for key, expected in truth.items():
+        state, param = key.split("/", 1)
+        if state == "fp32":
+            got = model[param]
+        elif state == "module":
+            if param in trainable or param in meta["tied"]:
+                continue                    # the 16-bit copy of a trainable weight: FSDP2 holds the master
+            got = model[param]
+            expected = expected.to(got.dtype)   # a bf16 frozen param in the fp32 model
+        else:
+            got = optim["state"][param][state]
+        assert got.shape == expected.shape and torch.equal(got, expected), key
+        checked += 1
+    for alias, holder in meta["tied"].items():
+        assert torch.equal(model[alias], truth[f"fp32/{holder}"]), alias
+    assert checked == len([k for k in truth if not (k.startswith("module/") and
+                                                   (k[7:] in trainable or k[7:] in meta["tied"]))])
+    steps = {float(s["step"]) for s in optim["state"].values() if "step" in s}
+    assert steps == ({float(meta["step"])} if meta["optimizer_class"] != "SGD" else set())
+    groups = json.loads(json.dumps(optim["param_groups"]))
+    for group, saved in zip(groups, meta["param_groups"], strict=True):
+        assert group.pop("params") == saved["param_names"]
+        assert group == {k: v for k, v in saved.items() if k != "param_names"}
+
+
+@pytest.fixture(scope="module")
+def fixtures_as_dcp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fixtures-dcp")
+    converted = {}
+    for name in FIXTURES_TO_LOAD:
+        converted[name] = out / name
+        run_cli("convert", fixture_dir(name), converted[name], "--format", "dcp", "--quiet", check=0)
+    return converted, out
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("world", [2, 3])
+def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, world):
+    converted, out = fixtures_as_dcp
+    jobs = _load_jobs(converted, out, world)
+    (out / f"jobs-{world}.json").write_text(json.dumps(jobs))
+    _torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", port=29610 + world)
+    for name, job in zip(converted, jobs):
+        _compare_with_truth(name, torch.load(job["out"], weights_only=False))
+    # the comparison sees another run's state (same model and optimizer, trained at dp=4)
+    with pytest.raises(AssertionError):
+        _compare_with_truth("z1_fp32_dp4", torch.load(jobs[0]["out"], weights_only=False))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_save(tmp_path_factory):
+    """A DCP checkpoint saved by real FSDP2 code at 4 ranks after 3 Adam steps, and its gathered state."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    _torchrun(4, REPO / "tests" / "dcp_fsdp2.py", "train", out / "ckpt", out / "truth.pt", port=29620)
+    return out / "ckpt", torch.load(out / "truth.pt", weights_only=False)
+
+
+@pytest.mark.engine
+def test_reshard_reads_an_fsdp2_save(fsdp2_save, tmp_path):
+    ckpt, truth = fsdp2_save
+    proc = run_cli("inspect", ckpt, check=0)
+    assert "dcp" in proc.stdout and "dp=4" in proc.stdout and "Adam: states exp_avg, exp_avg_sq" in proc.stdout
+    assert "complete" in run_cli("validate", ckpt, check=0).stdout
+    sd = _dcp_to_torch_save(ckpt, tmp_path)
+    _assert_same_as_export(sd, ckpt, tmp_path)
+    catalog = reshard.open_checkpoint(ckpt)
+    for name, value in truth["model"].items():
+        assert torch.equal(reshard.full_tensor(catalog, name, "module"), value), name
+    for victim, damage in (("__2_0.distcp", lambda p: os.truncate(p, os.path.getsize(p) - 100)),
+                           ("__3_0.distcp", os.remove)):
+        broken = tmp_path / f"broken-{victim}"
+        shutil.copytree(ckpt, broken)
+        damage(broken / victim)
+        proc = run_cli("validate", broken)
+        assert proc.returncode == 1 and str(broken / victim) in proc.stdout, proc.stdout + proc.stderr
+        assert "NOT complete" in proc.stdout
+
+
+@pytest.mark.engine
+def test_reshard_reads_column_and_grid_boxes(fsdp2_save, tmp_path):
+    ckpt, truth = fsdp2_save
+    boxes = ckpt.parent / (ckpt.name + "-boxes")
+    catalog = reshard.open_checkpoint(boxes)
+    assert reshard.validate(catalog).ok
+    assert len(catalog.tensors[("cols", "module")].fragments) == 4 * 5     # one run per row of each column shard
+    for name, value in truth["boxes"].items():
+        assert torch.equal(reshard.full_tensor(catalog, name, "module"), value), name
+    sd = _dcp_to_torch_save(boxes, tmp_path)
+    _assert_same_as_export(sd, boxes, tmp_path)
+
+
+@pytest.mark.engine
+def test_an_fsdp2_save_converted_to_dcp_loads_at_2_ranks(fsdp2_save, tmp_path):
+    ckpt, truth = fsdp2_save
+    dst = tmp_path / "dcp2"
+    run_cli("convert", ckpt, dst, "--format", "dcp", "--to", "dp=2", "--quiet", check=0)
+    assert sorted(p.name for p in dst.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    out = tmp_path / "loaded.pt"
+    job = {"dcp": str(dst), "out": str(out), "optimizer": "Adam", "hyper": [{"betas": [0.9, 0.999]}]}
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
+    _torchrun(2, REPO / "tests" / "dcp_fsdp2.py", "load", tmp_path / "jobs.json", port=29630)
+    loaded = torch.load(out, weights_only=False)
+    assert sorted(loaded["model"]) == sorted(truth["model"])
+    for name, value in truth["model"].items():
+        assert torch.equal(loaded["model"][name], value), name
+    for name, per_param in truth["optim"]["state"].items():
+        for state, value in per_param.items():
+            assert torch.equal(loaded["optim"]["state"][name][state], value), (name, state)
+    assert loaded["optim"]["param_groups"] == truth["optim"]["param_groups"]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, stage, tmp_path):
+    ckpt, _ = fsdp2_save
+    dst = tmp_path / "ds"
+    run_cli("convert", ckpt, dst, "--to", f"dp=2,zero={stage}", "--format", "deepspeed", "--quiet", check=0)
+    result = tmp_path / "result.json"
+    # a control: the truth with one element of one Adam state nudged by one ulp must be told apart
+    truth = torch.load(fsdp2_save[0].parent / "truth.pt", weights_only=False)
+    moment = truth["optim"]["state"]["l1.weight"]["exp_avg"]
+    moment.view(-1)[5] = torch.nextafter(moment.view(-1)[5], torch.tensor(1.0))
+    torch.save(truth, tmp_path / "control.pt")
+    _torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", dst, stage, fsdp2_save[0].parent / "truth.pt", result,
+              tmp_path / "control.pt", port=29640 + stage)
+    outcome = json.loads(result.read_text())
+    assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
+    assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome
+
+
+@settings(max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", 150)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_dcp_files_only_ever_give_a_checkpoint_error(saved, data, tmp_path_factory):
+    """Mutated real `.metadata` and `.distcp` bytes: reading returns or raises ReshardError, nothing else."""
+    name = data.draw(st.sampled_from([".metadata", "__0_0.distcp"]))
+    blob = bytearray((saved[0] / name).read_bytes())
+    for _ in range(data.draw(st.integers(1, 8))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert", "zero"]))
+        at = data.draw(st.integers(0, max(0, len(blob) - 1)))
+        if kind == "flip" and blob:
+            blob[at] ^= data.draw(st.integers(1, 255))
+        elif kind == "cut":
+            del blob[at:at + data.draw(st.integers(1, 64))]
+        elif kind == "insert":
+            blob[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+        else:
+            blob[at:at + 8] = bytes(min(8, len(blob) - at))
+    src = tmp_path_factory.mktemp("fuzz")
+    for other in os.listdir(saved[0]):
+        (src / other).write_bytes(bytes(blob) if other == name else (saved[0] / other).read_bytes())
+    try:
+        reshard.validate(reshard.open_checkpoint(src), deep=True)
+    except ReshardError:
+        pass
