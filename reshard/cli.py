@@ -30,8 +30,8 @@ def main(argv=None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description=(
-        "Inspect and validate distributed training checkpoints (DeepSpeed ZeRO-1/2/3) "
-        "without executing code from them."))
+        "Convert, export, inspect, validate and compare training checkpoints (DeepSpeed ZeRO, "
+        "universal, PyTorch DCP, torch.save, Lightning, Hugging Face) without executing code from them."))
     parser.add_argument("--version", action="version", version=f"reshard {reshard.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_plan)
 
     p = sub.add_parser("convert", help="write the checkpoint for another topology (DeepSpeed resumes from it)")
-    p.add_argument("path", metavar="SRC", help="a DeepSpeed save dir (with 'latest') or a tag folder")
+    p.add_argument("path", metavar="SRC", help="a checkpoint: DeepSpeed save dir or tag folder, universal or DCP "
+                   "directory, .pt/.pth/.bin, .ckpt, HF checkpoint folder, safetensors file or folder")
     p.add_argument("dst", metavar="DST", help="the new save dir (created; holds 'latest' and the tag folder)")
     p.add_argument("--to", default="", metavar="SPEC",
                    help="target topology: dp=M[,zero=S] (unnamed keys keep the source's; default: the source's "
@@ -87,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_convert)
 
     p = sub.add_parser("export", help="one consolidated state dict: safetensors (or HF shards), or torch")
-    p.add_argument("path", metavar="SRC", help="a DeepSpeed save dir (with 'latest') or a tag folder")
+    p.add_argument("path", metavar="SRC", help="a checkpoint: DeepSpeed save dir or tag folder, universal or DCP "
+                   "directory, .pt/.pth/.bin, .ckpt, HF checkpoint folder, safetensors file or folder")
     p.add_argument("out", metavar="OUT", help="a .safetensors (or .bin/.pt with --format torch) file, or a "
                    "directory for Hugging Face shards + index")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
@@ -134,7 +136,8 @@ def _size_arg(text: str) -> int:
 
 
 def _source_args(p):
-    p.add_argument("path", metavar="PATH", help="a DeepSpeed save dir (with 'latest') or a tag folder")
+    p.add_argument("path", metavar="PATH", help="a checkpoint: DeepSpeed save dir or tag folder, universal or DCP "
+                   "directory, .pt/.pth/.bin, .ckpt, HF checkpoint folder, safetensors file or folder")
     p.add_argument("--tag", help="the tag folder to read (default: the one named in 'latest')")
     p.add_argument("--layout-rules", metavar="FILE",
                    help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
