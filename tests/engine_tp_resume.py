@@ -7,8 +7,9 @@ every rank builds the fixture's Llama exactly as tools/fixture_parallel.py did (
 fixture's DeepSpeed config but `"tensor_parallel": {"autotp_size": TP}` (AutoTP off at TP=1), calls the
 ordinary `engine.load_checkpoint(dir)`, takes the truth from the live engine with the function the fixture
 was made with (fixture_parallel.autotp_truth: full fp32 masters, every optimizer state, module weights),
-compares it with the fixture's truth.safetensors bit for bit, checks steps and client state, and runs one
-more training step. Rank 0 writes {"fixture", "checkpoint", "tp", "world", "problems": [...]} per job.
+compares it with the fixture's truth.safetensors bit for bit, checks steps and client state, optionally
+saves the resumed state again with the engine's own `save_checkpoint` (job "resave": a directory; the test
+compares those files with ours), and runs one more training step. Rank 0 writes {"fixture", "checkpoint", "tp", "world", "problems": [...]} per job.
 """
 import copy
 import gc
@@ -62,7 +63,7 @@ def main(jobs_path, results_path):
                     state_names.append(k)
         tensors = fp.autotp_truth(engine, state_names) if job["tp"] > 1 else whole_truth(engine, state_names)
         if rank == 0:
-            fixture = os.path.join(job["fixtures"], job["fixture"])
+            fixture = os.path.join(job["fixtures"], job.get("truth", job["fixture"]))   # "truth": a control
             truth = load_file(os.path.join(fixture, "truth.safetensors"))
             with open(os.path.join(fixture, "truth.json")) as f:
                 meta = json.load(f)
@@ -78,6 +79,9 @@ def main(jobs_path, results_path):
             for key, value in meta["client_state"].items():
                 if (client_state or {}).get(key) != value:
                     problems.append(f"client state {key}: {(client_state or {}).get(key)!r} vs saved {value!r}")
+        if job.get("resave"):     # the engine's own save of the resumed state at this topology, to compare with
+            engine.save_checkpoint(job["resave"], tag=open(os.path.join(job["checkpoint"], "latest")).read().strip(),
+                                   client_state={k: (client_state or {}).get(k) for k in make_fixtures.CLIENT_STATE})
         # one more training step must run on the resumed state (TP ranks of a DP group see the same batch)
         before = engine.global_steps
         from deepspeed.utils import groups

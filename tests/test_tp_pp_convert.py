@@ -1,0 +1,160 @@
+"""convert across tensor-parallel degrees: AutoTP checkpoints written at tp=1 or their own tp, any dp.
+
+Without the engine: complete outputs holding every tensor of the source, N -> M -> N identity of DeepSpeed's
+own files at the source topology, `reshard diff` finding nothing, the refusals. With the engine
+(tests/engine_tp_resume.py under torchrun): the unmodified engine resumes each output at its topology with
+the fixture's truth bit for bit, runs one more step, and its own save of that state is our files again.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import reshard
+from reshard.convert import make_plan
+from reshard.errors import ReshardError
+from reshard.executor import execute
+from reshard.formats import torchzip
+from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir, truth_json
+from test_convert import _assert_same_tree, _covered_elements
+
+AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
+TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3"]
+
+
+def _convert(src, dst, to):
+    execute(make_plan(reshard.open_checkpoint(src), to), str(dst), progress=False)
+    return reshard.open_checkpoint(dst)
+
+
+def _assert_same_tensors(a, b):
+    assert set(a.tensors) == set(b.tensors)
+    for name, state in a.tensors:
+        assert torch.equal(reshard.full_tensor(a, name, state), reshard.full_tensor(b, name, state)), (name, state)
+
+
+def _assert_same_files(original, back, covered):
+    assert sorted(os.listdir(original)) == sorted(os.listdir(back))
+    for name in sorted(os.listdir(original)):
+        _assert_same_tree(torchzip.load(original / name), torchzip.load(back / name), name, covered)
+
+
+@pytest.mark.parametrize("to", TARGETS)
+@pytest.mark.parametrize("name", AUTOTP)
+def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
+    source = reshard.open_checkpoint(fixture_dir(name))
+    out = _convert(fixture_dir(name), tmp_path / "out", to)
+    report = reshard.validate(out, deep=True)
+    assert report.ok, report.problems
+    target = source.layout.with_spec(to)
+    assert (out.layout.tp, out.layout.dp, out.layout.zero) == (target.tp, target.dp, source.layout.zero)
+    _assert_same_tensors(source, out)
+    assert out.param_groups == source.param_groups and out.aliases == source.aliases
+    assert out.state["global_steps"] == source.state["global_steps"]
+    model0 = torchzip.load(tag_dir(tmp_path / "out") / "mp_rank_00_model_states.pt")
+    assert model0["mp_world_size"] == target.tp
+    assert model0["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": target.tp}
+    assert model0["ds_config"]["tensor_parallel"]["autotp_size"] == target.tp
+    # without AutoTP the engine publishes no universal_checkpoint_info; at tp=2 each rank's own is carried
+    assert ("universal_checkpoint_info" in model0) == (target.tp > 1)
+
+
+@pytest.mark.parametrize("name", AUTOTP)
+@pytest.mark.parametrize("dp", [1, 3])
+def test_round_trip_through_another_dp_gives_back_deepspeeds_own_files(name, dp, tmp_path):
+    _convert(fixture_dir(name), tmp_path / "m", f"tp=2,dp={dp}")
+    _convert(tmp_path / "m", tmp_path / "n", "tp=2,dp=2")
+    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(name)))
+    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
+
+
+@pytest.mark.parametrize("name", AUTOTP[:2])
+def test_converted_checkpoint_exports_and_diffs_like_its_source(name, tmp_path):
+    src = fixture_dir(name)
+    run_cli("convert", src, tmp_path / "tp1", "--to", "tp=1,dp=4")
+    proc = run_cli("diff", src, tmp_path / "tp1", "--json", check=0)
+    report = json.loads(proc.stdout)
+    assert report["equal"] and not report["differences"], report
+    run_cli("export", src, tmp_path / "a.safetensors")
+    run_cli("export", tmp_path / "tp1", tmp_path / "b.safetensors")
+    from safetensors.torch import load_file
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_refusals_are_one_line(tmp_path):
+    tp_source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_dp2"))
+    for to, words in [("tp=4,dp=1", "re-cutting for a new tensor-parallel degree"),
+                      ("tp=2,dp=2,zero=3", "ZeRO-1/2 only"), ("pp=2,tp=1", "pipeline-parallel conversion")]:
+        with pytest.raises(ReshardError, match=words) as e:
+            make_plan(tp_source, to)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ReshardError, match="pipeline-parallel conversion"):
+        make_plan(reshard.open_checkpoint(fixture_dir("pipe2_z1_fp32_dp2")), "pp=1,dp=4")
+    with pytest.raises(ReshardError, match="re-cutting"):     # a plain save has no geometry to cut by
+        make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "tp=2")
+    proc = run_cli("convert", fixture_dir("autotp2_z1_fp32_dp2"), tmp_path / "x", "--to", "tp=4", check=1)
+    assert "re-cutting" in proc.stderr and not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------------------------- engine
+
+ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") for name in AUTOTP] + \
+              [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")]
+
+
+def _run(world, jobs, out, port):
+    jobs_path, results_path = out / f"jobs-{port}.json", out / f"results-{port}.json"
+    jobs_path.write_text(json.dumps(jobs))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port),
+                           str(REPO / "tests" / "engine_tp_resume.py"), str(jobs_path), str(results_path)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(results_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_resume")
+    launches = {}
+    for name, to in ENGINE_JOBS:
+        target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to)
+        dst = out / f"{name}-{to.replace(',', '-')}"
+        execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
+        launches.setdefault((target.tp, target.dp), []).append(
+            {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "fixtures": str(FIXTURES),
+             "resave": str(dst) + "-resaved", "to": to})
+    # negative control: a complete checkpoint that loads, compared with another run's truth (same model)
+    launches[(1, 2)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
+                             "checkpoint": str(out / "autotp2_z2_fp32_tied_dp2-tp=1-dp=2"), "tp": 1,
+                             "fixtures": str(FIXTURES), "to": "control"})
+    results = {}
+    for i, ((tp, dp), jobs) in enumerate(sorted(launches.items())):
+        for r in _run(tp * dp, jobs, out, 29700 + i):
+            results[(r["fixture"], r["to"])] = r
+    return results
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", ENGINE_JOBS, ids=[f"{n}-{t}" for n, t in ENGINE_JOBS])
+def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
+    result = resumed[(name, to)]
+    assert result["problems"] == [], "\n".join(result["problems"])
+    # the engine's own save of the state it resumed is our files again (tensor bytes but padding, trees equal)
+    ours, theirs = tag_dir(Path(result["checkpoint"])), tag_dir(Path(result["resave"]))
+    covered = _covered_elements(reshard.open_checkpoint(result["checkpoint"]))
+    assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
+    for n in sorted(os.listdir(ours)):
+        _assert_same_tree(torchzip.load(ours / n), torchzip.load(theirs / n), n, covered)
+
+
+@pytest.mark.engine
+def test_the_resume_check_sees_another_runs_state(resumed):
+    problems = resumed[("autotp2_z2_fp32_tied_dp2", "control")]["problems"]
+    assert any("differs from the saved engine's value" in p for p in problems), problems
