@@ -107,12 +107,19 @@ ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") fo
               [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")]
 
 
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run(world, jobs, out, port):
     jobs_path, results_path = out / f"jobs-{port}.json", out / f"results-{port}.json"
     jobs_path.write_text(json.dumps(jobs))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port),
+    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(_free_port()),
                            str(REPO / "tests" / "engine_tp_resume.py"), str(jobs_path), str(results_path)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
