@@ -328,6 +328,9 @@ def _read_layers(catalog, tag_dir, listing, locals_, files):
             catalog.problem(path, f"expected a state dict, found {type(sd).__name__}")
             continue
         prefix = _layer_prefix(index, list(sd), known)
+        # what each layer file holds, in its order (tied modules in every file using them), for writers
+        catalog.state.setdefault("pipe_layer_files", {})[index] = [
+            (key, prefix + key if isinstance(ref, TensorRef) else None) for key, ref in sd.items()]
         for key, ref in sd.items():
             if not isinstance(ref, TensorRef):
                 continue

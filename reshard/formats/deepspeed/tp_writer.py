@@ -11,7 +11,7 @@ Which boxes a TP rank holds at the target degree:
   universal_checkpoint_info (its affine map is stated for that degree) carried over;
 * any other degree: AutoTP's cut there depends on the model (key-value heads, tp_grain_size) and its
   universal_checkpoint_info would have to be re-derived as the engine computes it: refused.
-Pipeline-parallel sources and targets are refused (not written yet).
+Pipeline-parallel sources and targets are written by pipe_writer.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from reshard.targets import Piece
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     source = catalog.layout
-    if source.pp != 1 or target.pp != 1:
-        raise ReshardError(f"{catalog.root}: pipeline-parallel conversion ({source.topology()} -> "
-                           f"{target.topology()}) is not supported yet (reshard export gives the consolidated model)")
+    if source.pp != 1 or target.pp != 1 or catalog.state.get("pipe_layer_files"):
+        from reshard.formats.deepspeed import pipe_writer      # a PipelineModule's save, at any pp
+        return pipe_writer.target_files(catalog, target, tag, source_save_dir)
     if target.tp > 1 and target.tp != source.tp:
         raise ReshardError(f"{catalog.root}: tp={source.tp} -> tp={target.tp}: re-cutting for a new tensor-parallel "
                            "degree (AutoTP's head-aligned cut and its affine map there) is not supported; "

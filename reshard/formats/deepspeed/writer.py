@@ -30,7 +30,7 @@ SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     source = catalog.layout
-    if target.tp != 1 or target.pp != 1 or source.tp != 1 or source.pp != 1:
+    if target.tp != 1 or target.pp != 1 or source.tp != 1 or source.pp != 1 or catalog.state.get("pipe_layer_files"):
         from reshard.formats.deepspeed import tp_writer    # tensor/pipeline parallel on either side
         return tp_writer.target_files(catalog, target, tag, source_save_dir)
     if target.zero not in (1, 2, 3):
@@ -94,6 +94,7 @@ class _Context:
         # keys the engine adds to this mp rank's model states after the training state
         # (universal_checkpoint_info of an AutoTP model), and shared_params when not the catalog's
         self.model_extra = dict(model_extra or {})
+        self.module_in_layer_files = False     # pipeline stages: "module" is None
         self.target = target
         self.dp = target.dp
         self.lp_dtype = target.dtype
@@ -273,7 +274,10 @@ def _zero12_model_states(ctx: _Context, groups, tag) -> TorchFile:
         src = (p.name, MODULE) if p.kind != "trainable" else ctx.weight_source(p.name)
         return file.slot(dtype, p.shape, [Piece(ctx.numel(p.name), src, 0)])
 
-    module, slots = _module(catalog, full)
+    if ctx.module_in_layer_files:     # a PipelineModule's weights are in layer files; frozen ones too
+        module, slots = None, {p.name: None for p in ctx.frozen()}
+    else:
+        module, slots = _module(catalog, full)
     stage2 = ctx.target.zero == 2
     frozen = ctx.frozen()
     tree = {
