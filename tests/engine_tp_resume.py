@@ -1,8 +1,11 @@
-"""Resume converted AutoTP checkpoints in the real DeepSpeed engine at a new tp x dp (torchrun, CPU, gloo).
+"""Resume converted AutoTP / pipeline checkpoints in the real DeepSpeed engine at a new topology (torchrun, CPU).
 
-    torchrun --nproc_per_node TP*DP tests/engine_tp_resume.py JOBS.json RESULTS.json
+    torchrun --nproc_per_node TP*DP (or PP*DP) tests/engine_tp_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": autotp fixture name, "checkpoint": dir, "tp": TP, "fixtures": dir}. For each job
+JOBS.json lists {"fixture": autotp fixture name, "checkpoint": dir, "tp": TP, "fixtures": dir}, or for the
+pipeline fixture {"fixture": "pipe2_z1_fp32_dp2", "checkpoint": dir, "pp": PP, "fixtures": dir}: its
+PipelineModule built with num_stages=PP and resumed by the PipelineEngine (truth: fixture_parallel.pipe_truth,
+one more `train_batch`). For each job
 every rank builds the fixture's Llama exactly as tools/fixture_parallel.py did (same seed), with the
 fixture's DeepSpeed config but `"tensor_parallel": {"autotp_size": TP}` (AutoTP off at TP=1), calls the
 ordinary `engine.load_checkpoint(dir)`, takes the truth from the live engine with the function the fixture
@@ -42,10 +45,14 @@ def main(jobs_path, results_path):
     for job in jobs:
         spec = copy.deepcopy(make_fixtures.CONFIGS[job["fixture"]])
         config = copy.deepcopy(spec["ds_config"])
-        config["tensor_parallel"] = {"autotp_size": job["tp"]}
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(fp.llama_config(spec["tied"], spec.get("uneven", False)))
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        pipe = "pp" in job
+        if pipe:            # the fixture's PipelineModule cut into job["pp"] stages (its partition method)
+            model = fp.pipe_module(num_stages=job["pp"])
+        else:
+            config["tensor_parallel"] = {"autotp_size": job["tp"]}
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(fp.llama_config(spec["tied"], spec.get("uneven", False)))
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         problems = []
         load_path, client_state = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
@@ -61,7 +68,12 @@ def main(jobs_path, results_path):
                     steps.append(make_fixtures._number(v))
                 elif torch.is_tensor(v) and v.dim() > 0 and k not in state_names:
                     state_names.append(k)
-        tensors = fp.autotp_truth(engine, state_names) if job["tp"] > 1 else whole_truth(engine, state_names)
+        if pipe:
+            tensors = fp.pipe_truth(engine, state_names, make_fixtures._flat_truth)
+        elif job["tp"] > 1:
+            tensors = fp.autotp_truth(engine, state_names)
+        else:
+            tensors = whole_truth(engine, state_names)
         if rank == 0:
             fixture = os.path.join(job["fixtures"], job.get("truth", job["fixture"]))   # "truth": a control
             truth = load_file(os.path.join(fixture, "truth.safetensors"))
@@ -84,13 +96,19 @@ def main(jobs_path, results_path):
                                    client_state={k: (client_state or {}).get(k) for k in make_fixtures.CLIENT_STATE})
         # one more training step must run on the resumed state (TP ranks of a DP group see the same batch)
         before = engine.global_steps
-        from deepspeed.utils import groups
-        dp_rank = groups.get_data_parallel_rank() if job["tp"] > 1 else rank   # no groups without AutoTP
-        generator = torch.Generator().manual_seed(200 + dp_rank)
-        ids = torch.randint(0, fp.TOKENS, (2, 10), generator=generator)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
+        if pipe:
+            generator = torch.Generator().manual_seed(300 + engine.grid.data_parallel_id)
+            batches = [torch.randint(0, fp.VOCAB, (2, 7), generator=generator) for _ in range(4)]
+            loss = engine.train_batch(data_iter=iter([(b[:, :-1].contiguous(), b[:, 1:].contiguous())
+                                                      for b in batches]))
+        else:
+            from deepspeed.utils import groups
+            dp_rank = groups.get_data_parallel_rank() if job["tp"] > 1 else rank   # no groups without AutoTP
+            generator = torch.Generator().manual_seed(200 + dp_rank)
+            ids = torch.randint(0, fp.TOKENS, (2, 10), generator=generator)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
         if rank == 0:
             if not math.isfinite(float(loss)):
                 problems.append(f"loss after resume is {float(loss)}")

@@ -1,7 +1,9 @@
-"""convert across tensor-parallel degrees: AutoTP checkpoints written at tp=1 or their own tp, any dp.
+"""convert across tensor/pipeline-parallel degrees: AutoTP saves at tp=1 or their own tp, PipelineModule saves at
+any pp the layers allow; any dp.
 
 Without the engine: complete outputs holding every tensor of the source, N -> M -> N identity of DeepSpeed's
-own files at the source topology, `reshard diff` finding nothing, the refusals. With the engine
+own files at the source topology, `reshard diff` and exports finding nothing, DeepSpeed's stage partitions, the
+refusals. With the engine
 (tests/engine_tp_resume.py under torchrun): the unmodified engine resumes each output at its topology with
 the fixture's truth bit for bit, runs one more step, and its own save of that state is our files again.
 """
@@ -24,6 +26,8 @@ from test_convert import _assert_same_tree, _covered_elements
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
 TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3"]
+PIPE = "pipe2_z1_fp32_dp2"
+PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1", "pp=2,dp=2,zero=2"]
 
 
 def _convert(src, dst, to):
@@ -72,10 +76,10 @@ def test_round_trip_through_another_dp_gives_back_deepspeeds_own_files(name, dp,
     _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
 
 
-@pytest.mark.parametrize("name", AUTOTP[:2])
-def test_converted_checkpoint_exports_and_diffs_like_its_source(name, tmp_path):
+@pytest.mark.parametrize("name, to", [(AUTOTP[0], "tp=1,dp=4"), (AUTOTP[1], "tp=2,dp=1"), (PIPE, "pp=4,dp=1")])
+def test_converted_checkpoint_exports_and_diffs_like_its_source(name, to, tmp_path):
     src = fixture_dir(name)
-    run_cli("convert", src, tmp_path / "tp1", "--to", "tp=1,dp=4")
+    run_cli("convert", src, tmp_path / "tp1", "--to", to)
     proc = run_cli("diff", src, tmp_path / "tp1", "--json", check=0)
     report = json.loads(proc.stdout)
     assert report["equal"] and not report["differences"], report
@@ -86,15 +90,67 @@ def test_converted_checkpoint_exports_and_diffs_like_its_source(name, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("to", PIPE_TARGETS)
+def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
+    source = reshard.open_checkpoint(fixture_dir(PIPE))
+    out = _convert(fixture_dir(PIPE), tmp_path / "out", to)
+    report = reshard.validate(out, deep=True)
+    assert report.ok, report.problems
+    target = source.layout.with_spec(to)
+    assert (out.layout.pp, out.layout.dp, out.layout.zero) == (target.pp, target.dp, target.zero)
+    _assert_same_tensors(source, out)
+    assert out.param_groups[0]["params"] == source.param_groups[0]["params"]
+    # uniform partition of 5 layers (what the fixture's PipelineModule uses): [0, 3, 5] at pp=2 and so on;
+    # the tied embedding (layers 0 and 4) is trained in the first and the last stage
+    for layer in (1, 2, 3):
+        expected = 0 if target.pp == 1 else \
+            {2: [0, 0, 1], 4: [0, 1, 2], 5: [1, 2, 3]}[target.pp][layer - 1]
+        assert out.stages[f"{layer}.fc.weight" if layer != 2 else "2.weight"] == [expected]
+    assert out.stages["tied_modules.emb.weight"] == sorted({0, target.pp - 1})
+    tag = tag_dir(tmp_path / "out")
+    assert sorted(n for n in os.listdir(tag) if n.startswith("layer_")) == \
+        [f"layer_{i:02d}-model_states.pt" for i in range(5)]
+    assert all(torchzip.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None for s in range(target.pp))
+
+
+@pytest.mark.parametrize("via", ["pp=1,dp=4", "pp=4,dp=1", "pp=2,dp=3"])
+def test_pipeline_round_trip_gives_back_deepspeeds_own_files(via, tmp_path):
+    _convert(fixture_dir(PIPE), tmp_path / "m", via)
+    _convert(tmp_path / "m", tmp_path / "n", "pp=2,dp=2,partition=uniform")
+    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE)))
+    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "n"), covered)
+
+
+def test_pipeline_stage_boundaries_follow_deepspeeds_partition():
+    from deepspeed.runtime.utils import partition_balanced as ds_balanced, partition_uniform as ds_uniform
+    from reshard.formats.deepspeed.pipe_writer import partition_balanced, partition_uniform
+    for items in range(1, 12):
+        for parts in range(1, 7):
+            assert partition_uniform(items, parts) == list(ds_uniform(items, parts))
+    for weights in ([348, 262, 24, 162, 348], [1, 1, 1, 1], [5, 0, 0, 7, 1, 9, 2], [3, 3, 3]):
+        for parts in range(1, 6):
+            assert partition_balanced(weights, parts) == [int(x) for x in ds_balanced(weights, parts)]
+
+
 def test_refusals_are_one_line(tmp_path):
     tp_source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_dp2"))
     for to, words in [("tp=4,dp=1", "re-cutting for a new tensor-parallel degree"),
-                      ("tp=2,dp=2,zero=3", "ZeRO-1/2 only"), ("pp=2,tp=1", "pipeline-parallel conversion")]:
+                      ("tp=2,dp=2,zero=3", "ZeRO-1/2 only"), ("pp=2,tp=1", "not a PipelineModule save")]:
         with pytest.raises(ReshardError, match=words) as e:
             make_plan(tp_source, to)
         assert "\n" not in str(e.value)
-    with pytest.raises(ReshardError, match="pipeline-parallel conversion"):
-        make_plan(reshard.open_checkpoint(fixture_dir("pipe2_z1_fp32_dp2")), "pp=1,dp=4")
+    pipe = reshard.open_checkpoint(fixture_dir(PIPE))
+    one_stage = _convert(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")     # any partition gives its one stage
+    with pytest.raises(ReshardError, match="partition=METHOD"):
+        make_plan(one_stage, "pp=2")
+    with pytest.raises(ReshardError, match="partition must be one of"):
+        make_plan(one_stage, "pp=2,partition=type:Block")
+    for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=3", "ZeRO-1/2 only"),
+                      ("pp=2,tp=2", "pipeline and tensor parallel together")]:
+        with pytest.raises(ReshardError, match=words):
+            make_plan(pipe, to)
+    with pytest.raises(ReshardError, match="not a PipelineModule save"):
+        make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "pp=2")
     with pytest.raises(ReshardError, match="re-cutting"):     # a plain save has no geometry to cut by
         make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "tp=2")
     proc = run_cli("convert", fixture_dir("autotp2_z1_fp32_dp2"), tmp_path / "x", "--to", "tp=4", check=1)
@@ -104,7 +160,8 @@ def test_refusals_are_one_line(tmp_path):
 # ----------------------------------------------------------------------------------------------- engine
 
 ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") for name in AUTOTP] + \
-              [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")]
+              [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")] + \
+              [(PIPE, "pp=1,dp=2"), (PIPE, "pp=1,dp=4"), (PIPE, "pp=2,dp=1"), (PIPE, "pp=4,dp=1")]
 
 
 def _free_port():
@@ -114,8 +171,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run(world, jobs, out, port):
-    jobs_path, results_path = out / f"jobs-{port}.json", out / f"results-{port}.json"
+def _run(world, jobs, out):
+    stem = f"{jobs[0]['fixture']}-{jobs[0]['to']}"
+    jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
     jobs_path.write_text(json.dumps(jobs))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -134,17 +192,21 @@ def resumed(tmp_path_factory):
         target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to)
         dst = out / f"{name}-{to.replace(',', '-')}"
         execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
-        launches.setdefault((target.tp, target.dp), []).append(
-            {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "fixtures": str(FIXTURES),
-             "resave": str(dst) + "-resaved", "to": to})
+        job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "fixtures": str(FIXTURES),
+               "resave": str(dst) + "-resaved", "to": to}
+        if name == PIPE:       # one launch per pipeline topology: its engine builds its own process groups
+            job["pp"] = target.pp
+        launches.setdefault((target.tp, target.pp, target.dp), []).append(job)
     # negative control: a complete checkpoint that loads, compared with another run's truth (same model)
-    launches[(1, 2)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
+    launches[(1, 1, 2)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
                              "checkpoint": str(out / "autotp2_z2_fp32_tied_dp2-tp=1-dp=2"), "tp": 1,
                              "fixtures": str(FIXTURES), "to": "control"})
     results = {}
-    for i, ((tp, dp), jobs) in enumerate(sorted(launches.items())):
-        for r in _run(tp * dp, jobs, out, 29700 + i):
-            results[(r["fixture"], r["to"])] = r
+    for i, ((tp, pp, dp), jobs) in enumerate(sorted(launches.items())):
+        pipe = [j for j in jobs if "pp" in j]
+        for group in ([j for j in jobs if "pp" not in j], pipe) if pipe else (jobs,):
+            for r in (_run(tp * pp * dp, group, out) if group else []):
+                results[(r["fixture"], r["to"])] = r
     return results
 
 

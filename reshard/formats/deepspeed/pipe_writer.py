@@ -9,8 +9,9 @@ A PipelineEngine saves
 
 Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts) or
 'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it). The
-method is not saved: it is the one of those two that gives the source's own stages (refused when neither
-does, or when both do but they would cut the target differently). Layers are counted from the layer
+method is not saved: `--to ...,partition=uniform|parameters` names it, else it is the one of those two that
+gives the source's own stages (refused when neither does, or when both do but they would cut the target
+differently, as from a one-stage source). Layers are counted from the layer
 files: parameterless function layers after the last file cannot be seen, which the check against the
 source's stages catches whenever it changes the boundaries there.
 """
@@ -44,7 +45,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if any(p.kind == "frozen" for p in catalog.params.values()):
         raise ReshardError(f"{catalog.root}: frozen parameters in a pipeline are not supported")
     layers = {int(i): entries for i, entries in layer_files.items()}
-    parts = stage_boundaries(catalog, layers, target.pp)
+    parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"))
     out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
     for stage in range(target.pp):
         view = _stage_view(catalog, layers, range(parts[stage], parts[stage + 1]))
@@ -94,12 +95,16 @@ def partition_balanced(weights: list, num_parts: int) -> list:
     return parts[::-1]
 
 
-def stage_boundaries(catalog: Catalog, layers: dict, pp: int) -> list:
+def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None) -> list:
     count = max(layers) + 1
     weights = [sum(math.prod(catalog.params[n].shape) for _, n in layers.get(i, [])
                    if n and catalog.params[n].kind == "trainable") for i in range(count)]
     methods = {"uniform": lambda parts: partition_uniform(count, parts),
                "parameters": lambda parts: partition_balanced(weights, parts)}
+    if pp > count:
+        raise ReshardError(f"{catalog.root}: pp={pp} but the model has {count} layers")
+    if named:
+        return methods[named](pp)
     source_pp = catalog.layout.pp
     fits = [m for m, cut in methods.items() if _gives_source_stages(catalog, layers, cut(source_pp))]
     if not fits:
@@ -108,11 +113,8 @@ def stage_boundaries(catalog: Catalog, layers: dict, pp: int) -> list:
     cuts = {tuple(methods[m](pp)) for m in fits}
     if len(cuts) > 1:
         raise ReshardError(f"{catalog.root}: the source's stages fit both the 'uniform' and the 'parameters' "
-                           f"partition, which cut pp={pp} differently; not supported")
-    parts = list(cuts.pop())
-    if pp > count:
-        raise ReshardError(f"{catalog.root}: pp={pp} but the model has {count} layers")
-    return parts
+                           f"partition, which cut pp={pp} differently: name the model's with --to ...,partition=METHOD")
+    return list(cuts.pop())
 
 
 def _gives_source_stages(catalog, layers, parts) -> bool:
