@@ -32,6 +32,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if source.pp != 1 or target.pp != 1 or catalog.state.get("pipe_layer_files"):
         from reshard.formats.deepspeed import pipe_writer      # a PipelineModule's save, at any pp
         return pipe_writer.target_files(catalog, target, tag, source_save_dir)
+    if target.tp > 1 and source.tp == 1:
+        raise ReshardError(f"{catalog.root}: tp=1 -> tp={target.tp}: re-cutting a save without tensor parallelism "
+                           "is not supported (how AutoTP would cut each parameter is not in it)")
     if target.tp > 1 and target.tp != source.tp:
         raise ReshardError(f"{catalog.root}: tp={source.tp} -> tp={target.tp}: re-cutting for a new tensor-parallel "
                            "degree (AutoTP's head-aligned cut and its affine map there) is not supported; "
