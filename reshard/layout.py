@@ -89,7 +89,8 @@ class Layout:
             key = key.strip()
             if sep and key == "partition":     # a PipelineModule's partition method (stage boundaries)
                 if value.strip() not in PARTITION_METHODS:
-                    raise ReshardError(f"bad layout spec {spec!r}: partition must be one of {', '.join(PARTITION_METHODS)}")
+                    raise ReshardError(f"bad layout spec {spec!r}: partition must be one of "
+                                       f"{', '.join(PARTITION_METHODS)}")
                 changes["options"] = {**self.options, "partition_method": value.strip()}
                 continue
             if not sep or key not in ("dp", "tp", "pp", "zero"):

@@ -12,7 +12,8 @@ ordinary `engine.load_checkpoint(dir)`, takes the truth from the live engine wit
 was made with (fixture_parallel.autotp_truth: full fp32 masters, every optimizer state, module weights),
 compares it with the fixture's truth.safetensors bit for bit, checks steps and client state, optionally
 saves the resumed state again with the engine's own `save_checkpoint` (job "resave": a directory; the test
-compares those files with ours), and runs one more training step. Rank 0 writes {"fixture", "checkpoint", "tp", "world", "problems": [...]} per job.
+compares those files with ours), and runs one more training step. Rank 0 writes {"fixture", "checkpoint", "tp",
+"world", "problems": [...]} per job.
 """
 import copy
 import gc

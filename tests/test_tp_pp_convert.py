@@ -25,7 +25,8 @@ from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir, truth_json
 from test_convert import _assert_same_tree, _covered_elements
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
-TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3"]
+TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3", "tp=2,dp=2,zero=2", "tp=1,dp=2,zero=1",
+           "tp=1,dp=3,zero=3"]
 PIPE = "pipe2_z1_fp32_dp2"
 PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1", "pp=2,dp=2,zero=2"]
 
@@ -55,7 +56,7 @@ def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     target = source.layout.with_spec(to)
-    assert (out.layout.tp, out.layout.dp, out.layout.zero) == (target.tp, target.dp, source.layout.zero)
+    assert (out.layout.tp, out.layout.dp, out.layout.zero) == (target.tp, target.dp, target.zero)
     _assert_same_tensors(source, out)
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
     assert out.state["global_steps"] == source.state["global_steps"]
@@ -88,6 +89,28 @@ def test_converted_checkpoint_exports_and_diffs_like_its_source(name, to, tmp_pa
     from safetensors.torch import load_file
     a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("via", ["tp=2,dp=1", "tp=2,dp=3,zero=2"])
+def test_megatron_style_save_round_trips_through_its_rule_file(via, tmp_path):
+    """A TP save without universal_checkpoint_info: the rule file gives the geometry both ways."""
+    rules = str(REPO / "layouts" / "megatron-gpt.json")
+    name = "megatron_tp2_z1_fp32_dp2"
+    source = reshard.open_checkpoint(fixture_dir(name), layout_rules=rules)
+    execute(make_plan(source, via), str(tmp_path / "m"), progress=False)
+    middle = reshard.open_checkpoint(tmp_path / "m", layout_rules=rules)
+    assert reshard.validate(middle, deep=True).ok
+    _assert_same_tensors(source, middle)
+    execute(make_plan(middle, "tp=2,dp=2,zero=1"), str(tmp_path / "n"), progress=False)
+    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), _covered_elements(source))
+    whole = _convert_catalog(source, tmp_path / "tp1", "tp=1,dp=2")
+    assert whole.layout.tp == 1 and reshard.validate(whole, deep=True).ok
+    _assert_same_tensors(source, whole)
+
+
+def _convert_catalog(catalog, dst, to):
+    execute(make_plan(catalog, to), str(dst), progress=False)
+    return reshard.open_checkpoint(dst)
 
 
 @pytest.mark.parametrize("to", PIPE_TARGETS)

@@ -102,8 +102,8 @@ class _Context:
         self.config = copy.deepcopy(source_config)
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = target.zero
-            if "tensor_parallel" in self.config or target.tp > 1:
-                self.config.setdefault("tensor_parallel", {})["autotp_size"] = target.tp
+            if "tensor_parallel" in self.config:     # AutoTP (a Megatron-style model cuts itself: no key)
+                self.config["tensor_parallel"]["autotp_size"] = target.tp
         zero_cfg = self.config.get("zero_optimization") or {}
         options = target.options
         self.bf16_prefix = self.lp_dtype == "bfloat16"
