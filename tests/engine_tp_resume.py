@@ -46,6 +46,7 @@ def main(jobs_path, results_path):
     for job in jobs:
         spec = copy.deepcopy(make_fixtures.CONFIGS[job["fixture"]])
         config = copy.deepcopy(spec["ds_config"])
+        config["zero_optimization"]["stage"] = job.get("zero", config["zero_optimization"]["stage"])
         pipe = "pp" in job
         if pipe:            # the fixture's PipelineModule cut into job["pp"] stages (its partition method)
             model = fp.pipe_module(num_stages=job["pp"])

@@ -28,7 +28,7 @@ AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_ti
 TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3", "tp=2,dp=2,zero=2", "tp=1,dp=2,zero=1",
            "tp=1,dp=3,zero=3"]
 PIPE = "pipe2_z1_fp32_dp2"
-PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1", "pp=2,dp=2,zero=2"]
+PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1"]
 
 
 def _convert(src, dst, to):
@@ -172,7 +172,8 @@ def test_refusals_are_one_line(tmp_path):
         make_plan(one_stage, "pp=2")
     with pytest.raises(ReshardError, match="partition must be one of"):
         make_plan(one_stage, "pp=2,partition=type:Block")
-    for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=3", "ZeRO-1/2 only"),
+    for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=2", "ZeRO stage 1 only"),
+                      ("pp=1,zero=3", "ZeRO stage 1 only"),
                       ("pp=2,tp=2", "pipeline and tensor parallel together")]:
         with pytest.raises(ReshardError, match=words):
             make_plan(pipe, to)
@@ -188,6 +189,7 @@ def test_refusals_are_one_line(tmp_path):
 
 ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") for name in AUTOTP] + \
               [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")] + \
+              [("autotp2_z1_fp32_dp2", "tp=2,dp=1,zero=2"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=2,zero=1")] + \
               [(PIPE, "pp=1,dp=2"), (PIPE, "pp=1,dp=4"), (PIPE, "pp=2,dp=1"), (PIPE, "pp=4,dp=1")]
 
 
@@ -219,8 +221,8 @@ def resumed(tmp_path_factory):
         target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to)
         dst = out / f"{name}-{to.replace(',', '-')}"
         execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
-        job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "fixtures": str(FIXTURES),
-               "resave": str(dst) + "-resaved", "to": to}
+        job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
+               "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
         if name == PIPE:       # one launch per pipeline topology: its engine builds its own process groups
             job["pp"] = target.pp
         launches.setdefault((target.tp, target.pp, target.dp), []).append(job)

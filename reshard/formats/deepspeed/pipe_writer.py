@@ -4,7 +4,7 @@ A PipelineEngine saves
 * one `layer_XX-model_states.pt` per layer holding weights (the layer's state_dict; a tied module's in
   every layer using it). The file of layer XX is the same whatever the stage boundaries: written as read.
 * per stage s, `mp_rank_{s:02d}_model_states.pt` ("module" None: the weights are in the layer files) and
-  the ZeRO-1/2 optimizer files of the stage's params, which the ordinary ZeRO writer produces over a view
+  the ZeRO-1 optimizer files (the only stage a PipelineEngine accepts) of the stage's params, which the ordinary ZeRO writer produces over a view
   of the catalog holding that stage's params only (the tied ones of every stage using them).
 
 Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts) or
@@ -40,8 +40,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
                            "the model's layers")
     if target.tp != 1 or catalog.layout.tp != 1:
         raise ReshardError(f"target {target.topology()}: pipeline and tensor parallel together are not supported")
-    if target.zero not in (1, 2):
-        raise ReshardError(f"target {target.topology()}: a PipelineEngine trains with ZeRO-1/2 only")
+    if target.zero != 1:     # deepspeed/runtime/pipe/engine.py asserts stage < 2
+        raise ReshardError(f"target {target.topology()}: a PipelineEngine trains with ZeRO stage 1 only "
+                           "(DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism)")
     if any(p.kind == "frozen" for p in catalog.params.values()):
         raise ReshardError(f"{catalog.root}: frozen parameters in a pipeline are not supported")
     layers = {int(i): entries for i, entries in layer_files.items()}
