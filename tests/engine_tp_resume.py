@@ -49,7 +49,7 @@ def main(jobs_path, results_path):
         config["zero_optimization"]["stage"] = job.get("zero", config["zero_optimization"]["stage"])
         pipe = "pp" in job
         if pipe:            # the fixture's PipelineModule cut into job["pp"] stages (its partition method)
-            model = fp.pipe_module(num_stages=job["pp"])
+            model = fp.pipe_module(num_stages=job["pp"], partition_method=job.get("partition", "uniform"))
         else:
             config["tensor_parallel"] = {"autotp_size": job["tp"]}
             torch.manual_seed(0)

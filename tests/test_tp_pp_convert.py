@@ -21,7 +21,7 @@ from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
 from reshard.formats import torchzip
-from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir, truth_json
+from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir
 from test_convert import _assert_same_tree, _covered_elements
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
@@ -148,6 +148,18 @@ def test_pipeline_round_trip_gives_back_deepspeeds_own_files(via, tmp_path):
     _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "n"), covered)
 
 
+def test_pipeline_partition_by_parameters_when_named(tmp_path):
+    """The fixture's 5 layers weigh [348, 262, 24, 162, 348] trainable elements: DeepSpeed's 'parameters'
+    partition at pp=2 is [0, 2, 5] (uniform: [0, 3, 5]), so layer 2 moves to the second stage."""
+    out = _convert(fixture_dir(PIPE), tmp_path / "out", "pp=2,dp=1,partition=parameters")
+    assert out.stages["1.fc.weight"] == [0] and out.stages["2.weight"] == [1] and out.stages["3.fc.weight"] == [1]
+    assert out.stages["tied_modules.emb.weight"] == [0, 1]
+    back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
+    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
+                       _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
+    assert back.stages == reshard.open_checkpoint(fixture_dir(PIPE)).stages
+
+
 def test_pipeline_stage_boundaries_follow_deepspeeds_partition():
     from deepspeed.runtime.utils import partition_balanced as ds_balanced, partition_uniform as ds_uniform
     from reshard.formats.deepspeed.pipe_writer import partition_balanced, partition_uniform
@@ -190,7 +202,8 @@ def test_refusals_are_one_line(tmp_path):
 ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") for name in AUTOTP] + \
               [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")] + \
               [("autotp2_z1_fp32_dp2", "tp=2,dp=1,zero=2"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=2,zero=1")] + \
-              [(PIPE, "pp=1,dp=2"), (PIPE, "pp=1,dp=4"), (PIPE, "pp=2,dp=1"), (PIPE, "pp=4,dp=1")]
+              [(PIPE, "pp=1,dp=2"), (PIPE, "pp=1,dp=4"), (PIPE, "pp=2,dp=1"), (PIPE, "pp=4,dp=1"),
+               (PIPE, "pp=2,dp=1,partition=parameters")]
 
 
 def _free_port():
@@ -224,14 +237,14 @@ def resumed(tmp_path_factory):
         job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
                "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
         if name == PIPE:       # one launch per pipeline topology: its engine builds its own process groups
-            job["pp"] = target.pp
-        launches.setdefault((target.tp, target.pp, target.dp), []).append(job)
+            job.update(pp=target.pp, partition=target.options.get("partition_method", "uniform"))
+        launches.setdefault((target.tp, target.pp, target.dp, job.get("partition")), []).append(job)
     # negative control: a complete checkpoint that loads, compared with another run's truth (same model)
-    launches[(1, 1, 2)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
+    launches[(1, 1, 2, None)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
                              "checkpoint": str(out / "autotp2_z2_fp32_tied_dp2-tp=1-dp=2"), "tp": 1,
                              "fixtures": str(FIXTURES), "to": "control"})
     results = {}
-    for i, ((tp, pp, dp), jobs) in enumerate(sorted(launches.items())):
+    for (tp, pp, dp, _), jobs in launches.items():
         pipe = [j for j in jobs if "pp" in j]
         for group in ([j for j in jobs if "pp" not in j], pipe) if pipe else (jobs,):
             for r in (_run(tp * pp * dp, group, out) if group else []):

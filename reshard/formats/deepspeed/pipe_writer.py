@@ -4,8 +4,9 @@ A PipelineEngine saves
 * one `layer_XX-model_states.pt` per layer holding weights (the layer's state_dict; a tied module's in
   every layer using it). The file of layer XX is the same whatever the stage boundaries: written as read.
 * per stage s, `mp_rank_{s:02d}_model_states.pt` ("module" None: the weights are in the layer files) and
-  the ZeRO-1 optimizer files (the only stage a PipelineEngine accepts) of the stage's params, which the ordinary ZeRO writer produces over a view
-  of the catalog holding that stage's params only (the tied ones of every stage using them).
+  the ZeRO-1 optimizer files (the only stage a PipelineEngine accepts) of the stage's params, which the
+  ordinary ZeRO writer produces over a view of the catalog holding that stage's params only (the tied ones
+  of every stage using them).
 
 Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts) or
 'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it). The
