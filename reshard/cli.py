@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="what a conversion would read and write, without writing")
     _source_args(p)
     p.add_argument("--to", default="", metavar="SPEC",
-                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's; default: the source's "
-                        "topology, e.g. to change only --format) or a layout file")
+                   help="target topology: dp=M[,zero=S][,tp=T][,pp=P][,partition=uniform|parameters] (unnamed keys "
+                        "keep the source's; default: the source's topology, e.g. to change only --format) or a "
+                        "layout file")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--format", dest="fmt", metavar="FORMAT",
                    help="target format: deepspeed (default for a DeepSpeed source), dcp, universal")
@@ -69,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                    "directory, .pt/.pth/.bin, .ckpt, HF checkpoint folder, safetensors file or folder")
     p.add_argument("dst", metavar="DST", help="the new save dir (created; holds 'latest' and the tag folder)")
     p.add_argument("--to", default="", metavar="SPEC",
-                   help="target topology: dp=M[,zero=S] (unnamed keys keep the source's; default: the source's "
-                        "topology, e.g. to change only --format) or a layout file")
+                   help="target topology: dp=M[,zero=S][,tp=T][,pp=P][,partition=uniform|parameters] (unnamed keys "
+                        "keep the source's; default: the source's topology, e.g. to change only --format) or a "
+                        "layout file")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--layout-rules", metavar="FILE",

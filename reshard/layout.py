@@ -12,6 +12,7 @@ from reshard.errors import ReshardError
 
 DESCRIPTOR_KIND = "reshard.layout"
 DESCRIPTOR_VERSION = 1
+PARTITION_METHODS = ("uniform", "parameters")
 
 
 @dataclass
@@ -80,11 +81,18 @@ class Layout:
             raise ReshardError(f"{source}: zero must be 0, 1, 2 or 3, got {self.zero!r}")
 
     def with_spec(self, spec: str) -> "Layout":
-        """This layout with the degrees named in `spec` ("dp=4,zero=3") changed."""
+        """This layout with the degrees named in `spec` ("dp=4,zero=3") changed; `partition=uniform|parameters`
+        names the pipeline partition method of the target."""
         changes = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
+            if sep and key == "partition":     # a PipelineModule's partition method (stage boundaries)
+                if value.strip() not in PARTITION_METHODS:
+                    raise ReshardError(f"bad layout spec {spec!r}: partition must be one of "
+                                       f"{', '.join(PARTITION_METHODS)}")
+                changes["options"] = {**self.options, "partition_method": value.strip()}
+                continue
             if not sep or key not in ("dp", "tp", "pp", "zero"):
                 raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero as key=value")
             try:

@@ -148,7 +148,7 @@ class Block(torch.nn.Module):
         return h + self.out(torch.nn.functional.gelu(self.fc(h)))
 
 
-def pipe_module(num_stages):
+def pipe_module(num_stages, partition_method="uniform"):
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     def loss_fn(logits, labels):
@@ -160,7 +160,8 @@ def pipe_module(num_stages):
               LayerSpec(torch.nn.LayerNorm, HIDDEN),
               LayerSpec(Block, 6),
               TiedLayerSpec("emb", Embed, tied_weight_attr="weight")]
-    return PipelineModule(layers=layers, num_stages=num_stages, loss_fn=loss_fn, partition_method="uniform")
+    return PipelineModule(layers=layers, num_stages=num_stages, loss_fn=loss_fn,
+                          partition_method=partition_method)
 
 
 def pipe_truth(engine, state_names, flat_truth):

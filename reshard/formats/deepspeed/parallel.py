@@ -30,6 +30,8 @@ from reshard.tensorio import MappedFiles, file_size, replica_problem
 # Replicated blocks up to this size (per copy) are compared when the checkpoint is read; larger ones
 # (a replicated embedding of a big vocabulary) by `validate --deep`, so reading stays metadata-cheap.
 REPLICA_CHECK_BYTES = 16 << 20
+# Keys of a model-states file that depend on the mp rank (the engine writes them per rank)
+MP_RANK_KEYS = ("universal_checkpoint_info", "shared_params")
 
 
 def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str | None) -> Catalog:
@@ -52,6 +54,10 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
         catalog = _merge_tp(tag_dir, locals_, geometry, tp)
     catalog.problems[:0] = problems
     catalog.files[:0] = files
+    # what each mp rank's model states add to the training state, for writers at the same degree
+    catalog.state["mp_rank_extra"] = {rank: {k: local.state["_model_states"][k] for k in MP_RANK_KEYS
+                                             if k in local.state["_model_states"]}
+                                      for rank, local in locals_.items() if local is not None}
     catalog.layout.tp, catalog.layout.pp = tp, pp
     _fill_layout(catalog)
     return catalog
@@ -322,6 +328,9 @@ def _read_layers(catalog, tag_dir, listing, locals_, files):
             catalog.problem(path, f"expected a state dict, found {type(sd).__name__}")
             continue
         prefix = _layer_prefix(index, list(sd), known)
+        # what each layer file holds, in its order (tied modules in every file using them), for writers
+        catalog.state.setdefault("pipe_layer_files", {})[index] = [
+            (key, prefix + key if isinstance(ref, TensorRef) else None) for key, ref in sd.items()]
         for key, ref in sd.items():
             if not isinstance(ref, TensorRef):
                 continue

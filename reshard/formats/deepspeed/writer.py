@@ -30,17 +30,18 @@ WRITES_DS_VERSION = "0.19.8"    # the DeepSpeed whose files this writer reproduc
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
-    if target.tp != 1 or target.pp != 1:
-        raise ReshardError(f"target {target.topology()}: tensor/pipeline parallel targets are not supported yet "
-                           "(only dp and zero may change)")
+    _check_convertible(catalog, target)
     source = catalog.layout
-    if source.tp != 1 or source.pp != 1:
-        # its tensors are whole in the catalog, but the model that saved it (AutoTP layers, a
-        # PipelineModule) loads only files cut its own way: that writer comes later
-        raise ReshardError(f"{catalog.root}: the source is tensor/pipeline parallel ({source.topology()}); "
-                           "converting it is not supported yet (reshard export gives the consolidated model)")
+    if target.tp != 1 or target.pp != 1 or source.tp != 1 or source.pp != 1 or catalog.state.get("pipe_layer_files"):
+        from reshard.formats.deepspeed import tp_writer    # tensor/pipeline parallel on either side
+        return tp_writer.target_files(catalog, target, tag, source_save_dir)
     if target.zero not in (1, 2, 3):
         raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written")
+    return rank_files(_Context(catalog, target), tag) + closing_files(tag, source_save_dir)
+
+
+def _check_convertible(catalog: Catalog, target: Layout) -> None:
+    """What a source must hold for DeepSpeed to resume from it, whatever the topology."""
     if not catalog.param_groups:
         raise ReshardError(f"{catalog.root}: no optimizer state (weights only); a DeepSpeed checkpoint resumes "
                            "training and needs the optimizer's state, so it is not written")
@@ -51,8 +52,11 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError(f"{catalog.root}: {unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
                            "floating-point buffer, the source does not say which, and ZeRO-3 stores the two "
                            "differently; convert to zero=1 or zero=2")
-    ctx = _Context(catalog, target)
-    out = []
+
+
+def rank_files(ctx: "_Context", tag: str) -> list:
+    """The model-states and optimizer files of one model-parallel rank (ctx.mp_rank) at the target dp."""
+    catalog, target, out = ctx.catalog, ctx.target, []
     if target.zero == 3:
         sub_groups = _zero3_sub_groups(ctx)
         for rank in range(target.dp):
@@ -63,7 +67,12 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         out.append(_zero12_model_states(ctx, groups, tag))
         for rank in range(target.dp):
             out.append(_zero12_optim_states(ctx, rank, groups, tag))
-    out.append(TextFile(names.LATEST, tag + "\n"))
+    return out
+
+
+def closing_files(tag: str, source_save_dir: str | None) -> list:
+    """`latest` and the source's consolidation scripts."""
+    out = [TextFile(names.LATEST, tag + "\n")]
     if source_save_dir:
         for script in SCRIPTS:
             path = os.path.join(source_save_dir, script)
@@ -95,8 +104,13 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
 class _Context:
     """What every file of the target needs: source catalog, target layout, precision choices."""
 
-    def __init__(self, catalog: Catalog, target: Layout):
+    def __init__(self, catalog: Catalog, target: Layout, mp_rank: int = 0, model_extra: dict | None = None):
         self.catalog = catalog
+        self.mp_rank = mp_rank
+        # keys the engine adds to this mp rank's model states after the training state
+        # (universal_checkpoint_info of an AutoTP model), and shared_params when not the catalog's
+        self.model_extra = dict(model_extra or {})
+        self.module_in_layer_files = False     # pipeline stages: "module" is None
         self.target = target
         self.dp = target.dp
         self.lp_dtype = target.dtype
@@ -104,6 +118,8 @@ class _Context:
         self.config = copy.deepcopy(source_config)
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = target.zero
+            if "tensor_parallel" in self.config:     # AutoTP (a Megatron-style model cuts itself: no key)
+                self.config["tensor_parallel"]["autotp_size"] = target.tp
         zero_cfg = self.config.get("zero_optimization") or {}
         options = target.options
         self.bf16_prefix = self.lp_dtype == "bfloat16"
@@ -157,9 +173,11 @@ class _Context:
         state = self.catalog.state
         tail = {key: state.get(key) for key in ("lr_scheduler", "data_sampler", "random_ltd")}
         tail.update(skipped_steps=state.get("skipped_steps", 0), global_steps=state.get("global_steps", 0),
-                    global_samples=state.get("global_samples", 0), dp_world_size=self.dp, mp_world_size=1,
-                    checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1},
+                    global_samples=state.get("global_samples", 0), dp_world_size=self.dp,
+                    mp_world_size=self.target.tp * self.target.pp,
+                    checkpoint_parallel_dimensions={"pp_degree": self.target.pp, "tp_degree": self.target.tp},
                     ds_config=self.config, ds_version=self.ds_version)
+        tail.update({k: v for k, v in self.model_extra.items() if k != "shared_params"})
         tail.update(state.get("client_state") or {})
         return tail
 
@@ -265,7 +283,7 @@ def _round_robin(names_in_order, dp):
 
 
 def _zero12_model_states(ctx: _Context, groups, tag) -> TorchFile:
-    name = names.model_states_name(0)
+    name = names.model_states_name(ctx.mp_rank)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     catalog = ctx.catalog
 
@@ -274,7 +292,10 @@ def _zero12_model_states(ctx: _Context, groups, tag) -> TorchFile:
         src = (p.name, MODULE) if p.kind != "trainable" else ctx.weight_source(p.name)
         return file.slot(dtype, p.shape, [Piece(ctx.numel(p.name), src, 0)])
 
-    module, slots = _module(catalog, full)
+    if ctx.module_in_layer_files:     # a PipelineModule's weights are in layer files; frozen ones too
+        module, slots = None, {p.name: None for p in ctx.frozen()}
+    else:
+        module, slots = _module(catalog, full)
     stage2 = ctx.target.zero == 2
     frozen = ctx.frozen()
     tree = {
@@ -283,7 +304,7 @@ def _zero12_model_states(ctx: _Context, groups, tag) -> TorchFile:
         "optimizer": None,
         "param_shapes": [OrderedDict((n, ctx.shape(n)) for n in group.flat) for group in groups],
         "frozen_param_shapes": OrderedDict((p.name, ctx.shape(p.name)) for p in frozen) if stage2 else None,
-        "shared_params": dict(catalog.aliases),
+        "shared_params": ctx.model_extra.get("shared_params", dict(catalog.aliases)),
         "frozen_param_fragments": OrderedDict((p.name, slots[p.name]) for p in frozen) if stage2 else None,
         **ctx.model_states_tail(),
     }
@@ -292,7 +313,7 @@ def _zero12_model_states(ctx: _Context, groups, tag) -> TorchFile:
 
 
 def _zero12_optim_states(ctx: _Context, rank, groups, tag) -> TorchFile:
-    name = names.optim_states_name(rank, 0, ctx.bf16_prefix)
+    name = names.optim_states_name(rank, ctx.mp_rank, ctx.bf16_prefix)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     fp32_parts, paddings, states, lean_states, param_groups, mappings = [], [], {}, [], [], []
     for group in groups:
@@ -379,7 +400,7 @@ def _zero3_part_pieces(ctx, name, state, rank) -> list:
 
 
 def _zero3_model_states(ctx: _Context, rank, sub_groups, tag) -> TorchFile:
-    name = names.model_states_name(0, rank)
+    name = names.model_states_name(ctx.mp_rank, rank)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     catalog = ctx.catalog
 
@@ -409,7 +430,7 @@ def _zero3_model_states(ctx: _Context, rank, sub_groups, tag) -> TorchFile:
 
 
 def _zero3_optim_states(ctx: _Context, rank, sub_groups, tag) -> TorchFile:
-    name = names.optim_states_name(rank, 0, ctx.bf16_prefix)
+    name = names.optim_states_name(rank, ctx.mp_rank, ctx.bf16_prefix)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     states, flat_groups = {}, []
     group_members = [[] for _ in ctx.catalog.param_groups]

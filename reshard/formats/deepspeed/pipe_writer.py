@@ -1,0 +1,163 @@
+"""Catalog of a PipelineModule save x target Layout -> the files of every pipeline stage at the target pp and dp.
+
+A PipelineEngine saves
+* one `layer_XX-model_states.pt` per layer holding weights (the layer's state_dict; a tied module's in
+  every layer using it). The file of layer XX is the same whatever the stage boundaries: written as read.
+* per stage s, `mp_rank_{s:02d}_model_states.pt` ("module" None: the weights are in the layer files) and
+  the ZeRO-1 optimizer files (the only stage a PipelineEngine accepts) of the stage's params, which the
+  ordinary ZeRO writer produces over a view of the catalog holding that stage's params only (the tied ones
+  of every stage using them).
+
+Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts) or
+'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it). The
+method is not saved: `--to ...,partition=uniform|parameters` names it, else it is the one of those two that
+gives the source's own stages (refused when neither does, or when both do but they would cut the target
+differently, as from a one-stage source). Layers are counted from the layer
+files: parameterless function layers after the last file cannot be seen, which the check against the
+source's stages catches whenever it changes the boundaries there.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from reshard.catalog import MODULE, Catalog
+from reshard.errors import ReshardError
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import writer
+from reshard.formats.torchsave import TorchFile
+from reshard.layout import Layout
+from reshard.targets import Piece
+
+TIED = "tied_modules."
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    layer_files = catalog.state.get("pipe_layer_files")
+    if not layer_files:
+        raise ReshardError(f"{catalog.root}: not a PipelineModule save (no layer files): a pipeline target needs "
+                           "the model's layers")
+    if target.tp != 1 or catalog.layout.tp != 1:
+        raise ReshardError(f"target {target.topology()}: pipeline and tensor parallel together are not supported")
+    if target.zero != 1:     # deepspeed/runtime/pipe/engine.py asserts stage < 2
+        raise ReshardError(f"target {target.topology()}: a PipelineEngine trains with ZeRO stage 1 only "
+                           "(DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism)")
+    if any(p.kind == "frozen" for p in catalog.params.values()):
+        raise ReshardError(f"{catalog.root}: frozen parameters in a pipeline are not supported")
+    layers = {int(i): entries for i, entries in layer_files.items()}
+    parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"))
+    out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
+    for stage in range(target.pp):
+        view = _stage_view(catalog, layers, range(parts[stage], parts[stage + 1]))
+        ctx = writer._Context(view, target, mp_rank=stage, model_extra={"shared_params": {}})
+        ctx.module_in_layer_files = True
+        out += writer.rank_files(ctx, tag)
+    return out + writer.closing_files(tag, source_save_dir)
+
+
+# ------------------------------------------------------------------------------------------ boundaries
+
+def partition_uniform(num_items: int, num_parts: int) -> list:
+    """deepspeed.runtime.utils.partition_uniform: equal chunks, the first `residual` one longer."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    parts = [p * chunk for p in range(num_parts + 1)]
+    for i in range(residual):
+        for j in range(i + 1, num_parts + 1):
+            parts[j] += 1
+    return parts
+
+
+def partition_balanced(weights: list, num_parts: int) -> list:
+    """deepspeed.runtime.utils.partition_balanced: the linear partition minimising max - min part weight,
+    ties resolved as its dynamic programme resolves them (the last k with the lowest cost)."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    dp_max = np.full((n + 1, m + 1), np.inf)
+    dp_min = np.full((n + 1, m + 1), np.inf)
+    dp_cost = np.full((n + 1, m + 1), np.inf)
+    position = np.zeros((n + 1, m + 1), dtype=int)
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(weights)
+    dp_max[0, 0] = dp_cost[0, 0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                hi, lo = max(dp_max[k, j - 1], part), min(dp_min[k, j - 1], part)
+                if dp_cost[i, j] >= hi - lo:
+                    dp_cost[i, j], dp_max[i, j], dp_min[i, j], position[i, j] = hi - lo, hi, lo, k
+    parts = [n]
+    for i in reversed(range(1, m + 1)):
+        parts.append(int(position[parts[-1], i]))
+    return parts[::-1]
+
+
+def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None) -> list:
+    count = max(layers) + 1
+    weights = [sum(math.prod(catalog.params[n].shape) for _, n in layers.get(i, [])
+                   if n and catalog.params[n].kind == "trainable") for i in range(count)]
+    methods = {"uniform": lambda parts: partition_uniform(count, parts),
+               "parameters": lambda parts: partition_balanced(weights, parts)}
+    if pp > count:
+        raise ReshardError(f"{catalog.root}: pp={pp} but the model has {count} layers")
+    if named:
+        return methods[named](pp)
+    source_pp = catalog.layout.pp
+    fits = [m for m, cut in methods.items() if _gives_source_stages(catalog, layers, cut(source_pp))]
+    if not fits:
+        raise ReshardError(f"{catalog.root}: the source's pipeline stages are neither DeepSpeed's 'uniform' nor "
+                           f"'parameters' partition of its {count} layers; other partition methods are not supported")
+    cuts = {tuple(methods[m](pp)) for m in fits}
+    if len(cuts) > 1:
+        raise ReshardError(f"{catalog.root}: the source's stages fit both the 'uniform' and the 'parameters' "
+                           f"partition, which cut pp={pp} differently: name the model's with --to ...,partition=METHOD")
+    return list(cuts.pop())
+
+
+def _gives_source_stages(catalog, layers, parts) -> bool:
+    if len(parts) != catalog.layout.pp + 1:
+        return False
+    for index, entries in layers.items():
+        stage = next(s for s in range(len(parts) - 1) if parts[s] <= index < parts[s + 1]) \
+            if index < parts[-1] else None
+        for _, name in entries:
+            if name and catalog.params[name].kind == "trainable" and stage not in catalog.stages.get(name, []):
+                return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------ files
+
+def _stage_view(catalog: Catalog, layers: dict, indices) -> Catalog:
+    """The catalog of one stage: its params as its PipelineModule orders them (tied modules first)."""
+    held = [n for i in indices for _, n in layers.get(i, []) if n]
+    tied = [n for n in catalog.order if n.startswith(TIED) and n in held]
+    own = [n for n in dict.fromkeys(held) if not n.startswith(TIED)]
+    order = tied + own
+    view = Catalog(root=catalog.root, format=catalog.format, layout=catalog.layout)
+    view.state = catalog.state
+    view.order = order
+    view.params = {n: catalog.params[n] for n in order}
+    view.tensors = {k: t for k, t in catalog.tensors.items() if k[0] in view.params}
+    view.param_groups = [{**g, "params": [n for n in order if n in set(g["params"])]} for g in catalog.param_groups]
+    view.group_scalars = catalog.group_scalars
+    return view
+
+
+def _layer_file(catalog: Catalog, index: int, entries: list, tag: str) -> TorchFile:
+    name = names.layer_states_name(index)
+    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    tree = OrderedDict()
+    for key, full_name in entries:
+        if full_name is None:
+            raise ReshardError(f"{catalog.root}: {name}: {key} is not a tensor; layer files holding other objects "
+                               "are not supported")
+        tensor = catalog.tensors[(full_name, MODULE)]
+        tree[key] = file.slot(tensor.dtype, tensor.shape, [Piece(tensor.numel, (full_name, MODULE), 0)])
+    file.tree = tree
+    return file

@@ -1,0 +1,271 @@
+"""convert across tensor/pipeline-parallel degrees: AutoTP saves at tp=1 or their own tp, PipelineModule saves at
+any pp the layers allow; any dp.
+
+Without the engine: complete outputs holding every tensor of the source, N -> M -> N identity of DeepSpeed's
+own files at the source topology, `reshard diff` and exports finding nothing, DeepSpeed's stage partitions, the
+refusals. With the engine
+(tests/engine_tp_resume.py under torchrun): the unmodified engine resumes each output at its topology with
+the fixture's truth bit for bit, runs one more step, and its own save of that state is our files again.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import reshard
+from reshard.convert import make_plan
+from reshard.errors import ReshardError
+from reshard.executor import execute
+from reshard.formats import torchzip
+from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir
+from test_convert import _assert_same_tree, _covered_elements
+
+AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
+TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3", "tp=2,dp=2,zero=2", "tp=1,dp=2,zero=1",
+           "tp=1,dp=3,zero=3"]
+PIPE = "pipe2_z1_fp32_dp2"
+PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1"]
+
+
+def _convert(src, dst, to):
+    execute(make_plan(reshard.open_checkpoint(src), to), str(dst), progress=False)
+    return reshard.open_checkpoint(dst)
+
+
+def _assert_same_tensors(a, b):
+    if b.layout.zero == 3 and a.layout.zero != 3:     # ZeRO-3 keeps no 16-bit copy beside the fp32 master
+        assert set(b.tensors) == {k for k in a.tensors if k[1] != "module" or a.params[k[0]].kind != "trainable"}
+    else:
+        assert set(a.tensors) == set(b.tensors)
+    for name, state in b.tensors:
+        assert torch.equal(reshard.full_tensor(a, name, state), reshard.full_tensor(b, name, state)), (name, state)
+
+
+def _assert_same_files(original, back, covered):
+    assert sorted(os.listdir(original)) == sorted(os.listdir(back))
+    for name in sorted(os.listdir(original)):
+        _assert_same_tree(torchzip.load(original / name), torchzip.load(back / name), name, covered)
+
+
+@pytest.mark.parametrize("to", TARGETS)
+@pytest.mark.parametrize("name", AUTOTP)
+def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
+    source = reshard.open_checkpoint(fixture_dir(name))
+    out = _convert(fixture_dir(name), tmp_path / "out", to)
+    report = reshard.validate(out, deep=True)
+    assert report.ok, report.problems
+    target = source.layout.with_spec(to)
+    assert (out.layout.tp, out.layout.dp, out.layout.zero) == (target.tp, target.dp, target.zero)
+    _assert_same_tensors(source, out)
+    assert out.param_groups == source.param_groups and out.aliases == source.aliases
+    assert out.state["global_steps"] == source.state["global_steps"]
+    first = "zero_pp_rank_0_mp_rank_00_model_states.pt" if target.zero == 3 else "mp_rank_00_model_states.pt"
+    model0 = torchzip.load(tag_dir(tmp_path / "out") / first)
+    assert model0["mp_world_size"] == target.tp
+    assert model0["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": target.tp}
+    assert model0["ds_config"]["tensor_parallel"]["autotp_size"] == target.tp
+    # without AutoTP the engine publishes no universal_checkpoint_info; at tp=2 each rank's own is carried
+    assert ("universal_checkpoint_info" in model0) == (target.tp > 1)
+
+
+@pytest.mark.parametrize("name", AUTOTP)
+@pytest.mark.parametrize("dp", [1, 3])
+def test_round_trip_through_another_dp_gives_back_deepspeeds_own_files(name, dp, tmp_path):
+    _convert(fixture_dir(name), tmp_path / "m", f"tp=2,dp={dp}")
+    _convert(tmp_path / "m", tmp_path / "n", "tp=2,dp=2")
+    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(name)))
+    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
+
+
+@pytest.mark.parametrize("name, to", [(AUTOTP[0], "tp=1,dp=4"), (AUTOTP[1], "tp=2,dp=1"), (PIPE, "pp=4,dp=1")])
+def test_converted_checkpoint_exports_and_diffs_like_its_source(name, to, tmp_path):
+    src = fixture_dir(name)
+    run_cli("convert", src, tmp_path / "tp1", "--to", to)
+    proc = run_cli("diff", src, tmp_path / "tp1", "--json", check=0)
+    report = json.loads(proc.stdout)
+    assert report["equal"] and not report["differences"], report
+    run_cli("export", src, tmp_path / "a.safetensors")
+    run_cli("export", tmp_path / "tp1", tmp_path / "b.safetensors")
+    from safetensors.torch import load_file
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("via", ["tp=2,dp=1", "tp=2,dp=3,zero=2"])
+def test_megatron_style_save_round_trips_through_its_rule_file(via, tmp_path):
+    """A TP save without universal_checkpoint_info: the rule file gives the geometry both ways."""
+    rules = str(REPO / "layouts" / "megatron-gpt.json")
+    name = "megatron_tp2_z1_fp32_dp2"
+    source = reshard.open_checkpoint(fixture_dir(name), layout_rules=rules)
+    execute(make_plan(source, via), str(tmp_path / "m"), progress=False)
+    middle = reshard.open_checkpoint(tmp_path / "m", layout_rules=rules)
+    assert reshard.validate(middle, deep=True).ok
+    _assert_same_tensors(source, middle)
+    execute(make_plan(middle, "tp=2,dp=2,zero=1"), str(tmp_path / "n"), progress=False)
+    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), _covered_elements(source))
+    whole = _convert_catalog(source, tmp_path / "tp1", "tp=1,dp=2")
+    assert whole.layout.tp == 1 and reshard.validate(whole, deep=True).ok
+    _assert_same_tensors(source, whole)
+
+
+def _convert_catalog(catalog, dst, to):
+    execute(make_plan(catalog, to), str(dst), progress=False)
+    return reshard.open_checkpoint(dst)
+
+
+@pytest.mark.parametrize("to", PIPE_TARGETS)
+def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
+    source = reshard.open_checkpoint(fixture_dir(PIPE))
+    out = _convert(fixture_dir(PIPE), tmp_path / "out", to)
+    report = reshard.validate(out, deep=True)
+    assert report.ok, report.problems
+    target = source.layout.with_spec(to)
+    assert (out.layout.pp, out.layout.dp, out.layout.zero) == (target.pp, target.dp, target.zero)
+    _assert_same_tensors(source, out)
+    assert out.param_groups[0]["params"] == source.param_groups[0]["params"]
+    # uniform partition of 5 layers (what the fixture's PipelineModule uses): [0, 3, 5] at pp=2 and so on;
+    # the tied embedding (layers 0 and 4) is trained in the first and the last stage
+    for layer in (1, 2, 3):
+        expected = 0 if target.pp == 1 else \
+            {2: [0, 0, 1], 4: [0, 1, 2], 5: [1, 2, 3]}[target.pp][layer - 1]
+        assert out.stages[f"{layer}.fc.weight" if layer != 2 else "2.weight"] == [expected]
+    assert out.stages["tied_modules.emb.weight"] == sorted({0, target.pp - 1})
+    tag = tag_dir(tmp_path / "out")
+    assert sorted(n for n in os.listdir(tag) if n.startswith("layer_")) == \
+        [f"layer_{i:02d}-model_states.pt" for i in range(5)]
+    assert all(torchzip.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None for s in range(target.pp))
+
+
+@pytest.mark.parametrize("via", ["pp=1,dp=4", "pp=4,dp=1", "pp=2,dp=3"])
+def test_pipeline_round_trip_gives_back_deepspeeds_own_files(via, tmp_path):
+    _convert(fixture_dir(PIPE), tmp_path / "m", via)
+    _convert(tmp_path / "m", tmp_path / "n", "pp=2,dp=2,partition=uniform")
+    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE)))
+    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "n"), covered)
+
+
+def test_pipeline_partition_by_parameters_when_named(tmp_path):
+    """The fixture's 5 layers weigh [348, 262, 24, 162, 348] trainable elements: DeepSpeed's 'parameters'
+    partition at pp=2 is [0, 2, 5] (uniform: [0, 3, 5]), so layer 2 moves to the second stage."""
+    out = _convert(fixture_dir(PIPE), tmp_path / "out", "pp=2,dp=1,partition=parameters")
+    assert out.stages["1.fc.weight"] == [0] and out.stages["2.weight"] == [1] and out.stages["3.fc.weight"] == [1]
+    assert out.stages["tied_modules.emb.weight"] == [0, 1]
+    back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
+    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
+                       _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
+    assert back.stages == reshard.open_checkpoint(fixture_dir(PIPE)).stages
+
+
+def test_pipeline_stage_boundaries_follow_deepspeeds_partition():
+    from deepspeed.runtime.utils import partition_balanced as ds_balanced, partition_uniform as ds_uniform
+    from reshard.formats.deepspeed.pipe_writer import partition_balanced, partition_uniform
+    for items in range(1, 12):
+        for parts in range(1, 7):
+            assert partition_uniform(items, parts) == list(ds_uniform(items, parts))
+    for weights in ([348, 262, 24, 162, 348], [1, 1, 1, 1], [5, 0, 0, 7, 1, 9, 2], [3, 3, 3]):
+        for parts in range(1, 6):
+            assert partition_balanced(weights, parts) == [int(x) for x in ds_balanced(weights, parts)]
+
+
+def test_refusals_are_one_line(tmp_path):
+    tp_source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_dp2"))
+    for to, words in [("tp=4,dp=1", "re-cutting for a new tensor-parallel degree"),
+                      ("tp=2,dp=2,zero=3", "ZeRO-1/2 only"), ("pp=2,tp=1", "not a PipelineModule save")]:
+        with pytest.raises(ReshardError, match=words) as e:
+            make_plan(tp_source, to)
+        assert "\n" not in str(e.value)
+    pipe = reshard.open_checkpoint(fixture_dir(PIPE))
+    one_stage = _convert(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")     # any partition gives its one stage
+    with pytest.raises(ReshardError, match="partition=METHOD"):
+        make_plan(one_stage, "pp=2")
+    with pytest.raises(ReshardError, match="partition must be one of"):
+        make_plan(one_stage, "pp=2,partition=type:Block")
+    for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=2", "ZeRO stage 1 only"),
+                      ("pp=1,zero=3", "ZeRO stage 1 only"),
+                      ("pp=2,tp=2", "pipeline and tensor parallel together")]:
+        with pytest.raises(ReshardError, match=words):
+            make_plan(pipe, to)
+    with pytest.raises(ReshardError, match="not a PipelineModule save"):
+        make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "pp=2")
+    with pytest.raises(ReshardError, match="re-cutting"):     # a plain save has no geometry to cut by
+        make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "tp=2")
+    proc = run_cli("convert", fixture_dir("autotp2_z1_fp32_dp2"), tmp_path / "x", "--to", "tp=4", check=1)
+    assert "re-cutting" in proc.stderr and not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------------------------- engine
+
+ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") for name in AUTOTP] + \
+              [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")] + \
+              [("autotp2_z1_fp32_dp2", "tp=2,dp=1,zero=2"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=2,zero=1")] + \
+              [(PIPE, "pp=1,dp=2"), (PIPE, "pp=1,dp=4"), (PIPE, "pp=2,dp=1"), (PIPE, "pp=4,dp=1"),
+               (PIPE, "pp=2,dp=1,partition=parameters")]
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world, jobs, out):
+    stem = f"{jobs[0]['fixture']}-{jobs[0]['to']}"
+    jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
+    jobs_path.write_text(json.dumps(jobs))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(_free_port()),
+                           str(REPO / "tests" / "engine_tp_resume.py"), str(jobs_path), str(results_path)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(results_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_resume")
+    launches = {}
+    for name, to in ENGINE_JOBS:
+        target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to)
+        dst = out / f"{name}-{to.replace(',', '-')}"
+        execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
+        job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
+               "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
+        if name == PIPE:       # one launch per pipeline topology: its engine builds its own process groups
+            job.update(pp=target.pp, partition=target.options.get("partition_method", "uniform"))
+        launches.setdefault((target.tp, target.pp, target.dp, job.get("partition")), []).append(job)
+    # negative control: a complete checkpoint that loads, compared with another run's truth (same model)
+    launches[(1, 1, 2, None)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
+                             "checkpoint": str(out / "autotp2_z2_fp32_tied_dp2-tp=1-dp=2"), "tp": 1,
+                             "fixtures": str(FIXTURES), "to": "control"})
+    results = {}
+    for (tp, pp, dp, _), jobs in launches.items():
+        pipe = [j for j in jobs if "pp" in j]
+        for group in ([j for j in jobs if "pp" not in j], pipe) if pipe else (jobs,):
+            for r in (_run(tp * pp * dp, group, out) if group else []):
+                results[(r["fixture"], r["to"])] = r
+    return results
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", ENGINE_JOBS, ids=[f"{n}-{t}" for n, t in ENGINE_JOBS])
+def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
+    result = resumed[(name, to)]
+    assert result["problems"] == [], "\n".join(result["problems"])
+    # the engine's own save of the state it resumed is our files again (tensor bytes but padding, trees equal)
+    ours, theirs = tag_dir(Path(result["checkpoint"])), tag_dir(Path(result["resave"]))
+    covered = _covered_elements(reshard.open_checkpoint(result["checkpoint"]))
+    assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
+    for n in sorted(os.listdir(ours)):
+        _assert_same_tree(torchzip.load(ours / n), torchzip.load(theirs / n), n, covered)
+
+
+@pytest.mark.engine
+def test_the_resume_check_sees_another_runs_state(resumed):
+    problems = resumed[("autotp2_z2_fp32_tied_dp2", "control")]["problems"]
+    assert any("differs from the saved engine's value" in p for p in problems), problems
