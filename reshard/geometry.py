@@ -1,5 +1,9 @@
-"""Interval arithmetic on flat element ranges. Never a loop over elements."""
+"""Interval arithmetic on flat element ranges, and boxes cut into them. Never a loop over elements."""
 from __future__ import annotations
+
+import math
+
+import numpy as np
 
 
 def intersect(a_start: int, a_stop: int, b_start: int, b_stop: int):
@@ -36,3 +40,39 @@ def total_length(ranges) -> int:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def strides(shape) -> tuple:
+    """Row-major strides, in elements."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def box_runs(full_shape, full_start, box, holder_shape=None, holder_start=None):
+    """The contiguous runs of a box of a row-major tensor, as three int64 arrays: flat start in the
+    full tensor, flat start in the holder (the shard or chunk storing the box row-major: by default
+    exactly the box), and length. A box is contiguous over the trailing dims it spans entirely in
+    both tensors, so there is one run per index of the leading dims: a dim-0 shard is one run, a
+    dim-1 shard one run per row. Computed with numpy, without a Python loop over rows."""
+    holder_shape = tuple(box) if holder_shape is None else tuple(holder_shape)
+    holder_start = (0,) * len(box) if holder_start is None else tuple(holder_start)
+    if not box:                                  # a 0-dim tensor: one element
+        return np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64)
+    k = len(box) - 1
+    while k > 0 and box[k] == full_shape[k] == holder_shape[k]:
+        k -= 1
+    length = math.prod(box[k:])
+    if length == 0 or math.prod(box[:k]) == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    full_strides, holder_strides = strides(full_shape), strides(holder_shape)
+    f = np.array(sum(a * st for a, st in zip(full_start, full_strides)), dtype=np.int64)
+    h = np.array(sum(a * st for a, st in zip(holder_start, holder_strides)), dtype=np.int64)
+    for d in range(k):
+        steps = np.arange(box[d], dtype=np.int64)
+        f = np.add.outer(f, steps * full_strides[d])
+        h = np.add.outer(h, steps * holder_strides[d])
+    return f.reshape(-1), h.reshape(-1), np.full(f.size, length, dtype=np.int64)

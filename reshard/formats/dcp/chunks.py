@@ -15,7 +15,7 @@ from reshard.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTe
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
-from reshard.formats.dcp.geometry import flat_runs
+from reshard.geometry import box_runs
 from reshard.formats.torchzip import DType, TensorRef
 
 METADATA = ".metadata"
@@ -125,7 +125,7 @@ class Chunks:
                                      f".metadata says {dtype}{list(sizes)} (contiguous)")
                 continue
             rank = rank_of(info.relative_path)
-            for start, count, elem in flat_runs(shape, offsets, sizes):
+            for start, elem, count in zip(*(a.tolist() for a in box_runs(shape, offsets, sizes))):
                 tensor.fragments.append(Fragment(start, start + count, ref.storage,
                                                  ref.storage_offset + elem, rank))
         return tensor

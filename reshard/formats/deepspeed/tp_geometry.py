@@ -13,13 +13,13 @@ else looks at a name. A parameter no source describes is refused, never guessed.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from reshard.errors import ReshardError
+from reshard.geometry import box_runs, strides
 
 RULES_KIND = "reshard.tp-rules"
 RULES_VERSION = 1
@@ -136,55 +136,27 @@ def runs(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True)
 
 
 def run_arrays(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True):
-    """`runs` as three int64 arrays, computed without a Python loop over rows (row-parallel shards of big
-    models have tens of thousands of runs), ordered by shard offset within each piece."""
-    out_f, out_s, out_n = [], [], []
-    full_strides, shard_strides = _strides(split.full_shape), _strides(shard_shape)
-    for piece in split.pieces.get(rank, []):
-        if primary_only and piece.holders[0] != rank:
-            continue
-        if not piece.shape:                                # a 0-dim tensor
-            out_f.append(np.zeros(1, np.int64)), out_s.append(np.zeros(1, np.int64)), out_n.append(np.ones(1, np.int64))
-            continue
-        k = len(piece.shape) - 1                           # the run spans dims k.. (the last at least)
-        while k > 0 and piece.shape[k] == split.full_shape[k] == shard_shape[k]:
-            k -= 1
-        length = math.prod(piece.shape[k:])
-        if length == 0 or math.prod(piece.shape[:k]) == 0:
-            continue
-        f = np.array(sum(a * st for a, st in zip(piece.full_start, full_strides)), dtype=np.int64)
-        s = np.array(sum(a * st for a, st in zip(piece.shard_start, shard_strides)), dtype=np.int64)
-        for d in range(k):                                 # offsets of every index of the leading dims
-            steps = np.arange(piece.shape[d], dtype=np.int64)
-            f = np.add.outer(f, steps * full_strides[d])
-            s = np.add.outer(s, steps * shard_strides[d])
-        out_f.append(f.reshape(-1)), out_s.append(s.reshape(-1))
-        out_n.append(np.full(f.size, length, dtype=np.int64))
-    if not out_f:
+    """`runs` as three int64 arrays (row-parallel shards of big models have tens of thousands of runs),
+    ordered by shard offset within each piece."""
+    parts = [box_runs(split.full_shape, piece.full_start, piece.shape, shard_shape, piece.shard_start)
+             for piece in split.pieces.get(rank, []) if not primary_only or piece.holders[0] == rank]
+    if not parts:
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
-    return np.concatenate(out_f), np.concatenate(out_s), np.concatenate(out_n)
-
-
-def _strides(shape) -> tuple:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
+    return tuple(np.concatenate(column) for column in zip(*parts))
 
 
 def _unravel(offset: int, shape) -> tuple:
     coords = []
-    for n, stride in zip(shape, _strides(shape)):
+    for n, stride in zip(shape, strides(shape)):
         coords.append(offset // stride if n else 0)
         offset -= coords[-1] * stride
     return tuple(coords)
 
 
-def _row_major(strides, box, shape) -> bool:
-    """Do `strides` walk a box of `shape`'s row-major layout (dims of the box of size 1 do not matter)?"""
-    return all(n == 1 or s == e for n, s, e in zip(box, strides, _strides(shape)))
+def _row_major(box_strides, box, shape) -> bool:
+    """Do `box_strides` walk a box of `shape`'s row-major layout (dims of the box of size 1 do not matter)?"""
+    return all(n == 1 or s == e for n, s, e in zip(box, box_strides, strides(shape)))
 
 
 def _from_affine(name, entry, shard_shapes, source) -> Split:

@@ -11,7 +11,7 @@ import os
 
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
-from reshard.formats.single import hf_model, safetensors_read
+from reshard.formats.single import hf_model, safetensors_header
 from reshard.formats.single.torchfile import is_state_dict
 
 SAFE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -39,11 +39,11 @@ def read(folder: str) -> Weights:
     path = os.path.join(folder, name)
     if name in (SAFE, SAFE_INDEX):
         if name == SAFE_INDEX:
-            tensors = safetensors_read.read_sharded(path)
+            tensors = safetensors_header.read_sharded(path)
             files = [(path, "index")] + [(p, "weights") for p in dict.fromkeys(
-                safetensors_read.read_index(path).values())]
+                safetensors_header.read_index(path).values())]
         else:
-            tensors, metadata = safetensors_read.read_header(path)
+            tensors, metadata = safetensors_header.read_header(path)
             files = [(path, "weights")]
             tied = tied_metadata(path, metadata)
             if tied:     # written by reshard export: the ties are in the metadata
@@ -51,7 +51,7 @@ def read(folder: str) -> Weights:
         tensors, aliases, order, buffers = hf_model.ordered(tensors, folder)
         return Weights(tensors, aliases, order, files, buffers)
     if name == BIN_INDEX:
-        shards = safetensors_read.read_index(path)
+        shards = safetensors_header.read_index(path)
         loaded, tensors = {}, {}
         for key, shard in shards.items():
             if shard not in loaded:

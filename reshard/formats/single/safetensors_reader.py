@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from reshard.catalog import Catalog
-from reshard.formats.single import hf_weights, model, safetensors_read
+from reshard.formats.single import hf_weights, model, safetensors_header
 from reshard.layout import Layout
 
 SUFFIX = ".safetensors"
@@ -29,11 +29,11 @@ def read(path: str, tag: str | None = None) -> Catalog:
     else:
         folder = path      # a one-file source is its own root
         if path.endswith(INDEX_SUFFIX):
-            tensors = safetensors_read.read_sharded(path)
-            shards = dict.fromkeys(safetensors_read.read_index(path).values())
+            tensors = safetensors_header.read_sharded(path)
+            shards = dict.fromkeys(safetensors_header.read_index(path).values())
             weights = hf_weights.Weights(tensors, {}, None, [(path, "index")] + [(p, "weights") for p in shards])
         else:
-            tensors, metadata = safetensors_read.read_header(path)
+            tensors, metadata = safetensors_header.read_header(path)
             tied = hf_weights.tied_metadata(path, metadata)
             weights = hf_weights.Weights(tensors, tied, list(tensors) + list(tied), [(path, "weights")])
     catalog = Catalog(root=folder, format="safetensors", layout=Layout(dp=1, zero=0))
