@@ -4,23 +4,15 @@ from __future__ import annotations
 import os
 
 from reshard.catalog import Catalog
-from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 
 
 def target_layout(catalog: Catalog, to: str) -> Layout:
-    """`to` is a spec ("dp=4,zero=3"; unnamed degrees keep the source's) or a layout descriptor file."""
+    """`to` is a spec ("dp=4,zero=3") or a layout descriptor file; degrees either leaves out keep the source's."""
     source = catalog.layout
     if os.path.isfile(to):
-        target = Layout.load(to)
-        for key in ("dtype", "master_dtype"):
-            if getattr(target, key) != getattr(source, key):
-                raise ReshardError(f"{to}: {key} {getattr(target, key)} differs from the source's "
-                                   f"{getattr(source, key)}; convert keeps the training precision")
-        target.states, target.options, target.optimizer = source.states, source.options, source.optimizer
-        target.params, target.elements, target.step = source.params, source.elements, source.step
-        return target
+        return source.with_descriptor(to)
     return source.with_spec(to)
 
 

@@ -63,16 +63,27 @@ class Layout:
 
     @classmethod
     def load(cls, path) -> "Layout":
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as e:
-            raise ReshardError(f"{path}: cannot read layout descriptor: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ReshardError(f"{path}: layout descriptor is not valid JSON ({e})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_descriptor(path), str(path))
+
+    def with_descriptor(self, path) -> "Layout":
+        """This layout with the degrees (dp, tp, pp, zero) and pipeline partition method a descriptor
+        file names; keys it leaves out keep this layout's values. Its dtypes, when given, must match:
+        a conversion keeps the training precision."""
+        given = read_descriptor(path)
+        for key in ("dtype", "master_dtype"):
+            if key in given and given[key] != getattr(self, key):
+                raise ReshardError(f"{path}: {key} {given[key]} differs from the source's {getattr(self, key)}; "
+                                   "convert keeps the training precision")
+        merged = {**self.to_dict(), **{k: given[k] for k in ("dp", "tp", "pp", "zero") if k in given}}
+        method = (given.get("options") or {}).get("partition_method")
+        if method is not None:
+            merged["options"] = {**self.options, "partition_method": method}
+        return Layout.from_dict(merged, str(path))
 
     def check(self, source: str = "layout") -> None:
+        method = self.options.get("partition_method")
+        if method is not None and method not in PARTITION_METHODS:
+            raise ReshardError(f"{source}: partition_method must be one of {', '.join(PARTITION_METHODS)}")
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -102,3 +113,18 @@ class Layout:
         target = replace(self, **changes)
         target.check(f"layout spec {spec!r}")
         return target
+
+
+def read_descriptor(path) -> dict:
+    """A layout descriptor file's JSON, its kind and version checked."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ReshardError(f"{path}: cannot read layout descriptor: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ReshardError(f"{path}: layout descriptor is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != DESCRIPTOR_KIND:
+        kind = data.get("kind") if isinstance(data, dict) else None
+        raise ReshardError(f"{path}: not a reshard layout descriptor (kind is {kind!r})")
+    return data

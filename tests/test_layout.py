@@ -6,7 +6,7 @@ import pytest
 import reshard
 from reshard.errors import ReshardError
 from reshard.layout import Layout
-from conftest import fixture_dir, truth_json
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, truth_json
 
 
 def test_detected_layout_round_trips_through_a_descriptor(fixture_name, tmp_path):
@@ -41,3 +41,25 @@ def test_bad_descriptors_are_refused(tmp_path):
         with pytest.raises(ReshardError) as err:
             Layout.load(path)
         assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("descriptor,fixture", [("dp4-zero3", "z2_bf16_dp2"), ("tp1-dp4-zero1", "autotp2_z1_fp32_dp2"),
+                                                ("pp2-dp2-parameters", "pipe2_z1_fp32_dp2")])
+def test_example_topologies_convert_a_real_checkpoint(tmp_path, descriptor, fixture):
+    """Each example descriptor in layouts/topologies/ is a `--to` target: its degrees, the source's precision."""
+    path = REPO / "layouts" / "topologies" / f"{descriptor}.json"
+    run_cli("convert", FIXTURES / fixture / "checkpoint", tmp_path / "out", "--to", path, "--quiet", check=0)
+    source = reshard.open_checkpoint(FIXTURES / fixture / "checkpoint")
+    out = reshard.open_checkpoint(tmp_path / "out")
+    given = json.loads(path.read_text())
+    assert {k: getattr(out.layout, k) for k in ("dp", "tp", "pp", "zero")} == {k: given[k] for k in ("dp", "tp", "pp", "zero")}
+    assert (out.layout.dtype, out.layout.master_dtype) == (source.layout.dtype, source.layout.master_dtype)
+    assert reshard.validate(out).ok
+    run_cli("diff", FIXTURES / fixture / "checkpoint", tmp_path / "out", check=0)
+
+
+def test_a_descriptor_with_another_precision_is_refused(tmp_path):
+    path = tmp_path / "bf16.json"
+    path.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 2, "dtype": "bfloat16"}))
+    proc = run_cli("convert", FIXTURES / "z2_fp32_dp2" / "checkpoint", tmp_path / "out", "--to", path, check=1)
+    assert "dtype bfloat16 differs from the source's float32" in proc.stderr
