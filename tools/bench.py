@@ -4,11 +4,12 @@
     python tools/bench.py make DIR [--params 170e6] [--dp 8] [--stage 3] [--dtype bf16]
         Train a stack of Linear layers one step with the real DeepSpeed engine (torchrun, CPU,
         gloo, ZeRO-3 params built partitioned) and save a checkpoint of about 12 bytes/param.
-    python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--repeat 3] [--json out.json]
+    python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
         Alternate `cp -r SRC` (+ sync), `reshard convert SRC --to ...` and, with --export,
-        `reshard export` and DeepSpeed's zero_to_fp32, with --universal DeepSpeed's ds_to_universal
-        (caches dropped before each run when
-        permitted); median of --repeat runs; print wall time, ratio to cp, bytes read and written
+        `reshard export` and DeepSpeed's zero_to_fp32; with --universal, `convert --format universal`
+        and DeepSpeed's ds_to_universal; with --dcp, `convert --format dcp`, and `reshard export
+        --with-optimizer` of that DCP against torch's dcp_to_torch (caches dropped before each run
+        when permitted); median of --repeat runs; print wall time, ratio to cp, bytes read and written
         (block I/O), and the peak RSS of each command's whole process tree.
 
 Nothing here is asserted: it prints figures for people (see README's Performance section).
@@ -240,9 +241,19 @@ def run(args):
     if args.universal:
         with open(os.path.join(src, "latest")) as f:
             tag_dir = os.path.join(src, f.read().strip())
+        commands["convert universal"] = lambda dst: reshard + ["convert", src, dst, "--format", "universal", "--quiet"]
         commands["ds_to_universal"] = lambda dst: [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                                                    "--input_folder", tag_dir, "--output_folder", dst,
                                                    "--inject_missing_state"]
+    if args.dcp:
+        # the DCP source for the export comparison is made once, untimed
+        dcp_src = os.path.join(work, "dcp-source")
+        subprocess.run(reshard + ["convert", src, dcp_src, "--format", "dcp", "--quiet"], check=True)
+        commands["convert dcp"] = lambda dst: reshard + ["convert", src, dst, "--format", "dcp", "--quiet"]
+        # both write model and optimizer state: dcp_to_torch consolidates everything the DCP holds
+        commands["export from dcp"] = lambda dst: reshard + ["export", dcp_src, dst, "--with-optimizer", "--quiet"]
+        commands["dcp_to_torch_save"] = lambda dst: [sys.executable, "-m", "torch.distributed.checkpoint.format_utils",
+                                                     "dcp_to_torch", dcp_src, dst + ".pt"]
     samples = {name: [] for name in commands}
     cold = True
     try:
@@ -251,7 +262,7 @@ def run(args):
                 dst = os.path.join(work, "out")
                 cold = _drop_caches() and cold
                 samples[name].append(_measure(make_cmd(dst)))
-                for leftover in (dst, dst + ".safetensors"):
+                for leftover in (dst, dst + ".safetensors", dst + ".pt"):
                     if os.path.isdir(leftover):
                         shutil.rmtree(leftover)
                     elif os.path.exists(leftover):
@@ -270,7 +281,9 @@ def run(args):
         row["gb_per_s"] = size / 1e9 / row["median_seconds"]
         table.append(row)
     by_name = {r["command"]: r for r in table}
-    for ours, theirs in (("export fp32", "zero_to_fp32"),) + tuple((f"convert {t}", "ds_to_universal") for t in args.to):
+    pairs = (("export fp32", "zero_to_fp32"), ("convert universal", "ds_to_universal"),
+             ("export from dcp", "dcp_to_torch_save")) + tuple((f"convert {t}", "ds_to_universal") for t in args.to)
+    for ours, theirs in pairs:
         if ours in by_name and theirs in by_name:
             by_name[ours][f"ratio_to_{theirs}"] = by_name[ours]["median_seconds"] / by_name[theirs]["median_seconds"]
     print(f"source {src}: {size / 1e9:.2f} GB; {args.repeat} alternating runs; caches "
@@ -318,7 +331,10 @@ def main():
     r.add_argument("--repeat", type=int, default=3)
     r.add_argument("--workdir", help="where outputs go (default: beside the source)")
     r.add_argument("--export", action="store_true", help="also time `reshard export` and DeepSpeed's zero_to_fp32")
-    r.add_argument("--universal", action="store_true", help="also time DeepSpeed's ds_to_universal")
+    r.add_argument("--universal", action="store_true",
+                   help="also time `convert --format universal` and DeepSpeed's ds_to_universal")
+    r.add_argument("--dcp", action="store_true",
+                   help="also time `convert --format dcp`, and `reshard export` of that DCP against torch's dcp_to_torch")
     r.add_argument("--json")
     args = p.parse_args()
     if args.cmd == "run" and not args.to:
