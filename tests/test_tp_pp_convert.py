@@ -191,7 +191,7 @@ def test_refusals_are_one_line(tmp_path):
             make_plan(pipe, to)
     with pytest.raises(ReshardError, match="not a PipelineModule save"):
         make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "pp=2")
-    with pytest.raises(ReshardError, match="--layout-rules"):     # a plain save has no geometry to cut by
+    with pytest.raises(ReshardError, match="not an AutoTP run"):     # a plain save: no AutoTP to cut by
         make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "tp=2")
 
 

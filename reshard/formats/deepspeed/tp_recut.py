@@ -42,13 +42,13 @@ def shard_sizes(total: int, tp: int, cut: str, kv_heads: int | None, grain: int)
 def recut(catalog, target) -> tuple:
     """(name -> Split at target.tp, tp rank -> model-states keys of that rank) for an AutoTP model."""
     where = f"{catalog.root}: tp={catalog.layout.tp} -> tp={target.tp}"
+    tp_config = (catalog.state.get("ds_config") or {}).get("tensor_parallel")
+    if not isinstance(tp_config, dict):
+        raise ReshardError(f"{where}: the saved ds_config has no tensor_parallel section: not an AutoTP run")
     rules_path = catalog.state.get("tp_rules")
     if not rules_path:
         raise ReshardError(f"{where}: how AutoTP cuts each parameter at a new degree is not in the checkpoint; "
                            "give it with --layout-rules FILE (rules with 'recut', e.g. layouts/llama-autotp.json)")
-    tp_config = (catalog.state.get("ds_config") or {}).get("tensor_parallel")
-    if not isinstance(tp_config, dict):
-        raise ReshardError(f"{where}: the saved ds_config has no tensor_parallel section: not an AutoTP run")
     grain = int(tp_config.get("tp_grain_size", 1) or 1)
     geometry = Geometry.from_rule_file(rules_path)
     kv_heads = target.options.get("kv_heads")
