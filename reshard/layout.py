@@ -100,7 +100,8 @@ class Layout:
                 changes["options"] = {**changes.get("options", self.options), "kv_heads": int(value)}
                 continue
             if not sep or key not in ("dp", "tp", "pp", "zero"):
-                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero as key=value")
+                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero, partition, kv_heads as "
+                                   "key=value")
             try:
                 changes[key] = int(value)
             except ValueError:

@@ -1,5 +1,6 @@
-"""convert across tensor/pipeline-parallel degrees: AutoTP saves at tp=1 or their own tp, PipelineModule saves at
-any pp the layers allow; any dp.
+"""convert across tensor/pipeline-parallel degrees: AutoTP saves at tp=1, their own tp, or (re-cut with a rule
+file and the key-value head count) a new tp > 1, from tp=1 too; PipelineModule saves at any pp the layers allow;
+any dp.
 
 Without the engine: complete outputs holding every tensor of the source, N -> M -> N identity of DeepSpeed's
 own files at the source topology, `reshard diff` and exports finding nothing, DeepSpeed's stage partitions, the
@@ -290,7 +291,9 @@ def _recut(name, tmp_path, to, via_tp1=True):
 def test_tp1_recut_to_tp2_gives_back_deepspeeds_own_files(name, tmp_path):
     """AutoTP tp2-dp2 -> tp1-dp2 -> tp2-dp2: every file as the engine wrote it, universal_checkpoint_info
     (pattern lists, affine map) rebuilt from the rule file and the head count alone."""
-    back = _recut(name, tmp_path, f"tp=2,dp=2,kv_heads={KV_HEADS[name]}")
+    _convert(fixture_dir(name), tmp_path / "tp1", "tp=1,dp=2")
+    back = tmp_path / "back"
+    run_cli("convert", tmp_path / "tp1", back, "--to", f"tp=2,dp=2,kv_heads={KV_HEADS[name]}", "--layout-rules", RULES)
     source = reshard.open_checkpoint(fixture_dir(name))
     _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(back), _covered_elements(source))
     assert reshard.validate(reshard.open_checkpoint(back), deep=True).ok
