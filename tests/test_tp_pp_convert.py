@@ -273,7 +273,24 @@ def test_the_resume_check_sees_another_runs_state(resumed):
 # ------------------------------------------------------------------------------ re-cut to a new tp degree
 
 RULES = str(REPO / "layouts" / "llama-autotp.json")
-KV_HEADS = {"autotp2_z1_fp32_dp2": 2, "autotp2_z1_fp32_uneven_dp2": 3}     # their hf_config's num_key_value_heads
+KV_HEADS = {name: json.loads((FIXTURES / name / "hf_config" / "config.json").read_text())["num_key_value_heads"]
+            for name in ("autotp2_z1_fp32_dp2", "autotp2_z1_fp32_uneven_dp2")}     # 2 and 3
+
+
+def test_shard_sizes_follow_deepspeeds_autotp():
+    """tp_recut.shard_sizes is tp_shard.get_shard_size_list: attention by key-value heads, MLP and lm_head even."""
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+    from reshard.formats.deepspeed.tp_recut import shard_sizes
+    layers = {"heads": "model.layers.0.self_attn.q_proj", "even": "model.layers.0.mlp.gate_proj"}
+    for kv in (None, 1, 2, 3, 4, 8):
+        for grain in (1, 2, 8):
+            meta = AutoTPMeta(num_kv_heads=kv, tp_grain_size=grain)
+            for total in (3, 12, 24, 48, 50, 64, 96):
+                for tp in range(1, 6):
+                    for cut, layer in list(layers.items()) + [("even", "lm_head")]:
+                        expected = get_shard_size_list(total, tp, meta, layer)     # 1890 cases
+                        assert shard_sizes(total, tp, cut, kv, grain) == expected, (kv, grain, total, tp, layer)
+    assert shard_sizes(24, 2, "heads", 3, 1) == [16, 8] and shard_sizes(24, 3, "heads", 3, 1) == [8, 8, 8]
 
 
 def _recut(name, tmp_path, to, via_tp1=True):
