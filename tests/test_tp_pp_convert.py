@@ -369,3 +369,14 @@ def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, tmp_pa
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
         _assert_same_tree(torchzip.load(ours / n), torchzip.load(theirs / n), n, covered)
+
+
+@pytest.mark.engine
+def test_engine_rejects_a_recut_made_with_the_wrong_head_count(tmp_path):
+    """Negative control: a tp=1 source cannot confirm kv_heads (it holds no cut); 6 instead of the model's 3
+    cuts attention 12+12 instead of 16+8, and the engine at tp=2 refuses the shapes at load."""
+    dst = _recut("autotp2_z1_fp32_uneven_dp2", tmp_path, "tp=2,dp=1,kv_heads=6")
+    job = {"fixture": "autotp2_z1_fp32_uneven_dp2", "checkpoint": str(dst), "tp": 2, "zero": 1,
+           "fixtures": str(FIXTURES), "to": "wrong-heads"}
+    with pytest.raises(AssertionError, match=r"size mismatch for model\.layers\.0\.self_attn\.q_proj\.weight"):
+        _run(2, [job], tmp_path)
