@@ -93,7 +93,8 @@ class Layout:
 
     def with_spec(self, spec: str) -> "Layout":
         """This layout with the degrees named in `spec` ("dp=4,zero=3") changed; `partition=uniform|parameters`
-        names the pipeline partition method of the target."""
+        names the pipeline partition method of the target, `kv_heads=K` the model's key-value heads (AutoTP's cut
+        at a new tensor-parallel degree)."""
         changes = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
@@ -102,10 +103,16 @@ class Layout:
                 if value.strip() not in PARTITION_METHODS:
                     raise ReshardError(f"bad layout spec {spec!r}: partition must be one of "
                                        f"{', '.join(PARTITION_METHODS)}")
-                changes["options"] = {**self.options, "partition_method": value.strip()}
+                changes["options"] = {**changes.get("options", self.options), "partition_method": value.strip()}
+                continue
+            if sep and key == "kv_heads":      # the model's key-value head count: how AutoTP cuts attention
+                if not value.strip().isdigit() or int(value) < 1:
+                    raise ReshardError(f"bad layout spec {spec!r}: kv_heads must be a positive integer")
+                changes["options"] = {**changes.get("options", self.options), "kv_heads": int(value)}
                 continue
             if not sep or key not in ("dp", "tp", "pp", "zero"):
-                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero as key=value")
+                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero, partition, kv_heads as "
+                                   "key=value")
             try:
                 changes[key] = int(value)
             except ValueError:

@@ -156,8 +156,8 @@ def test_transformers_loads_the_export_and_gives_the_gathered_models_logits(name
     assert torch.allclose(logits, engine_logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name,spec,words", [("autotp2_z1_fp32_dp2", "dp=1,tp=4", "re-cutting for a new"),
-                                              ("z1_fp32_dp2", "dp=1,tp=2", "re-cutting a save without"),
+@pytest.mark.parametrize("name,spec,words", [("autotp2_z1_fp32_dp2", "dp=1,tp=4", "give it with --layout-rules"),
+                                              ("z1_fp32_dp2", "dp=1,tp=2", "not an AutoTP run"),
                                               ("z1_fp32_dp2", "pp=2", "not a PipelineModule save")])
 def test_convert_refuses_tensor_and_pipeline_parallel(name, spec, words, tmp_path):
     """What convert cannot write (tests/test_tp_pp_convert.py covers what it can)."""

@@ -1,5 +1,6 @@
-"""convert across tensor/pipeline-parallel degrees: AutoTP saves at tp=1 or their own tp, PipelineModule saves at
-any pp the layers allow; any dp.
+"""convert across tensor/pipeline-parallel degrees: AutoTP saves at tp=1, their own tp, or (re-cut with a rule
+file and the key-value head count) a new tp > 1, from tp=1 too; PipelineModule saves at any pp the layers allow;
+any dp.
 
 Without the engine: complete outputs holding every tensor of the source, N -> M -> N identity of DeepSpeed's
 own files at the source topology, `reshard diff` and exports finding nothing, DeepSpeed's stage partitions, the
@@ -173,7 +174,7 @@ def test_pipeline_stage_boundaries_follow_deepspeeds_partition():
 
 def test_refusals_are_one_line(tmp_path):
     tp_source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_dp2"))
-    for to, words in [("tp=4,dp=1", "re-cutting for a new tensor-parallel degree"),
+    for to, words in [("tp=4,dp=1", "give it with --layout-rules"),
                       ("tp=2,dp=2,zero=3", "ZeRO-1/2 only"), ("pp=2,tp=1", "not a PipelineModule save")]:
         with pytest.raises(ReshardError, match=words) as e:
             make_plan(tp_source, to)
@@ -191,10 +192,8 @@ def test_refusals_are_one_line(tmp_path):
             make_plan(pipe, to)
     with pytest.raises(ReshardError, match="not a PipelineModule save"):
         make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "pp=2")
-    with pytest.raises(ReshardError, match="re-cutting"):     # a plain save has no geometry to cut by
+    with pytest.raises(ReshardError, match="not an AutoTP run"):     # a plain save: no AutoTP to cut by
         make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "tp=2")
-    proc = run_cli("convert", fixture_dir("autotp2_z1_fp32_dp2"), tmp_path / "x", "--to", "tp=4", check=1)
-    assert "re-cutting" in proc.stderr and not (tmp_path / "x").exists()
 
 
 # ----------------------------------------------------------------------------------------------- engine
@@ -269,3 +268,115 @@ def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
 def test_the_resume_check_sees_another_runs_state(resumed):
     problems = resumed[("autotp2_z2_fp32_tied_dp2", "control")]["problems"]
     assert any("differs from the saved engine's value" in p for p in problems), problems
+
+
+# ------------------------------------------------------------------------------ re-cut to a new tp degree
+
+RULES = str(REPO / "layouts" / "llama-autotp.json")
+KV_HEADS = {name: json.loads((FIXTURES / name / "hf_config" / "config.json").read_text())["num_key_value_heads"]
+            for name in ("autotp2_z1_fp32_dp2", "autotp2_z1_fp32_uneven_dp2")}     # 2 and 3
+
+
+def test_shard_sizes_follow_deepspeeds_autotp():
+    """tp_recut.shard_sizes is tp_shard.get_shard_size_list: attention by key-value heads, MLP and lm_head even."""
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+    from reshard.formats.deepspeed.tp_recut import shard_sizes
+    layers = {"heads": "model.layers.0.self_attn.q_proj", "even": "model.layers.0.mlp.gate_proj"}
+    for kv in (None, 1, 2, 3, 4, 8):
+        for grain in (1, 2, 8):
+            meta = AutoTPMeta(num_kv_heads=kv, tp_grain_size=grain)
+            for total in (3, 12, 24, 48, 50, 64, 96):
+                for tp in range(1, 6):
+                    for cut, layer in list(layers.items()) + [("even", "lm_head")]:
+                        expected = get_shard_size_list(total, tp, meta, layer)     # 1890 cases
+                        assert shard_sizes(total, tp, cut, kv, grain) == expected, (kv, grain, total, tp, layer)
+    assert shard_sizes(24, 2, "heads", 3, 1) == [16, 8] and shard_sizes(24, 3, "heads", 3, 1) == [8, 8, 8]
+
+
+def _recut(name, tmp_path, to, via_tp1=True):
+    """fixture -> (tp=1,dp=2 ->) `to`, the rules read with the source of the re-cut."""
+    src = fixture_dir(name)
+    if via_tp1:
+        _convert(src, tmp_path / "tp1", "tp=1,dp=2")
+        src = tmp_path / "tp1"
+    out = tmp_path / to.replace(",", "-")
+    execute(make_plan(reshard.open_checkpoint(src, layout_rules=RULES), to), str(out), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("name", list(KV_HEADS))
+def test_tp1_recut_to_tp2_gives_back_deepspeeds_own_files(name, tmp_path):
+    """AutoTP tp2-dp2 -> tp1-dp2 -> tp2-dp2: every file as the engine wrote it, universal_checkpoint_info
+    (pattern lists, affine map) rebuilt from the rule file and the head count alone."""
+    _convert(fixture_dir(name), tmp_path / "tp1", "tp=1,dp=2")
+    back = tmp_path / "back"
+    run_cli("convert", tmp_path / "tp1", back, "--to", f"tp=2,dp=2,kv_heads={KV_HEADS[name]}", "--layout-rules", RULES)
+    source = reshard.open_checkpoint(fixture_dir(name))
+    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(back), _covered_elements(source))
+    assert reshard.validate(reshard.open_checkpoint(back), deep=True).ok
+
+
+def test_uneven_tp2_recut_to_tp3_cuts_one_kv_head_per_rank(tmp_path):
+    dst = _recut("autotp2_z1_fp32_uneven_dp2", tmp_path, "tp=3,dp=1,kv_heads=3", False)
+    out = reshard.open_checkpoint(dst)
+    assert reshard.validate(out, deep=True).ok and out.layout.tp == 3
+    source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_uneven_dp2"))
+    _assert_same_tensors(source, out)
+    for rank in range(3):
+        model = torchzip.load(tag_dir(dst) / f"mp_rank_{rank:02d}_model_states.pt")
+        assert model["module"]["model.layers.0.self_attn.k_proj.weight"].shape == (4, 24)    # 1 head of 4
+        assert model["module"]["model.layers.0.self_attn.o_proj.weight"].shape == (24, 8)
+        assert model["module"]["lm_head.weight"].shape == (16, 24)
+        affine = model["universal_checkpoint_info"]["affine_map"]["params"]
+        assert sorted(affine[r"^model\.layers\.0\.mlp\.down_proj\.weight$"]["ranks"]) == [0, 1, 2]
+
+
+def test_recut_refusals_are_one_line(tmp_path):
+    uneven = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_uneven_dp2"), layout_rules=RULES)
+    for catalog, to, words in [
+            (reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_dp2")), "tp=4", "--layout-rules"),
+            (uneven, "tp=3", "kv_heads=K"),
+            (uneven, "tp=3,kv_heads=6", "do not give the cut the source was saved with"),   # 6 heads: 12+12
+            (uneven, "tp=4,kv_heads=3", "gives tensor-parallel rank 3 nothing"),
+            (reshard.open_checkpoint(fixture_dir("autotp2_z1_bf16_tied_dp2"),
+                                     layout_rules=str(REPO / "layouts" / "llama-autotp-tied.json")),
+             "tp=4,kv_heads=2", "at another degree")]:
+        with pytest.raises(ReshardError, match=words) as e:
+            make_plan(catalog, to)
+        assert "\n" not in str(e.value)
+    proc = run_cli("convert", fixture_dir("autotp2_z1_fp32_dp2"), tmp_path / "x", "--to", "tp=4", check=1)
+    assert "--layout-rules" in proc.stderr and not (tmp_path / "x").exists()
+
+
+RECUT_JOBS = [("autotp2_z1_fp32_dp2", "tp=2,dp=1,kv_heads=2", True),
+              ("autotp2_z1_fp32_uneven_dp2", "tp=2,dp=1,kv_heads=3", True),
+              ("autotp2_z1_fp32_uneven_dp2", "tp=3,dp=1,kv_heads=3", False)]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to, via_tp1", RECUT_JOBS, ids=[f"{n}-{t}" for n, t, _ in RECUT_JOBS])
+def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, tmp_path):
+    """tp1 -> tp2 (and tp2 -> tp3 on 3 kv heads): the unmodified engine at the new degree loads it, holds the
+    fixture's truth bit for bit, steps, and its own save is our files (universal_checkpoint_info included)."""
+    dst = _recut(name, tmp_path, to, via_tp1)
+    target = reshard.open_checkpoint(dst).layout
+    job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
+           "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
+    [result] = _run(target.tp * target.dp, [job], tmp_path)
+    assert result["problems"] == [], "\n".join(result["problems"])
+    ours, theirs = tag_dir(dst), tag_dir(Path(result["resave"]))
+    covered = _covered_elements(reshard.open_checkpoint(dst))
+    assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
+    for n in sorted(os.listdir(ours)):
+        _assert_same_tree(torchzip.load(ours / n), torchzip.load(theirs / n), n, covered)
+
+
+@pytest.mark.engine
+def test_engine_rejects_a_recut_made_with_the_wrong_head_count(tmp_path):
+    """Negative control: a tp=1 source cannot confirm kv_heads (it holds no cut); 6 instead of the model's 3
+    cuts attention 12+12 instead of 16+8, and the engine at tp=2 refuses the shapes at load."""
+    dst = _recut("autotp2_z1_fp32_uneven_dp2", tmp_path, "tp=2,dp=1,kv_heads=6")
+    job = {"fixture": "autotp2_z1_fp32_uneven_dp2", "checkpoint": str(dst), "tp": 2, "zero": 1,
+           "fixtures": str(FIXTURES), "to": "wrong-heads"}
+    with pytest.raises(AssertionError, match=r"size mismatch for model\.layers\.0\.self_attn\.q_proj\.weight"):
+        _run(2, [job], tmp_path)

@@ -44,7 +44,10 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None) -> 
     for tensor-parallel checkpoints that do not carry `universal_checkpoint_info`."""
     tag_dir, tag = names.resolve_tag_dir(path, tag)
     try:
-        return _read(tag_dir, tag, layout_rules)
+        catalog = _read(tag_dir, tag, layout_rules)
+        if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
+            catalog.state["tp_rules"] = layout_rules
+        return catalog
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.
         raise ReshardError(f"{tag_dir}: not the structure DeepSpeed writes ({type(e).__name__}: {e})") from None

@@ -52,6 +52,7 @@ class Rule:
     count_only: bool = False
     shard_widths: tuple = ()      # per sub-param, per rank widths (uneven AutoTP splits)
     reason: str = ""
+    recut: str = ""               # how AutoTP sizes the blocks at any degree: "heads" or "even" (tp_recut)
 
 
 class Geometry:
@@ -92,6 +93,10 @@ class Geometry:
 
     def _matches(self, pattern, name) -> bool:
         return bool(pattern.match(name) if self.prefix_match else pattern.fullmatch(name))
+
+    def rule_for(self, name: str):
+        """The first rule matching `name` (None when none does); the affine map is not consulted."""
+        return next((rule for pattern, rule in self.rules if self._matches(pattern, name)), None)
 
     def split(self, name: str, shard_shapes: dict, tp: int) -> Split:
         for pattern, entry in self.affine:       # a map states the geometry itself: no trimming on top
@@ -317,7 +322,7 @@ def _rules_from_file(data: dict, path: str) -> list:
             re.compile(pattern)
         except (KeyError, TypeError, re.error) as e:
             raise ReshardError(f"{where}: needs a valid regular expression under 'match' ({e})") from None
-        unknown = set(item) - {"match", "replicated", "dim", "vocab", "sub_params", "refuse", "note"}
+        unknown = set(item) - {"match", "replicated", "dim", "vocab", "sub_params", "refuse", "note", "recut"}
         if unknown:
             raise ReshardError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
         if item.get("refuse"):
@@ -326,8 +331,11 @@ def _rules_from_file(data: dict, path: str) -> list:
             rules.append(Rule(pattern, "replicated"))
         elif isinstance(item.get("dim"), int):
             dim, sub = item["dim"], item.get("sub_params")
+            recut = item.get("recut", "")
+            if recut not in ("", "heads", "even"):
+                raise ReshardError(f"{where}: recut must be 'heads' or 'even'")
             if sub is None:
-                rules.append(Rule(pattern, "split", dim=dim, vocab=bool(item.get("vocab"))))
+                rules.append(Rule(pattern, "split", dim=dim, vocab=bool(item.get("vocab")), recut=recut))
             elif isinstance(sub, int) and sub > 0:
                 rules.append(Rule(pattern, "sub_params", dim=dim, sub_params=(sub,), count_only=True))
             elif isinstance(sub, list) and sub and all(isinstance(n, int) and n > 0 for n in sub):

@@ -9,8 +9,8 @@ Which boxes a TP rank holds at the target degree:
 * tp=1: every tensor whole (what the engine without AutoTP saves: no universal_checkpoint_info);
 * the source's own degree: the boxes the source was read with, and each rank's own
   universal_checkpoint_info (its affine map is stated for that degree) carried over;
-* any other degree: AutoTP's cut there depends on the model (key-value heads, tp_grain_size) and its
-  universal_checkpoint_info would have to be re-derived as the engine computes it: refused.
+* any other degree > 1 (from tp=1 too): AutoTP's cut there and its universal_checkpoint_info, re-derived
+  as the engine computes them from the rule file and the key-value head count (tp_recut).
 Pipeline-parallel sources and targets are written by pipe_writer.
 """
 from __future__ import annotations
@@ -32,13 +32,6 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if source.pp != 1 or target.pp != 1 or catalog.state.get("pipe_layer_files"):
         from reshard.formats.deepspeed import pipe_writer      # a PipelineModule's save, at any pp
         return pipe_writer.target_files(catalog, target, tag, source_save_dir)
-    if target.tp > 1 and source.tp == 1:
-        raise ReshardError(f"{catalog.root}: tp=1 -> tp={target.tp}: re-cutting a save without tensor parallelism "
-                           "is not supported (how AutoTP would cut each parameter is not in it)")
-    if target.tp > 1 and target.tp != source.tp:
-        raise ReshardError(f"{catalog.root}: tp={source.tp} -> tp={target.tp}: re-cutting for a new tensor-parallel "
-                           "degree (AutoTP's head-aligned cut and its affine map there) is not supported; "
-                           f"tp=1 or tp={source.tp} can be written")
     if target.tp > 1 and target.zero not in (1, 2):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel target is written for ZeRO-1/2 only "
                            "(what AutoTP trains with)")
@@ -46,10 +39,14 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written")
     if target.tp == 1:
         return writer.rank_files(writer._Context(catalog, target), tag) + writer.closing_files(tag, source_save_dir)
-    extra = catalog.state.get("mp_rank_extra") or {}
+    if target.tp != source.tp:               # a new degree: AutoTP's cut and its info there (tp_recut)
+        from reshard.formats.deepspeed import tp_recut
+        splits, extra = tp_recut.recut(catalog, target)
+    else:
+        splits, extra = catalog.tp_splits, catalog.state.get("mp_rank_extra") or {}
     out = []
     for rank in range(target.tp):
-        view, runs = _rank_view(catalog, rank)
+        view, runs = _rank_view(catalog, rank, splits)
         files = writer.rank_files(writer._Context(view, target, mp_rank=rank, model_extra=extra.get(rank)), tag)
         for file in files:
             file.pieces = {key: _to_full(pieces, runs) for key, pieces in file.pieces.items()}
@@ -69,7 +66,7 @@ def _shard_shape(name: str, split: Split, rank: int) -> tuple:
     return shape
 
 
-def _rank_view(catalog: Catalog, rank: int) -> tuple:
+def _rank_view(catalog: Catalog, rank: int, splits: dict) -> tuple:
     """A catalog with rank's shard shapes (no fragments: only shapes, dtypes and groups are read from it)
     and, per param, the runs (full start, shard start, length) its shard is made of, by shard start."""
     view = Catalog(root=catalog.root, format=catalog.format, layout=catalog.layout)
@@ -78,7 +75,7 @@ def _rank_view(catalog: Catalog, rank: int) -> tuple:
     view.state = catalog.state
     runs = {}
     for name, info in catalog.params.items():
-        split = catalog.tp_splits.get(name)
+        split = splits.get(name)
         if split is None:
             raise ReshardError(f"{catalog.root}: {name}: how tensor parallelism cut it is unknown")
         shape = _shard_shape(name, split, rank)
