@@ -146,18 +146,26 @@ ALLOWED.update({("torch", alias): DType(dt) for alias, dt in
 ALLOWED.update(standins.BY_GLOBAL)
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: str, storages: dict):
+class AllowListUnpickler(pickle.Unpickler):
+    """Unpickles only the globals in `allowed` ((module, name) -> object); any other is refused, never imported."""
+
+    def __init__(self, data: bytes, path: str, allowed: dict):
         super().__init__(io.BytesIO(data))
         self._path = path
-        self._storages = storages
+        self._allowed = allowed
 
     def find_class(self, module, name):
         try:
-            return ALLOWED[(module, name)]
+            return self._allowed[(module, name)]
         except KeyError:
             raise UnsafeCheckpointError(self._path, f"refusing to unpickle global {module}.{name} "
-                                  "(not on reshard's allow-list; nothing was executed)") from None
+                                        "(not on reshard's allow-list; nothing was executed)") from None
+
+
+class _SafeUnpickler(AllowListUnpickler):
+    def __init__(self, data: bytes, path: str, storages: dict):
+        super().__init__(data, path, ALLOWED)
+        self._storages = storages
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"

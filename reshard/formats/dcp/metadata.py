@@ -15,9 +15,9 @@ import enum
 import io
 import pickle
 
-from reshard.errors import CheckpointError, UnsafeCheckpointError
+from reshard.errors import CheckpointError
 from reshard.formats.torchsave import _Global, _TreePickler
-from reshard.formats.torchzip import ALLOWED as TORCH_ALLOWED, DType, Size
+from reshard.formats.torchzip import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -149,17 +149,9 @@ ALLOWED.update({
 ALLOWED.update({key: value for key, value in TORCH_ALLOWED.items() if isinstance(value, DType)})
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(AllowListUnpickler):
     def __init__(self, data: bytes, path: str):
-        super().__init__(io.BytesIO(data))
-        self._path = path
-
-    def find_class(self, module, name):
-        try:
-            return ALLOWED[(module, name)]
-        except KeyError:
-            raise UnsafeCheckpointError(self._path, f"refusing to unpickle global {module}.{name} "
-                                        "(not on reshard's allow-list; nothing was executed)") from None
+        super().__init__(data, path, ALLOWED)
 
     def persistent_load(self, pid):
         raise CheckpointError(self._path, "a persistent id in DCP metadata")
