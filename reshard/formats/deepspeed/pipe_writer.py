@@ -8,9 +8,11 @@ A PipelineEngine saves
   ordinary ZeRO writer produces over a view of the catalog holding that stage's params only (the tied ones
   of every stage using them).
 
-Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts) or
-'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it). The
-method is not saved: `--to ...,partition=uniform|parameters` names it, else it is the one of those two that
+Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts),
+'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it) or
+'type:REGEX' (balanced counts of the layers whose class name matches; the class names are not saved, so
+`layer_types=Embed/Block/...` gives them). The method is not saved: `--to ...,partition=METHOD` names it,
+else it is the one of 'uniform' and 'parameters' that
 gives the source's own stages (refused when neither does, or when both do but they would cut the target
 differently, as from a one-stage source). Layers are counted from the layer
 files: parameterless function layers after the last file cannot be seen, which the check against the
@@ -19,6 +21,7 @@ source's stages catches whenever it changes the boundaries there.
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 
 import numpy as np
@@ -47,7 +50,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if any(p.kind == "frozen" for p in catalog.params.values()):
         raise ReshardError(f"{catalog.root}: frozen parameters in a pipeline are not supported")
     layers = {int(i): entries for i, entries in layer_files.items()}
-    parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"))
+    parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
+                             target.options.get("layer_types"))
     out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
     for stage in range(target.pp):
         view = _stage_view(catalog, layers, range(parts[stage], parts[stage + 1]))
@@ -97,8 +101,30 @@ def partition_balanced(weights: list, num_parts: int) -> list:
     return parts[::-1]
 
 
-def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None) -> list:
+def partition_by_type(layer_types: list, method: str, num_parts: int) -> list:
+    """PipelineModule._partition_layers' 'type:REGEX': the layers whose class name the regex finds (case
+    insensitive, as _find_layer_type) weigh 1, the others 0, balanced like 'parameters'."""
+    pattern = re.compile(method.split(":")[1], re.IGNORECASE)
+    weights = [1 if pattern.search(name) else 0 for name in layer_types]
+    if not any(weights):
+        raise ReshardError(f"partition {method!r} finds no layer among layer_types {'/'.join(layer_types)}")
+    return partition_balanced(weights, num_parts)
+
+
+def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None,
+                     layer_types: list | None = None) -> list:
     count = max(layers) + 1
+    if named and named.startswith("type:"):
+        # a checkpoint holds no class names: the layers' types are given, one per layer spec of the model
+        if not layer_types:
+            raise ReshardError(f"partition={named} needs the class names of the model's layers: add "
+                               "layer_types=NAME/NAME/... (one per layer, in order)")
+        if len(layer_types) < count:
+            raise ReshardError(f"{catalog.root}: layer_types names {len(layer_types)} layers but the checkpoint "
+                               f"has {count}")
+        if pp > len(layer_types):
+            raise ReshardError(f"{catalog.root}: pp={pp} but the model has {len(layer_types)} layers")
+        return partition_by_type(layer_types, named, pp)
     weights = [sum(math.prod(catalog.params[n].shape) for _, n in layers.get(i, [])
                    if n and catalog.params[n].kind == "trainable") for i in range(count)]
     methods = {"uniform": lambda parts: partition_uniform(count, parts),
