@@ -240,7 +240,7 @@ def test_refusals_are_one_line(tmp_path):
         make_plan(one_stage, "pp=2,partition=block")
     for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=2", "ZeRO stage 1 only"),
                       ("pp=1,zero=3", "ZeRO stage 1 only"),
-                      ("pp=2,tp=2", "pipeline and tensor parallel together")]:
+                      ("pp=2,tp=2", "give it with --layout-rules")]:
         with pytest.raises(ReshardError, match=words):
             make_plan(pipe, to)
     with pytest.raises(ReshardError, match="not a PipelineModule save"):

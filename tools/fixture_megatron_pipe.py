@@ -25,6 +25,18 @@ LAYER_TYPES = ["EmbeddingPipe", "PositionPipe", "TransformerLayerPipe", "Transfo
 _TP = {}     # the tensor-parallel rank, degree and group: set before the layers are built / run
 
 
+def _copy(x):        # Megatron's f / g / gather; no collective at all without tensor parallelism
+    return _CopyToTP.apply(x, _TP["group"]) if _TP["tp"] > 1 else x
+
+
+def _reduce(x):
+    return _ReduceFromTP.apply(x, _TP["group"]) if _TP["tp"] > 1 else x
+
+
+def _gather_last(x):
+    return _GatherLastDim.apply(x, _TP["group"], _TP["rank"], _TP["tp"]) if _TP["tp"] > 1 else x
+
+
 def megatron_name(local):
     """The fixture_megatron CUTS key a layer's local parameter name ends with."""
     found = [k for k in CUTS if k.endswith("." + local)]
@@ -56,14 +68,12 @@ class EmbeddingPipe(torch.nn.Module):
         _param(self, "word_embeddings.weight", 101)
 
     def forward(self, x):
-        group, rank, emb = _TP["group"], _TP["rank"], self.word_embeddings.weight
+        emb = self.word_embeddings.weight
         if x.dtype == torch.long:         # first use: vocabulary-parallel lookup, summed over the TP ranks
-            local = x - rank * emb.shape[0]
+            local = x - _TP["rank"] * emb.shape[0]
             outside = (local < 0) | (local >= emb.shape[0])
-            h = F.embedding(local.clamp(0, emb.shape[0] - 1), emb) * (~outside).unsqueeze(-1)
-            return _ReduceFromTP.apply(h, group)
-        logits = F.linear(_CopyToTP.apply(x, group), emb)       # last use: the tied output layer
-        return _GatherLastDim.apply(logits, group, rank, _TP["tp"])[..., :VOCAB]
+            return _reduce(F.embedding(local.clamp(0, emb.shape[0] - 1), emb) * (~outside).unsqueeze(-1))
+        return _gather_last(F.linear(_copy(x), emb))[..., :VOCAB]      # last use: the tied output layer
 
 
 class PositionPipe(torch.nn.Module):
@@ -87,18 +97,17 @@ class TransformerLayerPipe(torch.nn.Module):
             _param(self, local, seed * 100 + i)
 
     def forward(self, h):
-        group, attn, mlp = _TP["group"], self.self_attention, self.mlp
+        attn, mlp = self.self_attention, self.mlp
         x = F.layer_norm(h, (HIDDEN,), self.input_layernorm.weight, self.input_layernorm.bias)
-        qkv = F.linear(_CopyToTP.apply(x, group), attn.query_key_value.weight, attn.query_key_value.bias)
+        qkv = F.linear(_copy(x), attn.query_key_value.weight, attn.query_key_value.bias)
         b, t = qkv.shape[:2]
         q, k, v = qkv.view(b, t, -1, 3, HEAD_DIM).unbind(3)
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         att = att.transpose(1, 2).reshape(b, t, -1)
-        h = h + _ReduceFromTP.apply(F.linear(att, attn.dense.weight), group) + attn.dense.bias
+        h = h + _reduce(F.linear(att, attn.dense.weight)) + attn.dense.bias
         x = F.layer_norm(h, (HIDDEN,), self.post_attention_layernorm.weight, self.post_attention_layernorm.bias)
-        gate, up = F.linear(_CopyToTP.apply(x, group), mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias).chunk(2, -1)
-        return h + _ReduceFromTP.apply(F.linear(F.silu(gate) * up, mlp.dense_4h_to_h.weight), group) \
-            + mlp.dense_4h_to_h.bias
+        gate, up = F.linear(_copy(x), mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias).chunk(2, -1)
+        return h + _reduce(F.linear(F.silu(gate) * up, mlp.dense_4h_to_h.weight)) + mlp.dense_4h_to_h.bias
 
 
 class FinalNormPipe(torch.nn.Module):
@@ -112,7 +121,11 @@ class FinalNormPipe(torch.nn.Module):
 
 
 def topology(tp=TP, pp=PP, dp=DP):
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    """Megatron's 3D grid; without tensor parallelism a PipelineModule's plain pipe x data grid (no model axis:
+    layer files without `-model_TT`)."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+    if tp == 1:
+        return PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
 
 
@@ -123,13 +136,14 @@ def pipe_module(topo, partition_method="uniform"):
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
 
-    _TP.update(tp=topo.get_dim("model"), rank=topo.get_coord(tdist.get_rank()).model)
+    tp = topo.get_dim("model") if "model" in topo.get_axis_names() else 1
+    _TP.update(tp=tp, rank=topo.get_coord(tdist.get_rank()).model if tp > 1 else 0)
     layers = [TiedLayerSpec("embed", EmbeddingPipe, tied_weight_attr=["word_embeddings.weight"]),
               LayerSpec(PositionPipe), LayerSpec(TransformerLayerPipe, 1), LayerSpec(TransformerLayerPipe, 2),
               LayerSpec(FinalNormPipe),
               TiedLayerSpec("embed", EmbeddingPipe, tied_weight_attr=["word_embeddings.weight"])]
     net = PipelineModule(layers=layers, topology=topo, loss_fn=loss_fn, partition_method=partition_method)
-    _TP["group"] = net.mpu().get_slice_parallel_group()
+    _TP["group"] = net.mpu().get_slice_parallel_group() if tp > 1 else None
     return net
 
 
@@ -168,9 +182,11 @@ def megatron_pipe_truth(engine, state_names, flat_truth):
     local = flat_truth(engine, engine.optimizer.optimizer, dict((id(p), n) for n, p in named), state_names)
     for k, v in engine.module.state_dict().items():
         local[f"module/{k}"] = v.detach().cpu().clone().contiguous()
-    group = engine.grid.get_slice_parallel_group()
-    full = {k: unshard(unshard_name(k.split("/", 1)[1]), _gather(v, group)).clone().contiguous()
-            for k, v in sorted(local.items())}
+    if _TP["tp"] > 1:
+        full = {k: unshard(unshard_name(k.split("/", 1)[1]), _gather(v, _TP["group"])).clone().contiguous()
+                for k, v in sorted(local.items())}
+    else:
+        full = local
     every = [None] * tdist.get_world_size()
     tdist.all_gather_object(every, full)
     out = {}

@@ -42,8 +42,6 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if not layer_files:
         raise ReshardError(f"{catalog.root}: not a PipelineModule save (no layer files): a pipeline target needs "
                            "the model's layers")
-    if target.tp != 1 or catalog.layout.tp != 1:
-        raise ReshardError(f"target {target.topology()}: pipeline and tensor parallel together are not supported")
     if target.zero != 1:     # deepspeed/runtime/pipe/engine.py asserts stage < 2
         raise ReshardError(f"target {target.topology()}: a PipelineEngine trains with ZeRO stage 1 only "
                            "(DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism)")
@@ -52,13 +50,63 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     layers = {int(i): entries for i, entries in layer_files.items()}
     parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
                              target.options.get("layer_types"))
-    out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
+    if target.tp == 1:
+        out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
+        out += _stage_files(catalog, target, layers, parts, tag, tp_rank=0)
+        return out + writer.closing_files(tag, source_save_dir)
+    # tensor AND pipeline parallel: per TP rank t, the shard-shaped view tp_writer writes TP ranks from; its
+    # layer files are layer_XX-model_{t:02d}-..., its stages mp ranks stage * tp + t (DeepSpeed's
+    # PipelineParallelGrid orders the model-parallel group pipe-major); pieces mapped back to full tensors.
+    from reshard.formats.deepspeed import tp_writer
+    splits = catalog.tp_splits if target.tp == catalog.layout.tp else megatron_splits(catalog, target.tp)
+    out = []
+    for t in range(target.tp):
+        view, runs = tp_writer._rank_view(catalog, t, splits)
+        files = [_layer_file(view, index, entries, tag, tp_rank=t) for index, entries in sorted(layers.items())]
+        files += _stage_files(view, target, layers, parts, tag, tp_rank=t)
+        for file in files:
+            file.pieces = {key: tp_writer._to_full(pieces, runs) for key, pieces in file.pieces.items()}
+        out += files
+    return out + writer.closing_files(tag, source_save_dir)
+
+
+def megatron_splits(catalog: Catalog, tp: int) -> dict:
+    """The boxes of every parameter at a new tensor-parallel degree, cut as Megatron's layers cut: each rank
+    an equal 1/tp of the dim its rule names (vocabulary rows, fused QKV, each SwiGLU half), the rest whole.
+    Megatron asserts those dims divide by tp, and so does this."""
+    from reshard.formats.deepspeed.tp_geometry import Geometry
+    rules_path = catalog.state.get("tp_rules")
+    if not rules_path:
+        raise ReshardError(f"{catalog.root}: tp={catalog.layout.tp} -> tp={tp}: how the pipeline's layers are cut "
+                           "is not in the checkpoint; give it with --layout-rules FILE (layouts/megatron-gpt.json)")
+    geometry = Geometry.from_rule_file(rules_path)
+    splits = {}
+    for name, info in catalog.params.items():
+        if name in catalog.aliases:
+            continue
+        rule = geometry.rule_for(name)
+        shape = list(info.shape)
+        if rule is not None and rule.kind in ("split", "sub_params"):
+            dim = rule.dim if rule.dim >= 0 else len(shape) + rule.dim
+            parts = tp * (rule.sub_params[0] if rule.count_only else len(rule.sub_params) or 1)
+            if shape[dim] % parts:
+                raise ReshardError(f"{catalog.root}: {name}: dim {dim} of {info.shape} does not divide into "
+                                   f"{parts} equal parts, as Megatron's tensor parallelism at tp={tp} needs")
+            shape[dim] //= tp
+        elif rule is not None and rule.kind == "refuse":
+            raise ReshardError(f"{rules_path}: {name}: {rule.reason}")
+        splits[name] = geometry.split(name, {r: tuple(shape) for r in range(tp)}, tp)
+    return splits
+
+
+def _stage_files(catalog, target, layers, parts, tag, tp_rank) -> list:
+    out = []
     for stage in range(target.pp):
         view = _stage_view(catalog, layers, range(parts[stage], parts[stage + 1]))
-        ctx = writer._Context(view, target, mp_rank=stage, model_extra={"shared_params": {}})
+        ctx = writer._Context(view, target, mp_rank=stage * target.tp + tp_rank, model_extra={"shared_params": {}})
         ctx.module_in_layer_files = True
         out += writer.rank_files(ctx, tag)
-    return out + writer.closing_files(tag, source_save_dir)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ boundaries
@@ -175,8 +223,8 @@ def _stage_view(catalog: Catalog, layers: dict, indices) -> Catalog:
     return view
 
 
-def _layer_file(catalog: Catalog, index: int, entries: list, tag: str) -> TorchFile:
-    name = names.layer_states_name(index)
+def _layer_file(catalog: Catalog, index: int, entries: list, tag: str, tp_rank: int | None = None) -> TorchFile:
+    name = names.layer_states_name(index, tp_rank)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     tree = OrderedDict()
     for key, full_name in entries:
