@@ -89,6 +89,26 @@ def test_cli_convert_and_export(tmp_path):
                        _covered_elements(_open(fixture_dir(NAME))))
 
 
+def test_a_tied_copy_that_differs_is_found_now_or_by_validate_deep(tmp_path, monkeypatch):
+    import shutil
+    from reshard.formats.deepspeed import parallel
+    save = tmp_path / "save"
+    shutil.copytree(fixture_dir(NAME), save)
+    path = tag_dir(save) / "layer_05-model_01-model_states.pt"     # TP rank 1's output use of the tied embedding
+    sd = torch.load(path, weights_only=False)
+    sd["word_embeddings.weight"][2, 5] += 1.0
+    torch.save(sd, path)
+    words = "tied_modules.embed.word_embeddings.weight (module): replicated, but layer_05-model_01-model_states.pt"
+    assert any(words in p for p in _open(save).problems)             # small: compared when read
+    monkeypatch.setattr(parallel, "REPLICA_CHECK_BYTES", 0)           # as if it were big
+    catalog = _open(save)
+    assert not catalog.problems and reshard.validate(catalog).ok
+    problems = reshard.validate(catalog, deep=True).problems
+    # TP rank 1 holds rows 20..39: its shard element (2, 5) is full element 22 * 8 + 5
+    assert len(problems) == 1 and words in problems[0] and "(tensor-parallel rank 1)" in problems[0] \
+        and "first at element 181" in problems[0], problems
+
+
 def test_refusals(tmp_path):
     source = _open(fixture_dir(NAME))
     for to, words in [("tp=3,pp=2", "does not divide into"), ("tp=2,pp=2,zero=2", "ZeRO stage 1 only"),

@@ -9,6 +9,8 @@ Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 ch
 * pipeline parallel (mp = stages): the stages' params are already named as the PipelineModule names
   them; a tied module trained in several stages appears once, its copies compared. The module weights
   come from the `layer_XX-model_states.pt` files, whose local keys are mapped to those names.
+* both (tp > 1 and pp > 1, layer files `layer_XX-model_TT-model_states.pt`): each TP rank's stages are merged
+  as a pipeline, then the TP ranks as above (_merge_3d); tied copies are found per TP rank and re-addressed.
 """
 from __future__ import annotations
 
@@ -271,6 +273,18 @@ def _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules) -> Catalog:
     catalog = _merge_tp(tag_dir, per_rank, geometry, tp)
     base = _first(per_rank)
     catalog.stages, catalog.layers = dict(base.stages), dict(base.layers)
+    # tied copies (another stage's, a later layer file's) were found per TP rank in shard elements: re-address
+    # them to full-tensor elements like the rank's own tensors, so that `validate --deep` compares the big ones
+    for t, merged in sorted(per_rank.items()):
+        for replica in merged.replicas if merged is not None else []:
+            name, state = replica.copy.name, replica.copy.state
+            full = catalog.tensors.get((name, state))
+            if full is None or name not in catalog.tp_splits:
+                continue
+            copy = LogicalTensor(name, state, full.shape, full.dtype)
+            copy.fragments = _cut(replica.copy.fragments, *run_arrays(catalog.tp_splits[name], t, replica.copy.shape))
+            catalog.replicas.append(Replica(copy, f"{replica.holder} (tensor-parallel rank {t})",
+                                            f"{replica.first}", replica.checked))
     return catalog
 
 

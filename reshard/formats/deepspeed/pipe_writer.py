@@ -17,6 +17,14 @@ gives the source's own stages (refused when neither does, or when both do but th
 differently, as from a one-stage source). Layers are counted from the layer
 files: parameterless function layers after the last file cannot be seen, which the check against the
 source's stages catches whenever it changes the boundaries there.
+
+With tensor parallelism too (tp > 1, Megatron-style layers on DeepSpeed's PipeModelDataParallelTopology), TP
+rank t's layer files are `layer_XX-model_{t:02d}-model_states.pt` and its stage s is mp rank s * tp + t; each
+is written from tp_writer's shard-shaped view of rank t, its pieces mapped back to the full tensors. The boxes
+are the source's at its own degree, else Megatron's even cut of the dims the rule file names (megatron_splits).
+At tp=1 the files have no `-model_TT` (a PipelineModule on its plain pipe x data topology). The 'parameters'
+partition counts full tensors; DeepSpeed counts each rank's shards, which cut alike whenever every cut dim
+divides evenly and only small replicated tensors (norms, biases) are left whole, as in Megatron's layers.
 """
 from __future__ import annotations
 
