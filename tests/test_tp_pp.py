@@ -399,7 +399,8 @@ def test_big_replicas_are_compared_by_validate_deep(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name,victim", [("pipe2_z1_fp32_dp2", "layer_02-model_states.pt"),
-                                         ("autotp2_z1_fp32_dp2", "mp_rank_01_model_states.pt")])
+                                         ("autotp2_z1_fp32_dp2", "mp_rank_01_model_states.pt"),
+                                         ("megatron_pipe_tp2_pp2_z1_fp32_dp2", "layer_03-model_01-model_states.pt")])
 def test_a_hostile_pickle_in_a_layer_or_tp_rank_file_never_runs(name, victim, tmp_path):
     import sys
     sys.path.insert(0, str(REPO / "tools"))
@@ -412,7 +413,7 @@ def test_a_hostile_pickle_in_a_layer_or_tp_rank_file_never_runs(name, victim, tm
     _rewrite(tag / victim, change)
     before = {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
     for command in (["inspect", save], ["validate", save], ["export", save, tmp_path / "x.safetensors"]):
-        proc = run_cli(*command, check=1)
+        proc = run_cli(*command, *_rules_args(name), check=1)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and victim in lines[0] and "system" in lines[0], command
     assert not canary.exists() and not (tmp_path / "x.safetensors").exists()
