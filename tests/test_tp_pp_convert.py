@@ -214,6 +214,12 @@ def test_pipeline_partition_by_type_when_named(tmp_path):
     back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
     _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
                        _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
+    # a layout descriptor names them too (options.partition_method, options.layer_types)
+    descriptor = tmp_path / "layout.json"
+    descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 1, "pp": 2, "options": {
+        "partition_method": "type:embed", "layer_types": PIPE_TYPES.split("/")}}))
+    by_file = _convert(fixture_dir(PIPE), tmp_path / "by_file", str(descriptor))
+    assert by_file.stages == out.stages
     pipe = reshard.open_checkpoint(fixture_dir(PIPE))
     for to, words in [("pp=2,partition=type:Block", "add layer_types="),
                       ("pp=2,partition=type:Conv,layer_types=" + PIPE_TYPES, "finds no layer"),
