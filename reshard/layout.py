@@ -6,13 +6,28 @@ holds), or derived from another Layout and a spec such as `dp=4,zero=3`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from reshard.errors import ReshardError
 
 DESCRIPTOR_KIND = "reshard.layout"
 DESCRIPTOR_VERSION = 1
-PARTITION_METHODS = ("uniform", "parameters")
+PARTITION_METHODS = ("uniform", "parameters", "type:REGEX")
+
+
+def partition_method_problem(method) -> str | None:
+    """Why `method` is not a PipelineModule partition method we can cut by (None when it is one).
+    'type:REGEX' is DeepSpeed's: balance the layers whose class name the regex matches."""
+    if method in ("uniform", "parameters"):
+        return None
+    if isinstance(method, str) and method.startswith("type:"):
+        try:
+            re.compile(method.split(":")[1], re.IGNORECASE)     # DeepSpeed takes the text up to a 2nd ':'
+        except re.error as e:
+            return f"partition {method!r}: bad regular expression ({e})"
+        return None
+    return f"partition must be one of {', '.join(PARTITION_METHODS)}"
 
 
 @dataclass
@@ -75,15 +90,19 @@ class Layout:
                 raise ReshardError(f"{path}: {key} {given[key]} differs from the source's {getattr(self, key)}; "
                                    "convert keeps the training precision")
         merged = {**self.to_dict(), **{k: given[k] for k in ("dp", "tp", "pp", "zero") if k in given}}
-        method = (given.get("options") or {}).get("partition_method")
-        if method is not None:
-            merged["options"] = {**self.options, "partition_method": method}
+        given_options = given.get("options") or {}
+        for key in ("partition_method", "layer_types"):
+            if given_options.get(key) is not None:
+                merged["options"] = {**merged.get("options", self.options), key: given_options[key]}
         return Layout.from_dict(merged, str(path))
 
     def check(self, source: str = "layout") -> None:
         method = self.options.get("partition_method")
-        if method is not None and method not in PARTITION_METHODS:
-            raise ReshardError(f"{source}: partition_method must be one of {', '.join(PARTITION_METHODS)}")
+        if method is not None and partition_method_problem(method):
+            raise ReshardError(f"{source}: {partition_method_problem(method)}")
+        types = self.options.get("layer_types")
+        if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) and t for t in types)):
+            raise ReshardError(f"{source}: layer_types must be a list of the pipeline layers' class names")
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -92,18 +111,25 @@ class Layout:
             raise ReshardError(f"{source}: zero must be 0, 1, 2 or 3, got {self.zero!r}")
 
     def with_spec(self, spec: str) -> "Layout":
-        """This layout with the degrees named in `spec` ("dp=4,zero=3") changed; `partition=uniform|parameters`
-        names the pipeline partition method of the target, `kv_heads=K` the model's key-value heads (AutoTP's cut
+        """This layout with the degrees named in `spec` ("dp=4,zero=3") changed; `partition=uniform|parameters|type:REGEX`
+        names the pipeline partition method of the target (type:REGEX with `layer_types=A/B/...`, the class
+        names of its layers, which a checkpoint does not hold), `kv_heads=K` the model's key-value heads (AutoTP's cut
         at a new tensor-parallel degree)."""
         changes = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
             if sep and key == "partition":     # a PipelineModule's partition method (stage boundaries)
-                if value.strip() not in PARTITION_METHODS:
-                    raise ReshardError(f"bad layout spec {spec!r}: partition must be one of "
-                                       f"{', '.join(PARTITION_METHODS)}")
+                if partition_method_problem(value.strip()):
+                    raise ReshardError(f"bad layout spec {spec!r}: {partition_method_problem(value.strip())}")
                 changes["options"] = {**changes.get("options", self.options), "partition_method": value.strip()}
+                continue
+            if sep and key == "layer_types":   # the pipeline layers' class names, in order, for partition=type:
+                types = [t.strip() for t in value.split("/")]
+                if not all(types):
+                    raise ReshardError(f"bad layout spec {spec!r}: layer_types is the layers' class names "
+                                       "separated by '/'")
+                changes["options"] = {**changes.get("options", self.options), "layer_types": types}
                 continue
             if sep and key == "kv_heads":      # the model's key-value head count: how AutoTP cuts attention
                 if not value.strip().isdigit() or int(value) < 1:
@@ -111,8 +137,8 @@ class Layout:
                 changes["options"] = {**changes.get("options", self.options), "kv_heads": int(value)}
                 continue
             if not sep or key not in ("dp", "tp", "pp", "zero"):
-                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero, partition, kv_heads as "
-                                   "key=value")
+                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero, partition, layer_types, "
+                                   "kv_heads as key=value")
             try:
                 changes[key] = int(value)
             except ValueError:

@@ -20,9 +20,11 @@ from conftest import FIXTURES, PARALLEL_FIXTURES, REPO, fixture_dir, run_cli, tr
 AUTOTP = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "autotp"]
 PIPE = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "pipe"]
 MEGATRON = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "megatron"]
+# tensor AND pipeline parallel: Megatron-style TP layers in a PipelineModule (tools/fixture_megatron_pipe.py)
+MEGATRON_PIPE = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "megatron_pipe"]
 LAYOUTS = REPO / "layouts"
 # The Megatron-style (mpu) run publishes no universal_checkpoint_info: only a rule file says how it was cut.
-RULES = {name: LAYOUTS / "megatron-gpt.json" for name in MEGATRON}
+RULES = {name: LAYOUTS / "megatron-gpt.json" for name in MEGATRON + MEGATRON_PIPE}
 
 
 def _open(name, save=None):
@@ -34,13 +36,14 @@ def _rules_args(name):
 
 
 def _degrees(name):
-    return (1, 2) if truth_json(name)["kind"] == "pipe" else (2, 1)
+    return {"pipe": (1, 2), "megatron_pipe": (2, 2)}.get(truth_json(name)["kind"], (2, 1))
 
 
 def test_the_parallel_fixtures_are_there():
     assert {"autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2",
             "autotp2_z1_fp32_uneven_dp2"} <= set(AUTOTP)
     assert PIPE == ["pipe2_z1_fp32_dp2"] and MEGATRON == ["megatron_tp2_z1_fp32_dp2"]
+    assert MEGATRON_PIPE == ["megatron_pipe_tp2_pp2_z1_fp32_dp2"]
 
 
 def _assert_equals_truth(catalog, name):
@@ -103,7 +106,7 @@ def test_inspect_and_validate_commands(name):
     rules = _rules_args(name)
     info = json.loads(run_cli("inspect", fixture_dir(name), "--json", *rules, check=0).stdout)
     tp, pp = _degrees(name)
-    assert info["topology"] == {"dp": 2, "tp": tp, "pp": pp, "world_size": 4}
+    assert info["topology"] == {"dp": 2, "tp": tp, "pp": pp, "world_size": meta["world_size"]}
     assert f"tp={tp} pp={pp}" in run_cli("inspect", fixture_dir(name), *rules, check=0).stdout
     out = run_cli("validate", fixture_dir(name), *rules, check=0).stdout
     assert out.startswith("complete")
@@ -118,6 +121,12 @@ def test_inspect_and_validate_commands(name):
         assert rows["model.layers.1.self_attn.o_proj.weight"]["tensor_parallel"] == "split dim 1"
         assert rows["model.layers.1.mlp.up_proj.weight"]["tensor_parallel"] == "split dim 0"
         assert rows["model.norm.weight"]["tensor_parallel"] == "replicated"
+    elif meta["kind"] == "megatron_pipe":       # stage 0: layers 0-2, stage 1: layers 3-5
+        assert rows["2.mlp.dense_h_to_4h.weight"]["tensor_parallel"] == "4 boxes"
+        assert rows["3.self_attention.dense.weight"]["tensor_parallel"] == "split dim 1"
+        assert rows["2.mlp.dense_h_to_4h.weight"]["stages"] == [0] and rows["3.mlp.dense_h_to_4h.weight"]["stages"] == [1]
+        word = rows["tied_modules.embed.word_embeddings.weight"]
+        assert word["shape"] == [40, 8] and word["stages"] == [0, 1] and word["tensor_parallel"] == "split dim 0"
     else:
         assert rows["tied_modules.emb.weight"]["stages"] == [0, 1] and rows["3.fc.weight"]["stages"] == [1]
 
@@ -390,7 +399,8 @@ def test_big_replicas_are_compared_by_validate_deep(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name,victim", [("pipe2_z1_fp32_dp2", "layer_02-model_states.pt"),
-                                         ("autotp2_z1_fp32_dp2", "mp_rank_01_model_states.pt")])
+                                         ("autotp2_z1_fp32_dp2", "mp_rank_01_model_states.pt"),
+                                         ("megatron_pipe_tp2_pp2_z1_fp32_dp2", "layer_03-model_01-model_states.pt")])
 def test_a_hostile_pickle_in_a_layer_or_tp_rank_file_never_runs(name, victim, tmp_path):
     import sys
     sys.path.insert(0, str(REPO / "tools"))
@@ -403,7 +413,7 @@ def test_a_hostile_pickle_in_a_layer_or_tp_rank_file_never_runs(name, victim, tm
     _rewrite(tag / victim, change)
     before = {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
     for command in (["inspect", save], ["validate", save], ["export", save, tmp_path / "x.safetensors"]):
-        proc = run_cli(*command, check=1)
+        proc = run_cli(*command, *_rules_args(name), check=1)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and victim in lines[0] and "system" in lines[0], command
     assert not canary.exists() and not (tmp_path / "x.safetensors").exists()

@@ -172,6 +172,65 @@ def test_pipeline_stage_boundaries_follow_deepspeeds_partition():
             assert partition_balanced(weights, parts) == [int(x) for x in ds_balanced(weights, parts)]
 
 
+PIPE_TYPES = "Embed/Block/LayerNorm/Block/Embed"     # tools/fixture_parallel.py pipe_module's layer classes
+
+
+def test_pipeline_partition_by_type_follows_deepspeeds():
+    """'type:REGEX' weighs 1 the layers DeepSpeed's own PipelineModule._find_layer_type finds (run unbound on
+    the layer specs: it needs no process group) and balances them with its partition_balanced."""
+    from types import SimpleNamespace
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.utils import partition_balanced as ds_balanced
+    from reshard.formats.deepspeed.pipe_writer import partition_by_type
+
+    class Embed(torch.nn.Module): pass
+    class Block(torch.nn.Module): pass
+    class FinalBlockNorm(torch.nn.Module): pass
+    models = [[Embed, Block, torch.nn.LayerNorm, Block, Embed],
+              [Embed] + [Block] * 7 + [FinalBlockNorm, torch.nn.Linear],
+              [Block, Embed, Embed, Embed, Block, torch.nn.Dropout, Block]]
+    for classes in models:
+        specs = SimpleNamespace(_layer_specs=[LayerSpec(c) for c in classes])
+        names = [c.__name__ for c in classes]
+        for regex in ("Block", "embed", "^block$", "norm|embed", "Linear|Dropout", "e", "Conv"):
+            try:
+                found = PipelineModule._find_layer_type(specs, regex)
+            except RuntimeError:          # DeepSpeed refuses a regex finding no layer; so do we
+                with pytest.raises(ReshardError, match="finds no layer"):
+                    partition_by_type(names, f"type:{regex}", 2)
+                continue
+            binary = [1 if i in found else 0 for i in range(len(classes))]
+            for parts in range(1, len(classes) + 1):
+                assert partition_by_type(names, f"type:{regex}", parts) == \
+                    [int(x) for x in ds_balanced(binary, parts)], (names, regex, parts)
+
+
+def test_pipeline_partition_by_type_when_named(tmp_path):
+    """type:embed weighs the two tied Embed layers only: at pp=2 DeepSpeed cuts [0, 4, 5] (uniform [0, 3, 5],
+    parameters [0, 2, 5]), so the last stage holds the output Embed alone."""
+    out = _convert(fixture_dir(PIPE), tmp_path / "out", f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")
+    assert out.stages["3.fc.weight"] == [0] and out.stages["tied_modules.emb.weight"] == [0, 1]
+    assert reshard.validate(out, deep=True).ok
+    back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
+    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
+                       _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
+    # a layout descriptor names them too (options.partition_method, options.layer_types)
+    descriptor = tmp_path / "layout.json"
+    descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 1, "pp": 2, "options": {
+        "partition_method": "type:embed", "layer_types": PIPE_TYPES.split("/")}}))
+    by_file = _convert(fixture_dir(PIPE), tmp_path / "by_file", str(descriptor))
+    assert by_file.stages == out.stages
+    pipe = reshard.open_checkpoint(fixture_dir(PIPE))
+    for to, words in [("pp=2,partition=type:Block", "add layer_types="),
+                      ("pp=2,partition=type:Conv,layer_types=" + PIPE_TYPES, "finds no layer"),
+                      ("pp=2,partition=type:(,layer_types=" + PIPE_TYPES, "bad regular expression"),
+                      ("pp=2,partition=type:Block,layer_types=Embed/Block", "names 2 layers but the checkpoint has 5"),
+                      ("pp=2,partition=type:Block,layer_types=Embed//Block", "separated by '/'")]:
+        with pytest.raises(ReshardError, match=words) as e:
+            make_plan(pipe, to)
+        assert "\n" not in str(e.value)
+
+
 def test_refusals_are_one_line(tmp_path):
     tp_source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_dp2"))
     for to, words in [("tp=4,dp=1", "give it with --layout-rules"),
@@ -184,10 +243,10 @@ def test_refusals_are_one_line(tmp_path):
     with pytest.raises(ReshardError, match="partition=METHOD"):
         make_plan(one_stage, "pp=2")
     with pytest.raises(ReshardError, match="partition must be one of"):
-        make_plan(one_stage, "pp=2,partition=type:Block")
+        make_plan(one_stage, "pp=2,partition=block")
     for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=2", "ZeRO stage 1 only"),
                       ("pp=1,zero=3", "ZeRO stage 1 only"),
-                      ("pp=2,tp=2", "pipeline and tensor parallel together")]:
+                      ("pp=2,tp=2", "give it with --layout-rules")]:
         with pytest.raises(ReshardError, match=words):
             make_plan(pipe, to)
     with pytest.raises(ReshardError, match="not a PipelineModule save"):
@@ -202,7 +261,8 @@ ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") fo
               [("autotp2_z1_fp32_dp2", "tp=1,dp=4"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=4")] + \
               [("autotp2_z1_fp32_dp2", "tp=2,dp=1,zero=2"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=2,zero=1")] + \
               [(PIPE, "pp=1,dp=2"), (PIPE, "pp=1,dp=4"), (PIPE, "pp=2,dp=1"), (PIPE, "pp=4,dp=1"),
-               (PIPE, "pp=2,dp=1,partition=parameters")]
+               (PIPE, "pp=2,dp=1,partition=parameters"),
+               (PIPE, f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")]
 
 
 def _free_port():
@@ -213,7 +273,7 @@ def _free_port():
 
 
 def _run(world, jobs, out):
-    stem = f"{jobs[0]['fixture']}-{jobs[0]['to']}"
+    stem = f"{jobs[0]['fixture']}-{jobs[0]['to']}".replace("/", "-")
     jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
     jobs_path.write_text(json.dumps(jobs))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -231,7 +291,7 @@ def resumed(tmp_path_factory):
     launches = {}
     for name, to in ENGINE_JOBS:
         target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to)
-        dst = out / f"{name}-{to.replace(',', '-')}"
+        dst = out / f"{name}-{to.replace(',', '-').replace('/', '-')}"
         execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
         job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
                "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}

@@ -144,6 +144,10 @@ def _configs():
     out["megatron_tp2_z1_fp32_dp2"]["kind"] = "megatron"
     add("pipe2_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_accumulation_steps": 2})
     out["pipe2_z1_fp32_dp2"]["kind"] = "pipe"
+    # tensor AND pipeline parallel: Megatron-style TP layers in a PipelineModule, tp2 x pp2 x dp2 (8 ranks)
+    add("megatron_pipe_tp2_pp2_z1_fp32_dp2", 1, "fp32", 8, tied=True,
+        extra={"gradient_accumulation_steps": 2, "gradient_clipping": 0.0})
+    out["megatron_pipe_tp2_pp2_z1_fp32_dp2"]["kind"] = "megatron_pipe"
     return out
 
 
@@ -430,6 +434,9 @@ def parallel_worker(spec, out_dir, rank):
     elif spec["kind"] == "megatron":
         import fixture_megatron
         engine, losses = fixture_megatron.megatron_worker(spec, out_dir, rank)
+    elif spec["kind"] == "megatron_pipe":
+        import fixture_megatron_pipe
+        engine, losses = fixture_megatron_pipe.megatron_pipe_worker(spec, out_dir, rank)
     else:
         engine, losses = fp.pipe_worker(spec, out_dir, rank)
     base = _base_optimizer(engine)
@@ -447,6 +454,8 @@ def parallel_worker(spec, out_dir, rank):
         tensors = fp.autotp_truth(engine, state_names)
     elif spec["kind"] == "megatron":
         tensors = fixture_megatron.megatron_truth(engine, engine.mpu, state_names)
+    elif spec["kind"] == "megatron_pipe":
+        tensors = fixture_megatron_pipe.megatron_pipe_truth(engine, state_names, _flat_truth)
     else:
         tensors = fp.pipe_truth(engine, state_names, _flat_truth)
     if spec["dtype"] == "fp32":   # the module weights are the fp32 masters: must agree exactly

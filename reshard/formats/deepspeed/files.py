@@ -22,8 +22,10 @@ def model_states_name(mp: int, dp: int | None = None) -> str:
     return f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt"
 
 
-def layer_states_name(layer: int) -> str:
-    return f"layer_{layer:02d}-model_states.pt"
+def layer_states_name(layer: int, tp_rank: int | None = None) -> str:
+    """PipelineModule.ckpt_layer_path: `-model_TT` names the tensor-parallel rank when there is a model axis."""
+    model = "" if tp_rank is None else f"-model_{tp_rank:02d}"
+    return f"layer_{layer:02d}{model}-model_states.pt"
 
 
 def optim_states_name(dp: int, mp: int, bf16: bool) -> str:

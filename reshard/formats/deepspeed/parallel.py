@@ -9,6 +9,8 @@ Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 ch
 * pipeline parallel (mp = stages): the stages' params are already named as the PipelineModule names
   them; a tied module trained in several stages appears once, its copies compared. The module weights
   come from the `layer_XX-model_states.pt` files, whose local keys are mapped to those names.
+* both (tp > 1 and pp > 1, layer files `layer_XX-model_TT-model_states.pt`): each TP rank's stages are merged
+  as a pipeline, then the TP ranks as above (_merge_3d); tied copies are found per TP rank and re-addressed.
 """
 from __future__ import annotations
 
@@ -41,13 +43,15 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
     pipeline = any(names.LAYER_STATES.match(n) for n in listing)
     if not dims:                    # saves before checkpoint_parallel_dimensions: mp ranks are stages or TP ranks
         tp, pp = (1, mp) if pipeline else (mp, 1)
-    if tp > 1 and pp > 1:
-        raise ReshardError(f"{tag_dir}: tensor and pipeline parallel together (tp={tp}, pp={pp}) are not "
-                           "supported yet")
+    if tp > 1 and pp > 1 and not pipeline:
+        raise ReshardError(f"{tag_dir}: tensor and pipeline parallel together (tp={tp}, pp={pp}) without "
+                           "PipelineModule layer files are not supported")
     if tp * pp != mp:
         raise ReshardError(f"{tag_dir}: mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}")
     locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp, model0)
-    if pipeline:
+    if pipeline and tp > 1:
+        catalog = _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules)
+    elif pipeline:
         catalog = _merge_stages(tag_dir, listing, locals_)
     else:
         geometry = _geometry(tag_dir, locals_, layout_rules)
@@ -249,9 +253,44 @@ def _file_of(tensor, local):
     return files[0] if files else local.root
 
 
+# ------------------------------------------------------------------------------- tensor and pipeline parallel
+
+def _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules) -> Catalog:
+    """tp > 1 and pp > 1: mp rank r is stage r // tp, TP rank r % tp (DeepSpeed's PipelineParallelGrid orders
+    the model-parallel group pipe-major). Each TP rank's stages are merged as a pipeline, with the layer files
+    `layer_XX-model_{t:02d}-model_states.pt`, into a catalog of that rank's local tensors under the
+    PipelineModule names; those are then put together like the TP ranks of a plain tensor-parallel save."""
+    geometry = _geometry(tag_dir, locals_, layout_rules)
+    per_rank = {}
+    for t in range(tp):
+        stages = {s: locals_[s * tp + t] for s in range(pp)}
+        if all(c is None for c in stages.values()):
+            per_rank[t] = None
+            continue
+        merged = _merge_stages(tag_dir, listing, stages, model=t)
+        merged.state["_model_states"] = _first(stages).state["_model_states"]
+        per_rank[t] = merged
+    catalog = _merge_tp(tag_dir, per_rank, geometry, tp)
+    base = _first(per_rank)
+    catalog.stages, catalog.layers = dict(base.stages), dict(base.layers)
+    # tied copies (another stage's, a later layer file's) were found per TP rank in shard elements: re-address
+    # them to full-tensor elements like the rank's own tensors, so that `validate --deep` compares the big ones
+    for t, merged in sorted(per_rank.items()):
+        for replica in merged.replicas if merged is not None else []:
+            name, state = replica.copy.name, replica.copy.state
+            full = catalog.tensors.get((name, state))
+            if full is None or name not in catalog.tp_splits:
+                continue
+            copy = LogicalTensor(name, state, full.shape, full.dtype)
+            copy.fragments = _cut(replica.copy.fragments, *run_arrays(catalog.tp_splits[name], t, replica.copy.shape))
+            catalog.replicas.append(Replica(copy, f"{replica.holder} (tensor-parallel rank {t})",
+                                            f"{replica.first}", replica.checked))
+    return catalog
+
+
 # ---------------------------------------------------------------------------------------- pipeline parallel
 
-def _merge_stages(tag_dir, listing, locals_) -> Catalog:
+def _merge_stages(tag_dir, listing, locals_, model: int | None = None) -> Catalog:
     base = _first(locals_)
     catalog = _new_catalog(tag_dir, base)
     _gather_files_and_problems(catalog, locals_)
@@ -277,7 +316,7 @@ def _merge_stages(tag_dir, listing, locals_) -> Catalog:
                 for key, tensor in local.tensors.items():
                     if key[0] == name:
                         catalog.tensors[key] = tensor
-        _read_layers(catalog, tag_dir, listing, locals_, files)
+        _read_layers(catalog, tag_dir, listing, locals_, files, model)
     return catalog
 
 
@@ -293,8 +332,9 @@ def _check_tied(catalog, locals_, first, stage, name, files):
         _replica(catalog, ta, tb, f"pipeline stage {stage}", f"stage {first}", files)
 
 
-def _read_layers(catalog, tag_dir, listing, locals_, files):
-    """Module weights and buffers from the layer files, under the PipelineModule's names."""
+def _read_layers(catalog, tag_dir, listing, locals_, files, model=None):
+    """Module weights and buffers from the layer files, under the PipelineModule's names (with tensor
+    parallelism, `model` is the TP rank whose files `layer_XX-model_{model:02d}-...` are read)."""
     known, buffers = set(), set()
     for local in locals_.values():
         if local is not None:
@@ -305,9 +345,11 @@ def _read_layers(catalog, tag_dir, listing, locals_, files):
     for n in listing:
         m = names.LAYER_STATES.match(n)
         if m:
-            if m.group(1):
-                raise ReshardError(f"{tag_dir}: {n}: pipeline layer files of a tensor-parallel run are not "
-                                   "supported yet")
+            if (m.group(1) or None) != (None if model is None else f"-model_{model:02d}"):
+                if model is None:
+                    raise ReshardError(f"{tag_dir}: {n}: a layer file of a tensor-parallel rank, but the "
+                                       "save's checkpoint_parallel_dimensions say tp=1")
+                continue
             layers[int(n.split("_")[1].split("-")[0])] = n
     expected = {int(k.split(".")[0]) for k in known if k.split(".")[0].isdigit()}
     for index in sorted(expected - set(layers)):

@@ -8,17 +8,28 @@ A PipelineEngine saves
   ordinary ZeRO writer produces over a view of the catalog holding that stage's params only (the tied ones
   of every stage using them).
 
-Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts) or
-'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it). The
-method is not saved: `--to ...,partition=uniform|parameters` names it, else it is the one of those two that
+Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts),
+'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it) or
+'type:REGEX' (balanced counts of the layers whose class name matches; the class names are not saved, so
+`layer_types=Embed/Block/...` gives them). The method is not saved: `--to ...,partition=METHOD` names it,
+else it is the one of 'uniform' and 'parameters' that
 gives the source's own stages (refused when neither does, or when both do but they would cut the target
 differently, as from a one-stage source). Layers are counted from the layer
 files: parameterless function layers after the last file cannot be seen, which the check against the
 source's stages catches whenever it changes the boundaries there.
+
+With tensor parallelism too (tp > 1, Megatron-style layers on DeepSpeed's PipeModelDataParallelTopology), TP
+rank t's layer files are `layer_XX-model_{t:02d}-model_states.pt` and its stage s is mp rank s * tp + t; each
+is written from tp_writer's shard-shaped view of rank t, its pieces mapped back to the full tensors. The boxes
+are the source's at its own degree, else Megatron's even cut of the dims the rule file names (megatron_splits).
+At tp=1 the files have no `-model_TT` (a PipelineModule on its plain pipe x data topology). The 'parameters'
+partition counts full tensors; DeepSpeed counts each rank's shards, which cut alike whenever every cut dim
+divides evenly and only small replicated tensors (norms, biases) are left whole, as in Megatron's layers.
 """
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 
 import numpy as np
@@ -39,22 +50,71 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if not layer_files:
         raise ReshardError(f"{catalog.root}: not a PipelineModule save (no layer files): a pipeline target needs "
                            "the model's layers")
-    if target.tp != 1 or catalog.layout.tp != 1:
-        raise ReshardError(f"target {target.topology()}: pipeline and tensor parallel together are not supported")
     if target.zero != 1:     # deepspeed/runtime/pipe/engine.py asserts stage < 2
         raise ReshardError(f"target {target.topology()}: a PipelineEngine trains with ZeRO stage 1 only "
                            "(DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism)")
     if any(p.kind == "frozen" for p in catalog.params.values()):
         raise ReshardError(f"{catalog.root}: frozen parameters in a pipeline are not supported")
     layers = {int(i): entries for i, entries in layer_files.items()}
-    parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"))
-    out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
+    parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
+                             target.options.get("layer_types"))
+    if target.tp == 1:
+        out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
+        out += _stage_files(catalog, target, layers, parts, tag, tp_rank=0)
+        return out + writer.closing_files(tag, source_save_dir)
+    # tensor AND pipeline parallel: per TP rank t, the shard-shaped view tp_writer writes TP ranks from; its
+    # layer files are layer_XX-model_{t:02d}-..., its stages mp ranks stage * tp + t (DeepSpeed's
+    # PipelineParallelGrid orders the model-parallel group pipe-major); pieces mapped back to full tensors.
+    from reshard.formats.deepspeed import tp_writer
+    splits = catalog.tp_splits if target.tp == catalog.layout.tp else megatron_splits(catalog, target.tp)
+    out = []
+    for t in range(target.tp):
+        view, runs = tp_writer._rank_view(catalog, t, splits)
+        files = [_layer_file(view, index, entries, tag, tp_rank=t) for index, entries in sorted(layers.items())]
+        files += _stage_files(view, target, layers, parts, tag, tp_rank=t)
+        for file in files:
+            file.pieces = {key: tp_writer._to_full(pieces, runs) for key, pieces in file.pieces.items()}
+        out += files
+    return out + writer.closing_files(tag, source_save_dir)
+
+
+def megatron_splits(catalog: Catalog, tp: int) -> dict:
+    """The boxes of every parameter at a new tensor-parallel degree, cut as Megatron's layers cut: each rank
+    an equal 1/tp of the dim its rule names (vocabulary rows, fused QKV, each SwiGLU half), the rest whole.
+    Megatron asserts those dims divide by tp, and so does this."""
+    from reshard.formats.deepspeed.tp_geometry import Geometry
+    rules_path = catalog.state.get("tp_rules")
+    if not rules_path:
+        raise ReshardError(f"{catalog.root}: tp={catalog.layout.tp} -> tp={tp}: how the pipeline's layers are cut "
+                           "is not in the checkpoint; give it with --layout-rules FILE (layouts/megatron-gpt.json)")
+    geometry = Geometry.from_rule_file(rules_path)
+    splits = {}
+    for name, info in catalog.params.items():
+        if name in catalog.aliases:
+            continue
+        rule = geometry.rule_for(name)
+        shape = list(info.shape)
+        if rule is not None and rule.kind in ("split", "sub_params"):
+            dim = rule.dim if rule.dim >= 0 else len(shape) + rule.dim
+            parts = tp * (rule.sub_params[0] if rule.count_only else len(rule.sub_params) or 1)
+            if shape[dim] % parts:
+                raise ReshardError(f"{catalog.root}: {name}: dim {dim} of {info.shape} does not divide into "
+                                   f"{parts} equal parts, as Megatron's tensor parallelism at tp={tp} needs")
+            shape[dim] //= tp
+        elif rule is not None and rule.kind == "refuse":
+            raise ReshardError(f"{rules_path}: {name}: {rule.reason}")
+        splits[name] = geometry.split(name, {r: tuple(shape) for r in range(tp)}, tp)
+    return splits
+
+
+def _stage_files(catalog, target, layers, parts, tag, tp_rank) -> list:
+    out = []
     for stage in range(target.pp):
         view = _stage_view(catalog, layers, range(parts[stage], parts[stage + 1]))
-        ctx = writer._Context(view, target, mp_rank=stage, model_extra={"shared_params": {}})
+        ctx = writer._Context(view, target, mp_rank=stage * target.tp + tp_rank, model_extra={"shared_params": {}})
         ctx.module_in_layer_files = True
         out += writer.rank_files(ctx, tag)
-    return out + writer.closing_files(tag, source_save_dir)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ boundaries
@@ -97,8 +157,30 @@ def partition_balanced(weights: list, num_parts: int) -> list:
     return parts[::-1]
 
 
-def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None) -> list:
+def partition_by_type(layer_types: list, method: str, num_parts: int) -> list:
+    """PipelineModule._partition_layers' 'type:REGEX': the layers whose class name the regex finds (case
+    insensitive, as _find_layer_type) weigh 1, the others 0, balanced like 'parameters'."""
+    pattern = re.compile(method.split(":")[1], re.IGNORECASE)
+    weights = [1 if pattern.search(name) else 0 for name in layer_types]
+    if not any(weights):
+        raise ReshardError(f"partition {method!r} finds no layer among layer_types {'/'.join(layer_types)}")
+    return partition_balanced(weights, num_parts)
+
+
+def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None,
+                     layer_types: list | None = None) -> list:
     count = max(layers) + 1
+    if named and named.startswith("type:"):
+        # a checkpoint holds no class names: the layers' types are given, one per layer spec of the model
+        if not layer_types:
+            raise ReshardError(f"partition={named} needs the class names of the model's layers: add "
+                               "layer_types=NAME/NAME/... (one per layer, in order)")
+        if len(layer_types) < count:
+            raise ReshardError(f"{catalog.root}: layer_types names {len(layer_types)} layers but the checkpoint "
+                               f"has {count}")
+        if pp > len(layer_types):
+            raise ReshardError(f"{catalog.root}: pp={pp} but the model has {len(layer_types)} layers")
+        return partition_by_type(layer_types, named, pp)
     weights = [sum(math.prod(catalog.params[n].shape) for _, n in layers.get(i, [])
                    if n and catalog.params[n].kind == "trainable") for i in range(count)]
     methods = {"uniform": lambda parts: partition_uniform(count, parts),
@@ -149,8 +231,8 @@ def _stage_view(catalog: Catalog, layers: dict, indices) -> Catalog:
     return view
 
 
-def _layer_file(catalog: Catalog, index: int, entries: list, tag: str) -> TorchFile:
-    name = names.layer_states_name(index)
+def _layer_file(catalog: Catalog, index: int, entries: list, tag: str, tp_rank: int | None = None) -> TorchFile:
+    name = names.layer_states_name(index, tp_rank)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     tree = OrderedDict()
     for key, full_name in entries:
