@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B", help="another checkpoint")
     p.add_argument("--tag-a", help="tag of A, for a DeepSpeed save dir")
     p.add_argument("--tag-b", help="tag of B, for a DeepSpeed save dir")
+    p.add_argument("--layout-rules", metavar="FILE",
+                   help="how tensor parallelism cut each tensor, for TP checkpoints that do not say (layouts/*.json)")
     p.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_diff, error_exit=2)
@@ -265,7 +267,8 @@ def _export(args) -> int:
 
 def _diff(args) -> int:
     from reshard.diff import diff
-    report = diff(reshard.open_checkpoint(args.a, args.tag_a), reshard.open_checkpoint(args.b, args.tag_b),
+    report = diff(reshard.open_checkpoint(args.a, args.tag_a, args.layout_rules),
+                  reshard.open_checkpoint(args.b, args.tag_b, args.layout_rules),
                   atol=args.atol)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)

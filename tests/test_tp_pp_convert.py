@@ -214,6 +214,7 @@ def test_pipeline_partition_by_type_when_named(tmp_path):
     back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
     _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
                        _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
+    assert back.stages == reshard.open_checkpoint(fixture_dir(PIPE)).stages
     # a layout descriptor names them too (options.partition_method, options.layer_types)
     descriptor = tmp_path / "layout.json"
     descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 1, "pp": 2, "options": {

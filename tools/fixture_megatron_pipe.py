@@ -15,7 +15,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from fixture_megatron import (CUTS, FFN, HEAD_DIM, HIDDEN, PADDED, SEQ, VOCAB, _CopyToTP, _GatherLastDim,
+from fixture_megatron import (CUTS, HEAD_DIM, HIDDEN, SEQ, VOCAB, _CopyToTP, _GatherLastDim,
                               _ReduceFromTP, full_shapes, shard, unshard)
 
 TP, PP, DP = 2, 2, 2
