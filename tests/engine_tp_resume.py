@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node TP*DP (or PP*DP) tests/engine_tp_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": autotp fixture name, "checkpoint": dir, "tp": TP, "fixtures": dir}, or for the
+JOBS.json lists {"fixture": autotp fixture name, "checkpoint": dir, "tp": TP, "fixtures": dir, "universal"?: bool}, or for the
 pipeline fixture {"fixture": "pipe2_z1_fp32_dp2", "checkpoint": dir, "pp": PP, "fixtures": dir}: its
 PipelineModule built with num_stages=PP and resumed by the PipelineEngine (truth: fixture_parallel.pipe_truth,
 one more `train_batch`). For each job
@@ -52,6 +52,8 @@ def main(jobs_path, results_path):
             model = fp.pipe_module(num_stages=job["pp"], partition_method=job.get("partition", "uniform"))
         else:
             config["tensor_parallel"] = {"autotp_size": job["tp"]}
+        if job.get("universal"):   # resume a universal checkpoint (its latest_universal)
+            config["checkpoint"] = {"load_universal": True}
             torch.manual_seed(0)
             model = LlamaForCausalLM(fp.llama_config(spec["tied"], spec.get("uneven", False)))
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)

@@ -22,6 +22,7 @@ ZERO_DIR = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 STEP = "step"
 PARAM = "param"          # the key of the tensor in a ZeRO-1/2 flavour state file
+VOCAB_TENSOR = "vocab_tensor"   # a vocabulary param, its padding stripped (ds_to_universal)
 CAT_DIM = "cat_dim"      # how tensor-parallel slices were joined; 0 when there was no TP
 ZERO3_LOADED_STATES = ("exp_avg", "exp_avg_sq")   # stage3.py:3665 hard-codes these (and fp32)
 # Keys of a state-file dict that only tensor-parallel or expert-parallel conversions write.

@@ -8,10 +8,18 @@ offsets, so a round_robin_gradients source comes out right (ds_to_universal's is
 `--to zero=N` chooses the flavour the engine of stage N loads (see universal.py): the model-states
 files and optimizer_state.pt are those of a ZeRO-N save at the target dp, which is what the engine
 reads its training state from; the dp of a universal checkpoint only sets `dp_world_size` there.
+
+Tensor parallelism (AutoTP, ZeRO-1/2): the zero/ files hold full tensors whatever the tp, and the
+engine cuts its own slice by the live model's AutoTP metadata (universal_checkpoint.py
+_resolve_autotp_partition), so only the model-states files depend on tp: at the target tp they are
+those tp_writer writes (each rank's 16-bit shard and universal_checkpoint_info), as ds_to_universal
+copies the source's. A param AutoTP described by an affine map gets `{'param': full}` without
+`cat_dim`, as ds_to_universal writes it (its affine-map branch adds no category keys).
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 
 from reshard.catalog import MASTER, MODULE, Catalog
@@ -31,11 +39,12 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     _check_target(catalog, target)
     # A universal checkpoint is never elastic: its optimizer_state.pt needs the param groups.
     target = replace(target, options={k: v for k, v in target.options.items() if k != "elastic"})
-    ctx = zero_writer._Context(catalog, target)
-    if target.zero == 3:
-        out = _zero3_flavour(ctx, tag)
+    if target.tp > 1 or catalog.layout.tp > 1:
+        out = _tensor_parallel_flavour(catalog, target, tag)
+    elif target.zero == 3:
+        out = _zero3_flavour(zero_writer._Context(catalog, target), tag)
     else:
-        out = _zero12_flavour(ctx, tag)
+        out = _zero12_flavour(zero_writer._Context(catalog, target), tag)
     out.append(TextFile(uc.LATEST_UNIVERSAL, tag))   # ds_to_universal writes the bare tag
     return out
 
@@ -45,8 +54,11 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
 
 
 def _check_target(catalog, target):
-    if target.tp != 1 or target.pp != 1:
-        raise ReshardError(f"target {target.topology()}: universal checkpoints are written for tp=1, pp=1 only")
+    if target.pp != 1 or catalog.layout.pp != 1 or catalog.state.get("pipe_layer_files"):
+        raise ReshardError(f"target {target.topology()}: universal checkpoints are written for pp=1 only")
+    if (target.tp > 1 or catalog.layout.tp > 1) and target.zero not in (1, 2):
+        raise ReshardError(f"target {target.topology()}: a tensor-parallel universal checkpoint is written for "
+                           "ZeRO-1/2 only (what AutoTP trains with); use --to zero=1 or 2")
     if target.zero not in (1, 2, 3):
         raise ReshardError(f"target ZeRO stage {target.zero}: DeepSpeed loads a universal checkpoint only into a "
                            "ZeRO-1, ZeRO-2 (incl. BF16_Optimizer) or ZeRO-3 engine; use --to zero=1, 2 or 3")
@@ -67,14 +79,14 @@ def _check_target(catalog, target):
 # ZeRO-1/2 and BF16_Optimizer: {'cat_dim': 0, 'param': full shape} per state, step.pt per param
 
 
-def _zero12_flavour(ctx, tag) -> list:
+def _zero12_flavour(ctx, tag, tp_keys=None) -> list:
     catalog = ctx.catalog
     groups = [zero_writer._FlatGroup(ctx, g) for g in range(len(catalog.param_groups))]
     out = [zero_writer._zero12_model_states(ctx, groups, tag)]
     for p in ctx.trainable():
         for state in (MASTER, *ctx.states):
-            out.append(_shaped_file(uc.state_file(tag, p.name, state), p.shape, [Piece(ctx.numel(p.name),
-                                                                                       (p.name, state), 0)]))
+            out.append(_shaped_file(uc.state_file(tag, p.name, state), p.shape,
+                                    [Piece(ctx.numel(p.name), (p.name, state), 0)], (tp_keys or {}).get(p.name)))
         step = ctx.scalars(p.group).get(uc.STEP)
         if step is not None:
             file = TorchFile(uc.state_file(tag, p.name, uc.STEP), archive=uc.STEP)
@@ -85,10 +97,55 @@ def _zero12_flavour(ctx, tag) -> list:
     return out
 
 
-def _shaped_file(path, shape, pieces) -> TorchFile:
+def _shaped_file(path, shape, pieces, keys=None) -> TorchFile:
+    """`keys`: the dict's other keys in ds_to_universal's order ({'cat_dim': 0} without TP)."""
     file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
-    file.tree = {uc.CAT_DIM: 0, uc.PARAM: file.slot("float32", shape, pieces)}
+    file.tree = {**({uc.CAT_DIM: 0} if keys is None else keys), uc.PARAM: file.slot("float32", shape, pieces)}
     return file
+
+
+# ---------------------------------------------------------------------------------------------
+# AutoTP (source or target tp > 1): the ZeRO-1/2 zero/ tree of full tensors, model states at target tp
+
+
+def _tensor_parallel_flavour(catalog, target, tag) -> list:
+    from reshard.formats.deepspeed import files as names, tp_writer
+    whole = replace(target, tp=1)
+    out = [f for f in _zero12_flavour(zero_writer._Context(catalog, whole), tag, _tp_keys(catalog))
+           if not f.path.startswith(f"{tag}/mp_rank_")]
+    if target.tp == 1:
+        out.append(_whole_model_states(catalog, whole, tag))
+    else:
+        model_states = {f"{tag}/{names.model_states_name(r)}" for r in range(target.tp)}
+        out += [f for f in tp_writer.target_files(catalog, target, tag) if f.path in model_states]
+    return out
+
+
+def _whole_model_states(catalog, target, tag):
+    ctx = zero_writer._Context(catalog, target)
+    groups = [zero_writer._FlatGroup(ctx, g) for g in range(len(catalog.param_groups))]
+    return zero_writer._zero12_model_states(ctx, groups, tag)
+
+
+def _tp_keys(catalog) -> dict:
+    """Per param the keys ds_to_universal writes beside 'param' for the source's AutoTP info: none when
+    an affine map covers it (no `cat_dim`), `vocab_tensor` for a vocabulary param. Patterns are regexes,
+    matched with re.match as its get_matched_affine_map / get_matched_pattern do."""
+    extra = (catalog.state.get("mp_rank_extra") or {}).get(0) or {}
+    info = extra.get("universal_checkpoint_info") or {}
+    affine = list(((info.get("affine_map") or {}).get("params") or {}))
+    vocab = info.get("vocabulary_parameter_patterns") or []
+    out = {}
+    for name, p in catalog.params.items():
+        if not any(re.match(pattern, name) for pattern in affine):
+            continue          # no map: the category branches (cat_dim) apply; AutoTP always writes maps
+        out[name] = {}
+        if any(re.match(pattern, name) for pattern in vocab):
+            if p.shape[0] != info.get("original_vocab_size"):
+                raise ReshardError(f"{name}: {p.shape[0]} vocabulary rows, original_vocab_size "
+                                   f"{info.get('original_vocab_size')}: stripping vocabulary padding is not supported")
+            out[name][uc.VOCAB_TENSOR] = True
+    return out
 
 
 def _module_only_files(ctx, tag) -> list:

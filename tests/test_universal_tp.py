@@ -1,0 +1,160 @@
+"""Universal checkpoints from AutoTP (tensor-parallel) sources, proven with DeepSpeed 0.19.8's own tools.
+
+ds_to_universal merges the TP slices into full tensors and, for a param AutoTP described by an affine
+map, writes `{'param': full}` (plus `vocab_tensor` for the vocabulary param) and copies each TP rank's
+model-states file. Our tree must hold the same files and bytes (its one known difference: a tied alias's
+fp32.pt, which no loader reads, ds_to_universal takes from TP rank 0's 16-bit shard; ours is whole).
+The engine then cuts each rank's slice from the full tensor by the live model's AutoTP metadata, so
+the real engine with `load_universal` resumes our output at tp2-dp2, tp2-dp1 and tp1-dp2 with every
+fp32 master and optimizer state equal to the fixture's truth bit for bit, and trains one more step
+(tests/engine_tp_resume.py under torchrun).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FIXTURES, REPO, fixture_dir, run_cli
+from test_universal import ds_to_universal
+
+AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_fp32_uneven_dp2", "autotp2_z1_bf16_tied_dp2",
+          "autotp2_z2_fp32_tied_dp2"]
+TIED = ("autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2")
+ENGINE_FIXTURE = "autotp2_z1_fp32_dp2"
+
+
+def ours(name, out, to=""):
+    run_cli("convert", fixture_dir(name), out, "--format", "universal", "--to", to, "--quiet", check=0)
+    return out
+
+
+def via_tp1(name, out):
+    """The source converted to tp=1 DeepSpeed files first, then to universal."""
+    run_cli("convert", fixture_dir(name), out / "tp1", "--to", "tp=1", "--quiet", check=0)
+    run_cli("convert", out / "tp1", out / "universal", "--format", "universal", "--quiet", check=0)
+    return out / "universal"
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _zero_tree(save_dir):
+    tag = (save_dir / "latest_universal").read_text().strip()
+    zero = save_dir / tag / "zero"
+    return {str(p.relative_to(zero)): _load(p) for p in sorted(zero.rglob("*.pt")) if p.name != "optimizer_state.pt"}
+
+
+def _differences(a, b):
+    out = []
+    if sorted(a) != sorted(b):
+        out.append(f"files: {sorted(set(a) ^ set(b))}")
+    for key in sorted(set(a) & set(b)):
+        x, y = a[key], b[key]
+        if isinstance(x, dict) or isinstance(y, dict):
+            if not (isinstance(x, dict) and isinstance(y, dict)) or list(x) != list(y):
+                out.append(f"{key}: keys {list(x) if isinstance(x, dict) else x} vs {list(y) if isinstance(y, dict) else y}")
+                continue
+            if [v for k, v in x.items() if k != "param"] != [v for k, v in y.items() if k != "param"]:
+                out.append(f"{key}: {x} vs {y}")
+            x, y = x["param"], y["param"]
+        if not (x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)):
+            out.append(f"{key}: tensor {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+    return out
+
+
+@pytest.mark.parametrize("name", AUTOTP)
+def test_same_tree_as_ds_to_universal(tmp_path, name):
+    mine, theirs = ours(name, tmp_path / "ours"), ds_to_universal(name, tmp_path / "ds")
+    a, b = _zero_tree(mine), _zero_tree(theirs)
+    if name in TIED:    # ds_to_universal's tied alias file is TP rank 0's 16-bit shard; ours is whole
+        alias = "lm_head.weight/fp32.pt"
+        shard = _load(fixture_dir(name) / "global_step3" / "mp_rank_00_model_states.pt")["module"]
+        assert torch.equal(b[alias]["param"], shard["model.embed_tokens.weight"].float())
+        assert a[alias]["param"].shape == a["model.embed_tokens.weight/fp32.pt"]["param"].shape
+        assert torch.equal(a[alias]["param"], a["model.embed_tokens.weight/fp32.pt"]["param"])
+        del a[alias], b[alias]
+    assert _differences(a, b) == []
+    # every param has an affine map: no cat_dim anywhere; the vocabulary param says so
+    keys = [list(v) for k, v in a.items() if not k.endswith("step.pt")]
+    assert all(k in (["param"], ["vocab_tensor", "param"]) for k in keys) and ["vocab_tensor", "param"] in keys
+    # one model-states file per TP rank, each rank's universal_checkpoint_info as the engine saved it
+    tag = (mine / "latest_universal").read_text().strip()
+    for rank in range(2):
+        file = f"mp_rank_{rank:02d}_model_states.pt"
+        got, want = _load(mine / tag / file), _load(theirs / tag / file)
+        assert got["universal_checkpoint_info"] == want["universal_checkpoint_info"]
+        assert {k: v.shape for k, v in got["module"].items()} == {k: v.shape for k, v in want["module"].items()}
+    assert not (mine / tag / "mp_rank_02_model_states.pt").exists()
+
+
+def _tensors(tree):
+    return {k: v["param"] if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def test_tp1_conversion_gives_the_same_tensors(tmp_path):
+    """Via tp=1 DeepSpeed files (no universal_checkpoint_info left) the tree is a non-TP one, `cat_dim`
+    0 as ds_to_universal writes without TP, and every tensor the same bytes."""
+    direct = _zero_tree(ours(ENGINE_FIXTURE, tmp_path / "direct"))
+    via = _zero_tree(via_tp1(ENGINE_FIXTURE, tmp_path / "via"))
+    assert _differences(_tensors(via), _tensors(direct)) == []
+    assert all(list(v) == ["cat_dim", "param"] and v["cat_dim"] == 0 for k, v in via.items() if k.endswith("fp32.pt"))
+
+
+def test_tensor_parallel_universal_refuses_zero3_and_pipelines():
+    proc = run_cli("convert", fixture_dir(ENGINE_FIXTURE), "/nonexistent/out", "--format", "universal",
+                   "--to", "zero=3", check=1)
+    assert "tensor-parallel universal checkpoint is written for ZeRO-1/2 only" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = run_cli("convert", fixture_dir(ENGINE_FIXTURE), "/nonexistent/out", "--format", "universal",
+                   "--to", "pp=2", check=1)
+    assert "universal checkpoints are written for pp=1 only" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the real engine resumes them
+
+
+def _run(world, jobs, out, stem):
+    jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
+    jobs_path.write_text(json.dumps(jobs))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    from test_tp_pp_convert import _free_port
+    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(_free_port()),
+                           str(REPO / "tests" / "engine_tp_resume.py"), str(jobs_path), str(results_path)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(results_path.read_text())
+
+
+# (engine tp, world); AutoTP's process groups outlive an engine, so each tp runs in its own torchrun
+TOPOLOGIES = [(2, 4), (2, 2), (1, 2)]
+SOURCES = ["ours", "ours-via-tp1", "ds_to_universal"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("universal-tp")
+    checkpoints = {"ours": ours(ENGINE_FIXTURE, out / "ours"), "ours-via-tp1": via_tp1(ENGINE_FIXTURE, out / "via"),
+                   "ds_to_universal": ds_to_universal(ENGINE_FIXTURE, out / "ds")}
+    results = {}
+    for tp, world in TOPOLOGIES:
+        sources = SOURCES if world == 2 else SOURCES[:2]    # ds_to_universal's own: a reference, at world 2
+        jobs = [{"key": f"{s} tp{tp} dp{world // tp}", "fixture": ENGINE_FIXTURE, "checkpoint": str(checkpoints[s]),
+                 "tp": tp, "fixtures": str(FIXTURES), "universal": True} for s in sources]
+        for result in _run(world, jobs, out, f"tp{tp}-w{world}"):
+            results[result["key"]] = result
+    return results
+
+
+CASES = [f"{s} tp{tp} dp{world // tp}" for tp, world in TOPOLOGIES for s in (SOURCES if world == 2 else SOURCES[:2])]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("key", CASES)
+def test_engine_resumes_universal_from_autotp(resumed, key):
+    assert resumed[key]["problems"] == [], "\n".join(resumed[key]["problems"])
