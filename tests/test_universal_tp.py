@@ -121,7 +121,8 @@ def test_tensor_parallel_universal_refuses_zero3_and_pipelines():
 def _run(world, jobs, out, stem):
     jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
     jobs_path.write_text(json.dumps(jobs))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "PYTHONHASHSEED": "0"}   # every rank orders universal optimizer states alike (engine_resume.py)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     from test_tp_pp_convert import _free_port
     proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(_free_port()),
