@@ -141,15 +141,36 @@ SOURCES = ["ours", "ours-via-tp1", "ds_to_universal"]
 def resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("universal-tp")
     checkpoints = {"ours": ours(ENGINE_FIXTURE, out / "ours"), "ours-via-tp1": via_tp1(ENGINE_FIXTURE, out / "via"),
-                   "ds_to_universal": ds_to_universal(ENGINE_FIXTURE, out / "ds")}
+                   "ds_to_universal": ds_to_universal(ENGINE_FIXTURE, out / "ds"), "control": _control(out)}
     results = {}
     for tp, world in TOPOLOGIES:
         sources = SOURCES if world == 2 else SOURCES[:2]    # ds_to_universal's own: a reference, at world 2
+        sources = sources + ["control"] if (tp, world) == (2, 2) else sources
         jobs = [{"key": f"{s} tp{tp} dp{world // tp}", "fixture": ENGINE_FIXTURE, "checkpoint": str(checkpoints[s]),
                  "tp": tp, "fixtures": str(FIXTURES), "universal": True} for s in sources]
         for result in _run(world, jobs, out, f"tp{tp}-w{world}"):
             results[result["key"]] = result
     return results
+
+
+def _control(out):
+    """Our output with one param's exp_avg and exp_avg_sq files swapped: the check must see it."""
+    import shutil
+    control = out / "control"
+    shutil.copytree(out / "ours", control)
+    folder = control / "global_step3" / "zero" / "model.layers.0.self_attn.q_proj.weight"
+    (folder / "exp_avg.pt").rename(folder / "tmp.pt")
+    (folder / "exp_avg_sq.pt").rename(folder / "exp_avg.pt")
+    (folder / "tmp.pt").rename(folder / "exp_avg_sq.pt")
+    return control
+
+
+@pytest.mark.engine
+def test_engine_check_sees_a_swapped_state(resumed):
+    problems = resumed["control tp2 dp1"]["problems"]
+    assert "exp_avg/model.layers.0.self_attn.q_proj.weight: differs from the saved engine's value" in \
+        "\n".join(problems), problems
+    assert all("q_proj" in p for p in problems), problems
 
 
 CASES = [f"{s} tp{tp} dp{world // tp}" for tp, world in TOPOLOGIES for s in (SOURCES if world == 2 else SOURCES[:2])]
