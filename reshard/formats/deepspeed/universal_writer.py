@@ -110,8 +110,13 @@ def _shaped_file(path, shape, pieces, keys=None) -> TorchFile:
 
 def _tensor_parallel_flavour(catalog, target, tag) -> list:
     from reshard.formats.deepspeed import files as names, tp_writer
-    whole = replace(target, tp=1)
-    out = [f for f in _zero12_flavour(zero_writer._Context(catalog, whole), tag, _tp_keys(catalog))
+    whole, tp_keys = replace(target, tp=1), _tp_keys(catalog)
+    if catalog.layout.tp > 1:
+        unmapped = [n for n, p in catalog.params.items() if p.kind == "trainable" and n not in tp_keys]
+        if unmapped:      # a Megatron-style cut: ds_to_universal's cat_dim / sub-param keys, which we do not write
+            raise ReshardError(f"{catalog.root}: {unmapped[0]}: no AutoTP affine map in its universal_checkpoint_info; "
+                               "universal checkpoints of tensor-parallel sources are written for AutoTP only")
+    out = [f for f in _zero12_flavour(zero_writer._Context(catalog, whole), tag, tp_keys)
            if not f.path.startswith(f"{tag}/mp_rank_")]
     if target.tp == 1:
         out.append(_whole_model_states(catalog, whole, tag))
