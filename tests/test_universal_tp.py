@@ -7,7 +7,8 @@ fp32.pt, which no loader reads, ds_to_universal takes from TP rank 0's 16-bit sh
 The engine then cuts each rank's slice from the full tensor by the live model's AutoTP metadata, so
 the real engine with `load_universal` resumes our output at tp2-dp2, tp2-dp1 and tp1-dp2 with every
 fp32 master and optimizer state equal to the fixture's truth bit for bit, and trains one more step
-(tests/engine_tp_resume.py under torchrun).
+(tests/engine_tp_resume.py under torchrun); so does our `--to tp=1` output (one mp_rank file), the
+output of the source first converted to tp=1 DeepSpeed files, and ds_to_universal's own.
 """
 import json
 import os
@@ -144,17 +145,19 @@ def _run(world, jobs, out, stem):
 
 # (engine tp, world); AutoTP's process groups outlive an engine, so each tp runs in its own torchrun
 TOPOLOGIES = [(2, 4), (2, 2), (1, 2)]
-SOURCES = ["ours", "ours-via-tp1", "ds_to_universal"]
+SOURCES = ["ours", "ours-via-tp1", "ours-to-tp1", "ds_to_universal"]   # -to-tp1: --to tp=1 (one mp_rank file)
 
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("universal-tp")
     checkpoints = {"ours": ours(ENGINE_FIXTURE, out / "ours"), "ours-via-tp1": via_tp1(ENGINE_FIXTURE, out / "via"),
-                   "ds_to_universal": ds_to_universal(ENGINE_FIXTURE, out / "ds"), "control": _control(out)}
+                   "ours-to-tp1": ours(ENGINE_FIXTURE, out / "to-tp1", "tp=1"),
+                   "ds_to_universal": ds_to_universal(ENGINE_FIXTURE, out / "ds")}
+    checkpoints["control"] = _control(out)
     results = {}
     for tp, world in TOPOLOGIES:
-        sources = SOURCES if world == 2 else SOURCES[:2]    # ds_to_universal's own: a reference, at world 2
+        sources = SOURCES if world == 2 else SOURCES[:2]    # --to tp=1 and ds_to_universal's: at world 2 only
         sources = sources + ["control"] if (tp, world) == (2, 2) else sources
         jobs = [{"key": f"{s} tp{tp} dp{world // tp}", "fixture": ENGINE_FIXTURE, "checkpoint": str(checkpoints[s]),
                  "tp": tp, "fixtures": str(FIXTURES), "universal": True} for s in sources]
