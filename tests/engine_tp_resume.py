@@ -52,10 +52,10 @@ def main(jobs_path, results_path):
             model = fp.pipe_module(num_stages=job["pp"], partition_method=job.get("partition", "uniform"))
         else:
             config["tensor_parallel"] = {"autotp_size": job["tp"]}
-        if job.get("universal"):   # resume a universal checkpoint (its latest_universal)
-            config["checkpoint"] = {"load_universal": True}
             torch.manual_seed(0)
             model = LlamaForCausalLM(fp.llama_config(spec["tied"], spec.get("uneven", False)))
+        if job.get("universal"):   # resume a universal checkpoint (its latest_universal)
+            config["checkpoint"] = {"load_universal": True}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         problems = []
         load_path, client_state = engine.load_checkpoint(job["checkpoint"])
