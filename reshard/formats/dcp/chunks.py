@@ -50,7 +50,7 @@ class Chunks:
 
     def _path(self, info) -> str:
         rel = info.relative_path
-        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") \
+        if not isinstance(rel, str) or "\0" in rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") \
                 or not isinstance(info.offset, int) or not isinstance(info.length, int):
             raise CheckpointError(self.meta_path, f"chunk location {rel!r:.80} escapes the checkpoint directory "
                                   "or is malformed")
