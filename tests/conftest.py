@@ -62,15 +62,40 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"no fixtures under {FIXTURES}; run tools/make_fixtures.py")
 
 
-def run_engine_resume(world: int, jobs: list, out: Path, port: int) -> list:
-    """Run tests/engine_resume.py under torchrun at `world` ranks on `jobs`; its results, one per job."""
-    jobs_path, results_path = out / f"jobs-{world}.json", out / f"results-{world}.json"
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str, world: int, jobs, out: Path, stem: str):
+    """Run tests/`script` under torchrun at `world` ranks on `jobs` (written as JSON); what it writes back."""
+    jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
     jobs_path.write_text(json.dumps(jobs))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "PYTHONHASHSEED": "0"}   # every rank orders universal optimizer states alike (engine_resume.py)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port + world),
-                           str(REPO / "tests" / "engine_resume.py"), str(jobs_path), str(results_path)],
+    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(free_port()),
+                           str(REPO / "tests" / script), str(jobs_path), str(results_path)],
                           capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(results_path.read_text())
+
+
+def mutated(data, raw: bytes) -> bytes:
+    """`raw` with 1-8 random flips, cuts, insertions and zeroed runs drawn from hypothesis `data`."""
+    from hypothesis import strategies as st
+    blob = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 8))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert", "zero"]))
+        at = data.draw(st.integers(0, max(0, len(blob) - 1)))
+        if kind == "flip" and blob:
+            blob[at] ^= data.draw(st.integers(1, 255))
+        elif kind == "cut":
+            del blob[at:at + data.draw(st.integers(1, 64))]
+        elif kind == "insert":
+            blob[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+        else:
+            blob[at:at + 8] = bytes(min(8, len(blob) - at))
+    return bytes(blob)

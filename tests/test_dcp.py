@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
 from reshard.errors import ReshardError
-from conftest import REPO, fixture_dir, run_cli, truth_json, truth_tensors
+from conftest import mutated, REPO, fixture_dir, run_cli, truth_json, truth_tensors
 
 sys.path.insert(0, str(REPO / "tools"))
 from make_hostile import Payload  # noqa: E402
@@ -458,18 +458,7 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
 def test_fuzzed_dcp_files_only_ever_give_a_checkpoint_error(saved, data, tmp_path_factory):
     """Mutated real `.metadata` and `.distcp` bytes: reading returns or raises ReshardError, nothing else."""
     name = data.draw(st.sampled_from([".metadata", "__0_0.distcp"]))
-    blob = bytearray((saved[0] / name).read_bytes())
-    for _ in range(data.draw(st.integers(1, 8))):
-        kind = data.draw(st.sampled_from(["flip", "cut", "insert", "zero"]))
-        at = data.draw(st.integers(0, max(0, len(blob) - 1)))
-        if kind == "flip" and blob:
-            blob[at] ^= data.draw(st.integers(1, 255))
-        elif kind == "cut":
-            del blob[at:at + data.draw(st.integers(1, 64))]
-        elif kind == "insert":
-            blob[at:at] = data.draw(st.binary(min_size=1, max_size=16))
-        else:
-            blob[at:at + 8] = bytes(min(8, len(blob) - at))
+    blob = mutated(data, (saved[0] / name).read_bytes())
     src = tmp_path_factory.mktemp("fuzz")
     for other in os.listdir(saved[0]):
         (src / other).write_bytes(bytes(blob) if other == name else (saved[0] / other).read_bytes())

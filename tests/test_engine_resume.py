@@ -12,7 +12,7 @@ import pytest
 import reshard
 from reshard.convert import make_plan
 from reshard.executor import execute
-from conftest import FIXTURE_NAMES, FIXTURES, fixture_dir, truth_json, run_engine_resume
+from conftest import FIXTURE_NAMES, FIXTURES, fixture_dir, truth_json, run_torchrun
 
 pytestmark = pytest.mark.engine
 TARGET_DPS = [1, 2, 3, 5]
@@ -25,7 +25,7 @@ CONTROL = ("z2_fp32_dp4", 2, 2)
 
 
 def _run_world(world, jobs, out):
-    return run_engine_resume(world, jobs, out, port=29400)
+    return run_torchrun("engine_resume.py", world, jobs, out, f"w{world}")
 
 
 @pytest.fixture(scope="module")

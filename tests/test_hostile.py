@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import reshard
 from reshard.errors import ReshardError
 from reshard.formats import torchzip
-from conftest import REPO, fixture_dir, run_cli, tag_dir
+from conftest import mutated, REPO, fixture_dir, run_cli, tag_dir
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_hostile  # noqa: E402
@@ -71,18 +71,7 @@ def test_fuzzed_rank_files_only_ever_give_a_checkpoint_error(data, tmp_path_fact
     """Mutated real files: the reader returns or raises ReshardError, nothing else, never runs code."""
     source = tag_dir(fixture_dir(data.draw(st.sampled_from(["z2_fp32_dp2", "z3_bf16_dp2", "bf16opt_z1_dp2"]))))
     name = data.draw(st.sampled_from(sorted(os.listdir(source))))
-    blob = bytearray((source / name).read_bytes())
-    for _ in range(data.draw(st.integers(1, 8))):
-        kind = data.draw(st.sampled_from(["flip", "cut", "insert", "zero"]))
-        at = data.draw(st.integers(0, max(0, len(blob) - 1)))
-        if kind == "flip" and blob:
-            blob[at] ^= data.draw(st.integers(1, 255))
-        elif kind == "cut":
-            del blob[at:at + data.draw(st.integers(1, 64))]
-        elif kind == "insert":
-            blob[at:at] = data.draw(st.binary(min_size=1, max_size=16))
-        else:
-            blob[at:at + 8] = bytes(min(8, len(blob) - at))
+    blob = mutated(data, (source / name).read_bytes())
     save = tmp_path_factory.mktemp("fuzz")
     tag = save / "global_step3"
     tag.mkdir()

@@ -6,11 +6,8 @@ Without the engine: converted to tp1.pp2.dp2, tp2.pp1.dp2, tp1.pp1.dp4 every ten
 equal but padding, pickles equal as trees). With the engine (tests/engine_tp_pp_resume.py under torchrun): the
 unmodified PipelineEngine over the same layers resumes each conversion with the truth bit for bit and trains on.
 """
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ import reshard
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
-from conftest import FIXTURES, REPO, fixture_dir, run_cli, tag_dir, truth_tensors
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, tag_dir, truth_tensors, run_torchrun
 from test_convert import _covered_elements
 from test_tp_pp_convert import _assert_same_files
 
@@ -125,13 +122,6 @@ def test_refusals(tmp_path):
 ENGINE_TARGETS = ["tp=1,pp=2,dp=2", "tp=2,pp=1,dp=2", "tp=1,pp=1,dp=4", "tp=2,pp=2,dp=1"]
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _corrupt(save):
     """Negative control: one exp_avg element of one optimizer file changed, in a checkpoint that still loads
     (stage 0 at dp=2: 1008 elements, dp rank 1's partition from 504; its element 100 is layer 2's, not tied)."""
@@ -153,15 +143,7 @@ def resumed(tmp_path_factory):
             _corrupt(dst)
         job = {"checkpoint": str(dst), "tp": target.tp, "pp": target.pp, "dp": target.dp, "to": to,
                "fixtures": str(FIXTURES), "fixture": NAME, "resave": str(dst) + "-resaved"}
-        job_path, result_path = out / f"job-{dst.name}.json", out / f"result-{dst.name}.json"
-        job_path.write_text(json.dumps(job))
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        proc = subprocess.run([torchrun, "--nproc_per_node", str(target.world_size), "--master_port",
-                               str(_free_port()), str(REPO / "tests" / "engine_tp_pp_resume.py"), str(job_path),
-                               str(result_path)], capture_output=True, text=True, env=env, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        results[to] = json.loads(result_path.read_text())
+        results[to] = run_torchrun("engine_tp_pp_resume.py", target.world_size, job, out, dst.name)
     return results
 
 

@@ -10,8 +10,6 @@ the fixture's truth bit for bit, runs one more step, and its own save of that st
 """
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
 from reshard.formats import torchzip
-from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir
+from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir, run_torchrun
 from test_convert import _assert_same_tree, _covered_elements
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
@@ -266,24 +264,9 @@ ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") fo
                (PIPE, f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")]
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world, jobs, out):
     stem = f"{jobs[0]['fixture']}-{jobs[0]['to']}".replace("/", "-")
-    jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
-    jobs_path.write_text(json.dumps(jobs))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(_free_port()),
-                           str(REPO / "tests" / "engine_tp_resume.py"), str(jobs_path), str(results_path)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(results_path.read_text())
+    return run_torchrun("engine_tp_resume.py", world, jobs, out, stem)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import FIXTURES, run_cli, run_engine_resume
+from conftest import FIXTURES, run_cli, run_torchrun
 from test_universal import ds_to_universal, ours
 
 pytestmark = pytest.mark.engine
@@ -35,7 +35,7 @@ ROUND_ROBIN = "z2_fp32_roundrobin_dp4"
 
 
 def _run_world(world, jobs, out):
-    return run_engine_resume(world, jobs, out, port=29470)
+    return run_torchrun("engine_resume.py", world, jobs, out, f"w{world}")
 
 
 def _job(key, fixture, checkpoint, stage, universal):

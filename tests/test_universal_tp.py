@@ -10,15 +10,11 @@ fp32 master and optimizer state equal to the fixture's truth bit for bit, and tr
 (tests/engine_tp_resume.py under torchrun); so does our `--to tp=1` output (one mp_rank file), the
 output of the source first converted to tp=1 DeepSpeed files, and ds_to_universal's own.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import FIXTURES, REPO, fixture_dir, run_cli
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, run_torchrun
 from test_universal import ds_to_universal
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_fp32_uneven_dp2", "autotp2_z1_bf16_tied_dp2",
@@ -130,17 +126,7 @@ def test_megatron_style_tp_source_is_refused(tmp_path):
 
 
 def _run(world, jobs, out, stem):
-    jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
-    jobs_path.write_text(json.dumps(jobs))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "PYTHONHASHSEED": "0"}   # every rank orders universal optimizer states alike (engine_resume.py)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    from test_tp_pp_convert import _free_port
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(_free_port()),
-                           str(REPO / "tests" / "engine_tp_resume.py"), str(jobs_path), str(results_path)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(results_path.read_text())
+    return run_torchrun("engine_tp_resume.py", world, jobs, out, stem)
 
 
 # (engine tp, world); AutoTP's process groups outlive an engine, so each tp runs in its own torchrun
