@@ -28,6 +28,10 @@ def main(argv=None) -> int:
         return 130
 
 
+# Progress bars show only where stderr is a terminal; --quiet takes them away there too.
+QUIET_HELP = "no progress bar and no notes (errors and the requested output still print)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description=(
         "Convert, export, inspect, validate and compare training checkpoints (DeepSpeed ZeRO, "
@@ -86,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--resume", action="store_true",
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.set_defaults(run=_convert)
 
     p = sub.add_parser("export", help="one consolidated state dict: safetensors (or HF shards), or torch")
@@ -110,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--resume", action="store_true",
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.set_defaults(run=_export)
 
     p = sub.add_parser("diff", help="compare two checkpoints of any formats and topologies, tensor by tensor "
@@ -123,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="how tensor parallelism cut each tensor, for TP checkpoints that do not say (layouts/*.json)")
     p.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _quiet_arg(p)
     p.set_defaults(run=_diff, error_exit=2)
     return parser
 
@@ -145,6 +150,11 @@ def _source_args(p):
     p.add_argument("--tag", help="the tag folder to read (default: the one named in 'latest')")
     p.add_argument("--layout-rules", metavar="FILE",
                    help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
+    _quiet_arg(p)
+
+
+def _quiet_arg(p):
+    p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
 
 def _inspect(args) -> int:
@@ -201,7 +211,7 @@ def _print_inspect(info) -> None:
 
 def _validate(args) -> int:
     report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules), deep=args.deep,
-                              checksums=args.checksums)
+                              checksums=args.checksums, progress=not args.quiet)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()
@@ -269,12 +279,12 @@ def _diff(args) -> int:
     from reshard.diff import diff
     report = diff(reshard.open_checkpoint(args.a, args.tag_a, args.layout_rules),
                   reshard.open_checkpoint(args.b, args.tag_b, args.layout_rules),
-                  atol=args.atol)
+                  atol=args.atol, progress=not args.quiet)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()
     else:
-        for note in report.notes:
+        for note in [] if args.quiet else report.notes:
             print(f"note: {note}")
         for d in report.differences:
             print(d.line())
