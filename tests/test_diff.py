@@ -168,3 +168,30 @@ def test_complex_values_are_compared_whole(tmp_path):
     [d] = json.loads(proc.stdout)["differences"]
     assert d["max_abs_diff"] == 0.5 and "at element 0" in d["detail"] and d["nan_mismatches"] == 0
     run_cli("diff", tmp_path / "a.pt", tmp_path / "a.pt", check=0)
+
+
+@pytest.mark.parametrize("block", [reshard.diff.BLOCK, 7])
+def test_nan_in_a_zero_checkpoint_is_located_and_survives_conversion(tmp_path, monkeypatch, block):
+    """A NaN written at a known element of a real DeepSpeed save (offsets from reshard's catalog): found
+    against the original at that element, and equal to itself across a change of topology."""
+    monkeypatch.setattr(reshard.diff, "BLOCK", block)
+    src = fixture_dir("z2_fp32_dp4")
+    nan = tmp_path / "nan"
+    shutil.copytree(src, nan)
+    tensor = reshard.open_checkpoint(nan).tensor("emb.weight", MASTER)
+    element = next(f for f in tensor.fragments if f.start > 0).start + 3      # inside a later rank's partition
+    frag = next(f for f in tensor.fragments if f.start <= element < f.stop)
+    with open(frag.storage.file, "r+b") as f:
+        f.seek(frag.storage.offset + (frag.elem_offset + element - frag.start) * 4)
+        f.write(np.float32(np.nan).tobytes())
+
+    with np.errstate(all="raise"):      # no numpy warning on the way
+        report = reshard.diff.diff(reshard.open_checkpoint(src), reshard.open_checkpoint(nan))
+    [d] = report.differences
+    assert (d.name, d.kind, d.nan_mismatches, d.first_nan_mismatch) == ("emb.weight", "values", 1, element)
+    assert d.max_abs_diff == 0 and "max abs diff" not in d.detail
+
+    run_cli("convert", nan, tmp_path / "dp3", "--to", "dp=3,zero=3", "--quiet", check=0)
+    assert reshard.diff.diff(reshard.open_checkpoint(nan), reshard.open_checkpoint(tmp_path / "dp3")).equal
+    proc = run_cli("diff", src, tmp_path / "dp3", check=1)
+    assert proc.stderr == "" and f"NaN on one side only at 1 element(s), first at element {element}" in proc.stdout
