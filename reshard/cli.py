@@ -4,15 +4,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import textwrap
 
 import reshard
 from reshard.errors import ReshardError
 from reshard.inspect import human_bytes, jsonable
+from reshard.layout import SPEC_KEYS
 
 
 def main(argv=None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -28,21 +31,85 @@ def main(argv=None) -> int:
         return 130
 
 
-def _parser() -> argparse.ArgumentParser:
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Text wrapped at spaces only, never inside a `key=value` or a path; indented lines (the examples) as
+    written; the rows of a table (a first word, two spaces, its meaning) wrapped under their meaning."""
+
+    def _split_lines(self, text, width):
+        lines = []
+        for line in text.splitlines():
+            row = re.match(r"\s+\S+\s\s+|\s*", line)
+            lines += textwrap.wrap(line, width, subsequent_indent=" " * row.end(), break_long_words=False,
+                                   break_on_hyphens=False) or [""]
+        return lines
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(indent + line if line.startswith(" ") else
+                         textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent,
+                                       break_long_words=False, break_on_hyphens=False)
+                         for line in text.splitlines())
+
+
+def _examples(*lines: str) -> dict:
+    """Keyword arguments for a parser: the examples that end its help."""
+    return {"formatter_class": _Formatter, "epilog": "examples:\n" + "\n".join(f"  {line}" for line in lines)}
+
+
+def _command(sub, name: str, what: str, examples: tuple, more: str = ""):
+    """A command's parser: `what` in the list of commands, and (with `more`) atop its help; then its examples."""
+    return sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}.{more}", **_examples(*examples))
+
+
+KEY_COLUMN = 19     # a wider key (partition's) has its meaning on the next line
+
+
+def _spec_help() -> str:
+    rows = []
+    for k in SPEC_KEYS:
+        key = f"{k.name}={k.value}"
+        rows += [f"  {key}", f"  {'':<{KEY_COLUMN}}  {k.meaning}"] if len(key) > KEY_COLUMN else \
+            [f"  {key:<{KEY_COLUMN}}  {k.meaning}"]
+    return ("target topology: a layout descriptor file (layouts/topologies/*.json) or KEY=VALUE pairs joined by "
+            "commas; keys left out keep the source's (default: the source's topology, e.g. to change only --format). "
+            "Keys:\n" + "\n".join(rows))
+
+
+# Progress bars show only where stderr is a terminal; --quiet takes them away there too.
+QUIET_HELP = "no progress bar and no notes (errors and the requested output still print)"
+SOURCE_HELP = ("a checkpoint: DeepSpeed save dir or tag folder, universal or DCP directory, .pt/.pth/.bin, .ckpt, "
+               "HF checkpoint folder, safetensors file or folder")
+RULES_HELP = "how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)"
+TARGET_FORMAT_HELP = ("target format: deepspeed (default for a DeepSpeed source), dcp (PyTorch distributed "
+                      "checkpoint), universal (DeepSpeed's universal checkpoint)")
+MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
+WORKERS_HELP = "local processes writing files (default 1)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description=(
         "Convert, export, inspect, validate and compare training checkpoints (DeepSpeed ZeRO, "
-        "universal, PyTorch DCP, torch.save, Lightning, Hugging Face) without executing code from them."))
+        "universal, PyTorch DCP, torch.save, Lightning, Hugging Face) without executing code from them. "
+        "`reshard COMMAND --help` describes each command, with examples."), **_examples(
+        "reshard inspect ckpt/",
+        "reshard convert ckpt/ new/ --to dp=4,zero=3",
+        "reshard export ckpt/ model.safetensors"))
     parser.add_argument("--version", action="version", version=f"reshard {reshard.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("inspect", help="what a checkpoint holds: topology, dtypes, optimizer, files")
+    p = _command(sub, "inspect", "what a checkpoint holds: topology, dtypes, optimizer, files",
+                 ("reshard inspect ckpt/                  # the tag named in ckpt/latest",
+                  "reshard inspect ckpt/ --tag global_step2 --params",
+                  "reshard inspect ckpt/ --json"))
     _source_args(p)
     p.add_argument("--params", action="store_true", help="add a per-parameter table")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_inspect)
 
-    p = sub.add_parser("validate", help="prove every element of every tensor is present exactly once "
-                       "(exit 0 complete, 1 not, 2 usage)")
+    p = _command(sub, "validate", "prove every element of every tensor is present exactly once "
+                 "(exit 0 complete, 1 not, 2 usage)",
+                 ("reshard validate ckpt/",
+                  "reshard validate new/ --deep --checksums    # also NaN/Inf, and the manifest's sha256",
+                  "reshard validate ckpt/ --json"))
     _source_args(p)
     p.add_argument("--deep", action="store_true", help="also read the bytes and report NaN/Inf")
     p.add_argument("--checksums", action="store_true",
@@ -50,71 +117,77 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_validate)
 
-    p = sub.add_parser("plan", help="what a conversion would read and write, without writing")
+    p = _command(sub, "plan", "what a conversion would read and write, without writing",
+                 ("reshard plan ckpt/ --to dp=4,zero=3",
+                  "reshard plan ckpt/ --to layouts/topologies/dp4-zero3.json --dst new/",
+                  "reshard plan ckpt/ --format dcp --json"))
     _source_args(p)
-    p.add_argument("--to", default="", metavar="SPEC",
-                   help="target topology: dp=M[,zero=S][,tp=T][,pp=P][,partition=uniform|parameters] (unnamed keys "
-                        "keep the source's; default: the source's topology, e.g. to change only --format) or a "
-                        "layout file")
+    p.add_argument("--to", default="", metavar="SPEC", help=_spec_help())
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
-    p.add_argument("--format", dest="fmt", metavar="FORMAT",
-                   help="target format: deepspeed (default for a DeepSpeed source), dcp, universal")
+    p.add_argument("--format", dest="fmt", metavar="FORMAT", help=TARGET_FORMAT_HELP)
     p.add_argument("--dst", help="where the output would go (for the free-disk check)")
-    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE")
-    p.add_argument("--workers", type=int, default=1, metavar="K")
+    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
+    p.add_argument("--workers", type=int, default=1, metavar="K", help=WORKERS_HELP)
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.set_defaults(run=_plan)
 
-    p = sub.add_parser("convert", help="write the checkpoint for another topology (DeepSpeed resumes from it)")
-    p.add_argument("path", metavar="SRC", help="a checkpoint: DeepSpeed save dir or tag folder, universal or DCP "
-                   "directory, .pt/.pth/.bin, .ckpt, HF checkpoint folder, safetensors file or folder")
+    p = _command(sub, "convert", "write the checkpoint for another topology (DeepSpeed resumes from it)",
+                 ("reshard convert ckpt/ new/ --to dp=4,zero=3     # tp and pp kept",
+                  "reshard convert ckpt/ dcp/ --format dcp",
+                  "reshard convert pipe/ pp2/ --to pp=2,dp=1,partition=type:Block,"
+                  "layer_types=Embed/Block/LayerNorm/Block/Embed"),
+                 " --format writes another format; training resumes from the output with the framework's own load "
+                 "call.")
+    p.add_argument("path", metavar="SRC", help=SOURCE_HELP)
     p.add_argument("dst", metavar="DST", help="the new save dir (created; holds 'latest' and the tag folder)")
-    p.add_argument("--to", default="", metavar="SPEC",
-                   help="target topology: dp=M[,zero=S][,tp=T][,pp=P][,partition=uniform|parameters] (unnamed keys "
-                        "keep the source's; default: the source's topology, e.g. to change only --format) or a "
-                        "layout file")
+    p.add_argument("--to", default="", metavar="SPEC", help=_spec_help())
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
-    p.add_argument("--layout-rules", metavar="FILE",
-                   help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
-    p.add_argument("--format", dest="fmt", metavar="FORMAT",
-                   help="target format: deepspeed (default for a DeepSpeed source), dcp, universal")
+    p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
+    p.add_argument("--format", dest="fmt", metavar="FORMAT", help=TARGET_FORMAT_HELP)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
-    p.add_argument("--workers", type=int, default=1, metavar="K", help="local processes writing files")
-    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE",
-                   help="bound on copy buffers (default 512MiB)")
+    p.add_argument("--workers", type=int, default=1, metavar="K", help=WORKERS_HELP)
+    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--resume", action="store_true",
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.set_defaults(run=_convert)
 
-    p = sub.add_parser("export", help="one consolidated state dict: safetensors (or HF shards), or torch")
-    p.add_argument("path", metavar="SRC", help="a checkpoint: DeepSpeed save dir or tag folder, universal or DCP "
-                   "directory, .pt/.pth/.bin, .ckpt, HF checkpoint folder, safetensors file or folder")
+    p = _command(sub, "export", "one consolidated state dict: safetensors (or HF shards), or torch",
+                 ("reshard export ckpt/ model.safetensors",
+                  "reshard export ckpt/ hf/ --max-shard-size 2GB --dtype bf16",
+                  "reshard export ckpt/ model.pt --format torch"))
+    p.add_argument("path", metavar="SRC", help=SOURCE_HELP)
     p.add_argument("out", metavar="OUT", help="a .safetensors (or .bin/.pt with --format torch) file, or a "
                    "directory for Hugging Face shards + index")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
-    p.add_argument("--layout-rules", metavar="FILE",
-                   help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
+    p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
                    help="dtype of floating tensors (auto: the training precision); integer buffers keep theirs")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="shard limit in huggingface_hub's units (5GB = 5e9 bytes; default 5GB in a directory)")
     p.add_argument("--with-optimizer", action="store_true",
                    help="also every optimizer state (one safetensors set per state) and optimizer.json")
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"])
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"],
+                   help="safetensors (default; with --with-optimizer one set per state) or torch (one torch.save file)")
     p.add_argument("--weights", default="master", choices=["master", "module"],
                    help="fp32 master copy (default) or the saved 16-bit module copy where there is one")
-    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE")
+    p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--resume", action="store_true",
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.set_defaults(run=_export)
 
-    p = sub.add_parser("diff", help="compare two checkpoints of any formats and topologies, tensor by tensor "
-                       "(exit 0 equal, 1 different, 2 trouble)")
+    p = _command(sub, "diff", "compare two checkpoints of any formats and topologies, tensor by tensor "
+                 "(exit 0 equal, 1 different, 2 trouble)",
+                 ("reshard diff ckpt/ new/",
+                  "reshard diff ckpt/ model.safetensors --atol 1e-6",
+                  "reshard diff ckpt/ new/ --tag-a global_step2 --json"),
+                 " Values compare as numbers: NaN equals NaN at the same element whatever its bits, inf equals inf; "
+                 "a NaN or an infinity facing another value is counted apart from the largest finite difference, "
+                 "which --atol bounds.")
     p.add_argument("a", metavar="A", help="a checkpoint (any format reshard reads)")
     p.add_argument("b", metavar="B", help="another checkpoint")
     p.add_argument("--tag-a", help="tag of A, for a DeepSpeed save dir")
@@ -123,6 +196,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="how tensor parallelism cut each tensor, for TP checkpoints that do not say (layouts/*.json)")
     p.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _quiet_arg(p)
     p.set_defaults(run=_diff, error_exit=2)
     return parser
 
@@ -132,7 +206,6 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 
 def _size_arg(text: str) -> int:
-    import re
     m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB)")
@@ -140,11 +213,14 @@ def _size_arg(text: str) -> int:
 
 
 def _source_args(p):
-    p.add_argument("path", metavar="PATH", help="a checkpoint: DeepSpeed save dir or tag folder, universal or DCP "
-                   "directory, .pt/.pth/.bin, .ckpt, HF checkpoint folder, safetensors file or folder")
+    p.add_argument("path", metavar="PATH", help=SOURCE_HELP)
     p.add_argument("--tag", help="the tag folder to read (default: the one named in 'latest')")
-    p.add_argument("--layout-rules", metavar="FILE",
-                   help="how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)")
+    p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
+    _quiet_arg(p)
+
+
+def _quiet_arg(p):
+    p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
 
 def _inspect(args) -> int:
@@ -201,7 +277,7 @@ def _print_inspect(info) -> None:
 
 def _validate(args) -> int:
     report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules), deep=args.deep,
-                              checksums=args.checksums)
+                              checksums=args.checksums, progress=not args.quiet)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()
@@ -269,12 +345,12 @@ def _diff(args) -> int:
     from reshard.diff import diff
     report = diff(reshard.open_checkpoint(args.a, args.tag_a, args.layout_rules),
                   reshard.open_checkpoint(args.b, args.tag_b, args.layout_rules),
-                  atol=args.atol)
+                  atol=args.atol, progress=not args.quiet)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()
     else:
-        for note in report.notes:
+        for note in [] if args.quiet else report.notes:
             print(f"note: {note}")
         for d in report.differences:
             print(d.line())

@@ -9,6 +9,12 @@ What is compared is what both checkpoints mean, not how they are stored:
 - every optimizer state both hold. When only one side holds optimizer state at all (an export
   next to its source), that is said once and is not a difference; when both do, a state present
   on one side only is.
+Values are compared as numbers: -0.0 equals 0.0, inf equals inf, and a NaN equals a NaN at the same
+element whatever its bits (payload and sign carry no value, and a cast between dtypes changes them:
+torch writes every bfloat16 NaN as 0x7FC0); NaNs at the same elements with other bits in two tensors
+of one dtype are noted, not counted. A NaN facing a number, and an infinity facing anything but
+itself, are counted apart from the largest finite difference (which --atol bounds), with the first
+element where each occurs.
 Values stream through in blocks of both sides' memory maps; memory does not grow with size.
 """
 from __future__ import annotations
@@ -18,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reshard.catalog import MASTER, MODULE, Catalog
-from reshard.dtypes import is_floating
+from reshard.dtypes import is_floating, itemsize
+from reshard.progress import bar as progress_bar
 from reshard.tensorio import MappedFiles, read_range, sorted_fragments
 
 BLOCK = 1 << 22     # elements per comparison step
@@ -30,7 +37,11 @@ class Difference:
     state: str
     kind: str                  # "missing" (only in A), "extra" (only in B), "shape", "dtype", "values"
     detail: str
-    max_abs_diff: float | None = None
+    max_abs_diff: float | None = None        # over the elements finite on both sides
+    nan_mismatches: int = 0                  # elements NaN on one side only
+    first_nan_mismatch: int | None = None
+    inf_mismatches: int = 0                  # elements infinite on one side, or inf facing -inf
+    first_inf_mismatch: int | None = None
 
     def line(self) -> str:
         return f"{self.name} ({self.state}): {self.detail}"
@@ -46,6 +57,7 @@ class DiffReport:
     differences: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     recast: dict = field(default_factory=dict)   # (dtype A, dtype B) -> tensors whose values are all equal
+    nan_bits: list = field(default_factory=list)  # tensors with NaNs at the same places but other bits
 
     @property
     def equal(self) -> bool:
@@ -64,24 +76,35 @@ class DiffReport:
                 "differences": [vars(d) for d in self.differences]}
 
 
-def diff(a: Catalog, b: Catalog, atol: float = 0.0) -> DiffReport:
+def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> DiffReport:
+    """`progress`: a bar of the bytes read on stderr, when it is a terminal."""
     report = DiffReport(a.root, b.root, atol)
     pairs = _pairs(a, b, report)
-    with MappedFiles() as files_a, MappedFiles() as files_b:
+    both = [(a.tensors[key_a], b.tensors[key_b]) for _, key_a, key_b in pairs if key_a and key_b]
+    total = sum(ta.numel * (itemsize(ta.dtype) + itemsize(tb.dtype)) for ta, tb in both
+                if tuple(ta.shape) == tuple(tb.shape))      # the bytes read: a tensor of another shape is not
+    with MappedFiles() as files_a, MappedFiles() as files_b, progress_bar(total, "comparing", progress) as bar:
         for label, key_a, key_b in pairs:
             if key_a is None or key_b is None:
                 side, key = ("missing", key_a) if key_b is None else ("extra", key_b)
                 where = "A" if side == "missing" else "B"
                 report.differences.append(Difference(label[0], label[1], side, f"only in {where}"))
                 continue
-            _compare(a.tensors[key_a], b.tensors[key_b], label, files_a, files_b, report)
+            _compare(a.tensors[key_a], b.tensors[key_b], label, files_a, files_b, report, bar)
     for (dtype_a, dtype_b), which in report.recast.items():
         report.notes.append(f"{len(which)} tensor(s) stored as {dtype_a} in A and {dtype_b} in B with every value "
-                            f"equal: {', '.join(which[:3])}{' …' if len(which) > 3 else ''}")
+                            f"equal: {_some(which)}")
+    if report.nan_bits:
+        report.notes.append(f"{len(report.nan_bits)} tensor(s) hold NaNs with other bits (payload or sign) at the "
+                            f"same elements in A and B, counted equal: {_some(report.nan_bits)}")
     if a.layout.step is not None and b.layout.step is not None and a.layout.step != b.layout.step:
         report.differences.append(Difference("-", "step", "values", f"optimizer step {a.layout.step} != "
                                              f"{b.layout.step}"))
     return report
+
+
+def _some(names: list) -> str:
+    return f"{', '.join(names[:3])}{' …' if len(names) > 3 else ''}"
 
 
 def _pairs(a: Catalog, b: Catalog, report: DiffReport) -> list:
@@ -117,48 +140,87 @@ def _weight_key(catalog: Catalog, name: str):
     return None
 
 
-def _compare(ta, tb, label, files_a, files_b, report) -> None:
+def _compare(ta, tb, label, files_a, files_b, report, bar) -> None:
     name, state = label
     if tuple(ta.shape) != tuple(tb.shape):
         report.differences.append(Difference(name, state, "shape", f"shape {list(ta.shape)} != {list(tb.shape)}"))
         return
-    worst, where = 0.0, None
+    tally = _Tally()
     frags_a, frags_b = sorted_fragments(ta), sorted_fragments(tb)
     for start in range(0, ta.numel, BLOCK):
         stop = min(start + BLOCK, ta.numel)
-        va = _values(read_range(files_a, ta, start, stop, frags_a), ta.dtype)
-        vb = _values(read_range(files_b, tb, start, stop, frags_b), tb.dtype)
-        gap = _abs_diff(va, vb)
-        i = int(np.argmax(gap)) if gap.size else 0
-        if gap.size and gap[i] > worst:
-            worst, where = float(gap[i]), start + i
+        tally.add(start, read_range(files_a, ta, start, stop, frags_a), ta.dtype,
+                  read_range(files_b, tb, start, stop, frags_b), tb.dtype)
+        bar.update((stop - start) * (itemsize(ta.dtype) + itemsize(tb.dtype)))
     report.compared += 1
     report.elements += ta.numel
+    if tally.nan_bits:
+        report.nan_bits.append(f"{name} ({state})")
     if ta.dtype != tb.dtype:
-        if worst == 0:     # every value survived the change of dtype (an fp32 export of bf16 frozen params)
+        if tally.equal():     # every value survived the change of dtype (an fp32 export of bf16 frozen params)
             report.recast.setdefault((ta.dtype, tb.dtype), []).append(f"{name} ({state})")
         else:
             report.differences.append(Difference(name, state, "dtype", f"dtype {ta.dtype} != {tb.dtype}"))
-    if worst > report.atol:
-        report.differences.append(Difference(name, state, "values",
-                                             f"max abs diff {worst:.6g} at element {where}", worst))
+    if tally.worst > report.atol or tally.nan or tally.inf:
+        report.differences.append(tally.difference(name, state, report.atol))
+
+
+class _Tally:
+    """What one tensor pair's blocks showed: the largest finite gap, NaN and infinity mismatches."""
+
+    def __init__(self):
+        self.worst, self.worst_at = 0.0, None
+        self.nan, self.nan_at = 0, None
+        self.inf, self.inf_at = 0, None
+        self.nan_bits = 0           # NaN on both sides, other bits (same dtype only)
+
+    def equal(self) -> bool:
+        return self.worst == 0 and not self.nan and not self.inf
+
+    def add(self, start: int, raw_a: np.ndarray, dtype_a: str, raw_b: np.ndarray, dtype_b: str) -> None:
+        va, vb = _values(raw_a, dtype_a), _values(raw_b, dtype_b)
+        nan_a, nan_b = np.isnan(va), np.isnan(vb)       # all False for integers
+        nan = nan_a != nan_b
+        if nan.any():
+            self.nan += int(np.count_nonzero(nan))
+            self.nan_at = start + int(np.argmax(nan)) if self.nan_at is None else self.nan_at
+        both = np.flatnonzero(nan_a & nan_b)
+        if dtype_a == dtype_b and both.size:
+            bits_a, bits_b = (r.view(np.uint8).reshape(r.size, -1)[both] for r in (raw_a, raw_b))
+            self.nan_bits += int(np.count_nonzero((bits_a != bits_b).any(axis=1)))
+        number = ~(nan_a | nan_b)
+        same = va == vb                                 # inf == inf, -0.0 == 0.0
+        inf = (np.isinf(va) | np.isinf(vb)) & number & ~same
+        if inf.any():
+            self.inf += int(np.count_nonzero(inf))
+            self.inf_at = start + int(np.argmax(inf)) if self.inf_at is None else self.inf_at
+        finite = number & ~same & ~inf
+        if finite.any():
+            kind = np.result_type(va.dtype, vb.dtype, np.float64)
+            with np.errstate(over="ignore"):           # two huge float64 values of opposite signs
+                gap = np.abs(va[finite].astype(kind) - vb[finite].astype(kind))
+            i = int(np.argmax(gap))
+            if gap[i] > self.worst:
+                self.worst, self.worst_at = float(gap[i]), start + int(np.flatnonzero(finite)[i])
+
+    def difference(self, name: str, state: str, atol: float) -> Difference:
+        parts = []
+        if self.worst > atol:
+            parts.append(f"max abs diff {self.worst:.6g} at element {self.worst_at}")
+        if self.nan:
+            parts.append(f"NaN on one side only at {self.nan:,} element(s), first at element {self.nan_at}")
+        if self.inf:
+            parts.append(f"infinity facing another value at {self.inf:,} element(s), first at element {self.inf_at}")
+        return Difference(name, state, "values", "; ".join(parts), self.worst, self.nan, self.nan_at, self.inf,
+                          self.inf_at)
 
 
 def _values(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Values to compare: float64 for floating types, complex128 for complex, int64 for the rest."""
     if dtype == "bfloat16":
         return (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     if is_floating(dtype):
         return raw.astype(np.float64)
+    if dtype.startswith("complex"):
+        return raw.astype(np.complex128)
     return raw.astype(np.int64)
-
-
-def _abs_diff(va: np.ndarray, vb: np.ndarray) -> np.ndarray:
-    """|a - b| per element; equal values (NaN with NaN, inf with inf) give 0, one NaN gives inf."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        gap = np.abs(va.astype(np.float64) - vb.astype(np.float64))
-    same = (va == vb)
-    if np.issubdtype(va.dtype, np.floating) or np.issubdtype(vb.dtype, np.floating):
-        same |= np.isnan(va) & np.isnan(vb)
-    gap[same] = 0.0
-    gap[np.isnan(gap)] = np.inf
-    return gap

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -22,6 +21,7 @@ from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
 from reshard.formats import container_writer
 from reshard.planner import Copy, FilePlan, Plan
+from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, fsync, write_text
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -87,7 +87,7 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     try:
         mine = share(plan.files, group.rank, group.world)
         digests = _write_files(mine, staging, chunk_bytes(memory_budget, workers), workers, resume,
-                               _progress(sum(f.nbytes for f in mine), progress and group.rank == 0))
+                               progress_bar(sum(f.nbytes for f in mine), "writing", progress and group.rank == 0))
     except BaseException as e:      # report to the others first, then re-raise
         error = e
     everyone_ok = group.all_ok(error is None)
@@ -268,8 +268,3 @@ class _SourceFiles:
             os.close(fd)
         self._fds.clear()
 
-
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing",
-                disable=not enabled, file=sys.stderr)

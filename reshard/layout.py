@@ -16,6 +16,30 @@ DESCRIPTOR_VERSION = 1
 PARTITION_METHODS = ("uniform", "parameters", "type:REGEX")
 
 
+@dataclass(frozen=True)
+class SpecKey:
+    """One key of a target spec ("dp=4,zero=3"): the parser accepts these keys and no other, and the
+    CLI's help lists them, so the two cannot drift apart."""
+    name: str
+    value: str          # what its value looks like
+    meaning: str
+
+
+SPEC_KEYS = (
+    SpecKey("dp", "M", "data-parallel degree"),
+    SpecKey("tp", "T", "tensor-parallel degree"),
+    SpecKey("pp", "P", "pipeline-parallel degree (stages)"),
+    SpecKey("zero", "S", "ZeRO stage: 0, 1, 2 or 3"),
+    SpecKey("partition", "|".join(PARTITION_METHODS),
+            "how the pipeline layers are cut into stages (PipelineModule's partition_method; type:REGEX balances "
+            "the layers whose class name matches REGEX)"),
+    SpecKey("layer_types", "A/B/...", "the pipeline layers' class names in order, for partition=type:REGEX "
+            "(a checkpoint does not hold them)"),
+    SpecKey("kv_heads", "K", "the model's key-value heads: how AutoTP cuts attention at a new tp"),
+)
+SPEC_KEY_NAMES = tuple(k.name for k in SPEC_KEYS)
+
+
 def partition_method_problem(method) -> str | None:
     """Why `method` is not a PipelineModule partition method we can cut by (None when it is one).
     'type:REGEX' is DeepSpeed's: balance the layers whose class name the regex matches."""
@@ -119,26 +143,26 @@ class Layout:
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
-            if sep and key == "partition":     # a PipelineModule's partition method (stage boundaries)
+            if not sep or key not in SPEC_KEY_NAMES:
+                raise ReshardError(f"bad layout spec {spec!r}: expected keys {', '.join(SPEC_KEY_NAMES)} as "
+                                   "key=value")
+            if key == "partition":     # a PipelineModule's partition method (stage boundaries)
                 if partition_method_problem(value.strip()):
                     raise ReshardError(f"bad layout spec {spec!r}: {partition_method_problem(value.strip())}")
                 changes["options"] = {**changes.get("options", self.options), "partition_method": value.strip()}
                 continue
-            if sep and key == "layer_types":   # the pipeline layers' class names, in order, for partition=type:
+            if key == "layer_types":   # the pipeline layers' class names, in order, for partition=type:
                 types = [t.strip() for t in value.split("/")]
                 if not all(types):
                     raise ReshardError(f"bad layout spec {spec!r}: layer_types is the layers' class names "
                                        "separated by '/'")
                 changes["options"] = {**changes.get("options", self.options), "layer_types": types}
                 continue
-            if sep and key == "kv_heads":      # the model's key-value head count: how AutoTP cuts attention
+            if key == "kv_heads":      # the model's key-value head count: how AutoTP cuts attention
                 if not value.strip().isdigit() or int(value) < 1:
                     raise ReshardError(f"bad layout spec {spec!r}: kv_heads must be a positive integer")
                 changes["options"] = {**changes.get("options", self.options), "kv_heads": int(value)}
                 continue
-            if not sep or key not in ("dp", "tp", "pp", "zero"):
-                raise ReshardError(f"bad layout spec {spec!r}: expected keys dp, tp, pp, zero, partition, layer_types, "
-                                   "kv_heads as key=value")
             try:
                 changes[key] = int(value)
             except ValueError:

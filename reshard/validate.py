@@ -14,9 +14,10 @@ import numpy as np
 
 from reshard import manifest
 from reshard.catalog import MASTER, Catalog
-from reshard.dtypes import is_floating
+from reshard.dtypes import is_floating, itemsize
 from reshard.errors import ReshardError
 from reshard.geometry import coverage, total_length
+from reshard.progress import bar as progress_bar
 
 MAX_RANGES_SHOWN = 3
 
@@ -62,15 +63,16 @@ class Report:
                 "manifest": self.manifest}
 
 
-def validate(catalog: Catalog, deep: bool = False, checksums: bool = False) -> Report:
-    """`deep` reads every byte for NaN/Inf; `checksums` verifies the sha256 of every file against the
-    reshard manifest (sizes are checked whenever a manifest is there)."""
+def validate(catalog: Catalog, deep: bool = False, checksums: bool = False, progress: bool = False) -> Report:
+    """`deep` reads every byte for NaN/Inf (`progress`: with a bar of the bytes read on stderr, when it is
+    a terminal); `checksums` verifies the sha256 of every file against the reshard manifest (sizes are
+    checked whenever a manifest is there)."""
     report = Report(problems=list(catalog.problems), files=len(catalog.files), deep=deep)
     _check_coverage(catalog, report)
     _check_states_present(catalog, report)
     _check_manifest(catalog, report, checksums)
     if deep:
-        _check_values(catalog, report)
+        _check_values(catalog, report, progress)
     return report
 
 
@@ -137,34 +139,39 @@ def _check_states_present(catalog, report):
                 report.problems.append(f"{catalog.root}: trainable parameter {p.name} has no {state} state")
 
 
-def _check_values(catalog, report):
+def _check_values(catalog, report, progress):
     from reshard.tensorio import MappedFiles, replica_problem
 
-    with MappedFiles() as files:
-        for replica in catalog.replicas:       # second copies too big to compare when the checkpoint was read
-            if not replica.checked:
-                try:
-                    problem = replica_problem(files, catalog.tensor(replica.copy.name, replica.copy.state), replica)
-                except Exception as e:  # a damaged file: already reported by the coverage checks
-                    problem = str(e)
-                if problem:
-                    report.problems.append(problem)
-        for tensor in catalog.tensors.values():
-            if not is_floating(tensor.dtype):
-                continue
+    replicas = [r for r in catalog.replicas if not r.checked]   # second copies too big to compare at reading
+    floating = [t for t in catalog.tensors.values() if is_floating(t.dtype)]
+    total = sum(2 * _nbytes(r.copy) for r in replicas) + sum(_nbytes(t) for t in floating)
+    with MappedFiles() as files, progress_bar(total, "checking", progress) as bar:
+        for replica in replicas:        # read: the copy and the elements of the tensor it copies
+            try:
+                problem = replica_problem(files, catalog.tensor(replica.copy.name, replica.copy.state), replica)
+            except Exception as e:  # a damaged file: already reported by the coverage checks
+                problem = str(e)
+            if problem:
+                report.problems.append(problem)
+            bar.update(2 * _nbytes(replica.copy))
+        for tensor in floating:
             for frag in tensor.fragments:
                 try:
                     values = files.fragment(frag, tensor.dtype)
                 except Exception as e:  # a damaged file: already reported by the coverage checks
                     report.problems.append(str(e))
                     break
-                bad = _count_non_finite(values, tensor.dtype)
+                bad = _count_non_finite(values, tensor.dtype, bar.update)
                 if bad:
                     report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}): {bad} NaN/Inf "
                                            f"values in elements [{frag.start}, {frag.stop})")
 
 
-def _count_non_finite(values, dtype, block: int = 1 << 24) -> int:
+def _nbytes(tensor) -> int:
+    return sum(f.numel for f in tensor.fragments) * itemsize(tensor.dtype)
+
+
+def _count_non_finite(values, dtype, report, block: int = 1 << 24) -> int:
     bad = 0
     for first in range(0, values.size, block):      # in blocks: the temporaries stay small
         part = values[first:first + block]
@@ -172,4 +179,5 @@ def _count_non_finite(values, dtype, block: int = 1 << 24) -> int:
             bad += int(np.count_nonzero((part & 0x7F80) == 0x7F80))
         else:
             bad += int(part.size - np.count_nonzero(np.isfinite(part)))
+        report(part.nbytes)
     return bad

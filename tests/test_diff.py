@@ -1,6 +1,9 @@
 """`reshard diff`: equal across topologies, a changed element pinpointed, missing/extra/shape found."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import reshard
 import reshard.diff
 from reshard.catalog import MASTER
 from reshard.dtypes import itemsize
-from conftest import fixture_dir, run_cli
+from conftest import REPO, fixture_dir, run_cli
 
 
 @pytest.mark.parametrize("name,to", [("z3_bf16_dp4", "dp=3,zero=1"), ("z2_fp32_roundrobin_dp4", "dp=2"),
@@ -100,3 +103,95 @@ def test_export_has_no_difference_from_its_source(tmp_path, name):
     run_cli("export", src, tmp_path / "bf16.safetensors", "--dtype", "bf16", "--quiet", check=0)
     report = json.loads(run_cli("diff", src, tmp_path / "bf16.safetensors", "--json", check=1).stdout)
     assert {d["kind"] for d in report["differences"]} == {"dtype", "values"}
+
+
+def _nan_with_payload(dtype, payload):
+    """A quiet NaN of `dtype` whose low mantissa bits are `payload` (torch makes only the canonical one)."""
+    import torch
+    bits = {torch.float32: (torch.int32, 0x7FC00000), torch.bfloat16: (torch.int16, 0x7FC0),
+            torch.float16: (torch.int16, 0x7E00)}[dtype]
+    return torch.tensor([bits[1] | payload], dtype=bits[0]).view(dtype)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_nan_and_inf_are_reported_as_such(tmp_path, dtype):
+    import torch
+    dtype = getattr(torch, dtype)
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([1.0, 2.0, nan, 4.0, inf, -inf, 5.0, 6.0, nan, 0.0], dtype=dtype)
+    b = a.clone()
+    b[1], b[5], b[6], b[9] = nan, inf, inf, -0.0      # NaN vs 2; -inf vs inf; inf vs 5; -0.0 vs 0.0
+    b[8] = _nan_with_payload(dtype, 3)                 # NaN vs NaN with other bits: equal, noted
+    b[3] = 4.5                                         # one finite difference
+    torch.save({"w": a, "ok": a.clone()}, tmp_path / "a.pt")
+    torch.save({"w": b, "ok": a.clone()}, tmp_path / "b.pt")
+
+    proc = subprocess.run([sys.executable, "-W", "error", "-m", "reshard", "diff", tmp_path / "a.pt",
+                           tmp_path / "b.pt", "--json"], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr      # no numpy warning, as an error or not
+    report = json.loads(proc.stdout)
+    [d] = report["differences"]
+    assert d["name"] == "w" and d["kind"] == "values"
+    assert (d["nan_mismatches"], d["first_nan_mismatch"]) == (1, 1)
+    assert (d["inf_mismatches"], d["first_inf_mismatch"]) == (2, 5)
+    assert d["max_abs_diff"] == 0.5                   # the finite gap, not inf
+    assert "NaN on one side only at 1 element(s), first at element 1" in d["detail"]
+    assert "infinity facing another value at 2 element(s), first at element 5" in d["detail"]
+    assert "max abs diff 0.5 at element 3" in d["detail"] and "inf" not in d["detail"].split(";")[0]
+    assert any("NaNs with other bits" in n and "w (weight)" in n for n in report["notes"])
+
+    text = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", check=1)
+    assert text.stderr == "" and "max abs diff inf" not in text.stdout
+    # --atol covers the finite gap, never a NaN or an infinity
+    atol = json.loads(run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--atol", "1", "--json",
+                              check=1).stdout)
+    assert "max abs diff" not in atol["differences"][0]["detail"] and atol["differences"][0]["nan_mismatches"] == 1
+
+    # control: NaN and inf at the same places (any NaN bits) are equal
+    same = a.clone()
+    same[8] = _nan_with_payload(dtype, 3)
+    torch.save({"w": same, "ok": a.clone()}, tmp_path / "same.pt")
+    report = json.loads(run_cli("diff", tmp_path / "a.pt", tmp_path / "same.pt", "--json", check=0).stdout)
+    assert report["equal"] and report["compared"] == 2
+
+
+def test_complex_values_are_compared_whole(tmp_path):
+    import torch
+    a = torch.tensor([1 + 1j, 2 + 0j, complex(float("nan"), 1)], dtype=torch.complex64)
+    b = a.clone()
+    b[0] = 1 + 1.5j           # only the imaginary part differs
+    torch.save({"z": a}, tmp_path / "a.pt")
+    torch.save({"z": b}, tmp_path / "b.pt")
+    proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json", check=1)
+    assert proc.stderr == ""
+    [d] = json.loads(proc.stdout)["differences"]
+    assert d["max_abs_diff"] == 0.5 and "at element 0" in d["detail"] and d["nan_mismatches"] == 0
+    run_cli("diff", tmp_path / "a.pt", tmp_path / "a.pt", check=0)
+
+
+@pytest.mark.parametrize("block", [reshard.diff.BLOCK, 7])
+def test_nan_in_a_zero_checkpoint_is_located_and_survives_conversion(tmp_path, monkeypatch, block):
+    """A NaN written at a known element of a real DeepSpeed save (offsets from reshard's catalog): found
+    against the original at that element, and equal to itself across a change of topology."""
+    monkeypatch.setattr(reshard.diff, "BLOCK", block)
+    src = fixture_dir("z2_fp32_dp4")
+    nan = tmp_path / "nan"
+    shutil.copytree(src, nan)
+    tensor = reshard.open_checkpoint(nan).tensor("emb.weight", MASTER)
+    element = next(f for f in tensor.fragments if f.start > 0).start + 3      # inside a later rank's partition
+    frag = next(f for f in tensor.fragments if f.start <= element < f.stop)
+    with open(frag.storage.file, "r+b") as f:
+        f.seek(frag.storage.offset + (frag.elem_offset + element - frag.start) * 4)
+        f.write(np.float32(np.nan).tobytes())
+
+    with np.errstate(all="raise"):      # no numpy warning on the way
+        report = reshard.diff.diff(reshard.open_checkpoint(src), reshard.open_checkpoint(nan))
+    [d] = report.differences
+    assert (d.name, d.kind, d.nan_mismatches, d.first_nan_mismatch) == ("emb.weight", "values", 1, element)
+    assert d.max_abs_diff == 0 and "max abs diff" not in d.detail
+
+    run_cli("convert", nan, tmp_path / "dp3", "--to", "dp=3,zero=3", "--quiet", check=0)
+    assert reshard.diff.diff(reshard.open_checkpoint(nan), reshard.open_checkpoint(tmp_path / "dp3")).equal
+    proc = run_cli("diff", src, tmp_path / "dp3", check=1)
+    assert proc.stderr == "" and f"NaN on one side only at 1 element(s), first at element {element}" in proc.stdout

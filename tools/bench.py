@@ -4,6 +4,11 @@
     python tools/bench.py make DIR [--params 170e6] [--dp 8] [--stage 3] [--dtype bf16]
         Train a stack of Linear layers one step with the real DeepSpeed engine (torchrun, CPU,
         gloo, ZeRO-3 params built partitioned) and save a checkpoint of about 12 bytes/param.
+    python tools/bench.py make-synthetic DIR [the options of make]
+        The checkpoint `make` would save, written by reshard's DeepSpeed writer without training
+        (random tensor bytes): sizes whose model would not fit in RAM.
+    python tools/bench.py compare REAL SYNTHETIC
+        Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
         Alternate `cp -r SRC` (+ sync), `reshard convert SRC --to ...` and, with --export,
         `reshard export` and DeepSpeed's zero_to_fp32; with --universal, `convert --format universal`
@@ -302,40 +307,48 @@ def _du(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("make")
-    m.add_argument("dir")
-    m.add_argument("--params", type=float, default=170e6)
-    m.add_argument("--dp", type=int, default=8)
-    m.add_argument("--stage", type=int, default=3)
-    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    m = sub.add_parser("make-synthetic")
-    m.add_argument("dir")
-    m.add_argument("--params", type=float, default=170e6)
-    m.add_argument("--dp", type=int, default=8)
-    m.add_argument("--stage", type=int, default=3)
-    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    c = sub.add_parser("compare")
-    c.add_argument("real")
-    c.add_argument("synthetic")
-    w = sub.add_parser("worker")
-    w.add_argument("dir")
-    w.add_argument("--params", type=float)
-    w.add_argument("--stage", type=int)
-    w.add_argument("--dtype")
-    r = sub.add_parser("run")
-    r.add_argument("src")
-    r.add_argument("--to", action="append", default=None)
-    r.add_argument("--repeat", type=int, default=3)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for name, what in (("make", "train a stack of Linear layers one step with the real DeepSpeed engine and save it"),
+                       ("make-synthetic", "write the checkpoint `make` would save, with reshard's writer (no training, "
+                                          "no RAM for the model)")):
+        m = sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+        m.add_argument("dir", help="the save dir to create")
+        m.add_argument("--params", type=float, default=170e6,
+                       help="about how many parameters (4096x4096 layers; default 170e6)")
+        m.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+        m.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
+        m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="training precision (default bf16)")
+    what = "check that a synthetic checkpoint has the files and pickled structure of a real one of the same size"
+    c = sub.add_parser("compare", help=what, description=what[0].upper() + what[1:] + ".")
+    c.add_argument("real", help="a save dir written by `make`")
+    c.add_argument("synthetic", help="a save dir written by `make-synthetic` with the same options")
+    what = "one rank of `make` (started by torchrun; not for direct use)"
+    w = sub.add_parser("worker", help=what, description=what[0].upper() + what[1:] + ".")
+    w.add_argument("dir", help="the save dir")
+    w.add_argument("--params", type=float, help="as for make")
+    w.add_argument("--stage", type=int, help="as for make")
+    w.add_argument("--dtype", help="as for make")
+    what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
+    r = sub.add_parser("run", help=what, description=what[0].upper() + what[1:] + ".")
+    r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
+    r.add_argument("--to", action="append", default=None, metavar="SPEC",
+                   help="a target topology to time `reshard convert --to SPEC` at; repeatable (default dp=4)")
+    r.add_argument("--repeat", type=int, default=3, help="alternating runs of every command; the median is shown "
+                   "(default 3)")
     r.add_argument("--workdir", help="where outputs go (default: beside the source)")
     r.add_argument("--export", action="store_true", help="also time `reshard export` and DeepSpeed's zero_to_fp32")
     r.add_argument("--universal", action="store_true",
                    help="also time `convert --format universal` and DeepSpeed's ds_to_universal")
     r.add_argument("--dcp", action="store_true",
                    help="also time `convert --format dcp`, and `reshard export` of that DCP against torch's dcp_to_torch")
-    r.add_argument("--json")
+    r.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
+    return p
+
+
+def main():
+    p = build_parser()
     args = p.parse_args()
     if args.cmd == "run" and not args.to:
         args.to = ["dp=4"]
