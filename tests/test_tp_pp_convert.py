@@ -27,6 +27,7 @@ AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_ti
 TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3", "tp=2,dp=2,zero=2", "tp=1,dp=2,zero=1",
            "tp=1,dp=3,zero=3"]
 PIPE = "pipe2_z1_fp32_dp2"
+TIED = "pipe2_tiedhead_z1_fp32_dp2"     # the embedding used again as the head, through a forward_fn (no layer file)
 PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1"]
 
 
@@ -139,12 +140,14 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     assert all(torchzip.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None for s in range(target.pp))
 
 
-@pytest.mark.parametrize("via", ["pp=1,dp=4", "pp=4,dp=1", "pp=2,dp=3"])
-def test_pipeline_round_trip_gives_back_deepspeeds_own_files(via, tmp_path):
-    _convert(fixture_dir(PIPE), tmp_path / "m", via)
-    _convert(tmp_path / "m", tmp_path / "n", "pp=2,dp=2,partition=uniform")
-    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE)))
-    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "n"), covered)
+@pytest.mark.parametrize("name, via, back", [(PIPE, via, "pp=2,dp=2,partition=uniform")
+                                            for via in ("pp=1,dp=4", "pp=4,dp=1", "pp=2,dp=3")] +
+                         [(TIED, via, "pp=2,dp=2") for via in ("pp=4,dp=1", "pp=3,dp=3")])
+def test_pipeline_round_trip_gives_back_deepspeeds_own_files(name, via, back, tmp_path):
+    _convert(fixture_dir(name), tmp_path / "m", via)
+    _convert(tmp_path / "m", tmp_path / "n", back)
+    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(name)))
+    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
 
 
 def test_pipeline_partition_by_parameters_when_named(tmp_path):
@@ -254,9 +257,6 @@ def test_refusals_are_one_line(tmp_path):
 
 # ------------------------------------------------------- a tied head on the last stage; the default partition
 
-TIED = "pipe2_tiedhead_z1_fp32_dp2"     # the embedding used again as the head, through a forward_fn (no layer file)
-
-
 def _tied_head_counts():
     """DeepSpeed's own count of the tied-head model's trainable parameters per layer: PipelineModule's
     _count_layer_params, run unbound on tools/fixture_parallel.py's layer specs (it needs no process group)."""
@@ -296,14 +296,6 @@ def test_every_stage_using_the_tied_head_trains_the_tied_weight(pp, tmp_path):
     last = torchzip.load(tag_dir(tmp_path / "out") / f"zero_pp_rank_0_mp_rank_{pp - 1:02d}_optim_states.pt")
     flat = last["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
     assert tuple(flat.shape) == (sum(counts[parts[-2]:]),)      # its layers, the head's tied weight included
-
-
-@pytest.mark.parametrize("via", ["pp=4,dp=1", "pp=3,dp=3"])
-def test_tied_head_round_trip_gives_back_deepspeeds_own_files(via, tmp_path):
-    _convert(fixture_dir(TIED), tmp_path / "m", via)
-    _convert(tmp_path / "m", tmp_path / "n", "pp=2,dp=2")
-    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(TIED)))
-    _assert_same_files(tag_dir(fixture_dir(TIED)), tag_dir(tmp_path / "n"), covered)
 
 
 def _ranges(parts):
