@@ -317,6 +317,10 @@ def _convert(args) -> int:
     finally:
         group.close()
     if not args.quiet and group.rank == 0:
+        if plan.stage_cut:      # which layers each stage holds; the note when the source could not tell
+            print(f"stages   {plan.stage_cut.line()}")
+            if plan.stage_cut.ambiguous:
+                print(f"reshard: note: {plan.stage_cut.ambiguous}", file=sys.stderr)
         print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
               f"{human_bytes(plan.bytes_written)}")
     return 0
@@ -388,6 +392,10 @@ def _print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
     print(f"source   {plan.source}")
     print(f"         {summary['source_topology']}")
     print(f"target   {summary['target_topology']} (tag {plan.tag})")
+    if plan.stage_cut:
+        print(f"stages   {plan.stage_cut.line()}")
+        if plan.stage_cut.ambiguous:
+            print(f"note     {plan.stage_cut.ambiguous}")
     print(f"files    {len(summary['files'])} to write:")
     for f in summary["files"]:
         size = human_bytes(f["bytes"]) if "bytes" in f else "copied"

@@ -15,7 +15,7 @@ from reshard.catalog import Catalog
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.layout import Layout
-from reshard.targets import CopiedFile, TensorFile, TextFile
+from reshard.targets import CopiedFile, StageCut, TensorFile, TextFile
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class Plan:
     texts: list = field(default_factory=list)      # TextFile
     copied: list = field(default_factory=list)     # CopiedFile
     save_dir: str | None = None                    # the source's save dir (None: source's parent)
+    stage_cut: StageCut | None = None              # a pipeline target's stage boundaries
 
     @property
     def bytes_written(self) -> int:
@@ -90,7 +91,8 @@ class Plan:
                            "copies": sum(isinstance(op, Copy) for s in f.storages for op in s.ops)}
                           for f in self.files] + [{"path": t.path, "bytes": len(t.text)} for t in self.texts]
                 + [{"path": c.path, "copied_from": c.source} for c in self.copied],
-                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "partition": self.stage_cut.to_dict() if self.stage_cut else None}
 
 
 def plan(catalog: Catalog, target: Layout, targets: list, tag: str) -> Plan:
@@ -103,6 +105,8 @@ def plan(catalog: Catalog, target: Layout, targets: list, tag: str) -> Plan:
             out.texts.append(item)
         elif isinstance(item, CopiedFile):
             out.copied.append(item)
+        elif isinstance(item, StageCut):
+            out.stage_cut = item
         else:
             raise TypeError(f"unknown target item {item!r}")
     return out

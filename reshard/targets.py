@@ -84,3 +84,21 @@ class CopiedFile:
     """A file taken over unchanged (DeepSpeed's zero_to_fp32.py script)."""
     path: str
     source: str
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """How a pipeline target's layers are cut into stages, for plan and convert to show: the partition
+    `method`, each stage's layer range [first, stop), and `ambiguous`, when the source could not tell the
+    method, the one line saying which was taken and that `partition=` decides it."""
+    method: str
+    stages: tuple                 # ((first, stop), ...) per stage
+    ambiguous: str | None = None
+
+    def line(self) -> str:
+        ranges = (f"layers {a}-{b - 1}" if b - a > 1 else f"layer {a}" if b > a else "no layers"
+                  for a, b in self.stages)
+        return f"{self.method!r} partition: " + ", ".join(f"stage {s} {r}" for s, r in enumerate(ranges))
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "stages": [list(r) for r in self.stages], "ambiguous": self.ambiguous}

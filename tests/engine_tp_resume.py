@@ -3,8 +3,8 @@
     torchrun --nproc_per_node TP*DP (or PP*DP) tests/engine_tp_resume.py JOBS.json RESULTS.json
 
 JOBS.json lists {"fixture": autotp fixture name, "checkpoint": dir, "tp": TP, "fixtures": dir, "universal"?: bool}, or for the
-pipeline fixture {"fixture": "pipe2_z1_fp32_dp2", "checkpoint": dir, "pp": PP, "fixtures": dir}: its
-PipelineModule built with num_stages=PP and resumed by the PipelineEngine (truth: fixture_parallel.pipe_truth,
+pipeline fixtures {"fixture": "pipe2_z1_fp32_dp2", "checkpoint": dir, "pp": PP, "partition"?: METHOD, "fixtures": dir}:
+its PipelineModule (fixture_parallel.pipe_model) built with num_stages=PP and resumed by the PipelineEngine (truth: fixture_parallel.pipe_truth,
 one more `train_batch`). For each job
 every rank builds the fixture's Llama exactly as tools/fixture_parallel.py did (same seed), with the
 fixture's DeepSpeed config but `"tensor_parallel": {"autotp_size": TP}` (AutoTP off at TP=1), calls the
@@ -48,8 +48,8 @@ def main(jobs_path, results_path):
         config = copy.deepcopy(spec["ds_config"])
         config["zero_optimization"]["stage"] = job.get("zero", config["zero_optimization"]["stage"])
         pipe = "pp" in job
-        if pipe:            # the fixture's PipelineModule cut into job["pp"] stages (its partition method)
-            model = fp.pipe_module(num_stages=job["pp"], partition_method=job.get("partition", "uniform"))
+        if pipe:            # the fixture's PipelineModule cut into job["pp"] stages (its own partition method unless named)
+            model = fp.pipe_model(spec, num_stages=job["pp"], partition_method=job.get("partition"))
         else:
             config["tensor_parallel"] = {"autotp_size": job["tp"]}
             torch.manual_seed(0)

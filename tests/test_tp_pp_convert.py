@@ -27,6 +27,7 @@ AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_ti
 TARGETS = ["tp=1,dp=1", "tp=1,dp=2", "tp=1,dp=4", "tp=2,dp=1", "tp=2,dp=3", "tp=2,dp=2,zero=2", "tp=1,dp=2,zero=1",
            "tp=1,dp=3,zero=3"]
 PIPE = "pipe2_z1_fp32_dp2"
+TIED = "pipe2_tiedhead_z1_fp32_dp2"     # the embedding used again as the head, through a forward_fn (no layer file)
 PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1"]
 
 
@@ -139,12 +140,14 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     assert all(torchzip.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None for s in range(target.pp))
 
 
-@pytest.mark.parametrize("via", ["pp=1,dp=4", "pp=4,dp=1", "pp=2,dp=3"])
-def test_pipeline_round_trip_gives_back_deepspeeds_own_files(via, tmp_path):
-    _convert(fixture_dir(PIPE), tmp_path / "m", via)
-    _convert(tmp_path / "m", tmp_path / "n", "pp=2,dp=2,partition=uniform")
-    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE)))
-    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "n"), covered)
+@pytest.mark.parametrize("name, via, back", [(PIPE, via, "pp=2,dp=2,partition=uniform")
+                                            for via in ("pp=1,dp=4", "pp=4,dp=1", "pp=2,dp=3")] +
+                         [(TIED, via, "pp=2,dp=2") for via in ("pp=4,dp=1", "pp=3,dp=3")])
+def test_pipeline_round_trip_gives_back_deepspeeds_own_files(name, via, back, tmp_path):
+    _convert(fixture_dir(name), tmp_path / "m", via)
+    _convert(tmp_path / "m", tmp_path / "n", back)
+    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(name)))
+    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
 
 
 def test_pipeline_partition_by_parameters_when_named(tmp_path):
@@ -239,8 +242,6 @@ def test_refusals_are_one_line(tmp_path):
         assert "\n" not in str(e.value)
     pipe = reshard.open_checkpoint(fixture_dir(PIPE))
     one_stage = _convert(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")     # any partition gives its one stage
-    with pytest.raises(ReshardError, match="partition=METHOD"):
-        make_plan(one_stage, "pp=2")
     with pytest.raises(ReshardError, match="partition must be one of"):
         make_plan(one_stage, "pp=2,partition=block")
     for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=2", "ZeRO stage 1 only"),
@@ -254,6 +255,88 @@ def test_refusals_are_one_line(tmp_path):
         make_plan(reshard.open_checkpoint(fixture_dir("z1_fp32_dp2")), "tp=2")
 
 
+# ------------------------------------------------------- a tied head on the last stage; the default partition
+
+def _tied_head_counts():
+    """DeepSpeed's own count of the tied-head model's trainable parameters per layer: PipelineModule's
+    _count_layer_params, run unbound on tools/fixture_parallel.py's layer specs (it needs no process group)."""
+    import sys
+    from types import SimpleNamespace
+    from deepspeed.pipe import PipelineModule
+    sys.path.insert(0, str(REPO / "tools"))
+    import fixture_parallel
+    return PipelineModule._count_layer_params(SimpleNamespace(_layer_specs=fixture_parallel.tied_head_specs()))
+
+
+def _deepspeed_parts(method, pp):
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+    counts = _tied_head_counts()
+    parts = partition_balanced(counts, pp) if method == "parameters" else partition_uniform(len(counts), pp)
+    return [int(x) for x in parts]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_every_stage_using_the_tied_head_trains_the_tied_weight(pp, tmp_path):
+    """The head (layer 6, the tied embedding through a forward_fn) has no layer file, yet the source's last
+    stage trains the embedding: each target stage holds DeepSpeed's 'parameters' cut of all 7 layers, and
+    the last one's optimizer partition the tied weight beside its own layers' params."""
+    source = reshard.open_checkpoint(fixture_dir(TIED))
+    plan = make_plan(source, f"pp={pp},dp=1")
+    parts = _deepspeed_parts("parameters", pp)
+    assert plan.stage_cut.method == "parameters" and list(plan.stage_cut.stages) == list(zip(parts, parts[1:]))
+    execute(plan, str(tmp_path / "out"), progress=False)
+    out = reshard.open_checkpoint(tmp_path / "out")
+    assert reshard.validate(out, deep=True).ok
+    _assert_same_tensors(source, out)
+    assert out.stages["tied_modules.emb.weight"] == [0, pp - 1]
+    for layer in range(1, 6):
+        stage = next(s for s in range(pp) if parts[s] <= layer < parts[s + 1])
+        assert out.stages[f"{layer}.fc.weight" if layer < 5 else "5.weight"] == [stage]
+    counts = _tied_head_counts()
+    last = torchzip.load(tag_dir(tmp_path / "out") / f"zero_pp_rank_0_mp_rank_{pp - 1:02d}_optim_states.pt")
+    flat = last["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    assert tuple(flat.shape) == (sum(counts[parts[-2]:]),)      # its layers, the head's tied weight included
+
+
+def _ranges(parts):
+    return ", ".join(f"stage {s} " + (f"layers {a}-{b - 1}" if b - a > 1 else f"layer {a}")
+                     for s, (a, b) in enumerate(zip(parts, parts[1:])))
+
+
+def test_the_default_partition_is_deepspeeds_and_the_plan_says_when_the_source_cannot_tell(tmp_path):
+    """The tied-head save's 2 stages are both DeepSpeed's 'uniform' and its 'parameters' partition, which cut
+    pp=4 differently: the default is 'parameters' (PipelineModule's), plan and convert print the method and
+    every stage's layers, and one line says the choice was the default's and that partition= decides it."""
+    assert _deepspeed_parts("parameters", 2) == _deepspeed_parts("uniform", 2)
+    parameters, uniform = _deepspeed_parts("parameters", 4), _deepspeed_parts("uniform", 4)
+    assert parameters != uniform
+    src = fixture_dir(TIED)
+    summary = json.loads(run_cli("plan", src, "--to", "pp=4,dp=1", "--json").stdout)["partition"]
+    assert summary["method"] == "parameters" and summary["stages"] == [list(r) for r in zip(parameters, parameters[1:])]
+    assert "partition=uniform" in summary["ambiguous"]
+    text = run_cli("plan", src, "--to", "pp=4,dp=1").stdout.splitlines()
+    assert f"stages   'parameters' partition: {_ranges(parameters)}" in text
+    assert [line for line in text if line.startswith("note")] == [f"note     {summary['ambiguous']}"]
+    proc = run_cli("convert", src, tmp_path / "out", "--to", "pp=4,dp=1")
+    assert f"stages   'parameters' partition: {_ranges(parameters)}" in proc.stdout.splitlines()
+    assert [line for line in proc.stderr.splitlines() if "note" in line] == [f"reshard: note: {summary['ambiguous']}"]
+    out = reshard.open_checkpoint(tmp_path / "out")
+    assert out.stages["1.fc.weight"] == [1] and out.stages["4.fc.weight"] == [2] and out.stages["5.weight"] == [3]
+    # partition=uniform decides it: DeepSpeed's uniform cut, nothing ambiguous
+    summary = json.loads(run_cli("plan", src, "--to", "pp=4,dp=1,partition=uniform", "--json").stdout)["partition"]
+    assert summary == {"method": "uniform", "stages": [list(r) for r in zip(uniform, uniform[1:])], "ambiguous": None}
+    text = run_cli("plan", src, "--to", "pp=4,dp=1,partition=uniform").stdout
+    assert f"stages   'uniform' partition: {_ranges(uniform)}\n" in text and "\nnote" not in text
+    # where both methods cut the target alike (pp=2), or only one gives the source's stages, nothing to say
+    for source, to in [(src, "pp=2,dp=1"), (fixture_dir(PIPE), "pp=4,dp=1")]:
+        assert json.loads(run_cli("plan", source, "--to", to, "--json").stdout)["partition"]["ambiguous"] is None
+    # a one-stage source fits any method: the default, said in the note
+    one_stage = _convert(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")
+    plan = make_plan(one_stage, "pp=2")
+    assert plan.stage_cut.method == "parameters" and "cut pp=2 differently" in plan.stage_cut.ambiguous
+    assert not json.loads(run_cli("plan", fixture_dir("z1_fp32_dp2"), "--to", "dp=4", "--json").stdout)["partition"]
+
+
 # ----------------------------------------------------------------------------------------------- engine
 
 ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") for name in AUTOTP] + \
@@ -261,7 +344,8 @@ ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") fo
               [("autotp2_z1_fp32_dp2", "tp=2,dp=1,zero=2"), ("autotp2_z2_fp32_tied_dp2", "tp=1,dp=2,zero=1")] + \
               [(PIPE, "pp=1,dp=2"), (PIPE, "pp=1,dp=4"), (PIPE, "pp=2,dp=1"), (PIPE, "pp=4,dp=1"),
                (PIPE, "pp=2,dp=1,partition=parameters"),
-               (PIPE, f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")]
+               (PIPE, f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")] + \
+              [(TIED, "pp=2,dp=1"), (TIED, "pp=4,dp=1"), (TIED, "pp=1,dp=4"), (TIED, "pp=4,dp=1,partition=uniform")]
 
 
 def _run(world, jobs, out):
@@ -279,19 +363,18 @@ def resumed(tmp_path_factory):
         execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
         job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
                "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
-        if name == PIPE:       # one launch per pipeline topology: its engine builds its own process groups
-            job.update(pp=target.pp, partition=target.options.get("partition_method", "uniform"))
-        launches.setdefault((target.tp, target.pp, target.dp, job.get("partition")), []).append(job)
+        pipe = name in (PIPE, TIED)
+        if pipe:    # the engine script builds a PipelineModule per job: every pp x dp of a world size shares a launch
+            job.update(pp=target.pp, partition=target.options.get("partition_method"))   # None: the model's own
+        launches.setdefault((target.tp * target.pp * target.dp, "pipe" if pipe else target.tp), []).append(job)
     # negative control: a complete checkpoint that loads, compared with another run's truth (same model)
-    launches[(1, 1, 2, None)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
+    launches[(2, 1)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
                              "checkpoint": str(out / "autotp2_z2_fp32_tied_dp2-tp=1-dp=2"), "tp": 1,
                              "fixtures": str(FIXTURES), "to": "control"})
     results = {}
-    for (tp, pp, dp, _), jobs in launches.items():
-        pipe = [j for j in jobs if "pp" in j]
-        for group in ([j for j in jobs if "pp" not in j], pipe) if pipe else (jobs,):
-            for r in (_run(tp * pp * dp, group, out) if group else []):
-                results[(r["fixture"], r["to"])] = r
+    for (world, _), jobs in launches.items():
+        for r in _run(world, jobs, out):
+            results[(r["fixture"], r["to"])] = r
     return results
 
 
@@ -312,6 +395,19 @@ def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
 def test_the_resume_check_sees_another_runs_state(resumed):
     problems = resumed[("autotp2_z2_fp32_tied_dp2", "control")]["problems"]
     assert any("differs from the saved engine's value" in p for p in problems), problems
+
+
+@pytest.mark.engine
+def test_engine_refuses_the_tied_head_model_cut_by_another_partition(resumed, tmp_path):
+    """Negative control of the tied-head resumes: the stages DeepSpeed's 'uniform' partition gives at pp=4
+    (which the engine built with partition_method='uniform' resumed above) are not the ones the model's own
+    'parameters' builds, and the unmodified engine refuses their optimizer partitions at load."""
+    result = resumed[(TIED, "pp=4,dp=1,partition=uniform")]
+    assert result["problems"] == [] and result["partition"] == "uniform"
+    job = {**{k: result[k] for k in ("fixture", "checkpoint", "tp", "zero", "fixtures", "pp")},
+           "partition": None, "to": "control-other-partition"}
+    with pytest.raises(AssertionError, match="parameter-alignment layout does not match"):
+        _run(4, [job], tmp_path)
 
 
 # ------------------------------------------------------------------------------ re-cut to a new tp degree

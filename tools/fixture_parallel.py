@@ -3,7 +3,9 @@
 * ``autotp``: a tiny random ``transformers`` Llama trained with ``"tensor_parallel": {"autotp_size": 2}``
   at dp=2 (4 ranks). Every rank holds TP shards of the sharded layers.
 * ``pipe``: a ``deepspeed.pipe.PipelineModule`` (a tied embedding via ``TiedLayerSpec`` at both ends) at
-  pp=2, dp=2 (4 ranks), trained with ``train_batch``.
+  pp=2, dp=2 (4 ranks), trained with ``train_batch``; with ``"model": "tied_head"`` the PipelineModule of
+  ``tied_head_module`` (the tied embedding used again as the head through a ``forward_fn``, which saves no layer
+  file; DeepSpeed's default ``partition_method="parameters"``).
 
 Truth, taken from the live engine (see the docstring of ``autotp_truth`` / ``pipe_truth`` for how the
 per-rank pieces are assembled with the engine's own knowledge of the partitioning).
@@ -164,6 +166,53 @@ def pipe_module(num_stages, partition_method="uniform"):
                           partition_method=partition_method)
 
 
+def embed_head(module, h):
+    """The head of tied_head_module: the embedding's weight projects back to the vocabulary."""
+    return h @ module.weight.t()
+
+
+class TiedEmbed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.1)
+
+    def forward(self, x):
+        return torch.nn.functional.embedding(x, self.weight)
+
+
+TIED_HEAD_WIDTHS = (2, 4, 6, 20)
+
+
+def tied_head_specs():
+    """The layers of tied_head_module: the embedding tied to the head on the last stage (Megatron-DeepSpeed's
+    GPT pattern), layer 6 a `forward_fn` of the tied module, which the engine saves no layer file for. 4 blocks
+    of uneven width and a LayerNorm weigh [348, 62, 112, 162, 512, 24, 348] trainable elements: 'parameters'
+    cuts pp=2 as 'uniform' does ([0, 4, 7]) but pp=4 otherwise ([0, 1, 4, 5, 7] against [0, 2, 4, 6, 7])."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    layers = [TiedLayerSpec("emb", TiedEmbed, tied_weight_attr="weight")]
+    layers += [LayerSpec(Block, width) for width in TIED_HEAD_WIDTHS]
+    return layers + [LayerSpec(torch.nn.LayerNorm, HIDDEN),
+                     TiedLayerSpec("emb", TiedEmbed, forward_fn=embed_head, tied_weight_attr="weight")]
+
+
+def tied_head_module(num_stages, partition_method="parameters"):
+    from deepspeed.pipe import PipelineModule
+
+    def loss_fn(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+
+    torch.manual_seed(11)
+    return PipelineModule(layers=tied_head_specs(), num_stages=num_stages, loss_fn=loss_fn,
+                          partition_method=partition_method)
+
+
+def pipe_model(spec, num_stages, partition_method=None):
+    """The PipelineModule of a pipe fixture, cut into `num_stages` (by its own partition method unless named)."""
+    if spec.get("model") == "tied_head":
+        return tied_head_module(num_stages, partition_method or "parameters")
+    return pipe_module(num_stages, partition_method or "uniform")
+
+
 def pipe_truth(engine, state_names, flat_truth):
     """Full fp32 masters, optimizer states and module weights of a PipelineModule engine.
 
@@ -191,7 +240,7 @@ def pipe_truth(engine, state_names, flat_truth):
 
 def pipe_worker(spec, out_dir, rank):
     import deepspeed
-    net = pipe_module(num_stages=2)
+    net = pipe_model(spec, num_stages=2)
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters()],
                                            config=spec["ds_config"])
     dp_rank = engine.grid.data_parallel_id

@@ -25,7 +25,9 @@ truth assembly in ``tools/fixture_parallel.py``): ``autotp2_*`` train a tiny ran
 ``"tensor_parallel": {"autotp_size": 2}`` at dp=2 (ZeRO-1 fp32, ZeRO-1 bf16 tied embeddings, ZeRO-2 fp32 tied, ZeRO-1
 fp32 with 3 key-value heads split 2+1) and also save ``hf_config/`` and ``logits.pt`` (the TP engine's logits on a
 fixed probe); ``pipe2_z1_fp32_dp2`` trains a ``PipelineModule`` (tied embedding via ``TiedLayerSpec`` at both ends) at
-pp=2, dp=2 with ``train_batch``; ``megatron_tp2_z1_fp32_dp2`` trains a Megatron-style GPT (tools/fixture_megatron.py:
+pp=2, dp=2 with ``train_batch``, ``pipe2_tiedhead_z1_fp32_dp2`` one whose tied embedding is used again as the head
+(a ``forward_fn``, no layer file) on the last stage, cut by DeepSpeed's default ``partition_method="parameters"``;
+``megatron_tp2_z1_fp32_dp2`` trains a Megatron-style GPT (tools/fixture_megatron.py:
 its own tensor-parallel layers through DeepSpeed's ``mpu`` interface, fused QKV, SwiGLU, padded vocab-parallel
 embedding) whose checkpoint carries no ``universal_checkpoint_info``. Their truth holds the FULL tensors under the names the checkpoint uses: TP shards are
 gathered over the TP group and put together with each parameter's own AutoTP affine map; pipeline stages' dicts are
@@ -144,6 +146,9 @@ def _configs():
     out["megatron_tp2_z1_fp32_dp2"]["kind"] = "megatron"
     add("pipe2_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_accumulation_steps": 2})
     out["pipe2_z1_fp32_dp2"]["kind"] = "pipe"
+    # the tied embedding used again as the head (a forward_fn: no layer file) on the last stage
+    add("pipe2_tiedhead_z1_fp32_dp2", 1, "fp32", 4, tied=True, extra={"gradient_accumulation_steps": 2})
+    out["pipe2_tiedhead_z1_fp32_dp2"].update(kind="pipe", model="tied_head")
     # tensor AND pipeline parallel: Megatron-style TP layers in a PipelineModule, tp2 x pp2 x dp2 (8 ranks)
     add("megatron_pipe_tp2_pp2_z1_fp32_dp2", 1, "fp32", 8, tied=True,
         extra={"gradient_accumulation_steps": 2, "gradient_clipping": 0.0})

@@ -12,11 +12,20 @@ Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' 
 'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it) or
 'type:REGEX' (balanced counts of the layers whose class name matches; the class names are not saved, so
 `layer_types=Embed/Block/...` gives them). The method is not saved: `--to ...,partition=METHOD` names it,
-else it is the one of 'uniform' and 'parameters' that
-gives the source's own stages (refused when neither does, or when both do but they would cut the target
-differently, as from a one-stage source). Layers are counted from the layer
-files: parameterless function layers after the last file cannot be seen, which the check against the
-source's stages catches whenever it changes the boundaries there.
+else it is the one of 'uniform' and 'parameters' that gives the source's own stages (refused when neither
+does). When both do but would cut the target differently (as from a one-stage source), it is 'parameters',
+PipelineModule's default, and the plan says so in one line (StageCut.ambiguous).
+
+Layers are counted from the layer files, with two kinds of layer the engine saves no file for: a function
+(a gap between files, weightless) and a tied module used through a `forward_fn` (TiedLayerSpec(...,
+forward_fn=head), as Megatron-DeepSpeed's GPT uses its embedding as the head). Such a use shows only as a
+stage training the tied module without a layer file of its own holding it; the engine places it after the
+last file, on the last stage, which is where it is put here (one layer per tied module the source's last stage
+trains), and only when the source's stages are not given without it. A stage's optimizer trains every tied
+module one of its layers uses, so a stage holding such a use gets the tied weights in its partition too.
+Every trainable parameter must be trained in exactly the source's stages for a method to give them, so a
+count the files cannot show (functions after the last file) is caught whenever it changes the source's
+boundaries; a one-stage source shows no `forward_fn` use at all.
 
 With tensor parallelism too (tp > 1, Megatron-style layers on DeepSpeed's PipeModelDataParallelTopology), TP
 rank t's layer files are `layer_XX-model_{t:02d}-model_states.pt` and its stage s is mp rank s * tp + t; each
@@ -31,6 +40,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,7 +50,7 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import writer
 from reshard.formats.torchsave import TorchFile
 from reshard.layout import Layout
-from reshard.targets import Piece
+from reshard.targets import Piece, StageCut
 
 TIED = "tied_modules."
 
@@ -56,12 +66,12 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if any(p.kind == "frozen" for p in catalog.params.values()):
         raise ReshardError(f"{catalog.root}: frozen parameters in a pipeline are not supported")
     layers = {int(i): entries for i, entries in layer_files.items()}
-    parts = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
-                             target.options.get("layer_types"))
+    cut = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
+                           target.options.get("layer_types"))
     if target.tp == 1:
         out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
-        out += _stage_files(catalog, target, layers, parts, tag, tp_rank=0)
-        return out + writer.closing_files(tag, source_save_dir)
+        out += _stage_files(catalog, target, cut, tag, tp_rank=0)
+        return out + writer.closing_files(tag, source_save_dir) + [cut.record()]
     # tensor AND pipeline parallel: per TP rank t, the shard-shaped view tp_writer writes TP ranks from; its
     # layer files are layer_XX-model_{t:02d}-..., its stages mp ranks stage * tp + t (DeepSpeed's
     # PipelineParallelGrid orders the model-parallel group pipe-major); pieces mapped back to full tensors.
@@ -71,11 +81,11 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     for t in range(target.tp):
         view, runs = tp_writer._rank_view(catalog, t, splits)
         files = [_layer_file(view, index, entries, tag, tp_rank=t) for index, entries in sorted(layers.items())]
-        files += _stage_files(view, target, layers, parts, tag, tp_rank=t)
+        files += _stage_files(view, target, cut, tag, tp_rank=t)
         for file in files:
             file.pieces = {key: tp_writer._to_full(pieces, runs) for key, pieces in file.pieces.items()}
         out += files
-    return out + writer.closing_files(tag, source_save_dir)
+    return out + writer.closing_files(tag, source_save_dir) + [cut.record()]
 
 
 def megatron_splits(catalog: Catalog, tp: int) -> dict:
@@ -107,10 +117,10 @@ def megatron_splits(catalog: Catalog, tp: int) -> dict:
     return splits
 
 
-def _stage_files(catalog, target, layers, parts, tag, tp_rank) -> list:
+def _stage_files(catalog, target, cut, tag, tp_rank) -> list:
     out = []
     for stage in range(target.pp):
-        view = _stage_view(catalog, layers, range(parts[stage], parts[stage + 1]))
+        view = _stage_view(catalog, cut.uses, range(cut.parts[stage], cut.parts[stage + 1]))
         ctx = writer._Context(view, target, mp_rank=stage * target.tp + tp_rank, model_extra={"shared_params": {}})
         ctx.module_in_layer_files = True
         out += writer.rank_files(ctx, tag)
@@ -167,9 +177,72 @@ def partition_by_type(layer_types: list, method: str, num_parts: int) -> list:
     return partition_balanced(weights, num_parts)
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A pipeline target's stages: the partition `method`, its boundaries `parts` (stage s holds layers
+    parts[s] to parts[s + 1] - 1), `uses`, per layer of the model, the params it uses (a tied module's in
+    every layer using it, the ones of a `forward_fn` use included), and `ambiguous` (StageCut's)."""
+    method: str
+    parts: tuple
+    uses: tuple
+    ambiguous: str | None = None
+
+    def record(self) -> StageCut:
+        return StageCut(self.method, tuple(zip(self.parts[:-1], self.parts[1:])), self.ambiguous)
+
+
 def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None,
-                     layer_types: list | None = None) -> list:
-    count = max(layers) + 1
+                     layer_types: list | None = None) -> Cut:
+    source_pp = catalog.layout.pp
+    fits = []
+    for uses in _layer_uses(catalog, layers):    # the model's layers, fewest first: the first the source confirms
+        methods = _methods(catalog, uses, named, layer_types)
+        fits = [m for m, cut in methods.items() if _gives_source_stages(catalog, uses, cut(source_pp))]
+        if fits:
+            break
+    else:
+        uses = next(_layer_uses(catalog, layers))
+        methods = _methods(catalog, uses, named, layer_types)
+    count = len(uses)
+    if named and named.startswith("type:"):
+        if pp > len(layer_types):
+            raise ReshardError(f"{catalog.root}: pp={pp} but the model has {len(layer_types)} layers")
+        return Cut(named, tuple(methods[named](pp)), uses)
+    if pp > count:
+        raise ReshardError(f"{catalog.root}: pp={pp} but the model has {count} layers")
+    if named:
+        return Cut(named, tuple(methods[named](pp)), uses)
+    if not fits:
+        raise ReshardError(f"{catalog.root}: the source's pipeline stages are neither DeepSpeed's 'uniform' nor "
+                           f"'parameters' partition of its {count} layers; other partition methods are not supported")
+    cuts = {m: tuple(methods[m](pp)) for m in fits}
+    method = "parameters" if "parameters" in fits else fits[0]    # PipelineModule's default first
+    ambiguous = None
+    if len(set(cuts.values())) > 1:
+        ambiguous = (f"the source's stages fit both DeepSpeed's 'uniform' and 'parameters' partitions, which cut "
+                     f"pp={pp} differently: cut by 'parameters' (PipelineModule's default); give "
+                     "--to ...,partition=uniform for a model built with partition_method='uniform'")
+    return Cut(method, cuts[method], uses, ambiguous)
+
+
+def _layer_uses(catalog: Catalog, layers: dict):
+    """The params each layer of the model uses, as the layer files show them (a gap: a function layer); then,
+    when the source's last stage trains tied modules, with one `forward_fn` use of each after the last file."""
+    files = tuple(tuple(n for _, n in layers.get(i, []) if n) for i in range(max(layers) + 1))
+    yield files
+    last = catalog.layout.pp - 1
+    keys = sorted({n.split(".")[1] for n, stages in catalog.stages.items() if n.startswith(TIED) and last in stages})
+    if last > 0 and keys:
+        yield files + tuple(tuple(n for n in catalog.order if n.startswith(f"{TIED}{key}.")) for key in keys)
+
+
+def _methods(catalog: Catalog, uses: tuple, named: str | None, layer_types: list | None) -> dict:
+    """partition method -> (pp -> boundaries) over the layers `uses` lists."""
+    count = len(uses)
+    weights = [sum(math.prod(catalog.params[n].shape) for n in names if catalog.params[n].kind == "trainable")
+               for names in uses]
+    methods = {"uniform": lambda parts: partition_uniform(count, parts),
+               "parameters": lambda parts: partition_balanced(weights, parts)}
     if named and named.startswith("type:"):
         # a checkpoint holds no class names: the layers' types are given, one per layer spec of the model
         if not layer_types:
@@ -178,46 +251,29 @@ def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None 
         if len(layer_types) < count:
             raise ReshardError(f"{catalog.root}: layer_types names {len(layer_types)} layers but the checkpoint "
                                f"has {count}")
-        if pp > len(layer_types):
-            raise ReshardError(f"{catalog.root}: pp={pp} but the model has {len(layer_types)} layers")
-        return partition_by_type(layer_types, named, pp)
-    weights = [sum(math.prod(catalog.params[n].shape) for _, n in layers.get(i, [])
-                   if n and catalog.params[n].kind == "trainable") for i in range(count)]
-    methods = {"uniform": lambda parts: partition_uniform(count, parts),
-               "parameters": lambda parts: partition_balanced(weights, parts)}
-    if pp > count:
-        raise ReshardError(f"{catalog.root}: pp={pp} but the model has {count} layers")
-    if named:
-        return methods[named](pp)
-    source_pp = catalog.layout.pp
-    fits = [m for m, cut in methods.items() if _gives_source_stages(catalog, layers, cut(source_pp))]
-    if not fits:
-        raise ReshardError(f"{catalog.root}: the source's pipeline stages are neither DeepSpeed's 'uniform' nor "
-                           f"'parameters' partition of its {count} layers; other partition methods are not supported")
-    cuts = {tuple(methods[m](pp)) for m in fits}
-    if len(cuts) > 1:
-        raise ReshardError(f"{catalog.root}: the source's stages fit both the 'uniform' and the 'parameters' "
-                           f"partition, which cut pp={pp} differently: name the model's with --to ...,partition=METHOD")
-    return list(cuts.pop())
+        methods[named] = lambda parts: partition_by_type(layer_types, named, parts)
+    return methods
 
 
-def _gives_source_stages(catalog, layers, parts) -> bool:
+def _gives_source_stages(catalog, uses, parts) -> bool:
+    """Whether cutting the layers at `parts` trains every trainable parameter in exactly the source's stages
+    (a tied module's in every stage with a layer using it)."""
     if len(parts) != catalog.layout.pp + 1:
         return False
-    for index, entries in layers.items():
-        stage = next(s for s in range(len(parts) - 1) if parts[s] <= index < parts[s + 1]) \
-            if index < parts[-1] else None
-        for _, name in entries:
-            if name and catalog.params[name].kind == "trainable" and stage not in catalog.stages.get(name, []):
-                return False
-    return True
+    trained = {}
+    for stage in range(len(parts) - 1):
+        for index in range(parts[stage], min(parts[stage + 1], len(uses))):
+            for name in uses[index]:
+                trained.setdefault(name, set()).add(stage)
+    return all(sorted(trained.get(name, ())) == sorted(catalog.stages.get(name, ()))
+               for name, info in catalog.params.items() if info.kind == "trainable")
 
 
 # ------------------------------------------------------------------------------------------ files
 
-def _stage_view(catalog: Catalog, layers: dict, indices) -> Catalog:
+def _stage_view(catalog: Catalog, uses: tuple, indices) -> Catalog:
     """The catalog of one stage: its params as its PipelineModule orders them (tied modules first)."""
-    held = [n for i in indices for _, n in layers.get(i, []) if n]
+    held = [n for i in indices if i < len(uses) for n in uses[i]]
     tied = [n for n in catalog.order if n.startswith(TIED) and n in held]
     own = [n for n in dict.fromkeys(held) if not n.startswith(TIED)]
     order = tied + own

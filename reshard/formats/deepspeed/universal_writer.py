@@ -29,7 +29,7 @@ from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
 from reshard.formats.torchsave import TorchFile
 from reshard.layout import Layout
-from reshard.targets import Piece, TextFile
+from reshard.targets import Piece, StageCut, TextFile
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -122,7 +122,8 @@ def _tensor_parallel_flavour(catalog, target, tag) -> list:
         out.append(_whole_model_states(catalog, whole, tag))
     else:
         model_states = {f"{tag}/{names.model_states_name(r)}" for r in range(target.tp)}
-        out += [f for f in tp_writer.target_files(catalog, target, tag) if f.path in model_states]
+        out += [f for f in tp_writer.target_files(catalog, target, tag)
+                if not isinstance(f, StageCut) and f.path in model_states]
     return out
 
 
