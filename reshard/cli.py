@@ -181,6 +181,10 @@ def _print_inspect(info) -> None:
     for g, group in enumerate(info["param_groups"]):
         hyper = ", ".join(f"{k}={v}" for k, v in group.items() if k != "params")
         print(f"  group {g:<7} {group['params']} params; {hyper}")
+        split = [s for s in info["split_scalars"] if s["group"] == g]
+        for key in dict.fromkeys(s["key"] for s in split):
+            print(f"  {'':<13} {key} differs per parameter: " +
+                  ", ".join(f"{s['value']} at {s['param']}" for s in split if s["key"] == key))
     for state, n in info["bytes_per_state"].items():
         print(f"  {state:<13} {human_bytes(n)}")
     print(f"  files         {len(info['files'])}, {human_bytes(sum(f['bytes'] for f in info['files']))}")

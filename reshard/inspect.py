@@ -34,6 +34,9 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "param_groups": [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                           "params": len(g["params"]), **{k: jsonable(v) for k, v in scalars.items()}}
                          for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
+        # optimizer scalars that differ between a group's params (the group's own value is in param_groups)
+        "split_scalars": [{"group": s.group, "key": s.key, "param": s.param, "value": jsonable(s.other)}
+                          for s in catalog.split_scalars],
         "bytes_per_state": catalog.bytes_per_state(),
         "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
         "problems": len(catalog.problems),

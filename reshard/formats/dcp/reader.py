@@ -7,7 +7,7 @@ holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`
 
   [model.]<fqn>                         -> (fqn, MODULE), and (fqn, MASTER) for an fp32 trainable param
   optim.state.<fqn>.<state>             -> (fqn, state)
-  optim.state.<fqn>.step                -> group_scalars[group]["step"] (equal within the group)
+  optim.state.<fqn>.step                -> group_scalars[group]["step"] (unequal: split_scalars)
   optim.param_groups.<g>.<hyper|params> -> param_groups  (default get_state_dict)
   optim.param_groups.<fqn>.<hyper>      -> param_groups  (flatten_optimizer_state_dict=True)
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 
-from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor
+from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
@@ -161,13 +161,13 @@ def _param_groups(meta, values: dict, chunks, meta_path) -> list:
 
 
 def _group_step(meta_path, g: int, steps: dict, catalog) -> dict:
+    """One step per group; a param whose own step differs (Adam counts per param) is recorded for writers to refuse."""
     values = {(s.value, s.dtype) for s in steps.values()}
     if not values:
         return {}
-    if len(values) > 1:
-        catalog.problem(meta_path, f"param group {g} has unequal per-parameter step counters "
-                        f"{sorted(v for v, _ in values)}; reshard keeps one step per group")
     value, dtype = min(values)
+    catalog.split_scalars += [SplitScalar(meta_path, g, "step", value, s.value, fqn)
+                              for fqn, s in steps.items() if s.value != value]
     return {"step": ScalarTensor(value, dtype)}
 
 

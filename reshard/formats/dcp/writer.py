@@ -67,6 +67,7 @@ def file_name(rank: int) -> str:
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
+    catalog.require_group_scalars("a DCP checkpoint")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
     written = {}        # source (name, state) -> its chunks' locations, for a tied name to share

@@ -45,8 +45,7 @@ def _check_convertible(catalog: Catalog, target: Layout) -> None:
     if not catalog.param_groups:
         raise ReshardError(f"{catalog.root}: no optimizer state (weights only); a DeepSpeed checkpoint resumes "
                            "training and needs the optimizer's state, so it is not written")
-    for reason in catalog.state.get("not_convertible") or []:      # a reader's one-line reason
-        raise ReshardError(reason)
+    catalog.require_group_scalars("a DeepSpeed checkpoint")     # which keeps one step per param group
     unsure = catalog.state.get("frozen_or_buffer")
     if target.zero == 3 and unsure:
         raise ReshardError(f"{catalog.root}: {unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "

@@ -13,14 +13,14 @@ index, its per-element states and step. `optim_map.assign` says which name each 
 - weights only (no optimizer): nothing is known to be trained; every floating tensor is listed as
   frozen and conversion to a training format is refused;
 - per-parameter `step` counters become one per group; when they differ within a group the source
-  stays readable and exportable and `state["not_convertible"]` says why DeepSpeed cannot take it.
+  stays readable and its weights exportable, and `catalog.split_scalars` records it for writers to refuse.
 """
 from __future__ import annotations
 
 import math
 import os
 
-from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
@@ -172,10 +172,8 @@ def _fill_optimizer(catalog, optimizer, where, taken) -> None:
                 if key not in scalars:
                     scalars[key] = value
                 elif scalars[key] != value:
-                    # readable and exportable as it is; only a target keeping one counter per group cannot hold it
-                    catalog.state.setdefault("not_convertible", []).append(
-                        f"{where}: param group {g}: optimizer {key} differs between parameters ({_plain(scalars[key])} "
-                        f"vs {_plain(value)} at {name}); DeepSpeed keeps one per group")
+                    # readable and its weights exportable; writers of optimizer state refuse it
+                    catalog.split_scalars.append(SplitScalar(where, g, key, _plain(scalars[key]), _plain(value), name))
         catalog.group_scalars.append(scalars)
 
 
