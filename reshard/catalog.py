@@ -148,6 +148,20 @@ class Catalog:
             out[t.state] = out.get(t.state, 0) + t.numel * itemsize(t.dtype)
         return out
 
+    def weight_dtypes(self) -> tuple:
+        """(model dtype, master dtype) where the weights are saved as the optimizer updated them (no separate
+        16-bit copy): the trainable params' dtypes, their master's where one is registered, else theirs. Weights
+        only: the floating params' dtype and no master (""). "" also when weights-only dtypes are mixed."""
+        trainable = [p.name for p in self.params.values() if p.kind == "trainable"]
+        if not trainable:
+            saved = {self.tensors[(p.name, MODULE)].dtype for p in self.params.values()
+                     if p.kind == "frozen" and (p.name, MODULE) in self.tensors}
+            return (saved.pop() if len(saved) == 1 else ""), ""
+        saved = {self.tensors[(n, MODULE)].dtype for n in trainable}
+        masters = {self.tensors[(n, MASTER) if (n, MASTER) in self.tensors else (n, MODULE)].dtype for n in trainable}
+        # mixed precisions: a DeepSpeed target keeps a float32 master and 16-bit copy of each
+        return (saved.pop() if len(saved) == 1 else "float32"), (masters.pop() if len(masters) == 1 else "float32")
+
     def require_group_scalars(self, target: str) -> None:
         """Refuse to write `target` (which would get the group's one value for every param) when an optimizer
         scalar differs between the params of a group: the source is readable, only its state cannot be carried."""

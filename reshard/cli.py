@@ -168,12 +168,14 @@ def _print_inspect(info) -> None:
     print(f"  format        {info['format']} (tag {info['tag']})")
     print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}), "
           f"ZeRO stage {info['zero_stage']}")
-    print(f"  dtypes        model {info['dtype']}, master {info['master_dtype']}")
-    print(f"  optimizer     {info['optimizer'] or '?'}: states {', '.join(info['optimizer_states']) or 'none'}")
+    known = {k: "unknown" if info[k] is None else info[k]
+             for k in ("dtype", "master_dtype", "optimizer", "step", "global_steps", "global_samples")}
+    print(f"  dtypes        model {known['dtype']}, master {known['master_dtype']}")
+    print(f"  optimizer     {known['optimizer']}: states {', '.join(info['optimizer_states']) or 'none'}")
     if info["options"]:
         print(f"  options       {', '.join(f'{k}={v}' for k, v in info['options'].items())}")
-    print(f"  step          {info['step']} (global_steps {info['global_steps']}, "
-          f"global_samples {info['global_samples']})")
+    print(f"  step          {known['step']} (global_steps {known['global_steps']}, "
+          f"global_samples {known['global_samples']})")
     print(f"  parameters    {info['parameters']} ({info['elements']:,} elements): {info['trainable']} trainable, "
           f"{info['frozen']} frozen; {info['buffers']} buffers")
     for alias, source in info["aliases"].items():

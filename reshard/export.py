@@ -86,7 +86,7 @@ def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
         elif dtype is not None:
             target = dtype
         else:                                   # auto: the training precision; buffers as saved
-            target = saved if p.kind == "buffer" else catalog.layout.dtype
+            target = saved if p.kind == "buffer" else (catalog.layout.dtype or saved)   # "": mixed, unknown
         out.append(Entry(key, target, tuple(p.shape), source))
     return out
 

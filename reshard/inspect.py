@@ -17,9 +17,9 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "tag": catalog.state.get("tag"),
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         "zero_stage": layout.zero,
-        "dtype": layout.dtype,
-        "master_dtype": layout.master_dtype,
-        "optimizer": layout.optimizer,
+        "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
+        "master_dtype": layout.master_dtype or None,
+        "optimizer": layout.optimizer or None,       # None: the checkpoint does not tell
         "optimizer_states": layout.states,
         "options": layout.options,
         "step": layout.step,

@@ -457,6 +457,8 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
     outcome = json.loads(result.read_text())
     assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
     assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome
+    # DCP counts no samples: without the key the engine counts them from its steps, not from a written 0
+    assert outcome["global_steps"] == 3 and outcome["global_samples"] == 3 * outcome["train_batch_size"] > 0, outcome
 
 
 @settings(max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", 150)), deadline=None,
@@ -473,3 +475,28 @@ def test_fuzzed_dcp_files_only_ever_give_a_checkpoint_error(saved, data, tmp_pat
         reshard.validate(reshard.open_checkpoint(src), deep=True)
     except ReshardError:
         pass
+
+
+def test_what_a_dcp_save_does_not_say_stays_unknown_in_deepspeed(saved, tmp_path):
+    """torch's dcp.save holds no sample count: the DeepSpeed output leaves it out (the engine then counts
+    global_steps x train_batch_size) and inspect says unknown, not 0."""
+    ds = tmp_path / "ds"
+    run_cli("convert", saved[0], ds, "--format", "deepspeed", "--to", "zero=2", "--quiet", check=0)
+    for path in (saved[0], ds):
+        info = json.loads(run_cli("inspect", path, "--json", check=0).stdout)
+        assert (info["optimizer"], info["global_steps"], info["global_samples"]) == ("AdamW", 2, None), path
+        assert "(global_steps 2, global_samples unknown)" in run_cli("inspect", path, check=0).stdout
+
+
+def test_the_counters_reshard_carries_in_a_dcp_save_load_with_dcp_load(tmp_path):
+    """The source's optimizer name and counters ride in the DCP save under `reshard.`, which torch loads like
+    any saved value and which a load of {"model", "optim"} alone ignores."""
+    import torch.distributed.checkpoint as dcp
+    name = "z2_fp32_dp2"
+    out = tmp_path / "dcp"
+    run_cli("convert", fixture_dir(name), out, "--format", "dcp", "--quiet", check=0)
+    carried = {"optimizer": None, "global_steps": None, "global_samples": None, "skipped_steps": None}
+    dcp.load({"reshard": carried}, checkpoint_id=str(out), no_dist=True)
+    meta = truth_json(name)
+    assert carried == {"optimizer": meta["optimizer_class"], "global_steps": meta["global_steps"],
+                       "global_samples": meta["global_samples"], "skipped_steps": meta["skipped_steps"]}

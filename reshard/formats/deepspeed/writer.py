@@ -172,10 +172,14 @@ class _Context:
         state = self.catalog.state
         tail = {key: state.get(key) for key in ("lr_scheduler", "data_sampler", "random_ltd")}
         tail.update(skipped_steps=state.get("skipped_steps", 0), global_steps=state.get("global_steps", 0),
-                    global_samples=state.get("global_samples", 0), dp_world_size=self.dp,
+                    global_samples=state.get("global_samples"), dp_world_size=self.dp,
                     mp_world_size=self.target.tp * self.target.pp,
                     checkpoint_parallel_dimensions={"pp_degree": self.target.pp, "tp_degree": self.target.tp},
                     ds_config=self.config, ds_version=self.ds_version)
+        if state.get("global_samples") is None:
+            # unknown (a source that does not count samples): without the key the engine takes
+            # global_steps x train_batch_size (engine.py _load_checkpoint), and inspect says unknown, not 0
+            del tail["global_samples"]
         tail.update({k: v for k, v in self.model_extra.items() if k != "shared_params"})
         tail.update(state.get("client_state") or {})
         return tail
