@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from reshard.errors import ReshardError
 from reshard.formats.torchzip import Storage
 
 if TYPE_CHECKING:
@@ -40,6 +41,18 @@ class ScalarTensor:
     """A one-element tensor of the optimizer state (a `step` counter): value and dtype, no storage."""
     value: float
     dtype: str
+
+
+@dataclass(frozen=True)
+class SplitScalar:
+    """An optimizer scalar (Adam's `step`) that differs between the params of one group. group_scalars keeps
+    one value per group (`kept`), so until the catalog carries per-parameter scalars, writers refuse it."""
+    path: str          # the file that holds the values
+    group: int
+    key: str
+    kept: float        # the group's value in group_scalars
+    other: float       # the value of `param`
+    param: str
 
 
 @dataclass
@@ -94,6 +107,7 @@ class Catalog:
     order: list = field(default_factory=list)          # the model's state_dict keys, in order (aliases too)
     param_groups: list = field(default_factory=list)   # [{hyper-params..., "params": [names, optimizer order]}]
     group_scalars: list = field(default_factory=list)  # per group: {"step": ScalarTensor | value}
+    split_scalars: list = field(default_factory=list)  # [SplitScalar]: per-param scalars group_scalars cannot hold
     state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
@@ -134,5 +148,32 @@ class Catalog:
             out[t.state] = out.get(t.state, 0) + t.numel * itemsize(t.dtype)
         return out
 
+    def weight_dtypes(self) -> tuple:
+        """(model dtype, master dtype) where the weights are saved as the optimizer updated them (no separate
+        16-bit copy): the trainable params' dtypes, their master's where one is registered, else theirs. Weights
+        only: the floating params' dtype and no master (""). "" also when weights-only dtypes are mixed."""
+        trainable = [p.name for p in self.params.values() if p.kind == "trainable"]
+        if not trainable:
+            saved = {self.tensors[(p.name, MODULE)].dtype for p in self.params.values()
+                     if p.kind == "frozen" and (p.name, MODULE) in self.tensors}
+            return (saved.pop() if len(saved) == 1 else ""), ""
+        saved = {self.tensors[(n, MODULE)].dtype for n in trainable}
+        masters = {self.tensors[(n, MASTER) if (n, MASTER) in self.tensors else (n, MODULE)].dtype for n in trainable}
+        # mixed precisions: a DeepSpeed target keeps a float32 master and 16-bit copy of each
+        return (saved.pop() if len(saved) == 1 else "float32"), (masters.pop() if len(masters) == 1 else "float32")
+
+    def require_group_scalars(self, target: str) -> None:
+        """Refuse to write `target` (which would get the group's one value for every param) when an optimizer
+        scalar differs between the params of a group: the source is readable, only its state cannot be carried."""
+        if self.split_scalars:
+            s = self.split_scalars[0]
+            raise ReshardError(f"{s.path}: param group {s.group}: optimizer {s.key} differs between parameters "
+                               f"({_number(s.kept)} vs {_number(s.other)} at {s.param}); reshard keeps one per group, "
+                               f"so {target} is not written")
+
     def problem(self, path, text: str) -> None:
         self.problems.append(f"{path}: {text}")
+
+
+def _number(value) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)

@@ -244,12 +244,14 @@ def _print_inspect(info) -> None:
     print(f"  format        {info['format']} (tag {info['tag']})")
     print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}), "
           f"ZeRO stage {info['zero_stage']}")
-    print(f"  dtypes        model {info['dtype']}, master {info['master_dtype']}")
-    print(f"  optimizer     {info['optimizer'] or '?'}: states {', '.join(info['optimizer_states']) or 'none'}")
+    known = {k: "unknown" if info[k] is None else info[k]
+             for k in ("dtype", "master_dtype", "optimizer", "step", "global_steps", "global_samples")}
+    print(f"  dtypes        model {known['dtype']}, master {known['master_dtype']}")
+    print(f"  optimizer     {known['optimizer']}: states {', '.join(info['optimizer_states']) or 'none'}")
     if info["options"]:
         print(f"  options       {', '.join(f'{k}={v}' for k, v in info['options'].items())}")
-    print(f"  step          {info['step']} (global_steps {info['global_steps']}, "
-          f"global_samples {info['global_samples']})")
+    print(f"  step          {known['step']} (global_steps {known['global_steps']}, "
+          f"global_samples {known['global_samples']})")
     print(f"  parameters    {info['parameters']} ({info['elements']:,} elements): {info['trainable']} trainable, "
           f"{info['frozen']} frozen; {info['buffers']} buffers")
     for alias, source in info["aliases"].items():
@@ -257,6 +259,10 @@ def _print_inspect(info) -> None:
     for g, group in enumerate(info["param_groups"]):
         hyper = ", ".join(f"{k}={v}" for k, v in group.items() if k != "params")
         print(f"  group {g:<7} {group['params']} params; {hyper}")
+        split = [s for s in info["split_scalars"] if s["group"] == g]
+        for key in dict.fromkeys(s["key"] for s in split):
+            print(f"  {'':<13} {key} differs per parameter: " +
+                  ", ".join(f"{s['value']} at {s['param']}" for s in split if s["key"] == key))
     for state, n in info["bytes_per_state"].items():
         print(f"  {state:<13} {human_bytes(n)}")
     print(f"  files         {len(info['files'])}, {human_bytes(sum(f['bytes'] for f in info['files']))}")

@@ -46,6 +46,8 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
     single_file = out.endswith(file_type.SUFFIXES) and max_shard_size is None
     if single_file and with_optimizer:
         raise ReshardError(f"{out}: --with-optimizer writes several files; give a directory")
+    if with_optimizer:
+        catalog.require_group_scalars("the optimizer state (--with-optimizer)")
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
     metadata = {"format": "pt"}
     if catalog.aliases:
@@ -84,7 +86,7 @@ def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
         elif dtype is not None:
             target = dtype
         else:                                   # auto: the training precision; buffers as saved
-            target = saved if p.kind == "buffer" else catalog.layout.dtype
+            target = saved if p.kind == "buffer" else (catalog.layout.dtype or saved)   # "": mixed, unknown
         out.append(Entry(key, target, tuple(p.shape), source))
     return out
 

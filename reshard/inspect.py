@@ -17,9 +17,9 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "tag": catalog.state.get("tag"),
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         "zero_stage": layout.zero,
-        "dtype": layout.dtype,
-        "master_dtype": layout.master_dtype,
-        "optimizer": layout.optimizer,
+        "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
+        "master_dtype": layout.master_dtype or None,
+        "optimizer": layout.optimizer or None,       # None: the checkpoint does not tell
         "optimizer_states": layout.states,
         "options": layout.options,
         "step": layout.step,
@@ -34,6 +34,9 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "param_groups": [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                           "params": len(g["params"]), **{k: jsonable(v) for k, v in scalars.items()}}
                          for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
+        # optimizer scalars that differ between a group's params (the group's own value is in param_groups)
+        "split_scalars": [{"group": s.group, "key": s.key, "param": s.param, "value": jsonable(s.other)}
+                          for s in catalog.split_scalars],
         "bytes_per_state": catalog.bytes_per_state(),
         "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
         "problems": len(catalog.problems),

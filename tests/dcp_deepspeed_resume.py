@@ -7,7 +7,7 @@ STAGE), calls the ordinary `engine.load_checkpoint(CHECKPOINT)`, and reads the f
 and Adam states back from the live engine (`safe_get_full_fp32_param`,
 `safe_get_full_optimizer_state`). Rank 0 compares them, the step and the learning rate with the
 FSDP2 run's gathered state (TRUTH.pt, written by tests/dcp_fsdp2.py train) and writes the
-problems found to RESULT.json, after one more training step has run. CONTROL.pt, a truth with
+problems found to RESULT.json, after one more training step has run, with the engine's counters as loaded. CONTROL.pt, a truth with
 something changed, is compared the same way ("control_problems"): the comparison must see it.
 """
 import json
@@ -37,6 +37,8 @@ def main(checkpoint, stage, truth_path, result_path, control_path=None):
     model = build_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     load_path, _ = engine.load_checkpoint(checkpoint, load_lr_scheduler_states=False)
+    counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "train_batch_size": engine.train_batch_size()}
     if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
         # DeepSpeed 0.19.8 links optimizer-state fragments lazily after a step (see
         # tools/make_fixtures.engine_truth); after a load with no step yet, link them now.
@@ -63,7 +65,7 @@ def main(checkpoint, stage, truth_path, result_path, control_path=None):
         if not math.isfinite(float(loss)):
             problems.append(f"loss after resume is {float(loss)}")
         with open(result_path, "w") as f:
-            json.dump({"problems": problems, "control_problems": control, "compared": len(got)}, f)
+            json.dump({"problems": problems, "control_problems": control, "compared": len(got), **counters}, f)
     dist.barrier()
 
 

@@ -135,13 +135,20 @@ def test_param_groups_are_found_without_planner_data(saved, tmp_path):
         saved[2]["param_groups"]
 
 
-def test_unequal_steps_within_a_group_are_reported(saved, tmp_path):
+def test_unequal_steps_within_a_group_are_read_but_not_converted(saved, tmp_path):
+    """Adam counts steps per param, so a real save can hold unequal ones: complete, yet no writer keeps them."""
     src = tmp_path / "src"
     shutil.copytree(saved[0], src)
     _append_value(src, "optim.state.l1.bias.step", _torch_saved(torch.tensor(5.0)))
-    proc = run_cli("validate", src)
-    assert proc.returncode == 1 and "unequal per-parameter step counters [2.0, 5.0]" in proc.stdout, proc.stdout
-    assert run_cli("convert", src, tmp_path / "out", "--format", "dcp").returncode == 1
+    assert "complete" in run_cli("validate", src, check=0).stdout
+    for fmt in ("dcp", "deepspeed"):
+        proc = run_cli("convert", src, tmp_path / "out", "--format", fmt, "--to", "zero=2")
+        assert proc.returncode == 1 and proc.stderr.strip() == (
+            f"reshard: {src / '.metadata'}: param group 0: optimizer step differs between parameters (2 vs 5 at "
+            f"l1.bias); reshard keeps one per group, so a {'DCP' if fmt == 'dcp' else 'DeepSpeed'} checkpoint is "
+            "not written"), proc.stderr
+        assert not (tmp_path / "out").exists()
+    run_cli("convert", saved[0], tmp_path / "out", "--format", "dcp", "--quiet", check=0)   # negative control
 
 
 def test_export_of_a_real_dcp_save_equals_dcp_to_torch_save(saved, tmp_path):
@@ -450,6 +457,8 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
     outcome = json.loads(result.read_text())
     assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
     assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome
+    # DCP counts no samples: without the key the engine counts them from its steps, not from a written 0
+    assert outcome["global_steps"] == 3 and outcome["global_samples"] == 3 * outcome["train_batch_size"] > 0, outcome
 
 
 @settings(max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", 150)), deadline=None,
@@ -466,3 +475,28 @@ def test_fuzzed_dcp_files_only_ever_give_a_checkpoint_error(saved, data, tmp_pat
         reshard.validate(reshard.open_checkpoint(src), deep=True)
     except ReshardError:
         pass
+
+
+def test_what_a_dcp_save_does_not_say_stays_unknown_in_deepspeed(saved, tmp_path):
+    """torch's dcp.save holds no sample count: the DeepSpeed output leaves it out (the engine then counts
+    global_steps x train_batch_size) and inspect says unknown, not 0."""
+    ds = tmp_path / "ds"
+    run_cli("convert", saved[0], ds, "--format", "deepspeed", "--to", "zero=2", "--quiet", check=0)
+    for path in (saved[0], ds):
+        info = json.loads(run_cli("inspect", path, "--json", check=0).stdout)
+        assert (info["optimizer"], info["global_steps"], info["global_samples"]) == ("AdamW", 2, None), path
+        assert "(global_steps 2, global_samples unknown)" in run_cli("inspect", path, check=0).stdout
+
+
+def test_the_counters_reshard_carries_in_a_dcp_save_load_with_dcp_load(tmp_path):
+    """The source's optimizer name and counters ride in the DCP save under `reshard.`, which torch loads like
+    any saved value and which a load of {"model", "optim"} alone ignores."""
+    import torch.distributed.checkpoint as dcp
+    name = "z2_fp32_dp2"
+    out = tmp_path / "dcp"
+    run_cli("convert", fixture_dir(name), out, "--format", "dcp", "--quiet", check=0)
+    carried = {"optimizer": None, "global_steps": None, "global_samples": None, "skipped_steps": None}
+    dcp.load({"reshard": carried}, checkpoint_id=str(out), no_dist=True)
+    meta = truth_json(name)
+    assert carried == {"optimizer": meta["optimizer_class"], "global_steps": meta["global_steps"],
+                       "global_samples": meta["global_samples"], "skipped_steps": meta["skipped_steps"]}

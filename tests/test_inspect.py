@@ -47,3 +47,45 @@ def test_inspect_is_metadata_only_and_fast():
                          text=True, cwd=REPO, check=True).stdout.split()
     assert out[1] == "False", "reading metadata imported torch"
     assert float(out[0]) < 2.0
+
+
+def test_an_export_is_inspected_in_the_dtype_it_was_written(tmp_path):
+    """Weights only: the model dtype is the tensors', and there is no master copy to name."""
+    for short, dtype in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
+        out = tmp_path / short
+        run_cli("export", fixture_dir("z2_fp32_dp2"), out, "--dtype", short, "--quiet", check=0)
+        info = json.loads(run_cli("inspect", out, "--json", "--params", check=0).stdout)
+        floating = {row["dtype"] for row in info["parameter_table"] if row["dtype"].startswith(("float", "bfloat"))}
+        assert floating == {dtype} and (info["dtype"], info["master_dtype"]) == (dtype, None), info
+        assert f"dtypes        model {dtype}, master unknown\n" in run_cli("inspect", out, check=0).stdout
+
+
+def test_deepspeed_to_dcp_to_deepspeed_keeps_the_optimizer_and_the_counters(tmp_path):
+    name = "z2_fp32_dp2"
+    meta = truth_json(name)
+    dcp, ds = tmp_path / "dcp", tmp_path / "ds"
+    run_cli("convert", fixture_dir(name), dcp, "--format", "dcp", "--quiet", check=0)
+    run_cli("convert", dcp, ds, "--format", "deepspeed", "--to", "zero=2", "--quiet", check=0)
+    want = (meta["optimizer_class"], meta["step"], meta["global_steps"], meta["global_samples"])
+    assert want == ("AdamW", 3, 3, 12)       # DeepSpeed's "Adam" with its default adam_w_mode builds AdamW
+    for path in (fixture_dir(name), dcp, ds):
+        info = json.loads(run_cli("inspect", path, "--json", check=0).stdout)
+        assert (info["optimizer"], info["step"], info["global_steps"], info["global_samples"]) == want, path
+        out = run_cli("inspect", path, check=0).stdout
+        assert "optimizer     AdamW: states exp_avg, exp_avg_sq" in out and "global_samples 12)" in out, out
+
+
+def test_an_optimizer_that_cannot_be_told_apart_is_unknown(tmp_path):
+    """RAdam keeps Adam's state names; only torch.optim.Adam/AdamW's own hyper-parameters tell those two."""
+    import torch
+    for cls, want in ((torch.optim.RAdam, None), (torch.optim.NAdam, None), (torch.optim.Adam, "Adam"),
+                      (torch.optim.AdamW, "AdamW"), (torch.optim.SGD, "SGD")):
+        model = torch.nn.Linear(3, 2)
+        opt = cls(model.parameters(), lr=0.1, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        path = tmp_path / f"{cls.__name__}.pt"
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        info = json.loads(run_cli("inspect", path, "--json", check=0).stdout)
+        assert info["optimizer"] == want, (cls, info["optimizer"])
+        assert f"optimizer     {want or 'unknown'}: states" in run_cli("inspect", path, check=0).stdout

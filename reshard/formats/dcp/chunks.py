@@ -21,6 +21,10 @@ from reshard.formats.torchzip import DType, TensorRef
 METADATA = ".metadata"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 MISSING = object()      # a value whose bytes could not be read (the reason is a catalog problem)
+# What a source knew beyond the model and optimizer, saved as values `reshard.<key>` (so `dcp.load` of
+# {"reshard": {...}} reads them and a load of {"model", "optim"} ignores them): {key: its type}.
+CARRIED_PREFIX = "reshard"
+CARRIED = {"optimizer": str, "global_steps": int, "global_samples": int, "skipped_steps": int}
 
 
 class Chunks:

@@ -7,9 +7,10 @@ holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`
 
   [model.]<fqn>                         -> (fqn, MODULE), and (fqn, MASTER) for an fp32 trainable param
   optim.state.<fqn>.<state>             -> (fqn, state)
-  optim.state.<fqn>.step                -> group_scalars[group]["step"] (equal within the group)
+  optim.state.<fqn>.step                -> group_scalars[group]["step"] (unequal: split_scalars)
   optim.param_groups.<g>.<hyper|params> -> param_groups  (default get_state_dict)
   optim.param_groups.<fqn>.<hyper>      -> param_groups  (flatten_optimizer_state_dict=True)
+  reshard.<optimizer|counter>           -> layout.optimizer, state (what reshard's DCP writer carries)
 
 DCP does not record which model entries are buffers, frozen params or tied names. An entry the
 optimizer does not name is taken for a frozen param when it is floating and either sharded
@@ -21,15 +22,15 @@ from __future__ import annotations
 import math
 import os
 
-from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor
+from reshard import optimizers
+from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
-from reshard.formats.dcp.chunks import METADATA, MISSING, RANK_FILE, Chunks
+from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.layout import Layout
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")
-_ADAM_STATES = {"exp_avg", "exp_avg_sq"}
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -57,8 +58,10 @@ def read(path: str, tag: str | None = None) -> Catalog:
         else:
             model[key] = entry
     model_names = _model_names(model)
+    carried = _carried(values, chunks, meta_path)
     other = [k for k in meta.state_dict_metadata if k not in model_names and k not in optim
-             and not k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))]
+             and not k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))
+             and k not in {f"{CARRIED_PREFIX}.{c}" for c in carried}]
     model = {k: v for k, v in model.items() if k in model_names}
     groups = _param_groups(meta, values, chunks, meta_path)
     group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
@@ -95,7 +98,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
             chunks.tensor(key, entry, fqn, state)
     catalog.group_scalars = [_group_step(meta_path, g, s, catalog) for g, s in enumerate(steps)]
     catalog.files = chunks.files()
-    _finish(catalog, world)
+    _finish(catalog, world, carried)
     catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
     return catalog
 
@@ -161,35 +164,45 @@ def _param_groups(meta, values: dict, chunks, meta_path) -> list:
 
 
 def _group_step(meta_path, g: int, steps: dict, catalog) -> dict:
+    """One step per group; a param whose own step differs (Adam counts per param) is recorded for writers to refuse."""
     values = {(s.value, s.dtype) for s in steps.values()}
     if not values:
         return {}
-    if len(values) > 1:
-        catalog.problem(meta_path, f"param group {g} has unequal per-parameter step counters "
-                        f"{sorted(v for v, _ in values)}; reshard keeps one step per group")
     value, dtype = min(values)
+    catalog.split_scalars += [SplitScalar(meta_path, g, "step", value, s.value, fqn)
+                              for fqn, s in steps.items() if s.value != value]
     return {"step": ScalarTensor(value, dtype)}
 
 
-def _finish(catalog: Catalog, world: int) -> None:
-    trainable = [p for p in catalog.params.values() if p.kind == "trainable"]
+def _carried(values: dict, chunks, meta_path) -> dict:
+    """What reshard saved of the source beyond model and optimizer (chunks.CARRIED), type-checked."""
+    out = {}
+    for key, kind in CARRIED.items():
+        if f"{CARRIED_PREFIX}.{key}" not in values:
+            continue
+        value = chunks.value(f"{CARRIED_PREFIX}.{key}")
+        if value is MISSING:
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool):
+            chunks.catalog.problem(meta_path, f"{CARRIED_PREFIX}.{key} is {type(value).__name__}, not {kind.__name__}")
+            continue
+        out[key] = value
+    return out
+
+
+def _finish(catalog: Catalog, world: int, carried: dict) -> None:
     states = catalog.optimizer_states()
-    optimizer = ""
-    if states and set(states) == _ADAM_STATES:
-        decoupled = any(g.get("decoupled_weight_decay") for g in catalog.param_groups)
-        optimizer = "AdamW" if decoupled else "Adam"
-    elif states == ["momentum_buffer"]:
-        optimizer = "SGD"
     steps = {s["step"].value for s in catalog.group_scalars if "step" in s}
     step = steps.pop() if len(steps) == 1 else None
     step = int(step) if step is not None and float(step).is_integer() else None
-    weights = {catalog.tensors[(p.name, MODULE)].dtype for p in trainable}
-    catalog.layout = Layout(dp=world, zero=0,
-                            dtype=weights.pop() if len(weights) == 1 else "float32",
-                            optimizer=optimizer, states=states,
+    dtype, master_dtype = catalog.weight_dtypes()
+    catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype,
+                            optimizer=carried.get("optimizer") or optimizers.kind(states, catalog.param_groups),
+                            states=states,
                             params=sum(p.kind != "buffer" for p in catalog.params.values()),
                             elements=sum(math.prod(p.shape) for p in catalog.params.values() if p.kind != "buffer"),
                             step=step)
     catalog.state["tag"] = f"global_step{step}" if step is not None else "dcp"
     if step is not None:
         catalog.state["global_steps"] = step
+    catalog.state.update({k: v for k, v in carried.items() if k != "optimizer"})   # the source's own counters

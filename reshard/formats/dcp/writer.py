@@ -20,7 +20,7 @@ from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats.dcp import metadata as md
-from reshard.formats.dcp.chunks import METADATA
+from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA
 from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
 from reshard.formats.torchsave import pickle_tree
 from reshard.formats.torchzip import Size
@@ -67,6 +67,7 @@ def file_name(rank: int) -> str:
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
+    catalog.require_group_scalars("a DCP checkpoint")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
     written = {}        # source (name, state) -> its chunks' locations, for a tied name to share
@@ -120,12 +121,17 @@ def _tensors(catalog: Catalog, dp: int):
 
 
 def _values(catalog: Catalog):
-    """(key, planner path, value) of every optimizer hyper-parameter, then each group's FQNs."""
+    """(key, planner path, value) of every optimizer hyper-parameter, then each group's FQNs, then what the
+    source knew of its optimizer and training counters (chunks.CARRIED), when it knew it."""
     for g, group in enumerate(catalog.param_groups):
         for hyper, value in group.items():
             if hyper != "params":
                 yield f"{OPTIM}.param_groups.{g}.{hyper}", (OPTIM, "param_groups", g, hyper), value
         yield f"{OPTIM}.param_groups.{g}.params", (OPTIM, "param_groups", g, "params"), list(group["params"])
+    for key, kind in CARRIED.items():
+        value = catalog.layout.optimizer if key == "optimizer" else catalog.state.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool) and value != "":
+            yield f"{CARRIED_PREFIX}.{key}", (CARRIED_PREFIX, key), value
 
 
 def _row_blocks(key, shape, dtype, source, dp):

@@ -12,6 +12,7 @@ import math
 
 import os
 
+from reshard import optimizers
 from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
@@ -287,13 +288,23 @@ def _fill_layout(catalog, model0):
     floating = sorted(d for d in saved if is_floating(d))
     # the 16-bit copy says it when there is one (ZeRO-1/2); ZeRO-3 saves none, its config says it
     layout.dtype = floating[0] if len(floating) == 1 else (_config_dtype(config) or "float32")
-    layout.optimizer = ((config.get("optimizer") or {}).get("type")) or ""
+    layout.optimizer = _optimizer_name(config) or optimizers.kind(catalog.optimizer_states(), catalog.param_groups)
     layout.states = catalog.optimizer_states()
     params = [p for p in catalog.params.values() if p.kind != "buffer"]
     layout.params = len(params)
     layout.elements = sum(math.prod(p.shape) for p in params)
     steps = {getattr(s["step"], "value", s["step"]) for s in catalog.group_scalars if s.get("step") is not None}
     layout.step = int(max(steps)) if steps else None
+
+
+def _optimizer_name(config) -> str:
+    """The optimizer the config had DeepSpeed build: its type, where "Adam" builds AdamW unless adam_w_mode is
+    false (engine.py _configure_basic_optimizer). "" when the config names none (a client optimizer)."""
+    section = config.get("optimizer") or {}
+    name = section.get("type") or ""
+    if name.lower() == "adamw" or (name.lower() == "adam" and (section.get("params") or {}).get("adam_w_mode", True)):
+        return "AdamW"
+    return "Adam" if name.lower() == "adam" else name
 
 
 def _config_dtype(config) -> str | None:

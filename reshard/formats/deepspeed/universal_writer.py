@@ -54,6 +54,7 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
 
 
 def _check_target(catalog, target):
+    catalog.require_group_scalars("a universal checkpoint")
     if target.pp != 1 or catalog.layout.pp != 1 or catalog.state.get("pipe_layer_files"):
         raise ReshardError(f"target {target.topology()}: universal checkpoints are written for pp=1 only")
     if (target.tp > 1 or catalog.layout.tp > 1) and target.zero not in (1, 2):

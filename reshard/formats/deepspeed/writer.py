@@ -45,8 +45,7 @@ def _check_convertible(catalog: Catalog, target: Layout) -> None:
     if not catalog.param_groups:
         raise ReshardError(f"{catalog.root}: no optimizer state (weights only); a DeepSpeed checkpoint resumes "
                            "training and needs the optimizer's state, so it is not written")
-    for reason in catalog.state.get("not_convertible") or []:      # a reader's one-line reason
-        raise ReshardError(reason)
+    catalog.require_group_scalars("a DeepSpeed checkpoint")     # which keeps one step per param group
     unsure = catalog.state.get("frozen_or_buffer")
     if target.zero == 3 and unsure:
         raise ReshardError(f"{catalog.root}: {unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
@@ -173,10 +172,14 @@ class _Context:
         state = self.catalog.state
         tail = {key: state.get(key) for key in ("lr_scheduler", "data_sampler", "random_ltd")}
         tail.update(skipped_steps=state.get("skipped_steps", 0), global_steps=state.get("global_steps", 0),
-                    global_samples=state.get("global_samples", 0), dp_world_size=self.dp,
+                    global_samples=state.get("global_samples"), dp_world_size=self.dp,
                     mp_world_size=self.target.tp * self.target.pp,
                     checkpoint_parallel_dimensions={"pp_degree": self.target.pp, "tp_degree": self.target.tp},
                     ds_config=self.config, ds_version=self.ds_version)
+        if state.get("global_samples") is None:
+            # unknown (a source that does not count samples): without the key the engine takes
+            # global_steps x train_batch_size (engine.py _load_checkpoint), and inspect says unknown, not 0
+            del tail["global_samples"]
         tail.update({k: v for k, v in self.model_extra.items() if k != "shared_params"})
         tail.update(state.get("client_state") or {})
         return tail

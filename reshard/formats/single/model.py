@@ -13,14 +13,15 @@ index, its per-element states and step. `optim_map.assign` says which name each 
 - weights only (no optimizer): nothing is known to be trained; every floating tensor is listed as
   frozen and conversion to a training format is refused;
 - per-parameter `step` counters become one per group; when they differ within a group the source
-  stays readable and exportable and `state["not_convertible"]` says why DeepSpeed cannot take it.
+  stays readable and its weights exportable, and `catalog.split_scalars` records it for writers to refuse.
 """
 from __future__ import annotations
 
 import math
 import os
 
-from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+from reshard import optimizers
+from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
@@ -172,10 +173,8 @@ def _fill_optimizer(catalog, optimizer, where, taken) -> None:
                 if key not in scalars:
                     scalars[key] = value
                 elif scalars[key] != value:
-                    # readable and exportable as it is; only a target keeping one counter per group cannot hold it
-                    catalog.state.setdefault("not_convertible", []).append(
-                        f"{where}: param group {g}: optimizer {key} differs between parameters ({_plain(scalars[key])} "
-                        f"vs {_plain(value)} at {name}); DeepSpeed keeps one per group")
+                    # readable and its weights exportable; writers of optimizer state refuse it
+                    catalog.split_scalars.append(SplitScalar(where, g, key, _plain(scalars[key]), _plain(value), name))
         catalog.group_scalars.append(scalars)
 
 
@@ -185,29 +184,13 @@ def _plain(value):
 
 def _fill_layout(catalog) -> None:
     layout = catalog.layout
-    trainable = [p for p in catalog.params.values() if p.kind == "trainable"]
-    dtypes = sorted({catalog.tensors[(p.name, MODULE)].dtype for p in trainable})
-    layout.dtype = dtypes[0] if len(dtypes) == 1 else "float32"
     # no separate master: the optimizer updated the params as saved (pure bf16 training: bf16); a
     # DeepSpeed target widens them to its fp32 master, the same values
-    masters = sorted({catalog.tensors[(p.name, MASTER)].dtype for p in trainable if (p.name, MASTER) in catalog.tensors})
-    layout.master_dtype = masters[0] if len(masters) == 1 else "float32"
+    layout.dtype, layout.master_dtype = catalog.weight_dtypes()
     layout.states = catalog.optimizer_states()
-    layout.optimizer = _optimizer_kind(layout.states, catalog.param_groups)
+    layout.optimizer = optimizers.kind(layout.states, catalog.param_groups)
     counted = [p for p in catalog.params.values() if p.kind != "buffer"]
     layout.params = len(counted)
     layout.elements = sum(math.prod(p.shape) for p in counted)
     steps = {_plain(s[STEP]) for s in catalog.group_scalars if s.get(STEP) is not None}
     layout.step = int(max(steps)) if steps else None
-
-
-def _optimizer_kind(states, groups) -> str:
-    """torch.optim saves no class name; its state and hyper-parameter names tell the family."""
-    if not groups:
-        return ""
-    keys = set(groups[0])
-    if "exp_avg_sq" in states:
-        return "AdamW" if keys >= {"betas", "weight_decay"} and groups[0].get("decoupled_weight_decay") else "Adam"
-    if "momentum" in keys and "dampening" in keys:
-        return "SGD"
-    return ""
