@@ -78,7 +78,14 @@ class Layout:
 
     @classmethod
     def load(cls, path) -> "Layout":
-        return cls.from_dict(read_descriptor(path), str(path))
+        return cls._from_file(read_descriptor(path), path)
+
+    @classmethod
+    def _from_file(cls, data: dict, path) -> "Layout":
+        try:
+            return cls.from_dict(data, str(path))
+        except ReshardError as e:   # its line starts with the path: say which file it is about, typed
+            raise ReshardError(str(e), file=path) from None
 
     def with_descriptor(self, path) -> "Layout":
         """This layout with the degrees (dp, tp, pp, zero) and pipeline partition method a descriptor
@@ -94,7 +101,7 @@ class Layout:
         for key in ("partition_method", "layer_types"):
             if given_options.get(key) is not None:
                 merged["options"] = {**merged.get("options", self.options), key: given_options[key]}
-        return Layout.from_dict(merged, str(path))
+        return Layout._from_file(merged, path)
 
     def check(self, source: str = "layout") -> None:
         method = self.options.get("partition_method")

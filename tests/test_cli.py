@@ -248,3 +248,8 @@ def test_json_error_names_the_file_the_problem_is_about(tmp_path):
     assert json.loads(proc.stdout)["file"] == str(tmp_path / "busy") and "not empty" in proc.stderr
     proc = run_cli("plan", SRC, "--to", "dp=3,zer=1", "--json", check=1)
     assert json.loads(proc.stdout) == {"error": _one_line(proc)[len("reshard: "):], "file": None}
+    descriptor = tmp_path / "t.json"
+    descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 0}))
+    proc = run_cli("plan", SRC, "--to", descriptor, "--json", check=1)
+    assert json.loads(proc.stdout) == {"error": _one_line(proc, "dp must be")[len("reshard: "):],
+                                       "file": str(descriptor)}
