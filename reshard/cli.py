@@ -9,22 +9,41 @@ import sys
 import textwrap
 
 import reshard
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.inspect import human_bytes, jsonable
 from reshard.layout import SPEC_KEYS
 
+# A reader that closed our stdout (`reshard inspect X | head -1`) ends the command quietly with the
+# status of a Unix tool killed by SIGPIPE, 128 + 13: `set -o pipefail` sees what it sees for `cat`.
+EXIT_STDOUT_CLOSED = 141
+
 
 def main(argv=None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()      # output still buffered meets a closed pipe here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # Python's recommended handling: point stdout at devnull so the flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_STDOUT_CLOSED
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:
+        raise
+    except UsageError as e:
+        _error(args, str(e), e.file)
+        return 2
     except ReshardError as e:
-        if os.environ.get("RANK", "0") == "0":     # under torchrun, one line from rank 0
-            print(f"reshard: {e}", file=sys.stderr)
+        _error(args, str(e), e.file)
         return getattr(args, "error_exit", 1)
     except OSError as e:       # an I/O failure no layer turned into a ReshardError: still one line
-        print(f"reshard: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        _error(args, f"{e.filename or ''}: {e.strerror or e}", e.filename)
         return getattr(args, "error_exit", 1)
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)
@@ -85,6 +104,20 @@ MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
 WORKERS_HELP = "local processes writing files (default 1)"
 
 
+def _error(args, message: str, file) -> None:
+    """One line on stderr; with --json also {"error", "file"} on stdout. Under torchrun, from rank 0 only."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    print(f"reshard: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        _dump({"error": message, "file": None if file is None else str(file)})
+
+
+def _dump(data) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    print()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description=(
         "Convert, export, inspect, validate and compare training checkpoints (DeepSpeed ZeRO, "
@@ -127,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", dest="fmt", metavar="FORMAT", help=TARGET_FORMAT_HELP)
     p.add_argument("--dst", help="where the output would go (for the free-disk check)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
-    p.add_argument("--workers", type=int, default=1, metavar="K", help=WORKERS_HELP)
+    p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.set_defaults(run=_plan)
 
@@ -146,12 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
     p.add_argument("--format", dest="fmt", metavar="FORMAT", help=TARGET_FORMAT_HELP)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
-    p.add_argument("--workers", type=int, default=1, metavar="K", help=WORKERS_HELP)
+    p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--resume", action="store_true",
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
+    p.add_argument("--json", action="store_true", help="print what was written (files, bytes, topology, manifest) "
+                   "as JSON")
     p.set_defaults(run=_convert)
 
     p = _command(sub, "export", "one consolidated state dict: safetensors (or HF shards), or torch",
@@ -169,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard limit in huggingface_hub's units (5GB = 5e9 bytes; default 5GB in a directory)")
     p.add_argument("--with-optimizer", action="store_true",
                    help="also every optimizer state (one safetensors set per state) and optimizer.json")
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"],
-                   help="safetensors (default; with --with-optimizer one set per state) or torch (one torch.save file)")
+    p.add_argument("--format", choices=["safetensors", "torch"],
+                   help="safetensors (with --with-optimizer one set per state) or torch (one torch.save file); "
+                        "default: torch for a .bin/.pt/.pth OUT, else safetensors")
     p.add_argument("--weights", default="master", choices=["master", "module"],
                    help="fp32 master copy (default) or the saved 16-bit module copy where there is one")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
@@ -178,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
+    p.add_argument("--json", action="store_true", help="print what was written (files, bytes, manifest) as JSON")
     p.set_defaults(run=_export)
 
     p = _command(sub, "diff", "compare two checkpoints of any formats and topologies, tensor by tensor "
@@ -210,6 +247,16 @@ def _size_arg(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return value
 
 
 def _source_args(p):
@@ -314,22 +361,34 @@ def _convert(args) -> int:
     from reshard.executor import execute
     catalog, plan = _make_plan(args)
     if args.dry_run:
-        _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, False)
+        _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
         return 0
     group = _group()
     try:
-        execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget, workers=args.workers,
-                progress=not args.quiet, resume=args.resume, group=group)
+        written = execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget,
+                          workers=args.workers, progress=not args.quiet, resume=args.resume, group=group)
     finally:
         group.close()
-    if not args.quiet and group.rank == 0:
-        if plan.stage_cut:      # which layers each stage holds; the note when the source could not tell
+    if plan.stage_cut and written is not None and not args.quiet:
+        # which layers each stage holds; the note when the source could not tell
+        if not args.json:
             print(f"stages   {plan.stage_cut.line()}")
-            if plan.stage_cut.ambiguous:
-                print(f"reshard: note: {plan.stage_cut.ambiguous}", file=sys.stderr)
-        print(f"wrote {args.dst} ({plan.target.topology()}, tag {plan.tag}): {len(plan.files)} files, "
-              f"{human_bytes(plan.bytes_written)}")
+        if plan.stage_cut.ambiguous:
+            print(f"reshard: note: {plan.stage_cut.ambiguous}", file=sys.stderr)
+    _print_written(args, args.dst, written)
     return 0
+
+
+def _print_written(args, dst, written) -> None:
+    """What is on disk now, as `validate --checksums` will find it (rank 0 only: the others return None)."""
+    if written is None:
+        return
+    if args.json:
+        _dump(written.to_dict())
+    elif not args.quiet:
+        count = len(written.files)
+        print(f"wrote {dst} ({written.output.words()}): {count} file{'s' * (count != 1)}, "
+              f"{human_bytes(written.size)}")
 
 
 def _export(args) -> int:
@@ -342,12 +401,11 @@ def _export(args) -> int:
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
     group = _group()
     try:
-        execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
-                progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
+        written = execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
+                          progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
     finally:
         group.close()
-    if not args.quiet and group.rank == 0:
-        print(f"wrote {args.out}: {len(plan.files)} file(s), {human_bytes(plan.bytes_written)}")
+    _print_written(args, args.out, written)
     return 0
 
 
@@ -397,15 +455,15 @@ def _print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
         return summary
     print(f"source   {plan.source}")
     print(f"         {summary['source_topology']}")
-    print(f"target   {summary['target_topology']} (tag {plan.tag})")
+    print(f"target   {plan.output.words()}")
     if plan.stage_cut:
         print(f"stages   {plan.stage_cut.line()}")
         if plan.stage_cut.ambiguous:
             print(f"note     {plan.stage_cut.ambiguous}")
     print(f"files    {len(summary['files'])} to write:")
     for f in summary["files"]:
-        size = human_bytes(f["bytes"]) if "bytes" in f else "copied"
-        print(f"           {f['path']:<56} {size:>10}")
+        copied = " (copied)" if "copied_from" in f else ""
+        print(f"           {f['path']:<56} {human_bytes(f['bytes']):>10}{copied}")
     print(f"read     {human_bytes(summary['bytes_read'])}")
     print(f"write    {human_bytes(summary['bytes_written'])}")
     print(f"memory   copy buffers at most {human_bytes(buffers)} (--memory-budget {human_bytes(memory_budget)}, "

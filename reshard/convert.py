@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from reshard.catalog import Catalog
+from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 
@@ -13,6 +14,9 @@ def target_layout(catalog: Catalog, to: str) -> Layout:
     source = catalog.layout
     if os.path.isfile(to):
         return source.with_descriptor(to)
+    if to and "=" not in to:     # every key of a spec is key=value: this names a file
+        raise ReshardError(f"{to}: no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)",
+                           file=to)
     return source.with_spec(to)
 
 
@@ -25,8 +29,9 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | 
     target = target_layout(catalog, to)
     tag = tag_out or catalog.state.get("tag") or "converted"
     save_dir = os.path.dirname(catalog.root)
-    targets = writer(fmt or catalog.format).target_files(catalog, target, tag, save_dir)
-    return plan(catalog, target, targets, tag)
+    target_format = writer(fmt or catalog.format)
+    targets = target_format.target_files(catalog, target, tag, save_dir)
+    return plan(catalog, target, targets, tag, target_format.describe(target, tag))
 
 
 def batch_size_advice(catalog: Catalog, target: Layout, fmt: str | None = None) -> str | None:

@@ -3,7 +3,20 @@ from __future__ import annotations
 
 
 class ReshardError(Exception):
-    """A problem reported as one line; the CLI prints it and exits 1."""
+    """A problem reported as one line; the CLI prints it and exits 1.
+
+    `file` is the file or folder the problem is about, when there is one (the line then starts with
+    it): `--json` reports it as a field, so a program need not cut it out of the text.
+    """
+
+    def __init__(self, message: str, file=None):
+        super().__init__(message)
+        self.file = None if file is None else str(file)
+
+
+class UsageError(ReshardError):
+    """The command asks for something that cannot apply (an option the source's format takes no
+    use of, an output name contradicting --format): the CLI exits 2, as for a bad argument."""
 
 
 class CheckpointError(ReshardError):
@@ -12,7 +25,7 @@ class CheckpointError(ReshardError):
     def __init__(self, path, problem: str):
         self.path = str(path)
         self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
+        super().__init__(f"{self.path}: {problem}", file=self.path)
 
 
 class UnsafeCheckpointError(CheckpointError):

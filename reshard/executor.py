@@ -12,6 +12,7 @@ import os
 import shutil
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from reshard.formats import container_writer
 from reshard.planner import Copy, FilePlan, Plan
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, fsync, write_text
+from reshard.targets import Output
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
@@ -30,6 +32,31 @@ READ_AHEAD = 2                  # blocks read ahead of the one being written
 BUFFERS_PER_WORKER = READ_AHEAD + 1 + 2
 MAX_CHUNK = 16 << 20            # larger blocks do not copy faster here, they only take memory
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    path: str       # where it is now, under the destination
+    size: int       # bytes on disk
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a run left on disk once committed: every file the manifest lists, with its size, and the manifest."""
+    path: str
+    output: Output | None
+    files: tuple        # WrittenFile, in the plan's order
+    manifest: str
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_dict(self) -> dict:
+        output = self.output or Output("")
+        return {"path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
+                "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
+                "manifest": self.manifest}
 
 
 def chunk_bytes(memory_budget: int, workers: int) -> int:
@@ -45,23 +72,24 @@ def check_destination(source_root: str, dst: str, overwrite: bool, single_file: 
     # beside it in its folder touches nothing it holds.
     for protected in (src, save_dir) if os.path.isdir(src) else (src,):
         if real == protected or real.startswith(protected + os.sep) or protected.startswith(real + os.sep):
-            raise ReshardError(f"{dst}: the destination overlaps the source checkpoint {protected}")
+            raise ReshardError(f"{dst}: the destination overlaps the source checkpoint {protected}", file=dst)
     if single_file:
         if os.path.isdir(dst):
-            raise ReshardError(f"{dst}: is a directory, not a file name")
+            raise ReshardError(f"{dst}: is a directory, not a file name", file=dst)
         if os.path.exists(dst) and not overwrite:
-            raise ReshardError(f"{dst}: exists (use --overwrite to replace it)")
+            raise ReshardError(f"{dst}: exists (use --overwrite to replace it)", file=dst)
     elif os.path.exists(dst):
         if not os.path.isdir(dst):
-            raise ReshardError(f"{dst}: exists and is not a directory")
+            raise ReshardError(f"{dst}: exists and is not a directory", file=dst)
         if os.listdir(dst) and not overwrite:
-            raise ReshardError(f"{dst}: exists and is not empty (use --overwrite to replace it)")
+            raise ReshardError(f"{dst}: exists and is not empty (use --overwrite to replace it)", file=dst)
 
 
 def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
             workers: int = 1, progress: bool = True, single_file: bool = False, resume: bool = False,
-            group=None) -> None:
-    """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`).
+            group=None) -> Written | None:
+    """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`);
+    returns what was written (None on ranks other than 0, which do not commit).
 
     Output is built in a temporary sibling (`.DST.reshard-tmp`) under a lock; each finished file
     is journaled with its sha256, so after a crash `resume=True` keeps the files that are whole.
@@ -96,21 +124,26 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
         if error is not None:
             raise error
         if not everyone_ok:
-            raise ReshardError(f"{staging.dst}: another rank failed; nothing was written")
-        return
+            raise ReshardError(f"{staging.dst}: another rank failed; nothing was written", file=staging.dst)
+        return None
     try:
         if not everyone_ok:
-            raise error or ReshardError(f"{staging.dst}: another rank failed; nothing was written")
+            raise error or ReshardError(f"{staging.dst}: another rank failed; nothing was written", file=staging.dst)
         try:
             digests.update(_write_small_files(plan, staging.tmp))
-            staging.commit(plan, digests, single_file)
+            manifest_path = staging.commit(plan, digests, single_file)
         except OSError as e:
-            raise ReshardError(f"{e.filename or staging.dst}: write failed: {e.strerror or e}") from None
+            raise ReshardError(f"{e.filename or staging.dst}: write failed: {e.strerror or e}",
+                               file=e.filename or staging.dst) from None
     except BaseException:
         staging.discard()
         raise
     finally:
         staging.release()
+    order = [f.path for f in plan.files] + [c.path for c in plan.copied] + [t.path for t in plan.texts]
+    files = tuple(WrittenFile(staging.dst if single_file else os.path.join(staging.dst, path), digests[path][0])
+                  for path in order)
+    return Written(staging.dst, plan.output, files, manifest_path)
 
 
 def check_free_space(plan: Plan, staging, resume: bool) -> None:
@@ -118,7 +151,7 @@ def check_free_space(plan: Plan, staging, resume: bool) -> None:
     free = shutil.disk_usage(os.path.dirname(staging.dst)).free
     if need > free:
         raise ReshardError(f"{staging.dst}: needs {need / 2**30:.2f} GiB to write, "
-                           f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
+                           f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free", file=staging.dst)
 
 
 def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) -> dict:
@@ -185,7 +218,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
                         if report:
                             report(len(block))
     except OSError as e:
-        raise ReshardError(f"{path}: write failed: {e.strerror or e}") from None
+        raise ReshardError(f"{path}: write failed: {e.strerror or e}", file=path) from None
     finally:
         sources.close()
     fsync(path)
@@ -255,10 +288,10 @@ class _SourceFiles:
             try:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             except OSError as e:
-                raise ReshardError(f"{path}: cannot open: {e.strerror}") from None
+                raise ReshardError(f"{path}: cannot open: {e.strerror}", file=path) from None
         data = os.pread(fd, nbytes, offset)
         if len(data) != nbytes:
-            raise ReshardError(f"{path}: truncated: needed bytes [{offset}, {offset + nbytes})")
+            raise ReshardError(f"{path}: truncated: needed bytes [{offset}, {offset + nbytes})", file=path)
         if nbytes >= DROP_CACHE_BYTES:     # read once: let the kernel drop these pages
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         return data

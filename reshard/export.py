@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.dtypes import SHORT, is_floating
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
 from reshard.formats.safetensors_file import SafetensorsFile
 from reshard.formats.torchsave import TorchFile
 from reshard.inspect import jsonable
 from reshard.layout import Layout
 from reshard.planner import plan
-from reshard.targets import NewTensor, TextFile
+from reshard.targets import NewTensor, Output, TextFile
 
 FORMATS = {"safetensors": SafetensorsFile, "torch": TorchFile}   # each: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"
@@ -34,10 +34,10 @@ class Entry(NewTensor):
 
 
 def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_size=None,
-                with_optimizer: bool = False, fmt: str = "safetensors", weights: str = "master"):
-    """(Plan, single_file): the files of the export; single_file when OUT names one file."""
-    if fmt not in FORMATS:
-        raise ReshardError(f"unknown export format {fmt!r} (safetensors or torch)")
+                with_optimizer: bool = False, fmt: str | None = None, weights: str = "master"):
+    """(Plan, single_file): the files of the export; single_file when OUT names one file. `fmt`:
+    safetensors or torch; by default the one OUT's suffix names (safetensors for a directory)."""
+    fmt = export_format(out, fmt)
     if dtype not in ("auto", *SHORT):
         raise ReshardError(f"unknown dtype {dtype!r} (fp32, bf16, fp16 or auto)")
     if weights not in ("master", "module"):
@@ -45,7 +45,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
     file_type = FORMATS[fmt]
     single_file = out.endswith(file_type.SUFFIXES) and max_shard_size is None
     if single_file and with_optimizer:
-        raise ReshardError(f"{out}: --with-optimizer writes several files; give a directory")
+        raise ReshardError(f"{out}: --with-optimizer writes several files; give a directory", file=out)
     if with_optimizer:
         catalog.require_group_scalars("the optimizer state (--with-optimizer)")
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
@@ -65,7 +65,22 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     target = Layout(dp=1, zero=0, dtype=entries[0].dtype if entries else "float32")
-    return plan(catalog, target, targets, catalog.state.get("tag", "")), single_file
+    return plan(catalog, target, targets, catalog.state.get("tag", ""), Output(fmt)), single_file
+
+
+def export_format(out: str, fmt: str | None) -> str:
+    """`fmt`, or the format OUT's suffix names; refused when the two disagree (an `x.bin` written as a
+    safetensors directory surprises everyone)."""
+    if fmt is not None and fmt not in FORMATS:
+        raise ReshardError(f"unknown export format {fmt!r} (safetensors or torch)")
+    named = [name for name, file_type in FORMATS.items() if out.endswith(file_type.SUFFIXES)]
+    if fmt is None:
+        return named[0] if named else "safetensors"
+    if named and fmt not in named:
+        suffixes = "/".join(FORMATS[fmt].SUFFIXES)
+        raise UsageError(f"{out}: the name says {named[0]}, --format says {fmt}; name a {suffixes} file, a directory, "
+                         "or leave --format out", file=out)
+    return fmt
 
 
 def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:

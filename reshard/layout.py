@@ -102,7 +102,14 @@ class Layout:
 
     @classmethod
     def load(cls, path) -> "Layout":
-        return cls.from_dict(read_descriptor(path), str(path))
+        return cls._from_file(read_descriptor(path), path)
+
+    @classmethod
+    def _from_file(cls, data: dict, path) -> "Layout":
+        try:
+            return cls.from_dict(data, str(path))
+        except ReshardError as e:   # its line starts with the path: say which file it is about, typed
+            raise ReshardError(str(e), file=path) from None
 
     def with_descriptor(self, path) -> "Layout":
         """This layout with the degrees (dp, tp, pp, zero) and pipeline partition method a descriptor
@@ -112,13 +119,13 @@ class Layout:
         for key in ("dtype", "master_dtype"):
             if key in given and given[key] != getattr(self, key):
                 raise ReshardError(f"{path}: {key} {given[key]} differs from the source's {getattr(self, key)}; "
-                                   "convert keeps the training precision")
+                                   "convert keeps the training precision", file=path)
         merged = {**self.to_dict(), **{k: given[k] for k in ("dp", "tp", "pp", "zero") if k in given}}
         given_options = given.get("options") or {}
         for key in ("partition_method", "layer_types"):
             if given_options.get(key) is not None:
                 merged["options"] = {**merged.get("options", self.options), key: given_options[key]}
-        return Layout.from_dict(merged, str(path))
+        return Layout._from_file(merged, path)
 
     def check(self, source: str = "layout") -> None:
         method = self.options.get("partition_method")
@@ -178,10 +185,10 @@ def read_descriptor(path) -> dict:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise ReshardError(f"{path}: cannot read layout descriptor: {e.strerror}") from None
+        raise ReshardError(f"{path}: cannot read layout descriptor: {e.strerror}", file=path) from None
     except json.JSONDecodeError as e:
-        raise ReshardError(f"{path}: layout descriptor is not valid JSON ({e})") from None
+        raise ReshardError(f"{path}: layout descriptor is not valid JSON ({e})", file=path) from None
     if not isinstance(data, dict) or data.get("kind") != DESCRIPTOR_KIND:
         kind = data.get("kind") if isinstance(data, dict) else None
-        raise ReshardError(f"{path}: not a reshard layout descriptor (kind is {kind!r})")
+        raise ReshardError(f"{path}: not a reshard layout descriptor (kind is {kind!r})", file=path)
     return data

@@ -24,7 +24,7 @@ def build(plan, digests: dict) -> dict:
         "kind": KIND, "version": 1, "reshard_version": __version__,
         "source": {"path": plan.source, "topology": summary["source_topology"],
                    "files": [_identity(p) for p in source_files]},
-        "target": {"topology": summary["target_topology"], "tag": plan.tag},
+        "target": {"format": summary["format"], "topology": summary["target_topology"], "tag": summary["tag"]},
         "bytes_read": summary["bytes_read"], "bytes_written": summary["bytes_written"],
         "files": {path: {"size": size, "sha256": sha} for path, (size, sha) in sorted(digests.items())},
     }

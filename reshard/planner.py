@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from reshard.catalog import Catalog
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
+from reshard.formats import container_writer
 from reshard.layout import Layout
-from reshard.targets import CopiedFile, StageCut, TensorFile, TextFile
+from reshard.targets import CopiedFile, Output, StageCut, TensorFile, TextFile
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,11 @@ class FilePlan:
     header: bytes                # the bytes the container puts before the storages
     options: dict = field(default_factory=dict)
     storages: list = field(default_factory=list)
+    size: int = 0                # bytes of the file on disk: storages, header and the container's framing
 
     @property
     def nbytes(self) -> int:
+        """Tensor bytes (what the copies fill; progress counts these)."""
         return sum(s.nbytes for s in self.storages)
 
 
@@ -74,10 +77,12 @@ class Plan:
     copied: list = field(default_factory=list)     # CopiedFile
     save_dir: str | None = None                    # the source's save dir (None: source's parent)
     stage_cut: StageCut | None = None              # a pipeline target's stage boundaries
+    output: Output | None = None                   # what the writer says it writes (None: its Layout's terms)
 
     @property
     def bytes_written(self) -> int:
-        return sum(f.nbytes for f in self.files)
+        """Bytes of every file the output will hold (the manifest, written last, aside)."""
+        return sum(f.size for f in self.files) + sum(t.size for t in self.texts) + sum(c.size for c in self.copied)
 
     @property
     def bytes_read(self) -> int:
@@ -85,19 +90,21 @@ class Plan:
                    for op in s.ops if isinstance(op, Copy))
 
     def summary(self) -> dict:
+        output = self.output or Output("", self.target.topology(), self.tag)
         return {"source": self.source, "source_topology": self.source_layout.topology(),
-                "target_topology": self.target.topology(), "tag": self.tag,
-                "files": [{"path": f.path, "bytes": f.nbytes, "tensors": len(f.storages),
+                "format": output.format, "target_topology": output.topology, "tag": output.tag,
+                "files": [{"path": f.path, "bytes": f.size, "tensors": len(f.storages),
                            "copies": sum(isinstance(op, Copy) for s in f.storages for op in s.ops)}
-                          for f in self.files] + [{"path": t.path, "bytes": len(t.text)} for t in self.texts]
-                + [{"path": c.path, "copied_from": c.source} for c in self.copied],
+                          for f in self.files] + [{"path": t.path, "bytes": t.size} for t in self.texts]
+                + [{"path": c.path, "bytes": c.size, "copied_from": c.source} for c in self.copied],
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "partition": self.stage_cut.to_dict() if self.stage_cut else None}
 
 
-def plan(catalog: Catalog, target: Layout, targets: list, tag: str) -> Plan:
+def plan(catalog: Catalog, target: Layout, targets: list, tag: str, output: Output | None = None) -> Plan:
+    """`output`: how the writer names what it writes (reshard.formats writer modules' describe())."""
     index = _FragmentIndex(catalog)
-    out = Plan(catalog.root, catalog.layout, target, tag, save_dir=catalog.save_dir)
+    out = Plan(catalog.root, catalog.layout, target, tag, save_dir=catalog.save_dir, output=output)
     for item in targets:
         if isinstance(item, TensorFile):
             out.files.append(_plan_file(item, index))
@@ -113,7 +120,9 @@ def plan(catalog: Catalog, target: Layout, targets: list, tag: str) -> Plan:
 
 
 def _plan_file(file: TensorFile, index) -> FilePlan:
-    planned = FilePlan(file.path, file.container, file.header(), file.writer_options())
+    header, options = file.header(), file.writer_options()
+    size = container_writer(file.container).file_size(header, file.slots, **options)
+    planned = FilePlan(file.path, file.container, header, options, size=size)
     for slot in file.slots:
         storage = StoragePlan(slot.key, slot.dtype, slot.shape)
         cursor = 0
@@ -157,7 +166,7 @@ class _FragmentIndex:
             tensor = self.catalog.tensors.get(key)
             if tensor is None:
                 raise ReshardError(f"{self.catalog.root}: the source has no {key[1]} for {key[0]}, "
-                                   "which the target needs")
+                                   "which the target needs", file=self.catalog.root)
             frags = sorted(tensor.fragments, key=lambda f: f.start)
             found = (tensor, frags, [f.start for f in frags])
             self._sorted[key] = found
@@ -181,4 +190,4 @@ class _FragmentIndex:
             covered = end
         if covered < stop:
             raise ReshardError(f"{self.catalog.root}: {key[0]} ({key[1]}) elements [{covered}, {stop}) are "
-                               "missing from the source; run `reshard validate`")
+                               "missing from the source; run `reshard validate`", file=self.catalog.root)

@@ -35,7 +35,8 @@ class Staging:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise ReshardError(f"{self.dst}: another reshard is writing it (lock {self.lock_path} is held)") from None
+            raise ReshardError(f"{self.dst}: another reshard is writing it (lock {self.lock_path} is held)",
+                               file=self.dst) from None
         self._lock = fd
 
     def release(self) -> None:
@@ -81,7 +82,8 @@ class Staging:
         finally:
             os.close(fd)
 
-    def commit(self, plan, digests: dict, single_file: bool) -> None:
+    def commit(self, plan, digests: dict, single_file: bool) -> str:
+        """Write the manifest and move the output into place; returns the manifest's path."""
         journal = os.path.join(self.tmp, self.JOURNAL)
         if os.path.exists(journal):
             os.unlink(journal)
@@ -94,9 +96,10 @@ class Staging:
             os.replace(os.path.join(self.tmp, manifest.NAME), f"{self.dst}.{manifest.NAME}")
             fsync(os.path.dirname(self.dst))
             shutil.rmtree(self.tmp)
-        else:
-            write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
-            _rename_into_place(self.tmp, self.dst)
+            return f"{self.dst}.{manifest.NAME}"
+        write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
+        _rename_into_place(self.tmp, self.dst)
+        return os.path.join(self.dst, manifest.NAME)
 
     def discard(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

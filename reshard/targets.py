@@ -78,12 +78,32 @@ class TextFile:
     path: str
     text: str | bytes
 
+    @property
+    def size(self) -> int:
+        """Bytes on disk (a str is written as UTF-8)."""
+        return len(self.text.encode() if isinstance(self.text, str) else self.text)
+
 
 @dataclass
 class CopiedFile:
     """A file taken over unchanged (DeepSpeed's zero_to_fp32.py script)."""
     path: str
     source: str
+    size: int           # of the source, taken when the writer chose it
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a writer says it writes, in its format's own terms: `topology` as the format states one
+    (None for a consolidated file), `tag` where the format has tags (None where it has none)."""
+    format: str
+    topology: str | None = None
+    tag: str | None = None
+
+    def words(self) -> str:
+        """e.g. 'deepspeed dp=4,tp=1,pp=1,zero=2, tag global_step3', 'dcp dp=2', 'safetensors'."""
+        head = f"{self.format} {self.topology}" if self.topology else self.format
+        return f"{head}, tag {self.tag}" if self.tag else head
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def require_complete(catalog: Catalog) -> None:
     report = validate(catalog)
     if not report.ok:
         raise ReshardError(f"{catalog.root}: the checkpoint is not complete ({len(report.problems)} problem(s), "
-                           f"first: {report.problems[0]}); run `reshard validate`")
+                           f"first: {report.problems[0]}); run `reshard validate`", file=catalog.root)
 
 
 def _check_manifest(catalog, report, checksums):

@@ -1,16 +1,18 @@
 """File formats. Only this package knows file names, keys and byte layouts.
 
 A reader module has `sniff(path, tag) -> bool` (is this checkpoint mine? from names and magic
-bytes only) and `read(path, tag) -> Catalog`. A writer module has
-`target_files(catalog, layout, tag, source_save_dir) -> [target files]` and
-`batch_size_advice(catalog, layout) -> str | None`.
+bytes only) and `read(path, tag) -> Catalog`; one that can use tensor-parallel layout rules sets
+`TAKES_LAYOUT_RULES = True` and takes `read(path, tag, layout_rules)`. A writer module has
+`target_files(catalog, layout, tag, source_save_dir) -> [target files]`,
+`batch_size_advice(catalog, layout) -> str | None` and `describe(layout, tag) -> targets.Output`
+(what it writes, in its own terms).
 """
 from __future__ import annotations
 
 import importlib
 import os
 
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
@@ -29,14 +31,19 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut."""
     if not os.path.exists(path):
-        raise ReshardError(f"{path}: no such file or directory")
+        raise ReshardError(f"{path}: no such file or directory", file=path)
     for name in READERS:
         module = importlib.import_module(name)
         if module.sniff(path, tag):
-            return module.read(path, tag, layout_rules) if layout_rules else module.read(path, tag)
+            if not layout_rules:
+                return module.read(path, tag)
+            if not getattr(module, "TAKES_LAYOUT_RULES", False):
+                raise UsageError(f"{path}: layout rules (--layout-rules) say how tensor parallelism cut a DeepSpeed "
+                                 "checkpoint that does not record it; this checkpoint's format takes none", file=path)
+            return module.read(path, tag, layout_rules)
     raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
                        "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
-                       "Hugging Face Trainer checkpoint folders, safetensors)")
+                       "Hugging Face Trainer checkpoint folders, safetensors)", file=path)
 
 
 def writer(format_name: str):

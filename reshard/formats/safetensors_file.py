@@ -76,8 +76,13 @@ class SafetensorsWriter:
         self._next = 0
         self.size = self.sha256 = None
 
+    @staticmethod
+    def file_size(header: bytes, storages: list) -> int:
+        """Bytes of the file on disk: the header, then the tensors packed without gaps."""
+        return len(header) + sum(s.nbytes for s in storages)
+
     def __enter__(self):
-        self._file = HashingSink(self.path, len(self.header) + sum(s.nbytes for s in self.storages))
+        self._file = HashingSink(self.path, self.file_size(self.header, self.storages))
         self._file.write(self.header)
         return self
 

@@ -222,6 +222,29 @@ class TorchZipWriter:
         members = len(self.storages) + 6
         return len(self.data_pkl) + sum(s.nbytes for s in self.storages) + members * (ALIGNMENT + 256) + 1024
 
+    @staticmethod
+    def file_size(data_pkl: bytes, storages: list, archive: str = "archive") -> int:
+        """Bytes of the archive on disk, as zipfile lays out the members __enter__ and __exit__ put: each
+        one's local header (with its alignment padding and, for a large member, ZIP64 sizes), its data
+        and data descriptor (the sink is not seekable), then the central directory and the end records."""
+        members = [("data.pkl", len(data_pkl)), (".format_version", 1), (".storage_alignment", len(str(ALIGNMENT))),
+                   ("byteorder", 6), *((f"data/{s.key}", s.nbytes) for s in storages), ("version", 2),
+                   (".data/serialization_id", hashlib.sha1().digest_size * 2)]
+        offset = directory = 0
+        for name, nbytes in members:
+            name_len = len(f"{archive}/{name}".encode())
+            zip64 = _zip64(nbytes)
+            header_end = offset + 30 + name_len + (20 if zip64 else 0)
+            padding_field = 4 + (-(header_end + 4)) % ALIGNMENT
+            # the central entry gets a ZIP64 field for sizes or an offset past the 32-bit limit
+            large = 2 * (nbytes > zipfile.ZIP64_LIMIT) + (offset > zipfile.ZIP64_LIMIT)
+            directory += 46 + name_len + padding_field + (4 + 8 * large if large else 0)
+            offset = header_end + padding_field + nbytes + (24 if zip64 else 16)
+        end = 22
+        if len(members) > zipfile.ZIP_FILECOUNT_LIMIT or max(offset, directory) > zipfile.ZIP64_LIMIT:
+            end += 56 + 20      # ZIP64 end of central directory record and its locator
+        return offset + directory + end
+
     def __enter__(self):
         self._sink = HashingSink(self.path, self.size_bound())
         self._zip = zipfile.ZipFile(self._sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)

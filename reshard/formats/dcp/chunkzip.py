@@ -124,6 +124,16 @@ class DistcpWriter:
         self._consumed = 0      # bytes of `header` used so far
         self.size = self.sha256 = None
 
+    @staticmethod
+    def file_size(header: bytes, storages: list, items: list) -> int:
+        """Bytes of the file on disk: every item's archive, end to end."""
+        nbytes = {s.key: s.nbytes for s in storages}
+        size = consumed = 0
+        for kind, key, n in items:
+            size += n if kind == "value" else Archive(header[consumed:consumed + n], nbytes[key]).length
+            consumed += n
+        return size
+
     def __enter__(self):
         reserve = len(self.header) + sum(self.nbytes.values()) + 1024 * len(self.items)
         self._sink = HashingSink(self.path, reserve)

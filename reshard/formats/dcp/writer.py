@@ -25,7 +25,7 @@ from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
 from reshard.formats.torchsave import pickle_tree
 from reshard.formats.torchzip import Size
 from reshard.layout import Layout
-from reshard.targets import NewTensor, Piece, TensorFile, TextFile
+from reshard.targets import NewTensor, Output, Piece, TensorFile, TextFile
 
 MODEL, OPTIM = "model", "optim"
 
@@ -90,6 +90,11 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     return [f for f in files if f.items] + [TextFile(METADATA, md.dumps(out.build(tag)))]
 
 
+def describe(target: Layout, tag: str) -> Output:
+    """A DCP directory is one file per data-parallel rank; it has no ZeRO stage and no tag."""
+    return Output("dcp", f"dp={target.dp}")
+
+
 def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
     return None     # a DCP checkpoint says nothing about the batch size
 
@@ -104,7 +109,7 @@ def _tensors(catalog: Catalog, dp: int):
         source = (holder, MASTER) if info.kind == "trainable" and (holder, MASTER) in catalog.tensors \
             else (holder, MODULE)
         if source not in catalog.tensors:
-            raise ReshardError(f"{catalog.root}: no weights for {name} ({source[1]}) to write")
+            raise ReshardError(f"{catalog.root}: no weights for {name} ({source[1]}) to write", file=catalog.root)
         yield (f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype,
                1 if info.kind == "buffer" else dp)
     for g, group in enumerate(catalog.param_groups):

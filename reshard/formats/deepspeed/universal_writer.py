@@ -29,7 +29,7 @@ from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
 from reshard.formats.torchsave import TorchFile
 from reshard.layout import Layout
-from reshard.targets import Piece, StageCut, TextFile
+from reshard.targets import Output, Piece, StageCut, TextFile
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -47,6 +47,11 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         out = _zero12_flavour(zero_writer._Context(catalog, target), tag)
     out.append(TextFile(uc.LATEST_UNIVERSAL, tag))   # ds_to_universal writes the bare tag
     return out
+
+
+def describe(target: Layout, tag: str) -> Output:
+    """Its model-states files are those of a ZeRO-N engine at the target's degrees (see above), in a tag folder."""
+    return Output("universal", target.topology(), tag)
 
 
 def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
@@ -116,7 +121,8 @@ def _tensor_parallel_flavour(catalog, target, tag) -> list:
         unmapped = [n for n, p in catalog.params.items() if p.kind == "trainable" and n not in tp_keys]
         if unmapped:      # a Megatron-style cut: ds_to_universal's cat_dim / sub-param keys, which we do not write
             raise ReshardError(f"{catalog.root}: {unmapped[0]}: no AutoTP affine map in its universal_checkpoint_info; "
-                               "universal checkpoints of tensor-parallel sources are written for AutoTP only")
+                               "universal checkpoints of tensor-parallel sources are written for AutoTP only",
+                               file=catalog.root)
     out = [f for f in _zero12_flavour(zero_writer._Context(catalog, whole), tag, tp_keys)
            if not f.path.startswith(f"{tag}/mp_rank_")]
     if target.tp == 1:

@@ -22,7 +22,7 @@ from reshard.formats.torchzip import Size
 from reshard.geometry import ceil_div, intersect
 from reshard.layout import Layout
 from reshard.formats.torchsave import TorchFile
-from reshard.targets import CopiedFile, Piece, TextFile
+from reshard.targets import CopiedFile, Output, Piece, TextFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -44,13 +44,13 @@ def _check_convertible(catalog: Catalog, target: Layout) -> None:
     """What a source must hold for DeepSpeed to resume from it, whatever the topology."""
     if not catalog.param_groups:
         raise ReshardError(f"{catalog.root}: no optimizer state (weights only); a DeepSpeed checkpoint resumes "
-                           "training and needs the optimizer's state, so it is not written")
+                           "training and needs the optimizer's state, so it is not written", file=catalog.root)
     catalog.require_group_scalars("a DeepSpeed checkpoint")     # which keeps one step per param group
     unsure = catalog.state.get("frozen_or_buffer")
     if target.zero == 3 and unsure:
         raise ReshardError(f"{catalog.root}: {unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
                            "floating-point buffer, the source does not say which, and ZeRO-3 stores the two "
-                           "differently; convert to zero=1 or zero=2")
+                           "differently; convert to zero=1 or zero=2", file=catalog.root)
 
 
 def rank_files(ctx: "_Context", tag: str) -> list:
@@ -76,8 +76,13 @@ def closing_files(tag: str, source_save_dir: str | None) -> list:
         for script in SCRIPTS:
             path = os.path.join(source_save_dir, script)
             if os.path.isfile(path):
-                out.append(CopiedFile(script, path))
+                out.append(CopiedFile(script, path, os.path.getsize(path)))
     return out
+
+
+def describe(target: Layout, tag: str) -> Output:
+    """DeepSpeed files are those of one topology and ZeRO stage, in a tag folder."""
+    return Output("deepspeed", target.topology(), tag)
 
 
 def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:

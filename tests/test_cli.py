@@ -1,0 +1,255 @@
+"""The command line's contract: what it infers, what it refuses (one line, the right exit code), what it
+prints about the files it wrote (the disk's numbers), JSON for programs, and a closed stdout."""
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, fixture_dir, run_cli, truth_json, truth_tensors
+
+SRC = fixture_dir("z2_fp32_dp2")
+RULES = REPO / "layouts" / "megatron-gpt.json"
+
+
+def _one_line(proc, *needles):
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def _on_disk(folder) -> dict:
+    """{relative path: size} of every file under `folder`."""
+    return {os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
+            for d, _, files in os.walk(folder) for f in files}
+
+
+# -- 5: export OUT's suffix says the format -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["out.bin", "out.pt", "out.pth"])
+def test_export_to_a_torch_name_writes_a_torch_file(name, tmp_path):
+    out = tmp_path / name
+    run_cli("export", SRC, out, "--quiet", check=0)
+    assert out.is_file()
+    weights = torch.load(out, weights_only=True)            # the real consumer
+    run_cli("export", SRC, tmp_path / "ref.safetensors", "--quiet", check=0)
+    reference = load_file(str(tmp_path / "ref.safetensors"))
+    assert set(weights) >= set(reference)
+    for key, value in reference.items():
+        assert torch.equal(weights[key], value), key
+
+
+@pytest.mark.parametrize("name, fmt", [("out.bin", "safetensors"), ("out.pt", "safetensors"),
+                                       ("out.safetensors", "torch")])
+def test_export_refuses_a_name_that_contradicts_format(name, fmt, tmp_path):
+    proc = run_cli("export", SRC, tmp_path / name, "--format", fmt, check=2)
+    _one_line(proc, str(tmp_path / name), fmt)
+    assert os.listdir(tmp_path) == []
+    # negative control: the same format with a name that agrees (or a directory) is written
+    agreeing = "out.safetensors" if fmt == "safetensors" else "out.pt"
+    run_cli("export", SRC, tmp_path / agreeing, "--format", fmt, "--quiet", check=0)
+    run_cli("export", SRC, tmp_path / "folder", "--format", fmt, "--quiet", check=0)
+    assert (tmp_path / agreeing).is_file() and (tmp_path / "folder").is_dir()
+
+
+# -- 6: layout rules where the reader takes none ----------------------------------------------------------------
+
+def test_layout_rules_refused_by_every_reader_that_takes_none(tmp_path):
+    run_cli("export", SRC, tmp_path / "model.pt", "--quiet", check=0)
+    run_cli("export", SRC, tmp_path / "model.safetensors", "--quiet", check=0)
+    run_cli("convert", SRC, tmp_path / "dcp", "--format", "dcp", "--quiet", check=0)
+    run_cli("convert", SRC, tmp_path / "universal", "--format", "universal", "--quiet", check=0)
+    for source in ("model.pt", "model.safetensors", "dcp", "universal"):
+        for command, *options in (["inspect"], ["validate"], ["plan", "--format", "dcp"]):
+            proc = run_cli(command, tmp_path / source, *options, "--layout-rules", RULES, check=2)
+            _one_line(proc, str(tmp_path / source), "layout rules")
+            run_cli(command, tmp_path / source, *options, check=0)     # negative control: without them it reads
+    # the DeepSpeed reader uses them: a Megatron-style save needs them to be read at all
+    run_cli("inspect", fixture_dir("megatron_tp2_z1_fp32_dp2"), "--layout-rules", RULES, check=0)
+
+
+# -- 7: a closed stdout -------------------------------------------------------------------------------------
+
+CLOSED_STDOUT_COMMANDS = [
+    ["inspect", SRC], ["inspect", SRC, "--json", "--params"], ["validate", SRC], ["validate", SRC, "--json"],
+    ["plan", SRC, "--to", "dp=3"], ["plan", SRC, "--json"], ["diff", SRC, SRC], ["diff", SRC, SRC, "--json"],
+    ["inspect", "/nonexistent", "--json"],      # the JSON error object meets the closed pipe too
+]
+
+
+def _with_closed_stdout(*args, **kwargs):
+    """Run the CLI with a stdout pipe whose reading end is closed before the command writes to it."""
+    proc = subprocess.Popen([sys.executable, "-m", "reshard", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, **kwargs)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    proc.stderr.close()
+    return proc.wait(), stderr
+
+
+@pytest.mark.parametrize("args", CLOSED_STDOUT_COMMANDS, ids=lambda a: " ".join(map(str, a[:1] + a[2:])))
+def test_closed_stdout_ends_the_command_quietly(args):
+    for _ in range(3):
+        code, stderr = _with_closed_stdout(*args)
+        if args[1] == "/nonexistent":   # the error line still goes to stderr; its exit status is the pipe's
+            assert stderr.strip() == "reshard: /nonexistent: no such file or directory" and code == 141, stderr
+        else:
+            assert stderr == "" and code == 141, (code, stderr)
+
+
+def test_closed_stdout_after_convert_and_export_keeps_the_output(tmp_path):
+    for i in range(3):
+        code, stderr = _with_closed_stdout("convert", SRC, tmp_path / f"c{i}", "--to", "dp=3", "--json")
+        assert code == 141 and "reshard:" not in stderr and "Traceback" not in stderr, stderr
+        run_cli("validate", tmp_path / f"c{i}", "--checksums", check=0)      # written and committed whole
+        code, stderr = _with_closed_stdout("export", SRC, tmp_path / f"e{i}.safetensors", "--json")
+        assert code == 141 and "reshard:" not in stderr and "Traceback" not in stderr, stderr
+        assert (tmp_path / f"e{i}.safetensors").is_file()
+
+
+def test_stdout_read_to_the_end_is_exit_0():
+    """Negative control of the above: an open pipe, read whole, sees everything and exit 0."""
+    proc = run_cli("inspect", SRC, check=0)
+    assert proc.stdout.startswith(str(SRC)) and proc.stderr == ""
+
+
+# -- 9: --to FILE that is missing, --workers 0 ------------------------------------------------------------------
+
+def test_missing_descriptor_file_says_so(tmp_path):
+    proc = run_cli("convert", SRC, tmp_path / "out", "--to", tmp_path / "nothere.json", check=1)
+    line = _one_line(proc, str(tmp_path / "nothere.json"), "no such layout descriptor file")
+    assert "bad layout spec" not in line and not (tmp_path / "out").exists()
+    proc = run_cli("plan", SRC, "--to", "nothere.json", check=1)
+    _one_line(proc, "nothere.json: no such layout descriptor file")
+    # negative controls: a typo inside a spec is still a spec error, an existing descriptor is read
+    _one_line(run_cli("plan", SRC, "--to", "dp=3,zer=1", check=1), "bad layout spec")
+    (tmp_path / "t.json").write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 3}))
+    assert "dp=3" in run_cli("plan", SRC, "--to", tmp_path / "t.json", check=0).stdout
+
+
+@pytest.mark.parametrize("workers", ["0", "-2", "two"])
+def test_workers_must_be_positive(workers, tmp_path):
+    proc = run_cli("convert", SRC, tmp_path / "out", "--to", "dp=3", "--workers", workers, check=2)
+    assert "--workers" in proc.stderr and "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    run_cli("plan", SRC, "--workers", workers, check=2)
+    assert "1 worker(s)" in run_cli("plan", SRC, "--workers", "1", check=0).stdout     # control
+
+
+# -- 11: the summaries are the disk's numbers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, spec", [("deepspeed", "dp=3"), ("universal", "dp=2"), ("dcp", "dp=3")])
+def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
+    out = tmp_path / "out"
+    planned = json.loads(run_cli("plan", SRC, "--to", spec, "--format", fmt, "--json", check=0).stdout)
+    line = run_cli("convert", SRC, out, "--to", spec, "--format", fmt, check=0).stdout.strip().splitlines()[-1]
+    disk = _on_disk(out)
+    listed = json.loads((out / "reshard-manifest.json").read_text())["files"]
+    assert set(listed) == set(disk) - {"reshard-manifest.json"}
+    # plan: every file with its real size (no 0 B for a file of pickled state only), the total theirs
+    assert {f["path"]: f["bytes"] for f in planned["files"]} == {p: disk[p] for p in listed}
+    assert planned["bytes_written"] == sum(disk[p] for p in listed) and all(f["bytes"] > 0 for f in planned["files"])
+    # convert: count and bytes of those files, in the target format's own terms
+    from reshard.inspect import human_bytes
+    assert f": {len(listed)} files, {human_bytes(sum(disk[p] for p in listed))}" in line, line
+    if fmt == "dcp":    # no ZeRO stage and no tag in DCP; validate counts the same files
+        assert "zero=" not in line and "tag" not in line and "dcp dp=3" in line, line
+        assert planned["tag"] is None and planned["target_topology"] == "dp=3"
+        assert f"in {len(listed)} files" in run_cli("validate", out, check=0).stdout
+    else:
+        assert f"{spec},tp=1,pp=1,zero=2, tag global_step3" in line and planned["tag"] == "global_step3"
+
+
+def test_export_summary_matches_the_disk(tmp_path):
+    line = run_cli("export", SRC, tmp_path / "m.safetensors", check=0).stdout.strip()
+    from reshard.inspect import human_bytes
+    assert line.endswith(f": 1 file, {human_bytes(os.path.getsize(tmp_path / 'm.safetensors'))}"), line
+    line = run_cli("export", SRC, tmp_path / "hf", "--max-shard-size", "2KB", check=0).stdout.strip()
+    listed = json.loads((tmp_path / "hf" / "reshard-manifest.json").read_text())["files"]
+    size = sum(os.path.getsize(tmp_path / "hf" / p) for p in listed)
+    assert len(listed) > 2 and line.endswith(f": {len(listed)} files, {human_bytes(size)}"), line
+
+
+def test_torch_file_size_is_known_before_writing_also_with_zip64(tmp_path, monkeypatch):
+    """The planned size of a torch.save archive is the written one, also where zipfile adds ZIP64 fields
+    (a small limit stands in for the 2 GiB one); torch.load reads the archive."""
+    from reshard.formats.torchsave import TorchFile, TorchZipWriter, pickle_tree
+    from reshard.targets import Piece
+
+    for limit in (None, 3000, 300):
+        if limit:
+            monkeypatch.setattr(zipfile, "ZIP64_LIMIT", limit)
+        file = TorchFile("x.pt")
+        file.tree = {f"t{i}": file.slot("float32", (n,), [Piece(n)]) for i, n in enumerate((3, 700, 1, 1500))}
+        header = pickle_tree(file.tree)
+        path = tmp_path / f"x{limit}.pt"
+        with TorchZipWriter(str(path), header, file.slots) as writer:
+            for slot in file.slots:
+                with writer.storage(slot.key, slot.nbytes) as stream:
+                    stream.write(bytes(slot.nbytes))
+        assert TorchZipWriter.file_size(header, file.slots) == os.path.getsize(path) == writer.size, limit
+        loaded = torch.load(path, weights_only=True)
+        assert [v.numel() for v in loaded.values()] == [3, 700, 1, 1500]
+
+
+# -- 14: --json for convert and export, JSON errors -------------------------------------------------------------
+
+def test_convert_json_says_what_was_written(tmp_path):
+    out = tmp_path / "out"
+    data = json.loads(run_cli("convert", SRC, out, "--to", "dp=3", "--json", check=0).stdout)
+    assert data["format"] == "deepspeed" and data["topology"] == "dp=3,tp=1,pp=1,zero=2"
+    assert data["tag"] == truth_json("z2_fp32_dp2")["tag"] and data["path"] == str(out)
+    assert data["manifest"] == str(out / "reshard-manifest.json")
+    listed = json.loads(open(data["manifest"]).read())["files"]
+    assert {os.path.relpath(f["path"], out): f["bytes"] for f in data["files"]} == \
+        {p: os.path.getsize(out / p) for p in listed}
+    assert data["bytes"] == sum(f["bytes"] for f in data["files"])
+    dcp = json.loads(run_cli("convert", SRC, tmp_path / "dcp", "--format", "dcp", "--json", check=0).stdout)
+    assert dcp["format"] == "dcp" and dcp["tag"] is None and dcp["topology"] == "dp=2"
+
+
+def test_export_json_says_what_was_written(tmp_path):
+    out = tmp_path / "m.pt"
+    data = json.loads(run_cli("export", SRC, out, "--json", check=0).stdout)
+    assert data["format"] == "torch" and data["tag"] is None and data["topology"] is None
+    assert data["files"] == [{"path": str(out), "bytes": os.path.getsize(out)}] and data["bytes"] == os.path.getsize(out)
+    assert data["manifest"] == f"{out}.reshard-manifest.json" and os.path.isfile(data["manifest"])
+    weights = torch.load(out, weights_only=True)
+    truth = truth_tensors("z2_fp32_dp2")
+    assert torch.equal(weights["l1.weight"], truth["fp32/l1.weight"])
+
+
+@pytest.mark.parametrize("args, code", [
+    (["inspect", "{missing}", "--json"], 1), (["validate", "{missing}", "--json"], 1),
+    (["plan", "{missing}", "--json"], 1), (["diff", "{missing}", SRC, "--json"], 2),
+    (["convert", "{missing}", "{tmp}/out", "--json"], 1), (["export", "{missing}", "{tmp}/m.safetensors", "--json"], 1),
+], ids=lambda a: a[0] if isinstance(a, list) else str(a))
+def test_json_error_is_an_object_on_stdout(args, code, tmp_path):
+    missing = tmp_path / "missing"
+    argv = [str(a).format(missing=missing, tmp=tmp_path) for a in args]
+    proc = run_cli(*argv, check=code)
+    line = _one_line(proc, str(missing))
+    assert json.loads(proc.stdout) == {"error": line[len("reshard: "):], "file": str(missing)}
+    # negative control: without --json, stdout stays empty
+    assert run_cli(*argv[:-1], check=code).stdout == ""
+
+
+def test_json_error_names_the_file_the_problem_is_about(tmp_path):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    proc = run_cli("convert", SRC, tmp_path / "busy", "--to", "dp=3", "--json", check=1)
+    assert json.loads(proc.stdout)["file"] == str(tmp_path / "busy") and "not empty" in proc.stderr
+    proc = run_cli("plan", SRC, "--to", "dp=3,zer=1", "--json", check=1)
+    assert json.loads(proc.stdout) == {"error": _one_line(proc)[len("reshard: "):], "file": None}
+    descriptor = tmp_path / "t.json"
+    descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 0}))
+    proc = run_cli("plan", SRC, "--to", descriptor, "--json", check=1)
+    assert json.loads(proc.stdout) == {"error": _one_line(proc, "dp must be")[len("reshard: "):],
+                                       "file": str(descriptor)}
