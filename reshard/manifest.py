@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 
+from reshard.progress import bar as progress_bar
+
 NAME = "reshard-manifest.json"
 KIND = "reshard.manifest"
 
@@ -35,13 +37,16 @@ def _identity(path: str) -> dict:
     return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def file_digest(path: str) -> tuple:
+def file_digest(path: str, report=None) -> tuple:
+    """(size, sha256 hex) of a file; `report(n)` is told of every block read."""
     sha = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             sha.update(block)
             size += len(block)
+            if report:
+                report(len(block))
     return size, sha.hexdigest()
 
 
@@ -54,11 +59,12 @@ def find(root: str) -> str | None:
     return None
 
 
-def verify(path: str, checksums: bool, within: str | None = None) -> list:
+def verify(path: str, checksums: bool, within: str | None = None, progress: bool = False) -> list:
     """Problems, one line each: unreadable manifest, missing files, size or sha256 mismatches.
 
     `within` limits the check to the files under one folder (the tag being validated: a save dir
     that training later adds tags to, and rewrites `latest` in, is still whole for this tag).
+    `progress`: a bar of the bytes hashed on stderr, when it is a terminal.
     """
     folder = os.path.dirname(path)
     try:
@@ -68,7 +74,7 @@ def verify(path: str, checksums: bool, within: str | None = None) -> list:
         return [f"{path}: unreadable manifest ({e})"]
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND or not isinstance(manifest.get("files"), dict):
         return [f"{path}: not a reshard manifest"]
-    problems = []
+    problems, to_hash = [], []
     for rel, entry in manifest["files"].items():
         target = os.path.normpath(os.path.join(folder, rel))
         if not target.startswith(folder + os.sep):
@@ -82,6 +88,10 @@ def verify(path: str, checksums: bool, within: str | None = None) -> list:
         size = os.path.getsize(target)
         if size != entry.get("size"):
             problems.append(f"{target}: {size} bytes, the manifest says {entry.get('size')}")
-        elif checksums and file_digest(target)[1] != entry.get("sha256"):
-            problems.append(f"{target}: sha256 differs from the manifest (changed after it was written)")
+        elif checksums:
+            to_hash.append((target, entry.get("sha256"), size))
+    with progress_bar(sum(size for _, _, size in to_hash), "hashing", progress) as bar:
+        for target, sha, _ in to_hash:
+            if file_digest(target, bar.update)[1] != sha:
+                problems.append(f"{target}: sha256 differs from the manifest (changed after it was written)")
     return problems

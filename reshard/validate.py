@@ -64,13 +64,13 @@ class Report:
 
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False, progress: bool = False) -> Report:
-    """`deep` reads every byte for NaN/Inf (`progress`: with a bar of the bytes read on stderr, when it is
-    a terminal); `checksums` verifies the sha256 of every file against the reshard manifest (sizes are
-    checked whenever a manifest is there)."""
+    """`deep` reads every byte for NaN/Inf; `checksums` verifies the sha256 of every file against the
+    reshard manifest (sizes are checked whenever a manifest is there). `progress`: bars of the bytes read
+    and hashed on stderr, when it is a terminal."""
     report = Report(problems=list(catalog.problems), files=len(catalog.files), deep=deep)
     _check_coverage(catalog, report)
     _check_states_present(catalog, report)
-    _check_manifest(catalog, report, checksums)
+    _check_manifest(catalog, report, checksums, progress)
     if deep:
         _check_values(catalog, report, progress)
     return report
@@ -84,10 +84,10 @@ def require_complete(catalog: Catalog) -> None:
                            f"first: {report.problems[0]}); run `reshard validate`", file=catalog.root)
 
 
-def _check_manifest(catalog, report, checksums):
+def _check_manifest(catalog, report, checksums, progress):
     found = manifest.find(catalog.root)
     if found:
-        report.problems += manifest.verify(found, checksums, within=catalog.root)
+        report.problems += manifest.verify(found, checksums, within=catalog.root, progress=progress)
         report.manifest, report.checksums = found, checksums
     elif checksums:
         report.problems.append(f"{catalog.root}: no {manifest.NAME} to check against (written by reshard "

@@ -55,12 +55,15 @@ def _commands(tmp_path):
         "validate": (["validate", SRC, "--deep"], "checking"),
         "convert": (["convert", SRC, tmp_path / "converted", "--to", "dp=3"], "writing"),
         "export": (["export", SRC, tmp_path / "one.safetensors"], "writing"),
+        "checksums": (["validate", tmp_path / "made", "--checksums"], "hashing"),
     }
 
 
-@pytest.mark.parametrize("command", ["diff", "validate", "convert", "export"])
+@pytest.mark.parametrize("command", ["diff", "validate", "convert", "export", "checksums"])
 def test_bar_on_a_terminal_only_and_never_quiet(tmp_path, command):
     args, label = _commands(tmp_path)[command]
+    if command == "checksums":      # a checkpoint with a manifest to hash against
+        assert _run(["convert", SRC, tmp_path / "made", "--quiet"], terminal=False)[0] == 0
     code, out, err = _run(args, terminal=True)
     assert code in (0, 1), err
     assert label in err and "100%" in err and "B/s" in err, err        # a bar, in bytes, finished
@@ -77,7 +80,7 @@ def test_bar_on_a_terminal_only_and_never_quiet(tmp_path, command):
         else:
             code_again, out, err = _run([*args, "--quiet"], terminal=True)
         assert code_again == code and err == "", f"{run}: {err!r}"
-        if command in ("diff", "validate"):         # the requested output stays
+        if command in ("diff", "validate", "checksums"):         # the requested output stays
             if run == "pipe":
                 assert out == expected_out
             else:
