@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from fixture_model import build_model, make_batch, param_groups  # noqa: E402
+from torchrun_jobs import leaving_process_group  # noqa: E402
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 
@@ -102,11 +103,9 @@ def save_boxes(path):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
+    with leaving_process_group():
+        dist.init_process_group("gloo")
         if sys.argv[1] == "load":
             load(sys.argv[2])
         else:
             train(sys.argv[2], sys.argv[3])
-    finally:
-        dist.destroy_process_group()
