@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import leaving_process_group  # noqa: E402
+from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -136,5 +136,4 @@ def run(job, rank):
 
 
 if __name__ == "__main__":
-    with leaving_process_group():
-        main(sys.argv[1], sys.argv[2])
+    run_rank(main, sys.argv[1], sys.argv[2])

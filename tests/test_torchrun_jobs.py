@@ -9,40 +9,54 @@ from conftest import REPO, torchrun, torchrun_env
 sys.path.insert(0, str(REPO / "tools"))
 import torchrun_jobs  # noqa: E402
 
-# The ranks of SCRIPT note at exit whether their process group was still up.
+# A rank of SCRIPT notes when it destroys its process group, and whether the interpreter's teardown ran.
 SCRIPT = """
 import atexit, os, sys
 sys.path.insert(0, {tools!r})
 import torch.distributed as dist
-from torchrun_jobs import leaving_process_group
+from torchrun_jobs import run_rank
 
-def note():
-    with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
+def note(what):
+    with open(os.path.join({out!r}, what + os.environ["RANK"]), "w") as f:
         f.write("up" if dist.is_initialized() else "left")
 
-atexit.register(note)
-dist.init_process_group("gloo")
-dist.barrier()
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda *a: (note("destroyed"), destroy(*a))
+atexit.register(note, "teardown")
+
+def main(fail):
+    dist.init_process_group("gloo")
+    keep = dist.group.WORLD     # a reference that keeps gloo's threads running past destroy_process_group
+    dist.barrier()
+    if fail:
+        raise RuntimeError("failed on purpose")
+
 if {helper}:
-    with leaving_process_group():
-        raise SystemExit("failed on purpose")
-raise SystemExit("failed on purpose")
+    run_rank(main, {fail})
+main({fail})
 """
 
 
-def _script(tmp_path, helper: bool):
-    path = tmp_path / f"script-{helper}.py"
-    path.write_text(SCRIPT.format(tools=str(REPO / "tools"), out=str(tmp_path), helper=helper))
-    return path
+def _run(tmp_path, helper: bool, fail: bool):
+    out = tmp_path / f"{helper}-{fail}"
+    out.mkdir()
+    script = out / "script.py"
+    script.write_text(SCRIPT.format(tools=str(REPO / "tools"), out=str(out), helper=helper, fail=fail))
+    proc = torchrun(2, script, check=False, deepspeed=False)
+    return proc, {p.name: p.read_text() for p in out.iterdir() if p.name != "script.py"}
 
 
-def test_a_script_leaves_its_process_group_also_when_it_fails(tmp_path):
-    proc = torchrun(2, _script(tmp_path, helper=True), check=False, deepspeed=False)
-    assert proc.returncode != 0 and "failed on purpose" in proc.stderr
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["left", "left"]
-    # the control: without the helper the ranks exit with the group up (and may abort in gloo's threads)
-    torchrun(2, _script(tmp_path, helper=False), check=False, deepspeed=False)
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["up", "up"]
+def test_a_rank_leaves_its_process_group_and_skips_the_teardown_also_when_it_fails(tmp_path):
+    proc, notes = _run(tmp_path, helper=True, fail=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert notes == {"destroyed0": "up", "destroyed1": "up"}     # destroyed, and no teardown after it
+    proc, notes = _run(tmp_path, helper=True, fail=True)
+    assert proc.returncode != 0 and "RuntimeError: failed on purpose" in proc.stderr
+    assert notes == {"destroyed0": "up", "destroyed1": "up"}
+    # the control: without run_rank the ranks reach the teardown with the group up (where gloo's threads
+    # can abort them)
+    _, notes = _run(tmp_path, helper=False, fail=False)
+    assert notes == {"teardown0": "up", "teardown1": "up"}
 
 
 def test_a_port_taken_before_torchrun_binds_it_is_retried_once_on_another(tmp_path, monkeypatch):
@@ -80,7 +94,7 @@ def test_every_torchrun_script_leaves_its_group_and_no_port_is_fixed():
                and p.name not in ("test_torchrun_jobs.py", "torchrun_jobs.py")]
     assert len(scripts) >= 8, scripts
     for path in scripts:
-        assert "leaving_process_group()" in path.read_text(), f"{path.name} can exit with its process group up"
+        assert "run_rank(" in path.read_text(), f"{path.name} can exit with its process group up"
     for path in (*REPO.glob("tests/*.py"), *REPO.glob("tools/*.py")):
         if path.name not in ("test_torchrun_jobs.py", "torchrun_jobs.py"):
             assert "--master_port" not in path.read_text(), f"{path.name} picks its own torchrun port"

@@ -55,8 +55,7 @@ def engine_config(stage, dtype):
 
 
 def worker(args):
-    with torchrun_jobs.leaving_process_group():
-        _train_and_save(args)
+    torchrun_jobs.run_rank(_train_and_save, args)      # exits
 
 
 def _train_and_save(args):

@@ -587,9 +587,7 @@ def main():
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # also for the parent (checks unpickle DeepSpeed classes)
     if args.worker:
-        with torchrun_jobs.leaving_process_group():
-            worker(args.worker, args.out)
-        return 0
+        torchrun_jobs.run_rank(worker, args.worker, args.out)     # exits
     if args.list:
         print("\n".join(CONFIGS))
         return 0

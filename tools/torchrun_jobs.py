@@ -4,18 +4,19 @@
   between `free_port` closing it and torchrun's store binding it (the reason is logged).
 - `build_deepspeed_ops(env)`: DeepSpeed's JIT-built CPU op (`deepspeed_shm_comm`, built by every rank's
   `deepspeed.init_distributed`) built and loaded once in one process, so ranks only load it.
-- `leaving_process_group()`: for the scripts run under torchrun: the process group is destroyed however
-  the script ends. A rank exiting with gloo's threads still running aborts ("terminate called without
-  an active exception", SIGABRT): 9 of 15 runs of a 3-rank gloo all_reduce script here, 0 of 15 with
-  the group destroyed.
+- `run_rank(main, *args)`: how every script run under torchrun calls its main: the process group is
+  destroyed however main ends, and the rank exits without the interpreter teardown that gloo's worker
+  threads race with (a SIGABRT, "terminate called without an active exception": 9 of 15 runs of a
+  3-rank gloo script that never destroys its group; 2 of 4 of tests/dcp_fsdp2.py, which does, beside
+  another job).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
 import sys
+import traceback
 import warnings
 
 _GIVEN = set()      # ports handed out by this process: two concurrent launches never share one
@@ -73,15 +74,37 @@ def build_deepspeed_ops(env: dict, log=None) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def leaving_process_group():
-    """Around a torchrun script's main(): destroy its process group on the way out, also on an error."""
+def run_rank(main, *args) -> None:
+    """Run a torchrun script's `main(*args)`, then end this rank: leave the process group (also after an
+    error: the traceback is printed, the exit status is 1) and exit at once, with os._exit.
+
+    destroy_process_group does not stop gloo's worker threads while anything still references the group
+    (a DeviceMesh, an FSDP module, a DeepSpeed engine or its module globals). Such a thread that drops the
+    last reference to a Python tensor once interpreter teardown has begun cannot take the GIL, is unwound
+    through a noexcept frame and aborts the rank ("terminate called without an active exception",
+    SIGABRT; seen in a core of tests/dcp_fsdp2.py: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork ->
+    decref_pyobject -> take_gil -> pthread_exit). With the output flushed and the group destroyed,
+    ending without that teardown leaves nothing to race with.
+    """
+    status = 1
     try:
-        yield
+        main(*args)
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
     finally:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
 
 
 def _warn(message: str) -> None:
