@@ -50,7 +50,7 @@ class Interrupts:
     close in their ordinary order, and the interrupt reaches the caller as a KeyboardInterrupt."""
 
     def __init__(self):
-        self.noted = False
+        self.noted = self.armed = False
         self.stop = None        # in a worker process: the parent's multiprocessing Event
 
     def note(self, signum, frame) -> None:
