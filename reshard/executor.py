@@ -4,14 +4,24 @@ Each target file is written front to back: its header, then every storage filled
 source byte ranges (pread into bounded blocks, read ahead in a thread, cast if the dtypes differ)
 or constants. Files are built in a Staging area (reshard.staging) and committed only when all of
 them are complete; on any failure but a hard kill the staging area is removed.
+
+Ctrl-C is acted on only where nothing is half done (class Interrupts). Python raises KeyboardInterrupt
+wherever the main thread happens to be: inside a lock's `with` it leaves the lock held (a hang); inside
+a zip archive's close, the archive is finished later by its garbage collection, into a sink whose
+hashing pool has shut down ("cannot schedule new futures after shutdown"); before the staging area's
+`try`, the lock file stays behind.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import multiprocessing
 import os
 import shutil
+import signal
+import threading
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +42,44 @@ READ_AHEAD = 2                  # blocks read ahead of the one being written
 BUFFERS_PER_WORKER = READ_AHEAD + 1 + 2
 MAX_CHUNK = 16 << 20            # larger blocks do not copy faster here, they only take memory
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
+POLL_SECONDS = 0.1              # how often a parent waiting for its workers looks for a Ctrl-C
+
+
+class Interrupts:
+    """SIGINT while the executor runs: its handler only notes it; `check()` raises KeyboardInterrupt at the
+    points where nothing is half done: before each block, between files, before the commit. A worker
+    process also stops when its parent sets `stop`. The executor's pools, sinks and staging area then
+    close in their ordinary order, and the interrupt reaches the caller as a KeyboardInterrupt."""
+
+    def __init__(self):
+        self.noted = self.armed = False
+        self.stop = None        # in a worker process: the parent's multiprocessing Event
+
+    def note(self, signum, frame) -> None:
+        self.noted = True
+
+    def check(self) -> None:
+        if self.noted or (self.stop is not None and self.stop.is_set()):
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        # Only Python's own handler in the main thread is replaced: a SIGINT the shell ignores (a
+        # background job) or a handler the embedding program installed is left alone.
+        self.armed = (threading.current_thread() is threading.main_thread()
+                      and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if self.armed:
+            self.noted = False
+            signal.signal(signal.SIGINT, self.note)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if self.armed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if exc_type is None:
+                self.check()    # a Ctrl-C during the commit: the destination is whole, and still say so
+
+
+INTERRUPTS = Interrupts()      # SIGINT is per process: one instance, also in each worker process
 
 
 @dataclass(frozen=True)
@@ -96,7 +144,11 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     With a `group` (reshard.distributed) every rank writes its share; rank 0 commits once all
     ranks report success. Any failure but a hard kill removes the temporary sibling.
     """
-    group = group or Solo()
+    with INTERRUPTS:
+        _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group or Solo())
+
+
+def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group) -> None:
     staging = Staging(dst)
     problem = None
     if group.rank == 0:
@@ -131,6 +183,7 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
             raise error or ReshardError(f"{staging.dst}: another rank failed; nothing was written", file=staging.dst)
         try:
             digests.update(_write_small_files(plan, staging.tmp))
+            INTERRUPTS.check()
             manifest_path = staging.commit(plan, digests, single_file)
         except OSError as e:
             raise ReshardError(f"{e.filename or staging.dst}: write failed: {e.strerror or e}",
@@ -167,13 +220,26 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) ->
             todo.append(f)
     try:
         if workers > 1 and len(todo) > 1:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            context = multiprocessing.get_context()
+            stop = context.Event()
+            with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_started,
+                                     initargs=(stop,)) as pool:
                 jobs = {pool.submit(write_file, f, staging.tmp, chunk): f for f in _balanced(todo)}
-                for job, f in jobs.items():
-                    path, size, sha = job.result()
-                    staging.record(path, size, sha)
-                    digests[path] = (size, sha)
-                    bar.update(f.nbytes)
+                try:
+                    running = set(jobs)
+                    while running:
+                        done, running = wait(running, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+                        for job in done:
+                            path, size, sha = job.result()
+                            staging.record(path, size, sha)
+                            digests[path] = (size, sha)
+                            bar.update(jobs[job].nbytes)
+                        INTERRUPTS.check()
+                except BaseException:
+                    stop.set()      # running jobs stop at their next block, queued ones never start
+                    for job in jobs:
+                        job.cancel()
+                    raise
         else:
             for f in todo:
                 path, size, sha = write_file(f, staging.tmp, chunk, bar.update)
@@ -200,6 +266,12 @@ def _balanced(files):
     return sorted(files, key=lambda f: -f.nbytes)
 
 
+def _worker_started(stop) -> None:
+    """A worker process: a Ctrl-C reaches it with its parent (one process group); both stop at a block."""
+    INTERRUPTS.stop = stop
+    signal.signal(signal.SIGINT, INTERRUPTS.note)
+
+
 def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
     """Write one target file; returns (path, size, sha256). Runs in worker processes too.
 
@@ -207,13 +279,16 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
     """
     path = os.path.join(root, plan.path)
+    INTERRUPTS.check()
     sources = _SourceFiles()
     try:
         writer = container_writer(plan.container)(path, plan.header, plan.storages, **plan.options)
         with ThreadPoolExecutor(max_workers=1) as reader, writer as zw:
             for storage in plan.storages:
-                with zw.storage(storage.key, storage.nbytes) as out:
-                    for block in _read_ahead(reader, _blocks(storage, chunk, sources)):
+                with zw.storage(storage.key, storage.nbytes) as out, \
+                        contextlib.closing(_read_ahead(reader, _blocks(storage, chunk, sources))) as blocks:
+                    for block in blocks:
+                        INTERRUPTS.check()
                         out.write(block)
                         if report:
                             report(len(block))
@@ -227,12 +302,16 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
 
 def _read_ahead(pool, tasks):
     pending = deque()
-    for task in tasks:
-        pending.append(pool.submit(task))
-        if len(pending) > READ_AHEAD:
+    try:
+        for task in tasks:
+            pending.append(pool.submit(task))
+            if len(pending) > READ_AHEAD:
+                yield pending.popleft().result()
+        while pending:
             yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
+    finally:    # the writer stopped (an error, a Ctrl-C): read nothing more, before the pool closes
+        for job in pending:
+            job.cancel()
 
 
 def _blocks(storage, chunk: int, sources):

@@ -1,6 +1,7 @@
 """Shared helpers: the committed fixtures (real DeepSpeed checkpoints) and their engine truth."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+import torchrun_jobs  # noqa: E402
+from torchrun_jobs import free_port  # noqa: E402,F401  (the one free port for tests)
 FIXTURES = Path(os.environ.get("RESHARD_FIXTURES", REPO / "fixtures"))
 ALL_FIXTURES = sorted(p.name for p in FIXTURES.iterdir() if (p / "truth.json").exists()) if FIXTURES.exists() else []
 # Tensor/pipeline-parallel fixtures (truth.json "kind": "autotp" or "pipe") train other models: they have
@@ -62,24 +66,34 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"no fixtures under {FIXTURES}; run tools/make_fixtures.py")
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_env() -> dict:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+            "PYTHONHASHSEED": "0"}  # every rank orders universal optimizer states alike (engine_resume.py)
+
+
+@functools.cache
+def deepspeed_ops_ready() -> bool:
+    """DeepSpeed's CPU comm op built once, in this one process, before the first ranks start: ranks that
+    compile and load it side by side on a busy machine start their process groups minutes apart."""
+    return torchrun_jobs.build_deepspeed_ops(torchrun_env())
+
+
+def torchrun(world: int, *args, check: bool = True, deepspeed: bool = True, timeout: float = 1800):
+    """`torchrun ARGS` at `world` ranks on a free port (tools/torchrun_jobs.py); the CompletedProcess.
+    With `check`, a failure shows the end of its output; `deepspeed=False` for ranks that never import it."""
+    if deepspeed:
+        deepspeed_ops_ready()
+    proc = torchrun_jobs.launch(world, args, torchrun_env(), timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
 
 
 def run_torchrun(script: str, world: int, jobs, out: Path, stem: str):
     """Run tests/`script` under torchrun at `world` ranks on `jobs` (written as JSON); what it writes back."""
     jobs_path, results_path = out / f"jobs-{stem}.json", out / f"results-{stem}.json"
     jobs_path.write_text(json.dumps(jobs))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "PYTHONHASHSEED": "0"}   # every rank orders universal optimizer states alike (engine_resume.py)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(free_port()),
-                           str(REPO / "tests" / script), str(jobs_path), str(results_path)],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(world, REPO / "tests" / script, jobs_path, results_path)
     return json.loads(results_path.read_text())
 
 

@@ -17,6 +17,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -92,4 +93,4 @@ def compare(got, steps, lrs, truth, torch):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    run_rank(main, *sys.argv[1:6])

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from fixture_model import build_model, make_batch, param_groups  # noqa: E402
+from torchrun_jobs import run_rank  # noqa: E402
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 
@@ -100,13 +101,14 @@ def save_boxes(path):
     return full
 
 
-if __name__ == "__main__":
+def main(command, *args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    try:
-        if sys.argv[1] == "load":
-            load(sys.argv[2])
-        else:
-            train(sys.argv[2], sys.argv[3])
-    finally:
-        dist.destroy_process_group()
+    if command == "load":
+        load(*args)
+    else:
+        train(*args)
+
+
+if __name__ == "__main__":
+    run_rank(main, *sys.argv[1:])

@@ -59,4 +59,6 @@ def main(out, stage, dtype):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from torchrun_jobs import run_rank
+    run_rank(main, *sys.argv[1:4])

@@ -24,6 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(os.path.dirname(HERE), "tools")
 sys.path.insert(0, TOOLS)
+from torchrun_jobs import run_rank  # noqa: E402
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -126,4 +127,4 @@ def compare(tensors, truth, info, meta, client_state, torch):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_rank(main, sys.argv[1], sys.argv[2])

@@ -20,6 +20,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 sys.path.insert(0, HERE)
+from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -80,8 +81,7 @@ def main(job_path, result_path):
             json.dump({**job, "problems": problems, "checked": len(truth) if not problems else 0,
                        "loss_after": float(loss), "steps_after": int(engine.global_steps)}, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_rank(main, sys.argv[1], sys.argv[2])

@@ -24,6 +24,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -128,7 +129,6 @@ def main(jobs_path, results_path):
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def whole_truth(engine, state_names):
@@ -163,4 +163,4 @@ def compare(tensors, truth, torch):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_rank(main, sys.argv[1], sys.argv[2])

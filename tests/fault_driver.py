@@ -4,7 +4,11 @@
 
 MODE kill: SIGKILL this process at the N-th write to an output file; int: SIGINT there;
 pause: sleep N seconds at the first write (to hold the destination's lock); disk: report N bytes
-free on every filesystem. The faults are injected from outside: reshard's code is not changed.
+free on every filesystem; ctrlc: SIGINT the whole process group, as a terminal's Ctrl-C does, at the
+N-th function call or return the main thread makes once the executor has started staging (so it lands
+anywhere: inside a lock, a futures call, a zip member); calls: count those calls up to the commit and
+print `calls C` as the last line on stderr. The faults are injected from outside: reshard's code is
+not changed.
 """
 import os
 import shutil
@@ -14,10 +18,14 @@ import time
 
 from reshard.cli import main
 from reshard.formats import torchsave
+from reshard.staging import Staging
 
 mode, n = sys.argv[1], int(sys.argv[2])
 writes = [0]
+calls = [0, None]       # calls counted so far, calls counted when the commit began
 original_write = torchsave.HashingSink.write
+original_prepare, original_commit = Staging.prepare, Staging.commit
+DRIVER = os.getpid()    # forked workers inherit the profile hook: only this process counts
 
 
 def faulty_write(self, data):
@@ -31,10 +39,37 @@ def faulty_write(self, data):
     return original_write(self, data)
 
 
+def count_call(frame, event, arg):
+    if os.getpid() != DRIVER:
+        sys.setprofile(None)
+        return
+    calls[0] += 1
+    if mode == "ctrlc" and calls[0] == n:
+        sys.setprofile(None)
+        # the test starts the driver as the leader of its own process group: the workers get it too
+        os.killpg(os.getpgrp(), signal.SIGINT) if os.getpgrp() == DRIVER else os.kill(DRIVER, signal.SIGINT)
+
+
+def counting_prepare(self, *args):
+    sys.setprofile(count_call)
+    return original_prepare(self, *args)
+
+
+def counting_commit(self, *args):
+    calls[1] = calls[0]
+    return original_commit(self, *args)
+
+
 torchsave.HashingSink.write = faulty_write
+if mode in ("ctrlc", "calls"):
+    Staging.prepare, Staging.commit = counting_prepare, counting_commit
 # As in a terminal: a shell starting jobs in the background (CI, nohup) makes them ignore SIGINT.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 if mode == "disk":
     usage = shutil.disk_usage
     shutil.disk_usage = lambda path: usage(path)._replace(free=n)
-sys.exit(main(sys.argv[3:]))
+status = main(sys.argv[3:])
+sys.setprofile(None)
+if mode == "calls":
+    print(f"calls {calls[1]}", file=sys.stderr)
+sys.exit(status)

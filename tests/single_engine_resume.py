@@ -16,6 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -134,4 +136,4 @@ def run(job, rank):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_rank(main, sys.argv[1], sys.argv[2])

@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
 from reshard.errors import ReshardError
-from conftest import mutated, REPO, fixture_dir, run_cli, truth_json, truth_tensors
+from conftest import mutated, REPO, fixture_dir, run_cli, torchrun, truth_json, truth_tensors
 
 sys.path.insert(0, str(REPO / "tools"))
 from make_hostile import Payload  # noqa: E402
@@ -26,14 +25,6 @@ from make_hostile import Payload  # noqa: E402
 # fp32 ZeRO-1/2/3, bf16 (ZeRO-3, ZeRO-1, BF16_Optimizer), SGD, two param groups with frozen and tied params
 FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z1_bf16_frozen_tied_dp2",
                     "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2", "z2_fp32_sgd_dp2"]
-
-
-def _torchrun(world, *args, port):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def _dcp_to_torch_save(src, tmp_path):
@@ -370,7 +361,7 @@ def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, world
     converted, out = fixtures_as_dcp
     jobs = _load_jobs(converted, out, world)
     (out / f"jobs-{world}.json").write_text(json.dumps(jobs))
-    _torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", port=29610 + world)
+    torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", deepspeed=False)
     for name, job in zip(converted, jobs):
         _compare_with_truth(name, torch.load(job["out"], weights_only=False))
     # the comparison sees another run's state (same model and optimizer, trained at dp=4)
@@ -382,7 +373,7 @@ def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, world
 def fsdp2_save(tmp_path_factory):
     """A DCP checkpoint saved by real FSDP2 code at 4 ranks after 3 Adam steps, and its gathered state."""
     out = tmp_path_factory.mktemp("fsdp2")
-    _torchrun(4, REPO / "tests" / "dcp_fsdp2.py", "train", out / "ckpt", out / "truth.pt", port=29620)
+    torchrun(4, REPO / "tests" / "dcp_fsdp2.py", "train", out / "ckpt", out / "truth.pt", deepspeed=False)
     return out / "ckpt", torch.load(out / "truth.pt", weights_only=False)
 
 
@@ -429,7 +420,7 @@ def test_an_fsdp2_save_converted_to_dcp_loads_at_2_ranks(fsdp2_save, tmp_path):
     out = tmp_path / "loaded.pt"
     job = {"dcp": str(dst), "out": str(out), "optimizer": "Adam", "hyper": [{"betas": [0.9, 0.999]}]}
     (tmp_path / "jobs.json").write_text(json.dumps([job]))
-    _torchrun(2, REPO / "tests" / "dcp_fsdp2.py", "load", tmp_path / "jobs.json", port=29630)
+    torchrun(2, REPO / "tests" / "dcp_fsdp2.py", "load", tmp_path / "jobs.json", deepspeed=False)
     loaded = torch.load(out, weights_only=False)
     assert sorted(loaded["model"]) == sorted(truth["model"])
     for name, value in truth["model"].items():
@@ -452,8 +443,8 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
     moment = truth["optim"]["state"]["l1.weight"]["exp_avg"]
     moment.view(-1)[5] = torch.nextafter(moment.view(-1)[5], torch.tensor(1.0))
     torch.save(truth, tmp_path / "control.pt")
-    _torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", dst, stage, fsdp2_save[0].parent / "truth.pt", result,
-              tmp_path / "control.pt", port=29640 + stage)
+    torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", dst, stage, fsdp2_save[0].parent / "truth.pt", result,
+             tmp_path / "control.pt")
     outcome = json.loads(result.read_text())
     assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
     assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome

@@ -1,18 +1,12 @@
 """`torchrun -m reshard convert|export`: the ranks share the files; output identical to one process."""
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, fixture_dir, run_cli
+from conftest import fixture_dir, run_cli, torchrun
 
 
 def _torchrun(k, *args):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([torchrun, "--nproc_per_node", str(k), "--master_port", str(29700 + k), "-m", "reshard",
-                           *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+    return torchrun(k, "-m", "reshard", *args, check=False, deepspeed=False, timeout=600)
 
 
 def _tree(root):

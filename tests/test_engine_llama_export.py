@@ -1,13 +1,11 @@
 """A Llama trained with DeepSpeed, exported by reshard, loads in transformers with the engine's logits."""
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, torchrun
 
 pytestmark = pytest.mark.engine
 CASES = [("2", "fp32"), ("3", "bf16")]
@@ -17,12 +15,7 @@ CASES = [("2", "fp32"), ("3", "bf16")]
 def trained(request, tmp_path_factory):
     stage, dtype = request.param
     out = tmp_path_factory.mktemp(f"llama-zero{stage}-{dtype}")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29377",
-                           str(REPO / "tests" / "engine_llama.py"), str(out), stage, dtype],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    torchrun(2, REPO / "tests" / "engine_llama.py", out, stage, dtype)
     return out, dtype
 
 

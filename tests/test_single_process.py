@@ -3,10 +3,7 @@ safetensors/save_pretrained): reshard inspects, validates and exports them, conv
 DeepSpeed ZeRO at other world sizes, and the unmodified DeepSpeed engine resumes them with every
 fp32 param and optimizer state equal to the source's (tests/single_engine_resume.py)."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,22 +11,13 @@ from safetensors.torch import load_file, save_file
 
 import reshard
 from reshard.convert import make_plan
-from conftest import REPO, run_cli
+from conftest import run_cli, run_torchrun
 import single_models as sm
 
 
 def run_engine(world, jobs, tmp):
     """Resume each job's checkpoint in one torchrun launch of `world` ranks; problems per job."""
-    jobs_path, results_path = tmp / f"jobs-{world}.json", tmp / f"results-{world}.json"
-    jobs_path.write_text(json.dumps(jobs))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(29600 + world),
-                           str(REPO / "tests" / "single_engine_resume.py"), str(jobs_path), str(results_path)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(results_path.read_text())
+    results = run_torchrun("single_engine_resume.py", world, jobs, tmp, f"w{world}")
     assert len(results) == len(jobs)
     return results
 

@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 
+import torchrun_jobs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -37,11 +39,11 @@ REPO = os.path.dirname(HERE)
 # ------------------------------------------------------------------------------------------ make
 def make(args):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc_per_node", str(args.dp), "--master_port", "29551", __file__, "worker", args.dir,
-           "--params", str(args.params), "--stage", str(args.stage), "--dtype", args.dtype]
+    cmd = [__file__, "worker", args.dir, "--params", str(args.params), "--stage", str(args.stage), "--dtype", args.dtype]
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env)
+    proc = torchrun_jobs.launch(args.dp, cmd, env, timeout=None, log=print)
+    if proc.returncode != 0:
+        sys.exit(f"{proc.stdout}{proc.stderr}\nbench make: the engine run failed (exit {proc.returncode})")
     print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {_du(args.dir) / 1e9:.2f} GB")
 
 
@@ -58,6 +60,10 @@ def engine_config(stage, dtype):
 
 
 def worker(args):
+    torchrun_jobs.run_rank(_train_and_save, args)      # exits
+
+
+def _train_and_save(args):
     import deepspeed
     import torch
     import torch.nn as nn

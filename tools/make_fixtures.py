@@ -45,11 +45,12 @@ import copy
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+import torchrun_jobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -59,6 +60,7 @@ STEPS = 3
 MICRO_BATCH = 2
 CLIENT_STATE = {"epoch": 1, "note": "reshard-fixture"}
 LAUNCH_TIMEOUT = 600  # seconds per torchrun launch
+RANK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
 
 # --------------------------------------------------------------------------------------------------------------
 # configurations
@@ -496,19 +498,6 @@ def parallel_worker(spec, out_dir, rank):
 # launcher
 
 
-_USED_PORTS = set()
-
-
-def _free_port():
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _USED_PORTS:  # avoid handing the same port to two concurrent launches
-            _USED_PORTS.add(port)
-            return port
-
-
 def _dir_size(path):
     total = 0
     for root, _, files in os.walk(path):
@@ -552,21 +541,16 @@ def launch(name, out, log_dir):
     tmp_dir = os.path.join(out, f".tmp-{name}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
-    env = dict(os.environ)
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"})
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    if not os.path.exists(torchrun):
-        torchrun = shutil.which("torchrun") or "torchrun"
-    cmd = [
-        torchrun, "--nnodes", "1", "--nproc_per_node", str(spec["world"]), "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), os.path.abspath(__file__), "--worker", name, "--out", tmp_dir
-    ]
+    args = ["--nnodes", "1", "--master_addr", "127.0.0.1", os.path.abspath(__file__), "--worker", name,
+            "--out", tmp_dir]
     log_path = os.path.join(log_dir, f"{name}.log")
     t0 = time.time()
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=LAUNCH_TIMEOUT,
-                                cwd=REPO).returncode
+            proc = torchrun_jobs.launch(spec["world"], args, {**os.environ, **RANK_ENV}, timeout=LAUNCH_TIMEOUT,
+                                        cwd=REPO)
+            log.write(proc.stdout + proc.stderr)
+            rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     dt = time.time() - t0
@@ -608,8 +592,7 @@ def main():
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # also for the parent (checks unpickle DeepSpeed classes)
     if args.worker:
-        worker(args.worker, args.out)
-        return 0
+        torchrun_jobs.run_rank(worker, args.worker, args.out)     # exits
     if args.list:
         print("\n".join(CONFIGS))
         return 0
@@ -623,6 +606,7 @@ def main():
     log_dir = tempfile.mkdtemp(prefix="reshard-fixture-logs-")
 
     t0 = time.time()
+    torchrun_jobs.build_deepspeed_ops({**os.environ, **RANK_ENV}, log=print)    # once: the ranks only load it
     if args.jobs > 1:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as ex:
             results = list(ex.map(lambda n: launch(n, out, log_dir), names))

@@ -177,6 +177,8 @@ class HashingSink(io.RawIOBase):
         return self.size
 
     def write(self, data) -> int:
+        if self.closed:     # (its hashing thread is gone): say so rather than submit to a closed pool
+            raise ValueError(f"{self._file.name}: write after close")
         data = bytes(data) if not isinstance(data, bytes) else data
         self._pending.append(self._hasher.submit(self._sha.update, data))
         while len(self._pending) > self.HASH_BEHIND:

@@ -1,0 +1,111 @@
+"""torchrun launches that survive a busy machine and a torchrun job beside them (tests and tools share this).
+
+- `launch(world, args, env)`: torchrun on a free port, once more on another if that port was taken
+  between `free_port` closing it and torchrun's store binding it (the reason is logged).
+- `build_deepspeed_ops(env)`: DeepSpeed's JIT-built CPU op (`deepspeed_shm_comm`, built by every rank's
+  `deepspeed.init_distributed`) built and loaded once in one process, so ranks only load it.
+- `run_rank(main, *args)`: how every script run under torchrun calls its main: the process group is
+  destroyed however main ends, and the rank exits without the interpreter teardown that gloo's worker
+  threads race with (a SIGABRT, "terminate called without an active exception": 9 of 15 runs of a
+  3-rank gloo script that never destroys its group; 2 of 4 of tests/dcp_fsdp2.py, which does, beside
+  another job).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import traceback
+import warnings
+
+_GIVEN = set()      # ports handed out by this process: two concurrent launches never share one
+
+
+def free_port() -> int:
+    """A port no one listens on now (on every interface, as torchrun's store binds)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+
+
+def launch(world: int, args, env: dict, timeout: float = 1800, log=None, cwd=None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node WORLD --master_port <free> ARGS...`, output captured."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+    def run(port):
+        return subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port), *map(str, args)],
+                              capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+
+    port = free_port()
+    proc = run(port)
+    if proc.returncode != 0 and _port_taken(proc.stderr):
+        (log or _warn)(f"torchrun: port {port} was taken before its store bound it (EADDRINUSE); "
+                       "once more on another")
+        proc = run(free_port())
+    return proc
+
+
+def _port_taken(stderr: str) -> bool:
+    return "EADDRINUSE" in stderr or "address already in use" in stderr.lower()
+
+
+BUILD_OPS = ("from deepspeed.comm.torch import build_shm_op\n"
+             "print('deepspeed_shm_comm:', 'built' if build_shm_op() is not None else 'not used here')")
+
+
+def build_deepspeed_ops(env: dict, log=None) -> bool:
+    """Build (or load, once built) DeepSpeed's shm comm op in one process, as the ranks would (same
+    environment, same torch_extensions cache); a failure is logged and retried once. True when ready."""
+    for attempt in (1, 2):
+        try:
+            proc = subprocess.run([sys.executable, "-c", BUILD_OPS], capture_output=True, text=True,
+                                  env=env, timeout=1800)
+            if proc.returncode == 0:
+                return True
+            reason = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            reason = "no result in 30 minutes"
+        (log or _warn)(f"building DeepSpeed's deepspeed_shm_comm op failed (attempt {attempt} of 2): {reason}")
+    return False
+
+
+def run_rank(main, *args) -> None:
+    """Run a torchrun script's `main(*args)`, then end this rank: leave the process group (also after an
+    error: the traceback is printed, the exit status is 1) and exit at once, with os._exit.
+
+    destroy_process_group does not stop gloo's worker threads while anything still references the group
+    (a DeviceMesh, an FSDP module, a DeepSpeed engine or its module globals). Such a thread that drops the
+    last reference to a Python tensor once interpreter teardown has begun cannot take the GIL, is unwound
+    through a noexcept frame and aborts the rank ("terminate called without an active exception",
+    SIGABRT; seen in a core of tests/dcp_fsdp2.py: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork ->
+    decref_pyobject -> take_gil -> pthread_exit). With the output flushed and the group destroyed,
+    ending without that teardown leaves nothing to race with.
+    """
+    status = 1
+    try:
+        main(*args)
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
