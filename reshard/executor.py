@@ -145,10 +145,10 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     ranks report success. Any failure but a hard kill removes the temporary sibling.
     """
     with INTERRUPTS:
-        _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group or Solo())
+        return _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group or Solo())
 
 
-def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group) -> None:
+def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group) -> Written | None:
     staging = Staging(dst)
     problem = None
     if group.rank == 0:
