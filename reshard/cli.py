@@ -27,6 +27,9 @@ def main(argv=None) -> int:
         # Python's recommended handling: point stdout at devnull so the flush at exit cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_STDOUT_CLOSED
+    except KeyboardInterrupt:   # here, not in _main: a Ctrl-C while the arguments are parsed ends as quietly
+        print("reshard: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(argv) -> int:
@@ -45,9 +48,6 @@ def _main(argv) -> int:
     except OSError as e:       # an I/O failure no layer turned into a ReshardError: still one line
         _error(args, f"{e.filename or ''}: {e.strerror or e}", e.filename)
         return getattr(args, "error_exit", 1)
-    except KeyboardInterrupt:
-        print("reshard: interrupted", file=sys.stderr)
-        return 130
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):

@@ -253,3 +253,13 @@ def test_json_error_names_the_file_the_problem_is_about(tmp_path):
     proc = run_cli("plan", SRC, "--to", descriptor, "--json", check=1)
     assert json.loads(proc.stdout) == {"error": _one_line(proc, "dp must be")[len("reshard: "):],
                                        "file": str(descriptor)}
+
+
+def test_ctrl_c_while_the_arguments_are_parsed_is_one_line(monkeypatch, capsys):
+    import reshard.cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(reshard.cli, "build_parser", interrupted)
+    assert reshard.cli.main(["inspect", str(SRC)]) == 130
+    assert capsys.readouterr().err == "reshard: interrupted\n"
