@@ -263,3 +263,11 @@ def test_ctrl_c_while_the_arguments_are_parsed_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(reshard.cli, "build_parser", interrupted)
     assert reshard.cli.main(["inspect", str(SRC)]) == 130
     assert capsys.readouterr().err == "reshard: interrupted\n"
+
+
+def test_a_source_without_a_zero_stage_is_told_to_name_one(tmp_path):
+    run_cli("convert", SRC, tmp_path / "dcp", "--format", "dcp", "--quiet", check=0)
+    proc = run_cli("convert", tmp_path / "dcp", tmp_path / "ds", "--format", "deepspeed", check=1)
+    assert proc.stderr.count("\n") == 1 and "name one, e.g. --to zero=2" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ds").exists()
+    run_cli("convert", tmp_path / "dcp", tmp_path / "ds", "--format", "deepspeed", "--to", "zero=2", "--quiet", check=0)

@@ -35,8 +35,6 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if target.tp > 1 and target.zero not in (1, 2):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel target is written for ZeRO-1/2 only "
                            "(what AutoTP trains with)")
-    if target.zero not in (1, 2, 3):
-        raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written")
     if target.tp == 1:
         return writer.rank_files(writer._Context(catalog, target), tag) + writer.closing_files(tag, source_save_dir)
     if target.tp != source.tp:               # a new degree: AutoTP's cut and its info there (tp_recut)

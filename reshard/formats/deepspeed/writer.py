@@ -32,11 +32,13 @@ WRITES_DS_VERSION = "0.19.8"    # the DeepSpeed whose files this writer reproduc
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_convertible(catalog, target)
     source = catalog.layout
+    if target.zero not in (1, 2, 3):
+        # a source with no ZeRO stage of its own (DCP, torch.save, universal) keeps "0" unless --to names one
+        hint = " (the source has none: name one, e.g. --to zero=2)" if source.zero not in (1, 2, 3) else ""
+        raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written{hint}")
     if target.tp != 1 or target.pp != 1 or source.tp != 1 or source.pp != 1 or catalog.state.get("pipe_layer_files"):
         from reshard.formats.deepspeed import tp_writer    # tensor/pipeline parallel on either side
         return tp_writer.target_files(catalog, target, tag, source_save_dir)
-    if target.zero not in (1, 2, 3):
-        raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written")
     return rank_files(_Context(catalog, target), tag) + closing_files(tag, source_save_dir)
 
 
