@@ -15,8 +15,7 @@ def target_layout(catalog: Catalog, to: str) -> Layout:
     if os.path.isfile(to):
         return source.with_descriptor(to)
     if to and "=" not in to:     # every key of a spec is key=value: this names a file
-        raise ReshardError(f"{to}: no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)",
-                           file=to)
+        raise ReshardError.at(to, "no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)")
     return source.with_spec(to)
 
 

@@ -13,6 +13,11 @@ class ReshardError(Exception):
         super().__init__(message)
         self.file = None if file is None else str(file)
 
+    @classmethod
+    def at(cls, file, problem: str):
+        """The usual line, `FILE: problem`, with `file` set."""
+        return cls(f"{file}: {problem}", file=file)
+
 
 class UsageError(ReshardError):
     """The command asks for something that cannot apply (an option the source's format takes no
@@ -25,7 +30,7 @@ class CheckpointError(ReshardError):
     def __init__(self, path, problem: str):
         self.path = str(path)
         self.problem = problem
-        super().__init__(f"{self.path}: {problem}", file=self.path)
+        super().__init__(f"{self.path}: {problem}", file=self.path)     # as ReshardError.at
 
 
 class UnsafeCheckpointError(CheckpointError):

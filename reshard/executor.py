@@ -120,17 +120,17 @@ def check_destination(source_root: str, dst: str, overwrite: bool, single_file: 
     # beside it in its folder touches nothing it holds.
     for protected in (src, save_dir) if os.path.isdir(src) else (src,):
         if real == protected or real.startswith(protected + os.sep) or protected.startswith(real + os.sep):
-            raise ReshardError(f"{dst}: the destination overlaps the source checkpoint {protected}", file=dst)
+            raise ReshardError.at(dst, f"the destination overlaps the source checkpoint {protected}")
     if single_file:
         if os.path.isdir(dst):
-            raise ReshardError(f"{dst}: is a directory, not a file name", file=dst)
+            raise ReshardError.at(dst, "is a directory, not a file name")
         if os.path.exists(dst) and not overwrite:
-            raise ReshardError(f"{dst}: exists (use --overwrite to replace it)", file=dst)
+            raise ReshardError.at(dst, "exists (use --overwrite to replace it)")
     elif os.path.exists(dst):
         if not os.path.isdir(dst):
-            raise ReshardError(f"{dst}: exists and is not a directory", file=dst)
+            raise ReshardError.at(dst, "exists and is not a directory")
         if os.listdir(dst) and not overwrite:
-            raise ReshardError(f"{dst}: exists and is not empty (use --overwrite to replace it)", file=dst)
+            raise ReshardError.at(dst, "exists and is not empty (use --overwrite to replace it)")
 
 
 def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -176,18 +176,17 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
         if error is not None:
             raise error
         if not everyone_ok:
-            raise ReshardError(f"{staging.dst}: another rank failed; nothing was written", file=staging.dst)
+            raise ReshardError.at(staging.dst, "another rank failed; nothing was written")
         return None
     try:
         if not everyone_ok:
-            raise error or ReshardError(f"{staging.dst}: another rank failed; nothing was written", file=staging.dst)
+            raise error or ReshardError.at(staging.dst, "another rank failed; nothing was written")
         try:
             digests.update(_write_small_files(plan, staging.tmp))
             INTERRUPTS.check()
             manifest_path = staging.commit(plan, digests, single_file)
         except OSError as e:
-            raise ReshardError(f"{e.filename or staging.dst}: write failed: {e.strerror or e}",
-                               file=e.filename or staging.dst) from None
+            raise ReshardError.at(e.filename or staging.dst, f"write failed: {e.strerror or e}") from None
     except BaseException:
         staging.discard()
         raise
@@ -203,8 +202,8 @@ def check_free_space(plan: Plan, staging, resume: bool) -> None:
     need = plan.bytes_written - (staging.reusable_bytes() if resume else 0)
     free = shutil.disk_usage(os.path.dirname(staging.dst)).free
     if need > free:
-        raise ReshardError(f"{staging.dst}: needs {need / 2**30:.2f} GiB to write, "
-                           f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free", file=staging.dst)
+        raise ReshardError.at(staging.dst, f"needs {need / 2**30:.2f} GiB to write, "
+                                           f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
 
 
 def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) -> dict:
@@ -293,7 +292,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
                         if report:
                             report(len(block))
     except OSError as e:
-        raise ReshardError(f"{path}: write failed: {e.strerror or e}", file=path) from None
+        raise ReshardError.at(path, f"write failed: {e.strerror or e}") from None
     finally:
         sources.close()
     fsync(path)
@@ -367,10 +366,10 @@ class _SourceFiles:
             try:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             except OSError as e:
-                raise ReshardError(f"{path}: cannot open: {e.strerror}", file=path) from None
+                raise ReshardError.at(path, f"cannot open: {e.strerror}") from None
         data = os.pread(fd, nbytes, offset)
         if len(data) != nbytes:
-            raise ReshardError(f"{path}: truncated: needed bytes [{offset}, {offset + nbytes})", file=path)
+            raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
         if nbytes >= DROP_CACHE_BYTES:     # read once: let the kernel drop these pages
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         return data

@@ -45,7 +45,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
     file_type = FORMATS[fmt]
     single_file = out.endswith(file_type.SUFFIXES) and max_shard_size is None
     if single_file and with_optimizer:
-        raise ReshardError(f"{out}: --with-optimizer writes several files; give a directory", file=out)
+        raise ReshardError.at(out, "--with-optimizer writes several files; give a directory")
     if with_optimizer:
         catalog.require_group_scalars("the optimizer state (--with-optimizer)")
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
@@ -78,8 +78,8 @@ def export_format(out: str, fmt: str | None) -> str:
         return named[0] if named else "safetensors"
     if named and fmt not in named:
         suffixes = "/".join(FORMATS[fmt].SUFFIXES)
-        raise UsageError(f"{out}: the name says {named[0]}, --format says {fmt}; name a {suffixes} file, a directory, "
-                         "or leave --format out", file=out)
+        raise UsageError.at(out, f"the name says {named[0]}, --format says {fmt}; name a {suffixes} file, a directory, "
+                                 "or leave --format out")
     return fmt
 
 

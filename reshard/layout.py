@@ -118,8 +118,8 @@ class Layout:
         given = read_descriptor(path)
         for key in ("dtype", "master_dtype"):
             if key in given and given[key] != getattr(self, key):
-                raise ReshardError(f"{path}: {key} {given[key]} differs from the source's {getattr(self, key)}; "
-                                   "convert keeps the training precision", file=path)
+                raise ReshardError.at(path, f"{key} {given[key]} differs from the source's {getattr(self, key)}; "
+                                            "convert keeps the training precision")
         merged = {**self.to_dict(), **{k: given[k] for k in ("dp", "tp", "pp", "zero") if k in given}}
         given_options = given.get("options") or {}
         for key in ("partition_method", "layer_types"):
@@ -185,10 +185,10 @@ def read_descriptor(path) -> dict:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise ReshardError(f"{path}: cannot read layout descriptor: {e.strerror}", file=path) from None
+        raise ReshardError.at(path, f"cannot read layout descriptor: {e.strerror}") from None
     except json.JSONDecodeError as e:
-        raise ReshardError(f"{path}: layout descriptor is not valid JSON ({e})", file=path) from None
+        raise ReshardError.at(path, f"layout descriptor is not valid JSON ({e})") from None
     if not isinstance(data, dict) or data.get("kind") != DESCRIPTOR_KIND:
         kind = data.get("kind") if isinstance(data, dict) else None
-        raise ReshardError(f"{path}: not a reshard layout descriptor (kind is {kind!r})", file=path)
+        raise ReshardError.at(path, f"not a reshard layout descriptor (kind is {kind!r})")
     return data

@@ -165,8 +165,8 @@ class _FragmentIndex:
         if found is None:
             tensor = self.catalog.tensors.get(key)
             if tensor is None:
-                raise ReshardError(f"{self.catalog.root}: the source has no {key[1]} for {key[0]}, "
-                                   "which the target needs", file=self.catalog.root)
+                raise ReshardError.at(self.catalog.root, f"the source has no {key[1]} for {key[0]}, "
+                                                         "which the target needs")
             frags = sorted(tensor.fragments, key=lambda f: f.start)
             found = (tensor, frags, [f.start for f in frags])
             self._sorted[key] = found
@@ -189,5 +189,5 @@ class _FragmentIndex:
             yield Copy(dst + covered - start, end - covered, frag.storage.file, offset, tensor.dtype)
             covered = end
         if covered < stop:
-            raise ReshardError(f"{self.catalog.root}: {key[0]} ({key[1]}) elements [{covered}, {stop}) are "
-                               "missing from the source; run `reshard validate`", file=self.catalog.root)
+            raise ReshardError.at(self.catalog.root, f"{key[0]} ({key[1]}) elements [{covered}, {stop}) are "
+                                                     "missing from the source; run `reshard validate`")

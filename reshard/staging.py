@@ -35,8 +35,7 @@ class Staging:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise ReshardError(f"{self.dst}: another reshard is writing it (lock {self.lock_path} is held)",
-                               file=self.dst) from None
+            raise ReshardError.at(self.dst, f"another reshard is writing it (lock {self.lock_path} is held)") from None
         self._lock = fd
 
     def release(self) -> None:

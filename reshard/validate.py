@@ -80,8 +80,8 @@ def require_complete(catalog: Catalog) -> None:
     """Raise one line when the checkpoint is not whole: nothing is converted or exported from it."""
     report = validate(catalog)
     if not report.ok:
-        raise ReshardError(f"{catalog.root}: the checkpoint is not complete ({len(report.problems)} problem(s), "
-                           f"first: {report.problems[0]}); run `reshard validate`", file=catalog.root)
+        raise ReshardError.at(catalog.root, f"the checkpoint is not complete ({len(report.problems)} problem(s), "
+                                            f"first: {report.problems[0]}); run `reshard validate`")
 
 
 def _check_manifest(catalog, report, checksums, progress):

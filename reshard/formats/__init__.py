@@ -31,19 +31,19 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut."""
     if not os.path.exists(path):
-        raise ReshardError(f"{path}: no such file or directory", file=path)
+        raise ReshardError.at(path, "no such file or directory")
     for name in READERS:
         module = importlib.import_module(name)
         if module.sniff(path, tag):
             if not layout_rules:
                 return module.read(path, tag)
             if not getattr(module, "TAKES_LAYOUT_RULES", False):
-                raise UsageError(f"{path}: layout rules (--layout-rules) say how tensor parallelism cut a DeepSpeed "
-                                 "checkpoint that does not record it; this checkpoint's format takes none", file=path)
+                raise UsageError.at(path, "layout rules (--layout-rules) say how tensor parallelism cut a DeepSpeed "
+                                          "checkpoint that does not record it; this checkpoint's format takes none")
             return module.read(path, tag, layout_rules)
-    raise ReshardError(f"{path}: not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
-                       "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
-                       "Hugging Face Trainer checkpoint folders, safetensors)", file=path)
+    raise ReshardError.at(path, "not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
+                                "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
+                                "Hugging Face Trainer checkpoint folders, safetensors)")
 
 
 def writer(format_name: str):

@@ -109,7 +109,7 @@ def _tensors(catalog: Catalog, dp: int):
         source = (holder, MASTER) if info.kind == "trainable" and (holder, MASTER) in catalog.tensors \
             else (holder, MODULE)
         if source not in catalog.tensors:
-            raise ReshardError(f"{catalog.root}: no weights for {name} ({source[1]}) to write", file=catalog.root)
+            raise ReshardError.at(catalog.root, f"no weights for {name} ({source[1]}) to write")
         yield (f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype,
                1 if info.kind == "buffer" else dp)
     for g, group in enumerate(catalog.param_groups):

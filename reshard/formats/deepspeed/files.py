@@ -46,20 +46,20 @@ def resolve_tag_dir(path: str, tag: str | None = None) -> tuple[str, str]:
     """(tag directory, tag) for a save dir with `latest`, a save dir plus --tag, or a tag dir."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise ReshardError(f"{path}: no such directory", file=path)
+        raise ReshardError.at(path, "no such directory")
     latest = os.path.join(path, LATEST)
     if tag is None and os.path.isfile(latest):
         with open(latest) as f:
             tag = f.read().strip()
         if not tag:
-            raise ReshardError(f"{latest}: file is empty; name the tag with --tag", file=latest)
+            raise ReshardError.at(latest, "file is empty; name the tag with --tag")
     if tag is not None:
         if os.sep in tag or tag in ("", ".", ".."):
-            raise ReshardError(f"{path}: invalid tag {tag!r}", file=path)
+            raise ReshardError.at(path, f"invalid tag {tag!r}")
         tag_dir = os.path.join(path, tag)
         if not os.path.isdir(tag_dir):
-            raise ReshardError(f"{tag_dir}: tag folder does not exist", file=tag_dir)
+            raise ReshardError.at(tag_dir, "tag folder does not exist")
         return tag_dir, tag
     if is_deepspeed_dir(path):
         return path, os.path.basename(path)
-    raise ReshardError(f"{path}: not a DeepSpeed checkpoint (no '{LATEST}' file and no *_model_states.pt)", file=path)
+    raise ReshardError.at(path, f"not a DeepSpeed checkpoint (no '{LATEST}' file and no *_model_states.pt)")

@@ -44,10 +44,10 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
     if not dims:                    # saves before checkpoint_parallel_dimensions: mp ranks are stages or TP ranks
         tp, pp = (1, mp) if pipeline else (mp, 1)
     if tp > 1 and pp > 1 and not pipeline:
-        raise ReshardError(f"{tag_dir}: tensor and pipeline parallel together (tp={tp}, pp={pp}) without "
-                           "PipelineModule layer files are not supported", file=tag_dir)
+        raise ReshardError.at(tag_dir, f"tensor and pipeline parallel together (tp={tp}, pp={pp}) without "
+                                       "PipelineModule layer files are not supported")
     if tp * pp != mp:
-        raise ReshardError(f"{tag_dir}: mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}", file=tag_dir)
+        raise ReshardError.at(tag_dir, f"mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}")
     locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp, model0)
     if pipeline and tp > 1:
         catalog = _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules)
@@ -146,8 +146,8 @@ def _geometry(tag_dir, locals_, layout_rules) -> Geometry:
         return Geometry.from_checkpoint(info, os.path.join(tag_dir, names.model_states_name(0)))
     if layout_rules:
         return Geometry.from_rule_file(layout_rules)
-    raise ReshardError(f"{tag_dir}: tensor-parallel checkpoint without universal_checkpoint_info: how each "
-                       "parameter was cut is unknown; give it with --layout-rules FILE (see layouts/)", file=tag_dir)
+    raise ReshardError.at(tag_dir, "tensor-parallel checkpoint without universal_checkpoint_info: how each "
+                                   "parameter was cut is unknown; give it with --layout-rules FILE (see layouts/)")
 
 
 def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
@@ -347,8 +347,8 @@ def _read_layers(catalog, tag_dir, listing, locals_, files, model=None):
         if m:
             if (m.group(1) or None) != (None if model is None else f"-model_{model:02d}"):
                 if model is None:
-                    raise ReshardError(f"{tag_dir}: {n}: a layer file of a tensor-parallel rank, but the "
-                                       "save's checkpoint_parallel_dimensions say tp=1", file=tag_dir)
+                    raise ReshardError.at(tag_dir, f"{n}: a layer file of a tensor-parallel rank, but the "
+                                                   "save's checkpoint_parallel_dimensions say tp=1")
                 continue
             layers[int(n.split("_")[1].split("-")[0])] = n
     expected = {int(k.split(".")[0]) for k in known if k.split(".")[0].isdigit()}

@@ -58,13 +58,13 @@ TIED = "tied_modules."
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     layer_files = catalog.state.get("pipe_layer_files")
     if not layer_files:
-        raise ReshardError(f"{catalog.root}: not a PipelineModule save (no layer files): a pipeline target needs "
-                           "the model's layers", file=catalog.root)
+        raise ReshardError.at(catalog.root, "not a PipelineModule save (no layer files): a pipeline target needs "
+                                            "the model's layers")
     if target.zero != 1:     # deepspeed/runtime/pipe/engine.py asserts stage < 2
         raise ReshardError(f"target {target.topology()}: a PipelineEngine trains with ZeRO stage 1 only "
                            "(DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism)")
     if any(p.kind == "frozen" for p in catalog.params.values()):
-        raise ReshardError(f"{catalog.root}: frozen parameters in a pipeline are not supported", file=catalog.root)
+        raise ReshardError.at(catalog.root, "frozen parameters in a pipeline are not supported")
     layers = {int(i): entries for i, entries in layer_files.items()}
     cut = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
                            target.options.get("layer_types"))
@@ -95,9 +95,9 @@ def megatron_splits(catalog: Catalog, tp: int) -> dict:
     from reshard.formats.deepspeed.tp_geometry import Geometry
     rules_path = catalog.state.get("tp_rules")
     if not rules_path:
-        raise ReshardError(f"{catalog.root}: tp={catalog.layout.tp} -> tp={tp}: how the pipeline's layers are cut "
-                           "is not in the checkpoint; give it with --layout-rules FILE (layouts/megatron-gpt.json)",
-                           file=catalog.root)
+        raise ReshardError.at(catalog.root, f"tp={catalog.layout.tp} -> tp={tp}: how the pipeline's layers are "
+                                            "cut is not in the checkpoint; give it with --layout-rules FILE "
+                                            "(layouts/megatron-gpt.json)")
     geometry = Geometry.from_rule_file(rules_path)
     splits = {}
     for name, info in catalog.params.items():
@@ -109,12 +109,12 @@ def megatron_splits(catalog: Catalog, tp: int) -> dict:
             dim = rule.dim if rule.dim >= 0 else len(shape) + rule.dim
             parts = tp * (rule.sub_params[0] if rule.count_only else len(rule.sub_params) or 1)
             if shape[dim] % parts:
-                raise ReshardError(f"{catalog.root}: {name}: dim {dim} of {info.shape} does not divide into "
-                                   f"{parts} equal parts, as Megatron's tensor parallelism at tp={tp} needs",
-                                   file=catalog.root)
+                raise ReshardError.at(catalog.root, f"{name}: dim {dim} of {info.shape} does not divide into "
+                                                    f"{parts} equal parts, as Megatron's tensor parallelism at "
+                                                    f"tp={tp} needs")
             shape[dim] //= tp
         elif rule is not None and rule.kind == "refuse":
-            raise ReshardError(f"{rules_path}: {name}: {rule.reason}", file=rules_path)
+            raise ReshardError.at(rules_path, f"{name}: {rule.reason}")
         splits[name] = geometry.split(name, {r: tuple(shape) for r in range(tp)}, tp)
     return splits
 
@@ -208,16 +208,16 @@ def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None 
     count = len(uses)
     if named and named.startswith("type:"):
         if pp > len(layer_types):
-            raise ReshardError(f"{catalog.root}: pp={pp} but the model has {len(layer_types)} layers", file=catalog.root)
+            raise ReshardError.at(catalog.root, f"pp={pp} but the model has {len(layer_types)} layers")
         return Cut(named, tuple(methods[named](pp)), uses)
     if pp > count:
-        raise ReshardError(f"{catalog.root}: pp={pp} but the model has {count} layers", file=catalog.root)
+        raise ReshardError.at(catalog.root, f"pp={pp} but the model has {count} layers")
     if named:
         return Cut(named, tuple(methods[named](pp)), uses)
     if not fits:
-        raise ReshardError(f"{catalog.root}: the source's pipeline stages are neither DeepSpeed's 'uniform' nor "
-                           f"'parameters' partition of its {count} layers; other partition methods are not supported",
-                           file=catalog.root)
+        raise ReshardError.at(catalog.root, "the source's pipeline stages are neither DeepSpeed's 'uniform' nor "
+                                            f"'parameters' partition of its {count} layers; other partition "
+                                            "methods are not supported")
     cuts = {m: tuple(methods[m](pp)) for m in fits}
     method = "parameters" if "parameters" in fits else fits[0]    # PipelineModule's default first
     ambiguous = None
@@ -252,8 +252,8 @@ def _methods(catalog: Catalog, uses: tuple, named: str | None, layer_types: list
             raise ReshardError(f"partition={named} needs the class names of the model's layers: add "
                                "layer_types=NAME/NAME/... (one per layer, in order)")
         if len(layer_types) < count:
-            raise ReshardError(f"{catalog.root}: layer_types names {len(layer_types)} layers but the checkpoint "
-                               f"has {count}", file=catalog.root)
+            raise ReshardError.at(catalog.root, f"layer_types names {len(layer_types)} layers but the checkpoint "
+                                                f"has {count}")
         methods[named] = lambda parts: partition_by_type(layer_types, named, parts)
     return methods
 
@@ -296,8 +296,8 @@ def _layer_file(catalog: Catalog, index: int, entries: list, tag: str, tp_rank: 
     tree = OrderedDict()
     for key, full_name in entries:
         if full_name is None:
-            raise ReshardError(f"{catalog.root}: {name}: {key} is not a tensor; layer files holding other objects "
-                               "are not supported", file=catalog.root)
+            raise ReshardError.at(catalog.root, f"{name}: {key} is not a tensor; layer files holding other objects "
+                                                "are not supported")
         tensor = catalog.tensors[(full_name, MODULE)]
         tree[key] = file.slot(tensor.dtype, tensor.shape, [Piece(tensor.numel, (full_name, MODULE), 0)])
     file.tree = tree

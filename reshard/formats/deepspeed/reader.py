@@ -52,8 +52,7 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None) -> 
         return catalog
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.
-        raise ReshardError(f"{tag_dir}: not the structure DeepSpeed writes ({type(e).__name__}: {e})",
-                           file=tag_dir) from None
+        raise ReshardError.at(tag_dir, f"not the structure DeepSpeed writes ({type(e).__name__}: {e})") from None
 
 
 def _read(tag_dir: str, tag: str, layout_rules) -> Catalog:
@@ -79,20 +78,19 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
     optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp)
     if not any(names.OPTIM_STATES.match(n) for n in listing):
-        raise ReshardError(f"{tag_dir}: no *_optim_states.pt files; ZeRO stage 0 checkpoints are not supported",
-                           file=tag_dir)
+        raise ReshardError.at(tag_dir, "no *_optim_states.pt files; ZeRO stage 0 checkpoints are not supported")
     first_optim = next((sd for _, sd in optim.values() if sd is not None), None)
     if first_optim is None:
         expected = ", ".join(os.path.basename(path) for path, _ in optim.values())
-        raise ReshardError(f"{tag_dir}: no optimizer state file of model-parallel rank {mp} could be read "
-                           f"(expected {expected})", file=tag_dir)
+        raise ReshardError.at(tag_dir, f"no optimizer state file of model-parallel rank {mp} could be read "
+                                       f"(expected {expected})")
 
     stage = _zero_stage(first_optim)
     catalog.layout.zero = stage
     catalog.layout.options = _options(model0, first_optim, bf16_prefix, stage)
     if stage == 3:
         if mp:
-            raise ReshardError(f"{tag_dir}: ZeRO-3 with tensor or pipeline parallelism is not supported", file=tag_dir)
+            raise ReshardError.at(tag_dir, "ZeRO-3 with tensor or pipeline parallelism is not supported")
         models = _load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0)
     else:
         models = {0: model0}
@@ -111,7 +109,7 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
 
 def _refuse_unsupported(tag_dir, listing):
     if any(names.EXPERT_STATES.match(n) for n in listing):
-        raise ReshardError(f"{tag_dir}: mixture-of-experts checkpoints are not supported yet", file=tag_dir)
+        raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints are not supported yet")
 
 
 def _first_model_states(tag_dir, listing) -> str:
@@ -119,7 +117,7 @@ def _first_model_states(tag_dir, listing) -> str:
         found = sorted((n for n in listing if pattern.match(n)), key=lambda n: [int(x) for x in pattern.match(n).groups()])
         if found:
             return found[0]
-    raise ReshardError(f"{tag_dir}: no *_model_states.pt file; not a DeepSpeed checkpoint tag folder", file=tag_dir)
+    raise ReshardError.at(tag_dir, "no *_model_states.pt file; not a DeepSpeed checkpoint tag folder")
 
 
 def _load_or_raise(path):

@@ -83,12 +83,12 @@ class Geometry:
             with open(path) as f:
                 data = json.load(f)
         except OSError as e:
-            raise ReshardError(f"{path}: cannot read layout rules: {e.strerror}", file=path) from None
+            raise ReshardError.at(path, f"cannot read layout rules: {e.strerror}") from None
         except json.JSONDecodeError as e:
-            raise ReshardError(f"{path}: layout rules are not valid JSON ({e})", file=path) from None
+            raise ReshardError.at(path, f"layout rules are not valid JSON ({e})") from None
         vocab = data.get("original_vocab_size") if isinstance(data, dict) else None
         if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
-            raise ReshardError(f"{path}: original_vocab_size must be a positive integer or null", file=path)
+            raise ReshardError.at(path, "original_vocab_size must be a positive integer or null")
         return cls({}, _rules_from_file(data, path), path, vocab_size=vocab)
 
     def _matches(self, pattern, name) -> bool:
@@ -311,9 +311,9 @@ def _rules_from_uc_info(info: dict) -> list:
 
 def _rules_from_file(data: dict, path: str) -> list:
     if not isinstance(data, dict) or data.get("kind") != RULES_KIND:
-        raise ReshardError(f"{path}: not a reshard tensor-parallel rule file (kind must be {RULES_KIND!r})", file=path)
+        raise ReshardError.at(path, f"not a reshard tensor-parallel rule file (kind must be {RULES_KIND!r})")
     if data.get("version") != RULES_VERSION:
-        raise ReshardError(f"{path}: rule file version {data.get('version')!r} is not supported", file=path)
+        raise ReshardError.at(path, f"rule file version {data.get('version')!r} is not supported")
     rules = []
     for i, item in enumerate(data.get("rules") or []):
         where = f"{path}: rule {i}"

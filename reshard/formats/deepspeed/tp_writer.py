@@ -75,15 +75,14 @@ def _rank_view(catalog: Catalog, rank: int, splits: dict) -> tuple:
     for name, info in catalog.params.items():
         split = splits.get(name)
         if split is None:
-            raise ReshardError(f"{catalog.root}: {name}: how tensor parallelism cut it is unknown", file=catalog.root)
+            raise ReshardError.at(catalog.root, f"{name}: how tensor parallelism cut it is unknown")
         shape = _shard_shape(name, split, rank)
         view.params[name] = ParamInfo(name, shape, info.kind, info.group)
         f, s, n = run_arrays(split, rank, shape, primary_only=False)
         order = np.argsort(s, kind="stable")
         runs[name] = (f[order], s[order], n[order])
         if int(n.sum()) != math.prod(shape):
-            raise ReshardError(f"{catalog.root}: {name}: tensor-parallel rank {rank}'s boxes do not tile its shard",
-                               file=catalog.root)
+            raise ReshardError.at(catalog.root, f"{name}: tensor-parallel rank {rank}'s boxes do not tile its shard")
     for (name, state), tensor in catalog.tensors.items():
         view.tensors[(name, state)] = LogicalTensor(name, state, view.params[name].shape, tensor.dtype)
     return view, runs

@@ -40,8 +40,8 @@ def read(path: str, tag: str | None = None) -> Catalog:
     try:
         return _read(tag_dir, tag)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-        raise ReshardError(f"{tag_dir}: not the structure of a DeepSpeed universal checkpoint "
-                           f"({type(e).__name__}: {e})", file=tag_dir) from None
+        raise ReshardError.at(tag_dir, "not the structure of a DeepSpeed universal checkpoint "
+                                       f"({type(e).__name__}: {e})") from None
 
 
 def _resolve_tag_dir(path, tag) -> tuple:
@@ -51,14 +51,14 @@ def _resolve_tag_dir(path, tag) -> tuple:
         with open(latest) as f:
             tag = f.read().strip()
         if not tag:
-            raise ReshardError(f"{latest}: file is empty; name the tag with --tag", file=latest)
+            raise ReshardError.at(latest, "file is empty; name the tag with --tag")
     if tag is None:
         return path, os.path.basename(path)
     if os.sep in tag or tag in ("", ".", ".."):
-        raise ReshardError(f"{path}: invalid tag {tag!r}", file=path)
+        raise ReshardError.at(path, f"invalid tag {tag!r}")
     tag_dir = os.path.join(path, tag)
     if not uc.is_universal_tag_dir(tag_dir):
-        raise ReshardError(f"{tag_dir}: no '{uc.ZERO_DIR}' folder; not a universal checkpoint tag folder", file=tag_dir)
+        raise ReshardError.at(tag_dir, f"no '{uc.ZERO_DIR}' folder; not a universal checkpoint tag folder")
     return tag_dir, tag
 
 
@@ -81,8 +81,8 @@ def _read(tag_dir, tag) -> Catalog:
     dp = int(model0.get("dp_world_size") or 1)
     dims = model0.get("checkpoint_parallel_dimensions") or {}
     if int(model0.get("mp_world_size") or 1) > 1 or dims.get("tp_degree", 1) > 1 or dims.get("pp_degree", 1) > 1:
-        raise ReshardError(f"{tag_dir}: a tensor/pipeline-parallel universal checkpoint ({dims}); "
-                           "only data-parallel ones are supported so far", file=tag_dir)
+        raise ReshardError.at(tag_dir, f"a tensor/pipeline-parallel universal checkpoint ({dims}); "
+                                       "only data-parallel ones are supported so far")
     stage = 3 if zero3_files else int(optim.get("zero_stage") or 1)
 
     catalog = Catalog(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage))
@@ -121,9 +121,8 @@ def _groups(catalog, model0, optim, stage) -> list:
             position = {name: i for i, name in enumerate(catalog.order)}
             groups = [sorted(group, key=lambda n: position.get(n, len(position))) for group in groups]
     if len(loaded) != len(groups):
-        raise ReshardError(f"{os.path.join(catalog.root, uc.ZERO_DIR, uc.OPTIMIZER_STATE)}: {len(loaded)} param "
-                           f"groups, the model-states file has {len(groups)}",
-                           file=os.path.join(catalog.root, uc.ZERO_DIR, uc.OPTIMIZER_STATE))
+        raise ReshardError.at(os.path.join(catalog.root, uc.ZERO_DIR, uc.OPTIMIZER_STATE), f"{len(loaded)} param "
+                           f"groups, the model-states file has {len(groups)}")
     for hyper, members in zip(loaded, groups):
         catalog.param_groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": members})
         catalog.group_scalars.append({})
@@ -164,8 +163,7 @@ def _state_tensor(catalog, path, obj, shape):
         parallel = [k for k in uc.PARALLEL_KEYS if obj.get(k)]
         if parallel or obj.get(uc.CAT_DIM, 0) != 0:
             what = ", ".join(parallel) or "cat_dim"
-            raise ReshardError(f"{path}: tensor- or expert-parallel universal metadata ({what}) is not supported yet",
-                               file=path)
+            raise ReshardError.at(path, f"tensor- or expert-parallel universal metadata ({what}) is not supported yet")
         obj = obj.get(uc.PARAM)
     if not isinstance(obj, TensorRef):
         catalog.problem(path, f"holds {type(obj).__name__}, not a tensor")

@@ -120,9 +120,9 @@ def _tensor_parallel_flavour(catalog, target, tag) -> list:
     if catalog.layout.tp > 1:
         unmapped = [n for n, p in catalog.params.items() if p.kind == "trainable" and n not in tp_keys]
         if unmapped:      # a Megatron-style cut: ds_to_universal's cat_dim / sub-param keys, which we do not write
-            raise ReshardError(f"{catalog.root}: {unmapped[0]}: no AutoTP affine map in its universal_checkpoint_info; "
-                               "universal checkpoints of tensor-parallel sources are written for AutoTP only",
-                               file=catalog.root)
+            raise ReshardError.at(catalog.root, f"{unmapped[0]}: no AutoTP affine map in its "
+                                                "universal_checkpoint_info; universal checkpoints of tensor-parallel "
+                                                "sources are written for AutoTP only")
     out = [f for f in _zero12_flavour(zero_writer._Context(catalog, whole), tag, tp_keys)
            if not f.path.startswith(f"{tag}/mp_rank_")]
     if target.tp == 1:

@@ -45,14 +45,14 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
 def _check_convertible(catalog: Catalog, target: Layout) -> None:
     """What a source must hold for DeepSpeed to resume from it, whatever the topology."""
     if not catalog.param_groups:
-        raise ReshardError(f"{catalog.root}: no optimizer state (weights only); a DeepSpeed checkpoint resumes "
-                           "training and needs the optimizer's state, so it is not written", file=catalog.root)
+        raise ReshardError.at(catalog.root, "no optimizer state (weights only); a DeepSpeed checkpoint resumes "
+                                            "training and needs the optimizer's state, so it is not written")
     catalog.require_group_scalars("a DeepSpeed checkpoint")     # which keeps one step per param group
     unsure = catalog.state.get("frozen_or_buffer")
     if target.zero == 3 and unsure:
-        raise ReshardError(f"{catalog.root}: {unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
-                           "floating-point buffer, the source does not say which, and ZeRO-3 stores the two "
-                           "differently; convert to zero=1 or zero=2", file=catalog.root)
+        raise ReshardError.at(catalog.root, f"{unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
+                                            "floating-point buffer, the source does not say which, and ZeRO-3 "
+                                            "stores the two differently; convert to zero=1 or zero=2")
 
 
 def rank_files(ctx: "_Context", tag: str) -> list:
