@@ -239,6 +239,8 @@ def _measure(cmd):
 def run(args):
     src = os.path.abspath(args.src)
     size = _du(src)
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="reshard-bench-", dir=args.workdir or os.path.dirname(src))
     reshard = [sys.executable, "-m", "reshard"]
     # the copy limit: cp -r, then sync, since reshard fsyncs what it writes
