@@ -1,9 +1,10 @@
 """The Catalog: every logical tensor of a checkpoint and where its elements live on disk.
 
 A logical tensor is a (name, state) pair: ("l1.weight", "exp_avg"). Its elements are spread
-over fragments; a fragment says which flat range [start, stop) of the full tensor (row-major)
-sits contiguously in which storage, starting at which element of that storage. Readers fill a
-Catalog from metadata alone; nothing here reads tensor bytes.
+over fragments; a fragment says which flat range [start, stop) of which shard of the full tensor
+(reshard.placement: the full tensor itself, a tensor-parallel slice, a DCP chunk) sits contiguously
+in which storage, starting at which element of that storage. One fragment per shard and flat range,
+however many rows it has. Readers fill a Catalog from metadata alone; nothing here reads tensor bytes.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
 from reshard.formats.torchzip import Storage
+from reshard.placement import Shard
 
 if TYPE_CHECKING:
     from reshard.layout import Layout
@@ -23,13 +25,14 @@ MASTER = "fp32"        # the fp32 master copy of a trainable parameter
 MODULE = "module"      # the model's state_dict value as saved (16-bit copy, frozen params, buffers)
 
 
-@dataclass(frozen=True, slots=True)   # slots: a row-parallel TP tensor has one fragment per row
+@dataclass(frozen=True, slots=True)
 class Fragment:
-    start: int           # first element of the logical tensor held here (flat, row-major)
+    start: int           # first element of the shard held here (flat, row-major)
     stop: int            # one past the last
     storage: Storage
     elem_offset: int     # element of `storage` holding element `start`
     rank: int | None = None   # the rank whose file this is, for messages
+    shard: Shard | None = None  # which shard of the logical tensor; None: the logical tensor itself
 
     @property
     def numel(self) -> int:

@@ -7,7 +7,6 @@ it can be printed, saved as JSON, or split among workers.
 """
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import container_writer
 from reshard.layout import Layout
+from reshard.locate import Locator
 from reshard.targets import CopiedFile, Output, StageCut, TensorFile, TextFile
 
 
@@ -26,6 +26,33 @@ class Copy:
     src_file: str
     src_offset: int     # byte offset of the first source element in src_file
     src_dtype: str
+
+
+@dataclass(frozen=True)
+class BoxCopy:
+    """One box of a Gather: its first element and shape in the target shard, and in the source the byte
+    offset of its first element and the strides (in elements) of the shard holding it."""
+    local: tuple
+    shape: tuple
+    src_file: str
+    src_offset: int
+    src_strides: tuple
+    src_dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Target elements [dst, dst + count) are the flat range [start, start + count) of a row-major shard of
+    `shape`, assembled from boxes (tensor-parallel slices, DCP chunks, whatever cut the source)."""
+    dst: int
+    count: int
+    shape: tuple
+    start: int
+    copies: tuple       # BoxCopy
 
 
 @dataclass(frozen=True)
@@ -86,19 +113,28 @@ class Plan:
 
     @property
     def bytes_read(self) -> int:
-        return sum(op.count * itemsize(op.src_dtype) for f in self.files for s in f.storages
-                   for op in s.ops if isinstance(op, Copy))
+        return sum(n * itemsize(dtype) for f in self.files for s in f.storages for n, dtype in _reads(s.ops))
 
     def summary(self) -> dict:
         output = self.output or Output("", self.target.topology(), self.tag)
         return {"source": self.source, "source_topology": self.source_layout.topology(),
                 "format": output.format, "target_topology": output.topology, "tag": output.tag,
                 "files": [{"path": f.path, "bytes": f.size, "tensors": len(f.storages),
-                           "copies": sum(isinstance(op, Copy) for s in f.storages for op in s.ops)}
+                           "copies": sum(1 for s in f.storages for _ in _reads(s.ops))}
                           for f in self.files] + [{"path": t.path, "bytes": t.size} for t in self.texts]
                 + [{"path": c.path, "bytes": c.size, "copied_from": c.source} for c in self.copied],
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "partition": self.stage_cut.to_dict() if self.stage_cut else None}
+
+
+def _reads(ops):
+    """(elements, source dtype) of each read the ops make."""
+    for op in ops:
+        if isinstance(op, Copy):
+            yield op.count, op.src_dtype
+        elif isinstance(op, Gather):
+            for box in op.copies:
+                yield box.numel, box.src_dtype
 
 
 def plan(catalog: Catalog, target: Layout, targets: list, tag: str, output: Output | None = None) -> Plan:
@@ -130,7 +166,7 @@ def _plan_file(file: TensorFile, index) -> FilePlan:
             if piece.source is None:
                 _append(storage.ops, Fill(cursor, piece.count, piece.value))
             else:
-                for op in index.copies(piece.source, piece.start, piece.count, cursor):
+                for op in index.ops(piece, cursor):
                     _append(storage.ops, op)
             cursor += piece.count
         planned.storages.append(storage)
@@ -154,40 +190,46 @@ def _append(ops: list, op) -> None:
 
 
 class _FragmentIndex:
-    """Each logical tensor's fragments sorted by start, for interval lookups."""
+    """A Locator per logical tensor, made when a target first asks for it."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
-        self._sorted = {}
+        self._locators = {}
 
-    def _fragments(self, key):
-        found = self._sorted.get(key)
+    def _locator(self, key) -> Locator:
+        found = self._locators.get(key)
         if found is None:
             tensor = self.catalog.tensors.get(key)
             if tensor is None:
                 raise ReshardError.at(self.catalog.root, f"the source has no {key[1]} for {key[0]}, "
                                                          "which the target needs")
-            frags = sorted(tensor.fragments, key=lambda f: f.start)
-            found = (tensor, frags, [f.start for f in frags])
-            self._sorted[key] = found
+            found = self._locators[key] = Locator(tensor)
         return found
 
-    def copies(self, key, start: int, count: int, dst: int):
-        tensor, frags, starts = self._fragments(key)
+    def ops(self, piece, dst: int) -> list:
+        """Copy operations filling target elements [dst, dst + piece.count) from the source: byte runs where
+        the source holds the piece's shard itself, else one Gather of boxes."""
+        locator = self._locator(piece.source)
+        tensor = locator.tensor
         size = itemsize(tensor.dtype)
-        stop, covered = start + count, start
-        i = max(0, bisect.bisect_right(starts, start) - 1)
-        while covered < stop and i < len(frags):
-            frag = frags[i]
-            i += 1
-            if frag.stop <= covered:
-                continue
-            if frag.start > covered:
-                break
-            end = min(frag.stop, stop)
-            offset = frag.storage.offset + (frag.elem_offset + covered - frag.start) * size
-            yield Copy(dst + covered - start, end - covered, frag.storage.file, offset, tensor.dtype)
-            covered = end
-        if covered < stop:
-            raise ReshardError.at(self.catalog.root, f"{key[0]} ({key[1]}) elements [{covered}, {stop}) are "
-                                                     "missing from the source; run `reshard validate`")
+        stop = piece.start + piece.count
+        if locator.holds_as(piece.shard):
+            ops, covered = [], 0
+            for run in locator.runs(piece.shard, piece.start, stop):
+                if run.offset != covered:
+                    break
+                ops.append(Copy(dst + run.offset, run.count, run.fragment.storage.file,
+                                run.fragment.storage.offset + run.elem * size, tensor.dtype))
+                covered += run.count
+        else:
+            hits = locator.boxes(piece.shard, piece.start, stop)
+            covered = sum(h.numel for h in hits)
+            shape = piece.shard.shape if piece.shard else tensor.shape
+            ops = [Gather(dst, piece.count, shape, piece.start, tuple(
+                BoxCopy(h.local, h.shape, h.fragment.storage.file, h.fragment.storage.offset + h.elem * size,
+                        h.strides, tensor.dtype) for h in hits))]
+        if covered != piece.count:
+            raise ReshardError.at(self.catalog.root, f"{piece.source[0]} ({piece.source[1]}): "
+                                  f"{piece.count - covered} of {piece.count} elements are missing from the source; "
+                                  "run `reshard validate`")
+        return ops

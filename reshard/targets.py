@@ -1,8 +1,8 @@
 """What a writer asks for: target files, and for every tensor in them, where its elements come from.
 
 A writer (in reshard/formats/) describes each target file as an object tree holding `NewTensor`
-slots, plus, per slot, a list of `Piece`s laid end to end: a run of elements of one source
-logical tensor, or a constant (padding zeros, a step counter). The planner turns pieces into
+slots, plus, per slot, a list of `Piece`s laid end to end: a run of elements of one shard of one
+source logical tensor (a TP rank's slice, or the whole tensor), or a constant (padding zeros, a step counter). The planner turns pieces into
 byte copies; the executor performs them. Nothing here reads or writes a file.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from reshard.dtypes import itemsize
+from reshard.placement import Shard
 
 
 @dataclass
@@ -33,8 +34,9 @@ class NewTensor:
 class Piece:
     count: int                    # elements
     source: tuple | None = None   # (name, state) of a logical tensor; None for a constant
-    start: int = 0                # first element taken from the source tensor (flat, row-major)
+    start: int = 0                # first element taken, flat in `shard` (row-major)
     value: float = 0              # the constant, when source is None
+    shard: Shard | None = None    # which shard of the source tensor (reshard.placement); None: the tensor itself
 
     @staticmethod
     def zeros(count: int) -> "Piece":

@@ -5,7 +5,6 @@ numpy views (no copy). `full_tensor` rebuilds one logical tensor, for tests, exp
 """
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 
@@ -14,6 +13,10 @@ import numpy as np
 from reshard.catalog import Catalog, Fragment, LogicalTensor
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import CheckpointError
+from reshard.formats.torchzip import Storage
+from reshard.geometry import strides
+from reshard.locate import Locator
+from reshard.placement import Shard, full_index, regions
 
 
 class MappedFiles:
@@ -48,40 +51,58 @@ class MappedFiles:
         return m
 
     def fragment(self, frag: Fragment, dtype: str) -> np.ndarray:
-        """The fragment's elements as a 1-D numpy view (raw carrier dtype for bfloat16)."""
+        """The fragment's elements (its flat range of its shard) as a 1-D numpy view (raw carrier dtype for
+        bfloat16)."""
+        return self.elements(frag.storage, frag.elem_offset, frag.numel, dtype)
+
+    def elements(self, storage: Storage, first: int, count: int, dtype: str) -> np.ndarray:
+        """Elements [first, first + count) of a storage as a 1-D numpy view."""
         size = itemsize(dtype)
-        start = frag.storage.offset + frag.elem_offset * size
-        stop = start + frag.numel * size
-        if frag.elem_offset < 0 or stop > frag.storage.offset + frag.storage.nbytes:
-            raise CheckpointError(frag.storage.file, "fragment reaches outside its storage")
-        m = self._map(frag.storage.file)
+        start = storage.offset + first * size
+        stop = start + count * size
+        if first < 0 or stop > storage.offset + storage.nbytes:
+            raise CheckpointError(storage.file, "fragment reaches outside its storage")
+        m = self._map(storage.file)
         if stop > len(m):
-            raise CheckpointError(frag.storage.file, f"truncated: needs byte {stop}, file has {len(m)}")
-        return np.frombuffer(m, dtype=numpy_carrier(dtype), count=frag.numel, offset=start)
+            raise CheckpointError(storage.file, f"truncated: needs byte {stop}, file has {len(m)}")
+        return np.frombuffer(m, dtype=numpy_carrier(dtype), count=count, offset=start)
 
 
 def read_flat(files: MappedFiles, tensor: LogicalTensor) -> np.ndarray:
     """All elements of a logical tensor, flat, in a new array (carrier dtype)."""
-    out = np.zeros(tensor.numel, dtype=numpy_carrier(tensor.dtype))
-    for frag in tensor.fragments:
-        out[frag.start:frag.stop] = files.fragment(frag, tensor.dtype)
-    return out
+    return read_range(files, tensor, 0, tensor.numel)
 
 
-def sorted_fragments(tensor: LogicalTensor) -> list:
-    return sorted(tensor.fragments, key=lambda f: f.start)
+def locator(tensor: LogicalTensor) -> Locator:
+    """The lookup `read_range` and `read_shard` take, made once per tensor for many reads."""
+    return Locator(tensor)
 
 
-def read_range(files: MappedFiles, tensor: LogicalTensor, start: int, stop: int, fragments: list) -> np.ndarray:
-    """Elements [start, stop) of a logical tensor (carrier dtype); `fragments` sorted by start."""
+def read_range(files: MappedFiles, tensor: LogicalTensor, start: int, stop: int,
+               where: Locator | None = None) -> np.ndarray:
+    """Elements [start, stop) of a logical tensor (flat, row-major; carrier dtype). Elements no fragment holds
+    are zero."""
+    return read_shard(files, tensor, None, start, stop, where)
+
+
+def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, start: int, stop: int,
+               where: Locator | None = None) -> np.ndarray:
+    """Elements [start, stop) of `shard` of a logical tensor (None: the tensor itself), in a new array."""
+    where = where or Locator(tensor)
     out = np.zeros(stop - start, dtype=numpy_carrier(tensor.dtype))
-    first = max(bisect.bisect_right(fragments, start, key=lambda f: f.start) - 1, 0)
-    for frag in fragments[first:]:
-        if frag.start >= stop:
-            break
-        lo, hi = max(start, frag.start), min(stop, frag.stop)
-        if lo < hi:
-            out[lo - start:hi - start] = files.fragment(frag, tensor.dtype)[lo - frag.start:hi - frag.start]
+    if where.holds_as(shard):
+        for run in where.runs(shard, start, stop):
+            out[run.offset:run.offset + run.count] = files.elements(run.fragment.storage, run.elem, run.count,
+                                                                  tensor.dtype)
+        return out
+    shard_strides = strides(shard.shape if shard else tensor.shape)
+    byte_strides = tuple(s * out.itemsize for s in shard_strides)
+    for hit in where.boxes(shard, start, stop):
+        first = sum(i * s for i, s in zip(hit.local, shard_strides)) - start
+        span = sum((n - 1) * s for n, s in zip(hit.shape, hit.strides)) + 1
+        values = files.elements(hit.fragment.storage, hit.elem, span, tensor.dtype)
+        np.lib.stride_tricks.as_strided(out[first:], hit.shape, byte_strides)[...] = \
+            np.lib.stride_tricks.as_strided(values, hit.shape, tuple(s * out.itemsize for s in hit.strides))
     return out
 
 
@@ -124,20 +145,36 @@ def file_size(path: str) -> int:
 
 
 def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTensor, block: int = 1 << 22):
-    """The first flat index where `copy` (fragments over part of the tensor) differs from `tensor`, or None.
+    """The first flat index of the tensor where `copy` (fragments over part of it) differs from it, or None.
 
-    Compared in blocks of at most `block` elements: memory stays bounded whatever the tensor size."""
-    fragments = sorted_fragments(tensor)
-    for frag in sorted_fragments(copy):
+    Compared in blocks of at most `block` elements: memory stays bounded whatever the tensor size. Elements
+    of a copy's shard that it does not place (another rank's blocks) are not compared."""
+    where = Locator(tensor)
+    for frag in sorted(copy.fragments, key=lambda f: f.start):
         values = files.fragment(frag, copy.dtype)
+        placed = frag.shard is None or len(frag.shard.blocks) == 1 and frag.shard.blocks[0].shape == frag.shard.shape
         for lo in range(frag.start, frag.stop, block):
             hi = min(frag.stop, lo + block)
-            mine = read_range(files, tensor, lo, hi, fragments)
+            mine = read_shard(files, tensor, frag.shard, lo, hi, where)
             theirs = values[lo - frag.start:hi - frag.start]
             mine, theirs = (a.view(f"u{a.itemsize}") for a in (mine, theirs))    # bits: NaN equals NaN
-            if not np.array_equal(mine, theirs):
-                return lo + int(np.flatnonzero(mine != theirs)[0])
+            differs = mine != theirs
+            if not placed:
+                differs &= _placed_mask(frag.shard, lo, hi)
+            if differs.any():
+                at = lo + int(np.flatnonzero(differs)[0])
+                return at if frag.shard is None else full_index(frag.shard, tensor.shape, at)
     return None
+
+
+def _placed_mask(shard: Shard, start: int, stop: int) -> np.ndarray:
+    """Which elements of [start, stop) of `shard` its blocks place."""
+    mask = np.zeros(stop - start, dtype=bool)
+    shard_strides = strides(shard.shape)
+    for region in regions(shard, start, stop):
+        view = np.lib.stride_tricks.as_strided(mask[region.offset:], region.shape, shard_strides)
+        view[...] = True
+    return mask
 
 
 def replica_problem(files: MappedFiles, tensor: LogicalTensor, replica) -> str | None:

@@ -7,6 +7,7 @@ optimizer state, fragments inside their storages. `deep=True` also reads the byt
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from reshard.catalog import MASTER, Catalog
 from reshard.dtypes import is_floating, itemsize
 from reshard.errors import ReshardError
 from reshard.geometry import coverage, total_length
+from reshard.placement import Shard, flat_runs, regions, tiles
 from reshard.progress import bar as progress_bar
 
 MAX_RANGES_SHOWN = 3
@@ -108,7 +110,10 @@ def _check_coverage(catalog, report):
             if frag.elem_offset < 0 or frag.elem_offset + frag.numel > frag.storage.numel:
                 report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}) reaches outside "
                                        "its storage")
-        gaps, overlaps, outside = coverage([(f.start, f.stop) for f in tensor.fragments], tensor.numel)
+        ranges = _flat_ranges(tensor)
+        if ranges is None:
+            continue
+        gaps, overlaps, outside = coverage(ranges, tensor.numel)
         missing, doubled = total_length(gaps), total_length(overlaps)
         report.missing_elements += missing
         report.duplicate_elements += doubled
@@ -122,6 +127,21 @@ def _check_coverage(catalog, report):
         if outside:
             report.problems.append(f"{_where(catalog, tensor)}: {label}: fragments outside the tensor at "
                                    f"{_ranges(outside)}")
+
+
+def _flat_ranges(tensor):
+    """The flat ranges of the logical tensor its fragments hold; None when they are shards (tensor-parallel
+    slices, DCP chunks) whose boxes tile it exactly, which is checked box by box without listing rows."""
+    if all(f.shard is None for f in tensor.fragments):
+        return [(f.start, f.stop) for f in tensor.fragments]
+    boxes = [(r.at, r.shape) for f in tensor.fragments
+             for r in regions(f.shard or Shard.whole(tensor.shape), f.start, f.stop)]
+    if tiles(tensor.shape, boxes):
+        return None
+    outside = [(at, size) for at, size in boxes if any(a + n > d for a, n, d in zip(at, size, tensor.shape))]
+    if outside:      # beyond the tensor: say where in the shard's terms
+        return [(tensor.numel, tensor.numel + math.prod(size)) for _, size in outside]
+    return [run for at, size in boxes for run in flat_runs(tensor.shape, at, size)]
 
 
 def _ranges(ranges) -> str:

@@ -12,7 +12,8 @@ import torch
 
 import reshard
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, runs, trim_rows
+from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, trim_rows
+from reshard.placement import Shard, regions
 from reshard.tensorio import full_tensor
 
 from conftest import FIXTURES, PARALLEL_FIXTURES, REPO, fixture_dir, run_cli, truth_json, truth_tensors
@@ -91,13 +92,14 @@ def test_uneven_heads_are_read_as_saved():
     assert split.full_shape == (12, 24) and [p.shape for r in (0, 1) for p in split.pieces[r]] == [(8, 24), (4, 24)]
 
 
-def test_a_dim1_shard_is_one_run_per_row():
+def test_a_dim1_shard_is_one_fragment_whatever_its_rows():
     catalog = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_dp2"))
     o_proj = catalog.tensors[("model.layers.0.self_attn.o_proj.weight", "fp32")]    # row parallel (16, 16)
-    starts = sorted(f.start for f in o_proj.fragments)
-    assert len(starts) >= 32 and all(f.numel <= 8 for f in o_proj.fragments)
+    assert len(o_proj.fragments) <= 4                      # one per rank, cut only by the dp partitions
+    blocks = sorted({(b.at, b.shape) for f in o_proj.fragments for b in f.shard.blocks})
+    assert blocks == [((0, 0), (16, 8)), ((0, 8), (16, 8))]
     q_proj = catalog.tensors[("model.layers.0.self_attn.q_proj.weight", "fp32")]    # column parallel
-    assert len(q_proj.fragments) <= 4                      # one run per rank, cut only by the dp partitions
+    assert len(q_proj.fragments) <= 4
 
 
 @pytest.mark.parametrize("name", PARALLEL_FIXTURES)
@@ -255,13 +257,14 @@ def test_megatron_rule_file_parses_and_refuses_unknown_names():
 # ------------------------------------------------------------------------------------ geometry, synthetic
 
 def _rebuild(split, shards):
-    """The full tensor from shards through runs() only (what the reader does with fragments)."""
-    full = np.full(int(np.prod(split.full_shape)), -1.0)
-    for rank, shard in shards.items():
-        flat = shard.reshape(-1)
-        for f, s, n in runs(split, rank, shard.shape):
-            full[f:f + n] = flat[s:s + n]
-    return full.reshape(split.full_shape)
+    """The full tensor from shards through the boxes of Split.shard only (what the reader makes fragments of)."""
+    full = np.full(split.full_shape, -1.0)
+    for rank, values in shards.items():
+        shard = split.shard(rank, values.shape) or Shard.whole(split.full_shape)
+        for r in regions(shard, 0, values.size):
+            full[tuple(slice(a, a + n) for a, n in zip(r.at, r.shape))] = \
+                values[tuple(slice(a, a + n) for a, n in zip(r.local, r.shape))]
+    return full
 
 
 def test_fused_sub_params_and_vocab_padding_rebuild_exactly():
@@ -286,12 +289,12 @@ def test_fused_sub_params_and_vocab_padding_rebuild_exactly():
     cols = rng.normal(size=(3, 4, 6))          # a 3-d tensor cut along its last dim, unevenly
     shards = {0: cols[..., :4].copy(), 1: cols[..., 4:].copy()}
     split = from_rule("c", Rule("c", "split", dim=2), {0: (3, 4, 4), 1: (3, 4, 2)}, 2, "t")
-    assert len(runs(split, 1, (3, 4, 2))) == 12 and np.array_equal(_rebuild(split, shards), cols)
+    assert len(regions(split.shard(1, (3, 4, 2)), 0, 24)) == 1 and np.array_equal(_rebuild(split, shards), cols)
 
 
 def test_replicated_pieces_are_read_from_their_first_holder():
     split = Split((4,), {0: [Piece((0,), (0,), (4,), (0, 1))], 1: [Piece((0,), (0,), (4,), (0, 1))]}, "t")
-    assert runs(split, 0, (4,)) == [(0, 0, 4)] and runs(split, 1, (4,)) == []
+    assert split.shard(0, (4,)) is None and split.shard(1, (4,)).blocks == ()   # None: the whole tensor
 
 
 # ------------------------------------------------------------------------------------------- broken copies

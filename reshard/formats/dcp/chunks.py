@@ -15,7 +15,7 @@ from reshard.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTe
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
-from reshard.geometry import box_runs
+from reshard.placement import Shard
 from reshard.formats.torchzip import DType, TensorRef
 
 METADATA = ".metadata"
@@ -128,10 +128,10 @@ class Chunks:
                                      f"{ref.dtype}{list(ref.shape)}, "
                                      f".metadata says {dtype}{list(sizes)} (contiguous)")
                 continue
-            rank = rank_of(info.relative_path)
-            for start, elem, count in zip(*(a.tolist() for a in box_runs(shape, offsets, sizes))):
-                tensor.fragments.append(Fragment(start, start + count, ref.storage,
-                                                 ref.storage_offset + elem, rank))
+            # one fragment per chunk: the chunk is a box of the tensor, stored as a tensor of its own
+            shard = None if sizes == shape else Shard.box(offsets, sizes)
+            tensor.fragments.append(Fragment(0, math.prod(sizes), ref.storage, ref.storage_offset,
+                                             rank_of(info.relative_path), shard))
         return tensor
 
     def _ref(self, key, path, info):

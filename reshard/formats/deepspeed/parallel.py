@@ -2,8 +2,8 @@
 
 Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 checkpoint of its own
 (reader.read_mp_rank): its tensors are local ones. Then
-* tensor parallel (mp = tp ranks): each local tensor is a set of boxes of the full tensor (tp_geometry);
-  a box becomes contiguous flat runs, and each run is cut out of the local fragments. Replicated blocks
+* tensor parallel (mp = tp ranks): each local tensor is a shard of the full tensor, a set of boxes
+  (tp_geometry.Split.shard); its fragments keep their flat ranges, now of that shard. Replicated blocks
   are read from their first holder; the other holders' copies are kept as catalog.replicas and compared
   (now when small, such as norms; by `validate --deep` when big) and a difference is a catalog problem.
 * pipeline parallel (mp = stages): the stages' params are already named as the PipelineModule names
@@ -17,15 +17,13 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
-
 from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
 from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import reader
-from reshard.formats.deepspeed.tp_geometry import Geometry, Split, replicated, run_arrays
+from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import MappedFiles, file_size, replica_problem
 
@@ -199,25 +197,16 @@ def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):
             catalog.problem(_file_of(tensor, local), f"{name} ({state}): shard shape {list(tensor.shape)} but the "
                             f"parameter's is {list(shard_shapes[rank])}")
             continue
-        full.fragments += _cut(tensor.fragments, *run_arrays(split, rank, tensor.shape))
+        full.fragments += _on_shard(tensor.fragments, split.shard(rank, tensor.shape))
     _add_replicas(catalog, locals_, full, split, files)
 
 
-def _cut(frags, runs_f, runs_s, runs_n):
-    """The parts of the local fragments covering the shard runs, re-addressed to full-tensor elements:
-    run i holds shard elements [s_i, s_i + n_i), which are full elements [f_i, f_i + n_i)."""
-    out = []
-    for frag in frags:
-        lo = np.maximum(runs_s, frag.start)
-        hi = np.minimum(runs_s + runs_n, frag.stop)
-        hit = lo < hi
-        if not hit.any():
-            continue
-        lo, hi, shift = lo[hit], hi[hit], (runs_f - runs_s)[hit]
-        base = frag.elem_offset - frag.start
-        out += [Fragment(a + d, b + d, frag.storage, base + a, frag.rank)
-                for a, b, d in zip(lo.tolist(), hi.tolist(), shift.tolist())]
-    return out
+def _on_shard(frags, shard):
+    """The rank's local fragments (flat ranges of its shard) as fragments of the full tensor: the same
+    ranges, of `shard` (tp_geometry.Split.shard), which says which boxes of the full tensor they are."""
+    if shard is not None and not shard.blocks:
+        return []
+    return [Fragment(f.start, f.stop, f.storage, f.elem_offset, f.rank, shard) for f in frags]
 
 
 def _add_replicas(catalog, locals_, full, split, files):
@@ -232,8 +221,7 @@ def _add_replicas(catalog, locals_, full, split, files):
         if not pieces:
             continue
         copy = LogicalTensor(name, state, full.shape, full.dtype)
-        copy.fragments = _cut(tensor.fragments, *run_arrays(Split(split.full_shape, {rank: pieces}, split.source),
-                                                            rank, tensor.shape, primary_only=False))
+        copy.fragments = _on_shard(tensor.fragments, split.shard(rank, tensor.shape, held="copies"))
         holders = sorted({p.holders[0] for p in pieces})
         _replica(catalog, full, copy, f"tensor-parallel rank {rank}", f"rank {holders[0]}", files)
 
@@ -282,7 +270,7 @@ def _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules) -> Catalog:
             if full is None or name not in catalog.tp_splits:
                 continue
             copy = LogicalTensor(name, state, full.shape, full.dtype)
-            copy.fragments = _cut(replica.copy.fragments, *run_arrays(catalog.tp_splits[name], t, replica.copy.shape))
+            copy.fragments = _on_shard(replica.copy.fragments, catalog.tp_splits[name].shard(t, replica.copy.shape))
             catalog.replicas.append(Replica(copy, f"{replica.holder} (tensor-parallel rank {t})",
                                             f"{replica.first}", replica.checked))
     return catalog

@@ -79,11 +79,11 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     splits = catalog.tp_splits if target.tp == catalog.layout.tp else megatron_splits(catalog, target.tp)
     out = []
     for t in range(target.tp):
-        view, runs = tp_writer._rank_view(catalog, t, splits)
+        view, shards = tp_writer.rank_view(catalog, t, splits)
         files = [_layer_file(view, index, entries, tag, tp_rank=t) for index, entries in sorted(layers.items())]
         files += _stage_files(view, target, cut, tag, tp_rank=t)
         for file in files:
-            file.pieces = {key: tp_writer._to_full(pieces, runs) for key, pieces in file.pieces.items()}
+            file.pieces = {key: tp_writer.on_shards(pieces, shards) for key, pieces in file.pieces.items()}
         out += files
     return out + writer.closing_files(tag, source_save_dir) + [cut.record()]
 

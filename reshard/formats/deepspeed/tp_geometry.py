@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.errors import ReshardError
-from reshard.geometry import box_runs, strides
+from reshard.geometry import strides
+from reshard.placement import Block, Shard
 
 RULES_KIND = "reshard.tp-rules"
 RULES_VERSION = 1
@@ -39,6 +40,15 @@ class Split:
     full_shape: tuple
     pieces: dict          # tp rank -> [Piece]
     source: str           # where the geometry came from (for messages)
+
+    def shard(self, rank: int, shard_shape: tuple, held: str = "primary") -> Shard | None:
+        """Rank's shard of the full tensor (None: the full tensor itself) with the blocks it is read for:
+        `held` "primary" (blocks it is the first holder of), "copies" (blocks another rank holds first)
+        or "all"."""
+        blocks = tuple(Block(p.full_start, p.shard_start, p.shape) for p in self.pieces.get(rank, [])
+                       if held == "all" or (p.holders[0] == rank) == (held == "primary"))
+        shard = Shard(tuple(shard_shape), blocks)
+        return None if shard == Shard.whole(self.full_shape) else shard
 
 
 @dataclass(frozen=True)
@@ -129,26 +139,6 @@ def trim_rows(split: Split, rows: int) -> Split:
 def replicated(name: str, shard_shapes: dict, tp: int, source: str) -> Split:
     """Every rank holds the whole tensor."""
     return from_rule(name, Rule(name, "replicated"), shard_shapes, tp, source)
-
-
-def runs(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True):
-    """(full flat start, shard flat start, length) of the contiguous runs of rank's pieces, row-major.
-
-    A box is contiguous in the trailing dims it spans entirely (in both tensors); it is one run per
-    index of the leading dims: a dim-0 shard is one run, a dim-1 shard one run per row."""
-    f, s, n = run_arrays(split, rank, shard_shape, primary_only)
-    return list(zip(f.tolist(), s.tolist(), n.tolist()))
-
-
-def run_arrays(split: Split, rank: int, shard_shape: tuple, primary_only: bool = True):
-    """`runs` as three int64 arrays (row-parallel shards of big models have tens of thousands of runs),
-    ordered by shard offset within each piece."""
-    parts = [box_runs(split.full_shape, piece.full_start, piece.shape, shard_shape, piece.shard_start)
-             for piece in split.pieces.get(rank, []) if not primary_only or piece.holders[0] == rank]
-    if not parts:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    return tuple(np.concatenate(column) for column in zip(*parts))
 
 
 def _unravel(offset: int, shape) -> tuple:

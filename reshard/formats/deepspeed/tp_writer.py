@@ -2,8 +2,8 @@
 
 Each target TP rank t is written by the ordinary ZeRO writer (writer.rank_files) over a view of the
 catalog whose parameters have t's shard shapes; the pieces it asks for (flat ranges of a shard) are
-then turned into pieces of the full logical tensors, along the runs the rank's boxes make in them
-(tp_geometry.run_arrays). The planner and executor see nothing new.
+then marked as flat ranges of t's shard of the full logical tensor (tp_geometry.Split.shard), which
+the planner meets with the source's own shards.
 
 Which boxes a TP rank holds at the target degree:
 * tp=1: every tensor whole (what the engine without AutoTP saves: no universal_checkpoint_info);
@@ -16,15 +16,13 @@ Pipeline-parallel sources and targets are written by pipe_writer.
 from __future__ import annotations
 
 import math
-
-import numpy as np
+from dataclasses import replace
 
 from reshard.catalog import Catalog, LogicalTensor, ParamInfo
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import writer
-from reshard.formats.deepspeed.tp_geometry import Split, run_arrays
+from reshard.formats.deepspeed.tp_geometry import Split
 from reshard.layout import Layout
-from reshard.targets import Piece
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -44,10 +42,10 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         splits, extra = catalog.tp_splits, catalog.state.get("mp_rank_extra") or {}
     out = []
     for rank in range(target.tp):
-        view, runs = _rank_view(catalog, rank, splits)
+        view, shards = rank_view(catalog, rank, splits)
         files = writer.rank_files(writer._Context(view, target, mp_rank=rank, model_extra=extra.get(rank)), tag)
         for file in files:
-            file.pieces = {key: _to_full(pieces, runs) for key, pieces in file.pieces.items()}
+            file.pieces = {key: on_shards(pieces, shards) for key, pieces in file.pieces.items()}
         out += files
     return out + writer.closing_files(tag, source_save_dir)
 
@@ -64,44 +62,26 @@ def _shard_shape(name: str, split: Split, rank: int) -> tuple:
     return shape
 
 
-def _rank_view(catalog: Catalog, rank: int, splits: dict) -> tuple:
+def rank_view(catalog: Catalog, rank: int, splits: dict) -> tuple:
     """A catalog with rank's shard shapes (no fragments: only shapes, dtypes and groups are read from it)
-    and, per param, the runs (full start, shard start, length) its shard is made of, by shard start."""
+    and, per param, rank's shard of the full tensor (tp_geometry.Split.shard, every block it holds)."""
     view = Catalog(root=catalog.root, format=catalog.format, layout=catalog.layout)
     view.aliases, view.order = dict(catalog.aliases), list(catalog.order)
     view.param_groups, view.group_scalars = catalog.param_groups, catalog.group_scalars
     view.state = catalog.state
-    runs = {}
+    shards = {}
     for name, info in catalog.params.items():
         split = splits.get(name)
         if split is None:
             raise ReshardError.at(catalog.root, f"{name}: how tensor parallelism cut it is unknown")
         shape = _shard_shape(name, split, rank)
         view.params[name] = ParamInfo(name, shape, info.kind, info.group)
-        f, s, n = run_arrays(split, rank, shape, primary_only=False)
-        order = np.argsort(s, kind="stable")
-        runs[name] = (f[order], s[order], n[order])
-        if int(n.sum()) != math.prod(shape):
-            raise ReshardError.at(catalog.root, f"{name}: tensor-parallel rank {rank}'s boxes do not tile its shard")
+        shards[name] = split.shard(rank, shape, held="all")
     for (name, state), tensor in catalog.tensors.items():
         view.tensors[(name, state)] = LogicalTensor(name, state, view.params[name].shape, tensor.dtype)
-    return view, runs
+    return view, shards
 
 
-def _to_full(pieces: list, runs: dict) -> list:
-    """Pieces over shard elements -> pieces over the full tensors' elements, run by run."""
-    out = []
-    for piece in pieces:
-        if piece.source is None:
-            out.append(piece)
-            continue
-        f, s, n = runs[piece.source[0]]
-        lo, hi = piece.start, piece.start + piece.count
-        i = max(0, int(np.searchsorted(s, lo, side="right")) - 1)
-        while lo < hi:
-            a, length = int(s[i]), int(n[i])
-            take = min(hi, a + length) - lo
-            out.append(Piece(take, piece.source, int(f[i]) + lo - a))
-            lo += take
-            i += 1
-    return out
+def on_shards(pieces: list, shards: dict) -> list:
+    """Pieces over a rank's shard-shaped view -> the same pieces, of that rank's shards of the full tensors."""
+    return [p if p.source is None else replace(p, shard=shards[p.source[0]]) for p in pieces]

@@ -1,0 +1,112 @@
+"""Which source fragments hold a range of a logical tensor: the one lookup the planner and the readers share.
+
+A request is a flat range of a shard (reshard.placement) of the logical tensor, the way a target storage
+or a reader asks for elements. Where the source holds that very shard, the answer is flat: runs of
+fragments, found by bisection (`Locator.runs`). Otherwise it is boxes (`Locator.boxes`): the request's
+regions, met with the regions of the fragments of each source shard whose flat extent can hold them.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from reshard.catalog import Fragment, LogicalTensor
+from reshard.geometry import strides
+from reshard.placement import Shard, intersect, local_extent, regions
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Request elements [offset, offset + count) are fragment elements starting at storage element `elem`."""
+    offset: int
+    count: int
+    fragment: Fragment
+    elem: int
+
+
+@dataclass(frozen=True, slots=True)
+class BoxHit:
+    """A box of the request held by one fragment: its first element and shape in the requested shard, and
+    the storage element of the fragment holding that first element, with the fragment's shard strides."""
+    local: tuple
+    shape: tuple
+    fragment: Fragment
+    elem: int
+    strides: tuple
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Group:
+    """The fragments of one source shard, sorted by start."""
+
+    def __init__(self, shard: Shard, fragments: list):
+        self.shard = shard
+        self.fragments = sorted(fragments, key=lambda f: f.start)
+        self.starts = [f.start for f in self.fragments]
+        self.strides = strides(shard.shape)
+        self._regions = {}
+
+    def overlapping(self, lo: int, hi: int):
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        for frag in self.fragments[i:]:
+            if frag.start >= hi:
+                return
+            if frag.stop > lo:
+                yield frag
+
+    def regions(self, frag: Fragment) -> list:
+        found = self._regions.get(id(frag))
+        if found is None:
+            found = self._regions[id(frag)] = regions(self.shard, frag.start, frag.stop)
+        return found
+
+
+class Locator:
+    """Lookups into one logical tensor's fragments."""
+
+    def __init__(self, tensor: LogicalTensor):
+        self.tensor = tensor
+        whole = Shard.whole(tensor.shape)
+        by_shard = {}
+        for frag in tensor.fragments:
+            by_shard.setdefault(frag.shard or whole, []).append(frag)
+        self.groups = {shard: _Group(shard, frags) for shard, frags in by_shard.items()}
+
+    def holds_as(self, shard: Shard | None) -> bool:
+        """Is `shard` (None: the whole tensor) one of the source's own shards, so that `runs` answers?"""
+        return (shard or Shard.whole(self.tensor.shape)) in self.groups
+
+    def runs(self, shard: Shard | None, start: int, stop: int) -> list:
+        """The fragments of source shard `shard` covering [start, stop) of it, as Runs in order (gaps left out:
+        the caller checks the count)."""
+        group = self.groups[shard or Shard.whole(self.tensor.shape)]
+        out = []
+        for frag in group.overlapping(start, stop):
+            lo, hi = max(start, frag.start), min(stop, frag.stop)
+            out.append(Run(lo - start, hi - lo, frag, frag.elem_offset + lo - frag.start))
+        return out
+
+    def boxes(self, shard: Shard | None, start: int, stop: int) -> list:
+        """The boxes of [start, stop) of `shard` (None: the whole tensor) found in the fragments, as BoxHits."""
+        shard = shard or Shard.whole(self.tensor.shape)
+        out = []
+        for want in regions(shard, start, stop):
+            for group in self.groups.values():
+                extent = local_extent(group.shard, want.at, want.shape)
+                if extent is None:
+                    continue
+                for frag in group.overlapping(*extent):
+                    for have in group.regions(frag):
+                        hit = intersect(want.at, want.shape, have.at, have.shape)
+                        if hit is None:
+                            continue
+                        at, shape = hit
+                        local = tuple(l + a - w for l, a, w in zip(want.local, at, want.at))
+                        held = tuple(l + a - h for l, a, h in zip(have.local, at, have.at))
+                        elem = frag.elem_offset - frag.start + sum(i * s for i, s in zip(held, group.strides))
+                        out.append(BoxHit(local, shape, frag, elem, group.strides))
+        return out

@@ -1,0 +1,171 @@
+"""Where a logical tensor's elements sit: shards made of boxes, flat ranges of shards, and how they meet.
+
+Parallelism cuts a logical tensor (the full tensor, row-major) in two ways that compose:
+* a Shard is a tensor assembled from boxes (Blocks) of the logical tensor: a tensor-parallel rank's
+  slice (one box, or several for fused q/k/v sub-params), a DCP chunk. `Shard.whole(shape)` is the
+  logical tensor itself.
+* a flat range [start, stop) of a shard, in the shard's row-major order: ZeRO's flat partitions cut
+  through shards.
+A source Fragment (reshard.catalog) is one flat range of one shard held contiguously in a storage; a
+target Piece (reshard.targets) is one flat range of one shard laid contiguously in a target storage.
+Everything here is closed form: a flat range of a shard is at most 2·ndim − 1 boxes (`flat_boxes`), a
+box meets a block in at most one box, and nothing loops over rows or elements.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from reshard.geometry import box_runs, strides
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A box of the logical tensor inside a shard: it starts at `at` in the logical tensor and at `local`
+    in the shard."""
+    at: tuple
+    local: tuple
+    shape: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A row-major tensor of `shape` whose `blocks` are boxes of the logical tensor. Elements in no block
+    (vocabulary padding, a replicated block read from another rank) are not placed."""
+    shape: tuple
+    blocks: tuple
+
+    @staticmethod
+    def whole(shape) -> "Shard":
+        shape = tuple(shape)
+        zeros = (0,) * len(shape)
+        return Shard(shape, (Block(zeros, zeros, shape),))
+
+    @staticmethod
+    def box(at, shape) -> "Shard":
+        """A box of the logical tensor stored as a tensor of its own (a DCP chunk)."""
+        shape = tuple(shape)
+        return Shard(shape, (Block(tuple(at), (0,) * len(shape), shape),))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box of the logical tensor held in a flat range of a shard: where it starts in the logical tensor
+    (`at`), in the shard (`local`), its shape, and `offset`, the position of its first element counted
+    from the range's first element."""
+    at: tuple
+    local: tuple
+    shape: tuple
+    offset: int
+
+
+def flat_boxes(shape, start: int, stop: int) -> list:
+    """The flat range [start, stop) of a row-major tensor of `shape` as boxes (first element, shape),
+    each contiguous, in order: at most 2·ndim − 1 of them."""
+    out = []
+    if start < stop:
+        _split(tuple(shape), 0, start, stop, (), out)
+    return out
+
+
+def _split(shape, d, start, stop, prefix, out):
+    """[start, stop) of the sub-tensor at index `prefix` of the first d dims."""
+    if d == len(shape):                       # a 0-dim tensor
+        out.append(((), ()))
+        return
+    inner = math.prod(shape[d + 1:])
+    first, last = start // inner, (stop - 1) // inner
+    rest, ones = (0,) * (len(shape) - d - 1), (1,) * d
+    if not inner or start % inner == 0 and stop % inner == 0:
+        out.append((prefix + (first,) + rest, ones + (last - first + 1,) + shape[d + 1:]))
+        return
+    if first == last:
+        _split(shape, d + 1, start - first * inner, stop - first * inner, prefix + (first,), out)
+        return
+    if start % inner:                          # the partial first row
+        _split(shape, d + 1, start - first * inner, inner, prefix + (first,), out)
+        first += 1
+    full_stop = last if stop % inner else last + 1
+    if full_stop > first:
+        out.append((prefix + (first,) + rest, ones + (full_stop - first,) + shape[d + 1:]))
+    if stop % inner:                           # the partial last row
+        _split(shape, d + 1, 0, stop - last * inner, prefix + (last,), out)
+
+
+def intersect(a_at, a_shape, b_at, b_shape):
+    """The overlap of two boxes (first element, shape) as (first element, shape), or None."""
+    at, shape = [], []
+    for a0, an, b0, bn in zip(a_at, a_shape, b_at, b_shape):
+        lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+        if lo >= hi:
+            return None
+        at.append(lo)
+        shape.append(hi - lo)
+    return tuple(at), tuple(shape)
+
+
+def regions(shard: Shard, start: int, stop: int) -> list:
+    """The boxes of the logical tensor that the flat range [start, stop) of `shard` holds, as Regions."""
+    out = []
+    shard_strides = strides(shard.shape)
+    for box_at, box_shape in flat_boxes(shard.shape, start, stop):
+        for block in shard.blocks:
+            hit = intersect(box_at, box_shape, block.local, block.shape)
+            if hit is None:
+                continue
+            local, shape = hit
+            at = tuple(a + l - b for a, l, b in zip(block.at, local, block.local))
+            out.append(Region(at, local, shape, sum(i * s for i, s in zip(local, shard_strides)) - start))
+    return out
+
+
+def local_extent(shard: Shard, at, shape):
+    """The flat range of `shard` spanning every element of the logical box (at, shape) it places, or None."""
+    lo, hi = None, None
+    shard_strides = strides(shard.shape)
+    for block in shard.blocks:
+        hit = intersect(at, shape, block.at, block.shape)
+        if hit is None:
+            continue
+        first = tuple(a - b + l for a, b, l in zip(hit[0], block.at, block.local))
+        a = sum(i * s for i, s in zip(first, shard_strides))
+        b = a + sum((n - 1) * s for n, s in zip(hit[1], shard_strides)) + 1
+        lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+    return None if lo is None else (lo, hi)
+
+
+def tiles(shape, boxes) -> bool:
+    """Do the boxes (first element, shape) tile a tensor of `shape`: each inside it, no two overlapping, all
+    of it covered? A sort along dim 0 and a sweep over the boxes still open there."""
+    total, open_ = 0, []
+    for at, size in sorted(boxes):
+        if any(a < 0 or a + n > d for a, n, d in zip(at, size, shape)):
+            return False
+        open_ = [(a, n) for a, n in open_ if a[0] + n[0] > at[0]] if shape else open_
+        if any(intersect(at, size, a, n) for a, n in open_):
+            return False
+        open_.append((at, size))
+        total += math.prod(size)
+    return total == math.prod(shape)
+
+
+def flat_runs(shape, at, size) -> list:
+    """The box (at, size) of a row-major tensor of `shape` as flat ranges [start, stop), for messages."""
+    starts, _, lengths = box_runs(shape, at, size)
+    return [(a, a + n) for a, n in zip(starts.tolist(), lengths.tolist())]
+
+
+def full_index(shard: Shard, full_shape, index: int) -> int | None:
+    """The flat index in the logical tensor of `shard`'s flat element `index` (None: no block places it)."""
+    local = [0] * len(shard.shape)
+    for d, s in enumerate(strides(shard.shape)):
+        local[d], index = divmod(index, s) if s else (0, index)
+    for block in shard.blocks:
+        if all(l <= i < l + n for i, l, n in zip(local, block.local, block.shape)):
+            at = [a + i - l for a, i, l in zip(block.at, local, block.local)]
+            return sum(i * s for i, s in zip(at, strides(full_shape)))
+    return None
