@@ -30,7 +30,9 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut."""
     reader = reader_for(path, tag)
-    return reader.read(path, reader_options(reader, path, ReadRequest(tag, layout_rules)))
+    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, layout_rules)))
+    catalog.check_dtypes()
+    return catalog
 
 
 def reader_for(path: str, tag: str | None = None) -> Reader:

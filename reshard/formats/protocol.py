@@ -9,7 +9,9 @@ A Reader should expect this sequence of calls by `reshard.formats.read`:
   2) (registry) every option the command gives (a ReadRequest field that is not None) must be a field of
      that reader's OPTIONS; an option it lacks is refused in one line (UsageError, exit 2) before any
      file is opened;
-  3) read(path, options) once, `options` an instance of its OPTIONS holding what was given.
+  3) read(path, options) once, `options` an instance of its OPTIONS holding what was given;
+  4) (registry) the returned Catalog's fragments are checked against their tensors' dtypes
+     (Catalog.check_dtypes), so no reader repeats that check.
 
 A Writer should expect this sequence of calls by `reshard.convert`:
 

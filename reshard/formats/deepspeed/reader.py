@@ -250,7 +250,7 @@ def _add_whole(catalog, name, state, ref):
     if not ref.is_contiguous():
         catalog.problem(ref.storage.file, f"{name}: non-contiguous tensor in the module state_dict")
         return
-    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), ref.dtype))
+    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), ref.dtype), ref.storage.file)
     if ref.numel:
         tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
 

@@ -158,7 +158,7 @@ def _read_param(catalog, name, g):
             continue
         ref = _state_tensor(catalog, path, obj, shape)
         if ref is not None:
-            tensor = catalog.add(LogicalTensor(name, state, shape, ref.dtype))
+            tensor = catalog.add(LogicalTensor(name, state, shape, ref.dtype), ref.storage.file)
             tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
 
 
