@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from reshard.errors import ReshardError
+from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.torchzip import Storage
 from reshard.placement import Shard
 
@@ -126,8 +126,24 @@ class Catalog:
     # (a DeepSpeed tag folder's save dir). A DCP directory is its own save dir.
     save_dir: str | None = None
 
-    def add(self, tensor: LogicalTensor) -> LogicalTensor:
-        return self.tensors.setdefault(tensor.key, tensor)
+    def add(self, tensor: LogicalTensor, file=None) -> LogicalTensor:
+        """The catalog's (name, state) tensor: `tensor`, or the one added before, which must agree on shape
+        and dtype (each rank's file of a tensor adds it). `file`: where `tensor` comes from, for the message."""
+        first = self.tensors.setdefault(tensor.key, tensor)
+        if (first.shape, first.dtype) != (tensor.shape, tensor.dtype):
+            where = file or _file_of(tensor) or self.root
+            raise CheckpointError(where, f"{tensor.name} ({tensor.state}): {tensor.dtype}{list(tensor.shape)} here, "
+                                  f"{first.dtype}{list(first.shape)} in {_file_of(first) or 'the files read before'}")
+        return first
+
+    def check_dtypes(self) -> None:
+        """Every fragment's storage holds its tensor's dtype: the bytes are read as that dtype, so a storage of
+        another (a hostile or mixed-up file) would be copied as garbage of the right size."""
+        for tensor in [*self.tensors.values(), *(r.copy for r in self.replicas)]:
+            for fragment in tensor.fragments:
+                if fragment.storage.dtype != tensor.dtype:
+                    raise CheckpointError(fragment.storage.file, f"{tensor.name} ({tensor.state}): a storage of "
+                                          f"{fragment.storage.dtype} holds part of a {tensor.dtype} tensor")
 
     def tensor(self, name: str, state: str) -> LogicalTensor:
         try:
@@ -176,6 +192,10 @@ class Catalog:
 
     def problem(self, path, text: str) -> None:
         self.problems.append(f"{path}: {text}")
+
+
+def _file_of(tensor: LogicalTensor) -> str | None:
+    return tensor.fragments[0].storage.file if tensor.fragments else None
 
 
 def _number(value) -> str:

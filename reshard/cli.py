@@ -411,8 +411,7 @@ def _export(args) -> int:
 
 def _diff(args) -> int:
     from reshard.diff import diff
-    report = diff(reshard.open_checkpoint(args.a, args.tag_a, args.layout_rules),
-                  reshard.open_checkpoint(args.b, args.tag_b, args.layout_rules),
+    report = diff(*_open_both([(args.a, args.tag_a), (args.b, args.tag_b)], args.layout_rules),
                   atol=args.atol, progress=not args.quiet)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
@@ -424,6 +423,16 @@ def _diff(args) -> int:
             print(d.line())
         print(report.summary())
     return 0 if report.equal else 1
+
+
+def _open_both(sides: list, layout_rules: str | None) -> list:
+    """The catalogs of diff's A and B. Its --layout-rules go to whichever side's format takes them (a tensor-
+    parallel save compared with its export); refused, as by any reader, only when neither takes them."""
+    from reshard.formats import takes
+    rules = [layout_rules if layout_rules and takes(path, tag, "layout_rules") else None for path, tag in sides]
+    if layout_rules and not any(rules):
+        rules[0] = layout_rules     # A's reader says in one line that it takes none
+    return [reshard.open_checkpoint(path, tag, r) for (path, tag), r in zip(sides, rules)]
 
 
 def _group():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from reshard.catalog import Catalog
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 
@@ -21,19 +21,26 @@ def target_layout(catalog: Catalog, to: str) -> Layout:
 
 def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | None = None) -> Plan:
     """The plan writing `catalog` at topology `to` in format `fmt` (default: the source's format)."""
-    from reshard.formats import writer
     from reshard.validate import require_complete
 
     require_complete(catalog)
     target = target_layout(catalog, to)
     tag = tag_out or catalog.state.get("tag") or "converted"
     save_dir = os.path.dirname(catalog.root)
-    target_format = writer(fmt or catalog.format)
+    target_format = _writer(catalog, fmt)
     targets = target_format.target_files(catalog, target, tag, save_dir)
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))
 
 
 def batch_size_advice(catalog: Catalog, target: Layout, fmt: str | None = None) -> str | None:
     """What happens to the global batch size when dp changes, and how to keep it (format-specific)."""
-    from reshard.formats import writer
-    return writer(fmt or catalog.format).batch_size_advice(catalog, target)
+    return _writer(catalog, fmt).batch_size_advice(catalog, target)
+
+
+def _writer(catalog: Catalog, fmt: str | None):
+    """The writer of format `fmt`, by default the source's own; a source of a format no writer writes needs one."""
+    from reshard.formats import WRITERS, writer
+    if fmt is None and catalog.format not in WRITERS:
+        raise UsageError.at(catalog.root, f"{catalog.format} checkpoints are read, not written: name the output's "
+                                          f"format with --format ({', '.join(WRITERS)})")
+    return writer(fmt or catalog.format)

@@ -2,6 +2,7 @@
 prints about the files it wrote (the disk's numbers), JSON for programs, and a closed stdout."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -73,6 +74,89 @@ def test_layout_rules_refused_by_every_reader_that_takes_none(tmp_path):
             run_cli(command, tmp_path / source, *options, check=0)     # negative control: without them it reads
     # the DeepSpeed reader uses them: a Megatron-style save needs them to be read at all
     run_cli("inspect", fixture_dir("megatron_tp2_z1_fp32_dp2"), "--layout-rules", RULES, check=0)
+
+
+# -- 6b: every reading option a format does not take, through every command -------------------------------------
+
+@pytest.fixture(scope="module")
+def every_format(tmp_path_factory):
+    """{reader FORMAT: a checkpoint of that format}: each made by reshard from the DeepSpeed fixture, the
+    Lightning file by torch.save and the Trainer folder by safetensors, as those frameworks lay them out."""
+    import reshard.cli
+    from safetensors.torch import save_file
+    root = tmp_path_factory.mktemp("formats")
+    for args in (["export", SRC, root / "model.pt"], ["export", SRC, root / "model.safetensors"],
+                 ["convert", SRC, root / "dcp", "--format", "dcp"],
+                 ["convert", SRC, root / "universal", "--format", "universal"]):
+        assert reshard.cli.main([*map(str, args), "--quiet"]) == 0
+    weights = torch.load(root / "model.pt", weights_only=True)
+    params = [torch.nn.Parameter(v.clone()) for v in weights.values() if v.is_floating_point()]
+    adam = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adam.step()
+    torch.save({"state_dict": weights, "optimizer_states": [adam.state_dict()], "global_step": 1},
+               root / "model.ckpt")
+    (root / "hf").mkdir()
+    save_file(weights, str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "hf" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    return {"DeepSpeed": SRC, "DeepSpeed universal": root / "universal", "DCP": root / "dcp",
+            "torch.save": root / "model.pt", "safetensors": root / "model.safetensors",
+            "Lightning": root / "model.ckpt", "Hugging Face": root / "hf"}
+
+
+READ_OPTIONS = {"--tag": ("global_step3", {"DeepSpeed", "DeepSpeed universal"}),
+                "--layout-rules": (str(RULES), {"DeepSpeed"})}
+
+
+def _commands(source, out, flag, value):
+    """Each command given `flag` for `source`; diff's per-side flag is --tag-a / --tag-b."""
+    given = [flag, value]
+    return {"inspect": ["inspect", source, *given], "validate": ["validate", source, *given],
+            "plan": ["plan", source, "--format", "dcp", *given],
+            "convert": ["convert", source, out / "converted", "--format", "dcp", *given],
+            "export": ["export", source, out / "exported.safetensors", *given],
+            "diff": ["diff", source, source, *(["--tag-a", value] if flag == "--tag" else given)]}
+
+
+def test_a_reading_option_a_format_does_not_take_is_a_usage_error(every_format, tmp_path, capsys):
+    import reshard.cli
+    for fmt, source in every_format.items():
+        for flag, (value, takers) in READ_OPTIONS.items():
+            for command, args in _commands(source, tmp_path, flag, value).items():
+                code = reshard.cli.main([*map(str, args), "--quiet"])
+                err = capsys.readouterr().err
+                if fmt in takers:       # negative control: the formats that take it read with it
+                    assert code == 0 and err == "", (fmt, command, flag, err)
+                else:
+                    assert code == 2 and err.startswith(f"reshard: {source}: {fmt} checkpoints take no {flag} (") \
+                        and err.count("\n") == 1, (fmt, command, flag, err)
+                    assert not list(tmp_path.iterdir()), (fmt, command, flag)    # nothing written
+                for made in tmp_path.iterdir():
+                    shutil.rmtree(made) if made.is_dir() else made.unlink()
+
+
+def test_diff_gives_layout_rules_to_the_side_that_takes_them(tmp_path):
+    """A Megatron-style save is read only with its rules; its export takes none. diff of the two reads each
+    as it can, and refuses the rules (exit 2) only when neither side takes them."""
+    megatron = fixture_dir("megatron_tp2_z1_fp32_dp2")
+    exported = tmp_path / "m.safetensors"
+    run_cli("export", megatron, exported, "--layout-rules", RULES, "--quiet", check=0)
+    for a, b in ((megatron, exported), (exported, megatron)):
+        proc = run_cli("diff", a, b, "--layout-rules", RULES, check=0)
+        assert proc.stdout.strip().splitlines()[-1].startswith("no difference: 16 tensors"), proc.stdout
+    proc = run_cli("diff", exported, exported, "--layout-rules", RULES, check=2)
+    _one_line(proc, f"{exported}: safetensors checkpoints take no --layout-rules")
+    run_cli("diff", exported, exported, check=0)                                      # control
+
+
+def test_convert_of_a_format_no_writer_writes_asks_for_format(every_format, tmp_path):
+    proc = run_cli("convert", every_format["torch.save"], tmp_path / "out", check=2)
+    _one_line(proc, f"{every_format['torch.save']}: torch checkpoints are read, not written", "--format")
+    proc = run_cli("convert", SRC, tmp_path / "out", "--format", "torch", check=2)
+    _one_line(proc, "no writer for format 'torch'")
+    assert not (tmp_path / "out").exists()
+    run_cli("convert", every_format["torch.save"], tmp_path / "out", "--format", "dcp", "--quiet", check=0)   # control
 
 
 # -- 7: a closed stdout -------------------------------------------------------------------------------------

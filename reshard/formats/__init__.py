@@ -1,18 +1,17 @@
 """File formats. Only this package knows file names, keys and byte layouts.
 
-A reader module has `sniff(path, tag) -> bool` (is this checkpoint mine? from names and magic
-bytes only) and `read(path, tag) -> Catalog`; one that can use tensor-parallel layout rules sets
-`TAKES_LAYOUT_RULES = True` and takes `read(path, tag, layout_rules)`. A writer module has
-`target_files(catalog, layout, tag, source_save_dir) -> [target files]`,
-`batch_size_advice(catalog, layout) -> str | None` and `describe(layout, tag) -> targets.Output`
-(what it writes, in its own terms).
+Every reader module satisfies reshard.formats.protocol.Reader, every writer module (`convert --format`)
+reshard.formats.protocol.Writer; the protocol module says in which order they are called. The rest of
+reshard reaches them only through the functions here.
 """
 from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import fields
 
 from reshard.errors import ReshardError, UsageError
+from reshard.formats.protocol import Reader, ReadRequest, Writer
 
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
@@ -30,26 +29,50 @@ WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshar
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut."""
+    reader = reader_for(path, tag)
+    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, layout_rules)))
+    catalog.check_dtypes()
+    return catalog
+
+
+def reader_for(path: str, tag: str | None = None) -> Reader:
+    """The reader module of the checkpoint at `path` (with tag folder `tag`)."""
     if not os.path.exists(path):
         raise ReshardError.at(path, "no such file or directory")
     for name in READERS:
         module = importlib.import_module(name)
         if module.sniff(path, tag):
-            if not layout_rules:
-                return module.read(path, tag)
-            if not getattr(module, "TAKES_LAYOUT_RULES", False):
-                raise UsageError.at(path, "layout rules (--layout-rules) say how tensor parallelism cut a DeepSpeed "
-                                          "checkpoint that does not record it; this checkpoint's format takes none")
-            return module.read(path, tag, layout_rules)
+            return module
+    if tag is not None and not os.path.isdir(os.path.join(path, tag)):
+        raise ReshardError.at(os.path.join(path, tag), "tag folder does not exist")
     raise ReshardError.at(path, "not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
                                 "Hugging Face Trainer checkpoint folders, safetensors)")
 
 
-def writer(format_name: str):
+def reader_options(reader: Reader, path: str, request: ReadRequest):
+    """`request` as the reader's OPTIONS; an option the reader does not take is a usage error."""
+    given = request.given()
+    for name in given:
+        if name not in _taken(reader):
+            option = ReadRequest.option(name)
+            raise UsageError.at(path, f"{reader.FORMAT} checkpoints take no {option['flag']} ({option['use']})")
+    return reader.OPTIONS(**given)
+
+
+def takes(path: str, tag: str | None, option: str) -> bool:
+    """Does the format of the checkpoint at `path` take reading option `option` (a ReadRequest field)?"""
+    return option in _taken(reader_for(path, tag))
+
+
+def _taken(reader: Reader) -> set:
+    return {f.name for f in fields(reader.OPTIONS)}
+
+
+def writer(format_name: str) -> Writer:
     """The writer module of a target format."""
     if format_name not in WRITERS:
-        raise ReshardError(f"no writer for format {format_name!r} (known: {', '.join(WRITERS)})")
+        raise UsageError(f"no writer for format {format_name!r} (known: {', '.join(WRITERS)})")
     return importlib.import_module(WRITERS[format_name])
 
 

@@ -28,9 +28,12 @@ from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
+from reshard.formats.protocol import NoOptions
 from reshard.layout import Layout
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")
+FORMAT = "DCP"
+OPTIONS = NoOptions       # one directory is one checkpoint: no tag
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -41,7 +44,7 @@ def sniff(path: str, tag: str | None) -> bool:
     return any(RANK_FILE.search(n) for n in os.listdir(path))
 
 
-def read(path: str, tag: str | None = None) -> Catalog:
+def read(path: str, options: NoOptions) -> Catalog:
     root = os.path.abspath(path)
     meta_path = os.path.join(root, METADATA)
     if not os.path.isfile(meta_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import os
+from dataclasses import dataclass
 
 from reshard import optimizers
 from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
@@ -34,17 +35,29 @@ ENGINE_KEYS = {
 TRAINING_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "data_sampler",
                        "random_ltd", "ds_config", "ds_version", "dp_world_size", "mp_world_size")
 OPTIMIZER_SCALAR_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
-TAKES_LAYOUT_RULES = True   # a tensor-parallel save without universal_checkpoint_info needs them
+FORMAT = "DeepSpeed"
 
 
-def sniff(path: str, tag: str | None = None) -> bool:
-    return os.path.isdir(path) and (names.is_deepspeed_dir(path) or tag is not None)
+@dataclass(frozen=True)
+class Options:
+    tag: str | None = None            # the tag folder (default: the one `latest` names)
+    # a rule file (layouts/*.json) saying how tensor parallelism cut each parameter, for tensor-parallel
+    # checkpoints that do not carry `universal_checkpoint_info`
+    layout_rules: str | None = None
 
 
-def read(path: str, tag: str | None = None, layout_rules: str | None = None) -> Catalog:
-    """`layout_rules`: a rule file (layouts/*.json) saying how tensor parallelism cut each parameter,
-    for tensor-parallel checkpoints that do not carry `universal_checkpoint_info`."""
-    tag_dir, tag = names.resolve_tag_dir(path, tag)
+OPTIONS = Options
+
+
+def sniff(path: str, tag: str | None) -> bool:
+    """A save dir or tag folder; with a tag, also a save dir without `latest` that holds that folder."""
+    return os.path.isdir(path) and (names.is_deepspeed_dir(path) or
+                                    (tag is not None and os.path.isdir(os.path.join(path, tag))))
+
+
+def read(path: str, options: Options) -> Catalog:
+    tag_dir, tag = names.resolve_tag_dir(path, options.tag)
+    layout_rules = options.layout_rules
     try:
         catalog = _read(tag_dir, tag, layout_rules)
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
@@ -237,7 +250,7 @@ def _add_whole(catalog, name, state, ref):
     if not ref.is_contiguous():
         catalog.problem(ref.storage.file, f"{name}: non-contiguous tensor in the module state_dict")
         return
-    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), ref.dtype))
+    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), ref.dtype), ref.storage.file)
     if ref.numel:
         tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
 

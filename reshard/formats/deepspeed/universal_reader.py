@@ -18,12 +18,17 @@ from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import group_scalars, reader as zero_reader
 from reshard.formats.deepspeed import universal as uc
+from reshard.formats.protocol import TagOption
 from reshard.formats.torchzip import TensorRef
 from reshard.layout import Layout
 from reshard.tensorio import file_size
 
 
-def sniff(path: str, tag: str | None = None) -> bool:
+FORMAT = "DeepSpeed universal"
+OPTIONS = TagOption
+
+
+def sniff(path: str, tag: str | None) -> bool:
     if not os.path.isdir(path):
         return False
     if tag is not None:
@@ -35,8 +40,8 @@ def sniff(path: str, tag: str | None = None) -> bool:
         os.path.join(path, names.LATEST))
 
 
-def read(path: str, tag: str | None = None) -> Catalog:
-    tag_dir, tag = _resolve_tag_dir(path, tag)
+def read(path: str, options: TagOption) -> Catalog:
+    tag_dir, tag = _resolve_tag_dir(path, options.tag)
     try:
         return _read(tag_dir, tag)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
@@ -153,7 +158,7 @@ def _read_param(catalog, name, g):
             continue
         ref = _state_tensor(catalog, path, obj, shape)
         if ref is not None:
-            tensor = catalog.add(LogicalTensor(name, state, shape, ref.dtype))
+            tensor = catalog.add(LogicalTensor(name, state, shape, ref.dtype), ref.storage.file)
             tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
 
 

@@ -117,7 +117,7 @@ def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_opt
         usable = min(ref.numel, expected)
         for name, (start, numel) in ranges.items():
             overlap = intersect(start, start + numel, rank_start, rank_start + usable)
-            tensor = catalog.add(LogicalTensor(name, state, catalog.params[name].shape, ref.dtype))
+            tensor = catalog.add(LogicalTensor(name, state, catalog.params[name].shape, ref.dtype), ref.storage.file)
             if overlap:
                 a, b = overlap
                 tensor.fragments.append(Fragment(a - start, b - start, ref.storage,

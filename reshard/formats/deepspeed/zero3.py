@@ -72,7 +72,7 @@ def _add_fragments(catalog, sources, parts, rank, sub_start, sub_len):
         held = max(0, min(part, n - rank * part))      # real (unpadded) elements of this rank's part
         overlap = intersect(offset, offset + held, sub_start, sub_start + sub_len)
         for state, ref in sources.items():
-            tensor = catalog.add(LogicalTensor(name, state, catalog.params[name].shape, ref.dtype))
+            tensor = catalog.add(LogicalTensor(name, state, catalog.params[name].shape, ref.dtype), ref.storage.file)
             if overlap and ref.numel >= overlap[1] - sub_start:
                 a, b = overlap
                 first = rank * part + a - offset
@@ -122,7 +122,7 @@ def read_frozen(catalog, models) -> None:
             if not isinstance(ref, TensorRef):
                 catalog.problem(path, f"frozen parameter {p.name} has no fragment")
                 continue
-            tensor = catalog.add(LogicalTensor(p.name, MODULE, p.shape, ref.dtype))
+            tensor = catalog.add(LogicalTensor(p.name, MODULE, p.shape, ref.dtype), ref.storage.file)
             start, stop = rank * part, min(n, (rank + 1) * part)
             if ref.numel < stop - start:
                 catalog.problem(path, f"frozen parameter {p.name}: fragment has {ref.numel} elements, "

@@ -16,6 +16,7 @@ import re
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
+from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_weights, model
 from reshard.formats.single.torchfile import is_optimizer
 from reshard.layout import Layout
@@ -23,9 +24,11 @@ from reshard.layout import Layout
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 OPAQUE = (ARGS, "config.json", "generation_config.json")
+FORMAT = "Hugging Face"
+OPTIONS = NoOptions
 
 
-def sniff(path: str, tag: str | None = None) -> bool:
+def sniff(path: str, tag: str | None) -> bool:
     """A folder of HF weights with a trainer state or an optimizer; or of pytorch_model.bin weights
     (save_pretrained folders of safetensors alone are safetensors_reader's)."""
     if not os.path.isdir(path):
@@ -36,7 +39,7 @@ def sniff(path: str, tag: str | None = None) -> bool:
                                     weights in (hf_weights.BIN, hf_weights.BIN_INDEX))
 
 
-def read(path: str, tag: str | None = None) -> Catalog:
+def read(path: str, options: NoOptions) -> Catalog:
     folder = os.path.abspath(path)
     has_state = os.path.isfile(os.path.join(folder, TRAINER_STATE))
     weights_format = "safetensors" if hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX) else "torch"
@@ -61,7 +64,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
     _training_state(catalog, folder)
     step = catalog.state.get("global_steps") or catalog.layout.step or 0
     catalog.state.setdefault("global_steps", step)
-    catalog.state["tag"] = tag or (f"global_step{step}" if optimizer is not None or has_state else "weights")
+    catalog.state["tag"] = (f"global_step{step}" if optimizer is not None or has_state else "weights")
     return catalog
 
 

@@ -13,19 +13,22 @@ import os
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
+from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
 from reshard.formats.single.torchfile import is_optimizer, is_state_dict
 from reshard.layout import Layout
 
 SUFFIX = ".ckpt"
 KNOWN = ("state_dict", "optimizer_states", "lr_schedulers")
+FORMAT = "Lightning"
+OPTIONS = NoOptions
 
 
-def sniff(path: str, tag: str | None = None) -> bool:
+def sniff(path: str, tag: str | None) -> bool:
     return os.path.isfile(path) and path.endswith(SUFFIX)
 
 
-def read(path: str, tag: str | None = None) -> Catalog:
+def read(path: str, options: NoOptions) -> Catalog:
     path = os.path.abspath(path)
     obj = torchzip.load(path)
     if not isinstance(obj, dict) or not is_state_dict(obj.get("state_dict")):
@@ -46,5 +49,5 @@ def read(path: str, tag: str | None = None) -> Catalog:
     catalog.state["lightning"] = {k: v for k, v in obj.items() if k not in KNOWN}
     step = obj.get("global_step")
     catalog.state["global_steps"] = int(step) if isinstance(step, int) else (catalog.layout.step or 0)
-    catalog.state["tag"] = tag or f"global_step{catalog.state['global_steps']}"
+    catalog.state["tag"] = f"global_step{catalog.state['global_steps']}"
     return catalog

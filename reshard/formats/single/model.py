@@ -89,7 +89,7 @@ def _add(catalog, name, state, ref, dtype=None) -> None:
     if not ref.is_contiguous():
         catalog.problem(ref.storage.file, f"{name} ({state}): non-contiguous tensor; cannot be addressed as one range")
         return
-    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), dtype or ref.dtype))
+    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), dtype or ref.dtype), ref.storage.file)
     if ref.numel:
         tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
 

@@ -8,20 +8,23 @@ from __future__ import annotations
 import os
 
 from reshard.catalog import Catalog
+from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_weights, model, safetensors_header
 from reshard.layout import Layout
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
+FORMAT = "safetensors"
+OPTIONS = NoOptions
 
 
-def sniff(path: str, tag: str | None = None) -> bool:
+def sniff(path: str, tag: str | None) -> bool:
     if os.path.isfile(path):
         return path.endswith((SUFFIX, INDEX_SUFFIX))
     return os.path.isdir(path) and hf_weights.present(path) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
 
 
-def read(path: str, tag: str | None = None) -> Catalog:
+def read(path: str, options: NoOptions) -> Catalog:
     path = os.path.abspath(path)
     if os.path.isdir(path):
         folder = path
@@ -41,5 +44,5 @@ def read(path: str, tag: str | None = None) -> Catalog:
         model.add_file(catalog, file, role)
     model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
                 weights.buffers)
-    catalog.state["tag"] = tag or "weights"
+    catalog.state["tag"] = "weights"
     return catalog

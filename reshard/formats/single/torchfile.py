@@ -12,6 +12,7 @@ import os
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
+from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
 from reshard.formats.torchzip import TensorRef
 from reshard.layout import Layout
@@ -21,9 +22,11 @@ MODEL_KEYS = ("state_dict", "model", "module", "model_state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")
 SCHEDULER_KEYS = ("lr_scheduler", "scheduler")
 ZIP_MAGIC, LEGACY_MAGIC = b"PK\x03\x04", b"\x80\x02"
+FORMAT = "torch.save"
+OPTIONS = NoOptions
 
 
-def sniff(path: str, tag: str | None = None) -> bool:
+def sniff(path: str, tag: str | None) -> bool:
     if not (os.path.isfile(path) and path.endswith(SUFFIXES)):
         return False
     with open(path, "rb") as f:
@@ -57,7 +60,7 @@ def split(path: str, obj) -> tuple:
     return obj[found[0]], obj[optim[0]] if optim else None, {k: v for k, v in obj.items() if k not in used}
 
 
-def read(path: str, tag: str | None = None) -> Catalog:
+def read(path: str, options: NoOptions) -> Catalog:
     path = os.path.abspath(path)
     module, optimizer, extra = split(path, torchzip.load(path))
     catalog = Catalog(root=path, format="torch", layout=Layout(dp=1, zero=0))
@@ -70,5 +73,5 @@ def read(path: str, tag: str | None = None) -> Catalog:
         catalog.state["lr_scheduler"] = scheduler
     step = catalog.layout.step
     catalog.state["global_steps"] = step or 0
-    catalog.state["tag"] = tag or (f"global_step{step}" if step is not None else "converted")
+    catalog.state["tag"] = (f"global_step{step}" if step is not None else "converted")
     return catalog

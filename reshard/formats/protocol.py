@@ -1,0 +1,91 @@
+"""What a format implements: a Reader turns a checkpoint's files into a Catalog, a Writer turns a Catalog
+and a target Layout into the files of a checkpoint. Each is a module registered in reshard.formats
+(READERS, WRITERS) that satisfies the Protocol below; the rest of reshard calls formats only through
+that registry, so nothing outside reshard/formats/ imports a format module.
+
+A Reader should expect this sequence of calls by `reshard.formats.read`:
+
+  1) sniff(path, tag) on each registered reader in turn, until one says the checkpoint is its own;
+  2) (registry) every option the command gives (a ReadRequest field that is not None) must be a field of
+     that reader's OPTIONS; an option it lacks is refused in one line (UsageError, exit 2) before any
+     file is opened;
+  3) read(path, options) once, `options` an instance of its OPTIONS holding what was given;
+  4) (registry) the returned Catalog's fragments are checked against their tensors' dtypes
+     (Catalog.check_dtypes), so no reader repeats that check.
+
+A Writer should expect this sequence of calls by `reshard.convert`:
+
+  1) target_files(catalog, target, tag, source_save_dir) once: every file of the output, or a
+     ReshardError saying in one line why this catalog cannot be written at `target`;
+  2) describe(target, tag): what the output is, in the format's own terms (for the plan and the manifest);
+  3) batch_size_advice(catalog, target), by `plan` only: what happens to the global batch size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from reshard.catalog import Catalog
+    from reshard.layout import Layout
+    from reshard.targets import Output
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Every reading option a command can give; None: not given. A reader takes a subset (its OPTIONS).
+    Each field's metadata names its command-line flag and says what it is for, for the refusal."""
+    tag: str | None = field(default=None, metadata={
+        "flag": "--tag", "use": "a tag names a folder of a DeepSpeed save dir"})
+    layout_rules: str | None = field(default=None, metadata={
+        "flag": "--layout-rules", "use": "layout rules say how tensor parallelism cut a DeepSpeed checkpoint "
+                                         "that does not record it"})
+
+    def given(self) -> dict:
+        """{field name: value} of the options given."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def option(cls, name: str) -> dict:
+        """The metadata of option `name` (flag, use)."""
+        return next(f.metadata for f in fields(cls) if f.name == name)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The OPTIONS of a format that takes no reading option (a file or folder says all there is)."""
+
+
+@dataclass(frozen=True)
+class TagOption:
+    """The OPTIONS of a format whose save dir holds tag folders."""
+    tag: str | None = None
+
+
+@runtime_checkable
+class Reader(Protocol):
+    FORMAT: str      # the format's name in messages ("DCP")
+    OPTIONS: type    # a frozen dataclass whose fields are the ReadRequest fields this format takes
+
+    def sniff(self, path: str, tag: str | None) -> bool:
+        """Is the checkpoint at `path` (with tag folder `tag`, when given) in this format? From names and magic
+        bytes only: cheap, and never an error (a damaged file of this format is still this format's)."""
+
+    def read(self, path: str, options) -> "Catalog":
+        """The Catalog of the checkpoint at `path`, from metadata alone, with `options` (an OPTIONS); what
+        is wrong but readable goes to catalog.problems, what is unreadable raises a ReshardError."""
+
+
+@runtime_checkable
+class Writer(Protocol):
+    def target_files(self, catalog: "Catalog", target: "Layout", tag: str,
+                     source_save_dir: str | None = None) -> list:
+        """Every file of `catalog` written at `target` (reshard.targets: TensorFile, TextFile, CopiedFile),
+        named relative to the output directory; `tag` names the output's tag, `source_save_dir` is where
+        files copied as they are (scripts) come from (None: none)."""
+
+    def describe(self, target: "Layout", tag: str) -> "Output":
+        """What the output is, in the format's own terms."""
+
+    def batch_size_advice(self, catalog: "Catalog", target: "Layout") -> str | None:
+        """What happens to the global batch size when dp changes, and which setting keeps it; None: nothing to say."""
