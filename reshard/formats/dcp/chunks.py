@@ -103,7 +103,7 @@ class Chunks:
     def tensor(self, key: str, entry, name: str, state: str) -> LogicalTensor:
         dtype = dtype_of(entry, self.meta_path, key)
         shape = tuple(int(d) for d in entry.size)
-        tensor = self.catalog.add(LogicalTensor(name, state, shape, dtype))
+        tensor = self.catalog.add(LogicalTensor(name, state, shape, dtype), self.meta_path)
         for chunk in entry.chunks:
             offsets = tuple(int(o) for o in chunk.offsets)
             sizes = tuple(int(s) for s in chunk.sizes)
