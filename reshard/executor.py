@@ -437,6 +437,7 @@ class _SourceFiles:
             window = mmap.mmap(self._fd(path), offset + span - first, access=mmap.ACCESS_READ, offset=first)
         except (OSError, ValueError) as e:
             raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + span}) ({e})") from None
+        window.madvise(mmap.MADV_WILLNEED)     # read the window ahead, not page by page as it is touched
         try:
             block = np.frombuffer(window, dtype=numpy_carrier(src), offset=offset - first,
                                   count=(span - size) // size + 1)

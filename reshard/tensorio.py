@@ -19,8 +19,14 @@ from reshard.locate import Locator
 from reshard.placement import Shard, full_index, regions
 
 
+# Fewer bytes than this are read with pread, not through the map: a fault on a mapped page reads ahead
+# a whole window around it (read_ahead_kb), which for the small tensors read one by one when a catalog is
+# opened (replicated norm weights, compared when read) costs ~100× the bytes wanted.
+SMALL_READ = 1 << 20
+
+
 class MappedFiles:
-    """Read-only memory maps of checkpoint files, one per file, closed together."""
+    """Read-only memory maps of checkpoint files, one per file, closed together; small reads are preads."""
 
     def __init__(self):
         self._maps = {}
@@ -62,6 +68,16 @@ class MappedFiles:
         stop = start + count * size
         if first < 0 or stop > storage.offset + storage.nbytes:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
+        if stop - start < SMALL_READ:
+            try:
+                with open(storage.file, "rb") as f:
+                    raw = os.pread(f.fileno(), stop - start, start)
+            except OSError as e:
+                raise CheckpointError(storage.file, f"cannot read: {e.strerror}") from None
+            if len(raw) != stop - start:
+                raise CheckpointError(storage.file, f"truncated: needs byte {stop}, file has "
+                                                    f"{start + len(raw)}")
+            return np.frombuffer(raw, dtype=numpy_carrier(dtype))
         m = self._map(storage.file)
         if stop > len(m):
             raise CheckpointError(storage.file, f"truncated: needs byte {stop}, file has {len(m)}")
@@ -144,18 +160,25 @@ def file_size(path: str) -> int:
         return 0
 
 
-def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTensor, block: int = 1 << 22):
+def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTensor, block: int = 1 << 22,
+                     known: dict | None = None):
     """The first flat index of the tensor where `copy` (fragments over part of it) differs from it, or None.
 
     Compared in blocks of at most `block` elements: memory stays bounded whatever the tensor size. Elements
-    of a copy's shard that it does not place (another rank's blocks) are not compared."""
+    of a copy's shard that it does not place (another rank's blocks) are not compared. `known`: the tensor's
+    blocks read so far, kept there for the next copy of the same tensor (the other TP ranks' copies of a norm)."""
     where = Locator(tensor)
     for frag in sorted(copy.fragments, key=lambda f: f.start):
         values = files.fragment(frag, copy.dtype)
         placed = frag.shard is None or len(frag.shard.blocks) == 1 and frag.shard.blocks[0].shape == frag.shard.shape
         for lo in range(frag.start, frag.stop, block):
             hi = min(frag.stop, lo + block)
-            mine = read_shard(files, tensor, frag.shard, lo, hi, where)
+            key = (frag.shard, lo, hi)
+            mine = known.get(key) if known is not None else None
+            if mine is None:
+                mine = read_shard(files, tensor, frag.shard, lo, hi, where)
+                if known is not None:
+                    known[key] = mine
             theirs = values[lo - frag.start:hi - frag.start]
             mine, theirs = (a.view(f"u{a.itemsize}") for a in (mine, theirs))    # bits: NaN equals NaN
             differs = mine != theirs
@@ -177,10 +200,11 @@ def _placed_mask(shard: Shard, start: int, stop: int) -> np.ndarray:
     return mask
 
 
-def replica_problem(files: MappedFiles, tensor: LogicalTensor, replica) -> str | None:
-    """One line when a replica (catalog.Replica) differs from the tensor it copies, else None."""
+def replica_problem(files: MappedFiles, tensor: LogicalTensor, replica, known: dict | None = None) -> str | None:
+    """One line when a replica (catalog.Replica) differs from the tensor it copies, else None. `known`: as
+    for first_difference."""
     replica.checked = True
-    at = first_difference(files, tensor, replica.copy)
+    at = first_difference(files, tensor, replica.copy, known=known)
     if at is None:
         return None
     where = sorted({f.storage.file for f in replica.copy.fragments})

@@ -159,6 +159,7 @@ def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
     catalog.param_groups = [dict(g) for g in base.param_groups]
     catalog.group_scalars = [dict(s) for s in base.group_scalars]
     _check_scalars(catalog, locals_, "tensor-parallel rank")
+    states = base.states()
     with MappedFiles() as files:
         for name, info in base.params.items():
             if name in catalog.aliases:
@@ -171,8 +172,10 @@ def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
                 split = geometry.split(name, shard_shapes, tp)
             catalog.params[name] = ParamInfo(name, split.full_shape, info.kind, info.group)
             catalog.tp_splits[name] = split
-            for state in [s for s in base.states() if (name, s) in base.tensors]:
-                _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files)
+            shards = {rank: {held: split.shard(rank, shape, held) for held in ("primary", "copies")}
+                      for rank, shape in shard_shapes.items()}
+            for state in [s for s in states if (name, s) in base.tensors]:
+                _merge_tensor(catalog, locals_, name, state, split, shard_shapes, shards, files)
     return catalog
 
 
@@ -185,7 +188,8 @@ def _buffer_split(geometry, name, shard_shapes, tp):
         return replicated(name, shard_shapes, tp, "buffers are whole on every tensor-parallel rank")
 
 
-def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):
+def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, shards, files):
+    """`shards`: per rank, its "primary" and "copies" shards of the full tensor (tp_geometry.Split.shard)."""
     dtype = next(c.tensors[(name, state)].dtype for c in locals_.values()
                  if c is not None and (name, state) in c.tensors)
     full = catalog.add(LogicalTensor(name, state, split.full_shape, dtype))
@@ -197,8 +201,8 @@ def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, files):
             catalog.problem(_file_of(tensor, local), f"{name} ({state}): shard shape {list(tensor.shape)} but the "
                             f"parameter's is {list(shard_shapes[rank])}")
             continue
-        full.fragments += _on_shard(tensor.fragments, split.shard(rank, tensor.shape))
-    _add_replicas(catalog, locals_, full, split, files)
+        full.fragments += _on_shard(tensor.fragments, shards[rank]["primary"])
+    _add_replicas(catalog, locals_, full, split, shards, files)
 
 
 def _on_shard(frags, shard):
@@ -209,10 +213,11 @@ def _on_shard(frags, shard):
     return [Fragment(f.start, f.stop, f.storage, f.elem_offset, f.rank, shard) for f in frags]
 
 
-def _add_replicas(catalog, locals_, full, split, files):
+def _add_replicas(catalog, locals_, full, split, shards, files):
     """Blocks held by several TP ranks: each other holder's copy becomes a Replica of `full`; the small
     ones are compared now (a norm weight, a bias), the others by `validate --deep`."""
     name, state = full.name, full.state
+    known = {}          # full's elements read for the first copy, compared with every other
     for rank, local in sorted(locals_.items()):
         tensor = local.tensors.get((name, state)) if local is not None else None
         if tensor is None:
@@ -221,17 +226,17 @@ def _add_replicas(catalog, locals_, full, split, files):
         if not pieces:
             continue
         copy = LogicalTensor(name, state, full.shape, full.dtype)
-        copy.fragments = _on_shard(tensor.fragments, split.shard(rank, tensor.shape, held="copies"))
+        copy.fragments = _on_shard(tensor.fragments, shards[rank]["copies"])
         holders = sorted({p.holders[0] for p in pieces})
-        _replica(catalog, full, copy, f"tensor-parallel rank {rank}", f"rank {holders[0]}", files)
+        _replica(catalog, full, copy, f"tensor-parallel rank {rank}", f"rank {holders[0]}", files, known)
 
 
-def _replica(catalog, tensor, copy, holder, first, files) -> None:
+def _replica(catalog, tensor, copy, holder, first, files, known=None) -> None:
     """Record a second copy of (part of) `tensor`; compare it now when it is small."""
     replica = Replica(copy, holder, first)
     catalog.replicas.append(replica)
     if sum(f.numel for f in copy.fragments) * itemsize(tensor.dtype) <= REPLICA_CHECK_BYTES:
-        problem = replica_problem(files, tensor, replica)
+        problem = replica_problem(files, tensor, replica, known)
         if problem:
             catalog.problems.append(problem)
 
