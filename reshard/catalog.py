@@ -46,16 +46,22 @@ class ScalarTensor:
     dtype: str
 
 
-@dataclass(frozen=True)
-class SplitScalar:
-    """An optimizer scalar (Adam's `step`) that differs between the params of one group. group_scalars keeps
-    one value per group (`kept`), so until the catalog carries per-parameter scalars, writers refuse it."""
-    path: str          # the file that holds the values
-    group: int
-    key: str
-    kept: float        # the group's value in group_scalars
-    other: float       # the value of `param`
-    param: str
+@dataclass
+class PerParamScalar:
+    """An optimizer scalar a source keeps for each param of a group: torch.optim's Adam counts each param's
+    own `step` (a param without a gradient is not stepped), and torch.save, DCP and a universal checkpoint's
+    `zero/<param>/step.pt` save that count per param, where a DeepSpeed save keeps one per group."""
+    values: dict = field(default_factory=dict)   # param name -> ScalarTensor | plain value, in the order read
+    files: dict = field(default_factory=dict)    # param name -> the file its value was read from, for messages
+
+    def first(self) -> tuple:
+        """(name, value) of the first param read: the group's one value when all agree."""
+        return next(iter(self.values.items()))
+
+    def differing(self) -> list:
+        """[(name, value)] of the params whose value is not the first param's (empty: one value for all)."""
+        first = self.first()[1]
+        return [(name, value) for name, value in self.values.items() if value != first]
 
 
 @dataclass
@@ -109,8 +115,9 @@ class Catalog:
     aliases: dict = field(default_factory=dict)        # tied name -> the name holding the data
     order: list = field(default_factory=list)          # the model's state_dict keys, in order (aliases too)
     param_groups: list = field(default_factory=list)   # [{hyper-params..., "params": [names, optimizer order]}]
-    group_scalars: list = field(default_factory=list)  # per group: {"step": ScalarTensor | value}
-    split_scalars: list = field(default_factory=list)  # [SplitScalar]: per-param scalars group_scalars cannot hold
+    # per param group, each optimizer scalar ("step"): ScalarTensor | value where the format keeps one per
+    # group (DeepSpeed), a PerParamScalar where it keeps each param's own; writers ask scalars_of_groups/_param
+    group_scalars: list = field(default_factory=list)
     state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
@@ -181,14 +188,54 @@ class Catalog:
         # mixed precisions: a DeepSpeed target keeps a float32 master and 16-bit copy of each
         return (saved.pop() if len(saved) == 1 else "float32"), (masters.pop() if len(masters) == 1 else "float32")
 
-    def require_group_scalars(self, target: str) -> None:
-        """Refuse to write `target` (which would get the group's one value for every param) when an optimizer
-        scalar differs between the params of a group: the source is readable, only its state cannot be carried."""
-        if self.split_scalars:
-            s = self.split_scalars[0]
-            raise ReshardError(f"{s.path}: param group {s.group}: optimizer {s.key} differs between parameters "
-                               f"({_number(s.kept)} vs {_number(s.other)} at {s.param}); reshard keeps one per group, "
-                               f"so {target} is not written")
+    def record_param_scalar(self, g: int, name: str, key: str, value, path: str) -> None:
+        """A reader's: `name` (of group g, in group_scalars already) has its own `value` of optimizer scalar
+        `key`, read from `path`."""
+        entry = self.group_scalars[g].setdefault(key, PerParamScalar())
+        entry.values[name], entry.files[name] = value, path
+
+    def scalars_of_groups(self, target: str) -> list:
+        """Per param group {key: its one value}, for `target`, a format that keeps one per group. A scalar whose
+        params differ refuses `target` (which would get one of the values for every param), naming the file
+        and the params; the source stays readable, only its optimizer state cannot be carried."""
+        out = []
+        for g, scalars in enumerate(self.group_scalars):
+            one = {}
+            for key, value in scalars.items():
+                if isinstance(value, PerParamScalar):
+                    first_name, first = value.first()
+                    differing = value.differing()
+                    if differing:
+                        name, other = differing[0]
+                        raise ReshardError.at(value.files[name], f"param group {g}: optimizer {key} differs between "
+                                              f"parameters ({_number(first)} at {first_name} vs {_number(other)} at "
+                                              f"{name}); {target} keeps one per group, so it is not written")
+                    value = first
+                one[key] = value
+            out.append(one)
+        return out
+
+    def scalars_of_param(self, name: str) -> dict:
+        """{key: value} of trainable param `name`: its own where the source keeps one per param, else its
+        group's. A key the param has no value of (torch.optim keeps no state for a param never stepped) is absent."""
+        g = self.params[name].group
+        out = {}
+        for key, value in (self.group_scalars[g] if g is not None and g < len(self.group_scalars) else {}).items():
+            if isinstance(value, PerParamScalar):
+                if name not in value.values:
+                    continue
+                value = value.values[name]
+            out[key] = value
+        return out
+
+    def scalar_values(self, key: str) -> set:
+        """Every plain value optimizer scalar `key` has, over all groups and params (the steps a save holds)."""
+        out = set()
+        for scalars in self.group_scalars:
+            value = scalars.get(key)
+            values = value.values.values() if isinstance(value, PerParamScalar) else [value]
+            out |= {v.value if isinstance(v, ScalarTensor) else v for v in values if v is not None}
+        return out
 
     def problem(self, path, text: str) -> None:
         self.problems.append(f"{path}: {text}")
@@ -199,4 +246,5 @@ def _file_of(tensor: LogicalTensor) -> str | None:
 
 
 def _number(value) -> str:
+    value = value.value if isinstance(value, ScalarTensor) else value
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)

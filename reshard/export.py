@@ -25,6 +25,7 @@ from reshard.targets import NewTensor, Output, TextFile
 
 FORMATS = {"safetensors": SafetensorsFile, "torch": TorchFile}   # each: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"
+WITH_OPTIMIZER = "the optimizer state (--with-optimizer)"    # optimizer.json keeps one step per param group
 
 
 @dataclass
@@ -47,7 +48,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
     if single_file and with_optimizer:
         raise ReshardError.at(out, "--with-optimizer writes several files; give a directory")
     if with_optimizer:
-        catalog.require_group_scalars("the optimizer state (--with-optimizer)")
+        catalog.scalars_of_groups(WITH_OPTIMIZER)
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
     metadata = {"format": "pt"}
     if catalog.aliases:
@@ -116,8 +117,9 @@ def optimizer_sets(catalog: Catalog, entries) -> list:
 def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
     extension = FORMATS[fmt].EXTENSION
     groups = []
+    per_group = catalog.scalars_of_groups(WITH_OPTIMIZER)
     for g, group in enumerate(catalog.param_groups):
-        scalars = catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}
+        scalars = per_group[g] if g < len(per_group) else {}
         groups.append({**{k: jsonable(v) for k, v in group.items() if k != "params"},
                        **{k: (v.value if isinstance(v, ScalarTensor) else jsonable(v)) for k, v in scalars.items()},
                        "params": list(group["params"])})

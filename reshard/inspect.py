@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, is_dataclass
 
-from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
 from reshard.formats.torchzip import DType, TensorRef
 
 
@@ -32,11 +32,12 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "buffers": kinds.count("buffer"),
         "aliases": catalog.aliases,
         "param_groups": [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
-                          "params": len(g["params"]), **{k: jsonable(v) for k, v in scalars.items()}}
+                          "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
                          for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
-        # optimizer scalars that differ between a group's params (the group's own value is in param_groups)
-        "split_scalars": [{"group": s.group, "key": s.key, "param": s.param, "value": jsonable(s.other)}
-                          for s in catalog.split_scalars],
+        # optimizer scalars that differ between a group's params (the first param's value is in param_groups)
+        "split_scalars": [{"group": g, "key": key, "param": name, "value": jsonable(value)}
+                          for g, scalars in enumerate(catalog.group_scalars) for key, per_param in scalars.items()
+                          if isinstance(per_param, PerParamScalar) for name, value in per_param.differing()],
         "bytes_per_state": catalog.bytes_per_state(),
         "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
         "problems": len(catalog.problems),
@@ -44,6 +45,11 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
     if params:
         info["parameter_table"] = [_param_row(catalog, p) for p in catalog.params.values()]
     return info
+
+
+def _first(scalar):
+    """A group's scalar as one value: the first param's where each param has its own."""
+    return scalar.first()[1] if isinstance(scalar, PerParamScalar) else scalar
 
 
 def _param_row(catalog, p) -> dict:

@@ -113,7 +113,8 @@ def test_reads_a_real_dcp_save(variant, tmp_path):
         assert torch.equal(reshard.full_tensor(catalog, name, "fp32"), msd[name])
         for state in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(reshard.full_tensor(catalog, name, state), per_param[state]), (name, state)
-    assert catalog.group_scalars == [{"step": reshard.catalog.ScalarTensor(2.0, "float32")}] * len(osd["param_groups"])
+    assert catalog.scalars_of_groups("a test") == [{"step": reshard.catalog.ScalarTensor(2.0, "float32")}] * \
+        len(osd["param_groups"])
     assert [{k: v for k, v in g.items()} for g in catalog.param_groups] == osd["param_groups"]
     assert catalog.aliases == {} and catalog.params["head.weight"].kind == "frozen"   # DCP does not say it is tied
 
@@ -126,20 +127,24 @@ def test_param_groups_are_found_without_planner_data(saved, tmp_path):
         saved[2]["param_groups"]
 
 
-def test_unequal_steps_within_a_group_are_read_but_not_converted(saved, tmp_path):
-    """Adam counts steps per param, so a real save can hold unequal ones: complete, yet no writer keeps them."""
+def test_unequal_steps_within_a_group_are_read_and_kept_by_dcp_but_not_converted_to_deepspeed(saved, tmp_path):
+    """Adam counts steps per param, so a real save can hold unequal ones: complete; DCP keeps a step per param,
+    DeepSpeed one per group."""
     src = tmp_path / "src"
     shutil.copytree(saved[0], src)
     _append_value(src, "optim.state.l1.bias.step", _torch_saved(torch.tensor(5.0)))
     assert "complete" in run_cli("validate", src, check=0).stdout
-    for fmt in ("dcp", "deepspeed"):
-        proc = run_cli("convert", src, tmp_path / "out", "--format", fmt, "--to", "zero=2")
-        assert proc.returncode == 1 and proc.stderr.strip() == (
-            f"reshard: {src / '.metadata'}: param group 0: optimizer step differs between parameters (2 vs 5 at "
-            f"l1.bias); reshard keeps one per group, so a {'DCP' if fmt == 'dcp' else 'DeepSpeed'} checkpoint is "
-            "not written"), proc.stderr
-        assert not (tmp_path / "out").exists()
-    run_cli("convert", saved[0], tmp_path / "out", "--format", "dcp", "--quiet", check=0)   # negative control
+    proc = run_cli("convert", src, tmp_path / "out", "--format", "deepspeed", "--to", "zero=2")
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"reshard: {src / '.metadata'}: param group 0: optimizer step differs between parameters (2 at emb.weight vs "
+        "5 at l1.bias); a DeepSpeed checkpoint keeps one per group, so it is not written"), proc.stderr
+    assert not (tmp_path / "out").exists()
+    run_cli("convert", src, tmp_path / "dcp", "--format", "dcp", "--to", "dp=2", "--quiet", check=0)
+    steps = {k: float(v["step"]) for k, v in _dcp_to_torch_save(tmp_path / "dcp", tmp_path)["optim"]["state"].items()}
+    assert steps["l1.bias"] == 5.0 and set(steps.values()) == {2.0, 5.0}, steps
+    assert {k for k, v in steps.items() if v == 5.0} == {"l1.bias"}
+    run_cli("convert", saved[0], tmp_path / "ds", "--format", "deepspeed", "--to", "zero=2", "--quiet",
+            check=0)   # negative control: equal steps convert
 
 
 def test_export_of_a_real_dcp_save_equals_dcp_to_torch_save(saved, tmp_path):

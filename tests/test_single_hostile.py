@@ -190,7 +190,8 @@ def test_saved_param_names_resolve_what_shapes_cannot(tmp_path):
 
 
 def test_unequal_steps_within_a_group_read_and_export_but_do_not_convert(tmp_path):
-    """Adam counts steps per parameter; one unused at first is a step behind. DeepSpeed keeps one per group."""
+    """Adam counts steps per parameter; one unused at first is a step behind. DeepSpeed keeps one per group
+    (every writer: tests/test_per_param_steps.py)."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     opt = torch.optim.Adam(model.parameters())
     model[0](torch.ones(1, 3)).sum().backward()       # the second layer gets no gradient: no step
@@ -203,35 +204,6 @@ def test_unequal_steps_within_a_group_read_and_export_but_do_not_convert(tmp_pat
     assert "complete" in run_cli("validate", path, check=0).stdout
     run_cli("export", path, tmp_path / "w.safetensors", "--quiet", check=0)
     refused(path, tmp_path, "optimizer step differs between parameters", ("convert",))
-
-
-@pytest.mark.parametrize("args", [("convert", "--format", "dcp"), ("convert", "--format", "universal", "--to", "zero=2"),
-                                  ("convert", "--format", "deepspeed", "--to", "zero=2"),
-                                  ("export", "--with-optimizer")], ids=lambda a: "-".join(a[:3]).strip("-"))
-def test_per_parameter_steps_are_refused_by_every_writer_that_keeps_one_per_group(tmp_path, args):
-    """Steps [5, 1, 1, 1]: the catalog keeps one per group, so every writer of optimizer state would write 5 four times."""
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    opt = torch.optim.Adam(model.parameters())
-    for _ in range(4):                  # the first weight alone gets a gradient 4 times
-        opt.zero_grad(set_to_none=True)
-        model[0].weight.grad = torch.ones_like(model[0].weight)
-        opt.step()
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [5, 1, 1, 1]
-    path = tmp_path / "steps.pt"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
-    out = tmp_path / "out"
-    proc = run_cli(args[0], path, out, *args[1:])
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"reshard: {path}: param group 0: optimizer step differs between parameters (5"), lines
-    assert not out.exists() and os.listdir(tmp_path) == ["steps.pt"]
-    # negative control: the weights alone are one value per tensor, exported as they are
-    run_cli("export", path, out, check=0)
-    info = json.loads(run_cli("inspect", path, "--json", check=0).stdout)    # inspect says the group's 5 is not all
-    assert info["split_scalars"] == [{"group": 0, "key": "step", "param": p, "value": 1.0}
-                                     for p in ("0.bias", "1.weight", "1.bias")]
 
 
 def test_the_mapping_rule():

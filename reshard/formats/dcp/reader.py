@@ -7,7 +7,7 @@ holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`
 
   [model.]<fqn>                         -> (fqn, MODULE), and (fqn, MASTER) for an fp32 trainable param
   optim.state.<fqn>.<state>             -> (fqn, state)
-  optim.state.<fqn>.step                -> group_scalars[group]["step"] (unequal: split_scalars)
+  optim.state.<fqn>.step                -> group_scalars[group]["step"], each param's own (PerParamScalar)
   optim.param_groups.<g>.<hyper|params> -> param_groups  (default get_state_dict)
   optim.param_groups.<fqn>.<hyper>      -> param_groups  (flatten_optimizer_state_dict=True)
   reshard.<optimizer|counter>           -> layout.optimizer, state (what reshard's DCP writer carries)
@@ -23,7 +23,7 @@ import math
 import os
 
 from reshard import optimizers
-from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar
+from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
@@ -87,7 +87,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     for name in group_of:
         if name not in catalog.params:
             catalog.problem(meta_path, f"the optimizer names {name}, which the model state dict lacks")
-    steps = [dict() for _ in groups]
+    catalog.group_scalars = [{} for _ in groups]
     for key, entry in optim.items():
         fqn, _, state = key.split(".", 2)[2].rpartition(".")
         if fqn not in group_of:
@@ -95,11 +95,10 @@ def read(path: str, options: NoOptions) -> Catalog:
             continue
         if state == "step" and not entry.size:
             step = chunks.scalar(key, entry)
-            if step is not None:
-                steps[group_of[fqn]][fqn] = step
+            if step is not None:      # Adam counts steps per param: FSDP's get_state_dict saves each its own
+                catalog.record_param_scalar(group_of[fqn], fqn, state, step, meta_path)
         else:
             chunks.tensor(key, entry, fqn, state)
-    catalog.group_scalars = [_group_step(meta_path, g, s, catalog) for g, s in enumerate(steps)]
     catalog.files = chunks.files()
     _finish(catalog, world, carried)
     catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
@@ -166,17 +165,6 @@ def _param_groups(meta, values: dict, chunks, meta_path) -> list:
     return groups
 
 
-def _group_step(meta_path, g: int, steps: dict, catalog) -> dict:
-    """One step per group; a param whose own step differs (Adam counts per param) is recorded for writers to refuse."""
-    values = {(s.value, s.dtype) for s in steps.values()}
-    if not values:
-        return {}
-    value, dtype = min(values)
-    catalog.split_scalars += [SplitScalar(meta_path, g, "step", value, s.value, fqn)
-                              for fqn, s in steps.items() if s.value != value]
-    return {"step": ScalarTensor(value, dtype)}
-
-
 def _carried(values: dict, chunks, meta_path) -> dict:
     """What reshard saved of the source beyond model and optimizer (chunks.CARRIED), type-checked."""
     out = {}
@@ -195,7 +183,7 @@ def _carried(values: dict, chunks, meta_path) -> dict:
 
 def _finish(catalog: Catalog, world: int, carried: dict) -> None:
     states = catalog.optimizer_states()
-    steps = {s["step"].value for s in catalog.group_scalars if "step" in s}
+    steps = catalog.scalar_values("step")
     step = steps.pop() if len(steps) == 1 else None
     step = int(step) if step is not None and float(step).is_integer() else None
     dtype, master_dtype = catalog.weight_dtypes()

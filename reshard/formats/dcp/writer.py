@@ -2,8 +2,8 @@
 
 Keys are those `get_state_dict(model, optimizer)` gives and `dcp.save({"model": ..., "optim": ...})`
 flattens (torch's `flatten_state_dict`): `model.<fqn>` for every state_dict entry (a tied name
-too, as torch keeps both), `optim.state.<fqn>.<state>` and `.step` for every trainable param,
-`optim.param_groups.<g>.<hyper>` and `optim.param_groups.<g>.params` (the group's FQNs).
+too, as torch keeps both), `optim.state.<fqn>.<state>` and `.step` for every trainable param (its own
+step: Adam counts them per param), `optim.param_groups.<g>.<hyper>` and `optim.param_groups.<g>.params`.
 A tied name's chunks point at its holder's bytes: torch loads both keys from them, and our reader
 recognises the tie (a real FSDP save writes the bytes twice and the tie is lost).
 Weights are the fp32 master copy where there is one (the optimizer's view of the param), frozen
@@ -67,7 +67,6 @@ def file_name(rank: int) -> str:
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
-    catalog.require_group_scalars("a DCP checkpoint")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
     written = {}        # source (name, state) -> its chunks' locations, for a tied name to share
@@ -112,9 +111,9 @@ def _tensors(catalog: Catalog, dp: int):
             raise ReshardError.at(catalog.root, f"no weights for {name} ({source[1]}) to write")
         yield (f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype,
                1 if info.kind == "buffer" else dp)
-    for g, group in enumerate(catalog.param_groups):
-        step = (catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}).get("step")
+    for group in catalog.param_groups:
         for name in group["params"]:
+            step = catalog.scalars_of_param(name).get("step")
             if step is not None:
                 value = step if isinstance(step, ScalarTensor) else ScalarTensor(float(step), "float32")
                 yield f"{OPTIM}.state.{name}.step", name, value, (), value.dtype, 1

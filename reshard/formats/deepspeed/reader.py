@@ -307,7 +307,7 @@ def _fill_layout(catalog, model0):
     params = [p for p in catalog.params.values() if p.kind != "buffer"]
     layout.params = len(params)
     layout.elements = sum(math.prod(p.shape) for p in params)
-    steps = {getattr(s["step"], "value", s["step"]) for s in catalog.group_scalars if s.get("step") is not None}
+    steps = catalog.scalar_values("step")
     layout.step = int(max(steps)) if steps else None
 
 

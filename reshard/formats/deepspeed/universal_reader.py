@@ -1,11 +1,11 @@
 """DeepSpeed universal checkpoint -> Catalog, from metadata only (layout: see universal.py).
 
 Each trainable param's `zero/<param>/<state>.pt` holds one full tensor: it becomes one fragment of
-(param, state). Which params are trainable, their groups, the frozen params, buffers and tied
-names come from the model-states file(s) beside `zero/`, as for a ZeRO save; hyper-parameters,
-loss scaler and (ZeRO-3 flavour) the step from `zero/optimizer_state.pt`. Files are opened with
-the safe unpickler only. Folders that ds_to_universal writes for buffers, frozen and tied names are
-not read: no loader reads them either.
+(param, state); its `step.pt` (ZeRO-1/2 flavour) is the param's own step. Which params are trainable,
+their groups, the frozen params, buffers and tied names come from the model-states file(s) beside
+`zero/`, as for a ZeRO save; hyper-parameters, loss scaler and (ZeRO-3 flavour) the step from
+`zero/optimizer_state.pt`. Files are opened with the safe unpickler only. Folders that ds_to_universal
+writes for buffers, frozen and tied names are not read: no loader reads them either.
 """
 from __future__ import annotations
 
@@ -153,8 +153,8 @@ def _read_param(catalog, name, g):
         except CheckpointError as e:
             catalog.problems.append(str(e))
             continue
-        if state == uc.STEP:
-            group_scalars.record(catalog, path, g, uc.STEP, obj)
+        if state == uc.STEP:        # ds_to_universal copies the group's into each; the loader asserts they agree
+            catalog.record_param_scalar(g, name, uc.STEP, group_scalars.scalar(obj), path)
             continue
         ref = _state_tensor(catalog, path, obj, shape)
         if ref is not None:

@@ -59,7 +59,9 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
 
 
 def _check_target(catalog, target):
-    catalog.require_group_scalars("a universal checkpoint")
+    # Each param has its step.pt, yet DeepSpeed's loader asserts a group's are equal and keeps one per group
+    # (base_optimizer.py load_hp_checkpoint_state_from_checkpoint_dir; stage3.py reads one for all)
+    scalars = catalog.scalars_of_groups("a universal checkpoint")
     if target.pp != 1 or catalog.layout.pp != 1 or catalog.state.get("pipe_layer_files"):
         raise ReshardError(f"target {target.topology()}: universal checkpoints are written for pp=1 only")
     if (target.tp > 1 or catalog.layout.tp > 1) and target.zero not in (1, 2):
@@ -76,7 +78,7 @@ def _check_target(catalog, target):
         if unloadable:
             raise ReshardError(f"optimizer states {', '.join(unloadable)}: DeepSpeed's ZeRO-3 universal loader reads "
                                "only fp32, exp_avg and exp_avg_sq (stage3.py); write --to zero=1 or 2 instead")
-        if any("step" not in s for s in catalog.group_scalars) or not catalog.group_scalars:
+        if any(uc.STEP not in s for s in scalars) or not scalars:
             raise ReshardError("DeepSpeed's ZeRO-3 universal loader needs an optimizer step count, "
                                "and this checkpoint has none")
 

@@ -27,6 +27,7 @@ from reshard.targets import CopiedFile, Output, Piece, TextFile
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 WRITES_DS_VERSION = "0.19.8"    # the DeepSpeed whose files this writer reproduces
+TARGET = "a DeepSpeed checkpoint"   # which keeps one step per param group (base_optimizer_state)
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -47,7 +48,7 @@ def _check_convertible(catalog: Catalog, target: Layout) -> None:
     if not catalog.param_groups:
         raise ReshardError.at(catalog.root, "no optimizer state (weights only); a DeepSpeed checkpoint resumes "
                                             "training and needs the optimizer's state, so it is not written")
-    catalog.require_group_scalars("a DeepSpeed checkpoint")     # which keeps one step per param group
+    catalog.scalars_of_groups(TARGET)      # refuses params of a group whose steps differ
     unsure = catalog.state.get("frozen_or_buffer")
     if target.zero == 3 and unsure:
         raise ReshardError.at(catalog.root, f"{unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
@@ -141,6 +142,7 @@ class _Context:
         # A source not saved by DeepSpeed names no version; DeepSpeed asserts one and refuses ZeRO-1
         # files older than 0.3.17, so say the version whose layout this writer follows.
         self.ds_version = catalog.state.get("ds_version", WRITES_DS_VERSION)
+        self._scalars = None
 
     def numel(self, name: str) -> int:
         return math.prod(self.catalog.params[name].shape)
@@ -159,7 +161,10 @@ class _Context:
         return [p for p in self.catalog.params.values() if p.kind == "frozen"]
 
     def scalars(self, g: int) -> dict:
-        return self.catalog.group_scalars[g] if g < len(self.catalog.group_scalars) else {}
+        """Group g's optimizer scalars, one value each (the target was refused when a group's params differ)."""
+        if self._scalars is None:
+            self._scalars = self.catalog.scalars_of_groups(TARGET)
+        return self._scalars[g] if g < len(self._scalars) else {}
 
     def hyper_params(self, g: int) -> dict:
         return {k: v for k, v in self.catalog.param_groups[g].items() if k != "params"}
@@ -367,8 +372,7 @@ def _elastic_step(ctx) -> dict:
     yet its elastic loader asserts it is there, so its own elastic checkpoints of torch.optim.Adam
     cannot be resumed. We always write it (the per-group step counter) so the engine can load ours.
     """
-    steps = {getattr(s.get("step"), "value", s.get("step")) for s in ctx.catalog.group_scalars}
-    steps.discard(None)
+    steps = ctx.catalog.scalar_values("step")
     if len(steps) != 1:
         return {}
     step = steps.pop()

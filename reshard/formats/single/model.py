@@ -12,8 +12,8 @@ index, its per-element states and step. `optim_map.assign` says which name each 
   copy, ZeRO-3 partitions frozen params only, so the DeepSpeed writer refuses ZeRO-3 then);
 - weights only (no optimizer): nothing is known to be trained; every floating tensor is listed as
   frozen and conversion to a training format is refused;
-- per-parameter `step` counters become one per group; when they differ within a group the source
-  stays readable and its weights exportable, and `catalog.split_scalars` records it for writers to refuse.
+- scalars of the optimizer state (Adam's `step`) are each param's own (PerParamScalar): torch.optim
+  counts them per param, and a param that had no gradient for some steps has a smaller count.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import math
 import os
 
 from reshard import optimizers
-from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar
+from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
@@ -155,12 +155,11 @@ def _fill_optimizer(catalog, optimizer, where, taken) -> None:
     ids = _groups(optimizer, where)
     state = optimizer.get("state") or {}
     by_index = {ids[g][pos]: name for name, (g, pos) in taken.items()}
-    catalog.param_groups, catalog.group_scalars = [], []
+    catalog.param_groups, catalog.group_scalars = [], [{} for _ in ids]
     for g, group in enumerate(optimizer["param_groups"]):
         names = [by_index[i] for i in ids[g]]
         hyper = {k: v for k, v in group.items() if k not in ("params", NAMES)}
         catalog.param_groups.append({**hyper, "params": names})
-        scalars = {}
         for i in ids[g]:
             entry = state.get(i) or {}
             name = by_index[i]
@@ -170,16 +169,7 @@ def _fill_optimizer(catalog, optimizer, where, taken) -> None:
                     continue
                 if isinstance(value, TensorRef):
                     value = ScalarTensor(read_scalar(value), value.dtype)
-                if key not in scalars:
-                    scalars[key] = value
-                elif scalars[key] != value:
-                    # readable and its weights exportable; writers of optimizer state refuse it
-                    catalog.split_scalars.append(SplitScalar(where, g, key, _plain(scalars[key]), _plain(value), name))
-        catalog.group_scalars.append(scalars)
-
-
-def _plain(value):
-    return value.value if isinstance(value, ScalarTensor) else value
+                catalog.record_param_scalar(g, name, key, value, where)
 
 
 def _fill_layout(catalog) -> None:
@@ -192,5 +182,5 @@ def _fill_layout(catalog) -> None:
     counted = [p for p in catalog.params.values() if p.kind != "buffer"]
     layout.params = len(counted)
     layout.elements = sum(math.prod(p.shape) for p in counted)
-    steps = {_plain(s[STEP]) for s in catalog.group_scalars if s.get(STEP) is not None}
+    steps = catalog.scalar_values(STEP)
     layout.step = int(max(steps)) if steps else None
