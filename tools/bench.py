@@ -7,6 +7,16 @@
     python tools/bench.py make-synthetic DIR [the options of make]
         The checkpoint `make` would save, written by reshard's DeepSpeed writer without training
         (random tensor bytes): sizes whose model would not fit in RAM.
+    python tools/bench.py make-synthetic DIR --sparse [--tp 8] [--pp 2] [--dp 2] [--layers 80]
+        A Llama-70B-shaped Megatron-DeepSpeed pipeline (GPTModelPipe) at tp x pp, bf16 ZeRO-1, laid
+        out by reshard's DeepSpeed writer, every header real and every tensor byte a hole: ~0.97 TB
+        apparent, ~22 MB on disk (tools/bench_sparse.py). Read it with --layout-rules layouts/megatron-gpt.json.
+    python tools/bench.py make-tp DIR [--tp 2] [--dp 1] [--layers 1] [--vocab 4096]
+        A random Hugging Face Llama (hidden 4096, intermediate 11008, 32 heads / 8 key-value heads)
+        trained one step by the real engine with AutoTP, bf16 ZeRO-1, saved to DIR/checkpoint (3.2 GB).
+    python tools/bench.py make-dcp DIR [--ranks 2] [--tensors 4]
+        4096x11008 fp32 weights column-sharded (Shard(1)) over the ranks, with one Adam step's state,
+        saved by torch's dcp.save (2.2 GB). Both run tools/bench_checkpoints.py under torchrun.
     python tools/bench.py compare REAL SYNTHETIC
         Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
@@ -15,7 +25,20 @@
         and DeepSpeed's ds_to_universal; with --dcp, `convert --format dcp`, and `reshard export
         --with-optimizer` of that DCP against torch's dcp_to_torch (caches dropped before each run
         when permitted); median of --repeat runs; print wall time, ratio to cp, bytes read and written
-        (block I/O), and the peak RSS of each command's whole process tree.
+        (block I/O), and the peak RSS of each command's whole process tree. --format FMT writes the --to
+        conversions in FMT; --layout-rules FILE goes to every reshard command; --inspect, --validate and
+        --plan SPEC time those; --no-cp drops the copy (a sparse source); --reshard-only leaves out the
+        other tools (tools/bench_run.py).
+
+    Issue #13's benchmarks:
+        bench.py make-tp /work/bench/tp2
+        bench.py run /work/bench/tp2/checkpoint --to tp=1,dp=2 --to tp=2,dp=2 --to tp=8,dp=2,kv_heads=8 \
+            --layout-rules layouts/llama-autotp.json --export --reshard-only
+        bench.py make-dcp /work/bench/dcp2 --ranks 2
+        bench.py run /work/bench/dcp2 --format deepspeed --to dp=2,zero=1 --export
+        bench.py make-synthetic /work/bench/llama70b --sparse
+        bench.py run /work/bench/llama70b --no-cp --inspect --validate --plan tp=4,pp=4,dp=2 \
+            --layout-rules layouts/megatron-gpt.json
 
 Nothing here is asserted: it prints figures for people (see README's Performance section).
 """
@@ -285,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reshard-only", action="store_true",
                    help="not DeepSpeed's or torch's own tools beside reshard's (zero_to_fp32, ds_to_universal, "
                         "dcp_to_torch)")
+    r.add_argument("--max-rss", type=float, metavar="MIB", help="kill a command whose process tree passes MIB "
+                   "MiB (its figures are then lower bounds, and it is not run again)")
+    r.add_argument("--timeout", type=float, metavar="S", help="kill a command running past S seconds (likewise)")
     r.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
     return p
 

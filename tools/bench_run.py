@@ -7,6 +7,7 @@ of the runs is printed. The reshard timed is this repository's (PYTHONPATH), whi
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,18 +48,25 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def _measure(cmd):
-    """Wall seconds, peak RSS of the process tree (sampled), block I/O bytes read and written."""
+def _measure(cmd, max_rss=None, timeout=None):
+    """Wall seconds, peak RSS of the process tree (sampled), block I/O bytes read and written. A command whose
+    tree passes max_rss bytes or runs past timeout seconds is killed (its figures are then lower bounds, and
+    "stopped" says why): a baseline that needs more than a shared machine has must not take it from the others."""
     start = time.perf_counter()
     # the reshard measured is this repository's, whichever one is installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    peak = [0]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    peak, stopped = [0], [None]
     stop = threading.Event()
 
     def sample():
         while not stop.is_set():
             peak[0] = max(peak[0], _tree_rss(proc.pid))
+            over = (f"peak RSS past {max_rss / 2**20:.0f} MiB" if max_rss and peak[0] > max_rss else
+                    f"running past {timeout:.0f} s" if timeout and time.perf_counter() - start > timeout else None)
+            if over and not stopped[0]:
+                stopped[0] = over
+                os.killpg(proc.pid, signal.SIGKILL)     # its own session: the whole tree
             stop.wait(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -68,10 +76,10 @@ def _measure(cmd):
     wall = time.perf_counter() - start
     stop.set()
     sampler.join()
-    if os.waitstatus_to_exitcode(status) != 0:
+    if os.waitstatus_to_exitcode(status) != 0 and not stopped[0]:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{stderr.decode()[-2000:]}")
     return {"seconds": wall, "peak_rss": max(peak[0], usage.ru_maxrss * 1024),
-            "read": usage.ru_inblock * 512, "written": usage.ru_oublock * 512}
+            "read": usage.ru_inblock * 512, "written": usage.ru_oublock * 512, "stopped": stopped[0]}
 
 
 def _commands(args, src, work) -> dict:
@@ -138,9 +146,11 @@ def run(args):
     try:
         for _ in range(args.repeat):
             for name, make_cmd in commands.items():     # alternate: the disk drifts between runs
+                if any(r["stopped"] for r in samples[name]):
+                    continue            # it would only be stopped again
                 dst = os.path.join(work, "out")
                 cold = _drop_caches() and cold
-                samples[name].append(_measure(make_cmd(dst)))
+                samples[name].append(_measure(make_cmd(dst), args.max_rss and args.max_rss * 2**20, args.timeout))
                 for leftover in (dst, dst + ".safetensors", dst + ".pt"):
                     if os.path.isdir(leftover):
                         shutil.rmtree(leftover)
@@ -155,7 +165,8 @@ def run(args):
                "runs_seconds": [round(r["seconds"], 2) for r in runs],
                "peak_rss_mib": max(r["peak_rss"] for r in runs) / 2**20,
                "read_gb": statistics.median(r["read"] for r in runs) / 1e9,
-               "written_gb": statistics.median(r["written"] for r in runs) / 1e9}
+               "written_gb": statistics.median(r["written"] for r in runs) / 1e9,
+               "stopped": next((r["stopped"] for r in runs if r["stopped"]), None)}
         row["ratio_to_cp"] = row["median_seconds"] / base if base else None
         row["gb_per_s"] = size / 1e9 / row["median_seconds"]
         table.append(row)
@@ -171,6 +182,8 @@ def run(args):
     for r in table:
         versus = ", ".join(f"{v:.2f}x {k[9:]}" for k, v in r.items() if k.startswith("ratio_to_") and k != "ratio_to_cp")
         ratio = "" if r["ratio_to_cp"] is None else f"{r['ratio_to_cp']:.2f}"
+        if r["stopped"]:
+            versus = f"STOPPED ({r['stopped']}): seconds and RSS are lower bounds"
         print(f"{r['command']:<30} {r['median_seconds']:>9.2f} {ratio:>6} {r['gb_per_s']:>6.2f} "
               f"{r['read_gb']:>8.2f} {r['written_gb']:>10.2f} {r['peak_rss_mib']:>13.0f}  {versus}")
     if args.json:
