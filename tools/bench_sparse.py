@@ -55,7 +55,7 @@ def source_catalog(root: str, layers: int) -> Catalog:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16, "steps_per_print": 10**9,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-              "data_types": {"grad_accum_dtype": "fp32"}, "pipeline": {"activation_checkpoint_interval": 1}}
+              "pipeline": {"activation_checkpoint_interval": 1}}
     catalog = Catalog(root=root, format="deepspeed",
                       layout=Layout(dp=1, zero=1, dtype="bfloat16", optimizer="AdamW", states=STATES, step=1))
     scaler = standins.LossScaler()
@@ -89,14 +89,18 @@ def make_sparse(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple:
     """Write the checkpoint under dst; returns (files, apparent bytes)."""
     catalog = source_catalog(dst, layers)
     target = Layout(**{**catalog.layout.__dict__, "tp": tp, "pp": pp, "dp": dp})
-    # The writer maps every piece of a TP shard back to the full tensor, one per row of a row-parallel
-    # weight (~40 M Piece objects here, several GB). Only headers and storage sizes are written, never
-    # the pieces, so that mapping is skipped for this run.
-    full_pieces, tp_writer._to_full = tp_writer._to_full, (lambda pieces, runs: pieces)
+    # Today's writer maps every piece of a TP shard back to the full tensor, one Piece per row of a row-parallel
+    # weight: measured at 4 layers, 2.1 M pieces, 16 s, 0.6 GB; at 80 about 42 M, ~5 min, ~10 GB. Only headers
+    # and storage sizes are written here, never the pieces, so that mapping is skipped for this run (a hook on a
+    # private name of tp_writer, for this tool only; once fragments are boxes, there is nothing to skip).
+    full_pieces = getattr(tp_writer, "_to_full", None)
+    if full_pieces:
+        tp_writer._to_full = lambda pieces, runs: pieces
     try:
         items = writer("deepspeed").target_files(catalog, target, TAG)
     finally:
-        tp_writer._to_full = full_pieces
+        if full_pieces:
+            tp_writer._to_full = full_pieces
     count = apparent = 0
     for item in items:
         path = os.path.join(dst, getattr(item, "path", ""))
