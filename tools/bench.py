@@ -243,10 +243,13 @@ def _same_tree(a, b, where, problems):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, what):
+        return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
     for name, what in (("make", "train a stack of Linear layers one step with the real DeepSpeed engine and save it"),
                        ("make-synthetic", "write the checkpoint `make` would save, with reshard's writer (no training, "
                                           "no RAM for the model)")):
-        m = sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+        m = command(name, what)
         m.add_argument("dir", help="the save dir to create")
         m.add_argument("--params", type=float, default=170e6,
                        help="about how many parameters (4096x4096 layers; default 170e6)")
@@ -262,29 +265,29 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pp", type=int, default=2, help="with --sparse: pipeline stages (default 2)")
     m.add_argument("--layers", type=int, default=80, help="with --sparse: decoder layers (default 80)")
     what = "save a random HF Llama (hidden 4096, intermediate 11008, 32/8 heads) with the real engine's AutoTP, bf16 ZeRO-1"
-    m = sub.add_parser("make-tp", help=what, description=what[0].upper() + what[1:] + ".")
+    m = command("make-tp", what)
     m.add_argument("dir", help="the dir to create: DIR/checkpoint is the save dir, DIR/hf_config the model config")
     m.add_argument("--tp", type=int, default=2, help="autotp_size (default 2)")
     m.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     m.add_argument("--layers", type=int, default=1, help="decoder layers (default 1)")
     m.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096: 3.2 GB at one layer)")
     what = "save column-sharded (Shard(1)) 4096x11008 fp32 DTensors with Adam state by torch's dcp.save"
-    m = sub.add_parser("make-dcp", help=what, description=what[0].upper() + what[1:] + ".")
+    m = command("make-dcp", what)
     m.add_argument("dir", help="the DCP dir to create")
     m.add_argument("--ranks", type=int, default=2, help="ranks the tensors are cut over (default 2)")
     m.add_argument("--tensors", type=int, default=4, help="how many 4096x11008 weights (default 4)")
     what = "check that a synthetic checkpoint has the files and pickled structure of a real one of the same size"
-    c = sub.add_parser("compare", help=what, description=what[0].upper() + what[1:] + ".")
+    c = command("compare", what)
     c.add_argument("real", help="a save dir written by `make`")
     c.add_argument("synthetic", help="a save dir written by `make-synthetic` with the same options")
     what = "one rank of `make` (started by torchrun; not for direct use)"
-    w = sub.add_parser("worker", help=what, description=what[0].upper() + what[1:] + ".")
+    w = command("worker", what)
     w.add_argument("dir", help="the save dir")
     w.add_argument("--params", type=float, help="as for make")
     w.add_argument("--stage", type=int, help="as for make")
     w.add_argument("--dtype", help="as for make")
     what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
-    r = sub.add_parser("run", help=what, description=what[0].upper() + what[1:] + ".")
+    r = command("run", what)
     r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
     r.add_argument("--to", action="append", default=None, metavar="SPEC",
                    help="a target topology to time `reshard convert --to SPEC` at; repeatable (default dp=4 when "
