@@ -194,6 +194,8 @@ def make_synthetic(args):
 
 def make_sparse(args):
     import bench_sparse
+    if os.path.isdir(args.dir) and os.listdir(args.dir):
+        sys.exit(f"bench make-synthetic: {args.dir}: exists and is not empty")
     start = time.perf_counter()
     dp = args.dp or 2
     files, apparent = bench_sparse.make_sparse(args.dir, args.tp, args.pp, dp, args.layers)
