@@ -7,6 +7,16 @@
     python tools/bench.py make-synthetic DIR [the options of make]
         The checkpoint `make` would save, written by reshard's DeepSpeed writer without training
         (random tensor bytes): sizes whose model would not fit in RAM.
+    python tools/bench.py make-synthetic DIR --sparse [--tp 8] [--pp 2] [--dp 2] [--layers 80]
+        A Llama-70B-shaped Megatron-DeepSpeed pipeline (GPTModelPipe) at tp x pp, bf16 ZeRO-1, laid
+        out by reshard's DeepSpeed writer, every header real and every tensor byte a hole: ~0.97 TB
+        apparent, ~22 MB on disk (tools/bench_sparse.py). Read it with --layout-rules layouts/megatron-gpt.json.
+    python tools/bench.py make-tp DIR [--tp 2] [--dp 1] [--layers 1] [--vocab 4096]
+        A random Hugging Face Llama (hidden 4096, intermediate 11008, 32 heads / 8 key-value heads)
+        trained one step by the real engine with AutoTP, bf16 ZeRO-1, saved to DIR/checkpoint (3.2 GB).
+    python tools/bench.py make-dcp DIR [--ranks 2] [--tensors 4]
+        4096x11008 fp32 weights column-sharded (Shard(1)) over the ranks, with one Adam step's state,
+        saved by torch's dcp.save (2.2 GB). Both run tools/bench_checkpoints.py under torchrun.
     python tools/bench.py compare REAL SYNTHETIC
         Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
@@ -15,22 +25,33 @@
         and DeepSpeed's ds_to_universal; with --dcp, `convert --format dcp`, and `reshard export
         --with-optimizer` of that DCP against torch's dcp_to_torch (caches dropped before each run
         when permitted); median of --repeat runs; print wall time, ratio to cp, bytes read and written
-        (block I/O), and the peak RSS of each command's whole process tree.
+        (block I/O), and the peak RSS of each command's whole process tree. --format FMT writes the --to
+        conversions in FMT; --layout-rules FILE goes to every reshard command; --inspect, --validate and
+        --plan SPEC time those; --no-cp drops the copy (a sparse source); --reshard-only leaves out the
+        other tools (tools/bench_run.py).
+
+    Issue #13's benchmarks:
+        bench.py make-tp /work/bench/tp2
+        bench.py run /work/bench/tp2/checkpoint --to tp=1,dp=2 --to tp=2,dp=2 --to tp=8,dp=2,kv_heads=8 \
+            --layout-rules layouts/llama-autotp.json --export --reshard-only
+        bench.py make-dcp /work/bench/dcp2 --ranks 2
+        bench.py run /work/bench/dcp2 --format deepspeed --to dp=2,zero=1 --export
+        bench.py make-synthetic /work/bench/llama70b --sparse
+        bench.py run /work/bench/llama70b --no-cp --inspect --validate --plan tp=4,pp=4,dp=2 \
+            --layout-rules layouts/megatron-gpt.json
 
 Nothing here is asserted: it prints figures for people (see README's Performance section).
 """
 import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import torchrun_jobs
+from bench_run import du, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -44,7 +65,7 @@ def make(args):
     proc = torchrun_jobs.launch(args.dp, cmd, env, timeout=None, log=print)
     if proc.returncode != 0:
         sys.exit(f"{proc.stdout}{proc.stderr}\nbench make: the engine run failed (exit {proc.returncode})")
-    print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {_du(args.dir) / 1e9:.2f} GB")
+    print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {du(args.dir) / 1e9:.2f} GB")
 
 
 HIDDEN = 4096
@@ -84,14 +105,42 @@ def _train_and_save(args):
     engine.save_checkpoint(args.dir)
 
 
+def _torchrun(world, args, what):
+    """One engine run of tools/bench_checkpoints.py on WORLD ranks (CPU, gloo); exits on failure."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    proc = torchrun_jobs.launch(world, [os.path.join(HERE, "bench_checkpoints.py"), *args], env, timeout=None, log=print)
+    if proc.returncode != 0:
+        sys.exit(f"{proc.stdout}{proc.stderr}\nbench {what}: the engine run failed (exit {proc.returncode})")
+    return time.perf_counter() - start
+
+
+def make_tp(args):
+    """A realistic-width AutoTP Llama checkpoint saved by the real engine (bench_checkpoints.py tp)."""
+    seconds = _torchrun(args.tp * args.dp, ["tp", args.dir, args.tp, args.layers, args.vocab], "make-tp")
+    print(f"made {args.dir}/checkpoint (tp={args.tp}, dp={args.dp}, kv_heads=8) in {seconds:.0f} s: "
+          f"{du(args.dir) / 1e9:.2f} GB")
+
+
+def make_dcp(args):
+    """A DCP checkpoint of column-sharded (Shard(1)) DTensors with Adam state, by dcp.save (bench_checkpoints.py dcp)."""
+    seconds = _torchrun(args.ranks, ["dcp", args.dir, args.tensors], "make-dcp")
+    print(f"made {args.dir} ({args.tensors} 4096x11008 fp32 weights, Shard(1) over {args.ranks} ranks) in "
+          f"{seconds:.0f} s: {du(args.dir) / 1e9:.2f} GB")
+
+
 # ------------------------------------------------------------------------------- make-synthetic
 def make_synthetic(args):
     """The checkpoint `make` would save for this model, written by reshard's DeepSpeed writer.
 
     The real engine needs ~24 GB of RAM for 800 M parameters on 8 ranks; this needs none. Tensor
     bytes are random (one 64 MiB block, reused); everything else is what the engine writes, which
-    `compare` checks against a real `make` checkpoint of the same size.
+    `compare` checks against a real `make` checkpoint of the same size. With --sparse: a Llama-70B
+    shaped tp x pp checkpoint instead, tensor bytes left as holes (tools/bench_sparse.py).
     """
+    if args.sparse:
+        return make_sparse(args)
+    args.dp = args.dp or 8
     import numpy as np
 
     import deepspeed
@@ -140,7 +189,21 @@ def make_synthetic(args):
     script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")
     shutil.copy(script, os.path.join(args.dir, "zero_to_fp32.py"))
     os.remove(os.path.join(args.dir, "reshard-manifest.json"))
-    print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {_du(args.dir) / 1e9:.2f} GB")
+    print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {du(args.dir) / 1e9:.2f} GB")
+
+
+def make_sparse(args):
+    import bench_sparse
+    if os.path.isdir(args.dir) and os.listdir(args.dir):
+        sys.exit(f"bench make-synthetic: {args.dir}: exists and is not empty")
+    start = time.perf_counter()
+    dp = args.dp or 2
+    files, apparent = bench_sparse.make_sparse(args.dir, args.tp, args.pp, dp, args.layers)
+    on_disk = int(subprocess.run(["du", "-s", "--block-size=1", args.dir], capture_output=True, text=True,
+                                 check=True).stdout.split()[0])
+    print(f"made {args.dir} (Llama-70B shapes, {args.layers} layers, tp={args.tp} pp={args.pp} dp={dp} ZeRO-1; "
+          f"read it with --layout-rules {os.path.relpath(bench_sparse.RULES)}) in {time.perf_counter() - start:.0f} s: "
+          f"{files} files, {apparent / 1e12:.3f} TB apparent, {on_disk / 2**20:.1f} MiB on disk")
 
 
 def compare(args):
@@ -179,170 +242,58 @@ def _same_tree(a, b, where, problems):
         problems.append(f"{where}: {a!r} vs {b!r}")
 
 
-# ------------------------------------------------------------------------------------------- run
-def _drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def _tree_rss(root: int) -> int:
-    """Resident bytes of a process and all its descendants (the whole tree, summed)."""
-    children, rss = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += rss.get(pid, 0)
-        todo.extend(children.get(pid, []))
-    return total
-
-
-def _measure(cmd):
-    """Wall seconds, peak RSS of the process tree (sampled), block I/O bytes read and written."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak = [0]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
-            stop.wait(0.05)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    stderr = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    stop.set()
-    sampler.join()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{stderr.decode()[-2000:]}")
-    return {"seconds": wall, "peak_rss": max(peak[0], usage.ru_maxrss * 1024),
-            "read": usage.ru_inblock * 512, "written": usage.ru_oublock * 512}
-
-
-def run(args):
-    src = os.path.abspath(args.src)
-    size = _du(src)
-    if args.workdir:
-        os.makedirs(args.workdir, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="reshard-bench-", dir=args.workdir or os.path.dirname(src))
-    reshard = [sys.executable, "-m", "reshard"]
-    # the copy limit: cp -r, then sync, since reshard fsyncs what it writes
-    commands = {"cp -r": lambda dst: ["sh", "-c", 'cp -r "$0" "$1" && sync', src, dst]}
-    for spec in args.to:
-        commands[f"convert {spec}"] = (lambda s: lambda dst: reshard + ["convert", src, dst, "--to", s, "--quiet"])(spec)
-    if args.export:
-        commands["export fp32"] = lambda dst: reshard + ["export", src, dst + ".safetensors", "--quiet"]
-        script = os.path.join(src, "zero_to_fp32.py")
-        commands["zero_to_fp32"] = lambda dst: [sys.executable, script, src, dst, "--safe_serialization"]
-    if args.universal:
-        with open(os.path.join(src, "latest")) as f:
-            tag_dir = os.path.join(src, f.read().strip())
-        commands["convert universal"] = lambda dst: reshard + ["convert", src, dst, "--format", "universal", "--quiet"]
-        commands["ds_to_universal"] = lambda dst: [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                                                   "--input_folder", tag_dir, "--output_folder", dst,
-                                                   "--inject_missing_state"]
-    if args.dcp:
-        # the DCP source for the export comparison is made once, untimed
-        dcp_src = os.path.join(work, "dcp-source")
-        subprocess.run(reshard + ["convert", src, dcp_src, "--format", "dcp", "--quiet"], check=True)
-        commands["convert dcp"] = lambda dst: reshard + ["convert", src, dst, "--format", "dcp", "--quiet"]
-        # both write model and optimizer state: dcp_to_torch consolidates everything the DCP holds
-        commands["export from dcp"] = lambda dst: reshard + ["export", dcp_src, dst, "--with-optimizer", "--quiet"]
-        commands["dcp_to_torch_save"] = lambda dst: [sys.executable, "-m", "torch.distributed.checkpoint.format_utils",
-                                                     "dcp_to_torch", dcp_src, dst + ".pt"]
-    samples = {name: [] for name in commands}
-    cold = True
-    try:
-        for _ in range(args.repeat):
-            for name, make_cmd in commands.items():     # alternate: the disk drifts between runs
-                dst = os.path.join(work, "out")
-                cold = _drop_caches() and cold
-                samples[name].append(_measure(make_cmd(dst)))
-                for leftover in (dst, dst + ".safetensors", dst + ".pt"):
-                    if os.path.isdir(leftover):
-                        shutil.rmtree(leftover)
-                    elif os.path.exists(leftover):
-                        os.remove(leftover)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    base = statistics.median(s["seconds"] for s in samples["cp -r"])
-    table = []
-    for name, runs in samples.items():
-        row = {"command": name, "median_seconds": statistics.median(r["seconds"] for r in runs),
-               "runs_seconds": [round(r["seconds"], 2) for r in runs],
-               "peak_rss_mib": max(r["peak_rss"] for r in runs) / 2**20,
-               "read_gb": statistics.median(r["read"] for r in runs) / 1e9,
-               "written_gb": statistics.median(r["written"] for r in runs) / 1e9}
-        row["ratio_to_cp"] = row["median_seconds"] / base
-        row["gb_per_s"] = size / 1e9 / row["median_seconds"]
-        table.append(row)
-    by_name = {r["command"]: r for r in table}
-    pairs = (("export fp32", "zero_to_fp32"), ("convert universal", "ds_to_universal"),
-             ("export from dcp", "dcp_to_torch_save")) + tuple((f"convert {t}", "ds_to_universal") for t in args.to)
-    for ours, theirs in pairs:
-        if ours in by_name and theirs in by_name:
-            by_name[ours][f"ratio_to_{theirs}"] = by_name[ours]["median_seconds"] / by_name[theirs]["median_seconds"]
-    print(f"source {src}: {size / 1e9:.2f} GB; {args.repeat} alternating runs; caches "
-          f"{'dropped before each run' if cold else 'NOT dropped (no permission)'}")
-    print(f"{'command':<20} {'median s':>9} {'x cp':>6} {'GB/s':>6} {'read GB':>8} {'written GB':>10} {'peak RSS MiB':>13}")
-    for r in table:
-        versus = ", ".join(f"{v:.2f}x {k[9:]}" for k, v in r.items() if k.startswith("ratio_to_") and k != "ratio_to_cp")
-        print(f"{r['command']:<20} {r['median_seconds']:>9.2f} {r['ratio_to_cp']:>6.2f} {r['gb_per_s']:>6.2f} "
-              f"{r['read_gb']:>8.2f} {r['written_gb']:>10.2f} {r['peak_rss_mib']:>13.0f}  {versus}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"source": src, "bytes": size, "cold": cold, "rows": table}, f, indent=1)
-
-
-def _du(path):
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, what):
+        return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
     for name, what in (("make", "train a stack of Linear layers one step with the real DeepSpeed engine and save it"),
                        ("make-synthetic", "write the checkpoint `make` would save, with reshard's writer (no training, "
                                           "no RAM for the model)")):
-        m = sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+        m = command(name, what)
         m.add_argument("dir", help="the save dir to create")
         m.add_argument("--params", type=float, default=170e6,
                        help="about how many parameters (4096x4096 layers; default 170e6)")
-        m.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+        m.add_argument("--dp", type=int, default=None if name == "make-synthetic" else 8,
+                       help="data-parallel ranks (default 8; 2 with --sparse)")
         m.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
         m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="training precision (default bf16)")
+    m.add_argument("--sparse", action="store_true",
+                   help="a Llama-70B-shaped Megatron-DeepSpeed GPTModelPipe (tp x pp, ZeRO-1, bf16) as sparse files: "
+                        "headers real, tensor bytes holes (~1 TB apparent, a few MB on disk); --params, --stage and "
+                        "--dtype do not apply")
+    m.add_argument("--tp", type=int, default=8, help="with --sparse: tensor-parallel degree (default 8)")
+    m.add_argument("--pp", type=int, default=2, help="with --sparse: pipeline stages (default 2)")
+    m.add_argument("--layers", type=int, default=80, help="with --sparse: decoder layers (default 80)")
+    what = "save a random HF Llama (hidden 4096, intermediate 11008, 32/8 heads) with the real engine's AutoTP, bf16 ZeRO-1"
+    m = command("make-tp", what)
+    m.add_argument("dir", help="the dir to create: DIR/checkpoint is the save dir, DIR/hf_config the model config")
+    m.add_argument("--tp", type=int, default=2, help="autotp_size (default 2)")
+    m.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    m.add_argument("--layers", type=int, default=1, help="decoder layers (default 1)")
+    m.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096: 3.2 GB at one layer)")
+    what = "save column-sharded (Shard(1)) 4096x11008 fp32 DTensors with Adam state by torch's dcp.save"
+    m = command("make-dcp", what)
+    m.add_argument("dir", help="the DCP dir to create")
+    m.add_argument("--ranks", type=int, default=2, help="ranks the tensors are cut over (default 2)")
+    m.add_argument("--tensors", type=int, default=4, help="how many 4096x11008 weights (default 4)")
     what = "check that a synthetic checkpoint has the files and pickled structure of a real one of the same size"
-    c = sub.add_parser("compare", help=what, description=what[0].upper() + what[1:] + ".")
+    c = command("compare", what)
     c.add_argument("real", help="a save dir written by `make`")
     c.add_argument("synthetic", help="a save dir written by `make-synthetic` with the same options")
     what = "one rank of `make` (started by torchrun; not for direct use)"
-    w = sub.add_parser("worker", help=what, description=what[0].upper() + what[1:] + ".")
+    w = command("worker", what)
     w.add_argument("dir", help="the save dir")
     w.add_argument("--params", type=float, help="as for make")
     w.add_argument("--stage", type=int, help="as for make")
     w.add_argument("--dtype", help="as for make")
     what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
-    r = sub.add_parser("run", help=what, description=what[0].upper() + what[1:] + ".")
+    r = command("run", what)
     r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
     r.add_argument("--to", action="append", default=None, metavar="SPEC",
-                   help="a target topology to time `reshard convert --to SPEC` at; repeatable (default dp=4)")
+                   help="a target topology to time `reshard convert --to SPEC` at; repeatable (default dp=4 when "
+                        "nothing else is timed)")
     r.add_argument("--repeat", type=int, default=3, help="alternating runs of every command; the median is shown "
                    "(default 3)")
     r.add_argument("--workdir", help="where outputs go (default: beside the source)")
@@ -351,6 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time `convert --format universal` and DeepSpeed's ds_to_universal")
     r.add_argument("--dcp", action="store_true",
                    help="also time `convert --format dcp`, and `reshard export` of that DCP against torch's dcp_to_torch")
+    r.add_argument("--format", help="the target format of the --to conversions (e.g. deepspeed, from a DCP source)")
+    r.add_argument("--layout-rules", metavar="FILE", help="passed to every reshard command (a tensor-parallel re-cut "
+                   "needs layouts/llama-autotp.json and kv_heads=K in its --to)")
+    r.add_argument("--inspect", action="store_true", help="also time `reshard inspect`")
+    r.add_argument("--validate", action="store_true", help="also time `reshard validate`")
+    r.add_argument("--plan", action="append", default=[], metavar="SPEC",
+                   help="also time `reshard plan --to SPEC`; repeatable")
+    r.add_argument("--no-cp", action="store_true", help="no `cp -r` baseline (a sparse source: reading commands only)")
+    r.add_argument("--reshard-only", action="store_true",
+                   help="not DeepSpeed's or torch's own tools beside reshard's (zero_to_fp32, ds_to_universal, "
+                        "dcp_to_torch)")
+    r.add_argument("--max-rss", type=float, metavar="MIB", help="kill a command whose process tree passes MIB "
+                   "MiB (its figures are then lower bounds, and it is not run again)")
+    r.add_argument("--timeout", type=float, metavar="S", help="kill a command running past S seconds (likewise)")
     r.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
     return p
 
@@ -358,10 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main():
     p = build_parser()
     args = p.parse_args()
-    if args.cmd == "run" and not args.to:
-        args.to = ["dp=4"]
-    sys.exit({"make": make, "make-synthetic": make_synthetic, "compare": compare, "worker": worker,
-              "run": run}[args.cmd](args))
+    if args.cmd == "run":
+        timed = args.to or args.inspect or args.validate or args.plan or args.export or args.universal or args.dcp
+        args.to = args.to or ([] if timed else ["dp=4"])
+    sys.exit({"make": make, "make-tp": make_tp, "make-dcp": make_dcp, "make-synthetic": make_synthetic,
+              "compare": compare, "worker": worker, "run": run}[args.cmd](args))
 
 
 if __name__ == "__main__":
