@@ -26,7 +26,6 @@ from reshard.catalog import (
 )
 from reshard.executor import constant
 from reshard.formats import standins, writer
-from reshard.formats.deepspeed import tp_writer
 from reshard.formats.torchsave import ALIGNMENT
 from reshard.layout import Layout
 from reshard.targets import CopiedFile, TensorFile, TextFile
@@ -89,18 +88,7 @@ def make_sparse(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple:
     """Write the checkpoint under dst; returns (files, apparent bytes)."""
     catalog = source_catalog(dst, layers)
     target = Layout(**{**catalog.layout.__dict__, "tp": tp, "pp": pp, "dp": dp})
-    # Today's writer maps every piece of a TP shard back to the full tensor, one Piece per row of a row-parallel
-    # weight: measured at 4 layers, 2.1 M pieces, 16 s, 0.6 GB; at 80 about 42 M, ~5 min, ~10 GB. Only headers
-    # and storage sizes are written here, never the pieces, so that mapping is skipped for this run (a hook on a
-    # private name of tp_writer, for this tool only; once fragments are boxes, there is nothing to skip).
-    full_pieces = getattr(tp_writer, "_to_full", None)
-    if full_pieces:
-        tp_writer._to_full = lambda pieces, runs: pieces
-    try:
-        items = writer("deepspeed").target_files(catalog, target, TAG)
-    finally:
-        if full_pieces:
-            tp_writer._to_full = full_pieces
+    items = writer("deepspeed").target_files(catalog, target, TAG)
     count = apparent = 0
     for item in items:
         path = os.path.join(dst, getattr(item, "path", ""))
