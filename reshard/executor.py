@@ -13,6 +13,7 @@ hashing pool has shut down ("cannot schedule new futures after shutdown"); befor
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import math
@@ -172,7 +173,8 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
     try:
         mine = share(plan.files, group.rank, group.world)
         digests = _write_files(mine, staging, chunk_bytes(memory_budget, workers), workers, resume,
-                               progress_bar(sum(f.nbytes for f in mine), "writing", progress and group.rank == 0))
+                               progress_bar(sum(f.nbytes for f in mine), "writing", progress and group.rank == 0),
+                               plan.reread())
     except BaseException as e:      # report to the others first, then re-raise
         error = e
     everyone_ok = group.all_ok(error is None)
@@ -211,8 +213,9 @@ def check_free_space(plan: Plan, staging, resume: bool) -> None:
                                            f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
 
 
-def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) -> dict:
-    """Write the files (keeping whole ones from an interrupted run); returns {path: (size, sha256)}."""
+def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, reread: dict) -> dict:
+    """Write the files (keeping whole ones from an interrupted run); returns {path: (size, sha256)}.
+    `reread`: Plan.reread(), the source ranges read more than once."""
     digests, todo = {}, []
     done = staging.finished() if resume else {}
     for f in files:
@@ -228,7 +231,7 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) ->
             stop = context.Event()
             with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_started,
                                      initargs=(stop,)) as pool:
-                jobs = {pool.submit(write_file, f, staging.tmp, chunk): f for f in _balanced(todo)}
+                jobs = {pool.submit(write_file, f, staging.tmp, chunk, None, reread): f for f in _balanced(todo)}
                 try:
                     running = set(jobs)
                     while running:
@@ -246,7 +249,7 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar) ->
                     raise
         else:
             for f in todo:
-                path, size, sha = write_file(f, staging.tmp, chunk, bar.update)
+                path, size, sha = write_file(f, staging.tmp, chunk, bar.update, reread)
                 staging.record(path, size, sha)
                 digests[path] = (size, sha)
     finally:
@@ -276,15 +279,16 @@ def _worker_started(stop) -> None:
     signal.signal(signal.SIGINT, INTERRUPTS.note)
 
 
-def write_file(plan: FilePlan, root: str, chunk: int, report=None) -> tuple:
-    """Write one target file; returns (path, size, sha256). Runs in worker processes too.
+def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict | None = None) -> tuple:
+    """Write one target file; returns (path, size, sha256). Runs in worker processes too. `reread`: source
+    byte ranges other reads need again (Plan.reread), kept in the page cache.
 
     A reader thread fetches (and casts) the next blocks while this thread writes the current
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
     """
     path = os.path.join(root, plan.path)
     INTERRUPTS.check()
-    sources = _SourceFiles()
+    sources = _SourceFiles(reread or {})
     try:
         writer = container_writer(plan.container)(path, plan.header, plan.storages, **plan.options)
         with ThreadPoolExecutor(max_workers=1) as reader, writer as zw:
@@ -398,10 +402,19 @@ def _assign(target: np.ndarray, values: np.ndarray, src: str, dst: str) -> None:
 
 
 class _SourceFiles:
-    """Open source files by path; positioned reads into fresh buffers (no mapped pages kept)."""
+    """Open source files by path; positioned reads into fresh buffers (no mapped pages kept). A big read is
+    dropped from the page cache after it, unless it overlaps a range `reread` says is read again."""
 
-    def __init__(self):
+    def __init__(self, reread: dict):
         self._fds = {}
+        self._reread = reread
+
+    def _read_again(self, path: str, offset: int, nbytes: int) -> bool:
+        ranges = self._reread.get(path)
+        if not ranges:
+            return False
+        i = bisect.bisect_right(ranges, (offset + nbytes,)) - 1
+        return i >= 0 and ranges[i][1] > offset
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
@@ -416,7 +429,7 @@ class _SourceFiles:
         data = os.pread(self._fd(path), nbytes, offset)
         if len(data) != nbytes:
             raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
-        if nbytes >= DROP_CACHE_BYTES:     # read once: let the kernel drop these pages
+        if nbytes >= DROP_CACHE_BYTES and not self._read_again(path, offset, nbytes):   # read once: drop them
             os.posix_fadvise(self._fd(path), offset, nbytes, os.POSIX_FADV_DONTNEED)
         return data
 

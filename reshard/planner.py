@@ -115,6 +115,30 @@ class Plan:
     def bytes_read(self) -> int:
         return sum(n * itemsize(dtype) for f in self.files for s in f.storages for n, dtype in _reads(s.ops))
 
+    def reread(self) -> dict:
+        """{source file: sorted, merged byte ranges [start, stop) the plan reads more than once} — a replicated
+        tensor every target rank copies, a sparse box's neighbours: the executor keeps those pages cached."""
+        spans = {}
+        for f in self.files:
+            for s in f.storages:
+                for op in s.ops:
+                    for path, start, stop in _spans(op):
+                        spans.setdefault(path, []).append((start, stop))
+        out = {}
+        for path, ranges in spans.items():
+            twice, reach = [], 0
+            for start, stop in sorted(ranges):
+                if start < reach:
+                    lo, hi = start, min(reach, stop)
+                    if twice and lo <= twice[-1][1]:
+                        twice[-1] = (twice[-1][0], max(twice[-1][1], hi))
+                    else:
+                        twice.append((lo, hi))
+                reach = max(reach, stop)
+            if twice:
+                out[path] = twice
+        return out
+
     def summary(self) -> dict:
         output = self.output or Output("", self.target.topology(), self.tag)
         return {"source": self.source, "source_topology": self.source_layout.topology(),
@@ -125,6 +149,16 @@ class Plan:
                 + [{"path": c.path, "bytes": c.size, "copied_from": c.source} for c in self.copied],
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "partition": self.stage_cut.to_dict() if self.stage_cut else None}
+
+
+def _spans(op):
+    """(source file, first byte, byte past the last) of each read an op makes."""
+    if isinstance(op, Copy):
+        yield op.src_file, op.src_offset, op.src_offset + op.count * itemsize(op.src_dtype)
+    elif isinstance(op, Gather):
+        for box in op.copies:
+            last = sum((n - 1) * s for n, s in zip(box.shape, box.src_strides))
+            yield box.src_file, box.src_offset, box.src_offset + (last + 1) * itemsize(box.src_dtype)
 
 
 def _reads(ops):
