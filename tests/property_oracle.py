@@ -25,8 +25,6 @@ import torch
 
 from property_sources import MASTER, MODULE, Model, bits
 
-ATTENTION = re.compile(r".*\.self_attn\.([qkv]_proj\.(weight|bias)|o_proj\.weight)")
-
 
 @dataclass(frozen=True)
 class Topology:
@@ -61,18 +59,26 @@ def _take(full, dim, sizes, rank):
     return np.take(full, np.arange(start, start + sizes[rank]), axis=dim)
 
 
+# which dim each family cuts (column parallel: rows, dim 0; row parallel: columns, dim 1); others are whole
+AUTOTP_DIMS = ((r".*\.self_attn\.[qkv]_proj\.(weight|bias)|.*\.mlp\.(gate|up)_proj\.weight|lm_head\.weight", 0),
+               (r".*\.(self_attn\.o_proj|mlp\.down_proj)\.weight", 1))
+MEGATRON_DIMS = ((r".*(word_embeddings|lm_head)\.weight|.*self_attention\.query_key_value\.(weight|bias)", 0),
+                 (r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.weight", 1))
+
+
+def _cut_dim(name, dims):
+    return next((dim for pattern, dim in dims if re.fullmatch(pattern, name)), None)
+
+
 def autotp_cut(name, shape, tp, kv_heads, grain):
     """(dim, per-rank sizes) of AutoTP's cut of a Llama param, or None when every rank holds it whole."""
     from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
     if tp == 1:
         return None
-    module = name.rsplit(".", 1)[0]
-    if re.fullmatch(r".*\.self_attn\.[qkv]_proj\.(weight|bias)|.*\.mlp\.(gate|up)_proj\.weight|lm_head\.weight", name):
-        dim = 0
-    elif re.fullmatch(r".*\.(self_attn\.o_proj|mlp\.down_proj)\.weight", name):
-        dim = 1
-    else:
+    dim = _cut_dim(name, AUTOTP_DIMS)
+    if dim is None:
         return None
+    module = name.rsplit(".", 1)[0]     # AutoTP names the layer: "mlp" and "lm_head" in it mean an even cut
     sizes = get_shard_size_list(shape[dim], tp, AutoTPMeta(num_kv_heads=kv_heads, tp_grain_size=grain), module)
     if min(sizes) <= 0:
         raise Refused(f"{name}: AutoTP leaves a rank empty at tp={tp}")
@@ -93,11 +99,8 @@ def megatron_shard(name, full, rank, tp):
         if halves is None or halves[0].shape[0] % tp:
             raise Refused(f"{name}: gate/up halves do not divide by tp={tp}")
         return np.concatenate([np.split(h, tp, axis=0)[rank] for h in halves], axis=0)
-    if re.fullmatch(r".*(word_embeddings|lm_head)\.weight|.*self_attention\.query_key_value\.(weight|bias)", name):
-        dim = 0
-    elif re.fullmatch(r".*(self_attention\.dense|mlp\.dense_4h_to_h)\.weight", name):
-        dim = 1
-    else:
+    dim = _cut_dim(name, MEGATRON_DIMS)
+    if dim is None:
         return full
     if full.shape[dim] % tp:
         raise Refused(f"{name}: dim {dim} does not divide by tp={tp}")
@@ -121,6 +124,12 @@ def stages(model: Model, topo: Topology) -> list:
                    for layer in model.layers]
         parts = partition_balanced(weights, topo.pp)
     return [list(range(parts[s], parts[s + 1])) for s in range(topo.pp)]
+
+
+def _stage_params(model: Model, layer_ids) -> list:
+    """A stage's params as its PipelineModule registers them: the tied modules its layers use, then its own."""
+    used = list(dict.fromkeys(n for i in layer_ids for _, n in model.layers[i]))
+    return [n for n in used if n.startswith("tied_modules.")] + [n for n in used if not n.startswith("tied_modules.")]
 
 
 # --------------------------------------------------------------------------------------------------- ZeRO
@@ -218,8 +227,7 @@ def check_deepspeed(tag_dir: str, model: Model, values: dict, topo: Topology, kv
     bf16 = "bf16_" if model.lp == "bfloat16" else ""
     lp_size = 4 if model.lp == "float32" else 2
     for s, layer_ids in enumerate(stage_layers):
-        held = [p.name for p in model.params] if layer_ids is None else \
-            list(dict.fromkeys(n for i in layer_ids for _, n in model.layers[i]))
+        held = [p.name for p in model.params] if layer_ids is None else _stage_params(model, layer_ids)
         for t in range(topo.tp):
             shard, mp = shard_of(t), s * topo.tp + t
             if topo.zero == 3:
@@ -283,9 +291,10 @@ def _check_zero3(check, tag_dir, model, values, topo, mp, shard):
         for p in model.params:
             if p.kind == "buffer":
                 check.same(f"{name} {p.name}", states["module"][p.name], values[(p.name, MODULE)])
-            elif p.kind == "frozen":
-                check.same(f"{name} frozen {p.name}", states["frozen_param_fragments"][p.name],
-                           part(p.name, MODULE, r))
+            elif p.kind == "frozen":     # ZeRO-3 keeps a frozen param's saved dtype (ZeRO-1/2 the model's)
+                got = states["frozen_param_fragments"][p.name]
+                want = part(p.name, MODULE, r)
+                check.same(f"{name} frozen {p.name}", got.float() if want.dtype == np.uint32 else got, want)
         name = f"{'bf16_' if model.lp == 'bfloat16' else ''}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt"
         inner = load(os.path.join(tag_dir, name))["optimizer_state_dict"]
         check.equal(f"{name} sub-groups", len(inner["fp32_flat_groups"]), len(sub_groups))
@@ -368,12 +377,14 @@ def _dtype(model, key):
 
 def without_16bit_copy(model: Model, values: dict) -> tuple:
     """The model and truth a DCP directory gives back: no 16-bit copy, so an fp32 model whose module weights
-    are the masters; frozen params as saved."""
+    are the masters, its frozen params widened to fp32 (exactly: every 16-bit number is an fp32 number)."""
     import dataclasses
     out = dict(values)
     for p in model.params:
         if p.kind == "trainable":
             out[(p.name, MODULE)] = values[(p.name, MASTER)]
+        elif p.kind == "frozen":
+            out[(p.name, MODULE)] = widened(model, p.name, values)
     return dataclasses.replace(model, lp="float32"), out
 
 
