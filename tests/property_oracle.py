@@ -248,6 +248,15 @@ def check_deepspeed(tag_dir: str, model: Model, values: dict, topo: Topology, kv
             groups = [[n for n in held if n in set(members)] for members in model.groups]
             sizes = {n: shard(n, values[(n, MASTER)]).size for n in held if (n, MASTER) in values}
             flats = [_zero12_flat(model, members, sizes, topo.dp, lp_size) for members in groups]
+            check.equal(f"mp {mp} param_shapes", [{n: tuple(s) for n, s in g.items()} for g in model_states["param_shapes"]],
+                        [{n: shard(n, values[(n, MASTER)]).shape for n in order} for order, *_ in flats])
+            frozen = {p.name: shard(p.name, values[(p.name, MODULE)]) for p in model.params if p.kind == "frozen"
+                      and p.name in held}
+            if topo.zero == 2:       # ZeRO-2 also keeps each frozen param whole beside the module
+                fragments = model_states["frozen_param_fragments"]
+                check.equal(f"mp {mp} frozen params", list(fragments), list(frozen))
+                for n, want in frozen.items():
+                    check.same(f"mp {mp} frozen {n}", fragments[n], want)
             for r in range(topo.dp):
                 name = f"{bf16}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt"
                 inner = load(os.path.join(tag_dir, name))["optimizer_state_dict"]
@@ -287,6 +296,8 @@ def _check_zero3(check, tag_dir, model, values, topo, mp, shard):
     for r in range(dp):
         name = f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt"
         states = load(os.path.join(tag_dir, name))
+        check.equal(f"{name} param_shapes", [{n: tuple(s) for n, s in g.items()} for g in states["param_shapes"]],
+                    [{n: model.param(n).shape for n in sg} for sg in sub_groups])
         check.equal(f"{name} buffer_names", states["buffer_names"], [p.name for p in model.params if p.kind == "buffer"])
         for p in model.params:
             if p.kind == "buffer":
