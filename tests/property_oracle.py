@@ -196,6 +196,17 @@ class Checker:
             self.problems.append(f"{where}: {got!r} != {want!r}")
 
 
+def assert_ok(check: Checker) -> None:
+    assert not check.problems, "\n".join(check.problems[:20])
+    assert check.compared > 0
+
+
+def tag_dir(save_dir) -> str:
+    """A DeepSpeed save dir's tag folder, as `latest` names it."""
+    with open(os.path.join(save_dir, "latest")) as f:
+        return os.path.join(save_dir, f.read().strip())
+
+
 def shard_function(model: Model, topo: Topology, kv_heads=None, grain=1):
     """rank -> (name, full) -> the shard that tensor-parallel rank holds at topo.tp."""
     if model.layers is not None:

@@ -39,8 +39,8 @@ from reshard.convert import make_plan
 from reshard.errors import ReshardError
 
 from conftest import REPO
-from property_oracle import Refused, Topology, autotp_cut, check_dcp, check_deepspeed, check_universal, \
-    megatron_shard, stages, without_16bit_copy
+from property_oracle import Refused, Topology, assert_ok, autotp_cut, check_dcp, check_deepspeed, check_universal, \
+    megatron_shard, stages, tag_dir, without_16bit_copy
 from property_sources import LP, MASTER, MODULE, Model, Param, convert, source_catalog, tree_bytes, truth
 from test_properties import models as dp_models
 
@@ -76,11 +76,6 @@ def refusal(model: Model, topo: Topology, kv_heads=None, grain=1) -> str | None:
     return None
 
 
-def assert_ok(check):
-    assert not check.problems, "\n".join(check.problems[:20])
-    assert check.compared > 0
-
-
 def write(catalog, model, topo, dst, kv_heads=None, grain=1, rules=None, fmt=None):
     """Write `catalog` at `topo`; None when the oracle says it cannot be (and reshard refuses it)."""
     why = refusal(model, topo, kv_heads, grain)
@@ -90,11 +85,6 @@ def write(catalog, model, topo, dst, kv_heads=None, grain=1, rules=None, fmt=Non
             make_plan(catalog, topo.spec(kv_heads), fmt=fmt)
         return None
     return convert(catalog, topo.spec(kv_heads), dst, fmt=fmt, rules=rules)
-
-
-def tag_dir(path):
-    with open(os.path.join(path, "latest")) as f:
-        return os.path.join(path, f.read().strip())
 
 
 def assert_same_files(a, b):
