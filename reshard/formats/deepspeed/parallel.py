@@ -180,10 +180,10 @@ def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
 
 
 def _buffer_split(geometry, name, shard_shapes, tp):
-    """Buffers are never cut by tensor parallelism (it cuts weights): unless a rule says otherwise they are
-    replicated, and their copies are compared like any replica."""
+    """Buffers are never cut by tensor parallelism (it cuts weights): unless a rule names them (the pattern
+    lists' catch-all for params does not) they are replicated, and their copies are compared like any replica."""
     try:
-        return geometry.split(name, shard_shapes, tp)
+        return geometry.split(name, shard_shapes, tp, fallback=False)
     except ReshardError:
         return replicated(name, shard_shapes, tp, "buffers are whole on every tensor-parallel rank")
 

@@ -63,6 +63,7 @@ class Rule:
     shard_widths: tuple = ()      # per sub-param, per rank widths (uneven AutoTP splits)
     reason: str = ""
     recut: str = ""               # how AutoTP sizes the blocks at any degree: "heads" or "even" (tp_recut)
+    fallback: bool = False        # the pattern lists' catch-all for params no list names (not for buffers)
 
 
 class Geometry:
@@ -108,12 +109,13 @@ class Geometry:
         """The first rule matching `name` (None when none does); the affine map is not consulted."""
         return next((rule for pattern, rule in self.rules if self._matches(pattern, name)), None)
 
-    def split(self, name: str, shard_shapes: dict, tp: int) -> Split:
+    def split(self, name: str, shard_shapes: dict, tp: int, fallback: bool = True) -> Split:
+        """`fallback`: may the pattern lists' catch-all (every other param cut along dim 0) decide?"""
         for pattern, entry in self.affine:       # a map states the geometry itself: no trimming on top
             if self._matches(pattern, name):
                 return _from_affine(name, entry, shard_shapes, self.source)
         for pattern, rule in self.rules:
-            if self._matches(pattern, name):
+            if self._matches(pattern, name) and (fallback or not rule.fallback):
                 split = from_rule(name, rule, shard_shapes, tp, self.source)
                 if self.vocab_size and (rule.vocab or any(self._matches(p, name) for p in self.vocab)):
                     split = trim_rows(split, self.vocab_size)
@@ -295,7 +297,7 @@ def _rules_from_uc_info(info: dict) -> list:
         rules.append(Rule(pattern, "split", dim=1))
     if rules or info.get("vocabulary_parameter_patterns"):
         # the lists only name the exceptions: DeepSpeed's converter cuts every other param along dim 0
-        rules.append(Rule(r".*", "split", dim=0))
+        rules.append(Rule(r".*", "split", dim=0, fallback=True))
     return rules
 
 
