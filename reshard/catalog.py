@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from reshard.errors import ReshardError
 from reshard.formats.torchzip import Storage
@@ -99,6 +99,25 @@ class FileInfo:
     size: int = 0
 
 
+@dataclass(frozen=True)
+class TrainingState:
+    """What a training checkpoint records beside its tensors, in every format that keeps it (None: not said)."""
+    global_steps: int | None = None
+    global_samples: int | None = None
+    skipped_steps: int | None = None
+    lr_scheduler: object = None     # the lr scheduler's state_dict, as saved (plain data)
+    optimizer: str = ""             # the optimizer class the checkpoint names ("": none; Contents guesses it)
+
+
+class FormatNotes(Protocol):
+    """What one format's reader keeps for that format's writers (DeepSpeed's config, how tensor parallelism cut
+    each parameter, ...): a typed object the format owns. The core never looks inside; it only asks for what the
+    format knows of one parameter, for `inspect --params`."""
+
+    def param_details(self, name: str) -> dict:
+        """Plain data on how parameter `name` is held ({} when nothing beyond the catalog's own facts)."""
+
+
 @dataclass
 class Catalog:
     root: str                              # the directory the files are relative to
@@ -111,13 +130,13 @@ class Catalog:
     param_groups: list = field(default_factory=list)   # [{hyper-params..., "params": [names, optimizer order]}]
     group_scalars: list = field(default_factory=list)  # per group: {"step": ScalarTensor | value}
     split_scalars: list = field(default_factory=list)  # [SplitScalar]: per-param scalars group_scalars cannot hold
-    state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
+    tag: str = ""                                      # the save's name (a DeepSpeed tag), for output
+    training: TrainingState = field(default_factory=TrainingState)
+    # taken for frozen params, but maybe floating-point buffers: the source does not say which
+    maybe_buffers: list = field(default_factory=list)
+    notes: FormatNotes | None = None                   # the reader's format's own notes (see FormatNotes)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
-    # Model-parallel sources keep how they were cut, for writers of tp/pp targets and for messages:
-    tp_splits: dict = field(default_factory=dict)      # name -> tp_geometry.Split (boxes each TP rank holds)
-    stages: dict = field(default_factory=dict)         # name -> pipeline stages whose optimizer trains it
-    layers: dict = field(default_factory=dict)         # name -> (layer index, key in its layer file)
     # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose
     # fragments hold, at the same flat positions, elements the catalog's own tensor holds. They must be
     # equal; readers compare the small ones, `validate --deep` every one not yet compared.

@@ -65,7 +65,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     target = Layout(dp=1, zero=0, dtype=entries[0].dtype if entries else "float32")
-    return plan(catalog, target, targets, catalog.state.get("tag", ""), Output(fmt)), single_file
+    return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
 
 
 def export_format(out: str, fmt: str | None) -> str:
@@ -127,10 +127,10 @@ def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
         "states": {s: f"optimizer-{s}.{extension}" for s in sets},
         "master_weights": f"optimizer-{MASTER}.{extension}" if MASTER in sets else "the exported model weights",
         "param_groups": groups,
-        "global_steps": catalog.state.get("global_steps"),
-        "global_samples": catalog.state.get("global_samples"),
-        "skipped_steps": catalog.state.get("skipped_steps"),
-        "lr_scheduler": jsonable(catalog.state.get("lr_scheduler")),
+        "global_steps": catalog.training.global_steps,
+        "global_samples": catalog.training.global_samples,
+        "skipped_steps": catalog.training.skipped_steps,
+        "lr_scheduler": jsonable(catalog.training.lr_scheduler),
         "source": catalog.root,
     }
 

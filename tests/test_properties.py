@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
-from reshard.catalog import MASTER, MODULE, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+from reshard.catalog import MASTER, MODULE, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.convert import make_plan
 from reshard.executor import cast, execute
 from reshard.formats import writer
@@ -55,8 +56,9 @@ def _source(model, root):
                                     options=dict(model["options"])))
     zero_cfg = {"stage": 1, **{k: v for k, v in model["options"].items()}}
     precision = {"bfloat16": {"bf16": {"enabled": True}}, "float16": {"fp16": {"enabled": True}}}.get(model["lp"], {})
-    catalog.state.update(ds_config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_cfg, **precision},
-                         ds_version="0.19.8", tag="global_step7", global_steps=7, global_samples=7, skipped_steps=0)
+    catalog.notes = DeepSpeedNotes(ds_config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_cfg,
+                                              **precision}, ds_version="0.19.8")
+    catalog.tag, catalog.training = "global_step7", TrainingState(global_steps=7, global_samples=7, skipped_steps=0)
     values = {}
     counter = [1]
 

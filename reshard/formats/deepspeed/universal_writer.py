@@ -25,6 +25,7 @@ from dataclasses import replace
 from reshard.catalog import MASTER, MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats import standins
+from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
 from reshard.formats.torchsave import TorchFile
@@ -60,7 +61,7 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
 
 def _check_target(catalog, target):
     catalog.require_group_scalars("a universal checkpoint")
-    if target.pp != 1 or catalog.layout.pp != 1 or catalog.state.get("pipe_layer_files"):
+    if target.pp != 1 or catalog.layout.pp != 1 or notes.of(catalog).pipe_layer_files:
         raise ReshardError(f"target {target.topology()}: universal checkpoints are written for pp=1 only")
     if (target.tp > 1 or catalog.layout.tp > 1) and target.zero not in (1, 2):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel universal checkpoint is written for "
@@ -144,7 +145,7 @@ def _tp_keys(catalog) -> dict:
     """Per param the keys ds_to_universal writes beside 'param' for the source's AutoTP info: none when
     an affine map covers it (no `cat_dim`), `vocab_tensor` for a vocabulary param. Patterns are regexes,
     matched with re.match as its get_matched_affine_map / get_matched_pattern do."""
-    extra = (catalog.state.get("mp_rank_extra") or {}).get(0) or {}
+    extra = notes.of(catalog).mp_rank_extra.get(0) or {}
     info = extra.get("universal_checkpoint_info") or {}
     affine = list(((info.get("affine_map") or {}).get("params") or {}))
     vocab = info.get("vocabulary_parameter_patterns") or []

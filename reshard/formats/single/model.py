@@ -8,7 +8,7 @@ index, its per-element states and step. `optim_map.assign` says which name each 
   the same bytes (there is no separate master copy);
 - a buffer: what the model class says is one (HF, from config.json), or not taken and not floating
   point; not taken and floating point = frozen (a floating buffer such as BatchNorm's running mean
-  looks the same: `state["frozen_or_buffer"]` lists them; ZeRO-1/2 keep both whole in the module
+  looks the same: `catalog.maybe_buffers` lists them; ZeRO-1/2 keep both whole in the module
   copy, ZeRO-3 partitions frozen params only, so the DeepSpeed writer refuses ZeRO-3 then);
 - weights only (no optimizer): nothing is known to be trained; every floating tensor is listed as
   frozen and conversion to a training format is refused;
@@ -77,11 +77,9 @@ def build(catalog, module: dict, where: str, optimizer=None, optim_where: str = 
     if optimizer is not None and guessed:
         # A floating-point entry the optimizer does not train: a frozen param or a float buffer (BatchNorm's
         # running mean); the state dict does not say which. Writers that store the two differently refuse.
-        catalog.state["frozen_or_buffer"] = guessed
+        catalog.maybe_buffers = guessed
     if optimizer is not None:
         _fill_optimizer(catalog, optimizer, optim_where, taken)
-    else:
-        catalog.state["weights_only"] = True
     _fill_layout(catalog)
 
 

@@ -41,5 +41,5 @@ def read(path: str, tag: str | None = None) -> Catalog:
         model.add_file(catalog, file, role)
     model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
                 weights.buffers)
-    catalog.state["tag"] = tag or "weights"
+    catalog.tag = tag or "weights"
     return catalog
