@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from reshard import optimizers
 from reshard.errors import ReshardError
 from reshard.formats.torchzip import Storage
 from reshard.placement import Shard
@@ -109,6 +110,16 @@ class TrainingState:
     optimizer: str = ""             # the optimizer class the checkpoint names ("": none; Contents guesses it)
 
 
+@dataclass(frozen=True)
+class Contents:
+    """What a checkpoint holds, computed from its catalog alone (Catalog.contents) whatever its format."""
+    optimizer: str       # "Adam", "AdamW", "SGD", ...: as the checkpoint names it, else told by its states; "": unknown
+    states: list         # per-element optimizer state names, in file order
+    params: int          # trainable + frozen parameters (aliases not counted)
+    elements: int        # elements in those parameters
+    step: int | None     # optimizer step count (the largest of the param groups'); None: none saved
+
+
 class FormatNotes(Protocol):
     """What one format's reader keeps for that format's writers (DeepSpeed's config, how tensor parallelism cut
     each parameter, ...): a typed object the format owns. The core never looks inside; it only asks for what the
@@ -162,6 +173,14 @@ class Catalog:
 
     def optimizer_states(self) -> list:
         return [s for s in self.states() if s not in (MASTER, MODULE)]
+
+    def contents(self) -> Contents:
+        states = self.optimizer_states()
+        counted = [p for p in self.params.values() if p.kind != "buffer"]
+        steps = {getattr(s["step"], "value", s["step"]) for s in self.group_scalars if s.get("step") is not None}
+        return Contents(optimizer=self.training.optimizer or optimizers.kind(states, self.param_groups),
+                        states=states, params=len(counted), elements=sum(math.prod(p.shape) for p in counted),
+                        step=int(max(steps)) if steps else None)
 
     def bytes_per_state(self) -> dict:
         from reshard.dtypes import itemsize

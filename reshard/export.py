@@ -110,7 +110,7 @@ def optimizer_sets(catalog: Catalog, entries) -> list:
     """State names exported with --with-optimizer; the fp32 master too unless the weights are it."""
     masters_exported = all(e.source[1] == MASTER and e.dtype == "float32"
                            for e in entries if catalog.params[e.key].kind == "trainable")
-    return ([] if masters_exported else [MASTER]) + list(catalog.layout.states)
+    return ([] if masters_exported else [MASTER]) + catalog.optimizer_states()
 
 
 def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
@@ -123,7 +123,7 @@ def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
                        "params": list(group["params"])})
     sets = optimizer_sets(catalog, entries)
     return {
-        "optimizer": catalog.layout.optimizer,
+        "optimizer": catalog.contents().optimizer,
         "states": {s: f"optimizer-{s}.{extension}" for s in sets},
         "master_weights": f"optimizer-{MASTER}.{extension}" if MASTER in sets else "the exported model weights",
         "param_groups": groups,

@@ -9,7 +9,7 @@ from reshard.formats.torchzip import DType, TensorRef
 
 
 def inspect(catalog: Catalog, params: bool = False) -> dict:
-    layout = catalog.layout
+    layout, contents = catalog.layout, catalog.contents()
     kinds = [p.kind for p in catalog.params.values()]
     info = {
         "path": catalog.root,
@@ -19,14 +19,14 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "zero_stage": layout.zero,
         "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
         "master_dtype": layout.master_dtype or None,
-        "optimizer": layout.optimizer or None,       # None: the checkpoint does not tell
-        "optimizer_states": layout.states,
+        "optimizer": contents.optimizer or None,     # None: the checkpoint does not tell
+        "optimizer_states": contents.states,
         "options": layout.options,
-        "step": layout.step,
+        "step": contents.step,
         "global_steps": catalog.training.global_steps,
         "global_samples": catalog.training.global_samples,
-        "parameters": layout.params,
-        "elements": layout.elements,
+        "parameters": contents.params,
+        "elements": contents.elements,
         "trainable": kinds.count("trainable"),
         "frozen": kinds.count("frozen"),
         "buffers": kinds.count("buffer"),

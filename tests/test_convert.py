@@ -35,7 +35,7 @@ def test_every_fixture_converts_to_a_complete_checkpoint(fixture_name, dp, tmp_p
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     assert out.layout.dp == dp and out.layout.zero == source.layout.zero
-    assert out.layout.step == source.layout.step and out.training.global_steps == source.training.global_steps
+    assert out.contents().step == source.contents().step and out.training.global_steps == source.training.global_steps
     _assert_same_tensors(source, out)
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
 

@@ -52,7 +52,7 @@ def _source(model, root):
     src = os.path.join(root, "src", "global_step7")
     os.makedirs(src)
     catalog = Catalog(root=src, format="deepspeed",
-                      layout=Layout(dp=1, zero=1, dtype=model["lp"], states=list(model["states"]),
+                      layout=Layout(dp=1, zero=1, dtype=model["lp"],
                                     options=dict(model["options"])))
     zero_cfg = {"stage": 1, **{k: v for k, v in model["options"].items()}}
     precision = {"bfloat16": {"bf16": {"enabled": True}}, "float16": {"fp16": {"enabled": True}}}.get(model["lp"], {})

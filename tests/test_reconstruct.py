@@ -46,8 +46,8 @@ def test_scalars_hyper_parameters_and_training_state(fixture_name):
     meta = truth_json(fixture_name)
     layout = catalog.layout
     assert layout.dp == meta["world_size"] and layout.zero == meta["zero_stage"]
-    assert layout.step == meta["step"]
-    assert sorted(layout.states) == sorted(meta["state_names"])
+    assert catalog.contents().step == meta["step"]
+    assert sorted(catalog.contents().states) == sorted(meta["state_names"])
     assert catalog.training.global_steps == meta["global_steps"]
     assert catalog.training.global_samples == meta["global_samples"]
     assert catalog.training.skipped_steps == meta["skipped_steps"]

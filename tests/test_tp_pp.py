@@ -66,7 +66,7 @@ def test_full_tensors_equal_the_engine_truth(name):
     meta = truth_json(name)
     assert catalog.layout.world_size == meta["world_size"] and catalog.layout.zero == meta["zero_stage"]
     assert (catalog.layout.tp, catalog.layout.pp) == _degrees(name)
-    assert catalog.layout.step == meta["step"] and catalog.training.global_steps == meta["global_steps"]
+    assert catalog.contents().step == meta["step"] and catalog.training.global_steps == meta["global_steps"]
     assert sorted(p for p, i in catalog.params.items() if i.kind == "trainable") == sorted(meta["trainable"])
     _assert_equals_truth(catalog, name)
     report = reshard.validate(catalog)

@@ -112,7 +112,7 @@ def make_synthetic(args):
     states = ["exp_avg", "exp_avg_sq"]
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     catalog = Catalog(root=os.path.dirname(block), format="deepspeed",
-                      layout=Layout(dp=args.dp, zero=args.stage, dtype=dtype, states=states,
+                      layout=Layout(dp=args.dp, zero=args.stage, dtype=dtype,
                                     options={"sub_group_size": 1_000_000_000}))
     scaler = standins.LossScaler()
     scaler.__dict__.update(cur_scale=1.0, dynamic=False)

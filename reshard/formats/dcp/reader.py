@@ -20,11 +20,9 @@ or saved by a single rank; otherwise for a buffer. A tied name looks like a froz
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
-from reshard import optimizers
 from reshard.catalog import (MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar,
                              TrainingState)
 from reshard.dtypes import is_floating
@@ -203,17 +201,9 @@ def _carried(values: dict, chunks, meta_path) -> dict:
 
 
 def _finish(catalog: Catalog, world: int, carried: dict) -> None:
-    states = catalog.optimizer_states()
-    steps = {s["step"].value for s in catalog.group_scalars if "step" in s}
-    step = steps.pop() if len(steps) == 1 else None
-    step = int(step) if step is not None and float(step).is_integer() else None
     dtype, master_dtype = catalog.weight_dtypes()
-    catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype,
-                            optimizer=carried.get("optimizer") or optimizers.kind(states, catalog.param_groups),
-                            states=states,
-                            params=sum(p.kind != "buffer" for p in catalog.params.values()),
-                            elements=sum(math.prod(p.shape) for p in catalog.params.values() if p.kind != "buffer"),
-                            step=step)
+    catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype)
+    step = catalog.contents().step
     catalog.tag = f"global_step{step}" if step is not None else "dcp"
     # the source's own counters where reshard carried them, else the optimizer's step
     catalog.training = TrainingState(**{"global_steps": step, **carried})

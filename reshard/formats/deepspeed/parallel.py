@@ -14,11 +14,10 @@ Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 ch
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import replace
 
-from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
+from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
 from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
@@ -61,7 +60,6 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
     catalog.notes = replace(catalog.notes, mp_rank_extra={rank: {k: model[k] for k in MP_RANK_KEYS if k in model}
                                                           for rank, model in models.items()})
     catalog.layout.tp, catalog.layout.pp = tp, pp
-    _fill_layout(catalog)
     return catalog
 
 
@@ -398,12 +396,3 @@ def _check_same_module(catalog, name, ref, path, files):
                           [Fragment(0, ref.numel, ref.storage, ref.storage_offset)] if ref.numel else [])
     _replica(catalog, first, other, os.path.basename(path), "its first occurrence", files)
 
-
-def _fill_layout(catalog):
-    layout = catalog.layout
-    params = [p for p in catalog.params.values() if p.kind != "buffer"]
-    layout.params = len(params)
-    layout.elements = sum(math.prod(p.shape) for p in params)
-    layout.states = catalog.optimizer_states()
-    if MASTER not in catalog.states():
-        layout.states = []

@@ -235,7 +235,8 @@ def _layer_uses(catalog: Catalog, layers: dict):
     files = tuple(tuple(n for _, n in layers.get(i, []) if n) for i in range(max(layers) + 1))
     yield files
     last = catalog.layout.pp - 1
-    keys = sorted({n.split(".")[1] for n, stages in notes.of(catalog).stages.items() if n.startswith(TIED) and last in stages})
+    trained = notes.of(catalog).stages
+    keys = sorted({n.split(".")[1] for n, stages in trained.items() if n.startswith(TIED) and last in stages})
     if last > 0 and keys:
         yield files + tuple(tuple(n for n in catalog.order if n.startswith(f"{TIED}{key}.")) for key in keys)
 

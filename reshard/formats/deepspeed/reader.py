@@ -8,12 +8,9 @@ inconsistent is recorded in `catalog.problems`, one line per problem naming the 
 """
 from __future__ import annotations
 
-import math
-
 import os
 from dataclasses import replace
 
-from reshard import optimizers
 from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, TrainingState
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
@@ -287,13 +284,6 @@ def _fill_layout(catalog, model0):
     floating = sorted(d for d in saved if is_floating(d))
     # the 16-bit copy says it when there is one (ZeRO-1/2); ZeRO-3 saves none, its config says it
     layout.dtype = floating[0] if len(floating) == 1 else (_config_dtype(config) or "float32")
-    layout.optimizer = catalog.training.optimizer or optimizers.kind(catalog.optimizer_states(), catalog.param_groups)
-    layout.states = catalog.optimizer_states()
-    params = [p for p in catalog.params.values() if p.kind != "buffer"]
-    layout.params = len(params)
-    layout.elements = sum(math.prod(p.shape) for p in params)
-    steps = {getattr(s["step"], "value", s["step"]) for s in catalog.group_scalars if s.get("step") is not None}
-    layout.step = int(max(steps)) if steps else None
 
 
 def _optimizer_name(config) -> str:

@@ -73,7 +73,7 @@ def _check_target(catalog, target):
         if os.sep in name or name in (".", "..") or name == uc.OPTIMIZER_STATE:
             raise ReshardError(f"parameter name {name!r} cannot be a folder of a universal checkpoint")
     if target.zero == 3:
-        unloadable = [s for s in target.states if s not in uc.ZERO3_LOADED_STATES]
+        unloadable = [s for s in catalog.optimizer_states() if s not in uc.ZERO3_LOADED_STATES]
         if unloadable:
             raise ReshardError(f"optimizer states {', '.join(unloadable)}: DeepSpeed's ZeRO-3 universal loader reads "
                                "only fp32, exp_avg and exp_avg_sq (stage3.py); write --to zero=1 or 2 instead")

@@ -138,7 +138,7 @@ class _Context:
         self.round_robin = bool(zero_cfg.get("round_robin_gradients", options.get("round_robin_gradients")))
         self.param_alignment = bool(zero_cfg.get("parameter_alignment", options.get("parameter_alignment")))
         self.sub_group_size = int(zero_cfg.get("sub_group_size", options.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
-        self.states = list(target.states)
+        self.states = catalog.optimizer_states()
         # A source not saved by DeepSpeed names no version; DeepSpeed asserts one and refuses ZeRO-1
         # files older than 0.3.17, so say the version whose layout this writer follows.
         self.ds_version = notes.of(catalog).ds_version or WRITES_DS_VERSION
@@ -178,7 +178,8 @@ class _Context:
     def model_states_tail(self) -> dict:
         """Training state of a model-states file, after the parameter bookkeeping keys."""
         state, training = notes.of(self.catalog), self.catalog.training
-        tail = {"lr_scheduler": training.lr_scheduler, "data_sampler": state.data_sampler, "random_ltd": state.random_ltd}
+        tail = {"lr_scheduler": training.lr_scheduler, "data_sampler": state.data_sampler,
+                "random_ltd": state.random_ltd}
         tail.update(skipped_steps=training.skipped_steps or 0, global_steps=training.global_steps or 0,
                     global_samples=training.global_samples, dp_world_size=self.dp,
                     mp_world_size=self.target.tp * self.target.pp,

@@ -61,7 +61,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
     model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order,
                 weights.buffers)
     _training_state(catalog, folder)
-    step = catalog.training.global_steps or catalog.layout.step or 0
+    step = catalog.training.global_steps or catalog.contents().step or 0
     if catalog.training.global_steps is None:
         catalog.training = replace(catalog.training, global_steps=step)
     catalog.tag = tag or (f"global_step{step}" if optimizer is not None or has_state else "weights")

@@ -42,7 +42,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
     schedulers = list(obj.get("lr_schedulers") or [])
     catalog.notes = SingleNotes(lr_schedulers=schedulers, lightning={k: v for k, v in obj.items() if k not in KNOWN})
     step = obj.get("global_step")
-    step = int(step) if isinstance(step, int) else (catalog.layout.step or 0)
+    step = int(step) if isinstance(step, int) else (catalog.contents().step or 0)
     # one scheduler: the one DeepSpeed's engine keeps and reloads
     catalog.training = TrainingState(global_steps=step, lr_scheduler=schedulers[0] if len(schedulers) == 1 else None)
     catalog.tag = tag or f"global_step{step}"

@@ -17,10 +17,8 @@ index, its per-element states and step. `optim_map.assign` says which name each 
 """
 from __future__ import annotations
 
-import math
 import os
 
-from reshard import optimizers
 from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor, SplitScalar
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
@@ -185,10 +183,3 @@ def _fill_layout(catalog) -> None:
     # no separate master: the optimizer updated the params as saved (pure bf16 training: bf16); a
     # DeepSpeed target widens them to its fp32 master, the same values
     layout.dtype, layout.master_dtype = catalog.weight_dtypes()
-    layout.states = catalog.optimizer_states()
-    layout.optimizer = optimizers.kind(layout.states, catalog.param_groups)
-    counted = [p for p in catalog.params.values() if p.kind != "buffer"]
-    layout.params = len(counted)
-    layout.elements = sum(math.prod(p.shape) for p in counted)
-    steps = {_plain(s[STEP]) for s in catalog.group_scalars if s.get(STEP) is not None}
-    layout.step = int(max(steps)) if steps else None

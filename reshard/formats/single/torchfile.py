@@ -66,7 +66,7 @@ def read(path: str, tag: str | None = None) -> Catalog:
     model.build(catalog, module, path, optimizer, path)
     catalog.notes = SingleNotes(extra=extra)
     scheduler = next((extra[k] for k in SCHEDULER_KEYS if isinstance(extra.get(k), dict)), None)
-    step = catalog.layout.step
+    step = catalog.contents().step
     catalog.training = TrainingState(global_steps=step or 0, lr_scheduler=scheduler)
     catalog.tag = tag or (f"global_step{step}" if step is not None else "converted")
     return catalog
