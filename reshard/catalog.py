@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from reshard import optimizers
 from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.torchzip import Storage
 from reshard.placement import Shard
@@ -105,6 +106,35 @@ class FileInfo:
     size: int = 0
 
 
+@dataclass(frozen=True)
+class TrainingState:
+    """What a training checkpoint records beside its tensors, in every format that keeps it (None: not said)."""
+    global_steps: int | None = None
+    global_samples: int | None = None
+    skipped_steps: int | None = None
+    lr_scheduler: object = None     # the lr scheduler's state_dict, as saved (plain data)
+    optimizer: str = ""             # the optimizer class the checkpoint names ("": none; Contents guesses it)
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a checkpoint holds, computed from its catalog alone (Catalog.contents) whatever its format."""
+    optimizer: str       # "Adam", "AdamW", "SGD", ...: as the checkpoint names it, else told by its states; "": unknown
+    states: list         # per-element optimizer state names, in file order
+    params: int          # trainable + frozen parameters (aliases not counted)
+    elements: int        # elements in those parameters
+    step: int | None     # optimizer step count (the largest of the param groups'); None: none saved
+
+
+class FormatNotes(Protocol):
+    """What one format's reader keeps for that format's writers (DeepSpeed's config, how tensor parallelism cut
+    each parameter, ...): a typed object the format owns. The core never looks inside; it only asks for what the
+    format knows of one parameter, for `inspect --params`."""
+
+    def param_details(self, name: str) -> dict:
+        """Plain data on how parameter `name` is held ({} when nothing beyond the catalog's own facts)."""
+
+
 @dataclass
 class Catalog:
     root: str                              # the directory the files are relative to
@@ -118,13 +148,13 @@ class Catalog:
     # per param group, each optimizer scalar ("step"): ScalarTensor | value where the format keeps one per
     # group (DeepSpeed), a PerParamScalar where it keeps each param's own; writers ask scalars_of_groups/_param
     group_scalars: list = field(default_factory=list)
-    state: dict = field(default_factory=dict)          # non-tensor state (steps, scheduler, ...)
+    tag: str = ""                                      # the save's name (a DeepSpeed tag), for output
+    training: TrainingState = field(default_factory=TrainingState)
+    # taken for frozen params, but maybe floating-point buffers: the source does not say which
+    maybe_buffers: list = field(default_factory=list)
+    notes: FormatNotes | None = None                   # the reader's format's own notes (see FormatNotes)
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
-    # Model-parallel sources keep how they were cut, for writers of tp/pp targets and for messages:
-    tp_splits: dict = field(default_factory=dict)      # name -> tp_geometry.Split (boxes each TP rank holds)
-    stages: dict = field(default_factory=dict)         # name -> pipeline stages whose optimizer trains it
-    layers: dict = field(default_factory=dict)         # name -> (layer index, key in its layer file)
     # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose
     # fragments hold, at the same flat positions, elements the catalog's own tensor holds. They must be
     # equal; readers compare the small ones, `validate --deep` every one not yet compared.
@@ -166,6 +196,14 @@ class Catalog:
 
     def optimizer_states(self) -> list:
         return [s for s in self.states() if s not in (MASTER, MODULE)]
+
+    def contents(self) -> Contents:
+        states = self.optimizer_states()
+        counted = [p for p in self.params.values() if p.kind != "buffer"]
+        steps = self.scalar_values("step")
+        return Contents(optimizer=self.training.optimizer or optimizers.kind(states, self.param_groups),
+                        states=states, params=len(counted), elements=sum(math.prod(p.shape) for p in counted),
+                        step=int(max(steps)) if steps else None)
 
     def bytes_per_state(self) -> dict:
         from reshard.dtypes import itemsize

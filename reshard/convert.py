@@ -25,7 +25,7 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | 
 
     require_complete(catalog)
     target = target_layout(catalog, to)
-    tag = tag_out or catalog.state.get("tag") or "converted"
+    tag = tag_out or catalog.tag or "converted"
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)
     targets = target_format.target_files(catalog, target, tag, save_dir)

@@ -97,9 +97,9 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> D
     if report.nan_bits:
         report.notes.append(f"{len(report.nan_bits)} tensor(s) hold NaNs with other bits (payload or sign) at the "
                             f"same elements in A and B, counted equal: {_some(report.nan_bits)}")
-    if a.layout.step is not None and b.layout.step is not None and a.layout.step != b.layout.step:
-        report.differences.append(Difference("-", "step", "values", f"optimizer step {a.layout.step} != "
-                                             f"{b.layout.step}"))
+    step_a, step_b = a.contents().step, b.contents().step
+    if step_a is not None and step_b is not None and step_a != step_b:
+        report.differences.append(Difference("-", "step", "values", f"optimizer step {step_a} != {step_b}"))
     return report
 
 

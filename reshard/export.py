@@ -66,7 +66,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     target = Layout(dp=1, zero=0, dtype=entries[0].dtype if entries else "float32")
-    return plan(catalog, target, targets, catalog.state.get("tag", ""), Output(fmt)), single_file
+    return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
 
 
 def export_format(out: str, fmt: str | None) -> str:
@@ -111,7 +111,7 @@ def optimizer_sets(catalog: Catalog, entries) -> list:
     """State names exported with --with-optimizer; the fp32 master too unless the weights are it."""
     masters_exported = all(e.source[1] == MASTER and e.dtype == "float32"
                            for e in entries if catalog.params[e.key].kind == "trainable")
-    return ([] if masters_exported else [MASTER]) + list(catalog.layout.states)
+    return ([] if masters_exported else [MASTER]) + catalog.optimizer_states()
 
 
 def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
@@ -125,14 +125,14 @@ def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
                        "params": list(group["params"])})
     sets = optimizer_sets(catalog, entries)
     return {
-        "optimizer": catalog.layout.optimizer,
+        "optimizer": catalog.contents().optimizer,
         "states": {s: f"optimizer-{s}.{extension}" for s in sets},
         "master_weights": f"optimizer-{MASTER}.{extension}" if MASTER in sets else "the exported model weights",
         "param_groups": groups,
-        "global_steps": catalog.state.get("global_steps"),
-        "global_samples": catalog.state.get("global_samples"),
-        "skipped_steps": catalog.state.get("skipped_steps"),
-        "lr_scheduler": jsonable(catalog.state.get("lr_scheduler")),
+        "global_steps": catalog.training.global_steps,
+        "global_samples": catalog.training.global_samples,
+        "skipped_steps": catalog.training.skipped_steps,
+        "lr_scheduler": jsonable(catalog.training.lr_scheduler),
         "source": catalog.root,
     }
 

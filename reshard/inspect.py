@@ -9,24 +9,24 @@ from reshard.formats.torchzip import DType, TensorRef
 
 
 def inspect(catalog: Catalog, params: bool = False) -> dict:
-    layout = catalog.layout
+    layout, contents = catalog.layout, catalog.contents()
     kinds = [p.kind for p in catalog.params.values()]
     info = {
         "path": catalog.root,
         "format": catalog.format,
-        "tag": catalog.state.get("tag"),
+        "tag": catalog.tag or None,
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         "zero_stage": layout.zero,
         "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
         "master_dtype": layout.master_dtype or None,
-        "optimizer": layout.optimizer or None,       # None: the checkpoint does not tell
-        "optimizer_states": layout.states,
+        "optimizer": contents.optimizer or None,     # None: the checkpoint does not tell
+        "optimizer_states": contents.states,
         "options": layout.options,
-        "step": layout.step,
-        "global_steps": catalog.state.get("global_steps"),
-        "global_samples": catalog.state.get("global_samples"),
-        "parameters": layout.params,
-        "elements": layout.elements,
+        "step": contents.step,
+        "global_steps": catalog.training.global_steps,
+        "global_samples": catalog.training.global_samples,
+        "parameters": contents.params,
+        "elements": contents.elements,
         "trainable": kinds.count("trainable"),
         "frozen": kinds.count("frozen"),
         "buffers": kinds.count("buffer"),
@@ -58,22 +58,9 @@ def _param_row(catalog, p) -> dict:
     row = {"name": p.name, "shape": list(p.shape), "kind": p.kind, "group": p.group,
            "dtype": dtypes.get(MODULE) or dtypes.get(MASTER), "states": states,
            "tied_to_it": sorted(a for a, src in catalog.aliases.items() if src == p.name)}
-    if p.name in catalog.tp_splits:
-        row["tensor_parallel"] = describe_split(catalog.tp_splits[p.name])
-    if p.name in catalog.stages:
-        row["stages"] = catalog.stages[p.name]
+    if catalog.notes is not None:      # how the format cut it (tensor-parallel boxes, pipeline stages)
+        row.update(catalog.notes.param_details(p.name))
     return row
-
-
-def describe_split(split) -> str:
-    """How tensor parallelism cut a tensor, in words: replicated, split along dim d, or n boxes."""
-    pieces = [p for ps in split.pieces.values() for p in ps]
-    if pieces and all(len(p.holders) == len(split.pieces) for p in pieces):
-        return "replicated"
-    dims = {d for p in pieces for d, (n, full) in enumerate(zip(p.shape, split.full_shape)) if n != full}
-    if all(len(ps) == 1 for ps in split.pieces.values()) and len(dims) == 1:
-        return f"split dim {dims.pop()}"
-    return f"{len(pieces)} boxes"
 
 
 def jsonable(value):

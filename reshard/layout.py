@@ -14,6 +14,9 @@ from reshard.errors import ReshardError
 DESCRIPTOR_KIND = "reshard.layout"
 DESCRIPTOR_VERSION = 1
 PARTITION_METHODS = ("uniform", "parameters", "type:REGEX")
+# Facts of a checkpoint's contents that descriptors saved by earlier versions carry: not a topology, ignored
+# (Catalog.contents computes them)
+CONTENT_KEYS = ("optimizer", "states", "params", "elements", "step")
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,6 @@ class Layout:
     zero: int = 0
     dtype: str = "float32"           # the model's (16-bit or fp32) parameter dtype
     master_dtype: str = "float32"    # dtype of the optimizer's master copy
-    optimizer: str = ""              # e.g. "Adam", "SGD"
-    states: list = field(default_factory=list)   # per-element optimizer state names
-    params: int = 0                  # trainable + frozen parameters (aliases not counted)
-    elements: int = 0                # elements in those parameters
-    step: int | None = None          # optimizer step count
     # How the optimizer partitions were cut, where the format has variants (DeepSpeed: elastic,
     # round_robin, bf16_optimizer, parameter_alignment, sub_group_size).
     options: dict = field(default_factory=dict)
@@ -88,7 +86,7 @@ class Layout:
         if data.get("version") != DESCRIPTOR_VERSION:
             raise ReshardError(f"{source}: layout descriptor version {data.get('version')!r} is not supported")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"kind", "version"})
+        unknown = sorted(set(data) - known - {"kind", "version", *CONTENT_KEYS})
         if unknown:
             raise ReshardError(f"{source}: unknown layout keys {', '.join(unknown)}")
         layout = cls(**{k: v for k, v in data.items() if k in known})

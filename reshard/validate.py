@@ -150,7 +150,7 @@ def _ranges(ranges) -> str:
 
 
 def _check_states_present(catalog, report):
-    wanted = [MASTER] + list(catalog.layout.states)
+    wanted = [MASTER] + catalog.optimizer_states()
     for p in catalog.params.values():
         if p.kind != "trainable":
             continue

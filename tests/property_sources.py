@@ -117,24 +117,26 @@ def dtype_of(model: Model, key) -> str:
 def source_catalog(model: Model, values: dict, root: str):
     """THE hand-built Catalog: each logical tensor one raw file, one fragment (tp=pp=dp=1). A pipeline model
     also gets what the DeepSpeed reader records of layer files (which layer holds which param)."""
-    from reshard.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+    from reshard.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+    from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.formats.torchzip import Storage
     from reshard.layout import Layout
 
     src = os.path.join(root, "src", "global_step7")
     os.makedirs(src)
     catalog = Catalog(root=src, format="deepspeed",
-                      layout=Layout(dp=1, zero=1, dtype=model.lp, states=list(model.states),
-                                    options=dict(model.options)))
+                      layout=Layout(dp=1, zero=1, dtype=model.lp, options=dict(model.options)))
     zero_cfg = {"stage": 1, **model.options}
     precision = {"bfloat16": {"bf16": {"enabled": True}}, "float16": {"fp16": {"enabled": True}}}.get(model.lp, {})
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_cfg, **precision}
     if model.tensor_parallel is not None:
         config["tensor_parallel"] = dict(model.tensor_parallel)
-    catalog.state.update(ds_config=config, ds_version="0.19.8", tag="global_step7", global_steps=7,
-                         global_samples=7, skipped_steps=0)
-    if model.rules:
-        catalog.state["tp_rules"] = model.rules
+    catalog.tag, catalog.training = "global_step7", TrainingState(global_steps=7, global_samples=7, skipped_steps=0)
+    layers = {} if model.layers is None else {
+        "pipe_layer_files": {i: list(entries) for i, entries in enumerate(model.layers)},
+        "layers": {name: (i, key) for i, entries in enumerate(model.layers) for key, name in entries},
+        "stages": {p.name: [0] for p in model.trainable()}}
+    catalog.notes = DeepSpeedNotes(ds_config=config, ds_version="0.19.8", tp_rules=model.rules or None, **layers)
     for g, members in enumerate(model.groups):
         catalog.param_groups.append({"lr": 0.1 * (g + 1), "weight_decay": 0.0, "params": list(members)})
         catalog.group_scalars.append({"step": ScalarTensor(7.0, "float32")})
@@ -150,10 +152,6 @@ def source_catalog(model: Model, values: dict, root: str):
             f.write(raw)
         tensor = catalog.add(LogicalTensor(key[0], key[1], tuple(value.shape), dtype))
         tensor.fragments.append(Fragment(0, value.size, Storage(path, 0, len(raw), dtype), 0))
-    if model.layers is not None:
-        catalog.state["pipe_layer_files"] = {i: list(entries) for i, entries in enumerate(model.layers)}
-        catalog.layers = {name: (i, key) for i, entries in enumerate(model.layers) for key, name in entries}
-        catalog.stages = {p.name: [0] for p in model.trainable()}
     return catalog
 
 

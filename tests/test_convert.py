@@ -35,7 +35,7 @@ def test_every_fixture_converts_to_a_complete_checkpoint(fixture_name, dp, tmp_p
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     assert out.layout.dp == dp and out.layout.zero == source.layout.zero
-    assert out.layout.step == source.layout.step and out.state["global_steps"] == source.state["global_steps"]
+    assert out.contents().step == source.contents().step and out.training.global_steps == source.training.global_steps
     _assert_same_tensors(source, out)
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
 
@@ -187,7 +187,7 @@ def test_workers_descriptor_and_tag_out(tmp_path):
     run_cli("convert", src, tmp_path / "renamed", "--to", "dp=1", "--tag-out", "resharded", "--quiet",
             "--memory-budget", "1MiB", check=0)
     assert (tmp_path / "renamed" / "latest").read_text().strip() == "resharded"
-    assert reshard.open_checkpoint(tmp_path / "renamed").state["tag"] == "resharded"
+    assert reshard.open_checkpoint(tmp_path / "renamed").tag == "resharded"
     assert run_cli("convert", src, tmp_path / "x", "--to", "dp=2", "--memory-budget", "lots").returncode == 2
 
 

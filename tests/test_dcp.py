@@ -104,7 +104,7 @@ def saved(tmp_path_factory):
 def test_reads_a_real_dcp_save(variant, tmp_path):
     path, msd, osd = _real_save(tmp_path / variant, variant)
     catalog = reshard.open_checkpoint(path)
-    assert catalog.format == "dcp" and catalog.layout.optimizer == "AdamW" and catalog.layout.step == 2
+    assert catalog.format == "dcp" and catalog.contents().optimizer == "AdamW" and catalog.contents().step == 2
     assert reshard.validate(catalog).ok
     assert catalog.order == list(msd)
     for name, value in msd.items():

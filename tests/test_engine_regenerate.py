@@ -29,7 +29,7 @@ def test_regenerated_fixture_reads_bit_exactly(regenerated, name):
     meta = json.loads((regenerated / name / "truth.json").read_text())
     catalog = reshard.open_checkpoint(regenerated / name / "checkpoint")
     assert reshard.validate(catalog, deep=True).ok
-    assert catalog.layout.step == meta["step"] and catalog.state["global_steps"] == meta["global_steps"]
+    assert catalog.contents().step == meta["step"] and catalog.training.global_steps == meta["global_steps"]
     for key, expected in truth.items():
         state, param = key.split("/", 1)
         if (param, state) not in catalog.tensors and meta["zero_stage"] == 3:

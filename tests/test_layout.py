@@ -10,12 +10,13 @@ from conftest import FIXTURES, REPO, fixture_dir, run_cli, truth_json
 
 
 def test_detected_layout_round_trips_through_a_descriptor(fixture_name, tmp_path):
-    layout = reshard.open_checkpoint(fixture_dir(fixture_name)).layout
+    catalog = reshard.open_checkpoint(fixture_dir(fixture_name))
+    layout = catalog.layout
     meta = truth_json(fixture_name)
     assert (layout.dp, layout.tp, layout.pp, layout.zero) == (meta["world_size"], 1, 1, meta["zero_stage"])
-    assert layout.optimizer == meta["optimizer_class"]      # what DeepSpeed built for its config's type
+    assert catalog.contents().optimizer == meta["optimizer_class"]      # what DeepSpeed built for its config's type
     n_trainable = len(meta["trainable"])
-    assert layout.params == n_trainable + len(meta["frozen"])
+    assert catalog.contents().params == n_trainable + len(meta["frozen"])
     path = tmp_path / "layout.json"
     layout.save(path)
     assert Layout.load(path) == layout
@@ -23,9 +24,9 @@ def test_detected_layout_round_trips_through_a_descriptor(fixture_name, tmp_path
 
 
 def test_spec_changes_only_named_degrees():
-    base = Layout(dp=8, zero=3, dtype="bfloat16", optimizer="Adam", states=["exp_avg", "exp_avg_sq"])
+    base = Layout(dp=8, zero=3, dtype="bfloat16", options={"sub_group_size": 40})
     target = base.with_spec("dp=4")
-    assert (target.dp, target.zero, target.dtype, target.states) == (4, 3, "bfloat16", base.states)
+    assert (target.dp, target.zero, target.dtype, target.options) == (4, 3, "bfloat16", base.options)
     assert base.with_spec("dp=2, zero=1,tp=2").topology() == "dp=2,tp=2,pp=1,zero=1"
     for bad in ("dp=0", "dp=x", "zero=5", "gpus=2", "dp"):
         with pytest.raises(ReshardError):
@@ -41,6 +42,18 @@ def test_bad_descriptors_are_refused(tmp_path):
         with pytest.raises(ReshardError) as err:
             Layout.load(path)
         assert str(path) in str(err.value)
+
+
+def test_descriptors_saved_with_content_facts_still_load(tmp_path):
+    """Descriptors saved while Layout also held optimizer, states, params, elements and step (facts of a
+    checkpoint, now Catalog.contents) load as the topology they name; other unknown keys are still refused."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**Layout(dp=2, zero=1).to_dict(), "optimizer": "Adam", "states": ["exp_avg"],
+                                "params": 3, "elements": 10, "step": 4}))
+    assert Layout.load(path) == Layout(dp=2, zero=1)
+    path.write_text(json.dumps({**Layout(dp=2, zero=1).to_dict(), "step": 4, "colour": "red"}))
+    with pytest.raises(ReshardError, match="unknown layout keys colour"):
+        Layout.load(path)
 
 
 @pytest.mark.parametrize("descriptor,fixture", [("dp4-zero3", "z2_bf16_dp2"), ("tp1-dp4-zero1", "autotp2_z1_fp32_dp2"),

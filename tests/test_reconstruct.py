@@ -46,13 +46,13 @@ def test_scalars_hyper_parameters_and_training_state(fixture_name):
     meta = truth_json(fixture_name)
     layout = catalog.layout
     assert layout.dp == meta["world_size"] and layout.zero == meta["zero_stage"]
-    assert layout.step == meta["step"]
-    assert sorted(layout.states) == sorted(meta["state_names"])
-    assert catalog.state["global_steps"] == meta["global_steps"]
-    assert catalog.state["global_samples"] == meta["global_samples"]
-    assert catalog.state["skipped_steps"] == meta["skipped_steps"]
-    assert catalog.state["client_state"] == meta["client_state"]
-    assert catalog.state["lr_scheduler"] == meta["lr_scheduler"]
+    assert catalog.contents().step == meta["step"]
+    assert sorted(catalog.contents().states) == sorted(meta["state_names"])
+    assert catalog.training.global_steps == meta["global_steps"]
+    assert catalog.training.global_samples == meta["global_samples"]
+    assert catalog.training.skipped_steps == meta["skipped_steps"]
+    assert catalog.notes.client_state == meta["client_state"]
+    assert catalog.training.lr_scheduler == meta["lr_scheduler"]
     assert catalog.aliases == meta["tied"]
     kinds = {p.name: p.kind for p in catalog.params.values()}
     assert sorted(n for n, k in kinds.items() if k == "trainable") == sorted(meta["trainable"])

@@ -137,8 +137,8 @@ def test_lightning_ckpt_inspect_validate_export(lightning_run):
     assert (info["format"], info["optimizer"], info["step"], info["global_steps"]) == ("lightning", "AdamW", 3, 3)
     assert info["aliases"] == {"net.head.weight": "net.emb.weight"} and info["buffers"] == 1
     catalog = reshard.open_checkpoint(path)
-    assert catalog.state["lr_schedulers"][0]["last_epoch"] == saved["lr_schedulers"][0]["last_epoch"]
-    assert catalog.state["lightning"]["epoch"] == saved["epoch"] and "callbacks" in catalog.state["lightning"]
+    assert catalog.notes.lr_schedulers[0]["last_epoch"] == saved["lr_schedulers"][0]["last_epoch"]
+    assert catalog.notes.lightning["epoch"] == saved["epoch"] and "callbacks" in catalog.notes.lightning
     assert reshard.validate(catalog).ok
     export_equals(path, tmp / "export.safetensors", saved["state_dict"], {"net.head.weight": "net.emb.weight"})
 
@@ -174,8 +174,8 @@ def test_hf_trainer_folder_inspect_validate_export(hf_run):
     catalog = reshard.open_checkpoint(folder)
     # the mapping equals the Trainer's own grouping, made by transformers from the live model
     assert [g["params"] for g in catalog.param_groups] == [g["names"] for g in sm.trainer_param_groups(model, 0)]
-    assert {"training_args.bin", "rng_state.pth"} <= set(catalog.state["opaque_files"])
-    assert catalog.state["lr_scheduler"]["last_epoch"] == 3
+    assert {"training_args.bin", "rng_state.pth"} <= set(catalog.notes.opaque_files)
+    assert catalog.training.lr_scheduler["last_epoch"] == 3
     assert reshard.validate(catalog).ok
     export_equals(folder, tmp / "export.safetensors", model.state_dict(), {"lm_head.weight": "transformer.wte.weight"})
 

@@ -66,7 +66,7 @@ def test_full_tensors_equal_the_engine_truth(name):
     meta = truth_json(name)
     assert catalog.layout.world_size == meta["world_size"] and catalog.layout.zero == meta["zero_stage"]
     assert (catalog.layout.tp, catalog.layout.pp) == _degrees(name)
-    assert catalog.layout.step == meta["step"] and catalog.state["global_steps"] == meta["global_steps"]
+    assert catalog.contents().step == meta["step"] and catalog.training.global_steps == meta["global_steps"]
     assert sorted(p for p, i in catalog.params.items() if i.kind == "trainable") == sorted(meta["trainable"])
     _assert_equals_truth(catalog, name)
     report = reshard.validate(catalog)
@@ -88,7 +88,7 @@ def test_pipeline_names_are_the_pipeline_modules_and_the_tied_weight_appears_onc
 
 def test_uneven_heads_are_read_as_saved():
     catalog = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_uneven_dp2"))
-    split = catalog.tp_splits["model.layers.0.self_attn.k_proj.weight"]   # 3 kv heads over 2 ranks: 2 + 1
+    split = catalog.notes.tp_splits["model.layers.0.self_attn.k_proj.weight"]   # 3 kv heads over 2 ranks: 2 + 1
     assert split.full_shape == (12, 24) and [p.shape for r in (0, 1) for p in split.pieces[r]] == [(8, 24), (4, 24)]
 
 

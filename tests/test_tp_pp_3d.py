@@ -48,7 +48,8 @@ def test_the_3d_save_holds_deepspeeds_file_names():
     catalog = _open(fixture_dir(NAME))
     assert (catalog.layout.tp, catalog.layout.pp, catalog.layout.dp) == (2, 2, 2)
     # mp rank = stage * tp + tp rank: stage 1's TP rank 1 (mp_rank_03) trains the final norm, stage 0 does not
-    assert catalog.stages["4.final_layernorm.weight"] == [1] and catalog.stages["2.mlp.dense_h_to_4h.weight"] == [0]
+    stages = catalog.notes.stages
+    assert stages["4.final_layernorm.weight"] == [1] and stages["2.mlp.dense_h_to_4h.weight"] == [0]
 
 
 @pytest.mark.parametrize("to", TARGETS)

@@ -62,7 +62,7 @@ def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
     assert (out.layout.tp, out.layout.dp, out.layout.zero) == (target.tp, target.dp, target.zero)
     _assert_same_tensors(source, out)
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
-    assert out.state["global_steps"] == source.state["global_steps"]
+    assert out.training.global_steps == source.training.global_steps
     first = "zero_pp_rank_0_mp_rank_00_model_states.pt" if target.zero == 3 else "mp_rank_00_model_states.pt"
     model0 = torchzip.load(tag_dir(tmp_path / "out") / first)
     assert model0["mp_world_size"] == target.tp
@@ -132,8 +132,8 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     for layer in (1, 2, 3):
         expected = 0 if target.pp == 1 else \
             {2: [0, 0, 1], 4: [0, 1, 2], 5: [1, 2, 3]}[target.pp][layer - 1]
-        assert out.stages[f"{layer}.fc.weight" if layer != 2 else "2.weight"] == [expected]
-    assert out.stages["tied_modules.emb.weight"] == sorted({0, target.pp - 1})
+        assert out.notes.stages[f"{layer}.fc.weight" if layer != 2 else "2.weight"] == [expected]
+    assert out.notes.stages["tied_modules.emb.weight"] == sorted({0, target.pp - 1})
     tag = tag_dir(tmp_path / "out")
     assert sorted(n for n in os.listdir(tag) if n.startswith("layer_")) == \
         [f"layer_{i:02d}-model_states.pt" for i in range(5)]
@@ -154,12 +154,12 @@ def test_pipeline_partition_by_parameters_when_named(tmp_path):
     """The fixture's 5 layers weigh [348, 262, 24, 162, 348] trainable elements: DeepSpeed's 'parameters'
     partition at pp=2 is [0, 2, 5] (uniform: [0, 3, 5]), so layer 2 moves to the second stage."""
     out = _convert(fixture_dir(PIPE), tmp_path / "out", "pp=2,dp=1,partition=parameters")
-    assert out.stages["1.fc.weight"] == [0] and out.stages["2.weight"] == [1] and out.stages["3.fc.weight"] == [1]
-    assert out.stages["tied_modules.emb.weight"] == [0, 1]
+    assert out.notes.stages["1.fc.weight"] == [0] and out.notes.stages["2.weight"] == [1] and out.notes.stages["3.fc.weight"] == [1]
+    assert out.notes.stages["tied_modules.emb.weight"] == [0, 1]
     back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
     _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
                        _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
-    assert back.stages == reshard.open_checkpoint(fixture_dir(PIPE)).stages
+    assert back.notes.stages == reshard.open_checkpoint(fixture_dir(PIPE)).notes.stages
 
 
 def test_pipeline_stage_boundaries_follow_deepspeeds_partition():
@@ -210,18 +210,18 @@ def test_pipeline_partition_by_type_when_named(tmp_path):
     """type:embed weighs the two tied Embed layers only: at pp=2 DeepSpeed cuts [0, 4, 5] (uniform [0, 3, 5],
     parameters [0, 2, 5]), so the last stage holds the output Embed alone."""
     out = _convert(fixture_dir(PIPE), tmp_path / "out", f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")
-    assert out.stages["3.fc.weight"] == [0] and out.stages["tied_modules.emb.weight"] == [0, 1]
+    assert out.notes.stages["3.fc.weight"] == [0] and out.notes.stages["tied_modules.emb.weight"] == [0, 1]
     assert reshard.validate(out, deep=True).ok
     back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
     _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
                        _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
-    assert back.stages == reshard.open_checkpoint(fixture_dir(PIPE)).stages
+    assert back.notes.stages == reshard.open_checkpoint(fixture_dir(PIPE)).notes.stages
     # a layout descriptor names them too (options.partition_method, options.layer_types)
     descriptor = tmp_path / "layout.json"
     descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 1, "pp": 2, "options": {
         "partition_method": "type:embed", "layer_types": PIPE_TYPES.split("/")}}))
     by_file = _convert(fixture_dir(PIPE), tmp_path / "by_file", str(descriptor))
-    assert by_file.stages == out.stages
+    assert by_file.notes.stages == out.notes.stages
     pipe = reshard.open_checkpoint(fixture_dir(PIPE))
     for to, words in [("pp=2,partition=type:Block", "add layer_types="),
                       ("pp=2,partition=type:Conv,layer_types=" + PIPE_TYPES, "finds no layer"),
@@ -288,10 +288,10 @@ def test_every_stage_using_the_tied_head_trains_the_tied_weight(pp, tmp_path):
     out = reshard.open_checkpoint(tmp_path / "out")
     assert reshard.validate(out, deep=True).ok
     _assert_same_tensors(source, out)
-    assert out.stages["tied_modules.emb.weight"] == [0, pp - 1]
+    assert out.notes.stages["tied_modules.emb.weight"] == [0, pp - 1]
     for layer in range(1, 6):
         stage = next(s for s in range(pp) if parts[s] <= layer < parts[s + 1])
-        assert out.stages[f"{layer}.fc.weight" if layer < 5 else "5.weight"] == [stage]
+        assert out.notes.stages[f"{layer}.fc.weight" if layer < 5 else "5.weight"] == [stage]
     counts = _tied_head_counts()
     last = torchzip.load(tag_dir(tmp_path / "out") / f"zero_pp_rank_0_mp_rank_{pp - 1:02d}_optim_states.pt")
     flat = last["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
@@ -321,7 +321,7 @@ def test_the_default_partition_is_deepspeeds_and_the_plan_says_when_the_source_c
     assert f"stages   'parameters' partition: {_ranges(parameters)}" in proc.stdout.splitlines()
     assert [line for line in proc.stderr.splitlines() if "note" in line] == [f"reshard: note: {summary['ambiguous']}"]
     out = reshard.open_checkpoint(tmp_path / "out")
-    assert out.stages["1.fc.weight"] == [1] and out.stages["4.fc.weight"] == [2] and out.stages["5.weight"] == [3]
+    assert out.notes.stages["1.fc.weight"] == [1] and out.notes.stages["4.fc.weight"] == [2] and out.notes.stages["5.weight"] == [3]
     # partition=uniform decides it: DeepSpeed's uniform cut, nothing ambiguous
     summary = json.loads(run_cli("plan", src, "--to", "pp=4,dp=1,partition=uniform", "--json").stdout)["partition"]
     assert summary == {"method": "uniform", "stages": [list(r) for r in zip(uniform, uniform[1:])], "ambiguous": None}

@@ -134,7 +134,7 @@ def _assert_catalog_is_truth(catalog, name):
     plain = [json.loads(json.dumps({k: v for k, v in g.items() if k != "params"})) for g in catalog.param_groups]
     # DeepSpeed's elastic files hold no hyper-parameters; the resuming engine keeps its configured ones
     assert plain == hyper or (meta["ds_config"]["zero_optimization"].get("elastic_checkpoint") and plain == [{}])
-    assert catalog.layout.step == meta["step"]
+    assert catalog.contents().step == meta["step"]
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

@@ -144,7 +144,8 @@ def make_synthetic(args):
     import numpy as np
 
     import deepspeed
-    from reshard.catalog import MASTER, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+    from reshard.catalog import MASTER, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+    from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.executor import execute
     from reshard.formats import standins, writer
     from reshard.formats.torchzip import Storage
@@ -160,14 +161,13 @@ def make_synthetic(args):
     states = ["exp_avg", "exp_avg_sq"]
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     catalog = Catalog(root=os.path.dirname(block), format="deepspeed",
-                      layout=Layout(dp=args.dp, zero=args.stage, dtype=dtype, states=states,
+                      layout=Layout(dp=args.dp, zero=args.stage, dtype=dtype,
                                     options={"sub_group_size": 1_000_000_000}))
     scaler = standins.LossScaler()
     scaler.__dict__.update(cur_scale=1.0, dynamic=False)
-    catalog.state.update(ds_config=engine_config(args.stage, args.dtype), ds_version=deepspeed.__version__,
-                         global_steps=1, global_samples=args.dp, skipped_steps=0, lr_scheduler=None,
-                         data_sampler=None, random_ltd=None, loss_scaler=scaler, dynamic_loss_scale=False,
-                         overflow=False, clip_grad=0.0)
+    catalog.training = TrainingState(global_steps=1, global_samples=args.dp, skipped_steps=0)
+    catalog.notes = DeepSpeedNotes(ds_config=engine_config(args.stage, args.dtype), ds_version=deepspeed.__version__,
+                                   loss_scaler=scaler)
     names = [f"{i}.weight" for i in range(layers)]
     storage = Storage(block, 0, HIDDEN * HIDDEN * 4, "float32")
     for name in names:

@@ -16,14 +16,8 @@ import os
 import struct
 import zipfile
 
-from reshard.catalog import (
-    MASTER,
-    MODULE,
-    Catalog,
-    LogicalTensor,
-    ParamInfo,
-    ScalarTensor,
-)
+from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.executor import constant
 from reshard.formats import standins, writer
 from reshard.formats.torchsave import ALIGNMENT
@@ -56,10 +50,10 @@ def source_catalog(root: str, layers: int) -> Catalog:
               "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
               "pipeline": {"activation_checkpoint_interval": 1}}
     catalog = Catalog(root=root, format="deepspeed",
-                      layout=Layout(dp=1, zero=1, dtype="bfloat16", optimizer="AdamW", states=STATES, step=1))
+                      layout=Layout(dp=1, zero=1, dtype="bfloat16"))
     scaler = standins.LossScaler()
     scaler.__dict__.update(cur_scale=1.0, dynamic=False)
-    layer_files = {}
+    layer_files, layer_of, stages = {}, {}, {}
     for index, entries in llama70b_layers(layers):
         layer_files[index] = []
         for key, shape in entries:
@@ -67,15 +61,16 @@ def source_catalog(root: str, layers: int) -> Catalog:
             layer_files[index].append((key, name))
             catalog.params[name] = ParamInfo(name, shape, "trainable", 0)
             catalog.order.append(name)
-            catalog.layers[name] = (index, key)
-            catalog.stages[name] = [0]
+            layer_of[name] = (index, key)
+            stages[name] = [0]
             catalog.add(LogicalTensor(name, MODULE, shape, "bfloat16"))
             for state in [MASTER, *STATES]:
                 catalog.add(LogicalTensor(name, state, shape, "float32"))
-    catalog.state.update(ds_config=config, ds_version=deepspeed.__version__, global_steps=1, global_samples=16,
-                         skipped_steps=0, lr_scheduler=None, data_sampler=None, random_ltd=None,
-                         loss_scaler=scaler, dynamic_loss_scale=False, overflow=False, clip_grad=1.0,
-                         pipe_layer_files=layer_files, tp_rules=RULES)
+    catalog.tag = TAG
+    catalog.training = TrainingState(global_steps=1, global_samples=16, skipped_steps=0, optimizer="AdamW")
+    catalog.notes = DeepSpeedNotes(ds_config=config, ds_version=deepspeed.__version__, loss_scaler=scaler,
+                                   dynamic_loss_scale=False, overflow=False, clip_grad=1.0, tp_rules=RULES,
+                                   layers=layer_of, stages=stages, pipe_layer_files=layer_files)
     hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
              "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
              "decoupled_weight_decay": True}

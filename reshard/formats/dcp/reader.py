@@ -10,7 +10,8 @@ holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`
   optim.state.<fqn>.step                -> group_scalars[group]["step"], each param's own (PerParamScalar)
   optim.param_groups.<g>.<hyper|params> -> param_groups  (default get_state_dict)
   optim.param_groups.<fqn>.<hyper>      -> param_groups  (flatten_optimizer_state_dict=True)
-  reshard.<optimizer|counter>           -> layout.optimizer, state (what reshard's DCP writer carries)
+  reshard.<optimizer|counter>           -> catalog.training (what reshard's DCP writer carries)
+  any other key                         -> DcpNotes.other_keys (carried by no writer yet)
 
 DCP does not record which model entries are buffers, frozen params or tied names. An entry the
 optimizer does not name is taken for a frozen param when it is floating and either sharded
@@ -19,11 +20,10 @@ or saved by a single rank; otherwise for a buffer. A tied name looks like a froz
 """
 from __future__ import annotations
 
-import math
 import os
+from dataclasses import dataclass
 
-from reshard import optimizers
-from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo
+from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, TrainingState
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
@@ -34,6 +34,15 @@ from reshard.layout import Layout
 OPTIM_PREFIXES = ("optim.", "optimizer.")
 FORMAT = "DCP"
 OPTIONS = NoOptions       # one directory is one checkpoint: no tag
+
+
+@dataclass(frozen=True)
+class DcpNotes:
+    """What a DCP directory holds that no writer carries: the keys neither model nor optimizer."""
+    other_keys: tuple = ()
+
+    def param_details(self, name: str) -> dict:
+        return {}
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -101,7 +110,7 @@ def read(path: str, options: NoOptions) -> Catalog:
             chunks.tensor(key, entry, fqn, state)
     catalog.files = chunks.files()
     _finish(catalog, world, carried)
-    catalog.state["dcp_other_keys"] = other     # not model, not optimizer: carried by no writer yet
+    catalog.notes = DcpNotes(tuple(other))
     return catalog
 
 
@@ -182,18 +191,9 @@ def _carried(values: dict, chunks, meta_path) -> dict:
 
 
 def _finish(catalog: Catalog, world: int, carried: dict) -> None:
-    states = catalog.optimizer_states()
-    steps = catalog.scalar_values("step")
-    step = steps.pop() if len(steps) == 1 else None
-    step = int(step) if step is not None and float(step).is_integer() else None
     dtype, master_dtype = catalog.weight_dtypes()
-    catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype,
-                            optimizer=carried.get("optimizer") or optimizers.kind(states, catalog.param_groups),
-                            states=states,
-                            params=sum(p.kind != "buffer" for p in catalog.params.values()),
-                            elements=sum(math.prod(p.shape) for p in catalog.params.values() if p.kind != "buffer"),
-                            step=step)
-    catalog.state["tag"] = f"global_step{step}" if step is not None else "dcp"
-    if step is not None:
-        catalog.state["global_steps"] = step
-    catalog.state.update({k: v for k, v in carried.items() if k != "optimizer"})   # the source's own counters
+    catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype)
+    step = catalog.contents().step
+    catalog.tag = f"global_step{step}" if step is not None else "dcp"
+    # the source's own counters where reshard carried them, else the optimizer's step
+    catalog.training = TrainingState(**{"global_steps": step, **carried})

@@ -133,7 +133,7 @@ def _values(catalog: Catalog):
                 yield f"{OPTIM}.param_groups.{g}.{hyper}", (OPTIM, "param_groups", g, hyper), value
         yield f"{OPTIM}.param_groups.{g}.params", (OPTIM, "param_groups", g, "params"), list(group["params"])
     for key, kind in CARRIED.items():
-        value = catalog.layout.optimizer if key == "optimizer" else catalog.state.get(key)
+        value = catalog.contents().optimizer if key == "optimizer" else getattr(catalog.training, key)
         if isinstance(value, kind) and not isinstance(value, bool) and value != "":
             yield f"{CARRIED_PREFIX}.{key}", (CARRIED_PREFIX, key), value
 

@@ -14,10 +14,10 @@ Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 ch
 """
 from __future__ import annotations
 
-import math
 import os
+from dataclasses import replace
 
-from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
+from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
 from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
@@ -46,28 +46,27 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
                                        "PipelineModule layer files are not supported")
     if tp * pp != mp:
         raise ReshardError.at(tag_dir, f"mp_world_size={mp} but the saved degrees are tp={tp}, pp={pp}")
-    locals_, problems, files = _read_ranks(tag_dir, tag, listing, mp, model0)
+    locals_, models, problems, files = _read_ranks(tag_dir, tag, listing, mp, model0)
     if pipeline and tp > 1:
-        catalog = _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules)
+        catalog = _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules)
     elif pipeline:
-        catalog = _merge_stages(tag_dir, listing, locals_)
+        catalog = _merge_stages(tag_dir, listing, locals_, models)
     else:
-        geometry = _geometry(tag_dir, locals_, layout_rules)
-        catalog = _merge_tp(tag_dir, locals_, geometry, tp)
+        geometry = _geometry(tag_dir, _first(models), layout_rules)
+        catalog = _merge_tp(tag_dir, locals_, _first(models), geometry, tp)
     catalog.problems[:0] = problems
     catalog.files[:0] = files
     # what each mp rank's model states add to the training state, for writers at the same degree
-    catalog.state["mp_rank_extra"] = {rank: {k: local.state["_model_states"][k] for k in MP_RANK_KEYS
-                                             if k in local.state["_model_states"]}
-                                      for rank, local in locals_.items() if local is not None}
+    catalog.notes = replace(catalog.notes, mp_rank_extra={rank: {k: model[k] for k in MP_RANK_KEYS if k in model}
+                                                          for rank, model in models.items()})
     catalog.layout.tp, catalog.layout.pp = tp, pp
-    _fill_layout(catalog)
     return catalog
 
 
 def _read_ranks(tag_dir, tag, listing, mp, model0):
-    """mp rank -> its local Catalog (None when its model-states file is missing or unreadable)."""
-    locals_, problems, files = {}, [], []
+    """(mp rank -> its local Catalog, None when its model-states file is missing or unreadable; mp rank -> that
+    file's state dict, for the ranks read)."""
+    locals_, models, problems, files = {}, {}, [], []
     for rank in range(mp):
         name = names.model_states_name(rank)
         path = os.path.join(tag_dir, name)
@@ -99,10 +98,10 @@ def _read_ranks(tag_dir, tag, listing, mp, model0):
             problems.append(str(e))
             locals_[rank] = None
             continue
-        locals_[rank].state["_model_states"] = model
+        models[rank] = model
     if all(c is None for c in locals_.values()):
         raise ReshardError(problems[0] if problems else f"{tag_dir}: no model-parallel rank's files could be read")
-    return locals_, problems, files
+    return locals_, models, problems, files
 
 
 def _first(locals_):
@@ -110,9 +109,8 @@ def _first(locals_):
 
 
 def _new_catalog(tag_dir, base: Catalog) -> Catalog:
-    catalog = Catalog(root=tag_dir, format="deepspeed", layout=base.layout)
-    catalog.state = {k: v for k, v in base.state.items() if not k.startswith("_")}
-    return catalog
+    return Catalog(root=tag_dir, format="deepspeed", layout=base.layout, tag=base.tag, training=base.training,
+                   notes=base.notes)
 
 
 def _gather_files_and_problems(catalog, locals_):
@@ -137,8 +135,7 @@ def _check_scalars(catalog, locals_, what):
 
 # ------------------------------------------------------------------------------------------ tensor parallel
 
-def _geometry(tag_dir, locals_, layout_rules) -> Geometry:
-    model = _first(locals_).state["_model_states"]
+def _geometry(tag_dir, model, layout_rules) -> Geometry:
     info = model.get("universal_checkpoint_info")
     if isinstance(info, dict) and (info.get("affine_map") or any(k.endswith("_patterns") for k in info)):
         return Geometry.from_checkpoint(info, os.path.join(tag_dir, names.model_states_name(0)))
@@ -148,18 +145,18 @@ def _geometry(tag_dir, locals_, layout_rules) -> Geometry:
                                    "parameter was cut is unknown; give it with --layout-rules FILE (see layouts/)")
 
 
-def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
+def _merge_tp(tag_dir, locals_, model0, geometry, tp) -> Catalog:
+    """`model0`: the model states of the first rank in `locals_`."""
     base = _first(locals_)
     catalog = _new_catalog(tag_dir, base)
     _gather_files_and_problems(catalog, locals_)
-    model0 = base.state["_model_states"]
     catalog.aliases = dict(model0.get("shared_params") or {})
     # every rank but the first saves an empty shared_params: the aliases of the first hold for all
     catalog.order = list(base.order)
     catalog.param_groups = [dict(g) for g in base.param_groups]
     catalog.group_scalars = [dict(s) for s in base.group_scalars]
     _check_scalars(catalog, locals_, "tensor-parallel rank")
-    states = base.states()
+    states, splits = base.states(), {}
     with MappedFiles() as files:
         for name, info in base.params.items():
             if name in catalog.aliases:
@@ -171,11 +168,12 @@ def _merge_tp(tag_dir, locals_, geometry, tp) -> Catalog:
             else:
                 split = geometry.split(name, shard_shapes, tp)
             catalog.params[name] = ParamInfo(name, split.full_shape, info.kind, info.group)
-            catalog.tp_splits[name] = split
+            splits[name] = split
             shards = {rank: {held: split.shard(rank, shape, held) for held in ("primary", "copies")}
                       for rank, shape in shard_shapes.items()}
             for state in [s for s in states if (name, s) in base.tensors]:
                 _merge_tensor(catalog, locals_, name, state, split, shard_shapes, shards, files)
+    catalog.notes = replace(catalog.notes, tp_splits=splits)
     return catalog
 
 
@@ -248,34 +246,34 @@ def _file_of(tensor, local):
 
 # ------------------------------------------------------------------------------- tensor and pipeline parallel
 
-def _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules) -> Catalog:
+def _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules) -> Catalog:
     """tp > 1 and pp > 1: mp rank r is stage r // tp, TP rank r % tp (DeepSpeed's PipelineParallelGrid orders
     the model-parallel group pipe-major). Each TP rank's stages are merged as a pipeline, with the layer files
     `layer_XX-model_{t:02d}-model_states.pt`, into a catalog of that rank's local tensors under the
     PipelineModule names; those are then put together like the TP ranks of a plain tensor-parallel save."""
-    geometry = _geometry(tag_dir, locals_, layout_rules)
-    per_rank = {}
+    geometry = _geometry(tag_dir, _first(models), layout_rules)
+    per_rank, per_rank_model = {}, {}
     for t in range(tp):
         stages = {s: locals_[s * tp + t] for s in range(pp)}
         if all(c is None for c in stages.values()):
             per_rank[t] = None
             continue
-        merged = _merge_stages(tag_dir, listing, stages, model=t)
-        merged.state["_model_states"] = _first(stages).state["_model_states"]
-        per_rank[t] = merged
-    catalog = _merge_tp(tag_dir, per_rank, geometry, tp)
-    base = _first(per_rank)
-    catalog.stages, catalog.layers = dict(base.stages), dict(base.layers)
+        stage_models = {s: models[s * tp + t] for s in range(pp) if s * tp + t in models}
+        per_rank[t] = _merge_stages(tag_dir, listing, stages, stage_models, model=t)
+        per_rank_model[t] = _first(stage_models)
+    # the first TP rank's notes (its stages, layers and layer files: alike on every rank) are the catalog's
+    catalog = _merge_tp(tag_dir, per_rank, _first(per_rank_model), geometry, tp)
+    splits = catalog.notes.tp_splits
     # tied copies (another stage's, a later layer file's) were found per TP rank in shard elements: re-address
     # them to full-tensor elements like the rank's own tensors, so that `validate --deep` compares the big ones
     for t, merged in sorted(per_rank.items()):
         for replica in merged.replicas if merged is not None else []:
             name, state = replica.copy.name, replica.copy.state
             full = catalog.tensors.get((name, state))
-            if full is None or name not in catalog.tp_splits:
+            if full is None or name not in splits:
                 continue
             copy = LogicalTensor(name, state, full.shape, full.dtype)
-            copy.fragments = _on_shard(replica.copy.fragments, catalog.tp_splits[name].shard(t, replica.copy.shape))
+            copy.fragments = _on_shard(replica.copy.fragments, splits[name].shard(t, replica.copy.shape))
             catalog.replicas.append(Replica(copy, f"{replica.holder} (tensor-parallel rank {t})",
                                             f"{replica.first}", replica.checked))
     return catalog
@@ -283,13 +281,14 @@ def _merge_3d(tag_dir, listing, locals_, tp, pp, layout_rules) -> Catalog:
 
 # ---------------------------------------------------------------------------------------- pipeline parallel
 
-def _merge_stages(tag_dir, listing, locals_, model: int | None = None) -> Catalog:
+def _merge_stages(tag_dir, listing, locals_, models, model: int | None = None) -> Catalog:
     base = _first(locals_)
     catalog = _new_catalog(tag_dir, base)
     _gather_files_and_problems(catalog, locals_)
     catalog.group_scalars = [dict(s) for s in base.group_scalars]
     _check_scalars(catalog, locals_, "pipeline stage")
     holder = {}                                      # param name -> the stage whose copy is used
+    stages = {}                                      # param name -> the stages whose optimizer trains it
     with MappedFiles() as files:
         for stage, local in sorted(locals_.items()):
             if local is None:
@@ -300,7 +299,7 @@ def _merge_stages(tag_dir, listing, locals_, model: int | None = None) -> Catalo
                 catalog.param_groups[g]["params"] += [n for n in group["params"] if n not in holder]
             for name, info in local.params.items():
                 if info.kind == "trainable":
-                    catalog.stages.setdefault(name, []).append(stage)
+                    stages.setdefault(name, []).append(stage)
                 if name in holder:
                     _check_tied(catalog, locals_, holder[name], stage, name, files)
                     continue
@@ -309,7 +308,8 @@ def _merge_stages(tag_dir, listing, locals_, model: int | None = None) -> Catalo
                 for key, tensor in local.tensors.items():
                     if key[0] == name:
                         catalog.tensors[key] = tensor
-        _read_layers(catalog, tag_dir, listing, locals_, files, model)
+        layers, layer_files = _read_layers(catalog, tag_dir, listing, models, files, model)
+    catalog.notes = replace(catalog.notes, stages=stages, layers=layers, pipe_layer_files=layer_files)
     return catalog
 
 
@@ -325,14 +325,13 @@ def _check_tied(catalog, locals_, first, stage, name, files):
         _replica(catalog, ta, tb, f"pipeline stage {stage}", f"stage {first}", files)
 
 
-def _read_layers(catalog, tag_dir, listing, locals_, files, model=None):
+def _read_layers(catalog, tag_dir, listing, models, files, model=None) -> tuple:
     """Module weights and buffers from the layer files, under the PipelineModule's names (with tensor
-    parallelism, `model` is the TP rank whose files `layer_XX-model_{model:02d}-...` are read)."""
-    known, buffers = set(), set()
-    for local in locals_.values():
-        if local is not None:
-            known.update(local.params)
-            buffers.update(local.state["_model_states"].get("buffer_names") or [])
+    parallelism, `model` is the TP rank whose files `layer_XX-model_{model:02d}-...` are read). Returns (name ->
+    (layer index, key in its file), layer index -> [(key, name or None)] in file order: what writers rewrite)."""
+    known, buffers = set(catalog.params), set()
+    for sd in models.values():
+        buffers.update(sd.get("buffer_names") or [])
     known |= buffers
     layers = {}
     for n in listing:
@@ -348,7 +347,7 @@ def _read_layers(catalog, tag_dir, listing, locals_, files, model=None):
     for index in sorted(expected - set(layers)):
         catalog.problem(os.path.join(tag_dir, names.layer_states_name(index)),
                         f"missing (layer {index} has parameters in the pipeline stages)")
-    seen = set()
+    seen, where, layer_files = set(), {}, {}
     for index in sorted(layers):
         path = os.path.join(tag_dir, layers[index])
         catalog.files.append(FileInfo(layers[index], "layer_states", None, file_size(path)))
@@ -364,8 +363,7 @@ def _read_layers(catalog, tag_dir, listing, locals_, files, model=None):
             continue
         prefix = _layer_prefix(index, list(sd), known)
         # what each layer file holds, in its order (tied modules in every file using them), for writers
-        catalog.state.setdefault("pipe_layer_files", {})[index] = [
-            (key, prefix + key if isinstance(ref, TensorRef) else None) for key, ref in sd.items()]
+        layer_files[index] = [(key, prefix + key if isinstance(ref, TensorRef) else None) for key, ref in sd.items()]
         for key, ref in sd.items():
             if not isinstance(ref, TensorRef):
                 continue
@@ -374,12 +372,13 @@ def _read_layers(catalog, tag_dir, listing, locals_, files, model=None):
                 _check_same_module(catalog, name, ref, path, files)
                 continue
             seen.add(name)
-            catalog.layers[name] = (index, key)
+            where[name] = (index, key)
             if name not in catalog.params:
                 kind = "buffer" if name in buffers else "frozen"
                 catalog.params[name] = ParamInfo(name, tuple(ref.shape), kind)
             catalog.order.append(name)
             reader._add_whole(catalog, name, MODULE, ref)
+    return where, layer_files
 
 
 def _layer_prefix(index, keys, known) -> str:
@@ -401,12 +400,3 @@ def _check_same_module(catalog, name, ref, path, files):
                           [Fragment(0, ref.numel, ref.storage, ref.storage_offset)] if ref.numel else [])
     _replica(catalog, first, other, os.path.basename(path), "its first occurrence", files)
 
-
-def _fill_layout(catalog):
-    layout = catalog.layout
-    params = [p for p in catalog.params.values() if p.kind != "buffer"]
-    layout.params = len(params)
-    layout.elements = sum(math.prod(p.shape) for p in params)
-    layout.states = catalog.optimizer_states()
-    if MASTER not in catalog.states():
-        layout.states = []

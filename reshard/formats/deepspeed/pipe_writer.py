@@ -47,6 +47,7 @@ import numpy as np
 from reshard.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed import writer
 from reshard.formats.torchsave import TorchFile
 from reshard.layout import Layout
@@ -56,7 +57,7 @@ TIED = "tied_modules."
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
-    layer_files = catalog.state.get("pipe_layer_files")
+    layer_files = notes.of(catalog).pipe_layer_files
     if not layer_files:
         raise ReshardError.at(catalog.root, "not a PipelineModule save (no layer files): a pipeline target needs "
                                             "the model's layers")
@@ -76,7 +77,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     # layer files are layer_XX-model_{t:02d}-..., its stages mp ranks stage * tp + t (DeepSpeed's
     # PipelineParallelGrid orders the model-parallel group pipe-major); pieces mapped back to full tensors.
     from reshard.formats.deepspeed import tp_writer
-    splits = catalog.tp_splits if target.tp == catalog.layout.tp else megatron_splits(catalog, target.tp)
+    splits = notes.of(catalog).tp_splits if target.tp == catalog.layout.tp else megatron_splits(catalog, target.tp)
     out = []
     for t in range(target.tp):
         view, shards = tp_writer.rank_view(catalog, t, splits)
@@ -93,7 +94,7 @@ def megatron_splits(catalog: Catalog, tp: int) -> dict:
     an equal 1/tp of the dim its rule names (vocabulary rows, fused QKV, each SwiGLU half), the rest whole.
     Megatron asserts those dims divide by tp, and so does this."""
     from reshard.formats.deepspeed.tp_geometry import Geometry
-    rules_path = catalog.state.get("tp_rules")
+    rules_path = notes.of(catalog).tp_rules
     if not rules_path:
         raise ReshardError.at(catalog.root, f"tp={catalog.layout.tp} -> tp={tp}: how the pipeline's layers are "
                                             "cut is not in the checkpoint; give it with --layout-rules FILE "
@@ -234,7 +235,8 @@ def _layer_uses(catalog: Catalog, layers: dict):
     files = tuple(tuple(n for _, n in layers.get(i, []) if n) for i in range(max(layers) + 1))
     yield files
     last = catalog.layout.pp - 1
-    keys = sorted({n.split(".")[1] for n, stages in catalog.stages.items() if n.startswith(TIED) and last in stages})
+    trained = notes.of(catalog).stages
+    keys = sorted({n.split(".")[1] for n, stages in trained.items() if n.startswith(TIED) and last in stages})
     if last > 0 and keys:
         yield files + tuple(tuple(n for n in catalog.order if n.startswith(f"{TIED}{key}.")) for key in keys)
 
@@ -268,7 +270,7 @@ def _gives_source_stages(catalog, uses, parts) -> bool:
         for index in range(parts[stage], min(parts[stage + 1], len(uses))):
             for name in uses[index]:
                 trained.setdefault(name, set()).add(stage)
-    return all(sorted(trained.get(name, ())) == sorted(catalog.stages.get(name, ()))
+    return all(sorted(trained.get(name, ())) == sorted(notes.of(catalog).stages.get(name, ()))
                for name, info in catalog.params.items() if info.kind == "trainable")
 
 
@@ -281,7 +283,7 @@ def _stage_view(catalog: Catalog, uses: tuple, indices) -> Catalog:
     own = [n for n in dict.fromkeys(held) if not n.startswith(TIED)]
     order = tied + own
     view = Catalog(root=catalog.root, format=catalog.format, layout=catalog.layout)
-    view.state = catalog.state
+    view.tag, view.training, view.notes = catalog.tag, catalog.training, catalog.notes
     view.order = order
     view.params = {n: catalog.params[n] for n in order}
     view.tensors = {k: t for k, t in catalog.tensors.items() if k[0] in view.params}

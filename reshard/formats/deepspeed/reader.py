@@ -8,18 +8,16 @@ inconsistent is recorded in `catalog.problems`, one line per problem naming the 
 """
 from __future__ import annotations
 
-import math
-
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from reshard import optimizers
-from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo
+from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, TrainingState
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import zero12, zero3
+from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.torchzip import TensorRef
 from reshard.layout import Layout
 from reshard.tensorio import file_size
@@ -32,8 +30,8 @@ ENGINE_KEYS = {
     "shared_params", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "compiled_autograd",
     "ds_autotp_universal_checkpoint_meta",
 }
-TRAINING_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "data_sampler",
-                       "random_ltd", "ds_config", "ds_version", "dp_world_size", "mp_world_size")
+TRAINING_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")
+NOTES_KEYS = ("ds_config", "ds_version", "data_sampler", "random_ltd")     # DeepSpeedNotes fields
 OPTIMIZER_SCALAR_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 FORMAT = "DeepSpeed"
 
@@ -61,7 +59,7 @@ def read(path: str, options: Options) -> Catalog:
     try:
         catalog = _read(tag_dir, tag, layout_rules)
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
-            catalog.state["tp_rules"] = layout_rules
+            catalog.notes = replace(catalog.notes, tp_rules=layout_rules)
         return catalog
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.
@@ -86,8 +84,7 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     """The Catalog of one model-parallel rank's files (all of them when there is no model parallelism):
     its tensors are that rank's local tensors (a tensor-parallel shard, a pipeline stage's params)."""
     dp = int(model0.get("dp_world_size") or 1)
-    catalog = Catalog(root=tag_dir, format="deepspeed", layout=Layout(dp=dp))
-    catalog.state["tag"] = tag
+    catalog = Catalog(root=tag_dir, format="deepspeed", layout=Layout(dp=dp), tag=tag)
     bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
     optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp)
     if not any(names.OPTIM_STATES.match(n) for n in listing):
@@ -267,15 +264,12 @@ def _check_steps_agree(catalog, models):
 
 
 def _fill_state(catalog, model0, optim0):
-    for key in TRAINING_STATE_KEYS:
-        if key in model0:
-            catalog.state[key] = model0[key]
-    client = {k: v for k, v in model0.items() if k not in ENGINE_KEYS}
-    if client:
-        catalog.state["client_state"] = client
-    for key in OPTIMIZER_SCALAR_KEYS:
-        if key in optim0:
-            catalog.state[key] = optim0[key]
+    """The training counters (core) and what only DeepSpeed's writers carry (DeepSpeedNotes), as saved."""
+    catalog.training = TrainingState(**{k: model0[k] for k in TRAINING_STATE_KEYS if k in model0},
+                                     optimizer=_optimizer_name(model0.get("ds_config") or {}))
+    catalog.notes = DeepSpeedNotes(**{k: model0[k] for k in NOTES_KEYS if k in model0},
+                                   **{k: optim0[k] for k in OPTIMIZER_SCALAR_KEYS if k in optim0},
+                                   client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS})
 
 
 def _options(model0, optim0, bf16_prefix, stage) -> dict:
@@ -302,13 +296,6 @@ def _fill_layout(catalog, model0):
     floating = sorted(d for d in saved if is_floating(d))
     # the 16-bit copy says it when there is one (ZeRO-1/2); ZeRO-3 saves none, its config says it
     layout.dtype = floating[0] if len(floating) == 1 else (_config_dtype(config) or "float32")
-    layout.optimizer = _optimizer_name(config) or optimizers.kind(catalog.optimizer_states(), catalog.param_groups)
-    layout.states = catalog.optimizer_states()
-    params = [p for p in catalog.params.values() if p.kind != "buffer"]
-    layout.params = len(params)
-    layout.elements = sum(math.prod(p.shape) for p in params)
-    steps = catalog.scalar_values("step")
-    layout.step = int(max(steps)) if steps else None
 
 
 def _optimizer_name(config) -> str:

@@ -50,6 +50,16 @@ class Split:
         shard = Shard(tuple(shard_shape), blocks)
         return None if shard == Shard.whole(self.full_shape) else shard
 
+    def describe(self) -> str:
+        """How tensor parallelism cut the tensor, in words: replicated, split along dim d, or n boxes."""
+        pieces = [p for ps in self.pieces.values() for p in ps]
+        if pieces and all(len(p.holders) == len(self.pieces) for p in pieces):
+            return "replicated"
+        dims = {d for p in pieces for d, (n, full) in enumerate(zip(p.shape, self.full_shape)) if n != full}
+        if all(len(ps) == 1 for ps in self.pieces.values()) and len(dims) == 1:
+            return f"split dim {dims.pop()}"
+        return f"{len(pieces)} boxes"
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -20,14 +20,14 @@ from dataclasses import replace
 
 from reshard.catalog import Catalog, LogicalTensor, ParamInfo
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import writer
+from reshard.formats.deepspeed import notes, writer
 from reshard.formats.deepspeed.tp_geometry import Split
 from reshard.layout import Layout
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     source = catalog.layout
-    if source.pp != 1 or target.pp != 1 or catalog.state.get("pipe_layer_files"):
+    if source.pp != 1 or target.pp != 1 or notes.of(catalog).pipe_layer_files:
         from reshard.formats.deepspeed import pipe_writer      # a PipelineModule's save, at any pp
         return pipe_writer.target_files(catalog, target, tag, source_save_dir)
     if target.tp > 1 and target.zero not in (1, 2):
@@ -39,7 +39,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         from reshard.formats.deepspeed import tp_recut
         splits, extra = tp_recut.recut(catalog, target)
     else:
-        splits, extra = catalog.tp_splits, catalog.state.get("mp_rank_extra") or {}
+        splits, extra = notes.of(catalog).tp_splits, notes.of(catalog).mp_rank_extra
     out = []
     for rank in range(target.tp):
         view, shards = rank_view(catalog, rank, splits)
@@ -68,7 +68,7 @@ def rank_view(catalog: Catalog, rank: int, splits: dict) -> tuple:
     view = Catalog(root=catalog.root, format=catalog.format, layout=catalog.layout)
     view.aliases, view.order = dict(catalog.aliases), list(catalog.order)
     view.param_groups, view.group_scalars = catalog.param_groups, catalog.group_scalars
-    view.state = catalog.state
+    view.tag, view.training, view.notes = catalog.tag, catalog.training, catalog.notes
     shards = {}
     for name, info in catalog.params.items():
         split = splits.get(name)

@@ -90,8 +90,7 @@ def _read(tag_dir, tag) -> Catalog:
                                        "only data-parallel ones are supported so far")
     stage = 3 if zero3_files else int(optim.get("zero_stage") or 1)
 
-    catalog = Catalog(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage))
-    catalog.state["tag"] = tag
+    catalog = Catalog(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage), tag=tag)
     catalog.files.append(FileInfo(os.path.join(uc.ZERO_DIR, uc.OPTIMIZER_STATE), "optimizer_state", None,
                                   file_size(optim_path)))
     if stage == 3:

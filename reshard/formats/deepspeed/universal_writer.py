@@ -25,6 +25,7 @@ from dataclasses import replace
 from reshard.catalog import MASTER, MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats import standins
+from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
 from reshard.formats.torchsave import TorchFile
@@ -62,7 +63,7 @@ def _check_target(catalog, target):
     # Each param has its step.pt, yet DeepSpeed's loader asserts a group's are equal and keeps one per group
     # (base_optimizer.py load_hp_checkpoint_state_from_checkpoint_dir; stage3.py reads one for all)
     scalars = catalog.scalars_of_groups("a universal checkpoint")
-    if target.pp != 1 or catalog.layout.pp != 1 or catalog.state.get("pipe_layer_files"):
+    if target.pp != 1 or catalog.layout.pp != 1 or notes.of(catalog).pipe_layer_files:
         raise ReshardError(f"target {target.topology()}: universal checkpoints are written for pp=1 only")
     if (target.tp > 1 or catalog.layout.tp > 1) and target.zero not in (1, 2):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel universal checkpoint is written for "
@@ -74,7 +75,7 @@ def _check_target(catalog, target):
         if os.sep in name or name in (".", "..") or name == uc.OPTIMIZER_STATE:
             raise ReshardError(f"parameter name {name!r} cannot be a folder of a universal checkpoint")
     if target.zero == 3:
-        unloadable = [s for s in target.states if s not in uc.ZERO3_LOADED_STATES]
+        unloadable = [s for s in catalog.optimizer_states() if s not in uc.ZERO3_LOADED_STATES]
         if unloadable:
             raise ReshardError(f"optimizer states {', '.join(unloadable)}: DeepSpeed's ZeRO-3 universal loader reads "
                                "only fp32, exp_avg and exp_avg_sq (stage3.py); write --to zero=1 or 2 instead")
@@ -146,7 +147,7 @@ def _tp_keys(catalog) -> dict:
     """Per param the keys ds_to_universal writes beside 'param' for the source's AutoTP info: none when
     an affine map covers it (no `cat_dim`), `vocab_tensor` for a vocabulary param. Patterns are regexes,
     matched with re.match as its get_matched_affine_map / get_matched_pattern do."""
-    extra = (catalog.state.get("mp_rank_extra") or {}).get(0) or {}
+    extra = notes.of(catalog).mp_rank_extra.get(0) or {}
     info = extra.get("universal_checkpoint_info") or {}
     affine = list(((info.get("affine_map") or {}).get("params") or {}))
     vocab = info.get("vocabulary_parameter_patterns") or []

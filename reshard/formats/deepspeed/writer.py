@@ -18,6 +18,7 @@ from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import standins
 from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import notes
 from reshard.formats.torchzip import Size
 from reshard.geometry import ceil_div, intersect
 from reshard.layout import Layout
@@ -37,7 +38,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         # a source with no ZeRO stage of its own (DCP, torch.save, universal) keeps "0" unless --to names one
         hint = " (the source has none: name one, e.g. --to zero=2)" if source.zero not in (1, 2, 3) else ""
         raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written{hint}")
-    if target.tp != 1 or target.pp != 1 or source.tp != 1 or source.pp != 1 or catalog.state.get("pipe_layer_files"):
+    if target.tp != 1 or target.pp != 1 or source.tp != 1 or source.pp != 1 or notes.of(catalog).pipe_layer_files:
         from reshard.formats.deepspeed import tp_writer    # tensor/pipeline parallel on either side
         return tp_writer.target_files(catalog, target, tag, source_save_dir)
     return rank_files(_Context(catalog, target), tag) + closing_files(tag, source_save_dir)
@@ -49,7 +50,7 @@ def _check_convertible(catalog: Catalog, target: Layout) -> None:
         raise ReshardError.at(catalog.root, "no optimizer state (weights only); a DeepSpeed checkpoint resumes "
                                             "training and needs the optimizer's state, so it is not written")
     catalog.scalars_of_groups(TARGET)      # refuses params of a group whose steps differ
-    unsure = catalog.state.get("frozen_or_buffer")
+    unsure = catalog.maybe_buffers
     if target.zero == 3 and unsure:
         raise ReshardError.at(catalog.root, f"{unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
                                             "floating-point buffer, the source does not say which, and ZeRO-3 "
@@ -90,7 +91,7 @@ def describe(target: Layout, tag: str) -> Output:
 
 def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
     """What happens to DeepSpeed's train_batch_size when dp changes, and which setting keeps it."""
-    config = catalog.state.get("ds_config") or {}
+    config = notes.of(catalog).ds_config or {}
     micro = config.get("train_micro_batch_size_per_gpu")
     gas = config.get("gradient_accumulation_steps", 1)
     source_dp = catalog.layout.dp
@@ -121,7 +122,7 @@ class _Context:
         self.target = target
         self.dp = target.dp
         self.lp_dtype = target.dtype
-        source_config = catalog.state.get("ds_config") or {}
+        source_config = notes.of(catalog).ds_config or {}
         self.config = copy.deepcopy(source_config)
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = target.zero
@@ -138,10 +139,10 @@ class _Context:
         self.round_robin = bool(zero_cfg.get("round_robin_gradients", options.get("round_robin_gradients")))
         self.param_alignment = bool(zero_cfg.get("parameter_alignment", options.get("parameter_alignment")))
         self.sub_group_size = int(zero_cfg.get("sub_group_size", options.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
-        self.states = list(target.states)
+        self.states = catalog.optimizer_states()
         # A source not saved by DeepSpeed names no version; DeepSpeed asserts one and refuses ZeRO-1
         # files older than 0.3.17, so say the version whose layout this writer follows.
-        self.ds_version = catalog.state.get("ds_version", WRITES_DS_VERSION)
+        self.ds_version = notes.of(catalog).ds_version or WRITES_DS_VERSION
         self._scalars = None
 
     def numel(self, name: str) -> int:
@@ -171,29 +172,30 @@ class _Context:
 
     def loss_scaler_state(self) -> dict:
         """The ZeRO optimizer's global scalars, carried over (fresh defaults after a BF16_Optimizer)."""
-        state = self.catalog.state
-        scaler = state.get("loss_scaler")
+        state = notes.of(self.catalog)
+        scaler = state.loss_scaler
         if scaler is None:
             scaler = standins.LossScaler()
             scaler.__dict__.update(cur_scale=1.0, dynamic=False)
-        return {"loss_scaler": scaler, "dynamic_loss_scale": state.get("dynamic_loss_scale", False),
-                "overflow": state.get("overflow", False), "clip_grad": state.get("clip_grad", 0.0)}
+        return {"loss_scaler": scaler, "dynamic_loss_scale": state.dynamic_loss_scale,
+                "overflow": state.overflow, "clip_grad": state.clip_grad}
 
     def model_states_tail(self) -> dict:
         """Training state of a model-states file, after the parameter bookkeeping keys."""
-        state = self.catalog.state
-        tail = {key: state.get(key) for key in ("lr_scheduler", "data_sampler", "random_ltd")}
-        tail.update(skipped_steps=state.get("skipped_steps", 0), global_steps=state.get("global_steps", 0),
-                    global_samples=state.get("global_samples"), dp_world_size=self.dp,
+        state, training = notes.of(self.catalog), self.catalog.training
+        tail = {"lr_scheduler": training.lr_scheduler, "data_sampler": state.data_sampler,
+                "random_ltd": state.random_ltd}
+        tail.update(skipped_steps=training.skipped_steps or 0, global_steps=training.global_steps or 0,
+                    global_samples=training.global_samples, dp_world_size=self.dp,
                     mp_world_size=self.target.tp * self.target.pp,
                     checkpoint_parallel_dimensions={"pp_degree": self.target.pp, "tp_degree": self.target.tp},
                     ds_config=self.config, ds_version=self.ds_version)
-        if state.get("global_samples") is None:
+        if training.global_samples is None:
             # unknown (a source that does not count samples): without the key the engine takes
             # global_steps x train_batch_size (engine.py _load_checkpoint), and inspect says unknown, not 0
             del tail["global_samples"]
         tail.update({k: v for k, v in self.model_extra.items() if k != "shared_params"})
-        tail.update(state.get("client_state") or {})
+        tail.update(state.client_state)
         return tail
 
 

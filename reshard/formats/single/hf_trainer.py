@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 
-from reshard.catalog import Catalog
+from reshard.catalog import Catalog, TrainingState
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_weights, model
+from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchfile import is_optimizer
 from reshard.layout import Layout
 
@@ -62,14 +64,16 @@ def read(path: str, options: NoOptions) -> Catalog:
     model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order,
                 weights.buffers)
     _training_state(catalog, folder)
-    step = catalog.state.get("global_steps") or catalog.layout.step or 0
-    catalog.state.setdefault("global_steps", step)
-    catalog.state["tag"] = (f"global_step{step}" if optimizer is not None or has_state else "weights")
+    step = catalog.training.global_steps or catalog.contents().step or 0
+    if catalog.training.global_steps is None:
+        catalog.training = replace(catalog.training, global_steps=step)
+    catalog.tag = f"global_step{step}" if optimizer is not None or has_state else "weights"
     return catalog
 
 
 def _training_state(catalog, folder) -> None:
     state_path = os.path.join(folder, TRAINER_STATE)
+    trainer_state = global_steps = lr_scheduler = None
     if os.path.isfile(state_path):
         try:
             with open(state_path) as f:
@@ -77,16 +81,17 @@ def _training_state(catalog, folder) -> None:
         except (OSError, ValueError) as e:
             raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
         model.add_file(catalog, state_path, "trainer_state")
-        catalog.state["trainer_state"] = trainer_state
         if isinstance(trainer_state, dict) and isinstance(trainer_state.get("global_step"), int):
-            catalog.state["global_steps"] = trainer_state["global_step"]
+            global_steps = trainer_state["global_step"]
     scheduler = os.path.join(folder, SCHEDULER)
     if os.path.isfile(scheduler):
         model.add_file(catalog, scheduler, "scheduler")
-        catalog.state["lr_scheduler"] = torchzip.load(scheduler)
+        lr_scheduler = torchzip.load(scheduler)
     opaque = []
     for name in sorted(os.listdir(folder)):
         if RNG.match(name) or name in OPAQUE:
             model.add_file(catalog, os.path.join(folder, name), "rng_state" if RNG.match(name) else "opaque")
             opaque.append(name)
-    catalog.state["opaque_files"] = opaque      # present, not read: pickles of Python objects or plain config
+    catalog.training = TrainingState(global_steps=global_steps, lr_scheduler=lr_scheduler)
+    # opaque files: present, not read (pickles of Python objects or plain config)
+    catalog.notes = SingleNotes(trainer_state=trainer_state, opaque_files=opaque)

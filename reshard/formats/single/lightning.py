@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 
-from reshard.catalog import Catalog
+from reshard.catalog import Catalog, TrainingState
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
+from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchfile import is_optimizer, is_state_dict
 from reshard.layout import Layout
 
@@ -41,13 +42,11 @@ def read(path: str, options: NoOptions) -> Catalog:
     catalog = Catalog(root=path, format="lightning", layout=Layout(dp=1, zero=0))
     model.add_file(catalog, path, "lightning_checkpoint")
     model.build(catalog, obj["state_dict"], path, optimizers[0] if optimizers else None, path)
-    schedulers = obj.get("lr_schedulers") or []
-    if schedulers:
-        catalog.state["lr_schedulers"] = schedulers
-        if len(schedulers) == 1:        # the one DeepSpeed's engine keeps and reloads
-            catalog.state["lr_scheduler"] = schedulers[0]
-    catalog.state["lightning"] = {k: v for k, v in obj.items() if k not in KNOWN}
+    schedulers = list(obj.get("lr_schedulers") or [])
+    catalog.notes = SingleNotes(lr_schedulers=schedulers, lightning={k: v for k, v in obj.items() if k not in KNOWN})
     step = obj.get("global_step")
-    catalog.state["global_steps"] = int(step) if isinstance(step, int) else (catalog.layout.step or 0)
-    catalog.state["tag"] = f"global_step{catalog.state['global_steps']}"
+    step = int(step) if isinstance(step, int) else (catalog.contents().step or 0)
+    # one scheduler: the one DeepSpeed's engine keeps and reloads
+    catalog.training = TrainingState(global_steps=step, lr_scheduler=schedulers[0] if len(schedulers) == 1 else None)
+    catalog.tag = f"global_step{step}"
     return catalog

@@ -8,7 +8,7 @@ index, its per-element states and step. `optim_map.assign` says which name each 
   the same bytes (there is no separate master copy);
 - a buffer: what the model class says is one (HF, from config.json), or not taken and not floating
   point; not taken and floating point = frozen (a floating buffer such as BatchNorm's running mean
-  looks the same: `state["frozen_or_buffer"]` lists them; ZeRO-1/2 keep both whole in the module
+  looks the same: `catalog.maybe_buffers` lists them; ZeRO-1/2 keep both whole in the module
   copy, ZeRO-3 partitions frozen params only, so the DeepSpeed writer refuses ZeRO-3 then);
 - weights only (no optimizer): nothing is known to be trained; every floating tensor is listed as
   frozen and conversion to a training format is refused;
@@ -17,10 +17,8 @@ index, its per-element states and step. `optim_map.assign` says which name each 
 """
 from __future__ import annotations
 
-import math
 import os
 
-from reshard import optimizers
 from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
 from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError
@@ -77,11 +75,9 @@ def build(catalog, module: dict, where: str, optimizer=None, optim_where: str = 
     if optimizer is not None and guessed:
         # A floating-point entry the optimizer does not train: a frozen param or a float buffer (BatchNorm's
         # running mean); the state dict does not say which. Writers that store the two differently refuse.
-        catalog.state["frozen_or_buffer"] = guessed
+        catalog.maybe_buffers = guessed
     if optimizer is not None:
         _fill_optimizer(catalog, optimizer, optim_where, taken)
-    else:
-        catalog.state["weights_only"] = True
     _fill_layout(catalog)
 
 
@@ -177,10 +173,3 @@ def _fill_layout(catalog) -> None:
     # no separate master: the optimizer updated the params as saved (pure bf16 training: bf16); a
     # DeepSpeed target widens them to its fp32 master, the same values
     layout.dtype, layout.master_dtype = catalog.weight_dtypes()
-    layout.states = catalog.optimizer_states()
-    layout.optimizer = optimizers.kind(layout.states, catalog.param_groups)
-    counted = [p for p in catalog.params.values() if p.kind != "buffer"]
-    layout.params = len(counted)
-    layout.elements = sum(math.prod(p.shape) for p in counted)
-    steps = catalog.scalar_values(STEP)
-    layout.step = int(max(steps)) if steps else None

@@ -2,18 +2,19 @@
 
 Recognised shapes: the state dict itself ({name: tensor}); or a dict holding it under one of
 MODEL_KEYS, with optionally a torch.optim state dict under one of OPTIMIZER_KEYS; everything else
-in the dict is kept as plain data (`catalog.state["extra"]`). The legacy (non-zip) format is
+in the dict is kept as plain data (`catalog.notes.extra`). The legacy (non-zip) format is
 refused by torchzip with a one-line message.
 """
 from __future__ import annotations
 
 import os
 
-from reshard.catalog import Catalog
+from reshard.catalog import Catalog, TrainingState
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
+from reshard.formats.single.notes import SingleNotes
 from reshard.formats.torchzip import TensorRef
 from reshard.layout import Layout
 
@@ -66,12 +67,9 @@ def read(path: str, options: NoOptions) -> Catalog:
     catalog = Catalog(root=path, format="torch", layout=Layout(dp=1, zero=0))
     model.add_file(catalog, path, "state_dict")
     model.build(catalog, module, path, optimizer, path)
-    if extra:
-        catalog.state["extra"] = extra
+    catalog.notes = SingleNotes(extra=extra)
     scheduler = next((extra[k] for k in SCHEDULER_KEYS if isinstance(extra.get(k), dict)), None)
-    if scheduler is not None:
-        catalog.state["lr_scheduler"] = scheduler
-    step = catalog.layout.step
-    catalog.state["global_steps"] = step or 0
-    catalog.state["tag"] = (f"global_step{step}" if step is not None else "converted")
+    step = catalog.contents().step
+    catalog.training = TrainingState(global_steps=step or 0, lr_scheduler=scheduler)
+    catalog.tag = f"global_step{step}" if step is not None else "converted"
     return catalog

@@ -1,0 +1,50 @@
+"""What the DeepSpeed readers keep for the DeepSpeed writers: the catalog's format notes (catalog.FormatNotes).
+
+A ZeRO, tensor/pipeline-parallel or universal save records engine state no other format has (its config,
+the ZeRO optimizer's loss scaler, client state) and, when model-parallel, how it was cut (each parameter's
+tensor-parallel boxes, its pipeline stages, the layer files). Writers read them through `of(catalog)`, which
+gives empty notes for a source of another format (DCP, torch.save): then every field says "not saved".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reshard.catalog import Catalog
+
+
+@dataclass(frozen=True)
+class DeepSpeedNotes:
+    ds_config: dict | None = None      # the engine's config as saved
+    ds_version: str | None = None
+    data_sampler: object = None
+    random_ltd: object = None
+    client_state: dict = field(default_factory=dict)    # what the caller of save_checkpoint added
+    # the ZeRO optimizer's global scalars (defaults: what DeepSpeed starts with)
+    loss_scaler: object = None
+    dynamic_loss_scale: object = False
+    overflow: object = False
+    clip_grad: object = 0.0
+    tp_rules: str | None = None        # --layout-rules: how AutoTP/Megatron cut each parameter (tp_recut)
+    # Model-parallel saves: per mp rank, what its model states add (universal_checkpoint_info, shared_params)
+    mp_rank_extra: dict = field(default_factory=dict)
+    tp_splits: dict = field(default_factory=dict)        # name -> tp_geometry.Split (boxes each TP rank holds)
+    stages: dict = field(default_factory=dict)           # name -> pipeline stages whose optimizer trains it
+    layers: dict = field(default_factory=dict)           # name -> (layer index, key in its layer file)
+    # a PipelineModule save: layer index -> [(key, full name or None when not a tensor)], in file order
+    pipe_layer_files: dict = field(default_factory=dict)
+
+    def param_details(self, name: str) -> dict:
+        out = {}
+        if name in self.tp_splits:
+            out["tensor_parallel"] = self.tp_splits[name].describe()
+        if name in self.stages:
+            out["stages"] = self.stages[name]
+        return out
+
+
+NONE = DeepSpeedNotes()
+
+
+def of(catalog: Catalog) -> DeepSpeedNotes:
+    """The catalog's DeepSpeed notes; empty ones when another format's reader made it."""
+    return catalog.notes if isinstance(catalog.notes, DeepSpeedNotes) else NONE
