@@ -16,7 +16,9 @@ holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`
 DCP does not record which model entries are buffers, frozen params or tied names. An entry the
 optimizer does not name is taken for a frozen param when it is floating and either sharded
 (FSDP cuts params over the ranks; buffers are replicated, so DCP saves them as one whole chunk)
-or saved by a single rank; otherwise for a buffer. A tied name looks like a frozen param.
+or saved by a single rank; otherwise for a buffer. One row is one chunk either way: it is taken for a
+frozen param and listed in `catalog.maybe_buffers` (ZeRO-3, which stores the two apart, refuses it).
+A tied name looks like a frozen param.
 """
 from __future__ import annotations
 
@@ -88,7 +90,12 @@ def read(path: str, options: NoOptions) -> Catalog:
         tensor = chunks.tensor(key, entry, name, MODULE)
         trainable = name in group_of
         sharded = len(entry.chunks) > 1 or world == 1
-        kind = "trainable" if trainable else ("frozen" if is_floating(tensor.dtype) and sharded else "buffer")
+        # one row is one chunk however many ranks shard it: a frozen param or a buffer, DCP does not say
+        unsure = not sharded and is_floating(tensor.dtype) and (not tensor.shape or tensor.shape[0] == 1)
+        kind = "trainable" if trainable else ("frozen" if is_floating(tensor.dtype) and (sharded or unsure)
+                                              else "buffer")
+        if unsure and not trainable:
+            catalog.maybe_buffers.append(name)
         catalog.params[name] = ParamInfo(name, tensor.shape, kind, group_of.get(name))
         catalog.order.append(name)
         if trainable and tensor.dtype == "float32":
