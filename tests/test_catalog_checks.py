@@ -3,7 +3,6 @@ re-saved by torch.save (or a DCP save of two spellings of one state) where they 
 says so in one line naming the file, exit 1, nothing written; the untouched fixture is the control."""
 import shutil
 
-import pytest
 import torch
 
 from conftest import fixture_dir, run_cli
@@ -43,7 +42,7 @@ def test_a_rank_whose_partition_has_another_dtype_is_named(tmp_path):
         run_cli(*args(save, tmp_path / f"control-{command}"), check=0)
     rank1, rank0 = (f"global_step3/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (1, 0))
     _as_int32_exp_avg(save, [rank1])
-    _refused(save, tmp_path, f"reshard: {save / rank1}: ", "(exp_avg): int32[", f"float32[", str(save / rank0))
+    _refused(save, tmp_path, f"reshard: {save / rank1}: ", "(exp_avg): int32[", "float32[", str(save / rank0))
 
 
 def test_a_storage_of_another_dtype_than_its_tensor_is_named(tmp_path):

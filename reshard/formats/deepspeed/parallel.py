@@ -1,7 +1,7 @@
 """Tensor- and pipeline-parallel DeepSpeed checkpoints -> one Catalog of FULL logical tensors.
 
 Each model-parallel rank (`mp_rank_XX`) is read like a data-parallel ZeRO-1/2 checkpoint of its own
-(reader.read_mp_rank): its tensors are local ones. Then
+(rank_reader.read_mp_rank): its tensors are local ones. Then
 * tensor parallel (mp = tp ranks): each local tensor is a shard of the full tensor, a set of boxes
   (tp_geometry.Split.shard); its fragments keep their flat ranges, now of that shard. Replicated blocks
   are read from their first holder; the other holders' copies are kept as catalog.replicas and compared
@@ -22,7 +22,7 @@ from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import reader
+from reshard.formats.deepspeed import rank_reader
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import MappedFiles, file_size, replica_problem
@@ -76,7 +76,7 @@ def _read_ranks(tag_dir, tag, listing, mp, model0):
             locals_[rank] = None
             continue
         try:
-            model = reader._load_or_raise(path)
+            model = rank_reader.load_or_raise(path)
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:
@@ -89,7 +89,7 @@ def _read_ranks(tag_dir, tag, listing, mp, model0):
                             f"the first model-parallel rank's (mp_world_size {mp}, global_steps "
                             f"{model0.get('global_steps')})")
         try:
-            locals_[rank] = reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
+            locals_[rank] = rank_reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
         except UnsafeCheckpointError:
             raise
         except ReshardError as e:           # e.g. none of its optimizer files is there
@@ -377,7 +377,7 @@ def _read_layers(catalog, tag_dir, listing, models, files, model=None) -> tuple:
                 kind = "buffer" if name in buffers else "frozen"
                 catalog.params[name] = ParamInfo(name, tuple(ref.shape), kind)
             catalog.order.append(name)
-            reader._add_whole(catalog, name, MODULE, ref)
+            rank_reader.add_whole(catalog, name, MODULE, ref)
     return where, layer_files
 
 

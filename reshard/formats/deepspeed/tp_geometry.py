@@ -16,7 +16,6 @@ import json
 import re
 from dataclasses import dataclass
 
-import numpy as np
 
 from reshard.errors import ReshardError
 from reshard.geometry import strides

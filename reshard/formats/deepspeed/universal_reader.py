@@ -16,7 +16,7 @@ from reshard.catalog import MASTER, Catalog, FileInfo, Fragment, LogicalTensor
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import group_scalars, reader as zero_reader
+from reshard.formats.deepspeed import group_scalars, rank_reader
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchzip import TensorRef
@@ -81,7 +81,7 @@ def _read(tag_dir, tag) -> Catalog:
     optim_path = os.path.join(tag_dir, uc.ZERO_DIR, uc.OPTIMIZER_STATE)
     optim = _load_dict(optim_path)
     zero3_files = [n for n in listing if names.ZERO3_MODEL_STATES.match(n)]
-    model0_name = zero_reader._first_model_states(tag_dir, listing)
+    model0_name = rank_reader.first_model_states(tag_dir, listing)
     model0 = _load_dict(os.path.join(tag_dir, model0_name))
     dp = int(model0.get("dp_world_size") or 1)
     dims = model0.get("checkpoint_parallel_dimensions") or {}
@@ -94,11 +94,11 @@ def _read(tag_dir, tag) -> Catalog:
     catalog.files.append(FileInfo(os.path.join(uc.ZERO_DIR, uc.OPTIMIZER_STATE), "optimizer_state", None,
                                   file_size(optim_path)))
     if stage == 3:
-        models = zero_reader._load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0)
+        models = rank_reader.load_zero3_model_files(catalog, tag_dir, dp, model0_name, model0)
     else:
         models = {0: model0}
         catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
-    zero_reader._read_model(catalog, model0, models, stage)     # ZeRO-3: frozen params from every rank's file
+    rank_reader.read_model(catalog, model0, models, stage)     # ZeRO-3: frozen params from every rank's file
     groups = _groups(catalog, model0, optim, stage)
     for g, members in enumerate(groups):
         for name in members:
@@ -193,8 +193,8 @@ def _zero3_steps(catalog, path, optim):
 
 
 def _fill_state(catalog, model0, optim, stage):
-    zero_reader._fill_state(catalog, model0, optim)
+    rank_reader.fill_state(catalog, model0, optim)
     config = model0.get("ds_config") or {}
     bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled"))
-    catalog.layout.options = zero_reader._options(model0, optim, bf16 and stage != 3, stage)
-    zero_reader._fill_layout(catalog, model0)
+    catalog.layout.options = rank_reader.format_options(model0, optim, bf16 and stage != 3, stage)
+    rank_reader.fill_layout(catalog, model0)
