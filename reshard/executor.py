@@ -13,11 +13,7 @@ hashing pool has shut down ("cannot schedule new futures after shutdown"); befor
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
-import functools
-import math
-import mmap
 import multiprocessing
 import os
 import shutil
@@ -27,16 +23,12 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-import numpy as np
-
 from reshard import manifest
-from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
 from reshard.formats import container_writer
-from reshard.geometry import strides
-from reshard.placement import flat_boxes, intersect
-from reshard.planner import Copy, FilePlan, Gather, Plan
+from reshard.blocks import SourceFiles, storage_blocks
+from reshard.planner import FilePlan, Plan
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, fsync, write_text
 from reshard.targets import Output
@@ -46,8 +38,6 @@ READ_AHEAD = 2                  # blocks read ahead of the one being written
 # blocks alive per worker: read ahead, being written, waiting for the hash (HashingSink.HASH_BEHIND)
 BUFFERS_PER_WORKER = READ_AHEAD + 1 + 2
 MAX_CHUNK = 16 << 20            # larger blocks do not copy faster here, they only take memory
-DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
-SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is mapped, not read whole
 POLL_SECONDS = 0.1              # how often a parent waiting for its workers looks for a Ctrl-C
 
 
@@ -288,13 +278,13 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     """
     path = os.path.join(root, plan.path)
     INTERRUPTS.check()
-    sources = _SourceFiles(reread or {})
+    sources = SourceFiles(reread or {})
     try:
         writer = container_writer(plan.container)(path, plan.header, plan.storages, **plan.options)
         with ThreadPoolExecutor(max_workers=1) as reader, writer as zw:
             for storage in plan.storages:
                 with zw.storage(storage.key, storage.nbytes) as out, \
-                        contextlib.closing(_read_ahead(reader, _blocks(storage, chunk, sources))) as blocks:
+                        contextlib.closing(_read_ahead(reader, storage_blocks(storage, chunk, sources))) as blocks:
                     for block in blocks:
                         INTERRUPTS.check()
                         out.write(block)
@@ -320,147 +310,3 @@ def _read_ahead(pool, tasks):
     finally:    # the writer stopped (an error, a Ctrl-C): read nothing more, before the pool closes
         for job in pending:
             job.cancel()
-
-
-def _blocks(storage, chunk: int, sources):
-    """Callables producing the storage's bytes (target dtype) in blocks of at most `chunk` bytes."""
-    dtype = storage.dtype
-    out_size = itemsize(dtype)
-    for op in storage.ops:
-        if isinstance(op, Copy):
-            in_size = itemsize(op.src_dtype)
-            step = max(1, chunk // max(in_size, out_size))
-            for first in range(0, op.count, step):
-                n = min(step, op.count - first)
-                yield functools.partial(_copy_block, sources, op, first * in_size, n * in_size, dtype)
-        elif isinstance(op, Gather):
-            step = max(1, chunk // max([out_size] + [itemsize(box.src_dtype) for box in op.copies]))
-            for first in range(0, op.count, step):
-                yield functools.partial(_gather_block, sources, op, first, min(step, op.count - first), dtype)
-        else:
-            step = max(1, chunk // out_size)
-            for first in range(0, op.count, step):
-                yield functools.partial(constant, op.value, dtype, min(step, op.count - first))
-
-
-def _copy_block(sources, op, offset, nbytes, dtype):
-    raw = sources.read(op.src_file, op.src_offset + offset, nbytes)
-    return raw if op.src_dtype == dtype else cast(raw, op.src_dtype, dtype)
-
-
-def _gather_block(sources, op, first: int, count: int, dtype: str) -> bytes:
-    """Elements [first, first + count) of a Gather: the boxes of that flat range of its shard, each copied
-    with strided views from one block read of its source."""
-    out = np.empty(count, dtype=numpy_carrier(dtype))
-    lo = op.start + first
-    shard_strides = strides(op.shape)
-    byte_strides = tuple(s * out.itemsize for s in shard_strides)
-    filled = 0
-    for box_at, box_shape in flat_boxes(op.shape, lo, lo + count):
-        for box in op.copies:
-            hit = intersect(box_at, box_shape, box.local, box.shape)
-            if hit is None:
-                continue
-            at, shape = hit
-            offset = box.src_offset + itemsize(box.src_dtype) * sum(
-                (a - l) * s for a, l, s in zip(at, box.local, box.src_strides))
-            dst = sum(a * s for a, s in zip(at, shard_strides)) - lo
-            target = np.lib.stride_tricks.as_strided(out[dst:], shape, byte_strides)
-            sources.copy_box(target, box.src_file, offset, box.src_strides, box.src_dtype, dtype)
-            filled += math.prod(shape)
-    if filled != count:
-        raise AssertionError(f"a gather filled {filled} of {count} elements")   # the planner counted them
-    return out.tobytes()
-
-
-def constant(value, dtype: str, count: int) -> bytes:
-    if dtype == "bfloat16":
-        return cast(np.full(count, value, dtype="<f4").tobytes(), "float32", "bfloat16")
-    return np.full(count, value, dtype=numpy_carrier(dtype)).tobytes()
-
-
-def cast(raw: bytes, src: str, dst: str) -> bytes:
-    """Convert element type, rounding to nearest even as torch does (bfloat16 included)."""
-    return cast_array(np.frombuffer(raw, dtype=numpy_carrier(src)), src, dst).tobytes()
-
-
-def cast_array(values: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """`cast` on an array of carrier dtype (any shape and strides); returns a new array."""
-    if src == "bfloat16":
-        values = (values.astype("<u4") << 16).view("<f4")
-    if dst == "bfloat16":
-        wide = values.astype("<f4")
-        bits = wide.view("<u4")
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
-        rounded[np.isnan(wide)] = 0x7FC0
-        return rounded
-    return values.astype(numpy_carrier(dst))
-
-
-def _assign(target: np.ndarray, values: np.ndarray, src: str, dst: str) -> None:
-    target[...] = values if src == dst else cast_array(values, src, dst)
-
-
-class _SourceFiles:
-    """Open source files by path; positioned reads into fresh buffers (no mapped pages kept). A big read is
-    dropped from the page cache after it, unless it overlaps a range `reread` says is read again."""
-
-    def __init__(self, reread: dict):
-        self._fds = {}
-        self._reread = reread
-
-    def _read_again(self, path: str, offset: int, nbytes: int) -> bool:
-        ranges = self._reread.get(path)
-        if not ranges:
-            return False
-        i = bisect.bisect_right(ranges, (offset + nbytes,)) - 1
-        return i >= 0 and ranges[i][1] > offset
-
-    def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise ReshardError.at(path, f"cannot open: {e.strerror}") from None
-        return fd
-
-    def read(self, path: str, offset: int, nbytes: int) -> bytes:
-        data = os.pread(self._fd(path), nbytes, offset)
-        if len(data) != nbytes:
-            raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
-        if nbytes >= DROP_CACHE_BYTES and not self._read_again(path, offset, nbytes):   # read once: drop them
-            os.posix_fadvise(self._fd(path), offset, nbytes, os.POSIX_FADV_DONTNEED)
-        return data
-
-    def copy_box(self, target: np.ndarray, path: str, offset: int, box_strides: tuple, src: str, dst: str) -> None:
-        """Fill `target` with the box of `target.shape` whose first element is at byte `offset` of `path` and
-        whose elements are `box_strides` elements apart. The box's span is read in one block; a sparse one
-        (a column slice of wide rows) is mapped instead, so only the pages it touches are read, and left in
-        the page cache for the targets that take the other columns."""
-        size = itemsize(src)
-        span = (sum((n - 1) * s for n, s in zip(target.shape, box_strides)) + 1) * size
-        byte_strides = tuple(s * size for s in box_strides)
-        if span <= SPARSE_SPAN * target.size * size:
-            block = np.frombuffer(self.read(path, offset, span), dtype=numpy_carrier(src))
-            _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
-            return
-        first, block = offset - offset % mmap.ALLOCATIONGRANULARITY, None
-        try:
-            window = mmap.mmap(self._fd(path), offset + span - first, access=mmap.ACCESS_READ, offset=first)
-        except (OSError, ValueError) as e:
-            raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + span}) ({e})") from None
-        window.madvise(mmap.MADV_WILLNEED)     # read the window ahead, not page by page as it is touched
-        try:
-            block = np.frombuffer(window, dtype=numpy_carrier(src), offset=offset - first,
-                                  count=(span - size) // size + 1)
-            _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
-        finally:
-            del block
-            window.close()
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-

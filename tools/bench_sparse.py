@@ -18,7 +18,7 @@ import zipfile
 
 from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
-from reshard.executor import constant
+from reshard.blocks import constant
 from reshard.formats import standins, writer
 from reshard.formats.torchsave import ALIGNMENT
 from reshard.layout import Layout
