@@ -20,7 +20,8 @@ import copy
 import re
 
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed.tp_geometry import Geometry, Split, _contiguous, replicated
+from reshard.formats.deepspeed import source_notes
+from reshard.formats.deepspeed.tp_geometry import Geometry, Split, contiguous, replicated
 from reshard.geometry import strides
 
 UC_VERSION = 0.4          # deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8)
@@ -42,10 +43,10 @@ def shard_sizes(total: int, tp: int, cut: str, kv_heads: int | None, grain: int)
 def recut(catalog, target) -> tuple:
     """(name -> Split at target.tp, tp rank -> model-states keys of that rank) for an AutoTP model."""
     where = f"{catalog.root}: tp={catalog.layout.tp} -> tp={target.tp}"
-    tp_config = (catalog.state.get("ds_config") or {}).get("tensor_parallel")
+    tp_config = source_notes.ds_config(catalog).get("tensor_parallel")
     if not isinstance(tp_config, dict):
         raise ReshardError(f"{where}: the saved ds_config has no tensor_parallel section: not an AutoTP run")
-    rules_path = catalog.state.get("tp_rules")
+    rules_path = source_notes.tp_rules(catalog)
     if not rules_path:
         raise ReshardError(f"{where}: how AutoTP cuts each parameter at a new degree is not in the checkpoint; "
                            "give it with --layout-rules FILE (rules with 'recut', e.g. layouts/llama-autotp.json)")
@@ -68,9 +69,10 @@ def recut(catalog, target) -> tuple:
             raise ReshardError(f"{where}: {rules_path} does not say how AutoTP cuts {name} at another degree "
                                "(a rule with 'recut': 'heads' or 'even')")
     if catalog.layout.tp > 1:               # the rules must reproduce the source's own cut
+        source_splits = source_notes.tp_splits(catalog)
         for name, cut in cuts.items():
             again = _split(name, catalog.params[name].shape, cut, catalog.layout.tp, kv_heads, grain, where)
-            if not _same_boxes(again, catalog.tp_splits.get(name)):
+            if not _same_boxes(again, source_splits.get(name)):
                 raise ReshardError(f"{where}: {name}: the rules{' and kv_heads=' + str(kv_heads) if kv_heads else ''}"
                                    " do not give the cut the source was saved with; they do not describe this model")
     splits = {name: _split(name, catalog.params[name].shape, cut, target.tp, kv_heads, grain, where)
@@ -92,7 +94,7 @@ def _split(name, shape, cut, tp, kv_heads, grain, where) -> Split:
         raise ReshardError(f"{where}: {name}: {shape[dim]} along dim {dim} gives tensor-parallel rank "
                            f"{sizes.index(min(sizes))} nothing at tp={tp}; DeepSpeed does not allow it")
     shapes = {r: shape[:dim] + (n,) + shape[dim + 1:] for r, n in enumerate(sizes)}
-    return _contiguous(shapes, dim, tp, f"AutoTP's cut at tp={tp}")
+    return contiguous(shapes, dim, tp, f"AutoTP's cut at tp={tp}")
 
 
 def _same_boxes(a: Split, b: Split | None) -> bool:
@@ -126,7 +128,7 @@ def _pattern(name: str) -> str:
 
 
 def _uc_info(catalog, cuts, maps, geometry, where) -> dict:
-    own = ((catalog.state.get("mp_rank_extra") or {}).get(0) or {}).get("universal_checkpoint_info")
+    own = (source_notes.mp_rank_extra(catalog).get(0) or {}).get("universal_checkpoint_info")
     if isinstance(own, dict):
         if own.get("sub_param_shard_widths") or own.get("parameter_with_sub_params"):
             raise ReshardError(f"{where}: fused sub-params' widths at a new degree are not derived; not supported")
