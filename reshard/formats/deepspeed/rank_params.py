@@ -69,8 +69,9 @@ def whole(catalog: Catalog) -> RankParams:
     return _compose(catalog, {name: (info.shape, None) for name, info in catalog.params.items()})
 
 
-def tp_rank(catalog: Catalog, rank: int, splits: dict, mp_rank: int | None = None) -> RankParams:
-    """Tensor-parallel rank `rank`'s shards at the degree `splits` (name -> tp_geometry.Split) cut."""
+def tp_rank(catalog: Catalog, rank: int, splits: dict) -> RankParams:
+    """Tensor-parallel rank `rank`'s shards at the degree `splits` (name -> tp_geometry.Split) cut; its mp rank
+    is `rank` (without pipeline stages)."""
     placed = {}
     for name in catalog.params:
         split = splits.get(name)
@@ -78,7 +79,7 @@ def tp_rank(catalog: Catalog, rank: int, splits: dict, mp_rank: int | None = Non
             raise ReshardError.at(catalog.root, f"{name}: how tensor parallelism cut it is unknown")
         shape = _shard_shape(name, split, rank)
         placed[name] = (shape, split.shard(rank, shape, held="all"))
-    return _compose(catalog, placed, rank if mp_rank is None else mp_rank)
+    return _compose(catalog, placed, rank)
 
 
 def _compose(catalog: Catalog, placed: dict, mp_rank: int = 0) -> RankParams:
