@@ -9,12 +9,11 @@ The Python API:
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from reshard.errors import CheckpointError, ReshardError
 from reshard.inspect import inspect
 from reshard.tensorio import full_tensor
 from reshard.validate import validate
+from reshard.version import __version__
 
 
 def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = None):

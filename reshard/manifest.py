@@ -12,13 +12,13 @@ import json
 import os
 
 from reshard.progress import bar as progress_bar
+from reshard.version import __version__
 
 NAME = "reshard-manifest.json"
 KIND = "reshard.manifest"
 
 
 def build(plan, digests: dict) -> dict:
-    from reshard import __version__
     source_files = sorted({op.src_file for f in plan.files for s in f.storages for op in s.ops
                            if hasattr(op, "src_file")})
     summary = plan.summary()

@@ -63,7 +63,7 @@ class TorchFile(TensorFile):
 
 
 @dataclass(frozen=True)
-class _Global:
+class GlobalName:
     """A global spelled by name; the pickler writes it without importing anything."""
     module: str
     name: str
@@ -72,8 +72,8 @@ class _Global:
         raise TypeError(f"{self.module}.{self.name} is only a name to pickle")
 
 
-_REBUILD = _Global("torch._utils", "_rebuild_tensor_v2")
-_SIZE = _Global("torch", "Size")
+_REBUILD = GlobalName("torch._utils", "_rebuild_tensor_v2")
+_SIZE = GlobalName("torch", "Size")
 
 
 @dataclass(frozen=True)
@@ -83,13 +83,13 @@ class _StorageId:
     numel: int
 
 
-class _TreePickler(pickle._Pickler):
+class TreePickler(pickle._Pickler):
     """Pure-Python pickler (metadata is small) whose globals are written by name, never imported."""
     dispatch = pickle._Pickler.dispatch.copy()
 
     def persistent_id(self, obj):
         if isinstance(obj, _StorageId):
-            return ("storage", _Global("torch", STORAGE_CLASS[obj.dtype]), obj.key, "cpu", obj.numel)
+            return ("storage", GlobalName("torch", STORAGE_CLASS[obj.dtype]), obj.key, "cpu", obj.numel)
         return None
 
     def reducer_override(self, obj):
@@ -113,9 +113,9 @@ class _TreePickler(pickle._Pickler):
 
     def save_global(self, obj, name=None):
         if isinstance(obj, DType):
-            glob = _Global("torch", obj.name)
+            glob = GlobalName("torch", obj.name)
         elif isinstance(obj, type) and obj in standins.GLOBAL_NAMES:
-            glob = _Global(*standins.GLOBAL_NAMES[obj])
+            glob = GlobalName(*standins.GLOBAL_NAMES[obj])
         else:
             return super().save_global(obj, name)
         self._write_global(glob)
@@ -128,13 +128,13 @@ class _TreePickler(pickle._Pickler):
         self._write_global(glob)
         self.memoize(glob)
 
-    dispatch[_Global] = _save_named_global
+    dispatch[GlobalName] = _save_named_global
 
 
 def pickle_tree(tree) -> bytes:
     """`data.pkl` bytes for an object tree (dicts, lists, numbers, strings, NewTensor, stand-ins)."""
     buf = io.BytesIO()
-    pickler = _TreePickler(buf, protocol=2)
+    pickler = TreePickler(buf, protocol=2)
     # No memo: equal trees give equal bytes whatever objects they share (a tied tensor written
     # twice still names one storage, so it loads shared), and the output is reproducible.
     pickler.fast = True

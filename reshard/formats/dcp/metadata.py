@@ -16,7 +16,7 @@ import io
 import pickle
 
 from reshard.errors import CheckpointError
-from reshard.formats.torchsave import _Global, _TreePickler
+from reshard.formats.torchsave import GlobalName, TreePickler
 from reshard.formats.torchzip import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
 
 _MD = "torch.distributed.checkpoint.metadata"
@@ -218,13 +218,13 @@ def _malformed(md: Metadata) -> str | None:
     return None
 
 
-class _MetadataPickler(_TreePickler):
+class _MetadataPickler(TreePickler):
     """pickle_tree's pickler, plus the DCP classes written under DCP's names."""
-    dispatch = _TreePickler.dispatch.copy()
+    dispatch = TreePickler.dispatch.copy()
 
     def reducer_override(self, obj):
         if isinstance(obj, Layout):
-            return (_Global("torch.serialization", "_get_layout"), (str(obj),))
+            return (GlobalName("torch.serialization", "_get_layout"), (str(obj),))
         if isinstance(obj, MemFormat):
             return (MemFormat, (obj.value,))
         if type(obj) in GLOBAL_NAMES:
@@ -233,7 +233,7 @@ class _MetadataPickler(_TreePickler):
 
     def save_global(self, obj, name=None):
         if isinstance(obj, type) and obj in GLOBAL_NAMES:
-            self._write_global(_Global(*GLOBAL_NAMES[obj]))
+            self._write_global(GlobalName(*GLOBAL_NAMES[obj]))
             self.memoize(obj)
         else:
             super().save_global(obj, name)

@@ -5,8 +5,8 @@ A PipelineEngine saves
   every layer using it). The file of layer XX is the same whatever the stage boundaries: written as read.
 * per stage s, `mp_rank_{s:02d}_model_states.pt` ("module" None: the weights are in the layer files) and
   the ZeRO-1 optimizer files (the only stage a PipelineEngine accepts) of the stage's params, which the
-  ordinary ZeRO writer produces over a view of the catalog holding that stage's params only (the tied ones
-  of every stage using them).
+  ordinary ZeRO writer produces from the stage's part of what its rank holds (RankParams.subset: the stage's
+  params, the tied ones of every stage using them).
 
 Stage boundaries follow DeepSpeed's PipelineModule._partition_layers: 'uniform' (equal layer counts),
 'parameters' (balanced trainable parameter counts, a tied module counted in each layer using it) or
@@ -29,7 +29,7 @@ boundaries; a one-stage source shows no `forward_fn` use at all.
 
 With tensor parallelism too (tp > 1, Megatron-style layers on DeepSpeed's PipeModelDataParallelTopology), TP
 rank t's layer files are `layer_XX-model_{t:02d}-model_states.pt` and its stage s is mp rank s * tp + t; each
-is written from tp_writer's shard-shaped view of rank t, its pieces mapped back to the full tensors. The boxes
+holds TP rank t's shards (rank_params.tp_rank), a stage the part of them it trains. The boxes
 are the source's at its own degree, else Megatron's even cut of the dims the rule file names (megatron_splits).
 At tp=1 the files have no `-model_TT` (a PipelineModule on its plain pipe x data topology). The 'parameters'
 partition counts full tensors; DeepSpeed counts each rank's shards, which cut alike whenever every cut dim
@@ -47,11 +47,14 @@ import numpy as np
 from reshard.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes
-from reshard.formats.deepspeed import writer
+from reshard.formats.deepspeed import notes, rank_params
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.tp_geometry import Geometry
+from reshard.formats.deepspeed.zero_files import rank_files
+from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
 from reshard.formats.torchsave import TorchFile
 from reshard.layout import Layout
-from reshard.targets import Piece, StageCut
+from reshard.targets import StageCut
 
 TIED = "tied_modules."
 
@@ -69,31 +72,24 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     layers = {int(i): entries for i, entries in layer_files.items()}
     cut = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
                            target.options.get("layer_types"))
-    if target.tp == 1:
-        out = [_layer_file(catalog, index, entries, tag) for index, entries in sorted(layers.items())]
-        out += _stage_files(catalog, target, cut, tag, tp_rank=0)
-        return out + writer.closing_files(tag, source_save_dir) + [cut.record()]
-    # tensor AND pipeline parallel: per TP rank t, the shard-shaped view tp_writer writes TP ranks from; its
-    # layer files are layer_XX-model_{t:02d}-..., its stages mp ranks stage * tp + t (DeepSpeed's
-    # PipelineParallelGrid orders the model-parallel group pipe-major); pieces mapped back to full tensors.
-    from reshard.formats.deepspeed import tp_writer
-    splits = notes.of(catalog).tp_splits if target.tp == catalog.layout.tp else megatron_splits(catalog, target.tp)
+    zt = ZeroTarget(catalog, target)
+    if target.tp == 1:     # a PipelineModule on its plain pipe x data topology: layer files without -model_TT
+        held = [(None, rank_params.whole(catalog))]
+    else:                  # TP rank t's shards (the source's boxes at its own degree, else Megatron's even cut)
+        splits = (notes.of(catalog).tp_splits if target.tp == catalog.layout.tp
+                  else megatron_splits(catalog, target.tp))
+        held = [(t, rank_params.tp_rank(catalog, t, splits)) for t in range(target.tp)]
     out = []
-    for t in range(target.tp):
-        view, shards = tp_writer.rank_view(catalog, t, splits)
-        files = [_layer_file(view, index, entries, tag, tp_rank=t) for index, entries in sorted(layers.items())]
-        files += _stage_files(view, target, cut, tag, tp_rank=t)
-        for file in files:
-            file.pieces = {key: tp_writer.on_shards(pieces, shards) for key, pieces in file.pieces.items()}
-        out += files
-    return out + writer.closing_files(tag, source_save_dir) + [cut.record()]
+    for tp_rank, params in held:
+        out += [_layer_file(catalog, params, index, entries, tag, tp_rank) for index, entries in sorted(layers.items())]
+        out += _stage_files(zt, params, target, cut, tag, tp_rank or 0)
+    return out + closing_files(tag, source_save_dir) + [cut.record()]
 
 
 def megatron_splits(catalog: Catalog, tp: int) -> dict:
     """The boxes of every parameter at a new tensor-parallel degree, cut as Megatron's layers cut: each rank
     an equal 1/tp of the dim its rule names (vocabulary rows, fused QKV, each SwiGLU half), the rest whole.
     Megatron asserts those dims divide by tp, and so does this."""
-    from reshard.formats.deepspeed.tp_geometry import Geometry
     rules_path = notes.of(catalog).tp_rules
     if not rules_path:
         raise ReshardError.at(catalog.root, f"tp={catalog.layout.tp} -> tp={tp}: how the pipeline's layers are "
@@ -120,13 +116,14 @@ def megatron_splits(catalog: Catalog, tp: int) -> dict:
     return splits
 
 
-def _stage_files(catalog, target, cut, tag, tp_rank) -> list:
+def _stage_files(zt: ZeroTarget, params: RankParams, target: Layout, cut, tag: str, tp_rank: int) -> list:
+    """The ZeRO files of each stage of TP rank tp_rank: its mp rank is stage * tp + tp_rank (DeepSpeed's
+    PipelineParallelGrid orders the model-parallel group pipe-major), its module in the layer files."""
     out = []
     for stage in range(target.pp):
-        view = _stage_view(catalog, cut.uses, range(cut.parts[stage], cut.parts[stage + 1]))
-        ctx = writer._Context(view, target, mp_rank=stage * target.tp + tp_rank, model_extra={"shared_params": {}})
-        ctx.module_in_layer_files = True
-        out += writer.rank_files(ctx, tag)
+        held = _stage_params(params, cut.uses, range(cut.parts[stage], cut.parts[stage + 1]))
+        out += rank_files(zt, params.subset(held, stage * target.tp + tp_rank, weights_in_layer_files=True), tag,
+                          {"shared_params": {}})
     return out
 
 
@@ -235,8 +232,8 @@ def _layer_uses(catalog: Catalog, layers: dict):
     files = tuple(tuple(n for _, n in layers.get(i, []) if n) for i in range(max(layers) + 1))
     yield files
     last = catalog.layout.pp - 1
-    trained = notes.of(catalog).stages
-    keys = sorted({n.split(".")[1] for n, stages in trained.items() if n.startswith(TIED) and last in stages})
+    keys = sorted({n.split(".")[1] for n, stages in notes.of(catalog).stages.items()
+                   if n.startswith(TIED) and last in stages})
     if last > 0 and keys:
         yield files + tuple(tuple(n for n in catalog.order if n.startswith(f"{TIED}{key}.")) for key in keys)
 
@@ -270,29 +267,23 @@ def _gives_source_stages(catalog, uses, parts) -> bool:
         for index in range(parts[stage], min(parts[stage + 1], len(uses))):
             for name in uses[index]:
                 trained.setdefault(name, set()).add(stage)
-    return all(sorted(trained.get(name, ())) == sorted(notes.of(catalog).stages.get(name, ()))
+    source_stages = notes.of(catalog).stages
+    return all(sorted(trained.get(name, ())) == sorted(source_stages.get(name, ()))
                for name, info in catalog.params.items() if info.kind == "trainable")
 
 
 # ------------------------------------------------------------------------------------------ files
 
-def _stage_view(catalog: Catalog, uses: tuple, indices) -> Catalog:
-    """The catalog of one stage: its params as its PipelineModule orders them (tied modules first)."""
+def _stage_params(params: RankParams, uses: tuple, indices) -> list:
+    """The params of one stage as its PipelineModule orders them (tied modules first)."""
     held = [n for i in indices if i < len(uses) for n in uses[i]]
-    tied = [n for n in catalog.order if n.startswith(TIED) and n in held]
+    tied = [n for n in params.order if n.startswith(TIED) and n in held]
     own = [n for n in dict.fromkeys(held) if not n.startswith(TIED)]
-    order = tied + own
-    view = Catalog(root=catalog.root, format=catalog.format, layout=catalog.layout)
-    view.tag, view.training, view.notes = catalog.tag, catalog.training, catalog.notes
-    view.order = order
-    view.params = {n: catalog.params[n] for n in order}
-    view.tensors = {k: t for k, t in catalog.tensors.items() if k[0] in view.params}
-    view.param_groups = [{**g, "params": [n for n in order if n in set(g["params"])]} for g in catalog.param_groups]
-    view.group_scalars = catalog.group_scalars
-    return view
+    return tied + own
 
 
-def _layer_file(catalog: Catalog, index: int, entries: list, tag: str, tp_rank: int | None = None) -> TorchFile:
+def _layer_file(catalog: Catalog, params: RankParams, index: int, entries: list, tag: str,
+                tp_rank: int | None = None) -> TorchFile:
     name = names.layer_states_name(index, tp_rank)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     tree = OrderedDict()
@@ -300,7 +291,7 @@ def _layer_file(catalog: Catalog, index: int, entries: list, tag: str, tp_rank: 
         if full_name is None:
             raise ReshardError.at(catalog.root, f"{name}: {key} is not a tensor; layer files holding other objects "
                                                 "are not supported")
-        tensor = catalog.tensors[(full_name, MODULE)]
-        tree[key] = file.slot(tensor.dtype, tensor.shape, [Piece(tensor.numel, (full_name, MODULE), 0)])
+        param = params.by_name[full_name]
+        tree[key] = file.slot(param.module_dtype, param.shape, [param.piece(MODULE, 0, param.numel)])
     file.tree = tree
     return file

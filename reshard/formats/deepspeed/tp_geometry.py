@@ -215,7 +215,7 @@ def from_rule(name, rule, shard_shapes, tp, source) -> Split:
     if missing:   # a rank's files are missing (reported elsewhere): assume its shard is like rank 0's
         shapes.update({r: any_shape for r in missing})
     if rule.kind == "split":
-        return _contiguous(shapes, dim, tp, source)
+        return contiguous(shapes, dim, tp, source)
     return _sub_params(name, rule, shapes, dim, tp, source)
 
 
@@ -226,7 +226,7 @@ def _box(start_in_dim, shard_start_in_dim, size, dim, shape):
     return full_start, shard_start, box
 
 
-def _contiguous(shapes, dim, tp, source) -> Split:
+def contiguous(shapes, dim, tp, source) -> Split:
     pieces, offset = {}, 0
     for r in range(tp):
         size = shapes[r][dim]

@@ -21,7 +21,7 @@ import re
 
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import notes
-from reshard.formats.deepspeed.tp_geometry import Geometry, Split, _contiguous, replicated
+from reshard.formats.deepspeed.tp_geometry import Geometry, Split, contiguous, replicated
 from reshard.geometry import strides
 
 UC_VERSION = 0.4          # deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8)
@@ -69,9 +69,10 @@ def recut(catalog, target) -> tuple:
             raise ReshardError(f"{where}: {rules_path} does not say how AutoTP cuts {name} at another degree "
                                "(a rule with 'recut': 'heads' or 'even')")
     if catalog.layout.tp > 1:               # the rules must reproduce the source's own cut
+        source_splits = notes.of(catalog).tp_splits
         for name, cut in cuts.items():
             again = _split(name, catalog.params[name].shape, cut, catalog.layout.tp, kv_heads, grain, where)
-            if not _same_boxes(again, notes.of(catalog).tp_splits.get(name)):
+            if not _same_boxes(again, source_splits.get(name)):
                 raise ReshardError(f"{where}: {name}: the rules{' and kv_heads=' + str(kv_heads) if kv_heads else ''}"
                                    " do not give the cut the source was saved with; they do not describe this model")
     splits = {name: _split(name, catalog.params[name].shape, cut, target.tp, kv_heads, grain, where)
@@ -93,7 +94,7 @@ def _split(name, shape, cut, tp, kv_heads, grain, where) -> Split:
         raise ReshardError(f"{where}: {name}: {shape[dim]} along dim {dim} gives tensor-parallel rank "
                            f"{sizes.index(min(sizes))} nothing at tp={tp}; DeepSpeed does not allow it")
     shapes = {r: shape[:dim] + (n,) + shape[dim + 1:] for r, n in enumerate(sizes)}
-    return _contiguous(shapes, dim, tp, f"AutoTP's cut at tp={tp}")
+    return contiguous(shapes, dim, tp, f"AutoTP's cut at tp={tp}")
 
 
 def _same_boxes(a: Split, b: Split | None) -> bool:

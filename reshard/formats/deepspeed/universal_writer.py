@@ -18,6 +18,7 @@ copies the source's. A param AutoTP described by an affine map gets `{'param': f
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import replace
@@ -25,12 +26,14 @@ from dataclasses import replace
 from reshard.catalog import MASTER, MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats import standins
-from reshard.formats.deepspeed import notes
+from reshard.formats.deepspeed import notes, rank_params, tp_writer, zero12_writer, zero3_writer
+from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
+from reshard.formats.deepspeed.zero_target import ZeroTarget, scalar_slot
 from reshard.formats.torchsave import TorchFile
 from reshard.layout import Layout
-from reshard.targets import Output, Piece, StageCut, TextFile
+from reshard.targets import Output, Piece, TextFile
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -43,9 +46,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if target.tp > 1 or catalog.layout.tp > 1:
         out = _tensor_parallel_flavour(catalog, target, tag)
     elif target.zero == 3:
-        out = _zero3_flavour(zero_writer._Context(catalog, target), tag)
+        out = _zero3_flavour(ZeroTarget(catalog, target), rank_params.whole(catalog), tag)
     else:
-        out = _zero12_flavour(zero_writer._Context(catalog, target), tag)
+        out = _zero12_flavour(ZeroTarget(catalog, target), rank_params.whole(catalog), tag)
     out.append(TextFile(uc.LATEST_UNIVERSAL, tag))   # ds_to_universal writes the bare tag
     return out
 
@@ -79,7 +82,7 @@ def _check_target(catalog, target):
         if unloadable:
             raise ReshardError(f"optimizer states {', '.join(unloadable)}: DeepSpeed's ZeRO-3 universal loader reads "
                                "only fp32, exp_avg and exp_avg_sq (stage3.py); write --to zero=1 or 2 instead")
-        if any(uc.STEP not in s for s in scalars) or not scalars:
+        if any("step" not in s for s in scalars) or not scalars:
             raise ReshardError("DeepSpeed's ZeRO-3 universal loader needs an optimizer step count, "
                                "and this checkpoint has none")
 
@@ -88,21 +91,20 @@ def _check_target(catalog, target):
 # ZeRO-1/2 and BF16_Optimizer: {'cat_dim': 0, 'param': full shape} per state, step.pt per param
 
 
-def _zero12_flavour(ctx, tag, tp_keys=None) -> list:
-    catalog = ctx.catalog
-    groups = [zero_writer._FlatGroup(ctx, g) for g in range(len(catalog.param_groups))]
-    out = [zero_writer._zero12_model_states(ctx, groups, tag)]
-    for p in ctx.trainable():
-        for state in (MASTER, *ctx.states):
+def _zero12_flavour(zt, params, tag, tp_keys=None) -> list:
+    groups = zero12_writer.flat_groups(zt, params)
+    out = [zero12_writer.model_states(zt, params, groups, tag, {})]
+    for p in params.of_kind("trainable"):
+        for state in (MASTER, *zt.states):
             out.append(_shaped_file(uc.state_file(tag, p.name, state), p.shape,
-                                    [Piece(ctx.numel(p.name), (p.name, state), 0)], (tp_keys or {}).get(p.name)))
-        step = ctx.scalars(p.group).get(uc.STEP)
+                                    [p.piece(state, 0, p.numel)], (tp_keys or {}).get(p.name)))
+        step = zt.scalars(p.group).get(uc.STEP)
         if step is not None:
             file = TorchFile(uc.state_file(tag, p.name, uc.STEP), archive=uc.STEP)
-            file.tree = zero_writer._scalar_slot(file, step)
+            file.tree = scalar_slot(file, step)
             out.append(file)
-    out += _module_only_files(ctx, tag)
-    out.append(_zero12_optimizer_state(ctx, groups, tag))
+    out += _module_only_files(zt.catalog, tag)
+    out.append(_zero12_optimizer_state(zt, params, groups, tag))
     return out
 
 
@@ -118,7 +120,6 @@ def _shaped_file(path, shape, pieces, keys=None) -> TorchFile:
 
 
 def _tensor_parallel_flavour(catalog, target, tag) -> list:
-    from reshard.formats.deepspeed import files as names, tp_writer
     whole, tp_keys = replace(target, tp=1), _tp_keys(catalog)
     if catalog.layout.tp > 1:
         unmapped = [n for n, p in catalog.params.items() if p.kind == "trainable" and n not in tp_keys]
@@ -126,21 +127,14 @@ def _tensor_parallel_flavour(catalog, target, tag) -> list:
             raise ReshardError.at(catalog.root, f"{unmapped[0]}: no AutoTP affine map in its "
                                                 "universal_checkpoint_info; universal checkpoints of tensor-parallel "
                                                 "sources are written for AutoTP only")
-    out = [f for f in _zero12_flavour(zero_writer._Context(catalog, whole), tag, tp_keys)
-           if not f.path.startswith(f"{tag}/mp_rank_")]
+    zt, params = ZeroTarget(catalog, whole), rank_params.whole(catalog)
+    out = [f for f in _zero12_flavour(zt, params, tag, tp_keys) if not f.path.startswith(f"{tag}/mp_rank_")]
     if target.tp == 1:
-        out.append(_whole_model_states(catalog, whole, tag))
+        out.append(zero12_writer.model_states(zt, params, zero12_writer.flat_groups(zt, params), tag, {}))
     else:
         model_states = {f"{tag}/{names.model_states_name(r)}" for r in range(target.tp)}
-        out += [f for f in tp_writer.target_files(catalog, target, tag)
-                if not isinstance(f, StageCut) and f.path in model_states]
+        out += [f for f in tp_writer.target_files(catalog, target, tag) if f.path in model_states]
     return out
-
-
-def _whole_model_states(catalog, target, tag):
-    ctx = zero_writer._Context(catalog, target)
-    groups = [zero_writer._FlatGroup(ctx, g) for g in range(len(catalog.param_groups))]
-    return zero_writer._zero12_model_states(ctx, groups, tag)
 
 
 def _tp_keys(catalog) -> dict:
@@ -164,13 +158,13 @@ def _tp_keys(catalog) -> dict:
     return out
 
 
-def _module_only_files(ctx, tag) -> list:
+def _module_only_files(catalog, tag) -> list:
     """fp32.pt of every module entry without optimizer state (frozen params, tied names, buffers).
 
     ds_to_universal writes them (from the 16-bit module copy) and no loader reads them; we write the
     same files so the trees match, a tied name taking its holder's fp32 master rather than the copy.
     """
-    catalog, out = ctx.catalog, []
+    out = []
     for key in catalog.order:
         holder = catalog.aliases.get(key, key)
         info = catalog.params.get(holder)
@@ -180,7 +174,7 @@ def _module_only_files(ctx, tag) -> list:
         if source not in catalog.tensors:
             continue
         out.append(_paramless_file(uc.state_file(tag, key, MASTER), info.shape,
-                                   [Piece(ctx.numel(holder), source, 0)]))
+                                   [Piece(math.prod(info.shape), source, 0)]))
     return out
 
 
@@ -190,9 +184,9 @@ def _paramless_file(path, shape, pieces) -> TorchFile:
     return file
 
 
-def _zero12_optimizer_state(ctx, groups, tag) -> TorchFile:
+def _zero12_optimizer_state(zt, params, groups, tag) -> TorchFile:
     """Rank 0's optimizer file without its slices, plus the param groups (ds_to_universal's layout)."""
-    rank0 = zero_writer._zero12_optim_states(ctx, 0, groups, tag).tree["optimizer_state_dict"]
+    rank0 = zero12_writer.optim_states(zt, params, 0, groups, tag).tree["optimizer_state_dict"]
     file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
     tree = {k: v for k, v in rank0.items() if k not in _SHARDED_KEYS}
     tree["param_groups"] = rank0["base_optimizer_state"]["param_groups"]
@@ -204,34 +198,34 @@ def _zero12_optimizer_state(ctx, groups, tag) -> TorchFile:
 # ZeRO-3: bare flat fp32 tensors, the step and hyper-parameters in optimizer_state.pt
 
 
-def _zero3_flavour(ctx, tag) -> list:
-    sub_groups = zero_writer._zero3_sub_groups(ctx)
-    out = [zero_writer._zero3_model_states(ctx, rank, sub_groups, tag) for rank in range(ctx.dp)]
-    for p in ctx.trainable():
-        for state in (MASTER, *ctx.states):
+def _zero3_flavour(zt, params, tag) -> list:
+    sub_groups = zero3_writer.sub_groups(zt, params)
+    out = [zero3_writer.model_states(zt, params, rank, sub_groups, tag, {}) for rank in range(zt.dp)]
+    for p in params.of_kind("trainable"):
+        for state in (MASTER, *zt.states):
             path = uc.state_file(tag, p.name, state)
             file = TorchFile(path, archive=state)
-            file.tree = file.slot("float32", (ctx.numel(p.name),), [Piece(ctx.numel(p.name), (p.name, state), 0)])
+            file.tree = file.slot("float32", (p.numel,), [p.piece(state, 0, p.numel)])
             out.append(file)
-    out.append(_zero3_optimizer_state(ctx, sub_groups, tag))
+    out.append(_zero3_optimizer_state(zt, sub_groups, tag))
     return out
 
 
-def _zero3_optimizer_state(ctx, sub_groups, tag) -> TorchFile:
+def _zero3_optimizer_state(zt, sub_groups, tag) -> TorchFile:
     """What the ZeRO-3 loader reads: loss scaler, per-sub-group step, param groups.
 
     ds_to_universal copies rank 0's whole optimizer file here, its fp32 and moment partitions
     included, which no loader reads; we leave those out.
     """
     file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
-    state, members = {}, [[] for _ in ctx.catalog.param_groups]
+    state, members = {}, [[] for _ in zt.catalog.param_groups]
     for i, (g, _) in enumerate(sub_groups):
-        state[i] = {key: zero_writer._scalar_slot(file, value) for key, value in ctx.scalars(g).items()}
+        state[i] = {key: scalar_slot(file, value) for key, value in zt.scalars(g).items()}
         members[g].append(i)
-    param_groups = [{**ctx.hyper_params(g), "params": m} for g, m in enumerate(members)]
-    scaler = ctx.loss_scaler_state()
+    param_groups = [{**zt.hyper_params(g), "params": m} for g, m in enumerate(members)]
+    scaler = zt.loss_scaler_state()
     file.tree = {"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
                  "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
-                 "partition_count": ctx.dp, "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+                 "partition_count": zt.dp, "optimizer_state_dict": {"state": state, "param_groups": param_groups},
                  "param_groups": param_groups}
     return file

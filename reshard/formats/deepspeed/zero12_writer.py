@@ -1,0 +1,182 @@
+"""ZeRO-1/2 (and BF16_Optimizer) files of one model-parallel rank at the target dp (zero12.py reads them).
+
+Per optimizer param group, DeepSpeed flattens the rank's trainable params (round-robin order if configured,
+optional per-param alignment), pads the end to 2*dp and cuts it into dp equal partitions. The params are
+those of a RankParams (shards of the full tensors under tensor parallelism), so each partition's pieces are
+flat ranges of those shards.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from reshard.catalog import MASTER, MODULE
+from reshard.dtypes import itemsize
+from reshard.formats import standins
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry, \
+    weight_source
+from reshard.formats.torchsave import TorchFile
+from reshard.formats.torchzip import Size
+from reshard.geometry import ceil_div, intersect
+from reshard.targets import Piece
+
+
+class FlatGroup:
+    """One param group of a rank flattened as DeepSpeed does for the target dp."""
+
+    def __init__(self, zt: ZeroTarget, params: RankParams, g: int):
+        self.g = g
+        self.params = params
+        self.original = list(params.groups[g])
+        self.flat = _round_robin(self.original, zt.dp) if zt.round_robin else list(self.original)
+        align = 16 // math.gcd(16, itemsize(zt.lp_dtype)) if zt.param_alignment else 1
+        self.offsets, self.paddings, offset = {}, [], 0
+        for i, name in enumerate(self.flat):
+            self.offsets[name] = offset
+            offset += self.numel(name)
+            pad = 0 if i == len(self.flat) - 1 else (-offset) % align
+            self.paddings.append(pad)
+            offset += pad
+        self.end = offset
+        self.padded = ceil_div(offset, 2 * zt.dp) * 2 * zt.dp
+        self.part = self.padded // zt.dp
+
+    def numel(self, name: str) -> int:
+        return self.params.by_name[name].numel
+
+    def tail_padding(self, rank: int) -> int:
+        lo = rank * self.part
+        return max(0, min(lo + self.part, self.padded) - max(lo, self.end))
+
+    def pieces(self, state: str, lo: int, hi: int) -> list:
+        """Elements [lo, hi) of the flat group for `state`, as pieces (zeros in the gaps)."""
+        out, cursor = [], lo
+        for name in self.flat:
+            start = self.offsets[name]
+            overlap = intersect(start, start + self.numel(name), lo, hi)
+            if overlap is None:
+                continue
+            a, b = overlap
+            if a > cursor:
+                out.append(Piece.zeros(a - cursor))
+            out.append(self.params.by_name[name].piece(state, a - start, b - a))
+            cursor = b
+        if hi > cursor:
+            out.append(Piece.zeros(hi - cursor))
+        return out
+
+    def slice_mappings(self, rank: int) -> OrderedDict:
+        """param_slice_mappings exactly as DeepSpeed writes them.
+
+        DeepSpeed computes them in the original param order, with offsets of the flat buffer only
+        when per-param alignment padding exists, else by summing sizes in the original order; under
+        round_robin_gradients that is not where the params are (its defect B1). Nothing loads them,
+        but readers take the original order from them, so we write the same.
+        """
+        lo, hi = rank * self.part, (rank + 1) * self.part
+        offsets, running = {}, 0
+        for name in self.original:
+            offsets[name] = self.offsets[name] if any(self.paddings) else running
+            running += self.numel(name)
+        mappings = OrderedDict()
+        for name in self.original:
+            start = offsets[name]
+            overlap = intersect(start, start + self.numel(name), lo, hi)
+            if overlap:
+                mappings[name] = standins.fragment_address(numel=overlap[1] - overlap[0], start=overlap[0] - lo)
+        return mappings
+
+
+def flat_groups(zt: ZeroTarget, params: RankParams) -> list:
+    return [FlatGroup(zt, params, g) for g in range(len(params.groups))]
+
+
+def _round_robin(names_in_order, dp):
+    """DeepSpeed's _round_robin_reorder: param i goes to bucket i % dp, buckets concatenated."""
+    buckets = OrderedDict()
+    for i, name in enumerate(names_in_order):
+        buckets.setdefault(i % dp, []).append(name)
+    return [name for bucket in buckets.values() for name in bucket]
+
+
+def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, extra: dict) -> TorchFile:
+    name = names.model_states_name(params.mp_rank)
+    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+
+    def full(p):    # ZeRO-1/2 save the whole 16-bit module: buffers, frozen and trainable weights
+        dtype = p.module_dtype if p.kind == "buffer" else zt.lp_dtype
+        state = MODULE if p.kind != "trainable" else weight_source(p)
+        return file.slot(dtype, p.shape, [p.piece(state, 0, p.numel)])
+
+    frozen = params.of_kind("frozen")
+    if params.weights_in_layer_files:     # a PipelineModule's weights are in layer files; frozen ones too
+        module, slots = None, {p.name: None for p in frozen}
+    else:
+        module, slots = module_tree(params, full)
+    stage2 = zt.target.zero == 2
+    shape = lambda n: Size(params.by_name[n].shape)
+    file.tree = {
+        "module": module,
+        "buffer_names": buffer_names(params),
+        "optimizer": None,
+        "param_shapes": [OrderedDict((n, shape(n)) for n in group.flat) for group in groups],
+        "frozen_param_shapes": OrderedDict((p.name, Size(p.shape)) for p in frozen) if stage2 else None,
+        "shared_params": extra.get("shared_params", dict(params.aliases)),
+        "frozen_param_fragments": OrderedDict((p.name, slots[p.name]) for p in frozen) if stage2 else None,
+        **zt.model_states_tail(extra),
+    }
+    return file
+
+
+def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str) -> TorchFile:
+    name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
+    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    fp32_parts, paddings, states, lean_states, param_groups, mappings = [], [], {}, [], [], []
+    for group in groups:
+        lo = rank * group.part
+        pad = group.tail_padding(rank)
+        lean = group.part - pad
+        fp32_len = group.part if zt.bf16_optimizer else lean
+        fp32_parts.append(file.slot("float32", (fp32_len,), group.pieces(MASTER, lo, lo + fp32_len)))
+        state_len = lean if zt.elastic else group.part
+        entry = state_dict_entry(zt, file, group.g, {
+            s: (state_len, group.pieces(s, lo, lo + state_len)) for s in zt.states})
+        if zt.elastic:
+            lean_states.append(entry)
+        else:
+            states[group.g] = entry
+        param_groups.append({**zt.hyper_params(group.g), "params": [group.g]})
+        paddings.append(pad)
+        mappings.append(group.slice_mappings(rank))
+    base = lean_states if zt.elastic else {"state": states, "param_groups": param_groups}
+    count = [zt.dp] * len(groups)
+    if zt.bf16_optimizer:
+        inner = {"clip_grad": zt.loss_scaler_state()["clip_grad"], "base_optimizer_state": base,
+                 "single_partition_of_fp32_groups": fp32_parts, "group_paddings": paddings,
+                 "partition_count": count, "ds_version": zt.ds_version, "param_slice_mappings": mappings}
+    else:
+        inner = {**zt.loss_scaler_state(), "base_optimizer_state": base}
+        if zt.elastic:
+            inner.update(_elastic_step(zt))
+        inner.update({"single_partition_of_fp32_groups": fp32_parts,
+                      "zero_stage": standins.ZeroStageEnum(zt.target.zero), "group_paddings": paddings,
+                      "param_alignment_paddings": [list(group.paddings) for group in groups],
+                      "partition_count": count, "ds_version": zt.ds_version, "param_slice_mappings": mappings})
+    file.tree = {"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version}
+    return file
+
+
+def _elastic_step(zt: ZeroTarget) -> dict:
+    """`base_optimizer_state_step` for elastic files.
+
+    DeepSpeed writes it only when the optimizer keeps `step` in its param groups (its FusedAdam),
+    yet its elastic loader asserts it is there, so its own elastic checkpoints of torch.optim.Adam
+    cannot be resumed. We always write it (the per-group step counter) so the engine can load ours.
+    """
+    steps = zt.catalog.scalar_values("step")
+    if len(steps) != 1:
+        return {}
+    step = steps.pop()
+    return {"base_optimizer_state_step": int(step) if float(step).is_integer() else step}
