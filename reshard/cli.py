@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import reshard
+from reshard import cli_text
 from reshard.errors import ReshardError, UsageError
 from reshard.inspect import human_bytes, jsonable
 from reshard.layout import SPEC_KEYS
@@ -277,55 +278,12 @@ def _inspect(args) -> int:
         json.dump(jsonable(info), sys.stdout, indent=2)
         print()
     else:
-        _print_inspect(info)
+        cli_text.print_inspect(info)
     if catalog.problems:    # what could be read is shown; the checkpoint is still not whole
         more = f" (and {len(catalog.problems) - 1} more; run `reshard validate`)" if len(catalog.problems) > 1 else ""
         print(f"reshard: {catalog.problems[0]}{more}", file=sys.stderr)
         return 1
     return 0
-
-
-def _print_inspect(info) -> None:
-    t = info["topology"]
-    print(f"{info['path']}")
-    print(f"  format        {info['format']} (tag {info['tag']})")
-    print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}), "
-          f"ZeRO stage {info['zero_stage']}")
-    known = {k: "unknown" if info[k] is None else info[k]
-             for k in ("dtype", "master_dtype", "optimizer", "step", "global_steps", "global_samples")}
-    print(f"  dtypes        model {known['dtype']}, master {known['master_dtype']}")
-    print(f"  optimizer     {known['optimizer']}: states {', '.join(info['optimizer_states']) or 'none'}")
-    if info["options"]:
-        print(f"  options       {', '.join(f'{k}={v}' for k, v in info['options'].items())}")
-    print(f"  step          {known['step']} (global_steps {known['global_steps']}, "
-          f"global_samples {known['global_samples']})")
-    print(f"  parameters    {info['parameters']} ({info['elements']:,} elements): {info['trainable']} trainable, "
-          f"{info['frozen']} frozen; {info['buffers']} buffers")
-    for alias, source in info["aliases"].items():
-        print(f"  tied          {alias} -> {source}")
-    for g, group in enumerate(info["param_groups"]):
-        hyper = ", ".join(f"{k}={v}" for k, v in group.items() if k != "params")
-        print(f"  group {g:<7} {group['params']} params; {hyper}")
-        split = [s for s in info["split_scalars"] if s["group"] == g]
-        for key in dict.fromkeys(s["key"] for s in split):
-            print(f"  {'':<13} {key} differs per parameter: " +
-                  ", ".join(f"{s['value']} at {s['param']}" for s in split if s["key"] == key))
-    for state, n in info["bytes_per_state"].items():
-        print(f"  {state:<13} {human_bytes(n)}")
-    print(f"  files         {len(info['files'])}, {human_bytes(sum(f['bytes'] for f in info['files']))}")
-    for f in info["files"]:
-        print(f"    {f['path']:<48} {human_bytes(f['bytes']):>10}")
-    if info["problems"]:
-        print(f"  problems      {info['problems']} (run `reshard validate`)")
-    for row in info.get("parameter_table", []):
-        shape = "x".join(map(str, row["shape"])) or "scalar"
-        group = "" if row["group"] is None else f"group {row['group']}"
-        tied = f"tied: {', '.join(row['tied_to_it'])}" if row["tied_to_it"] else ""
-        where = f"tp {row['tensor_parallel']}" if "tensor_parallel" in row else ""
-        if len(row.get("stages", [])) > 1:
-            where = f"stages {','.join(map(str, row['stages']))}"
-        print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {group:<8} "
-              f"{','.join(row['states'])} {tied} {where}".rstrip())
 
 
 def _validate(args) -> int:
@@ -349,7 +307,7 @@ def _make_plan(args):
 
 def _plan(args) -> int:
     catalog, plan = _make_plan(args)
-    summary = _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
+    summary = cli_text.print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
     if not summary["disk_ok"]:
         print(f"reshard: {summary['free_disk_at']}: {human_bytes(summary['free_disk_bytes'])} free, the conversion "
               f"writes {human_bytes(plan.bytes_written)}", file=sys.stderr)
@@ -361,7 +319,7 @@ def _convert(args) -> int:
     from reshard.executor import execute
     catalog, plan = _make_plan(args)
     if args.dry_run:
-        _print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
+        cli_text.print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
         return 0
     group = _group()
     try:
@@ -439,49 +397,6 @@ def _group():
     """Under torchrun, the ranks share the files of one plan; otherwise this process writes them all."""
     from reshard.distributed import Solo, TorchGroup, launched_by_torchrun
     return TorchGroup() if launched_by_torchrun() else Solo()
-
-
-def _print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
-    import os
-    import shutil
-    from reshard.convert import batch_size_advice
-    from reshard.executor import BUFFERS_PER_WORKER, chunk_bytes
-
-    summary = plan.summary()
-    buffers = BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers) * workers
-    summary["estimated_peak_buffer_bytes"] = buffers
-    where = os.path.abspath(dst) if dst else os.getcwd()
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
-    free = shutil.disk_usage(where).free
-    summary["free_disk_bytes"] = free
-    summary["free_disk_at"] = where
-    summary["disk_ok"] = free > plan.bytes_written
-    summary["advice"] = batch_size_advice(catalog, plan.target, fmt)
-    if as_json:
-        json.dump(summary, sys.stdout, indent=2)
-        print()
-        return summary
-    print(f"source   {plan.source}")
-    print(f"         {summary['source_topology']}")
-    print(f"target   {plan.output.words()}")
-    if plan.stage_cut:
-        print(f"stages   {plan.stage_cut.line()}")
-        if plan.stage_cut.ambiguous:
-            print(f"note     {plan.stage_cut.ambiguous}")
-    print(f"files    {len(summary['files'])} to write:")
-    for f in summary["files"]:
-        copied = " (copied)" if "copied_from" in f else ""
-        print(f"           {f['path']:<56} {human_bytes(f['bytes']):>10}{copied}")
-    print(f"read     {human_bytes(summary['bytes_read'])}")
-    print(f"write    {human_bytes(summary['bytes_written'])}")
-    print(f"memory   copy buffers at most {human_bytes(buffers)} (--memory-budget {human_bytes(memory_budget)}, "
-          f"{workers} worker(s))")
-    verdict = "enough" if summary["disk_ok"] else "NOT ENOUGH"
-    print(f"disk     {human_bytes(free)} free at {where}: {verdict}")
-    if summary["advice"]:
-        print(f"advice   {summary['advice']}")
-    return summary
 
 
 if __name__ == "__main__":
