@@ -11,7 +11,7 @@
         A Llama-70B-shaped Megatron-DeepSpeed pipeline (GPTModelPipe) at tp x pp, bf16 ZeRO-1, laid
         out by reshard's DeepSpeed writer, every header real and every tensor byte a hole: ~0.97 TB
         apparent, ~22 MB on disk (tools/bench_sparse.py). Read it with --layout-rules layouts/megatron-gpt.json.
-    python tools/bench.py make-tp DIR [--tp 2] [--dp 1] [--layers 1] [--vocab 4096]
+    python tools/bench.py make-tp DIR [--tp 2] [--dp 1] [--layers 1] [--vocab 4096] [--intermediate 11008]
         A random Hugging Face Llama (hidden 4096, intermediate 11008, 32 heads / 8 key-value heads)
         trained one step by the real engine with AutoTP, bf16 ZeRO-1, saved to DIR/checkpoint (3.2 GB).
     python tools/bench.py make-dcp DIR [--ranks 2] [--tensors 4]
@@ -117,7 +117,8 @@ def _torchrun(world, args, what):
 
 def make_tp(args):
     """A realistic-width AutoTP Llama checkpoint saved by the real engine (bench_checkpoints.py tp)."""
-    seconds = _torchrun(args.tp * args.dp, ["tp", args.dir, args.tp, args.layers, args.vocab], "make-tp")
+    seconds = _torchrun(args.tp * args.dp, ["tp", args.dir, args.tp, args.layers, args.vocab, args.intermediate],
+                        "make-tp")
     print(f"made {args.dir}/checkpoint (tp={args.tp}, dp={args.dp}, kv_heads=8) in {seconds:.0f} s: "
           f"{du(args.dir) / 1e9:.2f} GB")
 
@@ -273,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     m.add_argument("--layers", type=int, default=1, help="decoder layers (default 1)")
     m.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096: 3.2 GB at one layer)")
+    m.add_argument("--intermediate", type=int, default=11008,
+                   help="MLP width (default 11008; 512 gives a narrow model: many short rows per row-parallel shard)")
     what = "save column-sharded (Shard(1)) 4096x11008 fp32 DTensors with Adam state by torch's dcp.save"
     m = command("make-dcp", what)
     m.add_argument("dir", help="the DCP dir to create")

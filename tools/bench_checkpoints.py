@@ -19,9 +19,9 @@ from torchrun_jobs import run_rank
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 4096, 11008, 32, 8
 
 
-def llama_config(layers, vocab):
+def llama_config(layers, vocab, intermediate=INTERMEDIATE):
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+    return LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=int(intermediate),
                        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                        max_position_embeddings=64, tie_word_embeddings=False)
 
@@ -33,7 +33,7 @@ def tp_config(tp):
             "tensor_parallel": {"autotp_size": tp}}
 
 
-def save_tp(out, tp, layers, vocab):
+def save_tp(out, tp, layers, vocab, intermediate=INTERMEDIATE):
     import deepspeed
     import torch
     from deepspeed.utils import groups
@@ -42,7 +42,7 @@ def save_tp(out, tp, layers, vocab):
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(int(layers), int(vocab)))
+    model = LlamaForCausalLM(llama_config(int(layers), int(vocab), int(intermediate)))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=tp_config(int(tp)))
     # the TP ranks of a data-parallel group see the same batch
     ids = torch.randint(0, int(vocab), (1, 16), generator=torch.Generator().manual_seed(groups.get_data_parallel_rank()))

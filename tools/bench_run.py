@@ -84,7 +84,9 @@ def _measure(cmd, max_rss=None, timeout=None):
 
 def _commands(args, src, work) -> dict:
     """name -> (destination -> argv), in the order they alternate."""
-    reshard = [sys.executable, "-m", "reshard"]
+    # -P: the working directory is not put first on sys.path, so the reshard timed is this repository's
+    # (PYTHONPATH) even when the bench runs from another checkout
+    reshard = [sys.executable, "-P", "-m", "reshard"]
     rules = ["--layout-rules", args.layout_rules] if args.layout_rules else []
     # the copy limit: cp -r, then sync, since reshard fsyncs what it writes
     commands = {} if args.no_cp else {"cp -r": lambda dst: ["sh", "-c", 'cp -r "$0" "$1" && sync', src, dst]}
