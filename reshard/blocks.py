@@ -13,6 +13,7 @@ import numpy as np
 
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import ReshardError
+from reshard import geometry
 from reshard.geometry import strides
 from reshard.placement import flat_boxes, intersect
 from reshard.planner import Copy, Gather
@@ -63,7 +64,7 @@ def _gather_block(sources, op, first: int, count: int, dtype: str) -> bytes:
             at, shape = hit
             offset = box.src_offset + itemsize(box.src_dtype) * sum(
                 (a - l) * s for a, l, s in zip(at, box.local, box.src_strides))
-            dst = sum(a * s for a, s in zip(at, shard_strides)) - lo
+            dst = geometry.offset(at, shard_strides) - lo
             target = np.lib.stride_tricks.as_strided(out[dst:], shape, byte_strides)
             sources.copy_box(target, box.src_file, offset, box.src_strides, box.src_dtype, dtype)
             filled += math.prod(shape)
@@ -138,7 +139,7 @@ class SourceFiles:
         (a column slice of wide rows) is mapped instead, so only the pages it touches are read, and left in
         the page cache for the targets that take the other columns."""
         size = itemsize(src)
-        span = (sum((n - 1) * s for n, s in zip(target.shape, box_strides)) + 1) * size
+        span = geometry.span(target.shape, box_strides) * size
         byte_strides = tuple(s * size for s in box_strides)
         if span <= SPARSE_SPAN * target.size * size:
             block = np.frombuffer(self.read(path, offset, span), dtype=numpy_carrier(src))

@@ -26,7 +26,8 @@ import numpy as np
 from reshard.catalog import MASTER, MODULE, Catalog
 from reshard.dtypes import is_floating, itemsize
 from reshard.progress import bar as progress_bar
-from reshard.tensorio import MappedFiles, locator, read_range
+from reshard.locate import Locator
+from reshard.tensorio import MappedFiles, read_range
 
 BLOCK = 1 << 22     # elements per comparison step
 
@@ -146,7 +147,7 @@ def _compare(ta, tb, label, files_a, files_b, report, bar) -> None:
         report.differences.append(Difference(name, state, "shape", f"shape {list(ta.shape)} != {list(tb.shape)}"))
         return
     tally = _Tally()
-    frags_a, frags_b = locator(ta), locator(tb)
+    frags_a, frags_b = Locator(ta), Locator(tb)
     for start in range(0, ta.numel, BLOCK):
         stop = min(start + BLOCK, ta.numel)
         tally.add(start, read_range(files_a, ta, start, stop, frags_a), ta.dtype,

@@ -51,6 +51,16 @@ def strides(shape) -> tuple:
     return tuple(reversed(out))
 
 
+def offset(coords, element_strides) -> int:
+    """The flat position of the element at `coords` in storage with these strides."""
+    return sum(i * s for i, s in zip(coords, element_strides))
+
+
+def span(shape, element_strides) -> int:
+    """Elements from the first of a box of `shape` to one past its last, in storage with these strides."""
+    return sum((n - 1) * s for n, s in zip(shape, element_strides)) + 1
+
+
 def box_runs(full_shape, full_start, box, holder_shape=None, holder_start=None):
     """The contiguous runs of a box of a row-major tensor, as three int64 arrays: flat start in the
     full tensor, flat start in the holder (the shard or chunk storing the box row-major: by default
@@ -69,8 +79,8 @@ def box_runs(full_shape, full_start, box, holder_shape=None, holder_start=None):
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
     full_strides, holder_strides = strides(full_shape), strides(holder_shape)
-    f = np.array(sum(a * st for a, st in zip(full_start, full_strides)), dtype=np.int64)
-    h = np.array(sum(a * st for a, st in zip(holder_start, holder_strides)), dtype=np.int64)
+    f = np.array(offset(full_start, full_strides), dtype=np.int64)
+    h = np.array(offset(holder_start, holder_strides), dtype=np.int64)
     for d in range(k):
         steps = np.arange(box[d], dtype=np.int64)
         f = np.add.outer(f, steps * full_strides[d])

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from reshard.catalog import Fragment, LogicalTensor
-from reshard.geometry import strides
+from reshard.geometry import offset, strides
 from reshard.placement import Shard, intersect, local_extent, regions
 
 
@@ -107,6 +107,6 @@ class Locator:
                         at, shape = hit
                         local = tuple(l + a - w for l, a, w in zip(want.local, at, want.at))
                         held = tuple(l + a - h for l, a, h in zip(have.local, at, have.at))
-                        elem = frag.elem_offset - frag.start + sum(i * s for i, s in zip(held, group.strides))
+                        elem = frag.elem_offset - frag.start + offset(held, group.strides)
                         out.append(BoxHit(local, shape, frag, elem, group.strides))
         return out

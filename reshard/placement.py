@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from reshard.geometry import box_runs, strides
+from reshard.geometry import box_runs, offset, span, strides
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,7 @@ def regions(shard: Shard, start: int, stop: int) -> list:
                 continue
             local, shape = hit
             at = tuple(a + l - b for a, l, b in zip(block.at, local, block.local))
-            out.append(Region(at, local, shape, sum(i * s for i, s in zip(local, shard_strides)) - start))
+            out.append(Region(at, local, shape, offset(local, shard_strides) - start))
     return out
 
 
@@ -132,8 +132,8 @@ def local_extent(shard: Shard, at, shape):
         if hit is None:
             continue
         first = tuple(a - b + l for a, b, l in zip(hit[0], block.at, block.local))
-        a = sum(i * s for i, s in zip(first, shard_strides))
-        b = a + sum((n - 1) * s for n, s in zip(hit[1], shard_strides)) + 1
+        a = offset(first, shard_strides)
+        b = a + span(hit[1], shard_strides)
         lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
     return None if lo is None else (lo, hi)
 
@@ -167,5 +167,5 @@ def full_index(shard: Shard, full_shape, index: int) -> int | None:
     for block in shard.blocks:
         if all(l <= i < l + n for i, l, n in zip(local, block.local, block.shape)):
             at = [a + i - l for a, i, l in zip(block.at, local, block.local)]
-            return sum(i * s for i, s in zip(at, strides(full_shape)))
+            return offset(at, strides(full_shape))
     return None

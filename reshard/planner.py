@@ -14,6 +14,7 @@ from reshard.catalog import Catalog
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import container_writer
+from reshard.geometry import span
 from reshard.layout import Layout
 from reshard.locate import Locator
 from reshard.targets import CopiedFile, Output, StageCut, TensorFile, TextFile
@@ -157,8 +158,7 @@ def _spans(op):
         yield op.src_file, op.src_offset, op.src_offset + op.count * itemsize(op.src_dtype)
     elif isinstance(op, Gather):
         for box in op.copies:
-            last = sum((n - 1) * s for n, s in zip(box.shape, box.src_strides))
-            yield box.src_file, box.src_offset, box.src_offset + (last + 1) * itemsize(box.src_dtype)
+            yield box.src_file, box.src_offset, box.src_offset + span(box.shape, box.src_strides) * itemsize(box.src_dtype)
 
 
 def _reads(ops):

@@ -14,7 +14,7 @@ from reshard.catalog import Catalog, Fragment, LogicalTensor
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import CheckpointError
 from reshard.formats.torchzip import Storage
-from reshard.geometry import strides
+from reshard.geometry import offset, span, strides
 from reshard.locate import Locator
 from reshard.placement import Shard, full_index, regions
 
@@ -89,11 +89,6 @@ def read_flat(files: MappedFiles, tensor: LogicalTensor) -> np.ndarray:
     return read_range(files, tensor, 0, tensor.numel)
 
 
-def locator(tensor: LogicalTensor) -> Locator:
-    """The lookup `read_range` and `read_shard` take, made once per tensor for many reads."""
-    return Locator(tensor)
-
-
 def read_range(files: MappedFiles, tensor: LogicalTensor, start: int, stop: int,
                where: Locator | None = None) -> np.ndarray:
     """Elements [start, stop) of a logical tensor (flat, row-major; carrier dtype). Elements no fragment holds
@@ -114,9 +109,8 @@ def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, s
     shard_strides = strides(shard.shape if shard else tensor.shape)
     byte_strides = tuple(s * out.itemsize for s in shard_strides)
     for hit in where.boxes(shard, start, stop):
-        first = sum(i * s for i, s in zip(hit.local, shard_strides)) - start
-        span = sum((n - 1) * s for n, s in zip(hit.shape, hit.strides)) + 1
-        values = files.elements(hit.fragment.storage, hit.elem, span, tensor.dtype)
+        first = offset(hit.local, shard_strides) - start
+        values = files.elements(hit.fragment.storage, hit.elem, span(hit.shape, hit.strides), tensor.dtype)
         np.lib.stride_tricks.as_strided(out[first:], hit.shape, byte_strides)[...] = \
             np.lib.stride_tricks.as_strided(values, hit.shape, tuple(s * out.itemsize for s in hit.strides))
     return out

@@ -139,7 +139,7 @@ def _flat_ranges(tensor):
     if tiles(tensor.shape, boxes):
         return None
     outside = [(at, size) for at, size in boxes if any(a + n > d for a, n, d in zip(at, size, tensor.shape))]
-    if outside:      # beyond the tensor: say where in the shard's terms
+    if outside:      # a box past the tensor's end (readers refuse those): reported as outside, by its size
         return [(tensor.numel, tensor.numel + math.prod(size)) for _, size in outside]
     return [run for at, size in boxes for run in flat_runs(tensor.shape, at, size)]
 

@@ -22,7 +22,7 @@ import re
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed.tp_geometry import Geometry, Split, contiguous, replicated
-from reshard.geometry import strides
+from reshard.geometry import offset, strides
 
 UC_VERSION = 0.4          # deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8)
 AFFINE_VERSION = 1        # deepspeed/checkpoint/affine.py AFFINE_MAP_FORMAT_VERSION
@@ -120,7 +120,7 @@ def _affine(split: Split, tp: int) -> dict:
 
 
 def _offset(start, shape) -> int:
-    return sum(i * s for i, s in zip(start, strides(shape)))
+    return offset(start, strides(shape))
 
 
 def _pattern(name: str) -> str:
