@@ -23,7 +23,8 @@ SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is ma
 
 
 def storage_blocks(storage, chunk: int, sources):
-    """Callables producing the storage's bytes (target dtype) in blocks of at most `chunk` bytes."""
+    """Callables producing the storage's bytes (target dtype) in blocks of at most `chunk` bytes (each a
+    bytes-like object: bytes or a memoryview of an array made for it)."""
     dtype = storage.dtype
     out_size = itemsize(dtype)
     for op in storage.ops:
@@ -48,7 +49,7 @@ def _copy_block(sources, op, offset, nbytes, dtype):
     return raw if op.src_dtype == dtype else cast(raw, op.src_dtype, dtype)
 
 
-def _gather_block(sources, op, first: int, count: int, dtype: str) -> bytes:
+def _gather_block(sources, op, first: int, count: int, dtype: str) -> memoryview:
     """Elements [first, first + count) of a Gather: the boxes of that flat range of its shard, each copied
     with strided views from one block read of its source."""
     out = np.empty(count, dtype=numpy_carrier(dtype))
@@ -70,7 +71,7 @@ def _gather_block(sources, op, first: int, count: int, dtype: str) -> bytes:
             filled += math.prod(shape)
     if filled != count:
         raise AssertionError(f"a gather filled {filled} of {count} elements")   # the planner counted them
-    return out.tobytes()
+    return memoryview(out).cast("B")
 
 
 def constant(value, dtype: str, count: int) -> bytes:
@@ -79,9 +80,9 @@ def constant(value, dtype: str, count: int) -> bytes:
     return np.full(count, value, dtype=numpy_carrier(dtype)).tobytes()
 
 
-def cast(raw: bytes, src: str, dst: str) -> bytes:
+def cast(raw, src: str, dst: str) -> memoryview:
     """Convert element type, rounding to nearest even as torch does (bfloat16 included)."""
-    return cast_array(np.frombuffer(raw, dtype=numpy_carrier(src)), src, dst).tobytes()
+    return memoryview(cast_array(np.frombuffer(raw, dtype=numpy_carrier(src)), src, dst)).cast("B")
 
 
 def cast_array(values: np.ndarray, src: str, dst: str) -> np.ndarray:

@@ -7,7 +7,7 @@ import shutil
 import sys
 
 from reshard.convert import batch_size_advice
-from reshard.executor import BUFFERS_PER_WORKER, chunk_bytes
+from reshard.executor import buffer_bytes
 from reshard.inspect import human_bytes
 
 
@@ -58,8 +58,7 @@ def print_inspect(info) -> None:
 def print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
     """The plan as `reshard plan` prints it (or its JSON); returns the summary."""
     summary = plan.summary()
-    buffers = BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers) * workers
-    summary["estimated_peak_buffer_bytes"] = buffers
+    summary["estimated_peak_buffer_bytes"] = buffer_bytes(memory_budget, workers)
     where = os.path.abspath(dst) if dst else os.getcwd()
     while not os.path.exists(where):
         where = os.path.dirname(where)
@@ -85,8 +84,8 @@ def print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
         print(f"           {f['path']:<56} {human_bytes(f['bytes']):>10}{copied}")
     print(f"read     {human_bytes(summary['bytes_read'])}")
     print(f"write    {human_bytes(summary['bytes_written'])}")
-    print(f"memory   copy buffers at most {human_bytes(buffers)} (--memory-budget {human_bytes(memory_budget)}, "
-          f"{workers} worker(s))")
+    print(f"memory   copy buffers at most {human_bytes(summary['estimated_peak_buffer_bytes'])} "
+          f"(--memory-budget {human_bytes(memory_budget)}, {workers} worker(s))")
     verdict = "enough" if summary["disk_ok"] else "NOT ENOUGH"
     print(f"disk     {human_bytes(free)} free at {where}: {verdict}")
     if summary["advice"]:

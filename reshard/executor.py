@@ -23,7 +23,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from reshard import manifest
+from reshard import manifest, sink
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
 from reshard.formats import container_writer
@@ -35,8 +35,7 @@ from reshard.targets import Output
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
-# blocks alive per worker: read ahead, being written, waiting for the hash (HashingSink.HASH_BEHIND)
-BUFFERS_PER_WORKER = READ_AHEAD + 1 + 2
+BUFFERS_PER_WORKER = READ_AHEAD + 1     # blocks alive per worker, besides its file's sink (sink.BUFFER_BYTES)
 MAX_CHUNK = 16 << 20            # larger blocks do not copy faster here, they only take memory
 POLL_SECONDS = 0.1              # how often a parent waiting for its workers looks for a Ctrl-C
 
@@ -104,7 +103,13 @@ class Written:
 
 
 def chunk_bytes(memory_budget: int, workers: int) -> int:
-    return max(1 << 16, min(MAX_CHUNK, memory_budget // (BUFFERS_PER_WORKER * max(1, workers))))
+    per_worker = memory_budget // max(1, workers) - sink.BUFFER_BYTES
+    return max(1 << 16, min(MAX_CHUNK, per_worker // BUFFERS_PER_WORKER))
+
+
+def buffer_bytes(memory_budget: int, workers: int) -> int:
+    """The bytes of blocks alive at once while writing (reads ahead, the sinks' rings)."""
+    return (BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers) + sink.BUFFER_BYTES) * max(1, workers)
 
 
 def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False,
@@ -289,7 +294,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
                         INTERRUPTS.check()
                         out.write(block)
                         if report:
-                            report(len(block))
+                            report(memoryview(block).nbytes)
     except OSError as e:
         raise ReshardError.at(path, f"write failed: {e.strerror or e}") from None
     finally:

@@ -17,13 +17,13 @@ import sys
 import time
 
 from reshard.cli import main
-from reshard.formats import torchsave
+from reshard import sink
 from reshard.staging import Staging
 
 mode, n = sys.argv[1], int(sys.argv[2])
 writes = [0]
 calls = [0, None]       # calls counted so far, calls counted when the commit began
-original_write = torchsave.HashingSink.write
+original_write = sink.HashingSink.write
 original_prepare, original_commit = Staging.prepare, Staging.commit
 DRIVER = os.getpid()    # forked workers inherit the profile hook: only this process counts
 
@@ -60,7 +60,7 @@ def counting_commit(self, *args):
     return original_commit(self, *args)
 
 
-torchsave.HashingSink.write = faulty_write
+sink.HashingSink.write = faulty_write
 if mode in ("ctrlc", "calls"):
     Staging.prepare, Staging.commit = counting_prepare, counting_commit
 # As in a terminal: a shell starting jobs in the background (CI, nohup) makes them ignore SIGINT.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats.torchsave import HashingSink
+from reshard.sink import HashingSink
 from reshard.targets import Piece, TensorFile
 
 DTYPE_CODES = {

@@ -18,12 +18,12 @@ import os
 import pickle
 import struct
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from reshard.dtypes import STORAGE_DTYPES
 from reshard.formats import standins
 from reshard.formats.torchzip import DType, Size
+from reshard.sink import HashingSink
 from reshard.targets import NewTensor, Piece, TensorFile
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
@@ -140,65 +140,6 @@ def pickle_tree(tree) -> bytes:
     pickler.fast = True
     pickler.dump(tree)
     return buf.getvalue()
-
-
-class HashingSink(io.RawIOBase):
-    """A file written strictly front to back, hashed (sha256) as it goes.
-
-    It claims not to be seekable, so zipfile streams each member and appends a data descriptor
-    instead of seeking back to patch its header: the bytes hashed are the bytes on disk. Hashing
-    runs in its own thread, in write order, so it overlaps the writes (at most HASH_BEHIND blocks
-    wait for it).
-    """
-
-    HASH_BEHIND = 2
-
-    def __init__(self, path: str, reserve: int = 0):
-        super().__init__()
-        self._file = open(path, "wb")
-        self._sha = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(max_workers=1)    # one worker: updates stay in order
-        self._pending = collections.deque()
-        self.size = 0
-        if reserve:
-            # Reserve the blocks up front: filling a sparse file costs this disk several times the write.
-            try:
-                os.posix_fallocate(self._file.fileno(), 0, reserve)
-            except OSError:
-                pass    # a filesystem without fallocate: write as usual
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.size
-
-    def write(self, data) -> int:
-        if self.closed:     # (its hashing thread is gone): say so rather than submit to a closed pool
-            raise ValueError(f"{self._file.name}: write after close")
-        data = bytes(data) if not isinstance(data, bytes) else data
-        self._pending.append(self._hasher.submit(self._sha.update, data))
-        while len(self._pending) > self.HASH_BEHIND:
-            self._pending.popleft().result()
-        written = self._file.write(data)
-        self.size += written
-        return written
-
-    @property
-    def sha256(self) -> str:
-        while self._pending:
-            self._pending.popleft().result()
-        return self._sha.hexdigest()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._hasher.shutdown(wait=True)
-            self._file.truncate(self.size)    # give back the unused reservation
-            self._file.close()
-        super().close()
 
 
 class TorchZipWriter:

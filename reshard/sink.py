@@ -1,0 +1,154 @@
+"""The one way reshard writes a big file: strictly front to back, hashed as it goes, past the page cache.
+
+Bytes are gathered into a ring of page-aligned blocks. A full block is hashed (sha256, one thread, in
+order) and written at its place in the file (two threads, so two writes are in flight) while the producer
+fills the next block; a block is filled again once both are done. The file is opened with O_DIRECT where
+the filesystem allows it: a buffered write costs this machine's kernel about as much CPU as everything
+else a conversion does (copying each byte into the page cache, then reclaiming it), and a checkpoint
+written once is not read back soon. The last block is written whole (direct I/O writes whole pages) and
+the file then truncated to its size.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import io
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+BLOCK = 8 << 20         # bytes per block
+BLOCKS = 4              # blocks per open file: one filling, the others hashed and written
+BUFFER_BYTES = BLOCK * BLOCKS
+WRITERS = 2             # writes in flight: one at a time leaves the device idle between requests
+PAGE = 4096             # direct I/O writes whole pages from page-aligned memory
+
+
+def _open(path: str) -> tuple:
+    """(fd, direct): the file opened for writing, with O_DIRECT unless the filesystem refuses it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            return os.open(path, flags | direct, 0o644), True
+        except OSError:
+            pass            # tmpfs and some network filesystems: buffered
+    return os.open(path, flags, 0o644), False
+
+
+class HashingSink(io.RawIOBase):
+    """A file written strictly front to back, hashed (sha256) as it goes.
+
+    It claims not to be seekable, so zipfile streams each member and appends a data descriptor instead
+    of seeking back to patch its header: the bytes hashed are the bytes on disk. `sha256` (or `close`)
+    finishes the file; `size` is the bytes written so far.
+    """
+
+    def __init__(self, path: str, reserve: int = 0):
+        super().__init__()
+        self.name = path
+        self._fd, self._direct = _open(path)
+        self._sha = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(max_workers=1)        # one worker: blocks are hashed in order
+        self._writers = ThreadPoolExecutor(max_workers=WRITERS)
+        self._blocks = [mmap.mmap(-1, BLOCK) for _ in range(BLOCKS)]
+        self._flushing = [()] * BLOCKS      # each block's pending hash and write
+        self._current = self._fill = 0
+        self._finished = False
+        self.size = 0
+        if reserve:
+            # Reserve the blocks up front: filling a sparse file costs this disk several times the write.
+            try:
+                os.posix_fallocate(self._fd, 0, reserve)
+            except OSError:
+                pass    # a filesystem without fallocate: write as usual
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def write(self, data) -> int:
+        if self._finished:      # (its threads are gone): say so rather than submit to a closed pool
+            raise ValueError(f"{self.name}: write after close")
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            n = min(BLOCK - self._fill, len(view) - done)
+            self._blocks[self._current][self._fill:self._fill + n] = view[done:done + n]
+            self._fill += n
+            done += n
+            self.size += n
+            if self._fill == BLOCK:
+                self._flush()
+        return done
+
+    def _flush(self) -> None:
+        """Hash and write the current block; the next block becomes current once its last flush is done."""
+        i, block, nbytes = self._current, self._blocks[self._current], self._fill
+        at = self.size - nbytes
+        self._flushing[i] = (self._hasher.submit(self._hash, block, nbytes),
+                             self._writers.submit(self._write, block, nbytes, at))
+        self._current, self._fill = (i + 1) % BLOCKS, 0
+        self._wait(self._current)
+
+    def _wait(self, i: int) -> None:
+        pending, self._flushing[i] = self._flushing[i], ()
+        for job in pending:
+            job.result()    # a failed write (disk full) is raised here, in the producer
+
+    def _hash(self, block: mmap.mmap, nbytes: int) -> None:
+        with memoryview(block) as view:
+            self._sha.update(view[:nbytes])
+
+    def _write(self, block: mmap.mmap, nbytes: int, at: int) -> None:
+        with memoryview(block) as view:
+            written = 0
+            while written < nbytes:
+                if self._direct:
+                    try:    # whole pages: the last block's tail past `nbytes` is cut off by _finish
+                        written += os.pwrite(self._fd, view[written:-(-nbytes // PAGE) * PAGE], at + written)
+                        continue
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        self._buffered()    # a device wanting larger alignment than a page
+                written += os.pwrite(self._fd, view[written:nbytes], at + written)
+
+    def _buffered(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._direct = False
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            if self._fill:
+                self._flush()
+            for i in range(BLOCKS):
+                self._wait(i)
+            os.ftruncate(self._fd, self.size)   # the last block's page tail, and the unused reservation
+        finally:
+            self._hasher.shutdown(wait=True)
+            self._writers.shutdown(wait=True)
+
+    @property
+    def sha256(self) -> str:
+        self._finish()
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                self._finish()
+            finally:
+                os.close(self._fd)
+                self._fd = None
+                self._blocks = ()   # freed with the last view (a failed write's traceback may hold one)
+        super().close()

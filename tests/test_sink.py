@@ -1,0 +1,84 @@
+"""reshard.sink.HashingSink: the bytes on disk are the bytes written, its sha256 is theirs, whatever the sizes
+of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
+import errno
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from reshard import sink
+from reshard.sink import BLOCK, HashingSink
+
+
+def _write(path, pieces, reserve=0):
+    with HashingSink(str(path), reserve) as out:
+        for piece in pieces:
+            assert out.write(piece) == memoryview(piece).nbytes
+        size, sha = out.size, out.sha256
+    return size, sha
+
+
+def _pieces():
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=2 * BLOCK + 12345, dtype=np.uint8).tobytes()
+    # odd sizes, one write across two blocks, one bigger than a block, a numpy view, an empty write
+    cuts = [0, 1, 4097, BLOCK - 3, BLOCK + 5, BLOCK + 5, 2 * BLOCK + 100, len(data)]
+    pieces = [data[a:b] for a, b in zip(cuts, cuts[1:])]
+    pieces.append(np.frombuffer(b"\x01\x02\x03\x04\x05\x06\x07\x08", dtype="<u4"))
+    return pieces, data + b"\x01\x02\x03\x04\x05\x06\x07\x08"
+
+
+@pytest.mark.parametrize("reserve", [0, 3 * BLOCK])
+def test_bytes_and_digest(tmp_path, reserve):
+    pieces, data = _pieces()
+    size, sha = _write(tmp_path / "f", pieces, reserve)
+    assert (tmp_path / "f").read_bytes() == data
+    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_small_and_empty_files(tmp_path):
+    assert _write(tmp_path / "e", []) == (0, hashlib.sha256(b"").hexdigest())
+    assert (tmp_path / "e").read_bytes() == b""
+    assert _write(tmp_path / "s", [b"abc"])[0] == 3 and (tmp_path / "s").read_bytes() == b"abc"
+
+
+def test_buffered_where_direct_io_is_refused(tmp_path, monkeypatch):
+    """A filesystem refusing O_DIRECT at open (tmpfs), or a device refusing page-aligned direct writes
+    (EINVAL at the first write): the same bytes, written buffered."""
+    pieces, data = _pieces()
+    real_open = os.open
+
+    def refusing_open(path, flags, *mode):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *mode)
+    monkeypatch.setattr(sink.os, "open", refusing_open)
+    assert _write(tmp_path / "a", pieces)[1] == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "a").read_bytes() == data
+    monkeypatch.setattr(sink.os, "open", real_open)
+
+    real_write, refused = os.pwrite, []
+
+    def refusing_write(fd, view, at):
+        if sink.fcntl.fcntl(fd, sink.fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(len(view))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, view, at)
+    monkeypatch.setattr(sink.os, "pwrite", refusing_write)
+    assert _write(tmp_path / "b", pieces)[1] == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "b").read_bytes() == data
+    assert 1 <= len(refused) <= sink.WRITERS    # refused by the writes in flight; the rest went buffered
+
+
+def test_a_failed_write_reaches_the_writer(tmp_path, monkeypatch):
+    def full_disk(fd, view, at):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sink.os, "pwrite", full_disk)
+    out = HashingSink(str(tmp_path / "f"))
+    with pytest.raises(OSError, match="No space"):
+        out.write(b"x" * ((sink.BLOCKS + 1) * BLOCK))     # the first block's flush fails
+    with pytest.raises(OSError, match="No space"):
+        out.close()
+    with pytest.raises(ValueError, match="write after close"):
+        out.write(b"y")
