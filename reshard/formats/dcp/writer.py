@@ -1,14 +1,9 @@
 """Catalog x target Layout -> a DCP directory that `torch.distributed.checkpoint.load` reads.
 
-Keys are those `get_state_dict(model, optimizer)` gives and `dcp.save({"model": ..., "optim": ...})`
-flattens (torch's `flatten_state_dict`): `model.<fqn>` for every state_dict entry (a tied name
-too, as torch keeps both), `optim.state.<fqn>.<state>` and `.step` for every trainable param (its own
-step: Adam counts them per param), `optim.param_groups.<g>.<hyper>` and `optim.param_groups.<g>.params`.
-A tied name's chunks point at its holder's bytes: torch loads both keys from them, and our reader
-recognises the tie (a real FSDP save writes the bytes twice and the tie is lost).
-Weights are the fp32 master copy where there is one (the optimizer's view of the param), frozen
-params and buffers as saved. Every tensor is cut along dim 0 the way FSDP2 shards it over the
-target's dp ranks, rank r's chunks in `__r_0.distcp`; values go to rank 0's file. `.metadata`,
+Keys are those `get_state_dict(model, optimizer)` gives (keys.py). A tied name's chunks point at its
+holder's bytes: torch loads both keys from them, and our reader recognises the tie (a real FSDP save
+writes the bytes twice and the tie is lost). Every tensor is cut along dim 0 the way FSDP2 shards it
+over the target's dp ranks, rank r's chunks in `__r_0.distcp`; values go to rank 0's file. `.metadata`,
 DCP's commit marker, is written last by the executor (texts follow the data files).
 """
 from __future__ import annotations
@@ -16,19 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.catalog import Catalog, ScalarTensor
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats.dcp import metadata as md
-from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA
+from reshard.formats.dcp import keys, metadata as md
+from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
 from reshard.formats.torchsave import pickle_tree
 from reshard.formats.torchzip import Size
 from reshard.layout import Layout
 from reshard.targets import NewTensor, Output, Piece, TensorFile, TextFile
-
-MODEL, OPTIM = "model", "optim"
-
 
 @dataclass
 class DistcpFile(TensorFile):
@@ -70,12 +62,15 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
     written = {}        # source (name, state) -> its chunks' locations, for a tied name to share
-    for key, name, source, shape, dtype, ranks in _tensors(catalog, target.dp):
-        if name in catalog.aliases and source in written:
+    for entry in keys.tensor_entries(catalog):
+        key, source, shape, dtype = entry.key, entry.source, entry.shape, entry.dtype
+        if entry.name in catalog.aliases and source in written:
             for chunk in written[source]:        # the same bytes: the reader sees the tie again
                 out.chunk(key, shape, dtype, *chunk)
             continue
         written[source] = []
+        # FSDP2 replicates buffers and one-element steps, which DCP then saves once
+        ranks = target.dp if entry.sharded else 1
         for rank, (rows, pieces, chunk_shape) in enumerate(_row_blocks(key, shape, dtype, source, ranks)):
             if pieces is None:
                 continue
@@ -83,9 +78,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             chunk = ((rows,) + (0,) * (len(shape) - 1) if shape else (), chunk_shape, files[rank].path, offset, length)
             written[source].append(chunk)
             out.chunk(key, shape, dtype, *chunk)
-    for key, path, value in _values(catalog):
-        offset, length = files[0].add_value(value)
-        out.value(key, path, files[0].path, offset, length)
+    for entry in keys.value_entries(catalog):
+        offset, length = files[0].add_value(entry.value)
+        out.value(entry.key, entry.path, files[0].path, offset, length)
     return [f for f in files if f.items] + [TextFile(METADATA, md.dumps(out.build(tag)))]
 
 
@@ -96,46 +91,6 @@ def describe(target: Layout, tag: str) -> Output:
 
 def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
     return None     # a DCP checkpoint says nothing about the batch size
-
-
-def _tensors(catalog: Catalog, dp: int):
-    """(key, fqn, source (name, state) or ScalarTensor, shape, dtype, ranks sharing it) in
-    get_state_dict's order. Params and their states are sharded over dp; FSDP2 replicates
-    buffers and one-element steps, which DCP then saves once."""
-    for name in catalog.order:
-        holder = catalog.aliases.get(name, name)
-        info = catalog.params[holder]
-        source = (holder, MASTER) if info.kind == "trainable" and (holder, MASTER) in catalog.tensors \
-            else (holder, MODULE)
-        if source not in catalog.tensors:
-            raise ReshardError.at(catalog.root, f"no weights for {name} ({source[1]}) to write")
-        yield (f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype,
-               1 if info.kind == "buffer" else dp)
-    for group in catalog.param_groups:
-        for name in group["params"]:
-            step = catalog.scalars_of_param(name).get("step")
-            if step is not None:
-                value = step if isinstance(step, ScalarTensor) else ScalarTensor(float(step), "float32")
-                yield f"{OPTIM}.state.{name}.step", name, value, (), value.dtype, 1
-            for state in catalog.optimizer_states():
-                tensor = catalog.tensors.get((name, state))
-                if tensor is not None:
-                    yield (f"{OPTIM}.state.{name}.{state}", name, tensor.key, tuple(tensor.shape), tensor.dtype,
-                           dp)
-
-
-def _values(catalog: Catalog):
-    """(key, planner path, value) of every optimizer hyper-parameter, then each group's FQNs, then what the
-    source knew of its optimizer and training counters (chunks.CARRIED), when it knew it."""
-    for g, group in enumerate(catalog.param_groups):
-        for hyper, value in group.items():
-            if hyper != "params":
-                yield f"{OPTIM}.param_groups.{g}.{hyper}", (OPTIM, "param_groups", g, hyper), value
-        yield f"{OPTIM}.param_groups.{g}.params", (OPTIM, "param_groups", g, "params"), list(group["params"])
-    for key, kind in CARRIED.items():
-        value = catalog.contents().optimizer if key == "optimizer" else getattr(catalog.training, key)
-        if isinstance(value, kind) and not isinstance(value, bool) and value != "":
-            yield f"{CARRIED_PREFIX}.{key}", (CARRIED_PREFIX, key), value
 
 
 def _row_blocks(key, shape, dtype, source, dp):
@@ -170,7 +125,7 @@ class _Metadata:
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = md.TensorStorageMetadata(md.tensor_properties(dtype), Size(shape), [])
-            self.planner[key] = _planner_path(key)
+            self.planner[key] = keys.planner_path(key)
         index = md.MetadataIndex(key, Size(offsets), len(entry.chunks))
         entry.chunks.append(md.ChunkStorageMetadata(Size(offsets), Size(sizes)))
         self.storage[index] = md.StorageInfo(path, offset, length)
@@ -183,13 +138,3 @@ class _Metadata:
     def build(self, tag: str) -> md.Metadata:
         return md.Metadata(self.entries, self.planner, self.storage,
                            md.StorageMeta(None, f"reshard-{tag}", None, []), "1.0.0")
-
-
-def _planner_path(key: str) -> tuple:
-    """flatten_state_dict's record of where a flat key sits in the nested state dict."""
-    head, _, rest = key.partition(".")
-    if head == OPTIM:
-        _, _, rest = rest.partition(".")             # "state."
-        fqn, _, state = rest.rpartition(".")
-        return (OPTIM, "state", fqn, state)
-    return (MODEL, rest)

@@ -1,0 +1,109 @@
+"""Any checkpoint reshard reads, as a `torch.distributed.checkpoint` StorageReader (reshard.dcp.Reader).
+
+The metadata says every entry `get_state_dict(model, optimizer)` has (keys.py) is one chunk: the whole
+logical tensor. DCP's planner then asks each rank for the boxes its own shards need, and `read_data`
+reads exactly those elements from wherever the source holds them (flat ZeRO partitions, TP slices, DCP
+chunks), through the catalog's placements: no rank reads a byte outside its boxes, and nothing is
+unpickled but what the format reader's allow-list lets through. A model asking for another dtype than the
+source holds (bf16 params from an fp32 master) gets torch's own cast.
+"""
+from __future__ import annotations
+
+import io
+import os
+import torch
+from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from reshard import formats
+from reshard.catalog import ScalarTensor
+from reshard.dtypes import torch_dtype
+from reshard.errors import ReshardError
+from reshard.formats.dcp import keys
+from reshard.placement import Shard
+from reshard.tensorio import MappedFiles, read_shard
+from reshard.validate import require_complete
+
+
+class Reader(StorageReader):
+    """`dcp.load(state_dict, storage_reader=Reader("ckpt/"))` loads the checkpoint at `path`, whatever its
+    format and topology. `tag` and `layout_rules` are reshard's reading options (a DeepSpeed tag folder, a
+    tensor-parallel rule file)."""
+
+    def __init__(self, path, tag: str | None = None, layout_rules: str | None = None):
+        super().__init__()
+        self.tag, self.layout_rules = tag, layout_rules
+        self.reset(path)
+
+    def reset(self, checkpoint_id=None) -> None:
+        """Open the checkpoint (metadata only) and prove it whole: a bad one raises its one-line ReshardError
+        here, on every rank alike, before dcp.load's first collective (which would wrap it)."""
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+            catalog = formats.read(self.path, self.tag, self.layout_rules)
+            require_complete(catalog)
+            self.catalog = catalog
+        self._sources = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        try:
+            formats.reader_for(os.fspath(checkpoint_id))
+        except ReshardError:
+            return False
+        return True
+
+    def read_metadata(self, *args, **kwargs) -> dcp_md.Metadata:
+        entries, storage, planner = {}, {}, {}
+        for entry in keys.tensor_entries(self.catalog):
+            size = torch.Size(entry.shape)
+            properties = dcp_md.TensorProperties(dtype=torch_dtype(entry.dtype))
+            chunk = dcp_md.ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)
+            entries[entry.key] = dcp_md.TensorStorageMetadata(properties, size, [chunk])
+            storage[dcp_md.MetadataIndex(entry.key, chunk.offsets, 0)] = entry
+            planner[entry.key] = keys.planner_path(entry.key)
+        for entry in keys.value_entries(self.catalog):
+            entries[entry.key] = dcp_md.BytesStorageMetadata()
+            storage[dcp_md.MetadataIndex(entry.key)] = entry
+            planner[entry.key] = entry.path
+        return dcp_md.Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage)
+
+    def set_up_storage_reader(self, metadata: dcp_md.Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self._sources = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list) -> list:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        with MappedFiles() as files:
+            for item in plan.items:
+                entry = self._sources[item.storage_index]
+                if item.type == LoadItemType.BYTE_IO:
+                    buffer = io.BytesIO()
+                    torch.save(entry.value, buffer)
+                    buffer.seek(0)
+                    planner.load_bytes(item, buffer)
+                    continue
+                values = self._box(files, entry, tuple(item.storage_offsets), tuple(item.lengths))
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != values.size():
+                    raise ReshardError(f"{entry.key}: asked for a box of {list(item.lengths)}, the destination is "
+                                       f"{list(target.size())}")
+                target.copy_(values)
+                planner.commit_tensor(item, target)
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _box(self, files: MappedFiles, entry: keys.TensorEntry, at: tuple, shape: tuple) -> torch.Tensor:
+        """The elements of the entry's box (`at`, `shape`) as a new tensor of the source's dtype."""
+        if isinstance(entry.source, ScalarTensor):
+            return torch.tensor(entry.source.value, dtype=torch_dtype(entry.source.dtype))
+        tensor = self.catalog.tensors[entry.source]
+        box = Shard.box(at, shape) if shape else None
+        flat = read_shard(files, tensor, box, 0, box.numel if box else 1)
+        return torch.from_numpy(flat).view(torch_dtype(tensor.dtype)).reshape(shape)
