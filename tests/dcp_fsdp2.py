@@ -8,13 +8,15 @@ rank builds the fixture model (tools/fixture_model.py), shards it with `fully_sh
 optimizer over the same param groups (with a deliberately wrong lr, which the checkpoint must
 replace), and loads the checkpoint the documented way: `get_state_dict` -> `dcp.load` ->
 `set_state_dict`. Rank 0 then torch.saves the gathered full state (params, buffers, optimizer
-state and param groups) to "out" for the test to compare.
+state and param groups) to "out" for the test to compare. A job with "source" and "reader_out" also
+(or only) loads that checkpoint, of any format, through `reshard.dcp.Reader`, then trains one step.
 
 `train`: a few Adam steps of the untied fixture model under FSDP2, then `dcp.save` of
 {"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt. Also
 DCP_DIR-boxes: DTensors cut into column shards and into a 2x2 grid (boxes no dim-0 shard
 gives), with their full values in TRUTH.pt under "boxes".
 """
+import copy
 import json
 import os
 import sys
@@ -52,23 +54,37 @@ def make(job):
 def gathered(model, optim):
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, optim, options=full)
-    return {"model": {k: v.clone() for k, v in msd.items()}, "optim": osd}
+    # copies: a one-element step is the optimizer's own tensor, which the next step changes in place
+    return {"model": {k: v.clone() for k, v in msd.items()}, "optim": copy.deepcopy(osd)}
 
 
 def load(jobs_path):
     with open(jobs_path) as f:
         jobs = json.load(f)
     for job in jobs:
-        # a wrong lr: the checkpoint's param groups must replace it
-        model, optim = make({**job, "lr": 123.0, "hyper": [{k: v for k, v in h.items() if k != "lr"}
-                                                             for h in job.get("hyper") or []] or None})
-        msd, osd = get_state_dict(model, optim)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=job["dcp"])
-        set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-        result = gathered(model, optim)
-        if dist.get_rank() == 0:
-            torch.save(result, job["out"])
-        dist.barrier()
+        if "dcp" in job:
+            load_one(job, job["out"], checkpoint_id=job["dcp"])
+        if "source" in job:     # the original checkpoint, whatever its format, through reshard's StorageReader
+            import reshard.dcp
+            load_one(job, job["reader_out"], storage_reader=reshard.dcp.Reader(job["source"]), then_step=True)
+
+
+def load_one(job, out, then_step=False, **where):
+    # a wrong lr: the checkpoint's param groups must replace it
+    model, optim = make({**job, "lr": 123.0, "hyper": [{k: v for k, v in h.items() if k != "lr"}
+                                                         for h in job.get("hyper") or []] or None})
+    msd, osd = get_state_dict(model, optim)
+    dcp.load({"model": msd, "optim": osd}, **where)
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    result = gathered(model, optim)
+    if then_step:           # and training goes on from there
+        loss = model(make_batch(100, dist.get_rank()))
+        loss.backward()
+        optim.step()
+        result["next_loss"] = float(loss)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
 
 
 def train(dcp_dir, truth_path, steps=3):

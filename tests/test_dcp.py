@@ -6,6 +6,7 @@ into FSDP2 models and optimizers at 2 and 3 ranks (tests/dcp_fsdp2.py), torch's 
 `dcp_to_torch_save`, and DeepSpeed's `engine.load_checkpoint` (tests/dcp_deepspeed_resume.py).
 """
 import json
+import math
 import os
 import pickle
 import shutil
@@ -362,16 +363,44 @@ def fixtures_as_dcp(tmp_path_factory):
 
 @pytest.mark.engine
 @pytest.mark.parametrize("world", [2, 3])
-def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, world):
+def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, fsdp2_save, world):
+    """Each fixture converted to DCP loads with dcp.load; and (issue #15) straight from its DeepSpeed files
+    through reshard.dcp.Reader, as does the real FSDP2 save made at 4 ranks, then trains a step."""
     converted, out = fixtures_as_dcp
     jobs = _load_jobs(converted, out, world)
+    for name, job in zip(converted, jobs):
+        job.update(source=str(fixture_dir(name)), reader_out=str(out / f"{name}-read-{world}.pt"))
+    fsdp2_ckpt, fsdp2_truth = fsdp2_save
+    jobs.append({"source": str(fsdp2_ckpt), "reader_out": str(out / f"fsdp2-read-{world}.pt"), "optimizer": "Adam"})
     (out / f"jobs-{world}.json").write_text(json.dumps(jobs))
     torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", deepspeed=False)
     for name, job in zip(converted, jobs):
         _compare_with_truth(name, torch.load(job["out"], weights_only=False))
-    # the comparison sees another run's state (same model and optimizer, trained at dp=4)
+        read = torch.load(job["reader_out"], weights_only=False)
+        _compare_with_truth(name, read)
+        assert math.isfinite(read["next_loss"])
+    read = torch.load(jobs[-1]["reader_out"], weights_only=False)
+    _assert_same_state(read, fsdp2_truth)
+    # the comparisons see another run's state (same model and optimizer, trained at dp=4)
     with pytest.raises(AssertionError):
         _compare_with_truth("z1_fp32_dp4", torch.load(jobs[0]["out"], weights_only=False))
+    with pytest.raises(AssertionError):
+        _compare_with_truth("z1_fp32_dp4", torch.load(jobs[0]["reader_out"], weights_only=False))
+    with pytest.raises(AssertionError):
+        _assert_same_state(torch.load(jobs[0]["reader_out"], weights_only=False), fsdp2_truth)
+
+
+def _assert_same_state(loaded, truth):
+    """Two gathered FSDP2 states (tests/dcp_fsdp2.py) hold the same params, buffers and optimizer state."""
+    assert loaded["model"].keys() == truth["model"].keys()
+    for key, value in truth["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    assert loaded["optim"]["state"].keys() == truth["optim"]["state"].keys()
+    for fqn, states in truth["optim"]["state"].items():
+        for state, value in states.items():
+            assert torch.equal(torch.as_tensor(loaded["optim"]["state"][fqn][state]), torch.as_tensor(value)), \
+                (fqn, state)
+    assert [g["lr"] for g in loaded["optim"]["param_groups"]] == [g["lr"] for g in truth["optim"]["param_groups"]]
 
 
 @pytest.fixture(scope="module")
