@@ -1,7 +1,7 @@
 """The real PyTorch clients of a DCP checkpoint, run under torchrun (CPU, gloo): FSDP2 + torch.optim.
 
     torchrun --nproc_per_node N tests/dcp_fsdp2.py load JOBS.json
-    torchrun --nproc_per_node N tests/dcp_fsdp2.py train DCP_DIR TRUTH.pt
+    torchrun --nproc_per_node N tests/dcp_fsdp2.py train DCP_DIR TRUTH.pt [SOURCE_2D]
 
 `load`: for each job {"dcp", "out", "tied", "frozen", "two_groups", "optimizer", "hyper"} every
 rank builds the fixture model (tools/fixture_model.py), shards it with `fully_shard`, makes the
@@ -14,7 +14,8 @@ state and param groups) to "out" for the test to compare. A job with "source" an
 `train`: a few Adam steps of the untied fixture model under FSDP2, then `dcp.save` of
 {"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt. Also
 DCP_DIR-boxes: DTensors cut into column shards and into a 2x2 grid (boxes no dim-0 shard
-gives), with their full values in TRUTH.pt under "boxes".
+gives), with their full values in TRUTH.pt under "boxes". With SOURCE_2D, also the fixture model
+on a 2-D (dp x tp) mesh loaded from that checkpoint through reshard.dcp.Reader (TRUTH.pt "mesh_2d").
 """
 import copy
 import json
@@ -87,7 +88,27 @@ def load_one(job, out, then_step=False, **where):
     dist.barrier()
 
 
-def train(dcp_dir, truth_path, steps=3):
+def load_2d(source):
+    """The fixture model on a 2-D mesh (dp x tp): l1 column-sharded and l2 row-sharded over tp, then
+    fully_shard over dp; loaded from `source` (any format) through reshard.dcp.Reader."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import reshard.dcp
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    model = build_model()
+    parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    optim = torch.optim.AdamW(model.parameters(), lr=123.0)
+    msd, osd = get_state_dict(model, optim)
+    dcp.load({"model": msd, "optim": osd}, storage_reader=reshard.dcp.Reader(source))
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    result = gathered(model, optim)
+    # (no training step: the fixture's odd widths, 19, make DTensor's uneven TP x FSDP forward fail)
+    result["placements"] = {name: str(p.placements) for name, p in model.named_parameters()}
+    return result
+
+
+def train(dcp_dir, truth_path, source_2d=None, steps=3):
     model, optim = make({"optimizer": "Adam", "lr": 0.01})
     rank = dist.get_rank()
     for step in range(steps):
@@ -99,6 +120,8 @@ def train(dcp_dir, truth_path, steps=3):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
     result = gathered(model, optim)
     result["boxes"] = save_boxes(dcp_dir + "-boxes")
+    if source_2d:
+        result["mesh_2d"] = load_2d(source_2d)
     if rank == 0:
         torch.save(result, truth_path)
     dist.barrier()

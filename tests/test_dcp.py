@@ -405,10 +405,24 @@ def _assert_same_state(loaded, truth):
 
 @pytest.fixture(scope="module")
 def fsdp2_save(tmp_path_factory):
-    """A DCP checkpoint saved by real FSDP2 code at 4 ranks after 3 Adam steps, and its gathered state."""
+    """A DCP checkpoint saved by real FSDP2 code at 4 ranks after 3 Adam steps, and its gathered state (with,
+    under "mesh_2d", a 2-D mesh model loaded from a fixture through reshard.dcp.Reader)."""
     out = tmp_path_factory.mktemp("fsdp2")
-    torchrun(4, REPO / "tests" / "dcp_fsdp2.py", "train", out / "ckpt", out / "truth.pt", deepspeed=False)
+    torchrun(4, REPO / "tests" / "dcp_fsdp2.py", "train", out / "ckpt", out / "truth.pt", fixture_dir("z1_fp32_dp2"),
+             deepspeed=False)
     return out / "ckpt", torch.load(out / "truth.pt", weights_only=False)
+
+
+@pytest.mark.engine
+def test_a_2d_mesh_model_loads_a_deepspeed_checkpoint_through_the_reader(fsdp2_save):
+    """(issue #15) The fixture model with l1 column- and l2 row-sharded over tp and everything sharded over dp
+    on a 2x2 mesh (tests/dcp_fsdp2.py load_2d) loads the ZeRO-1 dp=2 fixture straight from its files."""
+    loaded = fsdp2_save[1]["mesh_2d"]
+    assert loaded["placements"]["l2.weight"] == "(Shard(dim=0), Shard(dim=1))"    # dp rows x tp columns
+    assert "Shard(dim=0))" in loaded["placements"]["l1.weight"]                   # tp rows inside dp's
+    _compare_with_truth("z1_fp32_dp2", loaded)
+    with pytest.raises(AssertionError):
+        _compare_with_truth("z1_fp32_dp4", loaded)
 
 
 @pytest.mark.engine
