@@ -121,7 +121,7 @@ class TreePickler(pickle._Pickler):
             for s in reversed(obj.shape):
                 stride.append(step)
                 step *= s
-            args = (_StorageId(obj.key, obj.dtype, obj.numel), 0, Size(obj.shape), tuple(reversed(stride)),
+            args = (_StorageId(obj.key, obj.dtype, obj.numel), 0, tuple(obj.shape), tuple(reversed(stride)),
                     False, collections.OrderedDict())
             return (_REBUILD, args)
         if isinstance(obj, TensorRef):
@@ -142,7 +142,7 @@ class TreePickler(pickle._Pickler):
         if self._carry is None:
             raise TypeError(f"{ref!r}: this file has no storages for a source tensor")
         slot = self._carry(ref.storage)
-        args = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, Size(ref.shape), tuple(ref.stride),
+        args = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, tuple(ref.shape), tuple(ref.stride),
                 ref.requires_grad, collections.OrderedDict())
         if ref.attrs:
             return (_REBUILD_FROM_TYPE, (_REBUILD, _TENSOR, args, dict(ref.attrs)))
