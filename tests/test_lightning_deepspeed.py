@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import run_cli, run_torchrun
+from conftest import fixture_dir, run_cli, run_torchrun
 from pickles import load_without_reshard, pickle_globals
 
 pytestmark = pytest.mark.engine
@@ -54,6 +54,16 @@ def converted(saved) -> dict:
         out[size] = saved.tmp / f"dp{size}" / f"step={STEPS}.ckpt"
         run_cli("convert", saved.ckpt, out[size], "--to", f"dp={size}", check=0)
     return out
+
+
+def test_inspect_says_lightning_around_deepspeed(saved, converted):
+    for folder, dp in ((saved.ckpt, 2), *((converted[s], s) for s in SIZES)):
+        line = f"saved by      Lightning + DeepSpeed ZeRO-{saved.stage}, dp={dp}\n"
+        assert line in run_cli("inspect", folder, check=0).stdout
+        assert json.loads(run_cli("inspect", folder, "--json", check=0).stdout)["framework"] == "Lightning + DeepSpeed"
+    # a DeepSpeed save whose client state is not Lightning's names no framework
+    plain = json.loads(run_cli("inspect", fixture_dir("z2_fp32_dp2"), "--json", check=0).stdout)
+    assert plain["framework"] is None and "saved by" not in run_cli("inspect", fixture_dir("z2_fp32_dp2"), check=0).stdout
 
 
 def test_converted_folder_is_what_lightning_writes(saved, converted):
