@@ -56,3 +56,30 @@ def test_carried_tensors_load_without_reshard(source, tmp_path, spec):
     for path in out.rglob("*.pt"):
         names = pickle_globals(path)
         assert names <= source_globals, (path, names - source_globals)
+
+
+@pytest.fixture(scope="module")
+def tensor_lr(tmp_path_factory):
+    """The fixture with its param group's lr a tensor (torch.optim takes one) in every rank's optimizer file."""
+    save_dir = tmp_path_factory.mktemp("tensor_lr") / "checkpoint"
+    shutil.copytree(fixture_dir(SOURCE), save_dir)
+    for path in tag_dir(save_dir).glob("*optim_states.pt"):
+        tree = torch.load(path, weights_only=False)
+        for group in tree["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]:
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float64)
+        torch.save(tree, path)
+    return save_dir
+
+
+def test_tensor_hyper_parameter_carried_or_refused(tensor_lr, tmp_path):
+    out = tmp_path / "out"
+    run_cli("convert", tensor_lr, out, "--to", "dp=3", check=0)
+    files = {p: ["optimizer_state_dict"] for p in [next(tag_dir(tensor_lr).glob("*optim_states.pt")),
+                                                     *tag_dir(out).glob("*optim_states.pt")]}
+    loaded = load_without_reshard(files, cwd=tmp_path)
+    lrs = [[v for p, v in leaves if p[-1] == "lr"] for leaves in loaded.values()]
+    assert len(lrs) == 4 and all(x == lrs[0] for x in lrs) and lrs[0][0]["dtype"] == "torch.float64"
+    # DCP has no place for it yet: one line naming the key, nothing written
+    proc = run_cli("convert", tensor_lr, tmp_path / "dcp", "--format", "dcp", check=1)
+    assert proc.stderr.count("\n") == 1 and "optim.param_groups.0.lr is a tensor" in proc.stderr
+    assert not (tmp_path / "dcp").exists()

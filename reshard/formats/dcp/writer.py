@@ -23,7 +23,7 @@ from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA
 from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
 from reshard.formats.torchsave import pickle_tree
-from reshard.formats.torchzip import Size
+from reshard.formats.torchzip import Size, TensorRef
 from reshard.layout import Layout
 from reshard.targets import NewTensor, Output, Piece, TensorFile, TextFile
 
@@ -84,6 +84,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             written[source].append(chunk)
             out.chunk(key, shape, dtype, *chunk)
     for key, path, value in _values(catalog):
+        if isinstance(value, TensorRef):    # dcp.load wants a tensor entry there, which this writer does not make yet
+            raise ReshardError.at(catalog.root, f"{key} is a tensor; DCP output carries it only as a plain value "
+                                                "(not supported yet)")
         offset, length = files[0].add_value(value)
         out.value(key, path, files[0].path, offset, length)
     return [f for f in files if f.items] + [TextFile(METADATA, md.dumps(out.build(tag)))]
