@@ -22,7 +22,8 @@ def client_tensors() -> dict:
             "base": base, "view": base[1::3],             # one storage: the view keeps its offset and strides
             "ints": torch.arange(5), "flags": torch.tensor([True, False, True]),
             "half": torch.full((2, 3), 1.5, dtype=torch.bfloat16).t(), "empty": torch.zeros(0),
-            "grad": torch.ones(3).requires_grad_(), "with_attr": with_attr, "plain": [1, "two", None]}
+            "grad": torch.ones(3).requires_grad_(), "with_attr": with_attr, "plain": [1, "two", None],
+            "param": torch.nn.Parameter(torch.full((2,), 3.0)), "frozen": torch.nn.Parameter(torch.ones(1), False)}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_carried_tensors_load_without_reshard(source, tmp_path, spec):
     src = tag_dir(source) / "mp_rank_00_model_states.pt"
     loaded = load_without_reshard({src: ["client"], **{t: ["client"] for t in targets}}, cwd=tmp_path)
     want = loaded[str(src)]
-    assert len(want) == 14 and targets
+    assert len(want) == 16 and targets
     for target in targets:
         assert loaded[str(target)] == want, target
     # every output pickle names only what the source's pickles name (torch's rebuild functions and storages,

@@ -23,7 +23,7 @@ import pickle
 import struct
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from reshard.dtypes import STORAGE_DTYPES
 from reshard.formats import standins
@@ -91,6 +91,7 @@ class GlobalName:
 
 _REBUILD = GlobalName("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_FROM_TYPE = GlobalName("torch._tensor", "_rebuild_from_type_v2")
+_REBUILD_PARAMETER = GlobalName("torch._utils", "_rebuild_parameter")
 _TENSOR = GlobalName("torch", "Tensor")
 _SIZE = GlobalName("torch", "Size")
 
@@ -138,9 +139,12 @@ class TreePickler(pickle._Pickler):
 
     def _source_tensor(self, ref: TensorRef):
         """A source tensor as torch pickles it: _rebuild_tensor_v2 over its storage (copied into this file),
-        wrapped in _rebuild_from_type_v2 when it carried Python attributes (as torch does then)."""
+        wrapped in _rebuild_from_type_v2 when it carried Python attributes, in _rebuild_parameter when it was a
+        Parameter (as torch does)."""
         if self._carry is None:
             raise TypeError(f"{ref!r}: this file has no storages for a source tensor")
+        if ref.parameter:
+            return (_REBUILD_PARAMETER, (replace(ref, parameter=False), ref.requires_grad, collections.OrderedDict()))
         slot = self._carry(ref.storage)
         args = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, tuple(ref.shape), tuple(ref.stride),
                 ref.requires_grad, collections.OrderedDict())
