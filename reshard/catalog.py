@@ -153,6 +153,9 @@ class Catalog:
     # taken for frozen params, but maybe floating-point buffers: the source does not say which
     maybe_buffers: list = field(default_factory=list)
     notes: FormatNotes | None = None                   # the reader's format's own notes (see FormatNotes)
+    # a training framework that drove the format's save, and the format ("Lightning + DeepSpeed"), when the files
+    # show one; None when they do not
+    framework: str | None = None
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
     # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose

@@ -16,6 +16,8 @@ def print_inspect(info) -> None:
     t = info["topology"]
     print(f"{info['path']}")
     print(f"  format        {info['format']} (tag {info['tag']})")
+    if info["framework"]:
+        print(f"  saved by      {info['framework']} ZeRO-{info['zero_stage']}, dp={t['dp']}")
     print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}), "
           f"ZeRO stage {info['zero_stage']}")
     known = {k: "unknown" if info[k] is None else info[k]

@@ -14,6 +14,7 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
     info = {
         "path": catalog.root,
         "format": catalog.format,
+        "framework": catalog.framework,
         "tag": catalog.tag or None,
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         "zero_stage": layout.zero,

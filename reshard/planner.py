@@ -17,7 +17,7 @@ from reshard.formats import container_writer
 from reshard.geometry import span
 from reshard.layout import Layout
 from reshard.locate import Locator
-from reshard.targets import CopiedFile, Output, StageCut, TensorFile, TextFile
+from reshard.targets import CopiedFile, Output, RawPiece, StageCut, TensorFile, TextFile
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,9 @@ def _plan_file(file: TensorFile, index) -> FilePlan:
         storage = StoragePlan(slot.key, slot.dtype, slot.shape)
         cursor = 0
         for piece in file.pieces[slot.key]:
-            if piece.source is None:
+            if isinstance(piece, RawPiece):
+                _append(storage.ops, Copy(cursor, piece.count, piece.file, piece.offset, piece.dtype))
+            elif piece.source is None:
                 _append(storage.ops, Fill(cursor, piece.count, piece.value))
             else:
                 for op in index.ops(piece, cursor):

@@ -43,6 +43,16 @@ class Piece:
         return Piece(count)
 
 
+@dataclass(frozen=True)
+class RawPiece:
+    """`count` elements of `dtype` copied as they lie in a source file from byte `offset`: a storage that is no
+    logical tensor's, carried whole (a tensor in the client state a writer takes over from the source's pickle)."""
+    count: int
+    file: str
+    offset: int
+    dtype: str
+
+
 @dataclass
 class TensorFile:
     """A file of tensors: a format-specific header, then each slot's bytes, filled from its pieces.

@@ -172,3 +172,17 @@ def test_elastic_checkpoints_hold_no_hyper_parameters():
     truth = truth_tensors(ELASTIC)
     assert all(torch.equal(p.detach(), truth[f"fp32/{n}"]) for n, p in model.named_parameters())
     assert optim.param_groups[0]["lr"] == 0.5
+
+
+def test_a_tensor_hyper_parameter_arrives_as_a_tensor(tmp_path):
+    """torch.optim takes a tensor lr; a checkpoint holding one gives the optimizer that tensor."""
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    for path in tag_dir(save).glob("*optim_states.pt"):
+        tree = torch.load(path, weights_only=False)
+        for group in tree["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]:
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float64)
+        torch.save(tree, path)
+    _, optim = _resume("z2_fp32_dp2", _reader("z2_fp32_dp2", save))
+    lr = optim.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float64
+    assert float(lr) == truth_json("z2_fp32_dp2")["param_groups"][0]["lr"]

@@ -3,8 +3,12 @@
 A file is described as an object tree whose tensors are `NewTensor` slots. `pickle_tree` turns
 the tree into `data.pkl` bytes (protocol 2, as torch.save writes): slots become torch's
 `_rebuild_tensor_v2` over a persistent storage id, the DeepSpeed stand-ins are written under
-DeepSpeed's own global names, so DeepSpeed loads them as its own classes. `TorchZipWriter` then
-lays out the zip archive with 64-byte-aligned storage members that the caller streams in.
+DeepSpeed's own global names, so DeepSpeed loads them as its own classes. A tensor the tree carries
+from a source pickle (a `TensorRef` in client state: Lightning's `ModelCheckpoint.kth_value`) is
+written as torch wrote it, over a storage of the new file holding a copy of the source storage; no
+global of reshard's own is ever written (the file must load where reshard is not installed).
+`TorchZipWriter` then lays out the zip archive with 64-byte-aligned storage members that the caller
+streams in.
 """
 from __future__ import annotations
 
@@ -18,13 +22,13 @@ import os
 import pickle
 import struct
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from reshard.dtypes import STORAGE_DTYPES
 from reshard.formats import standins
-from reshard.formats.torchzip import DType, Size
+from reshard.formats.torchzip import DType, Size, Storage, TensorRef
 from reshard.sink import HashingSink
-from reshard.targets import NewTensor, Piece, TensorFile
+from reshard.targets import NewTensor, Piece, RawPiece, TensorFile
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
@@ -33,8 +37,12 @@ _FIXED_TIME = (1980, 1, 1, 0, 0, 0)   # reproducible archives
 
 @dataclass
 class TorchFile(TensorFile):
-    """A torch.save file: the pickled `tree` (with NewTensor slots) as data.pkl."""
+    """A torch.save file: the pickled `tree` (with NewTensor slots) as data.pkl.
+
+    Source tensors in the tree (TensorRefs of carried state) get their storages when the header is made
+    (`carry`), before the planner lists the slots."""
     archive: str = "archive"                     # the zip's top folder (torch uses the file stem)
+    carried: dict = field(default_factory=dict, repr=False)   # source Storage -> the slot copying it
     container = "torch"
     STEM, EXTENSION, SUFFIXES = "pytorch_model", "bin", (".bin", ".pt", ".pth")   # Hugging Face's names
 
@@ -56,7 +64,16 @@ class TorchFile(TensorFile):
         return name in self.tree
 
     def header(self) -> bytes:
-        return pickle_tree(self.tree)
+        return pickle_tree(self.tree, self.carry)
+
+    def carry(self, storage: Storage) -> NewTensor:
+        """The slot of this file holding a source storage's bytes, whole (views of it keep their offsets and
+        strides); one slot per storage, so tensors sharing a storage in the source share it here."""
+        slot = self.carried.get(storage)
+        if slot is None:
+            pieces = [RawPiece(storage.numel, storage.file, storage.offset, storage.dtype)] if storage.numel else []
+            slot = self.carried[storage] = self.slot(storage.dtype, (storage.numel,), pieces)
+        return slot
 
     def writer_options(self) -> dict:
         return {"archive": self.archive}
@@ -73,6 +90,9 @@ class GlobalName:
 
 
 _REBUILD = GlobalName("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_FROM_TYPE = GlobalName("torch._tensor", "_rebuild_from_type_v2")
+_REBUILD_PARAMETER = GlobalName("torch._utils", "_rebuild_parameter")
+_TENSOR = GlobalName("torch", "Tensor")
 _SIZE = GlobalName("torch", "Size")
 
 
@@ -87,6 +107,10 @@ class TreePickler(pickle._Pickler):
     """Pure-Python pickler (metadata is small) whose globals are written by name, never imported."""
     dispatch = pickle._Pickler.dispatch.copy()
 
+    def __init__(self, file, protocol=2, carry=None):
+        super().__init__(file, protocol=protocol)
+        self._carry = carry         # source Storage -> NewTensor slot holding its bytes (TorchFile.carry)
+
     def persistent_id(self, obj):
         if isinstance(obj, _StorageId):
             return ("storage", GlobalName("torch", STORAGE_CLASS[obj.dtype]), obj.key, "cpu", obj.numel)
@@ -98,9 +122,11 @@ class TreePickler(pickle._Pickler):
             for s in reversed(obj.shape):
                 stride.append(step)
                 step *= s
-            args = (_StorageId(obj.key, obj.dtype, obj.numel), 0, Size(obj.shape), tuple(reversed(stride)),
+            args = (_StorageId(obj.key, obj.dtype, obj.numel), 0, tuple(obj.shape), tuple(reversed(stride)),
                     False, collections.OrderedDict())
             return (_REBUILD, args)
+        if isinstance(obj, TensorRef):
+            return self._source_tensor(obj)
         if isinstance(obj, Size):
             return (_SIZE, (tuple(obj),))
         if isinstance(obj, DType):
@@ -111,11 +137,29 @@ class TreePickler(pickle._Pickler):
             return (copyreg.__newobj__, (type(obj),), dict(vars(obj)))
         return NotImplemented
 
+    def _source_tensor(self, ref: TensorRef):
+        """A source tensor as torch pickles it: _rebuild_tensor_v2 over its storage (copied into this file),
+        wrapped in _rebuild_from_type_v2 when it carried Python attributes, in _rebuild_parameter when it was a
+        Parameter (as torch does)."""
+        if self._carry is None:
+            raise TypeError(f"{ref!r}: this file has no storages for a source tensor")
+        if ref.parameter:
+            return (_REBUILD_PARAMETER, (replace(ref, parameter=False), ref.requires_grad, collections.OrderedDict()))
+        slot = self._carry(ref.storage)
+        args = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, tuple(ref.shape), tuple(ref.stride),
+                ref.requires_grad, collections.OrderedDict())
+        if ref.attrs:
+            return (_REBUILD_FROM_TYPE, (_REBUILD, _TENSOR, args, dict(ref.attrs)))
+        return (_REBUILD, args)
+
     def save_global(self, obj, name=None):
         if isinstance(obj, DType):
             glob = GlobalName("torch", obj.name)
         elif isinstance(obj, type) and obj in standins.GLOBAL_NAMES:
             glob = GlobalName(*standins.GLOBAL_NAMES[obj])
+        elif (getattr(obj, "__module__", None) or "").split(".")[0] == "reshard":
+            # a reader's object left in a tree: the consumer would need reshard to load the file
+            raise TypeError(f"refusing to pickle reshard's own {obj.__module__}.{obj.__qualname__}")
         else:
             return super().save_global(obj, name)
         self._write_global(glob)
@@ -131,10 +175,11 @@ class TreePickler(pickle._Pickler):
     dispatch[GlobalName] = _save_named_global
 
 
-def pickle_tree(tree) -> bytes:
-    """`data.pkl` bytes for an object tree (dicts, lists, numbers, strings, NewTensor, stand-ins)."""
+def pickle_tree(tree, carry=None) -> bytes:
+    """`data.pkl` bytes for an object tree (dicts, lists, numbers, strings, NewTensor, stand-ins; TensorRefs
+    given `carry`, which gives the slot that holds a source storage's bytes)."""
     buf = io.BytesIO()
-    pickler = TreePickler(buf, protocol=2)
+    pickler = TreePickler(buf, protocol=2, carry=carry)
     # No memo: equal trees give equal bytes whatever objects they share (a tied tensor written
     # twice still names one storage, so it loads shared), and the output is reproducible.
     pickler.fast = True

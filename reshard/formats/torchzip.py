@@ -47,6 +47,7 @@ class TensorRef:
     stride: tuple
     requires_grad: bool = False
     attrs: dict = field(default_factory=dict)   # Python attributes pickled with it (ZeRO-3 ds_id)
+    parameter: bool = False      # pickled as a torch.nn.Parameter (_rebuild_parameter): written back as one
 
     @property
     def dtype(self) -> str:
@@ -105,6 +106,13 @@ def _rebuild_parameter(data, requires_grad, backward_hooks, *state):
     return data
 
 
+def _rebuild_plain_parameter(data, requires_grad, backward_hooks):
+    data = _rebuild_parameter(data, requires_grad, backward_hooks)
+    if isinstance(data, TensorRef):
+        data.parameter = True
+    return data
+
+
 def _codecs_encode(text, encoding="latin1"):
     # Protocol-2 pickles spell `bytes` objects as _codecs.encode(str, "latin1").
     if encoding not in ("latin1", "latin-1"):
@@ -126,7 +134,7 @@ def _size(dims=()):
 ALLOWED = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_plain_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("torch", "Tensor"): _TensorClass,

@@ -21,6 +21,7 @@ from reshard.catalog import ScalarTensor
 from reshard.dtypes import torch_dtype
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys
+from reshard.formats.torchzip import TensorRef
 from reshard.placement import Shard
 from reshard.tensorio import MappedFiles, read_shard
 from reshard.validate import require_complete
@@ -84,7 +85,7 @@ class Reader(StorageReader):
                 entry = self._sources[item.storage_index]
                 if item.type == LoadItemType.BYTE_IO:
                     buffer = io.BytesIO()
-                    torch.save(entry.value, buffer)
+                    torch.save(_torch_value(files, entry.value), buffer)
                     buffer.seek(0)
                     planner.load_bytes(item, buffer)
                     continue
@@ -107,3 +108,16 @@ class Reader(StorageReader):
         box = Shard.box(at, shape) if shape else None
         flat = read_shard(files, tensor, box, 0, box.numel if box else 1)
         return torch.from_numpy(flat).view(torch_dtype(tensor.dtype)).reshape(shape)
+
+
+def _torch_value(files: MappedFiles, value):
+    """`value` with each tensor in it (a tensor lr: TensorRef) made a torch tensor read from its storage."""
+    if isinstance(value, TensorRef):
+        storage = files.elements(value.storage, 0, value.storage.numel, value.dtype)
+        flat = torch.from_numpy(storage.copy()).view(torch_dtype(value.dtype))
+        return flat.as_strided(value.shape, value.stride, value.storage_offset).clone()
+    if isinstance(value, dict):
+        return type(value)((k, _torch_value(files, v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_torch_value(files, v) for v in value)
+    return value

@@ -18,7 +18,7 @@ from reshard.formats.dcp import keys, metadata as md
 from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
 from reshard.formats.torchsave import pickle_tree
-from reshard.formats.torchzip import Size
+from reshard.formats.torchzip import Size, TensorRef
 from reshard.layout import Layout
 from reshard.targets import NewTensor, Output, Piece, TensorFile, TextFile
 
@@ -79,6 +79,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             written[source].append(chunk)
             out.chunk(key, shape, dtype, *chunk)
     for entry in keys.value_entries(catalog):
+        if isinstance(entry.value, TensorRef):  # dcp.load wants a tensor entry there, which this writer does not make yet
+            raise ReshardError.at(catalog.root, f"{entry.key} is a tensor; DCP output carries it only as a plain value "
+                                                "(not supported yet)")
         offset, length = files[0].add_value(entry.value)
         out.value(entry.key, entry.path, files[0].path, offset, length)
     return [f for f in files if f.items] + [TextFile(METADATA, md.dumps(out.build(tag)))]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import parallel, rank_reader
+from reshard.formats.deepspeed import notes, parallel, rank_reader
 
 FORMAT = "DeepSpeed"
 
@@ -40,6 +40,8 @@ def read(path: str, options: Options) -> Catalog:
         catalog = _read(tag_dir, tag, layout_rules)
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
             catalog.notes = replace(catalog.notes, tp_rules=layout_rules)
+        driver = notes.framework(notes.of(catalog).client_state)
+        catalog.framework = f"{driver} + {FORMAT}" if driver else None
         return catalog
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.

@@ -128,7 +128,7 @@ def buffer_names(params: RankParams) -> list:
 
 def closing_files(tag: str, source_save_dir: str | None) -> list:
     """`latest` and the source's consolidation scripts."""
-    out = [TextFile(names.LATEST, tag + "\n")]
+    out = [TextFile(names.LATEST, tag)]    # the bare tag, as engine.save_checkpoint writes it
     if source_save_dir:
         for script in SCRIPTS:
             path = os.path.join(source_save_dir, script)
