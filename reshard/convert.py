@@ -24,7 +24,11 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | 
     from reshard.validate import require_complete
 
     require_complete(catalog)
-    target = target_layout(catalog, to)
+    return plan_for(catalog, target_layout(catalog, to), tag_out, fmt)
+
+
+def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None) -> Plan:
+    """The plan writing a whole `catalog` at layout `target` in format `fmt` (default: the source's format)."""
     tag = tag_out or catalog.tag or "converted"
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)

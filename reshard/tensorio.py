@@ -97,10 +97,14 @@ def read_range(files: MappedFiles, tensor: LogicalTensor, start: int, stop: int,
 
 
 def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, start: int, stop: int,
-               where: Locator | None = None) -> np.ndarray:
-    """Elements [start, stop) of `shard` of a logical tensor (None: the tensor itself), in a new array."""
+               where: Locator | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Elements [start, stop) of `shard` of a logical tensor (None: the tensor itself), in a new array or in
+    `out` (1-D, contiguous, of the carrier dtype: a caller's own memory, read into with no copy between)."""
     where = where or Locator(tensor)
-    out = np.zeros(stop - start, dtype=numpy_carrier(tensor.dtype))
+    if out is None:
+        out = np.zeros(stop - start, dtype=numpy_carrier(tensor.dtype))
+    else:
+        out[...] = 0
     if where.holds_as(shard):
         for run in where.runs(shard, start, stop):
             out[run.offset:run.offset + run.count] = files.elements(run.fragment.storage, run.elem, run.count,

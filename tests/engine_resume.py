@@ -2,14 +2,15 @@
 
     torchrun --nproc_per_node M tests/engine_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": name, "checkpoint": dir, "stage": S[, "universal": true]}. For each job every rank builds
+JOBS.json lists {"fixture": name, "checkpoint": dir, "stage": S[, "universal": true][, "direct": true]}. For each job every rank builds
 the fixture's model with its DeepSpeed config (ZeRO stage S, world size M), calls the ordinary
 `engine.load_checkpoint(dir)`, reads the full fp32 params and optimizer states back from the live
 engine exactly as tools/make_fixtures.py did when it saved the fixture, compares them with the
 fixture's truth, checks steps and hyper-parameters, and trains one more step. Rank 0 writes
 {"fixture", "checkpoint", "stage", "world", "problems": [...]} per job to RESULTS.json.
 
-A "universal" job builds the engine with `"checkpoint": {"load_universal": true}`, so
+A "direct" job loads "checkpoint", saved at any topology, with `reshard.deepspeed.load_checkpoint(engine, dir)`
+instead of DeepSpeed's own call (no conversion step). A "universal" job builds the engine with `"checkpoint": {"load_universal": true}`, so
 `load_checkpoint(dir)` takes the tag from `latest_universal` and loads `zero/`. Run those with a
 fixed PYTHONHASHSEED: that set order decides the order of each rank's optimizer states, and the
 truth reader gathers states across ranks in that order.
@@ -65,7 +66,19 @@ def main(jobs_path, results_path):
         groups, _ = param_groups(model, two_groups=spec["two_groups"])
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
         problems = []
-        load_path, client_state = engine.load_checkpoint(job["checkpoint"])
+        if job.get("direct"):       # the source itself, at its own topology, through reshard (issue #15)
+            import reshard.deepspeed
+            from reshard.errors import ReshardError
+            try:
+                load_path, client_state = reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
+            except ReshardError as e:   # every rank raises it, before any DeepSpeed collective: no hang
+                if rank == 0:
+                    results.append({**job, "world": world, "problems": [], "error": str(e)})
+                del engine, model
+                gc.collect()
+                continue
+        else:
+            load_path, client_state = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
             problems.append("load_checkpoint found nothing to load")
         tensors, info = make_fixtures.engine_truth(engine, spec)

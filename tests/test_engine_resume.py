@@ -3,8 +3,10 @@
 Every fixture is converted to dp 1, 2, 3 and 5 (and a few ZeRO stage changes); for each target
 world size one torchrun launch loads all of its checkpoints with `engine.load_checkpoint(DST)`,
 reads back full fp32 params and every optimizer state, and trains one more step
-(tests/engine_resume.py). Everything must equal the truth the engine reported when it saved.
+(tests/engine_resume.py). Everything must equal the truth the engine reported when it saved. The same
+launches load each fixture itself through reshard.deepspeed.load_checkpoint (issue #15).
 """
+import shutil
 from collections import defaultdict
 
 import pytest
@@ -22,6 +24,11 @@ STAGE_CHANGES = [("z1_fp32_dp2", 3, 3), ("z1_bf16_frozen_tied_dp2", 3, 2), ("z3_
 JOBS = [(name, truth_json(name)["zero_stage"], dp) for name in FIXTURE_NAMES for dp in TARGET_DPS] + STAGE_CHANGES
 # A negative control: a checkpoint that is complete and loads, but is another run's state.
 CONTROL = ("z2_fp32_dp4", 2, 2)
+# (issue #15) The fixtures themselves, loaded by the live engine at another dp (and stage) through
+# reshard.deepspeed.load_checkpoint, with no conversion step: each fixture at one of dp 1, 3, 5, and the
+# stage changes.
+DIRECT = [(name, truth_json(name)["zero_stage"], (1, 3, 5)[i % 3]) for i, name in enumerate(FIXTURE_NAMES)] + \
+    [(name, stage, dp) for name, stage, dp in STAGE_CHANGES if dp in (1, 3, 5)]
 
 
 def _run_world(world, jobs, out):
@@ -37,21 +44,43 @@ def resumed(tmp_path_factory):
         execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), f"dp={dp},zero={stage}"), str(dst),
                 progress=False)
         by_world[dp].append({"fixture": name, "checkpoint": str(dst), "stage": stage, "fixtures": str(FIXTURES)})
+    for name, stage, dp in DIRECT:
+        by_world[dp].append({"fixture": name, "checkpoint": str(fixture_dir(name)), "stage": stage,
+                             "fixtures": str(FIXTURES), "direct": True})
+    broken = out / "broken"
+    shutil.copytree(fixture_dir("z2_fp32_dp2"), broken)
+    (broken / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    by_world[3].append({"fixture": "z2_fp32_dp2", "checkpoint": str(broken), "stage": 2, "fixtures": str(FIXTURES),
+                        "direct": True, "broken": True})
     name, stage, dp = CONTROL
     by_world[dp].append({"fixture": name, "checkpoint": str(out / f"z2_fp32_dp2-zero2-dp{dp}"), "stage": stage,
                          "fixtures": str(FIXTURES), "control": True})
     results = {}
     for world, jobs in sorted(by_world.items()):
         for result in _run_world(world, jobs, out):
-            key = ("control",) if result.get("control") else (result["fixture"], result["stage"], result["world"])
+            key = ("control",) if result.get("control") else ("broken",) if result.get("broken") else \
+                (result["fixture"], result["stage"], result["world"], bool(result.get("direct")))
             results[key] = result
     return results
 
 
 @pytest.mark.parametrize("name, stage, dp", JOBS, ids=[f"{n}-to-zero{s}-dp{d}" for n, s, d in JOBS])
 def test_engine_resumes_converted_checkpoint_bit_exactly(resumed, name, stage, dp):
-    result = resumed[(name, stage, dp)]
+    result = resumed[(name, stage, dp, False)]
     assert result["problems"] == [], "\n".join(result["problems"])
+
+
+@pytest.mark.parametrize("name, stage, dp", DIRECT, ids=[f"{n}-as-zero{s}-dp{d}" for n, s, d in DIRECT])
+def test_engine_loads_the_source_directly_through_reshard(resumed, name, stage, dp):
+    result = resumed[(name, stage, dp, True)]
+    assert result["problems"] == [], "\n".join(result["problems"])
+
+
+def test_a_broken_source_is_one_line_on_every_rank(resumed):
+    """A missing rank file: every rank raised the same ReshardError (the launch ended: none hung waiting in
+    DeepSpeed's load for another)."""
+    error = resumed[("broken",)].get("error", "")
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in error and "\n" not in error, error
 
 
 def test_the_resume_check_sees_a_wrong_state(resumed):

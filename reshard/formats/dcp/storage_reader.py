@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from reshard import formats
 from reshard.catalog import ScalarTensor
-from reshard.dtypes import torch_dtype
+from reshard.dtypes import numpy_carrier, torch_dtype
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys
 from reshard.formats.torchzip import TensorRef
@@ -89,16 +89,28 @@ class Reader(StorageReader):
                     buffer.seek(0)
                     planner.load_bytes(item, buffer)
                     continue
-                values = self._box(files, entry, tuple(item.storage_offsets), tuple(item.lengths))
+                at, shape = tuple(item.storage_offsets), tuple(item.lengths)
                 target = planner.resolve_tensor(item).detach()
-                if target.size() != values.size():
-                    raise ReshardError(f"{entry.key}: asked for a box of {list(item.lengths)}, the destination is "
+                if tuple(target.size()) != shape:
+                    raise ReshardError(f"{entry.key}: asked for a box of {list(shape)}, the destination is "
                                        f"{list(target.size())}")
-                target.copy_(values)
+                if not self._read_into(files, entry, at, shape, target):
+                    target.copy_(self._box(files, entry, at, shape))
                 planner.commit_tensor(item, target)
         done = torch.futures.Future()
         done.set_result(None)
         return done
+
+    def _read_into(self, files: MappedFiles, entry: keys.TensorEntry, at: tuple, shape: tuple, target) -> bool:
+        """Read the box straight into `target` where it is contiguous memory of the source's dtype."""
+        if isinstance(entry.source, ScalarTensor):
+            return False
+        tensor = self.catalog.tensors[entry.source]
+        if target.dtype != torch_dtype(tensor.dtype) or not target.is_contiguous() or not shape:
+            return False
+        memory = target.view(-1).view(torch.uint8).numpy().view(numpy_carrier(tensor.dtype))
+        read_shard(files, tensor, Shard.box(at, shape), 0, memory.size, out=memory)
+        return True
 
     def _box(self, files: MappedFiles, entry: keys.TensorEntry, at: tuple, shape: tuple) -> torch.Tensor:
         """The elements of the entry's box (`at`, `shape`) as a new tensor of the source's dtype."""

@@ -30,7 +30,8 @@ class ZeroTarget:
         self.target = target
         self.dp = target.dp
         self.lp_dtype = target.dtype
-        self.config = copy.deepcopy(notes.of(catalog).ds_config or {})
+        # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed), else the source's
+        self.config = copy.deepcopy(target.options.get("ds_config") or notes.of(catalog).ds_config or {})
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = target.zero
             if "tensor_parallel" in self.config:     # AutoTP (a Megatron-style model cuts itself: no key)

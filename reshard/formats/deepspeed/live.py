@@ -1,0 +1,29 @@
+"""The layout of a live DeepSpeed engine: what a checkpoint must look like for its `load_checkpoint`.
+
+The engine's own config is the target's (zero settings, precision, AutoTP size), so the files written for it
+follow what this engine does, not what the source's engine did.
+"""
+from __future__ import annotations
+
+from reshard.layout import Layout
+
+
+def engine_layout(engine) -> Layout:
+    """The topology, precision and ZeRO options of `engine` (a deepspeed.DeepSpeedEngine, PipelineEngine too)."""
+    # DeepSpeed keeps the config it was given, parsed, here; it has no public accessor
+    config = dict(engine._config._param_dict)
+    options = {"ds_config": config}
+    if engine.zero_elastic_checkpoint():
+        options["elastic"] = True
+    if type(engine.optimizer).__name__ == "BF16_Optimizer":
+        options["bf16_optimizer"] = True
+    method = getattr(engine.module, "partition_method", None)
+    if isinstance(method, str):                  # a PipelineModule: how its layers were cut into stages
+        options["partition_method"] = method
+    heads = getattr(getattr(engine.module, "config", None), "num_key_value_heads", None)
+    if isinstance(heads, int):                   # AutoTP cuts attention by key-value heads
+        options["kv_heads"] = heads
+    dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
+    pp = getattr(engine, "num_stages", 1)
+    return Layout(dp=engine.dp_world_size, tp=engine.mp_world_size, pp=pp, zero=engine.zero_optimization_stage(),
+                  dtype=dtype, options=options)
