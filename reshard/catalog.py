@@ -162,6 +162,9 @@ class Catalog:
     # The folder the whole save lives in, which output must not overlap; None: root's parent
     # (a DeepSpeed tag folder's save dir). A DCP directory is its own save dir.
     save_dir: str | None = None
+    # The training framework's folder around a DeepSpeed save (reshard.formats.framework.Framework: HF Trainer's
+    # checkpoint-N/), with its own files; None: no framework's files around it.
+    framework: object = None
 
     def add(self, tensor: LogicalTensor, file=None) -> LogicalTensor:
         """The catalog's (name, state) tensor: `tensor`, or the one added before, which must agree on shape

@@ -42,6 +42,8 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
         "problems": len(catalog.problems),
     }
+    if catalog.framework is not None:      # the training framework's folder around the save, and its own files
+        info["framework"] = catalog.framework.to_dict(layout)
     if params:
         info["parameter_table"] = [_param_row(catalog, p) for p in catalog.params.values()]
     return info
