@@ -1,0 +1,137 @@
+"""HF Trainer + DeepSpeed ZeRO-2: a real transformers.Trainer run at 2 processes (torchrun, CPU, gloo) saves
+checkpoint-3/; reshard converts the whole folder to 1 and 3 processes, and trainer.train(resume_from_checkpoint=)
+at that size resumes exactly (tests/hf_trainer_deepspeed.py): the engine's fp32 params, both Adam moments and
+the module weights equal the truth the live engine gave at save time, bit for bit; the global step, epoch and
+lr go on as scheduled. Without reshard the same resume fails with DeepSpeed's error.
+"""
+import json
+import os
+import pickletools
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, run_torchrun, torchrun, REPO
+
+pytestmark = pytest.mark.engine
+SCRIPT = "hf_trainer_deepspeed.py"
+SAVE, STEPS = 3, 6      # the run saves checkpoint-3 and checkpoint-6; the resumes continue from checkpoint-3
+# What the Trainer wrote beside DeepSpeed's `latest` and global_step3/ (transformers 5.24, DeepSpeed 0.19.8)
+TRAINER_FILES = {"config.json", "generation_config.json", "model.safetensors", "rng_state_0.pth",
+                 "rng_state_1.pth", "scheduler.pt", "trainer_state.json", "training_args.bin"}
+DEEPSPEED_FILES = {"latest", "global_step3", "zero_to_fp32.py", "zero_to_torch.py"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """One Trainer run at 2 processes, shared by every test here: its folder, truths and trainer state."""
+    out = tmp_path_factory.mktemp("hf_deepspeed")
+    job = {"mode": "save", "out": str(out / "run"), "stage": 2, "max_steps": STEPS, "save_steps": SAVE,
+           "truth": str(out / "truth-{step}.safetensors")}
+    result = run_torchrun(SCRIPT, 2, job, out, "save")
+    assert result["problems"] == [] and result["world_size"] == 2, result
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(source):
+    """checkpoint-3 converted by the command line to 1 and 3 processes."""
+    out = {}
+    for dp in (1, 3):
+        dst = source / f"dp{dp}" / f"checkpoint-{SAVE}"
+        run_cli("convert", source / "run" / f"checkpoint-{SAVE}", dst, "--to", f"dp={dp}", "--quiet", check=0)
+        out[dp] = dst
+    return out
+
+
+def logged(source, step: int) -> dict:
+    """The source run's log entry of `step` (checkpoint-6's trainer_state.json holds every step's)."""
+    state = json.loads((source / "run" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    return next(e for e in state["log_history"] if e.get("step") == step and "loss" in e)
+
+
+def resume(source, checkpoint, world, stem, gas=1, check=True):
+    job = {"mode": "resume", "out": str(source / f"resumed-{stem}"), "stage": 2, "max_steps": STEPS,
+           "save_steps": 100, "checkpoint": str(checkpoint), "truth": str(source / f"truth-{SAVE}.safetensors"),
+           "negative": str(source / f"truth-{STEPS}.safetensors"), "gradient_accumulation_steps": gas}
+    if check:
+        return run_torchrun(SCRIPT, world, job, source, stem)
+    jobs, results = source / f"jobs-{stem}.json", source / f"results-{stem}.json"
+    jobs.write_text(json.dumps(job))
+    return torchrun(world, REPO / "tests" / SCRIPT, jobs, results, check=False)
+
+
+def test_the_trainers_folder_is_recognised(source):
+    folder = source / "run" / f"checkpoint-{SAVE}"
+    assert set(os.listdir(folder)) == TRAINER_FILES | DEEPSPEED_FILES
+    info = json.loads(run_cli("inspect", folder, "--json", check=0).stdout)
+    assert info["framework"]["title"] == "HF Trainer + DeepSpeed ZeRO-2, dp=2"
+    assert {f["path"] for f in info["framework"]["files"]} == TRAINER_FILES
+
+
+# gradient_accumulation_steps 2 at one process keeps the global batch (plan's advice says so)
+@pytest.mark.parametrize("dp, gas", [(1, 2), (3, 1)])
+def test_trainer_resumes_the_converted_folder_exactly(source, converted, dp, gas):
+    result = resume(source, converted[dp], dp, f"dp{dp}", gas)
+    assert result["problems"] == [], result["problems"][:5]
+    assert result["world_size"] == dp and result["compared"] > 0
+    assert result["negative_differences"] > 0           # another state's truth fails the same comparison
+    saved = json.loads((source / "run" / f"checkpoint-{SAVE}" / "trainer_state.json").read_text())
+    assert (result["resumed_global_step"], result["resumed_epoch"]) == (SAVE, saved["epoch"])
+    assert result["next_logged_step"] == SAVE + 1
+    assert result["next_logged_lr"] == logged(source, SAVE + 1)["learning_rate"]    # the scheduled lr
+    if dp * gas == 2:     # the same global batch: the same epoch arithmetic
+        assert result["next_epoch"] == logged(source, SAVE + 1)["epoch"]
+
+
+def test_resume_without_reshard_fails_with_deepspeeds_error(source):
+    proc = resume(source, source / "run" / f"checkpoint-{SAVE}", 3, "baseline", check=False)
+    assert proc.returncode != 0
+    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in proc.stdout + proc.stderr
+
+
+def pickle_globals(path: Path) -> set:
+    """The globals every pickle of a torch.save file (or a plain pickle) names, read without unpickling."""
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            blobs = [z.read(n) for n in z.namelist() if n.endswith(".pkl")]
+    else:
+        blobs = [path.read_bytes()]
+    names = set()
+    for blob in blobs:
+        strings = []
+        for op, arg, _ in pickletools.genops(blob):
+            if op.name in ("GLOBAL", "INST"):
+                names.add(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL":
+                names.add(".".join(strings[-2:]))
+            elif isinstance(arg, str):
+                strings.append(arg)
+    return names
+
+
+def pickles(folder: Path) -> list:
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".pt", ".pth", ".bin"))
+
+
+def test_converted_pickles_load_where_reshard_is_not_installed(source, converted, tmp_path):
+    source_globals = set().union(*map(pickle_globals, pickles(source / "run" / f"checkpoint-{SAVE}")))
+    for dp, folder in converted.items():
+        files = pickles(folder)
+        assert len(files) >= 4, files
+        for f in files:
+            assert pickle_globals(f) <= source_globals, (f, pickle_globals(f) - source_globals)
+        # -I: no PYTHONPATH, no user site, no cwd on the path; and reshard's editable install hidden
+        code = ("import sys; sys.modules['reshard'] = None\n"
+                "try:\n    import reshard\nexcept ImportError:\n    pass\n"
+                "else:\n    raise SystemExit('reshard importable')\n"
+                "import torch\n"
+                "for path in sys.argv[1:]:\n    torch.load(path, weights_only=False)\n"
+                "print('loaded', len(sys.argv) - 1)")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.run([sys.executable, "-I", "-c", code, *map(str, files)], capture_output=True, text=True,
+                              cwd=tmp_path, env=env)
+        assert proc.returncode == 0 and f"loaded {len(files)}" in proc.stdout, proc.stderr[-3000:]
