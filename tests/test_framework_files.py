@@ -186,3 +186,16 @@ def test_validate_names_a_missing_rng_state_of_a_two_process_run(tmp_path):
     assert f"{src / 'rng_state_1.pth'}: missing (RNG states of process 1 of a 2-process run)" in proc.stdout
     proc = run_cli("convert", src, tmp_path / "out", "--to", "dp=1", check=1)
     assert "rng_state_1.pth: missing" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_export_of_the_folder_copies_config_and_tokenizer_beside_the_weights(tmp_path):
+    src = hf_folder(tmp_path)
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    out = tmp_path / "hf"
+    run_cli("export", src, out, "--quiet", check=0)
+    assert set(os.listdir(out)) == {"model.safetensors", "config.json", "tokenizer.json", "reshard-manifest.json"}
+    for name in ("config.json", "tokenizer.json"):
+        assert sha(out / name) == sha(src / name)
+    run_cli("export", src, tmp_path / "one.safetensors", "--quiet", check=0)     # one file: nothing beside it
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint-3", "hf", "one.safetensors",
+                                                   "one.safetensors.reshard-manifest.json"])

@@ -135,3 +135,20 @@ def test_converted_pickles_load_where_reshard_is_not_installed(source, converted
         proc = subprocess.run([sys.executable, "-I", "-c", code, *map(str, files)], capture_output=True, text=True,
                               cwd=tmp_path, env=env)
         assert proc.returncode == 0 and f"loaded {len(files)}" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_export_writes_a_folder_from_pretrained_loads(source, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    folder = source / "run" / f"checkpoint-{SAVE}"
+    run_cli("export", folder, tmp_path / "hf", "--quiet", check=0)
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    truth = load_file(str(source / f"truth-{SAVE}.safetensors"))
+    other = load_file(str(source / f"truth-{STEPS}.safetensors"))
+    state = model.state_dict()
+    names = [k.partition("/")[2] for k in truth if k.startswith("fp32/")]
+    assert names and all(torch.equal(state[n], truth[f"fp32/{n}"]) for n in names)
+    assert not all(torch.equal(state[n], other[f"fp32/{n}"]) for n in names)      # negative control
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()   # re-tied on load
