@@ -6,7 +6,7 @@ JOB.json is {"mode": "save" | "resume", "out": dir, "stage": S, "max_steps": N, 
              "checkpoint": checkpoint-K dir (resume), "truth": file, "negative": file (resume),
              "gradient_accumulation_steps": G}.
 save: trains a tiny random GPT-2 (from a config) to max_steps, saving every save_steps; at each save every
-      rank takes the live engine's truth (full fp32 params, both Adam moments, module weights under ZeRO-1/2)
+      rank takes the live engine's truth (full fp32 params, both Adam moments, module weights, gathered under ZeRO-3)
       and rank 0 writes it to `truth` formatted with step=the global step.
 resume: the same Trainer (same max_steps, so the same lr schedule), trainer.train(resume_from_checkpoint=...);
       right after the load (on_train_begin) the engine's tensors are compared with `truth` bit for bit (and
@@ -44,6 +44,12 @@ def engine_tensors(engine) -> dict:
     if int(engine.zero_optimization_stage()) < 3:
         for name, t in engine.module.state_dict().items():
             out[f"module/{name}"] = t.detach().cpu().clone().contiguous()
+    else:       # the module's partitioned params, gathered whole (a collective)
+        import deepspeed
+        named = list(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
+            for name, p in named:
+                out[f"module/{name}"] = p.detach().cpu().clone().contiguous()
     return {k: v.contiguous() for k, v in out.items() if torch.is_tensor(v)}
 
 

@@ -1,4 +1,4 @@
-"""HF Trainer + DeepSpeed ZeRO-2: a real transformers.Trainer run at 2 processes (torchrun, CPU, gloo) saves
+"""HF Trainer + DeepSpeed ZeRO-2 and ZeRO-3: a real transformers.Trainer run at 2 processes (torchrun, CPU, gloo) saves
 checkpoint-3/; reshard converts the whole folder to 1 and 3 processes, and trainer.train(resume_from_checkpoint=)
 at that size resumes exactly (tests/hf_trainer_deepspeed.py): the engine's fp32 params, both Adam moments and
 the module weights equal the truth the live engine gave at save time, bit for bit; the global step, epoch and
@@ -10,6 +10,7 @@ import pickletools
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,20 +21,31 @@ pytestmark = pytest.mark.engine
 SCRIPT = "hf_trainer_deepspeed.py"
 SAVE, STEPS = 3, 6      # the run saves checkpoint-3 and checkpoint-6; the resumes continue from checkpoint-3
 # What the Trainer wrote beside DeepSpeed's `latest` and global_step3/ (transformers 5.24, DeepSpeed 0.19.8)
-TRAINER_FILES = {"config.json", "generation_config.json", "model.safetensors", "rng_state_0.pth",
-                 "rng_state_1.pth", "scheduler.pt", "trainer_state.json", "training_args.bin"}
+# (under ZeRO-3 the Trainer saves no model weights: the module's params are partitioned)
+TRAINER_FILES = {"config.json", "generation_config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
+                 "trainer_state.json", "training_args.bin"}
+WEIGHTS = {2: {"model.safetensors"}, 3: set()}
 DEEPSPEED_FILES = {"latest", "global_step3", "zero_to_fp32.py", "zero_to_torch.py"}
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """One Trainer run at 2 processes, shared by every test here: its folder, truths and trainer state."""
-    out = tmp_path_factory.mktemp("hf_deepspeed")
-    job = {"mode": "save", "out": str(out / "run"), "stage": 2, "max_steps": STEPS, "save_steps": SAVE,
-           "truth": str(out / "truth-{step}.safetensors")}
+@dataclass(frozen=True)
+class Source:
+    out: Path       # the run's output dir, truths and job files
+    stage: int
+
+    def __truediv__(self, name):
+        return self.out / name
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def source(request, tmp_path_factory):
+    """One Trainer run at 2 processes per ZeRO stage, shared by every test here: its folder and truths."""
+    out = tmp_path_factory.mktemp(f"hf_deepspeed_zero{request.param}")
+    job = {"mode": "save", "out": str(out / "run"), "stage": request.param, "max_steps": STEPS,
+           "save_steps": SAVE, "truth": str(out / "truth-{step}.safetensors")}
     result = run_torchrun(SCRIPT, 2, job, out, "save")
     assert result["problems"] == [] and result["world_size"] == 2, result
-    return out
+    return Source(out, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +66,11 @@ def logged(source, step: int) -> dict:
 
 
 def resume(source, checkpoint, world, stem, gas=1, check=True):
-    job = {"mode": "resume", "out": str(source / f"resumed-{stem}"), "stage": 2, "max_steps": STEPS,
+    job = {"mode": "resume", "out": str(source / f"resumed-{stem}"), "stage": source.stage, "max_steps": STEPS,
            "save_steps": 100, "checkpoint": str(checkpoint), "truth": str(source / f"truth-{SAVE}.safetensors"),
            "negative": str(source / f"truth-{STEPS}.safetensors"), "gradient_accumulation_steps": gas}
     if check:
-        return run_torchrun(SCRIPT, world, job, source, stem)
+        return run_torchrun(SCRIPT, world, job, source.out, stem)
     jobs, results = source / f"jobs-{stem}.json", source / f"results-{stem}.json"
     jobs.write_text(json.dumps(job))
     return torchrun(world, REPO / "tests" / SCRIPT, jobs, results, check=False)
@@ -66,10 +78,10 @@ def resume(source, checkpoint, world, stem, gas=1, check=True):
 
 def test_the_trainers_folder_is_recognised(source):
     folder = source / "run" / f"checkpoint-{SAVE}"
-    assert set(os.listdir(folder)) == TRAINER_FILES | DEEPSPEED_FILES
+    assert set(os.listdir(folder)) == TRAINER_FILES | WEIGHTS[source.stage] | DEEPSPEED_FILES
     info = json.loads(run_cli("inspect", folder, "--json", check=0).stdout)
-    assert info["framework"]["title"] == "HF Trainer + DeepSpeed ZeRO-2, dp=2"
-    assert {f["path"] for f in info["framework"]["files"]} == TRAINER_FILES
+    assert info["framework"]["title"] == f"HF Trainer + DeepSpeed ZeRO-{source.stage}, dp=2"
+    assert {f["path"] for f in info["framework"]["files"]} == TRAINER_FILES | WEIGHTS[source.stage]
 
 
 # gradient_accumulation_steps 2 at one process keeps the global batch (plan's advice says so)
