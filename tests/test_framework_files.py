@@ -199,3 +199,20 @@ def test_export_of_the_folder_copies_config_and_tokenizer_beside_the_weights(tmp
     run_cli("export", src, tmp_path / "one.safetensors", "--quiet", check=0)     # one file: nothing beside it
     assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint-3", "hf", "one.safetensors",
                                                    "one.safetensors.reshard-manifest.json"])
+
+
+def test_accelerate_numbers_its_random_states_at_any_size(tmp_path):
+    folder = tmp_path / "state"
+    shutil.copytree(fixture_dir("z2_fp32_dp2"), folder)
+    for name in ("random_states_0.pkl", "random_states_1.pkl", "scheduler.bin", "custom_checkpoint_0.pkl"):
+        (folder / name).write_bytes(name.encode() * 3)
+    summary = json.loads(run_cli("plan", folder, "--to", "dp=1", "--json", check=0).stdout)
+    assert summary["framework"]["name"] == "Accelerate"
+    assert {(f["source"], f["target"]): f["action"] for f in summary["framework"]["files"]} == {
+        ("custom_checkpoint_0.pkl", "custom_checkpoint_0.pkl"): CARRIED, ("scheduler.bin", "scheduler.bin"): CARRIED,
+        ("random_states_0.pkl", "random_states_0.pkl"): CARRIED, ("random_states_1.pkl", None): DROPPED}
+    out = tmp_path / "dp3"
+    run_cli("convert", folder, out, "--to", "dp=3", "--new-rank-state", "copy-rank0", "--quiet", check=0)
+    assert sha(out / "random_states_2.pkl") == sha(folder / "random_states_0.pkl")
+    assert sha(out / "scheduler.bin") == sha(folder / "scheduler.bin")
+    assert "Accelerate + DeepSpeed ZeRO-2, dp=3" in run_cli("inspect", out, check=0).stdout

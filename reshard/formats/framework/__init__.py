@@ -22,6 +22,7 @@ from reshard.targets import CopiedFile
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
 NEW_RANK_POLICIES = (FRESH, COPY_RANK0, FAIL)
 CARRIED, REWRITTEN, DROPPED, NONE, COPIED = "carried", "rewritten", "dropped", "none", "copied from rank 0"
+UNKNOWN = "a file reshard does not know"
 # One line, printed by plan: what no conversion can promise.
 REPRODUCIBILITY = ("exact reproducibility across world sizes is impossible: each process's random stream and "
                    "share of the data change with the number of processes")
@@ -34,6 +35,7 @@ class PerRank:
     what: str
     many: str
     one: str | None = None
+    fresh: str = "the process starts from its seed"     # what a process without its file does
 
     def name(self, rank: int, world: int) -> str:
         return self.one if world == 1 and self.one else self.many.format(rank=rank)
@@ -153,8 +155,7 @@ class Framework:
                 if policy == COPY_RANK0:
                     out.append(Disposition(COPIED, rank0.name, name, f"{kind.what}: process 0's stream, repeated"))
                 else:
-                    out.append(Disposition(NONE, None, name, f"a new process: no file, so {self.name} seeds its "
-                                                             f"{kind.what} afresh"))
+                    out.append(Disposition(NONE, None, name, f"a new process, no file: {kind.fresh}"))
         return tuple(out)
 
     def target_files(self, world: int, policy: str = FRESH) -> list:
@@ -175,9 +176,9 @@ class Framework:
 
     def policy_line(self, policy: str) -> str:
         """What processes the source did not have get, under `policy`."""
-        kinds = " and ".join(k.what for k in self.kinds) or "per-process state"
-        meaning = {FRESH: f"new processes get no {kinds}: {self.name} seeds them afresh",
-                   COPY_RANK0: f"new processes get a copy of process 0's {kinds} (its random stream, repeated)",
+        kinds = "; ".join(k.what for k in self.kinds) or "per-process state"
+        meaning = {FRESH: f"new processes get no file of their own ({kinds}): {self.name} seeds them afresh",
+                   COPY_RANK0: f"new processes get a copy of process 0's ({kinds}: its random stream, repeated)",
                    FAIL: "a process the source did not have is refused"}[policy]
         return f"--new-rank-state {policy}: {meaning}; kept for the processes at both sizes, dropped for those gone"
 
@@ -188,21 +189,38 @@ class Framework:
 
 def detect(path: str) -> Framework | None:
     """The framework whose folder `path` is, or None (a plain DeepSpeed save dir, any other format)."""
-    from reshard.formats.framework import hf_trainer
+    from reshard.formats.framework import accelerate, hf_trainer
     if not os.path.isdir(path):
         return None
-    for module in (hf_trainer,):
+    for module in (hf_trainer, accelerate):
         found = module.detect(os.path.abspath(path))
         if found is not None:
             return found
     return None
 
 
-def folder_files(folder: str, skip) -> list:
-    """(name, size) of the entries of `folder` but those `skip(name)` says are DeepSpeed's; a folder's size is 0."""
+def framework_files(folder: str, kinds: tuple, what) -> tuple:
+    """The FrameworkFiles of every entry of `folder` that is not DeepSpeed's: per-process files of `kinds`,
+    others described by `what(name)`, folders (not carried) as such."""
     out = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        if not skip(name):
-            out.append((name, os.path.getsize(path) if os.path.isfile(path) else 0, os.path.isdir(path)))
-    return out
+        if deepspeed_own(folder, name):
+            continue
+        kind = next((k for k in kinds if k.rank_of(name) is not None), None)
+        if os.path.isdir(path):
+            out.append(FrameworkFile(name, "a folder", 0, folder=True))
+        elif kind is not None:
+            out.append(FrameworkFile(name, kind.what, os.path.getsize(path), kind.rank_of(name), kind))
+        else:
+            out.append(FrameworkFile(name, what(name), os.path.getsize(path)))
+    return tuple(out)
+
+
+def deepspeed_own(folder: str, name: str) -> bool:
+    """`latest`, DeepSpeed's scripts and its tag folders (any folder of rank files) are DeepSpeed's part."""
+    from reshard.formats.deepspeed import files as deepspeed_files
+    from reshard.formats.deepspeed.zero_target import SCRIPTS
+    path = os.path.join(folder, name)
+    return name == deepspeed_files.LATEST or name in SCRIPTS or \
+        (os.path.isdir(path) and deepspeed_files.is_deepspeed_dir(path))

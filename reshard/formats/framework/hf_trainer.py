@@ -14,12 +14,12 @@ import os
 import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
-from reshard.formats.deepspeed.zero_target import SCRIPTS
-from reshard.formats.framework import Framework, FrameworkFile, PerRank, folder_files
+from reshard.formats.framework import UNKNOWN, Framework, PerRank, framework_files
 from reshard.formats.single.hf_trainer import ARGS, SCHEDULER, TRAINER_STATE
 
 NAME = "HF Trainer"
-RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth")
+RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth",
+              "the Trainer finds none and keeps the RNG streams of its seed (TrainingArguments.seed)")
 WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
              "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
@@ -40,23 +40,8 @@ def detect(folder: str) -> Framework | None:
     if not (os.path.isfile(os.path.join(folder, deepspeed_files.LATEST)) and
             os.path.isfile(os.path.join(folder, TRAINER_STATE))):
         return None
-    files = []
-    for name, size, is_folder in folder_files(folder, lambda n: _deepspeed_own(folder, n)):
-        rank = RNG.rank_of(name)
-        if is_folder:
-            files.append(FrameworkFile(name, "a folder", 0, folder=True))
-        elif rank is not None:
-            files.append(FrameworkFile(name, RNG.what, size, rank, RNG))
-        else:
-            files.append(FrameworkFile(name, _what(name), size))
-    return Framework(NAME, folder, folder, tuple(files), (RNG,), model_files=CONFIGS + TOKENIZER, batch_note=BATCH)
-
-
-def _deepspeed_own(folder: str, name: str) -> bool:
-    """`latest`, DeepSpeed's scripts and its tag folders (any folder of rank files) are DeepSpeed's part."""
-    path = os.path.join(folder, name)
-    return name == deepspeed_files.LATEST or name in SCRIPTS or \
-        (os.path.isdir(path) and deepspeed_files.is_deepspeed_dir(path))
+    return Framework(NAME, folder, folder, framework_files(folder, (RNG,), _what), (RNG,),
+                     model_files=CONFIGS + TOKENIZER, batch_note=BATCH)
 
 
 def _what(name: str) -> str:
@@ -66,4 +51,4 @@ def _what(name: str) -> str:
         return "the model's weights as the Trainer saved them"
     if name in TOKENIZER:
         return "a tokenizer file"
-    return "a file reshard does not know"
+    return UNKNOWN
