@@ -11,7 +11,7 @@ import textwrap
 import reshard
 from reshard import cli_text
 from reshard.errors import ReshardError, UsageError
-from reshard.formats.framework import FRESH, NEW_RANK_POLICIES
+from reshard.formats import FRESH, NEW_RANK_POLICIES
 from reshard.inspect import human_bytes, jsonable
 from reshard.layout import SPEC_KEYS
 

@@ -9,7 +9,7 @@ import sys
 from reshard.convert import batch_size_advice
 from reshard.convert import framework_files as convert_framework_files
 from reshard.executor import BUFFERS_PER_WORKER, chunk_bytes
-from reshard.formats.framework import REPRODUCIBILITY
+from reshard.formats import REPRODUCIBILITY
 from reshard.inspect import human_bytes
 
 

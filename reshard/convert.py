@@ -5,8 +5,7 @@ import os
 
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import framework_dispositions, with_framework
-from reshard.formats.framework import FRESH
+from reshard.formats import FRESH, framework_dispositions, with_framework
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 

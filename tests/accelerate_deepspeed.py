@@ -41,14 +41,13 @@ class Counter:
 
 def main(job_path, result_path):
     import torch
-    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
     from safetensors.torch import load_file, save_file
     from transformers import GPT2LMHeadModel, get_linear_schedule_with_warmup
 
     import single_models
-    from hf_trainer_deepspeed import cpu_deepspeed_backend, differences, engine_tensors
+    from hf_trainer_deepspeed import cpu_deepspeed_backend, differences, engine_tensors, finish
     with open(job_path) as f:
         job = json.load(f)
     torch.set_num_threads(1)
@@ -105,12 +104,7 @@ def main(job_path, result_path):
         if not math.isfinite(loss):
             problems.append(f"one more step: loss {loss}")
         report.update(next_global_steps=engine.global_steps, next_lr=scheduler.get_last_lr()[0])
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    if dist.get_rank() == 0:
-        with open(result_path, "w") as f:
-            json.dump({"problems": problems, **report}, f)
-    dist.barrier()
+    finish(engine, result_path, {"problems": problems, **report})
 
 
 if __name__ == "__main__":

@@ -150,12 +150,17 @@ def main(job_path, result_path):
     trainer.train(resume_from_checkpoint=resume)
     if job["mode"] == "resume" and not math.isfinite(report.get("next_loss", float("nan"))):
         problems.append(f"one more step: loss {report.get('next_loss')}")
-    engine = trainer.model_wrapped
+    finish(trainer.model_wrapped, result_path, {"problems": problems, **report})
+
+
+def finish(engine, result_path, result: dict) -> None:
+    """Release the engine, write `result` from rank 0, and wait for every rank."""
+    import torch.distributed as dist
     if hasattr(engine, "destroy"):
         engine.destroy()
     if dist.get_rank() == 0:
         with open(result_path, "w") as f:
-            json.dump({"problems": problems, **report}, f)
+            json.dump(result, f)
     dist.barrier()
 
 

@@ -14,10 +14,10 @@ import shutil
 import pytest
 
 from conftest import fixture_dir, run_cli
-from reshard.formats.framework import (COPY_RANK0, DROPPED, FAIL, FRESH, Framework, FrameworkFile, NONE,
-                                       REWRITTEN, CARRIED, COPIED)
-from reshard.formats.framework.hf_trainer import RNG
 from reshard.errors import ReshardError
+from reshard.formats.framework import (CARRIED, COPIED, COPY_RANK0, DROPPED, FAIL, FRESH, NONE, REWRITTEN,
+                                       Framework, FrameworkFile)
+from reshard.formats.framework.hf_trainer import RNG
 
 
 class Hostile:

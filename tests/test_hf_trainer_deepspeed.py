@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, run_torchrun, torchrun, REPO
+from conftest import REPO, run_cli, run_torchrun, torchrun
 from pickle_checks import check_pickles, pickle_globals
 
 pytestmark = pytest.mark.engine

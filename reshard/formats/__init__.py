@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import framework
+from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import Reader, ReadRequest, Writer
 
 # Tried in order; the first whose sniff() accepts the path reads it.

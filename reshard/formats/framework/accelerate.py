@@ -14,7 +14,7 @@ import os
 import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
-from reshard.formats.framework import UNKNOWN, Framework, PerRank, framework_files
+from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 
 NAME = "Accelerate"
 RANDOM_STATES = PerRank("RNG states and the accelerator's step", "random_states_{rank}.pkl",
@@ -22,9 +22,9 @@ RANDOM_STATES = PerRank("RNG states and the accelerator's step", "random_states_
                               "accelerator's step starts at 0")
 KNOWN = [(re.compile(r"^scheduler(_\d+)?\.bin$"), "an LR scheduler's state_dict"),
          (re.compile(r"^sampler(_\d+)?\.bin$"), "a dataloader's seedable sampler (seed, epoch)"),
-         (re.compile(r"^dl_state_dict(_\d+)?\.bin$"), "a stateful dataloader's position, as process 0's "
-                                                       "dataloader saved it (per process in meaning: other "
-                                                       "processes resume from it as it is)"),
+         (re.compile(r"^dl_state_dict(_\d+)?\.bin$"), ("a stateful dataloader's position, as process 0's "
+                                                        "dataloader saved it (per process in meaning: other "
+                                                        "processes resume from it as it is)")),
          (re.compile(r"^custom_checkpoint_\d+\.pkl$"), "a registered custom object's state"),
          (re.compile(r"^scaler\.pt$"), "the grad scaler's state")]
 # Accelerate passes the plugin's config to DeepSpeed as it is; its scheduler steps once per process per step.

@@ -14,7 +14,7 @@ import os
 import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
-from reshard.formats.framework import UNKNOWN, Framework, PerRank, framework_files
+from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 from reshard.formats.single.hf_trainer import ARGS, SCHEDULER, TRAINER_STATE
 
 NAME = "HF Trainer"
