@@ -47,7 +47,7 @@ def sha(path) -> str:
 def framework(world, names):
     files = tuple(FrameworkFile(n, RNG.what if RNG.rank_of(n) is not None else "state", 10, RNG.rank_of(n),
                                 RNG if RNG.rank_of(n) is not None else None) for n in names)
-    return Framework("HF Trainer", "/ckpt", "/ckpt", files, (RNG,), world=world)
+    return Framework("HF Trainer", "/ckpt", files, (RNG,), world=world)
 
 
 def table(dispositions) -> dict:
@@ -154,6 +154,8 @@ def test_plan_lists_every_framework_file_the_policy_and_the_batch_setting(tmp_pa
     summary = json.loads(run_cli("plan", src, "--to", "dp=3", "--json", check=0).stdout)
     files = {(f["source"], f["target"]): f["action"] for f in summary["framework"]["files"]}
     assert files[(None, "rng_state_2.pth")] == NONE and summary["framework"]["new_rank_state"] == "fresh"
+    assert "no whole gradient_accumulation_steps (micro batch 2) or micro batch size keeps 4 at dp=3" in \
+        summary["advice"]       # 2 per process x 2 processes: no setting keeps it at 3
 
 
 def test_another_output_format_carries_no_framework_file(tmp_path):
@@ -216,3 +218,11 @@ def test_accelerate_numbers_its_random_states_at_any_size(tmp_path):
     assert sha(out / "random_states_2.pkl") == sha(folder / "random_states_0.pkl")
     assert sha(out / "scheduler.bin") == sha(folder / "scheduler.bin")
     assert "Accelerate + DeepSpeed ZeRO-2, dp=3" in run_cli("inspect", out, check=0).stdout
+
+
+def test_convert_json_says_what_became_of_each_framework_file(tmp_path):
+    src = hf_folder(tmp_path)
+    written = json.loads(run_cli("convert", src, tmp_path / "out", "--to", "dp=1", "--json", check=0).stdout)
+    files = {(f["source"], f["target"]): f["action"] for f in written["framework_files"]}
+    assert files[("rng_state_0.pth", "rng_state.pth")] == REWRITTEN and files[("rng_state_1.pth", None)] == DROPPED
+    assert {f["path"] for f in written["files"]} >= {str(tmp_path / "out" / "rng_state.pth")}

@@ -31,13 +31,12 @@ WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshar
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut. A training
-    framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/) is read as that save, with the
-    framework's own files in catalog.framework and any of them missing in catalog.problems."""
-    around = framework.detect(path)
-    inner = around.deepspeed_dir if around is not None else path
-    reader = reader_for(inner, tag)
-    catalog = reader.read(inner, reader_options(reader, inner, ReadRequest(tag, layout_rules)))
+    framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/, Accelerate's save_state dir) is read
+    as that save, with the framework's own files in catalog.framework and any of them missing in catalog.problems."""
+    reader = reader_for(path, tag)
+    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, layout_rules)))
     catalog.check_dtypes()
+    around = framework.detect(path) if catalog.format == "deepspeed" else None
     if around is not None:
         catalog.framework = replace(around, world=catalog.layout.world_size)
         catalog.problems += catalog.framework.problems()
@@ -57,15 +56,11 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
 
 
 def with_framework(catalog, format_name: str, world: int, policy: str, targets: list) -> list:
-    """The output's files: the writer's `targets` where the framework keeps its DeepSpeed save dir, and the
-    framework's own files as framework_dispositions says (the whole folder the framework writes at `world`)."""
+    """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
+    whole folder the framework writes at `world` processes."""
     frame = catalog.framework
     if frame is None or format_name != "deepspeed":
         return targets
-    prefix = frame.prefix()
-    for item in targets:
-        if prefix and hasattr(item, "path"):
-            item.path = os.path.join(prefix, item.path)
     return targets + frame.target_files(world, policy)
 
 

@@ -37,7 +37,7 @@ def detect(folder: str) -> Framework | None:
     if not os.path.isfile(os.path.join(folder, deepspeed_files.LATEST)) or \
             not any(RANDOM_STATES.rank_of(n) is not None for n in os.listdir(folder)):
         return None
-    return Framework(NAME, folder, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
+    return Framework(NAME, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
                      batch_note=BATCH)
 
 

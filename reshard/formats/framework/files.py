@@ -86,10 +86,9 @@ class Disposition:
 
 @dataclass(frozen=True)
 class Framework:
-    """A framework's folder around a DeepSpeed save dir: its own files, and the world size that saved them."""
+    """A framework's folder, which is also DeepSpeed's save dir: its own files, and the world size that saved them."""
     name: str                    # "HF Trainer"
     folder: str                  # absolute
-    deepspeed_dir: str           # the DeepSpeed save dir (the folder itself, or a folder inside it)
     files: tuple                 # FrameworkFile, by name
     kinds: tuple                 # PerRank: the per-process kinds this framework writes
     model_files: tuple = ()      # names an export copies beside the weights (config, tokenizer)
@@ -101,10 +100,6 @@ class Framework:
         degrees = ", ".join(f"{k}={v}" for k, v in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp))
                             if k == "dp" or v != 1)
         return f"{self.name} + DeepSpeed ZeRO-{layout.zero}, {degrees}"
-
-    def prefix(self) -> str:
-        """Where the DeepSpeed save dir sits inside the folder ("" when it is the folder)."""
-        return os.path.relpath(self.deepspeed_dir, self.folder) if self.deepspeed_dir != self.folder else ""
 
     def problems(self) -> list:
         """Per-process files missing for a process that saved: one line each, naming the file. In a folder reshard

@@ -40,7 +40,7 @@ def detect(folder: str) -> Framework | None:
     if not (os.path.isfile(os.path.join(folder, deepspeed_files.LATEST)) and
             os.path.isfile(os.path.join(folder, TRAINER_STATE))):
         return None
-    return Framework(NAME, folder, folder, framework_files(folder, (RNG,), _what), (RNG,),
+    return Framework(NAME, folder, framework_files(folder, (RNG,), _what), (RNG,),
                      model_files=CONFIGS + TOKENIZER, batch_note=BATCH)
 
 
