@@ -153,9 +153,6 @@ class Catalog:
     # taken for frozen params, but maybe floating-point buffers: the source does not say which
     maybe_buffers: list = field(default_factory=list)
     notes: FormatNotes | None = None                   # the reader's format's own notes (see FormatNotes)
-    # a training framework that drove the format's save, and the format ("Lightning + DeepSpeed"), when the files
-    # show one; None when they do not
-    framework: str | None = None
     files: list = field(default_factory=list)          # FileInfo of every file read or expected
     problems: list = field(default_factory=list)       # what the reader found wrong, one line each
     # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose
@@ -165,6 +162,9 @@ class Catalog:
     # The folder the whole save lives in, which output must not overlap; None: root's parent
     # (a DeepSpeed tag folder's save dir). A DCP directory is its own save dir.
     save_dir: str | None = None
+    # The training framework that drove a DeepSpeed save (reshard.formats.framework.Framework: HF Trainer's
+    # checkpoint-N/ with its own files, Lightning's state inside DeepSpeed's client state); None: none.
+    framework: object = None
 
     def add(self, tensor: LogicalTensor, file=None) -> LogicalTensor:
         """The catalog's (name, state) tensor: `tensor`, or the one added before, which must agree on shape

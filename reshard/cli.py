@@ -11,6 +11,7 @@ import textwrap
 import reshard
 from reshard import cli_text
 from reshard.errors import ReshardError, UsageError
+from reshard.formats import FRESH, NEW_RANK_POLICIES
 from reshard.inspect import human_bytes, jsonable
 from reshard.layout import SPEC_KEYS
 
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dst", help="where the output would go (for the free-disk check)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
+    _new_rank_state_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.set_defaults(run=_plan)
 
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
     p.add_argument("--format", dest="fmt", metavar="FORMAT", help=TARGET_FORMAT_HELP)
+    _new_rank_state_arg(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
@@ -267,6 +270,13 @@ def _source_args(p):
     _quiet_arg(p)
 
 
+def _new_rank_state_arg(p):
+    p.add_argument("--new-rank-state", choices=NEW_RANK_POLICIES, default=FRESH,
+                   help="a training framework's per-process files (HF Trainer's rng_state_K.pth) for processes the "
+                        "source did not have: fresh (default: none, the framework seeds them), copy-rank0 (process "
+                        "0's, whose random stream they repeat), fail (refuse)")
+
+
 def _quiet_arg(p):
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
@@ -302,12 +312,12 @@ def _validate(args) -> int:
 def _make_plan(args):
     from reshard.convert import make_plan
     catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
-    return catalog, make_plan(catalog, args.to, args.tag_out, args.fmt)
+    return catalog, make_plan(catalog, args.to, args.tag_out, args.fmt, args.new_rank_state)
 
 
 def _plan(args) -> int:
     catalog, plan = _make_plan(args)
-    summary = cli_text.print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
+    summary = cli_text.print_plan(catalog, plan, args)
     if not summary["disk_ok"]:
         print(f"reshard: {summary['free_disk_at']}: {human_bytes(summary['free_disk_bytes'])} free, the conversion "
               f"writes {human_bytes(plan.bytes_written)}", file=sys.stderr)
@@ -319,7 +329,7 @@ def _convert(args) -> int:
     from reshard.executor import execute
     catalog, plan = _make_plan(args)
     if args.dry_run:
-        cli_text.print_plan(catalog, plan, args.fmt, args.dst, args.memory_budget, args.workers, args.json)
+        cli_text.print_plan(catalog, plan, args)
         return 0
     group = _group()
     try:
@@ -333,20 +343,24 @@ def _convert(args) -> int:
             print(f"stages   {plan.stage_cut.line()}")
         if plan.stage_cut.ambiguous:
             print(f"reshard: note: {plan.stage_cut.ambiguous}", file=sys.stderr)
-    _print_written(args, args.dst, written)
+    _print_written(args, args.dst, written, cli_text.framework_files(catalog, plan, args))
     return 0
 
 
-def _print_written(args, dst, written) -> None:
-    """What is on disk now, as `validate --checksums` will find it (rank 0 only: the others return None)."""
+def _print_written(args, dst, written, framework_files=()) -> None:
+    """What is on disk now, as `validate --checksums` will find it (rank 0 only: the others return None);
+    `framework_files`: what became of each file of the training framework around the source (Disposition)."""
     if written is None:
         return
     if args.json:
-        _dump(written.to_dict())
+        _dump({**written.to_dict(), **({"framework_files": [d.to_dict() for d in framework_files]}
+                                       if framework_files else {})})
     elif not args.quiet:
         count = len(written.files)
         print(f"wrote {dst} ({written.output.words()}): {count} file{'s' * (count != 1)}, "
               f"{human_bytes(written.size)}")
+        for d in framework_files:
+            print(f"  {d.line()}")
 
 
 def _export(args) -> int:

@@ -7,7 +7,9 @@ import shutil
 import sys
 
 from reshard.convert import batch_size_advice
+from reshard.convert import framework_files as convert_framework_files
 from reshard.executor import buffer_bytes
+from reshard.formats import REPRODUCIBILITY
 from reshard.inspect import human_bytes
 
 
@@ -15,9 +17,8 @@ def print_inspect(info) -> None:
     """inspect's human-readable summary of `reshard.inspect` data."""
     t = info["topology"]
     print(f"{info['path']}")
-    print(f"  format        {info['format']} (tag {info['tag']})")
-    if info["framework"]:
-        print(f"  saved by      {info['framework']} ZeRO-{info['zero_stage']}, dp={t['dp']}")
+    framework = info.get("framework")
+    print(f"  format        {framework['title'] if framework else info['format']} (tag {info['tag']})")
     print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}), "
           f"ZeRO stage {info['zero_stage']}")
     known = {k: "unknown" if info[k] is None else info[k]
@@ -44,6 +45,12 @@ def print_inspect(info) -> None:
     print(f"  files         {len(info['files'])}, {human_bytes(sum(f['bytes'] for f in info['files']))}")
     for f in info["files"]:
         print(f"    {f['path']:<48} {human_bytes(f['bytes']):>10}")
+    if framework:
+        print(f"  {framework['name']} files {len(framework['files'])} beside the DeepSpeed save, "
+              f"{human_bytes(sum(f['bytes'] for f in framework['files']))}")
+        for f in framework["files"]:
+            rank = "" if f["rank"] is None else f" (process {f['rank']})"
+            print(f"    {f['path']:<32} {human_bytes(f['bytes']):>10}  {f['what']}{rank}")
     if info["problems"]:
         print(f"  problems      {info['problems']} (run `reshard validate`)")
     for row in info.get("parameter_table", []):
@@ -57,9 +64,20 @@ def print_inspect(info) -> None:
               f"{','.join(row['states'])} {tied} {where}".rstrip())
 
 
-def print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
-    """The plan as `reshard plan` prints it (or its JSON); returns the summary."""
+def framework_files(catalog, plan, args) -> tuple:
+    """What becomes of each file of the training framework around the source (framework.Disposition)."""
+    return convert_framework_files(catalog, plan.target, args.fmt, args.new_rank_state)
+
+
+def print_plan(catalog, plan, args):
+    """The plan as `reshard plan` (and `convert --dry-run`) prints it, or its JSON; returns the summary."""
+    fmt, dst, memory_budget, workers, as_json = args.fmt, args.dst, args.memory_budget, args.workers, args.json
     summary = plan.summary()
+    dispositions = framework_files(catalog, plan, args)
+    if catalog.framework is not None:
+        summary["framework"] = {"name": catalog.framework.name, "new_rank_state": args.new_rank_state,
+                                "policy": catalog.framework.policy_line(args.new_rank_state),
+                                "reproducibility": REPRODUCIBILITY, "files": [d.to_dict() for d in dispositions]}
     summary["estimated_peak_buffer_bytes"] = buffer_bytes(memory_budget, workers)
     where = os.path.abspath(dst) if dst else os.getcwd()
     while not os.path.exists(where):
@@ -92,4 +110,10 @@ def print_plan(catalog, plan, fmt, dst, memory_budget, workers, as_json):
     print(f"disk     {human_bytes(free)} free at {where}: {verdict}")
     if summary["advice"]:
         print(f"advice   {summary['advice']}")
+    if catalog.framework is not None:
+        print(f"framework {catalog.framework.name}: {len(catalog.framework.files)} files of its own")
+        for d in dispositions:
+            print(f"           {d.line()}")
+        print(f"per-rank {summary['framework']['policy']}")
+        print(f"note     {REPRODUCIBILITY}")
     return summary

@@ -5,6 +5,7 @@ import os
 
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
+from reshard.formats import FRESH, framework_dispositions, with_framework
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 
@@ -19,26 +20,36 @@ def target_layout(catalog: Catalog, to: str) -> Layout:
     return source.with_spec(to)
 
 
-def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | None = None) -> Plan:
-    """The plan writing `catalog` at topology `to` in format `fmt` (default: the source's format)."""
+def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | None = None,
+              new_rank_state: str = FRESH) -> Plan:
+    """The plan writing `catalog` at topology `to` in format `fmt` (default: the source's format); with a training
+    framework's files around the source, those too (`new_rank_state`: what a process the source lacks gets)."""
     from reshard.validate import require_complete
 
     require_complete(catalog)
-    return plan_for(catalog, target_layout(catalog, to), tag_out, fmt)
+    return plan_for(catalog, target_layout(catalog, to), tag_out, fmt, new_rank_state)
 
 
-def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None) -> Plan:
-    """The plan writing a whole `catalog` at layout `target` in format `fmt` (default: the source's format)."""
+def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None,
+             new_rank_state: str = FRESH) -> Plan:
+    """make_plan's plan at layout `target`, for a whole catalog."""
     tag = tag_out or catalog.tag or "converted"
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)
-    targets = target_format.target_files(catalog, target, tag, save_dir)
+    targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
+                             target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))
+
+
+def framework_files(catalog: Catalog, target: Layout, fmt: str | None, new_rank_state: str = FRESH) -> tuple:
+    """What becomes of each file of the training framework around the source (Disposition), for plan and convert."""
+    return framework_dispositions(catalog, fmt or catalog.format, target.world_size, new_rank_state)
 
 
 def batch_size_advice(catalog: Catalog, target: Layout, fmt: str | None = None) -> str | None:
     """What happens to the global batch size when dp changes, and how to keep it (format-specific)."""
-    return _writer(catalog, fmt).batch_size_advice(catalog, target)
+    advice = _writer(catalog, fmt).batch_size_advice(catalog, target)
+    return catalog.framework.batch_advice(advice) if catalog.framework is not None else advice
 
 
 def _writer(catalog: Catalog, fmt: str | None):

@@ -14,7 +14,7 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
     info = {
         "path": catalog.root,
         "format": catalog.format,
-        "framework": catalog.framework,
+        "framework": None,
         "tag": catalog.tag or None,
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         "zero_stage": layout.zero,
@@ -43,6 +43,8 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
         "problems": len(catalog.problems),
     }
+    if catalog.framework is not None:      # the training framework's folder around the save, and its own files
+        info["framework"] = catalog.framework.to_dict(layout)
     if params:
         info["parameter_table"] = [_param_row(catalog, p) for p in catalog.params.values()]
     return info

@@ -58,12 +58,13 @@ def converted(saved) -> dict:
 
 def test_inspect_says_lightning_around_deepspeed(saved, converted):
     for folder, dp in ((saved.ckpt, 2), *((converted[s], s) for s in SIZES)):
-        line = f"saved by      Lightning + DeepSpeed ZeRO-{saved.stage}, dp={dp}\n"
+        line = f"format        Lightning + DeepSpeed ZeRO-{saved.stage}, dp={dp} (tag checkpoint)\n"
         assert line in run_cli("inspect", folder, check=0).stdout
-        assert json.loads(run_cli("inspect", folder, "--json", check=0).stdout)["framework"] == "Lightning + DeepSpeed"
+        framework = json.loads(run_cli("inspect", folder, "--json", check=0).stdout)["framework"]
+        assert framework["name"] == "Lightning" and framework["files"] == []   # its state is DeepSpeed's client state
     # a DeepSpeed save whose client state is not Lightning's names no framework
     plain = json.loads(run_cli("inspect", fixture_dir("z2_fp32_dp2"), "--json", check=0).stdout)
-    assert plain["framework"] is None and "saved by" not in run_cli("inspect", fixture_dir("z2_fp32_dp2"), check=0).stdout
+    assert plain["framework"] is None and "Lightning" not in run_cli("inspect", fixture_dir("z2_fp32_dp2"), check=0).stdout
 
 
 def test_converted_folder_is_what_lightning_writes(saved, converted):

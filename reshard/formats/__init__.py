@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from reshard.errors import ReshardError, UsageError
+from reshard.formats import framework
+from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import Reader, ReadRequest, Writer
 
 # Tried in order; the first whose sniff() accepts the path reads it.
@@ -28,11 +30,41 @@ WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshar
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
-    rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut."""
+    rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut. A training
+    framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/, Accelerate's save_state dir, Lightning's
+    *.ckpt/) is read as that save, with the framework's own files in catalog.framework and any of them missing in
+    catalog.problems."""
     reader = reader_for(path, tag)
     catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, layout_rules)))
     catalog.check_dtypes()
+    around = framework.detect(path) if catalog.format == "deepspeed" else None
+    if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
+        catalog.framework = around
+    if catalog.framework is not None:
+        catalog.framework = replace(catalog.framework, world=catalog.layout.world_size)
+        catalog.problems += catalog.framework.problems()
     return catalog
+
+
+def framework_dispositions(catalog, format_name: str, world: int, policy: str) -> tuple:
+    """What becomes of each of the framework's files (framework.Disposition) in an output of `format_name` at
+    `world` processes: the framework resumes only from DeepSpeed's files, so another format carries none."""
+    frame = catalog.framework
+    if frame is None:
+        return ()
+    if format_name != "deepspeed":
+        return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
+                                           f"save, not from {format_name}") for f in frame.files)
+    return frame.dispositions(world, policy)
+
+
+def with_framework(catalog, format_name: str, world: int, policy: str, targets: list) -> list:
+    """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
+    whole folder the framework writes at `world` processes."""
+    frame = catalog.framework
+    if frame is None or format_name != "deepspeed":
+        return targets
+    return targets + frame.target_files(world, policy)
 
 
 def reader_for(path: str, tag: str | None = None) -> Reader:

@@ -43,16 +43,6 @@ class DeepSpeedNotes:
 
 
 NONE = DeepSpeedNotes()
-# Lightning's DeepSpeedStrategy.save_checkpoint hands engine.save_checkpoint its whole checkpoint dict, less weights
-# and optimizer states, as client state (tag "checkpoint"): this key is always in it
-LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
-
-
-def framework(client_state: dict) -> str | None:
-    """The training framework that called engine.save_checkpoint, as its client state shows (None: not known)."""
-    return "Lightning" if LIGHTNING_VERSION_KEY in client_state else None
-
-
 def of(catalog: Catalog) -> DeepSpeedNotes:
     """The catalog's DeepSpeed notes; empty ones when another format's reader made it."""
     return catalog.notes if isinstance(catalog.notes, DeepSpeedNotes) else NONE

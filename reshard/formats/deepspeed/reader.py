@@ -12,6 +12,7 @@ from reshard.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes, parallel, rank_reader
+from reshard.formats.framework import lightning
 
 FORMAT = "DeepSpeed"
 
@@ -40,8 +41,7 @@ def read(path: str, options: Options) -> Catalog:
         catalog = _read(tag_dir, tag, layout_rules)
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
             catalog.notes = replace(catalog.notes, tp_rules=layout_rules)
-        driver = notes.framework(notes.of(catalog).client_state)
-        catalog.framework = f"{driver} + {FORMAT}" if driver else None
+        catalog.framework = lightning.detect(os.path.abspath(path), notes.of(catalog).client_state)
         return catalog
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.

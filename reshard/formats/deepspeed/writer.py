@@ -66,4 +66,7 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
         advice += f": set gradient_accumulation_steps {gas} -> {before // (micro * target.dp)}"
     elif before % (gas * target.dp) == 0:
         advice += f": set train_micro_batch_size_per_gpu {micro} -> {before // (gas * target.dp)}"
+    else:
+        advice += (f": no whole gradient_accumulation_steps (micro batch {micro}) or micro batch size keeps "
+                   f"{before} at dp={target.dp}")
     return advice

@@ -1,0 +1,26 @@
+"""The training frameworks that drive DeepSpeed and write files of their own around its save: which one a folder
+is (detect), and the typed description of its files (files.py; one module per framework: hf_trainer, accelerate,
+lightning).
+"""
+from __future__ import annotations
+
+import os
+
+from reshard.formats.framework.files import (CARRIED, COPIED, COPY_RANK0, DROPPED, FAIL, FRESH,  # noqa: F401
+                                             NEW_RANK_POLICIES, NONE, REPRODUCIBILITY, REWRITTEN, Disposition,
+                                             Framework, FrameworkFile, PerRank)
+
+
+def detect(path: str) -> Framework | None:
+    """The framework whose folder `path` is, or None (a plain DeepSpeed save dir, any other format). Lightning
+    leaves no files of its own: the DeepSpeed reader finds it in the client state (lightning.py)."""
+    # imported here, not at the top: they import other formats' modules, which import the catalog, which imports
+    # reshard.formats (this package's parent) as it starts
+    from reshard.formats.framework import accelerate, hf_trainer
+    if not os.path.isdir(path):
+        return None
+    for module in (hf_trainer, accelerate):
+        found = module.detect(os.path.abspath(path))
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,45 @@
+"""Accelerate's save_state(dir) with a DeepSpeed plugin.
+
+Observed (accelerate 1.15, DeepSpeed 0.19, ZeRO-2, 2 processes): the folder is DeepSpeed's save dir, its tag
+`pytorch_model` (Accelerate's MODEL_NAME; `pytorch_model_I` for an I-th model), `latest` and DeepSpeed's
+scripts; Accelerate's own: random_states_K.pkl per process (always numbered, also at one process; it holds
+the RNG states and the accelerator's step, and a process without one keeps its seed's), scheduler.bin (an LR
+scheduler Accelerate steps, not DeepSpeed), custom_checkpoint_I.pkl (objects registered for checkpointing),
+and, when the dataloaders have them, sampler.bin (a seedable sampler: its seed and epoch) and dl_state_dict.bin
+(a stateful dataloader's position, written once, by process 0's dataloader: per process in meaning).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from reshard.formats.deepspeed import files as deepspeed_files
+from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
+
+NAME = "Accelerate"
+RANDOM_STATES = PerRank("RNG states and the accelerator's step", "random_states_{rank}.pkl",
+                        fresh="load_state finds none: the process keeps its seed's RNG streams and its "
+                              "accelerator's step starts at 0")
+KNOWN = [(re.compile(r"^scheduler(_\d+)?\.bin$"), "an LR scheduler's state_dict"),
+         (re.compile(r"^sampler(_\d+)?\.bin$"), "a dataloader's seedable sampler (seed, epoch)"),
+         (re.compile(r"^dl_state_dict(_\d+)?\.bin$"), ("a stateful dataloader's position, as process 0's "
+                                                        "dataloader saved it (per process in meaning: other "
+                                                        "processes resume from it as it is)")),
+         (re.compile(r"^custom_checkpoint_\d+\.pkl$"), "a registered custom object's state"),
+         (re.compile(r"^scaler\.pt$"), "the grad scaler's state")]
+# Accelerate passes the plugin's config to DeepSpeed as it is; its scheduler steps once per process per step.
+BATCH = ("Accelerate takes them from the DeepSpeed plugin's config and Accelerator(gradient_accumulation_steps=); "
+         "its LR scheduler steps once per process each step, so the schedule advances by the world size")
+
+
+def detect(folder: str) -> Framework | None:
+    """A DeepSpeed save dir (`latest`) with Accelerate's random_states_K.pkl beside it."""
+    if not os.path.isfile(os.path.join(folder, deepspeed_files.LATEST)) or \
+            not any(RANDOM_STATES.rank_of(n) is not None for n in os.listdir(folder)):
+        return None
+    return Framework(NAME, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
+                     batch_note=BATCH)
+
+
+def _what(name: str) -> str:
+    return next((what for pattern, what in KNOWN if pattern.match(name)), UNKNOWN)

@@ -1,0 +1,54 @@
+"""The Hugging Face Trainer's checkpoint-N/ folder when the Trainer drives DeepSpeed.
+
+Observed (transformers 5, DeepSpeed 0.19, ZeRO-2, 2 processes): `latest`, `global_stepN/` and DeepSpeed's
+zero_to_fp32.py / zero_to_torch.py (DeepSpeed's own, written by its writer), and the Trainer's: config.json,
+generation_config.json, model.safetensors (the module weights, gathered by rank 0), trainer_state.json,
+scheduler.pt, training_args.bin and rng_state_K.pth per process (rng_state.pth at one process; the Trainer
+reads rng_state.pth at a world size of one, rng_state_K.pth above, and starts a process without its file
+from a fresh seed). trainer_state.json records the position in the data globally (global step, epoch): it
+is carried as it is, and the global batch size decides whether the Trainer's arithmetic still holds.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from reshard.formats.deepspeed import files as deepspeed_files
+from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
+from reshard.formats.single.hf_trainer import ARGS, SCHEDULER, TRAINER_STATE
+
+NAME = "HF Trainer"
+RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth",
+              "the Trainer finds none and keeps the RNG streams of its seed (TrainingArguments.seed)")
+WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+             "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+             "chat_template.json", "preprocessor_config.json", "processor_config.json")
+# DeepSpeed's batch settings are "auto" under the Trainer, filled from TrainingArguments.
+BATCH = ("the Trainer fills them from TrainingArguments (gradient_accumulation_steps, per_device_train_batch_size) "
+         "into DeepSpeed's \"auto\" values; the same global batch keeps its epoch and data-skip arithmetic")
+CONFIGS = ("config.json", "generation_config.json")
+WHAT = {TRAINER_STATE: "the Trainer's state (global step, epoch, log history: a global position)",
+        SCHEDULER: "the LR scheduler's state_dict",
+        ARGS: "the pickled TrainingArguments",
+        "config.json": "the model's config", "generation_config.json": "the generation config",
+        "scaler.pt": "the AMP grad scaler's state"}
+
+
+def detect(folder: str) -> Framework | None:
+    """A DeepSpeed save dir (`latest`) holding the Trainer's trainer_state.json."""
+    if not (os.path.isfile(os.path.join(folder, deepspeed_files.LATEST)) and
+            os.path.isfile(os.path.join(folder, TRAINER_STATE))):
+        return None
+    return Framework(NAME, folder, framework_files(folder, (RNG,), _what), (RNG,),
+                     model_files=CONFIGS + TOKENIZER, batch_note=BATCH)
+
+
+def _what(name: str) -> str:
+    if name in WHAT:
+        return WHAT[name]
+    if WEIGHTS.match(name):
+        return "the model's weights as the Trainer saved them"
+    if name in TOKENIZER:
+        return "a tokenizer file"
+    return UNKNOWN

@@ -1,0 +1,126 @@
+"""HF Trainer + DeepSpeed ZeRO-2 and ZeRO-3: a real transformers.Trainer run at 2 processes (torchrun, CPU, gloo) saves
+checkpoint-3/; reshard converts the whole folder to 1 and 3 processes, and trainer.train(resume_from_checkpoint=)
+at that size resumes exactly (tests/hf_trainer_deepspeed.py): the engine's fp32 params, both Adam moments and
+the module weights equal the truth the live engine gave at save time, bit for bit; the global step, epoch and
+lr go on as scheduled. Without reshard the same resume fails with DeepSpeed's error.
+"""
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli, run_torchrun, torchrun
+from pickles import check_pickles, pickle_globals
+
+pytestmark = pytest.mark.engine
+SCRIPT = "hf_trainer_deepspeed.py"
+SAVE, STEPS = 3, 6      # the run saves checkpoint-3 and checkpoint-6; the resumes continue from checkpoint-3
+# What the Trainer wrote beside DeepSpeed's `latest` and global_step3/ (transformers 5.24, DeepSpeed 0.19.8)
+# (under ZeRO-3 the Trainer saves no model weights: the module's params are partitioned)
+TRAINER_FILES = {"config.json", "generation_config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
+                 "trainer_state.json", "training_args.bin"}
+WEIGHTS = {2: {"model.safetensors"}, 3: set()}
+DEEPSPEED_FILES = {"latest", "global_step3", "zero_to_fp32.py", "zero_to_torch.py"}
+
+
+@dataclass(frozen=True)
+class Source:
+    out: Path       # the run's output dir, truths and job files
+    stage: int
+
+    def __truediv__(self, name):
+        return self.out / name
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def source(request, tmp_path_factory):
+    """One Trainer run at 2 processes per ZeRO stage, shared by every test here: its folder and truths."""
+    out = tmp_path_factory.mktemp(f"hf_deepspeed_zero{request.param}")
+    job = {"mode": "save", "out": str(out / "run"), "stage": request.param, "max_steps": STEPS,
+           "save_steps": SAVE, "truth": str(out / "truth-{step}.safetensors")}
+    result = run_torchrun(SCRIPT, 2, job, out, "save")
+    assert result["problems"] == [] and result["world_size"] == 2, result
+    return Source(out, request.param)
+
+
+@pytest.fixture(scope="module")
+def converted(source):
+    """checkpoint-3 converted by the command line to 1 and 3 processes."""
+    out = {}
+    for dp in (1, 3):
+        dst = source / f"dp{dp}" / f"checkpoint-{SAVE}"
+        run_cli("convert", source / "run" / f"checkpoint-{SAVE}", dst, "--to", f"dp={dp}", "--quiet", check=0)
+        out[dp] = dst
+    return out
+
+
+def logged(source, step: int) -> dict:
+    """The source run's log entry of `step` (checkpoint-6's trainer_state.json holds every step's)."""
+    state = json.loads((source / "run" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    return next(e for e in state["log_history"] if e.get("step") == step and "loss" in e)
+
+
+def resume(source, checkpoint, world, stem, gas=1, check=True):
+    job = {"mode": "resume", "out": str(source / f"resumed-{stem}"), "stage": source.stage, "max_steps": STEPS,
+           "save_steps": 100, "checkpoint": str(checkpoint), "truth": str(source / f"truth-{SAVE}.safetensors"),
+           "negative": str(source / f"truth-{STEPS}.safetensors"), "gradient_accumulation_steps": gas}
+    if check:
+        return run_torchrun(SCRIPT, world, job, source.out, stem)
+    jobs, results = source / f"jobs-{stem}.json", source / f"results-{stem}.json"
+    jobs.write_text(json.dumps(job))
+    return torchrun(world, REPO / "tests" / SCRIPT, jobs, results, check=False)
+
+
+def test_the_trainers_folder_is_recognised(source):
+    folder = source / "run" / f"checkpoint-{SAVE}"
+    assert set(os.listdir(folder)) == TRAINER_FILES | WEIGHTS[source.stage] | DEEPSPEED_FILES
+    info = json.loads(run_cli("inspect", folder, "--json", check=0).stdout)
+    assert info["framework"]["title"] == f"HF Trainer + DeepSpeed ZeRO-{source.stage}, dp=2"
+    assert {f["path"] for f in info["framework"]["files"]} == TRAINER_FILES | WEIGHTS[source.stage]
+
+
+# gradient_accumulation_steps 2 at one process keeps the global batch (plan's advice says so)
+@pytest.mark.parametrize("dp, gas", [(1, 2), (3, 1)])
+def test_trainer_resumes_the_converted_folder_exactly(source, converted, dp, gas):
+    result = resume(source, converted[dp], dp, f"dp{dp}", gas)
+    assert result["problems"] == [], result["problems"][:5]
+    assert result["world_size"] == dp and result["compared"] > 0
+    assert result["negative_differences"] > 0           # another state's truth fails the same comparison
+    saved = json.loads((source / "run" / f"checkpoint-{SAVE}" / "trainer_state.json").read_text())
+    assert (result["resumed_global_step"], result["resumed_epoch"]) == (SAVE, saved["epoch"])
+    assert result["next_logged_step"] == SAVE + 1
+    assert result["next_logged_lr"] == logged(source, SAVE + 1)["learning_rate"]    # the scheduled lr
+    if dp * gas == 2:     # the same global batch: the same epoch arithmetic
+        assert result["next_epoch"] == logged(source, SAVE + 1)["epoch"]
+
+
+def test_resume_without_reshard_fails_with_deepspeeds_error(source):
+    proc = resume(source, source / "run" / f"checkpoint-{SAVE}", 3, "baseline", check=False)
+    assert proc.returncode != 0
+    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in proc.stdout + proc.stderr
+
+
+def test_converted_pickles_load_where_reshard_is_not_installed(source, converted, tmp_path):
+    for folder in converted.values():
+        assert check_pickles(source / "run" / f"checkpoint-{SAVE}", folder, tmp_path) >= 4
+    assert pickle_globals(source / "run" / f"checkpoint-{SAVE}" / "training_args.bin") >= {
+        "transformers.training_args.TrainingArguments"}     # what a reader that unpickled it would run
+
+
+def test_export_writes_a_folder_from_pretrained_loads(source, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    folder = source / "run" / f"checkpoint-{SAVE}"
+    run_cli("export", folder, tmp_path / "hf", "--quiet", check=0)
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    truth = load_file(str(source / f"truth-{SAVE}.safetensors"))
+    other = load_file(str(source / f"truth-{STEPS}.safetensors"))
+    state = model.state_dict()
+    names = [k.partition("/")[2] for k in truth if k.startswith("fp32/")]
+    assert names and all(torch.equal(state[n], truth[f"fp32/{n}"]) for n in names)
+    assert not all(torch.equal(state[n], other[f"fp32/{n}"]) for n in names)      # negative control
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()   # re-tied on load
