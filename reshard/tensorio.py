@@ -30,6 +30,7 @@ class MappedFiles:
 
     def __init__(self):
         self._maps = {}
+        self._fds = {}
 
     def __enter__(self):
         return self
@@ -38,6 +39,9 @@ class MappedFiles:
         self.close()
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         for m in self._maps.values():
             try:
                 m.close()
@@ -84,6 +88,28 @@ class MappedFiles:
         return np.frombuffer(m, dtype=numpy_carrier(dtype), count=count, offset=start)
 
 
+    def read_into(self, storage: Storage, first: int, out: np.ndarray, dtype: str) -> None:
+        """Elements [first, first + out.size) of a storage read into `out` (1-D, contiguous): the kernel copies
+        from the page cache straight into the caller's memory, and no mapped page stays in this process."""
+        size = itemsize(dtype)
+        start, nbytes = storage.offset + first * size, out.size * size
+        if first < 0 or start + nbytes > storage.offset + storage.nbytes:
+            raise CheckpointError(storage.file, "fragment reaches outside its storage")
+        fd = self._fds.get(storage.file)
+        if fd is None:
+            try:
+                fd = self._fds[storage.file] = os.open(storage.file, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(storage.file, f"cannot read: {e.strerror}") from None
+        view, done = memoryview(out).cast("B"), 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got == 0:
+                raise CheckpointError(storage.file, f"truncated: needs byte {start + nbytes}, file has "
+                                                    f"{start + done}")
+            done += got
+
+
 def read_flat(files: MappedFiles, tensor: LogicalTensor) -> np.ndarray:
     """All elements of a logical tensor, flat, in a new array (carrier dtype)."""
     return read_range(files, tensor, 0, tensor.numel)
@@ -107,8 +133,7 @@ def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, s
         out[...] = 0
     if where.holds_as(shard):
         for run in where.runs(shard, start, stop):
-            out[run.offset:run.offset + run.count] = files.elements(run.fragment.storage, run.elem, run.count,
-                                                                  tensor.dtype)
+            files.read_into(run.fragment.storage, run.elem, out[run.offset:run.offset + run.count], tensor.dtype)
         return out
     shard_strides = strides(shard.shape if shard else tensor.shape)
     byte_strides = tuple(s * out.itemsize for s in shard_strides)

@@ -10,6 +10,7 @@ source holds (bf16 params from an fp32 master) gets torch's own cast.
 from __future__ import annotations
 
 import io
+import math
 import os
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
@@ -109,7 +110,11 @@ class Reader(StorageReader):
         if target.dtype != torch_dtype(tensor.dtype) or not target.is_contiguous() or not shape:
             return False
         memory = target.view(-1).view(torch.uint8).numpy().view(numpy_carrier(tensor.dtype))
-        read_shard(files, tensor, Shard.box(at, shape), 0, memory.size, out=memory)
+        if shape[1:] == tuple(tensor.shape[1:]):     # whole rows (FSDP's cut): a flat range of the tensor
+            row = math.prod(shape[1:])
+            read_shard(files, tensor, None, at[0] * row, (at[0] + shape[0]) * row, out=memory)
+        else:
+            read_shard(files, tensor, Shard.box(at, shape), 0, memory.size, out=memory)
         return True
 
     def _box(self, files: MappedFiles, entry: keys.TensorEntry, at: tuple, shape: tuple) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""Load-time resharding, measured (issue #15): an FSDP2 model + AdamW loads a checkpoint with `dcp.load`.
+
+    torchrun --nproc_per_node N tools/bench_load.py reader SRC OUT.json [--save-native DIR]
+    torchrun --nproc_per_node N tools/bench_load.py native DCP_DIR OUT.json
+
+`reader` loads SRC (any format reshard reads) through reshard.dcp.Reader; `native` loads a DCP directory with
+torch's own FileSystemReader. With --save-native, the loaded state is then saved by `dcp.save` (torch's own
+writer): the same state, natively as DCP, for `native` to load. The model is an nn.Sequential of bias-free
+Linear layers shaped like the checkpoint's `0.weight`, `1.weight`, ... (tools/bench.py make-synthetic).
+
+Each rank measures the load alone: wall time, bytes it read from disk (/proc/self/io read_bytes), bytes of the
+tensors it loaded (its shards of params and optimizer states), its RSS before the load (the model and optimizer
+states it loads into) and its peak RSS; rank 0 writes them to OUT.json.
+"""
+import json
+import os
+import resource
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from torchrun_jobs import run_rank  # noqa: E402
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+
+def _model(shapes):
+    with torch.device("meta"):      # each rank allocates only its shards
+        layers = torch.nn.Sequential(*[torch.nn.Linear(shape[1], shape[0], bias=False) for shape in shapes])
+    fully_shard(layers)
+    return layers.to_empty(device="cpu")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def _local_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_local_bytes(v) for v in tree)
+    return 0
+
+
+def main(mode, src, out, *rest):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if mode == "reader":
+        import reshard.dcp
+        reader = reshard.dcp.Reader(src)
+        metadata = reader.read_metadata()
+    else:
+        reader = dcp.FileSystemReader(src)
+        metadata = reader.read_metadata()
+    weights = sorted((k for k in metadata.state_dict_metadata if k.startswith("model.")),
+                     key=lambda k: int(k.split(".")[1]))
+    model = _model([tuple(metadata.state_dict_metadata[k].size) for k in weights])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    msd, osd = get_state_dict(model, optim)         # (makes the optimizer's states: their memory is the target)
+    state = {"model": msd, "optim": osd}
+    dist.barrier()
+    rss = _rss_mib()
+    before, start = _read_bytes(), time.perf_counter()
+    dcp.load(state, storage_reader=reader)
+    wall, read = time.perf_counter() - start, _read_bytes() - before
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    mine = {"wall_s": wall, "read_bytes": read, "loaded_bytes": _local_bytes(state),
+            "rss_before_load_mib": rss, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rest and rest[0] == "--save-native":
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=rest[1])
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"mode": mode, "source": src, "world": dist.get_world_size(), "ranks": everyone}, f, indent=1)
+
+
+if __name__ == "__main__":
+    run_rank(main, *sys.argv[1:])
