@@ -6,7 +6,7 @@ JOB.json is {"mode": "save" | "load", "dir": the save_state folder, "stage": S, 
              "after": file (the truth one step later), "gradient_accumulation_steps": G}.
 save: a tiny random GPT-2 (from a config), torch AdamW and a linear-warmup LR scheduler, prepared with a
       DeepSpeed ZeRO-S plugin, trains N steps and calls accelerator.save_state(dir) (with a registered custom
-      object); every rank takes the live engine's truth (hf_trainer_deepspeed.engine_tensors), then trains one
+      object); every rank takes the live engine's truth (engine_state.engine_tensors), then trains one
       more step and takes the truth again (`after`, the negative control) with the lr that step used.
 load: the same objects built from another seed, accelerator.load_state(dir); the engine's tensors are compared
       with `truth` bit for bit and with `after` (must differ); the engine's global steps, the scheduler's step
@@ -47,7 +47,8 @@ def main(job_path, result_path):
     from transformers import GPT2LMHeadModel, get_linear_schedule_with_warmup
 
     import single_models
-    from hf_trainer_deepspeed import cpu_deepspeed_backend, differences, engine_tensors, finish
+    from engine_state import differences, engine_tensors
+    from hf_trainer_deepspeed import cpu_deepspeed_backend, finish
     with open(job_path) as f:
         job = json.load(f)
     torch.set_num_threads(1)

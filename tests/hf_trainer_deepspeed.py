@@ -21,49 +21,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from engine_state import differences, engine_tensors  # noqa: E402
 from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SAMPLES = 48        # one epoch holds every step of the runs the tests make
-
-
-def engine_tensors(engine) -> dict:
-    """{"fp32/name", "exp_avg/name", "exp_avg_sq/name", "module/name": tensor} from the live engine
-    (collectives under ZeRO-3: every rank calls, in the same order)."""
-    import torch
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
-        # DeepSpeed 0.19.8 links ZeRO-1/2 optimizer-state fragments lazily and never relinks (make_fixtures.py)
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
-    out = {}
-    for name, p in engine.module.named_parameters():
-        out[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().float().cpu().clone().contiguous()
-        for state in ("exp_avg", "exp_avg_sq"):
-            out[f"{state}/{name}"] = safe_get_full_optimizer_state(p, state).detach().float().cpu().clone()
-    if int(engine.zero_optimization_stage()) < 3:
-        for name, t in engine.module.state_dict().items():
-            out[f"module/{name}"] = t.detach().cpu().clone().contiguous()
-    else:       # the module's partitioned params, gathered whole (a collective)
-        import deepspeed
-        named = list(engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in named]):
-            for name, p in named:
-                out[f"module/{name}"] = p.detach().cpu().clone().contiguous()
-    return {k: v.contiguous() for k, v in out.items() if torch.is_tensor(v)}
-
-
-def differences(tensors: dict, truth: dict) -> list:
-    """One line per truth tensor the engine lacks or holds different bits of."""
-    import torch
-    out = []
-    for key, expected in truth.items():
-        got = tensors.get(key)
-        if got is None:
-            out.append(f"{key}: not in the resumed engine")
-        elif got.shape != expected.shape or not torch.equal(got, expected):
-            out.append(f"{key}: differs after resume")
-    return out
 
 
 def cpu_deepspeed_backend() -> None:

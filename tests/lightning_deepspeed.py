@@ -27,12 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from torchrun_jobs import run_rank  # noqa: E402
 from pickles import block_reshard  # noqa: E402
+from engine_state import differences, engine_tensors  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 block_reshard()     # the training job runs where reshard is not installed: what it loads must not need it
 
 SAMPLES, BATCH = 64, 2          # enough batches that no size ends the epoch within these steps
 LR, STEP_SIZE, GAMMA = 1e-2, 2, 0.5
-STATES = ("exp_avg", "exp_avg_sq")
 SCHEDULER_KEYS = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "step_size", "gamma")
 
 
@@ -104,38 +104,7 @@ def data():
 
 
 def engine_state(trainer, module) -> dict:
-    """{"fp32/name", "exp_avg/name", "exp_avg_sq/name", "module/name": tensor} of the live engine (collectives:
-    every rank calls this at the same point)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    engine = trainer.strategy.deepspeed_engine
-    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
-        # DeepSpeed 0.19.8 links optimizer-state fragments lazily, once (tools/make_fixtures.py): relink now
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
-    out = {}
-    for name, p in module.named_parameters():
-        out[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
-        for state in STATES:
-            out[f"{state}/{name}"] = safe_get_full_optimizer_state(p, state).detach().clone()
-    import deepspeed
-    # ZeRO-3 holds each rank's partition of the weights: the module's full weights are gathered
-    with deepspeed.zero.GatheredParameters(list(module.parameters()),
-                                           enabled=engine.zero_optimization_stage() == 3):
-        for name, value in module.state_dict().items():
-            out[f"module/{name}"] = value.detach().clone()
-    return out
-
-
-def compare(got: dict, truth: dict) -> list:
-    import torch
-    problems = []
-    for key, expected in truth.items():
-        value = got.get(key)
-        if value is None:
-            problems.append(f"{key}: not in the resumed engine")
-        elif value.shape != expected.shape or value.dtype != expected.dtype or not torch.equal(value, expected):
-            problems.append(f"{key}: differs after resume")
-    return problems
+    return engine_tensors(trainer.strategy.deepspeed_engine, module)
 
 
 def plain(value):
@@ -195,7 +164,7 @@ def resume(job):
     class Check(pl.Callback):
         def on_train_start(self, trainer, module):     # after Lightning restored the checkpoint, before a step
             state = engine_state(trainer, module)
-            seen.update(problems=compare(state, truth), control_problems=compare(state, control),
+            seen.update(problems=differences(state, truth), control_problems=differences(state, control),
                         compared=len(truth), global_step=trainer.global_step, epoch=trainer.current_epoch,
                         scheduler=scheduler_state(trainer.lr_scheduler_configs[0].scheduler),
                         lr=trainer.optimizers[0].param_groups[0]["lr"],

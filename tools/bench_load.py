@@ -2,11 +2,17 @@
 
     torchrun --nproc_per_node N tools/bench_load.py reader SRC OUT.json [--save-native DIR]
     torchrun --nproc_per_node N tools/bench_load.py native DCP_DIR OUT.json
+    torchrun --nproc_per_node N tools/bench_load.py ds-reshard SRC OUT.json
+    torchrun --nproc_per_node N tools/bench_load.py ds-native CONVERTED OUT.json
 
 `reader` loads SRC (any format reshard reads) through reshard.dcp.Reader; `native` loads a DCP directory with
 torch's own FileSystemReader. With --save-native, the loaded state is then saved by `dcp.save` (torch's own
 writer): the same state, natively as DCP, for `native` to load. The model is an nn.Sequential of bias-free
 Linear layers shaped like the checkpoint's `0.weight`, `1.weight`, ... (tools/bench.py make-synthetic).
+
+`ds-reshard` / `ds-native`: a DeepSpeed ZeRO-3 bf16 engine of that model (tools/bench.py's config) at N ranks
+loads SRC, saved at any topology, with reshard.deepspeed.load_checkpoint, or, natively, with its own
+engine.load_checkpoint a checkpoint already converted for N ranks.
 
 Each rank measures the load alone: wall time, bytes it read from disk (/proc/self/io read_bytes), bytes of the
 tensors it loaded (its shards of params and optimizer states), its RSS before the load (the model and optimizer
@@ -60,6 +66,8 @@ def _local_bytes(tree) -> int:
 
 def main(mode, src, out, *rest):
     torch.set_num_threads(1)
+    if mode.startswith("ds-"):
+        return deepspeed_load(mode, src, out)
     dist.init_process_group("gloo")
     if mode == "reader":
         import reshard.dcp
@@ -86,6 +94,35 @@ def main(mode, src, out, *rest):
     dist.all_gather_object(everyone, mine)
     if rest and rest[0] == "--save-native":
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=rest[1])
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"mode": mode, "source": src, "world": dist.get_world_size(), "ranks": everyone}, f, indent=1)
+
+
+def deepspeed_load(mode, src, out):
+    import deepspeed
+    from bench import HIDDEN, engine_config
+    import reshard
+    import reshard.deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    layers = len(reshard.open_checkpoint(src).order)
+    config = engine_config(3, "bf16")
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(layers)])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    dist.barrier()
+    rss = _rss_mib()
+    before, start = _read_bytes(), time.perf_counter()
+    if mode == "ds-reshard":
+        reshard.deepspeed.load_checkpoint(engine, src)
+    else:
+        engine.load_checkpoint(src)
+    wall, read = time.perf_counter() - start, _read_bytes() - before
+    mine = {"wall_s": wall, "read_bytes": read, "rss_before_load_mib": rss,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"mode": mode, "source": src, "world": dist.get_world_size(), "ranks": everyone}, f, indent=1)

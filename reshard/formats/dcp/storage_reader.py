@@ -95,36 +95,35 @@ class Reader(StorageReader):
                 if tuple(target.size()) != shape:
                     raise ReshardError(f"{entry.key}: asked for a box of {list(shape)}, the destination is "
                                        f"{list(target.size())}")
-                if not self._read_into(files, entry, at, shape, target):
-                    target.copy_(self._box(files, entry, at, shape))
+                self._fill(files, entry, at, shape, target)
                 planner.commit_tensor(item, target)
         done = torch.futures.Future()
         done.set_result(None)
         return done
 
-    def _read_into(self, files: MappedFiles, entry: keys.TensorEntry, at: tuple, shape: tuple, target) -> bool:
-        """Read the box straight into `target` where it is contiguous memory of the source's dtype."""
+    def _fill(self, files: MappedFiles, entry: keys.TensorEntry, at: tuple, shape: tuple, target) -> None:
+        """Copy the entry's box (`at`, `shape`) into `target`: read straight into it where it is contiguous
+        memory of the source's dtype, else read, then cast or scatter by torch's copy."""
         if isinstance(entry.source, ScalarTensor):
-            return False
+            target.copy_(torch.tensor(entry.source.value, dtype=torch_dtype(entry.source.dtype)))
+            return
         tensor = self.catalog.tensors[entry.source]
-        if target.dtype != torch_dtype(tensor.dtype) or not target.is_contiguous() or not shape:
-            return False
-        memory = target.view(-1).view(torch.uint8).numpy().view(numpy_carrier(tensor.dtype))
-        if shape[1:] == tuple(tensor.shape[1:]):     # whole rows (FSDP's cut): a flat range of the tensor
-            row = math.prod(shape[1:])
-            read_shard(files, tensor, None, at[0] * row, (at[0] + shape[0]) * row, out=memory)
+        dtype = torch_dtype(tensor.dtype)
+        if target.dtype == dtype and target.is_contiguous():
+            _read_box(files, tensor, at, shape, target.view(-1).view(torch.uint8).numpy().view(
+                numpy_carrier(tensor.dtype)))
         else:
-            read_shard(files, tensor, Shard.box(at, shape), 0, memory.size, out=memory)
-        return True
+            target.copy_(torch.from_numpy(_read_box(files, tensor, at, shape)).view(dtype).reshape(shape))
 
-    def _box(self, files: MappedFiles, entry: keys.TensorEntry, at: tuple, shape: tuple) -> torch.Tensor:
-        """The elements of the entry's box (`at`, `shape`) as a new tensor of the source's dtype."""
-        if isinstance(entry.source, ScalarTensor):
-            return torch.tensor(entry.source.value, dtype=torch_dtype(entry.source.dtype))
-        tensor = self.catalog.tensors[entry.source]
-        box = Shard.box(at, shape) if shape else None
-        flat = read_shard(files, tensor, box, 0, box.numel if box else 1)
-        return torch.from_numpy(flat).view(torch_dtype(tensor.dtype)).reshape(shape)
+
+def _read_box(files: MappedFiles, tensor, at: tuple, shape: tuple, out=None):
+    """The box (`at`, `shape`) of a logical tensor, flat, into `out` (carrier dtype) or a new array."""
+    if not shape:
+        return read_shard(files, tensor, None, 0, 1, out=out)
+    if shape[1:] == tuple(tensor.shape[1:]):     # whole rows (FSDP's cut, the whole tensor): a flat range
+        row = math.prod(shape[1:])
+        return read_shard(files, tensor, None, at[0] * row, (at[0] + shape[0]) * row, out=out)
+    return read_shard(files, tensor, Shard.box(at, shape), 0, math.prod(shape), out=out)
 
 
 def _torch_value(files: MappedFiles, value):
