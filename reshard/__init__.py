@@ -6,6 +6,7 @@ The Python API:
     info = reshard.inspect(catalog, params=True)           # plain data (what `reshard inspect --json` prints)
     report = reshard.validate(catalog, deep=False)         # report.ok, report.problems
     weight = reshard.full_tensor(catalog, "l1.weight", "fp32")   # a torch tensor, bit-exact
+    run = reshard.list_checkpoints("out/")                 # every checkpoint of a run, complete or not
 """
 from __future__ import annotations
 
@@ -23,5 +24,11 @@ def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = Non
     return read(str(path), tag, layout_rules)
 
 
-__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",
+def list_checkpoints(run_dir, **options):
+    """Every checkpoint of run directory `run_dir` (reshard.runs.list_checkpoints): a RunListing."""
+    from reshard.runs import list_checkpoints as listing
+    return listing(run_dir, **options)
+
+
+__all__ = ["open_checkpoint", "list_checkpoints", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",
            "__version__"]

@@ -236,7 +236,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _quiet_arg(p)
     p.set_defaults(run=_diff, error_exit=2)
+    _lifecycle_commands(sub)
     return parser
+
+
+def _lifecycle_commands(sub) -> None:
+    """`list`: the checkpoints of a run directory."""
+    p = _command(sub, "list", "every checkpoint of a run directory: step, time, size, format, topology, complete "
+                 "or not, metrics",
+                 ("reshard list out/", "reshard list out/ --json", "reshard list out/ --metrics evals.csv"),
+                 " Metadata only: each checkpoint is proven whole by the coverage proof of `reshard validate` "
+                 "(no tensor byte read); a save still being written is shown in progress and not opened.")
+    p.add_argument("path", metavar="DIR", help="a run directory (DeepSpeed save dir, Hugging Face output dir, "
+                   "Lightning checkpoint dir, DCP step dirs, or one holding several)")
+    _run_dir_args(p)
+    p.add_argument("--metric", help="the name of the values of a bare {step: value} metrics file")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_list)
+
+
+def _run_dir_args(p) -> None:
+    p.add_argument("--metrics", metavar="FILE", help="metrics per step: JSON {step: value}, {name: {step: value}}, "
+                   "[{step, name: value}] or CSV with a step column")
+    p.add_argument("--recent", type=float, default=10.0, metavar="S", help="a file modified less than S seconds ago "
+                   "marks its save in progress (default 10)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S", help="also look again after S seconds: a "
+                   "checkpoint whose files changed is in progress")
+
+
+def _list(args) -> int:
+    listing = reshard.list_checkpoints(args.path, metrics=args.metrics, metric_name=args.metric, recent=args.recent,
+                                       settle=args.settle)
+    if args.json:
+        _dump(listing.to_dict())
+    else:
+        cli_text.print_listing(listing)
+    return 0
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
