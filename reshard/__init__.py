@@ -7,11 +7,13 @@ The Python API:
     report = reshard.validate(catalog, deep=False)         # report.ok, report.problems
     weight = reshard.full_tensor(catalog, "l1.weight", "fp32")   # a torch tensor, bit-exact
     run = reshard.list_checkpoints("out/")                 # every checkpoint of a run, complete or not
+    plan = reshard.prune("out/", reshard.Policy(keep_last=3), yes=False)   # the plan; yes=True deletes
 """
 from __future__ import annotations
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.inspect import inspect
+from reshard.retention import Policy
 from reshard.tensorio import full_tensor
 from reshard.validate import validate
 from reshard.version import __version__
@@ -30,5 +32,11 @@ def list_checkpoints(run_dir, **options):
     return listing(run_dir, **options)
 
 
-__all__ = ["open_checkpoint", "list_checkpoints", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",
+def prune(run_dir, policy, yes: bool = False, **options):
+    """The plan of retention `policy` (a reshard.Policy) on `run_dir`; deleted when `yes` (reshard.pruning)."""
+    from reshard.pruning import prune as run_prune
+    return run_prune(run_dir, policy, yes=yes, **options)
+
+
+__all__ = ["open_checkpoint", "list_checkpoints", "prune", "Policy", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",
            "__version__"]

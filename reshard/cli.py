@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _lifecycle_commands(sub) -> None:
-    """`list`: the checkpoints of a run directory."""
+    """`list` and `prune`: the checkpoints of a run directory, and retention."""
     p = _command(sub, "list", "every checkpoint of a run directory: step, time, size, format, topology, complete "
                  "or not, metrics",
                  ("reshard list out/", "reshard list out/ --json", "reshard list out/ --metrics evals.csv"),
@@ -254,6 +254,31 @@ def _lifecycle_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_list)
 
+    p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep (a dry run without --yes)",
+                 ("reshard prune out/ --keep-last 3                       # prints the plan",
+                  "reshard prune out/ --keep-last 1 --keep-best 1 --metric eval_loss --metrics evals.csv",
+                  "reshard prune out/ --keep-every 1000 --keep-steps 2 --delete-incomplete --yes"),
+                 " A checkpoint kept by any rule stays. Always kept: the newest complete checkpoint and any one "
+                 "`latest`, the framework's best (best_model_checkpoint, best_model_path) or a link names; an "
+                 "incomplete checkpoint never counts toward --keep-last and is deleted only with "
+                 "--delete-incomplete; a save in progress is never touched. Deletion renames first, so a rerun "
+                 "finishes an interrupted prune.")
+    p.add_argument("path", metavar="DIR", help="a run directory, as for `reshard list`")
+    p.add_argument("--keep-last", type=_positive_int, metavar="K", help="keep the K newest complete checkpoints")
+    p.add_argument("--keep-best", type=_positive_int, metavar="M", help="keep the M best complete checkpoints by "
+                   "--metric")
+    p.add_argument("--metric", help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
+    p.add_argument("--mode", choices=["min", "max"], default="min", help="min: lower is better (default), max: higher")
+    p.add_argument("--keep-every", type=_positive_int, metavar="N", help="keep checkpoints whose step is a multiple "
+                   "of N")
+    p.add_argument("--keep-steps", type=_steps_arg, default=(), metavar="S,S,...", help="keep these steps")
+    p.add_argument("--delete-incomplete", action="store_true", help="also delete incomplete checkpoints nothing names")
+    p.add_argument("--yes", action="store_true", help="delete (default: print the plan only)")
+    _run_dir_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan (and what was deleted) as JSON")
+    _quiet_arg(p)
+    p.set_defaults(run=_prune)
+
 
 def _run_dir_args(p) -> None:
     p.add_argument("--metrics", metavar="FILE", help="metrics per step: JSON {step: value}, {name: {step: value}}, "
@@ -264,6 +289,13 @@ def _run_dir_args(p) -> None:
                    "checkpoint whose files changed is in progress")
 
 
+def _steps_arg(text: str) -> tuple:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of steps: {text!r} (e.g. 1000,5000)") from None
+
+
 def _list(args) -> int:
     listing = reshard.list_checkpoints(args.path, metrics=args.metrics, metric_name=args.metric, recent=args.recent,
                                        settle=args.settle)
@@ -271,6 +303,19 @@ def _list(args) -> int:
         _dump(listing.to_dict())
     else:
         cli_text.print_listing(listing)
+    return 0
+
+
+def _prune(args) -> int:
+    policy = reshard.Policy(keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
+                            keep_every=args.keep_every, keep_steps=args.keep_steps,
+                            delete_incomplete=args.delete_incomplete)
+    plan = reshard.prune(args.path, policy, yes=args.yes, metrics=args.metrics, recent=args.recent,
+                         settle=args.settle)
+    if args.json:
+        _dump(plan.to_dict())
+    else:
+        cli_text.print_prune(plan, args.quiet)
     return 0
 
 

@@ -110,7 +110,7 @@ def print_listing(listing) -> None:
     print(f"{listing.root}: {len(rows)} checkpoint{'s' * (len(rows) != 1)} (complete: the {listing.check} proof "
           "on each one's metadata; `reshard validate --deep --checksums` reads the bytes)")
     width = max([len(r.name) for r in rows] + [4])
-    print(f"  {'STEP':>8}  {'SAVED':<19}  {'SIZE':>10}  {'FORMAT':<12} {'TOPOLOGY':<16} {'STATUS':<12} {'NAME':<{width}}")
+    print(f"  {'STEP':>8}  {'SAVED':<19}  {'SIZE':>10}  {'FORMAT':<12} {'TOPOLOGY':<16} {'STATUS':<12} NAME")
     for r in rows:
         step = "-" if r.step is None else str(r.step)
         status = {"complete": "complete", "incomplete": "INCOMPLETE", "in progress": "in progress"}[r.status]
@@ -126,3 +126,21 @@ def print_listing(listing) -> None:
     if listing.trash:
         print(f"note: {len(listing.trash)} checkpoint(s) an interrupted prune renamed are still on disk; "
               "`reshard prune DIR --yes` removes them")
+
+
+def print_prune(plan, quiet: bool) -> None:
+    """`reshard prune`: the plan (keep / delete / untouched, why), then what it frees or freed."""
+    for d in plan.decisions:
+        r = d.checkpoint
+        step = "" if r.step is None else f"step {r.step}"
+        print(f"{d.action:<9} {r.name}  {step}  {human_bytes(r.disk_bytes)}: {'; '.join(d.reasons)}")
+    count = len(plan.deleting())
+    if plan.executed:
+        for path in plan.changed:
+            print(f"reshard: {path}: its files changed since it was listed: left alone", file=sys.stderr)
+        if plan.trash and not quiet:
+            print(f"finished an interrupted prune: removed {len(plan.trash)} renamed checkpoint(s)")
+        print(f"deleted {len(plan.removed)} checkpoint(s), freed {human_bytes(plan.bytes_freed)}")
+    else:
+        print(f"dry run: would delete {count} checkpoint(s), freeing {human_bytes(plan.bytes_freed)} on disk"
+              + ("" if quiet else "; --yes deletes them"))
