@@ -17,6 +17,7 @@ from reshard.errors import ReshardError
 from reshard.formats.run_layout import trash_path
 from reshard.retention import DELETE, Policy, decide
 from reshard.runs import RECENT_SECONDS, list_checkpoints, measure
+from reshard.staging import fsync
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _delete(path: str) -> None:
     trash = trash_path(path)
     try:
         os.rename(path, trash)
-        _fsync_dir(os.path.dirname(path))
+        fsync(os.path.dirname(path))
     except OSError as e:
         raise ReshardError.at(path, f"cannot rename for deletion ({e.strerror}); nothing of it deleted") from None
     _remove(trash)
@@ -90,14 +91,6 @@ def _remove(trash: str) -> None:
             shutil.rmtree(trash)
         else:
             os.unlink(trash)
-        _fsync_dir(os.path.dirname(trash))
+        fsync(os.path.dirname(trash))
     except OSError as e:
         raise ReshardError.at(trash, f"cannot remove ({e.strerror}); a rerun of prune --yes finishes it") from None
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
