@@ -189,3 +189,27 @@ def test_links_are_not_followed_out_of_the_run(tmp_path):
     assert sorted(rows) == ["ds/global_step3", "ds/global_step4"]
     assert any("global_step9" in note and "not followed" in note for note in listing.notes)
     assert rows["ds/global_step4"].status == INCOMPLETE and "leaves the run directory" in rows["ds/global_step4"].why
+
+
+def test_universal_tree_and_hf_checkpoint_with_deepspeed_inside_are_one_row_each(framework_runs, tmp_path):
+    """A universal save dir written by `reshard convert --format universal` (its tags listed, `latest_universal`
+    named), and a Trainer checkpoint-N folder holding a DeepSpeed save as the Trainer's DeepSpeed integration
+    writes it (the engine's tag folder and `latest` beside trainer_state.json): one checkpoint, not a save dir."""
+    root, hf_state, _, _ = framework_runs
+    run = tmp_path / "run"
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), run / "universal", "--format", "universal", "--tag-out",
+            "global_step3", check=0)
+    hf_ds = run / "hf" / "checkpoint-6"
+    shutil.copytree(root / "hf" / "checkpoint-6", hf_ds)
+    (hf_ds / "optimizer.pt").unlink()       # with DeepSpeed the engine's files hold the optimizer
+    shutil.copytree(fixture_dir("z2_fp32_dp2") / "global_step3", hf_ds / "global_step6")
+    (hf_ds / "latest").write_text("global_step6")
+    lr.age(run)
+    rows = rows_by_name(reshard.list_checkpoints(run))
+    assert sorted(rows) == ["hf/checkpoint-6", "universal/global_step3"]
+    universal = rows["universal/global_step3"]
+    assert universal.status == COMPLETE and universal.format == "universal" and universal.pinned
+    inside = rows["hf/checkpoint-6"]
+    assert inside.status == COMPLETE and inside.format == "deepspeed" and inside.step == 6
+    evals = {h["step"]: h["eval_loss"] for h in hf_state.log_history if "eval_loss" in h}
+    assert inside.metrics["eval_loss"] == evals[6]
