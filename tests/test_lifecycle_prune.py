@@ -195,3 +195,36 @@ def test_the_api_mirrors_the_command(run):
     assert [(d["name"], d["action"]) for d in cli["decisions"]] == \
         [(d.checkpoint.name, d.action) for d in plan.decisions]
     assert not cli["executed"] and fixture_dir("z2_fp32_dp2").exists()
+
+
+@pytest.mark.engine
+def test_a_real_deepspeed_run_saving_every_step_pruned_by_its_client_state_metric_and_loaded(tmp_path):
+    """DeepSpeed (ZeRO-3, 2 ranks) saves 8 steps with eval_loss in its client state; step 3 is made a rank-0-only
+    save and step 5 truncated. `list` shows both broken and every eval_loss; prune keeps the last complete and
+    the 2 best; the engine then loads `latest` and each kept tag, holding exactly the weights of that step."""
+    from conftest import run_torchrun
+    run = tmp_path / "run"
+    saved = run_torchrun("lifecycle_deepspeed.py", 2, {"mode": "train", "dir": str(run), "steps": 8}, tmp_path, "train")
+    for f in (run / "global_step3").glob("*rank_1_*"):
+        f.unlink()                              # rank 1 never wrote its partitions
+    optim = next((run / "global_step5").glob("*rank_1_*optim_states.pt"))
+    with open(optim, "r+b") as f:
+        f.truncate(optim.stat().st_size // 3)
+    lr.age(tmp_path)
+    rows = {c.name: c for c in reshard.list_checkpoints(run).checkpoints}
+    assert sorted(rows, key=lambda n: rows[n].step) == [f"global_step{n}" for n in range(1, 9)]
+    assert [n for n, r in rows.items() if not r.complete] == ["global_step3", "global_step5"]
+    assert "% of elements missing" in rows["global_step3"].why
+    for name, r in rows.items():
+        assert r.metrics["eval_loss"] == saved[name]["eval_loss"] or not r.complete
+    assert len({v["sum"] for v in saved.values()}) == 8       # each step's weights tell it apart (the control)
+    whole = [n for n in saved if rows[n].complete]
+    best = sorted(whole, key=lambda n: (saved[n]["eval_loss"], -rows[n].step))[:2]
+    reshard.prune(run, reshard.Policy(keep_last=1, keep_best=2, metric="eval_loss", delete_incomplete=True), yes=True)
+    left = sorted(p.name for p in run.iterdir() if p.is_dir())
+    assert left == sorted({*best, "global_step8"})
+    loaded = run_torchrun("lifecycle_deepspeed.py", 2, {"mode": "load", "dir": str(run), "tags": [None, *left]},
+                          tmp_path, "load")
+    assert loaded["None"] == {"loaded": True, "global_steps": 8, "sum": saved["global_step8"]["sum"]}
+    for tag in left:
+        assert loaded[tag] == {"loaded": True, "global_steps": int(tag[len("global_step"):]), "sum": saved[tag]["sum"]}
