@@ -6,6 +6,7 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,22 @@ def test_universal_tree_and_hf_checkpoint_with_deepspeed_inside_are_one_row_each
     assert inside.status == COMPLETE and inside.format == "deepspeed" and inside.step == 6
     evals = {h["step"]: h["eval_loss"] for h in hf_state.log_history if "eval_loss" in h}
     assert inside.metrics["eval_loss"] == evals[6]
+
+
+@pytest.mark.engine
+def test_lightning_deepspeed_ckpt_folders_are_one_checkpoint_each(tmp_path):
+    """Lightning's DeepSpeedStrategy (ZeRO-2, 2 ranks, tests/lightning_deepspeed.py) saves `step=K.ckpt/` folders
+    (a DeepSpeed save dir inside): each is one row, complete, its step from the name, the folder its
+    ModelCheckpoint's best_model_path names pinned; with a rank's optimizer file gone it is incomplete."""
+    from conftest import run_torchrun
+    jobs = [{"mode": "save", "dir": str(tmp_path / "ckpts"), "seed": 0, "truth": str(tmp_path / "truth.safetensors"),
+             "stage": 2, "steps": 2}]
+    ckpt = Path(run_torchrun("lightning_deepspeed.py", 2, jobs, tmp_path, "save")[0]["ckpt"])
+    lr.age(tmp_path)
+    [row] = reshard.list_checkpoints(tmp_path / "ckpts").checkpoints
+    assert (row.path, row.status, row.step, row.format) == (str(ckpt), COMPLETE, 2, "deepspeed")
+    assert row.pinned and "best_model_path" in row.pinned[0]
+    next(ckpt.rglob("*rank_1_*optim_states.pt")).unlink()
+    lr.age(tmp_path)    # (the deletion is a change of its folder: just now, it would be in progress)
+    [row] = reshard.list_checkpoints(tmp_path / "ckpts").checkpoints
+    assert row.status == INCOMPLETE and "rank_1" in row.why
