@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.inspect import inspect
+from reshard.pruning import prune
 from reshard.retention import Policy
+from reshard.runs import RECENT_SECONDS, list_checkpoints
 from reshard.tensorio import full_tensor
 from reshard.validate import validate
 from reshard.version import __version__
@@ -26,17 +28,5 @@ def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = Non
     return read(str(path), tag, layout_rules)
 
 
-def list_checkpoints(run_dir, **options):
-    """Every checkpoint of run directory `run_dir` (reshard.runs.list_checkpoints): a RunListing."""
-    from reshard.runs import list_checkpoints as listing
-    return listing(run_dir, **options)
-
-
-def prune(run_dir, policy, yes: bool = False, **options):
-    """The plan of retention `policy` (a reshard.Policy) on `run_dir`; deleted when `yes` (reshard.pruning)."""
-    from reshard.pruning import prune as run_prune
-    return run_prune(run_dir, policy, yes=yes, **options)
-
-
-__all__ = ["open_checkpoint", "list_checkpoints", "prune", "Policy", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",
-           "__version__"]
+__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "list_checkpoints", "prune", "Policy",
+           "RECENT_SECONDS", "ReshardError", "CheckpointError", "__version__"]

@@ -283,8 +283,9 @@ def _lifecycle_commands(sub) -> None:
 def _run_dir_args(p) -> None:
     p.add_argument("--metrics", metavar="FILE", help="metrics per step: JSON {step: value}, {name: {step: value}}, "
                    "[{step, name: value}] or CSV with a step column")
-    p.add_argument("--recent", type=float, default=10.0, metavar="S", help="a file modified less than S seconds ago "
-                   "marks its save in progress (default 10)")
+    p.add_argument("--recent", type=float, default=reshard.RECENT_SECONDS, metavar="S",
+                   help=f"a file modified less than S seconds ago marks its save in progress (default "
+                        f"{reshard.RECENT_SECONDS:g})")
     p.add_argument("--settle", type=float, default=0.0, metavar="S", help="also look again after S seconds: a "
                    "checkpoint whose files changed is in progress")
 

@@ -49,8 +49,8 @@ class Checkpoint:
         return os.path.dirname(self.name)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime, "bytes": self.bytes,
-                "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
+        return {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime,
+                "bytes": self.bytes, "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
                 "topology": self.topology, "status": self.status, "why": self.why or None,
                 "pinned": list(self.pinned), "metrics": self.metrics}
 

@@ -127,7 +127,8 @@ def test_keep_best_by_a_metrics_file_min_and_max(run, tmp_path):
     metrics = tmp_path / "evals.csv"
     metrics.write_text("step,eval_loss\n1,0.5\n2,0.9\n3,0.7\n6,0.2\n7,1.5\n8,1.0\n")
     plan = reshard.prune(run, reshard.Policy(keep_best=2, metric="eval_loss"), metrics=str(metrics))
-    assert sorted(d.checkpoint.step for d in plan.decisions if d.action == "keep" and d.checkpoint.complete) == [1, 6, 8]
+    kept = sorted(d.checkpoint.step for d in plan.decisions if d.action == "keep" and d.checkpoint.complete)
+    assert kept == [1, 6, 8]
     reshard.prune(run, reshard.Policy(keep_best=1, metric="eval_loss", mode="max", keep_every=3),
                   metrics=str(metrics), yes=True)
     assert steps(run) == [3, 4, 5, 6, 7, 8]     # 7 the best by max; 3 and 6 multiples of 3; 8 the newest

@@ -124,7 +124,8 @@ def _pointed(folder: str, names: list, found: Scan) -> bool:
             except (OSError, UnicodeDecodeError):
                 continue
             if tag and os.sep not in tag and tag not in (".", ".."):
-                found.pointers[os.path.join(folder, tag)] = f"named by {os.path.join(os.path.basename(folder), pointer)}"
+                named_by = os.path.join(os.path.basename(folder), pointer)
+                found.pointers[os.path.join(folder, tag)] = f"named by {named_by}"
     return pointed
 
 
