@@ -91,24 +91,26 @@ def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | Non
     if settle > 0:
         time.sleep(settle)
     now = time.time()
-    rows, records = [], {}
+    rows, records, unfinished = [], {}, set()
     for entry in found.entries:
         files = sizes[entry.path]
         if settle > 0 and measure(entry.path, root) != files:
             rows.append(_row(entry, files, IN_PROGRESS, f"its files changed within {settle:g} s"))
             continue
+        if now - files.mtime < recent:     # before the names: a staging folder being written is never abandoned
+            written = f"a file was written {max(0.0, now - files.mtime):.0f} s ago"
+            rows.append(_row(entry, files, IN_PROGRESS, f"{entry.unfinished}; {written}" if entry.unfinished else written))
+            continue
         if entry.unfinished:
             rows.append(_row(entry, files, IN_PROGRESS, entry.unfinished))
-            continue
-        if now - files.mtime < recent:
-            rows.append(_row(entry, files, IN_PROGRESS, f"a file was written {max(0.0, now - files.mtime):.0f} s ago"))
+            unfinished.add(entry.path)
             continue
         if files.outside:
             rows.append(_row(entry, files, INCOMPLETE, f"{files.outside} leaves the run directory (not followed)"))
             continue
         row, records[entry.path] = _checked(entry, files)
         rows.append(row)
-    rows = _abandoned(rows)
+    rows = _abandoned(rows, unfinished)
     rows = _with_metrics(rows, records, user)
     rows = _with_pins(rows, records, found, root)
     rows.sort(key=order)
@@ -155,9 +157,9 @@ def _checked(entry, files: Files) -> tuple:
     return _row(entry, files, INCOMPLETE, f"{report.problems[0]}{more}{missing}", catalog, step), recorded
 
 
-def _abandoned(rows: list) -> list:
-    """A staging folder older than a finished save of a later step will never finish: incomplete, not in
-    progress (so `prune --delete-incomplete` may remove it); one still being written stays in progress."""
+def _abandoned(rows: list, unfinished: set) -> list:
+    """A staging folder (path in `unfinished`: nothing written to it lately) older than a finished save of a later
+    step will never finish: incomplete, not in progress (so `prune --delete-incomplete` may remove it)."""
     newest_of = {}
     for r in rows:
         if r.complete and r.step is not None:
@@ -165,8 +167,7 @@ def _abandoned(rows: list) -> list:
     out = []
     for r in rows:
         newest = newest_of.get(r.series)
-        if (r.status == IN_PROGRESS and r.step is not None and newest is not None and r.step < newest
-                and not r.why.startswith(("a file was written", "its files changed"))):
+        if r.path in unfinished and r.step is not None and newest is not None and r.step < newest:
             r = replace(r, status=INCOMPLETE, why=f"{r.why}; abandoned: step {newest} was saved after it")
         out.append(r)
     return out

@@ -83,11 +83,15 @@ def test_dcp_loop_unfinished_save_in_progress_and_older_one_abandoned(tmp_path):
     assert [rows[f"dcp/step-{n}"].status for n in (1, 2, 3, 4)] == [COMPLETE] * 4
     assert rows["dcp/step-4"].format == "dcp"
     (dcp_dir / "step-4" / ".metadata").unlink()     # the newest save has not written .metadata yet
-    (dcp_dir / "step-2" / ".metadata").unlink()     # a save that died: step 3 finished after it
+    (dcp_dir / "step-2" / ".metadata").unlink()     # a save that died long ago: step 3 finished after it
+    lr.age(dcp_dir / "step-2")
     rows = rows_by_name(reshard.list_checkpoints(tmp_path))
     assert rows["dcp/step-4"].status == IN_PROGRESS and ".metadata" in rows["dcp/step-4"].why
     assert rows["dcp/step-2"].status == INCOMPLETE and "abandoned" in rows["dcp/step-2"].why
     assert rows["dcp/step-3"].status == COMPLETE
+    lr.age(dcp_dir / "step-2", 0)       # but written to a moment ago: still a save in progress
+    rows = rows_by_name(reshard.list_checkpoints(tmp_path))
+    assert rows["dcp/step-2"].status == IN_PROGRESS and "written" in rows["dcp/step-2"].why
 
 
 def test_staging_names_recent_and_growing_files_are_in_progress(tmp_path):
