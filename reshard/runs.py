@@ -99,7 +99,8 @@ def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | Non
             continue
         if now - files.mtime < recent:     # before the names: a staging folder being written is never abandoned
             written = f"a file was written {max(0.0, now - files.mtime):.0f} s ago"
-            rows.append(_row(entry, files, IN_PROGRESS, f"{entry.unfinished}; {written}" if entry.unfinished else written))
+            why = f"{entry.unfinished}; {written}" if entry.unfinished else written
+            rows.append(_row(entry, files, IN_PROGRESS, why))
             continue
         if entry.unfinished:
             rows.append(_row(entry, files, IN_PROGRESS, entry.unfinished))
