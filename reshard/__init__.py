@@ -6,11 +6,16 @@ The Python API:
     info = reshard.inspect(catalog, params=True)           # plain data (what `reshard inspect --json` prints)
     report = reshard.validate(catalog, deep=False)         # report.ok, report.problems
     weight = reshard.full_tensor(catalog, "l1.weight", "fp32")   # a torch tensor, bit-exact
+    run = reshard.list_checkpoints("out/")                 # every checkpoint of a run, complete or not
+    plan = reshard.prune("out/", reshard.Policy(keep_last=3), yes=False)   # the plan; yes=True deletes
 """
 from __future__ import annotations
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.inspect import inspect
+from reshard.pruning import prune
+from reshard.retention import Policy
+from reshard.runs import RECENT_SECONDS, list_checkpoints
 from reshard.tensorio import full_tensor
 from reshard.validate import validate
 from reshard.version import __version__
@@ -23,5 +28,5 @@ def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = Non
     return read(str(path), tag, layout_rules)
 
 
-__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "ReshardError", "CheckpointError",
-           "__version__"]
+__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "list_checkpoints", "prune", "Policy",
+           "RECENT_SECONDS", "ReshardError", "CheckpointError", "__version__"]

@@ -239,7 +239,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _quiet_arg(p)
     p.set_defaults(run=_diff, error_exit=2)
+    _lifecycle_commands(sub)
     return parser
+
+
+def _lifecycle_commands(sub) -> None:
+    """`list` and `prune`: the checkpoints of a run directory, and retention."""
+    p = _command(sub, "list", "every checkpoint of a run directory: step, time, size, format, topology, complete "
+                 "or not, metrics",
+                 ("reshard list out/", "reshard list out/ --json", "reshard list out/ --metrics evals.csv"),
+                 " Metadata only: each checkpoint is proven whole by the coverage proof of `reshard validate` "
+                 "(no tensor byte read); a save still being written is shown in progress and not opened.")
+    p.add_argument("path", metavar="DIR", help="a run directory (DeepSpeed save dir, Hugging Face output dir, "
+                   "Lightning checkpoint dir, DCP step dirs, or one holding several)")
+    _run_dir_args(p)
+    p.add_argument("--metric", help="the name of the values of a bare {step: value} metrics file")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_list)
+
+    p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep (a dry run without --yes)",
+                 ("reshard prune out/ --keep-last 3                       # prints the plan",
+                  "reshard prune out/ --keep-last 1 --keep-best 1 --metric eval_loss --metrics evals.csv",
+                  "reshard prune out/ --keep-every 1000 --keep-steps 2 --delete-incomplete --yes"),
+                 " A checkpoint kept by any rule stays. Always kept: the newest complete checkpoint and any one "
+                 "`latest`, the framework's best (best_model_checkpoint, best_model_path) or a link names; an "
+                 "incomplete checkpoint never counts toward --keep-last and is deleted only with "
+                 "--delete-incomplete; a save in progress is never touched. Deletion renames first, so a rerun "
+                 "finishes an interrupted prune.")
+    p.add_argument("path", metavar="DIR", help="a run directory, as for `reshard list`")
+    p.add_argument("--keep-last", type=_positive_int, metavar="K", help="keep the K newest complete checkpoints")
+    p.add_argument("--keep-best", type=_positive_int, metavar="M", help="keep the M best complete checkpoints by "
+                   "--metric")
+    p.add_argument("--metric", help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
+    p.add_argument("--mode", choices=["min", "max"], default="min", help="min: lower is better (default), max: higher")
+    p.add_argument("--keep-every", type=_positive_int, metavar="N", help="keep checkpoints whose step is a multiple "
+                   "of N")
+    p.add_argument("--keep-steps", type=_steps_arg, default=(), metavar="S,S,...", help="keep these steps")
+    p.add_argument("--delete-incomplete", action="store_true", help="also delete incomplete checkpoints nothing names")
+    p.add_argument("--yes", action="store_true", help="delete (default: print the plan only)")
+    _run_dir_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan (and what was deleted) as JSON")
+    _quiet_arg(p)
+    p.set_defaults(run=_prune)
+
+
+def _run_dir_args(p) -> None:
+    p.add_argument("--metrics", metavar="FILE", help="metrics per step: JSON {step: value}, {name: {step: value}}, "
+                   "[{step, name: value}] or CSV with a step column")
+    p.add_argument("--recent", type=float, default=reshard.RECENT_SECONDS, metavar="S",
+                   help=f"a file modified less than S seconds ago marks its save in progress (default "
+                        f"{reshard.RECENT_SECONDS:g})")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S", help="also look again after S seconds: a "
+                   "checkpoint whose files changed is in progress")
+
+
+def _steps_arg(text: str) -> tuple:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of steps: {text!r} (e.g. 1000,5000)") from None
+
+
+def _list(args) -> int:
+    listing = reshard.list_checkpoints(args.path, metrics=args.metrics, metric_name=args.metric, recent=args.recent,
+                                       settle=args.settle)
+    if args.json:
+        _dump(listing.to_dict())
+    else:
+        cli_text.print_listing(listing)
+    return 0
+
+
+def _prune(args) -> int:
+    policy = reshard.Policy(keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
+                            keep_every=args.keep_every, keep_steps=args.keep_steps,
+                            delete_incomplete=args.delete_incomplete)
+    plan = reshard.prune(args.path, policy, yes=args.yes, metrics=args.metrics, recent=args.recent,
+                         settle=args.settle)
+    if args.json:
+        _dump(plan.to_dict())
+    else:
+        cli_text.print_prune(plan, args.quiet)
+    return 0
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

@@ -117,3 +117,54 @@ def print_plan(catalog, plan, args):
         print(f"per-rank {summary['framework']['policy']}")
         print(f"note     {REPRODUCIBILITY}")
     return summary
+
+
+def _when(mtime: float) -> str:
+    import time
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime)) if mtime else "-"
+
+
+def _metrics_words(metrics: dict) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in sorted(metrics.items()))
+
+
+def print_listing(listing) -> None:
+    """`reshard list`: one row per checkpoint, oldest first."""
+    rows = listing.checkpoints
+    print(f"{listing.root}: {len(rows)} checkpoint{'s' * (len(rows) != 1)} (complete: the {listing.check} proof "
+          "on each one's metadata; `reshard validate --deep --checksums` reads the bytes)")
+    width = max([len(r.name) for r in rows] + [4])
+    print(f"  {'STEP':>8}  {'SAVED':<19}  {'SIZE':>10}  {'FORMAT':<12} {'TOPOLOGY':<16} {'STATUS':<12} NAME")
+    for r in rows:
+        step = "-" if r.step is None else str(r.step)
+        status = {"complete": "complete", "incomplete": "INCOMPLETE", "in progress": "in progress"}[r.status]
+        extra = [f"<- {', '.join(r.pinned)}"] if r.pinned else []
+        if r.metrics:
+            extra.append(_metrics_words(r.metrics))
+        print(f"  {step:>8}  {_when(r.mtime):<19}  {human_bytes(r.bytes):>10}  {r.format or '?':<12} "
+              f"{r.topology or '-':<16} {status:<12} {r.name:<{width}} {'  '.join(extra)}".rstrip())
+        if r.why:
+            print(f"  {'':>8}  {r.why}")
+    for note in listing.notes:
+        print(f"note: {note}")
+    if listing.trash:
+        print(f"note: {len(listing.trash)} checkpoint(s) an interrupted prune renamed are still on disk; "
+              "`reshard prune DIR --yes` removes them")
+
+
+def print_prune(plan, quiet: bool) -> None:
+    """`reshard prune`: the plan (keep / delete / untouched, why), then what it frees or freed."""
+    for d in plan.decisions:
+        r = d.checkpoint
+        step = "" if r.step is None else f"step {r.step}"
+        print(f"{d.action:<9} {r.name}  {step}  {human_bytes(r.disk_bytes)}: {'; '.join(d.reasons)}")
+    count = len(plan.deleting())
+    if plan.executed:
+        for path in plan.changed:
+            print(f"reshard: {path}: its files changed since it was listed: left alone", file=sys.stderr)
+        if plan.trash and not quiet:
+            print(f"finished an interrupted prune: removed {len(plan.trash)} renamed checkpoint(s)")
+        print(f"deleted {len(plan.removed)} checkpoint(s), freed {human_bytes(plan.bytes_freed)}")
+    else:
+        print(f"dry run: would delete {count} checkpoint(s), freeing {human_bytes(plan.bytes_freed)} on disk"
+              + ("" if quiet else "; --yes deletes them"))

@@ -7,8 +7,8 @@ pause: sleep N seconds at the first write (to hold the destination's lock); disk
 free on every filesystem; ctrlc: SIGINT the whole process group, as a terminal's Ctrl-C does, at the
 N-th function call or return the main thread makes once the executor has started staging (so it lands
 anywhere: inside a lock, a futures call, a zip member); calls: count those calls up to the commit and
-print `calls C` as the last line on stderr. The faults are injected from outside: reshard's code is
-not changed.
+print `calls C` as the last line on stderr; fs: SIGKILL this process at its N-th rename, unlink or rmdir
+(what `prune --yes` deletes with). The faults are injected from outside: reshard's code is not changed.
 """
 import os
 import shutil
@@ -60,7 +60,18 @@ def counting_commit(self, *args):
     return original_commit(self, *args)
 
 
+def killing_at_nth(call):
+    def counted(*args, **kwargs):
+        writes[0] += 1
+        if writes[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return call(*args, **kwargs)
+    return counted
+
+
 sink.HashingSink.write = faulty_write
+if mode == "fs":
+    os.rename, os.unlink, os.rmdir = (killing_at_nth(f) for f in (os.rename, os.unlink, os.rmdir))
 if mode in ("ctrlc", "calls"):
     Staging.prepare, Staging.commit = counting_prepare, counting_commit
 # As in a terminal: a shell starting jobs in the background (CI, nohup) makes them ignore SIGINT.

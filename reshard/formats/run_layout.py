@@ -1,0 +1,181 @@
+"""Where the checkpoints of a training run sit: the folder and file names frameworks save under.
+
+A run directory holds checkpoints the way its framework saves them: DeepSpeed save dirs (`latest` naming one
+of the tag folders `global_stepN/`), Hugging Face Trainer output dirs (`checkpoint-N/`, with DeepSpeed inside
+or not; `tmp-checkpoint-N/` while one is written), Lightning ModelCheckpoint dirs (`*.ckpt` files, or DeepSpeed
+`*.ckpt/` folders), DCP step dirs (`step-N/` whose `.metadata` is written last), universal trees, and reshard's
+own `.X.reshard-tmp` staging. `scan` finds them by names and the format registry's sniff (no file is opened
+beyond a directory listing); `pointers` says which ones something names (`latest`, a link). Nothing here follows
+a symbolic link: a link is reported, never entered.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from reshard.errors import ReshardError
+from reshard.formats import reader_for
+from reshard.formats.dcp.chunks import METADATA, RANK_FILE
+from reshard.formats.deepspeed import files as ds_files
+from reshard.formats.deepspeed import universal as uc
+
+MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
+TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard prune), finished by a rerun
+STAGING_SUFFIX = ".reshard-tmp"     # reshard convert/export's staging folder
+HF_STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")
+HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+STEP_IN_NAME = re.compile(r"(?:global_step|step)[=_-]?(\d+)")
+LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+EPOCH_ONLY = re.compile(r"^epoch=\d+(\.ckpt)?$")
+TORCH_FILES = (".pt", ".pth", ".bin")
+LIGHTNING_SUFFIX = ".ckpt"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint of a run, as its name and place say. `unfinished`: why its save is not done by the names
+    alone (a staging name, a DCP folder without .metadata); None when nothing says so."""
+    path: str               # absolute
+    name: str               # relative to the run directory
+    step: int | None        # from its name; None when the name carries none
+    unfinished: str | None = None
+    reader: str | None = None   # the format that sniffs it (None: none does)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A symbolic link in the run directory: where it points, and whether that stays inside the run."""
+    path: str
+    target: str             # resolved
+    inside: bool
+
+
+@dataclass(frozen=True)
+class Scan:
+    entries: list           # [Entry], in the order found
+    links: list             # [Link]
+    trash: list             # paths of checkpoints an interrupted prune renamed and did not finish removing
+    pointers: dict          # {entry path: why something names it} (`latest`, `latest_universal`)
+
+
+def trash_path(path: str) -> str:
+    """The hidden name a checkpoint is renamed to before it is removed: same folder, so the rename is atomic."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}{TRASH_SUFFIX}")
+
+
+def step_of(name: str) -> int | None:
+    """The training step a checkpoint's name carries: `global_step300`, `checkpoint-300`, `epoch=2-step=300.ckpt`,
+    `step-300`, `ckpt_300.pt`; None for a name without one (`last.ckpt`) or with an epoch only (`epoch=2.ckpt`)."""
+    base = os.path.basename(name)
+    found = STEP_IN_NAME.search(base) or HF_CHECKPOINT.match(base)
+    if found:
+        return int(found.group(1))
+    if EPOCH_ONLY.match(base):
+        return None
+    found = LAST_NUMBER.search(base)
+    return int(found.group(1)) if found else None
+
+
+def scan(root: str) -> Scan:
+    """Every checkpoint under run directory `root`."""
+    root = os.path.realpath(root)
+    if not os.path.isdir(root):
+        raise ReshardError.at(root, "not a directory")
+    found = Scan([], [], [], {})
+    _walk(root, root, 0, found)
+    return found
+
+
+def _walk(root: str, folder: str, depth: int, found: Scan) -> None:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as e:
+        raise ReshardError.at(folder, f"cannot list ({e.strerror})") from None
+    save_dir = _pointed(folder, names, found)
+    for name in names:
+        path = os.path.join(folder, name)
+        rel = os.path.relpath(path, root)
+        if name.endswith(TRASH_SUFFIX) and name.startswith("."):
+            found.trash.append(path)
+            continue
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            found.links.append(Link(path, target, target == root or target.startswith(root + os.sep)))
+            continue
+        entry = _entry(path, rel, name, save_dir)
+        if entry is not None:
+            found.entries.append(entry)
+        elif os.path.isdir(path) and depth < MAX_DEPTH and not name.startswith("."):
+            _walk(root, path, depth + 1, found)
+
+
+def _pointed(folder: str, names: list, found: Scan) -> bool:
+    """Record the tag `latest` (and `latest_universal`) names; is `folder` a DeepSpeed save dir?"""
+    pointed = False
+    for pointer in (ds_files.LATEST, uc.LATEST_UNIVERSAL):
+        path = os.path.join(folder, pointer)
+        if pointer in names and os.path.isfile(path) and not os.path.islink(path):
+            pointed = True
+            try:
+                with open(path) as f:
+                    tag = f.read().strip()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if tag and os.sep not in tag and tag not in (".", ".."):
+                named_by = os.path.join(os.path.basename(folder), pointer)
+                found.pointers[os.path.join(folder, tag)] = f"named by {named_by}"
+    return pointed
+
+
+def _entry(path: str, rel: str, name: str, save_dir: bool) -> Entry | None:
+    if name.startswith(".") and name.endswith(STAGING_SUFFIX):
+        return Entry(path, rel, step_of(name[1:-len(STAGING_SUFFIX)]),
+                     f"reshard's staging folder of {name[1:-len(STAGING_SUFFIX)]} (renamed when written)")
+    if name.startswith("."):
+        return None
+    staging = HF_STAGING.match(name)
+    if staging and os.path.isdir(path):
+        return Entry(path, rel, int(staging.group(1)),
+                     f"Hugging Face Trainer's staging folder (renamed checkpoint-{staging.group(1)} when saved)")
+    if os.path.isdir(path):
+        if _holds_tags(path, name):
+            return None     # a DeepSpeed save dir: each tag folder in it is a checkpoint
+        return _folder_entry(path, rel, name, save_dir)
+    if name.endswith(LIGHTNING_SUFFIX) or (name.endswith(TORCH_FILES) and step_of(name) is not None):
+        return Entry(path, rel, step_of(name), None, _sniffed(path))
+    return None     # weights exports (*.safetensors), scripts, logs, training_args.bin: not checkpoints
+
+
+def _holds_tags(path: str, name: str) -> bool:
+    """A folder with `latest` is a save dir of many tags, unless a framework saved it as one checkpoint: a
+    Hugging Face `checkpoint-N/` or a Lightning `*.ckpt/` with DeepSpeed inside."""
+    pointer = any(os.path.isfile(os.path.join(path, p)) for p in (ds_files.LATEST, uc.LATEST_UNIVERSAL))
+    return pointer and not (HF_CHECKPOINT.match(name) or name.endswith(LIGHTNING_SUFFIX))
+
+
+def _folder_entry(path: str, rel: str, name: str, save_dir: bool) -> Entry | None:
+    try:
+        listing = os.listdir(path)
+    except OSError:
+        listing = []
+    if any(RANK_FILE.search(n) for n in listing) and METADATA not in listing:
+        return Entry(path, rel, step_of(name), f"no {METADATA} (DCP writes it last)", "DCP")
+    reader = _sniffed(path)
+    if reader is not None:
+        # a save_pretrained folder of weights alone is an export unless its name says it is a step's save
+        if reader == "safetensors" and step_of(name) is None:
+            return None
+        return Entry(path, rel, step_of(name), None, reader)
+    if save_dir and step_of(name) is not None:     # a tag folder of a save dir whose rank files are not there yet
+        return Entry(path, rel, step_of(name), None, None)
+    return None
+
+
+def _sniffed(path: str) -> str | None:
+    try:
+        reader = reader_for(path)
+    except ReshardError:
+        return None
+    return reader.FORMAT

@@ -1,0 +1,96 @@
+"""`reshard prune`, `reshard.prune`: delete what a retention policy does not keep, crash-safely.
+
+The plan comes from reshard.retention on a fresh listing; without `yes` it is only returned (the dry run).
+With `yes` each checkpoint to delete is first renamed to a hidden trash name in its own folder (one atomic
+rename: from then on no reader sees it as a checkpoint), the folder fsynced, then the trash removed. A prune
+killed at any point leaves every kept checkpoint as it was and at most some trash, which the next `prune --yes`
+removes before anything else. A checkpoint whose files changed since the listing is left alone (a save
+reusing its name). Links are never followed: a link inside a deleted folder is removed, not its target.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+from reshard.errors import ReshardError
+from reshard.formats.run_layout import trash_path
+from reshard.retention import DELETE, Policy, decide
+from reshard.runs import RECENT_SECONDS, list_checkpoints, measure
+from reshard.staging import fsync
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    root: str
+    decisions: list             # [reshard.retention.Decision], oldest first
+    trash: list                 # left by an interrupted prune (removed by `yes`)
+    executed: bool = False
+    removed: list = field(default_factory=list)     # paths deleted (with `yes`)
+    changed: list = field(default_factory=list)     # planned for deletion, but their files changed: left alone
+
+    def deleting(self) -> list:
+        return [d for d in self.decisions if d.action == DELETE]
+
+    @property
+    def bytes_freed(self) -> int:
+        """On disk, by the deletions planned (or, once executed, done)."""
+        done = set(self.removed) if self.executed else None
+        return sum(d.checkpoint.disk_bytes for d in self.deleting() if done is None or d.checkpoint.path in done)
+
+    def to_dict(self) -> dict:
+        return {"root": self.root, "executed": self.executed, "bytes_freed": self.bytes_freed,
+                "trash": self.trash, "removed": self.removed, "changed": self.changed,
+                "decisions": [{"name": d.checkpoint.name, "step": d.checkpoint.step, "action": d.action,
+                               "reasons": list(d.reasons), "status": d.checkpoint.status,
+                               "disk_bytes": d.checkpoint.disk_bytes} for d in self.decisions]}
+
+
+def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None, recent: float = RECENT_SECONDS,
+          settle: float = 0.0) -> PrunePlan:
+    """The plan of `policy` on `run_dir`; with `yes`, carried out. Raises PolicyError (nothing deleted) when the
+    policy cannot be evaluated, UsageError when it says nothing."""
+    policy.check()
+    listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
+    decisions = decide(listing.checkpoints, policy)
+    if not yes:
+        return PrunePlan(listing.root, decisions, listing.trash)
+    for leftover in listing.trash:      # an interrupted prune's renamed checkpoints: finish it first
+        _remove(leftover)
+    removed, changed = [], []
+    for d in decisions:
+        if d.action != DELETE:
+            continue
+        row = d.checkpoint
+        if not _unchanged(row, listing.root):
+            changed.append(row.path)
+            continue
+        _delete(row.path)
+        removed.append(row.path)
+    return PrunePlan(listing.root, decisions, listing.trash, True, removed, changed)
+
+
+def _unchanged(row, root: str) -> bool:
+    now = measure(row.path, root)
+    return (now.count, now.bytes, now.disk_bytes, now.mtime) == (row.files, row.bytes, row.disk_bytes, row.mtime)
+
+
+def _delete(path: str) -> None:
+    trash = trash_path(path)
+    try:
+        os.rename(path, trash)
+        fsync(os.path.dirname(path))
+    except OSError as e:
+        raise ReshardError.at(path, f"cannot rename for deletion ({e.strerror}); nothing of it deleted") from None
+    _remove(trash)
+
+
+def _remove(trash: str) -> None:
+    try:
+        if os.path.isdir(trash) and not os.path.islink(trash):
+            shutil.rmtree(trash)
+        else:
+            os.unlink(trash)
+        fsync(os.path.dirname(trash))
+    except OSError as e:
+        raise ReshardError.at(trash, f"cannot remove ({e.strerror}); a rerun of prune --yes finishes it") from None

@@ -1,0 +1,230 @@
+"""The checkpoints of a training run: `reshard list`, `reshard.list_checkpoints`.
+
+A run directory is scanned by names (reshard.formats.run_layout), each checkpoint's metadata read by the
+format registry and proven whole by reshard.validate's coverage proof (metadata only: no tensor byte is read),
+and its metrics gathered from what the framework recorded (reshard.formats.run_metrics) or a user's file.
+A save still being written — a staging name, a DCP folder without `.metadata`, a file modified within the last
+`recent` seconds or growing during `settle` — is "in progress", and is never opened.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+from reshard.errors import ReshardError
+from reshard.formats import read as read_catalog
+from reshard.formats import run_layout, run_metrics
+from reshard.validate import validate
+
+COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"
+RECENT_SECONDS = 10.0       # a file modified this recently may still be written
+CHECK = "coverage"          # what `list` proves: every element of every tensor present once (metadata only)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One row of `reshard list`."""
+    path: str
+    name: str                   # relative to the run directory
+    step: int | None
+    mtime: float                # newest modification time of its files
+    bytes: int                  # apparent size
+    disk_bytes: int             # allocated on disk (what deleting it frees)
+    files: int
+    format: str | None
+    topology: str | None
+    status: str                 # COMPLETE, INCOMPLETE, IN_PROGRESS
+    why: str = ""               # for INCOMPLETE and IN_PROGRESS
+    pinned: tuple = ()          # why something names it (`latest`, best_model_checkpoint, a link)
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.status == COMPLETE
+
+    @property
+    def series(self) -> str:
+        """The folder holding it (relative to the run): the checkpoints of one save loop, ranked together."""
+        return os.path.dirname(self.name)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime,
+                "bytes": self.bytes, "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
+                "topology": self.topology, "status": self.status, "why": self.why or None,
+                "pinned": list(self.pinned), "metrics": self.metrics}
+
+
+@dataclass(frozen=True)
+class RunListing:
+    root: str
+    checkpoints: list           # [Checkpoint], oldest first
+    trash: list                 # what an interrupted prune left (removed by the next `prune --yes`)
+    notes: list                 # links leaving the run directory, not followed
+    check: str = CHECK
+
+    def to_dict(self) -> dict:
+        return {"root": self.root, "check": self.check, "checkpoints": [c.to_dict() for c in self.checkpoints],
+                "trash": self.trash, "notes": self.notes}
+
+
+@dataclass(frozen=True)
+class Files:
+    """What a checkpoint's files add up to; equal twice means nothing changed between."""
+    count: int
+    bytes: int
+    disk_bytes: int
+    mtime: float
+    outside: str | None         # a link inside it that leaves the run directory
+
+
+def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | None = None,
+                     recent: float = RECENT_SECONDS, settle: float = 0.0) -> RunListing:
+    """Every checkpoint under `run_dir`, oldest first. `metrics`: a user's metrics file (JSON or CSV, step ->
+    value; `metric_name` names a bare {step: value} file's values); `recent`: a file modified less than this many
+    seconds ago marks its save in progress; `settle`: also look again after this many seconds, and a checkpoint
+    whose files changed is in progress."""
+    root = os.path.realpath(str(run_dir))
+    found = run_layout.scan(root)
+    user = run_metrics.read_metrics_file(metrics, metric_name) if metrics else {}
+    sizes = {e.path: measure(e.path, root) for e in found.entries}
+    if settle > 0:
+        time.sleep(settle)
+    now = time.time()
+    rows, records, unfinished = [], {}, set()
+    for entry in found.entries:
+        files = sizes[entry.path]
+        if settle > 0 and measure(entry.path, root) != files:
+            rows.append(_row(entry, files, IN_PROGRESS, f"its files changed within {settle:g} s"))
+            continue
+        if now - files.mtime < recent:     # before the names: a staging folder being written is never abandoned
+            written = f"a file was written {max(0.0, now - files.mtime):.0f} s ago"
+            why = f"{entry.unfinished}; {written}" if entry.unfinished else written
+            rows.append(_row(entry, files, IN_PROGRESS, why))
+            continue
+        if entry.unfinished:
+            rows.append(_row(entry, files, IN_PROGRESS, entry.unfinished))
+            unfinished.add(entry.path)
+            continue
+        if files.outside:
+            rows.append(_row(entry, files, INCOMPLETE, f"{files.outside} leaves the run directory (not followed)"))
+            continue
+        row, records[entry.path] = _checked(entry, files)
+        rows.append(row)
+    rows = _abandoned(rows, unfinished)
+    rows = _with_metrics(rows, records, user)
+    rows = _with_pins(rows, records, found, root)
+    rows.sort(key=order)
+    notes = [f"{link.path}: a link to {link.target}, outside the run directory: not followed"
+             for link in found.links if not link.inside]
+    return RunListing(root, rows, found.trash, notes)
+
+
+def order(row: Checkpoint) -> tuple:
+    """Series by series, oldest first: by step where the name or the checkpoint gives one, then by time."""
+    return (row.series, row.step if row.step is not None else -1, row.mtime, row.name)
+
+
+def _row(entry, files: Files, status: str, why: str = "", catalog=None, step=None) -> Checkpoint:
+    fmt = catalog.format if catalog is not None else entry.reader
+    return Checkpoint(entry.path, entry.name, entry.step if entry.step is not None else step, files.mtime, files.bytes,
+                      files.disk_bytes, files.count, fmt, topology(catalog.layout) if catalog is not None else None,
+                      status, why)
+
+
+def topology(layout) -> str:
+    parts = [f"dp={layout.dp}"] + [f"{k}={getattr(layout, k)}" for k in ("tp", "pp") if getattr(layout, k) > 1]
+    if layout.zero is not None:
+        parts.append(f"zero={layout.zero}")
+    return ",".join(parts)
+
+
+def _checked(entry, files: Files) -> tuple:
+    """(its row, what it records): opened by the registry and proven whole, or why not."""
+    try:
+        catalog = read_catalog(entry.path)
+    except ReshardError as e:
+        return _row(entry, files, INCOMPLETE, str(e)), run_metrics.Recorded()
+    report = validate(catalog)
+    step = catalog.contents().step if catalog.training.global_steps is None else catalog.training.global_steps
+    try:
+        recorded = run_metrics.recorded(entry.path, entry.step if entry.step is not None else step, catalog)
+    except ReshardError as e:
+        return _row(entry, files, INCOMPLETE, str(e), catalog, step), run_metrics.Recorded()
+    if report.ok:
+        return _row(entry, files, COMPLETE, "", catalog, step), recorded
+    more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+    missing = f"; {100 * report.missing_fraction:.1f}% of elements missing" if report.missing_elements else ""
+    return _row(entry, files, INCOMPLETE, f"{report.problems[0]}{more}{missing}", catalog, step), recorded
+
+
+def _abandoned(rows: list, unfinished: set) -> list:
+    """A staging folder (path in `unfinished`: nothing written to it lately) older than a finished save of a later
+    step will never finish: incomplete, not in progress (so `prune --delete-incomplete` may remove it)."""
+    newest_of = {}
+    for r in rows:
+        if r.complete and r.step is not None:
+            newest_of[r.series] = max(r.step, newest_of.get(r.series, r.step))
+    out = []
+    for r in rows:
+        newest = newest_of.get(r.series)
+        if r.path in unfinished and r.step is not None and newest is not None and r.step < newest:
+            r = replace(r, status=INCOMPLETE, why=f"{r.why}; abandoned: step {newest} was saved after it")
+        out.append(r)
+    return out
+
+
+def _with_metrics(rows: list, records: dict, user: dict) -> list:
+    history = {}        # folder -> step -> values: a log speaks for the checkpoints saved beside it
+    for path, recorded in records.items():
+        for step, values in recorded.history.items():
+            history.setdefault(os.path.dirname(path), {}).setdefault(step, {}).update(values)
+    out = []
+    for r in rows:
+        values = dict(history.get(os.path.dirname(r.path), {}).get(r.step, {})) if r.step is not None else {}
+        if r.path in records:
+            values.update(records[r.path].metrics)
+        if r.step is not None:
+            values.update(user.get(r.step, {}))
+        out.append(replace(r, metrics=values))
+    return out
+
+
+def _with_pins(rows: list, records: dict, found, root: str) -> list:
+    pins = {path: [why] for path, why in found.pointers.items()}
+    for link in found.links:
+        if link.inside:
+            pins.setdefault(link.target, []).append(f"linked by {os.path.relpath(link.path, root)}")
+    newest_in = {}      # folder -> its newest checkpoint's row that names a best one
+    for r in sorted(rows, key=order):
+        if r.path in records and records[r.path].best:
+            newest_in[os.path.dirname(r.path)] = r
+    for folder, r in newest_in.items():
+        recorded = records[r.path]
+        best = os.path.join(folder, os.path.basename(recorded.best.rstrip("/")))
+        pins.setdefault(best, []).append(f"named by {r.name}'s {recorded.best_by}")
+    return [replace(r, pinned=tuple(pins.get(r.path, ()))) for r in rows]
+
+
+def measure(path: str, root: str) -> Files:
+    """Sizes and newest time of a checkpoint's files, links not followed (one leaving the run is named)."""
+    count = size = disk = 0
+    newest, outside = 0.0, None
+    walk = [(path, os.lstat(path))]
+    while walk:
+        p, st = walk.pop()
+        if os.path.islink(p):
+            target = os.path.realpath(p)
+            if not (target == root or target.startswith(root + os.sep)):
+                outside = outside or p
+            continue
+        newest = max(newest, st.st_mtime)
+        if os.path.isdir(p):
+            try:
+                names = os.listdir(p)
+            except OSError:
+                continue
+            walk += [(os.path.join(p, n), os.lstat(os.path.join(p, n))) for n in names]
+        else:
+            count, size, disk = count + 1, size + st.st_size, disk + st.st_blocks * 512
+    return Files(count, size, disk, newest, outside)
