@@ -209,6 +209,11 @@ def test_universal_tree_and_hf_checkpoint_with_deepspeed_inside_are_one_row_each
     (hf_ds / "optimizer.pt").unlink()       # with DeepSpeed the engine's files hold the optimizer
     shutil.copytree(fixture_dir("z2_fp32_dp2") / "global_step3", hf_ds / "global_step6")
     (hf_ds / "latest").write_text("global_step6")
+    rng = hf_ds / "rng_state.pth"       # a 2-process Trainer writes one RNG file per process
+    if rng.exists():
+        for rank in (0, 1):
+            shutil.copy(rng, hf_ds / f"rng_state_{rank}.pth")
+        rng.unlink()
     lr.age(run)
     rows = rows_by_name(reshard.list_checkpoints(run))
     assert sorted(rows) == ["hf/checkpoint-6", "universal/global_step3"]
