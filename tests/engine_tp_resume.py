@@ -59,7 +59,11 @@ def main(jobs_path, results_path):
             config["checkpoint"] = {"load_universal": True}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         problems = []
-        load_path, client_state = engine.load_checkpoint(job["checkpoint"])
+        if job.get("direct"):       # the source itself, saved at another topology, through reshard (issue #15)
+            import reshard.deepspeed
+            load_path, client_state = reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
+        else:
+            load_path, client_state = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
             problems.append("load_checkpoint found nothing to load")
         base = make_fixtures._base_optimizer(engine)

@@ -348,8 +348,14 @@ ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") fo
               [(TIED, "pp=2,dp=1"), (TIED, "pp=4,dp=1"), (TIED, "pp=1,dp=4"), (TIED, "pp=4,dp=1,partition=uniform")]
 
 
+# (issue #15) The fixtures themselves, loaded by live engines at another tp / pp / dp through
+# reshard.deepspeed.load_checkpoint (no conversion step), in the same launches.
+DIRECT_JOBS = [("autotp2_z1_fp32_dp2", "tp=1,dp=2"), ("autotp2_z2_fp32_tied_dp2", "tp=2,dp=1"),
+               (PIPE, "pp=1,dp=2"), (PIPE, "pp=2,dp=1"), (TIED, "pp=1,dp=2")]
+
+
 def _run(world, jobs, out):
-    stem = f"{jobs[0]['fixture']}-{jobs[0]['to']}".replace("/", "-")
+    stem = f"{jobs[0]['fixture']}-{jobs[0]['to']}".replace("/", "-").replace(":", "-")
     return run_torchrun("engine_tp_resume.py", world, jobs, out, stem)
 
 
@@ -357,12 +363,17 @@ def _run(world, jobs, out):
 def resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_resume")
     launches = {}
-    for name, to in ENGINE_JOBS:
-        target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to)
-        dst = out / f"{name}-{to.replace(',', '-').replace('/', '-')}"
-        execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
-        job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
-               "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
+    for name, to in ENGINE_JOBS + [(name, f"direct:{to}") for name, to in DIRECT_JOBS]:
+        direct = to.startswith("direct:")
+        target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to.removeprefix("direct:"))
+        if direct:
+            job = {"fixture": name, "checkpoint": str(fixture_dir(name)), "tp": target.tp, "zero": target.zero,
+                   "fixtures": str(FIXTURES), "to": to, "direct": True}
+        else:
+            dst = out / f"{name}-{to.replace(',', '-').replace('/', '-')}"
+            execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
+            job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
+                   "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
         pipe = name in (PIPE, TIED)
         if pipe:    # the engine script builds a PipelineModule per job: every pp x dp of a world size shares a launch
             job.update(pp=target.pp, partition=target.options.get("partition_method"))   # None: the model's own
@@ -389,6 +400,15 @@ def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
         _assert_same_tree(torchzip.load(ours / n), torchzip.load(theirs / n), n, covered)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", DIRECT_JOBS, ids=[f"{n}-{t}" for n, t in DIRECT_JOBS])
+def test_engine_loads_the_source_directly_through_reshard(resumed, name, to):
+    """The engine at `to` loads the fixture's own files with reshard.deepspeed.load_checkpoint: the truth, bit
+    for bit, and one more step."""
+    result = resumed[(name, f"direct:{to}")]
+    assert result["problems"] == [], "\n".join(result["problems"])
 
 
 @pytest.mark.engine

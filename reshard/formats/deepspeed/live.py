@@ -24,6 +24,10 @@ def engine_layout(engine) -> Layout:
     if isinstance(heads, int):                   # AutoTP cuts attention by key-value heads
         options["kv_heads"] = heads
     dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
-    pp = getattr(engine, "num_stages", 1)
-    return Layout(dp=engine.dp_world_size, tp=engine.mp_world_size, pp=pp, zero=engine.zero_optimization_stage(),
-                  dtype=dtype, options=options)
+    grid = getattr(engine, "grid", None)
+    if grid is not None:        # a PipelineEngine: its model parallelism is pipe x tensor (slice)
+        tp, pp = grid.get_slice_parallel_world_size(), grid.get_pipe_parallel_world_size()
+    else:
+        tp, pp = engine.mp_world_size, 1
+    return Layout(dp=engine.dp_world_size, tp=tp, pp=pp, zero=engine.zero_optimization_stage(), dtype=dtype,
+                  options=options)
