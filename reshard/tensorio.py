@@ -60,6 +60,16 @@ class MappedFiles:
             self._maps[path] = m
         return m
 
+    def _fd(self, path: str) -> int:
+        """The file opened for positioned reads, once per MappedFiles."""
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(path, f"cannot read: {e.strerror}") from None
+        return fd
+
     def fragment(self, frag: Fragment, dtype: str) -> np.ndarray:
         """The fragment's elements (its flat range of its shard) as a 1-D numpy view (raw carrier dtype for
         bfloat16)."""
@@ -74,8 +84,7 @@ class MappedFiles:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
         if stop - start < SMALL_READ:
             try:
-                with open(storage.file, "rb") as f:
-                    raw = os.pread(f.fileno(), stop - start, start)
+                raw = os.pread(self._fd(storage.file), stop - start, start)
             except OSError as e:
                 raise CheckpointError(storage.file, f"cannot read: {e.strerror}") from None
             if len(raw) != stop - start:
@@ -95,12 +104,7 @@ class MappedFiles:
         start, nbytes = storage.offset + first * size, out.size * size
         if first < 0 or start + nbytes > storage.offset + storage.nbytes:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
-        fd = self._fds.get(storage.file)
-        if fd is None:
-            try:
-                fd = self._fds[storage.file] = os.open(storage.file, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointError(storage.file, f"cannot read: {e.strerror}") from None
+        fd = self._fd(storage.file)
         view, done = memoryview(out).cast("B"), 0
         while done < nbytes:
             got = os.preadv(fd, [view[done:]], start + done)
@@ -127,12 +131,13 @@ def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, s
     """Elements [start, stop) of `shard` of a logical tensor (None: the tensor itself), in a new array or in
     `out` (1-D, contiguous, of the carrier dtype: a caller's own memory, read into with no copy between)."""
     where = where or Locator(tensor)
+    runs = where.runs(shard, start, stop) if where.holds_as(shard) else None
     if out is None:
         out = np.zeros(stop - start, dtype=numpy_carrier(tensor.dtype))
-    else:
-        out[...] = 0
-    if where.holds_as(shard):
-        for run in where.runs(shard, start, stop):
+    elif runs is None or sum(run.count for run in runs) != stop - start:
+        out[...] = 0        # the caller's memory: elements no fragment holds are zero, as in a new array
+    if runs is not None:
+        for run in runs:
             files.read_into(run.fragment.storage, run.elem, out[run.offset:run.offset + run.count], tensor.dtype)
         return out
     shard_strides = strides(shard.shape if shard else tensor.shape)

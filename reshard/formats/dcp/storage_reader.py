@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import numpy as np
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
@@ -129,8 +130,9 @@ def _read_box(files: MappedFiles, tensor, at: tuple, shape: tuple, out=None):
 def _torch_value(files: MappedFiles, value):
     """`value` with each tensor in it (a tensor lr: TensorRef) made a torch tensor read from its storage."""
     if isinstance(value, TensorRef):
-        storage = files.elements(value.storage, 0, value.storage.numel, value.dtype)
-        flat = torch.from_numpy(storage.copy()).view(torch_dtype(value.dtype))
+        storage = np.empty(value.storage.numel, dtype=numpy_carrier(value.dtype))
+        files.read_into(value.storage, 0, storage, value.dtype)
+        flat = torch.from_numpy(storage).view(torch_dtype(value.dtype))
         return flat.as_strided(value.shape, value.stride, value.storage_offset).clone()
     if isinstance(value, dict):
         return type(value)((k, _torch_value(files, v)) for k, v in value.items())
