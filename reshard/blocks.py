@@ -25,23 +25,42 @@ SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is ma
 def storage_blocks(storage, chunk: int, sources):
     """Callables producing the storage's bytes (target dtype) in blocks of at most `chunk` bytes (each a
     bytes-like object: bytes or a memoryview of an array made for it)."""
-    dtype = storage.dtype
-    out_size = itemsize(dtype)
     for op in storage.ops:
-        if isinstance(op, Copy):
-            in_size = itemsize(op.src_dtype)
-            step = max(1, chunk // max(in_size, out_size))
-            for first in range(0, op.count, step):
-                n = min(step, op.count - first)
-                yield functools.partial(_copy_block, sources, op, first * in_size, n * in_size, dtype)
-        elif isinstance(op, Gather):
-            step = max(1, chunk // max([out_size] + [itemsize(box.src_dtype) for box in op.copies]))
-            for first in range(0, op.count, step):
-                yield functools.partial(_gather_block, sources, op, first, min(step, op.count - first), dtype)
-        else:
-            step = max(1, chunk // out_size)
-            for first in range(0, op.count, step):
-                yield functools.partial(constant, op.value, dtype, min(step, op.count - first))
+        yield from _op_blocks(op, storage.dtype, chunk, sources)
+
+
+def _op_blocks(op, dtype: str, chunk: int, sources):
+    out_size = itemsize(dtype)
+    if isinstance(op, Copy):
+        in_size = itemsize(op.src_dtype)
+        step = max(1, chunk // max(in_size, out_size))
+        for first in range(0, op.count, step):
+            n = min(step, op.count - first)
+            yield functools.partial(_copy_block, sources, op, first * in_size, n * in_size, dtype)
+    elif isinstance(op, Gather):
+        step = max(1, chunk // max([out_size] + [itemsize(box.src_dtype) for box in op.copies]))
+        for first in range(0, op.count, step):
+            yield functools.partial(_gather_block, sources, op, first, min(step, op.count - first), dtype)
+    else:
+        step = max(1, chunk // out_size)
+        for first in range(0, op.count, step):
+            yield functools.partial(constant, op.value, dtype, min(step, op.count - first))
+
+
+def fill(storage, out: np.ndarray, sources, chunk: int = 8 << 20) -> None:
+    """The storage's bytes (target dtype) put into `out` (uint8, contiguous, `storage.nbytes` long), op by op:
+    a read that needs no cast goes straight from the kernel into `out`; a cast or gather is done `chunk`
+    bytes at a time, so nothing but `out` grows with the storage."""
+    size = itemsize(storage.dtype)
+    for op in storage.ops:
+        if isinstance(op, Copy) and op.src_dtype == storage.dtype:
+            sources.read_into(op.src_file, op.src_offset, out[op.dst * size:(op.dst + op.count) * size])
+            continue
+        at = op.dst * size
+        for block in _op_blocks(op, storage.dtype, chunk, sources):
+            data = np.frombuffer(block(), dtype=np.uint8)
+            out[at:at + data.size] = data
+            at += data.size
 
 
 def _copy_block(sources, op, offset, nbytes, dtype):
@@ -130,9 +149,24 @@ class SourceFiles:
         data = os.pread(self._fd(path), nbytes, offset)
         if len(data) != nbytes:
             raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
-        if nbytes >= DROP_CACHE_BYTES and not self._read_again(path, offset, nbytes):   # read once: drop them
-            os.posix_fadvise(self._fd(path), offset, nbytes, os.POSIX_FADV_DONTNEED)
+        self._done_with(path, offset, nbytes)
         return data
+
+    def read_into(self, path: str, offset: int, out: np.ndarray) -> None:
+        """`out.nbytes` bytes of `path` from `offset` read straight into `out` (contiguous); dropped from the
+        page cache afterwards as `read` drops them."""
+        view, done, nbytes = memoryview(out).cast("B"), 0, out.nbytes
+        while done < nbytes:
+            got = os.preadv(self._fd(path), [view[done:]], offset + done)
+            if got == 0:
+                raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
+            done += got
+        self._done_with(path, offset, nbytes)
+
+    def _done_with(self, path: str, offset: int, nbytes: int) -> None:
+        """A big read made once is dropped from the page cache: a conversion reads each byte once."""
+        if nbytes >= DROP_CACHE_BYTES and not self._read_again(path, offset, nbytes):
+            os.posix_fadvise(self._fd(path), offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     def copy_box(self, target: np.ndarray, path: str, offset: int, box_strides: tuple, src: str, dst: str) -> None:
         """Fill `target` with the box of `target.shape` whose first element is at byte `offset` of `path` and

@@ -2,11 +2,13 @@
 
     reshard.deepspeed.load_checkpoint(engine, "ckpt/")      # instead of engine.load_checkpoint("ckpt/")
 
-Every rank reads the source's metadata, plans the files DeepSpeed itself would have written for this engine
-(its dp, tp, pp, ZeRO stage and config), writes its share of them into a private staging folder in RAM
-(/dev/shm) with the other ranks, and then DeepSpeed's own `engine.load_checkpoint` reads them; the folder
-is removed afterwards. Nothing is written beside the checkpoint. A checkpoint any rank cannot read raises
-the same one-line ReshardError on every rank before DeepSpeed's first collective.
+Every rank reads the source's metadata and plans the files DeepSpeed itself would have written for this
+engine (its dp, tp, pp, ZeRO stage and config). Then DeepSpeed's own `engine.load_checkpoint` runs on a
+folder that names those files, with the engine's checkpoint engine (DeepSpeed's hook for how checkpoint
+files are read) answering each file it asks for from memory: the object `torch.load` of the written file
+would give, its tensors read from the source straight into their memory. Nothing is written beside the
+checkpoint, and no tensor byte is written anywhere. A checkpoint any rank cannot read raises the same
+one-line ReshardError on every rank before DeepSpeed's first collective.
 """
 from __future__ import annotations
 
@@ -15,28 +17,31 @@ import shutil
 import tempfile
 
 from reshard import formats
+from reshard.blocks import SourceFiles
 from reshard.convert import plan_for
 from reshard.distributed import TorchGroup
 from reshard.errors import ReshardError
-from reshard.executor import execute
 from reshard.formats.deepspeed.live import engine_layout
+from reshard.materialize import materialize
+from reshard.planner import Plan
+from reshard.staging import write_text
 from reshard.validate import require_complete
 
-STAGING = "/dev/shm"        # RAM-backed where there is one; every rank of a node sees the same folder
+STAGING = "/dev/shm"        # where there is one; every rank of a node sees the same folder
 
 
 def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | None = None,
                     staging: str | None = None, **kwargs):
     """`engine.load_checkpoint` of the checkpoint at `src` (any format reshard reads, any topology); `kwargs`
-    go to DeepSpeed's load_checkpoint, whose result is returned. `staging`: where the files DeepSpeed reads
-    are put for the time of the load (default /dev/shm; with ranks on several nodes, a folder all of them
-    see)."""
+    go to DeepSpeed's load_checkpoint, whose result is returned. `staging`: where the folder DeepSpeed is
+    pointed at is made for the time of the load (default /dev/shm; with ranks on several nodes, a folder all
+    of them see). It holds empty files by the planned names, for DeepSpeed's globs and existence checks."""
     group = TorchGroup()            # the engine's process group: left as it is
     problem, plan = None, None
     try:
         catalog = formats.read(os.fspath(src), tag, layout_rules)
         require_complete(catalog)
-        plan = plan_for(catalog, engine_layout(engine), tag)
+        plan = plan_for(catalog, engine_layout(engine), tag, fmt="deepspeed")     # whatever the source's format
     except ReshardError as e:
         problem = e
     if not group.all_ok(problem is None):
@@ -46,13 +51,66 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
         raise where
     out = os.path.join(where, "checkpoint")
     try:
-        execute(plan, out, progress=False, group=group)
-        group.all_ok(True)          # rank 0 has committed the files
-        return engine.load_checkpoint(out, tag=plan.tag, **kwargs)
+        problem = _name_files(plan, out) if group.rank == 0 else None
+        if not group.all_ok(problem is None):
+            raise problem or ReshardError.at(where, "rank 0 could not name the planned files there")
+        served = ServedFiles(engine.checkpoint_engine, out, plan)
+        engine.checkpoint_engine = served
+        try:
+            return engine.load_checkpoint(out, tag=plan.tag, **kwargs)
+        finally:
+            engine.checkpoint_engine = served.inner
+            served.close()
     finally:
-        group.all_ok(True)          # every rank has read what it needs
+        group.all_ok(True)          # every rank has loaded what it needs
         if group.rank == 0:
             shutil.rmtree(where, ignore_errors=True)
+
+
+class ServedFiles:
+    """A DeepSpeed checkpoint engine serving the planned files from memory (materialized when DeepSpeed asks
+    for one, so each rank reads only the files it loads), every other call going to the engine it wraps."""
+
+    def __init__(self, inner, root: str, plan: Plan):
+        self.inner = inner
+        self._files = {os.path.join(root, f.path): f for f in plan.files}
+        self._sources = SourceFiles(plan.reread())
+
+    def load(self, path, map_location=None):
+        file = self._files.get(os.path.normpath(path))
+        if file is None:
+            return self.inner.load(path, map_location=map_location)
+        return materialize(file, self._sources, _placer(map_location))
+
+    def close(self) -> None:
+        self._sources.close()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _placer(map_location):
+    """What torch.load's `map_location` does to each (CPU) storage, or None to leave it where it is."""
+    import torch
+    if callable(map_location):
+        return lambda storage: map_location(storage, "cpu")
+    device = torch.device(map_location) if isinstance(map_location, (str, torch.device)) else None
+    if map_location is None or device.type == "cpu":
+        return None
+    return lambda storage: storage.to(device=device)
+
+
+def _name_files(plan: Plan, out: str) -> ReshardError | None:
+    """The planned tree, each tensor file empty and each small text whole; the error saying why not."""
+    try:
+        for f in plan.files:
+            os.makedirs(os.path.dirname(os.path.join(out, f.path)), exist_ok=True)
+            open(os.path.join(out, f.path), "wb").close()
+        for text in plan.texts:
+            write_text(os.path.join(out, text.path), text.text)
+    except OSError as e:
+        return ReshardError.at(e.filename or out, f"cannot make the staging folder: {e.strerror or e}")
+    return None
 
 
 def _staging_folder(given: str | None):

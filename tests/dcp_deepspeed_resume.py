@@ -1,6 +1,6 @@
 """Resume, in the real DeepSpeed engine, a DeepSpeed checkpoint converted from an FSDP2 DCP save.
 
-    torchrun --nproc_per_node 2 tests/dcp_deepspeed_resume.py CHECKPOINT STAGE TRUTH.pt RESULT.json [CONTROL.pt]
+    torchrun --nproc_per_node 2 tests/dcp_deepspeed_resume.py CHECKPOINT STAGE TRUTH.pt RESULT.json [CONTROL.pt [reshard]]
 
 Every rank builds the untied fixture model with an fp32 DeepSpeed config (torch.optim.Adam, ZeRO
 STAGE), calls the ordinary `engine.load_checkpoint(CHECKPOINT)`, and reads the full fp32 params
@@ -8,7 +8,8 @@ and Adam states back from the live engine (`safe_get_full_fp32_param`,
 `safe_get_full_optimizer_state`). Rank 0 compares them, the step and the learning rate with the
 FSDP2 run's gathered state (TRUTH.pt, written by tests/dcp_fsdp2.py train) and writes the
 problems found to RESULT.json, after one more training step has run, with the engine's counters as loaded. CONTROL.pt, a truth with
-something changed, is compared the same way ("control_problems"): the comparison must see it.
+something changed, is compared the same way ("control_problems"): the comparison must see it. With
+`reshard`, CHECKPOINT is the FSDP2 save itself, loaded with reshard.deepspeed.load_checkpoint (issue #15).
 """
 import json
 import math
@@ -21,7 +22,7 @@ from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def main(checkpoint, stage, truth_path, result_path, control_path=None):
+def main(checkpoint, stage, truth_path, result_path, control_path=None, loader="deepspeed"):
     import deepspeed
     import deepspeed.comm as dist
     import torch
@@ -37,7 +38,11 @@ def main(checkpoint, stage, truth_path, result_path, control_path=None):
               "zero_optimization": {"stage": int(stage)}}
     model = build_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    load_path, _ = engine.load_checkpoint(checkpoint, load_lr_scheduler_states=False)
+    if loader == "reshard":
+        import reshard.deepspeed
+        load_path, _ = reshard.deepspeed.load_checkpoint(engine, checkpoint, load_lr_scheduler_states=False)
+    else:
+        load_path, _ = engine.load_checkpoint(checkpoint, load_lr_scheduler_states=False)
     counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "train_batch_size": engine.train_batch_size()}
     if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
@@ -93,4 +98,4 @@ def compare(got, steps, lrs, truth, torch):
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:6])
+    run_rank(main, *sys.argv[1:7])

@@ -10,6 +10,9 @@ replace), and loads the checkpoint the documented way: `get_state_dict` -> `dcp.
 `set_state_dict`. Rank 0 then torch.saves the gathered full state (params, buffers, optimizer
 state and param groups) to "out" for the test to compare. A job with "source" and "reader_out" also
 (or only) loads that checkpoint, of any format, through `reshard.dcp.Reader`, then trains one step.
+"model" names another model than the fixture model: "llama" (the AutoTP fixtures' LlamaForCausalLM, from
+"hf_config"), "gpt2" (tests/hf_trainer_deepspeed.py's, with the Trainer's two param groups), "pipe" and
+"tied_head" (the pipeline fixtures' layers as one module).
 
 `train`: a few Adam steps of the untied fixture model under FSDP2, then `dcp.save` of
 {"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt. Also
@@ -24,6 +27,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -38,18 +42,85 @@ from torchrun_jobs import run_rank  # noqa: E402
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 
 
+class PipeAsModule(torch.nn.Module):
+    """A pipe fixture's PipelineModule (tools/fixture_parallel.py) as one module: its layers under their
+    PipelineModule indices and the tied embedding under tied_modules.emb, so its names are the checkpoint's.
+    The embedding embeds the tokens and, at the end, projects back to the vocabulary."""
+
+    def __init__(self, tied_head: bool):
+        from fixture_parallel import HIDDEN, TIED_HEAD_WIDTHS, Block, Embed, TiedEmbed
+        super().__init__()
+        self.tied_modules = torch.nn.ModuleDict({"emb": TiedEmbed() if tied_head else Embed()})
+        layers = [*map(Block, TIED_HEAD_WIDTHS), torch.nn.LayerNorm(HIDDEN)] if tied_head else \
+            [Block(10), torch.nn.LayerNorm(HIDDEN), Block(6)]
+        self.layers = len(layers)
+        for index, layer in enumerate(layers, start=1):
+            self.add_module(str(index), layer)
+
+    def forward(self, tokens):
+        weight = self.tied_modules.emb.weight
+        h = torch.nn.functional.embedding(tokens, weight)
+        for index in range(1, self.layers + 1):
+            h = getattr(self, str(index))(h)
+        return h @ weight.t()
+
+
+def _tokens(vocab, rank):
+    return (torch.arange(2 * 10).reshape(2, 10) * 7 + rank) % vocab
+
+
+def built(job):
+    """The job's model, sharded with fully_shard (its blocks first, where it has them), its param groups as
+    its run trained them, and a function giving the loss of one training batch."""
+    kind = job.get("model", "fixture")
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(job["hf_config"]))
+        blocks = model.model.layers
+    elif kind == "gpt2":
+        from transformers import GPT2LMHeadModel
+        from single_models import gpt2_config
+        model = GPT2LMHeadModel(gpt2_config())
+        blocks = model.transformer.h
+    elif kind in ("pipe", "tied_head"):
+        model, blocks = PipeAsModule(tied_head=kind == "tied_head"), []
+    else:
+        model, blocks = build_model(tied=job.get("tied", False), frozen=job.get("frozen", False)), []
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)          # (it replaces the params: the groups are made of the sharded ones)
+    if kind == "gpt2":
+        from single_models import trainer_param_groups
+        named = dict(model.named_parameters())
+        groups = [{"params": [named[n] for n in g["names"]], "weight_decay": g["weight_decay"]}
+                  for g in trainer_param_groups(model, 0.01)]
+    elif kind == "fixture":
+        groups, _ = param_groups(model, two_groups=job.get("two_groups", False))
+        groups = groups if job.get("two_groups") else [{"params": groups}]
+    else:
+        groups = [{"params": list(model.parameters())}]
+
+    def loss_of(rank):
+        if kind == "fixture":
+            return model(make_batch(100, rank))
+        if kind in ("llama", "gpt2"):
+            tokens = _tokens(model.config.vocab_size, rank)
+            return model(input_ids=tokens, labels=tokens).loss
+        tokens = _tokens(model.tied_modules.emb.weight.shape[0], rank)
+        logits = model(tokens)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+    return model, groups, loss_of
+
+
 def make(job):
-    model = build_model(tied=job.get("tied", False), frozen=job.get("frozen", False))
-    fully_shard(model)
-    groups, _ = param_groups(model, two_groups=job.get("two_groups", False))
-    if not job.get("two_groups"):
-        groups = [{"params": groups}]
+    """The job's model, its optimizer (over its param groups, `lr` and the job's "hyper"), and its loss_of."""
+    model, groups, loss_of = built(job)
     hyper = job.get("hyper") or [{} for _ in groups]
     for group, h in zip(groups, hyper):
         group.update(h)
     cls = OPTIMIZERS[job.get("optimizer", "AdamW")]
     kwargs = {"momentum": 0.9} if cls is torch.optim.SGD else {}
-    return model, cls(groups, lr=job.get("lr", 0.01), **kwargs)
+    return model, cls(groups, lr=job.get("lr", 0.01), **kwargs), loss_of
 
 
 def gathered(model, optim):
@@ -72,14 +143,14 @@ def load(jobs_path):
 
 def load_one(job, out, then_step=False, **where):
     # a wrong lr: the checkpoint's param groups must replace it
-    model, optim = make({**job, "lr": 123.0, "hyper": [{k: v for k, v in h.items() if k != "lr"}
-                                                         for h in job.get("hyper") or []] or None})
+    model, optim, loss_of = make({**job, "lr": 123.0, "hyper": [{k: v for k, v in h.items() if k != "lr"}
+                                                                         for h in job.get("hyper") or []] or None})
     msd, osd = get_state_dict(model, optim)
     dcp.load({"model": msd, "optim": osd}, **where)
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
     result = gathered(model, optim)
     if then_step:           # and training goes on from there
-        loss = model(make_batch(100, dist.get_rank()))
+        loss = loss_of(dist.get_rank())
         loss.backward()
         optim.step()
         result["next_loss"] = float(loss)
@@ -109,7 +180,7 @@ def load_2d(source):
 
 
 def train(dcp_dir, truth_path, source_2d=None, steps=3):
-    model, optim = make({"optimizer": "Adam", "lr": 0.01})
+    model, optim, _ = make({"optimizer": "Adam", "lr": 0.01})
     rank = dist.get_rank()
     for step in range(steps):
         loss = model(make_batch(step, rank))

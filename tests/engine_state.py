@@ -37,3 +37,44 @@ def differences(got: dict, truth: dict) -> list:
         elif value.shape != expected.shape or value.dtype != expected.dtype or not torch.equal(value, expected):
             out.append(f"{key}: differs after resume")
     return out
+
+
+def fsdp2_differences(loaded: dict, truth: dict, step: int) -> tuple:
+    """(one line per engine truth tensor that a gathered FSDP2 state — tests/dcp_fsdp2.py's {"model", "optim"}
+    — lacks or holds other bits of, how many were compared). Params are compared with the fp32 masters, the
+    module weights only where there is no master (buffers, frozen params, a tied name); every step must be
+    `step`."""
+    import torch
+    model, optim = loaded["model"], loaded["optim"]
+    out, compared = [], 0
+    for key, expected in truth.items():
+        kind, name = key.split("/", 1)
+        if kind == "module" and f"fp32/{name}" in truth:
+            continue
+        got = model.get(name) if kind in ("fp32", "module") else optim["state"].get(name, {}).get(kind)
+        if got is None:
+            out.append(f"{key}: not loaded")
+            continue
+        expected = expected.to(got.dtype) if kind == "module" else expected
+        if got.shape != expected.shape or not torch.equal(got, expected):
+            out.append(f"{key}: differs")
+        compared += 1
+    steps = {float(s["step"]) for s in optim["state"].values() if "step" in s}
+    if steps != {float(step)}:
+        out.append(f"steps {sorted(steps)}, not {step}")
+    return out, compared
+
+
+def saved_param_groups(path) -> list:
+    """The param groups (hyper-parameters) a DeepSpeed optimizer file holds, read with torch.load itself."""
+    import torch
+
+    def find(tree):
+        if isinstance(tree, list) and tree and all(isinstance(g, dict) and "lr" in g for g in tree):
+            return tree
+        for child in tree.values() if isinstance(tree, dict) else ():
+            found = find(child)
+            if found is not None:
+                return found
+        return None
+    return find(torch.load(path, weights_only=False))

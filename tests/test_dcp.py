@@ -18,12 +18,18 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
 from reshard.errors import ReshardError
-from conftest import mutated, REPO, fixture_dir, run_cli, torchrun, truth_json, truth_tensors
+from conftest import FIXTURES, mutated, REPO, fixture_dir, run_cli, tag_dir, torchrun, truth_json, truth_tensors
+from engine_state import fsdp2_differences, saved_param_groups
 
 sys.path.insert(0, str(REPO / "tools"))
 from make_hostile import Payload  # noqa: E402
 
 # fp32 ZeRO-1/2/3, bf16 (ZeRO-3, ZeRO-1, BF16_Optimizer), SGD, two param groups with frozen and tied params
+# loaded through reshard.dcp.Reader only: ZeRO-3 bf16 dp=4, ZeRO-2 round-robin; and the tensor- and pipeline-
+# parallel fixtures, into the model each was trained as (tests/dcp_fsdp2.py "model")
+READ_ONLY = ["z3_bf16_dp4", "z2_fp32_roundrobin_dp4"]
+PARALLEL_MODELS = {"autotp2_z1_fp32_dp2": {"model": "llama", "hf_config": str(FIXTURES / "autotp2_z1_fp32_dp2" / "hf_config")},
+                   "pipe2_z1_fp32_dp2": {"model": "pipe"}, "pipe2_tiedhead_z1_fp32_dp2": {"model": "tied_head"}}
 FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z1_bf16_frozen_tied_dp2",
                     "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2", "z2_fp32_sgd_dp2"]
 
@@ -310,14 +316,16 @@ def test_hostile_dcp_is_refused_by_every_command(saved, case, tmp_path):
 
 
 def _load_jobs(converted, out, world):
-    jobs = []
-    for name, dst in converted.items():
-        truth = truth_json(name)
-        jobs.append({"dcp": str(dst), "out": str(out / f"{name}-loaded-{world}.pt"), "tied": bool(truth["tied"]),
-                     "frozen": bool(truth["frozen"]), "two_groups": len(truth["param_groups"]) == 2,
-                     "optimizer": truth["optimizer_class"],
-                     "hyper": [{k: v for k, v in g.items() if k != "param_names"} for g in truth["param_groups"]]})
-    return jobs
+    return [{**_model_job(name), "dcp": str(dst), "out": str(out / f"{name}-loaded-{world}.pt")}
+            for name, dst in converted.items()]
+
+
+def _model_job(name):
+    """How tests/dcp_fsdp2.py builds the model and optimizer of a fixture-model fixture."""
+    truth = truth_json(name)
+    return {"tied": bool(truth["tied"]), "frozen": bool(truth["frozen"]), "two_groups": len(truth["param_groups"]) == 2,
+            "optimizer": truth["optimizer_class"],
+            "hyper": [{k: v for k, v in g.items() if k != "param_names"} for g in truth["param_groups"]]}
 
 
 def _compare_with_truth(name, loaded):
@@ -365,15 +373,32 @@ def fixtures_as_dcp(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 3])
 def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, fsdp2_save, world):
     """Each fixture converted to DCP loads with dcp.load; and (issue #15) straight from its DeepSpeed files
-    through reshard.dcp.Reader, as does the real FSDP2 save made at 4 ranks, then trains a step."""
+    through reshard.dcp.Reader, as do the real FSDP2 save made at 4 ranks, ZeRO-3 bf16 dp=4, ZeRO-2
+    round-robin, the AutoTP tp2 x dp2 Llama and both pipelines, each into its own model; then each trains a
+    step. Hyper-parameters are those torch.load finds in the source's optimizer file."""
     converted, out = fixtures_as_dcp
     jobs = _load_jobs(converted, out, world)
     for name, job in zip(converted, jobs):
         job.update(source=str(fixture_dir(name)), reader_out=str(out / f"{name}-read-{world}.pt"))
     fsdp2_ckpt, fsdp2_truth = fsdp2_save
     jobs.append({"source": str(fsdp2_ckpt), "reader_out": str(out / f"fsdp2-read-{world}.pt"), "optimizer": "Adam"})
-    (out / f"jobs-{world}.json").write_text(json.dumps(jobs))
+    more = {name: {**(_model_job(name) if name in READ_ONLY else
+                      {**PARALLEL_MODELS[name], "optimizer": truth_json(name)["optimizer_class"]}),
+                   "source": str(fixture_dir(name)), "reader_out": str(out / f"{name}-read-{world}.pt")}
+            for name in [*READ_ONLY, *PARALLEL_MODELS]}
+    (out / f"jobs-{world}.json").write_text(json.dumps(jobs + list(more.values())))
     torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", deepspeed=False)
+    for name, job in more.items():
+        read = torch.load(job["reader_out"], weights_only=False)
+        problems, compared = fsdp2_differences(read, truth_tensors(name), truth_json(name)["global_steps"])
+        assert problems == [] and compared > 0, (name, problems[:5])
+        assert math.isfinite(read["next_loss"]), name
+        saved = saved_param_groups(next(tag_dir(fixture_dir(name)).glob("*optim_states.pt")))
+        assert [(g["lr"], g["weight_decay"], tuple(g["betas"])) for g in read["optim"]["param_groups"]] == \
+               [(g["lr"], g["weight_decay"], tuple(g["betas"])) for g in saved], name
+    # the comparison sees another run's state (the same model and optimizer, trained in fp32)
+    other = torch.load(more["z3_bf16_dp4"]["reader_out"], weights_only=False)
+    assert fsdp2_differences(other, truth_tensors("z3_fp32_dp4"), truth_json("z3_fp32_dp4")["global_steps"])[0]
     for name, job in zip(converted, jobs):
         _compare_with_truth(name, torch.load(job["out"], weights_only=False))
         read = torch.load(job["reader_out"], weights_only=False)
@@ -499,6 +524,24 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
     assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome
     # DCP counts no samples: without the key the engine counts them from its steps, not from a written 0
     assert outcome["global_steps"] == 3 and outcome["global_samples"] == 3 * outcome["train_batch_size"] > 0, outcome
+
+
+@pytest.mark.engine
+def test_an_fsdp2_save_loads_into_a_live_deepspeed_engine_through_reshard(fsdp2_save, tmp_path):
+    """(issue #15) The same FSDP2 save, with no conversion step: reshard.deepspeed.load_checkpoint in a ZeRO-3
+    engine at 2 ranks gives the engine the FSDP2 run's state, told apart from the nudged control."""
+    ckpt, _ = fsdp2_save
+    truth = ckpt.parent / "truth.pt"
+    control = torch.load(truth, weights_only=False)
+    moment = control["optim"]["state"]["l2.weight"]["exp_avg_sq"]
+    moment.view(-1)[3] = torch.nextafter(moment.view(-1)[3], torch.tensor(1.0))
+    torch.save(control, tmp_path / "control.pt")
+    result = tmp_path / "result.json"
+    torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", ckpt, 3, truth, result, tmp_path / "control.pt", "reshard")
+    outcome = json.loads(result.read_text())
+    assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
+    assert outcome["control_problems"] == ["exp_avg_sq/l2.weight: differs from the FSDP2 run"], outcome
+    assert outcome["global_steps"] == 3, outcome
 
 
 @settings(max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", 150)), deadline=None,

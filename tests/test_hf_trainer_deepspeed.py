@@ -109,6 +109,30 @@ def test_converted_pickles_load_where_reshard_is_not_installed(source, converted
         "transformers.training_args.TrainingArguments"}     # what a reader that unpickled it would run
 
 
+def test_fsdp2_loads_the_trainers_checkpoint_through_the_reader(source):
+    """(issue #15) The GPT-2 under FSDP2, with the Trainer's two param groups, at 3 processes (ZeRO-2 source)
+    or 2 (ZeRO-3) loads checkpoint-3 through reshard.dcp.Reader (tests/dcp_fsdp2.py): fp32 masters and both
+    Adam moments are the live engine's at save time, the hyper-parameters those torch.load finds in the
+    optimizer file; then it trains a step."""
+    import math
+    import torch
+    from safetensors.torch import load_file
+    from engine_state import fsdp2_differences, saved_param_groups
+    folder, world = source / "run" / f"checkpoint-{SAVE}", 3 if source.stage == 2 else 2
+    job = {"model": "gpt2", "optimizer": "AdamW", "source": str(folder), "reader_out": str(source / "fsdp2.pt")}
+    (source / "fsdp2-jobs.json").write_text(json.dumps([job]))
+    torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", source / "fsdp2-jobs.json", deepspeed=False)
+    read = torch.load(job["reader_out"], weights_only=False)
+    problems, compared = fsdp2_differences(read, load_file(str(source / f"truth-{SAVE}.safetensors")), SAVE)
+    assert problems == [] and compared > 0, problems[:5]
+    assert math.isfinite(read["next_loss"])
+    saved = saved_param_groups(next((folder / f"global_step{SAVE}").glob("*optim_states.pt")))
+    assert [(g["lr"], g["weight_decay"]) for g in read["optim"]["param_groups"]] == \
+           [(g["lr"], g["weight_decay"]) for g in saved]
+    # the comparison sees another state: the same run's three steps later
+    assert fsdp2_differences(read, load_file(str(source / f"truth-{STEPS}.safetensors")), SAVE)[0]
+
+
 def test_export_writes_a_folder_from_pretrained_loads(source, tmp_path):
     import torch
     from safetensors.torch import load_file

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node N tools/bench_load.py native DCP_DIR OUT.json
     torchrun --nproc_per_node N tools/bench_load.py ds-reshard SRC OUT.json
     torchrun --nproc_per_node N tools/bench_load.py ds-native CONVERTED OUT.json
+    torchrun --nproc_per_node N tools/bench_load.py ds-universal UNIVERSAL OUT.json
 
 `reader` loads SRC (any format reshard reads) through reshard.dcp.Reader; `native` loads a DCP directory with
 torch's own FileSystemReader. With --save-native, the loaded state is then saved by `dcp.save` (torch's own
@@ -12,7 +13,8 @@ Linear layers shaped like the checkpoint's `0.weight`, `1.weight`, ... (tools/be
 
 `ds-reshard` / `ds-native`: a DeepSpeed ZeRO-3 bf16 engine of that model (tools/bench.py's config) at N ranks
 loads SRC, saved at any topology, with reshard.deepspeed.load_checkpoint, or, natively, with its own
-engine.load_checkpoint a checkpoint already converted for N ranks.
+engine.load_checkpoint a checkpoint already converted for N ranks; `ds-universal`: DeepSpeed's own
+universal path, the engine with "load_universal" loading what its ds_to_universal made of SRC.
 
 Each rank measures the load alone: wall time, bytes it read from disk (/proc/self/io read_bytes), bytes of the
 tensors it loaded (its shards of params and optimizer states), its RSS before the load (the model and optimizer
@@ -106,8 +108,10 @@ def deepspeed_load(mode, src, out):
     import reshard.deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    layers = len(reshard.open_checkpoint(src).order)
+    layers = len(reshard.open_checkpoint(src).order)     # (reshard reads universal trees too)
     config = engine_config(3, "bf16")
+    if mode == "ds-universal":
+        config["checkpoint"] = {"load_universal": True}
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(layers)])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

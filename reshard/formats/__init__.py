@@ -108,6 +108,15 @@ def writer(format_name: str) -> Writer:
     return importlib.import_module(WRITERS[format_name])
 
 
+def container_loader(container: str):
+    """For a container whose files a live process loads in memory (reshard.materialize): the function
+    (header, storage_of) -> the object loading the written file would give."""
+    if container == "torch":
+        from reshard.formats.torchsave import load_tree
+        return load_tree
+    raise ReshardError(f"{container!r} files are only written to disk")
+
+
 def container_writer(container: str):
     """The class that lays out a file of tensors: (path, header, storages, **options), storage(key, nbytes)."""
     if container == "torch":

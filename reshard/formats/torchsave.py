@@ -187,6 +187,24 @@ def pickle_tree(tree, carry=None) -> bytes:
     return buf.getvalue()
 
 
+def load_tree(data_pkl: bytes, storage_of):
+    """What `torch.load(weights_only=False)` of a file with this `data.pkl` gives, its storages taken by key
+    from `storage_of` (key -> torch.UntypedStorage) instead of from the archive. For reshard's own data.pkl
+    (pickle_tree) only: its globals are torch's and those the source checkpoint named, which the process
+    loading it trusts as it trusts the checkpoint (DeepSpeed's loader unpickles the same names)."""
+    import torch
+    from reshard.dtypes import torch_dtype
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, saved_id):
+            _, storage_class, key, _location, _numel = saved_id
+            # (by its name: torch warns on reading a legacy storage class's dtype)
+            dtype = torch_dtype(STORAGE_DTYPES[storage_class.__name__])
+            return torch.storage.TypedStorage(wrap_storage=storage_of(key), dtype=dtype, _internal=True)
+
+    return Unpickler(io.BytesIO(data_pkl)).load()
+
+
 class TorchZipWriter:
     """A torch.save zip archive written front to back: data.pkl, then each storage streamed in.
 
