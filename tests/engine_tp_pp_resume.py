@@ -9,7 +9,9 @@ plain pipe x data topology), with the fixture's DeepSpeed config, calls the ordi
 takes the truth from the live engine with the function the fixture was made with (full fp32 masters, every
 optimizer state, module weights), compares it with the fixture's truth.safetensors bit for bit, checks steps and
 client state, saves the resumed state again (`save_checkpoint`, to compare file names) and runs one more
-`train_batch`. Rank 0 writes the job with "problems", "checked", "loss_after", "steps_after".
+`train_batch`. Rank 0 writes the job with "problems", "checked", "loss_after", "steps_after". With "source"
+(and "rules", the layout rule file), the same engine then loads the fixture itself, with no conversion step,
+through reshard.deepspeed.load_checkpoint (issue #15), and is checked again ("direct: " problems).
 """
 import copy
 import json
@@ -32,7 +34,6 @@ def main(job_path, result_path):
 
     import fixture_megatron_pipe as fmp
     import make_fixtures
-    from engine_tp_resume import compare
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -43,8 +44,37 @@ def main(job_path, result_path):
     net = fmp.pipe_module(fmp.topology(job["tp"], job["pp"], job["dp"]))
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
                                            config=spec["ds_config"])
-    problems = []
     load_path, client_state = engine.load_checkpoint(job["checkpoint"])
+    problems = loaded_problems(engine, load_path, client_state, job, rank)
+    if job.get("source"):
+        import reshard.deepspeed
+        direct = reshard.deepspeed.load_checkpoint(engine, job["source"], layout_rules=job["rules"])
+        problems += [f"direct: {p}" for p in loaded_problems(engine, *direct, job, rank)]
+    engine.save_checkpoint(job["resave"], tag=open(os.path.join(job["checkpoint"], "latest")).read().strip(),
+                           client_state={k: (client_state or {}).get(k) for k in make_fixtures.CLIENT_STATE})
+    gas = spec["ds_config"]["gradient_accumulation_steps"]
+    loss = engine.train_batch(data_iter=fmp.data_iter(fmp.batches(engine.grid.data_parallel_id + 10, gas)))
+    if rank == 0:
+        if not math.isfinite(float(loss)):
+            problems.append(f"loss after resume is {float(loss)}")
+        with open(result_path, "w") as f:
+            truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
+            json.dump({**job, "problems": problems, "checked": len(truth) if not problems else 0,
+                       "loss_after": float(loss), "steps_after": int(engine.global_steps)}, f, indent=1)
+    dist.barrier()
+
+
+def loaded_problems(engine, load_path, client_state, job, rank) -> list:
+    """What differs between the engine, as a load left it, and the fixture's truth (collective: every rank
+    calls it; rank 0's list holds the problems)."""
+    import torch
+    from safetensors.torch import load_file
+
+    import fixture_megatron_pipe as fmp
+    import make_fixtures
+    from engine_tp_resume import compare
+
+    problems = []
     if load_path is None:
         problems.append("load_checkpoint found nothing to load")
     base = make_fixtures._base_optimizer(engine)
@@ -70,17 +100,7 @@ def main(job_path, result_path):
         for key, value in meta["client_state"].items():
             if (client_state or {}).get(key) != value:
                 problems.append(f"client state {key}: {(client_state or {}).get(key)!r} vs saved {value!r}")
-    engine.save_checkpoint(job["resave"], tag=open(os.path.join(job["checkpoint"], "latest")).read().strip(),
-                           client_state={k: (client_state or {}).get(k) for k in make_fixtures.CLIENT_STATE})
-    gas = spec["ds_config"]["gradient_accumulation_steps"]
-    loss = engine.train_batch(data_iter=fmp.data_iter(fmp.batches(engine.grid.data_parallel_id + 10, gas)))
-    if rank == 0:
-        if not math.isfinite(float(loss)):
-            problems.append(f"loss after resume is {float(loss)}")
-        with open(result_path, "w") as f:
-            json.dump({**job, "problems": problems, "checked": len(truth) if not problems else 0,
-                       "loss_after": float(loss), "steps_after": int(engine.global_steps)}, f, indent=1)
-    dist.barrier()
+    return problems
 
 
 if __name__ == "__main__":

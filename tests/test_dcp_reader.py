@@ -87,7 +87,11 @@ def _resume(name, reader, dtype=torch.float32):
 
 @pytest.mark.parametrize("name", FIXTURE_MODEL)
 def test_a_training_script_resumes_through_get_state_dict(name):
-    model, optim = _resume(name, _reader(name))
+    assert_resumed_as_truth(name, *_resume(name, _reader(name)))
+
+
+def assert_resumed_as_truth(name, model, optim):
+    """The fixture model and optimizer hold the engine's truth of fixture `name`, and train one more step."""
     truth, info = truth_tensors(name), truth_json(name)
     for n, p in model.named_parameters():
         expected = truth[f"fp32/{n}"] if p.requires_grad else truth[f"module/{n}"].float()

@@ -269,6 +269,74 @@ def test_safetensors_single_and_sharded_inspect_validate_export(tmp_path):
     assert again.aliases == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" in again.order
 
 
+def _through_the_reader(src, model, groups, model_only=False):
+    """`model` and an AdamW over `groups` loaded from `src` the way a training script resumes with DCP,
+    through reshard.dcp.Reader, in one process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+    import reshard.dcp
+    named = dict(model.named_parameters())
+    optim = torch.optim.AdamW([{"params": [named[n] for n in g["names"]]} for g in groups], lr=123.0)
+    msd, osd = get_state_dict(model, optim)
+    if model_only:
+        dcp.load({"model": msd}, storage_reader=reshard.dcp.Reader(src))
+        set_model_state_dict(model, msd)
+    else:
+        dcp.load({"model": msd, "optim": osd}, storage_reader=reshard.dcp.Reader(src))
+        set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    return optim
+
+
+def _reader_problems(model, optim, truth_path, step):
+    """What the loaded model and optimizer hold other than the truth file (fp32/ and state/ names)."""
+    params, problems = dict(model.named_parameters()), []
+    for key, expected in load_file(truth_path).items():
+        kind, name = key.split("/", 1)
+        got = params[name].detach() if kind == "fp32" else optim.state[params[name]][kind]
+        if not torch.equal(got.float(), expected):
+            problems.append(key)
+    if step is not None and {float(s["step"]) for s in optim.state.values()} != {float(step)}:
+        problems.append("step")
+    return problems
+
+
+def test_single_process_checkpoints_load_through_the_reader(hf_run, lightning_run, tmp_path):
+    """(issue #15) torch.save, a Lightning .ckpt, an HF Trainer folder and save_pretrained's sharded
+    safetensors, each loaded
+    into its model with dcp.load through reshard.dcp.Reader: every param and Adam state is the source's,
+    the hyper-parameters are the run's (not the script's lr=123), and a training step runs."""
+    import single_lightning
+    path, _, job = _plain_run(tmp_path)
+    model = sm.TinyLM()
+    optim = _through_the_reader(path, model, job["groups"])
+    assert _reader_problems(model, optim, job["truth"], job["step"]) == []
+    assert optim.param_groups[0]["lr"] == job["hyper"]["lr"]
+    with pytest.raises(AssertionError):     # the comparison sees another state: the same run's truth nudged
+        other = load_file(job["truth"])
+        other["fp32/mix.weight"][0, 0] += 1e-3
+        save_file(other, str(tmp_path / "other.safetensors"))
+        assert _reader_problems(model, optim, str(tmp_path / "other.safetensors"), job["step"]) == []
+    model(sm.tokens(9)).backward()
+    optim.step()
+
+    path, _, job, _ = lightning_run
+    module = single_lightning.LitTiny()
+    optim = _through_the_reader(path, module, job["groups"])
+    assert _reader_problems(module, optim, job["truth"], job["step"]) == []
+    assert (optim.param_groups[0]["lr"], optim.param_groups[0]["weight_decay"]) == (5e-3, 0.01)   # StepLR halved it
+
+    folder, _, job, _ = hf_run
+    from transformers import GPT2LMHeadModel
+    lm = GPT2LMHeadModel(sm.gpt2_config())
+    optim = _through_the_reader(folder, lm, job["groups"])
+    assert _reader_problems(lm, optim, job["truth"], job["step"]) == []
+
+    lm.save_pretrained(tmp_path / "pretrained", max_shard_size="10KB")     # sharded safetensors, tied head
+    fresh = GPT2LMHeadModel(sm.gpt2_config())
+    _through_the_reader(tmp_path / "pretrained", fresh, job["groups"], model_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), lm.state_dict().values()))
+
+
 def _nudge_first_value(safetensors_path, name, delta):
     """Add `delta` to element 0 of tensor `name` in a safetensors file, in place."""
     import struct

@@ -167,6 +167,16 @@ def test_ds_to_universal_output_is_read_as_the_truth(built, tmp_path, name):
     _assert_catalog_is_truth(reshard.open_checkpoint(tmp_path / "zero"), name)
 
 
+@pytest.mark.parametrize("name", ["z2_fp32_dp4", "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2"])
+def test_universal_trees_load_through_the_reader(built, name):
+    """(issue #15) dcp.load through reshard.dcp.Reader from DeepSpeed's ds_to_universal tree and from ours:
+    the fixture model and optimizer resume with the engine's truth."""
+    import reshard.dcp
+    from test_dcp_reader import _resume, assert_resumed_as_truth
+    for tree in built[name]:
+        assert_resumed_as_truth(name, *_resume(name, reshard.dcp.Reader(tree)))
+
+
 # ---------------------------------------------------------------------------------------------
 # refusals and broken inputs: one line, exit 1, nothing executed
 

@@ -3,7 +3,8 @@
 Each job loads one checkpoint with `"checkpoint": {"load_universal": true}` (tests/engine_resume.py),
 reads back full fp32 params and every optimizer state, steps and hyper-parameters, compares them
 with the fixture's truth bit for bit, and trains one more step. Also: ds_to_universal's output read by
-reshard and converted back to ZeRO files resumes natively; and on the round-robin fixture the engine
+reshard and converted back to ZeRO files resumes natively, as it does loaded with no conversion step through
+reshard.deepspeed.load_checkpoint; and on the round-robin fixture the engine
 resuming ds_to_universal's tree does NOT match the truth (the check sees its corruption).
 """
 from collections import defaultdict
@@ -58,6 +59,8 @@ def resumed(tmp_path_factory):
         run_cli("convert", theirs, dst, "--format", "deepspeed", "--to", to, "--quiet", check=0)
         stage = 3 if name.startswith("z3") else 2
         by_world[world].append(_job(f"read {name} {to}", name, dst, stage, False))
+        # and the tree itself into the ZeRO engine, with no conversion step (issue #15)
+        by_world[world].append({**_job(f"direct {name} {to}", name, theirs, stage, False), "direct": True})
     control = ds_to_universal(ROUND_ROBIN, out / "roundrobin-ds")
     by_world[2].append(_job("control", ROUND_ROBIN, control, 2, True))
     results = {}
@@ -77,6 +80,12 @@ def test_engine_resumes_our_universal_checkpoint_bit_exactly(resumed, name, to, 
 @pytest.mark.parametrize("name, to, world", READ_BACK)
 def test_ds_to_universal_output_converted_to_zero_resumes(resumed, name, to, world):
     result = resumed[f"read {name} {to}"]
+    assert result["problems"] == [], "\n".join(result["problems"])
+
+
+@pytest.mark.parametrize("name, to, world", READ_BACK)
+def test_ds_to_universal_output_loads_through_reshard_deepspeed(resumed, name, to, world):
+    result = resumed[f"direct {name} {to}"]
     assert result["problems"] == [], "\n".join(result["problems"])
 
 
