@@ -67,6 +67,25 @@ def test_dcp_load_gives_the_engine_truth(name):
     assert bool(steps) == counts_steps and all(float(s) == truth_json(name)["global_steps"] for s in steps)
 
 
+@pytest.mark.parametrize("name", ["z3_bf16_dp4", "autotp2_z1_fp32_dp2", "pipe2_z1_fp32_dp2"])
+def test_a_dcp_to_torch_save_style_load_gives_the_truth(name):
+    """What torch's dcp_to_torch_save does (an empty state dict filled from the metadata, one process, no
+    process group), with the Reader: every recorded value, nested as get_state_dict nests them."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state = {}
+    _load_state_dict(state, storage_reader=_reader(name), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    for key, value in _served_truth(name).items():
+        where, _, rest = key.partition(".")
+        if where == "model":
+            got = state["model"][rest]
+        else:
+            param, _, moment = rest.removeprefix("state.").rpartition(".")
+            got = state["optim"]["state"][param][moment]
+        assert got.dtype == value.dtype and torch.equal(got, value), key
+    assert {float(s["step"]) for s in state["optim"]["state"].values()} == {truth_json(name)["global_steps"]}
+
+
 FIXTURE_MODEL = ["z3_bf16_dp4", "z2_fp32_roundrobin_dp4", "z1_bf16_frozen_tied_dp2", "z3_fp32_subgroup_dp2",
                  "bf16opt_z1_dp2", "z2_fp16_dp2", "z2_fp32_sgd_dp2"]
 
