@@ -6,7 +6,7 @@ import os
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, framework_dispositions, with_framework
-from reshard.layout import Layout
+from reshard.layout import Layout, spec_keys
 from reshard.planner import Plan, plan
 
 
@@ -27,7 +27,19 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | 
     from reshard.validate import require_complete
 
     require_complete(catalog)
-    return plan_for(catalog, target_layout(catalog, to), tag_out, fmt, new_rank_state)
+    target = target_layout(catalog, to)         # (a bad spec is refused here)
+    if not os.path.isfile(to):
+        _refuse_keys_without_meaning(catalog, to, fmt)
+    return plan_for(catalog, target, tag_out, fmt, new_rank_state)
+
+
+def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -> None:
+    """A `--to` key the output format has no place for (a ZeRO stage for DCP) is a usage error, not ignored."""
+    honoured = _writer(catalog, fmt).SPEC_KEYS
+    unused = sorted(spec_keys(spec) - set(honoured))
+    if unused:
+        raise UsageError(f"--to {spec}: {fmt or catalog.format} output has no {' or '.join(unused)} "
+                         f"(it is written at {', '.join(honoured)})")
 
 
 def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None,

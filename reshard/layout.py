@@ -43,6 +43,11 @@ SPEC_KEYS = (
 SPEC_KEY_NAMES = tuple(k.name for k in SPEC_KEYS)
 
 
+def spec_keys(spec: str) -> set:
+    """The keys a layout spec ("dp=4,zero=3") names."""
+    return {item.partition("=")[0].strip() for item in spec.split(",") if item.strip()}
+
+
 def partition_method_problem(method) -> str | None:
     """Why `method` is not a PipelineModule partition method we can cut by (None when it is one).
     'type:REGEX' is DeepSpeed's: balance the layers whose class name the regex matches."""

@@ -150,6 +150,16 @@ def test_convert_refuses_what_it_must(tmp_path):
     assert "zero_pp_rank_2" in dry.stdout and not (tmp_path / "dry").exists()
 
 
+def test_a_to_key_the_output_format_has_no_place_for_is_a_usage_error(tmp_path):
+    """DCP output has no ZeRO stage or model parallelism: asking for one is refused, never silently dropped."""
+    src = fixture_dir("z2_fp32_dp2")
+    for spec, named in (("dp=2,zero=3", "no zero"), ("kv_heads=4,zero=1", "no kv_heads or zero")):
+        proc = run_cli("convert", src, tmp_path / "x", "--format", "dcp", "--to", spec, check=2)
+        assert named in proc.stderr and "written at dp" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+    run_cli("convert", src, tmp_path / "x", "--format", "dcp", "--to", "dp=3", "--quiet", check=0)
+
+
 def test_incomplete_source_is_refused_and_nothing_is_written(tmp_path):
     save = copy_fixture("z2_fp32_dp2", tmp_path)
     (tag_dir(save) / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()

@@ -78,6 +78,8 @@ class Reader(Protocol):
 
 @runtime_checkable
 class Writer(Protocol):
+    SPEC_KEYS: tuple    # the `--to` keys (reshard.layout.SPEC_KEY_NAMES) this format's output has
+
     def target_files(self, catalog: "Catalog", target: "Layout", tag: str,
                      source_save_dir: str | None = None) -> list:
         """Every file of `catalog` written at `target` (reshard.targets: TensorFile, TextFile, CopiedFile),

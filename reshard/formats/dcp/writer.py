@@ -56,6 +56,9 @@ def file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+# the --to keys a DCP directory has: one file per data-parallel rank, no ZeRO stage, no model parallelism
+SPEC_KEYS = ("dp",)
+
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")

@@ -32,12 +32,15 @@ from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
 from reshard.formats.deepspeed.zero_target import ZeroTarget, scalar_slot
 from reshard.formats.torchsave import TorchFile
-from reshard.layout import Layout
+from reshard.layout import Layout, SPEC_KEY_NAMES
 from reshard.targets import Output, Piece, TextFile
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
+
+# every --to key has a place in DeepSpeed's files
+SPEC_KEYS = SPEC_KEY_NAMES
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_target(catalog, target)

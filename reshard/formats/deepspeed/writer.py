@@ -13,9 +13,12 @@ from reshard.errors import ReshardError
 from reshard.formats.deepspeed import notes, pipe_writer, rank_params, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
-from reshard.layout import Layout
+from reshard.layout import Layout, SPEC_KEY_NAMES
 from reshard.targets import Output
 
+
+# every --to key has a place in DeepSpeed's files
+SPEC_KEYS = SPEC_KEY_NAMES
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_convertible(catalog, target)
