@@ -21,7 +21,7 @@ PACKED = "model.layers.1.mlp.experts.w2"          # an AutoEP packed weight: (nu
 
 
 def test_the_moe_fixtures_are_there():
-    assert AUTOEP == ["autoep2_z1_fp32", "autoep2_z2_bf16", "autoep2_z2_fp32_dp2"]
+    assert AUTOEP == ["autoep2_z1_fp32", "autoep2_z2_bf16", "autoep2_z2_fp32_dp2", "autoep2_z2_fp32_dp2_datafirst"]
     assert MOE_FIXTURES == AUTOEP + ["dsmoe_ep2_z2_fp32"]
     for name in MOE_FIXTURES:       # small enough to commit
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(FIXTURES / name) for f in fs)
@@ -64,6 +64,21 @@ def test_autoep_experts_are_one_packed_tensor_each(name):
     assert master.shape == (4, 16, 32) and catalog.tensors[(PACKED, MODULE)].shape == (4, 16, 32)
     boxes = {(b.at, b.shape) for f in master.fragments for b in f.shard.blocks}
     assert boxes == {((0, 0, 0), (2, 16, 32)), ((2, 0, 0), (2, 16, 32))}      # ep rank 0: experts 0-1, rank 1: 2-3
+
+
+@pytest.mark.parametrize("name,experts_of_rank", [
+    ("autoep2_z2_fp32_dp2", {0: (0, 1), 1: (2, 3), 2: (0, 1), 3: (2, 3)}),    # ep groups [0, 1], [2, 3]: rank % 2
+    ("autoep2_z2_fp32_dp2_datafirst", {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)})])   # data first: rank // 2
+def test_which_rank_file_holds_which_experts(name, experts_of_rank):
+    """ep 2 x dp 2: the experts each rank's optimizer file holds, as DeepSpeed's process groups give them."""
+    catalog = reshard.open_checkpoint(fixture_dir(name))
+    held = {}
+    for layer in catalog.experts.layers:
+        for param in layer.params:
+            for f in catalog.tensors[(param, MASTER)].fragments:
+                for b in f.shard.blocks:
+                    held.setdefault(f.rank, set()).update(range(b.at[0], b.at[0] + b.shape[0]))
+    assert {rank: tuple(sorted(e)) for rank, e in held.items()} == experts_of_rank
 
 
 def test_deepspeed_moe_experts_are_named_by_their_global_number():
