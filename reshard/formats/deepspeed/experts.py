@@ -1,6 +1,6 @@
 """Expert parallelism in a DeepSpeed ZeRO-1/2 save: which experts each rank holds, and where they sit.
 
-Two engines write these saves (see reference/deepspeed-moe.md):
+Two engines write these saves (DeepSpeed 0.19.8, `DeepSpeedEngine._save_moe_checkpoint`):
 * AutoEP packs a MoE layer's local experts as `experts.w1/w2/w3` of shape (local experts, ...). The model states'
   `ds_autoep_layers` give, per layer, the placement (expert-parallel rank -> global experts) and an affine map per
   packed param: the box of the (num_experts, ...) logical tensor each expert-parallel rank's packed tensor is.
