@@ -126,6 +126,31 @@ class Contents:
     step: int | None     # optimizer step count (the largest of the param groups'); None: none saved
 
 
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One mixture-of-experts layer: how many experts it has and which expert-parallel rank holds which."""
+    index: int            # the layer's number among the checkpoint's MoE layers
+    num_experts: int
+    placement: tuple      # per expert-parallel rank, the global experts it holds, in its local order
+    params: tuple         # the logical tensors holding its experts' weights
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """How a mixture-of-experts checkpoint placed its experts: every expert param is one logical tensor (all
+    experts of a packed weight, or one expert's own weight); these degrees say how the save had cut them."""
+    ep: int               # expert-parallel degree: ranks among which a layer's experts are divided
+    expert_dp: int        # data-parallel degree of the expert params (their optimizer state is ZeRO-cut over it)
+    layers: tuple         # ExpertLayer, in layer order
+
+    def describe(self) -> dict:
+        return {"ep": self.ep, "expert_dp": self.expert_dp,
+                "layers": [{"layer": layer.index, "experts": layer.num_experts,
+                            "experts_per_rank": [len(held) for held in layer.placement],
+                            "placement": [list(held) for held in layer.placement], "params": list(layer.params)}
+                           for layer in self.layers]}
+
+
 class FormatNotes(Protocol):
     """What one format's reader keeps for that format's writers (DeepSpeed's config, how tensor parallelism cut
     each parameter, ...): a typed object the format owns. The core never looks inside; it only asks for what the
@@ -165,6 +190,8 @@ class Catalog:
     # The training framework that drove a DeepSpeed save (reshard.formats.framework.Framework: HF Trainer's
     # checkpoint-N/ with its own files, Lightning's state inside DeepSpeed's client state); None: none.
     framework: object = None
+    # A mixture-of-experts save: its expert parallelism (None: no experts)
+    experts: ExpertParallel | None = None
 
     def add(self, tensor: LogicalTensor, file=None) -> LogicalTensor:
         """The catalog's (name, state) tensor: `tensor`, or the one added before, which must agree on shape

@@ -21,6 +21,11 @@ def print_inspect(info) -> None:
     print(f"  format        {framework['title'] if framework else info['format']} (tag {info['tag']})")
     print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}), "
           f"ZeRO stage {info['zero_stage']}")
+    if info.get("experts"):
+        e = info["experts"]
+        print(f"  experts       ep={e['ep']} expert-dp={e['expert_dp']}; " + "; ".join(
+            f"layer {layer['layer']}: {layer['experts']} experts, {'/'.join(map(str, layer['experts_per_rank']))} "
+            "per rank" for layer in e["layers"]))
     known = {k: "unknown" if info[k] is None else info[k]
              for k in ("dtype", "master_dtype", "optimizer", "step", "global_steps", "global_samples")}
     print(f"  dtypes        model {known['dtype']}, master {known['master_dtype']}")

@@ -45,6 +45,9 @@ def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -
 def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None,
              new_rank_state: str = FRESH) -> Plan:
     """make_plan's plan at layout `target`, for a whole catalog."""
+    if catalog.experts is not None:      # no writer places experts yet: it would write them as dense params
+        raise ReshardError.at(catalog.root, "converting mixture-of-experts checkpoints is not supported yet "
+                                            "(inspect, validate and export read them)")
     tag = tag_out or catalog.tag or "converted"
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)

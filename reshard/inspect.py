@@ -17,6 +17,8 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "framework": None,
         "tag": catalog.tag or None,
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
+        # a mixture-of-experts save: ep, expert-dp, and per MoE layer its experts and their placement
+        "experts": catalog.experts.describe() if catalog.experts is not None else None,
         "zero_stage": layout.zero,
         "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
         "master_dtype": layout.master_dtype or None,

@@ -17,6 +17,11 @@ import torchrun_jobs  # noqa: E402
 from torchrun_jobs import free_port  # noqa: E402,F401  (the one free port for tests)
 FIXTURES = Path(os.environ.get("RESHARD_FIXTURES", REPO / "fixtures"))
 ALL_FIXTURES = sorted(p.name for p in FIXTURES.iterdir() if (p / "truth.json").exists()) if FIXTURES.exists() else []
+# Mixture-of-experts fixtures (truth.json "kind": "autoep" or "moe", tools/fixture_moe.py) have tests of their own
+# (tests/test_moe.py); the tests over every fixture take the others.
+MOE_FIXTURES = [n for n in ALL_FIXTURES if json.loads((FIXTURES / n / "truth.json").read_text()).get("kind")
+                in ("autoep", "moe")]
+ALL_FIXTURES = [n for n in ALL_FIXTURES if n not in MOE_FIXTURES]
 # Tensor/pipeline-parallel fixtures (truth.json "kind": "autotp" or "pipe") train other models: they have
 # tests of their own (tests/test_tp_pp.py); the parametrized data-parallel tests take the others.
 FIXTURE_NAMES = [n for n in ALL_FIXTURES if "kind" not in json.loads((FIXTURES / n / "truth.json").read_text())]

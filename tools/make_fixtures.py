@@ -33,6 +33,13 @@ embedding) whose checkpoint carries no ``universal_checkpoint_info``. Their trut
 gathered over the TP group and put together with each parameter's own AutoTP affine map; pipeline stages' dicts are
 gathered over the world (a tied weight's copies asserted equal). About 15-30 s per fixture.
 
+Mixture-of-experts fixtures (``kind`` ``autoep`` or ``moe``; tools/fixture_moe.py): ``autoep2_*`` train a tiny random
+``transformers`` Mixtral (4 experts, top-2) with DeepSpeed AutoEP at ep=2 (ZeRO-1 fp32 and ZeRO-2 bf16 on 2 ranks,
+ZeRO-2 fp32 at ep=2 x dp=2 on 4 ranks, also with ``use_data_before_expert_parallelism``; transformers 5.21.0, see pyproject.toml), ``dsmoe_ep2_z2_fp32`` a small
+module around ``deepspeed.moe.layer.MoE`` (ep=2, ZeRO-2). Their truth holds every expert in its global place (AutoEP's
+packed ``experts.w1/w2/w3`` as ``(num_experts, ...)`` tensors), and ``logits`` of a fixed probe; truth.json adds
+``ep`` and ``num_experts``.
+
 Determinism: truth files are bit-identical across reruns, and so are all checkpoint files except the ZeRO-3
 ``*_optim_states.pt`` files, whose ``fp32_flat_groups`` padding elements are uninitialised memory in DeepSpeed.
 Environment: ``DS_ACCELERATOR=cpu`` and ``OMP_NUM_THREADS=1`` are set for the workers. fp16 configs override the
@@ -155,6 +162,19 @@ def _configs():
     add("megatron_pipe_tp2_pp2_z1_fp32_dp2", 1, "fp32", 8, tied=True,
         extra={"gradient_accumulation_steps": 2, "gradient_clipping": 0.0})
     out["megatron_pipe_tp2_pp2_z1_fp32_dp2"]["kind"] = "megatron_pipe"
+    # mixture of experts (tools/fixture_moe.py): AutoEP Mixtral at ep=2 (x dp=2 on 4 ranks), deepspeed.moe at ep=2
+    autoep = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
+    for stage, dtype, world, data_first in ((1, "fp32", 2, False), (2, "bf16", 2, False), (2, "fp32", 4, False),
+                                            (2, "fp32", 4, True)):
+        name = f"autoep2_z{stage}_{dtype}" + ("_dp2" if world == 4 else "") + ("_datafirst" if data_first else "")
+        # data_first: the expert-data-parallel groups are consecutive ranks ([0, 1], [2, 3]), not strided
+        extra = {"expert_parallel": dict(autoep), **({"use_data_before_expert_parallelism": True} if data_first else {})}
+        add(name, stage, dtype, world, extra=extra)
+        out[name]["kind"] = "autoep"
+        del out[name]["ds_config"]["scheduler"]
+    add("dsmoe_ep2_z2_fp32", 2, "fp32", 2)
+    out["dsmoe_ep2_z2_fp32"].update(kind="moe", ep=2)
+    del out["dsmoe_ep2_z2_fp32"]["ds_config"]["scheduler"]
     return out
 
 
@@ -444,6 +464,9 @@ def parallel_worker(spec, out_dir, rank):
     elif spec["kind"] == "megatron_pipe":
         import fixture_megatron_pipe
         engine, losses = fixture_megatron_pipe.megatron_pipe_worker(spec, out_dir, rank)
+    elif spec["kind"] in ("autoep", "moe"):
+        import fixture_moe
+        engine, losses = fixture_moe.moe_worker(spec, out_dir, rank)
     else:
         engine, losses = fp.pipe_worker(spec, out_dir, rank)
     base = _base_optimizer(engine)
@@ -463,6 +486,9 @@ def parallel_worker(spec, out_dir, rank):
         tensors = fixture_megatron.megatron_truth(engine, engine.mpu, state_names)
     elif spec["kind"] == "megatron_pipe":
         tensors = fixture_megatron_pipe.megatron_pipe_truth(engine, state_names, _flat_truth)
+    elif spec["kind"] in ("autoep", "moe"):
+        tensors = fixture_moe.moe_truth(engine, state_names, _flat_truth)
+        tensors["logits"] = spec["truth_extra"].pop("logits")
     else:
         tensors = fp.pipe_truth(engine, state_names, _flat_truth)
     if spec["dtype"] == "fp32":   # the module weights are the fp32 masters: must agree exactly
@@ -486,7 +512,11 @@ def parallel_worker(spec, out_dir, rank):
             "client_state": dict(CLIENT_STATE), "ds_version": deepspeed.__version__, "helper_mismatch": {},
             "overflow_steps": [],
             "torch_version": torch.__version__.split("+")[0],
+            **spec.get("truth_extra", {}),
         }
+        if spec["kind"] == "autoep":
+            import transformers
+            truth["transformers_version"] = transformers.__version__
         save_file(tensors, os.path.join(out_dir, "truth.safetensors"), metadata={"name": spec["name"]})
         with open(os.path.join(out_dir, "truth.json"), "w") as f:
             json.dump(truth, f, indent=1)

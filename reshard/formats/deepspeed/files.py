@@ -12,7 +12,8 @@ MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")                  
 ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
 LAYER_STATES = re.compile(r"^layer_\d+(-model_\d+)?-model_states\.pt$")              # PipelineModule
-EXPERT_STATES = re.compile(r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
+EXPERT_MODEL_STATES = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")      # MoE experts
+EXPERT_OPTIM_STATES = re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$")     # MoE without ZeRO
 
 
 def model_states_name(mp: int, dp: int | None = None) -> str:
@@ -26,6 +27,11 @@ def layer_states_name(layer: int, tp_rank: int | None = None) -> str:
     """PipelineModule.ckpt_layer_path: `-model_TT` names the tensor-parallel rank when there is a model axis."""
     model = "" if tp_rank is None else f"-model_{tp_rank:02d}"
     return f"layer_{layer:02d}{model}-model_states.pt"
+
+
+def expert_states_name(layer: int, expert: int, mp: int = 0) -> str:
+    """The module weights of global expert `expert` of MoE layer `layer` (engine._get_expert_ckpt_name)."""
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp:02d}_model_states.pt"
 
 
 def optim_states_name(dp: int, mp: int, bf16: bool) -> str:

@@ -17,6 +17,7 @@ from reshard.dtypes import is_floating
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import experts as expert_placement
 from reshard.formats.deepspeed import zero12, zero3
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.torchzip import TensorRef
@@ -54,6 +55,10 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     stage = _zero_stage(first_optim)
     catalog.layout.zero = stage
     catalog.layout.options = format_options(model0, first_optim, bf16_prefix, stage)
+    experts = expert_placement.read(tag_dir, listing, model0, first_optim)
+    if experts is not None and (stage == 3 or mp):
+        raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints with ZeRO-3 or tensor/pipeline parallelism "
+                                       "are not supported")
     if stage == 3:
         if mp:
             raise ReshardError.at(tag_dir, "ZeRO-3 with tensor or pipeline parallelism is not supported")
@@ -62,11 +67,13 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
         models = {0: model0}
         catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
 
-    read_model(catalog, model0, models, stage)
+    read_model(catalog, model0, models, stage, experts)
     if stage == 3:
         zero3.read_partitions(catalog, model0, models, optim)
     else:
-        zero12.read_partitions(catalog, model0, optim)
+        zero12.read_partitions(catalog, model0, optim, experts)
+    if experts is not None:
+        expert_placement.read_module(catalog, tag_dir, experts, load_or_raise)
     _check_steps_agree(catalog, models)
     fill_state(catalog, model0, first_optim)
     fill_layout(catalog, model0)
@@ -157,8 +164,9 @@ def _zero_stage(optim_sd) -> int:
     return int(stage)
 
 
-def read_model(catalog, model0, models, stage):
-    """Parameters, buffers, aliases and the module state_dict copy (16-bit weights, buffers)."""
+def read_model(catalog, model0, models, stage, experts=None):
+    """Parameters, buffers, aliases and the module state_dict copy (16-bit weights, buffers). An expert param
+    group's params are its logical tensors (every expert; experts.read_module adds their weights)."""
     module = model0.get("module") or {}
     buffer_names = list(model0.get("buffer_names") or [])
     catalog.aliases = dict(model0.get("shared_params") or {})
@@ -166,6 +174,8 @@ def read_model(catalog, model0, models, stage):
     param_shapes = model0.get("param_shapes") or []
     trainable = {}
     for g, group in enumerate(param_shapes):
+        if experts is not None and g in experts.groups:
+            group = experts.group_params(group)
         for name, shape in group.items():
             trainable[name] = (tuple(shape), g)
     frozen_shapes = dict(model0.get("frozen_param_shapes") or {})

@@ -62,5 +62,6 @@ def _read(tag_dir: str, tag: str, layout_rules) -> Catalog:
 
 
 def _refuse_unsupported(tag_dir, listing):
-    if any(names.EXPERT_STATES.match(n) for n in listing):
-        raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints are not supported yet")
+    if any(names.EXPERT_OPTIM_STATES.match(n) for n in listing):
+        raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints without ZeRO (expp_rank_* optimizer files) "
+                                       "are not supported")

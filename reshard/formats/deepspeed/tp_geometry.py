@@ -122,7 +122,7 @@ class Geometry:
         """`fallback`: may the pattern lists' catch-all (every other param cut along dim 0) decide?"""
         for pattern, entry in self.affine:       # a map states the geometry itself: no trimming on top
             if self._matches(pattern, name):
-                return _from_affine(name, entry, shard_shapes, self.source)
+                return from_affine(name, entry, shard_shapes, self.source)
         for pattern, rule in self.rules:
             if self._matches(pattern, name) and (fallback or not rule.fallback):
                 split = from_rule(name, rule, shard_shapes, tp, self.source)
@@ -165,7 +165,7 @@ def _row_major(box_strides, box, shape) -> bool:
     return all(n == 1 or s == e for n, s, e in zip(box, box_strides, strides(shape)))
 
 
-def _from_affine(name, entry, shard_shapes, source) -> Split:
+def from_affine(name, entry, shard_shapes, source) -> Split:
     full = tuple(int(n) for n in entry["logical_shape"])
     pieces = {}
     for rank_key, value in entry["ranks"].items():

@@ -6,6 +6,9 @@ per-param alignment padding, pads the end to a multiple of 2*dp, and gives rank 
 [r*P, (r+1)*P) of that flat vector. The fp32 master partition is saved with its share of the tail
 padding stripped (BF16_Optimizer keeps it); optimizer moments keep it (elastic files strip it).
 A param's elements in rank r's file are the overlap of the param's range with the rank's range.
+An expert param group (experts.py) is flattened per expert-parallel rank from that rank's local experts and cut
+over the expert-data-parallel group instead: rank r's file holds its slice of its expert-parallel rank's flat
+vector, and each local param is a shard (a box) of its logical tensor.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from reshard.geometry import intersect
 FP32_PARTITIONS = "single_partition_of_fp32_groups"
 
 
-def read_partitions(catalog, model0, optim) -> None:
+def read_partitions(catalog, model0, optim, experts=None) -> None:
     dp = catalog.layout.dp
     present = {r: (path, sd) for r, (path, sd) in optim.items() if sd is not None}
     if not present:
@@ -30,14 +33,23 @@ def read_partitions(catalog, model0, optim) -> None:
     alignment = first.get("param_alignment_paddings")
 
     for g, shapes in enumerate(model0.get("param_shapes") or []):
+        expert_group = experts is not None and g in experts.groups
+        count = experts.topology.expert_dp if expert_group else dp     # the ranks the group is partitioned over
         ranges, end = _param_ranges(shapes, alignment[g] if alignment else None)
-        padded = _padded_length(end, dp)
-        part = padded // dp
-        order = _optimizer_order(present, g, list(shapes), catalog.layout)
+        padded = _padded_length(end, count)
+        part = padded // count
+        order = list(experts.group_params(shapes)) if expert_group else \
+            _optimizer_order(present, g, list(shapes), catalog.layout)
         catalog.param_groups.append(_hyper_params(first, g, elastic, order))
         catalog.group_scalars.append({})
         for rank, (path, sd) in sorted(present.items()):
-            _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_optimizer, elastic)
+            if expert_group:
+                ep_rank, index = experts.ranks(rank)
+                local = {name: experts.logical(ep_rank, name) for name in ranges}
+            else:
+                index, local = rank, {}
+            _read_rank_group(catalog, path, sd, (rank, index), g, ranges, end, part, count, bf16_optimizer, elastic,
+                             local)
 
 
 def _param_ranges(shapes, alignment):
@@ -87,8 +99,11 @@ def _hyper_params(sd, g, elastic, names) -> dict:
     return {**hyper, "params": names}
 
 
-def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_optimizer, elastic):
-    rank_start = rank * part
+def _read_rank_group(catalog, path, sd, ranks, g, ranges, end, part, dp, bf16_optimizer, elastic, local):
+    """`ranks`: (the file's data-parallel rank, its place among the `dp` ranks the group is cut over); `local`:
+    name -> experts.LocalExpert for an expert group's params (shards of the logical tensors), else empty."""
+    rank, index = ranks
+    rank_start = index * part
     tail_padding = max(0, min(rank_start + part, part * dp) - max(rank_start, end))
     paddings = sd.get("group_paddings") or []
     if g < len(paddings) and paddings[g] != tail_padding:
@@ -96,7 +111,7 @@ def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_opt
                         f"the param shapes imply {tail_padding}")
     counts = sd.get("partition_count") or []
     if g < len(counts) and counts[g] != dp:
-        catalog.problem(path, f"group {g}: partition_count {counts[g]} but the checkpoint's dp is {dp}")
+        catalog.problem(path, f"group {g}: partition_count {counts[g]} but the group is cut over {dp} ranks")
 
     fp32_parts = sd.get(FP32_PARTITIONS) or []
     if g >= len(fp32_parts):
@@ -117,8 +132,10 @@ def _read_rank_group(catalog, path, sd, rank, g, ranges, end, part, dp, bf16_opt
         usable = min(ref.numel, expected)
         for name, (start, numel) in ranges.items():
             overlap = intersect(start, start + numel, rank_start, rank_start + usable)
-            tensor = catalog.add(LogicalTensor(name, state, catalog.params[name].shape, ref.dtype), ref.storage.file)
+            logical, shard = (local[name].name, local[name].shard) if name in local else (name, None)
+            tensor = catalog.add(LogicalTensor(logical, state, catalog.params[logical].shape, ref.dtype),
+                                 ref.storage.file)
             if overlap:
                 a, b = overlap
                 tensor.fragments.append(Fragment(a - start, b - start, ref.storage,
-                                                 ref.storage_offset + a - rank_start, rank))
+                                                 ref.storage_offset + a - rank_start, rank, shard))

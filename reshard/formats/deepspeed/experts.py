@@ -1,0 +1,205 @@
+"""Expert parallelism in a DeepSpeed ZeRO-1/2 save: which experts each rank holds, and where they sit.
+
+Two engines write these saves (DeepSpeed 0.19.8, `DeepSpeedEngine._save_moe_checkpoint`):
+* AutoEP packs a MoE layer's local experts as `experts.w1/w2/w3` of shape (local experts, ...). The model states'
+  `ds_autoep_layers` give, per layer, the placement (expert-parallel rank -> global experts) and an affine map per
+  packed param: the box of the (num_experts, ...) logical tensor each expert-parallel rank's packed tensor is.
+  That logical tensor, every expert in it, is what the catalog holds.
+* deepspeed.moe keeps one module per local expert; local expert i of expert-parallel rank r is global expert
+  r * local + i, and each expert's params are logical tensors of their own, named with that global number (as
+  the engine renames them in its layer files).
+Either way the expert params form optimizer param groups of their own (saved with `moe: True`), ZeRO-partitioned
+over the expert-data-parallel group (the ranks holding the same experts); the optimizer file of data-parallel rank
+d holds, for those groups, its expert-parallel rank's experts. The 16-bit (or fp32) module weights of global
+expert E of MoE layer L are in `layer_L_expert_E_mp_rank_00_model_states.pt`, which the engine numbers
+ep rank * local + i (for AutoEP too, whatever its placement says: non-contiguous placements are refused).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from reshard.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, LogicalTensor
+from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed.tp_geometry import from_affine
+from reshard.formats.torchzip import TensorRef
+from reshard.placement import Shard
+from reshard.tensorio import file_size
+
+# How deepspeed.moe names a local expert's params (engine._save_moe_checkpoint renames it to the global number)
+DS_MOE_EXPERT = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..*)$")
+
+
+@dataclass(frozen=True)
+class LocalExpert:
+    """What an expert param of one expert-parallel rank's optimizer is: a box of which logical tensor."""
+    name: str                 # the logical tensor
+    shard: Shard | None       # the box(es) of it the rank's local tensor holds (None: all of it)
+
+
+@dataclass(frozen=True)
+class ExpertFile:
+    """One `layer_L_expert_E` file: each of its keys is the slab of expert E in a logical tensor."""
+    name: str                 # file name in the tag folder
+    layer: int
+    expert: int
+    keys: tuple               # (key in the file, logical tensor, flat [start, stop) of the expert's elements in it)
+
+
+@dataclass(frozen=True)
+class Experts:
+    topology: ExpertParallel
+    groups: frozenset         # the optimizer param groups of expert params
+    data_first: bool          # ds_config's use_data_before_expert_parallelism: how ranks form the groups
+    local: dict               # (ep rank, name in param_shapes) -> LocalExpert
+    shapes: dict              # logical expert tensor -> its full shape, in model order
+    files: tuple              # ExpertFile
+
+    def ranks(self, rank: int) -> tuple:
+        """(expert-parallel rank, expert-data-parallel rank) of data-parallel rank `rank`: DeepSpeed's
+        groups._create_expert_and_data_parallel (consecutive ranks form an expert-parallel group, unless data
+        before expert parallelism makes the expert-data-parallel groups consecutive)."""
+        ep, edp = self.topology.ep, self.topology.expert_dp
+        return (rank // edp, rank % edp) if self.data_first else (rank % ep, rank // ep)
+
+    def logical(self, ep_rank: int, name: str) -> LocalExpert:
+        return self.local[(ep_rank, name)]
+
+    def group_params(self, shapes: dict) -> dict:
+        """The logical tensors (name -> full shape) of an expert group whose param_shapes are `shapes`."""
+        out = {}
+        for ep_rank in range(self.topology.ep):
+            for name in shapes:
+                logical = self.local[(ep_rank, name)].name
+                out[logical] = self.shapes[logical]
+        return out
+
+
+def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | None:
+    """The expert placement of a save (None when it has no experts)."""
+    base = optim0.get("base_optimizer_state")
+    # an elastic save keeps a list of per-group states and no param groups
+    groups = [g for g in (base.get("param_groups", []) if isinstance(base, dict) else []) if isinstance(g, dict)]
+    expert_groups = frozenset(i for i, g in enumerate(groups) if g.get("moe"))
+    has_files = any(names.EXPERT_MODEL_STATES.match(n) for n in listing)
+    if not expert_groups and not has_files and not model0.get("ds_autoep_layers"):
+        return None
+    if not expert_groups:
+        raise ReshardError.at(tag_dir, "expert files but no optimizer param group of experts (moe: True)")
+    param_shapes = model0.get("param_shapes") or []
+    dp = int(model0.get("dp_world_size") or 1)
+    data_first = bool((model0.get("ds_config") or {}).get("use_data_before_expert_parallelism"))
+    if model0.get("ds_autoep_layers"):
+        layers, local, shapes, files = _autoep(tag_dir, model0["ds_autoep_layers"], param_shapes, expert_groups)
+    else:
+        layers, local, shapes, files = _ds_moe(tag_dir, param_shapes, expert_groups, _ep_of(tag_dir, optim0,
+                                                                                             expert_groups, dp))
+    ep = len(layers[0].placement)
+    if dp % ep:
+        raise ReshardError.at(tag_dir, f"expert-parallel degree {ep} does not divide the data-parallel degree {dp}")
+    return Experts(ExpertParallel(ep, dp // ep, tuple(layers)), expert_groups, data_first, local, shapes,
+                   tuple(files))
+
+
+def _ep_of(tag_dir, optim0, expert_groups, dp) -> int:
+    """deepspeed.moe records no placement: its expert-parallel degree is dp over the expert groups' partition count
+    (the expert-data-parallel degree)."""
+    counts = optim0.get("partition_count") or []
+    edp = {int(counts[g]) for g in expert_groups if g < len(counts)}
+    if len(edp) != 1 or dp % min(edp):
+        raise ReshardError.at(tag_dir, f"the expert param groups' partition counts {sorted(edp)} do not give one "
+                                       f"expert-data-parallel degree dividing dp={dp}")
+    return dp // edp.pop()
+
+
+def _autoep(tag_dir, autoep_layers, param_shapes, expert_groups):
+    local_shapes = {n: tuple(s) for g in expert_groups for n, s in param_shapes[g].items()}
+    layers, local, shapes, files = [], {}, {}, []
+    for entry in autoep_layers:
+        layer, num_experts = int(entry["moe_layer_id"]), int(entry["num_experts"])
+        ranks = sorted(entry["expert_placement"]["ranks"], key=lambda r: int(r["rank"]))
+        placement = tuple(tuple(int(e) for e in r["experts"]) for r in ranks)
+        per_rank = num_experts // len(placement)
+        if placement != tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(placement))):
+            raise ReshardError.at(tag_dir, f"MoE layer {layer}: expert placement {[list(p) for p in placement]} is "
+                                           "not contiguous; the engine's layer files would not match it (not supported)")
+        params = (entry["affine_maps"] or {}).get("params") or {}
+        source = f"ds_autoep_layers of {tag_dir}"
+        for name, affine in params.items():
+            if name not in local_shapes:
+                raise ReshardError.at(tag_dir, f"MoE layer {layer}: {name} is in no expert param group")
+            split = from_affine(name, affine, {r: local_shapes[name] for r in range(len(placement))}, source)
+            shapes[name] = split.full_shape
+            for r in range(len(placement)):
+                local[(r, name)] = LocalExpert(name, split.shard(r, local_shapes[name]))
+        layers.append(ExpertLayer(layer, num_experts, placement, tuple(params)))
+        for e in range(num_experts):
+            slab = {name: math.prod(shapes[name][1:]) for name in params}
+            keys = tuple((f"{name}.{e}", name, e * slab[name], (e + 1) * slab[name]) for name in params)
+            files.append(ExpertFile(names.expert_states_name(layer, e), layer, e, keys))
+    return layers, local, shapes, files
+
+
+def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
+    """deepspeed.moe: rank 0's local expert params, named `<layer>.deepspeed_moe.experts.deepspeed_experts.i.*`."""
+    by_layer = {}             # layer prefix -> {local index: [(name, what follows the index, shape)]}
+    for g in sorted(expert_groups):
+        for name, shape in param_shapes[g].items():
+            m = DS_MOE_EXPERT.match(name)
+            if not m:
+                raise ReshardError.at(tag_dir, f"{name}: an expert param not named as deepspeed.moe names them")
+            by_layer.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append((name, m.group(3), tuple(shape)))
+    layers, local, shapes, files = [], {}, {}, []
+    for layer, (prefix, experts) in enumerate(by_layer.items()):
+        per_rank = len(experts)
+        if sorted(experts) != list(range(per_rank)):
+            raise ReshardError.at(tag_dir, f"{prefix}: local experts {sorted(experts)} are not numbered from 0")
+        num_experts = ep * per_rank
+        keys_of = {e: [] for e in range(num_experts)}
+        for r in range(ep):
+            for i, params in sorted(experts.items()):
+                e = r * per_rank + i
+                for name, rest, shape in params:
+                    glob = f"{prefix}{e}{rest}"
+                    local[(r, name)] = LocalExpert(glob, None)
+                    shapes[glob] = shape
+                    keys_of[e].append((glob, glob, 0, math.prod(shape)))
+        placement = tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep))
+        layers.append(ExpertLayer(layer, num_experts, placement, tuple(k for e in range(num_experts)
+                                                                        for k, _, _, _ in keys_of[e])))
+        files += [ExpertFile(names.expert_states_name(layer, e), layer, e, tuple(keys_of[e]))
+                  for e in range(num_experts)]
+    return layers, local, shapes, files
+
+
+def read_module(catalog, tag_dir: str, experts: Experts, load) -> None:
+    """The experts' module weights from their layer files; a file missing or short of a key is a problem."""
+    for ef in experts.files:
+        path = os.path.join(tag_dir, ef.name)
+        catalog.files.append(FileInfo(ef.name, "expert_states", None, file_size(path)))
+        if not os.path.exists(path):
+            catalog.problem(path, f"missing (expected for expert {ef.expert} of MoE layer {ef.layer})")
+            continue
+        try:
+            sd = load(path)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:      # unreadable: a problem of this file, the others are still read
+            catalog.problems.append(str(e))
+            continue
+        for key, name, start, stop in ef.keys:
+            ref = sd.get(key)
+            if not isinstance(ref, TensorRef):
+                catalog.problem(path, f"no tensor {key!r} (expert {ef.expert} of MoE layer {ef.layer})")
+                continue
+            if ref.numel != stop - start or not ref.is_contiguous():
+                catalog.problem(path, f"{key}: {ref.dtype}{list(ref.shape)}, expected {stop - start} contiguous "
+                                      "elements")
+                continue
+            tensor = catalog.add(LogicalTensor(name, MODULE, experts.shapes[name], ref.dtype), path)
+            tensor.fragments.append(Fragment(start, stop, ref.storage, ref.storage_offset))
+    catalog.order.extend(name for name in experts.shapes if name not in catalog.order)
+    catalog.experts = experts.topology
