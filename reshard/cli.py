@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: torch for a .bin/.pt/.pth OUT, else safetensors")
     p.add_argument("--weights", default="master", choices=["master", "module"],
                    help="fp32 master copy (default) or the saved 16-bit module copy where there is one")
+    p.add_argument("--names", metavar="FILE",
+                   help="how the consumer names and cuts the weights: an export-names rule file (layouts/, e.g. "
+                        "mixtral-autoep-hf.json: AutoEP's packed experts as Hugging Face's one tensor per expert)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--resume", action="store_true",
@@ -451,7 +454,8 @@ def _export(args) -> int:
     catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
     require_complete(catalog)
     plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                    with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights)
+                                    with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights,
+                                    names=args.names)
     group = _group()
     try:
         written = execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,

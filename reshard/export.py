@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from reshard import export_names
 from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.dtypes import SHORT, is_floating
 from reshard.errors import ReshardError, UsageError
@@ -30,14 +31,18 @@ WITH_OPTIMIZER = "the optimizer state (--with-optimizer)"    # optimizer.json ke
 
 @dataclass
 class Entry(NewTensor):
-    """A tensor of the export: its name (the key), dtype and shape, and the logical tensor it copies."""
+    """A tensor of the export: its name (the key), dtype and shape, and the logical tensor it copies, from its
+    flat element `start` (a slab of it, where export names split a tensor)."""
     source: tuple = ()
+    start: int = 0
 
 
 def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_size=None,
-                with_optimizer: bool = False, fmt: str | None = None, weights: str = "master"):
+                with_optimizer: bool = False, fmt: str | None = None, weights: str = "master",
+                names: str | None = None):
     """(Plan, single_file): the files of the export; single_file when OUT names one file. `fmt`:
-    safetensors or torch; by default the one OUT's suffix names (safetensors for a directory)."""
+    safetensors or torch; by default the one OUT's suffix names (safetensors for a directory). `names`: an
+    export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights."""
     fmt = export_format(out, fmt)
     if dtype not in ("auto", *SHORT):
         raise ReshardError(f"unknown dtype {dtype!r} (fp32, bf16, fp16 or auto)")
@@ -48,15 +53,20 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
     if single_file and with_optimizer:
         raise ReshardError.at(out, "--with-optimizer writes several files; give a directory")
     if with_optimizer:
+        if names:      # optimizer.json names params as the checkpoint does
+            raise UsageError.at(names, "export names apply to the weights; export the optimizer state without them")
         catalog.scalars_of_groups(WITH_OPTIMIZER)
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
+    aliases = catalog.aliases
+    if names:
+        entries, aliases = export_names.load(names).apply(entries, aliases)
     metadata = {"format": "pt"}
-    if catalog.aliases:
-        metadata["tied"] = json.dumps(catalog.aliases)
+    if aliases:
+        metadata["tied"] = json.dumps(aliases)
     if single_file:
-        targets = [file_type.from_entries(os.path.basename(out), entries, catalog.aliases, metadata)]
+        targets = [file_type.from_entries(os.path.basename(out), entries, aliases, metadata)]
     else:
-        targets = _sharded(file_type, file_type.STEM, entries, catalog.aliases, metadata,
+        targets = _sharded(file_type, file_type.STEM, entries, aliases, metadata,
                            max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
     if with_optimizer:
         for state in optimizer_sets(catalog, entries):
