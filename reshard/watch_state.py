@@ -25,7 +25,7 @@ class Seen:
     fingerprint: tuple          # reshard.runs.fingerprint of its row when validated
     status: str                 # reshard.runs COMPLETE or INCOMPLETE
     why: str = ""
-    checksums: bool = False     # its sha256 sums were verified against its manifest
+    checksums: bool = False     # validated with `checksums` asked (the sums verified where it has a manifest)
     acted: bool = False         # `--exec` ran on it (a good one), or there was nothing to run
 
 

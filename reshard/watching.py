@@ -138,12 +138,11 @@ class Watcher:
                 if not seen.acted:      # killed during its --exec: run it again, not report it again
                     problems += self._act(row, seen)
                 continue
-            judged = self._judged(row)
+            judged, summed = self._judged(row)
             if judged is None:
                 waiting.append(replace(row, status=IN_PROGRESS, why="its files changed while it was validated"))
                 continue
-            event = Event(row.name, row.path, row.step, judged.status, judged.why, row.bytes, row.metrics,
-                          judged.checksums)
+            event = Event(row.name, row.path, row.step, judged.status, judged.why, row.bytes, row.metrics, summed)
             self._remember(row.name, judged)
             self.say(event.line(self.root, self.metric), False)
             reported.append(event)
@@ -157,9 +156,10 @@ class Watcher:
         watch_state.save(self.root, self.state)
         return Pass(tuple(reported), tuple(waiting), tuple(removed), exported, tuple(problems + failed + refused))
 
-    def _judged(self, row: Checkpoint) -> watch_state.Seen | None:
-        """The verdict on a finished row: the listing's coverage proof, and the sha256 sums where asked and a
-        manifest is there; None when its files changed meanwhile (a writer still at work: retried)."""
+    def _judged(self, row: Checkpoint) -> tuple:
+        """(the verdict on a finished row, whether sha256 sums were verified): the listing's coverage proof, and
+        the sums where asked and a manifest is there; (None, False) when its files changed meanwhile (a writer
+        still at work: retried)."""
         status, why, summed = row.status, row.why, False
         if status == COMPLETE and self.checksums:
             try:
@@ -171,9 +171,9 @@ class Watcher:
             except ReshardError as e:
                 status, why = INCOMPLETE, str(e)
         if not unchanged(row, self.root):
-            return None
-        return watch_state.Seen(fingerprint(row), status, why, summed, acted=not (status == COMPLETE and
-                                                                                  self.exec_cmd))
+            return None, False
+        acted = not (status == COMPLETE and self.exec_cmd)      # nothing to run on it
+        return watch_state.Seen(fingerprint(row), status, why, self.checksums, acted), summed
 
     def _remember(self, name: str, seen: watch_state.Seen) -> None:
         self.state = self.state.with_seen(name, seen)
