@@ -234,8 +234,11 @@ class Watcher:
         """(names removed, problems): the policy on the watcher's verdicts, carried out."""
         if self.policy is None:
             return [], []
+        # A series with no validated complete checkpoint yet (a run's first saves still landing) waits: there
+        # is nothing for its rules to rank, and decide would call that a policy it cannot evaluate.
+        ready = {r.series for r in verdicts if r.status == COMPLETE}
         try:
-            decisions = decide(verdicts, self.policy)
+            decisions = decide([r for r in verdicts if r.series in ready], self.policy)
         except PolicyError as e:
             return [], [self._problem(str(e))]
         plan = carry_out(listing, decisions, yes=True)

@@ -91,6 +91,25 @@ def test_policy_deletes_only_what_it_validated_and_keeps_the_prune_invariants(ru
     assert sorted(p.name for p in (run / "ds").iterdir() if p.is_dir()) == ["global_step8"]
 
 
+def test_the_policy_waits_for_a_first_validated_checkpoint(tmp_path):
+    """Saves all still landing (just written): nothing for --keep-best to rank yet, which is not a policy that
+    cannot be evaluated — no error, exit 0; once they are old enough, the same run is ranked (the best and the
+    newest kept)."""
+    run = tmp_path / "run"
+    shutil.copytree(fixture_dir("z2_fp32_dp2"), run)
+    metrics = tmp_path / "loss.json"
+    metrics.write_text(json.dumps({"2": 0.5, "3": 0.7}))
+    args = ("watch", run, "--once", "--keep-best", "1", "--metric", "loss", "--metrics", metrics)
+    for p in run.rglob("*"):
+        os.utime(p)         # written now: in progress for --recent seconds
+    proc = run_cli(*args, "--recent", "3600", check=0)
+    assert proc.stderr == "" and "2 in progress, 0 deleted" in proc.stdout
+    lr.age(run)
+    proc = run_cli(*args, check=0)
+    assert "deleted" not in proc.stderr and sorted(reported(proc.stdout)) == [2, 3]
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["global_step2", "global_step3"]   # best, newest
+
+
 def test_restart_from_the_state_file_validates_nothing_again(run, monkeypatch):
     """With --checksums each new complete checkpoint is validated again (the sha256 sums where a manifest is
     there: `reshard convert` output); a restarted watcher reads its state and validates and reports nothing it
@@ -166,7 +185,8 @@ def test_a_checkpoint_still_being_written_is_not_reported_until_it_is_whole(tmp_
 
 def test_a_checkpoint_changed_while_validated_is_retried_not_reported_broken(run, monkeypatch):
     """A writer cuts a file of global_step8 while the watcher validates it (--checksums): the look after the
-    validation sees the change, and the checkpoint is retried next pass, not reported."""
+    validation sees the change, and the checkpoint is retried next pass, not reported; meanwhile the policy
+    (keep-last 1) counts it in progress: global_step7, the newest the watcher validated, is what it keeps."""
     real = watching.validate
     target = run / "ds" / "global_step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     whole = target.read_bytes()
@@ -176,14 +196,16 @@ def test_a_checkpoint_changed_while_validated_is_retried_not_reported_broken(run
             target.write_bytes(whole[:100])     # the trainer still at work
         return real(catalog, **kw)
     monkeypatch.setattr(watching, "validate", validate_while_written)
-    first = reshard.Watcher(run, checksums=True, recent=0, settle=0).poll()
+    first = reshard.Watcher(run, reshard.Policy(keep_last=1), checksums=True, recent=0, settle=0).poll()
     assert "ds/global_step8" not in [e.name for e in first.reported]
+    assert sorted(first.removed) == ["ds/global_step1", "ds/global_step2", "ds/global_step3", "ds/global_step6"]
     assert [r.why for r in first.waiting if r.name == "ds/global_step8"] == ["its files changed while it was validated"]
     monkeypatch.setattr(watching, "validate", real)
     target.write_bytes(whole)
     lr.age(target.parent)
-    second = reshard.Watcher(run, checksums=True, recent=0, settle=0).poll()
+    second = reshard.Watcher(run, reshard.Policy(keep_last=1), checksums=True, recent=0, settle=0).poll()
     assert [(e.name, e.status) for e in second.reported] == [("ds/global_step8", "complete")]
+    assert second.removed == ("ds/global_step7",)
 
 
 def test_exec_runs_once_per_good_checkpoint(run, tmp_path):
@@ -359,7 +381,8 @@ def tags(run) -> list:
 
 @pytest.mark.engine
 def test_watch_beside_a_live_deepspeed_run_reports_each_save_and_flags_the_broken(live_run):
-    assert live_run["code"] == 0 and "Traceback" not in live_run["err"], live_run["err"]
+    assert live_run["code"] == 0 and "reshard:" not in live_run["err"] and "Traceback" not in live_run["err"], \
+        live_run["err"]
     lines = reported(live_run["out"])
     assert sorted(lines) == list(range(1, 9))
     assert "INCOMPLETE — global_step3/" in lines[3] and "% of elements missing" in lines[3]
