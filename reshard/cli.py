@@ -300,7 +300,7 @@ def _watch_command(sub) -> None:
                    f"checkpoint, its path in ${watching.EXEC_VARIABLE} and in place of {{}} (its step in "
                    f"${watching.STEP_VARIABLE})")
     p.add_argument("--once", action="store_true", help="one pass, then exit (1 if a broken checkpoint was found or "
-                   "the policy could not be evaluated)")
+                   "the policy could not be evaluated or --exec/--export-best failed)")
     p.add_argument("--interval", type=_positive_float, default=watching.INTERVAL_SECONDS, metavar="S",
                    help=f"seconds between passes (default {watching.INTERVAL_SECONDS:g})")
     _run_dir_args(p, settle=watching.SETTLE_SECONDS)
@@ -370,12 +370,7 @@ def _watch(args) -> int:
                               settle=args.settle, say=_say)
     if args.once:
         done = watcher.poll()
-        for row in done.waiting:
-            print(f"{'step ' + str(row.step) if row.step is not None else row.name}: in progress — {row.why} "
-                  f"({row.name})")
-        broken = sum(not e.complete for e in done.reported)
-        print(f"{watcher.root}: {len(done.reported)} checkpoint(s) newly validated ({broken} broken), "
-              f"{len(done.waiting)} in progress, {len(done.removed)} deleted")
+        cli_text.print_watch_pass(watcher.root, done)
         return 1 if done.broken or done.problems else 0
     stopped_by = []
 

@@ -54,7 +54,7 @@ class Event:
 
     def line(self, root: str, metric: str | None = None) -> str:
         """`step 4000: complete, 42.1 GiB, eval_loss 1.83 (global_step4000)`, or the loud INCOMPLETE one."""
-        head = f"step {self.step}" if self.step is not None else self.name
+        head = label(self)
         if not self.complete:
             return f"{head}: INCOMPLETE — {within(self.why, root)} ({self.name})"
         words = [f"complete{' (sha256 checked)' if self.checksums else ''}", human_bytes(self.bytes)]
@@ -122,9 +122,14 @@ class Watcher:
     def poll(self) -> Pass:
         """One pass: report, remember, act on, export and prune what finished since the last."""
         try:
-            listing = list_checkpoints(self.root, self.metrics, self.metric, self.recent, self.settle)
-        except FileNotFoundError:   # the trainer's own rotation removed a checkpoint while it was listed
+            return self._pass()
+        except FileNotFoundError:
+            # A checkpoint vanished while it was read (the trainer's own rotation, save_total_limit): what was
+            # done is recorded; the next pass lists the run as it is then.
             return Pass()
+
+    def _pass(self) -> Pass:
+        listing = list_checkpoints(self.root, self.metrics, self.metric, self.recent, self.settle)
         rows = _held_for_pointers(listing)
         reported, waiting, problems = [], [], []
         for row in rows:
@@ -152,8 +157,10 @@ class Watcher:
         verdicts = self._verdicts(rows)
         exported, failed = self._export(verdicts)
         removed, refused = self._prune(listing, verdicts)
-        self.state = self.state.only({r.name for r in rows} - set(removed))
-        watch_state.save(self.root, self.state)
+        kept = self.state.only({r.name for r in rows} - set(removed))
+        if kept != self.state:      # a quiet pass writes nothing: no fsync every few seconds for nothing
+            self.state = kept
+            watch_state.save(self.root, self.state)
         return Pass(tuple(reported), tuple(waiting), tuple(removed), exported, tuple(problems + failed + refused))
 
     def _judged(self, row: Checkpoint) -> tuple:
@@ -226,8 +233,7 @@ class Watcher:
             return None, [self._problem(f"--export-best: {e}")]
         self.state = replace(self.state, best=watch_state.Best(row.name, fingerprint(row), self.export_best))
         watch_state.save(self.root, self.state)
-        step = f"step {row.step}" if row.step is not None else row.name
-        self.say(f"best {self.metric} {value:g}: {step} exported to {self.export_best}", False)
+        self.say(f"best {self.metric} {value:g}: {label(row)} exported to {self.export_best}", False)
         return row.name, []
 
     def _prune(self, listing, verdicts: list) -> tuple:
@@ -258,6 +264,11 @@ class Watcher:
             self._said.add(text)
             self.say(f"reshard: {text}", True)
         return text
+
+
+def label(row) -> str:
+    """How a line names a checkpoint (a row or an Event): by its step, or its name when it carries none."""
+    return f"step {row.step}" if row.step is not None else row.name
 
 
 def within(text: str, root: str) -> str:

@@ -199,6 +199,22 @@ def test_a_checkpoint_changed_while_validated_is_retried_not_reported_broken(run
     assert second.removed == ("ds/global_step7",)
 
 
+def test_a_checkpoint_the_trainer_removes_while_it_is_validated_is_not_reported(run, monkeypatch):
+    """The trainer's own rotation deletes global_step1 while the watcher validates it: that pass ends quietly
+    (what it reported is kept), the next one goes on with the run as it is."""
+    real = watching.validate
+
+    def validate_while_rotated(catalog, **kw):
+        if catalog.root.endswith("global_step1"):
+            shutil.rmtree(catalog.root)
+        return real(catalog, **kw)
+    monkeypatch.setattr(watching, "validate", validate_while_rotated)
+    watcher = reshard.Watcher(run, checksums=True)
+    assert watcher.poll().reported == ()
+    monkeypatch.setattr(watching, "validate", real)
+    assert [e.step for e in watcher.poll().reported] == [2, 3, 4, 5, 6, 7, 8]
+
+
 def test_exec_runs_once_per_good_checkpoint(run, tmp_path):
     log = tmp_path / "exec.log"
     command = f'echo "$RESHARD_STEP $RESHARD_CHECKPOINT {{}}" >> {log}'
@@ -282,35 +298,49 @@ def test_lightning_run_export_best_is_the_callbacks_best(tmp_path):
     assert _same(_tensors(best), _tensors(ref))
 
 
-def _start(*args, cwd=REPO):
-    return subprocess.Popen([sys.executable, "-m", "reshard", "watch", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
+class Watching:
+    """`reshard watch ARGS` in a subprocess, its output in files under `folder` (a pipe nobody reads could fill
+    and stall it); `until` waits for a line, `stop` sends a signal and waits for the exit."""
 
+    def __init__(self, folder, *args):
+        self.out, self.err = folder / "watch.out", folder / "watch.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "reshard", "watch", *map(str, args)], stdout=out,
+                                         stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
 
-def _read_until(proc, text: str) -> str:
-    """The watcher's output up to the line holding `text` (fails after TIMEOUT)."""
-    seen = []
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if text in line:
-            return "".join(seen)
-    raise AssertionError(f"no {text!r} from the watcher:\n{''.join(seen)}")
+    def until(self, text: str) -> str:
+        """Its output once a line holds `text` (fails after TIMEOUT, or when it ended without one)."""
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            out = self.out.read_text()
+            if any(text in line for line in out.splitlines()):
+                return out
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no {text!r} from the watcher:\n{self.out.read_text()}{self.err.read_text()}")
+
+    def stop(self, signum=signal.SIGTERM) -> tuple:
+        """(exit status, stdout, stderr) after `signum`."""
+        self.proc.send_signal(signum)
+        code = self.proc.wait(timeout=TIMEOUT)
+        return code, self.out.read_text(), self.err.read_text()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:    # a failed test: never leave it running
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_the_watcher_cleanly_with_exit_0(run, signum):
-    proc = _start(run, "--interval", "0.2")
-    try:
-        _read_until(proc, "step 8:")
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
+def test_a_signal_ends_the_watcher_cleanly_with_exit_0(run, tmp_path, signum):
+    with Watching(tmp_path, run, "--interval", "0.2") as watcher:
+        watcher.until("step 8:")
+        code, out, err = watcher.stop(signum)
+    assert code == 0, err
     assert f"stopped ({signal.Signals(signum).name})" in out and "Traceback" not in err
     state = json.loads((run / WATCH_STATE).read_text())     # whole JSON, and what it had reported
     assert sorted(state["seen"]) == [f"ds/global_step{n}" for n in range(1, 9)]
@@ -346,24 +376,19 @@ def live_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
     run = tmp / "run"
     run.mkdir()
-    watcher = _start(run, "--keep-last", "2", "--keep-best", "2", "--metric", "eval_loss", "--delete-incomplete",
-                     "--interval", "0.5", "--recent", "2")
-    try:
+    with Watching(tmp, run, "--keep-last", "2", "--keep-best", "2", "--metric", "eval_loss", "--delete-incomplete",
+                  "--interval", "0.5", "--recent", "2") as watcher:
         saved = run_torchrun("lifecycle_deepspeed.py", 2, {"mode": "train", "dir": str(run), "steps": 8,
                                                            "rank0_only": [3], "truncate": [5]}, tmp, "train")
         whole = [t for t in saved if t not in ("global_step3", "global_step5")]
         best = sorted(whole, key=lambda t: (saved[t]["eval_loss"], -int(t[len("global_step"):])))[:2]
         expected = sorted({*best, "global_step7", "global_step8"})
-        out = _read_until(watcher, "step 8:")
+        watcher.until("step 8:")
         deadline = time.monotonic() + TIMEOUT
         while tags(run) != expected and time.monotonic() < deadline:
             time.sleep(0.5)
-        watcher.send_signal(signal.SIGTERM)
-        rest, err = watcher.communicate(timeout=TIMEOUT)
-    finally:
-        watcher.kill()
-    return {"run": run, "tmp": tmp, "saved": saved, "expected": expected, "out": out + rest, "err": err,
-            "code": watcher.returncode}
+        code, out, err = watcher.stop()
+    return {"run": run, "tmp": tmp, "saved": saved, "expected": expected, "out": out, "err": err, "code": code}
 
 
 def tags(run) -> list:
