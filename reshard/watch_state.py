@@ -4,16 +4,18 @@ For each checkpoint it reported: the fingerprint of its files when it was valida
 newest mtime — a save reusing the name changes it, and is then new), the verdict, whether the sha256 sums were
 checked and whether the action on it (`--exec`) ran; and which checkpoint the `--export-best` file holds. It is
 written whole to a hidden sibling and renamed over the old one, so a watcher killed at any point leaves the old
-state or the new, never half of one. The name is hidden (run_layout.WATCH_STATE): `list` and `prune` skip it.
+state or the new, never half of one. A lock file beside it keeps a second watcher out. The names are hidden
+(run_layout.WATCH_STATE, WATCH_LOCK): `list` and `prune` skip them.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 
 from reshard.errors import ReshardError
-from reshard.formats.run_layout import WATCH_STATE
+from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
 from reshard.staging import fsync, write_text
 
 VERSION = 1
@@ -84,3 +86,28 @@ def save(root: str, state: WatchState) -> None:
         fsync(root)
     except OSError as e:
         raise ReshardError.at(path, f"cannot write the watch state ({e.strerror or e})") from None
+
+
+def lock(root: str) -> int:
+    """Hold the run directory's watch lock (flock; `unlock` or the end of the process releases it): a second
+    watcher would report, act on and prune the same checkpoints twice."""
+    path = os.path.join(root, WATCH_LOCK)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as e:
+        raise ReshardError.at(path, f"cannot create the watch lock ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ReshardError.at(root, f"another reshard watch is watching it (lock {path} is held)") from None
+    return fd
+
+
+def unlock(root: str, fd: int) -> None:
+    """Release the lock and remove its file (as reshard.staging does its own): the run keeps only the state."""
+    try:
+        os.unlink(os.path.join(root, WATCH_LOCK))
+    except OSError:
+        pass
+    os.close(fd)

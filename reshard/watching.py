@@ -82,15 +82,17 @@ class Pass:
 
 class Watcher:
     """Watch run directory `run_dir`: `poll()` is one pass, `run()` passes every `interval` seconds until
-    `stop` is set (`stop()` sets it). `policy`: retention applied after validation (None: delete nothing);
-    `metric`/`mode` rank `export_best` (a .safetensors file outside the run) and name the metric each line shows
-    (default: the policy's); `exec_cmd`: a shell command run for each good checkpoint, its path in
-    $RESHARD_CHECKPOINT and in place of `{}`; `say(text, error)`: where lines go (default: nowhere)."""
+    `stop()`; one Watcher per directory at a time (`close()`, or the end of a `with`, lets the next in).
+    `policy`: retention applied after validation (None: delete nothing); `metric`/`mode` rank `export_best` (a
+    .safetensors file outside the run) and name the metric each line shows (default: the policy's); `exec_cmd`:
+    a shell command run for each good checkpoint, its path in $RESHARD_CHECKPOINT and in place of `{}`;
+    `say(text, error)`: where lines go (default: nowhere)."""
 
     def __init__(self, run_dir, policy: Policy | None = None, *, checksums: bool = False,
                  export_best: str | None = None, metric: str | None = None, mode: str | None = None,
                  exec_cmd: str | None = None, metrics: str | None = None, recent: float = RECENT_SECONDS,
                  settle: float = SETTLE_SECONDS, say: Callable[[str, bool], None] | None = None):
+        self._lock = None       # first: close() (and __del__) may run however far __init__ got
         self.root = os.path.realpath(str(run_dir))
         if not os.path.isdir(self.root):
             raise ReshardError.at(self.root, "not a directory")
@@ -105,10 +107,29 @@ class Watcher:
         self.checksums, self.exec_cmd, self.metrics = checksums, exec_cmd, metrics
         self.recent, self.settle = recent, settle
         self.say = say or (lambda text, error: None)
-        self.state = watch_state.load(self.root)
+        self._lock = watch_state.lock(self.root)
+        try:
+            self.state = watch_state.load(self.root)
+        except ReshardError:
+            self.close()
+            raise
         self.stopped = threading.Event()
         self._failed_exports = set()    # (name, fingerprint) whose export failed: not retried every pass
         self._said = set()              # problem lines already said (a policy error repeats every pass)
+
+    def close(self) -> None:
+        """Let another watcher watch the directory (also when this process ends)."""
+        if self._lock is not None:
+            watch_state.unlock(self.root, self._lock)
+            self._lock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    __del__ = close     # a Watcher dropped without close() (`Watcher(d).poll()`) lets go of the lock too
 
     def stop(self) -> None:
         """End `run()` after the step under way (a signal handler may call it)."""

@@ -167,6 +167,7 @@ def test_a_checkpoint_still_being_written_is_not_reported_until_it_is_whole(tmp_
     lr.age(tag)     # only the tag: a new mtime elsewhere would be a checkpoint saved again, and reported again
     finished = watcher.poll()
     assert [(e.name, e.status) for e in finished.reported] == [("global_step3", "complete")]
+    watcher.close()
     # the negative control: the same cut file, not growing, is reported broken
     optim.write_bytes(whole[:len(whole) // 4])
     lr.age(tag)
@@ -344,6 +345,23 @@ def test_a_signal_ends_the_watcher_cleanly_with_exit_0(run, tmp_path, signum):
     assert f"stopped ({signal.Signals(signum).name})" in out and "Traceback" not in err
     state = json.loads((run / WATCH_STATE).read_text())     # whole JSON, and what it had reported
     assert sorted(state["seen"]) == [f"ds/global_step{n}" for n in range(1, 9)]
+
+
+def test_one_watcher_per_directory(run, tmp_path):
+    with Watching(tmp_path, run, "--interval", "0.2") as first:
+        first.until("step 8:")
+        second = run_cli("watch", run, "--once", check=1)
+        assert second.stderr == f"reshard: {run}: another reshard watch is watching it (lock " \
+                                f"{run / '.reshard-watch.lock'} is held)\n" and second.stdout == ""
+        code, _, _ = first.stop()
+    assert code == 0
+    # the negative control: once the first has stopped, the next one watches (and has nothing new to report)
+    assert "0 checkpoint(s) newly validated" in run_cli("watch", run, "--once", check=0).stdout
+    with reshard.Watcher(run) as api:       # the API lets go at the end of a `with`, or when dropped
+        assert api.poll().reported == ()
+    for _ in range(2):
+        done = reshard.Watcher(run).poll()      # not inside the assert: pytest keeps what an assert evaluated
+        assert done.reported == ()
 
 
 def test_bad_input_one_line_and_the_exit_code(run, tmp_path):
