@@ -236,6 +236,25 @@ def test_exec_runs_once_per_good_checkpoint(run, tmp_path):
     assert failed.stderr.strip().splitlines()[-1] == f"reshard: {run / 'ds' / 'global_step9'}: --exec exited 3"
 
 
+def test_hf_trainer_run_a_policy_it_cannot_evaluate_is_said_once_and_deletes_nothing(tmp_path):
+    """A Trainer run whose save_steps (2) and eval_steps (3) do not line up: --keep-best cannot rank
+    checkpoint-2, so nothing is deleted (one line, --once exits 1); a restarted watcher with --keep-last 1 alone
+    deletes what prune would, keeping the newest and the trainer's best_model_checkpoint."""
+    hf_dir, state = lr.hf_run(tmp_path)
+    proc = run_cli("watch", tmp_path, "--once", "--keep-last", "1", "--keep-best", "1", "--metric", "eval_loss",
+                   check=1)
+    lines = reported(proc.stdout)
+    assert sorted(lines) == [2, 4, 6, 8] and all(": complete, " in line for line in lines.values()), proc.stdout
+    [logged] = [r["eval_loss"] for r in state.log_history if r.get("step") == 6 and "eval_loss" in r]
+    assert f"eval_loss {logged:g}" in lines[6] and "eval_loss" not in lines[2]
+    assert proc.stderr.count("\n") == 1 and "checkpoint-2: records no 'eval_loss'" in proc.stderr
+    assert sorted(os.listdir(hf_dir)) == [f"checkpoint-{n}" for n in (2, 4, 6, 8)]
+    again = run_cli("watch", tmp_path, "--once", "--keep-last", "1", check=0)
+    assert reported(again.stdout) == {}
+    kept = {"checkpoint-8"} | ({os.path.basename(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
+    assert sorted(os.listdir(hf_dir)) == sorted(kept)
+
+
 def _dcp_run(tmp_path):
     """A DCP save loop of 4 steps; steps 3 and 4 kept aside (outside the run) to land later."""
     root = tmp_path / "src"
