@@ -8,6 +8,7 @@ The Python API:
     weight = reshard.full_tensor(catalog, "l1.weight", "fp32")   # a torch tensor, bit-exact
     run = reshard.list_checkpoints("out/")                 # every checkpoint of a run, complete or not
     plan = reshard.prune("out/", reshard.Policy(keep_last=3), yes=False)   # the plan; yes=True deletes
+    watcher = reshard.Watcher("out/", reshard.Policy(keep_last=3))   # watcher.poll(): one pass; .run(): until .stop()
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from reshard.runs import RECENT_SECONDS, list_checkpoints
 from reshard.tensorio import full_tensor
 from reshard.validate import validate
 from reshard.version import __version__
+from reshard.watching import Watcher
 
 
 def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = None):
@@ -28,5 +30,5 @@ def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = Non
     return read(str(path), tag, layout_rules)
 
 
-__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "list_checkpoints", "prune", "Policy",
+__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "list_checkpoints", "prune", "Policy", "Watcher",
            "RECENT_SECONDS", "ReshardError", "CheckpointError", "__version__"]

@@ -5,13 +5,15 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
 
 import reshard
-from reshard import cli_text
+from reshard import cli_text, watch_state, watching
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES
+from reshard.formats.run_layout import WATCH_STATE
 from reshard.inspect import human_bytes, jsonable
 from reshard.layout import SPEC_KEYS
 
@@ -270,6 +272,45 @@ def _lifecycle_commands(sub) -> None:
                  "--delete-incomplete; a save in progress is never touched. Deletion renames first, so a rerun "
                  "finishes an interrupted prune.")
     p.add_argument("path", metavar="DIR", help="a run directory, as for `reshard list`")
+    _policy_args(p)
+    p.add_argument("--yes", action="store_true", help="delete (default: print the plan only)")
+    _run_dir_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan (and what was deleted) as JSON")
+    _quiet_arg(p)
+    p.set_defaults(run=_prune)
+    _watch_command(sub)
+
+
+def _watch_command(sub) -> None:
+    p = _command(sub, "watch", "validate each checkpoint of a run as its save finishes, report it, apply a retention "
+                 "policy (exit 0 when stopped by SIGINT/SIGTERM; with --once 0, or 1 if a checkpoint was broken)",
+                 ("reshard watch out/ --once --keep-last 3     # one pass (cron); without --once, until SIGTERM",
+                  "reshard watch out/ --once --keep-best 1 --metric eval_loss --metrics evals.csv "
+                  "--export-best best.safetensors",
+                  "reshard watch out/ --once --delete-incomplete --exec 'echo saved $RESHARD_STEP: {}'"),
+                 " A checkpoint is taken once its save has finished (sizes equal at two looks --settle apart, no "
+                 "file newer than --recent, DCP's .metadata written, `latest` moved past it) and validated as by "
+                 "`reshard validate`; one line each (INCOMPLETE and why for a broken save). The policy (as for "
+                 "`prune`, always executed) deletes only checkpoints the watcher validated. State: DIR/"
+                 f"{WATCH_STATE} (a restarted watcher does not report a checkpoint again).")
+    p.add_argument("path", metavar="DIR", help="a run directory, as for `reshard list`")
+    _policy_args(p)
+    p.add_argument("--checksums", action="store_true", help="also verify every file's sha256 against the "
+                   "checkpoint's reshard manifest, where it has one (training saves have none)")
+    p.add_argument("--export-best", metavar="OUT", help="keep OUT (a .safetensors file outside DIR) the export of "
+                   "the best validated checkpoint by --metric, replaced by a rename when the best changes")
+    p.add_argument("--exec", dest="exec_cmd", metavar="CMD", help="a shell command run for each complete "
+                   f"checkpoint, its path in ${watching.EXEC_VARIABLE} and in place of {{}} (its step in "
+                   f"${watching.STEP_VARIABLE})")
+    p.add_argument("--once", action="store_true", help="one pass, then exit (1 if a broken checkpoint was found or "
+                   "the policy could not be evaluated or --exec/--export-best failed)")
+    p.add_argument("--interval", type=_positive_float, default=watching.INTERVAL_SECONDS, metavar="S",
+                   help=f"seconds between passes (default {watching.INTERVAL_SECONDS:g})")
+    _run_dir_args(p, settle=watching.SETTLE_SECONDS)
+    p.set_defaults(run=_watch)
+
+
+def _policy_args(p) -> None:
     p.add_argument("--keep-last", type=_positive_int, metavar="K", help="keep the K newest complete checkpoints")
     p.add_argument("--keep-best", type=_positive_int, metavar="M", help="keep the M best complete checkpoints by "
                    "--metric")
@@ -279,21 +320,22 @@ def _lifecycle_commands(sub) -> None:
                    "of N")
     p.add_argument("--keep-steps", type=_steps_arg, default=(), metavar="S,S,...", help="keep these steps")
     p.add_argument("--delete-incomplete", action="store_true", help="also delete incomplete checkpoints nothing names")
-    p.add_argument("--yes", action="store_true", help="delete (default: print the plan only)")
-    _run_dir_args(p)
-    p.add_argument("--json", action="store_true", help="print the plan (and what was deleted) as JSON")
-    _quiet_arg(p)
-    p.set_defaults(run=_prune)
 
 
-def _run_dir_args(p) -> None:
+def _policy(args) -> reshard.Policy:
+    return reshard.Policy(keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
+                          keep_every=args.keep_every, keep_steps=args.keep_steps,
+                          delete_incomplete=args.delete_incomplete)
+
+
+def _run_dir_args(p, settle: float = 0.0) -> None:
     p.add_argument("--metrics", metavar="FILE", help="metrics per step: JSON {step: value}, {name: {step: value}}, "
                    "[{step, name: value}] or CSV with a step column")
     p.add_argument("--recent", type=float, default=reshard.RECENT_SECONDS, metavar="S",
                    help=f"a file modified less than S seconds ago marks its save in progress (default "
                         f"{reshard.RECENT_SECONDS:g})")
-    p.add_argument("--settle", type=float, default=0.0, metavar="S", help="also look again after S seconds: a "
-                   "checkpoint whose files changed is in progress")
+    p.add_argument("--settle", type=float, default=settle, metavar="S", help="also look again after S seconds: a "
+                   f"checkpoint whose files changed is in progress (default {settle:g})")
 
 
 def _steps_arg(text: str) -> tuple:
@@ -314,16 +356,41 @@ def _list(args) -> int:
 
 
 def _prune(args) -> int:
-    policy = reshard.Policy(keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
-                            keep_every=args.keep_every, keep_steps=args.keep_steps,
-                            delete_incomplete=args.delete_incomplete)
-    plan = reshard.prune(args.path, policy, yes=args.yes, metrics=args.metrics, recent=args.recent,
+    plan = reshard.prune(args.path, _policy(args), yes=args.yes, metrics=args.metrics, recent=args.recent,
                          settle=args.settle)
     if args.json:
         _dump(plan.to_dict())
     else:
         cli_text.print_prune(plan, args.quiet)
     return 0
+
+
+def _watch(args) -> int:
+    policy = _policy(args)
+    watcher = reshard.Watcher(args.path, policy if policy.keeps_by_rule() or policy.delete_incomplete else None,
+                              checksums=args.checksums, export_best=args.export_best, metric=args.metric,
+                              mode=args.mode, exec_cmd=args.exec_cmd, metrics=args.metrics, recent=args.recent,
+                              settle=args.settle, say=_say)
+    if args.once:
+        done = watcher.poll()
+        cli_text.print_watch_pass(watcher.root, done)
+        return 1 if done.broken or done.problems else 0
+    stopped_by = []
+
+    def stop(signum, frame):    # only noted: the pass under way finishes its step, then the loop ends
+        stopped_by.append(signal.Signals(signum).name)
+        watcher.stop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    print(f"watching {watcher.root} every {args.interval:g} s (state: {watch_state.path_in(watcher.root)})",
+          flush=True)
+    watcher.run(args.interval)
+    print(f"stopped ({stopped_by[0] if stopped_by else 'stop'})", flush=True)
+    return 0
+
+
+def _say(text: str, error: bool) -> None:
+    print(text, file=sys.stderr if error else sys.stdout, flush=True)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -335,6 +402,16 @@ def _size_arg(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -11,6 +11,7 @@ from reshard.convert import framework_files as convert_framework_files
 from reshard.executor import buffer_bytes
 from reshard.formats import REPRODUCIBILITY
 from reshard.inspect import human_bytes
+from reshard.watching import label
 
 
 def print_inspect(info) -> None:
@@ -155,6 +156,15 @@ def print_listing(listing) -> None:
     if listing.trash:
         print(f"note: {len(listing.trash)} checkpoint(s) an interrupted prune renamed are still on disk; "
               "`reshard prune DIR --yes` removes them")
+
+
+def print_watch_pass(root: str, done) -> None:
+    """`reshard watch --once`, after the lines of the pass: what is still being written, and a summary."""
+    for row in done.waiting:
+        print(f"{label(row)}: in progress — {row.why} ({row.name})")
+    broken = sum(not e.complete for e in done.reported)
+    print(f"{root}: {len(done.reported)} checkpoint(s) newly validated ({broken} broken), {len(done.waiting)} in "
+          f"progress, {len(done.removed)} deleted")
 
 
 def print_prune(plan, quiet: bool) -> None:

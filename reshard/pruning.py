@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from reshard.errors import ReshardError
 from reshard.formats.run_layout import trash_path
 from reshard.retention import DELETE, Policy, decide
-from reshard.runs import RECENT_SECONDS, list_checkpoints, measure
+from reshard.runs import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
 from reshard.staging import fsync
 
 
@@ -52,7 +52,13 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
     policy cannot be evaluated, UsageError when it says nothing."""
     policy.check()
     listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
-    decisions = decide(listing.checkpoints, policy)
+    return carry_out(listing, decide(listing.checkpoints, policy), yes)
+
+
+def carry_out(listing: RunListing, decisions: list, yes: bool) -> PrunePlan:
+    """The plan of `decisions` (reshard.retention.decide on `listing`'s rows, or rows a caller judged itself);
+    with `yes`, carried out: an interrupted prune's trash removed first, then each deletion unless its files
+    changed since the listing."""
     if not yes:
         return PrunePlan(listing.root, decisions, listing.trash)
     for leftover in listing.trash:      # an interrupted prune's renamed checkpoints: finish it first
@@ -62,17 +68,12 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
         if d.action != DELETE:
             continue
         row = d.checkpoint
-        if not _unchanged(row, listing.root):
+        if not unchanged(row, listing.root):
             changed.append(row.path)
             continue
         _delete(row.path)
         removed.append(row.path)
     return PrunePlan(listing.root, decisions, listing.trash, True, removed, changed)
-
-
-def _unchanged(row, root: str) -> bool:
-    now = measure(row.path, root)
-    return (now.count, now.bytes, now.disk_bytes, now.mtime) == (row.files, row.bytes, row.disk_bytes, row.mtime)
 
 
 def _delete(path: str) -> None:

@@ -104,16 +104,20 @@ def metric_of(row, metric: str) -> float | None:
 
 
 def _keep_best(complete: list, policy: Policy, kept: dict) -> None:
-    scored = [(metric_of(r, policy.metric), age, r) for age, r in enumerate(complete)]
-    if not any(v is not None for v, _, _ in scored):
+    if not any(metric_of(r, policy.metric) is not None for r in complete):
         recorded = sorted({k for r in complete for k in r.metrics})
         raise PolicyError(f"no complete checkpoint records metric {policy.metric!r} (recorded: "
                           f"{', '.join(recorded) or 'none'}; --metrics FILE gives values): nothing deleted")
-    # best first; between equal values the newer
-    ranked = sorted(((v, age, r) for v, age, r in scored if v is not None),
-                    key=lambda s: (s[0] if policy.mode == "min" else -s[0], -s[1]))
-    for rank, (value, _, r) in enumerate(ranked[:policy.keep_best], 1):
+    for rank, (value, r) in enumerate(ranked(complete, policy.metric, policy.mode)[:policy.keep_best], 1):
         kept[r.path].append(f"best {rank} of {policy.keep_best} by {policy.metric} ({value:g})")
+
+
+def ranked(rows: list, metric: str, mode: str) -> list:
+    """[(value, row)] of the rows (oldest first) that record `metric`, best first; between equal values the newer."""
+    scored = [(metric_of(r, metric), age, r) for age, r in enumerate(rows)]
+    best_first = sorted(((v, age, r) for v, age, r in scored if v is not None),
+                        key=lambda s: (s[0] if mode == "min" else -s[0], -s[1]))
+    return [(v, r) for v, _, r in best_first]
 
 
 def _decision(row, reasons: list, policy: Policy) -> Decision:

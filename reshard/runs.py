@@ -62,6 +62,7 @@ class RunListing:
     trash: list                 # what an interrupted prune left (removed by the next `prune --yes`)
     notes: list                 # links leaving the run directory, not followed
     check: str = CHECK
+    pointers: dict = field(default_factory=dict)    # {checkpoint path: why something names it} (`latest`)
 
     def to_dict(self) -> dict:
         return {"root": self.root, "check": self.check, "checkpoints": [c.to_dict() for c in self.checkpoints],
@@ -117,7 +118,7 @@ def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | Non
     rows.sort(key=order)
     notes = [f"{link.path}: a link to {link.target}, outside the run directory: not followed"
              for link in found.links if not link.inside]
-    return RunListing(root, rows, found.trash, notes)
+    return RunListing(root, rows, found.trash, notes, pointers=dict(found.pointers))
 
 
 def order(row: Checkpoint) -> tuple:
@@ -153,9 +154,14 @@ def _checked(entry, files: Files) -> tuple:
         return _row(entry, files, INCOMPLETE, str(e), catalog, step), run_metrics.Recorded()
     if report.ok:
         return _row(entry, files, COMPLETE, "", catalog, step), recorded
+    return _row(entry, files, INCOMPLETE, problem_line(report), catalog, step), recorded
+
+
+def problem_line(report) -> str:
+    """Why a validate Report is not whole, in one line: its first problem, how many more, the elements missing."""
     more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
     missing = f"; {100 * report.missing_fraction:.1f}% of elements missing" if report.missing_elements else ""
-    return _row(entry, files, INCOMPLETE, f"{report.problems[0]}{more}{missing}", catalog, step), recorded
+    return f"{report.problems[0]}{more}{missing}"
 
 
 def _abandoned(rows: list, unfinished: set) -> list:
@@ -204,6 +210,17 @@ def _with_pins(rows: list, records: dict, found, root: str) -> list:
         best = os.path.join(folder, os.path.basename(recorded.best.rstrip("/")))
         pins.setdefault(best, []).append(f"named by {r.name}'s {recorded.best_by}")
     return [replace(r, pinned=tuple(pins.get(r.path, ()))) for r in rows]
+
+
+def fingerprint(row: Checkpoint) -> tuple:
+    """What a row's files added up to when it was listed: equal to a later look's means nothing changed."""
+    return (row.files, row.bytes, row.disk_bytes, row.mtime)
+
+
+def unchanged(row: Checkpoint, root: str) -> bool:
+    """Are the row's files still as they were listed (no save reusing its name, no writer still at work)?"""
+    now = measure(row.path, root)
+    return (now.count, now.bytes, now.disk_bytes, now.mtime) == fingerprint(row)
 
 
 def measure(path: str, root: str) -> Files:

@@ -61,6 +61,23 @@ def run_cli(*args, check=None):
     return proc
 
 
+@pytest.fixture(scope="session")
+def lifecycle_template(tmp_path_factory):
+    """The DeepSpeed run directory of lifecycle_runs.deepspeed_run, made once; tests take a copy each."""
+    import lifecycle_runs       # here, not above: it imports this module
+    root = tmp_path_factory.mktemp("template")
+    lifecycle_runs.deepspeed_run(root)
+    return root
+
+
+@pytest.fixture
+def lifecycle_copy(lifecycle_template, tmp_path):
+    """A writable copy of it (mtimes kept: still an hour old)."""
+    root = tmp_path / "run"
+    shutil.copytree(lifecycle_template, root, symlinks=True)
+    return root
+
+
 @pytest.fixture(params=FIXTURE_NAMES)
 def fixture_name(request):
     return request.param

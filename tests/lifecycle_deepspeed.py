@@ -7,6 +7,10 @@ engine.save_checkpoint(D, client_state={"eval_loss": ...}) after each, and write
 it recorded and the sum of every full fp32 parameter (safe_get_full_fp32_param). {"mode": "load", "dir": D,
 "tags": [...]} loads each tag (None: what `latest` names) with engine.load_checkpoint into a freshly initialised
 engine and writes back the global step and parameter sum it holds.
+
+A train job's optional "rank0_only": [steps] and "truncate": [steps] break those saves the moment they return,
+before the next step (a watcher beside the run sees them broken as they land): rank 1's files deleted (a ZeRO-3
+save from rank 0 only), rank 1's optimizer file cut to a third.
 """
 import json
 import os
@@ -35,6 +39,16 @@ def param_sum(engine) -> float:
     return float(sum(safe_get_full_fp32_param(p).double().sum() for _, p in engine.module.named_parameters()))
 
 
+def broken_save(tag_dir: str, step: int, job: dict) -> None:
+    import glob
+    if step in job.get("rank0_only", ()):
+        for f in glob.glob(os.path.join(tag_dir, "*rank_1_*")):
+            os.unlink(f)                # rank 1 never wrote its partitions
+    if step in job.get("truncate", ()):
+        [optim] = glob.glob(os.path.join(tag_dir, "*rank_1_*optim_states.pt"))
+        os.truncate(optim, os.path.getsize(optim) // 3)
+
+
 def main(jobs_path, results_path):
     import deepspeed
     import deepspeed.comm as dist
@@ -56,6 +70,9 @@ def main(jobs_path, results_path):
             with torch.no_grad():       # a held-out batch: the same on every rank
                 eval_loss = float(engine(make_batch(1000, 0)))
             engine.save_checkpoint(job["dir"], client_state={"eval_loss": eval_loss})
+            if rank == 0:
+                broken_save(os.path.join(job["dir"], f"global_step{engine.global_steps}"), step, job)
+            dist.barrier()
             out[f"global_step{engine.global_steps}"] = {"eval_loss": eval_loss, "sum": param_sum(engine)}
     else:
         for tag in job["tags"]:

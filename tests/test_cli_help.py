@@ -16,7 +16,7 @@ from reshard.errors import ReshardError
 from reshard.layout import SPEC_KEY_NAMES, SPEC_KEYS, Layout
 from conftest import REPO, fixture_dir
 
-COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune")
+COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune", "watch")
 # Examples name these sources; the test puts a copy of a real checkpoint of that kind there.
 EXAMPLE_SOURCES = {"ckpt": "z2_fp32_dp2", "pipe": "pipe2_z1_fp32_dp2", "out": "z2_fp32_dp2"}
 
@@ -97,7 +97,7 @@ def test_every_command_ends_with_examples_that_run(tmp_path):
     (tmp_path / "evals.csv").write_text("step,eval_loss\n2,1.5\n3,1.25\n")     # list/prune --metrics
     examples = []
     # writers first: the others' examples read what they wrote (new/, model.safetensors)
-    for command in ("convert", "export", "inspect", "validate", "plan", "diff", "list", "prune", None):
+    for command in ("convert", "export", "inspect", "validate", "plan", "diff", "list", "prune", "watch", None):
         for line in _examples(_help(*([command] if command else []))):
             if line not in examples:
                 examples.append(line)

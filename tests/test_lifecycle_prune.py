@@ -14,19 +14,10 @@ from reshard.formats.run_layout import trash_path
 from reshard.retention import PolicyError
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    root = tmp_path_factory.mktemp("template")
-    lr.deepspeed_run(root)
-    return root
-
-
 @pytest.fixture
-def run(template, tmp_path):
-    """A writable copy of the DeepSpeed run (mtimes kept: still an hour old)."""
-    root = tmp_path / "run"
-    shutil.copytree(template, root, symlinks=True)
-    return root
+def run(lifecycle_copy):
+    """A copy of lifecycle_runs.deepspeed_run's DeepSpeed run: 1-3 and 6-8 whole, 4 and 5 broken (conftest)."""
+    return lifecycle_copy
 
 
 def tags(run) -> list:

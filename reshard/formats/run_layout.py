@@ -23,6 +23,8 @@ from reshard.formats.deepspeed import universal as uc
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
 TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard prune), finished by a rerun
 STAGING_SUFFIX = ".reshard-tmp"     # reshard convert/export's staging folder
+WATCH_STATE = ".reshard-watch.json"     # reshard watch's memory in the run directory: hidden, so never an entry
+WATCH_LOCK = ".reshard-watch.lock"      # held while a watcher runs: one watcher per run directory
 HF_STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")
 HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STEP_IN_NAME = re.compile(r"(?:global_step|step)[=_-]?(\d+)")
