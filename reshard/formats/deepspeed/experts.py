@@ -59,11 +59,7 @@ class Experts:
     files: tuple              # ExpertFile
 
     def ranks(self, rank: int) -> tuple:
-        """(expert-parallel rank, expert-data-parallel rank) of data-parallel rank `rank`: DeepSpeed's
-        groups._create_expert_and_data_parallel (consecutive ranks form an expert-parallel group, unless data
-        before expert parallelism makes the expert-data-parallel groups consecutive)."""
-        ep, edp = self.topology.ep, self.topology.expert_dp
-        return (rank // edp, rank % edp) if self.data_first else (rank % ep, rank // ep)
+        return expert_ranks(rank, self.topology.ep, self.topology.expert_dp, self.data_first)
 
     def logical(self, ep_rank: int, name: str) -> LocalExpert:
         return self.local[(ep_rank, name)]
@@ -76,6 +72,18 @@ class Experts:
                 logical = self.local[(ep_rank, name)].name
                 out[logical] = self.shapes[logical]
         return out
+
+
+def expert_ranks(rank: int, ep: int, expert_dp: int, data_first: bool) -> tuple:
+    """(expert-parallel rank, expert-data-parallel rank) of data-parallel rank `rank`: DeepSpeed's
+    groups._create_expert_and_data_parallel (consecutive ranks form an expert-parallel group, unless data
+    before expert parallelism makes the expert-data-parallel groups consecutive)."""
+    return (rank // expert_dp, rank % expert_dp) if data_first else (rank % ep, rank // ep)
+
+
+def data_before_experts(config: dict | None) -> bool:
+    """ds_config's use_data_before_expert_parallelism: how the ranks form the expert groups."""
+    return bool((config or {}).get("use_data_before_expert_parallelism"))
 
 
 def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | None:
@@ -91,7 +99,6 @@ def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | N
         raise ReshardError.at(tag_dir, "expert files but no optimizer param group of experts (moe: True)")
     param_shapes = model0.get("param_shapes") or []
     dp = int(model0.get("dp_world_size") or 1)
-    data_first = bool((model0.get("ds_config") or {}).get("use_data_before_expert_parallelism"))
     if model0.get("ds_autoep_layers"):
         layers, local, shapes, files = _autoep(tag_dir, model0["ds_autoep_layers"], param_shapes, expert_groups)
     else:
@@ -100,8 +107,8 @@ def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | N
     ep = len(layers[0].placement)
     if dp % ep:
         raise ReshardError.at(tag_dir, f"expert-parallel degree {ep} does not divide the data-parallel degree {dp}")
-    return Experts(ExpertParallel(ep, dp // ep, tuple(layers)), expert_groups, data_first, local, shapes,
-                   tuple(files))
+    return Experts(ExpertParallel(ep, dp // ep, tuple(layers)), expert_groups,
+                   data_before_experts(model0.get("ds_config")), local, shapes, tuple(files))
 
 
 def _ep_of(tag_dir, optim0, expert_groups, dp) -> int:
@@ -138,9 +145,14 @@ def _autoep(tag_dir, autoep_layers, param_shapes, expert_groups):
         layers.append(ExpertLayer(layer, num_experts, placement, tuple(params)))
         for e in range(num_experts):
             slab = {name: math.prod(shapes[name][1:]) for name in params}
-            keys = tuple((f"{name}.{e}", name, e * slab[name], (e + 1) * slab[name]) for name in params)
+            keys = tuple((autoep_expert_key(name, e), name, e * slab[name], (e + 1) * slab[name]) for name in params)
             files.append(ExpertFile(names.expert_states_name(layer, e), layer, e, keys))
     return layers, local, shapes, files
+
+
+def autoep_expert_key(packed: str, expert: int) -> str:
+    """The key of global expert `expert`'s slab of AutoEP packed weight `packed` in its layer file."""
+    return f"{packed}.{expert}"
 
 
 def _ds_moe(tag_dir, param_shapes, expert_groups, ep):

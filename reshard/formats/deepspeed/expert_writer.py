@@ -1,0 +1,191 @@
+"""Catalog of an AutoEP mixture-of-experts save x target Layout -> the files DeepSpeed writes at the target's ep and dp.
+
+An expert placement is one more map composed with the ZeRO partition. At expert-parallel degree E each layer's
+experts are placed contiguously (what DeepSpeed 0.19.8 builds: `legacy_uniform_autoep_placement_descriptor`):
+expert-parallel rank r holds experts [r * n/E, (r + 1) * n/E) of each packed (num_experts, ...) weight, a box
+of its logical tensor (a RankParam's Shard). Then, as the engine's optimizer does:
+* the dense param group is flattened from the whole params and cut over dp (every rank's file: slice d);
+* an expert param group is flattened, per expert-parallel rank, from that rank's packed local tensors and cut
+  over the expert-data-parallel group (dp / E ranks); data-parallel rank d's file holds slice `edp(d)` of the
+  flat vector of expert-parallel rank `ep(d)` (experts.expert_ranks: DeepSpeed's process groups).
+The model states hold the dense module, param_shapes with rank 0's local packed shapes, and ds_autoep_layers
+(and its copy in universal_checkpoint_info) re-derived for E; every global expert's module weights go to its
+layer_L_expert_E file, as _save_moe_checkpoint slices them. ZeRO-1/2 only (zero12_writer).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+from reshard.catalog import MODULE, Catalog
+from reshard.errors import ReshardError
+from reshard.formats.deepspeed import experts as expert_files
+from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import notes, rank_params, zero12_writer
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
+from reshard.formats.torchsave import TorchFile
+from reshard.layout import Layout
+from reshard.placement import Block, Shard
+from reshard.targets import Piece
+
+AUTOEP_LAYERS = "ds_autoep_layers"
+UC_INFO = "universal_checkpoint_info"
+
+
+class ExpertTarget(ZeroTarget):
+    """ZeroTarget at expert-parallel degree `ep`: the config's autoep_size and the expert groups' names follow it."""
+
+    def __init__(self, catalog: Catalog, target: Layout, ep: int):
+        super().__init__(catalog, target)
+        self.ep = ep
+        self.expert_dp = target.dp // ep
+        self.data_first = expert_files.data_before_experts(self.config)
+        if "expert_parallel" in self.config:
+            self.config["expert_parallel"]["autoep_size"] = ep
+
+    def saved_shape(self, shape: tuple) -> object:
+        """A plain tuple: _save_moe_checkpoint saves through clone_tensors_for_torch_save, which rebuilds every
+        tuple, a torch.Size too, as a tuple."""
+        return tuple(shape)
+
+    def is_expert_group(self, g: int) -> bool:
+        return bool(self.catalog.param_groups[g].get("moe"))
+
+    def hyper_params(self, g: int) -> dict:
+        hyper = super().hyper_params(g)
+        if self.is_expert_group(g):        # AutoEP names its expert group by its ep (auto_ep_layer.ep_group_name)
+            hyper["name"] = group_name(self.ep)
+        return hyper
+
+
+def group_name(ep: int) -> str:
+    return f"ep_size_{ep}"
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    layers = _check(catalog, target)
+    ep = target.options.get("ep", catalog.experts.ep)
+    zt = ExpertTarget(catalog, target, ep)
+    held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
+    flat = [[zero12_writer.FlatGroup(zt, params, g, zt.expert_dp if zt.is_expert_group(g) else zt.dp)
+             for g in range(len(params.groups))] for params in held]
+    out = [zero12_writer.model_states(zt, held[0], flat[0], tag, _model_keys(catalog, zt, layers))]
+    for rank in range(zt.dp):
+        ep_rank, edp_rank = expert_files.expert_ranks(rank, ep, zt.expert_dp, zt.data_first)
+        places = [edp_rank if zt.is_expert_group(g) else rank for g in range(len(flat[ep_rank]))]
+        out.append(zero12_writer.optim_states(zt, held[ep_rank], rank, flat[ep_rank], tag, places))
+    return out + _layer_files(catalog, layers, tag) + closing_files(tag, source_save_dir)
+
+
+def _check(catalog: Catalog, target: Layout) -> list:
+    """The source's ds_autoep_layers, once what cannot be written is refused (one line each)."""
+    where = catalog.root
+    layers = notes.of(catalog).expert_keys.get(AUTOEP_LAYERS)
+    if not layers:
+        raise ReshardError.at(where, "converting deepspeed.moe checkpoints is not supported yet (AutoEP ones are; "
+                                     "inspect, validate and export read both)")
+    if target.options.get("ds_config") is not None:
+        # a live engine's own layout (reshard.deepspeed): DeepSpeed reads expert files through a checkpoint engine
+        # of its own, not the one that serves planned files from memory
+        raise ReshardError.at(where, "loading a mixture-of-experts checkpoint into a live engine is not supported; "
+                                     "convert it (reshard convert --to ep=E,dp=D) and call engine.load_checkpoint")
+    if target.zero not in (1, 2):
+        raise ReshardError.at(where, f"target ZeRO stage {target.zero}: mixture-of-experts checkpoints are written for "
+                                     "ZeRO-1/2 only (AutoEP under ZeRO-3 saves its experts in another layout)")
+    if target.tp != 1 or target.pp != 1:
+        raise ReshardError.at(where, "mixture-of-experts checkpoints are written without tensor or pipeline "
+                                     "parallelism")
+    ep = target.options.get("ep", catalog.experts.ep)
+    for layer in catalog.experts.layers:
+        if layer.num_experts % ep:
+            raise ReshardError.at(where, f"ep={ep} does not divide the {layer.num_experts} experts of MoE layer "
+                                         f"{layer.index}")
+    if target.dp % ep:
+        raise ReshardError.at(where, f"ep={ep} does not divide dp={target.dp} (expert parallelism groups "
+                                     "data-parallel ranks)")
+    return layers
+
+
+def _ep_rank_params(catalog: Catalog, ep_rank: int, ep: int) -> RankParams:
+    """What expert-parallel rank `ep_rank` holds: every dense param whole, and of each packed expert weight its
+    local experts, a box of the (num_experts, ...) logical tensor. The module holds no expert weights."""
+    whole = rank_params.whole(catalog)
+    packed = {name for layer in catalog.experts.layers for name in layer.params}
+    params = []
+    for p in whole.params:
+        if p.name in packed:
+            full = catalog.params[p.name].shape
+            local = (full[0] // ep,) + tuple(full[1:])
+            shard = Shard(local, (Block((ep_rank * local[0],) + (0,) * (len(full) - 1), (0,) * len(full), local),))
+            p = replace(p, shape=local, shard=None if shard == Shard.whole(full) else shard)
+        params.append(p)
+    order = tuple(n for n in whole.order if n not in packed)
+    return RankParams(tuple(params), order, whole.aliases, whole.groups)
+
+
+def _model_keys(catalog: Catalog, zt: ExpertTarget, layers: list) -> dict:
+    """num_experts, ds_autoep_layers and universal_checkpoint_info as the engine at the target's ep saves them."""
+    saved = notes.of(catalog).expert_keys
+    out = {}
+    for key, value in saved.items():
+        if key == AUTOEP_LAYERS:
+            value = [_layer_entry(catalog, entry, zt) for entry in layers]
+        elif key == UC_INFO and isinstance(value, dict) and AUTOEP_LAYERS in value:
+            value = {**value, AUTOEP_LAYERS: [_layer_entry(catalog, entry, zt) for entry in value[AUTOEP_LAYERS]]}
+        out[key] = value
+    return out
+
+
+def _layer_entry(catalog: Catalog, entry: dict, zt: ExpertTarget) -> dict:
+    """One ds_autoep_layers entry at the target's ep: rank 0's view (engine._save_moe_checkpoint), its placement
+    and affine maps lowered as checkpoint/autoep_affine.py does for the contiguous placement."""
+    num_experts, ep = int(entry["num_experts"]), zt.ep
+    local = num_experts // ep
+    ranks = [list(range(r * local, (r + 1) * local)) for r in range(ep)]
+    out = copy.deepcopy(entry)         # every other key as saved, in the saved order
+    params = {name: _affine_map(catalog.params[name].shape, local, ep)
+              for name in (entry.get("affine_maps") or {}).get("params") or {}}
+    out.update(num_local_experts=local, ep_size=ep,
+               expert_placement={"version": entry["expert_placement"]["version"], "num_experts": num_experts,
+                                 "ep_size": ep, "ranks": [{"rank": r, "experts": e} for r, e in enumerate(ranks)]},
+               affine_maps={**entry["affine_maps"], "params": params},
+               ep_group_name=group_name(ep), ep_rank=0, expert_data_parallel_rank=0,
+               expert_data_parallel_world_size=zt.expert_dp, global_expert_start=0, global_expert_end=local)
+    return out
+
+
+def _affine_map(shape: tuple, local: int, ep: int) -> dict:
+    """ParamAffineMap.to_dict of a (num_experts, ...) weight whose ep ranks each hold `local` consecutive experts:
+    one piece per rank (one run of experts with a single holder)."""
+    def row_major(dims):
+        return [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    inner = math.prod(shape[1:])
+    shard = [local] + list(shape[1:])
+    return {"logical_shape": list(shape),
+            "ranks": {r: {"shard_shape": list(shard),
+                          "pieces": [{"shape": list(shard), "source": [r * local * inner, row_major(shape)],
+                                      "dest": [0, row_major(shard)], "locations": [r]}]}
+                      for r in range(ep)}}
+
+
+def _layer_files(catalog: Catalog, layers: list, tag: str) -> list:
+    """layer_L_expert_E: expert E's slab of each packed weight of layer L, one tensor each, in the layer's order."""
+    out = []
+    for entry in layers:
+        layer = int(entry["moe_layer_id"])
+        params = list((entry.get("affine_maps") or {}).get("params") or {})
+        for e in range(int(entry["num_experts"])):
+            name = names.expert_states_name(layer, e)
+            file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+            tree = {}
+            for param in params:
+                full = catalog.params[param].shape
+                inner = math.prod(full[1:])
+                dtype = catalog.tensors[(param, MODULE)].dtype
+                tree[expert_files.autoep_expert_key(param, e)] = file.slot(
+                    dtype, tuple(full[1:]), [Piece(inner, (param, MODULE), e * inner)])
+            file.tree = tree
+            out.append(file)
+    return out
