@@ -3,8 +3,9 @@
     torchrun --nproc_per_node DP tests/engine_moe_resume.py JOBS.json RESULTS.json
 
 JOBS.json lists {"fixture": an autoep fixture, "checkpoint": dir, "ep": EP, "fixtures": dir}. For each job every rank
-builds the fixture's Mixtral as tools/fixture_moe.py does but from another seed (so a load that does not happen
-shows), with the fixture's DeepSpeed config at `"autoep_size": EP`, calls the ordinary `engine.load_checkpoint(dir)`,
+builds the fixture's model as tools/fixture_moe.py does but with other values (so a load that does not happen
+shows): the AutoEP Mixtral with the fixture's DeepSpeed config at `"autoep_size": EP`, the deepspeed.moe module at
+`ep_size=EP`; calls the ordinary `engine.load_checkpoint(dir)`,
 takes the truth from the live engine with the function the fixture was made with (fixture_moe.moe_truth: full fp32
 masters, both Adam moments, module weights, every expert in its global place) and compares it with the fixture's
 truth.safetensors bit for bit; with "direct", `reshard.deepspeed.load_checkpoint` of the checkpoint must refuse
@@ -42,11 +43,24 @@ def main(jobs_path, results_path):
         jobs = json.load(f)
     results = []
     for job in jobs:
-        config = copy.deepcopy(make_fixtures.CONFIGS[job["fixture"]]["ds_config"])
-        config["expert_parallel"]["autoep_size"] = job["ep"]
-        torch.manual_seed(1)                  # not the fixture's seed 0: the load must bring every value
-        model = MixtralForCausalLM(fixture_moe.mixtral_config())
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        spec = make_fixtures.CONFIGS[job["fixture"]]
+        config = copy.deepcopy(spec["ds_config"])
+        if spec["kind"] == "autoep":
+            config["expert_parallel"]["autoep_size"] = job["ep"]
+            torch.manual_seed(1)                  # not the fixture's seed 0: the load must bring every value
+            model = MixtralForCausalLM(fixture_moe.mixtral_config())
+            params = model.parameters()
+            forward = lambda ids: engine(input_ids=ids, labels=ids).loss       # noqa: E731
+        else:                                     # deepspeed.moe: the fixture's module at ep_size=EP
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+            model = fixture_moe.MoENet(job["ep"])
+            with torch.no_grad():                 # it seeds itself as the fixture did: move every value away
+                for p in model.parameters():
+                    p.add_(1.0)
+            params = split_params_into_different_moe_groups_for_optimizer(
+                {"params": list(model.parameters()), "name": "dense"})
+            forward = lambda ids: engine(ids, ids)      # noqa: E731
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         problems = []
         load_path, _ = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
@@ -77,12 +91,12 @@ def main(jobs_path, results_path):
         generator = torch.Generator().manual_seed(400 + rank)
         ids = torch.randint(0, fixture_moe.TOKENS, (2, 10), generator=generator)
         before = engine.global_steps
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = forward(ids)
         engine.backward(loss)
         engine.step()
         if rank == 0:
-            if not math.isfinite(float(loss)):
-                problems.append(f"loss after resume is {float(loss)}")
+            if not math.isfinite(float(loss.detach())):
+                problems.append(f"loss after resume is {float(loss.detach())}")
             if engine.global_steps != before + 1:
                 problems.append(f"global_steps {before} -> {engine.global_steps} after one step")
             results.append({**job, "world": world, "problems": problems, "differ": differ})

@@ -15,7 +15,7 @@ from reshard.executor import execute
 from reshard.formats import torchzip
 from reshard.formats.deepspeed.experts import expert_ranks
 from reshard.placement import Shard
-from conftest import fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
+from conftest import MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
 from test_convert import _assert_same_tree, _covered_elements
 from test_moe import AUTOEP, PACKED, _differences, _set_element
 
@@ -96,7 +96,7 @@ def _assert_deepspeeds_own_files(fixture, out):
         _assert_same_tree(torchzip.load(original / name), torchzip.load(ours / name), name, covered)
 
 
-@pytest.mark.parametrize("name", AUTOEP)
+@pytest.mark.parametrize("name", MOE_FIXTURES)
 def test_its_own_topology_gives_deepspeeds_own_files(name, tmp_path):
     _convert(fixture_dir(name), tmp_path / "out", "")
     _assert_deepspeeds_own_files(name, tmp_path / "out")
@@ -105,7 +105,8 @@ def test_its_own_topology_gives_deepspeeds_own_files(name, tmp_path):
 @pytest.mark.parametrize("name,there", [("autoep2_z1_fp32", "ep=1,dp=2"), ("autoep2_z1_fp32", "ep=4,dp=4"),
                                         ("autoep2_z2_bf16", "ep=1,dp=4"), ("autoep2_z2_fp32_dp2", "ep=2,dp=2"),
                                         ("autoep2_z2_fp32_dp2", "ep=4"),
-                                        ("autoep2_z2_fp32_dp2_datafirst", "ep=1,dp=2")])
+                                        ("autoep2_z2_fp32_dp2_datafirst", "ep=1,dp=2"),
+                                        ("dsmoe_ep2_z2_fp32", "ep=1,dp=2"), ("dsmoe_ep2_z2_fp32", "ep=4,dp=4")])
 def test_there_and_back_gives_deepspeeds_own_files(name, there, tmp_path):
     """ep 1 -> 2 and 4 -> 2 included: the way back starts from our own output at another ep."""
     meta = truth_json(name)
@@ -113,6 +114,31 @@ def test_there_and_back_gives_deepspeeds_own_files(name, there, tmp_path):
     back = _convert(tmp_path / "there", tmp_path / "back", f"ep={meta['ep']},dp={meta['world_size']}")
     assert back.experts.ep == meta["ep"]
     _assert_deepspeeds_own_files(name, tmp_path / "back")
+
+
+DS_MOE = "dsmoe_ep2_z2_fp32"
+DS_MOE_EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.0.weight"
+
+
+@pytest.mark.parametrize("to", ["ep=1", "ep=1,dp=1", "ep=4,dp=4", "ep=2,dp=4", "ep=2,dp=6,zero=1"])
+def test_a_deepspeed_moe_conversion_read_back_is_the_truth(to, tmp_path):
+    """deepspeed.moe: each expert param is a logical tensor of its own; rank d's file holds those of the experts of
+    its expert-parallel rank, named by their local number in param_shapes."""
+    source = reshard.open_checkpoint(fixture_dir(DS_MOE))
+    ep, dp, _ = _spec(source, to)
+    out = _convert(fixture_dir(DS_MOE), tmp_path / "out", to)
+    assert _differences(out, truth_tensors(DS_MOE)) == []
+    assert reshard.validate(out, deep=True).ok
+    assert (out.experts.ep, out.experts.expert_dp, out.layout.dp) == (ep, dp // ep, dp)
+    local = 4 // ep
+    for e in range(4):     # (each file holds its part of its expert-parallel rank's flat vector)
+        ranks = {f.rank for f in out.tensors[(DS_MOE_EXPERT.format(e), MASTER)].fragments}
+        assert ranks and {expert_ranks(d, ep, dp // ep, False)[0] for d in ranks} == {e // local}, e
+    model = torchzip.load(tag_dir(tmp_path / "out") / "mp_rank_00_model_states.pt")
+    assert list(model["param_shapes"][1]) == [DS_MOE_EXPERT.format(i).replace(".0.weight", rest)
+                                              for i in range(local) for rest in (".0.weight", ".0.bias", ".2.weight",
+                                                                                 ".2.bias")]
+    assert model["ds_autoep_layers"] is None and model["num_experts"] == [4]
 
 
 def test_ep_1_to_2_and_4(tmp_path):
@@ -145,7 +171,7 @@ def test_diff_finds_no_difference_and_a_changed_expert_element_shows(tmp_path):
     ("autoep2_z1_fp32", ("--to", "ep=8,dp=8"), "ep=8 does not divide the 4 experts of MoE layer 0"),
     ("autoep2_z1_fp32", ("--to", "dp=3"), "ep=2 does not divide dp=3"),
     ("autoep2_z1_fp32", ("--to", "zero=3"), "mixture-of-experts checkpoints are written for ZeRO-1/2 only"),
-    ("dsmoe_ep2_z2_fp32", ("--to", "ep=1"), "converting deepspeed.moe checkpoints is not supported yet"),
+    ("dsmoe_ep2_z2_fp32", ("--to", "ep=3,dp=3"), "ep=3 does not divide the 4 experts of MoE layer 0"),
     ("autoep2_z1_fp32", ("--to", "dp=2", "--format", "universal"),
      "converting mixture-of-experts checkpoints to universal is not supported yet"),
     ("autoep2_z1_fp32", ("--to", "dp=2", "--format", "dcp"),

@@ -1,4 +1,4 @@
-"""The unmodified DeepSpeed engine with AutoEP resumes reshard's conversions at another ep x dp (issue #16):
+"""The unmodified DeepSpeed engine with AutoEP (and with deepspeed.moe) resumes reshard's conversions at another ep x dp (issue #16):
 `engine.load_checkpoint` of the output, then its fp32 masters, both Adam moments and module weights (gathered as
 tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and one more step runs
 (tests/engine_moe_resume.py). Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
@@ -16,10 +16,11 @@ from test_moe import PACKED, _set_element
 pytestmark = pytest.mark.engine
 
 # (world, fixture, --to): ep 2 -> ep 1 x dp 2; ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; bf16; ep 2 -> ep 4 x dp 4;
-# use_data_before_expert_parallelism at ep 4; ep 2 x expert-dp 2 -> ep 1 x dp 4
+# use_data_before_expert_parallelism at ep 4; ep 2 x expert-dp 2 -> ep 1 x dp 4; deepspeed.moe ep 2 -> 1 and 4
 CONVERSIONS = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_fp32_dp2", "ep=2,dp=2"),
                (2, "autoep2_z2_bf16", "ep=1,dp=2"), (4, "autoep2_z1_fp32", "ep=4,dp=4"),
-               (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4"), (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4")]
+               (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4"), (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4"),
+               (2, "dsmoe_ep2_z2_fp32", "ep=1,dp=2"), (4, "dsmoe_ep2_z2_fp32", "ep=4,dp=4")]
 CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
 
 

@@ -1,16 +1,18 @@
-"""Catalog of an AutoEP mixture-of-experts save x target Layout -> the files DeepSpeed writes at the target's ep and dp.
+"""Catalog of a mixture-of-experts save x target Layout -> the files DeepSpeed writes at the target's ep and dp.
 
 An expert placement is one more map composed with the ZeRO partition. At expert-parallel degree E each layer's
-experts are placed contiguously (what DeepSpeed 0.19.8 builds: `legacy_uniform_autoep_placement_descriptor`):
-expert-parallel rank r holds experts [r * n/E, (r + 1) * n/E) of each packed (num_experts, ...) weight, a box
-of its logical tensor (a RankParam's Shard). Then, as the engine's optimizer does:
+experts are placed contiguously (what DeepSpeed 0.19.8 builds: AutoEP's `legacy_uniform_autoep_placement_descriptor`,
+deepspeed.moe's `ep_rank * local + i`): expert-parallel rank r holds experts [r * n/E, (r + 1) * n/E). An AutoEP
+packed (num_experts, ...) weight is held as a box of its logical tensor (a RankParam's Shard); a deepspeed.moe
+expert param whole, under its local number (a RankParam's source names the logical tensor). Then, as the engine's
+optimizer does:
 * the dense param group is flattened from the whole params and cut over dp (every rank's file: slice d);
-* an expert param group is flattened, per expert-parallel rank, from that rank's packed local tensors and cut
-  over the expert-data-parallel group (dp / E ranks); data-parallel rank d's file holds slice `edp(d)` of the
-  flat vector of expert-parallel rank `ep(d)` (experts.expert_ranks: DeepSpeed's process groups).
-The model states hold the dense module, param_shapes with rank 0's local packed shapes, and ds_autoep_layers
-(and its copy in universal_checkpoint_info) re-derived for E; every global expert's module weights go to its
-layer_L_expert_E file, as _save_moe_checkpoint slices them. ZeRO-1/2 only (zero12_writer).
+* an expert param group is flattened, per expert-parallel rank, from that rank's local expert params and cut over
+  the expert-data-parallel group (dp / E ranks); data-parallel rank d's file holds slice `edp(d)` of the flat
+  vector of expert-parallel rank `ep(d)` (experts.expert_ranks: DeepSpeed's process groups).
+The model states hold the dense module, param_shapes with rank 0's local expert params, and (AutoEP)
+ds_autoep_layers and its copy in universal_checkpoint_info re-derived for E; every global expert's module weights go
+to its layer_L_expert_E file, which does not depend on E (global numbers). ZeRO-1/2 only (zero12_writer).
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from dataclasses import replace
 from reshard.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import experts as expert_files
-from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes, rank_params, zero12_writer
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
@@ -65,27 +66,23 @@ def group_name(ep: int) -> str:
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
-    layers = _check(catalog, target)
+    _check(catalog, target)
     ep = target.options.get("ep", catalog.experts.ep)
     zt = ExpertTarget(catalog, target, ep)
     held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
     flat = [[zero12_writer.FlatGroup(zt, params, g, zt.expert_dp if zt.is_expert_group(g) else zt.dp)
              for g in range(len(params.groups))] for params in held]
-    out = [zero12_writer.model_states(zt, held[0], flat[0], tag, _model_keys(catalog, zt, layers))]
+    out = [zero12_writer.model_states(zt, held[0], flat[0], tag, _model_keys(catalog, zt))]
     for rank in range(zt.dp):
         ep_rank, edp_rank = expert_files.expert_ranks(rank, ep, zt.expert_dp, zt.data_first)
         places = [edp_rank if zt.is_expert_group(g) else rank for g in range(len(flat[ep_rank]))]
         out.append(zero12_writer.optim_states(zt, held[ep_rank], rank, flat[ep_rank], tag, places))
-    return out + _layer_files(catalog, layers, tag) + closing_files(tag, source_save_dir)
+    return out + _layer_files(catalog, tag) + closing_files(tag, source_save_dir)
 
 
-def _check(catalog: Catalog, target: Layout) -> list:
-    """The source's ds_autoep_layers, once what cannot be written is refused (one line each)."""
+def _check(catalog: Catalog, target: Layout) -> None:
+    """What cannot be written is refused (one line each)."""
     where = catalog.root
-    layers = notes.of(catalog).expert_keys.get(AUTOEP_LAYERS)
-    if not layers:
-        raise ReshardError.at(where, "converting deepspeed.moe checkpoints is not supported yet (AutoEP ones are; "
-                                     "inspect, validate and export read both)")
     if target.options.get("ds_config") is not None:
         # a live engine's own layout (reshard.deepspeed): DeepSpeed reads expert files through a checkpoint engine
         # of its own, not the one that serves planned files from memory
@@ -105,33 +102,42 @@ def _check(catalog: Catalog, target: Layout) -> list:
     if target.dp % ep:
         raise ReshardError.at(where, f"ep={ep} does not divide dp={target.dp} (expert parallelism groups "
                                      "data-parallel ranks)")
-    return layers
 
 
 def _ep_rank_params(catalog: Catalog, ep_rank: int, ep: int) -> RankParams:
-    """What expert-parallel rank `ep_rank` holds: every dense param whole, and of each packed expert weight its
-    local experts, a box of the (num_experts, ...) logical tensor. The module holds no expert weights."""
+    """What expert-parallel rank `ep_rank` holds: every dense param whole, and its local experts: of each AutoEP
+    packed weight a box of the (num_experts, ...) logical tensor; each deepspeed.moe expert param of its experts
+    whole, under its local number. The module holds no expert weights (they are in the layer files)."""
     whole = rank_params.whole(catalog)
-    packed = {name for layer in catalog.experts.layers for name in layer.params}
-    params = []
+    packed = bool(notes.of(catalog).expert_keys.get(AUTOEP_LAYERS))
+    per_rank = {name: layer.num_experts // ep for layer in catalog.experts.layers for name in layer.params}
+    params, renamed = [], {}
     for p in whole.params:
-        if p.name in packed:
+        if p.name in per_rank and packed:
             full = catalog.params[p.name].shape
-            local = (full[0] // ep,) + tuple(full[1:])
+            local = (per_rank[p.name],) + tuple(full[1:])
             shard = Shard(local, (Block((ep_rank * local[0],) + (0,) * (len(full) - 1), (0,) * len(full), local),))
             p = replace(p, shape=local, shard=None if shard == Shard.whole(full) else shard)
+        elif p.name in per_rank:
+            expert, local_name = expert_files.ds_moe_local(p.name, per_rank[p.name])
+            if expert // per_rank[p.name] != ep_rank:      # another rank's expert
+                continue
+            renamed[p.name] = local_name
+            p = replace(p, name=local_name, source=p.name)
         params.append(p)
-    order = tuple(n for n in whole.order if n not in packed)
-    return RankParams(tuple(params), order, whole.aliases, whole.groups)
+    order = tuple(n for n in whole.order if n not in per_rank)
+    held = {p.source or p.name for p in params}
+    groups = tuple(tuple(renamed.get(n, n) for n in group if n in held) for group in whole.groups)
+    return RankParams(tuple(params), order, whole.aliases, groups)
 
 
-def _model_keys(catalog: Catalog, zt: ExpertTarget, layers: list) -> dict:
+def _model_keys(catalog: Catalog, zt: ExpertTarget) -> dict:
     """num_experts, ds_autoep_layers and universal_checkpoint_info as the engine at the target's ep saves them."""
     saved = notes.of(catalog).expert_keys
     out = {}
     for key, value in saved.items():
-        if key == AUTOEP_LAYERS:
-            value = [_layer_entry(catalog, entry, zt) for entry in layers]
+        if key == AUTOEP_LAYERS and value:           # (None for deepspeed.moe)
+            value = [_layer_entry(catalog, entry, zt) for entry in value]
         elif key == UC_INFO and isinstance(value, dict) and AUTOEP_LAYERS in value:
             value = {**value, AUTOEP_LAYERS: [_layer_entry(catalog, entry, zt) for entry in value[AUTOEP_LAYERS]]}
         out[key] = value
@@ -170,22 +176,14 @@ def _affine_map(shape: tuple, local: int, ep: int) -> dict:
                       for r in range(ep)}}
 
 
-def _layer_files(catalog: Catalog, layers: list, tag: str) -> list:
-    """layer_L_expert_E: expert E's slab of each packed weight of layer L, one tensor each, in the layer's order."""
+def _layer_files(catalog: Catalog, tag: str) -> list:
+    """Every layer_L_expert_E file as the source holds it: each key expert E's elements of a logical tensor (a slab
+    of an AutoEP packed weight, a deepspeed.moe expert param whole), in the source's order."""
     out = []
-    for entry in layers:
-        layer = int(entry["moe_layer_id"])
-        params = list((entry.get("affine_maps") or {}).get("params") or {})
-        for e in range(int(entry["num_experts"])):
-            name = names.expert_states_name(layer, e)
-            file = TorchFile(f"{tag}/{name}", archive=name[:-3])
-            tree = {}
-            for param in params:
-                full = catalog.params[param].shape
-                inner = math.prod(full[1:])
-                dtype = catalog.tensors[(param, MODULE)].dtype
-                tree[expert_files.autoep_expert_key(param, e)] = file.slot(
-                    dtype, tuple(full[1:]), [Piece(inner, (param, MODULE), e * inner)])
-            file.tree = tree
-            out.append(file)
+    for ef in notes.of(catalog).expert_files:
+        file = TorchFile(f"{tag}/{ef.name}", archive=ef.name[:-3])
+        file.tree = {key: file.slot(catalog.tensors[(name, MODULE)].dtype, shape,
+                                    [Piece(stop - start, (name, MODULE), start)])
+                     for key, name, start, stop, shape in ef.keys}
+        out.append(file)
     return out

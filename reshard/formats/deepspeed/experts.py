@@ -46,7 +46,8 @@ class ExpertFile:
     name: str                 # file name in the tag folder
     layer: int
     expert: int
-    keys: tuple               # (key in the file, logical tensor, flat [start, stop) of the expert's elements in it)
+    keys: tuple               # (key in the file, logical tensor, flat [start, stop) of the expert's elements in it,
+                              #  the tensor's shape in the file)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ def _autoep(tag_dir, autoep_layers, param_shapes, expert_groups):
         layers.append(ExpertLayer(layer, num_experts, placement, tuple(params)))
         for e in range(num_experts):
             slab = {name: math.prod(shapes[name][1:]) for name in params}
-            keys = tuple((autoep_expert_key(name, e), name, e * slab[name], (e + 1) * slab[name]) for name in params)
+            keys = tuple((autoep_expert_key(name, e), name, e * slab[name], (e + 1) * slab[name], shapes[name][1:])
+                         for name in params)
             files.append(ExpertFile(names.expert_states_name(layer, e), layer, e, keys))
     return layers, local, shapes, files
 
@@ -153,6 +155,15 @@ def _autoep(tag_dir, autoep_layers, param_shapes, expert_groups):
 def autoep_expert_key(packed: str, expert: int) -> str:
     """The key of global expert `expert`'s slab of AutoEP packed weight `packed` in its layer file."""
     return f"{packed}.{expert}"
+
+
+def ds_moe_local(name: str, per_rank: int) -> tuple:
+    """(global expert, name on its expert-parallel rank) of deepspeed.moe expert param `name` (named by its global
+    number, as the layer files and the catalog name it) when each rank holds `per_rank` experts: local index
+    expert % per_rank, as the engine numbers them (its layer files: global = ep rank * local + index)."""
+    m = DS_MOE_EXPERT.match(name)
+    expert = int(m.group(2))
+    return expert, f"{m.group(1)}{expert % per_rank}{m.group(3)}"
 
 
 def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
@@ -178,10 +189,10 @@ def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
                     glob = f"{prefix}{e}{rest}"
                     local[(r, name)] = LocalExpert(glob, None)
                     shapes[glob] = shape
-                    keys_of[e].append((glob, glob, 0, math.prod(shape)))
+                    keys_of[e].append((glob, glob, 0, math.prod(shape), shape))
         placement = tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep))
         layers.append(ExpertLayer(layer, num_experts, placement, tuple(k for e in range(num_experts)
-                                                                        for k, _, _, _ in keys_of[e])))
+                                                                        for k, *_ in keys_of[e])))
         files += [ExpertFile(names.expert_states_name(layer, e), layer, e, tuple(keys_of[e]))
                   for e in range(num_experts)]
     return layers, local, shapes, files
@@ -202,7 +213,7 @@ def read_module(catalog, tag_dir: str, experts: Experts, load) -> None:
         except CheckpointError as e:      # unreadable: a problem of this file, the others are still read
             catalog.problems.append(str(e))
             continue
-        for key, name, start, stop in ef.keys:
+        for key, name, start, stop, _ in ef.keys:
             ref = sd.get(key)
             if not isinstance(ref, TensorRef):
                 catalog.problem(path, f"no tensor {key!r} (expert {ef.expert} of MoE layer {ef.layer})")

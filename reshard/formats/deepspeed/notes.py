@@ -35,6 +35,7 @@ class DeepSpeedNotes:
     # A mixture-of-experts save: the model states' expert keys as saved (num_experts, ds_autoep_layers,
     # universal_checkpoint_info), in file order, which its writer re-derives for the target's expert parallelism
     expert_keys: dict = field(default_factory=dict)
+    expert_files: tuple = ()        # experts.ExpertFile: every layer_L_expert_E file and what each key holds
     # module tensors that are no parameter of their own (a second name of a registered one, as AutoEP's router
     # alias `gate.gate`), saved as their own copy: ZeRO-2 lists them in no frozen_param_shapes
     unregistered: tuple = ()

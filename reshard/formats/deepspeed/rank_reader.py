@@ -77,7 +77,7 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     if experts is not None:
         expert_placement.read_module(catalog, tag_dir, experts, load_or_raise)
     _check_steps_agree(catalog, models)
-    fill_state(catalog, model0, first_optim, experts is not None)
+    fill_state(catalog, model0, first_optim, experts)
     fill_layout(catalog, model0)
     return catalog
 
@@ -226,15 +226,16 @@ def _check_steps_agree(catalog, models):
                             f"{base.get('global_steps')} (a file from another save?)")
 
 
-def fill_state(catalog, model0, optim0, has_experts=False):
+def fill_state(catalog, model0, optim0, experts=None):
     """The training counters (core) and what only DeepSpeed's writers carry (DeepSpeedNotes), as saved."""
     catalog.training = TrainingState(**{k: model0[k] for k in TRAINING_STATE_KEYS if k in model0},
                                      optimizer=_optimizer_name(model0.get("ds_config") or {}))
-    expert_keys = {k: v for k, v in model0.items() if k in EXPERT_KEYS} if has_experts else {}
+    expert_keys = {k: v for k, v in model0.items() if k in EXPERT_KEYS} if experts is not None else {}
     catalog.notes = DeepSpeedNotes(**{k: model0[k] for k in NOTES_KEYS if k in model0},
                                    **{k: optim0[k] for k in OPTIMIZER_SCALAR_KEYS if k in optim0},
                                    client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
-                                   expert_keys=expert_keys, unregistered=_unregistered(catalog, model0))
+                                   expert_keys=expert_keys, expert_files=experts.files if experts else (),
+                                   unregistered=_unregistered(catalog, model0))
 
 
 def _unregistered(catalog, model0) -> tuple:
