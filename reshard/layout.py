@@ -81,7 +81,9 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     def topology(self) -> str:
-        return f"dp={self.dp},tp={self.tp},pp={self.pp},zero={self.zero}"
+        """e.g. "dp=4,tp=1,pp=1,zero=2"; a mixture of experts adds its expert-parallel degree (",ep=2")."""
+        ep = f",ep={self.options['ep']}" if "ep" in self.options else ""
+        return f"dp={self.dp},tp={self.tp},pp={self.pp},zero={self.zero}{ep}"
 
     def to_dict(self) -> dict:
         return {"kind": DESCRIPTOR_KIND, "version": DESCRIPTOR_VERSION, **asdict(self)}

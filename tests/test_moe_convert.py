@@ -189,3 +189,13 @@ def test_ep_is_a_usage_error_for_a_format_without_experts(tmp_path):
     proc = run_cli("convert", fixture_dir("autoep2_z1_fp32"), tmp_path / "out", "--to", "ep=1", "--format",
                    "universal", check=2)
     assert "universal output has no ep" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_plan_shows_the_expert_parallel_degrees():
+    import json
+    data = json.loads(run_cli("plan", fixture_dir("autoep2_z2_fp32_dp2"), "--to", "ep=1,dp=2", "--json",
+                              check=0).stdout)
+    assert (data["source_topology"], data["target_topology"]) == ("dp=4,tp=1,pp=1,zero=2,ep=2",
+                                                                  "dp=2,tp=1,pp=1,zero=2,ep=1")
+    kept = json.loads(run_cli("plan", fixture_dir("autoep2_z2_fp32_dp2"), "--to", "dp=2", "--json", check=0).stdout)
+    assert kept["target_topology"] == "dp=2,tp=1,pp=1,zero=2,ep=2"        # the source's ep unless named

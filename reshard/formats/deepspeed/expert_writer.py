@@ -67,7 +67,7 @@ def group_name(ep: int) -> str:
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check(catalog, target)
-    ep = target.options.get("ep", catalog.experts.ep)
+    ep = target.options["ep"]
     zt = ExpertTarget(catalog, target, ep)
     held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
     flat = [[zero12_writer.FlatGroup(zt, params, g, zt.expert_dp if zt.is_expert_group(g) else zt.dp)
@@ -94,7 +94,7 @@ def _check(catalog: Catalog, target: Layout) -> None:
     if target.tp != 1 or target.pp != 1:
         raise ReshardError.at(where, "mixture-of-experts checkpoints are written without tensor or pipeline "
                                      "parallelism")
-    ep = target.options.get("ep", catalog.experts.ep)
+    ep = target.options["ep"]
     for layer in catalog.experts.layers:
         if layer.num_experts % ep:
             raise ReshardError.at(where, f"ep={ep} does not divide the {layer.num_experts} experts of MoE layer "

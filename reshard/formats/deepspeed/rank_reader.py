@@ -61,6 +61,8 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     if experts is not None and (stage == 3 or mp):
         raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints with ZeRO-3 or tensor/pipeline parallelism "
                                        "are not supported")
+    if experts is not None:      # the target keeps it unless --to names another (ep=E)
+        catalog.layout.options["ep"] = experts.topology.ep
     if stage == 3:
         if mp:
             raise ReshardError.at(tag_dir, "ZeRO-3 with tensor or pipeline parallelism is not supported")
