@@ -45,12 +45,12 @@ def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -
 def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None,
              new_rank_state: str = FRESH) -> Plan:
     """make_plan's plan at layout `target`, for a whole catalog."""
-    if catalog.experts is not None:      # no writer places experts yet: it would write them as dense params
-        raise ReshardError.at(catalog.root, "converting mixture-of-experts checkpoints is not supported yet "
-                                            "(inspect, validate and export read them)")
     tag = tag_out or catalog.tag or "converted"
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)
+    if catalog.experts is not None and not target_format.PLACES_EXPERTS:   # it would write experts as dense params
+        raise ReshardError.at(catalog.root, f"converting mixture-of-experts checkpoints to {fmt or catalog.format} "
+                                            "is not supported yet (to deepspeed it is; export reads them)")
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))

@@ -39,6 +39,8 @@ SPEC_KEYS = (
     SpecKey("layer_types", "A/B/...", "the pipeline layers' class names in order, for partition=type:REGEX "
             "(a checkpoint does not hold them)"),
     SpecKey("kv_heads", "K", "the model's key-value heads: how AutoTP cuts attention at a new tp"),
+    SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts checkpoint (dividing dp and the expert "
+            "count)"),
 )
 SPEC_KEY_NAMES = tuple(k.name for k in SPEC_KEYS)
 
@@ -79,7 +81,9 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     def topology(self) -> str:
-        return f"dp={self.dp},tp={self.tp},pp={self.pp},zero={self.zero}"
+        """e.g. "dp=4,tp=1,pp=1,zero=2"; a mixture of experts adds its expert-parallel degree (",ep=2")."""
+        ep = f",ep={self.options['ep']}" if "ep" in self.options else ""
+        return f"dp={self.dp},tp={self.tp},pp={self.pp},zero={self.zero}{ep}"
 
     def to_dict(self) -> dict:
         return {"kind": DESCRIPTOR_KIND, "version": DESCRIPTOR_VERSION, **asdict(self)}
@@ -148,7 +152,8 @@ class Layout:
         """This layout with the degrees named in `spec` ("dp=4,zero=3") changed; `partition=uniform|parameters|type:REGEX`
         names the pipeline partition method of the target (type:REGEX with `layer_types=A/B/...`, the class
         names of its layers, which a checkpoint does not hold), `kv_heads=K` the model's key-value heads (AutoTP's cut
-        at a new tensor-parallel degree)."""
+        at a new tensor-parallel degree), `ep=E` the expert-parallel degree of a mixture-of-experts target (the source's
+        when not named)."""
         changes = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
@@ -168,10 +173,10 @@ class Layout:
                                        "separated by '/'")
                 changes["options"] = {**changes.get("options", self.options), "layer_types": types}
                 continue
-            if key == "kv_heads":      # the model's key-value head count: how AutoTP cuts attention
+            if key in ("kv_heads", "ep"):   # the model's key-value heads (AutoTP's cut), the expert-parallel degree
                 if not value.strip().isdigit() or int(value) < 1:
-                    raise ReshardError(f"bad layout spec {spec!r}: kv_heads must be a positive integer")
-                changes["options"] = {**changes.get("options", self.options), "kv_heads": int(value)}
+                    raise ReshardError(f"bad layout spec {spec!r}: {key} must be a positive integer")
+                changes["options"] = {**changes.get("options", self.options), key: int(value)}
                 continue
             try:
                 changes[key] = int(value)

@@ -64,7 +64,7 @@ def test_every_command_and_option_is_described(which):
 def test_every_spec_key_is_accepted_and_listed_whole():
     source = reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")).layout
     samples = {"dp": "2", "tp": "1", "pp": "1", "zero": "3", "partition": "type:Block", "layer_types": "Embed/Block",
-               "kv_heads": "2"}
+               "kv_heads": "2", "ep": "2"}
     assert set(SPEC_KEY_NAMES) == set(samples)          # a key added to layout.py needs a sample here
     for key in SPEC_KEY_NAMES:
         assert isinstance(source.with_spec(f"{key}={samples[key]}"), Layout)

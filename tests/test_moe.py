@@ -201,13 +201,6 @@ def test_one_changed_expert_element_is_caught(tmp_path):
     assert len(_problem_lines(proc, PACKED)) == 1
 
 
-def test_convert_is_refused_until_it_places_experts(tmp_path):
-    proc = run_cli("convert", fixture_dir("autoep2_z1_fp32"), tmp_path / "out", "--to", "dp=1", check=1)
-    assert proc.stderr.strip().endswith("converting mixture-of-experts checkpoints is not supported yet "
-                                        "(inspect, validate and export read them)")
-    assert not (tmp_path / "out").exists()
-
-
 def test_validate_names_an_unreadable_expert_file(tmp_path):
     save = tmp_path / "save"
     shutil.copytree(fixture_dir("autoep2_z2_bf16"), save)

@@ -79,6 +79,7 @@ class Reader(Protocol):
 @runtime_checkable
 class Writer(Protocol):
     SPEC_KEYS: tuple    # the `--to` keys (reshard.layout.SPEC_KEY_NAMES) this format's output has
+    PLACES_EXPERTS: bool   # writes a mixture-of-experts catalog with its expert placement (else it is refused)
 
     def target_files(self, catalog: "Catalog", target: "Layout", tag: str,
                      source_save_dir: str | None = None) -> list:

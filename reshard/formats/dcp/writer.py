@@ -58,6 +58,7 @@ def file_name(rank: int) -> str:
 
 # the --to keys a DCP directory has: one file per data-parallel rank, no ZeRO stage, no model parallelism
 SPEC_KEYS = ("dp",)
+PLACES_EXPERTS = False     # no expert placement in DCP output yet
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     if target.tp != 1 or target.pp != 1:

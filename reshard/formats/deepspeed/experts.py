@@ -46,7 +46,8 @@ class ExpertFile:
     name: str                 # file name in the tag folder
     layer: int
     expert: int
-    keys: tuple               # (key in the file, logical tensor, flat [start, stop) of the expert's elements in it)
+    keys: tuple               # (key in the file, logical tensor, flat [start, stop) of the expert's elements in it,
+                              #  the tensor's shape in the file)
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,7 @@ class Experts:
     files: tuple              # ExpertFile
 
     def ranks(self, rank: int) -> tuple:
-        """(expert-parallel rank, expert-data-parallel rank) of data-parallel rank `rank`: DeepSpeed's
-        groups._create_expert_and_data_parallel (consecutive ranks form an expert-parallel group, unless data
-        before expert parallelism makes the expert-data-parallel groups consecutive)."""
-        ep, edp = self.topology.ep, self.topology.expert_dp
-        return (rank // edp, rank % edp) if self.data_first else (rank % ep, rank // ep)
+        return expert_ranks(rank, self.topology.ep, self.topology.expert_dp, self.data_first)
 
     def logical(self, ep_rank: int, name: str) -> LocalExpert:
         return self.local[(ep_rank, name)]
@@ -76,6 +73,18 @@ class Experts:
                 logical = self.local[(ep_rank, name)].name
                 out[logical] = self.shapes[logical]
         return out
+
+
+def expert_ranks(rank: int, ep: int, expert_dp: int, data_first: bool) -> tuple:
+    """(expert-parallel rank, expert-data-parallel rank) of data-parallel rank `rank`: DeepSpeed's
+    groups._create_expert_and_data_parallel (consecutive ranks form an expert-parallel group, unless data
+    before expert parallelism makes the expert-data-parallel groups consecutive)."""
+    return (rank // expert_dp, rank % expert_dp) if data_first else (rank % ep, rank // ep)
+
+
+def data_before_experts(config: dict | None) -> bool:
+    """ds_config's use_data_before_expert_parallelism: how the ranks form the expert groups."""
+    return bool((config or {}).get("use_data_before_expert_parallelism"))
 
 
 def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | None:
@@ -91,7 +100,6 @@ def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | N
         raise ReshardError.at(tag_dir, "expert files but no optimizer param group of experts (moe: True)")
     param_shapes = model0.get("param_shapes") or []
     dp = int(model0.get("dp_world_size") or 1)
-    data_first = bool((model0.get("ds_config") or {}).get("use_data_before_expert_parallelism"))
     if model0.get("ds_autoep_layers"):
         layers, local, shapes, files = _autoep(tag_dir, model0["ds_autoep_layers"], param_shapes, expert_groups)
     else:
@@ -100,8 +108,8 @@ def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | N
     ep = len(layers[0].placement)
     if dp % ep:
         raise ReshardError.at(tag_dir, f"expert-parallel degree {ep} does not divide the data-parallel degree {dp}")
-    return Experts(ExpertParallel(ep, dp // ep, tuple(layers)), expert_groups, data_first, local, shapes,
-                   tuple(files))
+    return Experts(ExpertParallel(ep, dp // ep, tuple(layers)), expert_groups,
+                   data_before_experts(model0.get("ds_config")), local, shapes, tuple(files))
 
 
 def _ep_of(tag_dir, optim0, expert_groups, dp) -> int:
@@ -138,9 +146,24 @@ def _autoep(tag_dir, autoep_layers, param_shapes, expert_groups):
         layers.append(ExpertLayer(layer, num_experts, placement, tuple(params)))
         for e in range(num_experts):
             slab = {name: math.prod(shapes[name][1:]) for name in params}
-            keys = tuple((f"{name}.{e}", name, e * slab[name], (e + 1) * slab[name]) for name in params)
+            keys = tuple((autoep_expert_key(name, e), name, e * slab[name], (e + 1) * slab[name], shapes[name][1:])
+                         for name in params)
             files.append(ExpertFile(names.expert_states_name(layer, e), layer, e, keys))
     return layers, local, shapes, files
+
+
+def autoep_expert_key(packed: str, expert: int) -> str:
+    """The key of global expert `expert`'s slab of AutoEP packed weight `packed` in its layer file."""
+    return f"{packed}.{expert}"
+
+
+def ds_moe_local(name: str, per_rank: int) -> tuple:
+    """(global expert, name on its expert-parallel rank) of deepspeed.moe expert param `name` (named by its global
+    number, as the layer files and the catalog name it) when each rank holds `per_rank` experts: local index
+    expert % per_rank, as the engine numbers them (its layer files: global = ep rank * local + index)."""
+    m = DS_MOE_EXPERT.match(name)
+    expert = int(m.group(2))
+    return expert, f"{m.group(1)}{expert % per_rank}{m.group(3)}"
 
 
 def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
@@ -166,10 +189,10 @@ def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
                     glob = f"{prefix}{e}{rest}"
                     local[(r, name)] = LocalExpert(glob, None)
                     shapes[glob] = shape
-                    keys_of[e].append((glob, glob, 0, math.prod(shape)))
+                    keys_of[e].append((glob, glob, 0, math.prod(shape), shape))
         placement = tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep))
         layers.append(ExpertLayer(layer, num_experts, placement, tuple(k for e in range(num_experts)
-                                                                        for k, _, _, _ in keys_of[e])))
+                                                                        for k, *_ in keys_of[e])))
         files += [ExpertFile(names.expert_states_name(layer, e), layer, e, tuple(keys_of[e]))
                   for e in range(num_experts)]
     return layers, local, shapes, files
@@ -190,7 +213,7 @@ def read_module(catalog, tag_dir: str, experts: Experts, load) -> None:
         except CheckpointError as e:      # unreadable: a problem of this file, the others are still read
             catalog.problems.append(str(e))
             continue
-        for key, name, start, stop in ef.keys:
+        for key, name, start, stop, _ in ef.keys:
             ref = sd.get(key)
             if not isinstance(ref, TensorRef):
                 catalog.problem(path, f"no tensor {key!r} (expert {ef.expert} of MoE layer {ef.layer})")

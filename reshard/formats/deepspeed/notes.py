@@ -32,6 +32,13 @@ class DeepSpeedNotes:
     layers: dict = field(default_factory=dict)           # name -> (layer index, key in its layer file)
     # a PipelineModule save: layer index -> [(key, full name or None when not a tensor)], in file order
     pipe_layer_files: dict = field(default_factory=dict)
+    # A mixture-of-experts save: the model states' expert keys as saved (num_experts, ds_autoep_layers,
+    # universal_checkpoint_info), in file order, which its writer re-derives for the target's expert parallelism
+    expert_keys: dict = field(default_factory=dict)
+    expert_files: tuple = ()        # experts.ExpertFile: every layer_L_expert_E file and what each key holds
+    # module tensors that are no parameter of their own (a second name of a registered one, as AutoEP's router
+    # alias `gate.gate`), saved as their own copy: ZeRO-2 lists them in no frozen_param_shapes
+    unregistered: tuple = ()
 
     def param_details(self, name: str) -> dict:
         out = {}

@@ -7,6 +7,7 @@ None: the whole tensor). It is built by composing, outermost first:
   (tp_geometry.Split.shard) and that shard's shape;
 * a pipeline stage: `RankParams.subset` keeps the parameters the stage trains, in the stage's order
   (pipe_writer decides which);
+* expert parallelism (expert_writer): a rank's experts, a box of a packed tensor or a renamed expert param;
 * data parallelism adds nothing here: ZeRO cuts a rank's parameters into flat ranges of their shards, which
   the ZeRO writers (zero12_writer, zero3_writer) compute and emit as Pieces with each parameter's shard.
 """
@@ -30,6 +31,7 @@ class RankParam:
     group: int | None           # optimizer param group of a trainable param
     module_dtype: str | None    # dtype of the saved module copy; None: none saved (the master copy is cast)
     shard: Shard | None = None  # which shard of the full tensor the local elements are; None: the tensor itself
+    source: str | None = None   # the logical tensor, when the rank names it otherwise (deepspeed.moe's local experts)
 
     @property
     def numel(self) -> int:
@@ -37,7 +39,7 @@ class RankParam:
 
     def piece(self, state: str, start: int, count: int) -> Piece:
         """`count` elements of this rank's `state` of the param from local flat element `start`."""
-        return Piece(count, (self.name, state), start, shard=self.shard)
+        return Piece(count, (self.source or self.name, state), start, shard=self.shard)
 
 
 @dataclass(frozen=True)

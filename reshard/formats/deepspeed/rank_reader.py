@@ -24,13 +24,15 @@ from reshard.formats.torchzip import TensorRef
 from reshard.layout import Layout
 from reshard.tensorio import file_size
 
+# What a mixture-of-experts save's model states add (engine._save_moe_checkpoint), kept for its writer
+EXPERT_KEYS = ("num_experts", "ds_autoep_layers", "universal_checkpoint_info")
 # Keys of a model-states file that DeepSpeed itself writes; everything else is client state.
 ENGINE_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
     "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
     "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "shared_params", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "compiled_autograd",
-    "ds_autotp_universal_checkpoint_meta",
+    "ds_autotp_universal_checkpoint_meta", *EXPERT_KEYS,
 }
 TRAINING_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")
 NOTES_KEYS = ("ds_config", "ds_version", "data_sampler", "random_ltd")     # DeepSpeedNotes fields
@@ -59,6 +61,8 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     if experts is not None and (stage == 3 or mp):
         raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints with ZeRO-3 or tensor/pipeline parallelism "
                                        "are not supported")
+    if experts is not None:      # the target keeps it unless --to names another (ep=E)
+        catalog.layout.options["ep"] = experts.topology.ep
     if stage == 3:
         if mp:
             raise ReshardError.at(tag_dir, "ZeRO-3 with tensor or pipeline parallelism is not supported")
@@ -75,7 +79,7 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     if experts is not None:
         expert_placement.read_module(catalog, tag_dir, experts, load_or_raise)
     _check_steps_agree(catalog, models)
-    fill_state(catalog, model0, first_optim)
+    fill_state(catalog, model0, first_optim, experts)
     fill_layout(catalog, model0)
     return catalog
 
@@ -224,13 +228,25 @@ def _check_steps_agree(catalog, models):
                             f"{base.get('global_steps')} (a file from another save?)")
 
 
-def fill_state(catalog, model0, optim0):
+def fill_state(catalog, model0, optim0, experts=None):
     """The training counters (core) and what only DeepSpeed's writers carry (DeepSpeedNotes), as saved."""
     catalog.training = TrainingState(**{k: model0[k] for k in TRAINING_STATE_KEYS if k in model0},
                                      optimizer=_optimizer_name(model0.get("ds_config") or {}))
+    expert_keys = {k: v for k, v in model0.items() if k in EXPERT_KEYS} if experts is not None else {}
     catalog.notes = DeepSpeedNotes(**{k: model0[k] for k in NOTES_KEYS if k in model0},
                                    **{k: optim0[k] for k in OPTIMIZER_SCALAR_KEYS if k in optim0},
-                                   client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS})
+                                   client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
+                                   expert_keys=expert_keys, expert_files=experts.files if experts else (),
+                                   unregistered=_unregistered(catalog, model0))
+
+
+def _unregistered(catalog, model0) -> tuple:
+    """Module tensors a ZeRO-2 save lists as no parameter: its frozen_param_shapes name every frozen parameter
+    (named_parameters), so a module tensor neither trained, a buffer nor listed there is a second name of one."""
+    listed = model0.get("frozen_param_shapes")
+    if not isinstance(listed, dict) or catalog.layout.zero != 2:
+        return ()
+    return tuple(n for n, p in catalog.params.items() if p.kind == "frozen" and n not in listed)
 
 
 def format_options(model0, optim0, bf16_prefix, stage) -> dict:

@@ -39,8 +39,9 @@ from reshard.targets import Output, Piece, TextFile
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
 
-# every --to key has a place in DeepSpeed's files
-SPEC_KEYS = SPEC_KEY_NAMES
+# every --to key but ep has a place in a universal tree (mixture-of-experts sources are not written as one yet)
+SPEC_KEYS = tuple(k for k in SPEC_KEY_NAMES if k != "ep")
+PLACES_EXPERTS = False     # a universal tree of experts is not written yet
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_target(catalog, target)

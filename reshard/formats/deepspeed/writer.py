@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import notes, pipe_writer, rank_params, tp_writer
+from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
 from reshard.layout import Layout, SPEC_KEY_NAMES
@@ -19,6 +19,7 @@ from reshard.targets import Output
 
 # every --to key has a place in DeepSpeed's files
 SPEC_KEYS = SPEC_KEY_NAMES
+PLACES_EXPERTS = True     # expert_writer
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_convertible(catalog, target)
@@ -27,6 +28,11 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         # a source with no ZeRO stage of its own (DCP, torch.save, universal) keeps "0" unless --to names one
         hint = " (the source has none: name one, e.g. --to zero=2)" if source.zero not in (1, 2, 3) else ""
         raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written{hint}")
+    if catalog.experts is not None:          # a mixture of experts: its placement is one more map
+        return expert_writer.target_files(catalog, target, tag, source_save_dir)
+    if "ep" in target.options:
+        raise ReshardError.at(catalog.root, f"ep={target.options['ep']}: the source has no experts (not a "
+                                            "mixture-of-experts checkpoint)")
     if source.pp != 1 or target.pp != 1 or notes.of(catalog).pipe_layer_files:   # a PipelineModule's save
         return pipe_writer.target_files(catalog, target, tag, source_save_dir)
     if target.tp != 1 or source.tp != 1:

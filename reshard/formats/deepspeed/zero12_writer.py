@@ -2,8 +2,9 @@
 
 Per optimizer param group, DeepSpeed flattens the rank's trainable params (round-robin order if configured,
 optional per-param alignment), pads the end to 2*dp and cuts it into dp equal partitions. The params are
-those of a RankParams (shards of the full tensors under tensor parallelism), so each partition's pieces are
-flat ranges of those shards.
+those of a RankParams (shards of the full tensors under tensor or expert parallelism), so each partition's
+pieces are flat ranges of those shards. A group may be cut over fewer ranks than dp (a mixture-of-experts
+group over its expert-data-parallel group): its `count`, and each file's place among them (expert_writer).
 """
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from reshard.catalog import MASTER, MODULE
 from reshard.dtypes import itemsize
 from reshard.formats import standins
 from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry, \
     weight_source
 from reshard.formats.torchsave import TorchFile
-from reshard.formats.torchzip import Size
 from reshard.geometry import ceil_div, intersect
 from reshard.targets import Piece
 
@@ -26,11 +27,12 @@ from reshard.targets import Piece
 class FlatGroup:
     """One param group of a rank flattened as DeepSpeed does for the target dp."""
 
-    def __init__(self, zt: ZeroTarget, params: RankParams, g: int):
+    def __init__(self, zt: ZeroTarget, params: RankParams, g: int, count: int | None = None):
         self.g = g
         self.params = params
+        self.count = count or zt.dp         # the ranks the group is partitioned over
         self.original = list(params.groups[g])
-        self.flat = _round_robin(self.original, zt.dp) if zt.round_robin else list(self.original)
+        self.flat = _round_robin(self.original, self.count) if zt.round_robin else list(self.original)
         align = 16 // math.gcd(16, itemsize(zt.lp_dtype)) if zt.param_alignment else 1
         self.offsets, self.paddings, offset = {}, [], 0
         for i, name in enumerate(self.flat):
@@ -40,8 +42,8 @@ class FlatGroup:
             self.paddings.append(pad)
             offset += pad
         self.end = offset
-        self.padded = ceil_div(offset, 2 * zt.dp) * 2 * zt.dp
-        self.part = self.padded // zt.dp
+        self.padded = ceil_div(offset, 2 * self.count) * 2 * self.count
+        self.part = self.padded // self.count
 
     def numel(self, name: str) -> int:
         return self.params.by_name[name].numel
@@ -110,19 +112,20 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
         state = MODULE if p.kind != "trainable" else weight_source(p)
         return file.slot(dtype, p.shape, [p.piece(state, 0, p.numel)])
 
-    frozen = params.of_kind("frozen")
+    unregistered = set(notes.of(zt.catalog).unregistered)     # not a parameter: in no frozen_param_shapes
+    frozen = [p for p in params.of_kind("frozen") if p.name not in unregistered]
     if params.weights_in_layer_files:     # a PipelineModule's weights are in layer files; frozen ones too
         module, slots = None, {p.name: None for p in frozen}
     else:
         module, slots = module_tree(params, full)
     stage2 = zt.target.zero == 2
-    shape = lambda n: Size(params.by_name[n].shape)
+    shape = lambda n: zt.saved_shape(params.by_name[n].shape)
     file.tree = {
         "module": module,
         "buffer_names": buffer_names(params),
         "optimizer": None,
         "param_shapes": [OrderedDict((n, shape(n)) for n in group.flat) for group in groups],
-        "frozen_param_shapes": OrderedDict((p.name, Size(p.shape)) for p in frozen) if stage2 else None,
+        "frozen_param_shapes": OrderedDict((p.name, zt.saved_shape(p.shape)) for p in frozen) if stage2 else None,
         "shared_params": extra.get("shared_params", dict(params.aliases)),
         "frozen_param_fragments": OrderedDict((p.name, slots[p.name]) for p in frozen) if stage2 else None,
         **zt.model_states_tail(extra),
@@ -130,13 +133,16 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
     return file
 
 
-def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str) -> TorchFile:
+def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str,
+                 places: list | None = None) -> TorchFile:
+    """Data-parallel rank `rank`'s file; `places`: per group, the file's place among the ranks the group is cut
+    over (default: `rank`, every group cut over dp)."""
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     fp32_parts, paddings, states, lean_states, param_groups, mappings = [], [], {}, [], [], []
-    for group in groups:
-        lo = rank * group.part
-        pad = group.tail_padding(rank)
+    for group, place in zip(groups, places or [rank] * len(groups)):
+        lo = place * group.part
+        pad = group.tail_padding(place)
         lean = group.part - pad
         fp32_len = group.part if zt.bf16_optimizer else lean
         fp32_parts.append(file.slot("float32", (fp32_len,), group.pieces(MASTER, lo, lo + fp32_len)))
@@ -149,9 +155,9 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
             states[group.g] = entry
         param_groups.append({**zt.hyper_params(group.g), "params": [group.g]})
         paddings.append(pad)
-        mappings.append(group.slice_mappings(rank))
+        mappings.append(group.slice_mappings(place))
     base = lean_states if zt.elastic else {"state": states, "param_groups": param_groups}
-    count = [zt.dp] * len(groups)
+    count = [group.count for group in groups]
     if zt.bf16_optimizer:
         inner = {"clip_grad": zt.loss_scaler_state()["clip_grad"], "base_optimizer_state": base,
                  "single_partition_of_fp32_groups": fp32_parts, "group_paddings": paddings,

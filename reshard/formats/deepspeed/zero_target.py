@@ -12,6 +12,7 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.torchsave import TorchFile
+from reshard.formats.torchzip import Size
 from reshard.layout import Layout
 from reshard.targets import CopiedFile, Piece, TextFile
 
@@ -71,6 +72,10 @@ class ZeroTarget:
             scaler.__dict__.update(cur_scale=1.0, dynamic=False)
         return {"loss_scaler": scaler, "dynamic_loss_scale": state.dynamic_loss_scale,
                 "overflow": state.overflow, "clip_grad": state.clip_grad}
+
+    def saved_shape(self, shape: tuple) -> object:
+        """A shape as the model states record it (param_shapes): a torch.Size."""
+        return Size(shape)
 
     def model_states_tail(self, extra: dict) -> dict:
         """Training state of a model-states file, after the parameter bookkeeping keys; `extra`: the keys the

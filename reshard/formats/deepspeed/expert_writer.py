@@ -1,0 +1,189 @@
+"""Catalog of a mixture-of-experts save x target Layout -> the files DeepSpeed writes at the target's ep and dp.
+
+An expert placement is one more map composed with the ZeRO partition. At expert-parallel degree E each layer's
+experts are placed contiguously (what DeepSpeed 0.19.8 builds: AutoEP's `legacy_uniform_autoep_placement_descriptor`,
+deepspeed.moe's `ep_rank * local + i`): expert-parallel rank r holds experts [r * n/E, (r + 1) * n/E). An AutoEP
+packed (num_experts, ...) weight is held as a box of its logical tensor (a RankParam's Shard); a deepspeed.moe
+expert param whole, under its local number (a RankParam's source names the logical tensor). Then, as the engine's
+optimizer does:
+* the dense param group is flattened from the whole params and cut over dp (every rank's file: slice d);
+* an expert param group is flattened, per expert-parallel rank, from that rank's local expert params and cut over
+  the expert-data-parallel group (dp / E ranks); data-parallel rank d's file holds slice `edp(d)` of the flat
+  vector of expert-parallel rank `ep(d)` (experts.expert_ranks: DeepSpeed's process groups).
+The model states hold the dense module, param_shapes with rank 0's local expert params, and (AutoEP)
+ds_autoep_layers and its copy in universal_checkpoint_info re-derived for E; every global expert's module weights go
+to its layer_L_expert_E file, which does not depend on E (global numbers). ZeRO-1/2 only (zero12_writer).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+from reshard.catalog import MODULE, Catalog
+from reshard.errors import ReshardError
+from reshard.formats.deepspeed import experts as expert_files
+from reshard.formats.deepspeed import notes, rank_params, zero12_writer
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
+from reshard.formats.torchsave import TorchFile
+from reshard.layout import Layout
+from reshard.placement import Block, Shard
+from reshard.targets import Piece
+
+AUTOEP_LAYERS = "ds_autoep_layers"
+UC_INFO = "universal_checkpoint_info"
+
+
+class ExpertTarget(ZeroTarget):
+    """ZeroTarget at expert-parallel degree `ep`: the config's autoep_size and the expert groups' names follow it."""
+
+    def __init__(self, catalog: Catalog, target: Layout, ep: int):
+        super().__init__(catalog, target)
+        self.ep = ep
+        self.expert_dp = target.dp // ep
+        self.data_first = expert_files.data_before_experts(self.config)
+        if "expert_parallel" in self.config:
+            self.config["expert_parallel"]["autoep_size"] = ep
+
+    def saved_shape(self, shape: tuple) -> object:
+        """A plain tuple: _save_moe_checkpoint saves through clone_tensors_for_torch_save, which rebuilds every
+        tuple, a torch.Size too, as a tuple."""
+        return tuple(shape)
+
+    def is_expert_group(self, g: int) -> bool:
+        return bool(self.catalog.param_groups[g].get("moe"))
+
+    def hyper_params(self, g: int) -> dict:
+        hyper = super().hyper_params(g)
+        if self.is_expert_group(g):        # AutoEP names its expert group by its ep (auto_ep_layer.ep_group_name)
+            hyper["name"] = group_name(self.ep)
+        return hyper
+
+
+def group_name(ep: int) -> str:
+    return f"ep_size_{ep}"
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    _check(catalog, target)
+    ep = target.options["ep"]
+    zt = ExpertTarget(catalog, target, ep)
+    held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
+    flat = [[zero12_writer.FlatGroup(zt, params, g, zt.expert_dp if zt.is_expert_group(g) else zt.dp)
+             for g in range(len(params.groups))] for params in held]
+    out = [zero12_writer.model_states(zt, held[0], flat[0], tag, _model_keys(catalog, zt))]
+    for rank in range(zt.dp):
+        ep_rank, edp_rank = expert_files.expert_ranks(rank, ep, zt.expert_dp, zt.data_first)
+        places = [edp_rank if zt.is_expert_group(g) else rank for g in range(len(flat[ep_rank]))]
+        out.append(zero12_writer.optim_states(zt, held[ep_rank], rank, flat[ep_rank], tag, places))
+    return out + _layer_files(catalog, tag) + closing_files(tag, source_save_dir)
+
+
+def _check(catalog: Catalog, target: Layout) -> None:
+    """What cannot be written is refused (one line each)."""
+    where = catalog.root
+    if target.options.get("ds_config") is not None:
+        # a live engine's own layout (reshard.deepspeed): DeepSpeed reads expert files through a checkpoint engine
+        # of its own, not the one that serves planned files from memory
+        raise ReshardError.at(where, "loading a mixture-of-experts checkpoint into a live engine is not supported; "
+                                     "convert it (reshard convert --to ep=E,dp=D) and call engine.load_checkpoint")
+    if target.zero not in (1, 2):
+        raise ReshardError.at(where, f"target ZeRO stage {target.zero}: mixture-of-experts checkpoints are written for "
+                                     "ZeRO-1/2 only (AutoEP under ZeRO-3 saves its experts in another layout)")
+    if target.tp != 1 or target.pp != 1:
+        raise ReshardError.at(where, "mixture-of-experts checkpoints are written without tensor or pipeline "
+                                     "parallelism")
+    ep = target.options["ep"]
+    for layer in catalog.experts.layers:
+        if layer.num_experts % ep:
+            raise ReshardError.at(where, f"ep={ep} does not divide the {layer.num_experts} experts of MoE layer "
+                                         f"{layer.index}")
+    if target.dp % ep:
+        raise ReshardError.at(where, f"ep={ep} does not divide dp={target.dp} (expert parallelism groups "
+                                     "data-parallel ranks)")
+
+
+def _ep_rank_params(catalog: Catalog, ep_rank: int, ep: int) -> RankParams:
+    """What expert-parallel rank `ep_rank` holds: every dense param whole, and its local experts: of each AutoEP
+    packed weight a box of the (num_experts, ...) logical tensor; each deepspeed.moe expert param of its experts
+    whole, under its local number. The module holds no expert weights (they are in the layer files)."""
+    whole = rank_params.whole(catalog)
+    packed = bool(notes.of(catalog).expert_keys.get(AUTOEP_LAYERS))
+    per_rank = {name: layer.num_experts // ep for layer in catalog.experts.layers for name in layer.params}
+    params, renamed = [], {}
+    for p in whole.params:
+        if p.name in per_rank and packed:
+            full = catalog.params[p.name].shape
+            local = (per_rank[p.name],) + tuple(full[1:])
+            shard = Shard(local, (Block((ep_rank * local[0],) + (0,) * (len(full) - 1), (0,) * len(full), local),))
+            p = replace(p, shape=local, shard=None if shard == Shard.whole(full) else shard)
+        elif p.name in per_rank:
+            expert, local_name = expert_files.ds_moe_local(p.name, per_rank[p.name])
+            if expert // per_rank[p.name] != ep_rank:      # another rank's expert
+                continue
+            renamed[p.name] = local_name
+            p = replace(p, name=local_name, source=p.name)
+        params.append(p)
+    order = tuple(n for n in whole.order if n not in per_rank)
+    held = {p.source or p.name for p in params}
+    groups = tuple(tuple(renamed.get(n, n) for n in group if n in held) for group in whole.groups)
+    return RankParams(tuple(params), order, whole.aliases, groups)
+
+
+def _model_keys(catalog: Catalog, zt: ExpertTarget) -> dict:
+    """num_experts, ds_autoep_layers and universal_checkpoint_info as the engine at the target's ep saves them."""
+    saved = notes.of(catalog).expert_keys
+    out = {}
+    for key, value in saved.items():
+        if key == AUTOEP_LAYERS and value:           # (None for deepspeed.moe)
+            value = [_layer_entry(catalog, entry, zt) for entry in value]
+        elif key == UC_INFO and isinstance(value, dict) and AUTOEP_LAYERS in value:
+            value = {**value, AUTOEP_LAYERS: [_layer_entry(catalog, entry, zt) for entry in value[AUTOEP_LAYERS]]}
+        out[key] = value
+    return out
+
+
+def _layer_entry(catalog: Catalog, entry: dict, zt: ExpertTarget) -> dict:
+    """One ds_autoep_layers entry at the target's ep: rank 0's view (engine._save_moe_checkpoint), its placement
+    and affine maps lowered as checkpoint/autoep_affine.py does for the contiguous placement."""
+    num_experts, ep = int(entry["num_experts"]), zt.ep
+    local = num_experts // ep
+    ranks = [list(range(r * local, (r + 1) * local)) for r in range(ep)]
+    out = copy.deepcopy(entry)         # every other key as saved, in the saved order
+    params = {name: _affine_map(catalog.params[name].shape, local, ep)
+              for name in (entry.get("affine_maps") or {}).get("params") or {}}
+    out.update(num_local_experts=local, ep_size=ep,
+               expert_placement={"version": entry["expert_placement"]["version"], "num_experts": num_experts,
+                                 "ep_size": ep, "ranks": [{"rank": r, "experts": e} for r, e in enumerate(ranks)]},
+               affine_maps={**entry["affine_maps"], "params": params},
+               ep_group_name=group_name(ep), ep_rank=0, expert_data_parallel_rank=0,
+               expert_data_parallel_world_size=zt.expert_dp, global_expert_start=0, global_expert_end=local)
+    return out
+
+
+def _affine_map(shape: tuple, local: int, ep: int) -> dict:
+    """ParamAffineMap.to_dict of a (num_experts, ...) weight whose ep ranks each hold `local` consecutive experts:
+    one piece per rank (one run of experts with a single holder)."""
+    def row_major(dims):
+        return [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    inner = math.prod(shape[1:])
+    shard = [local] + list(shape[1:])
+    return {"logical_shape": list(shape),
+            "ranks": {r: {"shard_shape": list(shard),
+                          "pieces": [{"shape": list(shard), "source": [r * local * inner, row_major(shape)],
+                                      "dest": [0, row_major(shard)], "locations": [r]}]}
+                      for r in range(ep)}}
+
+
+def _layer_files(catalog: Catalog, tag: str) -> list:
+    """Every layer_L_expert_E file as the source holds it: each key expert E's elements of a logical tensor (a slab
+    of an AutoEP packed weight, a deepspeed.moe expert param whole), in the source's order."""
+    out = []
+    for ef in notes.of(catalog).expert_files:
+        file = TorchFile(f"{tag}/{ef.name}", archive=ef.name[:-3])
+        file.tree = {key: file.slot(catalog.tensors[(name, MODULE)].dtype, shape,
+                                    [Piece(stop - start, (name, MODULE), start)])
+                     for key, name, start, stop, shape in ef.keys}
+        out.append(file)
+    return out

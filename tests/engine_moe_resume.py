@@ -1,0 +1,120 @@
+"""Resume AutoEP mixture-of-experts checkpoints in the real DeepSpeed engine at a new ep x dp (torchrun, CPU).
+
+    torchrun --nproc_per_node DP tests/engine_moe_resume.py JOBS.json RESULTS.json
+
+JOBS.json lists {"fixture": an autoep fixture, "checkpoint": dir, "ep": EP, "fixtures": dir}. For each job every rank
+builds the fixture's model as tools/fixture_moe.py does but with other values (so a load that does not happen
+shows): the AutoEP Mixtral with the fixture's DeepSpeed config at `"autoep_size": EP`, the deepspeed.moe module at
+`ep_size=EP`; calls the ordinary `engine.load_checkpoint(dir)`,
+takes the truth from the live engine with the function the fixture was made with (fixture_moe.moe_truth: full fp32
+masters, both Adam moments, module weights, every expert in its global place) and compares it with the fixture's
+truth.safetensors bit for bit; with "direct", `reshard.deepspeed.load_checkpoint` of the checkpoint must refuse
+(its message: "refused"); then one more training step runs. Rank 0 writes {**job, "world", "problems", "differ":
+[keys not equal to the truth]} per job.
+"""
+import copy
+import gc
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+from torchrun_jobs import run_rank  # noqa: E402
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def main(jobs_path, results_path):
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from safetensors.torch import load_file
+    from transformers import MixtralForCausalLM
+
+    import fixture_moe
+    import make_fixtures
+    from engine_tp_resume import compare
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    results = []
+    for job in jobs:
+        spec = make_fixtures.CONFIGS[job["fixture"]]
+        config = copy.deepcopy(spec["ds_config"])
+        if spec["kind"] == "autoep":
+            config["expert_parallel"]["autoep_size"] = job["ep"]
+            torch.manual_seed(1)                  # not the fixture's seed 0: the load must bring every value
+            model = MixtralForCausalLM(fixture_moe.mixtral_config())
+            params = model.parameters()
+            forward = lambda ids: engine(input_ids=ids, labels=ids).loss       # noqa: E731
+        else:                                     # deepspeed.moe: the fixture's module at ep_size=EP
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+            model = fixture_moe.MoENet(job["ep"])
+            with torch.no_grad():                 # it seeds itself as the fixture did: move every value away
+                for p in model.parameters():
+                    p.add_(1.0)
+            params = split_params_into_different_moe_groups_for_optimizer(
+                {"params": list(model.parameters()), "name": "dense"})
+            forward = lambda ids: engine(ids, ids)      # noqa: E731
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        problems = []
+        load_path, _ = engine.load_checkpoint(job["checkpoint"])
+        if load_path is None:
+            problems.append("load_checkpoint found nothing to load")
+        base = make_fixtures._base_optimizer(engine)
+        state_names = []
+        for st in base.state.values():
+            state_names += [k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0 and k not in state_names]
+        tensors = fixture_moe.moe_truth(engine, state_names, make_fixtures._flat_truth)
+        differ = []
+        if rank == 0:
+            truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
+            truth.pop("logits")
+            found = compare(tensors, truth, torch)
+            differ = sorted(line.split(":")[0] for line in found)
+            problems += found
+            if engine.global_steps != make_fixtures_meta(job)["global_steps"]:
+                problems.append(f"global_steps {engine.global_steps} after resume")
+        if job.get("direct"):       # reshard.deepspeed.load_checkpoint must refuse a mixture of experts, in one line
+            import reshard.deepspeed
+            from reshard.errors import ReshardError
+            try:
+                reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
+                problems.append("reshard.deepspeed.load_checkpoint loaded a mixture-of-experts checkpoint")
+            except ReshardError as e:
+                job = {**job, "refused": str(e)}
+        # one more training step runs on the resumed state (every rank is a data-parallel rank of the dense part)
+        generator = torch.Generator().manual_seed(400 + rank)
+        ids = torch.randint(0, fixture_moe.TOKENS, (2, 10), generator=generator)
+        before = engine.global_steps
+        loss = forward(ids)
+        engine.backward(loss)
+        engine.step()
+        if rank == 0:
+            if not math.isfinite(float(loss.detach())):
+                problems.append(f"loss after resume is {float(loss.detach())}")
+            if engine.global_steps != before + 1:
+                problems.append(f"global_steps {before} -> {engine.global_steps} after one step")
+            results.append({**job, "world": world, "problems": problems, "differ": differ})
+        dist.barrier()
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+        del engine, model
+        gc.collect()
+    if rank == 0:
+        with open(results_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+
+
+def make_fixtures_meta(job) -> dict:
+    with open(os.path.join(job["fixtures"], job["fixture"], "truth.json")) as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":
+    run_rank(main, sys.argv[1], sys.argv[2])

@@ -1,0 +1,81 @@
+"""The unmodified DeepSpeed engine with AutoEP (and with deepspeed.moe) resumes reshard's conversions at another ep x dp (issue #16):
+`engine.load_checkpoint` of the output, then its fp32 masters, both Adam moments and module weights (gathered as
+tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and one more step runs
+(tests/engine_moe_resume.py). Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
+expert element in a converted file is caught; DeepSpeed's own load of the fixture at ep 1 gives wrong expert
+masters (deepspeed-moe.md §4) where reshard's output gives the truth; reshard.deepspeed.load_checkpoint refuses."""
+import shutil
+
+import pytest
+
+import reshard
+from reshard.catalog import MASTER
+from conftest import FIXTURES, fixture_dir, run_cli, run_torchrun, truth_tensors
+from test_moe import PACKED, _set_element
+
+pytestmark = pytest.mark.engine
+
+# (world, fixture, --to): ep 2 -> ep 1 x dp 2; ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; bf16; ep 2 -> ep 4 x dp 4;
+# use_data_before_expert_parallelism at ep 4; ep 2 x expert-dp 2 -> ep 1 x dp 4; deepspeed.moe ep 2 -> 1 and 4
+CONVERSIONS = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_fp32_dp2", "ep=2,dp=2"),
+               (2, "autoep2_z2_bf16", "ep=1,dp=2"), (4, "autoep2_z1_fp32", "ep=4,dp=4"),
+               (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4"), (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4"),
+               (2, "dsmoe_ep2_z2_fp32", "ep=1,dp=2"), (4, "dsmoe_ep2_z2_fp32", "ep=4,dp=4")]
+CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
+
+
+def _ep(to):
+    return int(dict(item.split("=") for item in to.split(","))["ep"])
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_resume")
+    jobs = {2: [], 4: []}
+    for world, name, to in CONVERSIONS:
+        dst = out / f"{name}-{to}"
+        run_cli("convert", fixture_dir(name), dst, "--to", to, "--quiet", check=0)
+        jobs[world].append({"fixture": name, "checkpoint": str(dst), "ep": _ep(to), "fixtures": str(FIXTURES),
+                            "to": to})
+    # negative control: the first conversion with one expert element of its fp32 master changed
+    changed = out / "changed"
+    shutil.copytree(jobs[2][0]["checkpoint"], changed)
+    _set_element(reshard.open_checkpoint(changed), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
+    jobs[2].append({**jobs[2][0], "checkpoint": str(changed), "to": "changed"})
+    # DeepSpeed's native load of the ep-2 fixture at ep 1 (and reshard's direct loader, which must refuse it)
+    jobs[2].append({"fixture": "autoep2_z1_fp32", "checkpoint": str(fixture_dir("autoep2_z1_fp32")), "ep": 1,
+                    "fixtures": str(FIXTURES), "to": "native", "direct": True})
+    results = {}
+    for world, world_jobs in jobs.items():
+        for result in run_torchrun("engine_moe_resume.py", world, world_jobs, out, f"moe{world}"):
+            results[(result["fixture"], result["to"])] = result
+    return results
+
+
+@pytest.mark.parametrize("world,name,to", CONVERSIONS)
+def test_the_engine_resumes_the_truth_at_another_ep(resumed, world, name, to):
+    result = resumed[(name, to)]
+    assert result["world"] == world and result["problems"] == []
+
+
+def test_a_changed_expert_element_is_caught(resumed):
+    result = resumed[("autoep2_z1_fp32", "changed")]
+    assert result["differ"] == [f"fp32/{PACKED}"]
+    assert resumed[("autoep2_z1_fp32", "ep=1,dp=2")]["differ"] == []
+
+
+def test_deepspeeds_native_load_at_another_ep_gives_wrong_expert_masters(resumed):
+    """ep 2 -> ep 1 x dp 2 straight from the fixture: the engine loads without a word, the dense params and every
+    module weight are right, and the experts' fp32 masters and moments are not (each rank took its file's
+    6144-element expert vector as half of the 12288-element one); reshard's output of the same fixture resumes
+    the truth (test above)."""
+    result = resumed[("autoep2_z1_fp32", "native")]
+    truth = truth_tensors("autoep2_z1_fp32")
+    experts = {k for k in truth if ".mlp.experts.w" in k and not k.startswith("module/")}
+    assert set(result["differ"]) <= experts            # nothing but expert optimizer state is wrong
+    masters = {k for k in result["differ"] if k.startswith("fp32/")}
+    assert len(masters) >= 4 and all(k.split("/", 1)[0] in ("fp32", "exp_avg", "exp_avg_sq")
+                                     for k in result["differ"])
+    assert result["refused"].endswith("loading a mixture-of-experts checkpoint into a live engine is not "
+                                      "supported; convert it (reshard convert --to ep=E,dp=D) and call "
+                                      "engine.load_checkpoint")
