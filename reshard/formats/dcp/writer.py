@@ -56,8 +56,9 @@ def file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-# the --to keys a DCP directory has: one file per data-parallel rank, no ZeRO stage, no model parallelism
-SPEC_KEYS = ("dp",)
+# the --to keys a DCP directory has: one file per data-parallel rank; tp=1 and pp=1 gather a model-parallel
+# source (nothing else is written); no ZeRO stage
+SPEC_KEYS = ("dp", "tp", "pp")
 PLACES_EXPERTS = False     # no expert placement in DCP output yet
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
