@@ -21,7 +21,7 @@ from reshard.blocks import SourceFiles
 from reshard.convert import plan_for
 from reshard.distributed import TorchGroup
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed.live import engine_layout
+from reshard.formats.deepspeed.live import LIVE_FORMAT, engine_layout
 from reshard.materialize import materialize
 from reshard.planner import Plan
 from reshard.staging import write_text
@@ -41,7 +41,13 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
     try:
         catalog = formats.read(os.fspath(src), tag, layout_rules)
         require_complete(catalog)
-        plan = plan_for(catalog, engine_layout(engine), tag, fmt="deepspeed")     # whatever the source's format
+        if catalog.experts is not None:
+            # DeepSpeed reads expert files through a checkpoint engine of its own, not the engine's, which
+            # ServedFiles answers for
+            raise ReshardError.at(catalog.root, "loading a mixture-of-experts checkpoint into a live engine is not "
+                                                "supported; convert it (reshard convert --to ep=E,dp=D) and call "
+                                                "engine.load_checkpoint")
+        plan = plan_for(catalog, engine_layout(engine), tag, fmt=LIVE_FORMAT)     # whatever the source's format
     except ReshardError as e:
         problem = e
     if not group.all_ok(problem is None):

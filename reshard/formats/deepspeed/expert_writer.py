@@ -83,11 +83,6 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
 def _check(catalog: Catalog, target: Layout) -> None:
     """What cannot be written is refused (one line each)."""
     where = catalog.root
-    if target.options.get("ds_config") is not None:
-        # a live engine's own layout (reshard.deepspeed): DeepSpeed reads expert files through a checkpoint engine
-        # of its own, not the one that serves planned files from memory
-        raise ReshardError.at(where, "loading a mixture-of-experts checkpoint into a live engine is not supported; "
-                                     "convert it (reshard convert --to ep=E,dp=D) and call engine.load_checkpoint")
     if target.zero not in (1, 2):
         raise ReshardError.at(where, f"target ZeRO stage {target.zero}: mixture-of-experts checkpoints are written for "
                                      "ZeRO-1/2 only (AutoEP under ZeRO-3 saves its experts in another layout)")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from reshard.layout import Layout
 
+LIVE_FORMAT = "deepspeed"       # the files a live engine loads are DeepSpeed's own, whatever the source's format
+
 
 def engine_layout(engine) -> Layout:
     """The topology, precision and ZeRO options of `engine` (a deepspeed.DeepSpeedEngine, PipelineEngine too)."""
