@@ -2,7 +2,10 @@
 
     torchrun --nproc_per_node DP tests/engine_moe_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": an autoep fixture, "checkpoint": dir, "ep": EP, "fixtures": dir}. For each job every rank
+JOBS.json lists {"fixture": an autoep fixture, "checkpoint": dir, "ep": EP, "fixtures": dir[, "universal": true]}
+(a universal job builds the engine with `"checkpoint": {"load_universal": true}`; since DeepSpeed's universal
+loader slices experts by the largest expert-parallel group any engine of the process made, universal jobs of
+one launch go in order of growing EP). For each job every rank
 builds the fixture's model as tools/fixture_moe.py does but with other values (so a load that does not happen
 shows): the AutoEP Mixtral with the fixture's DeepSpeed config at `"autoep_size": EP`, the deepspeed.moe module at
 `ep_size=EP`; calls the ordinary `engine.load_checkpoint(dir)`,
@@ -45,6 +48,8 @@ def main(jobs_path, results_path):
     for job in jobs:
         spec = make_fixtures.CONFIGS[job["fixture"]]
         config = copy.deepcopy(spec["ds_config"])
+        if job.get("universal"):            # load_checkpoint takes the tag from latest_universal and reads zero/
+            config["checkpoint"] = {"load_universal": True}
         if spec["kind"] == "autoep":
             config["expert_parallel"]["autoep_size"] = job["ep"]
             torch.manual_seed(1)                  # not the fixture's seed 0: the load must bring every value
@@ -69,7 +74,9 @@ def main(jobs_path, results_path):
         state_names = []
         for st in base.state.values():
             state_names += [k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0 and k not in state_names]
-        tensors = fixture_moe.moe_truth(engine, state_names, make_fixtures._flat_truth)
+        # sorted: the universal loader inserts each rank's states in the order of a Python set
+        # (map_to_flat_opt_states), and every rank must all-gather the same state at once
+        tensors = fixture_moe.moe_truth(engine, sorted(state_names), make_fixtures._flat_truth)
         differ = []
         if rank == 0:
             truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))

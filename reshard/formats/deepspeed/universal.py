@@ -24,10 +24,12 @@ STEP = "step"
 PARAM = "param"          # the key of the tensor in a ZeRO-1/2 flavour state file
 VOCAB_TENSOR = "vocab_tensor"   # a vocabulary param, its padding stripped (ds_to_universal)
 CAT_DIM = "cat_dim"      # how tensor-parallel slices were joined; 0 when there was no TP
+IS_EXPERT_PARAM = "is_expert_param"   # a mixture-of-experts param: 'param' holds every expert, (num_experts, ...)
+EP_NUM_EXPERTS = "ep_num_experts"     # ... and this many (the loader takes each ep rank's experts from dim 0)
 ZERO3_LOADED_STATES = ("exp_avg", "exp_avg_sq")   # stage3.py:3665 hard-codes these (and fp32)
 # Keys of a state-file dict that only tensor-parallel or expert-parallel conversions write.
 PARALLEL_KEYS = ("vocab_tensor", "sub_param_shape", "params_to_average", "param_n_sub_params",
-                 "is_expert_param", "ep_num_experts")
+                 IS_EXPERT_PARAM, EP_NUM_EXPERTS)
 
 
 def state_file(tag: str, param: str, state: str) -> str:
