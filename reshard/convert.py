@@ -50,7 +50,7 @@ def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: 
     target_format = _writer(catalog, fmt)
     if catalog.experts is not None and not target_format.PLACES_EXPERTS:   # it would write experts as dense params
         raise ReshardError.at(catalog.root, f"converting mixture-of-experts checkpoints to {fmt or catalog.format} "
-                                            "is not supported yet (to deepspeed it is; export reads them)")
+                                            "is not supported yet (to deepspeed and universal it is; export reads them)")
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))

@@ -1,12 +1,14 @@
 """The unmodified DeepSpeed engine with AutoEP (and with deepspeed.moe) resumes reshard's conversions at another ep x dp (issue #16):
 `engine.load_checkpoint` of the output, then its fp32 masters, both Adam moments and module weights (gathered as
 tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and one more step runs
-(tests/engine_moe_resume.py). Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
+(tests/engine_moe_resume.py); so does the engine built with load_universal, from reshard's universal trees.
+Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
 expert element in a converted file is caught; DeepSpeed's own load of the fixture at ep 1 gives wrong expert
 masters (deepspeed-moe.md §4) where reshard's output gives the truth; reshard.deepspeed.load_checkpoint refuses."""
 import shutil
 
 import pytest
+import torch
 
 import reshard
 from reshard.catalog import MASTER
@@ -22,6 +24,14 @@ CONVERSIONS = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_fp32_dp2", "
                (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4"), (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4"),
                (2, "dsmoe_ep2_z2_fp32", "ep=1,dp=2"), (4, "dsmoe_ep2_z2_fp32", "ep=4,dp=4")]
 CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
+# Universal trees written by `convert --format universal` and loaded with load_universal: (world, fixture, --to, ep
+# of the engine): ep 2 -> 1 (fp32, bf16); ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; at 4 ranks ep 2 x expert-dp 2 ->
+# ep 1, the data-first save at its own ep, and ep 2 -> 4 from the tree written at ep 4. Each launch takes them first
+# and in order of growing ep: DeepSpeed's universal loader cuts experts by the largest expert-parallel group any
+# engine of the process has made (base_optimizer._get_universal_checkpoint_ep_info).
+UNIVERSAL = [(2, "autoep2_z1_fp32", "", 1), (2, "autoep2_z2_bf16", "", 1), (2, "autoep2_z2_fp32_dp2", "dp=2", 2),
+             (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "", 2),
+             (4, "autoep2_z1_fp32", "ep=4,dp=4", 4)]
 
 
 def _ep(to):
@@ -31,7 +41,17 @@ def _ep(to):
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_resume")
-    jobs = {2: [], 4: []}
+    jobs, universal = {2: [], 4: []}, {2: [], 4: []}
+    for world, name, to, ep in UNIVERSAL:
+        dst = out / f"{name}-universal-{to}"
+        run_cli("convert", fixture_dir(name), dst, "--format", "universal", "--to", to, "--quiet", check=0)
+        universal[world].append({"fixture": name, "checkpoint": str(dst), "ep": ep, "fixtures": str(FIXTURES),
+                                 "to": f"universal {to}", "universal": True})
+        if (world, name) == (2, "autoep2_z1_fp32"):    # negative control: one expert element of a master changed
+            changed = out / "universal-changed"
+            shutil.copytree(dst, changed)
+            _change_universal_element(changed / "global_step3" / "zero" / PACKED / "fp32.pt")
+            universal[world].append({**universal[world][-1], "checkpoint": str(changed), "to": "universal changed"})
     for world, name, to in CONVERSIONS:
         dst = out / f"{name}-{to}"
         run_cli("convert", fixture_dir(name), dst, "--to", to, "--quiet", check=0)
@@ -47,6 +67,7 @@ def resumed(tmp_path_factory):
                     "fixtures": str(FIXTURES), "to": "native", "direct": True})
     results = {}
     for world, world_jobs in jobs.items():
+        world_jobs = universal[world] + world_jobs
         for result in run_torchrun("engine_moe_resume.py", world, world_jobs, out, f"moe{world}"):
             results[(result["fixture"], result["to"])] = result
     return results
@@ -79,3 +100,20 @@ def test_deepspeeds_native_load_at_another_ep_gives_wrong_expert_masters(resumed
     assert result["refused"].endswith("loading a mixture-of-experts checkpoint into a live engine is not "
                                       "supported; convert it (reshard convert --to ep=E,dp=D) and call "
                                       "engine.load_checkpoint")
+
+
+def _change_universal_element(path):
+    saved = torch.load(path, weights_only=False)      # our own output
+    saved["param"].view(-1)[CHANGED_ELEMENT] += 0.5
+    torch.save(saved, path)
+
+
+@pytest.mark.parametrize("world,name,to,ep", UNIVERSAL)
+def test_the_engine_resumes_our_universal_tree_at_another_ep(resumed, world, name, to, ep):
+    result = resumed[(name, f"universal {to}")]
+    assert result["world"] == world and result["ep"] == ep and result["problems"] == []
+
+
+def test_a_changed_element_of_a_universal_tree_is_caught(resumed):
+    """The universal loader sets the module weights from the fp32 masters (update_lp_params): both show it."""
+    assert resumed[("autoep2_z1_fp32", "universal changed")]["differ"] == [f"fp32/{PACKED}", f"module/{PACKED}"]

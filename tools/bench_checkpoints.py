@@ -7,6 +7,9 @@
     torchrun --nproc_per_node RANKS tools/bench_checkpoints.py dcp DIR TENSORS
         TENSORS 4096x11008 fp32 weights, each a DTensor column-sharded (Shard(1)) over RANKS, with the
         Adam state (exp_avg, exp_avg_sq, step) of one step, saved by dcp.save as {"model", "optim"}.
+    torchrun --nproc_per_node EP tools/bench_checkpoints.py moe DIR EP
+        A random Hugging Face Mixtral (moe_config: hidden 512, 8 experts in each of 2 layers), trained one
+        step by DeepSpeed with AutoEP at ep EP (moe_engine_config: ZeRO-2, fp32), saved to DIR (0.44 GB).
 """
 import os
 import sys
@@ -54,6 +57,38 @@ def save_tp(out, tp, layers, vocab, intermediate=INTERMEDIATE):
     deepspeed.comm.barrier()
 
 
+def moe_config():
+    from transformers import MixtralConfig
+    return MixtralConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=64)
+
+
+def moe_engine_config(ep):
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+            "zero_optimization": {"stage": 2},
+            "expert_parallel": {"enabled": True, "autoep_size": int(ep), "preset_model": "mixtral"}}
+
+
+def save_moe(out, ep):
+    import deepspeed
+    import torch
+    from transformers import MixtralForCausalLM
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(moe_config())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=moe_engine_config(ep))
+    ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(deepspeed.comm.get_rank()))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(out)
+    deepspeed.comm.barrier()
+
+
 def save_dcp(out, tensors):
     import torch
     import torch.distributed as dist
@@ -81,4 +116,4 @@ def save_dcp(out, tensors):
 
 
 if __name__ == "__main__":
-    run_rank({"tp": save_tp, "dcp": save_dcp}[sys.argv[1]], *sys.argv[2:])
+    run_rank({"tp": save_tp, "dcp": save_dcp, "moe": save_moe}[sys.argv[1]], *sys.argv[2:])

@@ -5,6 +5,8 @@
     torchrun --nproc_per_node N tools/bench_load.py ds-reshard SRC OUT.json
     torchrun --nproc_per_node N tools/bench_load.py ds-native CONVERTED OUT.json
     torchrun --nproc_per_node N tools/bench_load.py ds-universal UNIVERSAL OUT.json
+    torchrun --nproc_per_node N tools/bench_load.py moe-native CONVERTED OUT.json [EP]
+    torchrun --nproc_per_node N tools/bench_load.py moe-universal UNIVERSAL OUT.json [EP]
 
 `reader` loads SRC (any format reshard reads) through reshard.dcp.Reader; `native` loads a DCP directory with
 torch's own FileSystemReader. With --save-native, the loaded state is then saved by `dcp.save` (torch's own
@@ -15,6 +17,8 @@ Linear layers shaped like the checkpoint's `0.weight`, `1.weight`, ... (tools/be
 loads SRC, saved at any topology, with reshard.deepspeed.load_checkpoint, or, natively, with its own
 engine.load_checkpoint a checkpoint already converted for N ranks; `ds-universal`: DeepSpeed's own
 universal path, the engine with "load_universal" loading what its ds_to_universal made of SRC.
+`moe-native` / `moe-universal`: the AutoEP Mixtral of tools/bench.py make-moe at ep EP (default 1) on N ranks
+loads, with its own engine.load_checkpoint, a save converted for that ep and N, or (load_universal) a universal tree.
 
 Each rank measures the load alone: wall time, bytes it read from disk (/proc/self/io read_bytes), bytes of the
 tensors it loaded (its shards of params and optimizer states), its RSS before the load (the model and optimizer
@@ -68,8 +72,8 @@ def _local_bytes(tree) -> int:
 
 def main(mode, src, out, *rest):
     torch.set_num_threads(1)
-    if mode.startswith("ds-"):
-        return deepspeed_load(mode, src, out)
+    if mode.startswith(("ds-", "moe-")):
+        return deepspeed_load(mode, src, out, *rest)
     dist.init_process_group("gloo")
     if mode == "reader":
         import reshard.dcp
@@ -101,20 +105,12 @@ def main(mode, src, out, *rest):
             json.dump({"mode": mode, "source": src, "world": dist.get_world_size(), "ranks": everyone}, f, indent=1)
 
 
-def deepspeed_load(mode, src, out):
+def deepspeed_load(mode, src, out, ep=1):
     import deepspeed
-    from bench import HIDDEN, engine_config
-    import reshard
     import reshard.deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    layers = len(reshard.open_checkpoint(src).order)     # (reshard reads universal trees too)
-    config = engine_config(3, "bf16")
-    if mode == "ds-universal":
-        config["checkpoint"] = {"load_universal": True}
-    with deepspeed.zero.Init(config_dict_or_path=config):
-        model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(layers)])
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = _moe_engine(mode, int(ep)) if mode.startswith("moe-") else _stack_engine(mode, src)
     dist.barrier()
     rss = _rss_mib()
     before, start = _read_bytes(), time.perf_counter()
@@ -130,6 +126,32 @@ def deepspeed_load(mode, src, out):
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"mode": mode, "source": src, "world": dist.get_world_size(), "ranks": everyone}, f, indent=1)
+
+
+def _stack_engine(mode, src):
+    import deepspeed
+    from bench import HIDDEN, engine_config
+    import reshard
+
+    layers = len(reshard.open_checkpoint(src).order)     # (reshard reads universal trees too)
+    config = engine_config(3, "bf16")
+    if mode == "ds-universal":
+        config["checkpoint"] = {"load_universal": True}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(layers)])
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+
+def _moe_engine(mode, ep):
+    import deepspeed
+    from bench_checkpoints import moe_config, moe_engine_config
+    from transformers import MixtralForCausalLM
+
+    config = moe_engine_config(ep)
+    if mode == "moe-universal":
+        config["checkpoint"] = {"load_universal": True}
+    model = MixtralForCausalLM(moe_config())
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 
 
 if __name__ == "__main__":

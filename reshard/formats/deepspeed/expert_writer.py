@@ -66,18 +66,38 @@ def group_name(ep: int) -> str:
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
-    _check(catalog, target)
-    ep = target.options["ep"]
-    zt = ExpertTarget(catalog, target, ep)
-    held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
-    flat = [[zero12_writer.FlatGroup(zt, params, g, zt.expert_dp if zt.is_expert_group(g) else zt.dp)
-             for g in range(len(params.groups))] for params in held]
-    out = [zero12_writer.model_states(zt, held[0], flat[0], tag, _model_keys(catalog, zt))]
-    for rank in range(zt.dp):
-        ep_rank, edp_rank = expert_files.expert_ranks(rank, ep, zt.expert_dp, zt.data_first)
-        places = [edp_rank if zt.is_expert_group(g) else rank for g in range(len(flat[ep_rank]))]
-        out.append(zero12_writer.optim_states(zt, held[ep_rank], rank, flat[ep_rank], tag, places))
-    return out + _layer_files(catalog, tag) + closing_files(tag, source_save_dir)
+    placed = _Placed(catalog, target)
+    return ([placed.model_states(tag)] + [placed.optim_states(rank, tag) for rank in range(placed.zt.dp)]
+            + _layer_files(catalog, tag) + closing_files(tag, source_save_dir))
+
+
+def rank0_files(catalog: Catalog, target: Layout, tag: str) -> tuple:
+    """(model states, data-parallel rank 0's optimizer file) of the engine at the target's ep and dp: the training
+    state a universal checkpoint of experts carries beside its zero/ tree (universal_writer)."""
+    placed = _Placed(catalog, target)
+    return placed.model_states(tag), placed.optim_states(0, tag)
+
+
+class _Placed:
+    """What each expert-parallel rank holds at the target, and its flat param groups."""
+
+    def __init__(self, catalog: Catalog, target: Layout):
+        _check(catalog, target)
+        ep = target.options["ep"]
+        self.catalog, self.zt = catalog, ExpertTarget(catalog, target, ep)
+        self.held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
+        self.flat = [[zero12_writer.FlatGroup(self.zt, params, g,
+                                              self.zt.expert_dp if self.zt.is_expert_group(g) else self.zt.dp)
+                      for g in range(len(params.groups))] for params in self.held]
+
+    def model_states(self, tag: str) -> TorchFile:
+        return zero12_writer.model_states(self.zt, self.held[0], self.flat[0], tag, _model_keys(self.catalog, self.zt))
+
+    def optim_states(self, rank: int, tag: str) -> TorchFile:
+        zt = self.zt
+        ep_rank, edp_rank = expert_files.expert_ranks(rank, zt.ep, zt.expert_dp, zt.data_first)
+        places = [edp_rank if zt.is_expert_group(g) else rank for g in range(len(self.flat[ep_rank]))]
+        return zero12_writer.optim_states(zt, self.held[ep_rank], rank, self.flat[ep_rank], tag, places)
 
 
 def _check(catalog: Catalog, target: Layout) -> None:
@@ -99,12 +119,23 @@ def _check(catalog: Catalog, target: Layout) -> None:
                                      "data-parallel ranks)")
 
 
+def refuse_ep_without_experts(catalog: Catalog, target: Layout) -> None:
+    if catalog.experts is None and "ep" in target.options:
+        raise ReshardError.at(catalog.root, f"ep={target.options['ep']}: the source has no experts (not a "
+                                            "mixture-of-experts checkpoint)")
+
+
+def packs_experts(catalog: Catalog) -> bool:
+    """AutoEP (each layer's local experts packed in one tensor per weight), not deepspeed.moe (a module each)."""
+    return bool(notes.of(catalog).expert_keys.get(AUTOEP_LAYERS))
+
+
 def _ep_rank_params(catalog: Catalog, ep_rank: int, ep: int) -> RankParams:
     """What expert-parallel rank `ep_rank` holds: every dense param whole, and its local experts: of each AutoEP
     packed weight a box of the (num_experts, ...) logical tensor; each deepspeed.moe expert param of its experts
     whole, under its local number. The module holds no expert weights (they are in the layer files)."""
     whole = rank_params.whole(catalog)
-    packed = bool(notes.of(catalog).expert_keys.get(AUTOEP_LAYERS))
+    packed = packs_experts(catalog)
     per_rank = {name: layer.num_experts // ep for layer in catalog.experts.layers for name in layer.params}
     params, renamed = [], {}
     for p in whole.params:

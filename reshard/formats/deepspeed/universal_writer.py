@@ -15,6 +15,13 @@ _resolve_autotp_partition), so only the model-states files depend on tp: at the 
 those tp_writer writes (each rank's 16-bit shard and universal_checkpoint_info), as ds_to_universal
 copies the source's. A param AutoTP described by an affine map gets `{'param': full}` without
 `cat_dim`, as ds_to_universal writes it (its affine-map branch adds no category keys).
+
+Mixture of experts (AutoEP, ZeRO-1/2): each packed expert weight's zero/ files hold its whole
+(num_experts, ...) logical tensor, marked `is_expert_param` with `ep_num_experts`, as ds_to_universal
+writes them; the loader takes each expert-parallel rank's experts out of it by the live model's placement
+(universal_checkpoint.py _resolve_autoep_partition), so one tree serves every ep. The model states and
+optimizer_state.pt are those of the engine at the target's ep and dp (expert_writer). No layer_L_expert_E
+file is written: with load_universal on, the engine reads none (engine.py _load_checkpoint).
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from dataclasses import replace
 from reshard.catalog import MASTER, MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats import standins
-from reshard.formats.deepspeed import notes, rank_params, tp_writer, zero12_writer, zero3_writer
+from reshard.formats.deepspeed import expert_writer, notes, rank_params, tp_writer, zero12_writer, zero3_writer
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
@@ -39,15 +46,17 @@ from reshard.targets import Output, Piece, TextFile
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
 
-# every --to key but ep has a place in a universal tree (mixture-of-experts sources are not written as one yet)
-SPEC_KEYS = tuple(k for k in SPEC_KEY_NAMES if k != "ep")
-PLACES_EXPERTS = False     # a universal tree of experts is not written yet
+# every --to key has a place in a universal tree (ep: in its model states; the zero/ tree serves every ep)
+SPEC_KEYS = SPEC_KEY_NAMES
+PLACES_EXPERTS = True      # AutoEP; deepspeed.moe is refused (_check_target)
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_target(catalog, target)
     # A universal checkpoint is never elastic: its optimizer_state.pt needs the param groups.
     target = replace(target, options={k: v for k, v in target.options.items() if k != "elastic"})
-    if target.tp > 1 or catalog.layout.tp > 1:
+    if catalog.experts is not None:
+        out = _expert_flavour(catalog, target, tag)
+    elif target.tp > 1 or catalog.layout.tp > 1:
         out = _tensor_parallel_flavour(catalog, target, tag)
     elif target.zero == 3:
         out = _zero3_flavour(ZeroTarget(catalog, target), rank_params.whole(catalog), tag)
@@ -78,6 +87,11 @@ def _check_target(catalog, target):
     if target.zero not in (1, 2, 3):
         raise ReshardError(f"target ZeRO stage {target.zero}: DeepSpeed loads a universal checkpoint only into a "
                            "ZeRO-1, ZeRO-2 (incl. BF16_Optimizer) or ZeRO-3 engine; use --to zero=1, 2 or 3")
+    if catalog.experts is not None and not expert_writer.packs_experts(catalog):
+        raise ReshardError.at(catalog.root, "a universal checkpoint of deepspeed.moe experts cannot be loaded: "
+                                            "DeepSpeed's universal loader finds a param's folder by its local name, "
+                                            "which expert-parallel ranks share (convert to --format deepspeed)")
+    expert_writer.refuse_ep_without_experts(catalog, target)
     for name in catalog.params:
         if os.sep in name or name in (".", "..") or name == uc.OPTIMIZER_STATE:
             raise ReshardError(f"parameter name {name!r} cannot be a folder of a universal checkpoint")
@@ -95,28 +109,47 @@ def _check_target(catalog, target):
 # ZeRO-1/2 and BF16_Optimizer: {'cat_dim': 0, 'param': full shape} per state, step.pt per param
 
 
-def _zero12_flavour(zt, params, tag, tp_keys=None) -> list:
+def _zero12_flavour(zt, params, tag, keys=None) -> list:
     groups = zero12_writer.flat_groups(zt, params)
-    out = [zero12_writer.model_states(zt, params, groups, tag, {})]
+    return ([zero12_writer.model_states(zt, params, groups, tag, {})] + _zero_folder(zt, params, tag, keys)
+            + [_optimizer_state(zero12_writer.optim_states(zt, params, 0, groups, tag), tag)])
+
+
+def _zero_folder(zt, params, tag, keys=None) -> list:
+    """zero/<param>/<state>.pt of every trainable param (its full fp32 tensor), its step.pt, and the module-only
+    files. `keys`: per param, the keys ds_to_universal writes beside 'param' (see _shaped_file)."""
+    out = []
     for p in params.of_kind("trainable"):
         for state in (MASTER, *zt.states):
             out.append(_shaped_file(uc.state_file(tag, p.name, state), p.shape,
-                                    [p.piece(state, 0, p.numel)], (tp_keys or {}).get(p.name)))
+                                    [p.piece(state, 0, p.numel)], (keys or {}).get(p.name)))
         step = zt.scalars(p.group).get(uc.STEP)
         if step is not None:
             file = TorchFile(uc.state_file(tag, p.name, uc.STEP), archive=uc.STEP)
             file.tree = scalar_slot(file, step)
             out.append(file)
-    out += _module_only_files(zt.catalog, tag)
-    out.append(_zero12_optimizer_state(zt, params, groups, tag))
-    return out
+    return out + _module_only_files(zt.catalog, tag)
 
 
 def _shaped_file(path, shape, pieces, keys=None) -> TorchFile:
-    """`keys`: the dict's other keys in ds_to_universal's order ({'cat_dim': 0} without TP)."""
+    """`keys`: the dict's other keys in ds_to_universal's order ({'cat_dim': 0} without TP); 'param' goes last
+    unless `keys` names its place."""
     file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
-    file.tree = {**({uc.CAT_DIM: 0} if keys is None else keys), uc.PARAM: file.slot("float32", shape, pieces)}
+    file.tree = dict({uc.CAT_DIM: 0} if keys is None else keys)
+    file.tree[uc.PARAM] = file.slot("float32", shape, pieces)
     return file
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts (AutoEP, ZeRO-1/2): see the module docstring
+
+
+def _expert_flavour(catalog, target, tag) -> list:
+    model_states, optim0 = expert_writer.rank0_files(catalog, target, tag)
+    keys = {name: {uc.PARAM: None, uc.CAT_DIM: 0, uc.IS_EXPERT_PARAM: True, uc.EP_NUM_EXPERTS: layer.num_experts}
+            for layer in catalog.experts.layers for name in layer.params}
+    zero = _zero_folder(ZeroTarget(catalog, target), rank_params.whole(catalog), tag, keys)
+    return [model_states, *zero, _optimizer_state(optim0, tag)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,9 +221,9 @@ def _paramless_file(path, shape, pieces) -> TorchFile:
     return file
 
 
-def _zero12_optimizer_state(zt, params, groups, tag) -> TorchFile:
+def _optimizer_state(optim0: TorchFile, tag) -> TorchFile:
     """Rank 0's optimizer file without its slices, plus the param groups (ds_to_universal's layout)."""
-    rank0 = zero12_writer.optim_states(zt, params, 0, groups, tag).tree["optimizer_state_dict"]
+    rank0 = optim0.tree["optimizer_state_dict"]
     file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
     tree = {k: v for k, v in rank0.items() if k not in _SHARDED_KEYS}
     tree["param_groups"] = rank0["base_optimizer_state"]["param_groups"]

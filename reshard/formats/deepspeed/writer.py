@@ -30,9 +30,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written{hint}")
     if catalog.experts is not None:          # a mixture of experts: its placement is one more map
         return expert_writer.target_files(catalog, target, tag, source_save_dir)
-    if "ep" in target.options:
-        raise ReshardError.at(catalog.root, f"ep={target.options['ep']}: the source has no experts (not a "
-                                            "mixture-of-experts checkpoint)")
+    expert_writer.refuse_ep_without_experts(catalog, target)
     if source.pp != 1 or target.pp != 1 or notes.of(catalog).pipe_layer_files:   # a PipelineModule's save
         return pipe_writer.target_files(catalog, target, tag, source_save_dir)
     if target.tp != 1 or source.tp != 1:
