@@ -12,6 +12,7 @@ import reshard
 from reshard.catalog import MASTER
 from conftest import FIXTURES, fixture_dir, run_cli, run_torchrun, truth_tensors
 from test_moe import PACKED, _set_element
+from test_universal import ds_to_universal
 
 pytestmark = pytest.mark.engine
 
@@ -22,6 +23,10 @@ CONVERSIONS = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_fp32_dp2", "
                (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4"), (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4"),
                (2, "dsmoe_ep2_z2_fp32", "ep=1,dp=2"), (4, "dsmoe_ep2_z2_fp32", "ep=4,dp=4")]
 CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
+# (world, fixture, --to): DeepSpeed's ds_to_universal tree of the fixture, converted back by reshard (read as
+# tests/test_moe_universal_read.py does: the experts' bf16 module weights are their masters cast)
+FROM_UNIVERSAL = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_bf16", "ep=1,dp=2"),
+                  (2, "autoep2_z2_fp32_dp2", "ep=1,dp=2"), (4, "autoep2_z2_fp32_dp2", "ep=4,dp=4")]
 
 
 def _ep(to):
@@ -45,6 +50,14 @@ def resumed(tmp_path_factory):
     # DeepSpeed's native load of the ep-2 fixture at ep 1 (and reshard's direct loader, which must refuse it)
     jobs[2].append({"fixture": "autoep2_z1_fp32", "checkpoint": str(fixture_dir("autoep2_z1_fp32")), "ep": 1,
                     "fixtures": str(FIXTURES), "to": "native", "direct": True})
+    trees = {}
+    for world, name, to in FROM_UNIVERSAL:
+        if name not in trees:
+            trees[name] = ds_to_universal(name, out / f"{name}-ds-universal")
+        dst = out / f"{name}-universal-{to}"
+        run_cli("convert", trees[name], dst, "--format", "deepspeed", "--to", to, "--quiet", check=0)
+        jobs[world].append({"fixture": name, "checkpoint": str(dst), "ep": _ep(to), "fixtures": str(FIXTURES),
+                            "to": f"universal {to}"})
     results = {}
     for world, world_jobs in jobs.items():
         for result in run_torchrun("engine_moe_resume.py", world, world_jobs, out, f"moe{world}"):
@@ -55,6 +68,12 @@ def resumed(tmp_path_factory):
 @pytest.mark.parametrize("world,name,to", CONVERSIONS)
 def test_the_engine_resumes_the_truth_at_another_ep(resumed, world, name, to):
     result = resumed[(name, to)]
+    assert result["world"] == world and result["problems"] == []
+
+
+@pytest.mark.parametrize("world,name,to", FROM_UNIVERSAL)
+def test_the_engine_resumes_ds_to_universals_tree_converted_back(resumed, world, name, to):
+    result = resumed[(name, f"universal {to}")]
     assert result["world"] == world and result["problems"] == []
 
 
