@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from reshard.dtypes import itemsize, numpy_carrier
+from reshard.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.errors import ReshardError
 from reshard import geometry
 from reshard.geometry import strides
@@ -102,19 +102,6 @@ def constant(value, dtype: str, count: int) -> bytes:
 def cast(raw, src: str, dst: str) -> memoryview:
     """Convert element type, rounding to nearest even as torch does (bfloat16 included)."""
     return memoryview(cast_array(np.frombuffer(raw, dtype=numpy_carrier(src)), src, dst)).cast("B")
-
-
-def cast_array(values: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """`cast` on an array of carrier dtype (any shape and strides); returns a new array."""
-    if src == "bfloat16":
-        values = (values.astype("<u4") << 16).view("<f4")
-    if dst == "bfloat16":
-        wide = values.astype("<f4")
-        bits = wide.view("<u4")
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
-        rounded[np.isnan(wide)] = 0x7FC0
-        return rounded
-    return values.astype(numpy_carrier(dst))
 
 
 def _assign(target: np.ndarray, values: np.ndarray, src: str, dst: str) -> None:

@@ -72,10 +72,19 @@ class LogicalTensor:
     shape: tuple
     dtype: str
     fragments: list = field(default_factory=list)
+    # The dtype the fragments' storages hold when it is not `dtype`: the tensor is those values cast to `dtype`
+    # (rounded to nearest even, as torch's .to()); a format's loader that derives one copy from another (a
+    # universal checkpoint's expert weights are their fp32 master cast to the model's dtype). "": none.
+    cast_from: str = ""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype of the bytes its fragments point at."""
+        return self.cast_from or self.dtype
 
     @property
     def key(self) -> tuple:
@@ -208,9 +217,9 @@ class Catalog:
         another (a hostile or mixed-up file) would be copied as garbage of the right size."""
         for tensor in [*self.tensors.values(), *(r.copy for r in self.replicas)]:
             for fragment in tensor.fragments:
-                if fragment.storage.dtype != tensor.dtype:
+                if fragment.storage.dtype != tensor.stored_dtype:
                     raise CheckpointError(fragment.storage.file, f"{tensor.name} ({tensor.state}): a storage of "
-                                          f"{fragment.storage.dtype} holds part of a {tensor.dtype} tensor")
+                                          f"{fragment.storage.dtype} holds part of a {tensor.stored_dtype} tensor")
 
     def tensor(self, name: str, state: str) -> LogicalTensor:
         try:

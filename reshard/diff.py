@@ -104,6 +104,12 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> D
     return report
 
 
+def _not_the_master(module, master) -> bool:
+    """A module copy that is not its master's own elements: bytes of its own, or the master cast (a universal
+    checkpoint's expert weights)."""
+    return module.fragments != master.fragments or module.dtype != master.dtype
+
+
 def _some(names: list) -> str:
     return f"{', '.join(names[:3])}{' …' if len(names) > 3 else ''}"
 
@@ -115,9 +121,9 @@ def _pairs(a: Catalog, b: Catalog, report: DiffReport) -> list:
         [n for n in b.params if n not in b.aliases and n not in a.params]
     for name in names:
         pairs.append(((name, "weight"), _weight_key(a, name), _weight_key(b, name)))
-    for name in names:       # the 16-bit copy, where both sides keep it beside a master
+    for name in names:       # the 16-bit copy, where both sides keep it beside a master (its bytes or a cast)
         if all((name, MASTER) in c.tensors and (name, MODULE) in c.tensors and
-               c.tensors[(name, MODULE)].fragments != c.tensors[(name, MASTER)].fragments for c in (a, b)):
+               _not_the_master(c.tensors[(name, MODULE)], c.tensors[(name, MASTER)]) for c in (a, b)):
             pairs.append(((name, MODULE), (name, MODULE), (name, MODULE)))
     states_a, states_b = a.optimizer_states(), b.optimizer_states()
     if states_a and states_b:

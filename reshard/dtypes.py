@@ -40,3 +40,18 @@ def numpy_carrier(dtype: str):
     if dtype == "bool":
         return np.dtype("u1")
     return np.dtype(dtype).newbyteorder("<")
+
+
+def cast_array(values, src: str, dst: str):
+    """Element type `src` -> `dst` of a numpy array of carrier dtype (any shape and strides), rounding to nearest
+    even as torch does (bfloat16 included); returns a new array."""
+    import numpy as np
+    if src == "bfloat16":
+        values = (values.astype("<u4") << 16).view("<f4")
+    if dst == "bfloat16":
+        wide = values.astype("<f4")
+        bits = wide.view("<u4")
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+        rounded[np.isnan(wide)] = 0x7FC0
+        return rounded
+    return values.astype(numpy_carrier(dst))

@@ -202,7 +202,7 @@ def _plan_file(file: TensorFile, index) -> FilePlan:
             elif piece.source is None:
                 _append(storage.ops, Fill(cursor, piece.count, piece.value))
             else:
-                for op in index.ops(piece, cursor):
+                for op in index.ops(piece, cursor, slot.dtype):
                     _append(storage.ops, op)
             cursor += piece.count
         planned.storages.append(storage)
@@ -242,12 +242,17 @@ class _FragmentIndex:
             found = self._locators[key] = Locator(tensor)
         return found
 
-    def ops(self, piece, dst: int) -> list:
-        """Copy operations filling target elements [dst, dst + piece.count) from the source: byte runs where
-        the source holds the piece's shard itself, else one Gather of boxes."""
+    def ops(self, piece, dst: int, dtype: str) -> list:
+        """Copy operations filling target elements [dst, dst + piece.count) (of a `dtype` storage) from the
+        source: byte runs where the source holds the piece's shard itself, else one Gather of boxes."""
         locator = self._locator(piece.source)
         tensor = locator.tensor
-        size = itemsize(tensor.dtype)
+        stored = tensor.stored_dtype
+        if stored != tensor.dtype and dtype != tensor.dtype:
+            # a copy casts its source bytes once: the cast to tensor.dtype and on to `dtype` would be two
+            raise ReshardError.at(self.catalog.root, f"{piece.source[0]} ({piece.source[1]}) is its {stored} "
+                                  f"values cast to {tensor.dtype}; writing it as {dtype} is not supported")
+        size = itemsize(stored)
         stop = piece.start + piece.count
         if locator.holds_as(piece.shard):
             ops, covered = [], 0
@@ -255,7 +260,7 @@ class _FragmentIndex:
                 if run.offset != covered:
                     break
                 ops.append(Copy(dst + run.offset, run.count, run.fragment.storage.file,
-                                run.fragment.storage.offset + run.elem * size, tensor.dtype))
+                                run.fragment.storage.offset + run.elem * size, stored))
                 covered += run.count
         else:
             hits = locator.boxes(piece.shard, piece.start, stop)
@@ -263,7 +268,7 @@ class _FragmentIndex:
             shape = piece.shard.shape if piece.shard else tensor.shape
             ops = [Gather(dst, piece.count, shape, piece.start, tuple(
                 BoxCopy(h.local, h.shape, h.fragment.storage.file, h.fragment.storage.offset + h.elem * size,
-                        h.strides, tensor.dtype) for h in hits))]
+                        h.strides, stored) for h in hits))]
         if covered != piece.count:
             raise ReshardError.at(self.catalog.root, f"{piece.source[0]} ({piece.source[1]}): "
                                   f"{piece.count - covered} of {piece.count} elements are missing from the source; "

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import mmap
 import os
+from dataclasses import replace
 
 import numpy as np
 
 from reshard.catalog import Catalog, Fragment, LogicalTensor
-from reshard.dtypes import itemsize, numpy_carrier
+from reshard.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.errors import CheckpointError
 from reshard.formats.torchzip import Storage
 from reshard.geometry import offset, span, strides
@@ -131,6 +132,13 @@ def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, s
     """Elements [start, stop) of `shard` of a logical tensor (None: the tensor itself), in a new array or in
     `out` (1-D, contiguous, of the carrier dtype: a caller's own memory, read into with no copy between)."""
     where = where or Locator(tensor)
+    if tensor.cast_from:        # the stored values, then the cast the tensor is
+        stored = read_shard(files, replace(tensor, dtype=tensor.cast_from, cast_from=""), shard, start, stop, where)
+        values = cast_array(stored, tensor.cast_from, tensor.dtype)
+        if out is None:
+            return values
+        out[...] = values
+        return out
     runs = where.runs(shard, start, stop) if where.holds_as(shard) else None
     if out is None:
         out = np.zeros(stop - start, dtype=numpy_carrier(tensor.dtype))

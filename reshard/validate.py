@@ -163,7 +163,8 @@ def _check_values(catalog, report, progress):
     from reshard.tensorio import MappedFiles, replica_problem
 
     replicas = [r for r in catalog.replicas if not r.checked]   # second copies too big to compare at reading
-    floating = [t for t in catalog.tensors.values() if is_floating(t.dtype)]
+    # a cast's bytes are those of the tensor it is cast from, checked there
+    floating = [t for t in catalog.tensors.values() if is_floating(t.dtype) and not t.cast_from]
     total = sum(2 * _nbytes(r.copy) for r in replicas) + sum(_nbytes(t) for t in floating)
     with MappedFiles() as files, progress_bar(total, "checking", progress) as bar:
         for replica in replicas:        # read: the copy and the elements of the tensor it copies

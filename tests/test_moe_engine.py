@@ -14,6 +14,7 @@ import reshard
 from reshard.catalog import MASTER
 from conftest import FIXTURES, fixture_dir, run_cli, run_torchrun, truth_tensors
 from test_moe import PACKED, _set_element
+from test_universal import ds_to_universal
 
 pytestmark = pytest.mark.engine
 
@@ -32,6 +33,10 @@ CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
 UNIVERSAL = [(2, "autoep2_z1_fp32", "", 1), (2, "autoep2_z2_bf16", "", 1), (2, "autoep2_z2_fp32_dp2", "dp=2", 2),
              (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "", 2),
              (4, "autoep2_z1_fp32", "ep=4,dp=4", 4)]
+# (world, fixture, --to): DeepSpeed's ds_to_universal tree of the fixture, converted back by reshard (read as
+# tests/test_moe_universal_read.py does: the experts' bf16 module weights are their masters cast)
+FROM_UNIVERSAL = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_bf16", "ep=1,dp=2"),
+                  (2, "autoep2_z2_fp32_dp2", "ep=1,dp=2"), (4, "autoep2_z2_fp32_dp2", "ep=4,dp=4")]
 
 
 def _ep(to):
@@ -65,6 +70,14 @@ def resumed(tmp_path_factory):
     # DeepSpeed's native load of the ep-2 fixture at ep 1 (and reshard's direct loader, which must refuse it)
     jobs[2].append({"fixture": "autoep2_z1_fp32", "checkpoint": str(fixture_dir("autoep2_z1_fp32")), "ep": 1,
                     "fixtures": str(FIXTURES), "to": "native", "direct": True})
+    trees = {}
+    for world, name, to in FROM_UNIVERSAL:
+        if name not in trees:
+            trees[name] = ds_to_universal(name, out / f"{name}-ds-universal")
+        dst = out / f"{name}-from-ds-universal-{to}"
+        run_cli("convert", trees[name], dst, "--format", "deepspeed", "--to", to, "--quiet", check=0)
+        jobs[world].append({"fixture": name, "checkpoint": str(dst), "ep": _ep(to), "fixtures": str(FIXTURES),
+                            "to": f"from ds-universal {to}"})
     results = {}
     for world, world_jobs in jobs.items():
         world_jobs = universal[world] + world_jobs
@@ -76,6 +89,12 @@ def resumed(tmp_path_factory):
 @pytest.mark.parametrize("world,name,to", CONVERSIONS)
 def test_the_engine_resumes_the_truth_at_another_ep(resumed, world, name, to):
     result = resumed[(name, to)]
+    assert result["world"] == world and result["problems"] == []
+
+
+@pytest.mark.parametrize("world,name,to", FROM_UNIVERSAL)
+def test_the_engine_resumes_ds_to_universals_tree_converted_back(resumed, world, name, to):
+    result = resumed[(name, f"from ds-universal {to}")]
     assert result["world"] == world and result["problems"] == []
 
 

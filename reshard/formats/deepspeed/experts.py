@@ -92,7 +92,13 @@ def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | N
     base = optim0.get("base_optimizer_state")
     # an elastic save keeps a list of per-group states and no param groups
     groups = [g for g in (base.get("param_groups", []) if isinstance(base, dict) else []) if isinstance(g, dict)]
-    expert_groups = frozenset(i for i, g in enumerate(groups) if g.get("moe"))
+    return from_groups(tag_dir, listing, model0, groups, optim0.get("partition_count") or [])
+
+
+def from_groups(tag_dir: str, listing: list, model0: dict, groups: list, partition_count: list) -> Experts | None:
+    """The expert placement, from the model states and the optimizer's param groups (hyper-parameters; `moe: True`
+    marks an expert group) and their partition counts (only deepspeed.moe, which records no placement, needs them)."""
+    expert_groups = frozenset(i for i, g in enumerate(groups) if isinstance(g, dict) and g.get("moe"))
     has_files = any(names.EXPERT_MODEL_STATES.match(n) for n in listing)
     if not expert_groups and not has_files and not model0.get("ds_autoep_layers"):
         return None
@@ -103,7 +109,7 @@ def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | N
     if model0.get("ds_autoep_layers"):
         layers, local, shapes, files = _autoep(tag_dir, model0["ds_autoep_layers"], param_shapes, expert_groups)
     else:
-        layers, local, shapes, files = _ds_moe(tag_dir, param_shapes, expert_groups, _ep_of(tag_dir, optim0,
+        layers, local, shapes, files = _ds_moe(tag_dir, param_shapes, expert_groups, _ep_of(tag_dir, partition_count,
                                                                                              expert_groups, dp))
     ep = len(layers[0].placement)
     if dp % ep:
@@ -112,10 +118,9 @@ def read(tag_dir: str, listing: list, model0: dict, optim0: dict) -> Experts | N
                    data_before_experts(model0.get("ds_config")), local, shapes, tuple(files))
 
 
-def _ep_of(tag_dir, optim0, expert_groups, dp) -> int:
+def _ep_of(tag_dir, counts, expert_groups, dp) -> int:
     """deepspeed.moe records no placement: its expert-parallel degree is dp over the expert groups' partition count
     (the expert-data-parallel degree)."""
-    counts = optim0.get("partition_count") or []
     edp = {int(counts[g]) for g in expert_groups if g < len(counts)}
     if len(edp) != 1 or dp % min(edp):
         raise ReshardError.at(tag_dir, f"the expert param groups' partition counts {sorted(edp)} do not give one "

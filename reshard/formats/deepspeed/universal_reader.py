@@ -6,16 +6,24 @@ their groups, the frozen params, buffers and tied names come from the model-stat
 `zero/`, as for a ZeRO save; hyper-parameters, loss scaler and (ZeRO-3 flavour) the step from
 `zero/optimizer_state.pt`. Files are opened with the safe unpickler only. Folders that ds_to_universal
 writes for buffers, frozen and tied names are not read: no loader reads them either.
+
+A tree of an AutoEP save (ZeRO-1/2): ds_to_universal copies the source's model states (its ds_autoep_layers give
+the placement, experts.py, and rank 0's local shapes) and writes each packed expert weight's states whole,
+(num_experts, ...), marked is_expert_param; the expert groups keep `moe: True`. It writes no layer_L_expert_E files:
+the experts' module weights are their fp32 master, which DeepSpeed's universal load casts to the model's dtype
+(engine.load_checkpoint -> optimizer.update_lp_params), and so does the catalog (a cast of the master's fragments).
+The tree has no expert-data-parallel degree of its own: ep is the placement's, dp the model states' dp_world_size.
 """
 from __future__ import annotations
 
 import math
 import os
 
-from reshard.catalog import MASTER, Catalog, FileInfo, Fragment, LogicalTensor
+from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import experts as expert_placement
 from reshard.formats.deepspeed import group_scalars, rank_reader
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.protocol import TagOption
@@ -26,6 +34,11 @@ from reshard.tensorio import file_size
 
 FORMAT = "DeepSpeed universal"
 OPTIONS = TagOption
+AUTOEP_LAYERS = "ds_autoep_layers"
+UC_INFO = "universal_checkpoint_info"
+# What engine._save_moe_checkpoint writes there for AutoEP (engine.py:5323); ds_to_universal writes a pattern of
+# its own and lightens the layer entries (ds_to_universal.py:1269).
+ENGINE_EXPERT_PATTERNS = [r".*\.experts\.w[123]$"]
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -89,6 +102,9 @@ def _read(tag_dir, tag) -> Catalog:
         raise ReshardError.at(tag_dir, f"a tensor/pipeline-parallel universal checkpoint ({dims}); "
                                        "only data-parallel ones are supported so far")
     stage = 3 if zero3_files else int(optim.get("zero_stage") or 1)
+    experts = _experts(tag_dir, listing, model0, optim, stage)
+    if experts is not None:
+        model0 = _as_the_engine_saved(model0)
 
     catalog = Catalog(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage), tag=tag)
     catalog.files.append(FileInfo(os.path.join(uc.ZERO_DIR, uc.OPTIMIZER_STATE), "optimizer_state", None,
@@ -98,21 +114,51 @@ def _read(tag_dir, tag) -> Catalog:
     else:
         models = {0: model0}
         catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
-    rank_reader.read_model(catalog, model0, models, stage)     # ZeRO-3: frozen params from every rank's file
-    groups = _groups(catalog, model0, optim, stage)
+    rank_reader.read_model(catalog, model0, models, stage, experts)   # ZeRO-3: frozen params from every rank's file
+    groups = _groups(catalog, model0, optim, stage, experts)
+    num_experts = {name: layer.num_experts for layer in (experts.topology.layers if experts else ())
+                   for name in layer.params}
+    found = {}
     for g, members in enumerate(groups):
         for name in members:
             catalog.params[name].group = g
-            _read_param(catalog, name, g)
+            found[name] = _read_param(catalog, name, g, num_experts.get(name))
+    _missing_states(catalog, found)
     if stage == 3:
         _zero3_steps(catalog, optim_path, optim)
-    _fill_state(catalog, model0, optim, stage)
+    _fill_state(catalog, model0, optim, stage, experts)
+    if experts is not None:
+        _expert_modules(catalog, experts)
     return catalog
 
 
-def _groups(catalog, model0, optim, stage) -> list:
-    """Trainable param names per optimizer param group, in the optimizer's order; fills param_groups."""
-    shapes = [list(group) for group in (model0.get("param_shapes") or [])]
+def _experts(tag_dir, listing, model0, optim, stage):
+    """The expert placement of an AutoEP save's tree (None without experts)."""
+    groups = optim.get("param_groups") or []
+    if not model0.get(AUTOEP_LAYERS):
+        if any(isinstance(g, dict) and g.get("moe") for g in groups):
+            raise ReshardError.at(tag_dir, "expert param groups (moe: True) without ds_autoep_layers: a deepspeed.moe "
+                                           "universal checkpoint records no expert placement (not supported)")
+        return None
+    if stage == 3:
+        raise ReshardError.at(tag_dir, "a mixture-of-experts universal checkpoint of ZeRO-3 is not supported")
+    return expert_placement.from_groups(tag_dir, listing, model0, groups, [])
+
+
+def _as_the_engine_saved(model0) -> dict:
+    """The model states of an AutoEP save as its engine wrote them, for a writer of the engine's files: ds_to_universal
+    rewrote their universal_checkpoint_info; the engine's holds its own pattern and the full ds_autoep_layers, which
+    the model states keep beside it."""
+    info = {**(model0.get(UC_INFO) or {}), "expert_parameter_patterns": ENGINE_EXPERT_PATTERNS,
+            AUTOEP_LAYERS: model0[AUTOEP_LAYERS]}
+    return {**model0, UC_INFO: info}
+
+
+def _groups(catalog, model0, optim, stage, experts) -> list:
+    """Trainable param names per optimizer param group, in the optimizer's order; fills param_groups. An expert
+    group's are its logical tensors (param_shapes name rank 0's local experts)."""
+    shapes = [list(experts.group_params(group) if experts is not None and g in experts.groups else group)
+              for g, group in enumerate(model0.get("param_shapes") or [])]
     if stage == 3:
         loaded = (optim.get("optimizer_state_dict") or {}).get("param_groups") or optim.get("param_groups") or []
         groups = [[name for i in group.get("params", []) for name in shapes[i]] for group in loaded]
@@ -133,12 +179,14 @@ def _groups(catalog, model0, optim, stage) -> list:
     return groups
 
 
-def _read_param(catalog, name, g):
+def _read_param(catalog, name, g, num_experts) -> set:
+    """The states of param `name` (of group g; an expert param of `num_experts` experts, else None) its folder
+    holds, read into the catalog."""
     folder = os.path.join(catalog.root, uc.ZERO_DIR, name)
     shape = catalog.params[name].shape
     if not os.path.isdir(folder):
         catalog.problem(folder, f"missing: no universal state folder for trainable parameter {name}")
-        return
+        return set()
     states = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".pt"))
     if MASTER not in states:
         catalog.problem(os.path.join(folder, MASTER + ".pt"), f"missing: the fp32 master of {name}")
@@ -155,19 +203,40 @@ def _read_param(catalog, name, g):
         if state == uc.STEP:        # ds_to_universal copies the group's into each; the loader asserts they agree
             catalog.record_param_scalar(g, name, uc.STEP, group_scalars.scalar(obj), path)
             continue
-        ref = _state_tensor(catalog, path, obj, shape)
+        ref = _state_tensor(catalog, path, obj, shape, num_experts)
         if ref is not None:
             tensor = catalog.add(LogicalTensor(name, state, shape, ref.dtype), ref.storage.file)
             tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
+    return set(states)
 
 
-def _state_tensor(catalog, path, obj, shape):
-    """The full tensor of a state file, or None (a problem recorded) when it is not one of `shape`."""
+def _missing_states(catalog, found):
+    """A state every other param's folder holds and this one's lacks: its file is missing. (The fp32 master's
+    absence _read_param reports.)"""
+    every = set().union(*found.values()) - {MASTER} if found else set()
+    for name, states in found.items():
+        for state in sorted(every - states if states else ()):
+            catalog.problem(os.path.join(catalog.root, uc.ZERO_DIR, name, state + ".pt"),
+                            f"missing: the {state} of {name} (the other parameters' folders hold one)")
+
+
+def _state_tensor(catalog, path, obj, shape, num_experts):
+    """The full tensor of a state file, or None (a problem recorded) when it is not one of `shape` (for an expert
+    param: not marked as every one of its `num_experts` experts)."""
+    expert_keys = (uc.IS_EXPERT_PARAM, uc.EP_NUM_EXPERTS)
+    marked = obj.get(uc.IS_EXPERT_PARAM) and obj.get(uc.EP_NUM_EXPERTS) if isinstance(obj, dict) else None
+    if num_experts is not None and marked != num_experts:
+        catalog.problem(path, f"an expert param's state, but not marked {uc.IS_EXPERT_PARAM} with "
+                              f"{uc.EP_NUM_EXPERTS}={num_experts} (found {marked})")
+        return None
+    if num_experts is None and marked:
+        catalog.problem(path, f"marked {uc.IS_EXPERT_PARAM}, but the param is in no expert param group")
+        return None
     if isinstance(obj, dict):
-        parallel = [k for k in uc.PARALLEL_KEYS if obj.get(k)]
+        parallel = [k for k in uc.PARALLEL_KEYS if obj.get(k) and k not in expert_keys]
         if parallel or obj.get(uc.CAT_DIM, 0) != 0:
             what = ", ".join(parallel) or "cat_dim"
-            raise ReshardError.at(path, f"tensor- or expert-parallel universal metadata ({what}) is not supported yet")
+            raise ReshardError.at(path, f"tensor-parallel universal metadata ({what}) is not supported yet")
         obj = obj.get(uc.PARAM)
     if not isinstance(obj, TensorRef):
         catalog.problem(path, f"holds {type(obj).__name__}, not a tensor")
@@ -192,9 +261,24 @@ def _zero3_steps(catalog, path, optim):
                 group_scalars.record(catalog, path, sub_group_of.get(i, 0), key, value)
 
 
-def _fill_state(catalog, model0, optim, stage):
-    rank_reader.fill_state(catalog, model0, optim)
+def _fill_state(catalog, model0, optim, stage, experts):
+    rank_reader.fill_state(catalog, model0, optim, experts)
     config = model0.get("ds_config") or {}
     bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled"))
     catalog.layout.options = rank_reader.format_options(model0, optim, bf16 and stage != 3, stage)
+    if experts is not None:      # the target keeps it unless --to names another (ep=E)
+        catalog.layout.options["ep"] = experts.topology.ep
     rank_reader.fill_layout(catalog, model0)
+
+
+def _expert_modules(catalog, experts):
+    """The experts' module weights: their fp32 master, cast to the model's dtype (the dense params' module copies'),
+    as DeepSpeed's universal load sets them."""
+    dtype = catalog.layout.dtype
+    for name in experts.shapes:
+        master = catalog.tensors.get((name, MASTER))
+        if master is not None:        # else a problem already
+            catalog.add(LogicalTensor(name, MODULE, master.shape, dtype, list(master.fragments),
+                                      "" if dtype == master.dtype else master.dtype))
+    catalog.order.extend(name for name in experts.shapes if name not in catalog.order)
+    catalog.experts = experts.topology
