@@ -2,11 +2,14 @@
 one DeepSpeed's own ds_to_universal writes, file for file and tensor for tensor, but for the few model-state and
 optimizer_state.pt entries listed (and why) below; at another ep only the model states change; what cannot be
 written is refused in one line. tests/test_moe_engine.py has the engine load these trees with load_universal."""
+import shutil
+
 import pytest
 import torch
 
-from conftest import fixture_dir, run_cli, truth_tensors
+from conftest import fixture_dir, run_cli, truth_json, truth_tensors
 from test_moe import AUTOEP
+from test_moe_convert import _assert_deepspeeds_own_files
 from test_universal import _files, _load, differences, ds_to_universal, ours
 
 TAG = "global_step3"
@@ -75,6 +78,26 @@ def test_another_ep_changes_only_the_model_states(trees, tmp_path):
     assert states["dp_world_size"] == 4
     assert [e["ep_size"] for e in states["ds_autoep_layers"]] == [4, 4]
     assert _load(at4 / TAG / "zero" / "optimizer_state.pt")["param_groups"][1]["name"] == "ep_size_4"
+
+
+@pytest.mark.parametrize("name", AUTOEP)
+def test_diff_finds_no_difference_and_the_way_back_gives_deepspeeds_own_files(trees, name, tmp_path):
+    """Our tree read back (tests/test_moe_universal_read.py reads ds_to_universal's) is the save; converted back to
+    the save's topology it gives the engine's own files. Negative control: a changed expert element shows."""
+    _, mine = trees[name]
+    assert run_cli("diff", fixture_dir(name), mine, check=0).stdout.startswith("no difference")
+    meta = truth_json(name)
+    run_cli("convert", mine, tmp_path / "back", "--format", "deepspeed", "--to",
+            f"ep={meta['ep']},dp={meta['world_size']}", "--quiet", check=0)
+    _assert_deepspeeds_own_files(name, tmp_path / "back")
+    changed = tmp_path / "changed"
+    shutil.copytree(mine, changed)
+    master = changed / TAG / "zero" / "model.layers.1.mlp.experts.w2" / "fp32.pt"
+    saved = _load(master)
+    saved["param"][3, 0, 0] += 0.5
+    torch.save(saved, master)
+    proc = run_cli("diff", fixture_dir(name), changed, check=1)
+    assert "DIFFERENT" in proc.stdout and "model.layers.1.mlp.experts.w2" in proc.stdout
 
 
 @pytest.mark.parametrize("name,args,needle", [
