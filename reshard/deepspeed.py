@@ -6,7 +6,8 @@ Every rank reads the source's metadata and plans the files DeepSpeed itself woul
 engine (its dp, tp, pp, ZeRO stage and config). Then DeepSpeed's own `engine.load_checkpoint` runs on a
 folder that names those files, with the engine's checkpoint engine (DeepSpeed's hook for how checkpoint
 files are read) answering each file it asks for from memory: the object `torch.load` of the written file
-would give, its tensors read from the source straight into their memory. Nothing is written beside the
+would give, its tensors read from the source straight into their memory (a mixture of experts' layer files
+too: DeepSpeed reads them through the engine's checkpoint engine, engine._load_checkpoint -> load_moe_state_dict). Nothing is written beside the
 checkpoint, and no tensor byte is written anywhere. A checkpoint any rank cannot read raises the same
 one-line ReshardError on every rank before DeepSpeed's first collective.
 """
@@ -41,12 +42,6 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
     try:
         catalog = formats.read(os.fspath(src), tag, layout_rules)
         require_complete(catalog)
-        if catalog.experts is not None:
-            # DeepSpeed reads expert files through a checkpoint engine of its own, not the engine's, which
-            # ServedFiles answers for
-            raise ReshardError.at(catalog.root, "loading a mixture-of-experts checkpoint into a live engine is not "
-                                                "supported; convert it (reshard convert --to ep=E,dp=D) and call "
-                                                "engine.load_checkpoint")
         plan = plan_for(catalog, engine_layout(engine), tag, fmt=LIVE_FORMAT)     # whatever the source's format
     except ReshardError as e:
         problem = e

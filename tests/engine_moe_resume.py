@@ -2,18 +2,17 @@
 
     torchrun --nproc_per_node DP tests/engine_moe_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": an autoep fixture, "checkpoint": dir, "ep": EP, "fixtures": dir[, "universal": true]}
-(a universal job builds the engine with `"checkpoint": {"load_universal": true}`; since DeepSpeed's universal
-loader slices experts by the largest expert-parallel group any engine of the process made, universal jobs of
-one launch go in order of growing EP). For each job every rank
-builds the fixture's model as tools/fixture_moe.py does but with other values (so a load that does not happen
-shows): the AutoEP Mixtral with the fixture's DeepSpeed config at `"autoep_size": EP`, the deepspeed.moe module at
-`ep_size=EP`; calls the ordinary `engine.load_checkpoint(dir)`,
-takes the truth from the live engine with the function the fixture was made with (fixture_moe.moe_truth: full fp32
-masters, both Adam moments, module weights, every expert in its global place) and compares it with the fixture's
-truth.safetensors bit for bit; with "direct", `reshard.deepspeed.load_checkpoint` of the checkpoint must refuse
-(its message: "refused"); then one more training step runs. Rank 0 writes {**job, "world", "problems", "differ":
-[keys not equal to the truth]} per job.
+JOBS.json lists {"fixture": an autoep or deepspeed.moe fixture, "checkpoint": dir, "ep": EP, "fixtures": dir
+[, "universal": true][, "direct": true]}. For each job every rank builds the fixture's model as tools/fixture_moe.py
+does but with other values (so a load that does not happen shows): the AutoEP Mixtral with the fixture's DeepSpeed
+config at `"autoep_size": EP`, the deepspeed.moe module at `ep_size=EP`; calls the ordinary
+`engine.load_checkpoint(dir)` ("direct": `reshard.deepspeed.load_checkpoint(engine, dir)` of a checkpoint saved at
+any topology, instead; "universal": the engine is built with `"checkpoint": {"load_universal": true}` and, as
+DeepSpeed's universal loader cuts experts by the largest expert-parallel group any engine of the process made,
+universal jobs of one launch go in order of growing EP); takes the truth from the live engine with the function the
+fixture was made with (fixture_moe.moe_truth: full fp32 masters, both Adam moments, module weights, every expert in
+its global place) and compares it with the fixture's truth.safetensors bit for bit; then one more training step
+runs. Rank 0 writes {**job, "world", "problems", "differ": [keys not equal to the truth]} per job.
 """
 import copy
 import gc
@@ -67,7 +66,11 @@ def main(jobs_path, results_path):
             forward = lambda ids: engine(ids, ids)      # noqa: E731
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         problems = []
-        load_path, _ = engine.load_checkpoint(job["checkpoint"])
+        if job.get("direct"):       # no conversion step: reshard plans this engine's files and serves them
+            import reshard.deepspeed
+            load_path, _ = reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
+        else:
+            load_path, _ = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
             problems.append("load_checkpoint found nothing to load")
         base = make_fixtures._base_optimizer(engine)
@@ -86,14 +89,6 @@ def main(jobs_path, results_path):
             problems += found
             if engine.global_steps != make_fixtures_meta(job)["global_steps"]:
                 problems.append(f"global_steps {engine.global_steps} after resume")
-        if job.get("direct"):       # reshard.deepspeed.load_checkpoint must refuse a mixture of experts, in one line
-            import reshard.deepspeed
-            from reshard.errors import ReshardError
-            try:
-                reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
-                problems.append("reshard.deepspeed.load_checkpoint loaded a mixture-of-experts checkpoint")
-            except ReshardError as e:
-                job = {**job, "refused": str(e)}
         # one more training step runs on the resumed state (every rank is a data-parallel rank of the dense part)
         generator = torch.Generator().manual_seed(400 + rank)
         ids = torch.randint(0, fixture_moe.TOKENS, (2, 10), generator=generator)

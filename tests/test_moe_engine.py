@@ -4,7 +4,8 @@ tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and
 (tests/engine_moe_resume.py); so does the engine built with load_universal, from reshard's universal trees.
 Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
 expert element in a converted file is caught; DeepSpeed's own load of the fixture at ep 1 gives wrong expert
-masters (deepspeed-moe.md §4) where reshard's output gives the truth; reshard.deepspeed.load_checkpoint refuses."""
+masters (docs/deepspeed-moe.md §4) where reshard's output gives the truth. reshard.deepspeed.load_checkpoint loads
+the saves straight into the engine at another ep, bit-exact too."""
 import shutil
 
 import pytest
@@ -33,6 +34,9 @@ CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
 UNIVERSAL = [(2, "autoep2_z1_fp32", "", 1), (2, "autoep2_z2_bf16", "", 1), (2, "autoep2_z2_fp32_dp2", "dp=2", 2),
              (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "", 2),
              (4, "autoep2_z1_fp32", "ep=4,dp=4", 4)]
+# reshard.deepspeed.load_checkpoint of the fixture itself into the engine at another ep: (world, fixture, ep)
+DIRECT = [(2, "autoep2_z1_fp32", 1), (2, "autoep2_z2_bf16", 1), (2, "dsmoe_ep2_z2_fp32", 1),
+          (4, "autoep2_z2_fp32_dp2_datafirst", 4), (4, "autoep2_z2_fp32_dp2", 1), (4, "dsmoe_ep2_z2_fp32", 4)]
 # (world, fixture, --to): DeepSpeed's ds_to_universal tree of the fixture, converted back by reshard (read as
 # tests/test_moe_universal_read.py does: the experts' bf16 module weights are their masters cast)
 FROM_UNIVERSAL = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_bf16", "ep=1,dp=2"),
@@ -67,9 +71,13 @@ def resumed(tmp_path_factory):
     shutil.copytree(jobs[2][0]["checkpoint"], changed)
     _set_element(reshard.open_checkpoint(changed), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
     jobs[2].append({**jobs[2][0], "checkpoint": str(changed), "to": "changed"})
-    # DeepSpeed's native load of the ep-2 fixture at ep 1 (and reshard's direct loader, which must refuse it)
+    # DeepSpeed's native load of the ep-2 fixture at ep 1
     jobs[2].append({"fixture": "autoep2_z1_fp32", "checkpoint": str(fixture_dir("autoep2_z1_fp32")), "ep": 1,
-                    "fixtures": str(FIXTURES), "to": "native", "direct": True})
+                    "fixtures": str(FIXTURES), "to": "native"})
+    for world, name, ep in DIRECT:         # no conversion step
+        jobs[world].append({"fixture": name, "checkpoint": str(fixture_dir(name)), "ep": ep, "fixtures": str(FIXTURES),
+                            "to": f"direct ep={ep}", "direct": True})
+    jobs[2].append({**jobs[2][0], "checkpoint": str(changed), "to": "direct changed", "direct": True})
     trees = {}
     for world, name, to in FROM_UNIVERSAL:
         if name not in trees:
@@ -116,9 +124,19 @@ def test_deepspeeds_native_load_at_another_ep_gives_wrong_expert_masters(resumed
     masters = {k for k in result["differ"] if k.startswith("fp32/")}
     assert len(masters) >= 4 and all(k.split("/", 1)[0] in ("fp32", "exp_avg", "exp_avg_sq")
                                      for k in result["differ"])
-    assert result["refused"].endswith("loading a mixture-of-experts checkpoint into a live engine is not "
-                                      "supported; convert it (reshard convert --to ep=E,dp=D) and call "
-                                      "engine.load_checkpoint")
+    assert resumed[("autoep2_z1_fp32", "direct ep=1")]["differ"] == []        # reshard's load of the same
+
+
+@pytest.mark.parametrize("world,name,ep", DIRECT)
+def test_reshard_loads_the_save_into_the_engine_at_another_ep(resumed, world, name, ep):
+    """reshard.deepspeed.load_checkpoint: the files the engine at its ep would have saved, planned and served
+    from memory (the expert layer files too: DeepSpeed reads them through the engine's checkpoint engine)."""
+    result = resumed[(name, f"direct ep={ep}")]
+    assert result["world"] == world and result["problems"] == []
+
+
+def test_reshards_direct_load_of_a_changed_expert_element_shows_it(resumed):
+    assert resumed[("autoep2_z1_fp32", "direct changed")]["differ"] == [f"fp32/{PACKED}"]
 
 
 def _change_universal_element(path):

@@ -5,6 +5,7 @@ follow what this engine does, not what the source's engine did.
 """
 from __future__ import annotations
 
+from reshard.errors import ReshardError
 from reshard.layout import Layout
 
 LIVE_FORMAT = "deepspeed"       # the files a live engine loads are DeepSpeed's own, whatever the source's format
@@ -25,6 +26,8 @@ def engine_layout(engine) -> Layout:
     heads = getattr(getattr(engine.module, "config", None), "num_key_value_heads", None)
     if isinstance(heads, int):                   # AutoTP cuts attention by key-value heads
         options["kv_heads"] = heads
+    if getattr(engine, "has_moe_layers", False):
+        options["ep"] = _expert_parallel_degree(engine)
     dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
     grid = getattr(engine, "grid", None)
     if grid is not None:        # a PipelineEngine: its model parallelism is pipe x tensor (slice)
@@ -33,3 +36,15 @@ def engine_layout(engine) -> Layout:
         tp, pp = engine.mp_world_size, 1
     return Layout(dp=engine.dp_world_size, tp=tp, pp=pp, zero=engine.zero_optimization_stage(), dtype=dtype,
                   options=options)
+
+
+def _expert_parallel_degree(engine) -> int:
+    """The size of the expert-parallel group of this engine's expert param groups (`moe: True`, named by DeepSpeed),
+    looked up by name: the process's table of those groups keeps every other engine's too."""
+    import torch.distributed as dist
+    names = {group["name"] for group in engine.optimizer.param_groups if group.get("moe")}
+    sizes = {dist.get_world_size(engine.expert_parallel_group[name]) for name in names}
+    if len(sizes) != 1:
+        raise ReshardError(f"the engine's expert param groups {sorted(names)} do not have one expert-parallel "
+                           "degree; reshard writes one ep for all")
+    return sizes.pop()
