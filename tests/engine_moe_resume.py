@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node DP tests/engine_moe_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": an autoep fixture, "checkpoint": dir, "ep": EP, "fixtures": dir[, "universal": true]}
+JOBS.json lists {"fixture": an autoep fixture, "checkpoint": dir, "ep": EP, "fixtures": dir[, "zero": stage]
+[, "universal": true]} (with "zero", the engine is built at that ZeRO stage, not the fixture's)
 (a universal job builds the engine with `"checkpoint": {"load_universal": true}`; since DeepSpeed's universal
 loader slices experts by the largest expert-parallel group any engine of the process made, universal jobs of
 one launch go in order of growing EP). For each job every rank
@@ -48,6 +49,8 @@ def main(jobs_path, results_path):
     for job in jobs:
         spec = make_fixtures.CONFIGS[job["fixture"]]
         config = copy.deepcopy(spec["ds_config"])
+        if "zero" in job:
+            config["zero_optimization"]["stage"] = job["zero"]
         if job.get("universal"):            # load_checkpoint takes the tag from latest_universal and reads zero/
             config["checkpoint"] = {"load_universal": True}
         if spec["kind"] == "autoep":
@@ -67,6 +70,8 @@ def main(jobs_path, results_path):
             forward = lambda ids: engine(ids, ids)      # noqa: E731
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         problems = []
+        if "zero" in job and engine.zero_optimization_stage() != job["zero"]:
+            problems.append(f"the engine runs ZeRO-{engine.zero_optimization_stage()}, not {job['zero']}")
         load_path, _ = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
             problems.append("load_checkpoint found nothing to load")
