@@ -5,6 +5,7 @@ changed expert element shows; what cannot be written is refused in one line. tes
 engine load them."""
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -159,6 +160,18 @@ def test_a_stage_change_gives_the_model_states_the_engine_saves_at_that_stage(na
         assert (tensor.dtype, tensor.shape) == (their_module[key].dtype, their_module[key].shape), key
         _assert_same_objects(tensor, source["module"][key], key)
     _assert_same_objects(ours, theirs, file)
+
+
+def test_the_router_alias_is_a_child_holding_exactly_the_routers_tensors():
+    """What tells a ZeRO-1 save's router alias from a frozen param: the AutoEP layer's child with the router's very
+    tensor names, dtypes and shapes. Negative control: a child differing in one shape is no alias (it would be a
+    frozen param, which a ZeRO-2 output must list)."""
+    from reshard.formats.deepspeed.experts import router_aliases
+    model0 = torchzip.load(tag_dir(fixture_dir("autoep2_z1_fp32")) / "mp_rank_00_model_states.pt")
+    assert router_aliases(model0) == ("model.layers.0.mlp.gate.gate.weight", "model.layers.1.mlp.gate.gate.weight")
+    alias = model0["module"]["model.layers.1.mlp.gate.gate.weight"]
+    model0["module"]["model.layers.1.mlp.gate.gate.weight"] = replace(alias, shape=(alias.shape[1], alias.shape[0]))
+    assert router_aliases(model0) == ("model.layers.0.mlp.gate.gate.weight",)
 
 
 DS_MOE = "dsmoe_ep2_z2_fp32"
