@@ -2,17 +2,18 @@
 
     torchrun --nproc_per_node DP tests/engine_moe_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": an autoep or deepspeed.moe fixture, "checkpoint": dir, "ep": EP, "fixtures": dir
-[, "universal": true][, "direct": true]}. For each job every rank builds the fixture's model as tools/fixture_moe.py
-does but with other values (so a load that does not happen shows): the AutoEP Mixtral with the fixture's DeepSpeed
-config at `"autoep_size": EP`, the deepspeed.moe module at `ep_size=EP`; calls the ordinary
-`engine.load_checkpoint(dir)` ("direct": `reshard.deepspeed.load_checkpoint(engine, dir)` of a checkpoint saved at
-any topology, instead; "universal": the engine is built with `"checkpoint": {"load_universal": true}` and, as
-DeepSpeed's universal loader cuts experts by the largest expert-parallel group any engine of the process made,
-universal jobs of one launch go in order of growing EP); takes the truth from the live engine with the function the
-fixture was made with (fixture_moe.moe_truth: full fp32 masters, both Adam moments, module weights, every expert in
-its global place) and compares it with the fixture's truth.safetensors bit for bit; then one more training step
-runs. Rank 0 writes {**job, "world", "problems", "differ": [keys not equal to the truth]} per job.
+JOBS.json lists {"fixture": an autoep or deepspeed.moe fixture, "checkpoint": dir, "ep": EP, "fixtures": dir [,
+"zero": stage][, "universal": true][, "direct": true]}. For each job every rank builds the fixture's model as
+tools/fixture_moe.py does but with other values (so a load that does not happen shows): the AutoEP Mixtral with the
+fixture's DeepSpeed config at `"autoep_size": EP`, the deepspeed.moe module at `ep_size=EP` ("zero": the engine at
+that ZeRO stage, not the fixture's); calls the ordinary `engine.load_checkpoint(dir)` ("direct":
+`reshard.deepspeed.load_checkpoint(engine, dir)` of a checkpoint saved at any topology, instead; "universal": the
+engine is built with `"checkpoint": {"load_universal": true}` and, as DeepSpeed's universal loader cuts experts by
+the largest expert-parallel group any engine of the process made, universal jobs of one launch go in order of
+growing EP); takes the truth from the live engine with the function the fixture was made with
+(fixture_moe.moe_truth: full fp32 masters, both Adam moments, module weights, every expert in its global place) and
+compares it with the fixture's truth.safetensors bit for bit; then one more training step runs. Rank 0 writes
+{**job, "world", "problems", "differ": [keys not equal to the truth]} per job.
 """
 import copy
 import gc
@@ -47,6 +48,8 @@ def main(jobs_path, results_path):
     for job in jobs:
         spec = make_fixtures.CONFIGS[job["fixture"]]
         config = copy.deepcopy(spec["ds_config"])
+        if "zero" in job:
+            config["zero_optimization"]["stage"] = job["zero"]
         if job.get("universal"):            # load_checkpoint takes the tag from latest_universal and reads zero/
             config["checkpoint"] = {"load_universal": True}
         if spec["kind"] == "autoep":
@@ -66,6 +69,8 @@ def main(jobs_path, results_path):
             forward = lambda ids: engine(ids, ids)      # noqa: E731
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         problems = []
+        if "zero" in job and engine.zero_optimization_stage() != job["zero"]:
+            problems.append(f"the engine runs ZeRO-{engine.zero_optimization_stage()}, not {job['zero']}")
         if job.get("direct"):       # no conversion step: reshard plans this engine's files and serves them
             import reshard.deepspeed
             load_path, _ = reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])

@@ -5,8 +5,10 @@ changed expert element shows; what cannot be written is refused in one line. tes
 engine load them."""
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
+import torch
 
 import reshard
 from reshard.catalog import MASTER
@@ -25,7 +27,7 @@ from test_moe import AUTOEP, PACKED, _differences, _set_element
 CONVERSIONS = [
     ("autoep2_z1_fp32", "ep=1"), ("autoep2_z1_fp32", "ep=1,dp=1"), ("autoep2_z1_fp32", "ep=4,dp=4"),
     ("autoep2_z1_fp32", "dp=4"), ("autoep2_z1_fp32", "ep=2,dp=6,zero=2"),
-    ("autoep2_z2_bf16", "ep=1"), ("autoep2_z2_bf16", "ep=4,dp=4"),
+    ("autoep2_z2_bf16", "ep=1"), ("autoep2_z2_bf16", "ep=4,dp=4"), ("autoep2_z2_bf16", "zero=1"),
     ("autoep2_z2_fp32_dp2", "dp=2"), ("autoep2_z2_fp32_dp2", "ep=4"), ("autoep2_z2_fp32_dp2", "ep=1,dp=3"),
     ("autoep2_z2_fp32_dp2", "zero=1"),
     ("autoep2_z2_fp32_dp2_datafirst", "ep=1,dp=2"), ("autoep2_z2_fp32_dp2_datafirst", "dp=8"),
@@ -114,6 +116,62 @@ def test_there_and_back_gives_deepspeeds_own_files(name, there, tmp_path):
     back = _convert(tmp_path / "there", tmp_path / "back", f"ep={meta['ep']},dp={meta['world_size']}")
     assert back.experts.ep == meta["ep"]
     _assert_deepspeeds_own_files(name, tmp_path / "back")
+
+
+# (source, --to, the fixture DeepSpeed saved at the target's stage and topology): the same model config trained at
+# another world size, so its values and global_samples are another run's; no fp32 ZeRO-2 ep 2 x dp 2 or bf16 ZeRO-1
+# fixture exists to compare those other stage changes with
+STAGE_CHANGES = [("autoep2_z1_fp32", "ep=2,dp=4,zero=2", "autoep2_z2_fp32_dp2"),
+                 ("autoep2_z2_fp32_dp2", "ep=2,dp=2,zero=1", "autoep2_z1_fp32")]
+
+
+def _assert_same_objects(a, b, where):
+    """The same keys in the same order, the same types, the same values (tensors bit for bit)."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if torch.is_tensor(a):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _assert_same_objects(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_objects(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("name,to,engines", STAGE_CHANGES)
+def test_a_stage_change_gives_the_model_states_the_engine_saves_at_that_stage(name, to, engines, tmp_path):
+    """ZeRO-1 -> 2 and 2 -> 1: the model states equal those the engine saved at the target stage and topology, key
+    for key and value for value (torch.load), but for what another run has: the module's values (ours are the
+    source's) and global_samples. So the router alias (AutoEP's router under the model's name, a second name of
+    one parameter) is in no frozen_param_shapes at ZeRO-2, and those keys are None at ZeRO-1."""
+    _convert(fixture_dir(name), tmp_path / "out", to)
+    file = "mp_rank_00_model_states.pt"
+    ours, theirs, source = (torch.load(tag_dir(d) / file, weights_only=False)
+                            for d in (tmp_path / "out", fixture_dir(engines), fixture_dir(name)))
+    assert ours.pop("global_samples") == source["global_samples"]
+    theirs.pop("global_samples")
+    module, their_module = ours.pop("module"), theirs.pop("module")
+    assert list(module) == list(their_module)
+    for key, tensor in module.items():
+        assert (tensor.dtype, tensor.shape) == (their_module[key].dtype, their_module[key].shape), key
+        _assert_same_objects(tensor, source["module"][key], key)
+    _assert_same_objects(ours, theirs, file)
+
+
+def test_the_router_alias_is_a_child_holding_exactly_the_routers_tensors():
+    """What tells a ZeRO-1 save's router alias from a frozen param: the AutoEP layer's child with the router's very
+    tensor names, dtypes and shapes. Negative control: a child differing in one shape is no alias (it would be a
+    frozen param, which a ZeRO-2 output must list)."""
+    from reshard.formats.deepspeed.experts import router_aliases
+    model0 = torchzip.load(tag_dir(fixture_dir("autoep2_z1_fp32")) / "mp_rank_00_model_states.pt")
+    assert router_aliases(model0) == ("model.layers.0.mlp.gate.gate.weight", "model.layers.1.mlp.gate.gate.weight")
+    alias = model0["module"]["model.layers.1.mlp.gate.gate.weight"]
+    model0["module"]["model.layers.1.mlp.gate.gate.weight"] = replace(alias, shape=(alias.shape[1], alias.shape[0]))
+    assert router_aliases(model0) == ("model.layers.0.mlp.gate.gate.weight",)
 
 
 DS_MOE = "dsmoe_ep2_z2_fp32"

@@ -20,11 +20,15 @@ from test_universal import ds_to_universal
 pytestmark = pytest.mark.engine
 
 # (world, fixture, --to): ep 2 -> ep 1 x dp 2; ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; bf16; ep 2 -> ep 4 x dp 4;
-# use_data_before_expert_parallelism at ep 4; ep 2 x expert-dp 2 -> ep 1 x dp 4; deepspeed.moe ep 2 -> 1 and 4
+# use_data_before_expert_parallelism at ep 4; ep 2 x expert-dp 2 -> ep 1 x dp 4; deepspeed.moe ep 2 -> 1 and 4;
+# ZeRO-1 -> 2 (at ep 1 and ep 2) and 2 -> 1 (fp32; bf16, whose ZeRO-1 is BF16_Optimizer), the engine built at the
+# target stage
 CONVERSIONS = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_fp32_dp2", "ep=2,dp=2"),
                (2, "autoep2_z2_bf16", "ep=1,dp=2"), (4, "autoep2_z1_fp32", "ep=4,dp=4"),
                (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4"), (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4"),
-               (2, "dsmoe_ep2_z2_fp32", "ep=1,dp=2"), (4, "dsmoe_ep2_z2_fp32", "ep=4,dp=4")]
+               (2, "dsmoe_ep2_z2_fp32", "ep=1,dp=2"), (4, "dsmoe_ep2_z2_fp32", "ep=4,dp=4"),
+               (2, "autoep2_z1_fp32", "ep=1,dp=2,zero=2"), (2, "autoep2_z1_fp32", "ep=2,dp=2,zero=2"),
+               (4, "autoep2_z2_fp32_dp2", "ep=2,dp=4,zero=1"), (2, "autoep2_z2_bf16", "ep=2,dp=2,zero=1")]
 CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
 # Universal trees written by `convert --format universal` and loaded with load_universal: (world, fixture, --to, ep
 # of the engine): ep 2 -> 1 (fp32, bf16); ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; at 4 ranks ep 2 x expert-dp 2 ->
@@ -43,8 +47,10 @@ FROM_UNIVERSAL = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_bf16", "e
                   (2, "autoep2_z2_fp32_dp2", "ep=1,dp=2"), (4, "autoep2_z2_fp32_dp2", "ep=4,dp=4")]
 
 
-def _ep(to):
-    return int(dict(item.split("=") for item in to.split(","))["ep"])
+def _spec(to):
+    """The job keys `to` sets: ep, and zero where it changes the stage."""
+    given = {k: int(v) for k, v in (item.split("=") for item in to.split(","))}
+    return {k: given[k] for k in ("ep", "zero") if k in given}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +70,7 @@ def resumed(tmp_path_factory):
     for world, name, to in CONVERSIONS:
         dst = out / f"{name}-{to}"
         run_cli("convert", fixture_dir(name), dst, "--to", to, "--quiet", check=0)
-        jobs[world].append({"fixture": name, "checkpoint": str(dst), "ep": _ep(to), "fixtures": str(FIXTURES),
+        jobs[world].append({"fixture": name, "checkpoint": str(dst), **_spec(to), "fixtures": str(FIXTURES),
                             "to": to})
     # negative control: the first conversion with one expert element of its fp32 master changed
     changed = out / "changed"

@@ -216,6 +216,10 @@ def load(path: str, span: tuple | None = None) -> object:
         raise CheckpointError(path, "file is empty (0 bytes)")
     try:
         with open(path, "rb") as raw:
+            # no read-ahead past the few headers read here: the pages it brings carry the kernel's read-ahead
+            # marks, which start read-ahead again in a later read of the tensors (blocks.SourceFiles)
+            if hasattr(os, "posix_fadvise"):     # (not on macOS)
+                os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             f = raw if span is None else _Span(raw, base, size)
             head = f.read(64)
             if not zipfile.is_zipfile(f):

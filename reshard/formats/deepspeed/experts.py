@@ -157,6 +157,39 @@ def _autoep(tag_dir, autoep_layers, param_shapes, expert_groups):
     return layers, local, shapes, files
 
 
+# The child an AutoEP layer (AutoEPMoELayer) keeps its router under (auto_ep_layer.py: self.router = ...)
+AUTOEP_ROUTER = "router"
+
+
+def router_aliases(model0: dict) -> tuple:
+    """Module keys that are an AutoEP layer's router under a second name: module tensors of no parameter of their
+    own. AutoEPMoELayer registers the same router module again under the name the model's output hooks capture
+    (auto_ep_layer.py: `setattr(self, alias_target, self.router)`), so the module state_dict lists its tensors
+    twice (as separate copies: clone_tensors_for_torch_save), while module.parameters(), named_children() and
+    named_buffers() yield them once, under `router`: engine._get_zero_frozen_param_attributes (frozen_param_shapes,
+    frozen_param_fragments: every module.parameters() entry the optimizer does not own), _get_shared_params and
+    _get_buffer_names never name them. A ZeRO-1 save lists no frozen params (save_frozen_param needs ZeRO-2), so
+    this is how its alias is told from a frozen param: a child of the layer holding exactly the router's tensor
+    names, dtypes and shapes."""
+    module = model0.get("module") or {}
+    out = []
+    for entry in model0.get("ds_autoep_layers") or ():
+        prefix = f"{entry['module_path']}." if entry.get("module_path") else ""
+        router = _child_tensors(module, prefix, AUTOEP_ROUTER)
+        children = dict.fromkeys(key[len(prefix):].split(".", 1)[0] for key in module if key.startswith(prefix))
+        for child in children:
+            if child != AUTOEP_ROUTER and router and _child_tensors(module, prefix, child) == router:
+                out += [f"{prefix}{child}.{rest}" for rest in router]
+    return tuple(out)
+
+
+def _child_tensors(module: dict, prefix: str, child: str) -> dict:
+    """What follows `prefix + child + "."` in each module key under it -> (dtype, shape) of its tensor."""
+    head = f"{prefix}{child}."
+    return {key[len(head):]: (ref.dtype, tuple(ref.shape)) if isinstance(ref, TensorRef) else None
+            for key, ref in module.items() if key.startswith(head)}
+
+
 def autoep_expert_key(packed: str, expert: int) -> str:
     """The key of global expert `expert`'s slab of AutoEP packed weight `packed` in its layer file."""
     return f"{packed}.{expert}"

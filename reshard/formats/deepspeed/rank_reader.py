@@ -241,12 +241,15 @@ def fill_state(catalog, model0, optim0, experts=None):
 
 
 def _unregistered(catalog, model0) -> tuple:
-    """Module tensors a ZeRO-2 save lists as no parameter: its frozen_param_shapes name every frozen parameter
-    (named_parameters), so a module tensor neither trained, a buffer nor listed there is a second name of one."""
+    """Module tensors that are no parameter of their own. A ZeRO-2 save's frozen_param_shapes name every frozen
+    parameter (module.parameters()), so a module tensor neither trained, a buffer nor listed there is a second name
+    of one; a ZeRO-1 save lists none, and only AutoEP's router alias is known (experts.router_aliases)."""
+    frozen = [n for n, p in catalog.params.items() if p.kind == "frozen"]
     listed = model0.get("frozen_param_shapes")
-    if not isinstance(listed, dict) or catalog.layout.zero != 2:
-        return ()
-    return tuple(n for n, p in catalog.params.items() if p.kind == "frozen" and n not in listed)
+    if isinstance(listed, dict) and catalog.layout.zero == 2:
+        return tuple(n for n in frozen if n not in listed)
+    aliases = set(expert_placement.router_aliases(model0))
+    return tuple(n for n in frozen if n in aliases)
 
 
 def format_options(model0, optim0, bf16_prefix, stage) -> dict:
