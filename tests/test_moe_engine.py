@@ -32,11 +32,13 @@ CONVERSIONS = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_fp32_dp2", "
 CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
 # Universal trees written by `convert --format universal` and loaded with load_universal: (world, fixture, --to, ep
 # of the engine): ep 2 -> 1 (fp32, bf16); ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; at 4 ranks ep 2 x expert-dp 2 ->
-# ep 1, the data-first save at its own ep, and ep 2 -> 4 from the tree written at ep 4. Each launch takes them first
-# and in order of growing ep: DeepSpeed's universal loader cuts experts by the largest expert-parallel group any
-# engine of the process has made (base_optimizer._get_universal_checkpoint_ep_info).
+# ep 1, the data-first save and ep 2 -> 4 from trees written at ep 4. Each launch takes them first and in order of
+# growing ep: DeepSpeed's universal loader cuts experts by the largest expert-parallel group any engine of the
+# process has made (base_optimizer._get_universal_checkpoint_ep_info). (Nor may a launch hold a data-first engine at
+# an ep below its world: an engine reuses the expert groups an earlier one made at its ep, keyed by ep alone,
+# groups._create_expert_and_data_parallel.)
 UNIVERSAL = [(2, "autoep2_z1_fp32", "", 1), (2, "autoep2_z2_bf16", "", 1), (2, "autoep2_z2_fp32_dp2", "dp=2", 2),
-             (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "", 2),
+             (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4", 4),
              (4, "autoep2_z1_fp32", "ep=4,dp=4", 4)]
 # reshard.deepspeed.load_checkpoint of the fixture itself into the engine at another ep: (world, fixture, ep)
 DIRECT = [(2, "autoep2_z1_fp32", 1), (2, "autoep2_z2_bf16", 1), (2, "dsmoe_ep2_z2_fp32", 1),
@@ -90,7 +92,7 @@ def resumed(tmp_path_factory):
             trees[name] = ds_to_universal(name, out / f"{name}-ds-universal")
         dst = out / f"{name}-from-ds-universal-{to}"
         run_cli("convert", trees[name], dst, "--format", "deepspeed", "--to", to, "--quiet", check=0)
-        jobs[world].append({"fixture": name, "checkpoint": str(dst), "ep": _ep(to), "fixtures": str(FIXTURES),
+        jobs[world].append({"fixture": name, "checkpoint": str(dst), **_spec(to), "fixtures": str(FIXTURES),
                             "to": f"from ds-universal {to}"})
     results = {}
     for world, world_jobs in jobs.items():
