@@ -118,8 +118,8 @@ def _check_coverage(catalog, report):
         report.missing_elements += missing
         report.duplicate_elements += doubled
         label = f"{tensor.name} ({tensor.state}, {tensor.numel} elements)"
-        if missing:
-            report.problems.append(f"{_where(catalog, tensor)}: {label}: {missing} elements missing, "
+        if missing:         # from the checkpoint, not from the file(s) holding the rest
+            report.problems.append(f"{catalog.root}: {label}: {missing} elements missing, "
                                    f"at {_ranges(gaps)}")
         if doubled:
             report.problems.append(f"{_where(catalog, tensor)}: {label}: {doubled} elements held more than once, "

@@ -31,6 +31,18 @@ def test_missing_rank_file(tmp_path):
     assert any(str(victim) in p and "missing" in p for p in problems)
 
 
+def test_a_gap_names_no_file_that_holds_the_rest(tmp_path):
+    """The elements a missing rank file held are missing from the checkpoint: a gap line names the checkpoint, not
+    a neighbouring rank's file that holds the tensor's other elements."""
+    save = copy_fixture("z2_fp32_dp4", tmp_path)
+    victim = tag_dir(save) / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    victim.unlink()
+    problems, _ = _problems(save)
+    gaps = [p for p in problems if "elements missing" in p]
+    assert gaps and all(p.startswith(f"{tag_dir(save)}: ") for p in gaps), gaps
+    assert [p for p in problems if "zero_pp_rank_" in p] == [f"{victim}: missing (expected for data-parallel rank 2)"]
+
+
 def test_zero3_with_only_rank0_saved_reports_the_missing_fraction(tmp_path):
     save = copy_fixture("z3_fp32_dp4", tmp_path)
     for path in tag_dir(save).glob("*zero_pp_rank_[123]_*"):
