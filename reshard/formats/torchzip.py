@@ -216,8 +216,8 @@ def load(path: str, span: tuple | None = None) -> object:
         raise CheckpointError(path, "file is empty (0 bytes)")
     try:
         with open(path, "rb") as raw:
-            # no read-ahead past the few headers read here: the pages it brings carry the kernel's read-ahead
-            # marks, which start read-ahead again in a later read of the tensors (blocks.SourceFiles)
+            # no read-ahead past the few headers read here: the metadata of a checkpoint (inspect, validate,
+            # a plan) is a few KiB per file, and the kernel would read up to read_ahead_kb (8 MiB) of each
             if hasattr(os, "posix_fadvise"):     # (not on macOS)
                 os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             f = raw if span is None else _Span(raw, base, size)
