@@ -14,7 +14,7 @@ from reshard.catalog import Catalog
 from reshard.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import container_writer
-from reshard.geometry import span
+from reshard.geometry import offset, span, strides
 from reshard.layout import Layout
 from reshard.locate import Locator
 from reshard.targets import CopiedFile, Output, RawPiece, StageCut, TensorFile, TextFile
@@ -225,6 +225,32 @@ def _append(ops: list, op) -> None:
     ops.append(op)
 
 
+def _as_runs(hits, shape: tuple, start: int, count: int) -> list | None:
+    """The boxes as (position in the request, hit), when each is one run of consecutive elements both in the
+    requested shard (of `shape`, the request its elements [start, start + count)) and in its storage, and in
+    order they tile the request: then byte copies do what a gather would. Else None."""
+    target = strides(shape)
+    out = sorted(((offset(h.local, target) - start, h) for h in hits), key=lambda pair: pair[0])
+    covered = 0
+    for at, h in out:
+        if at != covered or not (_one_run(h.shape, target) and _one_run(h.shape, h.strides)):
+            return None
+        covered += h.numel
+    return out if covered == count else None
+
+
+def _one_run(box: tuple, element_strides: tuple) -> bool:
+    """Are a box's elements, in row-major order, consecutive in storage with these strides?"""
+    step = 1
+    for n, s in reversed(list(zip(box, element_strides))):
+        if n == 1:
+            continue
+        if s != step:
+            return False
+        step *= n
+    return True
+
+
 class _FragmentIndex:
     """A Locator per logical tensor, made when a target first asks for it."""
 
@@ -266,9 +292,14 @@ class _FragmentIndex:
             hits = locator.boxes(piece.shard, piece.start, stop)
             covered = sum(h.numel for h in hits)
             shape = piece.shard.shape if piece.shard else tensor.shape
-            ops = [Gather(dst, piece.count, shape, piece.start, tuple(
-                BoxCopy(h.local, h.shape, h.fragment.storage.file, h.fragment.storage.offset + h.elem * size,
-                        h.strides, stored) for h in hits))]
+            runs = _as_runs(hits, shape, piece.start, piece.count)
+            if runs is not None:        # (a slab of whole rows: an expert of a packed weight, a dim-0 shard)
+                ops = [Copy(dst + at, h.numel, h.fragment.storage.file, h.fragment.storage.offset + h.elem * size,
+                            stored) for at, h in runs]
+            else:
+                ops = [Gather(dst, piece.count, shape, piece.start, tuple(
+                    BoxCopy(h.local, h.shape, h.fragment.storage.file, h.fragment.storage.offset + h.elem * size,
+                            h.strides, stored) for h in hits))]
         if covered != piece.count:
             raise ReshardError.at(self.catalog.root, f"{piece.source[0]} ({piece.source[1]}): "
                                   f"{piece.count - covered} of {piece.count} elements are missing from the source; "
