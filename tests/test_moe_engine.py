@@ -4,7 +4,7 @@ tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and
 (tests/engine_moe_resume.py); so does the engine built with load_universal, from reshard's universal trees.
 Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
 expert element in a converted file is caught; DeepSpeed's own load of the fixture at ep 1 gives wrong expert
-masters (docs/deepspeed-moe.md §4) where reshard's output gives the truth. reshard.deepspeed.load_checkpoint loads
+masters (docs/deepspeed-moe.md §5) where reshard's output gives the truth. reshard.deepspeed.load_checkpoint loads
 the saves straight into the engine at another ep, bit-exact too."""
 import shutil
 
