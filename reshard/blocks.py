@@ -17,6 +17,7 @@ from reshard import geometry
 from reshard.geometry import strides
 from reshard.placement import flat_boxes, intersect
 from reshard.planner import Copy, Gather
+from reshard.tensorio import OpenFiles
 
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
 SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is mapped, not read whole
@@ -113,7 +114,7 @@ class SourceFiles:
     dropped from the page cache after it, unless it overlaps a range `reread` says is read again."""
 
     def __init__(self, reread: dict):
-        self._fds = {}
+        self._files = OpenFiles()
         self._reread = reread
 
     def _read_again(self, path: str, offset: int, nbytes: int) -> bool:
@@ -124,17 +125,11 @@ class SourceFiles:
         return i >= 0 and ranges[i][1] > offset
 
     def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise ReshardError.at(path, f"cannot open: {e.strerror}") from None
-            # The kernel's read-ahead is left on. It reads some pages twice (a target takes its pieces wherever
-            # they lie in the file, and a page read and dropped may lie in a later read's read-ahead: 0.51 GB
-            # read for 0.45 GB written, AutoEP --to ep=1), yet POSIX_FADV_RANDOM, which reads each page once,
-            # made conversions 4-13% slower here (alternating cold-cache runs, 0.44 GB AutoEP and 1.9 GB ZeRO-3).
-        return fd
+        # The kernel's read-ahead is left on. It reads some pages twice (a target takes its pieces wherever
+        # they lie in the file, and a page read and dropped may lie in a later read's read-ahead: 0.51 GB
+        # read for 0.45 GB written, AutoEP --to ep=1), yet POSIX_FADV_RANDOM, which reads each page once,
+        # made conversions 4-13% slower here (alternating cold-cache runs, 0.44 GB AutoEP and 1.9 GB ZeRO-3).
+        return self._files.fd(path)
 
     def read(self, path: str, offset: int, nbytes: int) -> bytes:
         data = os.pread(self._fd(path), nbytes, offset)
@@ -186,7 +181,5 @@ class SourceFiles:
             window.close()
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 

@@ -26,12 +26,34 @@ from reshard.placement import Shard, full_index, regions
 SMALL_READ = 1 << 20
 
 
+class OpenFiles:
+    """Checkpoint files opened read-only for positioned reads: one descriptor per path, opened when first asked
+    for, all closed together."""
+
+    def __init__(self):
+        self._fds = {}
+
+    def fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(path, f"cannot read: {e.strerror}") from None
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 class MappedFiles:
     """Read-only memory maps of checkpoint files, one per file, closed together; small reads are preads."""
 
     def __init__(self):
         self._maps = {}
-        self._fds = {}
+        self._files = OpenFiles()
 
     def __enter__(self):
         return self
@@ -40,9 +62,7 @@ class MappedFiles:
         self.close()
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
         for m in self._maps.values():
             try:
                 m.close()
@@ -62,14 +82,7 @@ class MappedFiles:
         return m
 
     def _fd(self, path: str) -> int:
-        """The file opened for positioned reads, once per MappedFiles."""
-        fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointError(path, f"cannot read: {e.strerror}") from None
-        return fd
+        return self._files.fd(path)
 
     def fragment(self, frag: Fragment, dtype: str) -> np.ndarray:
         """The fragment's elements (its flat range of its shard) as a 1-D numpy view (raw carrier dtype for
