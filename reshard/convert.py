@@ -49,8 +49,10 @@ def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: 
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)
     if catalog.experts is not None and not target_format.PLACES_EXPERTS:   # it would write experts as dense params
+        from reshard.formats import WRITERS, writer
+        placing = " or ".join(name for name in WRITERS if writer(name).PLACES_EXPERTS)
         raise ReshardError.at(catalog.root, f"converting mixture-of-experts checkpoints to {fmt or catalog.format} "
-                                            "is not supported yet (to deepspeed and universal it is; export reads them)")
+                                            f"is not supported yet (to {placing} it is; export reads them)")
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))

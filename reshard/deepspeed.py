@@ -7,8 +7,8 @@ engine (its dp, tp, pp, ZeRO stage and config). Then DeepSpeed's own `engine.loa
 folder that names those files, with the engine's checkpoint engine (DeepSpeed's hook for how checkpoint
 files are read) answering each file it asks for from memory: the object `torch.load` of the written file
 would give, its tensors read from the source straight into their memory (a mixture of experts' layer files
-too: DeepSpeed reads them through the engine's checkpoint engine, engine._load_checkpoint -> load_moe_state_dict). Nothing is written beside the
-checkpoint, and no tensor byte is written anywhere. A checkpoint any rank cannot read raises the same
+too: DeepSpeed reads them through the engine's checkpoint engine, engine._load_checkpoint -> load_moe_state_dict).
+Nothing is written beside the checkpoint, and no tensor byte is written anywhere. A checkpoint any rank cannot read raises the same
 one-line ReshardError on every rank before DeepSpeed's first collective.
 """
 from __future__ import annotations

@@ -31,8 +31,7 @@ from reshard.layout import Layout
 from reshard.placement import Block, Shard
 from reshard.targets import Piece
 
-AUTOEP_LAYERS = "ds_autoep_layers"
-UC_INFO = "universal_checkpoint_info"
+AUTOEP_LAYERS, UC_INFO = expert_files.AUTOEP_LAYERS, expert_files.UC_INFO
 
 
 class ExpertTarget(ZeroTarget):

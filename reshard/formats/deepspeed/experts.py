@@ -29,6 +29,10 @@ from reshard.formats.torchzip import TensorRef
 from reshard.placement import Shard
 from reshard.tensorio import file_size
 
+# Model-states keys of an AutoEP save: its layers' placement and affine maps, and the universal-checkpoint info
+# that carries a copy of them
+AUTOEP_LAYERS = "ds_autoep_layers"
+UC_INFO = "universal_checkpoint_info"
 # How deepspeed.moe names a local expert's params (engine._save_moe_checkpoint renames it to the global number)
 DS_MOE_EXPERT = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..*)$")
 
@@ -100,14 +104,14 @@ def from_groups(tag_dir: str, listing: list, model0: dict, groups: list, partiti
     marks an expert group) and their partition counts (only deepspeed.moe, which records no placement, needs them)."""
     expert_groups = frozenset(i for i, g in enumerate(groups) if isinstance(g, dict) and g.get("moe"))
     has_files = any(names.EXPERT_MODEL_STATES.match(n) for n in listing)
-    if not expert_groups and not has_files and not model0.get("ds_autoep_layers"):
+    if not expert_groups and not has_files and not model0.get(AUTOEP_LAYERS):
         return None
     if not expert_groups:
         raise ReshardError.at(tag_dir, "expert files but no optimizer param group of experts (moe: True)")
     param_shapes = model0.get("param_shapes") or []
     dp = int(model0.get("dp_world_size") or 1)
-    if model0.get("ds_autoep_layers"):
-        layers, local, shapes, files = _autoep(tag_dir, model0["ds_autoep_layers"], param_shapes, expert_groups)
+    if model0.get(AUTOEP_LAYERS):
+        layers, local, shapes, files = _autoep(tag_dir, model0[AUTOEP_LAYERS], param_shapes, expert_groups)
     else:
         layers, local, shapes, files = _ds_moe(tag_dir, param_shapes, expert_groups, _ep_of(tag_dir, partition_count,
                                                                                              expert_groups, dp))
@@ -173,7 +177,7 @@ def router_aliases(model0: dict) -> tuple:
     names, dtypes and shapes."""
     module = model0.get("module") or {}
     out = []
-    for entry in model0.get("ds_autoep_layers") or ():
+    for entry in model0.get(AUTOEP_LAYERS) or ():
         prefix = f"{entry['module_path']}." if entry.get("module_path") else ""
         router = _child_tensors(module, prefix, AUTOEP_ROUTER)
         children = dict.fromkeys(key[len(prefix):].split(".", 1)[0] for key in module if key.startswith(prefix))

@@ -34,8 +34,7 @@ from reshard.tensorio import file_size
 
 FORMAT = "DeepSpeed universal"
 OPTIONS = TagOption
-AUTOEP_LAYERS = "ds_autoep_layers"
-UC_INFO = "universal_checkpoint_info"
+AUTOEP_LAYERS, UC_INFO = expert_placement.AUTOEP_LAYERS, expert_placement.UC_INFO
 # What engine._save_moe_checkpoint writes there for AutoEP (engine.py:5323); ds_to_universal writes a pattern of
 # its own and lightens the layer entries (ds_to_universal.py:1269).
 ENGINE_EXPERT_PATTERNS = [r".*\.experts\.w[123]$"]
