@@ -12,7 +12,9 @@ The Python API:
 """
 from __future__ import annotations
 
-from reshard.errors import CheckpointError, ReshardError
+import os
+
+from reshard.errors import CheckpointError, ReshardError, UnknownFormatError
 from reshard.inspect import inspect
 from reshard.pruning import prune
 from reshard.retention import Policy
@@ -27,7 +29,26 @@ def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = Non
     """Read a checkpoint's metadata into a Catalog (see reshard.catalog). `layout_rules`: a rule file
     saying how tensor parallelism cut the tensors, for checkpoints that do not carry it (layouts/)."""
     from reshard.formats import read
-    return read(str(path), tag, layout_rules)
+    try:
+        return read(str(path), tag, layout_rules)
+    except UnknownFormatError as e:
+        raise _run_directory_hint(str(path)) or e from None
+
+
+def _run_directory_hint(path: str) -> ReshardError | None:
+    """A run directory given where one checkpoint is expected: the error points at `reshard list`."""
+    from reshard.formats.run_layout import scan
+    if not os.path.isdir(path):
+        return None
+    try:
+        found = scan(path).entries
+    except ReshardError:
+        return None
+    if not found:
+        return None
+    names = ", ".join(sorted(e.name for e in found)[:3]) + (", ..." if len(found) > 3 else "")
+    return UnknownFormatError.at(path, f"a run directory of {len(found)} checkpoint{'s' * (len(found) != 1)} "
+                                       f"({names}), not one checkpoint: `reshard list {path}` shows them")
 
 
 __all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "list_checkpoints", "prune", "Policy", "Watcher",

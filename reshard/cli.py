@@ -12,9 +12,9 @@ import textwrap
 import reshard
 from reshard import cli_text, watch_state, watching
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import FRESH, NEW_RANK_POLICIES
+from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS
 from reshard.formats.run_layout import WATCH_STATE
-from reshard.inspect import human_bytes, jsonable
+from reshard.inspect import counted, human_bytes, jsonable
 from reshard.layout import SPEC_KEYS
 
 # A reader that closed our stdout (`reshard inspect X | head -1`) ends the command quietly with the
@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "reshard plan ckpt/ --format dcp --json"))
     _source_args(p)
     p.add_argument("--to", default="", metavar="SPEC", help=_spec_help())
-    p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
-    p.add_argument("--format", dest="fmt", metavar="FORMAT", help=TARGET_FORMAT_HELP)
+    p.add_argument("--tag-out", metavar="TAG", help="tag of the converted checkpoint (default: the source's)")
+    p.add_argument("--format", dest="fmt", metavar=f"{{{','.join(WRITERS)}}}", help=TARGET_FORMAT_HELP)
     p.add_argument("--dst", help="where the output would go (for the free-disk check)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
@@ -180,9 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="DST", help="the new save dir (created; holds 'latest' and the tag folder)")
     p.add_argument("--to", default="", metavar="SPEC", help=_spec_help())
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
-    p.add_argument("--tag-out", help="tag of the converted checkpoint (default: the source's)")
+    p.add_argument("--tag-out", metavar="TAG", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
-    p.add_argument("--format", dest="fmt", metavar="FORMAT", help=TARGET_FORMAT_HELP)
+    p.add_argument("--format", dest="fmt", metavar=f"{{{','.join(WRITERS)}}}", help=TARGET_FORMAT_HELP)
     _new_rank_state_arg(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
@@ -236,11 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "which --atol bounds.")
     p.add_argument("a", metavar="A", help="a checkpoint (any format reshard reads)")
     p.add_argument("b", metavar="B", help="another checkpoint")
-    p.add_argument("--tag-a", help="tag of A, for a DeepSpeed save dir")
-    p.add_argument("--tag-b", help="tag of B, for a DeepSpeed save dir")
+    p.add_argument("--tag-a", metavar="TAG", help="tag of A, for a DeepSpeed save dir")
+    p.add_argument("--tag-b", metavar="TAG", help="tag of B, for a DeepSpeed save dir")
     p.add_argument("--layout-rules", metavar="FILE",
                    help="how tensor parallelism cut each tensor, for TP checkpoints that do not say (layouts/*.json)")
-    p.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still equal (default 0)")
+    p.add_argument("--atol", type=float, default=0.0, metavar="X", help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _quiet_arg(p)
     p.set_defaults(run=_diff, error_exit=2)
@@ -258,7 +258,7 @@ def _lifecycle_commands(sub) -> None:
     p.add_argument("path", metavar="DIR", help="a run directory (DeepSpeed save dir, Hugging Face output dir, "
                    "Lightning checkpoint dir, DCP step dirs, or one holding several)")
     _run_dir_args(p)
-    p.add_argument("--metric", help="the name of the values of a bare {step: value} metrics file")
+    p.add_argument("--metric", metavar="NAME", help="the name of the values of a bare {step: value} metrics file")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_list)
 
@@ -314,7 +314,7 @@ def _policy_args(p) -> None:
     p.add_argument("--keep-last", type=_positive_int, metavar="K", help="keep the K newest complete checkpoints")
     p.add_argument("--keep-best", type=_positive_int, metavar="M", help="keep the M best complete checkpoints by "
                    "--metric")
-    p.add_argument("--metric", help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
+    p.add_argument("--metric", metavar="NAME", help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
     p.add_argument("--mode", choices=["min", "max"], default="min", help="min: lower is better (default), max: higher")
     p.add_argument("--keep-every", type=_positive_int, metavar="N", help="keep checkpoints whose step is a multiple "
                    "of N")
@@ -517,11 +517,24 @@ def _print_written(args, dst, written, framework_files=()) -> None:
         _dump({**written.to_dict(), **({"framework_files": [d.to_dict() for d in framework_files]}
                                        if framework_files else {})})
     elif not args.quiet:
-        count = len(written.files)
-        print(f"wrote {dst} ({written.output.words()}): {count} file{'s' * (count != 1)}, "
-              f"{human_bytes(written.size)}")
+        print(f"wrote {dst} ({written.output.words()}): {_files_words(written)}, {human_bytes(written.size)}")
         for d in framework_files:
             print(f"  {d.line()}")
+
+
+def _files_words(written) -> str:
+    """`4 checkpoint files and 3 others (latest, ...)`: the checkpoint's files counted as `validate` counts them
+    (its reader, metadata only, on what was written), then the rest by name."""
+    try:
+        catalog = reshard.open_checkpoint(written.path)
+    except ReshardError:    # an output no reader opens alone: every file counted
+        return counted(len(written.files), "file")
+    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
+    read_back = {os.path.realpath(os.path.join(folder, f.path)) for f in catalog.files}
+    others = sorted(os.path.relpath(f.path, written.path) for f in written.files
+                    if os.path.realpath(f.path) not in read_back)
+    rest = f" and {counted(len(others), 'other')} ({', '.join(others)})" if others else ""
+    return f"{counted(len(written.files) - len(others), 'checkpoint file')}{rest}"
 
 
 def _export(args) -> int:

@@ -10,7 +10,7 @@ from reshard.convert import batch_size_advice
 from reshard.convert import framework_files as convert_framework_files
 from reshard.executor import buffer_bytes
 from reshard.formats import REPRODUCIBILITY
-from reshard.inspect import human_bytes
+from reshard.inspect import counted, human_bytes
 from reshard.watching import label
 
 
@@ -19,9 +19,10 @@ def print_inspect(info) -> None:
     t = info["topology"]
     print(f"{info['path']}")
     framework = info.get("framework")
-    print(f"  format        {framework['title'] if framework else info['format']} (tag {info['tag']})")
-    print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}), "
-          f"ZeRO stage {info['zero_stage']}")
+    tag = f" (tag {info['tag']})" if info["tag"] else ""     # only formats with tag folders have one
+    print(f"  format        {framework['title'] if framework else info['format']}{tag}")
+    zero = f", ZeRO stage {info['zero_stage']}" if info["zero_stage"] else ""
+    print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}){zero}")
     if info.get("experts"):
         e = info["experts"]
         print(f"  experts       ep={e['ep']} expert-dp={e['expert_dp']}; " + "; ".join(
@@ -35,13 +36,13 @@ def print_inspect(info) -> None:
         print(f"  options       {', '.join(f'{k}={v}' for k, v in info['options'].items())}")
     print(f"  step          {known['step']} (global_steps {known['global_steps']}, "
           f"global_samples {known['global_samples']})")
-    print(f"  parameters    {info['parameters']} ({info['elements']:,} elements): {info['trainable']} trainable, "
-          f"{info['frozen']} frozen; {info['buffers']} buffers")
+    print(f"  parameters    {info['parameters']} ({info['elements']:,} element{'s' * (info['elements'] != 1)}): "
+          f"{info['trainable']} trainable, {info['frozen']} frozen; {counted(info['buffers'], 'buffer')}")
     for alias, source in info["aliases"].items():
         print(f"  tied          {alias} -> {source}")
     for g, group in enumerate(info["param_groups"]):
-        hyper = ", ".join(f"{k}={v}" for k, v in group.items() if k != "params")
-        print(f"  group {g:<7} {group['params']} params; {hyper}")
+        hyper = ", ".join(f"{k}={hyper_parameter(v)}" for k, v in group.items() if k != "params")
+        print(f"  group {g:<7} {counted(group['params'], 'param')}; {hyper}")
         split = [s for s in info["split_scalars"] if s["group"] == g]
         for key in dict.fromkeys(s["key"] for s in split):
             print(f"  {'':<13} {key} differs per parameter: " +
@@ -52,7 +53,7 @@ def print_inspect(info) -> None:
     for f in info["files"]:
         print(f"    {f['path']:<48} {human_bytes(f['bytes']):>10}")
     if framework:
-        print(f"  {framework['name']} files {len(framework['files'])} beside the DeepSpeed save, "
+        print(f"  {framework['name']} {counted(len(framework['files']), 'file')} beside the DeepSpeed save, "
               f"{human_bytes(sum(f['bytes'] for f in framework['files']))}")
         for f in framework["files"]:
             rank = "" if f["rank"] is None else f" (process {f['rank']})"
@@ -68,6 +69,13 @@ def print_inspect(info) -> None:
             where = f"stages {','.join(map(str, row['stages']))}"
         print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {group:<8} "
               f"{','.join(row['states'])} {tied} {where}".rstrip())
+
+
+def hyper_parameter(value) -> str:
+    """A saved hyper-parameter for people: a float to the 12 significant digits it was configured with (an lr a
+    scheduler computed, 0.0028000000000000004, is 0.0028: the float's last bits are arithmetic, not intent; --json
+    keeps every bit)."""
+    return f"{value:.12g}" if isinstance(value, float) else str(value)
 
 
 def framework_files(catalog, plan, args) -> tuple:
@@ -111,13 +119,13 @@ def print_plan(catalog, plan, args):
     print(f"read     {human_bytes(summary['bytes_read'])}")
     print(f"write    {human_bytes(summary['bytes_written'])}")
     print(f"memory   copy buffers at most {human_bytes(summary['estimated_peak_buffer_bytes'])} "
-          f"(--memory-budget {human_bytes(memory_budget)}, {workers} worker(s))")
+          f"(--memory-budget {human_bytes(memory_budget)}, {counted(workers, 'worker')})")
     verdict = "enough" if summary["disk_ok"] else "NOT ENOUGH"
     print(f"disk     {human_bytes(free)} free at {where}: {verdict}")
     if summary["advice"]:
         print(f"advice   {summary['advice']}")
     if catalog.framework is not None:
-        print(f"framework {catalog.framework.name}: {len(catalog.framework.files)} files of its own")
+        print(f"framework {catalog.framework.name}: {counted(len(catalog.framework.files), 'file')} of its own")
         for d in dispositions:
             print(f"           {d.line()}")
         print(f"per-rank {summary['framework']['policy']}")
@@ -154,7 +162,7 @@ def print_listing(listing) -> None:
     for note in listing.notes:
         print(f"note: {note}")
     if listing.trash:
-        print(f"note: {len(listing.trash)} checkpoint(s) an interrupted prune renamed are still on disk; "
+        print(f"note: {counted(len(listing.trash), 'checkpoint')} an interrupted prune renamed still on disk; "
               "`reshard prune DIR --yes` removes them")
 
 
@@ -163,7 +171,7 @@ def print_watch_pass(root: str, done) -> None:
     for row in done.waiting:
         print(f"{label(row)}: in progress — {row.why} ({row.name})")
     broken = sum(not e.complete for e in done.reported)
-    print(f"{root}: {len(done.reported)} checkpoint(s) newly validated ({broken} broken), {len(done.waiting)} in "
+    print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), {len(done.waiting)} in "
           f"progress, {len(done.removed)} deleted")
 
 
@@ -178,8 +186,8 @@ def print_prune(plan, quiet: bool) -> None:
         for path in plan.changed:
             print(f"reshard: {path}: its files changed since it was listed: left alone", file=sys.stderr)
         if plan.trash and not quiet:
-            print(f"finished an interrupted prune: removed {len(plan.trash)} renamed checkpoint(s)")
-        print(f"deleted {len(plan.removed)} checkpoint(s), freed {human_bytes(plan.bytes_freed)}")
+            print(f"finished an interrupted prune: removed {counted(len(plan.trash), 'renamed checkpoint')}")
+        print(f"deleted {counted(len(plan.removed), 'checkpoint')}, freed {human_bytes(plan.bytes_freed)}")
     else:
-        print(f"dry run: would delete {count} checkpoint(s), freeing {human_bytes(plan.bytes_freed)} on disk"
+        print(f"dry run: would delete {counted(count, 'checkpoint')}, freeing {human_bytes(plan.bytes_freed)} on disk"
               + ("" if quiet else "; --yes deletes them"))

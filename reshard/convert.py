@@ -45,7 +45,7 @@ def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -
 def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None,
              new_rank_state: str = FRESH) -> Plan:
     """make_plan's plan at layout `target`, for a whole catalog."""
-    tag = tag_out or catalog.tag or "converted"
+    tag = tag_out or catalog.tag or default_tag(catalog)
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)
     if catalog.experts is not None and not target_format.PLACES_EXPERTS:   # it would write experts as dense params
@@ -56,6 +56,14 @@ def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: 
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))
+
+
+def default_tag(catalog: Catalog) -> str:
+    """The output's tag folder for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name
+    DeepSpeed's own save gives a step, `global_stepN`."""
+    step = catalog.training.global_steps
+    step = catalog.contents().step if step is None else step
+    return "converted" if step is None else f"global_step{step}"
 
 
 def framework_files(catalog: Catalog, target: Layout, fmt: str | None, new_rank_state: str = FRESH) -> tuple:

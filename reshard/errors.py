@@ -24,6 +24,10 @@ class UsageError(ReshardError):
     use of, an output name contradicting --format): the CLI exits 2, as for a bad argument."""
 
 
+class UnknownFormatError(ReshardError):
+    """No reader recognises the path as a checkpoint."""
+
+
 class CheckpointError(ReshardError):
     """A file of the checkpoint is unreadable, damaged, hostile or inconsistent."""
 

@@ -19,7 +19,7 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         # a mixture-of-experts save: ep, expert-dp, and per MoE layer its experts and their placement
         "experts": catalog.experts.describe() if catalog.experts is not None else None,
-        "zero_stage": layout.zero,
+        "zero_stage": layout.zero or None,         # None: the format has no ZeRO partitioning (DCP, single files)
         "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
         "master_dtype": layout.master_dtype or None,
         "optimizer": contents.optimizer or None,     # None: the checkpoint does not tell
@@ -91,6 +91,11 @@ def jsonable(value):
     if hasattr(value, "__dict__"):
         return {"class": type(value).__name__, **jsonable(vars(value))}
     return repr(value)
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 file`, `2 files`: a count with its noun, in the plural unless it is one."""
+    return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
 def human_bytes(n: int) -> str:

@@ -135,7 +135,7 @@ def _row(entry, files: Files, status: str, why: str = "", catalog=None, step=Non
 
 def topology(layout) -> str:
     parts = [f"dp={layout.dp}"] + [f"{k}={getattr(layout, k)}" for k in ("tp", "pp") if getattr(layout, k) > 1]
-    if layout.zero is not None:
+    if layout.zero:     # 0: a format without ZeRO partitioning (DCP, single files)
         parts.append(f"zero={layout.zero}")
     return ",".join(parts)
 

@@ -18,6 +18,7 @@ from reshard.catalog import MASTER, Catalog
 from reshard.dtypes import is_floating, itemsize
 from reshard.errors import ReshardError
 from reshard.geometry import coverage, total_length
+from reshard.inspect import counted
 from reshard.placement import Shard, flat_runs, regions, tiles
 from reshard.progress import bar as progress_bar
 
@@ -45,8 +46,9 @@ class Report:
         return self.missing_elements / self.elements if self.elements else 0.0
 
     def summary(self) -> str:
-        head = "complete" if self.ok else f"NOT complete: {len(self.problems)} problem(s)"
-        text = (f"{head}; {self.tensors} logical tensors, {self.elements:,} elements in {self.files} files")
+        head = "complete" if self.ok else f"NOT complete: {counted(len(self.problems), 'problem')}"
+        text = (f"{head}; {counted(self.tensors, 'logical tensor')}, {counted(self.elements, 'element')} in "
+                f"{counted(self.files, 'file')}")
         if self.missing_elements:
             text += f"; {self.missing_elements:,} elements missing ({100 * self.missing_fraction:.1f}%)"
         if self.duplicate_elements:

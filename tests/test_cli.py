@@ -1,6 +1,7 @@
 """The command line's contract: what it infers, what it refuses (one line, the right exit code), what it
 prints about the files it wrote (the disk's numbers), JSON for programs, and a closed stdout."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -100,13 +101,13 @@ def every_format(tmp_path_factory):
     (root / "hf").mkdir()
     save_file(weights, str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
     (root / "hf" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
-    return {"DeepSpeed": SRC, "DeepSpeed universal": root / "universal", "DCP": root / "dcp",
-            "torch.save": root / "model.pt", "safetensors": root / "model.safetensors",
-            "Lightning": root / "model.ckpt", "Hugging Face": root / "hf"}
+    return {"deepspeed": SRC, "universal": root / "universal", "dcp": root / "dcp",
+            "torch": root / "model.pt", "safetensors": root / "model.safetensors",
+            "lightning": root / "model.ckpt", "hf-trainer": root / "hf"}
 
 
-READ_OPTIONS = {"--tag": ("global_step3", {"DeepSpeed", "DeepSpeed universal"}),
-                "--layout-rules": (str(RULES), {"DeepSpeed"})}
+READ_OPTIONS = {"--tag": ("global_step3", {"deepspeed", "universal"}),
+                "--layout-rules": (str(RULES), {"deepspeed"})}
 
 
 def _commands(source, out, flag, value):
@@ -151,12 +152,12 @@ def test_diff_gives_layout_rules_to_the_side_that_takes_them(tmp_path):
 
 
 def test_convert_of_a_format_no_writer_writes_asks_for_format(every_format, tmp_path):
-    proc = run_cli("convert", every_format["torch.save"], tmp_path / "out", check=2)
-    _one_line(proc, f"{every_format['torch.save']}: torch checkpoints are read, not written", "--format")
+    proc = run_cli("convert", every_format["torch"], tmp_path / "out", check=2)
+    _one_line(proc, f"{every_format['torch']}: torch checkpoints are read, not written", "--format")
     proc = run_cli("convert", SRC, tmp_path / "out", "--format", "torch", check=2)
     _one_line(proc, "no writer for format 'torch'")
     assert not (tmp_path / "out").exists()
-    run_cli("convert", every_format["torch.save"], tmp_path / "out", "--format", "dcp", "--quiet", check=0)   # control
+    run_cli("convert", every_format["torch"], tmp_path / "out", "--format", "dcp", "--quiet", check=0)   # control
 
 
 # -- 7: a closed stdout -------------------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def test_workers_must_be_positive(workers, tmp_path):
     proc = run_cli("convert", SRC, tmp_path / "out", "--to", "dp=3", "--workers", workers, check=2)
     assert "--workers" in proc.stderr and "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
     run_cli("plan", SRC, "--workers", workers, check=2)
-    assert "1 worker(s)" in run_cli("plan", SRC, "--workers", "1", check=0).stdout     # control
+    assert "1 worker)" in run_cli("plan", SRC, "--workers", "1", check=0).stdout     # control
 
 
 # -- 11: the summaries are the disk's numbers -------------------------------------------------------------------
@@ -240,13 +241,17 @@ def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
     # plan: every file with its real size (no 0 B for a file of pickled state only), the total theirs
     assert {f["path"]: f["bytes"] for f in planned["files"]} == {p: disk[p] for p in listed}
     assert planned["bytes_written"] == sum(disk[p] for p in listed) and all(f["bytes"] > 0 for f in planned["files"])
-    # convert: count and bytes of those files, in the target format's own terms
+    # convert: count and bytes of those files, in the target format's own terms; the checkpoint files counted as
+    # validate counts them, the others (pointers, scripts) named
     from reshard.inspect import human_bytes
-    assert f": {len(listed)} files, {human_bytes(sum(disk[p] for p in listed))}" in line, line
-    if fmt == "dcp":    # no ZeRO stage and no tag in DCP; validate counts the same files
+    counts = re.search(r": (\d+) checkpoint files(?: and (\d+) others? \(([^)]*)\))?, (.*)$", line)
+    held, others, named = int(counts[1]), int(counts[2] or 0), (counts[3] or "").split(", ")
+    assert held + others == len(listed) and counts[4] == human_bytes(sum(disk[p] for p in listed)), line
+    assert others == 0 or set(named) < set(listed), line
+    assert f"in {held} files" in run_cli("validate", out, check=0).stdout
+    if fmt == "dcp":    # no ZeRO stage and no tag in DCP
         assert "zero=" not in line and "tag" not in line and "dcp dp=3" in line, line
         assert planned["tag"] is None and planned["target_topology"] == "dp=3"
-        assert f"in {len(listed)} files" in run_cli("validate", out, check=0).stdout
     else:
         assert f"{spec},tp=1,pp=1,zero=2, tag global_step3" in line and planned["tag"] == "global_step3"
 
@@ -254,11 +259,13 @@ def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
 def test_export_summary_matches_the_disk(tmp_path):
     line = run_cli("export", SRC, tmp_path / "m.safetensors", check=0).stdout.strip()
     from reshard.inspect import human_bytes
-    assert line.endswith(f": 1 file, {human_bytes(os.path.getsize(tmp_path / 'm.safetensors'))}"), line
+    assert line.endswith(f": 1 checkpoint file, {human_bytes(os.path.getsize(tmp_path / 'm.safetensors'))}"), line
     line = run_cli("export", SRC, tmp_path / "hf", "--max-shard-size", "2KB", check=0).stdout.strip()
     listed = json.loads((tmp_path / "hf" / "reshard-manifest.json").read_text())["files"]
     size = sum(os.path.getsize(tmp_path / "hf" / p) for p in listed)
-    assert len(listed) > 2 and line.endswith(f": {len(listed)} files, {human_bytes(size)}"), line
+    held = int(re.search(r": (\d+) checkpoint files", line)[1])
+    assert len(listed) > 2 and line.endswith(f", {human_bytes(size)}") and f"in {held} files" in \
+        run_cli("validate", tmp_path / "hf", check=0).stdout, line
 
 
 def test_torch_file_size_is_known_before_writing_also_with_zip64(tmp_path, monkeypatch):

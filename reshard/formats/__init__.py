@@ -10,7 +10,7 @@ import importlib
 import os
 from dataclasses import fields, replace
 
-from reshard.errors import ReshardError, UsageError
+from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import Reader, ReadRequest, Writer
@@ -77,7 +77,7 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
             return module
     if tag is not None and not os.path.isdir(os.path.join(path, tag)):
         raise ReshardError.at(os.path.join(path, tag), "tag folder does not exist")
-    raise ReshardError.at(path, "not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
+    raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
                                 "Hugging Face Trainer checkpoint folders, safetensors)")
 

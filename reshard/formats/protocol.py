@@ -64,7 +64,7 @@ class TagOption:
 
 @runtime_checkable
 class Reader(Protocol):
-    FORMAT: str      # the format's name in messages ("DCP")
+    FORMAT: str      # the format's name, as its catalogs, `inspect` and `list` spell it ("dcp")
     OPTIONS: type    # a frozen dataclass whose fields are the ReadRequest fields this format takes
 
     def sniff(self, path: str, tag: str | None) -> bool:

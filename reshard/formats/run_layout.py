@@ -163,7 +163,7 @@ def _folder_entry(path: str, rel: str, name: str, save_dir: bool) -> Entry | Non
     except OSError:
         listing = []
     if any(RANK_FILE.search(n) for n in listing) and METADATA not in listing:
-        return Entry(path, rel, step_of(name), f"no {METADATA} (DCP writes it last)", "DCP")
+        return Entry(path, rel, step_of(name), f"no {METADATA} (DCP writes it last)", "dcp")
     reader = _sniffed(path)
     if reader is not None:
         # a save_pretrained folder of weights alone is an export unless its name says it is a step's save

@@ -34,7 +34,7 @@ from reshard.formats.protocol import NoOptions
 from reshard.layout import Layout
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")
-FORMAT = "DCP"
+FORMAT = "dcp"
 OPTIONS = NoOptions       # one directory is one checkpoint: no tag
 
 
@@ -201,6 +201,5 @@ def _finish(catalog: Catalog, world: int, carried: dict) -> None:
     dtype, master_dtype = catalog.weight_dtypes()
     catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype)
     step = catalog.contents().step
-    catalog.tag = f"global_step{step}" if step is not None else "dcp"
     # the source's own counters where reshard carried them, else the optimizer's step
     catalog.training = TrainingState(**{"global_steps": step, **carried})

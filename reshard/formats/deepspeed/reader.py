@@ -14,7 +14,7 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes, parallel, rank_reader
 from reshard.formats.framework import lightning
 
-FORMAT = "DeepSpeed"
+FORMAT = "deepspeed"
 
 
 @dataclass(frozen=True)

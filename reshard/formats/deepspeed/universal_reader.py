@@ -32,7 +32,7 @@ from reshard.layout import Layout
 from reshard.tensorio import file_size
 
 
-FORMAT = "DeepSpeed universal"
+FORMAT = "universal"
 OPTIONS = TagOption
 AUTOEP_LAYERS, UC_INFO = expert_placement.AUTOEP_LAYERS, expert_placement.UC_INFO
 # What engine._save_moe_checkpoint writes there for AutoEP (engine.py:5323); ds_to_universal writes a pattern of

@@ -26,7 +26,7 @@ from reshard.layout import Layout
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 OPAQUE = (ARGS, "config.json", "generation_config.json")
-FORMAT = "Hugging Face"
+FORMAT = "hf-trainer"
 OPTIONS = NoOptions
 
 
@@ -45,7 +45,10 @@ def read(path: str, options: NoOptions) -> Catalog:
     folder = os.path.abspath(path)
     has_state = os.path.isfile(os.path.join(folder, TRAINER_STATE))
     weights_format = "safetensors" if hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX) else "torch"
-    catalog = Catalog(root=folder, format="hf-trainer" if has_state else weights_format, layout=Layout(dp=1, zero=0))
+    # the run's world size is what its per-process files say: the Trainer saves one rng_state_K.pth per process
+    processes = max(1, sum(1 for name in os.listdir(folder) if RNG.match(name)))
+    catalog = Catalog(root=folder, format="hf-trainer" if has_state else weights_format,
+                      layout=Layout(dp=processes, zero=0))
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
     if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
@@ -67,7 +70,6 @@ def read(path: str, options: NoOptions) -> Catalog:
     step = catalog.training.global_steps or catalog.contents().step or 0
     if catalog.training.global_steps is None:
         catalog.training = replace(catalog.training, global_steps=step)
-    catalog.tag = f"global_step{step}" if optimizer is not None or has_state else "weights"
     return catalog
 
 

@@ -21,7 +21,7 @@ from reshard.layout import Layout
 
 SUFFIX = ".ckpt"
 KNOWN = ("state_dict", "optimizer_states", "lr_schedulers")
-FORMAT = "Lightning"
+FORMAT = "lightning"
 OPTIONS = NoOptions
 
 
@@ -48,5 +48,4 @@ def read(path: str, options: NoOptions) -> Catalog:
     step = int(step) if isinstance(step, int) else (catalog.contents().step or 0)
     # one scheduler: the one DeepSpeed's engine keeps and reloads
     catalog.training = TrainingState(global_steps=step, lr_scheduler=schedulers[0] if len(schedulers) == 1 else None)
-    catalog.tag = f"global_step{step}"
     return catalog

@@ -44,5 +44,4 @@ def read(path: str, options: NoOptions) -> Catalog:
         model.add_file(catalog, file, role)
     model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
                 weights.buffers)
-    catalog.tag = "weights"
     return catalog

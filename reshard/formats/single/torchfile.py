@@ -23,7 +23,7 @@ MODEL_KEYS = ("state_dict", "model", "module", "model_state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")
 SCHEDULER_KEYS = ("lr_scheduler", "scheduler")
 ZIP_MAGIC, LEGACY_MAGIC = b"PK\x03\x04", b"\x80\x02"
-FORMAT = "torch.save"
+FORMAT = "torch"
 OPTIONS = NoOptions
 
 
@@ -71,5 +71,4 @@ def read(path: str, options: NoOptions) -> Catalog:
     scheduler = next((extra[k] for k in SCHEDULER_KEYS if isinstance(extra.get(k), dict)), None)
     step = catalog.contents().step
     catalog.training = TrainingState(global_steps=step or 0, lr_scheduler=scheduler)
-    catalog.tag = f"global_step{step}" if step is not None else "converted"
     return catalog

@@ -1,0 +1,46 @@
+"""README's CLI synopsis is what `--help` says: every command's usage line, as argparse prints it."""
+from __future__ import annotations
+
+import re
+
+from conftest import REPO
+
+from reshard.cli import build_parser
+
+INDENT = len("reshard validate ")
+WIDTH = 118
+
+
+def synopsis() -> str:
+    """Each command's usage (argparse's, without -h), wrapped between its bracketed groups."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a.choices, dict)).choices
+    lines = []
+    for sub in commands.values():
+        groups = re.findall(r"\[[^\]]*\]|\S+", " ".join(sub.format_usage().split()[1:]).replace(" [-h]", ""))
+        line = f"{groups[0]} {groups[1]}".ljust(INDENT - 1)     # `reshard inspect `, aligned
+        for group in groups[2:]:
+            if len(line) + 1 + len(group) > WIDTH:
+                lines.append(line)
+                line = " " * (INDENT - 1)
+            line += " " + group
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def readme_synopsis() -> str:
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## CLI\n\n```\n(.*?)```", text, re.S)
+    assert block, "README has no CLI synopsis block under '## CLI'"
+    return block[1].rstrip("\n")
+
+
+def test_readme_synopsis_is_the_parsers():
+    expected = synopsis()
+    assert readme_synopsis() == expected, f"README's CLI synopsis drifted from --help; it should read:\n{expected}"
+
+
+def test_a_drifted_synopsis_is_caught(monkeypatch):
+    """Negative control: an option README lists that the parser lacks (and one left out) fails the comparison."""
+    drifted = synopsis().replace("[--memory-budget SIZE]", "[--memory SIZE]", 1)
+    assert drifted != synopsis() and readme_synopsis() != drifted
