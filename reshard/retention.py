@@ -6,8 +6,8 @@ invariants: the newest complete checkpoint and every checkpoint something names 
 are kept; an incomplete checkpoint never counts toward K and is deleted only with `delete_incomplete`; a save
 in progress is never touched; a checkpoint whose contents reshard cannot verify, or that it does not recognise
 whole, is always kept and never counts toward K: only what was proven complete (or, with `delete_incomplete`,
-proven incomplete as a whole unit) is ever deleted. A policy that cannot be evaluated (no checkpoint records the metric) deletes
-nothing: PolicyError, one line.
+proven incomplete as a whole unit) is ever deleted. A policy that cannot be evaluated (no checkpoint records the
+metric) deletes nothing: PolicyError, one line.
 """
 from __future__ import annotations
 

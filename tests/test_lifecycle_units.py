@@ -10,6 +10,7 @@ their documented layouts (neither framework runs here), around real DCP files.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 
 import lifecycle_runs as lr
 import reshard
-from conftest import REPO, torchrun
+from conftest import REPO, fixture_dir, torchrun
 from reshard.cli import main as cli
 from reshard.runs import COMPLETE, UNKNOWN, UNVERIFIABLE
 
@@ -145,7 +146,7 @@ def test_retention_deletes_only_whole_checkpoints(trainer_runs, tmp_path, capsys
 def accelerate_run(root: Path, steps: int = 3) -> Path:
     project = root / "accelerate"
     subprocess.run([sys.executable, REPO / "tests" / "accelerate_save_state.py", project, str(steps)], check=True,
-                   capture_output=True, env=lr.os.environ | {"PYTHONPATH": str(REPO)})
+                   capture_output=True, env=os.environ | {"PYTHONPATH": str(REPO)})
     lr.age(project)
     return project
 
@@ -167,6 +168,18 @@ def test_accelerate_save_state_checkpoints_are_kept_units(tmp_path, capsys):
     code, out, _ = cli_out(capsys, "prune", project, "--keep-last", "1", "--delete-incomplete", "--yes")
     assert code == 0 and "deleted 0 checkpoint(s)" in out
     assert_whole_or_gone(before, files_of(run), set())
+    # With DeepSpeed, save_state's folder is a DeepSpeed save dir (tag `pytorch_model`, `latest`) with Accelerate's
+    # files beside it (reshard/formats/framework/accelerate.py): one checkpoint, read whole, not a save dir whose
+    # tag folder alone would be a checkpoint. Built by that layout around a real engine save and these RNG files.
+    ds = tmp_path / "accelerate_ds" / "checkpoints" / "checkpoint_0"
+    shutil.copytree(fixture_dir("z2_fp32_dp2") / "global_step3", ds / "pytorch_model")
+    (ds / "latest").write_text("pytorch_model")
+    for rank in (0, 1):
+        shutil.copy(run / "checkpoint_0" / "random_states_0.pkl", ds / f"random_states_{rank}.pkl")
+    lr.age(ds.parent.parent)
+    [row] = reshard.list_checkpoints(ds.parent.parent).checkpoints
+    assert (row.name, row.status, row.unit, row.format) == \
+        ("checkpoints/checkpoint_0", COMPLETE, "Accelerate with DeepSpeed", "deepspeed"), row.why
 
 
 def dcp_save(folder: Path) -> None:

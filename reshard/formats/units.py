@@ -6,15 +6,15 @@ under DeepSpeed, RNG pickles for every process). Those parts are no checkpoints 
 would be counted, judged and deleted apart from the rest. So a folder is recognised by its framework's markers
 (names in a directory listing; no file is opened) as one Unit, never looked into by the run scan:
 
-| framework | on disk | read whole by reshard |
-|---|---|---|
-| HF Trainer | `checkpoint-N/` (or any folder with `trainer_state.json`): with DeepSpeed (`latest` + tag folder), FSDP sharded (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP), FSDP full (`pytorch_model_fsdp.bin`, `optimizer.bin`), or DDP/one process (`model.safetensors`/`pytorch_model.bin`, `optimizer.pt`) | DeepSpeed, DDP |
-| Accelerate | `checkpoint_N/` of save_state (`random_states_K.pkl`): with DeepSpeed, FSDP, or plain (`model.safetensors`, `optimizer.bin`, `scheduler.bin`) | DeepSpeed |
-| Lightning | `*.ckpt` files; `*.ckpt/` folders with DeepSpeed (`latest`) or FSDP sharded (DCP + `meta.pt`) | files, DeepSpeed |
-| Megatron-LM | `iter_NNNNNNN/` beside `latest_checkpointed_iteration.txt`: torch_dist (DCP + `metadata.json`) or torch (`mp_rank_*/`) | no |
-| torchtitan | `step-N/`: one DCP folder | yes |
-| DeepSpeed | tag folders (`global_stepN/`) of a save dir (`latest`), universal trees | yes |
-| DCP | any folder with `.metadata` / `*.distcp` | yes |
+- HF Trainer: `checkpoint-N/` (or any folder with `trainer_state.json`) with DeepSpeed (`latest` + a tag folder:
+  read), FSDP sharded (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP folders), FSDP full (`pytorch_model_fsdp.bin`,
+  `optimizer.bin`), or DDP / one process (`model.safetensors` or `pytorch_model.bin`, `optimizer.pt`: read);
+- Accelerate: save_state's `checkpoint_N/` (`random_states_K.pkl`) with DeepSpeed (read), FSDP, or neither
+  (`model.safetensors`, `optimizer.bin`, `scheduler.bin`);
+- Lightning: `*.ckpt` files (read) and `*.ckpt/` folders with DeepSpeed (read) or FSDP (DCP + `meta.pt`);
+- Megatron-LM: `iter_NNNNNNN/`, torch_dist (DCP + `metadata.json`) or the legacy torch format (`mp_rank_*/`);
+- torchtitan `step-N/` and any other DCP folder (`.metadata`, `*.distcp`), DeepSpeed tag folders of a save dir
+  (`latest`), universal trees: read by the format registry.
 
 A unit reshard cannot read whole yet is OPAQUE: listed as one row naming framework and backend, never deleted.
 A folder with checkpoint files that matches no framework whole is UNKNOWN: listed, never deleted.
@@ -38,14 +38,12 @@ HF_STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")
 ACCELERATE_CHECKPOINT = re.compile(r"^checkpoint_(\d+)$")       # save_state with automatic_checkpoint_naming
 RANDOM_STATES = re.compile(r"^random_states_\d+\.pkl$")         # Accelerate's, one per process
 MEGATRON_ITER = re.compile(r"^iter_(\d+)$")
-MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 MEGATRON_META = "metadata.json"
 TORCHTITAN_STEP = re.compile(r"^step-(\d+)$")
 LIGHTNING_SUFFIX = ".ckpt"
-LIGHTNING_FSDP_META = "meta.pt"
 FSDP_MODEL = re.compile(r"^pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?$")    # accelerate's FSDP_MODEL_NAME
 FSDP_OPTIMIZER_DIR = re.compile(r"^optimizer_\d+$")                          # sharded: a DCP folder
-FSDP_OPTIMIZER_FILE = "optimizer.bin"                                        # full: one torch.save file
+ACCELERATE_OPTIMIZER = "optimizer.bin"     # save_state's (and FSDP full state dict's) torch.save of the optimizer
 # Names only found inside a checkpoint: beside them, a folder is part of one (or an unrecognised one).
 MEMBERS = (RNG, RANDOM_STATES, FSDP_MODEL, re.compile(r"^(optimizer|scheduler|scaler)(_\d+)?\.(pt|bin)$"),
            ds_files.MODEL_STATES, ds_files.ZERO3_MODEL_STATES, ds_files.OPTIM_STATES, ds_files.LAYER_STATES,
@@ -81,7 +79,8 @@ class Listing:
             names = os.listdir(folder)
         except OSError:
             names = []
-        dirs = {n for n in names if os.path.isdir(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))}
+        paths = {n: os.path.join(folder, n) for n in names}
+        dirs = {n for n, p in paths.items() if os.path.isdir(p) and not os.path.islink(p)}
         return cls(frozenset(set(names) - dirs), frozenset(dirs))
 
 
@@ -161,7 +160,7 @@ def _accelerate(listing: Listing, folder: str) -> Unit:
         return _opaque("Accelerate", f"with {engine}", "reading FSDP checkpoints whole is a later issue")
     if hf_weights.present(folder) or any(n.startswith(("model", "pytorch_model")) for n in listing.files):
         return _opaque("Accelerate", "save_state (DDP or one process)",
-                       f"its {FSDP_OPTIMIZER_FILE}, scheduler and random_states pickles are not read by reshard")
+                       f"its {ACCELERATE_OPTIMIZER}, scheduler and random_states pickles are not read by reshard")
     return unknown("Accelerate", "no DeepSpeed, FSDP or model files save_state writes")
 
 
