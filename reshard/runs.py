@@ -40,9 +40,9 @@ class Checkpoint:
     topology: str | None
     status: str                 # COMPLETE, INCOMPLETE, IN_PROGRESS, UNVERIFIABLE, UNKNOWN
     why: str = ""               # for all but COMPLETE
-    unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
     pinned: tuple = ()          # why something names it (`latest`, best_model_checkpoint, a link)
     metrics: dict = field(default_factory=dict)
+    unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
 
     @property
     def complete(self) -> bool:
@@ -138,7 +138,7 @@ def _row(entry, files: Files, status: str, why: str = "", catalog=None, step=Non
     fmt = catalog.format if catalog is not None else entry.reader or (entry.unit and entry.unit.framework)
     return Checkpoint(entry.path, entry.name, entry.step if entry.step is not None else step, files.mtime, files.bytes,
                       files.disk_bytes, files.count, fmt, topology(catalog.layout) if catalog is not None else None,
-                      status, why, entry.unit.what if entry.unit is not None else None)
+                      status, why, unit=entry.unit.what if entry.unit is not None else None)
 
 
 def topology(layout) -> str:
