@@ -151,7 +151,7 @@ def print_listing(listing) -> None:
     print(f"  {'STEP':>8}  {'SAVED':<19}  {'SIZE':>10}  {'FORMAT':<12} {'TOPOLOGY':<16} {'STATUS':<12} NAME")
     for r in rows:
         step = "-" if r.step is None else str(r.step)
-        status = {"complete": "complete", "incomplete": "INCOMPLETE", "in progress": "in progress"}[r.status]
+        status = "INCOMPLETE" if r.status == "incomplete" else r.status
         extra = [f"<- {', '.join(r.pinned)}"] if r.pinned else []
         if r.metrics:
             extra.append(_metrics_words(r.metrics))
@@ -170,7 +170,7 @@ def print_watch_pass(root: str, done) -> None:
     """`reshard watch --once`, after the lines of the pass: what is still being written, and a summary."""
     for row in done.waiting:
         print(f"{label(row)}: in progress — {row.why} ({row.name})")
-    broken = sum(not e.complete for e in done.reported)
+    broken = sum(e.status == "incomplete" for e in done.reported)
     print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), {len(done.waiting)} in "
           f"progress, {len(done.removed)} deleted")
 

@@ -4,15 +4,17 @@ A policy is a set of rules, each keeping some complete checkpoints: the last K, 
 N-th step, named steps. A checkpoint kept by any rule stays; the others are deleted. Above the rules stand the
 invariants: the newest complete checkpoint and every checkpoint something names (`latest`, the framework's best)
 are kept; an incomplete checkpoint never counts toward K and is deleted only with `delete_incomplete`; a save
-in progress is never touched. A policy that cannot be evaluated (no checkpoint records the metric) deletes
-nothing: PolicyError, one line.
+in progress is never touched; a checkpoint whose contents reshard cannot verify, or that it does not recognise
+whole, is always kept and never counts toward K: only what was proven complete (or, with `delete_incomplete`,
+proven incomplete as a whole unit) is ever deleted. A policy that cannot be evaluated (no checkpoint records the
+metric) deletes nothing: PolicyError, one line.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, UsageError
-from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE, order
+from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, order
 
 KEEP, DELETE, UNTOUCHED = "keep", "delete", "untouched"
 
@@ -123,10 +125,14 @@ def ranked(rows: list, metric: str, mode: str) -> list:
 def _decision(row, reasons: list, policy: Policy) -> Decision:
     if row.status == IN_PROGRESS:
         return Decision(row, UNTOUCHED, (f"in progress: {row.why}",))
+    if row.status in (UNVERIFIABLE, UNKNOWN):
+        return Decision(row, KEEP, (row.why, *reasons))
     if reasons:
         return Decision(row, KEEP, tuple(reasons))
     if row.status == INCOMPLETE:
         if policy.delete_incomplete:
             return Decision(row, DELETE, (f"incomplete: {row.why}",))
         return Decision(row, KEEP, ("incomplete (deleted only with --delete-incomplete)",))
+    if row.status != COMPLETE:      # a status this policy does not know: kept
+        return Decision(row, KEEP, (f"{row.status}: {row.why}",))
     return Decision(row, DELETE, ("kept by no rule",))

@@ -4,7 +4,9 @@ A run directory is scanned by names (reshard.formats.run_layout), each checkpoin
 format registry and proven whole by reshard.validate's coverage proof (metadata only: no tensor byte is read),
 and its metrics gathered from what the framework recorded (reshard.formats.run_metrics) or a user's file.
 A save still being written — a staging name, a DCP folder without `.metadata`, a file modified within the last
-`recent` seconds or growing during `settle` — is "in progress", and is never opened.
+`recent` seconds or growing during `settle` — is "in progress", and is never opened. A checkpoint recognised whole
+whose contents reshard cannot read yet (FSDP, Megatron; a pickle asking for a class off the allow-list) is
+"unverifiable", and one no framework's layout accounts for "unknown": neither is ever complete, nor deleted.
 """
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UnsafeCheckpointError
 from reshard.formats import read as read_catalog
-from reshard.formats import run_layout, run_metrics
+from reshard.formats import run_layout, run_metrics, units
 from reshard.validate import validate
 
 COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"
+UNVERIFIABLE, UNKNOWN = "unverifiable", "unknown"      # never complete, never deleted: kept with `why`
+KEPT_UNREAD = {units.OPAQUE: UNVERIFIABLE, units.UNKNOWN: UNKNOWN}
 RECENT_SECONDS = 10.0       # a file modified this recently may still be written
 CHECK = "coverage"          # what `list` proves: every element of every tensor present once (metadata only)
 
@@ -34,10 +38,11 @@ class Checkpoint:
     files: int
     format: str | None
     topology: str | None
-    status: str                 # COMPLETE, INCOMPLETE, IN_PROGRESS
-    why: str = ""               # for INCOMPLETE and IN_PROGRESS
+    status: str                 # COMPLETE, INCOMPLETE, IN_PROGRESS, UNVERIFIABLE, UNKNOWN
+    why: str = ""               # for all but COMPLETE
     pinned: tuple = ()          # why something names it (`latest`, best_model_checkpoint, a link)
     metrics: dict = field(default_factory=dict)
+    unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
 
     @property
     def complete(self) -> bool:
@@ -51,7 +56,7 @@ class Checkpoint:
     def to_dict(self) -> dict:
         return {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime,
                 "bytes": self.bytes, "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
-                "topology": self.topology, "status": self.status, "why": self.why or None,
+                "topology": self.topology, "unit": self.unit, "status": self.status, "why": self.why or None,
                 "pinned": list(self.pinned), "metrics": self.metrics}
 
 
@@ -107,6 +112,9 @@ def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | Non
             rows.append(_row(entry, files, IN_PROGRESS, entry.unfinished))
             unfinished.add(entry.path)
             continue
+        if entry.unit is not None and entry.unit.reading != units.READ:
+            rows.append(_row(entry, files, KEPT_UNREAD[entry.unit.reading], entry.unit.why))
+            continue
         if files.outside:
             rows.append(_row(entry, files, INCOMPLETE, f"{files.outside} leaves the run directory (not followed)"))
             continue
@@ -127,10 +135,10 @@ def order(row: Checkpoint) -> tuple:
 
 
 def _row(entry, files: Files, status: str, why: str = "", catalog=None, step=None) -> Checkpoint:
-    fmt = catalog.format if catalog is not None else entry.reader
+    fmt = catalog.format if catalog is not None else entry.reader or (entry.unit and entry.unit.format)
     return Checkpoint(entry.path, entry.name, entry.step if entry.step is not None else step, files.mtime, files.bytes,
                       files.disk_bytes, files.count, fmt, topology(catalog.layout) if catalog is not None else None,
-                      status, why)
+                      status, why, unit=entry.unit.what if entry.unit is not None else None)
 
 
 def topology(layout) -> str:
@@ -144,6 +152,8 @@ def _checked(entry, files: Files) -> tuple:
     """(its row, what it records): opened by the registry and proven whole, or why not."""
     try:
         catalog = read_catalog(entry.path)
+    except UnsafeCheckpointError as e:      # not proof that anything is missing: only that reshard cannot read it
+        return _row(entry, files, UNVERIFIABLE, f"{e}; never deleted"), run_metrics.Recorded()
     except ReshardError as e:
         return _row(entry, files, INCOMPLETE, str(e)), run_metrics.Recorded()
     report = validate(catalog)

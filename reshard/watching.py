@@ -42,7 +42,7 @@ class Event:
     name: str
     path: str
     step: int | None
-    status: str                 # COMPLETE or INCOMPLETE
+    status: str                 # COMPLETE, INCOMPLETE, or (kept, never deleted) UNVERIFIABLE, UNKNOWN
     why: str
     bytes: int
     metrics: dict = field(default_factory=dict)
@@ -55,8 +55,10 @@ class Event:
     def line(self, root: str, metric: str | None = None) -> str:
         """`step 4000: complete, 42.1 GiB, eval_loss 1.83 (global_step4000)`, or the loud INCOMPLETE one."""
         head = label(self)
-        if not self.complete:
+        if self.status == INCOMPLETE:
             return f"{head}: INCOMPLETE — {within(self.why, root)} ({self.name})"
+        if not self.complete:
+            return f"{head}: {self.status}, kept — {within(self.why, root)} ({self.name})"
         words = [f"complete{' (sha256 checked)' if self.checksums else ''}", human_bytes(self.bytes)]
         value = metric_of(self, metric) if metric else None
         if value is not None:
@@ -77,7 +79,7 @@ class Pass:
 
     @property
     def broken(self) -> bool:
-        return any(not e.complete for e in self.reported)
+        return any(e.status == INCOMPLETE for e in self.reported)
 
 
 class Watcher:

@@ -22,7 +22,7 @@ import lifecycle_runs as lr
 import reshard
 from conftest import REPO
 from reshard.retention import DELETE, KEEP, UNTOUCHED, Policy, PolicyError, decide
-from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE, Checkpoint
+from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint
 
 DRIVER = str(REPO / "tests" / "fault_driver.py")
 
@@ -33,7 +33,8 @@ def histories(draw):
     latest = draw(st.none() | st.sampled_from(steps))
     rows = []
     for step in steps:
-        status = draw(st.sampled_from([COMPLETE, COMPLETE, COMPLETE, INCOMPLETE, IN_PROGRESS]))
+        status = draw(st.sampled_from([COMPLETE, COMPLETE, COMPLETE, INCOMPLETE, IN_PROGRESS, UNVERIFIABLE,
+                                       UNKNOWN]))
         metric = draw(st.none() | st.floats(0, 10, allow_nan=False))
         rows.append(Checkpoint(f"/run/ds/global_step{step}", f"ds/global_step{step}", step, float(step), 100, 100, 3,
                                "deepspeed", "dp=2,zero=2", status, "" if status == COMPLETE else "why",
@@ -76,7 +77,7 @@ def oracle(rows, policy):
         if any("eval_loss" not in r.metrics and r.step not in keep for r in complete):
             return None
     return {r.step: r.step in keep or (r.status == INCOMPLETE and not policy.delete_incomplete)
-            for r in rows if r.status != IN_PROGRESS}
+            or r.status in (UNVERIFIABLE, UNKNOWN) for r in rows if r.status != IN_PROGRESS}
 
 
 @settings(max_examples=400, deadline=None)
@@ -100,6 +101,8 @@ def test_decisions_keep_the_invariants(rows, policy):
             assert d.action == KEEP                 # latest's and the newest complete one
         if r.status == INCOMPLETE and d.action == DELETE:
             assert policy.delete_incomplete
+        if r.status in (UNVERIFIABLE, UNKNOWN):    # not proven complete nor a whole unit proven broken: kept
+            assert d.action == KEEP and r.why in d.reasons
     if policy.keep_last:    # incomplete ones never count toward K: the K newest complete all stay
         assert all(decisions[r.step].action == KEEP for r in complete[-policy.keep_last:])
 

@@ -1,11 +1,13 @@
 """Where the checkpoints of a training run sit: the folder and file names frameworks save under.
 
 A run directory holds checkpoints the way its framework saves them: DeepSpeed save dirs (`latest` naming one
-of the tag folders `global_stepN/`), Hugging Face Trainer output dirs (`checkpoint-N/`, with DeepSpeed inside
-or not; `tmp-checkpoint-N/` while one is written), Lightning ModelCheckpoint dirs (`*.ckpt` files, or DeepSpeed
-`*.ckpt/` folders), DCP step dirs (`step-N/` whose `.metadata` is written last), universal trees, and reshard's
-own `.X.reshard-tmp` staging. `scan` finds them by names and the format registry's sniff (no file is opened
-beyond a directory listing); `pointers` says which ones something names (`latest`, a link). Nothing here follows
+of the tag folders `global_stepN/`), Hugging Face Trainer output dirs (`checkpoint-N/` with any backend;
+`tmp-checkpoint-N/` while one is written), Accelerate's `checkpoint_N/`, Lightning ModelCheckpoint dirs (`*.ckpt`
+files or folders), Megatron-LM `iter_N/`, DCP step dirs (`step-N/` whose `.metadata` is written last), universal
+trees, and reshard's own `.X.reshard-tmp` staging. `scan` finds each checkpoint whole, as reshard.formats.units
+recognises it by its framework's markers, and never looks inside one; a folder of checkpoint-like files that no
+layout accounts for is one unknown entry. No file is opened beyond a directory listing (and the pointer files);
+`pointers` says which ones something names (`latest`, a link). Nothing here follows
 a symbolic link: a link is reported, never entered.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 from reshard.errors import ReshardError
-from reshard.formats import reader_for
+from reshard.formats import reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.deepspeed import universal as uc
@@ -25,13 +27,12 @@ TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard
 STAGING_SUFFIX = ".reshard-tmp"     # reshard convert/export's staging folder
 WATCH_STATE = ".reshard-watch.json"     # reshard watch's memory in the run directory: hidden, so never an entry
 WATCH_LOCK = ".reshard-watch.lock"      # held while a watcher runs: one watcher per run directory
-HF_STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")
-HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+HF_STAGING, HF_CHECKPOINT = units.HF_STAGING, units.HF_CHECKPOINT
 STEP_IN_NAME = re.compile(r"(?:global_step|step)[=_-]?(\d+)")
 LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 EPOCH_ONLY = re.compile(r"^epoch=\d+(\.ckpt)?$")
 TORCH_FILES = (".pt", ".pth", ".bin")
-LIGHTNING_SUFFIX = ".ckpt"
+LIGHTNING_SUFFIX = units.LIGHTNING_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Entry:
     step: int | None        # from its name; None when the name carries none
     unfinished: str | None = None
     reader: str | None = None   # the format that sniffs it (None: none does)
+    unit: units.Unit | None = None      # what it is whole (None: a staging folder, judged by its name)
 
 
 @dataclass(frozen=True)
@@ -81,20 +83,27 @@ def step_of(name: str) -> int | None:
 
 
 def scan(root: str) -> Scan:
-    """Every checkpoint under run directory `root`."""
+    """Every checkpoint under run directory `root`: each one whole, as its framework wrote it (reshard.formats.units);
+    a folder recognised as one checkpoint is never looked into."""
     root = os.path.realpath(root)
     if not os.path.isdir(root):
         raise ReshardError.at(root, "not a directory")
+    unit = units.framework_unit(os.path.basename(root), units.Listing.of(root), root)
+    if unit is not None:
+        raise ReshardError.at(root, f"one checkpoint ({unit.what}), not a run directory: `reshard list` the folder "
+                                    "holding it, `reshard inspect` it")
     found = Scan([], [], [], {})
     _walk(root, root, 0, found)
     return found
 
 
-def _walk(root: str, folder: str, depth: int, found: Scan) -> None:
+def _walk(root: str, folder: str, depth: int, found: Scan) -> int:
+    """Scan `folder` into `found`; how many checkpoints it held."""
     try:
         names = sorted(os.listdir(folder))
     except OSError as e:
         raise ReshardError.at(folder, f"cannot list ({e.strerror})") from None
+    before = len(found.entries)
     save_dir = _pointed(folder, names, found)
     for name in names:
         path = os.path.join(folder, name)
@@ -106,11 +115,18 @@ def _walk(root: str, folder: str, depth: int, found: Scan) -> None:
             target = os.path.realpath(path)
             found.links.append(Link(path, target, target == root or target.startswith(root + os.sep)))
             continue
-        entry = _entry(path, rel, name, save_dir)
-        if entry is not None:
-            found.entries.append(entry)
-        elif os.path.isdir(path) and depth < MAX_DEPTH and not name.startswith("."):
-            _walk(root, path, depth + 1, found)
+        staging = _staging(path, rel, name)
+        if staging is not None:
+            found.entries.append(staging)
+        elif name.startswith("."):
+            continue
+        elif os.path.isdir(path):
+            _folder(root, path, rel, name, depth, save_dir, found)
+        else:
+            entry = _file_entry(path, rel, name)
+            if entry is not None:
+                found.entries.append(entry)
+    return len(found.entries) - before
 
 
 def _pointed(folder: str, names: list, found: Scan) -> bool:
@@ -131,47 +147,63 @@ def _pointed(folder: str, names: list, found: Scan) -> bool:
     return pointed
 
 
-def _entry(path: str, rel: str, name: str, save_dir: bool) -> Entry | None:
+def _folder(root: str, path: str, rel: str, name: str, depth: int, save_dir: bool, found: Scan) -> None:
+    """A sub-folder: a checkpoint (one row, not looked into), a folder of them (scanned), or something unknown."""
+    listing = units.Listing.of(path)
+    unit = units.framework_unit(name, listing, path)
+    if unit is not None:
+        found.entries.append(Entry(path, rel, step_of(name), None, None, unit))
+        return
+    holds_tags = any(p in listing.files for p in (ds_files.LATEST, uc.LATEST_UNIVERSAL))
+    if not (holds_tags or units.holds_units(listing)):
+        entry = _format_entry(path, rel, name, listing, save_dir)
+        if entry is not None:
+            found.entries.append(entry)
+            return
+        if any(units.is_member(n) for n in listing.files):     # a part of some checkpoint: left whole
+            found.entries.append(_unknown(path, rel, name, "it holds a checkpoint's parts"))
+            return
+    held = _walk(root, path, depth + 1, found) if depth < MAX_DEPTH else 0
+    if not held and not holds_tags and units.holds_data(listing):
+        found.entries.append(_unknown(path, rel, name, "checkpoint-like files no framework's layout accounts for"))
+
+
+def _staging(path: str, rel: str, name: str) -> Entry | None:
     if name.startswith(".") and name.endswith(STAGING_SUFFIX):
         return Entry(path, rel, step_of(name[1:-len(STAGING_SUFFIX)]),
                      f"reshard's staging folder of {name[1:-len(STAGING_SUFFIX)]} (renamed when written)")
-    if name.startswith("."):
-        return None
     staging = HF_STAGING.match(name)
     if staging and os.path.isdir(path):
         return Entry(path, rel, int(staging.group(1)),
                      f"Hugging Face Trainer's staging folder (renamed checkpoint-{staging.group(1)} when saved)")
-    if os.path.isdir(path):
-        if _holds_tags(path, name):
-            return None     # a DeepSpeed save dir: each tag folder in it is a checkpoint
-        return _folder_entry(path, rel, name, save_dir)
-    if name.endswith(LIGHTNING_SUFFIX) or (name.endswith(TORCH_FILES) and step_of(name) is not None):
-        return Entry(path, rel, step_of(name), None, _sniffed(path))
-    return None     # weights exports (*.safetensors), scripts, logs, training_args.bin: not checkpoints
+    return None
 
 
-def _holds_tags(path: str, name: str) -> bool:
-    """A folder with `latest` is a save dir of many tags, unless a framework saved it as one checkpoint: a
-    Hugging Face `checkpoint-N/` or a Lightning `*.ckpt/` with DeepSpeed inside."""
-    pointer = any(os.path.isfile(os.path.join(path, p)) for p in (ds_files.LATEST, uc.LATEST_UNIVERSAL))
-    return pointer and not (HF_CHECKPOINT.match(name) or name.endswith(LIGHTNING_SUFFIX))
+def _unknown(path: str, rel: str, name: str, what: str) -> Entry:
+    return Entry(path, rel, step_of(name), None, None, units.unknown(units.UNKNOWN, what))
 
 
-def _folder_entry(path: str, rel: str, name: str, save_dir: bool) -> Entry | None:
-    try:
-        listing = os.listdir(path)
-    except OSError:
-        listing = []
-    if any(RANK_FILE.search(n) for n in listing) and METADATA not in listing:
-        return Entry(path, rel, step_of(name), f"no {METADATA} (DCP writes it last)", "dcp")
+def _file_entry(path: str, rel: str, name: str) -> Entry | None:
+    if name.endswith(LIGHTNING_SUFFIX) or (name.endswith(TORCH_FILES) and step_of(name) is not None
+                                           and units.file_unit(name)):
+        reader = _sniffed(path)
+        return Entry(path, rel, step_of(name), None, reader, units.Unit(reader or "torch", units.READ))
+    return None     # weights exports (*.safetensors), scripts, logs, training_args.bin, a checkpoint's parts
+
+
+def _format_entry(path: str, rel: str, name: str, listing, save_dir: bool) -> Entry | None:
+    """A folder the format registry reads whole: a DeepSpeed tag folder, a DCP folder, a universal tree."""
+    if any(RANK_FILE.search(n) for n in listing.files) and METADATA not in listing.files:
+        return Entry(path, rel, step_of(name), f"no {METADATA} (DCP writes it last)", "dcp",
+                     units.format_unit(name, "dcp"))
     reader = _sniffed(path)
     if reader is not None:
         # a save_pretrained folder of weights alone is an export unless its name says it is a step's save
         if reader == "safetensors" and step_of(name) is None:
             return None
-        return Entry(path, rel, step_of(name), None, reader)
+        return Entry(path, rel, step_of(name), None, reader, units.format_unit(name, reader))
     if save_dir and step_of(name) is not None:     # a tag folder of a save dir whose rank files are not there yet
-        return Entry(path, rel, step_of(name), None, None)
+        return Entry(path, rel, step_of(name), None, None, units.Unit("deepspeed", units.READ))
     return None
 
 

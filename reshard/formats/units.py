@@ -1,0 +1,198 @@
+"""What one checkpoint is on disk, as the framework that saved it writes it: a unit, taken whole or left alone.
+
+A training framework saves one checkpoint as a folder of many files and sub-folders (the Hugging Face Trainer's
+`checkpoint-N/` holds `pytorch_model_fsdp_0/` and `optimizer_0/` under FSDP, a DeepSpeed `global_stepN/`
+under DeepSpeed, RNG pickles for every process). Those parts are no checkpoints of their own: listed alone they
+would be counted, judged and deleted apart from the rest. So a folder is recognised by its framework's markers
+(names in a directory listing; no file is opened) as one Unit, never looked into by the run scan:
+
+- HF Trainer: `checkpoint-N/` (or any folder with `trainer_state.json`) with DeepSpeed (`latest` + a tag folder:
+  read), FSDP sharded (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP folders), FSDP full (`pytorch_model_fsdp.bin`,
+  `optimizer.bin`), or DDP / one process (`model.safetensors` or `pytorch_model.bin`, `optimizer.pt`: read);
+- Accelerate: save_state's `checkpoint_N/` (`random_states_K.pkl`) with DeepSpeed (read), FSDP, or neither
+  (`model.safetensors`, `optimizer.bin`, `scheduler.bin`);
+- Lightning: `*.ckpt` files (read) and `*.ckpt/` folders with DeepSpeed (read) or FSDP (DCP + `meta.pt`);
+- Megatron-LM: `iter_NNNNNNN/`, torch_dist (DCP + `metadata.json`) or the legacy torch format (`mp_rank_*/`);
+- torchtitan `step-N/` and any other DCP folder (`.metadata`, `*.distcp`), DeepSpeed tag folders of a save dir
+  (`latest`), universal trees: read by the format registry.
+
+A unit reshard cannot read whole yet is OPAQUE: listed as one row naming framework and backend, never deleted.
+A folder with checkpoint files that matches no framework whole is UNKNOWN: listed, never deleted.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+from reshard.formats.dcp.chunks import METADATA, RANK_FILE
+from reshard.formats.deepspeed import files as ds_files
+from reshard.formats.single import hf_weights
+from reshard.formats.single.hf_trainer import OPTIMIZER, RNG, SCHEDULER, TRAINER_STATE
+
+READ, OPAQUE, UNKNOWN = "read", "opaque", "unknown"
+NOT_YET = "contents not verifiable by reshard yet"
+
+HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+HF_STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")
+ACCELERATE_CHECKPOINT = re.compile(r"^checkpoint_(\d+)$")       # save_state with automatic_checkpoint_naming
+RANDOM_STATES = re.compile(r"^random_states_\d+\.pkl$")         # Accelerate's, one per process
+MEGATRON_ITER = re.compile(r"^iter_(\d+)$")
+MEGATRON_META = "metadata.json"
+TORCHTITAN_STEP = re.compile(r"^step-(\d+)$")
+LIGHTNING_SUFFIX = ".ckpt"
+FSDP_MODEL = re.compile(r"^pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?$")    # accelerate's FSDP_MODEL_NAME
+FSDP_OPTIMIZER_DIR = re.compile(r"^optimizer_\d+$")                          # sharded: a DCP folder
+ACCELERATE_OPTIMIZER = "optimizer.bin"     # save_state's (and FSDP full state dict's) torch.save of the optimizer
+# Names only found inside a checkpoint: beside them, a folder is part of one (or an unrecognised one).
+MEMBERS = (RNG, RANDOM_STATES, FSDP_MODEL, re.compile(r"^(optimizer|scheduler|scaler)(_\d+)?\.(pt|bin)$"),
+           ds_files.MODEL_STATES, ds_files.ZERO3_MODEL_STATES, ds_files.OPTIM_STATES, ds_files.LAYER_STATES,
+           re.compile(r"^(model_optim_rng|distrib_optim|common)\.pt$"), RANK_FILE)
+DATA_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".safetensors", ".distcp", ".ckpt", ".npy", ".npz", ".msgpack")
+# A folder holding folders named so is a folder of checkpoints (an output dir), whatever it holds besides.
+UNIT_NAMES = (HF_CHECKPOINT, HF_STAGING, ACCELERATE_CHECKPOINT, MEGATRON_ITER, TORCHTITAN_STEP)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One checkpoint as its framework wrote it. `reading`: READ (the format registry reads it whole and may
+    prove it complete), OPAQUE (recognised; reshard cannot read it whole yet: `why`), UNKNOWN (`why`)."""
+    framework: str      # "HF Trainer", "DCP", "unknown"
+    reading: str
+    why: str = ""
+    backend: str = ""   # "with FSDP (sharded state dict)", "(DDP or one process)"
+
+    @property
+    def what(self) -> str:
+        return f"{self.framework} {self.backend}".strip()
+
+    @property
+    def format(self) -> str:
+        """The framework as `list`'s FORMAT column spells formats: `hf-trainer`, `megatron-lm`, `dcp`."""
+        return self.framework.lower().replace(" ", "-")
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A folder's directory listing, split once."""
+    files: frozenset
+    dirs: frozenset
+
+    @classmethod
+    def of(cls, folder: str) -> "Listing":
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            names = []
+        paths = {n: os.path.join(folder, n) for n in names}
+        dirs = {n for n, p in paths.items() if os.path.isdir(p) and not os.path.islink(p)}
+        return cls(frozenset(set(names) - dirs), frozenset(dirs))
+
+
+def is_member(name: str) -> bool:
+    """A file name only ever found inside a checkpoint (an RNG pickle, a rank file, an optimizer's state)."""
+    return any(p.match(name) for p in MEMBERS)
+
+
+def holds_data(listing: Listing) -> bool:
+    """Files that look like checkpoint data (tensors, pickles): a folder of them is something, if nothing known."""
+    return any(n.endswith(DATA_SUFFIXES) or n == METADATA for n in listing.files)
+
+
+def holds_units(listing: Listing) -> bool:
+    """Sub-folders named as checkpoints: `listing` is a run's output folder, not one checkpoint."""
+    return any(p.match(d) for d in listing.dirs for p in UNIT_NAMES) or \
+        any(d.endswith(LIGHTNING_SUFFIX) for d in listing.dirs)
+
+
+def framework_unit(name: str, listing: Listing, folder: str) -> Unit | None:
+    """The unit a framework's markers make of `folder` (named `name`), or None when none claims it. A folder of
+    checkpoints (an output dir holding `checkpoint-N/`) is never one."""
+    if holds_units(listing):
+        return None
+    if name.endswith(LIGHTNING_SUFFIX):
+        return _lightning(listing)
+    if TRAINER_STATE in listing.files or HF_CHECKPOINT.match(name):
+        return _hf_trainer(listing, folder)
+    if any(RANDOM_STATES.match(n) for n in listing.files) or ACCELERATE_CHECKPOINT.match(name):
+        return _accelerate(listing, folder)
+    if MEGATRON_ITER.match(name):
+        return _megatron(listing)
+    return None
+
+
+def _engine(listing: Listing) -> str | None:
+    """The backend whose files sit inside a framework's folder: DeepSpeed, FSDP sharded or full."""
+    if ds_files.LATEST in listing.files:
+        return "DeepSpeed"
+    if any(FSDP_MODEL.match(d) or FSDP_OPTIMIZER_DIR.match(d) for d in listing.dirs) or \
+            any(FSDP_MODEL.match(n) and "_rank" in n for n in listing.files):
+        return "FSDP (sharded state dict)"
+    if any(FSDP_MODEL.match(n) for n in listing.files):
+        return "FSDP (full state dict)"
+    return None
+
+
+def _opaque(framework: str, backend: str, later: str) -> Unit:
+    unit = Unit(framework, OPAQUE, "", backend)
+    return replace(unit, why=f"{unit.what}: {NOT_YET} ({later}); never deleted")
+
+
+def unknown(framework: str, missing: str) -> Unit:
+    """Something no framework's layout accounts for whole (`missing`: what was looked for)."""
+    whole = "a whole checkpoint" if framework == UNKNOWN else f"a whole {framework} checkpoint"
+    return Unit(framework, UNKNOWN, f"not recognised as {whole} ({missing}); never deleted")
+
+
+def _hf_trainer(listing: Listing, folder: str) -> Unit:
+    engine = _engine(listing)
+    if engine == "DeepSpeed":
+        return Unit("HF Trainer", READ, backend="with DeepSpeed")
+    if engine:
+        return _opaque("HF Trainer", f"with {engine}", "reading FSDP checkpoints whole is a later issue")
+    if hf_weights.present(folder) and OPTIMIZER in listing.files:
+        return Unit("HF Trainer", READ, backend="(DDP or one process)")
+    if hf_weights.present(folder) and SCHEDULER not in listing.files:
+        return Unit("HF Trainer", READ, backend="(weights only)")     # save_only_model: nothing else to read
+    return unknown("HF Trainer", "no DeepSpeed, FSDP or model and optimizer.pt files the Trainer writes")
+
+
+def _accelerate(listing: Listing, folder: str) -> Unit:
+    engine = _engine(listing)
+    if engine == "DeepSpeed":
+        return Unit("Accelerate", READ, backend="with DeepSpeed")
+    if engine:
+        return _opaque("Accelerate", f"with {engine}", "reading FSDP checkpoints whole is a later issue")
+    if hf_weights.present(folder) or any(n.startswith(("model", "pytorch_model")) for n in listing.files):
+        return _opaque("Accelerate", "save_state (DDP or one process)",
+                       f"its {ACCELERATE_OPTIMIZER}, scheduler and random_states pickles are not read by reshard")
+    return unknown("Accelerate", "no DeepSpeed, FSDP or model files save_state writes")
+
+
+def _lightning(listing: Listing) -> Unit:
+    if ds_files.LATEST in listing.files:
+        return Unit("Lightning", READ, backend="with DeepSpeed")
+    if METADATA in listing.files or any(RANK_FILE.search(n) for n in listing.files):
+        return _opaque("Lightning", "with FSDP (sharded)", "reading FSDP checkpoints whole is a later issue")
+    return unknown("Lightning", "a .ckpt folder of neither DeepSpeed's nor FSDP's files")
+
+
+def _megatron(listing: Listing) -> Unit:
+    if MEGATRON_META in listing.files or METADATA in listing.files:
+        return _opaque("Megatron-LM", "(torch_dist)", "reshard does not read Megatron checkpoints")
+    if any(d.startswith("mp_rank_") for d in listing.dirs):
+        return _opaque("Megatron-LM", "(torch, legacy)", "reshard does not read Megatron checkpoints")
+    return unknown("Megatron-LM", "an iter_N folder of neither torch_dist's nor the legacy torch format's files")
+
+
+def format_unit(name: str, reader: str) -> Unit:
+    """The unit of a folder the format registry reads (`reader` sniffs it): DeepSpeed tags, DCP, universal."""
+    if reader == "dcp":
+        return Unit("torchtitan", READ, backend="(DCP)") if TORCHTITAN_STEP.match(name) else Unit("DCP", READ)
+    return Unit(reader, READ)
+
+
+def file_unit(name: str) -> bool:
+    """Is the file `name` a checkpoint of its own: a Lightning `*.ckpt`, or a torch.save file whose name carries a
+    step and is no framework's member (`rng_state_1.pth` is a part of a Trainer checkpoint, not step 1's save)?"""
+    return name.endswith(LIGHTNING_SUFFIX) or not is_member(name)
