@@ -43,12 +43,12 @@ def test_once_reports_every_checkpoint_once_flags_the_broken_and_exits_1(run):
     assert "INCOMPLETE — " in lines[5] and "truncated" in lines[5]
     for step in (1, 2, 3, 6, 7, 8):
         assert lines[step].startswith(f"step {step}: complete, ") and "INCOMPLETE" not in lines[step]
-    assert "8 checkpoint(s) newly validated (2 broken)" in proc.stdout
+    assert "8 checkpoints newly validated (2 broken)" in proc.stdout
     after = lr.snapshot(run)
     assert set(after) - set(before) == {WATCH_STATE} and all(after[k] == v for k, v in before.items())
     # restarted: nothing reported again, and nothing broken newly found: exit 0
     again = run_cli("watch", run, "--once", check=0)
-    assert reported(again.stdout) == {} and "0 checkpoint(s) newly validated" in again.stdout
+    assert reported(again.stdout) == {} and "0 checkpoints newly validated" in again.stdout
     # the negative control: without its state a watcher reports everything again
     os.unlink(run / WATCH_STATE)
     assert sorted(reported(run_cli("watch", run, "--once", check=1).stdout)) == list(range(1, 9))
@@ -375,7 +375,7 @@ def test_one_watcher_per_directory(run, tmp_path):
         code, _, _ = first.stop()
     assert code == 0
     # the negative control: once the first has stopped, the next one watches (and has nothing new to report)
-    assert "0 checkpoint(s) newly validated" in run_cli("watch", run, "--once", check=0).stdout
+    assert "0 checkpoints newly validated" in run_cli("watch", run, "--once", check=0).stdout
     with reshard.Watcher(run) as api:       # the API lets go at the end of a `with`, or when dropped
         assert api.poll().reported == ()
     for _ in range(2):
