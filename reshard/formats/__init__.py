@@ -40,6 +40,7 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     around = framework.detect(path) if catalog.format == "deepspeed" else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
         catalog.framework = around
+        catalog.model_files = catalog.model_files or around.model_files
     if catalog.framework is not None:
         catalog.framework = replace(catalog.framework, world=catalog.layout.world_size)
         catalog.problems += catalog.framework.problems()
