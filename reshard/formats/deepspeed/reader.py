@@ -20,7 +20,7 @@ FORMAT = "DeepSpeed"
 @dataclass(frozen=True)
 class Options:
     tag: str | None = None            # the tag folder (default: the one `latest` names)
-    # a rule file (layouts/*.json) saying how tensor parallelism cut each parameter, for tensor-parallel
+    # a rule file (its path: rule_files.find took a name) saying how tensor parallelism cut each parameter, for tensor-parallel
     # checkpoints that do not carry `universal_checkpoint_info`
     layout_rules: str | None = None
 
