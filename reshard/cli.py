@@ -93,7 +93,8 @@ def _spec_help() -> str:
         rows += [f"  {key}", f"  {'':<{KEY_COLUMN}}  {k.meaning}"] if len(key) > KEY_COLUMN else \
             [f"  {key:<{KEY_COLUMN}}  {k.meaning}"]
     return ("target topology: a layout descriptor file (a path, or one shipped with reshard by name: "
-            f"{rule_files.names(rule_files.LAYOUT)}) or KEY=VALUE pairs joined by commas; keys left out keep the source's (default: the source's topology, e.g. to change only --format). "
+            f"{rule_files.names(rule_files.LAYOUT)}) or KEY=VALUE pairs joined by commas; keys left out keep the "
+            "source's (default: the source's topology, e.g. to change only --format). "
             "Keys:\n" + "\n".join(rows))
 
 
