@@ -3,7 +3,8 @@ checkpoint-N/ and the folder of trainer.save_model (save_pretrained), both with 
 
 - export into a folder writes the model's config, generation config and tokenizer files beside the weights, byte
   for byte: transformers loads it with AutoModelForCausalLM.from_pretrained (the live model's weights) and
-  AutoTokenizer (the run's tokenizer). The DeepSpeed-driven Trainer's folder: tests/test_hf_trainer_deepspeed.py.
+  AutoTokenizer (the run's tokenizer). So does the same run's checkpoint at 2 processes under DDP (torchrun,
+  tests/hf_trainer_ddp.py); the DeepSpeed-driven Trainer's folder: tests/test_hf_trainer_deepspeed.py.
 - inspect and validate import torch and transformers exactly where README says: for safetensors weights beside a
   config.json naming an architecture (the model class gives the parameter order and ties), nowhere else.
 """
@@ -17,6 +18,7 @@ import torch
 
 import reshard.cli
 import single_models as sm
+from conftest import REPO, torchrun
 
 MODEL_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja"}
@@ -31,17 +33,35 @@ def trained(tmp_path_factory):
     return tmp, model
 
 
-@pytest.mark.parametrize("folder", ["run/checkpoint-3", "pretrained"])
-def test_export_folder_loads_with_from_pretrained_and_its_tokenizer(trained, folder, tmp_path):
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """The same run at 2 processes under DDP (tests/hf_trainer_ddp.py): its checkpoint-3/ and the live weights."""
+    from safetensors.torch import load_file
+    tmp = tmp_path_factory.mktemp("hf_ddp")
+    torchrun(2, REPO / "tests" / "hf_trainer_ddp.py", tmp, deepspeed=False)
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (tmp / "run/checkpoint-3").iterdir()}
+    return tmp / "run/checkpoint-3", load_file(str(tmp / "truth.safetensors"))
+
+
+def _source(request, name):
+    """(folder, the weights it must load as): the live model's at the end of the run."""
+    if name == "ddp":
+        return request.getfixturevalue("ddp_run")
+    tmp, live = request.getfixturevalue("trained")
+    return tmp / name, live.state_dict()
+
+
+@pytest.mark.parametrize("name", ["run/checkpoint-3", "pretrained", pytest.param("ddp", marks=pytest.mark.engine)])
+def test_export_folder_loads_with_from_pretrained_and_its_tokenizer(request, name, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tmp, live = trained
-    src, out = tmp / folder, tmp_path / "out"
+    src, expected = _source(request, name)
+    out = tmp_path / "out"
     assert MODEL_FILES <= {p.name for p in src.iterdir()}       # what the Trainer wrote
     assert reshard.cli.main(["export", str(src), str(out), "--quiet"]) == 0
-    for name in MODEL_FILES:
-        assert filecmp.cmp(src / name, out / name, shallow=False), name
+    for file in MODEL_FILES:
+        assert filecmp.cmp(src / file, out / file, shallow=False), file
     model = AutoModelForCausalLM.from_pretrained(out)
-    state, expected = model.state_dict(), live.state_dict()
+    state = model.state_dict()
     assert set(state) == set(expected)
     assert all(torch.equal(state[k], expected[k]) for k in expected)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()     # tied again on load
