@@ -31,11 +31,10 @@ WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshar
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
-    rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how their
-    tensors were cut. A training
-    framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/, Accelerate's save_state dir, Lightning's
-    *.ckpt/) is read as that save, with the framework's own files in catalog.framework and any of them missing in
-    catalog.problems."""
+    rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how
+    their tensors were cut. A training framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/,
+    Accelerate's save_state dir, Lightning's *.ckpt/) is read as that save, with the framework's own files in
+    catalog.framework and any of them missing in catalog.problems."""
     reader = reader_for(path, tag)
     rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
     catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules)))
