@@ -27,7 +27,8 @@ from reshard.watching import Watcher
 
 def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = None):
     """Read a checkpoint's metadata into a Catalog (see reshard.catalog). `layout_rules`: a rule file
-    saying how tensor parallelism cut the tensors, for checkpoints that do not carry it (layouts/)."""
+    saying how tensor parallelism cut the tensors, for checkpoints that do not carry it (a path, or the name
+    of one shipped with reshard: "megatron-gpt", "llama-autotp")."""
     from reshard.formats import read
     try:
         return read(str(path), tag, layout_rules)

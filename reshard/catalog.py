@@ -199,6 +199,9 @@ class Catalog:
     # The training framework that drove a DeepSpeed save (reshard.formats.framework.Framework: HF Trainer's
     # checkpoint-N/ with its own files, Lightning's state inside DeepSpeed's client state); None: none.
     framework: object = None
+    # Files a consumer loads beside the weights (absolute paths: a Hugging Face model's config, tokenizer), which an
+    # export into a folder copies so that folder loads as the model
+    model_files: tuple = ()
     # A mixture-of-experts save: its expert parallelism (None: no experts)
     experts: ExpertParallel | None = None
 

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import reshard
-from reshard import cli_text, watch_state, watching
+from reshard import cli_text, rule_files, watch_state, watching
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS
 from reshard.formats.run_layout import WATCH_STATE
@@ -92,8 +92,9 @@ def _spec_help() -> str:
         key = f"{k.name}={k.value}"
         rows += [f"  {key}", f"  {'':<{KEY_COLUMN}}  {k.meaning}"] if len(key) > KEY_COLUMN else \
             [f"  {key:<{KEY_COLUMN}}  {k.meaning}"]
-    return ("target topology: a layout descriptor file (layouts/topologies/*.json) or KEY=VALUE pairs joined by "
-            "commas; keys left out keep the source's (default: the source's topology, e.g. to change only --format). "
+    return ("target topology: a layout descriptor file (a path, or one shipped with reshard by name: "
+            f"{rule_files.names(rule_files.LAYOUT)}) or KEY=VALUE pairs joined by commas; keys left out keep the "
+            "source's (default: the source's topology, e.g. to change only --format). "
             "Keys:\n" + "\n".join(rows))
 
 
@@ -101,7 +102,8 @@ def _spec_help() -> str:
 QUIET_HELP = "no progress bar and no notes (errors and the requested output still print)"
 SOURCE_HELP = ("a checkpoint: DeepSpeed save dir or tag folder, universal or DCP directory, .pt/.pth/.bin, .ckpt, "
                "HF checkpoint folder, safetensors file or folder")
-RULES_HELP = "how tensor parallelism cut each tensor, for a TP checkpoint that does not say (layouts/*.json)"
+RULES_HELP = ("how tensor parallelism cut each tensor, for a TP checkpoint that does not say: a rule file's path, or "
+              f"the name of one shipped with reshard ({rule_files.names(rule_files.TP_RULES)})")
 TARGET_FORMAT_HELP = ("target format: deepspeed (default for a DeepSpeed source), dcp (PyTorch distributed "
                       "checkpoint), universal (DeepSpeed's universal checkpoint)")
 MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
@@ -156,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "plan", "what a conversion would read and write, without writing",
                  ("reshard plan ckpt/ --to dp=4,zero=3",
-                  "reshard plan ckpt/ --to layouts/topologies/dp4-zero3.json --dst new/",
+                  "reshard plan ckpt/ --to dp4-zero3 --dst new/",
                   "reshard plan ckpt/ --format dcp --json"))
     _source_args(p)
     p.add_argument("--to", default="", metavar="SPEC", help=_spec_help())
@@ -216,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="master", choices=["master", "module"],
                    help="fp32 master copy (default) or the saved 16-bit module copy where there is one")
     p.add_argument("--names", metavar="FILE",
-                   help="how the consumer names and cuts the weights: an export-names rule file (layouts/, e.g. "
-                        "mixtral-autoep-hf.json: AutoEP's packed experts as Hugging Face's one tensor per expert)")
+                   help="how the consumer names and cuts the weights: an export-names rule file, a path or the name "
+                        f"of one shipped with reshard ({rule_files.names(rule_files.EXPORT_NAMES)}; mixtral-autoep-hf: "
+                        "AutoEP's packed experts as Hugging Face's one tensor per expert)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--resume", action="store_true",
@@ -238,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B", help="another checkpoint")
     p.add_argument("--tag-a", metavar="TAG", help="tag of A, for a DeepSpeed save dir")
     p.add_argument("--tag-b", metavar="TAG", help="tag of B, for a DeepSpeed save dir")
-    p.add_argument("--layout-rules", metavar="FILE",
-                   help="how tensor parallelism cut each tensor, for TP checkpoints that do not say (layouts/*.json)")
-    p.add_argument("--atol", type=float, default=0.0, metavar="X", help="largest absolute difference still equal (default 0)")
+    p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
+    p.add_argument("--atol", type=float, default=0.0, metavar="X",
+                   help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _quiet_arg(p)
     p.set_defaults(run=_diff, error_exit=2)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from reshard import rule_files
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, framework_dispositions, with_framework
@@ -11,12 +12,16 @@ from reshard.planner import Plan, plan
 
 
 def target_layout(catalog: Catalog, to: str) -> Layout:
-    """`to` is a spec ("dp=4,zero=3") or a layout descriptor file; degrees either leaves out keep the source's."""
+    """`to` is a spec ("dp=4,zero=3") or a layout descriptor file (a path, or the name of one shipped with reshard:
+    "dp4-zero3"); degrees either leaves out keep the source's."""
     source = catalog.layout
     if os.path.isfile(to):
         return source.with_descriptor(to)
     if to and "=" not in to:     # every key of a spec is key=value: this names a file
-        raise ReshardError.at(to, "no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)")
+        descriptor = rule_files.find(to, rule_files.LAYOUT)
+        if not os.path.isfile(descriptor):
+            raise ReshardError.at(to, "no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)")
+        return source.with_descriptor(descriptor)
     return source.with_spec(to)
 
 
@@ -28,7 +33,7 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | 
 
     require_complete(catalog)
     target = target_layout(catalog, to)         # (a bad spec is refused here)
-    if not os.path.isfile(to):
+    if "=" in to and not os.path.isfile(to):     # a spec (a descriptor file says only what it means)
         _refuse_keys_without_meaning(catalog, to, fmt)
     return plan_for(catalog, target, tag_out, fmt, new_rank_state)
 

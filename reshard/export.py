@@ -22,7 +22,7 @@ from reshard.formats.torchsave import TorchFile
 from reshard.inspect import jsonable
 from reshard.layout import Layout
 from reshard.planner import plan
-from reshard.targets import NewTensor, Output, TextFile
+from reshard.targets import CopiedFile, NewTensor, Output, TextFile
 
 FORMATS = {"safetensors": SafetensorsFile, "torch": TorchFile}   # each: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"
@@ -75,8 +75,8 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
             targets += _sharded(file_type, f"optimizer-{state}", state_entries, {}, {"format": "pt"},
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
-    if not single_file and catalog.framework is not None:
-        targets += catalog.framework.export_files()     # config, tokenizer: a folder from_pretrained loads
+    if not single_file:         # config, tokenizer: a folder from_pretrained loads
+        targets += [CopiedFile(os.path.basename(p), p, os.path.getsize(p)) for p in catalog.model_files]
     target = Layout(dp=1, zero=0, dtype=entries[0].dtype if entries else "float32")
     return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
 

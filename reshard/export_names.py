@@ -1,6 +1,6 @@
 """Export names: how an exported state dict names and cuts the checkpoint's tensors, for a consumer that
 names them otherwise (Hugging Face's Mixtral takes one tensor per expert where DeepSpeed AutoEP packs them
-into one). A rule file in layouts/:
+into one). A rule file (reshard/layouts/ ships some, found by name: rule_files):
 
     {"kind": "reshard.export-names", "version": 1, "description": "...",
      "rules": [{"match": REGEX, "name": TEMPLATE},               renamed (TEMPLATE as re's expand: \\1, \\g<x>)
@@ -17,9 +17,10 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from reshard import rule_files
 from reshard.errors import ReshardError
 
-KIND = "reshard.export-names"
+KIND = rule_files.EXPORT_NAMES
 INDEX = "{index}"
 
 
@@ -87,7 +88,9 @@ class ExportNames:
 
 
 def load(path: str) -> ExportNames:
-    """The rules of the file at `path`; a file that is not one is a one-line error naming it."""
+    """The rules of the file at `path` (or shipped with reshard under that name); a file that is not one is a
+    one-line error naming it."""
+    path = rule_files.find(path, KIND)
     try:
         with open(path) as f:
             spec = json.load(f)

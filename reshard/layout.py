@@ -1,7 +1,7 @@
 """Layout: the topology and precision a checkpoint was saved for (or should be written for).
 
-A Layout is detected from a checkpoint, read from a descriptor file (JSON, the format `layouts/`
-holds), or derived from another Layout and a spec such as `dp=4,zero=3`.
+A Layout is detected from a checkpoint, read from a descriptor file (JSON, the format of
+reshard/layouts/topologies/), or derived from another Layout and a spec such as `dp=4,zero=3`.
 """
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from reshard import rule_files
 from reshard.errors import ReshardError
 
-DESCRIPTOR_KIND = "reshard.layout"
+DESCRIPTOR_KIND = rule_files.LAYOUT
 DESCRIPTOR_VERSION = 1
 PARTITION_METHODS = ("uniform", "parameters", "type:REGEX")
 # Facts of a checkpoint's contents that descriptors saved by earlier versions carry: not a topology, ignored

@@ -105,7 +105,8 @@ def main(job_path, result_path):
                              report_to=[], logging_steps=1, disable_tqdm=True, seed=0, deepspeed=ds_config,
                              ddp_backend="gloo")
     probe = Probe()
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[probe])
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[probe],
+                      processing_class=single_models.tiny_tokenizer())     # saved in every checkpoint
     probe.trainer = trainer
     resume = job.get("checkpoint")
     report["world_size"] = args.world_size

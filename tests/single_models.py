@@ -61,8 +61,22 @@ def named_optimizer_truth(model, optimizer, state_dict):
     return out
 
 
-def train_hf(out_dir, steps=3, freeze=()):
-    """A real transformers.Trainer run (CPU, tiny GPT-2, in-memory data); returns (model, trainer)."""
+def tiny_tokenizer():
+    """A word-level tokenizer of VOCAB tokens ("t0".."t30", "<unk>") with a chat template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"<unk>": VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="t0", eos_token="t0",
+                                        pad_token="t0")     # the Trainer pads with it
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    return tokenizer
+
+
+def train_hf(out_dir, steps=3, freeze=(), tokenizer=None):
+    """A real transformers.Trainer run (CPU, tiny GPT-2, in-memory data); returns (model, trainer). With
+    `tokenizer` the Trainer saves it in every checkpoint."""
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config())
@@ -72,6 +86,6 @@ def train_hf(out_dir, steps=3, freeze=()):
     args = TrainingArguments(output_dir=str(out_dir), max_steps=steps, save_steps=steps, per_device_train_batch_size=2,
                              learning_rate=1e-2, weight_decay=0.01, use_cpu=True, report_to=[], logging_steps=1,
                              disable_tqdm=True, seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     trainer.train()
     return model, trainer

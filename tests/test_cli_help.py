@@ -93,7 +93,7 @@ def _examples(text: str) -> list:
 def test_every_command_ends_with_examples_that_run(tmp_path):
     for name, fixture in EXAMPLE_SOURCES.items():
         shutil.copytree(fixture_dir(fixture), tmp_path / name)
-    (tmp_path / "layouts").symlink_to(REPO / "layouts")
+    (tmp_path / "layouts").symlink_to(REPO / "reshard" / "layouts")
     (tmp_path / "evals.csv").write_text("step,eval_loss\n2,1.5\n3,1.25\n")     # list/prune --metrics
     examples = []
     # writers first: the others' examples read what they wrote (new/, model.safetensors)

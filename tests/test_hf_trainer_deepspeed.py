@@ -19,8 +19,9 @@ SCRIPT = "hf_trainer_deepspeed.py"
 SAVE, STEPS = 3, 6      # the run saves checkpoint-3 and checkpoint-6; the resumes continue from checkpoint-3
 # What the Trainer wrote beside DeepSpeed's `latest` and global_step3/ (transformers 5.24, DeepSpeed 0.19.8)
 # (under ZeRO-3 the Trainer saves no model weights: the module's params are partitioned)
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}   # single_models.tiny_tokenizer
 TRAINER_FILES = {"config.json", "generation_config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
-                 "trainer_state.json", "training_args.bin"}
+                 "trainer_state.json", "training_args.bin", *TOKENIZER_FILES}
 WEIGHTS = {2: {"model.safetensors"}, 3: set()}
 DEEPSPEED_FILES = {"latest", "global_step3", "zero_to_fp32.py", "zero_to_torch.py"}
 
@@ -136,10 +137,15 @@ def test_fsdp2_loads_the_trainers_checkpoint_through_the_reader(source):
 def test_export_writes_a_folder_from_pretrained_loads(source, tmp_path):
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import single_models
     folder = source / "run" / f"checkpoint-{SAVE}"
     run_cli("export", folder, tmp_path / "hf", "--quiet", check=0)
-    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "hf"))
+    assert {"config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES} <= \
+        set(os.listdir(tmp_path / "hf"))
+    text = "t1 t2 t30"
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text) == single_models.tiny_tokenizer()(text)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     truth = load_file(str(source / f"truth-{SAVE}.safetensors"))
     other = load_file(str(source / f"truth-{STEPS}.safetensors"))

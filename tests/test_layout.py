@@ -59,9 +59,10 @@ def test_descriptors_saved_with_content_facts_still_load(tmp_path):
 @pytest.mark.parametrize("descriptor,fixture", [("dp4-zero3", "z2_bf16_dp2"), ("tp1-dp4-zero1", "autotp2_z1_fp32_dp2"),
                                                 ("pp2-dp2-parameters", "pipe2_z1_fp32_dp2")])
 def test_example_topologies_convert_a_real_checkpoint(tmp_path, descriptor, fixture):
-    """Each example descriptor in layouts/topologies/ is a `--to` target: its degrees, the source's precision."""
-    path = REPO / "layouts" / "topologies" / f"{descriptor}.json"
-    run_cli("convert", FIXTURES / fixture / "checkpoint", tmp_path / "out", "--to", path, "--quiet", check=0)
+    """Each example descriptor shipped in reshard/layouts/topologies/ is a `--to` target by name: its degrees, the
+    source's precision."""
+    path = REPO / "reshard" / "layouts" / "topologies" / f"{descriptor}.json"
+    run_cli("convert", FIXTURES / fixture / "checkpoint", tmp_path / "out", "--to", descriptor, "--quiet", check=0)
     source = reshard.open_checkpoint(FIXTURES / fixture / "checkpoint")
     out = reshard.open_checkpoint(tmp_path / "out")
     given = json.loads(path.read_text())

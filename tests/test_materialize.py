@@ -15,7 +15,7 @@ from reshard.executor import execute
 from reshard.materialize import materialize
 from conftest import ALL_FIXTURES, REPO, copy_fixture, fixture_dir
 
-RULES = {name: str(REPO / "layouts" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}
+RULES = {name: str(REPO / "reshard" / "layouts" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}
 
 
 def _plan(src, name, to):

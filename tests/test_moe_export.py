@@ -1,5 +1,5 @@
 """MoE export in the Hugging Face layout (issue #16): AutoEP's packed experts written as Mixtral's one tensor per
-expert by the rule file layouts/mixtral-autoep-hf.json (reshard/export_names.py), loaded by transformers'
+expert by the rule file reshard/layouts/mixtral-autoep-hf.json (reshard/export_names.py), loaded by transformers'
 own from_pretrained: every weight is the engine's fp32 master bit for bit, and the probe's logits are the
 engine's. Without the rule file from_pretrained does not find the experts (the negative control).
 """
@@ -15,7 +15,7 @@ from conftest import REPO, fixture_dir, run_cli, truth_tensors
 sys.path.insert(0, str(REPO / "tools"))
 from fixture_moe import mixtral_config, probe  # noqa: E402
 
-NAMES = REPO / "layouts" / "mixtral-autoep-hf.json"
+NAMES = REPO / "reshard" / "layouts" / "mixtral-autoep-hf.json"
 AUTOEP = ["autoep2_z1_fp32", "autoep2_z2_fp32_dp2", "autoep2_z2_bf16"]
 
 
@@ -28,7 +28,7 @@ def _pretrained(name, out, *names):
 
 @pytest.mark.parametrize("name", AUTOEP)
 def test_from_pretrained_loads_the_export_with_the_engines_weights_and_logits(name, tmp_path):
-    model = _pretrained(name, tmp_path / "hf", "--names", str(NAMES))
+    model = _pretrained(name, tmp_path / "hf", "--names", "mixtral-autoep-hf")     # shipped: found by name
     truth, loaded = truth_tensors(name), model.state_dict()
     master = {k.removeprefix("fp32/"): v for k, v in truth.items() if k.startswith("fp32/")}
     compared = 0

@@ -10,7 +10,7 @@
     python tools/bench.py make-synthetic DIR --sparse [--tp 8] [--pp 2] [--dp 2] [--layers 80]
         A Llama-70B-shaped Megatron-DeepSpeed pipeline (GPTModelPipe) at tp x pp, bf16 ZeRO-1, laid
         out by reshard's DeepSpeed writer, every header real and every tensor byte a hole: ~0.97 TB
-        apparent, ~22 MB on disk (tools/bench_sparse.py). Read it with --layout-rules layouts/megatron-gpt.json.
+        apparent, ~22 MB on disk (tools/bench_sparse.py). Read it with --layout-rules megatron-gpt.
     python tools/bench.py make-tp DIR [--tp 2] [--dp 1] [--layers 1] [--vocab 4096] [--intermediate 11008]
         A random Hugging Face Llama (hidden 4096, intermediate 11008, 32 heads / 8 key-value heads)
         trained one step by the real engine with AutoTP, bf16 ZeRO-1, saved to DIR/checkpoint (3.2 GB).
@@ -36,12 +36,12 @@
     Issue #13's benchmarks:
         bench.py make-tp /work/bench/tp2
         bench.py run /work/bench/tp2/checkpoint --to tp=1,dp=2 --to tp=2,dp=2 --to tp=8,dp=2,kv_heads=8 \
-            --layout-rules layouts/llama-autotp.json --export --reshard-only
+            --layout-rules llama-autotp --export --reshard-only
         bench.py make-dcp /work/bench/dcp2 --ranks 2
         bench.py run /work/bench/dcp2 --format deepspeed --to dp=2,zero=1 --export
         bench.py make-synthetic /work/bench/llama70b --sparse
         bench.py run /work/bench/llama70b --no-cp --inspect --validate --plan tp=4,pp=4,dp=2 \
-            --layout-rules layouts/megatron-gpt.json
+            --layout-rules megatron-gpt
 
 Nothing here is asserted: it prints figures for people (see README's Performance section).
 """
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time `convert --format dcp`, and `reshard export` of that DCP against torch's dcp_to_torch")
     r.add_argument("--format", help="the target format of the --to conversions (e.g. deepspeed, from a DCP source)")
     r.add_argument("--layout-rules", metavar="FILE", help="passed to every reshard command (a tensor-parallel re-cut "
-                   "needs layouts/llama-autotp.json and kv_heads=K in its --to)")
+                   "needs --layout-rules llama-autotp and kv_heads=K in its --to)")
     r.add_argument("--inspect", action="store_true", help="also time `reshard inspect`")
     r.add_argument("--validate", action="store_true", help="also time `reshard validate`")
     r.add_argument("--plan", action="append", default=[], metavar="SPEC",

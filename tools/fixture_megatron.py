@@ -2,7 +2,7 @@
 
 Unlike AutoTP, nothing here publishes `universal_checkpoint_info`: the checkpoint says nothing about how
 the tensors were cut, as with Megatron-DeepSpeed runs that do not set it. reshard reads it only with
-`--layout-rules layouts/megatron-gpt.json`. The model uses Megatron's names and cuts:
+`--layout-rules megatron-gpt`. The model uses Megatron's names and cuts:
 vocabulary-parallel word embeddings padded to a multiple of 4*tp rows (37 -> 40) and tied to the output,
 fused QKV laid out per head (column parallel), row-parallel attention output and MLP output (their biases
 whole), SwiGLU gate and up fused along dim 0 with each rank holding [gate_r; up_r], LayerNorms whole.

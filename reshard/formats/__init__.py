@@ -10,6 +10,7 @@ import importlib
 import os
 from dataclasses import fields, replace
 
+from reshard import rule_files
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
@@ -30,16 +31,18 @@ WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshar
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
-    rule file (layouts/*.json) for checkpoints that do not say how their tensors were cut. A training
-    framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/, Accelerate's save_state dir, Lightning's
-    *.ckpt/) is read as that save, with the framework's own files in catalog.framework and any of them missing in
-    catalog.problems."""
+    rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how
+    their tensors were cut. A training framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/,
+    Accelerate's save_state dir, Lightning's *.ckpt/) is read as that save, with the framework's own files in
+    catalog.framework and any of them missing in catalog.problems."""
     reader = reader_for(path, tag)
-    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, layout_rules)))
+    rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
+    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules)))
     catalog.check_dtypes()
     around = framework.detect(path) if catalog.format == "deepspeed" else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
         catalog.framework = around
+        catalog.model_files = catalog.model_files or around.model_files
     if catalog.framework is not None:
         catalog.framework = replace(catalog.framework, world=catalog.layout.world_size)
         catalog.problems += catalog.framework.problems()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from reshard import rule_files
 from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
 from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
@@ -142,7 +143,8 @@ def _geometry(tag_dir, model, layout_rules) -> Geometry:
     if layout_rules:
         return Geometry.from_rule_file(layout_rules)
     raise ReshardError.at(tag_dir, "tensor-parallel checkpoint without universal_checkpoint_info: how each "
-                                   "parameter was cut is unknown; give it with --layout-rules FILE (see layouts/)")
+                                   "parameter was cut is unknown; give it with --layout-rules (a file, or "
+                                   f"one shipped with reshard: {rule_files.names(rule_files.TP_RULES)})")
 
 
 def _merge_tp(tag_dir, locals_, model0, geometry, tp) -> Catalog:

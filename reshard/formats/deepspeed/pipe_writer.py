@@ -93,8 +93,8 @@ def megatron_splits(catalog: Catalog, tp: int) -> dict:
     rules_path = notes.of(catalog).tp_rules
     if not rules_path:
         raise ReshardError.at(catalog.root, f"tp={catalog.layout.tp} -> tp={tp}: how the pipeline's layers are "
-                                            "cut is not in the checkpoint; give it with --layout-rules FILE "
-                                            "(layouts/megatron-gpt.json)")
+                                            "cut is not in the checkpoint; give it with --layout-rules (e.g. "
+                                            "--layout-rules megatron-gpt)")
     geometry = Geometry.from_rule_file(rules_path)
     splits = {}
     for name, info in catalog.params.items():

@@ -20,8 +20,8 @@ FORMAT = "deepspeed"
 @dataclass(frozen=True)
 class Options:
     tag: str | None = None            # the tag folder (default: the one `latest` names)
-    # a rule file (layouts/*.json) saying how tensor parallelism cut each parameter, for tensor-parallel
-    # checkpoints that do not carry `universal_checkpoint_info`
+    # the path of a rule file (reshard.formats.read found a shipped one by name) saying how tensor parallelism cut
+    # each parameter, for tensor-parallel checkpoints that do not carry `universal_checkpoint_info`
     layout_rules: str | None = None
 
 

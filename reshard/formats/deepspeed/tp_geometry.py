@@ -6,7 +6,8 @@ The geometry comes, in this order, from
    full tensor ("source") and in the shard ("dest"), with the ranks holding each block);
 2. its pattern lists (replicated, row parallel, vocabulary, fused sub-params; anything else is cut
    along dim 0, which is what those lists mean to DeepSpeed's own converter);
-3. a rule file (`layouts/*.json`, `--layout-rules`), whose format is documented in layouts/README.md.
+3. a rule file (`--layout-rules`: a path, or one shipped with reshard, reshard/layouts/*.json, by name), whose
+   format is documented in reshard/layouts/README.md.
 Name patterns live only in those inputs; they are turned into `Split`s (geometry) here and nothing
 else looks at a name. A parameter no source describes is refused, never guessed.
 """
@@ -17,11 +18,12 @@ import re
 from dataclasses import dataclass
 
 
+from reshard import rule_files
 from reshard.errors import ReshardError
 from reshard.geometry import strides
 from reshard.placement import Block, Shard
 
-RULES_KIND = "reshard.tp-rules"
+RULES_KIND = rule_files.TP_RULES
 RULES_VERSION = 1
 
 
@@ -130,7 +132,7 @@ class Geometry:
                     split = trim_rows(split, self.vocab_size)
                 return split
         raise ReshardError(f"{self.source}: no rule says how tensor parallelism cut {name}; "
-                           "give one in a --layout-rules file (see layouts/README.md)")
+                           "give one in a --layout-rules file (its format: reshard/layouts/README.md)")
 
 
 def trim_rows(split: Split, rows: int) -> Split:

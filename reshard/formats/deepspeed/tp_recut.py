@@ -49,7 +49,7 @@ def recut(catalog, target) -> tuple:
     rules_path = notes.of(catalog).tp_rules
     if not rules_path:
         raise ReshardError(f"{where}: how AutoTP cuts each parameter at a new degree is not in the checkpoint; "
-                           "give it with --layout-rules FILE (rules with 'recut', e.g. layouts/llama-autotp.json)")
+                           "give it with --layout-rules (rules with 'recut', e.g. --layout-rules llama-autotp)")
     grain = int(tp_config.get("tp_grain_size", 1) or 1)
     geometry = Geometry.from_rule_file(rules_path)
     kv_heads = target.options.get("kv_heads")

@@ -91,7 +91,7 @@ class Framework:
     folder: str                  # absolute
     files: tuple                 # FrameworkFile, by name
     kinds: tuple                 # PerRank: the per-process kinds this framework writes
-    model_files: tuple = ()      # names an export copies beside the weights (config, tokenizer)
+    model_files: tuple = ()      # paths an export copies beside the weights (config, tokenizer): catalog.model_files
     world: int = 1               # processes that saved it: the DeepSpeed part's world size, once read
     batch_note: str = ""         # where the framework sets the batch size, for plan's advice
 
@@ -159,12 +159,6 @@ class Framework:
         sizes = {f.name: f.size for f in self.files}
         return [CopiedFile(d.target, os.path.join(self.folder, d.source), sizes[d.source])
                 for d in self.dispositions(world, policy) if d.source is not None and d.target is not None]
-
-    def export_files(self) -> list:
-        """CopiedFiles an export writes beside the weights, so from_pretrained loads the folder."""
-        sizes = {f.name: f.size for f in self.files}
-        return [CopiedFile(name, os.path.join(self.folder, name), sizes[name])
-                for name in self.model_files if name in sizes]
 
     def batch_advice(self, advice: str | None) -> str | None:
         """The DeepSpeed writer's batch-size advice, saying where this framework sets it."""

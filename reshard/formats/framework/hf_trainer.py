@@ -15,19 +15,16 @@ import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
+from reshard.formats.single import hf_files
 from reshard.formats.single.hf_trainer import ARGS, SCHEDULER, TRAINER_STATE
 
 NAME = "HF Trainer"
 RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth",
               "the Trainer finds none and keeps the RNG streams of its seed (TrainingArguments.seed)")
 WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
-TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-             "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
-             "chat_template.json", "preprocessor_config.json", "processor_config.json")
 # DeepSpeed's batch settings are "auto" under the Trainer, filled from TrainingArguments.
 BATCH = ("the Trainer fills them from TrainingArguments (gradient_accumulation_steps, per_device_train_batch_size) "
          "into DeepSpeed's \"auto\" values; the same global batch keeps its epoch and data-skip arithmetic")
-CONFIGS = ("config.json", "generation_config.json")
 WHAT = {TRAINER_STATE: "the Trainer's state (global step, epoch, log history: a global position)",
         SCHEDULER: "the LR scheduler's state_dict",
         ARGS: "the pickled TrainingArguments",
@@ -41,7 +38,7 @@ def detect(folder: str) -> Framework | None:
             os.path.isfile(os.path.join(folder, TRAINER_STATE))):
         return None
     return Framework(NAME, folder, framework_files(folder, (RNG,), _what), (RNG,),
-                     model_files=CONFIGS + TOKENIZER, batch_note=BATCH)
+                     model_files=hf_files.present(folder), batch_note=BATCH)
 
 
 def _what(name: str) -> str:
@@ -49,6 +46,6 @@ def _what(name: str) -> str:
         return WHAT[name]
     if WEIGHTS.match(name):
         return "the model's weights as the Trainer saved them"
-    if name in TOKENIZER:
+    if name in hf_files.TOKENIZER:
         return "a tokenizer file"
     return UNKNOWN

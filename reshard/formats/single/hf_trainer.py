@@ -18,14 +18,14 @@ from reshard.catalog import Catalog, TrainingState
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
 from reshard.formats.protocol import NoOptions
-from reshard.formats.single import hf_weights, model
+from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchfile import is_optimizer
 from reshard.layout import Layout
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
-OPAQUE = (ARGS, "config.json", "generation_config.json")
+OPAQUE = (ARGS, *hf_files.CONFIGS)
 FORMAT = "hf-trainer"
 OPTIONS = NoOptions
 
@@ -70,6 +70,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     step = catalog.training.global_steps or catalog.contents().step or 0
     if catalog.training.global_steps is None:
         catalog.training = replace(catalog.training, global_steps=step)
+    catalog.model_files = hf_files.present(folder)
     return catalog
 
 

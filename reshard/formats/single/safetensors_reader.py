@@ -9,7 +9,7 @@ import os
 
 from reshard.catalog import Catalog
 from reshard.formats.protocol import NoOptions
-from reshard.formats.single import hf_weights, model, safetensors_header
+from reshard.formats.single import hf_files, hf_weights, model, safetensors_header
 from reshard.layout import Layout
 
 SUFFIX = ".safetensors"
@@ -44,4 +44,6 @@ def read(path: str, options: NoOptions) -> Catalog:
         model.add_file(catalog, file, role)
     model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
                 weights.buffers)
+    if os.path.isdir(path):     # a save_pretrained folder: its config and tokenizer go with the weights
+        catalog.model_files = hf_files.present(path)
     return catalog

@@ -1,0 +1,52 @@
+"""The rule files that ship with reshard (reshard/layouts/, package data: a pip-installed reshard has them), found by
+name: `--layout-rules megatron-gpt` is the shipped megatron-gpt.json, `--names mixtral-autoep-hf` an export-names
+file, `--to dp4-zero3` a topology descriptor. A path (anything that exists, holds a separator or ends in .json) is
+taken as given, and its reader says what is wrong with it. A file's kind is its own "kind" field, not its folder.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+
+from reshard.errors import UsageError
+
+TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "reshard.layout"
+WHAT = {TP_RULES: "tensor-parallel rule file", EXPORT_NAMES: "export-names file", LAYOUT: "topology descriptor"}
+SUFFIX = ".json"
+# Installed as plain files (pip unpacks wheels), so the folder is a path the readers open like any other file.
+SHIPPED = importlib.resources.files("reshard") / "layouts"
+
+
+def shipped(kind: str) -> dict:
+    """{name: path} of the shipped files of `kind`, by name."""
+    out = {}
+    for folder in (SHIPPED, SHIPPED / "topologies"):
+        for entry in folder.iterdir() if folder.is_dir() else ():
+            if entry.name.endswith(SUFFIX) and _kind(entry) == kind:
+                out[entry.name[:-len(SUFFIX)]] = os.fspath(entry)
+    return dict(sorted(out.items()))
+
+
+def names(kind: str) -> str:
+    """The shipped names of `kind`, for help and messages: "llama-autotp, llama-autotp-tied, megatron-gpt"."""
+    return ", ".join(shipped(kind))
+
+
+def find(given: str, kind: str) -> str:
+    """The path `given` names: itself when it is a path, else the shipped file of `kind` of that name; an unknown
+    name is a usage error listing the shipped ones."""
+    if os.path.exists(given) or os.sep in given or given.endswith(SUFFIX):
+        return given
+    found = shipped(kind)
+    if given in found:
+        return found[given]
+    raise UsageError.at(given, f"no such file, nor a {WHAT[kind]} shipped with reshard ({', '.join(found)})")
+
+
+def _kind(entry) -> str | None:
+    try:
+        data = json.loads(entry.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("kind") if isinstance(data, dict) else None
