@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from reshard import manifest, watch_state
+from reshard import watch_state
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import read as read_catalog
 from reshard.inspect import human_bytes
@@ -192,8 +192,8 @@ class Watcher:
         if status == COMPLETE and self.checksums:
             try:
                 catalog = read_catalog(row.path)
-                summed = manifest.find(catalog.root) is not None     # a training save has none to check against
-                report = validate(catalog, checksums=summed)
+                report = validate(catalog, checksums=True)
+                summed = report.checksums       # False where there is no manifest (every training save)
                 if not report.ok:
                     status, why = INCOMPLETE, problem_line(report)
             except ReshardError as e:

@@ -124,3 +124,33 @@ def test_json_and_usage_errors(tmp_path):
     proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--tag", "global_step9", check=1)
     assert "global_step9" in proc.stderr
     proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--tag", "global_step2", check=0)
+
+
+def test_checksums_without_a_manifest_are_unverified_not_a_problem(tmp_path):
+    """A training save has no manifest: `--checksums` says the sums could not be verified, and the coverage
+    verdict stands (complete: exit 0; a missing rank file: exit 1, for that). The negative control: a manifest
+    with one wrong sha256 fails, exit 1, naming the file."""
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    places = f"{tag_dir(save)}/reshard-manifest.json or {save}/reshard-manifest.json"
+    proc = run_cli("validate", save, "--checksums", check=0)
+    assert proc.stdout.splitlines() == [f"checksums: not verified (no manifest: {places})",
+                                        "complete; 34 logical tensors, 5,604 elements in 3 files"]
+    data = json.loads(run_cli("validate", save, "--checksums", "--json", check=0).stdout)
+    assert data["ok"] and data["problems"] == [] and not data["checksums_verified"]
+    assert data["checksums_unverified"] == places
+    (tag_dir(save) / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    *problems, unverified, summary = run_cli("validate", save, "--checksums", check=1).stdout.splitlines()
+    assert summary.startswith("NOT complete: ") and unverified.startswith("checksums: not verified")
+    assert all("manifest" not in p for p in problems) and any("optim_states.pt: missing" in p for p in problems)
+
+    out = tmp_path / "converted"
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", check=0)
+    proc = run_cli("validate", out, "--checksums", check=0)
+    assert "not verified" not in proc.stdout and "sizes and sha256" in proc.stdout
+    manifest = json.loads((out / "reshard-manifest.json").read_text())
+    victim = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    manifest["files"][victim]["sha256"] = "0" * 64
+    (out / "reshard-manifest.json").write_text(json.dumps(manifest))
+    *problems, summary = run_cli("validate", out, "--checksums", check=1).stdout.splitlines()
+    assert summary.startswith("NOT complete: 1 problem") and "not verified" not in "".join(problems)
+    assert [p for p in problems if victim in p and "sha256" in p] == problems
