@@ -69,7 +69,8 @@ class Report:
         return {"ok": self.ok, "problems": self.problems, "tensors": self.tensors, "elements": self.elements,
                 "missing_elements": self.missing_elements, "missing_fraction": self.missing_fraction,
                 "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep,
-                "manifest": self.manifest, "checksums_verified": self.checksums, "checksums_unverified": self.unverified}
+                "manifest": self.manifest, "checksums_verified": self.checksums,
+                "checksums_unverified": self.unverified}
 
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False, progress: bool = False) -> Report:

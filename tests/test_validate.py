@@ -85,7 +85,8 @@ def test_zero3_model_states_from_another_step(tmp_path):
     sd["global_steps"] = 2
     torch.save(sd, victim)
     problems, _ = _problems(save)
-    assert any(str(victim) in p and "global_steps 2" in p for p in problems), problems
+    first = victim.parent / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    assert any(p.startswith(f"{victim}: global_steps is 2 here, 3 in {first}") for p in problems), problems
 
 
 @pytest.mark.parametrize("name", ["z2_fp32_dp2", "z3_fp32_dp2"])
@@ -154,3 +155,42 @@ def test_checksums_without_a_manifest_are_unverified_not_a_problem(tmp_path):
     *problems, summary = run_cli("validate", out, "--checksums", check=1).stdout.splitlines()
     assert summary.startswith("NOT complete: 1 problem") and "not verified" not in "".join(problems)
     assert [p for p in problems if victim in p and "sha256" in p] == problems
+
+
+def set_step(path, value: float) -> None:
+    """Rewrite one rank's optimizer file (ZeRO-1/2 or 3) with every step it holds a float32 `value`, as torch's
+    Adam saves it (what a file of another save, or a flipped bit, would hold)."""
+    sd = torch.load(path, weights_only=False)
+    inner = sd["optimizer_state_dict"]
+    state = inner["base_optimizer_state" if "base_optimizer_state" in inner else "optimizer_state_dict"]["state"]
+    for entry in state.values():
+        entry["step"] = torch.tensor(value, dtype=torch.float32)
+    torch.save(sd, path)
+
+
+ODD = "param group 0: optimizer step is 3.000000238418579 here, 3.0 in the 3 other file(s) (a file from another save?)"
+
+
+@pytest.mark.parametrize("name", ["z2_fp32_dp4", "z3_fp32_dp4"])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_the_rank_whose_step_disagrees_is_the_one_named(tmp_path, name, rank):
+    """One rank's step 3.0000002 among 4 ranks' 3: that rank's file is named, the only problem (rank 0's used to
+    blame the three healthy ranks). The negative control: the untouched copy is complete."""
+    save = copy_fixture(name, tmp_path)
+    run_cli("validate", save, check=0)
+    victim = tag_dir(save) / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    set_step(victim, 3.0000002)
+    problems, _ = _problems(save)
+    assert problems == [f"{victim}: {ODD}"]
+
+
+def test_two_ranks_two_steps_both_are_named_with_their_values(tmp_path):
+    """Two ranks disagreeing: nothing tells which is right, so both files are named, each with both values."""
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    first, second = (tag_dir(save) / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
+    set_step(second, 3.0000002)
+    problems, _ = _problems(save)
+    tail = "and no value is held by most files: which is right is not known (a file from another save?)"
+    assert problems == [
+        f"{first}: param group 0: optimizer step is 3.0 here, 3.000000238418579 in {second}, {tail}",
+        f"{second}: param group 0: optimizer step is 3.000000238418579 here, 3.0 in {first}, {tail}"]
