@@ -184,7 +184,7 @@ def _leaves(value, path: str, out: dict, param: str | None = None) -> None:
         elif isinstance(value, Enum):
             value = value.value
         elif hasattr(value, "__dict__"):      # a stand-in for a framework object (DeepSpeed's LossScaler)
-            _leaves(vars(value), f"{path}", out, param)
+            _leaves(vars(value), path, out, param)
             return
         out[(param, path) if param is not None else path] = value
 
