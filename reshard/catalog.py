@@ -168,6 +168,14 @@ class FormatNotes(Protocol):
     def param_details(self, name: str) -> dict:
         """Plain data on how parameter `name` is held ({} when nothing beyond the catalog's own facts)."""
 
+    def layout_scalar(self, key: str, value) -> bool:
+        """Whether param-group hyper-parameter `key` = `value` only names the topology (AutoEP's expert group
+        name): a conversion changes it, so `diff` does not compare it."""
+
+    def scalars(self) -> dict:
+        """{name: value} of the non-tensor training state only this format keeps (a loss scaler, the client
+        state), as saved: `diff` compares its leaves."""
+
 
 @dataclass
 class Catalog:

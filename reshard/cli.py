@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     _source_args(p)
     p.add_argument("--deep", action="store_true", help="also read the bytes and report NaN/Inf")
     p.add_argument("--checksums", action="store_true",
-                   help="verify every file's sha256 against the reshard manifest (convert/export write one)")
+                   help="verify every file's sha256 against the reshard manifest (convert/export write one; "
+                   "without one: a line says they are not verified, the verdict stands)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_validate)
 
@@ -469,6 +470,8 @@ def _validate(args) -> int:
     else:
         for problem in report.problems:
             print(problem)
+        if report.checksum_line():
+            print(report.checksum_line())
         print(report.summary())
     return 0 if report.ok else 1
 

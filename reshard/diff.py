@@ -16,18 +16,26 @@ of one dtype are noted, not counted. A NaN facing a number, and an infinity faci
 itself, are counted apart from the largest finite difference (which --atol bounds), with the first
 element where each occurs.
 Values stream through in blocks of both sides' memory maps; memory does not grow with size.
+Every non-tensor value both hold is compared exactly (--atol bounds tensors only): optimizer steps and
+hyper-parameters per trainable param, training counters, the lr scheduler's state, the format's own (loss
+scaler, client state). What the reader found wrong in one side's files only (a rank's step disagreeing with
+the others') is a difference too.
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
-from reshard.catalog import MASTER, MODULE, Catalog
+from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.dtypes import is_floating, itemsize
+from reshard.formats.torchzip import TensorRef
 from reshard.progress import bar as progress_bar
 from reshard.locate import Locator
-from reshard.tensorio import MappedFiles, read_range
+from reshard.tensorio import MappedFiles, read_range, read_scalar
 
 BLOCK = 1 << 22     # elements per comparison step
 
@@ -36,7 +44,9 @@ BLOCK = 1 << 22     # elements per comparison step
 class Difference:
     name: str
     state: str
-    kind: str                  # "missing" (only in A), "extra" (only in B), "shape", "dtype", "values"
+    # "missing" (only in A), "extra" (only in B), "shape", "dtype", "values"; "scalar": a non-tensor value;
+    # "problem": what the reader found wrong in one side's files only (name: the side)
+    kind: str
     detail: str
     max_abs_diff: float | None = None        # over the elements finite on both sides
     nan_mismatches: int = 0                  # elements NaN on one side only
@@ -45,6 +55,8 @@ class Difference:
     first_inf_mismatch: int | None = None
 
     def line(self) -> str:
+        if self.kind == "problem":
+            return f"{self.name}: {self.detail}"
         return f"{self.name} ({self.state}): {self.detail}"
 
 
@@ -98,10 +110,100 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> D
     if report.nan_bits:
         report.notes.append(f"{len(report.nan_bits)} tensor(s) hold NaNs with other bits (payload or sign) at the "
                             f"same elements in A and B, counted equal: {_some(report.nan_bits)}")
-    step_a, step_b = a.contents().step, b.contents().step
-    if step_a is not None and step_b is not None and step_a != step_b:
-        report.differences.append(Difference("-", "step", "values", f"optimizer step {step_a} != {step_b}"))
+    _compare_scalars(a, b, report)
+    _compare_problems(a, b, report)
     return report
+
+
+def _compare_scalars(a: Catalog, b: Catalog, report: DiffReport) -> None:
+    """Every non-tensor value both hold, exactly (--atol is for tensors): each trainable param's optimizer
+    scalars (its own step, or its group's) and its group's hyper-parameters, one difference per scalar and pair
+    of values with the params that have it; the training counters, the lr scheduler's state and what the format
+    keeps (loss scaler, client state), each leaf by its path, one only one side holds noted."""
+    params_a, params_b = _param_scalars(a), _param_scalars(b)
+    differing = {}      # (scalar, value A, value B) -> [params], in A's order
+    for (name, key), va in params_a.items():
+        vb = params_b.get((name, key), va)
+        if not _same_scalar(va, vb):
+            differing.setdefault((key, repr(va), repr(vb)), []).append(name)
+    for (key, va, vb), names in differing.items():
+        report.differences.append(Difference(_some(names), key, "scalar", f"{key} {va} in A, {vb} in B "
+                                             f"({len(names)} param{'s' if len(names) > 1 else ''})"))
+    globals_a, globals_b = _global_scalars(a), _global_scalars(b)
+    for label in [k for k in globals_a if k in globals_b]:
+        va, vb = globals_a[label], globals_b[label]
+        if not _same_scalar(va, vb):
+            report.differences.append(Difference(label, "scalar", "scalar", f"{va!r} in A, {vb!r} in B"))
+    for side, mine, theirs in (("A", globals_a, globals_b), ("B", globals_b, globals_a)):
+        only = [k for k in mine if k not in theirs]
+        if only and theirs:     # a side with none (an export) holds no training state at all
+            report.notes.append(f"{len(only)} scalar(s) only in {side}, not compared: {_some(only)}")
+
+
+def _param_scalars(catalog: Catalog) -> dict:
+    """{(trainable param, scalar): value}: its optimizer scalars and its group's hyper-parameters (leaves)."""
+    out = {}
+    for p in catalog.params.values():
+        if p.kind != "trainable" or p.name in catalog.aliases:
+            continue
+        for key, value in catalog.scalars_of_param(p.name).items():
+            _leaves(value, key, out, p.name)
+        if p.group is not None and p.group < len(catalog.param_groups):
+            for key, value in catalog.param_groups[p.group].items():
+                if key != "params" and not (catalog.notes is not None and catalog.notes.layout_scalar(key, value)):
+                    _leaves(value, key, out, p.name)
+    return out
+
+
+def _global_scalars(catalog: Catalog) -> dict:
+    """{path: value} of the training state's leaves and the format's own (catalog.FormatNotes.scalars)."""
+    out = {}
+    training = catalog.training
+    for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler"):
+        if getattr(training, key) is not None:
+            _leaves(getattr(training, key), key, out)
+    for key, value in (catalog.notes.scalars() if catalog.notes is not None else {}).items():
+        _leaves(value, key, out)
+    return out
+
+
+def _leaves(value, path: str, out: dict, param: str | None = None) -> None:
+    """Plain values of `value` by path (`lr_scheduler.base_lrs[0]`) into `out` (keyed (param, path) for a
+    param's): a one-element tensor as its value, a bigger one as its dtype and shape."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _leaves(v, f"{path}.{k}", out, param)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _leaves(v, f"{path}[{i}]", out, param)
+    else:
+        if isinstance(value, ScalarTensor):
+            value = value.value
+        elif isinstance(value, TensorRef):
+            value = read_scalar(value) if value.numel == 1 else f"tensor {value.dtype}{list(value.shape)}"
+        elif isinstance(value, Enum):
+            value = value.value
+        elif hasattr(value, "__dict__"):      # a stand-in for a framework object (DeepSpeed's LossScaler)
+            _leaves(vars(value), path, out, param)
+            return
+        out[(param, path) if param is not None else path] = value
+
+
+def _same_scalar(a, b) -> bool:
+    """Exactly equal: as numbers whatever they are saved as (3, 3.0, a one-element tensor); a NaN equals a NaN."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _compare_problems(a: Catalog, b: Catalog, report: DiffReport) -> None:
+    """What the reader found wrong in one side's files and not in the other's (one rank's step from another
+    save among the others) is a difference: such a checkpoint holds two values where the other holds one."""
+    seen = [{p.replace(c.root + os.sep, "") for p in c.problems} for c in (a, b)]
+    for side, catalog, other in (("A", a, seen[1]), ("B", b, seen[0])):
+        for problem in catalog.problems:
+            if problem.replace(catalog.root + os.sep, "") not in other:
+                report.differences.append(Difference(f"{side} only", "files", "problem", problem))
 
 
 def _not_the_master(module, master) -> bool:

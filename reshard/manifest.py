@@ -52,11 +52,16 @@ def file_digest(path: str, report=None) -> tuple:
 
 def find(root: str) -> str | None:
     """The manifest governing a checkpoint directory (its own, or its save dir's for a tag folder)."""
-    for folder in (root, os.path.dirname(root)):
-        path = os.path.join(folder, NAME)
+    for path in places(root):
         if os.path.isfile(path):
             return path
     return None
+
+
+def places(root: str) -> list:
+    """Where `find` looks for the manifest of the checkpoint at `root` (a folder, or a file: its folder's)."""
+    folders = [root, os.path.dirname(root)] if os.path.isdir(root) else [os.path.dirname(root)]
+    return [os.path.join(folder, NAME) for folder in folders]
 
 
 def verify(path: str, checksums: bool, within: str | None = None, progress: bool = False) -> list:

@@ -36,6 +36,9 @@ class Report:
     deep: bool = False
     manifest: str | None = None     # the manifest checked, if any
     checksums: bool = False         # whether its sha256 sums were verified (sizes always are)
+    # sha256 sums asked for but not verifiable: the manifest that is not there (every training save has none).
+    # It says nothing about the checkpoint's coverage, which stands: not a problem.
+    unverified: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -60,11 +63,16 @@ class Report:
             text += f"; files checked against {os.path.basename(self.manifest)}: {what}"
         return text
 
+    def checksum_line(self) -> str | None:
+        """The line `--checksums` adds when there was no manifest to verify against (None otherwise)."""
+        return f"checksums: not verified (no manifest: {self.unverified})" if self.unverified else None
+
     def to_dict(self) -> dict:
         return {"ok": self.ok, "problems": self.problems, "tensors": self.tensors, "elements": self.elements,
                 "missing_elements": self.missing_elements, "missing_fraction": self.missing_fraction,
                 "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep,
-                "manifest": self.manifest}
+                "manifest": self.manifest, "checksums_verified": self.checksums,
+                "checksums_unverified": self.unverified}
 
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False, progress: bool = False) -> Report:
@@ -94,8 +102,7 @@ def _check_manifest(catalog, report, checksums, progress):
         report.problems += manifest.verify(found, checksums, within=catalog.root, progress=progress)
         report.manifest, report.checksums = found, checksums
     elif checksums:
-        report.problems.append(f"{catalog.root}: no {manifest.NAME} to check against (written by reshard "
-                               "convert and export)")
+        report.unverified = " or ".join(manifest.places(catalog.root))
 
 
 def _where(catalog, tensor) -> str:

@@ -2,7 +2,8 @@
 
 For each checkpoint it reported: the fingerprint of its files when it was validated (count, bytes, blocks,
 newest mtime — a save reusing the name changes it, and is then new), the verdict, whether the sha256 sums were
-checked and whether the action on it (`--exec`) ran; and which checkpoint the `--export-best` file holds. It is
+checked and whether the action on it (`--exec`) ran; and which checkpoint the `--export-best` file holds, with
+its score and the file's identity as written (so a restarted watcher replaces it only with a better one). It is
 written whole to a hidden sibling and renamed over the old one, so a watcher killed at any point leaves the old
 state or the new, never half of one. A lock file beside it keeps a second watcher out. The names are hidden
 (run_layout.WATCH_STATE, WATCH_LOCK): `list` and `prune` skip them.
@@ -18,7 +19,8 @@ from reshard.errors import ReshardError
 from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
 from reshard.staging import fsync, write_text
 
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)       # 1: a Best without its score (what it held is then beaten by any best)
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,34 @@ class Seen:
 
 @dataclass(frozen=True)
 class Best:
-    """The checkpoint `--export-best` last wrote to `out`."""
+    """The checkpoint `--export-best` last wrote to `out`, what it scored, and the file as written: the export is
+    replaced only by a strictly better checkpoint, also once its source is deleted (it holds the weights)."""
     name: str
     fingerprint: tuple
     out: str
+    metric: str = ""            # ranked by `metric` in `mode`; another ranking makes this memory void
+    mode: str = "min"
+    value: float | None = None  # None: written by a version that kept no score (any best replaces it)
+    step: int | None = None
+    written: tuple = ()         # identity(out) after the export: anything else there now was not written by us
+
+    def scored(self, out: str, metric: str, mode: str) -> bool:
+        """Whether this is what `out` holds when ranked by `metric` in `mode`, with a score to beat."""
+        return (self.out, self.metric, self.mode) == (out, metric, mode) and self.value is not None
+
+    def better(self, value: float) -> bool:
+        """Whether `value` is strictly better than the exported one's."""
+        return value < self.value if self.mode == "min" else value > self.value
+
+
+def identity(path: str) -> tuple:
+    """(inode, size, mtime in ns) of the file at `path`; () when there is none. The export is replaced by a
+    rename, so a new file there, or an edit, changes it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -65,11 +91,12 @@ def load(root: str) -> WatchState:
     try:
         with open(path) as f:
             data = json.load(f)
-        if data.get("version") != VERSION:
+        if data.get("version") not in READABLE:
             raise ValueError(f"version {data.get('version')!r}, not {VERSION}")
         seen = {name: Seen(**{**s, "fingerprint": tuple(s["fingerprint"])}) for name, s in data["seen"].items()}
         best = data.get("best")
-        return WatchState(seen, Best(**{**best, "fingerprint": tuple(best["fingerprint"])}) if best else None)
+        return WatchState(seen, Best(**{**best, "fingerprint": tuple(best["fingerprint"]),
+                                        "written": tuple(best.get("written", ()))}) if best else None)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise ReshardError.at(path, f"not a reshard watch state ({e}); remove it to start over") from None
 

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from reshard import manifest, watch_state
+from reshard import watch_state
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import read as read_catalog
 from reshard.inspect import human_bytes
@@ -194,8 +194,8 @@ class Watcher:
         if status == COMPLETE and self.checksums:
             try:
                 catalog = read_catalog(row.path)
-                summed = manifest.find(catalog.root) is not None     # a training save has none to check against
-                report = validate(catalog, checksums=summed)
+                report = validate(catalog, checksums=True)
+                summed = report.checksums       # False where there is no manifest (every training save)
                 if not report.ok:
                     status, why = INCOMPLETE, problem_line(report)
             except ReshardError as e:
@@ -236,27 +236,56 @@ class Watcher:
         return out
 
     def _export(self, verdicts: list) -> tuple:
-        """(name exported, problems): the best validated checkpoint by the metric, into `export_best`, when it
-        is not the one already there."""
+        """(name exported, problems): into `export_best`, the best validated checkpoint by the metric when it is
+        strictly better than the one exported before (remembered, scored, across restarts: retention may have
+        deleted that one since, and an export of a worse one would lose the best weights of the run). When the
+        file is not the one written (removed, or changed by someone), it is written again from the remembered
+        checkpoint, or where that is gone from the best one left, which is said as a problem when it is worse."""
         if not self.export_best:
             return None, []
-        best = ranked([r for r in verdicts if r.status == COMPLETE], self.metric, self.mode)
-        if not best:
-            return None, []
-        value, row = best[0]
-        key = (row.name, fingerprint(row))
+        complete = [r for r in verdicts if r.status == COMPLETE]
+        best = ranked(complete, self.metric, self.mode)
         held = self.state.best
-        if (held and (held.name, held.fingerprint, held.out) == (*key, self.export_best)
-                and os.path.exists(self.export_best)) or key in self._failed_exports:
+        if not (held and held.scored(self.export_best, self.metric, self.mode)):
+            held = None         # nothing exported yet, or ranked otherwise then: no score to beat
+        better = bool(best) and (held is None or held.better(best[0][0]))
+        lost = held is not None and watch_state.identity(self.export_best) != held.written
+        if not better and not lost:
+            return None, []
+        pick, note, worse = best[0] if best else None, "", False
+        if lost:
+            was = f"{'changed' if os.path.exists(self.export_best) else 'removed'} since {label(held)} " \
+                  f"({self.metric} {held.value:g}) was exported to it"
+            source = [r for r in complete if (r.name, fingerprint(r)) == (held.name, held.fingerprint)]
+            if better:
+                note = f"{was}; a better checkpoint is written"
+            elif source:
+                pick, note = (held.value, source[0]), f"{was}: written again from it"
+            elif not best:
+                return None, [self._problem(f"{self.export_best}: {was}, which is deleted, and no validated "
+                                            f"checkpoint left records {self.metric}: nothing written")]
+            else:
+                worse = best[0][0] != held.value
+                note = f"{was}, which is deleted: the best checkpoint left is written" + \
+                    (", a worse one" if worse else "")
+        value, row = pick
+        key = (row.name, fingerprint(row))
+        if key in self._failed_exports:
             return None, []
         try:
             _export_file(row.path, self.export_best)
         except ReshardError as e:
             self._failed_exports.add(key)
             return None, [self._problem(f"--export-best: {e}")]
-        self.state = replace(self.state, best=watch_state.Best(row.name, fingerprint(row), self.export_best))
+        self.state = replace(self.state, best=watch_state.Best(
+            row.name, fingerprint(row), self.export_best, self.metric, self.mode, value, row.step,
+            watch_state.identity(self.export_best)))
         watch_state.save(self.root, self.state)
         self.say(f"best {self.metric} {value:g}: {label(row)} exported to {self.export_best}", False)
+        if worse:       # the best weights of the run are lost: an error, also for `--once`'s exit status
+            return row.name, [self._problem(f"{self.export_best}: {note}")]
+        if note:
+            self.say(f"{self.export_best}: {note}", False)
         return row.name, []
 
     def _prune(self, listing, verdicts: list) -> tuple:

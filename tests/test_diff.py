@@ -195,3 +195,69 @@ def test_nan_in_a_zero_checkpoint_is_located_and_survives_conversion(tmp_path, m
     assert reshard.diff.diff(reshard.open_checkpoint(nan), reshard.open_checkpoint(tmp_path / "dp3")).equal
     proc = run_cli("diff", src, tmp_path / "dp3", check=1)
     assert proc.stderr == "" and f"NaN on one side only at 1 element(s), first at element {element}" in proc.stdout
+
+
+def _rewrite(path, edit):
+    import torch
+    sd = torch.load(path, weights_only=False)
+    edit(sd)
+    torch.save(sd, path)
+
+
+def _groups(sd):
+    inner = sd["optimizer_state_dict"]
+    return inner["base_optimizer_state"]
+
+
+def test_one_ranks_step_differing_is_a_difference(tmp_path):
+    """Issue 24.5: one rank's step 3.0000002 among 4 ranks' 3. diff names that file (exit 1), also with --atol (it
+    bounds tensors only: scalars compare exactly); the negative control: the untouched copy diffs clean."""
+    from test_validate import ODD, set_step
+    src = fixture_dir("z2_fp32_dp4")
+    changed = tmp_path / "changed"
+    shutil.copytree(src, changed)
+    assert run_cli("diff", src, changed, check=0).stdout.startswith("no difference")
+    victim = changed / "global_step3" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    set_step(victim, 3.0000002)
+    proc = run_cli("diff", src, changed, "--atol", "1", check=1)
+    assert proc.stdout.splitlines() == [f"B only: {victim}: {ODD}",
+                                        "DIFFERENT (atol 1): 1 difference(s); 34 tensors, 5,604 elements compared"]
+    [d] = json.loads(run_cli("diff", changed, src, "--json", check=1).stdout)["differences"]
+    assert (d["name"], d["kind"], d["detail"]) == ("A only", "problem", f"{victim}: {ODD}")
+
+
+@pytest.mark.parametrize("what,edit,line", [
+    ("step", lambda sd: [e.__setitem__("step", e["step"] + 2 ** -22) for e in _groups(sd)["state"].values()],
+     "emb.weight, l1.weight, l1.bias … (step): step 3.0 in A, 3.000000238418579 in B (8 params)"),
+    ("lr", lambda sd: _groups(sd)["param_groups"][0].__setitem__("lr", 0.0100001),
+     "emb.weight, l1.weight, l1.bias … (lr): lr 0.0028000000000000004 in A, 0.0100001 in B (8 params)"),
+    ("betas", lambda sd: _groups(sd)["param_groups"][0].__setitem__("betas", (0.9, 0.99)),
+     "emb.weight, l1.weight, l1.bias … (betas[1]): betas[1] 0.999 in A, 0.99 in B (8 params)"),
+    ("loss scale", lambda sd: setattr(sd["optimizer_state_dict"]["loss_scaler"], "cur_scale", 2.0),
+     "loss_scaler.cur_scale (scalar): 1.0 in A, 2.0 in B"),
+    ("clip_grad", lambda sd: sd["optimizer_state_dict"].__setitem__("clip_grad", 0.5),
+     "clip_grad (scalar): 1.0 in A, 0.5 in B")])
+def test_every_optimizer_scalar_is_compared(tmp_path, what, edit, line):
+    """A scalar changed alike in every rank's optimizer file: per param step, hyper-parameters, the loss scaler's
+    state, clip_grad: one line each, with both values."""
+    src = fixture_dir("z2_fp32_dp2")
+    changed = tmp_path / "changed"
+    shutil.copytree(src, changed)
+    for path in (changed / "global_step3").glob("*optim_states.pt"):
+        _rewrite(path, edit)
+    proc = run_cli("diff", src, changed, check=1)
+    assert proc.stdout.splitlines()[:-1] == [line], proc.stdout
+
+
+@pytest.mark.parametrize("key,value,line", [
+    ("global_steps", 4, "global_steps (scalar): 3 in A, 4 in B"),
+    ("global_samples", 13, "global_samples (scalar): 12 in A, 13 in B"),
+    ("lr_scheduler", {"last_batch_iteration": 3}, "lr_scheduler.last_batch_iteration (scalar): 2 in A, 3 in B"),
+    ("epoch", 2, "client_state.epoch (scalar): 1 in A, 2 in B")])
+def test_training_counters_scheduler_and_client_state_are_compared(tmp_path, key, value, line):
+    src = fixture_dir("z2_fp32_dp2")
+    changed = tmp_path / "changed"
+    shutil.copytree(src, changed)
+    _rewrite(changed / "global_step3" / "mp_rank_00_model_states.pt", lambda sd: sd.__setitem__(key, value))
+    proc = run_cli("diff", src, changed, check=1)
+    assert proc.stdout.splitlines()[:-1] == [line], proc.stdout

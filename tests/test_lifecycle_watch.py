@@ -302,6 +302,87 @@ def test_export_best_is_replaced_only_when_the_best_changes(tmp_path):
     assert sorted(p.name for p in best.parent.iterdir() if p.name.startswith(".")) == []     # nothing left beside
 
 
+def _best_run(run, tmp_path):
+    """The DeepSpeed run with global_step1-3 only (4-8 set aside, `latest` naming 3), global_step1 holding other
+    weights than the rest (the fixture's global_step2); a loss falling to 0.5 at step 1, then rising, and 0.2 at
+    step 6; a reference export of steps 1 and 6 (6's weights are 3's)."""
+    ds = run / "ds"
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for step in range(4, 9):
+        (ds / f"global_step{step}").rename(aside / f"global_step{step}")
+    shutil.rmtree(ds / "global_step1")
+    lr.copy_tag("z2_fp32_dp2", "global_step2", ds, "global_step1")
+    (ds / "latest").write_text("global_step3")
+    lr.age(run)
+    metrics = tmp_path / "loss.json"
+    metrics.write_text(json.dumps({"loss": {"1": 0.5, "2": 0.8, "3": 1.0, "6": 0.2}}))
+    refs = {step: tmp_path / f"ref-{step}.safetensors" for step in (1, 6)}
+    run_cli("export", ds / "global_step1", refs[1], check=0)
+    run_cli("export", aside / "global_step6", refs[6], check=0)
+    assert not _same(_tensors(refs[1]), _tensors(refs[6]))      # the steps tell apart (the control)
+    return ds, aside, metrics, refs
+
+
+def _land(ds, aside, step):
+    """Checkpoint `step`, set aside, saved now: moved back, `latest` naming it."""
+    (aside / f"global_step{step}").rename(ds / f"global_step{step}")
+    (ds / "latest").write_text(f"global_step{step}")
+    lr.age(ds / f"global_step{step}")
+    lr.age(ds / "latest")
+
+
+def test_export_best_is_never_replaced_by_a_worse_one_after_retention_deleted_the_best(run, tmp_path):
+    """Issue 24.3, --keep-last 1 --metric loss, each pass a new process (cron's --once): pass 1 exports step 1
+    (loss 0.5) and deletes steps 1-2; pass 2 sees only step 3 (loss 1.0), worse than what the export holds (its
+    score remembered in the watch state): the export stays step 1's, untouched. The negative control: step 6
+    (loss 0.2), better, replaces it."""
+    ds, aside, metrics, refs = _best_run(run, tmp_path)
+    best = tmp_path / "best.safetensors"
+    args = ("watch", run, "--once", "--keep-last", "1", "--metric", "loss", "--metrics", metrics,
+            "--export-best", best)
+    out = run_cli(*args, check=0).stdout
+    assert f"best loss 0.5: step 1 exported to {best}" in out
+    assert sorted(p.name for p in ds.iterdir() if p.is_dir()) == ["global_step3"]
+    assert _same(_tensors(best), _tensors(refs[1]))
+    first, written = os.stat(best), best.read_bytes()
+    proc = run_cli(*args, check=0)
+    assert "exported" not in proc.stdout and proc.stderr == ""
+    assert best.read_bytes() == written and (os.stat(best).st_ino, os.stat(best).st_mtime_ns) == \
+        (first.st_ino, first.st_mtime_ns)
+    state = json.loads((run / WATCH_STATE).read_text())["best"]
+    assert (state["name"], state["step"], state["value"], state["metric"], state["mode"]) == \
+        ("ds/global_step1", 1, 0.5, "loss", "min")
+    _land(ds, aside, 6)
+    out = run_cli(*args, check=0).stdout
+    assert f"best loss 0.2: step 6 exported to {best}" in out
+    assert _same(_tensors(best), _tensors(refs[6])) and os.stat(best).st_ino != first.st_ino
+
+
+def test_a_removed_or_changed_export_is_said_and_written_again(run, tmp_path):
+    """The export removed while its checkpoint is there: written again from it (a line says so, exit 0). Changed
+    by someone after retention deleted it: the best checkpoint left is written, worse, which is an error line
+    (exit 1) naming what was lost; from then on that one is the export to beat."""
+    ds, aside, metrics, refs = _best_run(run, tmp_path)
+    best = tmp_path / "best.safetensors"
+    args = ("watch", run, "--once", "--metric", "loss", "--metrics", metrics, "--export-best", best)
+    run_cli(*args, check=0)
+    best.unlink()
+    proc = run_cli(*args, check=0)
+    assert f"{best}: removed since step 1 (loss 0.5) was exported to it: written again from it" in proc.stdout
+    assert _same(_tensors(best), _tensors(refs[1])) and proc.stderr == ""
+    run_cli(*args, "--keep-last", "1", check=0)        # retention deletes steps 1-2; the export stays
+    assert sorted(p.name for p in ds.iterdir() if p.is_dir()) == ["global_step3"]
+    assert _same(_tensors(best), _tensors(refs[1]))
+    best.write_bytes(b"someone else's file")
+    proc = run_cli(*args, check=1)
+    assert proc.stderr == f"reshard: {best}: changed since step 1 (loss 0.5) was exported to it, which is " \
+                          "deleted: the best checkpoint left is written, a worse one\n"
+    assert f"best loss 1: step 3 exported to {best}" in proc.stdout
+    assert not _same(_tensors(best), _tensors(refs[1]))
+    assert "exported" not in run_cli(*args, check=0).stdout     # said once; step 3 is now what is held
+
+
 def test_lightning_run_export_best_is_the_callbacks_best(tmp_path):
     out, scores, best_path = lr.lightning_run(tmp_path)
     best = tmp_path / "best.safetensors"

@@ -85,7 +85,8 @@ def test_zero3_model_states_from_another_step(tmp_path):
     sd["global_steps"] = 2
     torch.save(sd, victim)
     problems, _ = _problems(save)
-    assert any(str(victim) in p and "global_steps 2" in p for p in problems), problems
+    first = victim.parent / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    assert any(p.startswith(f"{victim}: global_steps is 2 here, 3 in {first}") for p in problems), problems
 
 
 @pytest.mark.parametrize("name", ["z2_fp32_dp2", "z3_fp32_dp2"])
@@ -124,3 +125,72 @@ def test_json_and_usage_errors(tmp_path):
     proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--tag", "global_step9", check=1)
     assert "global_step9" in proc.stderr
     proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--tag", "global_step2", check=0)
+
+
+def test_checksums_without_a_manifest_are_unverified_not_a_problem(tmp_path):
+    """A training save has no manifest: `--checksums` says the sums could not be verified, and the coverage
+    verdict stands (complete: exit 0; a missing rank file: exit 1, for that). The negative control: a manifest
+    with one wrong sha256 fails, exit 1, naming the file."""
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    places = f"{tag_dir(save)}/reshard-manifest.json or {save}/reshard-manifest.json"
+    proc = run_cli("validate", save, "--checksums", check=0)
+    assert proc.stdout.splitlines() == [f"checksums: not verified (no manifest: {places})",
+                                        "complete; 34 logical tensors, 5,604 elements in 3 files"]
+    data = json.loads(run_cli("validate", save, "--checksums", "--json", check=0).stdout)
+    assert data["ok"] and data["problems"] == [] and not data["checksums_verified"]
+    assert data["checksums_unverified"] == places
+    (tag_dir(save) / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    *problems, unverified, summary = run_cli("validate", save, "--checksums", check=1).stdout.splitlines()
+    assert summary.startswith("NOT complete: ") and unverified.startswith("checksums: not verified")
+    assert all("manifest" not in p for p in problems) and any("optim_states.pt: missing" in p for p in problems)
+
+    out = tmp_path / "converted"
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", check=0)
+    proc = run_cli("validate", out, "--checksums", check=0)
+    assert "not verified" not in proc.stdout and "sizes and sha256" in proc.stdout
+    manifest = json.loads((out / "reshard-manifest.json").read_text())
+    victim = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    manifest["files"][victim]["sha256"] = "0" * 64
+    (out / "reshard-manifest.json").write_text(json.dumps(manifest))
+    *problems, summary = run_cli("validate", out, "--checksums", check=1).stdout.splitlines()
+    assert summary.startswith("NOT complete: 1 problem") and "not verified" not in "".join(problems)
+    assert [p for p in problems if victim in p and "sha256" in p] == problems
+
+
+def set_step(path, value: float) -> None:
+    """Rewrite one rank's optimizer file (ZeRO-1/2 or 3) with every step it holds a float32 `value`, as torch's
+    Adam saves it (what a file of another save, or a flipped bit, would hold)."""
+    sd = torch.load(path, weights_only=False)
+    inner = sd["optimizer_state_dict"]
+    state = inner["base_optimizer_state" if "base_optimizer_state" in inner else "optimizer_state_dict"]["state"]
+    for entry in state.values():
+        entry["step"] = torch.tensor(value, dtype=torch.float32)
+    torch.save(sd, path)
+
+
+ODD = "param group 0: optimizer step is 3.000000238418579 here, 3.0 in the 3 other file(s) (a file from another save?)"
+
+
+@pytest.mark.parametrize("name", ["z2_fp32_dp4", "z3_fp32_dp4"])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_the_rank_whose_step_disagrees_is_the_one_named(tmp_path, name, rank):
+    """One rank's step 3.0000002 among 4 ranks' 3: that rank's file is named, the only problem (rank 0's used to
+    blame the three healthy ranks). The negative control: the untouched copy is complete."""
+    save = copy_fixture(name, tmp_path)
+    run_cli("validate", save, check=0)
+    victim = tag_dir(save) / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    set_step(victim, 3.0000002)
+    problems, _ = _problems(save)
+    assert problems == [f"{victim}: {ODD}"]
+
+
+def test_two_ranks_two_steps_both_are_named_with_their_values(tmp_path):
+    """Two ranks disagreeing: nothing tells which is right, so both files are named, each with both values."""
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    first, second = (tag_dir(save) / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
+    set_step(second, 3.0000002)
+    problems, _ = _problems(save)
+    tail = "and no value is held by most files: which is right is not known (a file from another save?)"
+    assert problems == [
+        f"{first}: param group 0: optimizer step is 3.0 here, 3.000000238418579 in {second}, {tail}",
+        f"{second}: param group 0: optimizer step is 3.000000238418579 here, 3.0 in {first}, {tail}"]

@@ -46,6 +46,12 @@ class DcpNotes:
     def param_details(self, name: str) -> dict:
         return {}
 
+    def scalars(self) -> dict:
+        return {}       # other_keys are names: their values are not read
+
+    def layout_scalar(self, key: str, value) -> bool:
+        return False
+
 
 def sniff(path: str, tag: str | None) -> bool:
     if not os.path.isdir(path):

@@ -61,7 +61,7 @@ class ExpertTarget(ZeroTarget):
 
 
 def group_name(ep: int) -> str:
-    return f"ep_size_{ep}"
+    return f"{notes.EXPERT_GROUP}{ep}"
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:

@@ -1,4 +1,9 @@
-"""Per-param-group optimizer scalars (`step`), which every rank and sub-group of a DeepSpeed save repeats."""
+"""Per-param-group optimizer scalars (`step`), which every rank and sub-group of a DeepSpeed save repeats.
+
+The files must agree; when one does not, the one at fault is the odd one out: the value most files hold is
+taken, and each file holding another is named (a rank file from another save among the others). With no value
+most files hold (two ranks, two values) nothing tells which is right, and every file is named with its value.
+"""
 from __future__ import annotations
 
 from reshard.catalog import PerParamScalar, ScalarTensor
@@ -6,18 +11,57 @@ from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import read_scalar
 
 
-def record(catalog, path: str, g: int, key: str, value) -> None:
-    """Keep the first value seen for group g; any later one that differs is a problem of `path`."""
-    value = scalar(value)
-    scalars = catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}
-    if isinstance(scalars.get(key), PerParamScalar):
-        catalog.problem(path, f"param group {g}: optimizer {key} is saved here per group, and per parameter in "
-                        f"{next(iter(scalars[key].files.values()))}")
-    elif key not in scalars:
-        scalars[key] = value
-    elif scalars[key] != value:
-        catalog.problem(path, f"param group {g}: optimizer {key} is {_plain(value)} but another rank or sub-group "
-                        f"has {_plain(scalars[key])} (a file from another save?)")
+class Votes:
+    """Each file's values of the group scalars of one catalog, settled (`settle`) once every file is read."""
+
+    def __init__(self, catalog):
+        self.catalog = catalog
+        self.held = {}      # (group, key) -> [(file, value)], in the order read
+
+    def add(self, path: str, g: int, key: str, value) -> None:
+        self.held.setdefault((g, key), []).append((path, scalar(value)))
+
+    def settle(self) -> None:
+        """Into the catalog: each group scalar's agreed value, and a problem for each file that disagrees."""
+        catalog = self.catalog
+        for (g, key), held in self.held.items():
+            scalars = catalog.group_scalars[g] if g < len(catalog.group_scalars) else {}
+            if isinstance(scalars.get(key), PerParamScalar):
+                catalog.problem(held[0][0], f"param group {g}: optimizer {key} is saved here per group, and per "
+                                f"parameter in {next(iter(scalars[key].files.values()))}")
+                continue
+            scalars[key], problems = agreed(held, f"param group {g}: optimizer {key}")
+            for path, text in problems:
+                catalog.problem(path, text)
+
+
+def agreed(held: list, what: str) -> tuple:
+    """(the value most files hold, [(file, problem)]) for `held` [(file, its value of `what`)], values the files
+    must agree on: each file holding another value than most is named; with no value held by most, every file
+    is, with its value and the others'. (The value: the first one read when no value is held by most.)"""
+    values = []     # [(value, [files])], in the order first read
+    for path, value in held:
+        for seen, paths in values:
+            if seen == value:
+                paths.append(path)
+                break
+        else:
+            values.append((value, [path]))
+    if len(values) == 1:
+        return values[0][0], []
+    by_count = sorted(values, key=lambda v: -len(set(v[1])))    # stable: between equal counts, the first read
+    top, top_files = by_count[0][0], set(by_count[0][1])
+    if len(top_files) > len(set(by_count[1][1])):
+        return top, [(path, f"{what} is {_plain(value)} here, {_plain(top)} in the {len(top_files)} other "
+                            f"file(s) (a file from another save?)")
+                     for value, paths in by_count[1:] for path in dict.fromkeys(paths)]
+    problems = []
+    for value, paths in values:
+        others = "; ".join(f"{_plain(v)} in {', '.join(dict.fromkeys(p))}" for v, p in values if v != value)
+        problems += [(path, f"{what} is {_plain(value)} here, {others}, and no value is held by most files: "
+                            "which is right is not known (a file from another save?)")
+                     for path in dict.fromkeys(paths)]
+    return values[0][0], problems
 
 
 def scalar(value):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from reshard.catalog import Catalog
 
+EXPERT_GROUP = "ep_size_"       # AutoEP names its expert param group by its ep (auto_ep_layer.ep_group_name)
+
 
 @dataclass(frozen=True)
 class DeepSpeedNotes:
@@ -24,6 +26,7 @@ class DeepSpeedNotes:
     dynamic_loss_scale: object = False
     overflow: object = False
     clip_grad: object = 0.0
+    saved_scalars: tuple = ()          # which of those four the optimizer file holds (ZeRO-3 keeps no clip_grad)
     tp_rules: str | None = None        # --layout-rules: how AutoTP/Megatron cut each parameter (tp_recut)
     # Model-parallel saves: per mp rank, what its model states add (universal_checkpoint_info, shared_params)
     mp_rank_extra: dict = field(default_factory=dict)
@@ -39,6 +42,14 @@ class DeepSpeedNotes:
     # module tensors that are no parameter of their own (a second name of a registered one, as AutoEP's router
     # alias `gate.gate`), saved as their own copy: ZeRO-2 lists them in no frozen_param_shapes
     unregistered: tuple = ()
+
+    def layout_scalar(self, key: str, value) -> bool:
+        """An expert group's name: it follows the expert parallelism (a conversion to another ep renames it)."""
+        return bool(self.expert_keys) and key == "name" and isinstance(value, str) and \
+            value.startswith(EXPERT_GROUP) and value[len(EXPERT_GROUP):].isdigit()
+
+    def scalars(self) -> dict:
+        return {**{key: getattr(self, key) for key in self.saved_scalars}, "client_state": self.client_state}
 
     def param_details(self, name: str) -> dict:
         out = {}

@@ -23,7 +23,7 @@ from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import rank_reader
+from reshard.formats.deepspeed import group_scalars, rank_reader
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import MappedFiles, file_size, replica_problem
@@ -123,15 +123,21 @@ def _gather_files_and_problems(catalog, locals_):
 
 
 def _check_scalars(catalog, locals_, what):
-    base = catalog.group_scalars
+    """The group scalars the model-parallel ranks agree on; a rank holding another value than most is named by
+    its model-states file (group_scalars.agreed: with no value held by most, every rank is)."""
+    held = {}       # (group, key) -> [(the rank's model-states file, its value)]
     for rank, local in sorted(locals_.items()):
         if local is None:
             continue
         for g, scalars in enumerate(local.group_scalars):
             for key, value in scalars.items():
-                if g < len(base) and key in base[g] and base[g][key] != value:
-                    catalog.problem(os.path.join(catalog.root, names.model_states_name(rank)),
-                                    f"param group {g}: optimizer {key} differs from {what} 0's")
+                held.setdefault((g, key), []).append((os.path.join(catalog.root, names.model_states_name(rank)), value))
+    for (g, key), values in held.items():
+        value, problems = group_scalars.agreed(values, f"param group {g}: optimizer {key} of this {what}")
+        if g < len(catalog.group_scalars) and key in catalog.group_scalars[g]:
+            catalog.group_scalars[g][key] = value
+        for path, text in problems:
+            catalog.problem(path, text)
 
 
 # ------------------------------------------------------------------------------------------ tensor parallel

@@ -18,7 +18,7 @@ from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchzip
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import experts as expert_placement
-from reshard.formats.deepspeed import zero12, zero3
+from reshard.formats.deepspeed import group_scalars, zero12, zero3
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.torchzip import TensorRef
 from reshard.layout import Layout
@@ -218,14 +218,11 @@ def add_whole(catalog, name, state, ref):
 
 
 def _check_steps_agree(catalog, models):
-    base = models.get(0)
-    for rank, sd in models.items():
-        if sd is None or base is None or sd is base:
-            continue
-        if sd.get("global_steps") != base.get("global_steps"):
-            path = os.path.join(catalog.root, names.model_states_name(0, rank))
-            catalog.problem(path, f"global_steps {sd.get('global_steps')} differs from rank 0's "
-                            f"{base.get('global_steps')} (a file from another save?)")
+    """The ZeRO-3 model-states files (one per rank) agree on global_steps: the odd one out is named."""
+    held = [(os.path.join(catalog.root, names.model_states_name(0, rank)), sd.get("global_steps"))
+            for rank, sd in sorted(models.items()) if sd is not None]
+    for path, text in group_scalars.agreed(held, "global_steps")[1]:
+        catalog.problem(path, text)
 
 
 def fill_state(catalog, model0, optim0, experts=None):
@@ -235,6 +232,7 @@ def fill_state(catalog, model0, optim0, experts=None):
     expert_keys = {k: v for k, v in model0.items() if k in EXPERT_KEYS} if experts is not None else {}
     catalog.notes = DeepSpeedNotes(**{k: model0[k] for k in NOTES_KEYS if k in model0},
                                    **{k: optim0[k] for k in OPTIMIZER_SCALAR_KEYS if k in optim0},
+                                   saved_scalars=tuple(k for k in OPTIMIZER_SCALAR_KEYS if k in optim0),
                                    client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
                                    expert_keys=expert_keys, expert_files=experts.files if experts else (),
                                    unregistered=_unregistered(catalog, model0))

@@ -254,10 +254,12 @@ def _zero3_steps(catalog, path, optim):
     """The ZeRO-3 flavour keeps one step per sub-group in optimizer_state.pt."""
     inner = optim.get("optimizer_state_dict") or {}
     sub_group_of = {i: g for g, group in enumerate(inner.get("param_groups") or []) for i in group.get("params", [])}
+    votes = group_scalars.Votes(catalog)
     for i, entry in (inner.get("state") or {}).items():
         for key, value in entry.items():
             if key == uc.STEP:
-                group_scalars.record(catalog, path, sub_group_of.get(i, 0), key, value)
+                votes.add(path, sub_group_of.get(i, 0), key, value)
+    votes.settle()
 
 
 def _fill_state(catalog, model0, optim, stage, experts):

@@ -31,7 +31,7 @@ def read_partitions(catalog, model0, optim, experts=None) -> None:
     bf16_optimizer = "zero_stage" not in first
     elastic = isinstance(first.get("base_optimizer_state"), list)
     alignment = first.get("param_alignment_paddings")
-
+    votes = group_scalars.Votes(catalog)
     for g, shapes in enumerate(model0.get("param_shapes") or []):
         expert_group = experts is not None and g in experts.groups
         count = experts.topology.expert_dp if expert_group else dp     # the ranks the group is partitioned over
@@ -49,7 +49,8 @@ def read_partitions(catalog, model0, optim, experts=None) -> None:
             else:
                 index, local = rank, {}
             _read_rank_group(catalog, path, sd, (rank, index), g, ranges, end, part, count, bf16_optimizer, elastic,
-                             local)
+                             local, votes)
+    votes.settle()
 
 
 def _param_ranges(shapes, alignment):
@@ -99,9 +100,10 @@ def _hyper_params(sd, g, elastic, names) -> dict:
     return {**hyper, "params": names}
 
 
-def _read_rank_group(catalog, path, sd, ranks, g, ranges, end, part, dp, bf16_optimizer, elastic, local):
+def _read_rank_group(catalog, path, sd, ranks, g, ranges, end, part, dp, bf16_optimizer, elastic, local, votes):
     """`ranks`: (the file's data-parallel rank, its place among the `dp` ranks the group is cut over); `local`:
-    name -> experts.LocalExpert for an expert group's params (shards of the logical tensors), else empty."""
+    name -> experts.LocalExpert for an expert group's params (shards of the logical tensors), else empty;
+    `votes`: group_scalars.Votes, where the file's group scalars go."""
     rank, index = ranks
     rank_start = index * part
     tail_padding = max(0, min(rank_start + part, part * dp) - max(rank_start, end))
@@ -123,7 +125,7 @@ def _read_rank_group(catalog, path, sd, ranks, g, ranges, end, part, dp, bf16_op
         if isinstance(value, TensorRef) and len(value.shape) >= 1:
             sources[key] = (value, lean if elastic else part)
         else:
-            group_scalars.record(catalog, path, g, key, value)
+            votes.add(path, g, key, value)
 
     for state, (ref, expected) in sources.items():
         if ref.numel != expected:

@@ -38,6 +38,7 @@ def read_partitions(catalog, model0, models, optim) -> None:
     first_path, first = present[min(present)]
     sub_group_of = _assign_groups(catalog, first, parts)
     reference_lengths = [ref.numel for ref in first.get(FP32_FLAT_GROUPS) or []]
+    votes = group_scalars.Votes(catalog)
 
     for rank, (path, sd) in sorted(present.items()):
         if sd.get("partition_count") not in (None, dp):
@@ -62,9 +63,10 @@ def read_partitions(catalog, model0, models, optim) -> None:
                         catalog.problem(path, f"sub-group {i}: {key} has {value.numel} elements, "
                                         f"expected {fp32.numel}")
                 else:
-                    group_scalars.record(catalog, path, sub_group_of.get(i, 0), key, value)
+                    votes.add(path, sub_group_of.get(i, 0), key, value)
             _add_fragments(catalog, sources, parts, rank, sub_start, fp32.numel)
             sub_start += fp32.numel
+    votes.settle()
 
 
 def _add_fragments(catalog, sources, parts, rank, sub_start, sub_len):

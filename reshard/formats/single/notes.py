@@ -15,3 +15,9 @@ class SingleNotes:
 
     def param_details(self, name: str) -> dict:
         return {}
+
+    def layout_scalar(self, key: str, value) -> bool:
+        return False
+
+    def scalars(self) -> dict:
+        return {"extra": self.extra, "lr_schedulers": self.lr_schedulers, "lightning": self.lightning}
