@@ -36,6 +36,7 @@ from reshard.formats.torchzip import TensorRef
 from reshard.progress import bar as progress_bar
 from reshard.locate import Locator
 from reshard.tensorio import MappedFiles, read_range, read_scalar
+from reshard.text import counted
 
 BLOCK = 1 << 22     # elements per comparison step
 
@@ -79,9 +80,10 @@ class DiffReport:
     def summary(self) -> str:
         tol = f" (atol {self.atol:g})" if self.atol else ""
         if self.equal:
-            return f"no difference{tol}: {self.compared} tensors, {self.elements:,} elements compared"
-        return (f"DIFFERENT{tol}: {len(self.differences)} difference(s); {self.compared} tensors, "
-                f"{self.elements:,} elements compared")
+            return (f"no difference{tol}: {counted(self.compared, 'tensor')}, {counted(self.elements, 'element')} "
+                    "compared")
+        return (f"DIFFERENT{tol}: {counted(len(self.differences), 'difference')}; {counted(self.compared, 'tensor')}, "
+                f"{counted(self.elements, 'element')} compared")
 
     def to_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "atol": self.atol, "equal": self.equal, "compared": self.compared,

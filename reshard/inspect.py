@@ -93,11 +93,6 @@ def jsonable(value):
     return repr(value)
 
 
-def counted(n: int, noun: str) -> str:
-    """`1 file`, `2 files`: a count with its noun, in the plural unless it is one."""
-    return f"{n:,} {noun}{'s' * (n != 1)}"
-
-
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":

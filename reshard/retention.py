@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, UsageError
 from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, order
+from reshard.text import counted
 
 KEEP, DELETE, UNTOUCHED = "keep", "delete", "untouched"
 
@@ -92,7 +93,7 @@ def _decide_series(rows: list, policy: Policy) -> list:
         unranked = [r for r in complete if metric_of(r, policy.metric) is None and not kept[r.path]]
         if unranked:
             raise PolicyError.at(unranked[0].path, f"records no {policy.metric!r} at its step, so --keep-best cannot "
-                                 f"rank it ({len(unranked)} such checkpoint(s); --metrics FILE gives values): "
+                                 f"rank it ({counted(len(unranked), 'such checkpoint')}; --metrics FILE gives values): "
                                  "nothing deleted")
     return [_decision(r, kept[r.path], policy) for r in rows]
 

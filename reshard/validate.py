@@ -18,7 +18,7 @@ from reshard.catalog import MASTER, Catalog
 from reshard.dtypes import is_floating, itemsize
 from reshard.errors import ReshardError
 from reshard.geometry import coverage, total_length
-from reshard.inspect import counted
+from reshard.text import counted
 from reshard.placement import Shard, flat_runs, regions, tiles
 from reshard.progress import bar as progress_bar
 
@@ -92,7 +92,7 @@ def require_complete(catalog: Catalog) -> None:
     """Raise one line when the checkpoint is not whole: nothing is converted or exported from it."""
     report = validate(catalog)
     if not report.ok:
-        raise ReshardError.at(catalog.root, f"the checkpoint is not complete ({len(report.problems)} problem(s), "
+        raise ReshardError.at(catalog.root, f"the checkpoint is not complete ({counted(len(report.problems), 'problem')}, "
                                             f"first: {report.problems[0]}); run `reshard validate`")
 
 

@@ -221,7 +221,7 @@ def test_one_ranks_step_differing_is_a_difference(tmp_path):
     set_step(victim, 3.0000002)
     proc = run_cli("diff", src, changed, "--atol", "1", check=1)
     assert proc.stdout.splitlines() == [f"B only: {victim}: {ODD}",
-                                        "DIFFERENT (atol 1): 1 difference(s); 34 tensors, 5,604 elements compared"]
+                                        "DIFFERENT (atol 1): 1 difference; 34 tensors, 5,604 elements compared"]
     [d] = json.loads(run_cli("diff", changed, src, "--json", check=1).stdout)["differences"]
     assert (d["name"], d["kind"], d["detail"]) == ("A only", "problem", f"{victim}: {ODD}")
 

@@ -12,7 +12,7 @@ import torch
 from conftest import fixture_dir
 
 from reshard.cli import main
-from reshard.inspect import counted
+from reshard.text import counted
 
 DS = fixture_dir("z2_fp32_dp2")
 

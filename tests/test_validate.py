@@ -168,7 +168,7 @@ def set_step(path, value: float) -> None:
     torch.save(sd, path)
 
 
-ODD = "param group 0: optimizer step is 3.000000238418579 here, 3.0 in the 3 other file(s) (a file from another save?)"
+ODD = "param group 0: optimizer step is 3.000000238418579 here, 3.0 in the other 3 files (a file from another save?)"
 
 
 @pytest.mark.parametrize("name", ["z2_fp32_dp4", "z3_fp32_dp4"])

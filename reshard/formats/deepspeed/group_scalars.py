@@ -9,6 +9,7 @@ from __future__ import annotations
 from reshard.catalog import PerParamScalar, ScalarTensor
 from reshard.formats.torchzip import TensorRef
 from reshard.tensorio import read_scalar
+from reshard.text import counted
 
 
 class Votes:
@@ -52,8 +53,8 @@ def agreed(held: list, what: str) -> tuple:
     by_count = sorted(values, key=lambda v: -len(set(v[1])))    # stable: between equal counts, the first read
     top, top_files = by_count[0][0], set(by_count[0][1])
     if len(top_files) > len(set(by_count[1][1])):
-        return top, [(path, f"{what} is {_plain(value)} here, {_plain(top)} in the {len(top_files)} other "
-                            f"file(s) (a file from another save?)")
+        return top, [(path, f"{what} is {_plain(value)} here, {_plain(top)} in the other "
+                            f"{counted(len(top_files), 'file')} (a file from another save?)")
                      for value, paths in by_count[1:] for path in dict.fromkeys(paths)]
     problems = []
     for value, paths in values:
