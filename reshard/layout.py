@@ -160,6 +160,9 @@ class Layout:
         file names; keys it leaves out keep this layout's values. Its dtypes, when given, must match:
         a conversion keeps the training precision."""
         given = read_descriptor(path)
+        unknown = sorted(set(given) - {f.name for f in fields(Layout)} - {"kind", "version", *CONTENT_KEYS})
+        if unknown:     # (a key this merge would not take is a mistake, not a no-op)
+            raise UsageError.at(path, f"unknown layout keys {', '.join(unknown)}")
         for key in ("dtype", "master_dtype"):
             if key in given and given[key] != getattr(self, key):
                 raise UsageError.at(path, f"{key} {given[key]} differs from the source's {getattr(self, key)}; "
