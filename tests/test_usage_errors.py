@@ -13,7 +13,6 @@ import reshard
 from conftest import REPO, fixture_dir
 from reshard.cli import main
 from reshard.errors import UsageError
-from reshard.formats import WRITERS, formats_taking
 from reshard.layout import SPEC_KEYS, Layout
 
 SOURCE = "z2_fp32_dp2"
@@ -125,6 +124,7 @@ def test_an_option_out_of_its_range_is_one_line(args, words, tmp_path, capsys):
 def test_help_says_exactly_what_the_parser_takes(capsys):
     """--help listed zero=0, which convert refuses. Every key's help row gives the values layout.SPEC_KEYS
     accepts, and which output formats take it; the parser takes each value named and refuses the ones beside."""
+    from reshard.formats import WRITERS, formats_taking
     assert main(["convert", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "zero=S ZeRO stage (1, 2 or 3;" in text and "0, 1, 2 or 3" not in text
