@@ -173,3 +173,21 @@ def test_the_models_kv_heads_still_converts(tmp_path):
     assert main(["convert", str(tmp_path / "tp1"), str(tmp_path / "tp2"), "--to", "tp=2,dp=2,kv_heads=2",
                  "--layout-rules", RULES, "--quiet"]) == 0
     assert reshard.validate(reshard.open_checkpoint(tmp_path / "tp2"), deep=True).ok
+
+
+def test_a_rule_file_count_that_cannot_describe_the_tensors_is_refused(tmp_path, capsys):
+    """A rule file's counts are the user's statement about the model: `sub_params: 5` for a fused SwiGLU weight of
+    24 rows (exit 1 before), `original_vocab_size` above the embedding's rows (silently ignored before: the tensor
+    kept whole as if it described it). Exit 2, one line naming the rule file, nothing written."""
+    src = fixture_dir("megatron_tp2_z1_fp32_dp2")
+    rules = json.loads((REPO / "layouts" / "megatron-gpt.json").read_text())
+    five = {**rules, "rules": [{**r, "sub_params": 5} if "sub_params" in r else r for r in rules["rules"]]}
+    cases = {"sub5.json": (five, "24 rows along dim 0 do not split into 5 sub-params"),
+             "vocab.json": ({**rules, "original_vocab_size": 41}, "original_vocab_size 41 cannot describe")}
+    for name, (data, words) in cases.items():
+        (tmp_path / name).write_text(json.dumps(data))
+        for command in (["inspect", src], ["convert", src, tmp_path / "dst", "--to", "tp=1"]):
+            line = refused(capsys, tmp_path, *command, "--layout-rules", tmp_path / name, words=words)
+            assert line.startswith(f"reshard: {tmp_path / name}: ")
+    (tmp_path / "vocab.json").write_text(json.dumps({**rules, "original_vocab_size": 37}))    # control: 3 padding rows
+    assert main(["inspect", str(src), "--layout-rules", str(tmp_path / "vocab.json")]) == 0
