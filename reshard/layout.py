@@ -23,14 +23,14 @@ CONTENT_KEYS = ("optimizer", "states", "params", "elements", "step")
 class SpecKey:
     """One key of a target spec ("dp=4,zero=3"), with the values it takes: the parser accepts these keys and
     values and no other, and the CLI's help lists them, so the two cannot drift apart. Which output formats take
-    a key is the writers' to say (reshard.formats: each writer's SPEC_KEYS)."""
+    a key is the writers' to say (reshard.formats.WRITER_SPEC_KEYS)."""
     name: str
     value: str          # what its value looks like
     meaning: str
     minimum: int | None = None      # a whole number, at least this
     choices: tuple = ()             # a whole number, one of these
-    field: str = ""                 # the Layout field it sets; "" for one of Layout.options (named `option`)
-    option: str = ""
+    attr: str = ""                  # the Layout attribute it sets, or
+    option: str = ""                # the key of Layout.options it sets
 
     def accepted(self) -> str:
         """The values it takes, in words (--help and the parser's messages say the same)."""
@@ -39,9 +39,7 @@ class SpecKey:
             return f"{', '.join(most)} or {last}" if most else last
         if self.minimum is not None:
             return f"{self.minimum} or more"
-        if self.name == "partition":
-            return ", ".join(PARTITION_METHODS)
-        return "class names separated by '/'"
+        return self.value
 
     def parse(self, text: str):
         """The value `text` stands for, or a UsageError saying what the key takes."""
@@ -64,10 +62,10 @@ class SpecKey:
 
 
 SPEC_KEYS = (
-    SpecKey("dp", "M", "data-parallel degree", minimum=1, field="dp"),
-    SpecKey("tp", "T", "tensor-parallel degree", minimum=1, field="tp"),
-    SpecKey("pp", "P", "pipeline-parallel degree: stages", minimum=1, field="pp"),
-    SpecKey("zero", "S", "ZeRO stage", choices=(1, 2, 3), field="zero"),
+    SpecKey("dp", "M", "data-parallel degree", minimum=1, attr="dp"),
+    SpecKey("tp", "T", "tensor-parallel degree", minimum=1, attr="tp"),
+    SpecKey("pp", "P", "pipeline-parallel degree: stages", minimum=1, attr="pp"),
+    SpecKey("zero", "S", "ZeRO stage", choices=(1, 2, 3), attr="zero"),
     SpecKey("partition", "|".join(PARTITION_METHODS),
             "how the pipeline layers are cut into stages (PipelineModule's partition_method; type:REGEX balances "
             "the layers whose class name matches REGEX)", option="partition_method"),
@@ -208,7 +206,7 @@ class Layout:
                 parsed = _SPEC_KEY[key].parse(value)
             except UsageError as e:
                 raise UsageError(f"bad layout spec {spec!r}: {e}") from None
-            if _SPEC_KEY[key].field:
+            if _SPEC_KEY[key].attr:
                 changes[key] = parsed
             else:
                 options[_SPEC_KEY[key].option] = parsed
