@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import textwrap
 import reshard
 from reshard import cli_text, rule_files, watch_state, watching
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS
+from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
 from reshard.inspect import human_bytes, jsonable
 from reshard.text import counted
@@ -39,7 +40,10 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:     # --help, --version (0), a bad argument (2: _Parser.error said it in one line)
+        return e.code
     try:
         return args.run(args)
     except BrokenPipeError:
@@ -53,6 +57,18 @@ def _main(argv) -> int:
     except OSError as e:       # an I/O failure no layer turned into a ReshardError: still one line
         _error(args, f"{e.filename or ''}: {e.strerror or e}", e.filename)
         return getattr(args, "error_exit", 1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line, as every other usage error (exit 2), pointing at --help instead of printing the
+    usage block; the subcommands' parsers are of this class too (add_subparsers makes its parsers so)."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            command = self.prog.removeprefix("reshard").strip()
+            print(f"reshard: {command + ': ' if command else ''}{message} "
+                  f"(`{self.prog} --help` says what is accepted)", file=sys.stderr)
+        self.exit(2)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -88,14 +104,20 @@ KEY_COLUMN = 19     # a wider key (partition's) has its meaning on the next line
 
 
 def _spec_help() -> str:
+    """The keys of --to, each with what it takes and, where not every output format has a place for it, which
+    --format does: from the tables the parser and the writers use (layout.SPEC_KEYS, formats.WRITER_SPEC_KEYS)."""
     rows = []
     for k in SPEC_KEYS:
         key = f"{k.name}={k.value}"
-        rows += [f"  {key}", f"  {'':<{KEY_COLUMN}}  {k.meaning}"] if len(key) > KEY_COLUMN else \
-            [f"  {key:<{KEY_COLUMN}}  {k.meaning}"]
+        taking = formats_taking([k.name])
+        limits = [k.accepted()] if k.minimum is not None or k.choices else []     # (the others: their VALUE)
+        limits += [] if len(taking) == len(WRITERS) else [f"{' and '.join(taking)} output"]
+        meaning = f"{k.meaning} ({'; '.join(limits)})" if limits else k.meaning
+        rows += [f"  {key}", f"  {'':<{KEY_COLUMN}}  {meaning}"] if len(key) > KEY_COLUMN else \
+            [f"  {key:<{KEY_COLUMN}}  {meaning}"]
     return ("target topology: a layout descriptor file (a path, or one shipped with reshard by name: "
-            f"{rule_files.names(rule_files.LAYOUT)}) or KEY=VALUE pairs joined by commas; keys left out keep the "
-            "source's (default: the source's topology, e.g. to change only --format). "
+            f"{rule_files.names(rule_files.LAYOUT)}) or KEY=VALUE pairs joined by commas, each key once; keys left "
+            "out keep the source's (default: the source's topology, e.g. to change only --format). "
             "Keys:\n" + "\n".join(rows))
 
 
@@ -126,7 +148,7 @@ def _dump(data) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="reshard", description=(
+    parser = _Parser(prog="reshard", description=(
         "Convert, export, inspect, validate and compare training checkpoints (DeepSpeed ZeRO, "
         "universal, PyTorch DCP, torch.save, Lightning, Hugging Face) without executing code from them. "
         "`reshard COMMAND --help` describes each command, with examples."), **_examples(
@@ -210,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
                    help="dtype of floating tensors (auto: the training precision); integer buffers keep theirs")
-    p.add_argument("--max-shard-size", metavar="SIZE",
+    p.add_argument("--max-shard-size", type=_shard_size_arg, metavar="SIZE",
                    help="shard limit in huggingface_hub's units (5GB = 5e9 bytes; default 5GB in a directory)")
     p.add_argument("--with-optimizer", action="store_true",
                    help="also every optimizer state (one safetensors set per state) and optimizer.json")
@@ -244,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag-a", metavar="TAG", help="tag of A, for a DeepSpeed save dir")
     p.add_argument("--tag-b", metavar="TAG", help="tag of B, for a DeepSpeed save dir")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
-    p.add_argument("--atol", type=float, default=0.0, metavar="X",
+    p.add_argument("--atol", type=_tolerance, default=0.0, metavar="X",
                    help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _quiet_arg(p)
@@ -336,10 +358,10 @@ def _policy(args) -> reshard.Policy:
 def _run_dir_args(p, settle: float = 0.0) -> None:
     p.add_argument("--metrics", metavar="FILE", help="metrics per step: JSON {step: value}, {name: {step: value}}, "
                    "[{step, name: value}] or CSV with a step column")
-    p.add_argument("--recent", type=float, default=reshard.RECENT_SECONDS, metavar="S",
+    p.add_argument("--recent", type=_non_negative_float, default=reshard.RECENT_SECONDS, metavar="S",
                    help=f"a file modified less than S seconds ago marks its save in progress (default "
                         f"{reshard.RECENT_SECONDS:g})")
-    p.add_argument("--settle", type=float, default=settle, metavar="S", help="also look again after S seconds: a "
+    p.add_argument("--settle", type=_non_negative_float, default=settle, metavar="S", help="also look again after S seconds: a "
                    f"checkpoint whose files changed is in progress (default {settle:g})")
 
 
@@ -403,27 +425,57 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 
 def _size_arg(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m and m.group(2).lower() in _UNITS else 0
+    if size < 1:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return size
 
 
-def _positive_float(text: str) -> float:
+def _shard_size_arg(text: str) -> str:
+    """A shard limit in huggingface_hub's units, checked here (as the export will read it), kept as given."""
+    from reshard.formats import hf
+    try:
+        size = hf.parse_size(text)
+    except ReshardError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"not a shard size: {text!r} (e.g. 2GB, 500MB: decimal units, 5GB = 5e9 "
+                                         "bytes)")
+    return text
+
+
+def _seconds(text: str, least: float, strict: bool) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+        value = math.nan
+    if not (math.isfinite(value) and (value > least if strict else value >= least)):
+        raise argparse.ArgumentTypeError(f"not a {'positive' if strict else 'non-negative'} number of seconds: "
+                                         f"{text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _seconds(text, 0.0, strict=True)
+
+
+def _non_negative_float(text: str) -> float:
+    return _seconds(text, 0.0, strict=False)
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"not a tolerance: {text!r} (a finite number, 0 or more)")
     return value
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = int(text) if re.fullmatch(r"\s*[0-9]+\s*", text) else 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
     return value

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from reshard import rule_files
+from reshard import paths, rule_files
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, framework_dispositions, with_framework
@@ -20,7 +20,7 @@ def target_layout(catalog: Catalog, to: str) -> Layout:
     if to and "=" not in to:     # every key of a spec is key=value: this names a file
         descriptor = rule_files.find(to, rule_files.LAYOUT)
         if not os.path.isfile(descriptor):
-            raise ReshardError.at(to, "no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)")
+            raise UsageError.at(to, "no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)")
         return source.with_descriptor(descriptor)
     return source.with_spec(to)
 
@@ -39,18 +39,26 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | 
 
 
 def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -> None:
-    """A `--to` key the output format has no place for (a ZeRO stage for DCP) is a usage error, not ignored."""
+    """A `--to` key the output format has no place for (a ZeRO stage for DCP) is a usage error, not ignored; the
+    line names the --format that takes it."""
+    from reshard.formats import formats_taking
     honoured = _writer(catalog, fmt).SPEC_KEYS
     unused = sorted(spec_keys(spec) - set(honoured))
     if unused:
+        taking = formats_taking(unused)
+        where = f"; --format {' or '.join(taking)} takes {' and '.join(unused)}" if taking else ""
         raise UsageError(f"--to {spec}: {fmt or catalog.format} output has no {' or '.join(unused)} "
-                         f"(it is written at {', '.join(honoured)})")
+                         f"(it is written at {', '.join(honoured)}){where}")
 
 
 def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None,
              new_rank_state: str = FRESH) -> Plan:
     """make_plan's plan at layout `target`, for a whole catalog."""
     tag = tag_out or catalog.tag or default_tag(catalog)
+    why = paths.escape(tag, single=True)
+    if why:     # a tag is one folder of the output: `../x` or an absolute path would put the rank files elsewhere
+        raise UsageError(f"--tag-out {tag!r}: {why}; a tag is one folder name inside DST" if tag_out else
+                         f"{catalog.root}: tag {tag!r}: {why}; name the output's tag with --tag-out")
     save_dir = os.path.dirname(catalog.root)
     target_format = _writer(catalog, fmt)
     if catalog.experts is not None and not target_format.PLACES_EXPERTS:   # it would write experts as dense params

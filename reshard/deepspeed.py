@@ -25,7 +25,7 @@ from reshard.errors import ReshardError
 from reshard.formats.deepspeed.live import LIVE_FORMAT, engine_layout
 from reshard.materialize import materialize
 from reshard.planner import Plan
-from reshard.staging import write_text
+from reshard.staging import output_path, write_text
 from reshard.validate import require_complete
 
 STAGING = "/dev/shm"        # where there is one; every rank of a node sees the same folder
@@ -104,13 +104,15 @@ def _placer(map_location):
 def _name_files(plan: Plan, out: str) -> ReshardError | None:
     """The planned tree, each tensor file empty and each small text whole; the error saying why not."""
     try:
-        for f in plan.files:
-            os.makedirs(os.path.dirname(os.path.join(out, f.path)), exist_ok=True)
-            open(os.path.join(out, f.path), "wb").close()
+        for f in plan.files:        # placed as the executor places them: inside `out`, or refused
+            os.makedirs(os.path.dirname(output_path(out, f.path)), exist_ok=True)
+            open(output_path(out, f.path), "wb").close()
         for text in plan.texts:
-            write_text(os.path.join(out, text.path), text.text)
+            write_text(output_path(out, text.path), text.text)
     except OSError as e:
         return ReshardError.at(e.filename or out, f"cannot make the staging folder: {e.strerror or e}")
+    except ReshardError as e:
+        return e
     return None
 
 

@@ -23,14 +23,14 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from reshard import manifest, sink
+from reshard import manifest, paths, sink
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
 from reshard.formats import container_writer
 from reshard.blocks import SourceFiles, storage_blocks
 from reshard.planner import FilePlan, Plan
 from reshard.progress import bar as progress_bar
-from reshard.staging import Staging, fsync, write_text
+from reshard.staging import Staging, fsync, output_path, write_text
 from reshard.targets import Output
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -112,16 +112,20 @@ def buffer_bytes(memory_budget: int, workers: int) -> int:
     return (BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers) + sink.BUFFER_BYTES) * max(1, workers)
 
 
-def check_destination(source_root: str, dst: str, overwrite: bool, single_file: bool = False,
-                      save_dir: str | None = None) -> None:
-    src = os.path.realpath(source_root)
-    real = os.path.realpath(dst)
-    save_dir = os.path.realpath(save_dir) if save_dir else os.path.dirname(src)
+def check_destination(plan: Plan, staging: Staging, overwrite: bool, single_file: bool = False) -> None:
+    """Refuse, before anything is written, a run that would write into the source: every path it writes (its
+    files placed under the staging folder, each refused if its name leads out; the destination; the folder,
+    lock and manifest beside it), resolved, must lie apart from the source checkpoint."""
+    src = os.path.realpath(plan.source)
+    dst = staging.dst
     # A folder source protects its save dir too; a one-file source (a .pt, .ckpt) only itself: writing
     # beside it in its folder touches nothing it holds.
-    for protected in (src, save_dir) if os.path.isdir(src) else (src,):
-        if real == protected or real.startswith(protected + os.sep) or protected.startswith(real + os.sep):
-            raise ReshardError.at(dst, f"the destination overlaps the source checkpoint {protected}")
+    protected = (src, os.path.realpath(plan.save_dir or os.path.dirname(src))) if os.path.isdir(src) else (src,)
+    for path in staging.paths(plan, single_file):
+        hit = next((p for p in protected if paths.overlap(path, p)), None)
+        if hit is not None:
+            also = "" if path == dst else f" (it would write {path})"
+            raise ReshardError.at(dst, f"the destination overlaps the source checkpoint {hit}{also}")
     if single_file:
         if os.path.isdir(dst):
             raise ReshardError.at(dst, "is a directory, not a file name")
@@ -154,7 +158,7 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
     problem = None
     if group.rank == 0:
         try:
-            check_destination(plan.source, staging.dst, overwrite, single_file, plan.save_dir)
+            check_destination(plan, staging, overwrite, single_file)
             staging.acquire()
             check_free_space(plan, staging, resume)
             staging.prepare(plan, resume)
@@ -214,7 +218,7 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
     digests, todo = {}, []
     done = staging.finished() if resume else {}
     for f in files:
-        path = os.path.join(staging.tmp, f.path)
+        path = staging.place(f.path)
         if f.path in done and os.path.isfile(path) and manifest.file_digest(path) == done[f.path]:
             digests[f.path] = done[f.path]
             bar.update(f.nbytes)
@@ -255,12 +259,14 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
 def _write_small_files(plan: Plan, root: str) -> dict:
     digests = {}
     for copied in plan.copied:
-        shutil.copyfile(copied.source, os.path.join(root, copied.path))
-        fsync(os.path.join(root, copied.path))
-        digests[copied.path] = manifest.file_digest(os.path.join(root, copied.path))
+        path = output_path(root, copied.path)
+        shutil.copyfile(copied.source, path)
+        fsync(path)
+        digests[copied.path] = manifest.file_digest(path)
     for text in plan.texts:     # `latest` last: it names the tag only once the tag is whole
-        write_text(os.path.join(root, text.path), text.text)
-        digests[text.path] = manifest.file_digest(os.path.join(root, text.path))
+        path = output_path(root, text.path)
+        write_text(path, text.text)
+        digests[text.path] = manifest.file_digest(path)
     return digests
 
 
@@ -281,7 +287,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     A reader thread fetches (and casts) the next blocks while this thread writes the current
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
     """
-    path = os.path.join(root, plan.path)
+    path = output_path(root, plan.path)
     INTERRUPTS.check()
     sources = SourceFiles(reread or {})
     try:

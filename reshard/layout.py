@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from reshard import rule_files
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 
 DESCRIPTOR_KIND = rule_files.LAYOUT
 DESCRIPTOR_VERSION = 1
@@ -22,28 +22,63 @@ CONTENT_KEYS = ("optimizer", "states", "params", "elements", "step")
 
 @dataclass(frozen=True)
 class SpecKey:
-    """One key of a target spec ("dp=4,zero=3"): the parser accepts these keys and no other, and the
-    CLI's help lists them, so the two cannot drift apart."""
+    """One key of a target spec ("dp=4,zero=3"), with the values it takes: the parser accepts these keys and
+    values and no other, and the CLI's help lists them, so the two cannot drift apart. Which output formats take
+    a key is the writers' to say (reshard.formats.WRITER_SPEC_KEYS)."""
     name: str
     value: str          # what its value looks like
     meaning: str
+    minimum: int | None = None      # a whole number, at least this
+    choices: tuple = ()             # a whole number, one of these
+    attr: str = ""                  # the Layout attribute it sets, or
+    option: str = ""                # the key of Layout.options it sets
+
+    def accepted(self) -> str:
+        """The values it takes, in words (--help and the parser's messages say the same)."""
+        if self.choices:
+            *most, last = map(str, self.choices)
+            return f"{', '.join(most)} or {last}" if most else last
+        if self.minimum is not None:
+            return f"{self.minimum} or more"
+        return self.value
+
+    def parse(self, text: str):
+        """The value `text` stands for, or a UsageError saying what the key takes."""
+        text = text.strip()
+        if self.minimum is not None or self.choices:
+            number = int(text) if re.fullmatch(r"[0-9]+", text) else None
+            if number is None or (self.choices and number not in self.choices) or \
+                    (self.minimum is not None and number < self.minimum):
+                raise UsageError(f"{self.name} is {self.accepted()}, not {text!r}" if self.choices else
+                                 f"{self.name} is a whole number, {self.accepted()}, not {text!r}")
+            return number
+        if self.name == "partition":
+            if partition_method_problem(text):
+                raise UsageError(partition_method_problem(text))
+            return text
+        types = [t.strip() for t in text.split("/")]
+        if not all(types):
+            raise UsageError("layer_types is the layers' class names separated by '/'")
+        return types
 
 
 SPEC_KEYS = (
-    SpecKey("dp", "M", "data-parallel degree"),
-    SpecKey("tp", "T", "tensor-parallel degree"),
-    SpecKey("pp", "P", "pipeline-parallel degree (stages)"),
-    SpecKey("zero", "S", "ZeRO stage: 0, 1, 2 or 3"),
+    SpecKey("dp", "M", "data-parallel degree", minimum=1, attr="dp"),
+    SpecKey("tp", "T", "tensor-parallel degree", minimum=1, attr="tp"),
+    SpecKey("pp", "P", "pipeline-parallel degree: stages", minimum=1, attr="pp"),
+    SpecKey("zero", "S", "ZeRO stage", choices=(1, 2, 3), attr="zero"),
     SpecKey("partition", "|".join(PARTITION_METHODS),
             "how the pipeline layers are cut into stages (PipelineModule's partition_method; type:REGEX balances "
-            "the layers whose class name matches REGEX)"),
+            "the layers whose class name matches REGEX)", option="partition_method"),
     SpecKey("layer_types", "A/B/...", "the pipeline layers' class names in order, for partition=type:REGEX "
-            "(a checkpoint does not hold them)"),
-    SpecKey("kv_heads", "K", "the model's key-value heads: how AutoTP cuts attention at a new tp"),
-    SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts checkpoint (dividing dp and the expert "
-            "count)"),
+            "(a checkpoint does not hold them)", option="layer_types"),
+    SpecKey("kv_heads", "K", "the model's key-value heads, how AutoTP cuts attention at a new tp: each tensor cut "
+            "by heads holds whole ones", minimum=1, option="kv_heads"),
+    SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts checkpoint, dividing dp and the expert "
+            "count", minimum=1, option="ep"),
 )
 SPEC_KEY_NAMES = tuple(k.name for k in SPEC_KEYS)
+_SPEC_KEY = {k.name: k for k in SPEC_KEYS}
 
 
 def spec_keys(spec: str) -> set:
@@ -92,13 +127,13 @@ class Layout:
     @classmethod
     def from_dict(cls, data: dict, source: str = "layout") -> "Layout":
         if data.get("kind") != DESCRIPTOR_KIND:
-            raise ReshardError(f"{source}: not a reshard layout descriptor (kind is {data.get('kind')!r})")
+            raise UsageError(f"{source}: not a reshard layout descriptor (kind is {data.get('kind')!r})")
         if data.get("version") != DESCRIPTOR_VERSION:
-            raise ReshardError(f"{source}: layout descriptor version {data.get('version')!r} is not supported")
+            raise UsageError(f"{source}: layout descriptor version {data.get('version')!r} is not supported")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - {"kind", "version", *CONTENT_KEYS})
         if unknown:
-            raise ReshardError(f"{source}: unknown layout keys {', '.join(unknown)}")
+            raise UsageError(f"{source}: unknown layout keys {', '.join(unknown)}")
         layout = cls(**{k: v for k, v in data.items() if k in known})
         layout.check(source)
         return layout
@@ -117,16 +152,19 @@ class Layout:
         try:
             return cls.from_dict(data, str(path))
         except ReshardError as e:   # its line starts with the path: say which file it is about, typed
-            raise ReshardError(str(e), file=path) from None
+            raise type(e)(str(e), file=path) from None
 
     def with_descriptor(self, path) -> "Layout":
         """This layout with the degrees (dp, tp, pp, zero) and pipeline partition method a descriptor
         file names; keys it leaves out keep this layout's values. Its dtypes, when given, must match:
         a conversion keeps the training precision."""
         given = read_descriptor(path)
+        unknown = sorted(set(given) - {f.name for f in fields(Layout)} - {"kind", "version", *CONTENT_KEYS})
+        if unknown:     # (a key this merge would not take is a mistake, not a no-op)
+            raise UsageError.at(path, f"unknown layout keys {', '.join(unknown)}")
         for key in ("dtype", "master_dtype"):
             if key in given and given[key] != getattr(self, key):
-                raise ReshardError.at(path, f"{key} {given[key]} differs from the source's {getattr(self, key)}; "
+                raise UsageError.at(path, f"{key} {given[key]} differs from the source's {getattr(self, key)}; "
                                             "convert keeps the training precision")
         merged = {**self.to_dict(), **{k: given[k] for k in ("dp", "tp", "pp", "zero") if k in given}}
         given_options = given.get("options") or {}
@@ -138,16 +176,16 @@ class Layout:
     def check(self, source: str = "layout") -> None:
         method = self.options.get("partition_method")
         if method is not None and partition_method_problem(method):
-            raise ReshardError(f"{source}: {partition_method_problem(method)}")
+            raise UsageError(f"{source}: {partition_method_problem(method)}")
         types = self.options.get("layer_types")
         if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) and t for t in types)):
-            raise ReshardError(f"{source}: layer_types must be a list of the pipeline layers' class names")
+            raise UsageError(f"{source}: layer_types must be a list of the pipeline layers' class names")
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ReshardError(f"{source}: {name} must be a positive integer, got {value!r}")
+                raise UsageError(f"{source}: {name} must be a positive integer, got {value!r}")
         if self.zero not in (0, 1, 2, 3):
-            raise ReshardError(f"{source}: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+            raise UsageError(f"{source}: zero must be 0, 1, 2 or 3, got {self.zero!r}")
 
     def with_spec(self, spec: str) -> "Layout":
         """This layout with the degrees named in `spec` ("dp=4,zero=3") changed; `partition=uniform|parameters|type:REGEX`
@@ -155,49 +193,50 @@ class Layout:
         names of its layers, which a checkpoint does not hold), `kv_heads=K` the model's key-value heads (AutoTP's cut
         at a new tensor-parallel degree), `ep=E` the expert-parallel degree of a mixture-of-experts target (the source's
         when not named)."""
-        changes = {}
+        changes, options, seen = {}, dict(self.options), set()
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
-            if not sep or key not in SPEC_KEY_NAMES:
-                raise ReshardError(f"bad layout spec {spec!r}: expected keys {', '.join(SPEC_KEY_NAMES)} as "
-                                   "key=value")
-            if key == "partition":     # a PipelineModule's partition method (stage boundaries)
-                if partition_method_problem(value.strip()):
-                    raise ReshardError(f"bad layout spec {spec!r}: {partition_method_problem(value.strip())}")
-                changes["options"] = {**changes.get("options", self.options), "partition_method": value.strip()}
-                continue
-            if key == "layer_types":   # the pipeline layers' class names, in order, for partition=type:
-                types = [t.strip() for t in value.split("/")]
-                if not all(types):
-                    raise ReshardError(f"bad layout spec {spec!r}: layer_types is the layers' class names "
-                                       "separated by '/'")
-                changes["options"] = {**changes.get("options", self.options), "layer_types": types}
-                continue
-            if key in ("kv_heads", "ep"):   # the model's key-value heads (AutoTP's cut), the expert-parallel degree
-                if not value.strip().isdigit() or int(value) < 1:
-                    raise ReshardError(f"bad layout spec {spec!r}: {key} must be a positive integer")
-                changes["options"] = {**changes.get("options", self.options), key: int(value)}
-                continue
+            if not sep or key not in _SPEC_KEY:
+                raise UsageError(f"bad layout spec {spec!r}: {key!r} is not a key; expected keys "
+                                 f"{', '.join(SPEC_KEY_NAMES)} as key=value")
+            if key in seen:     # not the last one silently
+                raise UsageError(f"bad layout spec {spec!r}: {key} is given twice")
+            seen.add(key)
             try:
-                changes[key] = int(value)
-            except ValueError:
-                raise ReshardError(f"bad layout spec {spec!r}: {key} must be an integer") from None
+                parsed = _SPEC_KEY[key].parse(value)
+            except UsageError as e:
+                raise UsageError(f"bad layout spec {spec!r}: {e}") from None
+            if _SPEC_KEY[key].attr:
+                changes[key] = parsed
+            else:
+                options[_SPEC_KEY[key].option] = parsed
+        changes["options"] = options
         target = replace(self, **changes)
         target.check(f"layout spec {spec!r}")
         return target
+
+
+def _once(pairs) -> dict:
+    """A JSON object whose keys each appear once (json takes the last of a repeated key silently)."""
+    twice = sorted({k for i, (k, _) in enumerate(pairs) if k in (k2 for k2, _ in pairs[:i])})
+    if twice:
+        raise UsageError(f"{', '.join(twice)} given twice")
+    return dict(pairs)
 
 
 def read_descriptor(path) -> dict:
     """A layout descriptor file's JSON, its kind and version checked."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=_once)
     except OSError as e:
-        raise ReshardError.at(path, f"cannot read layout descriptor: {e.strerror}") from None
+        raise UsageError.at(path, f"cannot read layout descriptor: {e.strerror}") from None
     except json.JSONDecodeError as e:
-        raise ReshardError.at(path, f"layout descriptor is not valid JSON ({e})") from None
+        raise UsageError.at(path, f"layout descriptor is not valid JSON ({e})") from None
+    except UsageError as e:
+        raise UsageError.at(path, f"layout descriptor: {e}") from None
     if not isinstance(data, dict) or data.get("kind") != DESCRIPTOR_KIND:
         kind = data.get("kind") if isinstance(data, dict) else None
-        raise ReshardError.at(path, f"not a reshard layout descriptor (kind is {kind!r})")
+        raise UsageError.at(path, f"not a reshard layout descriptor (kind is {kind!r})")
     return data

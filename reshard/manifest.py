@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 
+from reshard import paths
 from reshard.progress import bar as progress_bar
 from reshard.version import __version__
 
@@ -81,10 +82,11 @@ def verify(path: str, checksums: bool, within: str | None = None, progress: bool
         return [f"{path}: not a reshard manifest"]
     problems, to_hash = [], []
     for rel, entry in manifest["files"].items():
-        target = os.path.normpath(os.path.join(folder, rel))
-        if not target.startswith(folder + os.sep):
-            problems.append(f"{path}: names a file outside its folder: {rel}")
+        why = paths.escape(rel, folder)
+        if why:
+            problems.append(f"{path}: names a file outside its folder: {rel!r} ({why})")
             continue
+        target = os.path.normpath(os.path.join(folder, rel))
         if within and not target.startswith(os.path.abspath(within) + os.sep):
             continue
         if not os.path.isfile(target):

@@ -12,8 +12,8 @@ import json
 import os
 import shutil
 
-from reshard import manifest
-from reshard.errors import ReshardError
+from reshard import manifest, paths
+from reshard.errors import ReshardError, UsageError
 
 
 class Staging:
@@ -27,6 +27,18 @@ class Staging:
         self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
         self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
         self._lock = None
+
+    def place(self, rel: str) -> str:
+        """Where the output's file `rel` is built: under the staging folder (see output_path)."""
+        return output_path(self.tmp, rel)
+
+    def paths(self, plan, single_file: bool) -> list:
+        """Every path a run writes, each file of the plan placed (refused if it leads out): the destination, the
+        staging folder and each file in it, the lock, the old destination an overwrite moves aside, and a single
+        file's manifest beside it."""
+        placed = [self.place(rel) for rel in _plan_paths(plan)]
+        sidecar = [f"{self.dst}.{manifest.NAME}"] if single_file else []
+        return [self.dst, self.tmp, self.lock_path, f"{self.tmp}.old", *sidecar, *placed]
 
     def acquire(self) -> None:
         os.makedirs(os.path.dirname(self.dst), exist_ok=True)
@@ -51,14 +63,14 @@ class Staging:
         if os.path.exists(self.tmp) and not resume:
             shutil.rmtree(self.tmp)     # the leftovers of an interrupted run; --resume would keep them
         os.makedirs(self.tmp, exist_ok=True)
-        for directory in {os.path.dirname(f.path) for f in plan.files} | {os.path.dirname(t.path) for t in plan.texts}:
-            os.makedirs(os.path.join(self.tmp, directory), exist_ok=True)
+        for directory in sorted({os.path.dirname(rel) for rel in _plan_paths(plan)} - {""}):
+            os.makedirs(self.place(directory), exist_ok=True)
 
     def finished(self) -> dict:
         """Files a previous run completed: {path: (size, sha256)}, from the journal."""
         done = {}
         try:
-            with open(os.path.join(self.tmp, self.JOURNAL)) as f:
+            with open(self.place(self.JOURNAL)) as f:
                 for line in f:
                     try:
                         entry = json.loads(line)
@@ -74,7 +86,7 @@ class Staging:
 
     def record(self, path: str, size: int, sha256: str) -> None:
         line = json.dumps({"path": path, "size": size, "sha256": sha256}) + "\n"
-        fd = os.open(os.path.join(self.tmp, self.JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(self.place(self.JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, line.encode())
             os.fsync(fd)
@@ -83,25 +95,40 @@ class Staging:
 
     def commit(self, plan, digests: dict, single_file: bool) -> str:
         """Write the manifest and move the output into place; returns the manifest's path."""
-        journal = os.path.join(self.tmp, self.JOURNAL)
+        journal = self.place(self.JOURNAL)
         if os.path.exists(journal):
             os.unlink(journal)
         record = manifest.build(plan, digests)
         if single_file:
             (only,) = plan.files
             record["files"] = {os.path.basename(self.dst): record["files"][only.path]}
-            write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
-            os.replace(os.path.join(self.tmp, only.path), self.dst)
-            os.replace(os.path.join(self.tmp, manifest.NAME), f"{self.dst}.{manifest.NAME}")
+            write_text(self.place(manifest.NAME), json.dumps(record, indent=1) + "\n")
+            os.replace(self.place(only.path), self.dst)
+            os.replace(self.place(manifest.NAME), f"{self.dst}.{manifest.NAME}")
             fsync(os.path.dirname(self.dst))
             shutil.rmtree(self.tmp)
             return f"{self.dst}.{manifest.NAME}"
-        write_text(os.path.join(self.tmp, manifest.NAME), json.dumps(record, indent=1) + "\n")
+        write_text(self.place(manifest.NAME), json.dumps(record, indent=1) + "\n")
         _rename_into_place(self.tmp, self.dst)
         return os.path.join(self.dst, manifest.NAME)
 
     def discard(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def output_path(root: str, rel: str) -> str:
+    """The one way a file of the output is placed: `rel` (a writer's name for it, made of a tag, a file name...)
+    joined under the staging folder `root`, refused when it would lead out (an absolute path, '..', a symlink
+    planted in a resumed staging folder): every file the executor writes is placed here, so no writer can
+    put one outside the destination, whatever names it is given."""
+    why = paths.escape(rel, root)
+    if why:
+        raise UsageError(f"output file {rel!r}: {why}; every file written stays inside the destination", file=rel)
+    return os.path.join(root, rel)
+
+
+def _plan_paths(plan) -> list:
+    return [f.path for f in plan.files] + [c.path for c in plan.copied] + [t.path for t in plan.texts]
 
 
 def write_text(path: str, text: str | bytes) -> None:

@@ -209,13 +209,13 @@ def test_stdout_read_to_the_end_is_exit_0():
 # -- 9: --to FILE that is missing, --workers 0 ------------------------------------------------------------------
 
 def test_missing_descriptor_file_says_so(tmp_path):
-    proc = run_cli("convert", SRC, tmp_path / "out", "--to", tmp_path / "nothere.json", check=1)
+    proc = run_cli("convert", SRC, tmp_path / "out", "--to", tmp_path / "nothere.json", check=2)
     line = _one_line(proc, str(tmp_path / "nothere.json"), "no such layout descriptor file")
     assert "bad layout spec" not in line and not (tmp_path / "out").exists()
-    proc = run_cli("plan", SRC, "--to", "nothere.json", check=1)
+    proc = run_cli("plan", SRC, "--to", "nothere.json", check=2)
     _one_line(proc, "nothere.json: no such layout descriptor file")
     # negative controls: a typo inside a spec is still a spec error, an existing descriptor is read
-    _one_line(run_cli("plan", SRC, "--to", "dp=3,zer=1", check=1), "bad layout spec")
+    _one_line(run_cli("plan", SRC, "--to", "dp=3,zer=1", check=2), "bad layout spec")
     (tmp_path / "t.json").write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 3}))
     assert "dp=3" in run_cli("plan", SRC, "--to", tmp_path / "t.json", check=0).stdout
 
@@ -337,11 +337,11 @@ def test_json_error_names_the_file_the_problem_is_about(tmp_path):
     (tmp_path / "busy" / "x").write_text("x")
     proc = run_cli("convert", SRC, tmp_path / "busy", "--to", "dp=3", "--json", check=1)
     assert json.loads(proc.stdout)["file"] == str(tmp_path / "busy") and "not empty" in proc.stderr
-    proc = run_cli("plan", SRC, "--to", "dp=3,zer=1", "--json", check=1)
+    proc = run_cli("plan", SRC, "--to", "dp=3,zer=1", "--json", check=2)
     assert json.loads(proc.stdout) == {"error": _one_line(proc)[len("reshard: "):], "file": None}
     descriptor = tmp_path / "t.json"
     descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 0}))
-    proc = run_cli("plan", SRC, "--to", descriptor, "--json", check=1)
+    proc = run_cli("plan", SRC, "--to", descriptor, "--json", check=2)
     assert json.loads(proc.stdout) == {"error": _one_line(proc, "dp must be")[len("reshard: "):],
                                        "file": str(descriptor)}
 
@@ -358,7 +358,7 @@ def test_ctrl_c_while_the_arguments_are_parsed_is_one_line(monkeypatch, capsys):
 
 def test_a_source_without_a_zero_stage_is_told_to_name_one(tmp_path):
     run_cli("convert", SRC, tmp_path / "dcp", "--format", "dcp", "--quiet", check=0)
-    proc = run_cli("convert", tmp_path / "dcp", tmp_path / "ds", "--format", "deepspeed", check=1)
+    proc = run_cli("convert", tmp_path / "dcp", tmp_path / "ds", "--format", "deepspeed", check=2)
     assert proc.stderr.count("\n") == 1 and "name one, e.g. --to zero=2" in proc.stderr, proc.stderr
     assert not (tmp_path / "ds").exists()
     run_cli("convert", tmp_path / "dcp", tmp_path / "ds", "--format", "deepspeed", "--to", "zero=2", "--quiet", check=0)

@@ -132,9 +132,10 @@ def test_plan_cli_reports_topology_sizes_disk_and_batch_advice():
 
 def test_convert_refuses_what_it_must(tmp_path):
     src = fixture_dir("z2_fp32_dp2")
-    for spec, needle in (("tp=2", "not an AutoTP run"), ("pp=2", "not a PipelineModule"), ("dp=0", "dp must be"),
-                         ("zero=0", "stages 1, 2 and 3"), ("gpus=3", "bad layout spec")):
-        proc = run_cli("convert", src, tmp_path / "x", "--to", spec, check=1)
+    for spec, needle, code in (("tp=2", "not an AutoTP run", 1), ("pp=2", "not a PipelineModule", 1),
+                               ("dp=0", "dp is a whole number, 1 or more", 2), ("zero=0", "zero is 1, 2 or 3", 2),
+                               ("gpus=3", "bad layout spec", 2)):
+        proc = run_cli("convert", src, tmp_path / "x", "--to", spec, check=code)
         assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not (tmp_path / "x").exists()
     busy = tmp_path / "busy"

@@ -75,5 +75,5 @@ def test_example_topologies_convert_a_real_checkpoint(tmp_path, descriptor, fixt
 def test_a_descriptor_with_another_precision_is_refused(tmp_path):
     path = tmp_path / "bf16.json"
     path.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 2, "dtype": "bfloat16"}))
-    proc = run_cli("convert", FIXTURES / "z2_fp32_dp2" / "checkpoint", tmp_path / "out", "--to", path, check=1)
+    proc = run_cli("convert", FIXTURES / "z2_fp32_dp2" / "checkpoint", tmp_path / "out", "--to", path, check=2)    # the --to the user gave: a usage error
     assert "dtype bfloat16 differs from the source's float32" in proc.stderr

@@ -181,8 +181,8 @@ def test_universal_trees_load_through_the_reader(built, name):
 # refusals and broken inputs: one line, exit 1, nothing executed
 
 
-def _one_line_error(proc, *needles):
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+def _one_line_error(proc, *needles, code=1):
+    assert proc.returncode == code, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     for needle in needles:
@@ -191,7 +191,7 @@ def _one_line_error(proc, *needles):
 
 def test_refused_targets(tmp_path):
     _one_line_error(run_cli("convert", fixture_dir("z2_fp32_dp2"), tmp_path / "a", "--format", "universal",
-                            "--to", "zero=0"), "zero=1, 2 or 3")
+                            "--to", "zero=0"), "zero is 1, 2 or 3", code=2)     # a usage error (the spec's range)
     _one_line_error(run_cli("convert", fixture_dir("z2_fp32_sgd_dp2"), tmp_path / "b", "--format", "universal",
                             "--to", "zero=3"), "momentum_buffer")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -15,6 +15,7 @@ from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import Reader, ReadRequest, Writer
+from reshard.layout import SPEC_KEY_NAMES
 
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
@@ -27,6 +28,10 @@ READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, z
 # Target formats of `convert --format`.
 WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer",
            "dcp": "reshard.formats.dcp.writer"}
+# The `--to` keys (reshard.layout.SPEC_KEYS) each one's output has a place for: every key in DeepSpeed's files; a
+# DCP directory is one file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO
+# stage. Each writer's SPEC_KEYS is its entry; kept here so that --help says it without importing the writers.
+WRITER_SPEC_KEYS = {"deepspeed": SPEC_KEY_NAMES, "universal": SPEC_KEY_NAMES, "dcp": ("dp", "tp", "pp")}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
@@ -102,6 +107,11 @@ def takes(path: str, tag: str | None, option: str) -> bool:
 
 def _taken(reader: Reader) -> set:
     return {f.name for f in fields(reader.OPTIONS)}
+
+
+def formats_taking(keys) -> list:
+    """The output formats whose writers take every one of these `--to` keys (reshard.layout.SPEC_KEYS)."""
+    return [name for name in WRITERS if set(keys) <= set(WRITER_SPEC_KEYS[name])]
 
 
 def writer(format_name: str) -> Writer:

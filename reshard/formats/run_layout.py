@@ -16,6 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from reshard import paths
 from reshard.errors import ReshardError
 from reshard.formats import reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
@@ -141,7 +142,7 @@ def _pointed(folder: str, names: list, found: Scan) -> bool:
                     tag = f.read().strip()
             except (OSError, UnicodeDecodeError):
                 continue
-            if tag and os.sep not in tag and tag not in (".", ".."):
+            if not paths.escape(tag, folder, single=True):
                 named_by = os.path.join(os.path.basename(folder), pointer)
                 found.pointers[os.path.join(folder, tag)] = f"named by {named_by}"
     return pointed

@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 
+from reshard import paths
 from reshard.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTensor
 from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import CheckpointError
@@ -54,10 +55,10 @@ class Chunks:
 
     def _path(self, info) -> str:
         rel = info.relative_path
-        if not isinstance(rel, str) or "\0" in rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/") \
-                or not isinstance(info.offset, int) or not isinstance(info.length, int):
+        why = paths.escape(rel, self.root)
+        if why or not isinstance(info.offset, int) or not isinstance(info.length, int):
             raise CheckpointError(self.meta_path, f"chunk location {rel!r:.80} escapes the checkpoint directory "
-                                  "or is malformed")
+                                  f"or is malformed ({why or 'its offset or length is not a number'})")
         return os.path.join(self.root, rel)
 
     def signature(self, key: str, entry) -> tuple | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 import re
 
-from reshard.errors import ReshardError
+from reshard import paths
+from reshard.errors import CheckpointError, ReshardError, UsageError
 
 LATEST = "latest"
 
@@ -48,21 +49,32 @@ def is_deepspeed_dir(path: str) -> bool:
     return any(MODEL_STATES.match(n) or ZERO3_MODEL_STATES.match(n) for n in names)
 
 
+def tag_folder(save_dir: str, tag: str, pointer: str | None = None) -> str:
+    """The folder of `tag` in `save_dir`; a tag is one of its folders, so a name leading out of it is refused:
+    the checkpoint's fault (exit 1) when the file `pointer` (`latest`) names it, a usage error when --tag does."""
+    why = paths.escape(tag, save_dir, single=True)
+    if why and pointer:
+        raise CheckpointError(pointer, f"names the tag {tag!r}: {why}; name the tag with --tag")
+    if why:
+        raise UsageError.at(save_dir, f"--tag {tag!r}: {why}")
+    return os.path.join(save_dir, tag)
+
+
 def resolve_tag_dir(path: str, tag: str | None = None) -> tuple[str, str]:
     """(tag directory, tag) for a save dir with `latest`, a save dir plus --tag, or a tag dir."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise ReshardError.at(path, "no such directory")
     latest = os.path.join(path, LATEST)
+    pointer = None
     if tag is None and os.path.isfile(latest):
         with open(latest) as f:
             tag = f.read().strip()
         if not tag:
             raise ReshardError.at(latest, "file is empty; name the tag with --tag")
+        pointer = latest
     if tag is not None:
-        if os.sep in tag or tag in ("", ".", ".."):
-            raise ReshardError.at(path, f"invalid tag {tag!r}")
-        tag_dir = os.path.join(path, tag)
+        tag_dir = tag_folder(path, tag, pointer)
         if not os.path.isdir(tag_dir):
             raise ReshardError.at(tag_dir, "tag folder does not exist")
         return tag_dir, tag

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 
 from reshard import rule_files
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.geometry import strides
 from reshard.placement import Block, Shard
 
@@ -81,7 +81,7 @@ class Geometry:
     """Turns a parameter name and its shard shapes into a Split, from one of the three sources."""
 
     def __init__(self, affine: dict, rules: list, source: str, prefix_match: bool = False,
-                 vocab_patterns=(), vocab_size: int | None = None):
+                 vocab_patterns=(), vocab_size: int | None = None, counts_error=ReshardError):
         self.affine = [(re.compile(p), entry) for p, entry in affine.items()]
         self.rules = [(re.compile(r.pattern), r) for r in rules]
         self.source = source
@@ -90,6 +90,9 @@ class Geometry:
         # ...and strips vocabulary padding after any cut: rows past original_vocab_size are dropped
         self.vocab = [re.compile(p) for p in vocab_patterns]
         self.vocab_size = vocab_size
+        # a count that cannot describe the tensors (sub-params, vocabulary rows): the checkpoint's fault when it
+        # states it, a usage error when the user's rule file does (exit 2)
+        self.counts_error = counts_error
 
     @classmethod
     def from_checkpoint(cls, info: dict, where: str) -> "Geometry":
@@ -111,7 +114,7 @@ class Geometry:
         vocab = data.get("original_vocab_size") if isinstance(data, dict) else None
         if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
             raise ReshardError.at(path, "original_vocab_size must be a positive integer or null")
-        return cls({}, _rules_from_file(data, path), path, vocab_size=vocab)
+        return cls({}, _rules_from_file(data, path), path, vocab_size=vocab, counts_error=UsageError)
 
     def _matches(self, pattern, name) -> bool:
         return bool(pattern.match(name) if self.prefix_match else pattern.fullmatch(name))
@@ -127,8 +130,11 @@ class Geometry:
                 return from_affine(name, entry, shard_shapes, self.source)
         for pattern, rule in self.rules:
             if self._matches(pattern, name) and (fallback or not rule.fallback):
-                split = from_rule(name, rule, shard_shapes, tp, self.source)
+                split = from_rule(name, rule, shard_shapes, tp, self.source, self.counts_error)
                 if self.vocab_size and (rule.vocab or any(self._matches(p, name) for p in self.vocab)):
+                    if split.full_shape and self.vocab_size > split.full_shape[0]:
+                        raise self.counts_error(f"{self.source}: original_vocab_size {self.vocab_size} cannot describe "
+                                                f"{name}: it has {split.full_shape[0]} rows")
                     split = trim_rows(split, self.vocab_size)
                 return split
         raise ReshardError(f"{self.source}: no rule says how tensor parallelism cut {name}; "
@@ -192,7 +198,7 @@ def from_affine(name, entry, shard_shapes, source) -> Split:
     return Split(full, pieces, source)
 
 
-def from_rule(name, rule, shard_shapes, tp, source) -> Split:
+def from_rule(name, rule, shard_shapes, tp, source, counts_error=ReshardError) -> Split:
     if rule.kind == "refuse":
         raise ReshardError(f"{source}: {name}: {rule.reason}")
     shapes = {r: tuple(s) for r, s in shard_shapes.items()}
@@ -218,7 +224,7 @@ def from_rule(name, rule, shard_shapes, tp, source) -> Split:
         shapes.update({r: any_shape for r in missing})
     if rule.kind == "split":
         return contiguous(shapes, dim, tp, source)
-    return _sub_params(name, rule, shapes, dim, tp, source)
+    return _sub_params(name, rule, shapes, dim, tp, source, counts_error)
 
 
 def _box(start_in_dim, shard_start_in_dim, size, dim, shape):
@@ -239,7 +245,7 @@ def contiguous(shapes, dim, tp, source) -> Split:
     return Split(tuple(full), pieces, source)
 
 
-def _sub_params(name, rule, shapes, dim, tp, source) -> Split:
+def _sub_params(name, rule, shapes, dim, tp, source, counts_error) -> Split:
     local = shapes[0][dim]
     if rule.shard_widths:
         widths = [list(w) for w in rule.shard_widths]
@@ -248,20 +254,20 @@ def _sub_params(name, rule, shapes, dim, tp, source) -> Split:
         if rule.count_only:
             count = rule.sub_params[0]
             if (local * tp) % count:
-                raise ReshardError(f"{source}: {name}: {local * tp} rows along dim {dim} do not split into "
+                raise counts_error(f"{source}: {name}: {local * tp} rows along dim {dim} do not split into "
                                    f"{count} sub-params")
             sizes = [local * tp // count] * count
         else:
             sizes = list(rule.sub_params)
         if any(n % tp for n in sizes):
-            raise ReshardError(f"{source}: {name}: sub-param sizes {sizes} do not divide by tp={tp}; give "
+            raise counts_error(f"{source}: {name}: sub-param sizes {sizes} do not divide by tp={tp}; give "
                                "shard widths")
         widths = [[n // tp] * tp for n in sizes]
     pieces = {r: [] for r in range(tp)}
     for r in range(tp):
         have = sum(w[r] for w in widths)
         if shapes[r][dim] != have:
-            raise ReshardError(f"{source}: {name}: tensor-parallel rank {r} holds {shapes[r][dim]} rows along dim "
+            raise counts_error(f"{source}: {name}: tensor-parallel rank {r} holds {shapes[r][dim]} rows along dim "
                                f"{dim}, the sub-param rule gives it {have}")
         full_at, shard_at = 0, 0
         for size, w in zip(sizes, widths):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import re
 
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed.tp_geometry import Geometry, Split, contiguous, replicated
 from reshard.geometry import offset, strides
@@ -73,8 +73,8 @@ def recut(catalog, target) -> tuple:
         for name, cut in cuts.items():
             again = _split(name, catalog.params[name].shape, cut, catalog.layout.tp, kv_heads, grain, where)
             if not _same_boxes(again, source_splits.get(name)):
-                raise ReshardError(f"{where}: {name}: the rules{' and kv_heads=' + str(kv_heads) if kv_heads else ''}"
-                                   " do not give the cut the source was saved with; they do not describe this model")
+                raise UsageError(f"{where}: {name}: the rules{' and kv_heads=' + str(kv_heads) if kv_heads else ''}"
+                                 " do not give the cut the source was saved with; they do not describe this model")
     splits = {name: _split(name, catalog.params[name].shape, cut, target.tp, kv_heads, grain, where)
               for name, cut in cuts.items()}
     maps = {name: _affine(split, target.tp) for name, split in splits.items()}
@@ -84,15 +84,38 @@ def recut(catalog, target) -> tuple:
     return splits, extra
 
 
+def check_kv_heads(catalog, target) -> None:
+    """kv_heads=K (target.options) must describe every tensor the rule file (--layout-rules) says AutoTP cuts by
+    key-value heads: K whole heads (or head groups) along its cut dim. Else AutoTP's cut (tp_shard falls back to
+    an even one where K does not divide) would cut through a head: a usage error, before anything is written,
+    whatever the degree (a count that cannot be the model's is refused even where the source's cut is kept)."""
+    kv_heads, rules_path = target.options.get("kv_heads"), notes.of(catalog).tp_rules
+    if not kv_heads or not rules_path:
+        return
+    where = f"{catalog.root}: tp={catalog.layout.tp} -> tp={target.tp}"
+    geometry = Geometry.from_rule_file(rules_path)
+    for name, info in catalog.params.items():
+        rule = geometry.rule_for(name)
+        if name in catalog.aliases or rule is None or rule.kind != "split" or rule.recut != "heads":
+            continue
+        dim = rule.dim if rule.dim >= 0 else len(info.shape) + rule.dim
+        size = info.shape[dim]
+        if size % kv_heads:
+            raise UsageError(f"{where}: kv_heads={kv_heads} cannot describe {name}: its {size} rows along dim {dim} "
+                             f"are not {kv_heads} whole heads ({size}/{kv_heads}); give the model's "
+                             "num_key_value_heads")
+
+
 def _split(name, shape, cut, tp, kv_heads, grain, where) -> Split:
     shape = tuple(shape)
     if cut is None:
         return replicated(name, {r: shape for r in range(tp)}, tp, "AutoTP leaves it whole")
     dim, how = cut
     sizes = shard_sizes(shape[dim], tp, how, kv_heads, grain)
-    if min(sizes) <= 0:
-        raise ReshardError(f"{where}: {name}: {shape[dim]} along dim {dim} gives tensor-parallel rank "
-                           f"{sizes.index(min(sizes))} nothing at tp={tp}; DeepSpeed does not allow it")
+    if min(sizes) <= 0:     # (the target's tp, or kv_heads fewer than it, cannot describe the tensor)
+        heads = f" cut into kv_heads={kv_heads} heads" if how == "heads" and kv_heads else ""
+        raise UsageError(f"{where}: {name}: {shape[dim]} along dim {dim}{heads} gives tensor-parallel rank "
+                         f"{sizes.index(min(sizes))} nothing at tp={tp}; DeepSpeed does not allow it")
     shapes = {r: shape[:dim] + (n,) + shape[dim + 1:] for r, n in enumerate(sizes)}
     return contiguous(shapes, dim, tp, f"AutoTP's cut at tp={tp}")
 

@@ -26,6 +26,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if target.tp > 1 and target.zero not in (1, 2):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel target is written for ZeRO-1/2 only "
                            "(what AutoTP trains with)")
+    tp_recut.check_kv_heads(catalog, target)
     zt = ZeroTarget(catalog, target)
     if target.tp == 1:
         return rank_files(zt, rank_params.whole(catalog), tag) + closing_files(tag, source_save_dir)

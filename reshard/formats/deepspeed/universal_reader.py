@@ -63,17 +63,16 @@ def read(path: str, options: TagOption) -> Catalog:
 
 def _resolve_tag_dir(path, tag) -> tuple:
     path = os.path.abspath(path)
+    pointer = None
     if tag is None and not uc.is_universal_tag_dir(path):
-        latest = os.path.join(path, uc.LATEST_UNIVERSAL)
-        with open(latest) as f:
+        pointer = os.path.join(path, uc.LATEST_UNIVERSAL)
+        with open(pointer) as f:
             tag = f.read().strip()
         if not tag:
-            raise ReshardError.at(latest, "file is empty; name the tag with --tag")
+            raise ReshardError.at(pointer, "file is empty; name the tag with --tag")
     if tag is None:
         return path, os.path.basename(path)
-    if os.sep in tag or tag in ("", ".", ".."):
-        raise ReshardError.at(path, f"invalid tag {tag!r}")
-    tag_dir = os.path.join(path, tag)
+    tag_dir = names.tag_folder(path, tag, pointer)
     if not uc.is_universal_tag_dir(tag_dir):
         raise ReshardError.at(tag_dir, f"no '{uc.ZERO_DIR}' folder; not a universal checkpoint tag folder")
     return tag_dir, tag

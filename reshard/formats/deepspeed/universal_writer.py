@@ -31,15 +31,15 @@ import re
 from dataclasses import replace
 
 from reshard.catalog import MASTER, MODULE, Catalog
-from reshard.errors import ReshardError
-from reshard.formats import standins
+from reshard.errors import ReshardError, UsageError
+from reshard.formats import WRITER_SPEC_KEYS, standins
 from reshard.formats.deepspeed import expert_writer, notes, rank_params, tp_writer, zero12_writer, zero3_writer
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
 from reshard.formats.deepspeed.zero_target import ZeroTarget, scalar_slot
 from reshard.formats.torchsave import TorchFile
-from reshard.layout import Layout, SPEC_KEY_NAMES
+from reshard.layout import Layout
 from reshard.targets import Output, Piece, TextFile
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
@@ -47,7 +47,7 @@ _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partiti
 
 
 # every --to key has a place in a universal tree (ep: in its model states; the zero/ tree serves every ep)
-SPEC_KEYS = SPEC_KEY_NAMES
+SPEC_KEYS = WRITER_SPEC_KEYS["universal"]
 PLACES_EXPERTS = True      # AutoEP; deepspeed.moe is refused (_check_target)
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -85,7 +85,7 @@ def _check_target(catalog, target):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel universal checkpoint is written for "
                            "ZeRO-1/2 only (what AutoTP trains with); use --to zero=1 or 2")
     if target.zero not in (1, 2, 3):
-        raise ReshardError(f"target ZeRO stage {target.zero}: DeepSpeed loads a universal checkpoint only into a "
+        raise UsageError(f"target ZeRO stage {target.zero}: DeepSpeed loads a universal checkpoint only into a "
                            "ZeRO-1, ZeRO-2 (incl. BF16_Optimizer) or ZeRO-3 engine; use --to zero=1, 2 or 3")
     if catalog.experts is not None and not expert_writer.packs_experts(catalog):
         raise ReshardError.at(catalog.root, "a universal checkpoint of deepspeed.moe experts cannot be loaded: "

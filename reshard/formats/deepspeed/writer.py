@@ -9,16 +9,16 @@ names and counts, the bytes are described as Pieces.
 from __future__ import annotations
 
 from reshard.catalog import Catalog
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
+from reshard.formats import WRITER_SPEC_KEYS
 from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
-from reshard.layout import Layout, SPEC_KEY_NAMES
+from reshard.layout import Layout
 from reshard.targets import Output
 
 
-# every --to key has a place in DeepSpeed's files
-SPEC_KEYS = SPEC_KEY_NAMES
+SPEC_KEYS = WRITER_SPEC_KEYS["deepspeed"]      # every --to key has a place in DeepSpeed's files
 PLACES_EXPERTS = True     # expert_writer
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -27,7 +27,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if target.zero not in (1, 2, 3):
         # a source with no ZeRO stage of its own (DCP, torch.save, universal) keeps "0" unless --to names one
         hint = " (the source has none: name one, e.g. --to zero=2)" if source.zero not in (1, 2, 3) else ""
-        raise ReshardError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written{hint}")
+        raise UsageError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written{hint}")
     if catalog.experts is not None:          # a mixture of experts: its placement is one more map
         return expert_writer.target_files(catalog, target, tag, source_save_dir)
     expert_writer.refuse_ep_without_experts(catalog, target)

@@ -12,6 +12,7 @@ import math
 import os
 import struct
 
+from reshard import paths
 from reshard.dtypes import itemsize
 from reshard.errors import CheckpointError
 from reshard.formats.safetensors_file import DTYPE_CODES
@@ -96,11 +97,11 @@ def read_index(index_path: str) -> dict:
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(index_path, "not a shard index (JSON with a 'weight_map' object)") from None
     out = {}
-    real_folder = os.path.realpath(folder)
     for name, shard in weight_map.items():
-        if (not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/")
-                or not os.path.realpath(os.path.join(folder, shard)).startswith(real_folder + os.sep)):
-            raise CheckpointError(index_path, f"tensor {name!r}: shard path {shard!r} leaves the checkpoint folder")
+        why = paths.escape(shard, folder)
+        if why:
+            raise CheckpointError(index_path, f"tensor {name!r}: shard path {shard!r} leaves the checkpoint folder "
+                                              f"({why})")
         path = os.path.join(folder, shard)
         if not os.path.isfile(path):
             raise CheckpointError(index_path, f"tensor {name!r}: shard {shard} is missing")
