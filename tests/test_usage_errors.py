@@ -17,7 +17,7 @@ from reshard.layout import SPEC_KEYS, Layout
 
 SOURCE = "z2_fp32_dp2"
 AUTOTP = "autotp2_z1_fp32_dp2"          # a Llama with 2 key-value heads: k_proj 8 rows, q_proj 16
-RULES = str(REPO / "layouts" / "llama-autotp.json")
+RULES = "llama-autotp"      # a rule file shipped with reshard, found by name
 
 
 def digest_tree(root) -> dict:
@@ -180,7 +180,7 @@ def test_a_rule_file_count_that_cannot_describe_the_tensors_is_refused(tmp_path,
     24 rows (exit 1 before), `original_vocab_size` above the embedding's rows (silently ignored before: the tensor
     kept whole as if it described it). Exit 2, one line naming the rule file, nothing written."""
     src = fixture_dir("megatron_tp2_z1_fp32_dp2")
-    rules = json.loads((REPO / "layouts" / "megatron-gpt.json").read_text())
+    rules = json.loads((REPO / "reshard" / "layouts" / "megatron-gpt.json").read_text())
     five = {**rules, "rules": [{**r, "sub_params": 5} if "sub_params" in r else r for r in rules["rules"]]}
     cases = {"sub5.json": (five, "24 rows along dim 0 do not split into 5 sub-params"),
              "vocab.json": ({**rules, "original_vocab_size": 41}, "original_vocab_size 41 cannot describe")}
