@@ -145,10 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "validate", "prove every element of every tensor is present exactly once "
                  "(exit 0 complete, 1 not, 2 usage)",
                  ("reshard validate ckpt/",
-                  "reshard validate new/ --deep --checksums    # also NaN/Inf, and the manifest's sha256",
+                  "reshard validate new/ --deep --checksums    # also NaN/Inf, CRC-32s, the manifest's sha256",
                   "reshard validate ckpt/ --json"))
     _source_args(p)
-    p.add_argument("--deep", action="store_true", help="also read the bytes and report NaN/Inf")
+    p.add_argument("--deep", action="store_true", help="also read the bytes and report NaN/Inf and zip members whose CRC-32 does not match")
     p.add_argument("--checksums", action="store_true",
                    help="verify every file's sha256 against the reshard manifest (convert/export write one)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -35,6 +35,8 @@ class Report:
     deep: bool = False
     manifest: str | None = None     # the manifest checked, if any
     checksums: bool = False         # whether its sha256 sums were verified (sizes always are)
+    crc_members: int = 0            # --deep: zip members whose CRC-32 was verified
+    no_checksum: list = field(default_factory=list)    # --deep: files of a format that carries no checksum
 
     @property
     def ok(self) -> bool:
@@ -52,7 +54,12 @@ class Report:
         if self.duplicate_elements:
             text += f"; {self.duplicate_elements:,} elements held twice"
         if self.deep:
-            text += "; bytes checked for NaN/Inf"
+            text += f"; bytes checked for NaN/Inf, {_count(self.crc_members, 'zip member')} against their CRC-32"
+        if self.no_checksum:
+            names = ", ".join(os.path.basename(f) for f in self.no_checksum[:MAX_RANGES_SHOWN])
+            more = " …" if len(self.no_checksum) > MAX_RANGES_SHOWN else ""
+            text += (f"; {_count(len(self.no_checksum), 'file')} ({names}{more}) carry no checksum: "
+                     "corruption in them cannot be detected")
         if self.manifest:
             what = "sizes and sha256" if self.checksums else "sizes (sha256 with --checksums)"
             text += f"; files checked against {os.path.basename(self.manifest)}: {what}"
@@ -62,7 +69,11 @@ class Report:
         return {"ok": self.ok, "problems": self.problems, "tensors": self.tensors, "elements": self.elements,
                 "missing_elements": self.missing_elements, "missing_fraction": self.missing_fraction,
                 "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep,
-                "manifest": self.manifest}
+                "manifest": self.manifest, "crc_members": self.crc_members, "no_checksum": self.no_checksum}
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False, progress: bool = False) -> Report:
@@ -186,6 +197,18 @@ def _check_values(catalog, report, progress):
                 if bad:
                     report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}): {bad} NaN/Inf "
                                            f"values in elements [{frag.start}, {frag.stop})")
+        _check_crcs(catalog, files, report)
+
+
+def _check_crcs(catalog, files, report) -> None:
+    """The CRC-32 of every zip member a tensor lies in, whole: blocks read above hashed as they were read, the
+    rest (integer tensors, padding, members no fragment reaches to the end) read now."""
+    storages = {frag.storage for tensor in catalog.tensors.values() for frag in tensor.fragments}
+    files.tally.expect(storages)
+    report.crc_members = len({(s.file, s.offset) for s in storages if s.crc is not None})
+    report.no_checksum = sorted({s.file for s in storages if s.crc is None})
+    for problem in files.tally.problems():
+        report.problems.append(str(problem))
 
 
 def _nbytes(tensor) -> int:
