@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from reshard.checksums import Tally
 from reshard.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.errors import ReshardError
 from reshard import geometry
@@ -111,11 +112,13 @@ def _assign(target: np.ndarray, values: np.ndarray, src: str, dst: str) -> None:
 
 class SourceFiles:
     """Open source files by path; positioned reads into fresh buffers (no mapped pages kept). A big read is
-    dropped from the page cache after it, unless it overlaps a range `reread` says is read again."""
+    dropped from the page cache after it, unless it overlaps a range `reread` says is read again. Every read
+    is noted in `tally` (reshard.checksums.Tally), which checks the CRC-32 of the members it was made with."""
 
-    def __init__(self, reread: dict):
+    def __init__(self, reread: dict, tally: Tally | None = None):
         self._files = OpenFiles()
         self._reread = reread
+        self.tally = tally or Tally()
 
     def _read_again(self, path: str, offset: int, nbytes: int) -> bool:
         ranges = self._reread.get(path)
@@ -135,6 +138,7 @@ class SourceFiles:
         data = os.pread(self._fd(path), nbytes, offset)
         if len(data) != nbytes:
             raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
+        self.tally.note_at(path, offset, data)
         self._done_with(path, offset, nbytes)
         return data
 
@@ -147,6 +151,7 @@ class SourceFiles:
             if got == 0:
                 raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
             done += got
+        self.tally.note_at(path, offset, view)
         self._done_with(path, offset, nbytes)
 
     def _done_with(self, path: str, offset: int, nbytes: int) -> None:
@@ -166,6 +171,7 @@ class SourceFiles:
             block = np.frombuffer(self.read(path, offset, span), dtype=numpy_carrier(src))
             _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
             return
+        self.tally.touch_at(path, offset, span)      # (only some of the span's pages are read: verified later)
         first, block = offset - offset % mmap.ALLOCATIONGRANULARITY, None
         try:
             window = mmap.mmap(self._fd(path), offset + span - first, access=mmap.ACCESS_READ, offset=first)

@@ -170,10 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "validate", "prove every element of every tensor is present exactly once "
                  "(exit 0 complete, 1 not, 2 usage)",
                  ("reshard validate ckpt/",
-                  "reshard validate new/ --deep --checksums    # also NaN/Inf, and the manifest's sha256",
+                  "reshard validate new/ --deep --checksums    # also NaN/Inf, CRC-32s, the manifest's sha256",
                   "reshard validate ckpt/ --json"))
     _source_args(p)
-    p.add_argument("--deep", action="store_true", help="also read the bytes and report NaN/Inf")
+    p.add_argument("--deep", action="store_true",
+                   help="also read the bytes and report NaN/Inf and zip members whose CRC-32 does not match")
     p.add_argument("--checksums", action="store_true",
                    help="verify every file's sha256 against the reshard manifest (convert/export write one; "
                    "without one: a line says they are not verified, the verdict stands)")
@@ -341,7 +342,8 @@ def _policy_args(p) -> None:
     p.add_argument("--keep-last", type=_positive_int, metavar="K", help="keep the K newest complete checkpoints")
     p.add_argument("--keep-best", type=_positive_int, metavar="M", help="keep the M best complete checkpoints by "
                    "--metric")
-    p.add_argument("--metric", metavar="NAME", help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
+    p.add_argument("--metric", metavar="NAME",
+                   help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
     p.add_argument("--mode", choices=["min", "max"], default="min", help="min: lower is better (default), max: higher")
     p.add_argument("--keep-every", type=_positive_int, metavar="N", help="keep checkpoints whose step is a multiple "
                    "of N")
@@ -361,8 +363,9 @@ def _run_dir_args(p, settle: float = 0.0) -> None:
     p.add_argument("--recent", type=_non_negative_float, default=reshard.RECENT_SECONDS, metavar="S",
                    help=f"a file modified less than S seconds ago marks its save in progress (default "
                         f"{reshard.RECENT_SECONDS:g})")
-    p.add_argument("--settle", type=_non_negative_float, default=settle, metavar="S", help="also look again after S seconds: a "
-                   f"checkpoint whose files changed is in progress (default {settle:g})")
+    p.add_argument("--settle", type=_non_negative_float, default=settle, metavar="S",
+                   help=f"also look again after S seconds: a checkpoint whose files changed is in progress (default "
+                        f"{settle:g})")
 
 
 def _steps_arg(text: str) -> tuple:

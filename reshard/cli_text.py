@@ -172,7 +172,8 @@ def print_watch_pass(root: str, done) -> None:
     for row in done.waiting:
         print(f"{label(row)}: in progress — {row.why} ({row.name})")
     broken = sum(e.status == "incomplete" for e in done.reported)
-    print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), {len(done.waiting)} in "
+    print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), "
+          f"{len(done.waiting)} in "
           f"progress, {len(done.removed)} deleted")
 
 

@@ -17,8 +17,9 @@ import os
 import shutil
 import tempfile
 
-from reshard import formats
+from reshard import checksums, formats
 from reshard.blocks import SourceFiles
+from reshard.checksums import Tally
 from reshard.convert import plan_for
 from reshard.distributed import TorchGroup
 from reshard.errors import ReshardError
@@ -58,10 +59,20 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
         served = ServedFiles(engine.checkpoint_engine, out, plan)
         engine.checkpoint_engine = served
         try:
-            return engine.load_checkpoint(out, tag=plan.tag, **kwargs)
+            loaded = engine.load_checkpoint(out, tag=plan.tag, **kwargs)
         finally:
             engine.checkpoint_engine = served.inner
             served.close()
+        # The CRC-32 of every member any rank read from, whole, from the blocks all ranks read (rank 0 reads what
+        # none did): a corrupt one fails the load on every rank, in the same line.
+        read = group.gather_dicts({group.rank: served.read()})
+        problem = None
+        if group.rank == 0:
+            problem = next(checksums.problems_of(read.values()), None)
+        problem = group.broadcast(None if problem is None else (str(problem), problem.file))
+        if problem is not None:
+            raise ReshardError(*problem)
+        return loaded
     finally:
         group.all_ok(True)          # every rank has loaded what it needs
         if group.rank == 0:
@@ -75,13 +86,17 @@ class ServedFiles:
     def __init__(self, inner, root: str, plan: Plan):
         self.inner = inner
         self._files = {os.path.join(root, f.path): f for f in plan.files}
-        self._sources = SourceFiles(plan.reread())
+        self._sources = SourceFiles(plan.reread(), Tally(plan.checked))
 
     def load(self, path, map_location=None):
         file = self._files.get(os.path.normpath(path))
         if file is None:
             return self.inner.load(path, map_location=map_location)
         return materialize(file, self._sources, _placer(map_location))
+
+    def read(self) -> dict:
+        """The CRC-32s of the blocks read from source members so far (checksums.Tally.pieces)."""
+        return self._sources.tally.pieces()
 
     def close(self) -> None:
         self._sources.close()

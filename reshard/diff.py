@@ -106,6 +106,8 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> D
                 report.differences.append(Difference(label[0], label[1], side, f"only in {where}"))
                 continue
             _compare(a.tensors[key_a], b.tensors[key_b], label, files_a, files_b, report, bar)
+        files_a.verify()        # values from a corrupt member are no answer: an error, not a difference
+        files_b.verify()
     for (dtype_a, dtype_b), which in report.recast.items():
         report.notes.append(f"{len(which)} tensor(s) stored as {dtype_a} in A and {dtype_b} in B with every value "
                             f"equal: {_some(which)}")

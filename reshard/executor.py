@@ -3,7 +3,8 @@
 Each target file is written front to back: its header, then every storage filled op by op from
 source byte ranges (pread into bounded blocks, read ahead in a thread, cast if the dtypes differ)
 or constants. Files are built in a Staging area (reshard.staging) and committed only when all of
-them are complete; on any failure but a hard kill the staging area is removed.
+them are complete and every source member read has the CRC-32 its zip stores (reshard.checksums);
+on any failure but a hard kill the staging area is removed.
 
 Ctrl-C is acted on only where nothing is half done (class Interrupts). Python raises KeyboardInterrupt
 wherever the main thread happens to be: inside a lock's `with` it leaves the lock held (a hang); inside
@@ -23,11 +24,12 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from reshard import manifest, paths, sink
+from reshard import checksums, manifest, paths, sink
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
 from reshard.formats import container_writer
 from reshard.blocks import SourceFiles, storage_blocks
+from reshard.checksums import Tally
 from reshard.planner import FilePlan, Plan
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, fsync, output_path, write_text
@@ -168,16 +170,17 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
     problem = group.broadcast(problem)
     if problem is not None:
         raise problem
-    error, digests = None, {}
+    error, digests, tally = None, {}, Tally()
     try:
         mine = share(plan.files, group.rank, group.world)
         digests = _write_files(mine, staging, chunk_bytes(memory_budget, workers), workers, resume,
                                progress_bar(sum(f.nbytes for f in mine), "writing", progress and group.rank == 0),
-                               plan.reread())
+                               plan.reread(), _by_file(plan.checked), tally)
     except BaseException as e:      # report to the others first, then re-raise
         error = e
     everyone_ok = group.all_ok(error is None)
     digests = group.gather_dicts(digests)
+    read = group.gather_dicts({group.rank: tally.pieces()})
     if group.rank != 0:
         if error is not None:
             raise error
@@ -187,6 +190,7 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
     try:
         if not everyone_ok:
             raise error or ReshardError.at(staging.dst, "another rank failed; nothing was written")
+        _verify_sources(plan, read.values())
         try:
             digests.update(_write_small_files(plan, staging.tmp))
             INTERRUPTS.check()
@@ -204,6 +208,14 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
     return Written(staging.dst, plan.output, files, manifest_path)
 
 
+def _verify_sources(plan: Plan, pieces) -> None:
+    """The CRC-32 of every checksummed member the plan reads from, each whole, from the blocks every rank read
+    (and what they left out, read now); the first mismatch raised. Before the commit: a corrupt source leaves
+    nothing, whatever --resume kept."""
+    for problem in checksums.problems_of(pieces, plan.checked):
+        raise problem
+
+
 def check_free_space(plan: Plan, staging, resume: bool) -> None:
     need = plan.bytes_written - (staging.reusable_bytes() if resume else 0)
     free = shutil.disk_usage(os.path.dirname(staging.dst)).free
@@ -212,9 +224,19 @@ def check_free_space(plan: Plan, staging, resume: bool) -> None:
                                            f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
 
 
-def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, reread: dict) -> dict:
+def _by_file(storages) -> dict:
+    """{source path: [storage]}: what each target file's reads are looked up in."""
+    out = {}
+    for storage in storages:
+        out.setdefault(storage.file, []).append(storage)
+    return out
+
+
+def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, reread: dict, checked: dict,
+                 tally: Tally) -> dict:
     """Write the files (keeping whole ones from an interrupted run); returns {path: (size, sha256)}.
-    `reread`: Plan.reread(), the source ranges read more than once."""
+    `reread`: Plan.reread(), the source ranges read more than once; `checked`: the checksummed source storages
+    by path, whose blocks read are noted in `tally`."""
     digests, todo = {}, []
     done = staging.finished() if resume else {}
     for f in files:
@@ -230,13 +252,15 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
             stop = context.Event()
             with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_started,
                                      initargs=(stop,)) as pool:
-                jobs = {pool.submit(write_file, f, staging.tmp, chunk, None, reread): f for f in _balanced(todo)}
+                jobs = {pool.submit(write_file, f, staging.tmp, chunk, None, reread, _members(f, checked)): f
+                        for f in _balanced(todo)}
                 try:
                     running = set(jobs)
                     while running:
                         done, running = wait(running, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
                         for job in done:
-                            path, size, sha = job.result()
+                            path, size, sha, pieces = job.result()
+                            tally.merge(pieces)
                             staging.record(path, size, sha)
                             digests[path] = (size, sha)
                             bar.update(jobs[job].nbytes)
@@ -248,7 +272,8 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
                     raise
         else:
             for f in todo:
-                path, size, sha = write_file(f, staging.tmp, chunk, bar.update, reread)
+                path, size, sha, pieces = write_file(f, staging.tmp, chunk, bar.update, reread, _members(f, checked))
+                tally.merge(pieces)
                 staging.record(path, size, sha)
                 digests[path] = (size, sha)
     finally:
@@ -280,16 +305,22 @@ def _worker_started(stop) -> None:
     signal.signal(signal.SIGINT, INTERRUPTS.note)
 
 
-def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict | None = None) -> tuple:
-    """Write one target file; returns (path, size, sha256). Runs in worker processes too. `reread`: source
-    byte ranges other reads need again (Plan.reread), kept in the page cache.
+def _members(file: FilePlan, checked: dict) -> list:
+    return [storage for path in file.source_files() for storage in checked.get(path, ())]
+
+
+def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict | None = None,
+               members=()) -> tuple:
+    """Write one target file; returns (path, size, sha256, the CRC-32s of the blocks read from `members`,
+    checksums.Tally.pieces). Runs in worker processes too. `reread`: source byte ranges other reads need again
+    (Plan.reread), kept in the page cache.
 
     A reader thread fetches (and casts) the next blocks while this thread writes the current
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
     """
     path = output_path(root, plan.path)
     INTERRUPTS.check()
-    sources = SourceFiles(reread or {})
+    sources = SourceFiles(reread or {}, Tally(members))
     try:
         writer = container_writer(plan.container)(path, plan.header, plan.storages, **plan.options)
         with ThreadPoolExecutor(max_workers=1) as reader, writer as zw:
@@ -306,7 +337,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     finally:
         sources.close()
     fsync(path)
-    return plan.path, writer.size, writer.sha256
+    return plan.path, writer.size, writer.sha256, sources.tally.pieces()
 
 
 def _read_ahead(pool, tasks):

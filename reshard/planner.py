@@ -93,6 +93,10 @@ class FilePlan:
         """Tensor bytes (what the copies fill; progress counts these)."""
         return sum(s.nbytes for s in self.storages)
 
+    def source_files(self) -> set:
+        """The source files its copies read."""
+        return {path for s in self.storages for op in s.ops for path, _, _ in _spans(op)}
+
 
 @dataclass
 class Plan:
@@ -106,6 +110,7 @@ class Plan:
     save_dir: str | None = None                    # the source's save dir (None: source's parent)
     stage_cut: StageCut | None = None              # a pipeline target's stage boundaries
     output: Output | None = None                   # what the writer says it writes (None: its Layout's terms)
+    checked: list = field(default_factory=list)    # the checksummed source storages the copies read (checksums)
 
     @property
     def bytes_written(self) -> int:
@@ -186,6 +191,7 @@ def plan(catalog: Catalog, target: Layout, targets: list, tag: str, output: Outp
             out.stage_cut = item
         else:
             raise TypeError(f"unknown target item {item!r}")
+    out.checked = [s for s in index.read if s.crc is not None]
     return out
 
 
@@ -198,7 +204,9 @@ def _plan_file(file: TensorFile, index) -> FilePlan:
         cursor = 0
         for piece in file.pieces[slot.key]:
             if isinstance(piece, RawPiece):
-                _append(storage.ops, Copy(cursor, piece.count, piece.file, piece.offset, piece.dtype))
+                index.read[piece.storage] = None
+                _append(storage.ops, Copy(cursor, piece.count, piece.storage.file, piece.storage.offset,
+                                          piece.storage.dtype))
             elif piece.source is None:
                 _append(storage.ops, Fill(cursor, piece.count, piece.value))
             else:
@@ -257,6 +265,7 @@ class _FragmentIndex:
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
         self._locators = {}
+        self.read = {}      # every source storage an op reads (a dict: in the order first read)
 
     def _locator(self, key) -> Locator:
         found = self._locators.get(key)
@@ -287,10 +296,12 @@ class _FragmentIndex:
                     break
                 ops.append(Copy(dst + run.offset, run.count, run.fragment.storage.file,
                                 run.fragment.storage.offset + run.elem * size, stored))
+                self.read[run.fragment.storage] = None
                 covered += run.count
         else:
             hits = locator.boxes(piece.shard, piece.start, stop)
             covered = sum(h.numel for h in hits)
+            self.read.update((h.fragment.storage, None) for h in hits)
             shape = piece.shard.shape if piece.shard else tensor.shape
             runs = _as_runs(hits, shape, piece.start, piece.count)
             if runs is not None:        # (a slab of whole rows: an expert of a packed weight, a dim-0 shard)

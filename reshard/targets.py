@@ -45,12 +45,13 @@ class Piece:
 
 @dataclass(frozen=True)
 class RawPiece:
-    """`count` elements of `dtype` copied as they lie in a source file from byte `offset`: a storage that is no
-    logical tensor's, carried whole (a tensor in the client state a writer takes over from the source's pickle)."""
-    count: int
-    file: str
-    offset: int
-    dtype: str
+    """A source storage (torchzip.Storage) copied whole as it lies in its file: a storage that is no logical
+    tensor's, carried (a tensor in the client state a writer takes over from the source's pickle)."""
+    storage: object
+
+    @property
+    def count(self) -> int:
+        return self.storage.numel
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from reshard.catalog import Catalog, Fragment, LogicalTensor
+from reshard.checksums import Tally
 from reshard.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.errors import CheckpointError
 from reshard.formats.torchzip import Storage
@@ -49,11 +50,17 @@ class OpenFiles:
 
 
 class MappedFiles:
-    """Read-only memory maps of checkpoint files, one per file, closed together; small reads are preads."""
+    """Read-only memory maps of checkpoint files, one per file, closed together; small reads are preads.
+    Every read is noted in `tally` (reshard.checksums.Tally): `verify()` checks the CRC-32 of each member read."""
 
     def __init__(self):
         self._maps = {}
         self._files = OpenFiles()
+        self.tally = Tally()
+
+    def verify(self) -> None:
+        """Raise the first checksummed member read whose CRC-32 does not match (a CheckpointError), if any."""
+        self.tally.verify()
 
     def __enter__(self):
         return self
@@ -104,10 +111,14 @@ class MappedFiles:
             if len(raw) != stop - start:
                 raise CheckpointError(storage.file, f"truncated: needs byte {stop}, file has "
                                                     f"{start + len(raw)}")
+            self.tally.note(storage, start, raw)
             return np.frombuffer(raw, dtype=numpy_carrier(dtype))
         m = self._map(storage.file)
         if stop > len(m):
             raise CheckpointError(storage.file, f"truncated: needs byte {stop}, file has {len(m)}")
+        # hashed through the map: the pages are read now, once, and stay cached for the caller's use of them
+        with memoryview(m) as whole, whole[start:stop] as part:
+            self.tally.note(storage, start, part)
         return np.frombuffer(m, dtype=numpy_carrier(dtype), count=count, offset=start)
 
 
@@ -126,6 +137,7 @@ class MappedFiles:
                 raise CheckpointError(storage.file, f"truncated: needs byte {start + nbytes}, file has "
                                                     f"{start + done}")
             done += got
+        self.tally.note(storage, start, view)
 
 
 def read_flat(files: MappedFiles, tensor: LogicalTensor) -> np.ndarray:
@@ -188,15 +200,12 @@ def full_tensor(catalog: Catalog, name: str, state: str, files: MappedFiles | No
 
 
 def read_scalar(ref) -> float | int:
-    """The value of a one-element tensor (a step counter); reads just its bytes."""
-    size = itemsize(ref.dtype)
-    start = ref.storage.offset + ref.storage_offset * size
-    with open(ref.storage.file, "rb") as f:
-        f.seek(start)
-        raw = f.read(size)
-    if len(raw) != size:
+    """The value of a one-element tensor (a step counter); reads its storage (a few bytes), CRC-32 checked."""
+    if ref.storage_offset < 0 or (ref.storage_offset + 1) * itemsize(ref.dtype) > ref.storage.nbytes:
         raise CheckpointError(ref.storage.file, "truncated inside a scalar tensor")
-    value = np.frombuffer(raw, dtype=numpy_carrier(ref.dtype))[0]
+    with MappedFiles() as files:
+        value = files.elements(ref.storage, ref.storage_offset, 1, ref.dtype)[0]
+        files.verify()
     if ref.dtype == "bfloat16":
         return float(np.frombuffer((int(value) << 16).to_bytes(4, "little"), dtype="<f4")[0])
     return value.item()

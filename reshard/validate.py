@@ -39,6 +39,8 @@ class Report:
     # sha256 sums asked for but not verifiable: the manifest that is not there (every training save has none).
     # It says nothing about the checkpoint's coverage, which stands: not a problem.
     unverified: str | None = None
+    crc_members: int = 0            # --deep: zip members whose CRC-32 was verified
+    no_checksum: list = field(default_factory=list)    # --deep: files of a format that carries no checksum
 
     @property
     def ok(self) -> bool:
@@ -57,7 +59,12 @@ class Report:
         if self.duplicate_elements:
             text += f"; {self.duplicate_elements:,} elements held twice"
         if self.deep:
-            text += "; bytes checked for NaN/Inf"
+            text += f"; bytes checked for NaN/Inf, {counted(self.crc_members, 'zip member')} against their CRC-32"
+        if self.no_checksum:
+            names = ", ".join(os.path.basename(f) for f in self.no_checksum[:MAX_RANGES_SHOWN])
+            more = " …" if len(self.no_checksum) > MAX_RANGES_SHOWN else ""
+            text += (f"; {counted(len(self.no_checksum), 'file')} ({names}{more}) carry no checksum: "
+                     "corruption in them cannot be detected")
         if self.manifest:
             what = "sizes and sha256" if self.checksums else "sizes (sha256 with --checksums)"
             text += f"; files checked against {os.path.basename(self.manifest)}: {what}"
@@ -72,7 +79,8 @@ class Report:
                 "missing_elements": self.missing_elements, "missing_fraction": self.missing_fraction,
                 "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep,
                 "manifest": self.manifest, "checksums_verified": self.checksums,
-                "checksums_unverified": self.unverified}
+                "checksums_unverified": self.unverified, "crc_members": self.crc_members,
+                "no_checksum": self.no_checksum}
 
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False, progress: bool = False) -> Report:
@@ -92,7 +100,8 @@ def require_complete(catalog: Catalog) -> None:
     """Raise one line when the checkpoint is not whole: nothing is converted or exported from it."""
     report = validate(catalog)
     if not report.ok:
-        raise ReshardError.at(catalog.root, f"the checkpoint is not complete ({counted(len(report.problems), 'problem')}, "
+        problems = counted(len(report.problems), "problem")
+        raise ReshardError.at(catalog.root, f"the checkpoint is not complete ({problems}, "
                                             f"first: {report.problems[0]}); run `reshard validate`")
 
 
@@ -195,6 +204,18 @@ def _check_values(catalog, report, progress):
                 if bad:
                     report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}): {bad} NaN/Inf "
                                            f"values in elements [{frag.start}, {frag.stop})")
+        _check_crcs(catalog, files, report)
+
+
+def _check_crcs(catalog, files, report) -> None:
+    """The CRC-32 of every zip member a tensor lies in, whole: blocks read above hashed as they were read, the
+    rest (integer tensors, padding, members no fragment reaches to the end) read now."""
+    storages = {frag.storage for tensor in catalog.tensors.values() for frag in tensor.fragments}
+    files.tally.expect(storages)
+    report.crc_members = len({(s.file, s.offset) for s in storages if s.crc is not None})
+    report.no_checksum = sorted({s.file for s in storages if s.crc is None})
+    for problem in files.tally.problems():
+        report.problems.append(str(problem))
 
 
 def _nbytes(tensor) -> int:

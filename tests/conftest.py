@@ -147,6 +147,48 @@ def run_torchrun(script: str, world: int, jobs, out: Path, stem: str):
     return json.loads(results_path.read_text())
 
 
+def write_in_zip(path, offset: int, data: bytes) -> None:
+    """Write `data` at byte `offset` of a torch.save zip, inside one member, and give that member the CRC-32 of
+    its new bytes (local header, data descriptor if any, central directory): a file saved with other values, as
+    a writer would have made it, not a corrupt one (reshard checks every member's CRC-32 as it reads it)."""
+    import struct
+    import zipfile
+    import zlib
+    with zipfile.ZipFile(path) as zf:
+        infos, directory = zf.infolist(), zf.start_dir
+    with open(path, "r+b") as f:
+        for info in infos:
+            f.seek(info.header_offset)
+            local = f.read(30)
+            start = info.header_offset + 30 + sum(struct.unpack_from("<HH", local, 26))
+            if start <= offset and offset + len(data) <= start + info.compress_size:
+                break
+        else:
+            raise AssertionError(f"bytes [{offset}, {offset + len(data)}) are not inside one member of {path}")
+        f.seek(offset)
+        f.write(data)
+        f.seek(start)
+        crc = struct.pack("<I", zlib.crc32(f.read(info.compress_size)))
+        if info.flag_bits & 0x08:        # streamed: the CRC is in a data descriptor after the data
+            f.seek(start + info.compress_size)
+            signed = f.read(4) == b"PK\x07\x08"
+            f.seek(start + info.compress_size + 4 * signed)
+        else:
+            f.seek(info.header_offset + 14)
+        f.write(crc)
+        at = directory
+        while True:
+            f.seek(at)
+            entry = f.read(46)
+            assert entry[:4] == b"PK\x01\x02", f"no central directory entry for {info.filename}"
+            name_len, extra_len, comment_len = struct.unpack_from("<HHH", entry, 28)
+            if f.read(name_len).decode() == info.filename:
+                f.seek(at + 16)
+                f.write(crc)
+                return
+            at += 46 + name_len + extra_len + comment_len
+
+
 def mutated(data, raw: bytes) -> bytes:
     """`raw` with 1-8 random flips, cuts, insertions and zeroed runs drawn from hypothesis `data`."""
     from hypothesis import strategies as st

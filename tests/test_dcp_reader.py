@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import reshard
 import reshard.dcp
-from conftest import ALL_FIXTURES, FIXTURES, REPO, copy_fixture, fixture_dir, tag_dir, truth_json, truth_tensors
+from conftest import (ALL_FIXTURES, FIXTURES, REPO, copy_fixture, fixture_dir, tag_dir, truth_json, truth_tensors,
+                      write_in_zip)
 from reshard.errors import ReshardError
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -164,9 +165,7 @@ def test_negative_controls(tmp_path):
     save = copy_fixture("z2_fp32_dp2", tmp_path)
     master = reshard.open_checkpoint(save).tensor("l1.weight", "fp32").fragments[0]
     at = master.storage.offset + master.elem_offset * 4
-    with open(master.storage.file, "r+b") as f:
-        f.seek(at)
-        f.write(torch.tensor([123.25]).numpy().tobytes())
+    write_in_zip(master.storage.file, at, torch.tensor([123.25]).numpy().tobytes())
     changed, _ = _resume("z2_fp32_dp2", _reader("z2_fp32_dp2", save))
     truth = truth_tensors("z2_fp32_dp2")["fp32/l1.weight"]
     differs = (changed.l1.weight.detach() != truth).nonzero()

@@ -12,7 +12,7 @@ import reshard
 import reshard.diff
 from reshard.catalog import MASTER
 from reshard.dtypes import itemsize
-from conftest import REPO, fixture_dir, run_cli
+from conftest import REPO, fixture_dir, run_cli, write_in_zip
 
 
 @pytest.mark.parametrize("name,to", [("z3_bf16_dp4", "dp=3,zero=1"), ("z2_fp32_roundrobin_dp4", "dp=2"),
@@ -36,11 +36,10 @@ def _flip_element(catalog, name, state, element, delta):
     assert tensor.dtype == "float32"
     frag = next(f for f in tensor.fragments if f.start <= element < f.stop)
     offset = frag.storage.offset + (frag.elem_offset + element - frag.start) * itemsize(tensor.dtype)
-    with open(frag.storage.file, "r+b") as f:
+    with open(frag.storage.file, "rb") as f:
         f.seek(offset)
         value = np.frombuffer(f.read(4), dtype="<f4")[0]
-        f.seek(offset)
-        f.write(np.float32(value + delta).tobytes())
+    write_in_zip(frag.storage.file, offset, np.float32(value + delta).tobytes())
 
 
 @pytest.mark.parametrize("block", [reshard.diff.BLOCK, 7])     # 7: values stream through in many small blocks
@@ -181,9 +180,8 @@ def test_nan_in_a_zero_checkpoint_is_located_and_survives_conversion(tmp_path, m
     tensor = reshard.open_checkpoint(nan).tensor("emb.weight", MASTER)
     element = next(f for f in tensor.fragments if f.start > 0).start + 3      # inside a later rank's partition
     frag = next(f for f in tensor.fragments if f.start <= element < f.stop)
-    with open(frag.storage.file, "r+b") as f:
-        f.seek(frag.storage.offset + (frag.elem_offset + element - frag.start) * 4)
-        f.write(np.float32(np.nan).tobytes())
+    write_in_zip(frag.storage.file, frag.storage.offset + (frag.elem_offset + element - frag.start) * 4,
+                 np.float32(np.nan).tobytes())
 
     with np.errstate(all="raise"):      # no numpy warning on the way
         report = reshard.diff.diff(reshard.open_checkpoint(src), reshard.open_checkpoint(nan))

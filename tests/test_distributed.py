@@ -37,3 +37,23 @@ def test_a_refusal_is_one_line_from_rank0(tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.startswith("reshard:")] == \
         [f"reshard: {busy}: exists and is not empty (use --overwrite to replace it)"]
     assert (busy / "keep").read_text() == "x"
+
+
+def test_a_corrupt_source_is_found_across_ranks_and_nothing_is_committed(tmp_path):
+    """Bit rot (issue 24): one flipped bit in a member the ranks read parts of; rank 0 gathers every rank's block
+    CRCs, finds the mismatch before the commit, and nothing is left."""
+    import shutil
+    import reshard
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("z3_fp32_frozen_tied_dp2"), src)
+    frag = next(f for t in reshard.open_checkpoint(src).tensors.values() if t.state == "fp32" for f in t.fragments)
+    at = frag.storage.offset + frag.elem_offset * 4
+    with open(frag.storage.file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+    proc = _torchrun(2, "convert", src, tmp_path / "multi", "--to", "dp=5,zero=1", "--quiet")
+    assert proc.returncode != 0
+    assert f"reshard: {frag.storage.file}: member {frag.storage.member}: CRC-32 mismatch" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -14,7 +14,7 @@ from reshard.catalog import MASTER, MODULE
 from reshard.dtypes import itemsize
 from reshard.placement import Shard, regions
 from reshard.tensorio import full_tensor
-from conftest import FIXTURES, MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
+from conftest import FIXTURES, MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors, write_in_zip
 
 AUTOEP = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep"]
 PACKED = "model.layers.1.mlp.experts.w2"          # an AutoEP packed weight: (num_experts, hidden, intermediate)
@@ -174,11 +174,10 @@ def _set_element(catalog, name, state, element, change):
     tensor = catalog.tensor(name, state)
     frag, position = _holder(tensor, element)
     offset = frag.storage.offset + (frag.elem_offset + position - frag.start) * itemsize(tensor.dtype)
-    with open(frag.storage.file, "r+b") as f:
+    with open(frag.storage.file, "rb") as f:
         f.seek(offset)
         value = np.frombuffer(f.read(4), dtype="<f4")[0]
-        f.seek(offset)
-        f.write(np.float32(change(value)).tobytes())
+    write_in_zip(frag.storage.file, offset, np.float32(change(value)).tobytes())
 
 
 def test_one_changed_expert_element_is_caught(tmp_path):

@@ -71,7 +71,7 @@ class TorchFile(TensorFile):
         strides); one slot per storage, so tensors sharing a storage in the source share it here."""
         slot = self.carried.get(storage)
         if slot is None:
-            pieces = [RawPiece(storage.numel, storage.file, storage.offset, storage.dtype)] if storage.numel else []
+            pieces = [RawPiece(storage)] if storage.numel else []
             slot = self.carried[storage] = self.slot(storage.dtype, (storage.numel,), pieces)
         return slot
 

@@ -18,6 +18,7 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointError, UnsafeCheckpointError
@@ -32,6 +33,8 @@ class Storage:
     offset: int        # byte offset of the storage's first byte in `file`
     nbytes: int
     dtype: str         # element type name, e.g. "float32", "bfloat16"
+    member: str = ""   # the zip member it is, for messages ("archive/data/3")
+    crc: int | None = None     # the CRC-32 the archive stores for it (reshard.checksums); None: no checksum
 
     @property
     def numel(self) -> int:
@@ -183,7 +186,7 @@ class _SafeUnpickler(AllowListUnpickler):
         raw = self._storages.get(str(key))
         if raw is None:
             raise CheckpointError(self._path, f"pickle names storage {key!r}, which is not in the archive")
-        storage = Storage(raw.file, raw.offset, raw.nbytes, stype.dtype)
+        storage = Storage(raw.file, raw.offset, raw.nbytes, stype.dtype, raw.member, raw.crc)
         if storage.numel < numel:
             raise CheckpointError(self._path, f"storage {key} holds {storage.numel} elements, "
                                   f"the pickle expects {numel}")
@@ -233,7 +236,7 @@ def load(path: str, span: tuple | None = None) -> object:
                     raise CheckpointError(path, "zip archive is not a torch.save file (no data.pkl)")
                 prefix = pkl[0].filename[: -len("data.pkl")]
                 storages = _locate_storages(f, path, size, prefix, infos, base)
-                data = zf.read(pkl[0])
+                data = _checked_read(f, zf, pkl[0], path, size)
     except CheckpointError:
         raise
     except Exception as e:  # zipfile fails in many ways on damaged archives; all mean the same here
@@ -280,6 +283,35 @@ class _Span(io.RawIOBase):
         return len(data)
 
 
+def _checked_read(f, zf, info, path: str, size: int) -> bytes:
+    """A whole member, its CRC-32 checked and named in the message (zipfile's own check names neither the file
+    nor the values; it still checks a compressed member, which torch.save never writes)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return zf.read(info)
+    f.seek(_data_offset(f, path, size, info, info.filename))
+    data = f.read(info.file_size)
+    read = zlib.crc32(data)
+    if len(data) != info.file_size or read != info.CRC:
+        raise CheckpointError(path, f"member {info.filename}: CRC-32 mismatch (stored 0x{info.CRC:08x}, read "
+                                    f"0x{read:08x}): the file is corrupt")
+    return data
+
+
+def _data_offset(f, path: str, size: int, info, what: str) -> int:
+    """Where a stored member's bytes start, from its local header (the central directory does not say)."""
+    f.seek(info.header_offset)
+    header = f.read(_LOCAL_HEADER.size)
+    if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise CheckpointError(path, f"zip entry for {what} points outside the file or at garbage")
+    fields = _LOCAL_HEADER.unpack(header)
+    name_len, extra_len = fields[-2], fields[-1]
+    offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if offset + info.file_size > size:
+        raise CheckpointError(path, f"truncated: {what} ends at byte {offset + info.file_size} "
+                              f"but the file has {size}")
+    return offset
+
+
 def _locate_storages(f, path, size, prefix, infos, base: int = 0) -> dict:
     """Map storage key -> byte range of the member's data in the file.
 
@@ -293,17 +325,9 @@ def _locate_storages(f, path, size, prefix, infos, base: int = 0) -> dict:
         key = info.filename[len(data_prefix):]
         if info.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(path, f"storage {key} is compressed; torch.save never does that")
-        f.seek(info.header_offset)
-        header = f.read(_LOCAL_HEADER.size)
-        if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-            raise CheckpointError(path, f"zip entry for storage {key} points outside the file or at garbage")
-        fields = _LOCAL_HEADER.unpack(header)
-        name_len, extra_len = fields[-2], fields[-1]
-        offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if offset + info.file_size > size:
-            raise CheckpointError(path, f"truncated: storage {key} ends at byte {offset + info.file_size} "
-                                  f"but the file has {size}")
-        located[key] = _RawBytes(path, base + offset, info.file_size)
+        offset = _data_offset(f, path, size, info, f"storage {key}")
+        member = info.filename if base == 0 else f"{info.filename} of the archive at byte {base}"
+        located[key] = _RawBytes(path, base + offset, info.file_size, member, info.CRC)
     return located
 
 
@@ -312,6 +336,8 @@ class _RawBytes:
     file: str
     offset: int
     nbytes: int
+    member: str
+    crc: int
 
 
 def _not_zip_reason(head: bytes, size: int) -> str:

@@ -9,14 +9,12 @@ import math
 import os
 import re
 
-import numpy as np
-
 from reshard import paths
 from reshard.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTensor
-from reshard.dtypes import itemsize, numpy_carrier
 from reshard.errors import CheckpointError
 from reshard.formats import torchzip
 from reshard.placement import Shard
+from reshard.tensorio import read_scalar
 from reshard.formats.torchzip import DType, TensorRef
 
 METADATA = ".metadata"
@@ -157,12 +155,7 @@ class Chunks:
         ref = torchzip.load(path, span=(info.offset, info.length))
         if not isinstance(ref, TensorRef) or ref.numel != 1 or ref.dtype != dtype:
             raise CheckpointError(path, f"{key}: the step counter is not a one-element {dtype} tensor")
-        with open(path, "rb") as f:
-            f.seek(ref.storage.offset + ref.storage_offset * itemsize(ref.dtype))
-            raw = f.read(itemsize(ref.dtype))
-        if dtype == "bfloat16":
-            raw, dtype = b"\0\0" + raw, "float32"
-        return ScalarTensor(float(np.frombuffer(raw, dtype=numpy_carrier(dtype))[0]), ref.dtype)
+        return ScalarTensor(float(read_scalar(ref)), ref.dtype)
 
     def value(self, key: str):
         path, info = self._item(key)

@@ -98,6 +98,7 @@ class Reader(StorageReader):
                                        f"{list(target.size())}")
                 self._fill(files, entry, at, shape, target)
                 planner.commit_tensor(item, target)
+            files.verify()      # each source member read from, whole: a corrupt one fails the load
         done = torch.futures.Future()
         done.set_result(None)
         return done
