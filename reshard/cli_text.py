@@ -173,8 +173,7 @@ def print_watch_pass(root: str, done) -> None:
         print(f"{label(row)}: in progress — {row.why} ({row.name})")
     broken = sum(e.status == "incomplete" for e in done.reported)
     print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), "
-          f"{len(done.waiting)} in "
-          f"progress, {len(done.removed)} deleted")
+          f"{len(done.waiting)} in progress, {len(done.removed)} deleted")
 
 
 def print_prune(plan, quiet: bool) -> None:
