@@ -11,6 +11,7 @@ from reshard.convert import framework_files as convert_framework_files
 from reshard.executor import buffer_bytes
 from reshard.formats import REPRODUCIBILITY
 from reshard.inspect import human_bytes
+from reshard.runs import INCOMPLETE
 from reshard.text import counted
 from reshard.watching import label
 
@@ -171,7 +172,7 @@ def print_watch_pass(root: str, done) -> None:
     """`reshard watch --once`, after the lines of the pass: what is still being written, and a summary."""
     for row in done.waiting:
         print(f"{label(row)}: in progress — {row.why} ({row.name})")
-    broken = sum(e.status == "incomplete" for e in done.reported)
+    broken = sum(e.status == INCOMPLETE for e in done.reported)
     print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), "
           f"{len(done.waiting)} in progress, {len(done.removed)} deleted")
 

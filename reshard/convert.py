@@ -6,7 +6,7 @@ import os
 from reshard import paths, rule_files
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import FRESH, framework_dispositions, with_framework
+from reshard.formats import FRESH, default_tag, framework_dispositions, with_framework
 from reshard.layout import Layout, spec_keys
 from reshard.planner import Plan, plan
 
@@ -69,14 +69,6 @@ def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: 
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))
-
-
-def default_tag(catalog: Catalog) -> str:
-    """The output's tag folder for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name
-    DeepSpeed's own save gives a step, `global_stepN`."""
-    step = catalog.training.global_steps
-    step = catalog.contents().step if step is None else step
-    return "converted" if step is None else f"global_step{step}"
 
 
 def framework_files(catalog: Catalog, target: Layout, fmt: str | None, new_rank_state: str = FRESH) -> tuple:

@@ -25,17 +25,8 @@ import zlib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench_run import drop_caches  # noqa: E402  (tools/: the one cache drop of the benchmarks)
 from reshard.checksums import crc32_combine  # noqa: E402
-
-
-def _drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _throughput(crc, data: bytes, repeat: int = 5) -> float:
@@ -80,7 +71,7 @@ def converts(src: str, base: str, others: dict, to: str, repeat: int) -> None:
     try:
         for _ in range(repeat):
             for label in runs:
-                cold = _drop_caches() and cold
+                cold = drop_caches() and cold
                 if label == "cp -r":
                     cmd, env = ["cp", "-r", src, dst], os.environ
                 else:

@@ -17,7 +17,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def _drop_caches() -> bool:
+def drop_caches() -> bool:
     try:
         subprocess.run(["sync"], check=True)
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -154,7 +154,7 @@ def run(args):
                 if any(r["stopped"] for r in samples[name]):
                     continue            # it would only be stopped again
                 dst = os.path.join(work, "out")
-                cold = _drop_caches() and cold
+                cold = drop_caches() and cold
                 samples[name].append(_measure(make_cmd(dst), args.max_rss and args.max_rss * 2**20, args.timeout))
                 for leftover in (dst, dst + ".safetensors", dst + ".pt"):
                     if os.path.isdir(leftover):

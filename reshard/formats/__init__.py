@@ -13,6 +13,7 @@ from dataclasses import fields, replace
 from reshard import rule_files
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
+from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import Reader, ReadRequest, Writer
 from reshard.layout import SPEC_KEY_NAMES
@@ -73,6 +74,13 @@ def with_framework(catalog, format_name: str, world: int, policy: str, targets: 
     if frame is None or format_name != "deepspeed":
         return targets
     return targets + frame.target_files(world, policy)
+
+
+def default_tag(catalog) -> str:
+    """The output's tag for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name DeepSpeed's
+    own save gives its step."""
+    step = catalog.training.global_steps
+    return ds_files.step_tag(catalog.contents().step if step is None else step)
 
 
 def reader_for(path: str, tag: str | None = None) -> Reader:

@@ -144,12 +144,20 @@ def unknown(framework: str, missing: str) -> Unit:
     return Unit(framework, UNKNOWN, f"not recognised as {whole} ({missing}); never deleted")
 
 
-def _hf_trainer(listing: Listing, folder: str) -> Unit:
+def _around_engine(framework: str, listing: Listing) -> Unit | None:
+    """A framework's folder around an engine's files: DeepSpeed's are read whole, FSDP's not yet; None: no engine."""
     engine = _engine(listing)
     if engine == "DeepSpeed":
-        return Unit("HF Trainer", READ, backend="with DeepSpeed")
+        return Unit(framework, READ, backend="with DeepSpeed")
     if engine:
-        return _opaque("HF Trainer", f"with {engine}", "reading FSDP checkpoints whole is a later issue")
+        return _opaque(framework, f"with {engine}", "reading FSDP checkpoints whole is a later issue")
+    return None
+
+
+def _hf_trainer(listing: Listing, folder: str) -> Unit:
+    around = _around_engine("HF Trainer", listing)
+    if around is not None:
+        return around
     if hf_weights.present(folder) and OPTIMIZER in listing.files:
         return Unit("HF Trainer", READ, backend="(DDP or one process)")
     if hf_weights.present(folder) and SCHEDULER not in listing.files:
@@ -158,11 +166,9 @@ def _hf_trainer(listing: Listing, folder: str) -> Unit:
 
 
 def _accelerate(listing: Listing, folder: str) -> Unit:
-    engine = _engine(listing)
-    if engine == "DeepSpeed":
-        return Unit("Accelerate", READ, backend="with DeepSpeed")
-    if engine:
-        return _opaque("Accelerate", f"with {engine}", "reading FSDP checkpoints whole is a later issue")
+    around = _around_engine("Accelerate", listing)
+    if around is not None:
+        return around
     if hf_weights.present(folder) or any(n.startswith(("model", "pytorch_model")) for n in listing.files):
         return _opaque("Accelerate", "save_state (DDP or one process)",
                        f"its {ACCELERATE_OPTIMIZER}, scheduler and random_states pickles are not read by reshard")

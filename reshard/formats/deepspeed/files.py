@@ -8,6 +8,7 @@ from reshard import paths
 from reshard.errors import CheckpointError, ReshardError, UsageError
 
 LATEST = "latest"
+UNNAMED_TAG = "converted"      # the tag of a save whose source knows no step
 
 MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")                      # ZeRO 0/1/2
 ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -81,3 +82,8 @@ def resolve_tag_dir(path: str, tag: str | None = None) -> tuple[str, str]:
     if is_deepspeed_dir(path):
         return path, os.path.basename(path)
     raise ReshardError.at(path, f"not a DeepSpeed checkpoint (no '{LATEST}' file and no *_model_states.pt)")
+
+
+def step_tag(step: int | None) -> str:
+    """The tag folder DeepSpeed's own save gives step `step` (engine.save_checkpoint: `global_step{N}`)."""
+    return UNNAMED_TAG if step is None else f"global_step{step}"
