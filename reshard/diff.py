@@ -109,11 +109,11 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> D
         files_a.verify()        # values from a corrupt member are no answer: an error, not a difference
         files_b.verify()
     for (dtype_a, dtype_b), which in report.recast.items():
-        report.notes.append(f"{len(which)} tensor(s) stored as {dtype_a} in A and {dtype_b} in B with every value "
-                            f"equal: {_some(which)}")
+        report.notes.append(f"{counted(len(which), 'tensor')} stored as {dtype_a} in A and {dtype_b} in B with "
+                            f"every value equal: {_some(which)}")
     if report.nan_bits:
-        report.notes.append(f"{len(report.nan_bits)} tensor(s) hold NaNs with other bits (payload or sign) at the "
-                            f"same elements in A and B, counted equal: {_some(report.nan_bits)}")
+        report.notes.append(f"{counted(len(report.nan_bits), 'tensor')} hold NaNs with other bits (payload or sign) "
+                            f"at the same elements in A and B, counted equal: {_some(report.nan_bits)}")
     _compare_scalars(a, b, report)
     _compare_problems(a, b, report)
     return report
@@ -132,7 +132,7 @@ def _compare_scalars(a: Catalog, b: Catalog, report: DiffReport) -> None:
             differing.setdefault((key, repr(va), repr(vb)), []).append(name)
     for (key, va, vb), names in differing.items():
         report.differences.append(Difference(_some(names), key, "scalar", f"{key} {va} in A, {vb} in B "
-                                             f"({len(names)} param{'s' if len(names) > 1 else ''})"))
+                                             f"({counted(len(names), 'param')})"))
     globals_a, globals_b = _global_scalars(a), _global_scalars(b)
     for label in [k for k in globals_a if k in globals_b]:
         va, vb = globals_a[label], globals_b[label]
@@ -141,7 +141,7 @@ def _compare_scalars(a: Catalog, b: Catalog, report: DiffReport) -> None:
     for side, mine, theirs in (("A", globals_a, globals_b), ("B", globals_b, globals_a)):
         only = [k for k in mine if k not in theirs]
         if only and theirs:     # a side with none (an export) holds no training state at all
-            report.notes.append(f"{len(only)} scalar(s) only in {side}, not compared: {_some(only)}")
+            report.notes.append(f"{counted(len(only), 'scalar')} only in {side}, not compared: {_some(only)}")
 
 
 def _param_scalars(catalog: Catalog) -> dict:
