@@ -15,18 +15,18 @@ from __future__ import annotations
 import os
 
 from reshard.errors import CheckpointError, ReshardError, UnknownFormatError
-from reshard.inspect import inspect
+from reshard.inspection import inspect
 from reshard.pruning import prune
 from reshard.retention import Policy
-from reshard.runs import RECENT_SECONDS, list_checkpoints
-from reshard.tensorio import full_tensor
+from reshard.listing import RECENT_SECONDS, list_checkpoints
+from reshard.source_bytes import full_tensor
 from reshard.validate import validate
 from reshard.version import __version__
 from reshard.watching import Watcher
 
 
 def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = None):
-    """Read a checkpoint's metadata into a Catalog (see reshard.catalog). `layout_rules`: a rule file
+    """Read a checkpoint's metadata into a Catalog (see reshard.core.catalog). `layout_rules`: a rule file
     saying how tensor parallelism cut the tensors, for checkpoints that do not carry it (a path, or the name
     of one shipped with reshard: "megatron-gpt", "llama-autotp")."""
     from reshard.formats import read

@@ -66,12 +66,12 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 class Tally:
-    """The CRC-32 of every block read from checksummed members (torchzip.Storage with a `crc`), by member;
+    """The CRC-32 of every block read from checksummed members (StorageRef with a `crc`), by member;
     `verify` checks each member touched, and each one expected, whole. Blocks may be noted from several
     threads (list appends); `pieces`/`merge` carry them between processes."""
 
     def __init__(self, members=()):
-        self._members = {}      # (path, offset) -> Storage
+        self._members = {}      # (path, offset) -> StorageRef
         self._starts = {}       # path -> sorted member offsets (the index of note_at)
         self._pieces = {}       # (path, offset) -> [(first byte, byte past the last, crc | None)]
         for storage in members:

@@ -15,9 +15,9 @@ from reshard import cli_text, rule_files, watch_state, watching
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
-from reshard.inspect import human_bytes, jsonable
+from reshard.inspection import human_bytes, jsonable
 from reshard.text import counted
-from reshard.layout import SPEC_KEYS
+from reshard.core.layout import SPEC_KEYS
 
 # A reader that closed our stdout (`reshard inspect X | head -1`) ends the command quietly with the
 # status of a Unix tool killed by SIGPIPE, 128 + 13: `set -o pipefail` sees what it sees for `cat`.

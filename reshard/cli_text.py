@@ -10,8 +10,8 @@ from reshard.convert import batch_size_advice
 from reshard.convert import framework_files as convert_framework_files
 from reshard.executor import buffer_bytes
 from reshard.formats import REPRODUCIBILITY
-from reshard.inspect import human_bytes
-from reshard.runs import INCOMPLETE
+from reshard.inspection import human_bytes
+from reshard.listing import INCOMPLETE
 from reshard.text import counted
 from reshard.watching import label
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 
 from reshard import paths, rule_files
-from reshard.catalog import Catalog
+from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, default_tag, framework_dispositions, with_framework
-from reshard.layout import Layout, spec_keys
-from reshard.planner import Plan, plan
+from reshard.core.layout import Layout, spec_keys
+from reshard.core.planner import Plan, plan
 
 
 def target_layout(catalog: Catalog, to: str) -> Layout:

@@ -30,12 +30,12 @@ from enum import Enum
 
 import numpy as np
 
-from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
-from reshard.dtypes import is_floating, itemsize
-from reshard.formats.torchzip import TensorRef
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.core.dtypes import is_floating, itemsize
+from reshard.formats.torchsave_read import TensorRef
 from reshard.progress import bar as progress_bar
-from reshard.locate import Locator
-from reshard.tensorio import MappedFiles, read_range, read_scalar
+from reshard.core.locate import Locator
+from reshard.source_bytes import MappedFiles, read_range, read_scalar
 from reshard.text import counted
 
 BLOCK = 1 << 22     # elements per comparison step

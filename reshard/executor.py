@@ -28,12 +28,12 @@ from reshard import checksums, manifest, paths, sink
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
 from reshard.formats import container_writer
-from reshard.blocks import SourceFiles, storage_blocks
+from reshard.target_bytes import SourceFiles, storage_blocks
 from reshard.checksums import Tally
-from reshard.planner import FilePlan, Plan
+from reshard.core.planner import FilePlan, Plan
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, fsync, output_path, write_text
-from reshard.targets import Output
+from reshard.core.write_requests import Output
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written

@@ -13,16 +13,16 @@ import os
 from dataclasses import dataclass
 
 from reshard import export_names
-from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
-from reshard.dtypes import SHORT, is_floating
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.core.dtypes import SHORT, is_floating
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
 from reshard.formats.safetensors_file import SafetensorsFile
-from reshard.formats.torchsave import TorchFile
-from reshard.inspect import jsonable
-from reshard.layout import Layout
-from reshard.planner import plan
-from reshard.targets import CopiedFile, NewTensor, Output, TextFile
+from reshard.formats.torchsave_write import TorchFile
+from reshard.inspection import jsonable
+from reshard.core.layout import Layout
+from reshard.core.planner import plan
+from reshard.core.write_requests import CopiedFile, NewTensor, Output, TextFile
 
 FORMATS = {"safetensors": SafetensorsFile, "torch": TorchFile}   # each: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"

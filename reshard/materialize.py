@@ -1,12 +1,12 @@
 """A planned file built in memory instead of on disk: the object loading the written file would give,
 its storages read from the source straight into the tensors' memory. No file, no archive framing, no
-checksum: reshard.deepspeed.load_checkpoint hands these to DeepSpeed's loader.
+checksum: reshard.deepspeed_engine.load_checkpoint hands these to DeepSpeed's loader.
 """
 from __future__ import annotations
 
-from reshard.blocks import SourceFiles, fill
+from reshard.target_bytes import SourceFiles, fill
 from reshard.formats import container_loader
-from reshard.planner import FilePlan
+from reshard.core.planner import FilePlan
 
 
 def materialize(file: FilePlan, sources: SourceFiles, place=None):

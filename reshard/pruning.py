@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from reshard.errors import ReshardError
 from reshard.formats.run_layout import trash_path
 from reshard.retention import DELETE, Policy, decide
-from reshard.runs import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
+from reshard.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
 from reshard.staging import fsync
 
 

@@ -1,4 +1,4 @@
-"""Which checkpoints a retention policy keeps: pure, from the rows of a listing (reshard.runs), no I/O.
+"""Which checkpoints a retention policy keeps: pure, from the rows of a listing (reshard.listing), no I/O.
 
 A policy is a set of rules, each keeping some complete checkpoints: the last K, the best M by a metric, every
 N-th step, named steps. A checkpoint kept by any rule stays; the others are deleted. Above the rules stand the
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, UsageError
-from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, order
+from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, order
 from reshard.text import counted
 
 KEEP, DELETE, UNTOUCHED = "keep", "delete", "untouched"
@@ -54,7 +54,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class Decision:
-    checkpoint: object          # a reshard.runs.Checkpoint
+    checkpoint: object          # a reshard.listing.Checkpoint
     action: str                 # KEEP, DELETE, UNTOUCHED
     reasons: tuple = field(default_factory=tuple)
 

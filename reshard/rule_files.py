@@ -11,7 +11,7 @@ import os
 
 from reshard.errors import UsageError
 
-TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "reshard.layout"
+TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "reshard.core.layout"
 WHAT = {TP_RULES: "tensor-parallel rule file", EXPORT_NAMES: "export-names file", LAYOUT: "topology descriptor"}
 SUFFIX = ".json"
 # Installed as plain files (pip unpacks wheels), so the folder is a path the readers open like any other file.

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reshard import manifest
-from reshard.catalog import MASTER, Catalog
-from reshard.dtypes import is_floating, itemsize
+from reshard.core.catalog import MASTER, Catalog
+from reshard.core.dtypes import is_floating, itemsize
 from reshard.errors import ReshardError
-from reshard.geometry import coverage, total_length
+from reshard.core.geometry import coverage, total_length
 from reshard.text import counted
-from reshard.placement import Shard, flat_runs, regions, tiles
+from reshard.core.placement import Shard, flat_runs, regions, tiles
 from reshard.progress import bar as progress_bar
 
 MAX_RANGES_SHOWN = 3
@@ -178,7 +178,7 @@ def _check_states_present(catalog, report):
 
 
 def _check_values(catalog, report, progress):
-    from reshard.tensorio import MappedFiles, replica_problem
+    from reshard.source_bytes import MappedFiles, replica_problem
 
     replicas = [r for r in catalog.replicas if not r.checked]   # second copies too big to compare at reading
     # a cast's bytes are those of the tensor it is cast from, checked there

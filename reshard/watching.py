@@ -1,6 +1,6 @@
 """`reshard watch`, `reshard.Watcher`: the sidecar beside training that validates each checkpoint as it lands.
 
-Each pass lists the run directory (reshard.runs, with its `settle` second look: a checkpoint whose files
+Each pass lists the run directory (reshard.listing, with its `settle` second look: a checkpoint whose files
 changed between the two looks, or were modified in the last `recent` seconds, is still being written; a DCP
 folder is finished only with its `.metadata`). A tag folder newer than the one `latest` names is held back too:
 DeepSpeed moves `latest` only when the save is done. Each newly finished checkpoint is then judged — the
@@ -22,10 +22,10 @@ from typing import Callable
 from reshard import watch_state
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import read as read_catalog
-from reshard.inspect import human_bytes
+from reshard.inspection import human_bytes
 from reshard.pruning import carry_out
 from reshard.retention import Policy, PolicyError, decide, metric_of, ranked
-from reshard.runs import (COMPLETE, IN_PROGRESS, INCOMPLETE, RECENT_SECONDS, Checkpoint, fingerprint,
+from reshard.listing import (COMPLETE, IN_PROGRESS, INCOMPLETE, RECENT_SECONDS, Checkpoint, fingerprint,
                           list_checkpoints, problem_line, unchanged)
 from reshard.validate import validate
 
@@ -72,7 +72,7 @@ class Event:
 class Pass:
     """What one pass of the watcher did."""
     reported: tuple = ()        # (Event), in the order validated
-    waiting: tuple = ()         # (reshard.runs.Checkpoint) still being written, or changed while validated
+    waiting: tuple = ()         # (reshard.listing.Checkpoint) still being written, or changed while validated
     removed: tuple = ()         # names the policy deleted
     exported: str | None = None     # the name newly exported as the best
     problems: tuple = ()        # lines: a policy that cannot be evaluated, a failed --exec or export

@@ -9,7 +9,7 @@ and Adam states back from the live engine (`safe_get_full_fp32_param`,
 FSDP2 run's gathered state (TRUTH.pt, written by tests/dcp_fsdp2.py train) and writes the
 problems found to RESULT.json, after one more training step has run, with the engine's counters as loaded. CONTROL.pt, a truth with
 something changed, is compared the same way ("control_problems"): the comparison must see it. With
-`reshard`, CHECKPOINT is the FSDP2 save itself, loaded with reshard.deepspeed.load_checkpoint (issue #15).
+`reshard`, CHECKPOINT is the FSDP2 save itself, loaded with reshard.deepspeed_engine.load_checkpoint (issue #15).
 """
 import json
 import math
@@ -39,8 +39,8 @@ def main(checkpoint, stage, truth_path, result_path, control_path=None, loader="
     model = build_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if loader == "reshard":
-        import reshard.deepspeed
-        load_path, _ = reshard.deepspeed.load_checkpoint(engine, checkpoint, load_lr_scheduler_states=False)
+        import reshard.deepspeed_engine
+        load_path, _ = reshard.deepspeed_engine.load_checkpoint(engine, checkpoint, load_lr_scheduler_states=False)
     else:
         load_path, _ = engine.load_checkpoint(checkpoint, load_lr_scheduler_states=False)
     counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,

@@ -9,7 +9,7 @@ optimizer over the same param groups (with a deliberately wrong lr, which the ch
 replace), and loads the checkpoint the documented way: `get_state_dict` -> `dcp.load` ->
 `set_state_dict`. Rank 0 then torch.saves the gathered full state (params, buffers, optimizer
 state and param groups) to "out" for the test to compare. A job with "source" and "reader_out" also
-(or only) loads that checkpoint, of any format, through `reshard.dcp.Reader`, then trains one step.
+(or only) loads that checkpoint, of any format, through `reshard.dcp_reader.Reader`, then trains one step.
 "model" names another model than the fixture model: "llama" (the AutoTP fixtures' LlamaForCausalLM, from
 "hf_config"), "gpt2" (tests/hf_trainer_deepspeed.py's, with the Trainer's two param groups), "pipe" and
 "tied_head" (the pipeline fixtures' layers as one module).
@@ -18,7 +18,7 @@ state and param groups) to "out" for the test to compare. A job with "source" an
 {"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt. Also
 DCP_DIR-boxes: DTensors cut into column shards and into a 2x2 grid (boxes no dim-0 shard
 gives), with their full values in TRUTH.pt under "boxes". With SOURCE_2D, also the fixture model
-on a 2-D (dp x tp) mesh loaded from that checkpoint through reshard.dcp.Reader (TRUTH.pt "mesh_2d").
+on a 2-D (dp x tp) mesh loaded from that checkpoint through reshard.dcp_reader.Reader (TRUTH.pt "mesh_2d").
 """
 import copy
 import json
@@ -137,8 +137,8 @@ def load(jobs_path):
         if "dcp" in job:
             load_one(job, job["out"], checkpoint_id=job["dcp"])
         if "source" in job:     # the original checkpoint, whatever its format, through reshard's StorageReader
-            import reshard.dcp
-            load_one(job, job["reader_out"], storage_reader=reshard.dcp.Reader(job["source"]), then_step=True)
+            import reshard.dcp_reader
+            load_one(job, job["reader_out"], storage_reader=reshard.dcp_reader.Reader(job["source"]), then_step=True)
 
 
 def load_one(job, out, then_step=False, **where):
@@ -161,17 +161,17 @@ def load_one(job, out, then_step=False, **where):
 
 def load_2d(source):
     """The fixture model on a 2-D mesh (dp x tp): l1 column-sharded and l2 row-sharded over tp, then
-    fully_shard over dp; loaded from `source` (any format) through reshard.dcp.Reader."""
+    fully_shard over dp; loaded from `source` (any format) through reshard.dcp_reader.Reader."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    import reshard.dcp
+    import reshard.dcp_reader
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
     model = build_model()
     parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     optim = torch.optim.AdamW(model.parameters(), lr=123.0)
     msd, osd = get_state_dict(model, optim)
-    dcp.load({"model": msd, "optim": osd}, storage_reader=reshard.dcp.Reader(source))
+    dcp.load({"model": msd, "optim": osd}, storage_reader=reshard.dcp_reader.Reader(source))
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
     result = gathered(model, optim)
     # (no training step: the fixture's odd widths, 19, make DTensor's uneven TP x FSDP forward fail)

@@ -7,7 +7,7 @@ JOBS.json lists {"fixture": an autoep or deepspeed.moe fixture, "checkpoint": di
 tools/fixture_moe.py does but with other values (so a load that does not happen shows): the AutoEP Mixtral with the
 fixture's DeepSpeed config at `"autoep_size": EP`, the deepspeed.moe module at `ep_size=EP` ("zero": the engine at
 that ZeRO stage, not the fixture's); calls the ordinary `engine.load_checkpoint(dir)` ("direct":
-`reshard.deepspeed.load_checkpoint(engine, dir)` of a checkpoint saved at any topology, instead; "universal": the
+`reshard.deepspeed_engine.load_checkpoint(engine, dir)` of a checkpoint saved at any topology, instead; "universal": the
 engine is built with `"checkpoint": {"load_universal": true}` and, as DeepSpeed's universal loader cuts experts by
 the largest expert-parallel group any engine of the process made, universal jobs of one launch go in order of
 growing EP); takes the truth from the live engine with the function the fixture was made with
@@ -72,8 +72,8 @@ def main(jobs_path, results_path):
         if "zero" in job and engine.zero_optimization_stage() != job["zero"]:
             problems.append(f"the engine runs ZeRO-{engine.zero_optimization_stage()}, not {job['zero']}")
         if job.get("direct"):       # no conversion step: reshard plans this engine's files and serves them
-            import reshard.deepspeed
-            load_path, _ = reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
+            import reshard.deepspeed_engine
+            load_path, _ = reshard.deepspeed_engine.load_checkpoint(engine, job["checkpoint"])
         else:
             load_path, _ = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:

@@ -9,7 +9,7 @@ engine exactly as tools/make_fixtures.py did when it saved the fixture, compares
 fixture's truth, checks steps and hyper-parameters, and trains one more step. Rank 0 writes
 {"fixture", "checkpoint", "stage", "world", "problems": [...]} per job to RESULTS.json.
 
-A "direct" job loads "checkpoint", saved at any topology, with `reshard.deepspeed.load_checkpoint(engine, dir)`
+A "direct" job loads "checkpoint", saved at any topology, with `reshard.deepspeed_engine.load_checkpoint(engine, dir)`
 instead of DeepSpeed's own call (no conversion step). A "universal" job builds the engine with `"checkpoint": {"load_universal": true}`, so
 `load_checkpoint(dir)` takes the tag from `latest_universal` and loads `zero/`. Run those with a
 fixed PYTHONHASHSEED: that set order decides the order of each rank's optimizer states, and the
@@ -67,10 +67,10 @@ def main(jobs_path, results_path):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
         problems = []
         if job.get("direct"):       # the source itself, at its own topology, through reshard (issue #15)
-            import reshard.deepspeed
+            import reshard.deepspeed_engine
             from reshard.errors import ReshardError
             try:
-                load_path, client_state = reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
+                load_path, client_state = reshard.deepspeed_engine.load_checkpoint(engine, job["checkpoint"])
             except ReshardError as e:   # every rank raises it, before any DeepSpeed collective: no hang
                 if rank == 0:
                     results.append({**job, "world": world, "problems": [], "error": str(e)})

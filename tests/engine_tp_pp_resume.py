@@ -11,7 +11,7 @@ optimizer state, module weights), compares it with the fixture's truth.safetenso
 client state, saves the resumed state again (`save_checkpoint`, to compare file names) and runs one more
 `train_batch`. Rank 0 writes the job with "problems", "checked", "loss_after", "steps_after". With "source"
 (and "rules", the layout rule file), the same engine then loads the fixture itself, with no conversion step,
-through reshard.deepspeed.load_checkpoint (issue #15), and is checked again ("direct: " problems).
+through reshard.deepspeed_engine.load_checkpoint (issue #15), and is checked again ("direct: " problems).
 """
 import copy
 import json
@@ -47,8 +47,8 @@ def main(job_path, result_path):
     load_path, client_state = engine.load_checkpoint(job["checkpoint"])
     problems = loaded_problems(engine, load_path, client_state, job, rank)
     if job.get("source"):
-        import reshard.deepspeed
-        direct = reshard.deepspeed.load_checkpoint(engine, job["source"], layout_rules=job["rules"])
+        import reshard.deepspeed_engine
+        direct = reshard.deepspeed_engine.load_checkpoint(engine, job["source"], layout_rules=job["rules"])
         problems += [f"direct: {p}" for p in loaded_problems(engine, *direct, job, rank)]
     engine.save_checkpoint(job["resave"], tag=open(os.path.join(job["checkpoint"], "latest")).read().strip(),
                            client_state={k: (client_state or {}).get(k) for k in make_fixtures.CLIENT_STATE})

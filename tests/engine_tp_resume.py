@@ -60,8 +60,8 @@ def main(jobs_path, results_path):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         problems = []
         if job.get("direct"):       # the source itself, saved at another topology, through reshard (issue #15)
-            import reshard.deepspeed
-            load_path, client_state = reshard.deepspeed.load_checkpoint(engine, job["checkpoint"])
+            import reshard.deepspeed_engine
+            load_path, client_state = reshard.deepspeed_engine.load_checkpoint(engine, job["checkpoint"])
         else:
             load_path, client_state = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:

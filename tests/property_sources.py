@@ -117,10 +117,10 @@ def dtype_of(model: Model, key) -> str:
 def source_catalog(model: Model, values: dict, root: str):
     """THE hand-built Catalog: each logical tensor one raw file, one fragment (tp=pp=dp=1). A pipeline model
     also gets what the DeepSpeed reader records of layer files (which layer holds which param)."""
-    from reshard.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+    from reshard.core.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
     from reshard.formats.deepspeed.notes import DeepSpeedNotes
-    from reshard.formats.torchzip import Storage
-    from reshard.layout import Layout
+    from reshard.core.storage_ref import StorageRef
+    from reshard.core.layout import Layout
 
     src = os.path.join(root, "src", "global_step7")
     os.makedirs(src)
@@ -151,7 +151,7 @@ def source_catalog(model: Model, values: dict, root: str):
         with open(path, "wb") as f:
             f.write(raw)
         tensor = catalog.add(LogicalTensor(key[0], key[1], tuple(value.shape), dtype))
-        tensor.fragments.append(Fragment(0, value.size, Storage(path, 0, len(raw), dtype), 0))
+        tensor.fragments.append(Fragment(0, value.size, StorageRef(path, 0, len(raw), dtype), 0))
     return catalog
 
 

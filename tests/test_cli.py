@@ -216,7 +216,7 @@ def test_missing_descriptor_file_says_so(tmp_path):
     _one_line(proc, "nothere.json: no such layout descriptor file")
     # negative controls: a typo inside a spec is still a spec error, an existing descriptor is read
     _one_line(run_cli("plan", SRC, "--to", "dp=3,zer=1", check=2), "bad layout spec")
-    (tmp_path / "t.json").write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 3}))
+    (tmp_path / "t.json").write_text(json.dumps({"kind": "reshard.core.layout", "version": 1, "dp": 3}))
     assert "dp=3" in run_cli("plan", SRC, "--to", tmp_path / "t.json", check=0).stdout
 
 
@@ -243,7 +243,7 @@ def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
     assert planned["bytes_written"] == sum(disk[p] for p in listed) and all(f["bytes"] > 0 for f in planned["files"])
     # convert: count and bytes of those files, in the target format's own terms; the checkpoint files counted as
     # validate counts them, the others (pointers, scripts) named
-    from reshard.inspect import human_bytes
+    from reshard.inspection import human_bytes
     counts = re.search(r": (\d+) checkpoint files(?: and (\d+) others? \(([^)]*)\))?, (.*)$", line)
     held, others, named = int(counts[1]), int(counts[2] or 0), (counts[3] or "").split(", ")
     assert held + others == len(listed) and counts[4] == human_bytes(sum(disk[p] for p in listed)), line
@@ -258,7 +258,7 @@ def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
 
 def test_export_summary_matches_the_disk(tmp_path):
     line = run_cli("export", SRC, tmp_path / "m.safetensors", check=0).stdout.strip()
-    from reshard.inspect import human_bytes
+    from reshard.inspection import human_bytes
     assert line.endswith(f": 1 checkpoint file, {human_bytes(os.path.getsize(tmp_path / 'm.safetensors'))}"), line
     line = run_cli("export", SRC, tmp_path / "hf", "--max-shard-size", "2KB", check=0).stdout.strip()
     listed = json.loads((tmp_path / "hf" / "reshard-manifest.json").read_text())["files"]
@@ -271,8 +271,8 @@ def test_export_summary_matches_the_disk(tmp_path):
 def test_torch_file_size_is_known_before_writing_also_with_zip64(tmp_path, monkeypatch):
     """The planned size of a torch.save archive is the written one, also where zipfile adds ZIP64 fields
     (a small limit stands in for the 2 GiB one); torch.load reads the archive."""
-    from reshard.formats.torchsave import TorchFile, TorchZipWriter, pickle_tree
-    from reshard.targets import Piece
+    from reshard.formats.torchsave_write import TorchFile, TorchZipWriter, pickle_tree
+    from reshard.core.write_requests import Piece
 
     for limit in (None, 3000, 300):
         if limit:
@@ -340,7 +340,7 @@ def test_json_error_names_the_file_the_problem_is_about(tmp_path):
     proc = run_cli("plan", SRC, "--to", "dp=3,zer=1", "--json", check=2)
     assert json.loads(proc.stdout) == {"error": _one_line(proc)[len("reshard: "):], "file": None}
     descriptor = tmp_path / "t.json"
-    descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 0}))
+    descriptor.write_text(json.dumps({"kind": "reshard.core.layout", "version": 1, "dp": 0}))
     proc = run_cli("plan", SRC, "--to", descriptor, "--json", check=2)
     assert json.loads(proc.stdout) == {"error": _one_line(proc, "dp must be")[len("reshard: "):],
                                        "file": str(descriptor)}

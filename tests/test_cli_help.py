@@ -13,7 +13,7 @@ import pytest
 import reshard
 from reshard.cli import build_parser
 from reshard.errors import ReshardError
-from reshard.layout import SPEC_KEY_NAMES, SPEC_KEYS, Layout
+from reshard.core.layout import SPEC_KEY_NAMES, SPEC_KEYS, Layout
 from conftest import REPO, fixture_dir
 
 COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune", "watch")

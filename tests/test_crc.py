@@ -23,13 +23,13 @@ from hypothesis import given, settings, strategies as st
 import reshard
 import reshard.checksums
 import reshard.cli
-import reshard.dcp
+import reshard.dcp_reader
 from reshard.checksums import Tally, crc32_combine
 from reshard.convert import make_plan
-from reshard.dtypes import itemsize
-from reshard.deepspeed import ServedFiles
+from reshard.core.dtypes import itemsize
+from reshard.deepspeed_engine import ServedFiles
 from reshard.errors import CheckpointError
-from reshard.formats.torchzip import Storage
+from reshard.core.storage_ref import StorageRef
 from conftest import REPO, copy_fixture, fixture_dir, run_torchrun, tag_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -207,7 +207,7 @@ def test_a_flip_in_the_pickle_fails_every_command(tmp_path, capsys):
 
 
 def _served(src):
-    """Every file reshard.deepspeed.load_checkpoint would serve DeepSpeed at dp=3, built as DeepSpeed asks for
+    """Every file reshard.deepspeed_engine.load_checkpoint would serve DeepSpeed at dp=3, built as DeepSpeed asks for
     it; the mismatches its ranks would raise after the load."""
     plan = make_plan(reshard.open_checkpoint(src), "dp=3")
     served = ServedFiles(None, "/served", plan)
@@ -229,7 +229,7 @@ def test_the_live_loader_raises(corrupt):
 
 
 def _dcp_load(src):
-    reader = reshard.dcp.Reader(src)
+    reader = reshard.dcp_reader.Reader(src)
     metadata = reader.read_metadata()
     flat = {key: torch.zeros(tuple(m.size), dtype=m.properties.dtype)
             for key, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
@@ -326,7 +326,7 @@ def test_blocks_read_in_any_order_with_gaps_and_overlaps_verify_a_member_whole(t
     path.write_bytes(bytes(blob))
     first = data.draw(st.integers(0, 10))
     last = data.draw(st.integers(first + 1, len(blob)))
-    member = Storage(str(path), first, last - first, "uint8", "archive/data/0", zlib.crc32(blob[first:last]))
+    member = StorageRef(str(path), first, last - first, "uint8", "archive/data/0", zlib.crc32(blob[first:last]))
     flip = data.draw(st.none() | st.integers(first, last - 1))
     if flip is not None:
         blob[flip] ^= 1 << data.draw(st.integers(0, 7))
@@ -348,7 +348,7 @@ def test_blocks_read_in_any_order_with_gaps_and_overlaps_verify_a_member_whole(t
 
 @pytest.mark.engine
 def test_the_live_engine_load_raises_on_every_rank(corrupt, tmp_path):
-    """reshard.deepspeed.load_checkpoint under torchrun (2 ranks, the fixture's own model and config): the corrupt
+    """reshard.deepspeed_engine.load_checkpoint under torchrun (2 ranks, the fixture's own model and config): the corrupt
     copy raises the same one line on every rank, after DeepSpeed's load and before training goes on; the
     clean fixture in the same launch loads (the negative control)."""
     src, path, member = corrupt
@@ -372,7 +372,7 @@ def test_a_member_its_blocks_tile_is_verified_without_reading_it_again(tmp_path,
     blob = os.urandom(1000)
     path = tmp_path / "file"
     path.write_bytes(blob)
-    member = Storage(str(path), 0, 1000, "uint8", "archive/data/0", zlib.crc32(blob))
+    member = StorageRef(str(path), 0, 1000, "uint8", "archive/data/0", zlib.crc32(blob))
     blocks = [(lo, min(1000, lo + 100)) for lo in range(0, 1000, 100)] + \
              [(lo, min(1000, lo + 100)) for lo in range(50, 1000, 100)] + [(0, 50)]
     whole, gap = Tally([member]), Tally([member])

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from make_hostile import Payload  # noqa: E402
 
 # fp32 ZeRO-1/2/3, bf16 (ZeRO-3, ZeRO-1, BF16_Optimizer), SGD, two param groups with frozen and tied params
-# loaded through reshard.dcp.Reader only: ZeRO-3 bf16 dp=4, ZeRO-2 round-robin; and the tensor- and pipeline-
+# loaded through reshard.dcp_reader.Reader only: ZeRO-3 bf16 dp=4, ZeRO-2 round-robin; and the tensor- and pipeline-
 # parallel fixtures, into the model each was trained as (tests/dcp_fsdp2.py "model")
 READ_ONLY = ["z3_bf16_dp4", "z2_fp32_roundrobin_dp4"]
 PARALLEL_MODELS = {"autotp2_z1_fp32_dp2": {"model": "llama", "hf_config": str(FIXTURES / "autotp2_z1_fp32_dp2" / "hf_config")},
@@ -120,7 +120,7 @@ def test_reads_a_real_dcp_save(variant, tmp_path):
         assert torch.equal(reshard.full_tensor(catalog, name, "fp32"), msd[name])
         for state in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(reshard.full_tensor(catalog, name, state), per_param[state]), (name, state)
-    assert catalog.scalars_of_groups("a test") == [{"step": reshard.catalog.ScalarTensor(2.0, "float32")}] * \
+    assert catalog.scalars_of_groups("a test") == [{"step": reshard.core.catalog.ScalarTensor(2.0, "float32")}] * \
         len(osd["param_groups"])
     assert [{k: v for k, v in g.items()} for g in catalog.param_groups] == osd["param_groups"]
     assert catalog.aliases == {} and catalog.params["head.weight"].kind == "frozen"   # DCP does not say it is tied
@@ -373,7 +373,7 @@ def fixtures_as_dcp(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 3])
 def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, fsdp2_save, world):
     """Each fixture converted to DCP loads with dcp.load; and (issue #15) straight from its DeepSpeed files
-    through reshard.dcp.Reader, as do the real FSDP2 save made at 4 ranks, ZeRO-3 bf16 dp=4, ZeRO-2
+    through reshard.dcp_reader.Reader, as do the real FSDP2 save made at 4 ranks, ZeRO-3 bf16 dp=4, ZeRO-2
     round-robin, the AutoTP tp2 x dp2 Llama and both pipelines, each into its own model; then each trains a
     step. Hyper-parameters are those torch.load finds in the source's optimizer file."""
     converted, out = fixtures_as_dcp
@@ -431,7 +431,7 @@ def _assert_same_state(loaded, truth):
 @pytest.fixture(scope="module")
 def fsdp2_save(tmp_path_factory):
     """A DCP checkpoint saved by real FSDP2 code at 4 ranks after 3 Adam steps, and its gathered state (with,
-    under "mesh_2d", a 2-D mesh model loaded from a fixture through reshard.dcp.Reader)."""
+    under "mesh_2d", a 2-D mesh model loaded from a fixture through reshard.dcp_reader.Reader)."""
     out = tmp_path_factory.mktemp("fsdp2")
     torchrun(4, REPO / "tests" / "dcp_fsdp2.py", "train", out / "ckpt", out / "truth.pt", fixture_dir("z1_fp32_dp2"),
              deepspeed=False)
@@ -528,7 +528,7 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
 
 @pytest.mark.engine
 def test_an_fsdp2_save_loads_into_a_live_deepspeed_engine_through_reshard(fsdp2_save, tmp_path):
-    """(issue #15) The same FSDP2 save, with no conversion step: reshard.deepspeed.load_checkpoint in a ZeRO-3
+    """(issue #15) The same FSDP2 save, with no conversion step: reshard.deepspeed_engine.load_checkpoint in a ZeRO-3
     engine at 2 ranks gives the engine the FSDP2 run's state, told apart from the nudged control."""
     ckpt, _ = fsdp2_save
     truth = ckpt.parent / "truth.pt"

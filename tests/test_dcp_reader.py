@@ -1,4 +1,4 @@
-"""reshard.dcp.Reader: torch's own `dcp.load` reads DeepSpeed checkpoints (ZeRO-1/2/3, BF16_Optimizer,
+"""reshard.dcp_reader.Reader: torch's own `dcp.load` reads DeepSpeed checkpoints (ZeRO-1/2/3, BF16_Optimizer,
 round-robin, sub-groups, tied and frozen params, AutoTP, Megatron TP, pipelines) with no conversion step.
 
 Every value is compared bit for bit with the engine's truth saved beside each fixture. The model-side
@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import reshard
-import reshard.dcp
+import reshard.dcp_reader
 from conftest import (ALL_FIXTURES, FIXTURES, REPO, copy_fixture, fixture_dir, tag_dir, truth_json, truth_tensors,
                       write_in_zip)
 from reshard.errors import ReshardError
@@ -31,7 +31,7 @@ ELASTIC = "z2_fp32_elastic_dp2"
 
 
 def _reader(name, path=None):
-    return reshard.dcp.Reader(path or fixture_dir(name), layout_rules=RULES.get(name))
+    return reshard.dcp_reader.Reader(path or fixture_dir(name), layout_rules=RULES.get(name))
 
 
 def _served_truth(name):

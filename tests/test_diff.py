@@ -10,8 +10,8 @@ import pytest
 
 import reshard
 import reshard.diff
-from reshard.catalog import MASTER
-from reshard.dtypes import itemsize
+from reshard.core.catalog import MASTER
+from reshard.core.dtypes import itemsize
 from conftest import REPO, fixture_dir, run_cli, write_in_zip
 
 

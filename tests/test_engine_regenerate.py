@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import reshard
-from reshard.catalog import MASTER
+from reshard.core.catalog import MASTER
 from conftest import REPO, truth_tensors
 
 pytestmark = pytest.mark.engine

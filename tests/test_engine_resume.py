@@ -4,7 +4,7 @@ Every fixture is converted to dp 1, 2, 3 and 5 (and a few ZeRO stage changes); f
 world size one torchrun launch loads all of its checkpoints with `engine.load_checkpoint(DST)`,
 reads back full fp32 params and every optimizer state, and trains one more step
 (tests/engine_resume.py). Everything must equal the truth the engine reported when it saved. The same
-launches load each fixture itself through reshard.deepspeed.load_checkpoint (issue #15).
+launches load each fixture itself through reshard.deepspeed_engine.load_checkpoint (issue #15).
 """
 import shutil
 from collections import defaultdict
@@ -25,7 +25,7 @@ JOBS = [(name, truth_json(name)["zero_stage"], dp) for name in FIXTURE_NAMES for
 # A negative control: a checkpoint that is complete and loads, but is another run's state.
 CONTROL = ("z2_fp32_dp4", 2, 2)
 # (issue #15) The fixtures themselves, loaded by the live engine at another dp (and stage) through
-# reshard.deepspeed.load_checkpoint, with no conversion step: each fixture at one of dp 1, 3, 5, and the
+# reshard.deepspeed_engine.load_checkpoint, with no conversion step: each fixture at one of dp 1, 3, 5, and the
 # stage changes.
 DIRECT = [(name, truth_json(name)["zero_stage"], (1, 3, 5)[i % 3]) for i, name in enumerate(FIXTURE_NAMES)] + \
     [(name, stage, dp) for name, stage, dp in STAGE_CHANGES if dp in (1, 3, 5)]

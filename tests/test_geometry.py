@@ -1,7 +1,7 @@
 """Interval arithmetic and boxes: coverage finds every gap and overlap, runs land where numpy indexing does."""
 from hypothesis import given, settings, strategies as st
 
-from reshard.geometry import ceil_div, coverage, intersect, total_length
+from reshard.core.geometry import ceil_div, coverage, intersect, total_length
 
 
 def test_examples():
@@ -39,7 +39,7 @@ def test_coverage_matches_element_counts(case):
 def test_box_runs_cover_exactly_the_box(data):
     """Every element of a box, through its runs, lands where numpy's indexing puts it (full tensor and holder)."""
     import numpy as np
-    from reshard.geometry import box_runs
+    from reshard.core.geometry import box_runs
     ndim = data.draw(st.integers(0, 3))
     full = tuple(data.draw(st.integers(1, 5)) for _ in range(ndim))
     start = tuple(data.draw(st.integers(0, n - 1)) for n in full)

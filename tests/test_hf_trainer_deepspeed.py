@@ -112,7 +112,7 @@ def test_converted_pickles_load_where_reshard_is_not_installed(source, converted
 
 def test_fsdp2_loads_the_trainers_checkpoint_through_the_reader(source):
     """(issue #15) The GPT-2 under FSDP2, with the Trainer's two param groups, at 3 processes (ZeRO-2 source)
-    or 2 (ZeRO-3) loads checkpoint-3 through reshard.dcp.Reader (tests/dcp_fsdp2.py): fp32 masters and both
+    or 2 (ZeRO-3) loads checkpoint-3 through reshard.dcp_reader.Reader (tests/dcp_fsdp2.py): fp32 masters and both
     Adam moments are the live engine's at save time, the hyper-parameters those torch.load finds in the
     optimizer file; then it trains a step."""
     import math

@@ -41,7 +41,7 @@ def test_text_output_names_the_essentials():
 def test_inspect_is_metadata_only_and_fast():
     """Opening needs no torch import and no tensor bytes: time it against bare Python start-up."""
     code = ("import sys, time; t=time.perf_counter(); import reshard.formats as f; "
-            "c=f.read(sys.argv[1]); from reshard.inspect import inspect; inspect(c, params=True); "
+            "c=f.read(sys.argv[1]); from reshard.inspection import inspect; inspect(c, params=True); "
             "print(time.perf_counter()-t, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(fixture_dir("z3_fp32_dp4"))], capture_output=True,
                          text=True, cwd=REPO, check=True).stdout.split()

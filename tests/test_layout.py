@@ -5,7 +5,7 @@ import pytest
 
 import reshard
 from reshard.errors import ReshardError
-from reshard.layout import Layout
+from reshard.core.layout import Layout
 from conftest import FIXTURES, REPO, fixture_dir, run_cli, truth_json
 
 
@@ -20,7 +20,7 @@ def test_detected_layout_round_trips_through_a_descriptor(fixture_name, tmp_path
     path = tmp_path / "layout.json"
     layout.save(path)
     assert Layout.load(path) == layout
-    assert json.loads(path.read_text())["kind"] == "reshard.layout"
+    assert json.loads(path.read_text())["kind"] == "reshard.core.layout"
 
 
 def test_spec_changes_only_named_degrees():
@@ -74,6 +74,6 @@ def test_example_topologies_convert_a_real_checkpoint(tmp_path, descriptor, fixt
 
 def test_a_descriptor_with_another_precision_is_refused(tmp_path):
     path = tmp_path / "bf16.json"
-    path.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 2, "dtype": "bfloat16"}))
+    path.write_text(json.dumps({"kind": "reshard.core.layout", "version": 1, "dp": 2, "dtype": "bfloat16"}))
     proc = run_cli("convert", FIXTURES / "z2_fp32_dp2" / "checkpoint", tmp_path / "out", "--to", path, check=2)    # the --to the user gave: a usage error
     assert "dtype bfloat16 differs from the source's float32" in proc.stderr

@@ -13,7 +13,7 @@ import pytest
 import lifecycle_runs as lr
 import reshard
 from conftest import fixture_dir, run_cli
-from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE
+from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE
 
 
 def rows_by_name(listing) -> dict:

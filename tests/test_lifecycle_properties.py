@@ -22,7 +22,7 @@ import lifecycle_runs as lr
 import reshard
 from conftest import REPO
 from reshard.retention import DELETE, KEEP, UNTOUCHED, Policy, PolicyError, decide
-from reshard.runs import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint
+from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint
 
 DRIVER = str(REPO / "tests" / "fault_driver.py")
 

@@ -1,6 +1,6 @@
 """reshard.materialize: a planned file built in memory is what torch.load of the written file gives.
 
-reshard.deepspeed.load_checkpoint hands DeepSpeed these objects instead of files, so for every fixture, at
+reshard.deepspeed_engine.load_checkpoint hands DeepSpeed these objects instead of files, so for every fixture, at
 another topology, each planned file is written by the executor, loaded by torch.load, and compared with
 its materialized twin: the same tree, every tensor of the same dtype, shape, strides and bytes, and the
 same storages shared.
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.blocks import SourceFiles
+from reshard.target_bytes import SourceFiles
 from reshard.convert import make_plan
 from reshard.executor import execute
 from reshard.materialize import materialize

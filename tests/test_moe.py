@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import reshard
-from reshard.catalog import MASTER, MODULE
-from reshard.dtypes import itemsize
-from reshard.placement import Shard, regions
-from reshard.tensorio import full_tensor
+from reshard.core.catalog import MASTER, MODULE
+from reshard.core.dtypes import itemsize
+from reshard.core.placement import Shard, regions
+from reshard.source_bytes import full_tensor
 from conftest import FIXTURES, MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors, write_in_zip
 
 AUTOEP = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep"]

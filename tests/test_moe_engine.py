@@ -4,7 +4,7 @@ tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and
 (tests/engine_moe_resume.py); so does the engine built with load_universal, from reshard's universal trees.
 Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
 expert element in a converted file is caught; DeepSpeed's own load of the fixture at ep 1 gives wrong expert
-masters (docs/deepspeed-moe.md §5) where reshard's output gives the truth. reshard.deepspeed.load_checkpoint loads
+masters (docs/deepspeed-moe.md §5) where reshard's output gives the truth. reshard.deepspeed_engine.load_checkpoint loads
 the saves straight into the engine at another ep, bit-exact too."""
 import shutil
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.catalog import MASTER
+from reshard.core.catalog import MASTER
 from conftest import FIXTURES, fixture_dir, run_cli, run_torchrun, truth_tensors
 from test_moe import PACKED, _set_element
 from test_universal import ds_to_universal
@@ -40,7 +40,7 @@ CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
 UNIVERSAL = [(2, "autoep2_z1_fp32", "", 1), (2, "autoep2_z2_bf16", "", 1), (2, "autoep2_z2_fp32_dp2", "dp=2", 2),
              (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4", 4),
              (4, "autoep2_z1_fp32", "ep=4,dp=4", 4)]
-# reshard.deepspeed.load_checkpoint of the fixture itself into the engine at another ep: (world, fixture, ep)
+# reshard.deepspeed_engine.load_checkpoint of the fixture itself into the engine at another ep: (world, fixture, ep)
 DIRECT = [(2, "autoep2_z1_fp32", 1), (2, "autoep2_z2_bf16", 1), (2, "dsmoe_ep2_z2_fp32", 1),
           (4, "autoep2_z2_fp32_dp2_datafirst", 4), (4, "autoep2_z2_fp32_dp2", 1), (4, "dsmoe_ep2_z2_fp32", 4)]
 # (world, fixture, --to): DeepSpeed's ds_to_universal tree of the fixture, converted back by reshard (read as
@@ -137,7 +137,7 @@ def test_deepspeeds_native_load_at_another_ep_gives_wrong_expert_masters(resumed
 
 @pytest.mark.parametrize("world,name,ep", DIRECT)
 def test_reshard_loads_the_save_into_the_engine_at_another_ep(resumed, world, name, ep):
-    """reshard.deepspeed.load_checkpoint: the files the engine at its ep would have saved, planned and served
+    """reshard.deepspeed_engine.load_checkpoint: the files the engine at its ep would have saved, planned and served
     from memory (the expert layer files too: DeepSpeed reads them through the engine's checkpoint engine)."""
     result = resumed[(name, f"direct ep={ep}")]
     assert result["world"] == world and result["problems"] == []

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.catalog import MASTER, MODULE
+from reshard.core.catalog import MASTER, MODULE
 from conftest import fixture_dir, run_cli, truth_json, truth_tensors
 from test_moe import PACKED, _differences, _set_element
 from test_universal import _one_line_error, ds_to_universal

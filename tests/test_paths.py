@@ -17,7 +17,7 @@ from reshard.cli import main
 from reshard.convert import make_plan
 from reshard.errors import UsageError
 from reshard.executor import execute
-from reshard.targets import TextFile
+from reshard.core.write_requests import TextFile
 
 SOURCE = "z2_fp32_dp2"
 

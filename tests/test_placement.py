@@ -4,10 +4,10 @@ import math
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from reshard.catalog import Fragment, LogicalTensor
-from reshard.formats.torchzip import Storage
-from reshard.locate import Locator
-from reshard.placement import Block, Shard, flat_boxes, full_index, regions, tiles
+from reshard.core.catalog import Fragment, LogicalTensor
+from reshard.core.storage_ref import StorageRef
+from reshard.core.locate import Locator
+from reshard.core.placement import Block, Shard, flat_boxes, full_index, regions, tiles
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 
@@ -57,7 +57,7 @@ def test_locator_finds_every_element_where_numpy_does(case, a, b):
         shard = Shard.box(at, shape)
         for lo in range(0, values.size, part):
             hi = min(values.size, lo + part)
-            tensor.fragments.append(Fragment(lo, hi, Storage("buf", 0, 0, "int64"), len(storage), None, shard))
+            tensor.fragments.append(Fragment(lo, hi, StorageRef("buf", 0, 0, "int64"), len(storage), None, shard))
             storage += values[lo:hi].tolist()
     assert tiles(full_shape, [(r.at, r.shape) for f in tensor.fragments for r in regions(f.shard, f.start, f.stop)])
     # ask for a flat range of the whole tensor and of another cut (the transposed direction's halves)

@@ -13,7 +13,7 @@ import pytest
 
 import reshard
 import reshard.diff
-from reshard.dtypes import is_floating, itemsize
+from reshard.core.dtypes import is_floating, itemsize
 from conftest import REPO, fixture_dir
 
 SRC = fixture_dir("z2_fp32_dp2")
@@ -125,10 +125,10 @@ class _Recorder:
 
 
 def test_bars_count_the_bytes_read(monkeypatch):
-    import reshard.tensorio
+    import reshard.source_bytes
     a, b = reshard.open_checkpoint(SRC), reshard.open_checkpoint(OTHER)
     read = []
-    original_range, original_fragment = reshard.diff.read_range, reshard.tensorio.MappedFiles.fragment
+    original_range, original_fragment = reshard.diff.read_range, reshard.source_bytes.MappedFiles.fragment
     monkeypatch.setattr(reshard.diff, "read_range", lambda *args: read.append(original_range(*args)) or read[-1])
     recorder = _Recorder()
     monkeypatch.setattr(reshard.diff, "progress_bar", recorder)
@@ -137,7 +137,7 @@ def test_bars_count_the_bytes_read(monkeypatch):
     assert recorder.totals == [recorder.counted] and recorder.counted == sum(r.nbytes for r in read) > 0
 
     read.clear()
-    monkeypatch.setattr(reshard.tensorio.MappedFiles, "fragment",
+    monkeypatch.setattr(reshard.source_bytes.MappedFiles, "fragment",
                         lambda *args: read.append(original_fragment(*args)) or read[-1])
     recorder = _Recorder()
     monkeypatch.setattr(sys.modules["reshard.validate"], "progress_bar", recorder)

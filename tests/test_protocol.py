@@ -38,7 +38,7 @@ def test_every_writer_satisfies_the_writer_protocol(name):
 
 def test_the_protocol_check_sees_a_module_that_lacks_a_member():
     """Negative control of the two tests above: a module without OPTIONS or describe is refused."""
-    torchfile = importlib.import_module("reshard.formats.single.torchfile")
+    torchfile = importlib.import_module("reshard.formats.single.torchsave_checkpoint")
     lacking = type(torchfile)("lacking")
     lacking.sniff, lacking.read, lacking.FORMAT = torchfile.sniff, torchfile.read, torchfile.FORMAT
     assert not isinstance(lacking, Reader)

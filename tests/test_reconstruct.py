@@ -2,7 +2,7 @@
 import torch
 
 import reshard
-from reshard.catalog import MASTER, MODULE
+from reshard.core.catalog import MASTER, MODULE
 from conftest import FIXTURE_NAMES, fixture_dir, truth_json, truth_tensors
 
 EXPECTED = {"z1_fp32_dp2", "z1_fp32_dp4", "z1_bf16_dp2", "z1_bf16_dp4", "z2_fp32_dp2", "z2_fp32_dp4",

@@ -271,18 +271,18 @@ def test_safetensors_single_and_sharded_inspect_validate_export(tmp_path):
 
 def _through_the_reader(src, model, groups, model_only=False):
     """`model` and an AdamW over `groups` loaded from `src` the way a training script resumes with DCP,
-    through reshard.dcp.Reader, in one process (no process group)."""
+    through reshard.dcp_reader.Reader, in one process (no process group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-    import reshard.dcp
+    import reshard.dcp_reader
     named = dict(model.named_parameters())
     optim = torch.optim.AdamW([{"params": [named[n] for n in g["names"]]} for g in groups], lr=123.0)
     msd, osd = get_state_dict(model, optim)
     if model_only:
-        dcp.load({"model": msd}, storage_reader=reshard.dcp.Reader(src))
+        dcp.load({"model": msd}, storage_reader=reshard.dcp_reader.Reader(src))
         set_model_state_dict(model, msd)
     else:
-        dcp.load({"model": msd, "optim": osd}, storage_reader=reshard.dcp.Reader(src))
+        dcp.load({"model": msd, "optim": osd}, storage_reader=reshard.dcp_reader.Reader(src))
         set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
     return optim
 
@@ -303,7 +303,7 @@ def _reader_problems(model, optim, truth_path, step):
 def test_single_process_checkpoints_load_through_the_reader(hf_run, lightning_run, tmp_path):
     """(issue #15) torch.save, a Lightning .ckpt, an HF Trainer folder and save_pretrained's sharded
     safetensors, each loaded
-    into its model with dcp.load through reshard.dcp.Reader: every param and Adam state is the source's,
+    into its model with dcp.load through reshard.dcp_reader.Reader: every param and Adam state is the source's,
     the hyper-parameters are the run's (not the script's lr=123), and a training step runs."""
     import single_lightning
     path, _, job = _plain_run(tmp_path)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from reshard.errors import CheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
-from reshard.formats.torchzip import TensorRef
-from reshard.tensorio import MappedFiles, read_scalar
-from reshard.catalog import Fragment
+from reshard.formats.torchsave_read import TensorRef
+from reshard.source_bytes import MappedFiles, read_scalar
+from reshard.core.catalog import Fragment
 from conftest import FIXTURE_NAMES, copy_fixture, run_cli, tag_dir
 
 
@@ -35,7 +35,7 @@ def test_tensors_are_located_not_read(tmp_path):
     }
     path = tmp_path / "t.pt"
     torch.save(values, path)
-    loaded = torchzip.load(path)
+    loaded = torchsave_read.load(path)
     for key in ("bf16", "view", "int", "half", "scalar"):
         ref, tensor = loaded[key], values[key]
         assert isinstance(ref, TensorRef) and ref.shape == tuple(tensor.shape)
@@ -71,7 +71,7 @@ def test_hostile_global_is_refused_and_nothing_runs(tmp_path, call, argument, sh
     path = tmp_path / "evil.pt"
     torch.save({"ok": torch.ones(2), "deep": {"state": [_Payload(call, (arg,))]}}, path)
     with pytest.raises(CheckpointError) as err:
-        torchzip.load(path)
+        torchsave_read.load(path)
     assert str(path) in str(err.value) and shown in str(err.value) and "allow-list" in str(err.value)
     assert not canary.exists()
 
@@ -103,7 +103,7 @@ def test_deepspeed_classes_become_inert_standins(tmp_path):
     path = tmp_path / "ds.pt"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("ds/data.pkl", payload)
-    loaded = torchzip.load(path)
+    loaded = torchsave_read.load(path)
     assert loaded["stage"] == 3 and isinstance(loaded["stage"], ZeroStageEnum)
     assert isinstance(loaded["scaler"], DynamicLossScaler)
     assert loaded["addr"] == fragment_address(5, 7)
@@ -113,7 +113,7 @@ def test_legacy_format_is_refused_clearly(tmp_path):
     path = tmp_path / "legacy.pt"
     torch.save({"a": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
     with pytest.raises(CheckpointError, match="legacy .non-zip. torch serialization"):
-        torchzip.load(path)
+        torchsave_read.load(path)
 
 
 def test_empty_truncated_and_garbage_files(tmp_path):
@@ -122,13 +122,13 @@ def test_empty_truncated_and_garbage_files(tmp_path):
     data = good.read_bytes()
     (tmp_path / "empty.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="empty"):
-        torchzip.load(tmp_path / "empty.pt")
+        torchsave_read.load(tmp_path / "empty.pt")
     for cut in (10, 100, len(data) // 2, len(data) - 30, len(data) - 1):
         bad = tmp_path / f"cut{cut}.pt"
         bad.write_bytes(data[:cut])
         with pytest.raises(CheckpointError) as err:
-            torchzip.load(bad)
+            torchsave_read.load(bad)
         assert str(bad) in str(err.value)
     (tmp_path / "junk.pt").write_bytes(np.arange(100, dtype=np.uint8).tobytes())
     with pytest.raises(CheckpointError, match="not a torch.save"):
-        torchzip.load(tmp_path / "junk.pt")
+        torchsave_read.load(tmp_path / "junk.pt")

@@ -13,8 +13,8 @@ import torch
 import reshard
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, trim_rows
-from reshard.placement import Shard, regions
-from reshard.tensorio import full_tensor
+from reshard.core.placement import Shard, regions
+from reshard.source_bytes import full_tensor
 
 from conftest import FIXTURES, PARALLEL_FIXTURES, REPO, fixture_dir, run_cli, truth_json, truth_tensors
 

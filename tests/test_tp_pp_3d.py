@@ -5,7 +5,7 @@ Without the engine: converted to tp1.pp2.dp2, tp2.pp1.dp2, tp1.pp1.dp4 every ten
 `validate --deep` finds nothing, and converting back to tp2.pp2.dp2 gives DeepSpeed's own files (tensor bytes
 equal but padding, pickles equal as trees). With the engine (tests/engine_tp_pp_resume.py under torchrun): the
 unmodified PipelineEngine over the same layers resumes each conversion with the truth bit for bit and trains on;
-the same engine then loads the fixture itself through reshard.deepspeed.load_checkpoint, bit for bit again.
+the same engine then loads the fixture itself through reshard.deepspeed_engine.load_checkpoint, bit for bit again.
 """
 import math
 import os
@@ -145,7 +145,7 @@ def resumed(tmp_path_factory):
             _corrupt(dst)
         job = {"checkpoint": str(dst), "tp": target.tp, "pp": target.pp, "dp": target.dp, "to": to,
                "fixtures": str(FIXTURES), "fixture": NAME, "resave": str(dst) + "-resaved"}
-        if to != "control":     # and the fixture itself, through reshard.deepspeed.load_checkpoint (issue #15)
+        if to != "control":     # and the fixture itself, through reshard.deepspeed_engine.load_checkpoint (issue #15)
             job.update(source=str(fixture_dir(NAME)), rules=str(RULES))
         results[to] = run_torchrun("engine_tp_pp_resume.py", target.world_size, job, out, dst.name)
     return results

@@ -19,7 +19,7 @@ import reshard
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir, run_torchrun
 from test_convert import _assert_same_tree, _covered_elements
 
@@ -48,7 +48,7 @@ def _assert_same_tensors(a, b):
 def _assert_same_files(original, back, covered):
     assert sorted(os.listdir(original)) == sorted(os.listdir(back))
     for name in sorted(os.listdir(original)):
-        _assert_same_tree(torchzip.load(original / name), torchzip.load(back / name), name, covered)
+        _assert_same_tree(torchsave_read.load(original / name), torchsave_read.load(back / name), name, covered)
 
 
 @pytest.mark.parametrize("to", TARGETS)
@@ -64,7 +64,7 @@ def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
     assert out.training.global_steps == source.training.global_steps
     first = "zero_pp_rank_0_mp_rank_00_model_states.pt" if target.zero == 3 else "mp_rank_00_model_states.pt"
-    model0 = torchzip.load(tag_dir(tmp_path / "out") / first)
+    model0 = torchsave_read.load(tag_dir(tmp_path / "out") / first)
     assert model0["mp_world_size"] == target.tp
     assert model0["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": target.tp}
     assert model0["ds_config"]["tensor_parallel"]["autotp_size"] == target.tp
@@ -137,7 +137,7 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     tag = tag_dir(tmp_path / "out")
     assert sorted(n for n in os.listdir(tag) if n.startswith("layer_")) == \
         [f"layer_{i:02d}-model_states.pt" for i in range(5)]
-    assert all(torchzip.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None for s in range(target.pp))
+    assert all(torchsave_read.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None for s in range(target.pp))
 
 
 @pytest.mark.parametrize("name, via, back", [(PIPE, via, "pp=2,dp=2,partition=uniform")
@@ -218,7 +218,7 @@ def test_pipeline_partition_by_type_when_named(tmp_path):
     assert back.notes.stages == reshard.open_checkpoint(fixture_dir(PIPE)).notes.stages
     # a layout descriptor names them too (options.partition_method, options.layer_types)
     descriptor = tmp_path / "layout.json"
-    descriptor.write_text(json.dumps({"kind": "reshard.layout", "version": 1, "dp": 1, "pp": 2, "options": {
+    descriptor.write_text(json.dumps({"kind": "reshard.core.layout", "version": 1, "dp": 1, "pp": 2, "options": {
         "partition_method": "type:embed", "layer_types": PIPE_TYPES.split("/")}}))
     by_file = _convert(fixture_dir(PIPE), tmp_path / "by_file", str(descriptor))
     assert by_file.notes.stages == out.notes.stages
@@ -293,7 +293,7 @@ def test_every_stage_using_the_tied_head_trains_the_tied_weight(pp, tmp_path):
         stage = next(s for s in range(pp) if parts[s] <= layer < parts[s + 1])
         assert out.notes.stages[f"{layer}.fc.weight" if layer < 5 else "5.weight"] == [stage]
     counts = _tied_head_counts()
-    last = torchzip.load(tag_dir(tmp_path / "out") / f"zero_pp_rank_0_mp_rank_{pp - 1:02d}_optim_states.pt")
+    last = torchsave_read.load(tag_dir(tmp_path / "out") / f"zero_pp_rank_0_mp_rank_{pp - 1:02d}_optim_states.pt")
     flat = last["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
     assert tuple(flat.shape) == (sum(counts[parts[-2]:]),)      # its layers, the head's tied weight included
 
@@ -349,7 +349,7 @@ ENGINE_JOBS = [(name, "tp=1,dp=2") for name in AUTOTP] + [(name, "tp=2,dp=1") fo
 
 
 # (issue #15) The fixtures themselves, loaded by live engines at another tp / pp / dp through
-# reshard.deepspeed.load_checkpoint (no conversion step), in the same launches.
+# reshard.deepspeed_engine.load_checkpoint (no conversion step), in the same launches.
 DIRECT_JOBS = [("autotp2_z1_fp32_dp2", "tp=1,dp=2"), ("autotp2_z2_fp32_tied_dp2", "tp=2,dp=1"),
                (PIPE, "pp=1,dp=2"), (PIPE, "pp=2,dp=1"), (TIED, "pp=1,dp=2")]
 
@@ -399,13 +399,13 @@ def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
     covered = _covered_elements(reshard.open_checkpoint(result["checkpoint"]))
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
-        _assert_same_tree(torchzip.load(ours / n), torchzip.load(theirs / n), n, covered)
+        _assert_same_tree(torchsave_read.load(ours / n), torchsave_read.load(theirs / n), n, covered)
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("name, to", DIRECT_JOBS, ids=[f"{n}-{t}" for n, t in DIRECT_JOBS])
 def test_engine_loads_the_source_directly_through_reshard(resumed, name, to):
-    """The engine at `to` loads the fixture's own files with reshard.deepspeed.load_checkpoint: the truth, bit
+    """The engine at `to` loads the fixture's own files with reshard.deepspeed_engine.load_checkpoint: the truth, bit
     for bit, and one more step."""
     result = resumed[(name, f"direct:{to}")]
     assert result["problems"] == [], "\n".join(result["problems"])
@@ -483,7 +483,7 @@ def test_uneven_tp2_recut_to_tp3_cuts_one_kv_head_per_rank(tmp_path):
     source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_uneven_dp2"))
     _assert_same_tensors(source, out)
     for rank in range(3):
-        model = torchzip.load(tag_dir(dst) / f"mp_rank_{rank:02d}_model_states.pt")
+        model = torchsave_read.load(tag_dir(dst) / f"mp_rank_{rank:02d}_model_states.pt")
         assert model["module"]["model.layers.0.self_attn.k_proj.weight"].shape == (4, 24)    # 1 head of 4
         assert model["module"]["model.layers.0.self_attn.o_proj.weight"].shape == (24, 8)
         assert model["module"]["lm_head.weight"].shape == (16, 24)
@@ -528,7 +528,7 @@ def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, tmp_pa
     covered = _covered_elements(reshard.open_checkpoint(dst))
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
-        _assert_same_tree(torchzip.load(ours / n), torchzip.load(theirs / n), n, covered)
+        _assert_same_tree(torchsave_read.load(ours / n), torchsave_read.load(theirs / n), n, covered)
 
 
 @pytest.mark.engine

@@ -15,7 +15,7 @@ import torch
 
 import reshard
 from conftest import FIXTURE_NAMES, REPO, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
-from reshard.catalog import MASTER
+from reshard.core.catalog import MASTER
 
 sys.path.insert(0, str(REPO / "tools"))
 from make_hostile import Payload  # noqa: E402
@@ -169,12 +169,12 @@ def test_ds_to_universal_output_is_read_as_the_truth(built, tmp_path, name):
 
 @pytest.mark.parametrize("name", ["z2_fp32_dp4", "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2"])
 def test_universal_trees_load_through_the_reader(built, name):
-    """(issue #15) dcp.load through reshard.dcp.Reader from DeepSpeed's ds_to_universal tree and from ours:
+    """(issue #15) dcp.load through reshard.dcp_reader.Reader from DeepSpeed's ds_to_universal tree and from ours:
     the fixture model and optimizer resume with the engine's truth."""
-    import reshard.dcp
+    import reshard.dcp_reader
     from test_dcp_reader import _resume, assert_resumed_as_truth
     for tree in built[name]:
-        assert_resumed_as_truth(name, *_resume(name, reshard.dcp.Reader(tree)))
+        assert_resumed_as_truth(name, *_resume(name, reshard.dcp_reader.Reader(tree)))
 
 
 # ---------------------------------------------------------------------------------------------

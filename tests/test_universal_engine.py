@@ -4,7 +4,7 @@ Each job loads one checkpoint with `"checkpoint": {"load_universal": true}` (tes
 reads back full fp32 params and every optimizer state, steps and hyper-parameters, compares them
 with the fixture's truth bit for bit, and trains one more step. Also: ds_to_universal's output read by
 reshard and converted back to ZeRO files resumes natively, as it does loaded with no conversion step through
-reshard.deepspeed.load_checkpoint; and on the round-robin fixture the engine
+reshard.deepspeed_engine.load_checkpoint; and on the round-robin fixture the engine
 resuming ds_to_universal's tree does NOT match the truth (the check sees its corruption).
 """
 from collections import defaultdict

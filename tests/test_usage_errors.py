@@ -13,7 +13,7 @@ import reshard
 from conftest import REPO, fixture_dir
 from reshard.cli import main
 from reshard.errors import UsageError
-from reshard.layout import SPEC_KEYS, Layout
+from reshard.core.layout import SPEC_KEYS, Layout
 
 SOURCE = "z2_fp32_dp2"
 AUTOTP = "autotp2_z1_fp32_dp2"          # a Llama with 2 key-value heads: k_proj 8 rows, q_proj 16
@@ -83,7 +83,7 @@ def test_a_bad_descriptor_file_is_a_usage_error(tmp_path, capsys):
     """--to FILE: a missing file, a value out of range, a key given twice (json kept the last one) exit 2."""
     src = fixture_dir(SOURCE)
     good = Layout(dp=3, zero=2).to_dict()
-    cases = {"twice.json": ('{"kind": "reshard.layout", "version": 1, "dp": 3, "dp": 4}', "dp given twice"),
+    cases = {"twice.json": ('{"kind": "reshard.core.layout", "version": 1, "dp": 3, "dp": 4}', "dp given twice"),
              "dp0.json": (json.dumps({**good, "dp": 0}), "dp must be a positive integer"),
              "zero7.json": (json.dumps({**good, "zero": 7}), "zero must be"),
              "colour.json": (json.dumps({**good, "colour": "red"}), "unknown layout keys colour")}

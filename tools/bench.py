@@ -154,13 +154,13 @@ def make_synthetic(args):
     import numpy as np
 
     import deepspeed
-    from reshard.catalog import MASTER, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+    from reshard.core.catalog import MASTER, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
     from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.executor import execute
     from reshard.formats import standins, writer
-    from reshard.formats.torchzip import Storage
-    from reshard.layout import Layout
-    from reshard.planner import plan
+    from reshard.core.storage_ref import StorageRef
+    from reshard.core.layout import Layout
+    from reshard.core.planner import plan
 
     layers = max(1, round(float(args.params) / HIDDEN ** 2))
     work = tempfile.mkdtemp(prefix="reshard-synthetic-", dir=os.path.dirname(os.path.abspath(args.dir)))
@@ -179,7 +179,7 @@ def make_synthetic(args):
     catalog.notes = DeepSpeedNotes(ds_config=engine_config(args.stage, args.dtype), ds_version=deepspeed.__version__,
                                    loss_scaler=scaler)
     names = [f"{i}.weight" for i in range(layers)]
-    storage = Storage(block, 0, HIDDEN * HIDDEN * 4, "float32")
+    storage = StorageRef(block, 0, HIDDEN * HIDDEN * 4, "float32")
     for name in names:
         catalog.params[name] = ParamInfo(name, (HIDDEN, HIDDEN), "trainable", 0)
         catalog.order.append(name)
@@ -218,7 +218,7 @@ def make_sparse(args):
 
 def compare(args):
     """Same files, same pickled trees (keys, values, tensor dtypes and shapes) as a real checkpoint."""
-    from reshard.formats import torchzip
+    from reshard.formats import torchsave_read
     from reshard.formats.deepspeed.files import resolve_tag_dir
 
     real, synthetic = resolve_tag_dir(args.real)[0], resolve_tag_dir(args.synthetic)[0]
@@ -226,14 +226,14 @@ def compare(args):
     problems = [] if names == sorted(os.listdir(synthetic)) else [f"files differ: {names} vs {sorted(os.listdir(synthetic))}"]
     for name in names:
         if os.path.exists(os.path.join(synthetic, name)):
-            _same_tree(torchzip.load(os.path.join(real, name)), torchzip.load(os.path.join(synthetic, name)),
+            _same_tree(torchsave_read.load(os.path.join(real, name)), torchsave_read.load(os.path.join(synthetic, name)),
                        name, problems)
     print("\n".join(problems) if problems else f"same structure: {len(names)} files, every key, dtype and shape")
     return 1 if problems else 0
 
 
 def _same_tree(a, b, where, problems):
-    from reshard.formats.torchzip import TensorRef
+    from reshard.formats.torchsave_read import TensorRef
     if isinstance(a, TensorRef):
         if not isinstance(b, TensorRef) or (a.dtype, a.shape) != (b.dtype, b.shape):
             problems.append(f"{where}: {a} vs {b}")

@@ -8,13 +8,13 @@
     torchrun --nproc_per_node N tools/bench_load.py moe-native CONVERTED OUT.json [EP]
     torchrun --nproc_per_node N tools/bench_load.py moe-universal UNIVERSAL OUT.json [EP]
 
-`reader` loads SRC (any format reshard reads) through reshard.dcp.Reader; `native` loads a DCP directory with
+`reader` loads SRC (any format reshard reads) through reshard.dcp_reader.Reader; `native` loads a DCP directory with
 torch's own FileSystemReader. With --save-native, the loaded state is then saved by `dcp.save` (torch's own
 writer): the same state, natively as DCP, for `native` to load. The model is an nn.Sequential of bias-free
 Linear layers shaped like the checkpoint's `0.weight`, `1.weight`, ... (tools/bench.py make-synthetic).
 
 `ds-reshard` / `ds-native`: a DeepSpeed ZeRO-3 bf16 engine of that model (tools/bench.py's config) at N ranks
-loads SRC, saved at any topology, with reshard.deepspeed.load_checkpoint, or, natively, with its own
+loads SRC, saved at any topology, with reshard.deepspeed_engine.load_checkpoint, or, natively, with its own
 engine.load_checkpoint a checkpoint already converted for N ranks; `ds-universal`: DeepSpeed's own
 universal path, the engine with "load_universal" loading what its ds_to_universal made of SRC.
 `moe-native` / `moe-universal`: the AutoEP Mixtral of tools/bench.py make-moe at ep EP (default 1) on N ranks
@@ -76,8 +76,8 @@ def main(mode, src, out, *rest):
         return deepspeed_load(mode, src, out, *rest)
     dist.init_process_group("gloo")
     if mode == "reader":
-        import reshard.dcp
-        reader = reshard.dcp.Reader(src)
+        import reshard.dcp_reader
+        reader = reshard.dcp_reader.Reader(src)
         metadata = reader.read_metadata()
     else:
         reader = dcp.FileSystemReader(src)
@@ -107,7 +107,7 @@ def main(mode, src, out, *rest):
 
 def deepspeed_load(mode, src, out, ep=1):
     import deepspeed
-    import reshard.deepspeed
+    import reshard.deepspeed_engine
 
     deepspeed.init_distributed(dist_backend="gloo")
     engine = _moe_engine(mode, int(ep)) if mode.startswith("moe-") else _stack_engine(mode, src)
@@ -115,7 +115,7 @@ def deepspeed_load(mode, src, out, ep=1):
     rss = _rss_mib()
     before, start = _read_bytes(), time.perf_counter()
     if mode == "ds-reshard":
-        reshard.deepspeed.load_checkpoint(engine, src)
+        reshard.deepspeed_engine.load_checkpoint(engine, src)
     else:
         engine.load_checkpoint(src)
     wall, read = time.perf_counter() - start, _read_bytes() - before

@@ -16,13 +16,13 @@ import os
 import struct
 import zipfile
 
-from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+from reshard.core.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
-from reshard.blocks import constant
+from reshard.target_bytes import constant
 from reshard.formats import standins, writer
-from reshard.formats.torchsave import ALIGNMENT
-from reshard.layout import Layout
-from reshard.targets import CopiedFile, TensorFile, TextFile
+from reshard.formats.torchsave_write import ALIGNMENT
+from reshard.core.layout import Layout
+from reshard.core.write_requests import CopiedFile, TensorFile, TextFile
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 32000, 8192, 28672, 64, 8, 128
 RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reshard", "layouts",

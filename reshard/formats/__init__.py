@@ -16,7 +16,7 @@ from reshard.formats import framework
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import Reader, ReadRequest, Writer
-from reshard.layout import SPEC_KEY_NAMES
+from reshard.core.layout import SPEC_KEY_NAMES
 
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
@@ -25,11 +25,11 @@ READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, z
            "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
            "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
            "reshard.formats.single.lightning",           # *.ckpt
-           "reshard.formats.single.torchfile"]           # *.pt, *.pth, *.bin
+           "reshard.formats.single.torchsave_checkpoint"]           # *.pt, *.pth, *.bin
 # Target formats of `convert --format`.
 WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer",
            "dcp": "reshard.formats.dcp.writer"}
-# The `--to` keys (reshard.layout.SPEC_KEYS) each one's output has a place for: every key in DeepSpeed's files; a
+# The `--to` keys (reshard.core.layout.SPEC_KEYS) each one's output has a place for: every key in DeepSpeed's files; a
 # DCP directory is one file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO
 # stage. Each writer's SPEC_KEYS is its entry; kept here so that --help says it without importing the writers.
 WRITER_SPEC_KEYS = {"deepspeed": SPEC_KEY_NAMES, "universal": SPEC_KEY_NAMES, "dcp": ("dp", "tp", "pp")}
@@ -118,7 +118,7 @@ def _taken(reader: Reader) -> set:
 
 
 def formats_taking(keys) -> list:
-    """The output formats whose writers take every one of these `--to` keys (reshard.layout.SPEC_KEYS)."""
+    """The output formats whose writers take every one of these `--to` keys (reshard.core.layout.SPEC_KEYS)."""
     return [name for name in WRITERS if set(keys) <= set(WRITER_SPEC_KEYS[name])]
 
 
@@ -133,7 +133,7 @@ def container_loader(container: str):
     """For a container whose files a live process loads in memory (reshard.materialize): the function
     (header, storage_of) -> the object loading the written file would give."""
     if container == "torch":
-        from reshard.formats.torchsave import load_tree
+        from reshard.formats.torchsave_write import load_tree
         return load_tree
     raise ReshardError(f"{container!r} files are only written to disk")
 
@@ -141,7 +141,7 @@ def container_loader(container: str):
 def container_writer(container: str):
     """The class that lays out a file of tensors: (path, header, storages, **options), storage(key, nbytes)."""
     if container == "torch":
-        from reshard.formats.torchsave import TorchZipWriter
+        from reshard.formats.torchsave_write import TorchZipWriter
         return TorchZipWriter
     if container == "distcp":
         from reshard.formats.dcp.chunkzip import DistcpWriter

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from reshard.catalog import Catalog
-    from reshard.layout import Layout
-    from reshard.targets import Output
+    from reshard.core.catalog import Catalog
+    from reshard.core.layout import Layout
+    from reshard.core.write_requests import Output
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,12 @@ class Reader(Protocol):
 
 @runtime_checkable
 class Writer(Protocol):
-    SPEC_KEYS: tuple    # the `--to` keys (reshard.layout.SPEC_KEY_NAMES) this format's output has
+    SPEC_KEYS: tuple    # the `--to` keys (reshard.core.layout.SPEC_KEY_NAMES) this format's output has
     PLACES_EXPERTS: bool   # writes a mixture-of-experts catalog with its expert placement (else it is refused)
 
     def target_files(self, catalog: "Catalog", target: "Layout", tag: str,
                      source_save_dir: str | None = None) -> list:
-        """Every file of `catalog` written at `target` (reshard.targets: TensorFile, TextFile, CopiedFile),
+        """Every file of `catalog` written at `target` (reshard.core.write_requests: TensorFile, TextFile, CopiedFile),
         named relative to the output directory; `tag` names the output's tag, `source_save_dir` is where
         files copied as they are (scripts) come from (None: none)."""
 

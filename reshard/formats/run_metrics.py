@@ -17,12 +17,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from reshard.catalog import ScalarTensor
+from reshard.core.catalog import ScalarTensor
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.single.hf_trainer import TRAINER_STATE
 from reshard.formats.single.notes import SingleNotes
-from reshard.formats.torchzip import TensorRef
+from reshard.formats.torchsave_read import TensorRef
 
 CALLBACKS = "callbacks"
 MODEL_CHECKPOINT = "ModelCheckpoint"
@@ -94,7 +94,7 @@ def _number(value) -> float | None:
     if isinstance(value, TensorRef):
         if value.numel != 1:
             return None
-        from reshard.tensorio import read_scalar
+        from reshard.source_bytes import read_scalar
         try:
             value = read_scalar(value)
         except ReshardError:

@@ -11,10 +11,10 @@ import json
 import struct
 from dataclasses import dataclass
 
-from reshard.dtypes import itemsize
+from reshard.core.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.sink import HashingSink
-from reshard.targets import Piece, TensorFile
+from reshard.core.write_requests import Piece, TensorFile
 
 DTYPE_CODES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",

@@ -1,5 +1,5 @@
 """Where each item of a DCP checkpoint is: `.metadata`'s storage locations checked against the
-`.distcp` files, and each chunk's torch.save archive parsed in place (torchzip with a span) to
+`.distcp` files, and each chunk's torch.save archive parsed in place (torchsave_read with a span) to
 find its storage. What is missing or out of range becomes a catalog problem, one line naming
 the file; a hostile pickle anywhere is fatal (UnsafeCheckpointError).
 """
@@ -10,12 +10,12 @@ import os
 import re
 
 from reshard import paths
-from reshard.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTensor
+from reshard.core.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTensor
 from reshard.errors import CheckpointError
-from reshard.formats import torchzip
-from reshard.placement import Shard
-from reshard.tensorio import read_scalar
-from reshard.formats.torchzip import DType, TensorRef
+from reshard.formats import torchsave_read
+from reshard.core.placement import Shard
+from reshard.source_bytes import read_scalar
+from reshard.formats.torchsave_read import DType, TensorRef
 
 METADATA = ".metadata"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
@@ -135,9 +135,9 @@ class Chunks:
 
     def _ref(self, key, path, info):
         try:
-            ref = torchzip.load(path, span=(info.offset, info.length))
+            ref = torchsave_read.load(path, span=(info.offset, info.length))
         except CheckpointError as e:
-            if isinstance(e, torchzip.UnsafeCheckpointError):
+            if isinstance(e, torchsave_read.UnsafeCheckpointError):
                 raise
             self.catalog.problem(path, f"{key}: damaged chunk at byte {info.offset} ({e.problem})")
             return None
@@ -152,7 +152,7 @@ class Chunks:
         path, info = self._item(key)
         if path is None:
             return None
-        ref = torchzip.load(path, span=(info.offset, info.length))
+        ref = torchsave_read.load(path, span=(info.offset, info.length))
         if not isinstance(ref, TensorRef) or ref.numel != 1 or ref.dtype != dtype:
             raise CheckpointError(path, f"{key}: the step counter is not a one-element {dtype} tensor")
         return ScalarTensor(float(read_scalar(ref)), ref.dtype)
@@ -161,7 +161,7 @@ class Chunks:
         path, info = self._item(key)
         if path is None:
             return MISSING
-        value = torchzip.load(path, span=(info.offset, info.length))
+        value = torchsave_read.load(path, span=(info.offset, info.length))
         if isinstance(value, TensorRef):
             raise CheckpointError(path, f"{key}: a tensor-valued hyper-parameter is not supported")
         return value

@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 import zlib
 
-from reshard.formats.torchsave import ALIGNMENT
+from reshard.formats.torchsave_write import ALIGNMENT
 from reshard.sink import HashingSink
 
 CHUNK_LIMIT = 1 << 31           # bytes of one chunk's data: well inside 32-bit zip offsets

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.errors import ReshardError
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX
 

@@ -16,8 +16,8 @@ import io
 import pickle
 
 from reshard.errors import CheckpointError
-from reshard.formats.torchsave import GlobalName, TreePickler
-from reshard.formats.torchzip import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
+from reshard.formats.torchsave_write import GlobalName, TreePickler
+from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"

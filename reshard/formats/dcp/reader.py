@@ -1,7 +1,7 @@
 """A DCP directory -> Catalog, from `.metadata` and each chunk archive's zip directory only.
 
 Every tensor chunk is a box (offsets, sizes) of the global tensor stored as a torch.save zip at
-[offset, offset + length) of a `.distcp` file; we parse that zip in place (torchzip with a span)
+[offset, offset + length) of a `.distcp` file; we parse that zip in place (torchsave_read with a span)
 to find where its one storage starts, and cut the box into the flat row-major runs the Catalog
 holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`:
 
@@ -25,13 +25,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from reshard.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, TrainingState
-from reshard.dtypes import is_floating
+from reshard.core.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, TrainingState
+from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.formats.protocol import NoOptions
-from reshard.layout import Layout
+from reshard.core.layout import Layout
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")
 FORMAT = "dcp"

@@ -1,4 +1,4 @@
-"""Any checkpoint reshard reads, as a `torch.distributed.checkpoint` StorageReader (reshard.dcp.Reader).
+"""Any checkpoint reshard reads, as a `torch.distributed.checkpoint` StorageReader (reshard.dcp_reader.Reader).
 
 The metadata says every entry `get_state_dict(model, optimizer)` has (keys.py) is one chunk: the whole
 logical tensor. DCP's planner then asks each rank for the boxes its own shards need, and `read_data`
@@ -19,13 +19,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from reshard import formats
-from reshard.catalog import ScalarTensor
-from reshard.dtypes import numpy_carrier, torch_dtype
+from reshard.core.catalog import ScalarTensor
+from reshard.core.dtypes import numpy_carrier, torch_dtype
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys
-from reshard.formats.torchzip import TensorRef
-from reshard.placement import Shard
-from reshard.tensorio import MappedFiles, read_shard
+from reshard.formats.torchsave_read import TensorRef
+from reshard.core.placement import Shard
+from reshard.source_bytes import MappedFiles, read_shard
 from reshard.validate import require_complete
 
 

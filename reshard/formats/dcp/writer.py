@@ -11,17 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from reshard.catalog import Catalog, ScalarTensor
-from reshard.dtypes import itemsize
+from reshard.core.catalog import Catalog, ScalarTensor
+from reshard.core.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import WRITER_SPEC_KEYS
 from reshard.formats.dcp import keys, metadata as md
 from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
-from reshard.formats.torchsave import pickle_tree
-from reshard.formats.torchzip import Size, TensorRef
-from reshard.layout import Layout
-from reshard.targets import NewTensor, Output, Piece, TensorFile, TextFile
+from reshard.formats.torchsave_write import pickle_tree
+from reshard.formats.torchsave_read import Size, TensorRef
+from reshard.core.layout import Layout
+from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TextFile
 
 @dataclass
 class DistcpFile(TensorFile):

@@ -20,16 +20,16 @@ import copy
 import math
 from dataclasses import replace
 
-from reshard.catalog import MODULE, Catalog
+from reshard.core.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import experts as expert_files
 from reshard.formats.deepspeed import notes, rank_params, zero12_writer
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.formats.torchsave import TorchFile
-from reshard.layout import Layout
-from reshard.placement import Block, Shard
-from reshard.targets import Piece
+from reshard.formats.torchsave_write import TorchFile
+from reshard.core.layout import Layout
+from reshard.core.placement import Block, Shard
+from reshard.core.write_requests import Piece
 
 AUTOEP_LAYERS, UC_INFO = expert_files.AUTOEP_LAYERS, expert_files.UC_INFO
 

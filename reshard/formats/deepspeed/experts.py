@@ -21,13 +21,13 @@ import os
 import re
 from dataclasses import dataclass
 
-from reshard.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, LogicalTensor
+from reshard.core.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, LogicalTensor
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed.tp_geometry import from_affine
-from reshard.formats.torchzip import TensorRef
-from reshard.placement import Shard
-from reshard.tensorio import file_size
+from reshard.formats.torchsave_read import TensorRef
+from reshard.core.placement import Shard
+from reshard.source_bytes import file_size
 
 # Model-states keys of an AutoEP save: its layers' placement and affine maps, and the universal-checkpoint info
 # that carries a copy of them

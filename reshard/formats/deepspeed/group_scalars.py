@@ -6,9 +6,9 @@ most files hold (two ranks, two values) nothing tells which is right, and every 
 """
 from __future__ import annotations
 
-from reshard.catalog import PerParamScalar, ScalarTensor
-from reshard.formats.torchzip import TensorRef
-from reshard.tensorio import read_scalar
+from reshard.core.catalog import PerParamScalar, ScalarTensor
+from reshard.formats.torchsave_read import TensorRef
+from reshard.source_bytes import read_scalar
 from reshard.text import counted
 
 

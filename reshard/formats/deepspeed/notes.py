@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reshard.catalog import Catalog
+from reshard.core.catalog import Catalog
 
 EXPERT_GROUP = "ep_size_"       # AutoEP names its expert param group by its ep (auto_ep_layer.ep_group_name)
 

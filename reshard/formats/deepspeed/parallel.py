@@ -18,15 +18,15 @@ import os
 from dataclasses import replace
 
 from reshard import rule_files
-from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
-from reshard.dtypes import itemsize
+from reshard.core.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
+from reshard.core.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import group_scalars, rank_reader
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
-from reshard.formats.torchzip import TensorRef
-from reshard.tensorio import MappedFiles, file_size, replica_problem
+from reshard.formats.torchsave_read import TensorRef
+from reshard.source_bytes import MappedFiles, file_size, replica_problem
 
 # Replicated blocks up to this size (per copy) are compared when the checkpoint is read; larger ones
 # (a replicated embedding of a big vocabulary) by `validate --deep`, so reading stays metadata-cheap.
@@ -360,7 +360,7 @@ def _read_layers(catalog, tag_dir, listing, models, files, model=None) -> tuple:
         path = os.path.join(tag_dir, layers[index])
         catalog.files.append(FileInfo(layers[index], "layer_states", None, file_size(path)))
         try:
-            sd = torchzip.load(path)
+            sd = torchsave_read.load(path)
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard.catalog import MODULE, Catalog
+from reshard.core.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes, rank_params
@@ -52,9 +52,9 @@ from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.tp_geometry import Geometry
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.formats.torchsave import TorchFile
-from reshard.layout import Layout
-from reshard.targets import StageCut
+from reshard.formats.torchsave_write import TorchFile
+from reshard.core.layout import Layout
+from reshard.core.write_requests import StageCut
 
 TIED = "tied_modules."
 

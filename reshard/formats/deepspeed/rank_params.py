@@ -1,7 +1,7 @@
 """What one target model-parallel rank holds, composed from the placements that cut the model.
 
 A `RankParams` lists, in model order, each parameter a rank's files hold: its local shape, kind, optimizer
-group, the dtype of its saved module copy, and which `Shard` of the full tensor it is (reshard.placement;
+group, the dtype of its saved module copy, and which `Shard` of the full tensor it is (reshard.core.placement;
 None: the whole tensor). It is built by composing, outermost first:
 * tensor parallelism at the target degree: `tp_rank` gives every parameter the boxes the rank holds
   (tp_geometry.Split.shard) and that shard's shape;
@@ -17,10 +17,10 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from reshard.catalog import MODULE, Catalog
+from reshard.core.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
-from reshard.placement import Shard
-from reshard.targets import Piece
+from reshard.core.placement import Shard
+from reshard.core.write_requests import Piece
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import os
 
-from reshard.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, TrainingState
-from reshard.dtypes import is_floating
+from reshard.core.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, TrainingState
+from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import experts as expert_placement
 from reshard.formats.deepspeed import group_scalars, zero12, zero3
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
-from reshard.formats.torchzip import TensorRef
-from reshard.layout import Layout
-from reshard.tensorio import file_size
+from reshard.formats.torchsave_read import TensorRef
+from reshard.core.layout import Layout
+from reshard.source_bytes import file_size
 
 # What a mixture-of-experts save's model states add (engine._save_moe_checkpoint), kept for its writer
 EXPERT_KEYS = ("num_experts", "ds_autoep_layers", "universal_checkpoint_info")
@@ -93,7 +93,7 @@ def first_model_states(tag_dir, listing) -> str:
 
 
 def load_or_raise(path):
-    obj = torchzip.load(path)
+    obj = torchsave_read.load(path)
     if not isinstance(obj, dict):
         raise CheckpointError(path, f"expected a dict at the top level, found {type(obj).__name__}")
     return obj

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from reshard.catalog import Catalog
+from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes, parallel, rank_reader

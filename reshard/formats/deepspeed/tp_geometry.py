@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from reshard import rule_files
 from reshard.errors import ReshardError, UsageError
-from reshard.geometry import strides
-from reshard.placement import Block, Shard
+from reshard.core.geometry import strides
+from reshard.core.placement import Block, Shard
 
 RULES_KIND = rule_files.TP_RULES
 RULES_VERSION = 1

@@ -22,7 +22,7 @@ import re
 from reshard.errors import ReshardError, UsageError
 from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed.tp_geometry import Geometry, Split, contiguous, replicated
-from reshard.geometry import offset, strides
+from reshard.core.geometry import offset, strides
 
 UC_VERSION = 0.4          # deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8)
 AFFINE_VERSION = 1        # deepspeed/checkpoint/affine.py AFFINE_MAP_FORMAT_VERSION

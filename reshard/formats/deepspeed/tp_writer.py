@@ -14,12 +14,12 @@ Pipeline-parallel sources and targets are written by pipe_writer.
 """
 from __future__ import annotations
 
-from reshard.catalog import Catalog
+from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import notes, rank_params, tp_recut
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.layout import Layout
+from reshard.core.layout import Layout
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:

@@ -19,17 +19,17 @@ from __future__ import annotations
 import math
 import os
 
-from reshard.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import experts as expert_placement
 from reshard.formats.deepspeed import group_scalars, rank_reader
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.protocol import TagOption
-from reshard.formats.torchzip import TensorRef
-from reshard.layout import Layout
-from reshard.tensorio import file_size
+from reshard.formats.torchsave_read import TensorRef
+from reshard.core.layout import Layout
+from reshard.source_bytes import file_size
 
 
 FORMAT = "universal"
@@ -81,7 +81,7 @@ def _resolve_tag_dir(path, tag) -> tuple:
 def _load_dict(path):
     if not os.path.isfile(path):
         raise CheckpointError(path, "missing")
-    obj = torchzip.load(path)
+    obj = torchsave_read.load(path)
     if not isinstance(obj, dict):
         raise CheckpointError(path, f"expected a dict at the top level, found {type(obj).__name__}")
     return obj
@@ -192,7 +192,7 @@ def _read_param(catalog, name, g, num_experts) -> set:
         path = os.path.join(folder, state + ".pt")
         catalog.files.append(FileInfo(os.path.relpath(path, catalog.root), "universal_state", None, file_size(path)))
         try:
-            obj = torchzip.load(path)
+            obj = torchsave_read.load(path)
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:

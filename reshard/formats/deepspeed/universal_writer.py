@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import replace
 
-from reshard.catalog import MASTER, MODULE, Catalog
+from reshard.core.catalog import MASTER, MODULE, Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import WRITER_SPEC_KEYS, standins
 from reshard.formats.deepspeed import expert_writer, notes, rank_params, tp_writer, zero12_writer, zero3_writer
@@ -38,9 +38,9 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
 from reshard.formats.deepspeed.zero_target import ZeroTarget, scalar_slot
-from reshard.formats.torchsave import TorchFile
-from reshard.layout import Layout
-from reshard.targets import Output, Piece, TextFile
+from reshard.formats.torchsave_write import TorchFile
+from reshard.core.layout import Layout
+from reshard.core.write_requests import Output, Piece, TextFile
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")

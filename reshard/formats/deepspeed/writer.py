@@ -8,14 +8,14 @@ names and counts, the bytes are described as Pieces.
 """
 from __future__ import annotations
 
-from reshard.catalog import Catalog
+from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import WRITER_SPEC_KEYS
 from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
-from reshard.layout import Layout
-from reshard.targets import Output
+from reshard.core.layout import Layout
+from reshard.core.write_requests import Output
 
 
 SPEC_KEYS = WRITER_SPEC_KEYS["deepspeed"]      # every --to key has a place in DeepSpeed's files

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 
-from reshard.catalog import MASTER, Fragment, LogicalTensor
+from reshard.core.catalog import MASTER, Fragment, LogicalTensor
 from reshard.formats.deepspeed import group_scalars
-from reshard.formats.torchzip import TensorRef
-from reshard.geometry import intersect
+from reshard.formats.torchsave_read import TensorRef
+from reshard.core.geometry import intersect
 
 FP32_PARTITIONS = "single_partition_of_fp32_groups"
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from reshard.catalog import MASTER, MODULE
-from reshard.dtypes import itemsize
+from reshard.core.catalog import MASTER, MODULE
+from reshard.core.dtypes import itemsize
 from reshard.formats import standins
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry, \
     weight_source
-from reshard.formats.torchsave import TorchFile
-from reshard.geometry import ceil_div, intersect
-from reshard.targets import Piece
+from reshard.formats.torchsave_write import TorchFile
+from reshard.core.geometry import ceil_div, intersect
+from reshard.core.write_requests import Piece
 
 
 class FlatGroup:

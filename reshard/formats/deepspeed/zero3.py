@@ -12,11 +12,11 @@ import math
 
 import os
 
-from reshard.catalog import MASTER, MODULE, Fragment, LogicalTensor
+from reshard.core.catalog import MASTER, MODULE, Fragment, LogicalTensor
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import group_scalars
-from reshard.formats.torchzip import TensorRef
-from reshard.geometry import ceil_div, intersect
+from reshard.formats.torchsave_read import TensorRef
+from reshard.core.geometry import ceil_div, intersect
 
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from reshard.catalog import MASTER, MODULE
+from reshard.core.catalog import MASTER, MODULE
 from reshard.formats import standins
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry
-from reshard.formats.torchsave import TorchFile
-from reshard.formats.torchzip import Size
-from reshard.geometry import ceil_div
-from reshard.targets import Piece
+from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_read import Size
+from reshard.core.geometry import ceil_div
+from reshard.core.write_requests import Piece
 
 
 def sub_groups(zt: ZeroTarget, params: RankParams) -> list:

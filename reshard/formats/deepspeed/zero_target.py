@@ -6,15 +6,15 @@ import copy
 import os
 from collections import OrderedDict
 
-from reshard.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.formats import standins
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
-from reshard.formats.torchsave import TorchFile
-from reshard.formats.torchzip import Size
-from reshard.layout import Layout
-from reshard.targets import CopiedFile, Piece, TextFile
+from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_read import Size
+from reshard.core.layout import Layout
+from reshard.core.write_requests import CopiedFile, Piece, TextFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -31,7 +31,7 @@ class ZeroTarget:
         self.target = target
         self.dp = target.dp
         self.lp_dtype = target.dtype
-        # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed), else the source's
+        # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed_engine), else the source's
         self.config = copy.deepcopy(target.options.get("ds_config") or notes.of(catalog).ds_config or {})
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = target.zero

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from reshard import manifest
 from reshard.errors import ReshardError
-from reshard.targets import CopiedFile
+from reshard.core.write_requests import CopiedFile
 
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
 NEW_RANK_POLICIES = (FRESH, COPY_RANK0, FAIL)

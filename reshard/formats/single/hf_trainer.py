@@ -14,14 +14,14 @@ import os
 import re
 from dataclasses import replace
 
-from reshard.catalog import Catalog, TrainingState
+from reshard.core.catalog import Catalog, TrainingState
 from reshard.errors import CheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
-from reshard.formats.single.torchfile import is_optimizer
-from reshard.layout import Layout
+from reshard.formats.single.torchsave_checkpoint import is_optimizer
+from reshard.core.layout import Layout
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
@@ -52,7 +52,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
     if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
-        optimizer = torchzip.load(optim_path)
+        optimizer = torchsave_read.load(optim_path)
         if not is_optimizer(optimizer):
             raise CheckpointError(optim_path, "not a torch.optim state_dict (state, param_groups)")
     weights = hf_weights.read(folder)
@@ -89,7 +89,7 @@ def _training_state(catalog, folder) -> None:
     scheduler = os.path.join(folder, SCHEDULER)
     if os.path.isfile(scheduler):
         model.add_file(catalog, scheduler, "scheduler")
-        lr_scheduler = torchzip.load(scheduler)
+        lr_scheduler = torchsave_read.load(scheduler)
     opaque = []
     for name in sorted(os.listdir(folder)):
         if RNG.match(name) or name in OPAQUE:

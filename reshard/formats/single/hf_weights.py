@@ -10,9 +10,9 @@ import json
 import os
 
 from reshard.errors import CheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.single import hf_model, safetensors_header
-from reshard.formats.single.torchfile import is_state_dict
+from reshard.formats.single.torchsave_checkpoint import is_state_dict
 
 SAFE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -67,7 +67,7 @@ def read(folder: str) -> Weights:
 
 
 def _state_dict(path) -> dict:
-    obj = torchzip.load(path)
+    obj = torchsave_read.load(path)
     if not is_state_dict(obj):
         raise CheckpointError(path, "not a state dict of tensors")
     return obj

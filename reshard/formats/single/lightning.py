@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 
-from reshard.catalog import Catalog, TrainingState
+from reshard.core.catalog import Catalog, TrainingState
 from reshard.errors import CheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
-from reshard.formats.single.torchfile import is_optimizer, is_state_dict
-from reshard.layout import Layout
+from reshard.formats.single.torchsave_checkpoint import is_optimizer, is_state_dict
+from reshard.core.layout import Layout
 
 SUFFIX = ".ckpt"
 KNOWN = ("state_dict", "optimizer_states", "lr_schedulers")
@@ -31,7 +31,7 @@ def sniff(path: str, tag: str | None) -> bool:
 
 def read(path: str, options: NoOptions) -> Catalog:
     path = os.path.abspath(path)
-    obj = torchzip.load(path)
+    obj = torchsave_read.load(path)
     if not isinstance(obj, dict) or not is_state_dict(obj.get("state_dict")):
         raise CheckpointError(path, "not a Lightning checkpoint (no 'state_dict' of tensors)")
     optimizers = obj.get("optimizer_states") or []

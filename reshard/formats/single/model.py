@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 
-from reshard.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
-from reshard.dtypes import is_floating
+from reshard.core.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
-from reshard.formats.torchzip import TensorRef
-from reshard.tensorio import file_size, read_scalar
+from reshard.formats.torchsave_read import TensorRef
+from reshard.source_bytes import file_size, read_scalar
 
 STEP = "step"
 NAMES = "param_names"     # saved by torch.optim when built from named_parameters()

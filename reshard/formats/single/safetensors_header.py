@@ -13,10 +13,11 @@ import os
 import struct
 
 from reshard import paths
-from reshard.dtypes import itemsize
+from reshard.core.dtypes import itemsize
 from reshard.errors import CheckpointError
 from reshard.formats.safetensors_file import DTYPE_CODES
-from reshard.formats.torchzip import Storage, TensorRef
+from reshard.core.storage_ref import StorageRef
+from reshard.formats.torchsave_read import TensorRef
 
 DTYPES = {code: name for name, code in DTYPE_CODES.items()}
 MAX_HEADER = 100 * 1024 * 1024      # the safetensors library's own limit
@@ -80,7 +81,7 @@ def _tensor(path, name, entry, data_start, data_len) -> TensorRef:
         raise CheckpointError(path, f"tensor {name!r}: data_offsets span {end - begin} bytes, "
                               f"{dtype}{list(shape)} needs {nbytes}")
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return TensorRef(Storage(path, data_start + begin, nbytes, dtype), 0, shape, stride)
+    return TensorRef(StorageRef(path, data_start + begin, nbytes, dtype), 0, shape, stride)
 
 
 def read_index(index_path: str) -> dict:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 
-from reshard.catalog import Catalog
+from reshard.core.catalog import Catalog
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model, safetensors_header
-from reshard.layout import Layout
+from reshard.core.layout import Layout
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"

@@ -1,6 +1,6 @@
 """Which source fragments hold a range of a logical tensor: the one lookup the planner and the readers share.
 
-A request is a flat range of a shard (reshard.placement) of the logical tensor, the way a target storage
+A request is a flat range of a shard (reshard.core.placement) of the logical tensor, the way a target storage
 or a reader asks for elements. Where the source holds that very shard, the answer is flat: runs of
 fragments, found by bisection (`Locator.runs`). Otherwise it is boxes (`Locator.boxes`): the request's
 regions, met with the regions of the fragments of each source shard whose flat extent can hold them.
@@ -11,9 +11,9 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from reshard.catalog import Fragment, LogicalTensor
-from reshard.geometry import offset, strides
-from reshard.placement import Shard, intersect, local_extent, regions
+from reshard.core.catalog import Fragment, LogicalTensor
+from reshard.core.geometry import offset, strides
+from reshard.core.placement import Shard, intersect, local_extent, regions
 
 
 @dataclass(frozen=True, slots=True)

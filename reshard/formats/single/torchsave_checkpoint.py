@@ -3,20 +3,20 @@
 Recognised shapes: the state dict itself ({name: tensor}); or a dict holding it under one of
 MODEL_KEYS, with optionally a torch.optim state dict under one of OPTIMIZER_KEYS; everything else
 in the dict is kept as plain data (`catalog.notes.extra`). The legacy (non-zip) format is
-refused by torchzip with a one-line message.
+refused by torchsave_read with a one-line message.
 """
 from __future__ import annotations
 
 import os
 
-from reshard.catalog import Catalog, TrainingState
+from reshard.core.catalog import Catalog, TrainingState
 from reshard.errors import CheckpointError
-from reshard.formats import torchzip
+from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
-from reshard.formats.torchzip import TensorRef
-from reshard.layout import Layout
+from reshard.formats.torchsave_read import TensorRef
+from reshard.core.layout import Layout
 
 SUFFIXES = (".pt", ".pth", ".bin")
 MODEL_KEYS = ("state_dict", "model", "module", "model_state_dict")
@@ -63,7 +63,7 @@ def split(path: str, obj) -> tuple:
 
 def read(path: str, options: NoOptions) -> Catalog:
     path = os.path.abspath(path)
-    module, optimizer, extra = split(path, torchzip.load(path))
+    module, optimizer, extra = split(path, torchsave_read.load(path))
     catalog = Catalog(root=path, format="torch", layout=Layout(dp=1, zero=0))
     model.add_file(catalog, path, "state_dict")
     model.build(catalog, module, path, optimizer, path)

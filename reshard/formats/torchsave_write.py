@@ -24,11 +24,12 @@ import struct
 import zipfile
 from dataclasses import dataclass, field, replace
 
-from reshard.dtypes import STORAGE_DTYPES
+from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.formats import standins
-from reshard.formats.torchzip import DType, Size, Storage, TensorRef
+from reshard.core.storage_ref import StorageRef
+from reshard.formats.torchsave_read import DType, Size, TensorRef
 from reshard.sink import HashingSink
-from reshard.targets import NewTensor, Piece, RawPiece, TensorFile
+from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
@@ -42,7 +43,7 @@ class TorchFile(TensorFile):
     Source tensors in the tree (TensorRefs of carried state) get their storages when the header is made
     (`carry`), before the planner lists the slots."""
     archive: str = "archive"                     # the zip's top folder (torch uses the file stem)
-    carried: dict = field(default_factory=dict, repr=False)   # source Storage -> the slot copying it
+    carried: dict = field(default_factory=dict, repr=False)   # source StorageRef -> the slot copying it
     container = "torch"
     STEM, EXTENSION, SUFFIXES = "pytorch_model", "bin", (".bin", ".pt", ".pth")   # Hugging Face's names
 
@@ -66,7 +67,7 @@ class TorchFile(TensorFile):
     def header(self) -> bytes:
         return pickle_tree(self.tree, self.carry)
 
-    def carry(self, storage: Storage) -> NewTensor:
+    def carry(self, storage: StorageRef) -> NewTensor:
         """The slot of this file holding a source storage's bytes, whole (views of it keep their offsets and
         strides); one slot per storage, so tensors sharing a storage in the source share it here."""
         slot = self.carried.get(storage)
@@ -109,7 +110,7 @@ class TreePickler(pickle._Pickler):
 
     def __init__(self, file, protocol=2, carry=None):
         super().__init__(file, protocol=protocol)
-        self._carry = carry         # source Storage -> NewTensor slot holding its bytes (TorchFile.carry)
+        self._carry = carry         # source StorageRef -> NewTensor slot holding its bytes (TorchFile.carry)
 
     def persistent_id(self, obj):
         if isinstance(obj, _StorageId):
@@ -193,7 +194,7 @@ def load_tree(data_pkl: bytes, storage_of):
     (pickle_tree) only: its globals are torch's and those the source checkpoint named, which the process
     loading it trusts as it trusts the checkpoint (DeepSpeed's loader unpickles the same names)."""
     import torch
-    from reshard.dtypes import torch_dtype
+    from reshard.core.dtypes import torch_dtype
 
     class Unpickler(pickle.Unpickler):
         def persistent_load(self, saved_id):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from reshard.dtypes import itemsize
-from reshard.placement import Shard
+from reshard.core.dtypes import itemsize
+from reshard.core.placement import Shard
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Piece:
     source: tuple | None = None   # (name, state) of a logical tensor; None for a constant
     start: int = 0                # first element taken, flat in `shard` (row-major)
     value: float = 0              # the constant, when source is None
-    shard: Shard | None = None    # which shard of the source tensor (reshard.placement); None: the tensor itself
+    shard: Shard | None = None    # which shard of the source tensor (reshard.core.placement); None: the tensor itself
 
     @staticmethod
     def zeros(count: int) -> "Piece":
@@ -45,7 +45,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class RawPiece:
-    """A source storage (torchzip.Storage) copied whole as it lies in its file: a storage that is no logical
+    """A source storage (StorageRef) copied whole as it lies in its file: a storage that is no logical
     tensor's, carried (a tensor in the client state a writer takes over from the source's pickle)."""
     storage: object
 

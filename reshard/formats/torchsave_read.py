@@ -23,28 +23,14 @@ from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointError, UnsafeCheckpointError
 from reshard.formats import standins
-from reshard.dtypes import STORAGE_DTYPES, itemsize
-
-
-@dataclass(frozen=True)
-class Storage:
-    """A run of raw bytes inside a file: one torch storage."""
-    file: str          # path of the file holding it
-    offset: int        # byte offset of the storage's first byte in `file`
-    nbytes: int
-    dtype: str         # element type name, e.g. "float32", "bfloat16"
-    member: str = ""   # the zip member it is, for messages ("archive/data/3")
-    crc: int | None = None     # the CRC-32 the archive stores for it (reshard.checksums); None: no checksum
-
-    @property
-    def numel(self) -> int:
-        return self.nbytes // itemsize(self.dtype)
+from reshard.core.dtypes import STORAGE_DTYPES
+from reshard.core.storage_ref import StorageRef
 
 
 @dataclass
 class TensorRef:
     """A tensor as torch.save described it: a strided view into a storage."""
-    storage: Storage
+    storage: StorageRef
     storage_offset: int          # in elements
     shape: tuple
     stride: tuple
@@ -186,7 +172,7 @@ class _SafeUnpickler(AllowListUnpickler):
         raw = self._storages.get(str(key))
         if raw is None:
             raise CheckpointError(self._path, f"pickle names storage {key!r}, which is not in the archive")
-        storage = Storage(raw.file, raw.offset, raw.nbytes, stype.dtype, raw.member, raw.crc)
+        storage = StorageRef(raw.file, raw.offset, raw.nbytes, stype.dtype, raw.member, raw.crc)
         if storage.numel < numel:
             raise CheckpointError(self._path, f"storage {key} holds {storage.numel} elements, "
                                   f"the pickle expects {numel}")

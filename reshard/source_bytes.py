@@ -11,14 +11,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from reshard.catalog import Catalog, Fragment, LogicalTensor
+from reshard.core.catalog import Catalog, Fragment, LogicalTensor
 from reshard.checksums import Tally
-from reshard.dtypes import cast_array, itemsize, numpy_carrier
+from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.errors import CheckpointError
-from reshard.formats.torchzip import Storage
-from reshard.geometry import offset, span, strides
-from reshard.locate import Locator
-from reshard.placement import Shard, full_index, regions
+from reshard.core.storage_ref import StorageRef
+from reshard.core.geometry import offset, span, strides
+from reshard.core.locate import Locator
+from reshard.core.placement import Shard, full_index, regions
 
 
 # Fewer bytes than this are read with pread, not through the map: a fault on a mapped page reads ahead
@@ -96,7 +96,7 @@ class MappedFiles:
         bfloat16)."""
         return self.elements(frag.storage, frag.elem_offset, frag.numel, dtype)
 
-    def elements(self, storage: Storage, first: int, count: int, dtype: str) -> np.ndarray:
+    def elements(self, storage: StorageRef, first: int, count: int, dtype: str) -> np.ndarray:
         """Elements [first, first + count) of a storage as a 1-D numpy view."""
         size = itemsize(dtype)
         start = storage.offset + first * size
@@ -122,7 +122,7 @@ class MappedFiles:
         return np.frombuffer(m, dtype=numpy_carrier(dtype), count=count, offset=start)
 
 
-    def read_into(self, storage: Storage, first: int, out: np.ndarray, dtype: str) -> None:
+    def read_into(self, storage: StorageRef, first: int, out: np.ndarray, dtype: str) -> None:
         """Elements [first, first + out.size) of a storage read into `out` (1-D, contiguous): the kernel copies
         from the page cache straight into the caller's memory, and no mapped page stays in this process."""
         size = itemsize(dtype)
@@ -186,7 +186,7 @@ def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, s
 def full_tensor(catalog: Catalog, name: str, state: str, files: MappedFiles | None = None):
     """The whole logical tensor (name, state) as a torch tensor of its saved dtype and shape."""
     import torch
-    from reshard.dtypes import torch_dtype
+    from reshard.core.dtypes import torch_dtype
 
     tensor = catalog.tensor(name, state)
     owned = files is None

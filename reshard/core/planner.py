@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from reshard.catalog import Catalog
-from reshard.dtypes import itemsize
+from reshard.core.catalog import Catalog
+from reshard.core.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.formats import container_writer
-from reshard.geometry import offset, span, strides
-from reshard.layout import Layout
-from reshard.locate import Locator
-from reshard.targets import CopiedFile, Output, RawPiece, StageCut, TensorFile, TextFile
+from reshard.core.geometry import offset, span, strides
+from reshard.core.layout import Layout
+from reshard.core.locate import Locator
+from reshard.core.write_requests import CopiedFile, Output, RawPiece, StageCut, TensorFile, TextFile
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ import os
 import numpy as np
 
 from reshard.checksums import Tally
-from reshard.dtypes import cast_array, itemsize, numpy_carrier
+from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.errors import ReshardError
-from reshard import geometry
-from reshard.geometry import strides
-from reshard.placement import flat_boxes, intersect
-from reshard.planner import Copy, Gather
-from reshard.tensorio import OpenFiles
+from reshard.core import geometry
+from reshard.core.geometry import strides
+from reshard.core.placement import flat_boxes, intersect
+from reshard.core.planner import Copy, Gather
+from reshard.source_bytes import OpenFiles
 
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
 SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is mapped, not read whole

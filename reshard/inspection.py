@@ -4,8 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, is_dataclass
 
-from reshard.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
-from reshard.formats.torchzip import DType, TensorRef
+from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
+from reshard.formats.torchsave_read import DType, TensorRef
 
 
 def inspect(catalog: Catalog, params: bool = False) -> dict:

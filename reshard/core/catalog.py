@@ -2,7 +2,7 @@
 
 A logical tensor is a (name, state) pair: ("l1.weight", "exp_avg"). Its elements are spread
 over fragments; a fragment says which flat range [start, stop) of which shard of the full tensor
-(reshard.placement: the full tensor itself, a tensor-parallel slice, a DCP chunk) sits contiguously
+(reshard.core.placement: the full tensor itself, a tensor-parallel slice, a DCP chunk) sits contiguously
 in which storage, starting at which element of that storage. One fragment per shard and flat range,
 however many rows it has. Readers fill a Catalog from metadata alone; nothing here reads tensor bytes.
 """
@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from reshard import optimizers
+from reshard.core import optimizers
 from reshard.errors import CheckpointError, ReshardError
-from reshard.formats.torchzip import Storage
-from reshard.placement import Shard
+from reshard.core.storage_ref import StorageRef
+from reshard.core.placement import Shard
 
 if TYPE_CHECKING:
-    from reshard.layout import Layout
+    from reshard.core.layout import Layout
 
 # State names with a fixed meaning; optimizer states keep the optimizer's own names.
 MASTER = "fp32"        # the fp32 master copy of a trainable parameter
@@ -30,7 +30,7 @@ MODULE = "module"      # the model's state_dict value as saved (16-bit copy, fro
 class Fragment:
     start: int           # first element of the shard held here (flat, row-major)
     stop: int            # one past the last
-    storage: Storage
+    storage: StorageRef
     elem_offset: int     # element of `storage` holding element `start`
     rank: int | None = None   # the rank whose file this is, for messages
     shard: Shard | None = None  # which shard of the logical tensor; None: the logical tensor itself
@@ -256,7 +256,7 @@ class Catalog:
                         step=int(max(steps)) if steps else None)
 
     def bytes_per_state(self) -> dict:
-        from reshard.dtypes import itemsize
+        from reshard.core.dtypes import itemsize
         out = {}
         for t in self.tensors.values():
             out[t.state] = out.get(t.state, 0) + t.numel * itemsize(t.dtype)

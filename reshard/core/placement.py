@@ -6,8 +6,8 @@ Parallelism cuts a logical tensor (the full tensor, row-major) in two ways that 
   logical tensor itself.
 * a flat range [start, stop) of a shard, in the shard's row-major order: ZeRO's flat partitions cut
   through shards.
-A source Fragment (reshard.catalog) is one flat range of one shard held contiguously in a storage; a
-target Piece (reshard.targets) is one flat range of one shard laid contiguously in a target storage.
+A source Fragment (reshard.core.catalog) is one flat range of one shard held contiguously in a storage; a
+target Piece (reshard.core.write_requests) is one flat range of one shard laid contiguously in a target storage.
 Everything here is closed form: a flat range of a shard is at most 2·ndim − 1 boxes (`flat_boxes`), a
 box meets a block in at most one box, and nothing loops over rows or elements.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from reshard.geometry import box_runs, offset, span, strides
+from reshard.core.geometry import box_runs, offset, span, strides
 
 
 @dataclass(frozen=True, slots=True)

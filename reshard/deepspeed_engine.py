@@ -1,6 +1,6 @@
 """Resume a live DeepSpeed engine from a checkpoint saved at any other topology, with no conversion step:
 
-    reshard.deepspeed.load_checkpoint(engine, "ckpt/")      # instead of engine.load_checkpoint("ckpt/")
+    reshard.deepspeed_engine.load_checkpoint(engine, "ckpt/")      # instead of engine.load_checkpoint("ckpt/")
 
 Every rank reads the source's metadata and plans the files DeepSpeed itself would have written for this
 engine (its dp, tp, pp, ZeRO stage and config). Then DeepSpeed's own `engine.load_checkpoint` runs on a
@@ -18,14 +18,14 @@ import shutil
 import tempfile
 
 from reshard import checksums, formats
-from reshard.blocks import SourceFiles
+from reshard.target_bytes import SourceFiles
 from reshard.checksums import Tally
 from reshard.convert import plan_for
 from reshard.distributed import TorchGroup
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed.live import LIVE_FORMAT, engine_layout
 from reshard.materialize import materialize
-from reshard.planner import Plan
+from reshard.core.planner import Plan
 from reshard.staging import output_path, write_text
 from reshard.validate import require_complete
 
