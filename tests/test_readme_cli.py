@@ -31,7 +31,7 @@ def synopsis() -> str:
 
 def documented_synopsis() -> str:
     text = (REPO / "docs" / "cli.md").read_text()
-    block = re.search(r"## Synopsis\n\n```\n(.*?)```", text, re.S)
+    block = re.search(r"## Synopsis\n\n```\n(.*?)```", text, re.DOTALL)
     assert block, "docs/cli.md has no CLI synopsis block under '## Synopsis'"
     return block[1].rstrip("\n")
 
