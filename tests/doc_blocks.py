@@ -5,24 +5,28 @@ How to write a block (```sh, ```bash or ```console) so that it runs:
   fixture paths of the README work; `/tmp` in a block is that folder, so an example may write to `/tmp/x` as a reader
   would, and blocks never meet.
 - Commands are separated by newlines, `&&` or `;`; `# ...` is a comment; `\\` continues a line. `reshard ...` runs in
-  this process (reshard.cli.main); `cd DIR` moves the rest of the block there; any other command runs as a process
-  with the checkout on PYTHONPATH (`python` is this interpreter). Every command must exit 0. Pipes, redirections,
-  `&`, `||`, backquotes and `$(...)` are refused outside quotes: write the block without them, or mark it not run.
+  this process (reshard.cli.main), and so does `python -c CODE` (torch is imported once, not per block); `cd DIR`
+  moves the rest of the block there; any other command runs as a process with the checkout on PYTHONPATH (`python`
+  is this interpreter). Every command must exit 0. Pipes, redirections, `&`, `||`, backquotes and `$(...)` are
+  refused outside quotes: write the block without them, or mark it not run.
 - HTML comments on the lines right above the fence, one each, say what the block needs:
     <!-- test: ckpt/ = fixtures/z2_fp32_dp4/checkpoint -->  ckpt/ in the block's folder: a copy of that path
-    <!-- test: out/ = @hf-run -->                            made by the maker of that name (tests/test_docs.py)
+    <!-- test: out/ = @trainer-run -->                       made by the maker of that name (tests/test_docs.py)
     <!-- test: not run: REASON -->                           the block is not run, for that reason (counted)
 - Commands that set up the environment the tests already run in (a venv made or activated, `pip install`) are
   not run; each is counted, with the reason, like a block marked not run.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +161,25 @@ def commands(block: Block) -> list[Command]:
     return found
 
 
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -c CODE` in this process (torch is imported once, not per block), from `cwd`, its output captured."""
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                exec(compile(code, "<python -c>", "exec"), {"__name__": "__main__"})
+                status = 0
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                traceback.print_exc()
+                status = 1
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(["python", "-c", code], status, out.getvalue(), err.getvalue())
+
+
 def is_setup(argv: tuple[str, ...]) -> bool:
     return any(argv[:len(prefix)] == prefix for prefix in SETUP)
 
@@ -194,10 +217,13 @@ def run_block(block: Block, folder: Path, makers: Mapping[str, Callable[[Path], 
             if not cwd.is_dir():
                 raise DocBlockError(f"{where}: `{shown}`: no such folder")
             continue
+        in_process = argv[0] == "reshard" or argv[:2] in (["python", "-c"], ["python3", "-c"]) and len(argv) == 3
+        if in_process and env:
+            raise DocBlockError(f"{where}: `{shown}`: variables before a command run in process are not taken")
         if argv[0] == "reshard":
-            if env:
-                raise DocBlockError(f"{where}: `{shown}`: variables before `reshard` are not taken in process")
             proc = run_cli(*argv[1:], cwd=cwd)
+        elif in_process:
+            proc = run_python(argv[2], cwd)
         else:
             if argv[0] in ("python", "python3"):
                 argv[0] = sys.executable

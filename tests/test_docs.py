@@ -2,6 +2,7 @@
 run is named, with why, and counted; the site builds with `mkdocs build --strict`; README's links lead to pages."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -34,9 +35,17 @@ def deepspeed_run(root):
     return lifecycle_runs.deepspeed_run(root)
 
 
-def hf_run(root):
-    """A real Trainer run saving and evaluating every 2 steps (eval_loss for every checkpoint)."""
-    return lifecycle_runs.hf_run(root, max_steps=8, save_steps=2, eval_steps=2)[0]
+def trainer_run(root):
+    """A Hugging Face Trainer's output dir: checkpoint-2 ... checkpoint-8, each a real DeepSpeed save with the
+    Trainer's files, its trainer_state.json's log_history an eval_loss at every save (a real Trainer run takes a
+    minute: the lifecycle tests have theirs)."""
+    out, history = root / "out", []
+    for step in (2, 4, 6, 8):
+        history.append({"step": step, "eval_loss": round(3 - step / 10, 2)})
+        folder = hf_folder(out, name=f"checkpoint-{step}")
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+    lifecycle_runs.age(out)
+    return out
 
 
 def hf_trainer_deepspeed(root):
@@ -59,7 +68,7 @@ def evals_csv(root):
     return path
 
 
-MAKERS = {"deepspeed-run": deepspeed_run, "hf-run": hf_run, "hf-trainer-deepspeed": hf_trainer_deepspeed,
+MAKERS = {"deepspeed-run": deepspeed_run, "trainer-run": trainer_run, "hf-trainer-deepspeed": hf_trainer_deepspeed,
           "accelerate-deepspeed": accelerate_deepspeed, "evals-csv": evals_csv}
 
 
@@ -134,15 +143,23 @@ def test_a_doc_block_broken_in_a_copy_of_its_page_fails(tmp_path, makers):
         run_block(block, tmp_path / "run", makers)
 
 
-def test_a_failing_process_fails_and_tmp_is_the_blocks_folder(tmp_path, makers):
-    (ok, failing) = page(tmp_path, "```bash\ncd /tmp && python -c 'open(\"made\", \"w\")' && mkdir /tmp/sub\n```\n\n"
-                                   "```sh\npython -c 'import sys; sys.exit(3)'\n```\n")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+def test_failing_commands_fail_and_tmp_is_the_blocks_folder(tmp_path, makers):
+    """Negative controls: `python -c` (in process) exiting 3 or raising, a process (mkdir) failing."""
+    (ok, exits, raises, process) = page(
+        tmp_path, "```bash\ncd /tmp && python -c 'open(\"made\", \"w\").close()' && mkdir /tmp/sub\n```\n\n"
+                  "```sh\npython -c 'import sys; sys.exit(3)'\n```\n\n```sh\npython -c 'raise ValueError(42)'\n```\n\n"
+                  "```sh\nmkdir /tmp/sub/deeper/still\n```\n")
+    for name in "abcd":
+        (tmp_path / name).mkdir()
     assert run_block(ok, tmp_path / "a", makers) == []
     assert (tmp_path / "a" / "made").exists() and (tmp_path / "a" / "sub").is_dir()
     with pytest.raises(DocBlockError, match=r"^page\.md:6: `python -c 'import sys; sys.exit\(3\)'` exited 3"):
-        run_block(failing, tmp_path / "b", makers)
+        run_block(exits, tmp_path / "b", makers)
+    with pytest.raises(DocBlockError,
+                       match=r"(?s)^page\.md:10: `python -c 'raise ValueError\(42\)'` exited 1.*ValueError: 42"):
+        run_block(raises, tmp_path / "c", makers)
+    with pytest.raises(DocBlockError, match=r"^page\.md:14: `mkdir /tmp/sub/deeper/still` exited 1"):
+        run_block(process, tmp_path / "d", makers)
 
 
 def test_setup_commands_are_counted_not_run_and_the_rest_runs(tmp_path, makers):

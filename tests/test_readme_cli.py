@@ -38,7 +38,7 @@ def documented_synopsis() -> str:
 
 def test_documented_synopsis_is_the_parsers():
     expected = synopsis()
-    assert documented_synopsis() == expected, f"docs/cli.md's CLI synopsis drifted from --help; it should read:\n{expected}"
+    assert documented_synopsis() == expected, f"docs/cli.md's synopsis drifted from --help; it should read:\n{expected}"
 
 
 def test_a_drifted_synopsis_is_caught(monkeypatch):
