@@ -1,4 +1,5 @@
-"""README's CLI synopsis is what `--help` says: every command's usage line, as argparse prints it."""
+"""The CLI synopsis of the documentation (docs/cli.md) is what `--help` says: every command's usage line, as argparse
+prints it."""
 from __future__ import annotations
 
 import re
@@ -28,19 +29,19 @@ def synopsis() -> str:
     return "\n".join(lines)
 
 
-def readme_synopsis() -> str:
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"## CLI\n\n```\n(.*?)```", text, re.S)
-    assert block, "README has no CLI synopsis block under '## CLI'"
+def documented_synopsis() -> str:
+    text = (REPO / "docs" / "cli.md").read_text()
+    block = re.search(r"## Synopsis\n\n```\n(.*?)```", text, re.DOTALL)
+    assert block, "docs/cli.md has no CLI synopsis block under '## Synopsis'"
     return block[1].rstrip("\n")
 
 
-def test_readme_synopsis_is_the_parsers():
+def test_documented_synopsis_is_the_parsers():
     expected = synopsis()
-    assert readme_synopsis() == expected, f"README's CLI synopsis drifted from --help; it should read:\n{expected}"
+    assert documented_synopsis() == expected, f"docs/cli.md's synopsis drifted from --help; it should read:\n{expected}"
 
 
 def test_a_drifted_synopsis_is_caught(monkeypatch):
-    """Negative control: an option README lists that the parser lacks (and one left out) fails the comparison."""
+    """Negative control: an option docs/cli.md lists that the parser lacks (and one left out) fails the comparison."""
     drifted = synopsis().replace("[--memory-budget SIZE]", "[--memory SIZE]", 1)
-    assert drifted != synopsis() and readme_synopsis() != drifted
+    assert drifted != synopsis() and documented_synopsis() != drifted
