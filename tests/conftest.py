@@ -55,26 +55,26 @@ def tag_dir(save_dir: Path) -> Path:
     return save_dir / (save_dir / "latest").read_text().strip()
 
 
-def run_cli(*args, check=None, process=False):
-    """`reshard ARGS` from the repository's root, as a CompletedProcess: in this process (reshard.cli.main, its
-    stdout and stderr captured; argparse's exits and an escaping exception's traceback as a process would show
+def run_cli(*args, check=None, process=False, cwd=REPO):
+    """`reshard ARGS` from `cwd` (the repository's root), as a CompletedProcess: in this process (reshard.cli.main,
+    its stdout and stderr captured; argparse's exits and an escaping exception's traceback as a process would show
     them), or with `process` in a new interpreter, where the process boundary is what a test is about."""
     argv = [str(a) for a in args]
     if process:
-        proc = subprocess.run([sys.executable, "-m", "reshard", *argv], capture_output=True, text=True, cwd=REPO,
+        proc = subprocess.run([sys.executable, "-m", "reshard", *argv], capture_output=True, text=True, cwd=cwd,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
     else:
-        proc = subprocess.CompletedProcess(["reshard", *argv], *_in_process(argv))
+        proc = subprocess.CompletedProcess(["reshard", *argv], *_in_process(argv, cwd))
     if check is not None:
         assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
 
 
-def _in_process(argv: list) -> tuple:
-    """(exit status, stdout, stderr) of reshard.cli.main(argv) run here."""
+def _in_process(argv: list, where) -> tuple:
+    """(exit status, stdout, stderr) of reshard.cli.main(argv) run here, from the folder `where`."""
     from reshard import cli
     out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
-    os.chdir(REPO)
+    os.chdir(where)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
