@@ -178,9 +178,9 @@ def _with_closed_stdout(*args):
     read_end, write_end = os.pipe()
     os.close(read_end)
     err = io.StringIO()
-    with open(write_end, "w") as stdout:   # main points it at devnull when it meets the closed pipe
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
-            code = reshard.cli.main([str(a) for a in args])
+    # main points the pipe's end at devnull when it meets the closed pipe: closing it after flushes nothing
+    with open(write_end, "w") as stdout, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+        code = reshard.cli.main([str(a) for a in args])
     return code, err.getvalue()
 
 

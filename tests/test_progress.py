@@ -36,9 +36,9 @@ def _run(args, terminal: bool):
     reader = threading.Thread(target=_read_terminal, args=(master, chunks))    # a full pty would block the bar
     reader.start()
     out = io.StringIO()
-    with open(slave, "w", buffering=1) as err:      # line-buffered, as a process's stderr on a terminal
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = reshard.cli.main([str(a) for a in args])
+    # line-buffered, as a process's stderr on a terminal; closing it ends the reader (EIO)
+    with open(slave, "w", buffering=1) as err, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = reshard.cli.main([str(a) for a in args])
     reader.join()
     os.close(master)
     return code, out.getvalue(), b"".join(chunks).decode(errors="replace")
