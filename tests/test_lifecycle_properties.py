@@ -108,10 +108,9 @@ def test_decisions_keep_the_invariants(rows, policy):
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    root = tmp_path_factory.mktemp("template")
-    lr.deepspeed_run(root)
-    return root
+def template(lifecycle_template):
+    """lifecycle_runs.deepspeed_run, built once for the session (tests/conftest.py); only copied here."""
+    return lifecycle_template
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
