@@ -56,7 +56,7 @@ def tag_dir(save_dir: Path) -> Path:
 
 
 def run_cli(*args, check=None, process=False, cwd=REPO):
-    """`reshard ARGS` from the repository's root (or `cwd`), as a CompletedProcess: in this process (reshard.cli.main,
+    """`reshard ARGS` from `cwd` (the repository's root), as a CompletedProcess: in this process (reshard.cli.main,
     its stdout and stderr captured; argparse's exits and an escaping exception's traceback as a process would show
     them), or with `process` in a new interpreter, where the process boundary is what a test is about."""
     argv = [str(a) for a in args]
@@ -70,11 +70,11 @@ def run_cli(*args, check=None, process=False, cwd=REPO):
     return proc
 
 
-def _in_process(argv: list, cwd=REPO) -> tuple:
-    """(exit status, stdout, stderr) of reshard.cli.main(argv) run here."""
+def _in_process(argv: list, where) -> tuple:
+    """(exit status, stdout, stderr) of reshard.cli.main(argv) run here, from the folder `where`."""
     from reshard import cli
-    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
-    os.chdir(cwd)
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(where)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -85,7 +85,7 @@ def _in_process(argv: list, cwd=REPO) -> tuple:
                 traceback.print_exc()
                 code = 1
     finally:
-        os.chdir(before)
+        os.chdir(cwd)
     return code, out.getvalue(), err.getvalue()
 
 

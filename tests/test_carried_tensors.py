@@ -39,14 +39,28 @@ def source(tmp_path_factory):
     return save_dir
 
 
-@pytest.mark.parametrize("spec", [("--to", "dp=3"), ("--to", "dp=1"), ("--to", "dp=2,zero=3"),
-                                  ("--format", "universal")])
-def test_carried_tensors_load_without_reshard(source, tmp_path, spec):
-    out = tmp_path / "out"
-    run_cli("convert", source, out, *spec, check=0)
+SPECS = [("--to", "dp=3"), ("--to", "dp=1"), ("--to", "dp=2,zero=3"), ("--format", "universal")]
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory):
+    """({spec: its output}, what torch alone loads of the client state of the source and of every output's
+    model states files): one loader process for them all, torch imported there once."""
+    root = tmp_path_factory.mktemp("converted")
+    outs = {spec: root / f"out{i}" for i, spec in enumerate(SPECS)}
+    for spec, out in outs.items():
+        run_cli("convert", source, out, *spec, check=0)
+    files = [tag_dir(source) / "mp_rank_00_model_states.pt", *(t for out in outs.values()
+                                                               for t in out.rglob("*model_states.pt"))]
+    return outs, load_without_reshard({f: ["client"] for f in files}, cwd=root)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_carried_tensors_load_without_reshard(source, converted, spec):
+    outs, loaded = converted
+    out = outs[spec]
     targets = sorted(out.rglob("*model_states.pt"))     # ZeRO-3: every rank's file carries the client state
     src = tag_dir(source) / "mp_rank_00_model_states.pt"
-    loaded = load_without_reshard({src: ["client"], **{t: ["client"] for t in targets}}, cwd=tmp_path)
     want = loaded[str(src)]
     assert len(want) == 16 and targets
     for target in targets:

@@ -1,5 +1,7 @@
 """The command line's contract: what it infers, what it refuses (one line, the right exit code), what it
 prints about the files it wrote (the disk's numbers), JSON for programs, and a closed stdout."""
+import contextlib
+import io
 import json
 import re
 import os
@@ -169,15 +171,17 @@ CLOSED_STDOUT_COMMANDS = [
 ]
 
 
-def _with_closed_stdout(*args, **kwargs):
-    """Run the CLI with a stdout pipe whose reading end is closed before the command writes to it."""
-    proc = subprocess.Popen([sys.executable, "-m", "reshard", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, **kwargs)
-    proc.stdout.close()
-    stderr = proc.stderr.read()
-    proc.stderr.close()
-    return proc.wait(), stderr
+def _with_closed_stdout(*args):
+    """reshard ARGS in this process, its stdout a real pipe whose reading end is closed before the command
+    writes to it (block-buffered, as a process's stdout on a pipe): (exit status, stderr)."""
+    import reshard.cli
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    err = io.StringIO()
+    # main points the pipe's end at devnull when it meets the closed pipe: closing it after flushes nothing
+    with open(write_end, "w") as stdout, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+        code = reshard.cli.main([str(a) for a in args])
+    return code, err.getvalue()
 
 
 @pytest.mark.parametrize("args", CLOSED_STDOUT_COMMANDS, ids=lambda a: " ".join(map(str, a[:1] + a[2:])))
@@ -188,6 +192,19 @@ def test_closed_stdout_ends_the_command_quietly(args):
             assert stderr.strip() == "reshard: /nonexistent: no such file or directory" and code == 141, stderr
         else:
             assert stderr == "" and code == 141, (code, stderr)
+
+
+def test_closed_stdout_ends_the_process_quietly():
+    """The same at the process boundary: the interpreter's own flush at exit meets no closed pipe again, and
+    the process's status is 141 (one command: what each command prints is the in-process test's)."""
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "reshard", "inspect", str(SRC)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        proc.stdout.close()
+        stderr = proc.stderr.read()
+        proc.stderr.close()
+        assert proc.wait() == 141 and stderr == "", stderr
 
 
 def test_closed_stdout_after_convert_and_export_keeps_the_output(tmp_path):

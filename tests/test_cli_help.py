@@ -1,12 +1,13 @@
 """`--help` is enough without the README: every option described, every spec key listed whole, examples that run."""
 import argparse
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
+from unittest import mock
 
 import pytest
 
@@ -14,7 +15,7 @@ import reshard
 from reshard.cli import build_parser
 from reshard.errors import ReshardError
 from reshard.core.layout import SPEC_KEY_NAMES, SPEC_KEYS, Layout
-from conftest import REPO, fixture_dir
+from conftest import REPO, fixture_dir, run_cli
 
 COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune", "watch")
 # Examples name these sources; the test puts a copy of a real checkpoint of that kind there.
@@ -33,11 +34,19 @@ def _bench_parser():
     return bench.build_parser()
 
 
-def _help(*args, columns=80, script=("-m", "reshard")):
-    proc = subprocess.run([sys.executable, *script, *args, "--help"], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(columns)})
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    return proc.stdout
+def _help(*args, columns=80, bench=False):
+    """`reshard ARGS --help` (or tools/bench.py's) at a terminal `columns` wide, in this process: argparse reads
+    the width from COLUMNS."""
+    with mock.patch.dict(os.environ, {"COLUMNS": str(columns)}):
+        if not bench:
+            proc = run_cli(*args, "--help")
+            assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+            return proc.stdout
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+            _bench_parser().parse_args([*args, "--help"])
+        assert done.value.code == 0
+        return out.getvalue()
 
 
 @pytest.mark.parametrize("which", ["reshard", "bench"])
@@ -55,10 +64,9 @@ def test_every_command_and_option_is_described(which):
                         if not (a.help or "").strip() or a.help == argparse.SUPPRESS]
     assert not undescribed, f"{which}: without a description: {undescribed}"
     # and --help prints for the program and each command
-    script = ("-m", "reshard") if which == "reshard" else (str(REPO / "tools" / "bench.py"),)
-    _help(script=script)
+    _help(bench=which == "bench")
     for name in subcommands:
-        assert name in _help(name, script=script).splitlines()[0]
+        assert name in _help(name, bench=which == "bench").splitlines()[0]
 
 
 def test_every_spec_key_is_accepted_and_listed_whole():
@@ -72,6 +80,7 @@ def test_every_spec_key_is_accepted_and_listed_whole():
         source.with_spec("heads=2")
     assert f"expected keys {', '.join(SPEC_KEY_NAMES)}" in str(refused.value)
 
+    assert _help("convert", columns=60) != _help("convert", columns=200)     # the width reaches the formatter
     for columns in (60, 80, 200):      # whatever the terminal width, no key=value is cut
         for command in ("convert", "plan"):
             lines = _help(command, columns=columns).splitlines()
@@ -104,8 +113,7 @@ def test_every_command_ends_with_examples_that_run(tmp_path):
     assert len(examples) >= 2 * len(COMMANDS)
     for line in examples:
         args = shlex.split(line)[1:]
-        proc = subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True,
-                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+        proc = run_cli(*args, cwd=tmp_path)
         # diff says "different" with 1, validate "not complete" with 1: still a run, not a usage error
         allowed = (0, 1) if args[0] == "diff" else (0,)
         assert proc.returncode in allowed and not re.search(r"Traceback|usage:", proc.stderr), \

@@ -28,10 +28,24 @@ def _assert_same_tensors(a, b):
         assert torch.equal(reshard.full_tensor(a, name, state), reshard.full_tensor(b, name, state)), (name, state)
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """convert(fixture, spec): its output, written once per fixture and spec; the tests that convert a fixture
+    alike read that one output (none writes to it)."""
+    root, made = tmp_path_factory.mktemp("converted"), {}
+
+    def convert(name, spec):
+        if (name, spec) not in made:
+            made[name, spec] = root / f"{name}-{spec}"
+            _convert(fixture_dir(name), made[name, spec], spec)
+        return made[name, spec]
+    return convert
+
+
 @pytest.mark.parametrize("dp", TARGETS)
-def test_every_fixture_converts_to_a_complete_checkpoint(fixture_name, dp, tmp_path):
+def test_every_fixture_converts_to_a_complete_checkpoint(fixture_name, dp, converted):
     source = reshard.open_checkpoint(fixture_dir(fixture_name))
-    out = _convert(fixture_dir(fixture_name), tmp_path / "out", f"dp={dp}")
+    out = reshard.open_checkpoint(converted(fixture_name, f"dp={dp}"))
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     assert out.layout.dp == dp and out.layout.zero == source.layout.zero
@@ -79,11 +93,10 @@ def _elements(ref):
 
 
 @pytest.mark.parametrize("dp", [1, 3])
-def test_round_trip_gives_back_deepspeeds_own_files(fixture_name, dp, tmp_path):
+def test_round_trip_gives_back_deepspeeds_own_files(fixture_name, dp, converted, tmp_path):
     """N -> M -> N: every file DeepSpeed wrote comes back: same objects, same tensor bytes but padding."""
     meta = truth_json(fixture_name)
-    _convert(fixture_dir(fixture_name), tmp_path / "m", f"dp={dp}")
-    _convert(tmp_path / "m", tmp_path / "n", f"dp={meta['world_size']}")
+    _convert(converted(fixture_name, f"dp={dp}"), tmp_path / "n", f"dp={meta['world_size']}")
     original, back = tag_dir(fixture_dir(fixture_name)), tag_dir(tmp_path / "n")
     assert sorted(os.listdir(original)) == sorted(os.listdir(back))
     covered = _covered_elements(reshard.open_checkpoint(fixture_dir(fixture_name)))

@@ -21,10 +21,9 @@ def rows_by_name(listing) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ds_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dsrun")
-    lr.deepspeed_run(root)
-    return root
+def ds_run(lifecycle_template):
+    """lifecycle_runs.deepspeed_run, built once for the session (tests/conftest.py); listing only reads it."""
+    return lifecycle_template
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import lifecycle_runs as lr
 import reshard
-from conftest import REPO
+from conftest import REPO, run_cli
 from reshard.retention import DELETE, KEEP, UNTOUCHED, Policy, PolicyError, decide
 from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint
 
@@ -108,10 +108,9 @@ def test_decisions_keep_the_invariants(rows, policy):
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    root = tmp_path_factory.mktemp("template")
-    lr.deepspeed_run(root)
-    return root
+def template(lifecycle_template):
+    """lifecycle_runs.deepspeed_run, built once for the session (tests/conftest.py); only copied here."""
+    return lifecycle_template
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -143,8 +142,8 @@ def test_random_runs_on_disk_keep_what_the_policy_keeps(template, tmp_path_facto
     assert all(s in left for s in chosen if kinds[s] == "fresh")
     assert all(s in left for s in chosen if kinds[s] == "broken") or policy.delete_incomplete
     assert all(lr.snapshot(ds / f"global_step{s}") == snapshots[s] for s in left)
-    subprocess.run([sys.executable, "-m", "reshard", "validate", str(ds)], check=latest in complete,
-                   capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    validated = run_cli("validate", ds)
+    assert validated.returncode == 0 or latest not in complete, validated.stdout + validated.stderr
 
 
 def test_sigkill_at_random_points_of_prune_yes_keeps_every_kept_checkpoint_and_a_rerun_completes(template,
@@ -168,8 +167,7 @@ def test_sigkill_at_random_points_of_prune_yes_keeps_every_kept_checkpoint_and_a
         else:
             assert proc.returncode == 0, proc.stderr     # past the last deletion: it simply finished
         assert {name: lr.snapshot(root / name) for name in expected} == kept
-        rerun = subprocess.run([sys.executable, "-m", "reshard", *args[:1], str(root), *args[1:]],
-                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        rerun = run_cli(*args[:1], root, *args[1:])      # in this process: the kill was the driver's
         assert rerun.returncode == 0, rerun.stderr
         listing = reshard.list_checkpoints(root)
         assert sorted(c.name for c in listing.checkpoints) == expected and listing.trash == []

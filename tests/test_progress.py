@@ -1,52 +1,58 @@
-"""Progress bars: on a terminal's stderr only (a pipe or a log gets none), never with --quiet, counting bytes read."""
+"""Progress bars: on a terminal's stderr only (a pipe or a log gets none), never with --quiet, counting bytes read.
+The commands run in this process (a pseudo-terminal or a non-terminal as their stderr): the bar's choice is the
+stream's, no process boundary is involved."""
+import contextlib
 import fcntl
+import io
 import os
 import pty
 import shutil
 import struct
-import subprocess
 import sys
-import tempfile
 import termios
+import threading
 
 import pytest
 
 import reshard
+import reshard.cli
 import reshard.diff
 from reshard.core.dtypes import is_floating, itemsize
-from conftest import REPO, fixture_dir
+from conftest import fixture_dir, run_cli
 
 SRC = fixture_dir("z2_fp32_dp2")
 OTHER = fixture_dir("z1_fp32_dp2")
 
 
 def _run(args, terminal: bool):
-    """Run `python -m reshard ARGS` with stderr on a pseudo-terminal (or a pipe); (exit code, stdout, stderr)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with tempfile.TemporaryFile("w+") as out:
-        if not terminal:
-            proc = subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], stdout=out,
-                                  stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-            out.seek(0)
-            return proc.returncode, out.read(), proc.stderr
-        master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a new pty is 0 wide
-        proc = subprocess.Popen([sys.executable, "-m", "reshard", *map(str, args)], stdout=out, stderr=slave,
-                                cwd=REPO, env=env)
-        os.close(slave)
-        err = b""
-        while True:
-            try:
-                chunk = os.read(master, 1 << 16)
-            except OSError:         # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            err += chunk
-        os.close(master)
-        code = proc.wait()
-        out.seek(0)
-        return code, out.read(), err.decode(errors="replace")
+    """reshard ARGS in this process with stderr on a pseudo-terminal (or, like a pipe, not a terminal);
+    (exit code, stdout, stderr)."""
+    if not terminal:
+        proc = run_cli(*args)
+        return proc.returncode, proc.stdout, proc.stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a new pty is 0 wide
+    chunks = []
+    reader = threading.Thread(target=_read_terminal, args=(master, chunks))    # a full pty would block the bar
+    reader.start()
+    out = io.StringIO()
+    # line-buffered, as a process's stderr on a terminal; closing it ends the reader (EIO)
+    with open(slave, "w", buffering=1) as err, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = reshard.cli.main([str(a) for a in args])
+    reader.join()
+    os.close(master)
+    return code, out.getvalue(), b"".join(chunks).decode(errors="replace")
+
+
+def _read_terminal(master: int, chunks: list) -> None:
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:         # EIO: the terminal's last writer closed it
+            return
+        if not chunk:
+            return
+        chunks.append(chunk)
 
 
 def _commands(tmp_path):

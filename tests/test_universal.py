@@ -5,10 +5,12 @@ same tensors) wherever that tool is right; on the round-robin fixture ours equal
 truth and ds_to_universal's does not; ds_to_universal's output read by reshard gives the truth
 back. The real engine resuming from these trees is in test_universal_engine.py.
 """
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -27,13 +29,16 @@ ROUND_ROBIN = "z2_fp32_roundrobin_dp4"
 
 
 def ds_to_universal(name, out):
-    """Run DeepSpeed's converter on a fixture; `out` is the save dir it writes latest_universal in."""
+    """Run DeepSpeed's converter on a fixture, as `python -m deepspeed.checkpoint.ds_to_universal` does, in this
+    process (one worker each: it forks none); `out` is the save dir it writes latest_universal in."""
+    from deepspeed.checkpoint import ds_to_universal as converter
     src = tag_dir(fixture_dir(name))
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
-                           "--output_folder", str(out / src.name), "--inject_missing_state",
-                           "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    argv = ["ds_to_universal", "--input_folder", str(src), "--output_folder", str(out / src.name),
+            "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    said = io.StringIO()
+    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(said):
+        converter.main(converter.parse_arguments())
+    assert (out / "latest_universal").is_file(), said.getvalue()[-2000:]
     return out
 
 
