@@ -515,16 +515,27 @@ RECUT_JOBS = [("autotp2_z1_fp32_dp2", "tp=2,dp=1,kv_heads=2", True),
               ("autotp2_z1_fp32_uneven_dp2", "tp=3,dp=1,kv_heads=3", False)]
 
 
+@shares("engine_tp_resume.py")
+def recut_jobs(out):
+    """Each recut, resumed (and saved again) at its new degree: (world, tp, job), beside the conversions' jobs."""
+    jobs = []
+    for index, (name, to, via_tp1) in enumerate(RECUT_JOBS):
+        (out / str(index)).mkdir()
+        dst = _recut(name, out / str(index), to, via_tp1)
+        target = reshard.open_checkpoint(dst).layout
+        jobs.append((target.tp * target.dp, target.tp, {"fixture": name, "checkpoint": str(dst), "tp": target.tp,
+                     "zero": target.zero, "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}))
+    return jobs
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("name, to, via_tp1", RECUT_JOBS, ids=[f"{n}-{t}" for n, t, _ in RECUT_JOBS])
-def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, tmp_path):
+def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, engine_launches):
     """tp1 -> tp2 (and tp2 -> tp3 on 3 kv heads): the unmodified engine at the new degree loads it, holds the
     fixture's truth bit for bit, steps, and its own save is our files (universal_checkpoint_info included)."""
-    dst = _recut(name, tmp_path, to, via_tp1)
-    target = reshard.open_checkpoint(dst).layout
-    job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
-           "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
-    [result] = _run(target.tp * target.dp, [job], tmp_path)
+    result = engine_launches.results(recut_jobs)[RECUT_JOBS.index((name, to, via_tp1))]
+    assert (result["fixture"], result["to"]) == (name, to)
+    dst = Path(result["checkpoint"])
     assert result["problems"] == [], "\n".join(result["problems"])
     ours, theirs = tag_dir(dst), tag_dir(Path(result["resave"]))
     covered = _covered_elements(reshard.open_checkpoint(dst))
