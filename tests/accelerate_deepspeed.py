@@ -4,7 +4,8 @@
 
 JOBS.json lists jobs, run in order in one process (Accelerate's state reset between them), each
             {"mode": "save" | "load", "dir": the save_state folder, "stage": S, "steps": N, "truth": file,
-             "after": file (the truth one step later), "gradient_accumulation_steps": G}.
+             "after": file (the truth one step later), "gradient_accumulation_steps": G,
+             "fails": true where the run must end in an error (its result)}.
 save: a tiny random GPT-2 (from a config), torch AdamW and a linear-warmup LR scheduler, prepared with a
       DeepSpeed ZeRO-S plugin, trains N steps and calls accelerator.save_state(dir) (with a registered custom
       object); every rank takes the live engine's truth (engine_state.engine_tensors), then trains one

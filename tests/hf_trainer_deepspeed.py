@@ -5,7 +5,7 @@
 JOBS.json lists jobs, run in order in one process (Accelerate's and transformers' DeepSpeed state reset between
 them), each {"mode": "save" | "resume", "out": dir, "stage": S, "max_steps": N, "save_steps": K,
              "checkpoint": checkpoint-K dir (resume), "truth": file, "negative": file (resume),
-             "gradient_accumulation_steps": G}.
+             "gradient_accumulation_steps": G, "fails": true where the run must end in an error (its result)}.
 save: trains a tiny random GPT-2 (from a config) to max_steps, saving every save_steps; at each save every
       rank takes the live engine's truth (full fp32 params, both Adam moments, module weights, gathered under ZeRO-3)
       and rank 0 writes it to `truth` formatted with step=the global step.
@@ -49,7 +49,9 @@ def main(jobs_path, results_path):
 
 def run_jobs(jobs_path, results_path, run_one) -> None:
     """`run_one(job)` for each job, each in a fresh Accelerate and transformers DeepSpeed state; rank 0 writes
-    the results."""
+    the results. A job with "fails" must raise: its error is its result."""
+    import gc
+
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -58,7 +60,13 @@ def run_jobs(jobs_path, results_path, run_one) -> None:
         jobs = json.load(f)
     results = []
     for job in jobs:
-        results.append({**job, **run_one(job)})
+        try:
+            results.append({**job, **run_one(job)})
+        except Exception as error:      # DeepSpeed's refusal, raised on every rank as it loads: no rank waits
+            if not job.get("fails"):
+                raise
+            results.append({**job, "error": f"{type(error).__name__}: {error}"})
+            gc.collect()
         AcceleratorState._reset_state(reset_partial_state=False)    # the next job's plugin is its own
         GradientState._reset_state()
         unset_hf_deepspeed_config()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, torchrun
+from conftest import run_cli
 from engine_launches import shares
 from pickles import check_pickles
 
@@ -58,13 +58,17 @@ def source(request, engine_launches):
 
 @shares(SCRIPT, after=(saves,))
 def loads(out, saved):
-    """Each stage's folder converted by the command line for 1 and 3 processes, and loaded there: (dp, None, job)."""
+    """Each stage's folder converted by the command line for 1 and 3 processes, and loaded there; and loaded
+    unconverted at 3 (which must fail): (dp, None, job)."""
     jobs = []
     for stage, result in zip(STAGES, saved):
         source = Path(result["dir"]).parent
         for dp in LOADS:
             run_cli("convert", source / "state", source / f"dp{dp}", "--to", f"dp={dp}", "--quiet", check=0)
             jobs.append((dp, None, job(source, stage, "load", source / f"dp{dp}")))
+    for stage, result in zip(STAGES, saved):     # last: the same load of the unconverted folder must fail
+        source = Path(result["dir"]).parent
+        jobs.append((3, None, {**job(source, stage, "load", source / "state"), "fails": True}))
     return jobs
 
 
@@ -107,12 +111,10 @@ def test_load_state_resumes_the_converted_folder_exactly(source, converted, dp, 
     assert result["next_lr"] == scheduled_lr(2 * STEPS + dp)     # the schedule goes on, dp steps per step
 
 
-def test_load_state_without_reshard_fails_with_deepspeeds_error(source):
-    jobs, results = source / "jobs-baseline.json", source / "results-baseline.json"
-    jobs.write_text(json.dumps([job(source.out, source.stage, "load", source / "state")]))
-    proc = torchrun(3, REPO / "tests" / SCRIPT, jobs, results, check=False)
-    assert proc.returncode != 0
-    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in proc.stdout + proc.stderr
+def test_load_state_without_reshard_fails_with_deepspeeds_error(source, engine_launches):
+    result = engine_launches.results(loads)[len(STAGES) * len(LOADS) + STAGES.index(source.stage)]
+    assert result["dir"] == str(source / "state") and "problems" not in result
+    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in result["error"], result
 
 
 def test_converted_pickles_load_where_reshard_is_not_installed(source, converted, tmp_path):

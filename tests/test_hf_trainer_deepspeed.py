@@ -68,8 +68,8 @@ def _resume_job(source, checkpoint, stem, gas=1):
 
 @shares(SCRIPT, after=(saves,))
 def resumes(out, saved):
-    """Each stage's checkpoint-3 converted by the command line to 1 and 3 processes, and resumed there:
-    (dp, None, job)."""
+    """Each stage's checkpoint-3 converted by the command line to 1 and 3 processes, and resumed there; and resumed
+    unconverted at 3 (which must fail): (dp, None, job)."""
     jobs = []
     for stage, run in zip(STAGES, saved):
         source = Source(Path(run["out"]).parent, stage)
@@ -77,6 +77,9 @@ def resumes(out, saved):
             run_cli("convert", source / "run" / f"checkpoint-{SAVE}", _converted(source, dp), "--to", f"dp={dp}",
                     "--quiet", check=0)
             jobs.append((dp, None, _resume_job(source, _converted(source, dp), f"dp{dp}", gas)))
+    for stage, run in zip(STAGES, saved):     # last: the same resume of the unconverted folder must fail
+        source = Source(Path(run["out"]).parent, stage)
+        jobs.append((3, None, {**_resume_job(source, source / "run" / f"checkpoint-{SAVE}", "baseline"), "fails": True}))
     return jobs
 
 
@@ -117,12 +120,10 @@ def test_trainer_resumes_the_converted_folder_exactly(source, converted, dp, gas
         assert result["next_epoch"] == logged(source, SAVE + 1)["epoch"]
 
 
-def test_resume_without_reshard_fails_with_deepspeeds_error(source):
-    jobs, results = source / "jobs-baseline.json", source / "results-baseline.json"
-    jobs.write_text(json.dumps([_resume_job(source, source / "run" / f"checkpoint-{SAVE}", "baseline")]))
-    proc = torchrun(3, REPO / "tests" / SCRIPT, jobs, results, check=False)
-    assert proc.returncode != 0
-    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in proc.stdout + proc.stderr
+def test_resume_without_reshard_fails_with_deepspeeds_error(source, engine_launches):
+    result = engine_launches.results(resumes)[len(STAGES) * len(RESUMES) + STAGES.index(source.stage)]
+    assert result["checkpoint"] == str(source / "run" / f"checkpoint-{SAVE}") and "problems" not in result
+    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in result["error"], result
 
 
 def test_converted_pickles_load_where_reshard_is_not_installed(source, converted, tmp_path):
