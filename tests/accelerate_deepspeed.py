@@ -1,9 +1,11 @@
 """An Accelerate training loop with a DeepSpeed plugin (torchrun, CPU, gloo): save_state, or load_state.
 
-    torchrun --nproc_per_node W tests/accelerate_deepspeed.py JOB.json RESULT.json
+    torchrun --nproc_per_node W tests/accelerate_deepspeed.py JOBS.json RESULTS.json
 
-JOB.json is {"mode": "save" | "load", "dir": the save_state folder, "stage": S, "steps": N, "truth": file,
-             "after": file (the truth one step later), "gradient_accumulation_steps": G}.
+JOBS.json lists jobs, run in order in one process (Accelerate's state reset between them), each
+            {"mode": "save" | "load", "dir": the save_state folder, "stage": S, "steps": N, "truth": file,
+             "after": file (the truth one step later), "gradient_accumulation_steps": G,
+             "fails": true where the run must end in an error (its result)}.
 save: a tiny random GPT-2 (from a config), torch AdamW and a linear-warmup LR scheduler, prepared with a
       DeepSpeed ZeRO-S plugin, trains N steps and calls accelerator.save_state(dir) (with a registered custom
       object); every rank takes the live engine's truth (engine_state.engine_tensors), then trains one
@@ -11,9 +13,8 @@ save: a tiny random GPT-2 (from a config), torch AdamW and a linear-warmup LR sc
 load: the same objects built from another seed, accelerator.load_state(dir); the engine's tensors are compared
       with `truth` bit for bit and with `after` (must differ); the engine's global steps, the scheduler's step
       and the custom object reported; one more step runs and its lr is reported.
-Both write {"problems": [...], ...} to RESULT.json from rank 0.
+Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
-import json
 import math
 import os
 import sys
@@ -39,7 +40,12 @@ class Counter:
         self.count = state["count"]
 
 
-def main(job_path, result_path):
+def main(jobs_path, results_path):
+    from hf_trainer_deepspeed import run_jobs
+    run_jobs(jobs_path, results_path, run)
+
+
+def run(job) -> dict:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -48,9 +54,7 @@ def main(job_path, result_path):
 
     import single_models
     from engine_state import differences, engine_tensors
-    from hf_trainer_deepspeed import cpu_deepspeed_backend, finish
-    with open(job_path) as f:
-        job = json.load(f)
+    from hf_trainer_deepspeed import cpu_deepspeed_backend, release
     torch.set_num_threads(1)
     cpu_deepspeed_backend()
     gas = job.get("gradient_accumulation_steps", 1)
@@ -105,7 +109,8 @@ def main(job_path, result_path):
         if not math.isfinite(loss):
             problems.append(f"one more step: loss {loss}")
         report.update(next_global_steps=engine.global_steps, next_lr=scheduler.get_last_lr()[0])
-    finish(engine, result_path, {"problems": problems, **report})
+    release(engine)
+    return {"problems": problems, **report}
 
 
 if __name__ == "__main__":

@@ -147,6 +147,13 @@ def run_torchrun(script: str, world: int, jobs, out: Path, stem: str):
     return json.loads(results_path.read_text())
 
 
+@pytest.fixture(scope="session")
+def engine_launches(request, tmp_path_factory):
+    """The engine tests' torchrun launches, each run once for every module that needs it (tests/engine_launches.py)."""
+    import engine_launches as shared
+    return shared.Launches(request.session, tmp_path_factory, run_torchrun)
+
+
 def write_in_zip(path, offset: int, data: bytes) -> None:
     """Write `data` at byte `offset` of a torch.save zip, inside one member, and give that member the CRC-32 of
     its new bytes (local header, data descriptor if any, central directory): a file saved with other values, as

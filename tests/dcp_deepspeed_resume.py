@@ -1,13 +1,15 @@
 """Resume, in the real DeepSpeed engine, a DeepSpeed checkpoint converted from an FSDP2 DCP save.
 
-    torchrun --nproc_per_node 2 tests/dcp_deepspeed_resume.py CHECKPOINT STAGE TRUTH.pt RESULT.json [CONTROL.pt [reshard]]
+    torchrun --nproc_per_node 2 tests/dcp_deepspeed_resume.py JOBS.json RESULTS.json
 
-Every rank builds the untied fixture model with an fp32 DeepSpeed config (torch.optim.Adam, ZeRO
+JOBS.json lists {"checkpoint": CHECKPOINT, "stage": STAGE, "truth": TRUTH.pt, "control"?: CONTROL.pt,
+"loader"?: "reshard"}, run in order in one process; RESULTS.json (rank 0) holds one result per job. For each, every
+rank builds the untied fixture model with an fp32 DeepSpeed config (torch.optim.Adam, ZeRO
 STAGE), calls the ordinary `engine.load_checkpoint(CHECKPOINT)`, and reads the full fp32 params
 and Adam states back from the live engine (`safe_get_full_fp32_param`,
 `safe_get_full_optimizer_state`). Rank 0 compares them, the step and the learning rate with the
-FSDP2 run's gathered state (TRUTH.pt, written by tests/dcp_fsdp2.py train) and writes the
-problems found to RESULT.json, after one more training step has run, with the engine's counters as loaded. CONTROL.pt, a truth with
+FSDP2 run's gathered state (TRUTH.pt, written by tests/dcp_fsdp2.py train) and reports the
+problems found, after one more training step has run, with the engine's counters as loaded. CONTROL.pt, a truth with
 something changed, is compared the same way ("control_problems"): the comparison must see it. With
 `reshard`, CHECKPOINT is the FSDP2 save itself, loaded with reshard.deepspeed_engine.load_checkpoint (issue #15).
 """
@@ -22,7 +24,26 @@ from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def main(checkpoint, stage, truth_path, result_path, control_path=None, loader="deepspeed"):
+def main(jobs_path, results_path):
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    results = [resume(job["checkpoint"], job["stage"], job["truth"], job.get("control"),
+                      job.get("loader", "deepspeed")) for job in jobs]
+    if dist.get_rank() == 0:
+        with open(results_path, "w") as f:
+            json.dump(results, f)
+
+
+def resume(checkpoint, stage, truth_path, control_path, loader) -> dict:
+    """One job (every rank): rank 0's result."""
+    import gc
+
     import deepspeed
     import deepspeed.comm as dist
     import torch
@@ -30,8 +51,6 @@ def main(checkpoint, stage, truth_path, result_path, control_path=None, loader="
 
     from fixture_model import build_model, make_batch
 
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 0.5, "torch_adam": True, "adam_w_mode": False}},
@@ -67,12 +86,14 @@ def main(checkpoint, stage, truth_path, result_path, control_path=None, loader="
     loss = engine(make_batch(100, rank))
     engine.backward(loss)
     engine.step()
-    if rank == 0:
-        if not math.isfinite(float(loss)):
-            problems.append(f"loss after resume is {float(loss)}")
-        with open(result_path, "w") as f:
-            json.dump({"problems": problems, "control_problems": control, "compared": len(got), **counters}, f)
+    if rank == 0 and not math.isfinite(float(loss)):
+        problems.append(f"loss after resume is {float(loss)}")
     dist.barrier()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    del engine, model
+    gc.collect()
+    return {"problems": problems, "control_problems": control, "compared": len(got), **counters}
 
 
 def compare(got, steps, lrs, truth, torch):
@@ -98,4 +119,4 @@ def compare(got, steps, lrs, truth, torch):
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:7])
+    run_rank(main, sys.argv[1], sys.argv[2])

@@ -1,11 +1,13 @@
 """Train a tiny random Hugging Face Llama with the real DeepSpeed engine and save it (run under torchrun).
 
-    torchrun --nproc_per_node 2 tests/engine_llama.py OUT STAGE DTYPE
+    torchrun --nproc_per_node 2 tests/engine_llama.py JOBS.json RESULTS.json
 
-Writes OUT/checkpoint (DeepSpeed save dir), and from rank 0 OUT/hf_config/config.json and
-OUT/logits.pt: the engine model's logits on a fixed input after training, for comparison with
-`LlamaForCausalLM.from_pretrained` of an export.
+JOBS.json lists {"out": OUT, "stage": STAGE, "dtype": "fp32" | "bf16"}, run in order in one process. Each writes
+OUT/checkpoint (DeepSpeed save dir), and from rank 0 OUT/hf_config/config.json and OUT/logits.pt: the engine
+model's logits on a fixed input after training, for comparison with `LlamaForCausalLM.from_pretrained` of an
+export. Rank 0 writes the jobs back as RESULTS.json, once every job is done.
 """
+import json
 import os
 import sys
 
@@ -26,13 +28,27 @@ def probe():
     return torch.arange(2 * 12).reshape(2, 12) % TOKENS
 
 
-def main(out, stage, dtype):
+def main(jobs_path, results_path):
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        train_and_save(job["out"], job["stage"], job["dtype"])
+    if deepspeed.comm.get_rank() == 0:
+        with open(results_path, "w") as f:
+            json.dump(jobs, f)
+
+
+def train_and_save(out, stage, dtype):
+    import gc
+
     import deepspeed
     import torch
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = deepspeed.comm.get_rank()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config())
@@ -56,9 +72,13 @@ def main(out, stage, dtype):
         engine.module.config.save_pretrained(os.path.join(out, "hf_config"))
         torch.save(logits.detach().cpu(), os.path.join(out, "logits.pt"))
     deepspeed.comm.barrier()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    del engine, model
+    gc.collect()
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     from torchrun_jobs import run_rank
-    run_rank(main, *sys.argv[1:4])
+    run_rank(main, *sys.argv[1:3])

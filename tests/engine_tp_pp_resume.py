@@ -1,17 +1,18 @@
 """Resume a converted tensor x pipeline parallel checkpoint in the real PipelineEngine (torchrun, CPU, gloo).
 
-    torchrun --nproc_per_node TP*PP*DP tests/engine_tp_pp_resume.py JOB.json RESULT.json
+    torchrun --nproc_per_node TP*PP*DP tests/engine_tp_pp_resume.py JOBS.json RESULTS.json
 
-JOB.json: {"fixture": "megatron_pipe_tp2_pp2_z1_fp32_dp2", "checkpoint": dir, "tp", "pp", "dp", "fixtures": dir,
-"resave": dir}. Every rank builds the fixture's PipelineModule of Megatron-style TP layers
-(tools/fixture_megatron_pipe.py) on the job's topology (DeepSpeed's PipeModelDataParallelTopology; at tp=1 its
-plain pipe x data topology), with the fixture's DeepSpeed config, calls the ordinary `engine.load_checkpoint`,
-takes the truth from the live engine with the function the fixture was made with (full fp32 masters, every
-optimizer state, module weights), compares it with the fixture's truth.safetensors bit for bit, checks steps and
-client state, saves the resumed state again (`save_checkpoint`, to compare file names) and runs one more
-`train_batch`. Rank 0 writes the job with "problems", "checked", "loss_after", "steps_after". With "source"
-(and "rules", the layout rule file), the same engine then loads the fixture itself, with no conversion step,
-through reshard.deepspeed_engine.load_checkpoint (issue #15), and is checked again ("direct: " problems).
+JOBS.json lists jobs of one world size TP*PP*DP, run in order in one process, each {"fixture":
+"megatron_pipe_tp2_pp2_z1_fp32_dp2", "checkpoint": dir, "tp", "pp", "dp", "fixtures": dir, "resave": dir}. Every
+rank builds the fixture's PipelineModule of Megatron-style TP layers (tools/fixture_megatron_pipe.py) on the job's
+topology (DeepSpeed's PipeModelDataParallelTopology; at tp=1 its plain pipe x data topology), with the fixture's
+DeepSpeed config, calls the ordinary `engine.load_checkpoint`, takes the truth from the live engine with the
+function the fixture was made with (full fp32 masters, every optimizer state, module weights), compares it with the
+fixture's truth.safetensors bit for bit, checks steps and client state, saves the resumed state again
+(`save_checkpoint`, to compare file names) and runs one more `train_batch`. Rank 0 writes the jobs, each with
+"problems", "checked", "loss_after", "steps_after". With "source" (and "rules", the layout rule file), the same
+engine then loads the fixture itself, with no conversion step, through reshard.deepspeed_engine.load_checkpoint
+(issue #15), and is checked again ("direct: " problems).
 """
 import copy
 import json
@@ -26,20 +27,32 @@ from torchrun_jobs import run_rank  # noqa: E402
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def main(job_path, result_path):
+def main(jobs_path, results_path):
     import deepspeed
     import deepspeed.comm as dist
     import torch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    results = [resume(job, dist.get_rank()) for job in jobs]
+    if dist.get_rank() == 0:
+        with open(results_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def resume(job, rank) -> dict:
+    """One job (every rank): rank 0's result."""
+    import gc
+
+    import deepspeed
+    import deepspeed.comm as dist
     from safetensors.torch import load_file
 
     import fixture_megatron_pipe as fmp
     import make_fixtures
 
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    with open(job_path) as f:
-        job = json.load(f)
     spec = copy.deepcopy(make_fixtures.CONFIGS[job["fixture"]])
     net = fmp.pipe_module(fmp.topology(job["tp"], job["pp"], job["dp"]))
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
@@ -54,14 +67,19 @@ def main(job_path, result_path):
                            client_state={k: (client_state or {}).get(k) for k in make_fixtures.CLIENT_STATE})
     gas = spec["ds_config"]["gradient_accumulation_steps"]
     loss = engine.train_batch(data_iter=fmp.data_iter(fmp.batches(engine.grid.data_parallel_id + 10, gas)))
+    result = None
     if rank == 0:
         if not math.isfinite(float(loss)):
             problems.append(f"loss after resume is {float(loss)}")
-        with open(result_path, "w") as f:
-            truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
-            json.dump({**job, "problems": problems, "checked": len(truth) if not problems else 0,
-                       "loss_after": float(loss), "steps_after": int(engine.global_steps)}, f, indent=1)
+        truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
+        result = {**job, "problems": problems, "checked": len(truth) if not problems else 0,
+                  "loss_after": float(loss), "steps_after": int(engine.global_steps)}
     dist.barrier()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    del engine, net
+    gc.collect()
+    return result
 
 
 def loaded_problems(engine, load_path, client_state, job, rank) -> list:

@@ -1,10 +1,11 @@
 """A transformers.Trainer run with DeepSpeed (torchrun, CPU, gloo): save, or resume from a checkpoint-N/.
 
-    torchrun --nproc_per_node W tests/hf_trainer_deepspeed.py JOB.json RESULT.json
+    torchrun --nproc_per_node W tests/hf_trainer_deepspeed.py JOBS.json RESULTS.json
 
-JOB.json is {"mode": "save" | "resume", "out": dir, "stage": S, "max_steps": N, "save_steps": K,
+JOBS.json lists jobs, run in order in one process (Accelerate's and transformers' DeepSpeed state reset between
+them), each {"mode": "save" | "resume", "out": dir, "stage": S, "max_steps": N, "save_steps": K,
              "checkpoint": checkpoint-K dir (resume), "truth": file, "negative": file (resume),
-             "gradient_accumulation_steps": G}.
+             "gradient_accumulation_steps": G, "fails": true where the run must end in an error (its result)}.
 save: trains a tiny random GPT-2 (from a config) to max_steps, saving every save_steps; at each save every
       rank takes the live engine's truth (full fp32 params, both Adam moments, module weights, gathered under ZeRO-3)
       and rank 0 writes it to `truth` formatted with step=the global step.
@@ -12,7 +13,7 @@ resume: the same Trainer (same max_steps, so the same lr schedule), trainer.trai
       right after the load (on_train_begin) the engine's tensors are compared with `truth` bit for bit (and
       with `negative`, another state's truth, which must differ), the global step and epoch reported; then one more step runs (training stops after it) and its
       global step and lr are reported, for the test to compare with the source run's log at that step.
-Both write {"problems": [...], ...} to RESULT.json from rank 0.
+Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import json
 import math
@@ -42,14 +43,45 @@ def cpu_deepspeed_backend() -> None:
     PartialState._prepare_backend = prepare_backend
 
 
-def main(job_path, result_path):
+def main(jobs_path, results_path):
+    run_jobs(jobs_path, results_path, run)
+
+
+def run_jobs(jobs_path, results_path, run_one) -> None:
+    """`run_one(job)` for each job, each in a fresh Accelerate and transformers DeepSpeed state; rank 0 writes
+    the results. A job with "fails" must raise: its error is its result."""
+    import gc
+
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    results = []
+    for job in jobs:
+        try:
+            results.append({**job, **run_one(job)})
+        except Exception as error:      # DeepSpeed's refusal, raised on every rank as it loads: no rank waits
+            if not job.get("fails"):
+                raise
+            results.append({**job, "error": f"{type(error).__name__}: {error}"})
+            gc.collect()
+        AcceleratorState._reset_state(reset_partial_state=False)    # the next job's plugin is its own
+        GradientState._reset_state()
+        unset_hf_deepspeed_config()
+    if dist.get_rank() == 0:
+        with open(results_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+
+
+def run(job) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     import single_models
-    with open(job_path) as f:
-        job = json.load(f)
     torch.set_num_threads(1)
     cpu_deepspeed_backend()
     problems, report = [], {}
@@ -113,18 +145,19 @@ def main(job_path, result_path):
     trainer.train(resume_from_checkpoint=resume)
     if job["mode"] == "resume" and not math.isfinite(report.get("next_loss", float("nan"))):
         problems.append(f"one more step: loss {report.get('next_loss')}")
-    finish(trainer.model_wrapped, result_path, {"problems": problems, **report})
+    release(trainer.model_wrapped)
+    return {"problems": problems, **report}
 
 
-def finish(engine, result_path, result: dict) -> None:
-    """Release the engine, write `result` from rank 0, and wait for every rank."""
+def release(engine) -> None:
+    """Release the engine once every rank is done with it."""
+    import gc
+
     import torch.distributed as dist
+    dist.barrier()
     if hasattr(engine, "destroy"):
         engine.destroy()
-    if dist.get_rank() == 0:
-        with open(result_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
+    gc.collect()
 
 
 if __name__ == "__main__":

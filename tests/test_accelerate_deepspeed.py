@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, run_torchrun, torchrun
+from conftest import run_cli
+from engine_launches import shares
 from pickles import check_pickles
 
 pytestmark = pytest.mark.engine
@@ -37,22 +38,44 @@ def job(source_out: Path, stage: int, mode: str, folder: Path) -> dict:
             "truth": str(source_out / "truth.safetensors"), "after": str(source_out / "after.safetensors")}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
-def source(request, tmp_path_factory):
-    """One save_state at 2 processes per ZeRO stage, shared by the tests here."""
-    out = tmp_path_factory.mktemp(f"accelerate_zero{request.param}")
-    result = run_torchrun(SCRIPT, 2, job(out, request.param, "save", out / "state"), out, "save")
+STAGES = (2, 3)
+LOADS = (1, 3)      # the converted folder loaded at dp
+
+
+@shares(SCRIPT)
+def saves(out):
+    """One save_state at 2 processes per ZeRO stage, in out/zero{stage}: (2, None, job)."""
+    return [(2, None, job(out / f"zero{stage}", stage, "save", out / f"zero{stage}" / "state")) for stage in STAGES]
+
+
+@pytest.fixture(scope="module", params=STAGES, ids=[f"zero{s}" for s in STAGES])
+def source(request, engine_launches):
+    """The save of one ZeRO stage, shared by the tests here."""
+    result = engine_launches.results(saves)[STAGES.index(request.param)]
     assert result["problems"] == [] and result["world_size"] == 2, result
-    return Source(out, request.param, result)
+    return Source(Path(result["dir"]).parent, request.param, result)
+
+
+@shares(SCRIPT, after=(saves,))
+def loads(out, saved):
+    """Each stage's folder converted by the command line for 1 and 3 processes, and loaded there; and loaded
+    unconverted at 3 (which must fail): (dp, None, job)."""
+    jobs = []
+    for stage, result in zip(STAGES, saved):
+        source = Path(result["dir"]).parent
+        for dp in LOADS:
+            run_cli("convert", source / "state", source / f"dp{dp}", "--to", f"dp={dp}", "--quiet", check=0)
+            jobs.append((dp, None, job(source, stage, "load", source / f"dp{dp}")))
+    for stage, result in zip(STAGES, saved):     # last: the same load of the unconverted folder must fail
+        source = Path(result["dir"]).parent
+        jobs.append((3, None, {**job(source, stage, "load", source / "state"), "fails": True}))
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def converted(source):
-    out = {}
-    for dp in (1, 3):
-        run_cli("convert", source / "state", source / f"dp{dp}", "--to", f"dp={dp}", "--quiet", check=0)
-        out[dp] = source / f"dp{dp}"
-    return out
+def converted(source, engine_launches):
+    engine_launches.results(loads)
+    return {dp: source / f"dp{dp}" for dp in LOADS}
 
 
 def scheduled_lr(steps: int) -> float:
@@ -75,10 +98,11 @@ def test_accelerates_folder_is_recognised(source):
     assert source.saved["lr"] == scheduled_lr(2 * STEPS) and source.saved["next_lr"] == scheduled_lr(2 * STEPS + 2)
 
 
-@pytest.mark.parametrize("dp", [1, 3])
-def test_load_state_resumes_the_converted_folder_exactly(source, converted, dp):
+@pytest.mark.parametrize("dp", LOADS)
+def test_load_state_resumes_the_converted_folder_exactly(source, converted, dp, engine_launches):
     assert {f"random_states_{k}.pkl" for k in range(min(dp, 2))} <= set(os.listdir(converted[dp]))
-    result = run_torchrun(SCRIPT, dp, job(source.out, source.stage, "load", converted[dp]), source.out, f"dp{dp}")
+    result = engine_launches.results(loads)[len(LOADS) * STAGES.index(source.stage) + LOADS.index(dp)]
+    assert result["dir"] == str(converted[dp])
     assert result["problems"] == [], result["problems"][:5]
     assert result["world_size"] == dp and result["compared"] > 0
     assert result["negative_differences"] > 0             # the state one step later fails the same comparison
@@ -87,12 +111,10 @@ def test_load_state_resumes_the_converted_folder_exactly(source, converted, dp):
     assert result["next_lr"] == scheduled_lr(2 * STEPS + dp)     # the schedule goes on, dp steps per step
 
 
-def test_load_state_without_reshard_fails_with_deepspeeds_error(source):
-    jobs, results = source / "jobs-baseline.json", source / "results-baseline.json"
-    jobs.write_text(json.dumps(job(source.out, source.stage, "load", source / "state")))
-    proc = torchrun(3, REPO / "tests" / SCRIPT, jobs, results, check=False)
-    assert proc.returncode != 0
-    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in proc.stdout + proc.stderr
+def test_load_state_without_reshard_fails_with_deepspeeds_error(source, engine_launches):
+    result = engine_launches.results(loads)[len(STAGES) * len(LOADS) + STAGES.index(source.stage)]
+    assert result["dir"] == str(source / "state") and "problems" not in result
+    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in result["error"], result
 
 
 def test_converted_pickles_load_where_reshard_is_not_installed(source, converted, tmp_path):

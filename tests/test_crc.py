@@ -30,7 +30,8 @@ from reshard.core.dtypes import itemsize
 from reshard.deepspeed_engine import ServedFiles
 from reshard.errors import CheckpointError
 from reshard.core.storage_ref import StorageRef
-from conftest import REPO, copy_fixture, fixture_dir, run_torchrun, tag_dir
+from conftest import REPO, copy_fixture, fixture_dir, tag_dir
+from engine_launches import shares
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 NAME = "z2_fp32_dp2"
@@ -346,19 +347,25 @@ def test_blocks_read_in_any_order_with_gaps_and_overlaps_verify_a_member_whole(t
         assert f"member archive/data/0: CRC-32 mismatch (stored 0x{member.crc:08x}" in str(problems[0])
 
 
+@shares("engine_resume.py")
+def live_load_jobs(out):
+    """The corrupt copy (its file and member in the job) and the clean fixture, loaded at 2 ranks."""
+    src, path, member = _corrupt(out, "fp32")
+    fixtures = str(fixture_dir(NAME).parent.parent)
+    return [(2, None, {"fixture": NAME, "checkpoint": str(src), "stage": 2, "fixtures": fixtures, "direct": True,
+                       "file": str(path), "member": member}),
+            (2, None, {"fixture": NAME, "checkpoint": str(fixture_dir(NAME)), "stage": 2, "fixtures": fixtures,
+                       "direct": True})]
+
+
 @pytest.mark.engine
-def test_the_live_engine_load_raises_on_every_rank(corrupt, tmp_path):
+def test_the_live_engine_load_raises_on_every_rank(engine_launches):
     """reshard.deepspeed_engine.load_checkpoint under torchrun (2 ranks, the fixture's own model and config): the corrupt
     copy raises the same one line on every rank, after DeepSpeed's load and before training goes on; the
     clean fixture in the same launch loads (the negative control)."""
-    src, path, member = corrupt
-    jobs = [{"fixture": NAME, "checkpoint": str(src), "stage": 2, "fixtures": str(fixture_dir(NAME).parent.parent),
-             "direct": True},
-            {"fixture": NAME, "checkpoint": str(fixture_dir(NAME)), "stage": 2,
-             "fixtures": str(fixture_dir(NAME).parent.parent), "direct": True}]
-    results = run_torchrun("engine_resume.py", 2, jobs, tmp_path, "crc")
-    bad, good = results
-    assert bad["checkpoint"] == str(src) and bad.get("error", "").startswith(_mismatch(path, member)), bad
+    bad, good = engine_launches.results(live_load_jobs)
+    assert os.path.dirname(os.path.dirname(bad["file"])) == bad["checkpoint"] != good["checkpoint"]
+    assert bad.get("error", "").startswith(_mismatch(bad["file"], bad["member"])), bad
     assert good["problems"] == [] and "error" not in good, good
 
 

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
 from reshard.errors import ReshardError
-from conftest import FIXTURES, mutated, REPO, fixture_dir, run_cli, tag_dir, torchrun, truth_json, truth_tensors
+from conftest import (FIXTURES, mutated, REPO, fixture_dir, run_cli, run_torchrun, tag_dir, torchrun, truth_json,
+                      truth_tensors)
 from engine_state import fsdp2_differences, saved_param_groups
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -369,25 +370,43 @@ def fixtures_as_dcp(tmp_path_factory):
     return converted, out
 
 
+@pytest.fixture(scope="module")
+def fsdp2_loaded(fixtures_as_dcp, fsdp2_save):
+    """At 2 and 3 ranks, one launch each: every fixture converted to DCP, and the sources read through
+    reshard.dcp_reader.Reader ({world: (those jobs, {name: job of a source read only})}); at 2 also the FSDP2
+    save converted to DCP at dp=2 (its folder and its job)."""
+    converted, out = fixtures_as_dcp
+    fsdp2_ckpt, _ = fsdp2_save
+    dcp2 = out / "fsdp2-dcp2"
+    run_cli("convert", fsdp2_ckpt, dcp2, "--format", "dcp", "--to", "dp=2", "--quiet", check=0)
+    dcp2_job = {"dcp": str(dcp2), "out": str(out / "fsdp2-dcp2-loaded.pt"), "optimizer": "Adam",
+                "hyper": [{"betas": [0.9, 0.999]}]}
+    loaded = {}
+    for world in (2, 3):
+        jobs = _load_jobs(converted, out, world)
+        for name, job in zip(converted, jobs):
+            job.update(source=str(fixture_dir(name)), reader_out=str(out / f"{name}-read-{world}.pt"))
+        jobs.append({"source": str(fsdp2_ckpt), "reader_out": str(out / f"fsdp2-read-{world}.pt"), "optimizer": "Adam"})
+        more = {name: {**(_model_job(name) if name in READ_ONLY else
+                          {**PARALLEL_MODELS[name], "optimizer": truth_json(name)["optimizer_class"]}),
+                       "source": str(fixture_dir(name)), "reader_out": str(out / f"{name}-read-{world}.pt")}
+                for name in [*READ_ONLY, *PARALLEL_MODELS]}
+        (out / f"jobs-{world}.json").write_text(json.dumps(jobs + list(more.values()) + [dcp2_job] * (world == 2)))
+        torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", deepspeed=False)
+        loaded[world] = jobs, more
+    return loaded, dcp2, dcp2_job
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("world", [2, 3])
-def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, fsdp2_save, world):
+def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, fsdp2_save, fsdp2_loaded, world):
     """Each fixture converted to DCP loads with dcp.load; and (issue #15) straight from its DeepSpeed files
     through reshard.dcp_reader.Reader, as do the real FSDP2 save made at 4 ranks, ZeRO-3 bf16 dp=4, ZeRO-2
     round-robin, the AutoTP tp2 x dp2 Llama and both pipelines, each into its own model; then each trains a
     step. Hyper-parameters are those torch.load finds in the source's optimizer file."""
-    converted, out = fixtures_as_dcp
-    jobs = _load_jobs(converted, out, world)
-    for name, job in zip(converted, jobs):
-        job.update(source=str(fixture_dir(name)), reader_out=str(out / f"{name}-read-{world}.pt"))
-    fsdp2_ckpt, fsdp2_truth = fsdp2_save
-    jobs.append({"source": str(fsdp2_ckpt), "reader_out": str(out / f"fsdp2-read-{world}.pt"), "optimizer": "Adam"})
-    more = {name: {**(_model_job(name) if name in READ_ONLY else
-                      {**PARALLEL_MODELS[name], "optimizer": truth_json(name)["optimizer_class"]}),
-                   "source": str(fixture_dir(name)), "reader_out": str(out / f"{name}-read-{world}.pt")}
-            for name in [*READ_ONLY, *PARALLEL_MODELS]}
-    (out / f"jobs-{world}.json").write_text(json.dumps(jobs + list(more.values())))
-    torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", deepspeed=False)
+    converted, _ = fixtures_as_dcp
+    _, fsdp2_truth = fsdp2_save
+    jobs, more = fsdp2_loaded[0][world]
     for name, job in more.items():
         read = torch.load(job["reader_out"], weights_only=False)
         problems, compared = fsdp2_differences(read, truth_tensors(name), truth_json(name)["global_steps"])
@@ -486,16 +505,12 @@ def test_reshard_reads_column_and_grid_boxes(fsdp2_save, tmp_path):
 
 
 @pytest.mark.engine
-def test_an_fsdp2_save_converted_to_dcp_loads_at_2_ranks(fsdp2_save, tmp_path):
-    ckpt, truth = fsdp2_save
-    dst = tmp_path / "dcp2"
-    run_cli("convert", ckpt, dst, "--format", "dcp", "--to", "dp=2", "--quiet", check=0)
+def test_an_fsdp2_save_converted_to_dcp_loads_at_2_ranks(fsdp2_save, fsdp2_loaded):
+    """(loaded in the 2-rank launch of the fixtures' loads)"""
+    _, truth = fsdp2_save
+    _, dst, job = fsdp2_loaded
     assert sorted(p.name for p in dst.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    out = tmp_path / "loaded.pt"
-    job = {"dcp": str(dst), "out": str(out), "optimizer": "Adam", "hyper": [{"betas": [0.9, 0.999]}]}
-    (tmp_path / "jobs.json").write_text(json.dumps([job]))
-    torchrun(2, REPO / "tests" / "dcp_fsdp2.py", "load", tmp_path / "jobs.json", deepspeed=False)
-    loaded = torch.load(out, weights_only=False)
+    loaded = torch.load(job["out"], weights_only=False)
     assert sorted(loaded["model"]) == sorted(truth["model"])
     for name, value in truth["model"].items():
         assert torch.equal(loaded["model"][name], value), name
@@ -505,21 +520,35 @@ def test_an_fsdp2_save_converted_to_dcp_loads_at_2_ranks(fsdp2_save, tmp_path):
     assert loaded["optim"]["param_groups"] == truth["optim"]["param_groups"]
 
 
+def _nudged(truth_path, out, param, state, element):
+    """The FSDP2 truth with one element of one Adam state nudged by one ulp: a control the check must tell apart."""
+    truth = torch.load(truth_path, weights_only=False)
+    moment = truth["optim"]["state"][param][state]
+    moment.view(-1)[element] = torch.nextafter(moment.view(-1)[element], torch.tensor(1.0))
+    torch.save(truth, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepspeed_resumed(fsdp2_save, tmp_path_factory):
+    """{stage: the FSDP2 save converted to DeepSpeed ZeRO-stage files at 2 ranks, resumed by the engine;
+    "reshard": the save itself loaded into a ZeRO-3 engine through reshard}: one launch."""
+    ckpt, _ = fsdp2_save
+    out, truth = tmp_path_factory.mktemp("dcp-deepspeed"), str(ckpt.parent / "truth.pt")
+    jobs, control = {}, str(_nudged(truth, out / "control.pt", "l1.weight", "exp_avg", 5))
+    for stage in (1, 2, 3):
+        dst = out / f"ds-zero{stage}"
+        run_cli("convert", ckpt, dst, "--to", f"dp=2,zero={stage}", "--format", "deepspeed", "--quiet", check=0)
+        jobs[stage] = {"checkpoint": str(dst), "stage": stage, "truth": truth, "control": control}
+    jobs["reshard"] = {"checkpoint": str(ckpt), "stage": 3, "truth": truth, "loader": "reshard",
+                       "control": str(_nudged(truth, out / "control-reshard.pt", "l2.weight", "exp_avg_sq", 3))}
+    return dict(zip(jobs, run_torchrun("dcp_deepspeed_resume.py", 2, list(jobs.values()), out, "resume")))
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, stage, tmp_path):
-    ckpt, _ = fsdp2_save
-    dst = tmp_path / "ds"
-    run_cli("convert", ckpt, dst, "--to", f"dp=2,zero={stage}", "--format", "deepspeed", "--quiet", check=0)
-    result = tmp_path / "result.json"
-    # a control: the truth with one element of one Adam state nudged by one ulp must be told apart
-    truth = torch.load(fsdp2_save[0].parent / "truth.pt", weights_only=False)
-    moment = truth["optim"]["state"]["l1.weight"]["exp_avg"]
-    moment.view(-1)[5] = torch.nextafter(moment.view(-1)[5], torch.tensor(1.0))
-    torch.save(truth, tmp_path / "control.pt")
-    torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", dst, stage, fsdp2_save[0].parent / "truth.pt", result,
-             tmp_path / "control.pt")
-    outcome = json.loads(result.read_text())
+def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(deepspeed_resumed, stage):
+    outcome = deepspeed_resumed[stage]
     assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
     assert outcome["control_problems"] == ["exp_avg/l1.weight: differs from the FSDP2 run"], outcome
     # DCP counts no samples: without the key the engine counts them from its steps, not from a written 0
@@ -527,18 +556,10 @@ def test_an_fsdp2_save_converted_to_deepspeed_resumes_in_the_engine(fsdp2_save, 
 
 
 @pytest.mark.engine
-def test_an_fsdp2_save_loads_into_a_live_deepspeed_engine_through_reshard(fsdp2_save, tmp_path):
+def test_an_fsdp2_save_loads_into_a_live_deepspeed_engine_through_reshard(deepspeed_resumed):
     """(issue #15) The same FSDP2 save, with no conversion step: reshard.deepspeed_engine.load_checkpoint in a ZeRO-3
     engine at 2 ranks gives the engine the FSDP2 run's state, told apart from the nudged control."""
-    ckpt, _ = fsdp2_save
-    truth = ckpt.parent / "truth.pt"
-    control = torch.load(truth, weights_only=False)
-    moment = control["optim"]["state"]["l2.weight"]["exp_avg_sq"]
-    moment.view(-1)[3] = torch.nextafter(moment.view(-1)[3], torch.tensor(1.0))
-    torch.save(control, tmp_path / "control.pt")
-    result = tmp_path / "result.json"
-    torchrun(2, REPO / "tests" / "dcp_deepspeed_resume.py", ckpt, 3, truth, result, tmp_path / "control.pt", "reshard")
-    outcome = json.loads(result.read_text())
+    outcome = deepspeed_resumed["reshard"]
     assert outcome["compared"] == 24 and outcome["problems"] == [], outcome
     assert outcome["control_problems"] == ["exp_avg_sq/l2.weight: differs from the FSDP2 run"], outcome
     assert outcome["global_steps"] == 3, outcome

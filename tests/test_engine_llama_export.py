@@ -1,22 +1,29 @@
 """A Llama trained with DeepSpeed, exported by reshard, loads in transformers with the engine's logits."""
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, run_cli, torchrun
+from conftest import REPO, run_cli
+from engine_launches import shares
 
 pytestmark = pytest.mark.engine
 CASES = [("2", "fp32"), ("3", "bf16")]
 
 
+@shares("engine_llama.py")
+def trainings(out):
+    """Each case trained and saved at 2 ranks, in out/zero{stage}-{dtype}: (2, None, job)."""
+    return [(2, None, {"out": str(out / f"zero{stage}-{dtype}"), "stage": stage, "dtype": dtype})
+            for stage, dtype in CASES]
+
+
 @pytest.fixture(scope="module", params=CASES, ids=[f"zero{s}-{d}" for s, d in CASES])
-def trained(request, tmp_path_factory):
-    stage, dtype = request.param
-    out = tmp_path_factory.mktemp(f"llama-zero{stage}-{dtype}")
-    torchrun(2, REPO / "tests" / "engine_llama.py", out, stage, dtype)
-    return out, dtype
+def trained(request, engine_launches):
+    result = engine_launches.results(trainings)[CASES.index(request.param)]
+    return Path(result["out"]), result["dtype"]
 
 
 @pytest.mark.parametrize("shard", [None, "20KB"])

@@ -1,20 +1,21 @@
 """The proof of convert: the unmodified DeepSpeed engine resumes our output at the new topology.
 
 Every fixture is converted to dp 1, 2, 3 and 5 (and a few ZeRO stage changes); for each target
-world size one torchrun launch loads all of its checkpoints with `engine.load_checkpoint(DST)`,
+world size one torchrun launch (shared with the other modules' jobs of tests/engine_resume.py,
+tests/engine_launches.py) loads all of its checkpoints with `engine.load_checkpoint(DST)`,
 reads back full fp32 params and every optimizer state, and trains one more step
 (tests/engine_resume.py). Everything must equal the truth the engine reported when it saved. The same
 launches load each fixture itself through reshard.deepspeed_engine.load_checkpoint (issue #15).
 """
 import shutil
-from collections import defaultdict
 
 import pytest
 
 import reshard
 from reshard.convert import make_plan
 from reshard.executor import execute
-from conftest import FIXTURE_NAMES, FIXTURES, fixture_dir, truth_json, run_torchrun
+from conftest import FIXTURE_NAMES, FIXTURES, fixture_dir, truth_json
+from engine_launches import shares
 
 pytestmark = pytest.mark.engine
 TARGET_DPS = [1, 2, 3, 5]
@@ -31,36 +32,36 @@ DIRECT = [(name, truth_json(name)["zero_stage"], (1, 3, 5)[i % 3]) for i, name i
     [(name, stage, dp) for name, stage, dp in STAGE_CHANGES if dp in (1, 3, 5)]
 
 
-def _run_world(world, jobs, out):
-    return run_torchrun("engine_resume.py", world, jobs, out, f"w{world}")
-
-
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("resume")
-    by_world = defaultdict(list)
+@shares("engine_resume.py")
+def resume_jobs(out):
+    """Every conversion, direct load, the broken source and the control: (world, None, job)."""
+    jobs = []
     for name, stage, dp in JOBS:
         dst = out / f"{name}-zero{stage}-dp{dp}"
         execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), f"dp={dp},zero={stage}"), str(dst),
                 progress=False)
-        by_world[dp].append({"fixture": name, "checkpoint": str(dst), "stage": stage, "fixtures": str(FIXTURES)})
+        jobs.append((dp, None, {"fixture": name, "checkpoint": str(dst), "stage": stage, "fixtures": str(FIXTURES)}))
     for name, stage, dp in DIRECT:
-        by_world[dp].append({"fixture": name, "checkpoint": str(fixture_dir(name)), "stage": stage,
-                             "fixtures": str(FIXTURES), "direct": True})
+        jobs.append((dp, None, {"fixture": name, "checkpoint": str(fixture_dir(name)), "stage": stage,
+                                "fixtures": str(FIXTURES), "direct": True}))
     broken = out / "broken"
     shutil.copytree(fixture_dir("z2_fp32_dp2"), broken)
     (broken / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    by_world[3].append({"fixture": "z2_fp32_dp2", "checkpoint": str(broken), "stage": 2, "fixtures": str(FIXTURES),
-                        "direct": True, "broken": True})
+    jobs.append((3, None, {"fixture": "z2_fp32_dp2", "checkpoint": str(broken), "stage": 2, "fixtures": str(FIXTURES),
+                           "direct": True, "broken": True}))
     name, stage, dp = CONTROL
-    by_world[dp].append({"fixture": name, "checkpoint": str(out / f"z2_fp32_dp2-zero2-dp{dp}"), "stage": stage,
-                         "fixtures": str(FIXTURES), "control": True})
+    jobs.append((dp, None, {"fixture": name, "checkpoint": str(out / f"z2_fp32_dp2-zero2-dp{dp}"), "stage": stage,
+                            "fixtures": str(FIXTURES), "control": True}))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def resumed(engine_launches):
     results = {}
-    for world, jobs in sorted(by_world.items()):
-        for result in _run_world(world, jobs, out):
-            key = ("control",) if result.get("control") else ("broken",) if result.get("broken") else \
-                (result["fixture"], result["stage"], result["world"], bool(result.get("direct")))
-            results[key] = result
+    for result in engine_launches.results(resume_jobs):
+        key = ("control",) if result.get("control") else ("broken",) if result.get("broken") else \
+            (result["fixture"], result["stage"], result["world"], bool(result.get("direct")))
+        results[key] = result
     return results
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, run_torchrun, torchrun
+from conftest import REPO, run_cli, torchrun
+from engine_launches import shares
 from pickles import check_pickles, pickle_globals
 
 pytestmark = pytest.mark.engine
@@ -35,43 +36,64 @@ class Source:
         return self.out / name
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
-def source(request, tmp_path_factory):
-    """One Trainer run at 2 processes per ZeRO stage, shared by every test here: its folder and truths."""
-    out = tmp_path_factory.mktemp(f"hf_deepspeed_zero{request.param}")
-    job = {"mode": "save", "out": str(out / "run"), "stage": request.param, "max_steps": STEPS,
-           "save_steps": SAVE, "truth": str(out / "truth-{step}.safetensors")}
-    result = run_torchrun(SCRIPT, 2, job, out, "save")
+STAGES = (2, 3)
+RESUMES = [(1, 2), (3, 1)]      # (dp, gradient_accumulation_steps)
+
+
+@shares(SCRIPT)
+def saves(out):
+    """One Trainer run at 2 processes per ZeRO stage, in out/zero{stage}: (2, None, job)."""
+    return [(2, None, {"mode": "save", "out": str(out / f"zero{stage}" / "run"), "stage": stage, "max_steps": STEPS,
+                       "save_steps": SAVE, "truth": str(out / f"zero{stage}" / "truth-{step}.safetensors")})
+            for stage in STAGES]
+
+
+@pytest.fixture(scope="module", params=STAGES, ids=[f"zero{s}" for s in STAGES])
+def source(request, engine_launches):
+    """The run of one ZeRO stage, shared by every test here: its folder and truths."""
+    result = engine_launches.results(saves)[STAGES.index(request.param)]
     assert result["problems"] == [] and result["world_size"] == 2, result
-    return Source(out, request.param)
+    return Source(Path(result["out"]).parent, request.param)
+
+
+def _converted(source: Source, dp: int) -> Path:
+    return source / f"dp{dp}" / f"checkpoint-{SAVE}"
+
+
+def _resume_job(source, checkpoint, stem, gas=1):
+    return {"mode": "resume", "out": str(source / f"resumed-{stem}"), "stage": source.stage, "max_steps": STEPS,
+            "save_steps": 100, "checkpoint": str(checkpoint), "truth": str(source / f"truth-{SAVE}.safetensors"),
+            "negative": str(source / f"truth-{STEPS}.safetensors"), "gradient_accumulation_steps": gas}
+
+
+@shares(SCRIPT, after=(saves,))
+def resumes(out, saved):
+    """Each stage's checkpoint-3 converted by the command line to 1 and 3 processes, and resumed there; and resumed
+    unconverted at 3 (which must fail): (dp, None, job)."""
+    jobs = []
+    for stage, run in zip(STAGES, saved):
+        source = Source(Path(run["out"]).parent, stage)
+        for dp, gas in RESUMES:
+            run_cli("convert", source / "run" / f"checkpoint-{SAVE}", _converted(source, dp), "--to", f"dp={dp}",
+                    "--quiet", check=0)
+            jobs.append((dp, None, _resume_job(source, _converted(source, dp), f"dp{dp}", gas)))
+    for stage, run in zip(STAGES, saved):     # last: the same resume of the unconverted folder must fail
+        source = Source(Path(run["out"]).parent, stage)
+        jobs.append((3, None, {**_resume_job(source, source / "run" / f"checkpoint-{SAVE}", "baseline"), "fails": True}))
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def converted(source):
+def converted(source, engine_launches):
     """checkpoint-3 converted by the command line to 1 and 3 processes."""
-    out = {}
-    for dp in (1, 3):
-        dst = source / f"dp{dp}" / f"checkpoint-{SAVE}"
-        run_cli("convert", source / "run" / f"checkpoint-{SAVE}", dst, "--to", f"dp={dp}", "--quiet", check=0)
-        out[dp] = dst
-    return out
+    engine_launches.results(resumes)
+    return {dp: _converted(source, dp) for dp, _ in RESUMES}
 
 
 def logged(source, step: int) -> dict:
     """The source run's log entry of `step` (checkpoint-6's trainer_state.json holds every step's)."""
     state = json.loads((source / "run" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
     return next(e for e in state["log_history"] if e.get("step") == step and "loss" in e)
-
-
-def resume(source, checkpoint, world, stem, gas=1, check=True):
-    job = {"mode": "resume", "out": str(source / f"resumed-{stem}"), "stage": source.stage, "max_steps": STEPS,
-           "save_steps": 100, "checkpoint": str(checkpoint), "truth": str(source / f"truth-{SAVE}.safetensors"),
-           "negative": str(source / f"truth-{STEPS}.safetensors"), "gradient_accumulation_steps": gas}
-    if check:
-        return run_torchrun(SCRIPT, world, job, source.out, stem)
-    jobs, results = source / f"jobs-{stem}.json", source / f"results-{stem}.json"
-    jobs.write_text(json.dumps(job))
-    return torchrun(world, REPO / "tests" / SCRIPT, jobs, results, check=False)
 
 
 def test_the_trainers_folder_is_recognised(source):
@@ -83,9 +105,10 @@ def test_the_trainers_folder_is_recognised(source):
 
 
 # gradient_accumulation_steps 2 at one process keeps the global batch (plan's advice says so)
-@pytest.mark.parametrize("dp, gas", [(1, 2), (3, 1)])
-def test_trainer_resumes_the_converted_folder_exactly(source, converted, dp, gas):
-    result = resume(source, converted[dp], dp, f"dp{dp}", gas)
+@pytest.mark.parametrize("dp, gas", RESUMES)
+def test_trainer_resumes_the_converted_folder_exactly(source, converted, dp, gas, engine_launches):
+    result = engine_launches.results(resumes)[len(RESUMES) * STAGES.index(source.stage) + RESUMES.index((dp, gas))]
+    assert result["checkpoint"] == str(converted[dp])
     assert result["problems"] == [], result["problems"][:5]
     assert result["world_size"] == dp and result["compared"] > 0
     assert result["negative_differences"] > 0           # another state's truth fails the same comparison
@@ -97,10 +120,10 @@ def test_trainer_resumes_the_converted_folder_exactly(source, converted, dp, gas
         assert result["next_epoch"] == logged(source, SAVE + 1)["epoch"]
 
 
-def test_resume_without_reshard_fails_with_deepspeeds_error(source):
-    proc = resume(source, source / "run" / f"checkpoint-{SAVE}", 3, "baseline", check=False)
-    assert proc.returncode != 0
-    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in proc.stdout + proc.stderr
+def test_resume_without_reshard_fails_with_deepspeeds_error(source, engine_launches):
+    result = engine_launches.results(resumes)[len(STAGES) * len(RESUMES) + STAGES.index(source.stage)]
+    assert result["checkpoint"] == str(source / "run" / f"checkpoint-{SAVE}") and "problems" not in result
+    assert "Automatic adjustment of ZeRO's optimizer state partitioning" in result["error"], result
 
 
 def test_converted_pickles_load_where_reshard_is_not_installed(source, converted, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import lifecycle_runs as lr
 import reshard
 from conftest import fixture_dir, run_cli
+from engine_launches import shares
 from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE
 
 
@@ -224,15 +225,20 @@ def test_universal_tree_and_hf_checkpoint_with_deepspeed_inside_are_one_row_each
     assert inside.metrics["eval_loss"] == evals[6]
 
 
+@shares("lightning_deepspeed.py")
+def lightning_save(out):
+    """One ZeRO-2 save at 2 ranks, in the launch of tests/test_lightning_deepspeed.py's saves."""
+    return [(2, None, {"mode": "save", "dir": str(out / "ckpts"), "seed": 0, "truth": str(out / "truth.safetensors"),
+                       "stage": 2, "steps": 2})]
+
+
 @pytest.mark.engine
-def test_lightning_deepspeed_ckpt_folders_are_one_checkpoint_each(tmp_path):
+def test_lightning_deepspeed_ckpt_folders_are_one_checkpoint_each(engine_launches):
     """Lightning's DeepSpeedStrategy (ZeRO-2, 2 ranks, tests/lightning_deepspeed.py) saves `step=K.ckpt/` folders
     (a DeepSpeed save dir inside): each is one row, complete, its step from the name, the folder its
     ModelCheckpoint's best_model_path names pinned; with a rank's optimizer file gone it is incomplete."""
-    from conftest import run_torchrun
-    jobs = [{"mode": "save", "dir": str(tmp_path / "ckpts"), "seed": 0, "truth": str(tmp_path / "truth.safetensors"),
-             "stage": 2, "steps": 2}]
-    ckpt = Path(run_torchrun("lightning_deepspeed.py", 2, jobs, tmp_path, "save")[0]["ckpt"])
+    ckpt = Path(engine_launches.results(lightning_save)[0]["ckpt"])
+    tmp_path = ckpt.parent.parent
     lr.age(tmp_path)
     [row] = reshard.list_checkpoints(tmp_path / "ckpts").checkpoints
     assert (row.path, row.status, row.step, row.format) == (str(ckpt), COMPLETE, 2, "deepspeed")

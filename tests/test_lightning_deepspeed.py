@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import fixture_dir, run_cli, run_torchrun
+from conftest import fixture_dir, run_cli
+from engine_launches import shares
 from pickles import load_without_reshard, pickle_globals
 
 pytestmark = pytest.mark.engine
@@ -34,26 +35,53 @@ class Saved:
     meta: dict          # what Lightning saved: global_step, epoch, scheduler, ModelCheckpoint state; lr
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
-def saved(request, tmp_path_factory) -> Saved:
+STAGES = (2, 3)
+
+
+@shares("lightning_deepspeed.py")
+def saves(out):
+    """Per ZeRO stage, the run and another run's (the control), in out/zero{stage}: (2, None, job)."""
+    return [(2, None, {"mode": "save", "dir": str(out / f"zero{stage}" / name), "seed": seed, "stage": stage,
+                       "truth": str(out / f"zero{stage}" / f"{name}.safetensors"), "steps": STEPS})
+            for stage in STAGES for name, seed in (("run", 0), ("control", 1))]
+
+
+@pytest.fixture(scope="module", params=STAGES, ids=[f"zero{s}" for s in STAGES])
+def saved(request, engine_launches) -> Saved:
     stage = request.param
-    tmp = tmp_path_factory.mktemp(f"lightning_deepspeed_zero{stage}")
-    jobs = [{"mode": "save", "dir": str(tmp / name), "seed": seed, "truth": str(tmp / f"{name}.safetensors"),
-             "stage": stage, "steps": STEPS} for name, seed in (("run", 0), ("control", 1))]
-    results = run_torchrun("lightning_deepspeed.py", 2, jobs, tmp, "save")
-    ckpt = Path(results[0]["ckpt"])
+    run = engine_launches.results(saves)[2 * STAGES.index(stage)]
+    ckpt = Path(run["ckpt"])
+    tmp = ckpt.parent.parent
     meta = json.loads((tmp / "run.safetensors.json").read_text())
     return Saved(stage, tmp, ckpt, tmp / "run.safetensors", tmp / "control.safetensors", meta)
 
 
+def _converted(ckpt: Path, size: int) -> Path:
+    return ckpt.parent.parent / f"dp{size}" / f"step={STEPS}.ckpt"
+
+
+@shares("lightning_deepspeed.py", after=(saves,))
+def resumes(out, saved_runs):
+    """Each stage's save converted to every size, and at each size the unconverted save (which must fail) and
+    reshard's folder resumed: (size, None, job)."""
+    jobs = []
+    for stage, run in zip(STAGES, saved_runs[::2]):
+        ckpt = Path(run["ckpt"])
+        tmp = ckpt.parent.parent
+        job = {"dir": str(ckpt.parent), "truth": str(tmp / "run.safetensors"),
+               "control": str(tmp / "control.safetensors"), "stage": stage, "steps": STEPS}
+        for size in SIZES:
+            run_cli("convert", ckpt, _converted(ckpt, size), "--to", f"dp={size}", check=0)
+            jobs += [(size, None, {**job, "mode": "fail", "ckpt": str(ckpt)}),
+                     (size, None, {**job, "mode": "resume", "ckpt": str(_converted(ckpt, size))})]
+    return jobs
+
+
 @pytest.fixture(scope="module")
-def converted(saved) -> dict:
-    """{devices: the folder reshard wrote for them}."""
-    out = {}
-    for size in SIZES:
-        out[size] = saved.tmp / f"dp{size}" / f"step={STEPS}.ckpt"
-        run_cli("convert", saved.ckpt, out[size], "--to", f"dp={size}", check=0)
-    return out
+def converted(saved, engine_launches) -> dict:
+    """{devices: the folder reshard wrote for them} (by the command line, before the resumes)."""
+    engine_launches.results(resumes)
+    return {size: _converted(saved.ckpt, size) for size in SIZES}
 
 
 def test_inspect_says_lightning_around_deepspeed(saved, converted):
@@ -104,15 +132,12 @@ def test_converted_pickles_load_without_reshard(saved, converted):
 
 
 @pytest.fixture(scope="module")
-def resumed(saved, converted) -> dict:
-    """{devices: (the resume of the unconverted save at that size, the resume of reshard's folder)}: one launch each."""
-    out = {}
-    for size in SIZES:
-        job = {"dir": str(saved.ckpt.parent), "truth": str(saved.truth), "control": str(saved.control),
-               "stage": saved.stage, "steps": STEPS}
-        jobs = [{**job, "mode": "fail", "ckpt": str(saved.ckpt)}, {**job, "mode": "resume", "ckpt": str(converted[size])}]
-        out[size] = run_torchrun("lightning_deepspeed.py", size, jobs, saved.tmp, f"resume{size}")
-    return out
+def resumed(saved, engine_launches) -> dict:
+    """{devices: (the resume of the unconverted save at that size, the resume of reshard's folder)}: one launch per
+    size, for both stages."""
+    results = iter(engine_launches.results(resumes))
+    by_stage = {(stage, size): (next(results), next(results)) for stage in STAGES for size in SIZES}
+    return {size: by_stage[(saved.stage, size)] for size in SIZES}
 
 
 def scheduled_lr(scheduler: dict, steps: int) -> float:

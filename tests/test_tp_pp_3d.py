@@ -18,7 +18,8 @@ import reshard
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
-from conftest import FIXTURES, REPO, fixture_dir, run_cli, tag_dir, truth_tensors, run_torchrun
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, tag_dir, truth_tensors
+from engine_launches import shares
 from test_convert import _covered_elements
 from test_tp_pp_convert import _assert_same_files
 
@@ -133,10 +134,10 @@ def _corrupt(save):
     torch.save(sd, path)
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_pp_resume")
-    results = {}
+@shares("engine_tp_pp_resume.py")
+def tp_pp_resume_jobs(out):
+    """Each conversion (with the fixture itself loaded directly) and the control: (world, None, job)."""
+    jobs = []
     for to in ENGINE_TARGETS + ["control"]:
         target = _open(fixture_dir(NAME)).layout.with_spec("tp=1,pp=2,dp=2" if to == "control" else to)
         dst = out / to.replace(",", "-")
@@ -147,8 +148,13 @@ def resumed(tmp_path_factory):
                "fixtures": str(FIXTURES), "fixture": NAME, "resave": str(dst) + "-resaved"}
         if to != "control":     # and the fixture itself, through reshard.deepspeed_engine.load_checkpoint (issue #15)
             job.update(source=str(fixture_dir(NAME)), rules=str(RULES))
-        results[to] = run_torchrun("engine_tp_pp_resume.py", target.world_size, job, out, dst.name)
-    return results
+        jobs.append((target.world_size, None, job))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def resumed(engine_launches):
+    return {result["to"]: result for result in engine_launches.results(tp_pp_resume_jobs)}
 
 
 @pytest.mark.engine

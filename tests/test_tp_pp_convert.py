@@ -21,6 +21,7 @@ from reshard.errors import ReshardError
 from reshard.executor import execute
 from reshard.formats import torchsave_read
 from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir, run_torchrun
+from engine_launches import shares
 from test_convert import _assert_same_tree, _covered_elements
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
@@ -359,10 +360,10 @@ def _run(world, jobs, out):
     return run_torchrun("engine_tp_resume.py", world, jobs, out, stem)
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_resume")
-    launches = {}
+@shares("engine_tp_resume.py")
+def tp_resume_jobs(out):
+    """Each conversion (its engine re-saves it), each direct load, the control: (world, tp or "pipe", job)."""
+    jobs = []
     for name, to in ENGINE_JOBS + [(name, f"direct:{to}") for name, to in DIRECT_JOBS]:
         direct = to.startswith("direct:")
         target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to.removeprefix("direct:"))
@@ -377,16 +378,17 @@ def resumed(tmp_path_factory):
         pipe = name in (PIPE, TIED)
         if pipe:    # the engine script builds a PipelineModule per job: every pp x dp of a world size shares a launch
             job.update(pp=target.pp, partition=target.options.get("partition_method"))   # None: the model's own
-        launches.setdefault((target.tp * target.pp * target.dp, "pipe" if pipe else target.tp), []).append(job)
+        jobs.append((target.tp * target.pp * target.dp, "pipe" if pipe else target.tp, job))
     # negative control: a complete checkpoint that loads, compared with another run's truth (same model)
-    launches[(2, 1)].append({"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
-                             "checkpoint": str(out / "autotp2_z2_fp32_tied_dp2-tp=1-dp=2"), "tp": 1,
-                             "fixtures": str(FIXTURES), "to": "control"})
-    results = {}
-    for (world, _), jobs in launches.items():
-        for r in _run(world, jobs, out):
-            results[(r["fixture"], r["to"])] = r
-    return results
+    jobs.append((2, 1, {"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
+                        "checkpoint": str(out / "autotp2_z2_fp32_tied_dp2-tp=1-dp=2"), "tp": 1,
+                        "fixtures": str(FIXTURES), "to": "control"}))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def resumed(engine_launches):
+    return {(r["fixture"], r["to"]): r for r in engine_launches.results(tp_resume_jobs)}
 
 
 @pytest.mark.engine
@@ -513,16 +515,27 @@ RECUT_JOBS = [("autotp2_z1_fp32_dp2", "tp=2,dp=1,kv_heads=2", True),
               ("autotp2_z1_fp32_uneven_dp2", "tp=3,dp=1,kv_heads=3", False)]
 
 
+@shares("engine_tp_resume.py")
+def recut_jobs(out):
+    """Each recut, resumed (and saved again) at its new degree: (world, tp, job), beside the conversions' jobs."""
+    jobs = []
+    for index, (name, to, via_tp1) in enumerate(RECUT_JOBS):
+        (out / str(index)).mkdir()
+        dst = _recut(name, out / str(index), to, via_tp1)
+        target = reshard.open_checkpoint(dst).layout
+        jobs.append((target.tp * target.dp, target.tp, {"fixture": name, "checkpoint": str(dst), "tp": target.tp,
+                     "zero": target.zero, "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}))
+    return jobs
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("name, to, via_tp1", RECUT_JOBS, ids=[f"{n}-{t}" for n, t, _ in RECUT_JOBS])
-def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, tmp_path):
+def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, engine_launches):
     """tp1 -> tp2 (and tp2 -> tp3 on 3 kv heads): the unmodified engine at the new degree loads it, holds the
     fixture's truth bit for bit, steps, and its own save is our files (universal_checkpoint_info included)."""
-    dst = _recut(name, tmp_path, to, via_tp1)
-    target = reshard.open_checkpoint(dst).layout
-    job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
-           "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
-    [result] = _run(target.tp * target.dp, [job], tmp_path)
+    result = engine_launches.results(recut_jobs)[RECUT_JOBS.index((name, to, via_tp1))]
+    assert (result["fixture"], result["to"]) == (name, to)
+    dst = Path(result["checkpoint"])
     assert result["problems"] == [], "\n".join(result["problems"])
     ours, theirs = tag_dir(dst), tag_dir(Path(result["resave"]))
     covered = _covered_elements(reshard.open_checkpoint(dst))

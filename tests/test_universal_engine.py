@@ -7,11 +7,10 @@ reshard and converted back to ZeRO files resumes natively, as it does loaded wit
 reshard.deepspeed_engine.load_checkpoint; and on the round-robin fixture the engine
 resuming ds_to_universal's tree does NOT match the truth (the check sees its corruption).
 """
-from collections import defaultdict
-
 import pytest
 
-from conftest import FIXTURES, run_cli, run_torchrun
+from conftest import FIXTURES, run_cli
+from engine_launches import shares
 from test_universal import ds_to_universal, ours
 
 pytestmark = pytest.mark.engine
@@ -35,39 +34,36 @@ READ_BACK = [("z2_fp32_dp4", "dp=2", 2), ("z3_fp32_dp4", "dp=3", 3)]
 ROUND_ROBIN = "z2_fp32_roundrobin_dp4"
 
 
-def _run_world(world, jobs, out):
-    return run_torchrun("engine_resume.py", world, jobs, out, f"w{world}")
-
-
 def _job(key, fixture, checkpoint, stage, universal):
     return {"key": key, "fixture": fixture, "checkpoint": str(checkpoint), "stage": stage, "universal": universal,
             "fixtures": str(FIXTURES)}
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("universal-resume")
-    by_world = defaultdict(list)
+@shares("engine_resume.py")
+def universal_jobs(out):
+    """Our universal trees, ds_to_universal's read back and loaded directly, the control: (world, None, job)."""
+    jobs = []
     for name, to, stage, world in OURS:
         dst = out / f"{name}-{to or 'same'}"
         if not dst.exists():
             ours(name, dst, to)
-        by_world[world].append(_job(f"ours {name} {to} zero{stage} dp{world}", name, dst, stage, True))
+        jobs.append((world, None, _job(f"ours {name} {to} zero{stage} dp{world}", name, dst, stage, True)))
     for name, to, world in READ_BACK:
         theirs = ds_to_universal(name, out / f"{name}-ds")
         dst = out / f"{name}-ds-to-zero-{to}"
         run_cli("convert", theirs, dst, "--format", "deepspeed", "--to", to, "--quiet", check=0)
         stage = 3 if name.startswith("z3") else 2
-        by_world[world].append(_job(f"read {name} {to}", name, dst, stage, False))
+        jobs.append((world, None, _job(f"read {name} {to}", name, dst, stage, False)))
         # and the tree itself into the ZeRO engine, with no conversion step (issue #15)
-        by_world[world].append({**_job(f"direct {name} {to}", name, theirs, stage, False), "direct": True})
+        jobs.append((world, None, {**_job(f"direct {name} {to}", name, theirs, stage, False), "direct": True}))
     control = ds_to_universal(ROUND_ROBIN, out / "roundrobin-ds")
-    by_world[2].append(_job("control", ROUND_ROBIN, control, 2, True))
-    results = {}
-    for world, jobs in sorted(by_world.items()):
-        for result in _run_world(world, jobs, out):
-            results[result["key"]] = result
-    return results
+    jobs.append((2, None, _job("control", ROUND_ROBIN, control, 2, True)))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def resumed(engine_launches):
+    return {result["key"]: result for result in engine_launches.results(universal_jobs)}
 
 
 @pytest.mark.parametrize("name, to, stage, world", OURS,

@@ -14,7 +14,8 @@ output of the source first converted to tp=1 DeepSpeed files, and ds_to_universa
 import pytest
 import torch
 
-from conftest import FIXTURES, REPO, fixture_dir, run_cli, run_torchrun
+from conftest import FIXTURES, REPO, fixture_dir, run_cli
+from engine_launches import shares
 from test_universal import ds_to_universal
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_fp32_uneven_dp2", "autotp2_z1_bf16_tied_dp2",
@@ -125,31 +126,32 @@ def test_megatron_style_tp_source_is_refused(tmp_path):
 # the real engine resumes them
 
 
-def _run(world, jobs, out, stem):
-    return run_torchrun("engine_tp_resume.py", world, jobs, out, stem)
-
-
-# (engine tp, world); AutoTP's process groups outlive an engine, so each tp runs in its own torchrun
+# (engine tp, world); AutoTP's process groups outlive an engine, so each tp runs in its own torchrun (the group
+# of its jobs; tests/test_tp_pp_convert.py's jobs of the same world and tp share it)
 TOPOLOGIES = [(2, 4), (2, 2), (1, 2)]
 SOURCES = ["ours", "ours-via-tp1", "ours-to-tp1", "ds_to_universal"]   # -to-tp1: --to tp=1 (one mp_rank file)
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("universal-tp")
+@shares("engine_tp_resume.py")
+def universal_tp_jobs(out):
+    """Our universal trees (three ways) and ds_to_universal's at each (tp, world), the control: (world, tp, job)."""
     checkpoints = {"ours": ours(ENGINE_FIXTURE, out / "ours"), "ours-via-tp1": via_tp1(ENGINE_FIXTURE, out / "via"),
                    "ours-to-tp1": ours(ENGINE_FIXTURE, out / "to-tp1", "tp=1"),
                    "ds_to_universal": ds_to_universal(ENGINE_FIXTURE, out / "ds")}
     checkpoints["control"] = _control(out)
-    results = {}
+    jobs = []
     for tp, world in TOPOLOGIES:
         sources = SOURCES if world == 2 else SOURCES[:2]    # --to tp=1 and ds_to_universal's: at world 2 only
         sources = sources + ["control"] if (tp, world) == (2, 2) else sources
-        jobs = [{"key": f"{s} tp{tp} dp{world // tp}", "fixture": ENGINE_FIXTURE, "checkpoint": str(checkpoints[s]),
-                 "tp": tp, "fixtures": str(FIXTURES), "universal": True} for s in sources]
-        for result in _run(world, jobs, out, f"tp{tp}-w{world}"):
-            results[result["key"]] = result
-    return results
+        jobs += [(world, tp, {"key": f"{s} tp{tp} dp{world // tp}", "fixture": ENGINE_FIXTURE, "tp": tp,
+                              "checkpoint": str(checkpoints[s]), "fixtures": str(FIXTURES), "universal": True})
+                 for s in sources]
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def resumed(engine_launches):
+    return {result["key"]: result for result in engine_launches.results(universal_tp_jobs)}
 
 
 def _control(out):

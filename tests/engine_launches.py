@@ -1,0 +1,115 @@
+"""Shared torchrun launches: each (script, world size, group) runs once per session, with the jobs of every test
+module that needs it.
+
+Starting the ranks (torchrun, importing torch and DeepSpeed, the process group) costs more than most jobs, so a
+module does not launch its own: it registers a provider with `@shares(script)`, a function that prepares its
+checkpoints in a directory of its own and returns its jobs as `(world, group, job)`; `group` keeps apart jobs
+that cannot share a process (None where any can). The first module to ask for results (`Launches.results`) runs
+the providers of every module with a selected engine test, launches each (script, world, group) once with all
+their jobs, in the order they came, and hands each module the results of its own jobs, in its order. A provider
+registered `after` others (resumes of what a save launch wrote) is given their results and runs in the next round,
+with every other provider ready then. A launch that fails fails every module with a job in it, with its output,
+and no other.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+Provider = Callable[..., list]      # (out, *results of the providers it comes after) -> [(world, group, job)]
+
+
+@dataclass(frozen=True)
+class Launch:
+    script: str
+    world: int
+    group: object = None        # jobs with another group run in another launch
+
+    @property
+    def stem(self) -> str:
+        group = "" if self.group is None else f"-{self.group}"
+        return f"{Path(self.script).stem}-w{self.world}{group}".replace("/", "-").replace(":", "-")
+
+
+_PROVIDERS: dict[Provider, tuple[str, tuple]] = {}     # provider -> (script, providers it needs the results of)
+
+
+def shares(script: str, after: tuple = ()):
+    """Register a provider of `script`'s jobs; with `after`, providers whose results it is given:
+    provider(out, *their results), run once theirs are back."""
+    def register(provider: Provider) -> Provider:
+        _PROVIDERS[provider] = (script, tuple(after))
+        return provider
+    return register
+
+
+class Launches:
+    """The session's shared launches; `run(script, world, jobs, out, stem)` runs one (conftest.run_torchrun)."""
+
+    def __init__(self, session, tmp_path_factory, run):
+        self._wanted = {item.module.__name__ for item in session.items
+                        if item.get_closest_marker("engine") and getattr(item, "module", None)}
+        self._tmp, self._run = tmp_path_factory, run
+        self._results: dict = {}        # provider -> its results, or the failure of one of its launches
+
+    def results(self, provider: Provider) -> list:
+        """The results of `provider`'s jobs, in its order; where its preparation or a launch of its jobs failed,
+        that failure is raised (a launch's: an AssertionError with its output)."""
+        assert provider in _PROVIDERS, f"{provider.__qualname__} is not registered with @shares"
+        needed = self._needed(provider)
+        while provider not in self._results:
+            ready = [p for p in needed if p not in self._results and all(q in self._results for q in _PROVIDERS[p][1])]
+            assert ready, f"no provider of {provider.__qualname__}'s round is ready"
+            self._launch(ready)
+        outcome = self._results[provider]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _needed(self, asked: Provider) -> list:
+        """The providers of the modules with a selected engine test and `asked`, with those they come after."""
+        needed, todo = [], [p for p in _PROVIDERS if p is asked or p.__module__ in self._wanted]
+        while todo:
+            provider = todo.pop()
+            if provider not in needed:
+                needed.append(provider)
+                todo += _PROVIDERS[provider][1]
+        return [p for p in _PROVIDERS if p in needed]      # in registration order
+
+    def _launch(self, providers: list) -> None:
+        """Prepare the jobs of `providers` (each once those it comes after are back) and run them."""
+        jobs: dict[Launch, list] = {}           # launch -> [(provider, index of the job in its list, job)]
+        for provider in providers:
+            script, after = _PROVIDERS[provider]
+            failed = next((self._results[q] for q in after if isinstance(self._results[q], Exception)), None)
+            if failed is not None:
+                self._results[provider] = failed
+                continue
+            out = self._tmp.mktemp(f"{provider.__module__}-{provider.__name__}")
+            try:
+                prepared = provider(out, *(self._results[q] for q in after))
+            except Exception as failure:        # a check of its preparation, or a command it ran
+                self._results[provider] = failure
+                continue
+            self._results[provider] = {}
+            for index, (world, group, job) in enumerate(prepared):
+                jobs.setdefault(Launch(script, world, group), []).append((provider, index, job))
+        launches_dir = self._tmp.mktemp("launches")
+        for launch, owned in jobs.items():
+            try:
+                results = self._run(launch.script, launch.world, [job for _, _, job in owned], launches_dir,
+                                    launch.stem)
+                assert len(results) == len(owned), f"{len(results)} results for {len(owned)} jobs"
+            except AssertionError as failure:
+                for provider, _, _ in owned:
+                    if not isinstance(self._results[provider], Exception):
+                        self._results[provider] = AssertionError(f"{launch}: {failure}")
+                continue
+            for (provider, index, _), result in zip(owned, results):
+                if not isinstance(self._results[provider], Exception):
+                    self._results[provider][index] = result
+        for provider in providers:
+            got = self._results[provider]
+            if not isinstance(got, Exception):
+                self._results[provider] = [got[i] for i in sorted(got)]
