@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from reshard import checksums, manifest, paths, sink
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
-from reshard.formats import container_writer
 from reshard.target_bytes import SourceFiles, storage_blocks
 from reshard.checksums import Tally
 from reshard.core.planner import FilePlan, Plan
@@ -322,8 +321,8 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
     try:
-        writer = container_writer(plan.container)(path, plan.header, plan.storages, **plan.options)
-        with ThreadPoolExecutor(max_workers=1) as reader, writer as zw:
+        with ThreadPoolExecutor(max_workers=1) as reader, sink.HashingSink(path, plan.size) as stream, \
+                plan.container.writer(stream, plan.header, plan.storages) as zw:
             for storage in plan.storages:
                 with zw.storage(storage.key, storage.nbytes) as out, \
                         contextlib.closing(_read_ahead(reader, storage_blocks(storage, chunk, sources))) as blocks:
@@ -337,7 +336,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     finally:
         sources.close()
     fsync(path)
-    return plan.path, writer.size, writer.sha256, sources.tally.pieces()
+    return plan.path, stream.size, stream.sha256, sources.tally.pieces()
 
 
 def _read_ahead(pool, tasks):
