@@ -272,7 +272,7 @@ def test_torch_file_size_is_known_before_writing_also_with_zip64(tmp_path, monke
     """The planned size of a torch.save archive is the written one, also where zipfile adds ZIP64 fields
     (a small limit stands in for the 2 GiB one); torch.load reads the archive."""
     from reshard.formats.torchsave_write import TorchFile, TorchZip, pickle_tree
-    from reshard.sink import HashingSink
+    from reshard.storage.posix_sink import HashingSink
     from reshard.core.write_requests import Piece
 
     for limit in (None, 3000, 300):

@@ -15,7 +15,7 @@ from reshard.formats import containers
 from reshard.formats.dcp.writer import DistcpFile
 from reshard.formats.safetensors_file import SafetensorsFile
 from reshard.formats.torchsave_write import TorchFile
-from reshard.sink import HashingSink
+from reshard.storage.posix_sink import HashingSink
 from tests.test_structure import REPO, import_structure
 
 SIZES = (3, 700, 1, 1500)       # elements (float32) of each tensor
