@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from reshard.core.container import Container
 from reshard.formats.dcp.chunkzip import Distcp
 from reshard.formats.safetensors_file import Safetensors, SafetensorsFile
 from reshard.formats.torchsave_write import TorchFile, TorchZip, load_tree
@@ -16,7 +17,7 @@ from reshard.formats.torchsave_write import TorchFile, TorchZip, load_tree
 @dataclass(frozen=True)
 class Registered:
     """A container and what else reshard does with its files."""
-    container: type                     # the Container class
+    container: type[Container]          # the Container class
     exported_as: type | None = None     # the TensorFile of a state dict export writes (reshard.export), if any
     loader: Callable | None = None      # (header, storage_of) -> what loading the file gives (reshard.materialize)
 

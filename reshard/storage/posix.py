@@ -96,7 +96,8 @@ class PosixLock:
     """An flock held on a lock file; released by unlinking the file, then closing it."""
 
     def __init__(self, path: str, fd: int):
-        self.path, self._fd = path, fd
+        self.path = path
+        self._fd: int | None = fd
 
     def release(self) -> None:
         if self._fd is not None:

@@ -13,12 +13,12 @@ Reading (SourceStorage), any number of times, in any order, then `close()` once:
   size(path)
 
 Writing an output (OutputStorage), in this order:
-  1. lock(dst)                                 one writer per destination; `release()` the handle it returns last
+  1. lock(path)                                one writer per destination; `release()` the handle it returns last
   2. delete(staged) (unless resuming), make_folder(staged/...)
   3. for each big file: stream(path, reserve), written front to back, closed; sync(path) makes it durable;
      append(journal, line) notes it finished
   4. put(path, data) and copy(source, path): the small files, each durable on return
-  5. commit(staged, final): every file under `staged` made durable, then `staged` appears as `final` at once
+  5. commit(staged, final): `staged`'s tree made durable, then it appears as `final` at once
      (replacing what was there); commit_file(staged_file, final) does the same for one file
   On any failure before 5: delete(staged), and `final` is untouched.
   list(folder), exists(path), get(path), free_bytes(folder) may be asked at any point.
@@ -35,7 +35,7 @@ class SourceStorage(Protocol):
 
     def window(self, path: str, offset: int, nbytes: int) -> ContextManager[memoryview]: ...
 
-    def view(self, path: str): ...
+    def view(self, path: str): ...     # a read-only buffer (bytes-like: len, slices, numpy.frombuffer)
 
     def done_with(self, path: str, offset: int, nbytes: int) -> None: ...
 
