@@ -1,9 +1,9 @@
 """Plan -> files on disk. The only place that writes tensor bytes.
 
 Each target file is written front to back: its header, then every storage filled op by op from
-source byte ranges (pread into bounded blocks, read ahead in a thread, cast if the dtypes differ)
-or constants. Files are built in a Staging area (reshard.staging) and committed only when all of
-them are complete and every source member read has the CRC-32 its zip stores (reshard.checksums);
+source byte ranges (positioned reads into bounded blocks, read ahead in a thread, cast if the dtypes differ)
+or constants. Bytes are read and written through the storage interface (reshard.storage). Files are built in a
+Staging area (reshard.staging) and committed only when all of them are complete and every source member read has the CRC-32 its zip stores (reshard.checksums);
 on any failure but a hard kill the staging area is removed.
 
 Ctrl-C is acted on only where nothing is half done (class Interrupts). Python raises KeyboardInterrupt
@@ -17,27 +17,27 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import shutil
 import signal
 import threading
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from reshard import checksums, manifest, paths, sink
+from reshard import checksums, manifest, paths
 from reshard.errors import ReshardError
 from reshard.distributed import Solo, share
-from reshard.formats import container_writer
 from reshard.target_bytes import SourceFiles, storage_blocks
 from reshard.checksums import Tally
 from reshard.core.planner import FilePlan, Plan
 from reshard.progress import bar as progress_bar
-from reshard.staging import Staging, fsync, output_path, write_text
+from reshard.staging import Staging, output_path
+from reshard.storage.posix import PosixOutput
+from reshard.storage.protocol import OutputStorage
 from reshard.core.write_requests import Output
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
-BUFFERS_PER_WORKER = READ_AHEAD + 1     # blocks alive per worker, besides its file's sink (sink.BUFFER_BYTES)
+BUFFERS_PER_WORKER = READ_AHEAD + 1     # blocks alive per worker, besides its file's stream (STREAM_BUFFER_BYTES)
 MAX_CHUNK = 16 << 20            # larger blocks do not copy faster here, they only take memory
 POLL_SECONDS = 0.1              # how often a parent waiting for its workers looks for a Ctrl-C
 
@@ -104,14 +104,16 @@ class Written:
                 "manifest": self.manifest}
 
 
-def chunk_bytes(memory_budget: int, workers: int) -> int:
-    per_worker = memory_budget // max(1, workers) - sink.BUFFER_BYTES
+def chunk_bytes(memory_budget: int, workers: int, stream_bytes: int = PosixOutput.STREAM_BUFFER_BYTES) -> int:
+    """Bytes of one block read, the budget shared by the workers, each also holding one open stream's
+    `stream_bytes` (the storage's STREAM_BUFFER_BYTES)."""
+    per_worker = memory_budget // max(1, workers) - stream_bytes
     return max(1 << 16, min(MAX_CHUNK, per_worker // BUFFERS_PER_WORKER))
 
 
-def buffer_bytes(memory_budget: int, workers: int) -> int:
-    """The bytes of blocks alive at once while writing (reads ahead, the sinks' rings)."""
-    return (BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers) + sink.BUFFER_BYTES) * max(1, workers)
+def buffer_bytes(memory_budget: int, workers: int, stream_bytes: int = PosixOutput.STREAM_BUFFER_BYTES) -> int:
+    """The bytes of blocks alive at once while writing (reads ahead, the streams' buffers)."""
+    return (BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers, stream_bytes) + stream_bytes) * max(1, workers)
 
 
 def check_destination(plan: Plan, staging: Staging, overwrite: bool, single_file: bool = False) -> None:
@@ -142,21 +144,23 @@ def check_destination(plan: Plan, staging: Staging, overwrite: bool, single_file
 
 def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
             workers: int = 1, progress: bool = True, single_file: bool = False, resume: bool = False,
-            group=None) -> Written | None:
+            group=None, storage: OutputStorage | None = None) -> Written | None:
     """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`);
     returns what was written (None on ranks other than 0, which do not commit).
 
     Output is built in a temporary sibling (`.DST.reshard-tmp`) under a lock; each finished file
     is journaled with its sha256, so after a crash `resume=True` keeps the files that are whole.
     With a `group` (reshard.distributed) every rank writes its share; rank 0 commits once all
-    ranks report success. Any failure but a hard kill removes the temporary sibling.
+    ranks report success. Any failure but a hard kill removes the temporary sibling. `storage`: where the output
+    is written (reshard.storage; by default the local filesystem).
     """
     with INTERRUPTS:
-        return _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group or Solo())
+        return _execute(plan, Staging(dst, storage), overwrite, memory_budget, workers, progress, single_file,
+                        resume, group or Solo())
 
 
-def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file, resume, group) -> Written | None:
-    staging = Staging(dst)
+def _execute(plan, staging, overwrite, memory_budget, workers, progress, single_file, resume,
+             group) -> Written | None:
     problem = None
     if group.rank == 0:
         try:
@@ -173,7 +177,8 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
     error, digests, tally = None, {}, Tally()
     try:
         mine = share(plan.files, group.rank, group.world)
-        digests = _write_files(mine, staging, chunk_bytes(memory_budget, workers), workers, resume,
+        chunk = chunk_bytes(memory_budget, workers, staging.storage.STREAM_BUFFER_BYTES)
+        digests = _write_files(mine, staging, chunk, workers, resume,
                                progress_bar(sum(f.nbytes for f in mine), "writing", progress and group.rank == 0),
                                plan.reread(), _by_file(plan.checked), tally)
     except BaseException as e:      # report to the others first, then re-raise
@@ -192,7 +197,7 @@ def _execute(plan, dst, overwrite, memory_budget, workers, progress, single_file
             raise error or ReshardError.at(staging.dst, "another rank failed; nothing was written")
         _verify_sources(plan, read.values())
         try:
-            digests.update(_write_small_files(plan, staging.tmp))
+            digests.update(_write_small_files(plan, staging.tmp, staging.storage))
             INTERRUPTS.check()
             manifest_path = staging.commit(plan, digests, single_file)
         except OSError as e:
@@ -218,7 +223,7 @@ def _verify_sources(plan: Plan, pieces) -> None:
 
 def check_free_space(plan: Plan, staging, resume: bool) -> None:
     need = plan.bytes_written - (staging.reusable_bytes() if resume else 0)
-    free = shutil.disk_usage(os.path.dirname(staging.dst)).free
+    free = staging.storage.free_bytes(os.path.dirname(staging.dst))
     if need > free:
         raise ReshardError.at(staging.dst, f"needs {need / 2**30:.2f} GiB to write, "
                                            f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
@@ -252,7 +257,8 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
             stop = context.Event()
             with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_started,
                                      initargs=(stop,)) as pool:
-                jobs = {pool.submit(write_file, f, staging.tmp, chunk, None, reread, _members(f, checked)): f
+                jobs = {pool.submit(write_file, f, staging.tmp, chunk, None, reread, _members(f, checked),
+                                    staging.storage): f
                         for f in _balanced(todo)}
                 try:
                     running = set(jobs)
@@ -272,7 +278,8 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
                     raise
         else:
             for f in todo:
-                path, size, sha, pieces = write_file(f, staging.tmp, chunk, bar.update, reread, _members(f, checked))
+                path, size, sha, pieces = write_file(f, staging.tmp, chunk, bar.update, reread, _members(f, checked),
+                                                     staging.storage)
                 tally.merge(pieces)
                 staging.record(path, size, sha)
                 digests[path] = (size, sha)
@@ -281,16 +288,15 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
     return digests
 
 
-def _write_small_files(plan: Plan, root: str) -> dict:
+def _write_small_files(plan: Plan, root: str, storage: OutputStorage) -> dict:
     digests = {}
     for copied in plan.copied:
         path = output_path(root, copied.path)
-        shutil.copyfile(copied.source, path)
-        fsync(path)
+        storage.copy(copied.source, path)
         digests[copied.path] = manifest.file_digest(path)
     for text in plan.texts:     # `latest` last: it names the tag only once the tag is whole
         path = output_path(root, text.path)
-        write_text(path, text.text)
+        storage.put(path, text.text.encode() if isinstance(text.text, str) else text.text)
         digests[text.path] = manifest.file_digest(path)
     return digests
 
@@ -310,20 +316,21 @@ def _members(file: FilePlan, checked: dict) -> list:
 
 
 def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict | None = None,
-               members=()) -> tuple:
+               members=(), output: OutputStorage | None = None) -> tuple:
     """Write one target file; returns (path, size, sha256, the CRC-32s of the blocks read from `members`,
     checksums.Tally.pieces). Runs in worker processes too. `reread`: source byte ranges other reads need again
-    (Plan.reread), kept in the page cache.
+    (Plan.reread), kept in the page cache. `output`: where the file is written (by default the local filesystem).
 
     A reader thread fetches (and casts) the next blocks while this thread writes the current
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
     """
     path = output_path(root, plan.path)
+    output = output or PosixOutput()
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
     try:
-        writer = container_writer(plan.container)(path, plan.header, plan.storages, **plan.options)
-        with ThreadPoolExecutor(max_workers=1) as reader, writer as zw:
+        with ThreadPoolExecutor(max_workers=1) as reader, output.stream(path, plan.size) as stream, \
+                plan.container.writer(stream, plan.header, plan.storages) as zw:
             for storage in plan.storages:
                 with zw.storage(storage.key, storage.nbytes) as out, \
                         contextlib.closing(_read_ahead(reader, storage_blocks(storage, chunk, sources))) as blocks:
@@ -336,8 +343,8 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
         raise ReshardError.at(path, f"write failed: {e.strerror or e}") from None
     finally:
         sources.close()
-    fsync(path)
-    return plan.path, writer.size, writer.sha256, sources.tally.pieces()
+    output.sync(path)
+    return plan.path, stream.size, stream.sha256, sources.tally.pieces()
 
 
 def _read_ahead(pool, tasks):

@@ -17,14 +17,13 @@ from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.core.dtypes import SHORT, is_floating
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
-from reshard.formats.safetensors_file import SafetensorsFile
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.containers import EXPORTS
 from reshard.inspection import jsonable
 from reshard.core.layout import Layout
 from reshard.core.planner import plan
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, TextFile
 
-FORMATS = {"safetensors": SafetensorsFile, "torch": TorchFile}   # each: from_entries, STEM, EXTENSION, SUFFIXES
+FORMATS = EXPORTS     # container name -> its file type: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"
 WITH_OPTIMIZER = "the optimizer state (--with-optimizer)"    # optimizer.json keeps one step per param group
 

@@ -1,11 +1,10 @@
-"""Reading tensor bytes through memory maps: the only place that touches storage bytes when reading.
+"""Reading tensor bytes in place: the only place that touches storage bytes when reading.
 
-Fragments point at storages by byte offset; `MappedFiles` maps each file once and hands out
-numpy views (no copy). `full_tensor` rebuilds one logical tensor, for tests, export and checks.
+Fragments point at storages by byte offset; `MappedFiles` views each file once through the storage
+(reshard.storage: a memory map, on POSIX) and hands out numpy views (no copy). `full_tensor` rebuilds one logical tensor, for tests, export and checks.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import replace
 
@@ -19,6 +18,8 @@ from reshard.core.storage_ref import StorageRef
 from reshard.core.geometry import offset, span, strides
 from reshard.core.locate import Locator
 from reshard.core.placement import Shard, full_index, regions
+from reshard.storage.posix import PosixSource
+from reshard.storage.protocol import SourceStorage
 
 
 # Fewer bytes than this are read with pread, not through the map: a fault on a mapped page reads ahead
@@ -27,35 +28,13 @@ from reshard.core.placement import Shard, full_index, regions
 SMALL_READ = 1 << 20
 
 
-class OpenFiles:
-    """Checkpoint files opened read-only for positioned reads: one descriptor per path, opened when first asked
-    for, all closed together."""
-
-    def __init__(self):
-        self._fds = {}
-
-    def fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointError(path, f"cannot read: {e.strerror}") from None
-        return fd
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
 class MappedFiles:
-    """Read-only memory maps of checkpoint files, one per file, closed together; small reads are preads.
-    Every read is noted in `tally` (reshard.checksums.Tally): `verify()` checks the CRC-32 of each member read."""
+    """Checkpoint files viewed in place through `storage` (by default the local filesystem, mapped), one view per
+    file, closed together; small reads are positioned reads. Every read is noted in `tally`
+    (reshard.checksums.Tally): `verify()` checks the CRC-32 of each member read."""
 
-    def __init__(self):
-        self._maps = {}
-        self._files = OpenFiles()
+    def __init__(self, storage: SourceStorage | None = None):
+        self._files = storage or PosixSource()
         self.tally = Tally()
 
     def verify(self) -> None:
@@ -69,27 +48,13 @@ class MappedFiles:
         self.close()
 
     def close(self) -> None:
-        self._files.close()
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:
-                pass   # a numpy view still uses it; the map goes when the last view does
-        self._maps.clear()
+        self._files.close()     # a view a numpy array still uses goes when the last array does
 
-    def _map(self, path: str) -> mmap.mmap:
-        m = self._maps.get(path)
-        if m is None:
-            try:
-                with open(path, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
-                raise CheckpointError(path, f"cannot map file: {e}") from None
-            self._maps[path] = m
-        return m
-
-    def _fd(self, path: str) -> int:
-        return self._files.fd(path)
+    def _view(self, path: str):
+        try:
+            return self._files.view(path)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(path, f"cannot map file: {e}") from None
 
     def fragment(self, frag: Fragment, dtype: str) -> np.ndarray:
         """The fragment's elements (its flat range of its shard) as a 1-D numpy view (raw carrier dtype for
@@ -105,7 +70,7 @@ class MappedFiles:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
         if stop - start < SMALL_READ:
             try:
-                raw = os.pread(self._fd(storage.file), stop - start, start)
+                raw = self._files.read(storage.file, start, stop - start)
             except OSError as e:
                 raise CheckpointError(storage.file, f"cannot read: {e.strerror}") from None
             if len(raw) != stop - start:
@@ -113,7 +78,7 @@ class MappedFiles:
                                                     f"{start + len(raw)}")
             self.tally.note(storage, start, raw)
             return np.frombuffer(raw, dtype=numpy_carrier(dtype))
-        m = self._map(storage.file)
+        m = self._view(storage.file)
         if stop > len(m):
             raise CheckpointError(storage.file, f"truncated: needs byte {stop}, file has {len(m)}")
         # hashed through the map: the pages are read now, once, and stay cached for the caller's use of them
@@ -129,14 +94,10 @@ class MappedFiles:
         start, nbytes = storage.offset + first * size, out.size * size
         if first < 0 or start + nbytes > storage.offset + storage.nbytes:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
-        fd = self._fd(storage.file)
-        view, done = memoryview(out).cast("B"), 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], start + done)
-            if got == 0:
-                raise CheckpointError(storage.file, f"truncated: needs byte {start + nbytes}, file has "
-                                                    f"{start + done}")
-            done += got
+        view = memoryview(out).cast("B")
+        done = self._files.read_into(storage.file, start, view)
+        if done != nbytes:
+            raise CheckpointError(storage.file, f"truncated: needs byte {start + nbytes}, file has {start + done}")
         self.tally.note(storage, start, view)
 
 

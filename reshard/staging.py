@@ -1,28 +1,29 @@
 """Where output is built before it is committed: a hidden sibling of the destination.
 
-`.DST.reshard-tmp` holds the files being written; `.DST.reshard-lock` (flock) keeps a second
-writer out; a journal lists each finished file with its sha256, so a run killed half way can be
-resumed keeping what is whole. Committing writes the manifest and renames the sibling into place,
-so the destination appears complete or not at all.
+`.DST.reshard-tmp` holds the files being written; `.DST.reshard-lock` keeps a second writer out; a journal lists
+each finished file with its sha256, so a run killed half way can be resumed keeping what is whole. Committing
+writes the manifest and has the storage move the sibling into place (reshard.storage.protocol.OutputStorage
+.commit), so the destination appears complete or not at all.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 
 from reshard import manifest, paths
 from reshard.errors import ReshardError, UsageError
+from reshard.storage.posix import PosixOutput, fsync, write_text  # noqa: F401  (fsync, write_text: for callers)
+from reshard.storage.protocol import LockHeld, OutputStorage
 
 
 class Staging:
-    """The temporary sibling where output is built, its lock, and the journal of finished files."""
+    """The temporary sibling where output is built, its lock, and the journal of finished files, in `storage`."""
 
     JOURNAL = ".reshard-journal"
 
-    def __init__(self, dst: str):
+    def __init__(self, dst: str, storage: OutputStorage | None = None):
         self.dst = os.path.abspath(dst)
+        self.storage = storage or PosixOutput()
         parent, name = os.path.split(self.dst)
         self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
         self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
@@ -34,51 +35,44 @@ class Staging:
 
     def paths(self, plan, single_file: bool) -> list:
         """Every path a run writes, each file of the plan placed (refused if it leads out): the destination, the
-        staging folder and each file in it, the lock, the old destination an overwrite moves aside, and a single
-        file's manifest beside it."""
+        staging folder and each file in it, the lock, the old destination an overwrite moves aside (the
+        storage's commit), and a single file's manifest beside it."""
         placed = [self.place(rel) for rel in _plan_paths(plan)]
         sidecar = [f"{self.dst}.{manifest.NAME}"] if single_file else []
         return [self.dst, self.tmp, self.lock_path, f"{self.tmp}.old", *sidecar, *placed]
 
     def acquire(self) -> None:
-        os.makedirs(os.path.dirname(self.dst), exist_ok=True)
-        fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        self.storage.make_folder(os.path.dirname(self.dst))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+            self._lock = self.storage.lock(self.lock_path)
+        except LockHeld:
             raise ReshardError.at(self.dst, f"another reshard is writing it (lock {self.lock_path} is held)") from None
-        self._lock = fd
 
     def release(self) -> None:
         if self._lock is not None:
-            try:
-                os.unlink(self.lock_path)
-            except OSError:
-                pass
-            os.close(self._lock)
+            self._lock.release()
             self._lock = None
 
     def prepare(self, plan, resume: bool) -> None:
-        if os.path.exists(self.tmp) and not resume:
-            shutil.rmtree(self.tmp)     # the leftovers of an interrupted run; --resume would keep them
-        os.makedirs(self.tmp, exist_ok=True)
+        if not resume:
+            self.storage.delete(self.tmp)     # the leftovers of an interrupted run; --resume would keep them
+        self.storage.make_folder(self.tmp)
         for directory in sorted({os.path.dirname(rel) for rel in _plan_paths(plan)} - {""}):
-            os.makedirs(self.place(directory), exist_ok=True)
+            self.storage.make_folder(self.place(directory))
 
     def finished(self) -> dict:
         """Files a previous run completed: {path: (size, sha256)}, from the journal."""
         done = {}
         try:
-            with open(self.place(self.JOURNAL)) as f:
-                for line in f:
-                    try:
-                        entry = json.loads(line)
-                        done[entry["path"]] = (entry["size"], entry["sha256"])
-                    except (ValueError, KeyError, TypeError):
-                        continue    # a line cut short by the crash
+            lines = self.storage.get(self.place(self.JOURNAL)).decode().splitlines()
         except OSError:
-            pass
+            return done
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                done[entry["path"]] = (entry["size"], entry["sha256"])
+            except (ValueError, KeyError, TypeError):
+                continue    # a line cut short by the crash
         return done
 
     def reusable_bytes(self) -> int:
@@ -86,34 +80,29 @@ class Staging:
 
     def record(self, path: str, size: int, sha256: str) -> None:
         line = json.dumps({"path": path, "size": size, "sha256": sha256}) + "\n"
-        fd = os.open(self.place(self.JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.storage.append(self.place(self.JOURNAL), line.encode())
 
     def commit(self, plan, digests: dict, single_file: bool) -> str:
         """Write the manifest and move the output into place; returns the manifest's path."""
-        journal = self.place(self.JOURNAL)
-        if os.path.exists(journal):
-            os.unlink(journal)
+        self.storage.delete(self.place(self.JOURNAL))
         record = manifest.build(plan, digests)
         if single_file:
             (only,) = plan.files
             record["files"] = {os.path.basename(self.dst): record["files"][only.path]}
-            write_text(self.place(manifest.NAME), json.dumps(record, indent=1) + "\n")
-            os.replace(self.place(only.path), self.dst)
-            os.replace(self.place(manifest.NAME), f"{self.dst}.{manifest.NAME}")
-            fsync(os.path.dirname(self.dst))
-            shutil.rmtree(self.tmp)
+            self.storage.put(self.place(manifest.NAME), (json.dumps(record, indent=1) + "\n").encode())
+            self.storage.commit_file(self.place(only.path), self.dst)
+            self.storage.commit_file(self.place(manifest.NAME), f"{self.dst}.{manifest.NAME}")
+            self.storage.delete(self.tmp)
             return f"{self.dst}.{manifest.NAME}"
-        write_text(self.place(manifest.NAME), json.dumps(record, indent=1) + "\n")
-        _rename_into_place(self.tmp, self.dst)
+        self.storage.put(self.place(manifest.NAME), (json.dumps(record, indent=1) + "\n").encode())
+        self.storage.commit(self.tmp, self.dst)
         return os.path.join(self.dst, manifest.NAME)
 
     def discard(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            self.storage.delete(self.tmp)
+        except OSError:
+            pass    # what could not be removed stays; the run's own error is the one to report
 
 
 def output_path(root: str, rel: str) -> str:
@@ -129,30 +118,3 @@ def output_path(root: str, rel: str) -> str:
 
 def _plan_paths(plan) -> list:
     return [f.path for f in plan.files] + [c.path for c in plan.copied] + [t.path for t in plan.texts]
-
-
-def write_text(path: str, text: str | bytes) -> None:
-    with open(path, "wb" if isinstance(text, bytes) else "w") as fh:
-        fh.write(text)
-    fsync(path)
-
-
-def fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rename_into_place(tmp: str, dst: str) -> None:
-    for folder, _, files in os.walk(tmp):
-        fsync(folder)
-    if os.path.exists(dst):
-        trash = f"{tmp}.old"
-        os.rename(dst, trash)
-        os.rename(tmp, dst)
-        shutil.rmtree(trash)
-    else:
-        os.rename(tmp, dst)
-    fsync(os.path.dirname(dst))

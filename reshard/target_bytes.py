@@ -1,13 +1,13 @@
-"""The bytes of target storages, block by block: source reads (pread, or a map for a sparse box), strided
-gathers of boxes, casts and constants. The executor writes what these produce; nothing here writes a file.
+"""The bytes of target storages, block by block: source reads (positioned, or a window for a sparse box, through
+reshard.storage), strided gathers of boxes, casts and constants. The executor writes what these produce; nothing
+here writes a file.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import math
-import mmap
-import os
 
 import numpy as np
 
@@ -18,7 +18,8 @@ from reshard.core import geometry
 from reshard.core.geometry import strides
 from reshard.core.placement import flat_boxes, intersect
 from reshard.core.planner import Copy, Gather
-from reshard.source_bytes import OpenFiles
+from reshard.storage.posix import PosixSource
+from reshard.storage.protocol import SourceStorage
 
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
 SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is mapped, not read whole
@@ -111,12 +112,13 @@ def _assign(target: np.ndarray, values: np.ndarray, src: str, dst: str) -> None:
 
 
 class SourceFiles:
-    """Open source files by path; positioned reads into fresh buffers (no mapped pages kept). A big read is
-    dropped from the page cache after it, unless it overlaps a range `reread` says is read again. Every read
-    is noted in `tally` (reshard.checksums.Tally), which checks the CRC-32 of the members it was made with."""
+    """Source files by path, read from `storage` (by default the local filesystem): positioned reads into fresh
+    buffers (no mapped pages kept). A big read is dropped from the page cache after it, unless it overlaps a
+    range `reread` says is read again. Every read is noted in `tally` (reshard.checksums.Tally), which checks the
+    CRC-32 of the members it was made with."""
 
-    def __init__(self, reread: dict, tally: Tally | None = None):
-        self._files = OpenFiles()
+    def __init__(self, reread: dict, tally: Tally | None = None, storage: SourceStorage | None = None):
+        self._files = storage or PosixSource()
         self._reread = reread
         self.tally = tally or Tally()
 
@@ -127,15 +129,13 @@ class SourceFiles:
         i = bisect.bisect_right(ranges, (offset + nbytes,)) - 1
         return i >= 0 and ranges[i][1] > offset
 
-    def _fd(self, path: str) -> int:
-        # The kernel's read-ahead is left on. It reads some pages twice (a target takes its pieces wherever
-        # they lie in the file, and a page read and dropped may lie in a later read's read-ahead: 0.51 GB
-        # read for 0.45 GB written, AutoEP --to ep=1), yet POSIX_FADV_RANDOM, which reads each page once,
-        # made conversions 4-13% slower here (alternating cold-cache runs, 0.44 GB AutoEP and 1.9 GB ZeRO-3).
-        return self._files.fd(path)
+    # The kernel's read-ahead is left on. It reads some pages twice (a target takes its pieces wherever
+    # they lie in the file, and a page read and dropped may lie in a later read's read-ahead: 0.51 GB
+    # read for 0.45 GB written, AutoEP --to ep=1), yet POSIX_FADV_RANDOM, which reads each page once,
+    # made conversions 4-13% slower here (alternating cold-cache runs, 0.44 GB AutoEP and 1.9 GB ZeRO-3).
 
     def read(self, path: str, offset: int, nbytes: int) -> bytes:
-        data = os.pread(self._fd(path), nbytes, offset)
+        data = self._files.read(path, offset, nbytes)
         if len(data) != nbytes:
             raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
         self.tally.note_at(path, offset, data)
@@ -145,25 +145,22 @@ class SourceFiles:
     def read_into(self, path: str, offset: int, out: np.ndarray) -> None:
         """`out.nbytes` bytes of `path` from `offset` read straight into `out` (contiguous); dropped from the
         page cache afterwards as `read` drops them."""
-        view, done, nbytes = memoryview(out).cast("B"), 0, out.nbytes
-        while done < nbytes:
-            got = os.preadv(self._fd(path), [view[done:]], offset + done)
-            if got == 0:
-                raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
-            done += got
+        view, nbytes = memoryview(out).cast("B"), out.nbytes
+        if self._files.read_into(path, offset, view) != nbytes:
+            raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
         self.tally.note_at(path, offset, view)
         self._done_with(path, offset, nbytes)
 
     def _done_with(self, path: str, offset: int, nbytes: int) -> None:
         """A big read made once is dropped from the page cache: a conversion reads each byte once."""
         if nbytes >= DROP_CACHE_BYTES and not self._read_again(path, offset, nbytes):
-            os.posix_fadvise(self._fd(path), offset, nbytes, os.POSIX_FADV_DONTNEED)
+            self._files.done_with(path, offset, nbytes)
 
     def copy_box(self, target: np.ndarray, path: str, offset: int, box_strides: tuple, src: str, dst: str) -> None:
         """Fill `target` with the box of `target.shape` whose first element is at byte `offset` of `path` and
         whose elements are `box_strides` elements apart. The box's span is read in one block; a sparse one
-        (a column slice of wide rows) is mapped instead, so only the pages it touches are read, and left in
-        the page cache for the targets that take the other columns."""
+        (a column slice of wide rows) is read through a window instead (a map, on POSIX), so only the pages it
+        touches are read, and left in the page cache for the targets that take the other columns."""
         size = itemsize(src)
         span = geometry.span(target.shape, box_strides) * size
         byte_strides = tuple(s * size for s in box_strides)
@@ -172,19 +169,16 @@ class SourceFiles:
             _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
             return
         self.tally.touch_at(path, offset, span)      # (only some of the span's pages are read: verified later)
-        first, block = offset - offset % mmap.ALLOCATIONGRANULARITY, None
-        try:
-            window = mmap.mmap(self._fd(path), offset + span - first, access=mmap.ACCESS_READ, offset=first)
-        except (OSError, ValueError) as e:
-            raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + span}) ({e})") from None
-        window.madvise(mmap.MADV_WILLNEED)     # read the window ahead, not page by page as it is touched
-        try:
-            block = np.frombuffer(window, dtype=numpy_carrier(src), offset=offset - first,
-                                  count=(span - size) // size + 1)
-            _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
-        finally:
-            del block
-            window.close()
+        with contextlib.ExitStack() as window:
+            try:
+                view = window.enter_context(self._files.window(path, offset, span))
+            except (OSError, ValueError) as e:
+                raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + span}) ({e})") from None
+            block = np.frombuffer(view, dtype=numpy_carrier(src), count=(span - size) // size + 1)
+            try:
+                _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
+            finally:
+                del block, view     # the window's views go before it does
 
     def close(self) -> None:
         self._files.close()

@@ -17,7 +17,7 @@ import sys
 import time
 
 from reshard.cli import main
-from reshard import sink
+from reshard.storage import posix_sink as sink
 from reshard.staging import Staging
 
 mode, n = sys.argv[1], int(sys.argv[2])

@@ -1,4 +1,4 @@
-"""reshard.sink.HashingSink: the bytes on disk are the bytes written, its sha256 is theirs, whatever the sizes
+"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its sha256 is theirs, whatever the sizes
 of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
 import errno
 import hashlib
@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from reshard import sink
-from reshard.sink import BLOCK, HashingSink
+from reshard.storage import posix_sink as sink
+from reshard.storage.posix_sink import BLOCK, HashingSink
 
 
 def _write(path, pieces, reserve=0):

@@ -90,7 +90,8 @@ def make_sparse(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple:
         path = os.path.join(dst, getattr(item, "path", ""))
         if isinstance(item, TensorFile):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            apparent += write_sparse_torch_file(path, item.header(), item.slots, item.pieces, **item.writer_options())
+            apparent += write_sparse_torch_file(path, item.header(), item.slots, item.pieces,
+                                                item.container().archive)
         elif isinstance(item, TextFile):
             with open(path, "wb") as f:
                 f.write(item.text.encode() if isinstance(item.text, str) else item.text)

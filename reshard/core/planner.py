@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 from reshard.core.catalog import Catalog
+from reshard.core.container import Container
 from reshard.core.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats import container_writer
 from reshard.core.geometry import offset, span, strides
 from reshard.core.layout import Layout
 from reshard.core.locate import Locator
@@ -82,9 +82,8 @@ class StoragePlan:
 @dataclass
 class FilePlan:
     path: str                    # relative to the target directory
-    container: str               # which writer lays the file out (reshard.formats.container_writer)
+    container: Container         # what lays the file out, with its options (reshard.core.container)
     header: bytes                # the bytes the container puts before the storages
-    options: dict = field(default_factory=dict)
     storages: list = field(default_factory=list)
     size: int = 0                # bytes of the file on disk: storages, header and the container's framing
 
@@ -196,9 +195,8 @@ def plan(catalog: Catalog, target: Layout, targets: list, tag: str, output: Outp
 
 
 def _plan_file(file: TensorFile, index) -> FilePlan:
-    header, options = file.header(), file.writer_options()
-    size = container_writer(file.container).file_size(header, file.slots, **options)
-    planned = FilePlan(file.path, file.container, header, options, size=size)
+    header, container = file.header(), file.container()
+    planned = FilePlan(file.path, container, header, size=container.file_size(header, file.slots))
     for slot in file.slots:
         storage = StoragePlan(slot.key, slot.dtype, slot.shape)
         cursor = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from reshard.core.container import Container
 from reshard.core.dtypes import itemsize
 from reshard.core.placement import Shard
 
@@ -58,20 +59,19 @@ class RawPiece:
 class TensorFile:
     """A file of tensors: a format-specific header, then each slot's bytes, filled from its pieces.
 
-    Formats subclass it (torchsave.TorchFile, safetensors_file.SafetensorsFile): `container`
-    names the writer that lays the file out, `header()` gives the bytes before the storages.
+    Formats subclass it (torchsave_write.TorchFile, safetensors_file.SafetensorsFile): `container()` gives
+    the container that lays the file out (reshard.core.container), `header()` the bytes before the storages.
     """
     path: str                                    # relative to the target directory
     tree: object = None                          # what the header describes (a pickled tree, metadata)
     slots: list = field(default_factory=list)    # NewTensor, in storage order
     pieces: dict = field(default_factory=dict)   # slot key -> [Piece]
-    container = ""
 
     def header(self) -> bytes:
         raise NotImplementedError
 
-    def writer_options(self) -> dict:
-        return {}
+    def container(self) -> Container:
+        raise NotImplementedError
 
     def slot(self, dtype: str, shape: tuple, pieces: list, key: str | None = None) -> NewTensor:
         """A new tensor of this file filled from `pieces` (which must add up to its size)."""

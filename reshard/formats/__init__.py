@@ -129,24 +129,11 @@ def writer(format_name: str) -> Writer:
     return importlib.import_module(WRITERS[format_name])
 
 
-def container_loader(container: str):
-    """For a container whose files a live process loads in memory (reshard.materialize): the function
-    (header, storage_of) -> the object loading the written file would give."""
-    if container == "torch":
-        from reshard.formats.torchsave_write import load_tree
-        return load_tree
-    raise ReshardError(f"{container!r} files are only written to disk")
-
-
-def container_writer(container: str):
-    """The class that lays out a file of tensors: (path, header, storages, **options), storage(key, nbytes)."""
-    if container == "torch":
-        from reshard.formats.torchsave_write import TorchZipWriter
-        return TorchZipWriter
-    if container == "distcp":
-        from reshard.formats.dcp.chunkzip import DistcpWriter
-        return DistcpWriter
-    if container == "safetensors":
-        from reshard.formats.safetensors_file import SafetensorsWriter
-        return SafetensorsWriter
-    raise ReshardError(f"no writer for {container!r} files")
+def container_loader(container):
+    """For a container (reshard.core.container.Container) whose files a live process loads in memory
+    (reshard.materialize): the function (header, storage_of) -> the object loading the written file would give."""
+    from reshard.formats.containers import CONTAINERS
+    loader = CONTAINERS[container.name].loader
+    if loader is None:
+        raise ReshardError(f"{container.name!r} files are only written to disk")
+    return loader

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import BinaryIO, ClassVar
 
 from reshard.core.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.sink import HashingSink
 from reshard.core.write_requests import Piece, TensorFile
 
 DTYPE_CODES = {
@@ -30,7 +30,6 @@ def storage_order(slots) -> list:
 @dataclass
 class SafetensorsFile(TensorFile):
     """A safetensors file; `tree` is its string metadata, each slot's key is the tensor's name."""
-    container = "safetensors"
     STEM, EXTENSION, SUFFIXES = "model", "safetensors", (".safetensors",)   # Hugging Face's names
 
     @classmethod
@@ -64,38 +63,45 @@ class SafetensorsFile(TensorFile):
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
 
+    def container(self) -> "Safetensors":
+        return Safetensors()
+
+
+@dataclass(frozen=True)
+class Safetensors:
+    """The safetensors container (reshard.core.container.Container); it takes no options."""
+    name: ClassVar[str] = "safetensors"
+
+    def file_size(self, header: bytes, storages) -> int:
+        """Bytes of the file on disk: the header, then the tensors packed without gaps."""
+        return len(header) + sum(s.nbytes for s in storages)
+
+    def writer(self, out: BinaryIO, header: bytes, storages) -> "SafetensorsWriter":
+        return SafetensorsWriter(out, header, storages)
+
 
 class SafetensorsWriter:
     """Writes the header, then each storage's bytes in order through `storage(key, nbytes)`."""
 
-    def __init__(self, path: str, header: bytes, storages: list):
-        self.path = path
+    def __init__(self, out: BinaryIO, header: bytes, storages):
+        self._file = out
         self.header = header
         self.storages = list(storages)
-        self._file = None
         self._next = 0
-        self.size = self.sha256 = None
-
-    @staticmethod
-    def file_size(header: bytes, storages: list) -> int:
-        """Bytes of the file on disk: the header, then the tensors packed without gaps."""
-        return len(header) + sum(s.nbytes for s in storages)
 
     def __enter__(self):
-        self._file = HashingSink(self.path, self.file_size(self.header, self.storages))
         self._file.write(self.header)
         return self
 
     def storage(self, key: str, nbytes: int):
         expected = self.storages[self._next]
         if expected.key != key or expected.nbytes != nbytes:
-            raise AssertionError(f"{self.path}: storage {key} written out of order")
+            raise AssertionError(f"{getattr(self._file, 'name', 'safetensors')}: storage {key} written out of order")
         self._next += 1
         return _Unclosable(self._file)
 
     def __exit__(self, *exc):
-        self.size, self.sha256 = self._file.size, self._file.sha256
-        self._file.close()
+        pass
 
 
 class _Unclosable:

@@ -7,7 +7,7 @@ DeepSpeed's own global names, so DeepSpeed loads them as its own classes. A tens
 from a source pickle (a `TensorRef` in client state: Lightning's `ModelCheckpoint.kth_value`) is
 written as torch wrote it, over a storage of the new file holding a copy of the source storage; no
 global of reshard's own is ever written (the file must load where reshard is not installed).
-`TorchZipWriter` then lays out the zip archive with 64-byte-aligned storage members that the caller
+`TorchZip` (the container) then lays out the zip archive with 64-byte-aligned storage members that the caller
 streams in.
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass, field, replace
+from typing import BinaryIO, ClassVar
 
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.formats import standins
 from reshard.core.storage_ref import StorageRef
 from reshard.formats.torchsave_read import DType, Size, TensorRef
-from reshard.sink import HashingSink
 from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
@@ -44,7 +44,6 @@ class TorchFile(TensorFile):
     (`carry`), before the planner lists the slots."""
     archive: str = "archive"                     # the zip's top folder (torch uses the file stem)
     carried: dict = field(default_factory=dict, repr=False)   # source StorageRef -> the slot copying it
-    container = "torch"
     STEM, EXTENSION, SUFFIXES = "pytorch_model", "bin", (".bin", ".pt", ".pth")   # Hugging Face's names
 
     @classmethod
@@ -76,8 +75,8 @@ class TorchFile(TensorFile):
             slot = self.carried[storage] = self.slot(storage.dtype, (storage.numel,), pieces)
         return slot
 
-    def writer_options(self) -> dict:
-        return {"archive": self.archive}
+    def container(self) -> "TorchZip":
+        return TorchZip(self.archive)
 
 
 @dataclass(frozen=True)
@@ -206,31 +205,14 @@ def load_tree(data_pkl: bytes, storage_of):
     return Unpickler(io.BytesIO(data_pkl)).load()
 
 
-class TorchZipWriter:
-    """A torch.save zip archive written front to back: data.pkl, then each storage streamed in.
+@dataclass(frozen=True)
+class TorchZip:
+    """The torch.save zip container (reshard.core.container.Container). `archive`: the zip's top folder (torch.save
+    names it after the file's stem; torch.load takes any)."""
+    archive: str = "archive"
+    name: ClassVar[str] = "torch"
 
-    Storage members are stored (uncompressed) with their data 64-byte aligned, as torch.save does,
-    so `torch.load(mmap=True)` maps them in place. Use as a context manager; call `storage(key)`
-    for each storage in the order given and write exactly its byte count into the returned stream.
-    Afterwards `size` and `sha256` describe the file.
-    """
-
-    def __init__(self, path: str, data_pkl: bytes, storages: list, archive: str = "archive"):
-        self.path = path
-        self.archive = archive
-        self.data_pkl = data_pkl
-        self.storages = list(storages)           # objects with .key and .nbytes, in write order
-        self._zip = None
-        self._sink = None
-        self.size = self.sha256 = None
-
-    def size_bound(self) -> int:
-        """At least the archive's final size: data plus generous room for headers and alignment."""
-        members = len(self.storages) + 6
-        return len(self.data_pkl) + sum(s.nbytes for s in self.storages) + members * (ALIGNMENT + 256) + 1024
-
-    @staticmethod
-    def file_size(data_pkl: bytes, storages: list, archive: str = "archive") -> int:
+    def file_size(self, data_pkl: bytes, storages) -> int:
         """Bytes of the archive on disk, as zipfile lays out the members __enter__ and __exit__ put: each
         one's local header (with its alignment padding and, for a large member, ZIP64 sizes), its data
         and data descriptor (the sink is not seekable), then the central directory and the end records."""
@@ -239,7 +221,7 @@ class TorchZipWriter:
                    (".data/serialization_id", hashlib.sha1().digest_size * 2)]
         offset = directory = 0
         for name, nbytes in members:
-            name_len = len(f"{archive}/{name}".encode())
+            name_len = len(f"{self.archive}/{name}".encode())
             zip64 = _zip64(nbytes)
             header_end = offset + 30 + name_len + (20 if zip64 else 0)
             padding_field = 4 + (-(header_end + 4)) % ALIGNMENT
@@ -252,8 +234,27 @@ class TorchZipWriter:
             end += 56 + 20      # ZIP64 end of central directory record and its locator
         return offset + directory + end
 
+    def writer(self, out: BinaryIO, data_pkl: bytes, storages) -> "TorchZipWriter":
+        return TorchZipWriter(out, data_pkl, self.archive)
+
+
+class TorchZipWriter:
+    """A torch.save zip archive written front to back into `out`: data.pkl, then each storage streamed in.
+
+    Storage members are stored (uncompressed) with their data 64-byte aligned, as torch.save does,
+    so `torch.load(mmap=True)` maps them in place. Use as a context manager; call `storage(key)`
+    for each storage in the order given and write exactly its byte count into the returned stream.
+    `out` is written front to back and never seeked (a stream that says it is not seekable gets each member's
+    sizes in a data descriptor after it, which TorchZip.file_size counts).
+    """
+
+    def __init__(self, out: BinaryIO, data_pkl: bytes, archive: str = "archive"):
+        self._sink = out
+        self.archive = archive
+        self.data_pkl = data_pkl
+        self._zip = None
+
     def __enter__(self):
-        self._sink = HashingSink(self.path, self.size_bound())
         self._zip = zipfile.ZipFile(self._sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
         self._put("data.pkl", self.data_pkl)
         self._put(".format_version", b"1")
@@ -266,15 +267,11 @@ class TorchZipWriter:
         return self._zip.open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=_zip64(nbytes))
 
     def __exit__(self, exc_type, *exc):
-        try:
-            if exc_type is None:
-                self._put("version", b"3\n")
-                digest = hashlib.sha1(self.data_pkl).hexdigest()
-                self._put(".data/serialization_id", digest.encode())
-            self._zip.close()
-            self.size, self.sha256 = self._sink.size, self._sink.sha256
-        finally:
-            self._sink.close()
+        if exc_type is None:
+            self._put("version", b"3\n")
+            digest = hashlib.sha1(self.data_pkl).hexdigest()
+            self._put(".data/serialization_id", digest.encode())
+        self._zip.close()
 
     def _put(self, name: str, data: bytes) -> None:
         with self._zip.open(self._aligned_info(name, len(data)), "w") as f:

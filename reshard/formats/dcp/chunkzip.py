@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import dataclass
+from typing import BinaryIO, ClassVar
 
 from reshard.formats.torchsave_write import ALIGNMENT
-from reshard.sink import HashingSink
 
 CHUNK_LIMIT = 1 << 31           # bytes of one chunk's data: well inside 32-bit zip offsets
 ARCHIVE = "archive"
@@ -109,35 +110,51 @@ class Archive:
         return self.head()
 
 
-class DistcpWriter:
-    """The container writer of `.distcp` files (registered in reshard.formats.container_writer).
+@dataclass(frozen=True)
+class Item:
+    """One archive of a `.distcp` file: a pickled value (`key` None), or the chunk of storage `key`; `nbytes` of
+    the container's header are its fixed bytes (the whole archive of a value, the data.pkl of a chunk)."""
+    kind: str           # VALUE or CHUNK
+    key: str | None
+    nbytes: int
 
-    `header` is every item's fixed bytes end to end: a whole archive for a value, the data.pkl of a
-    tensor chunk; `items` says which is which: [["value", None, n] | ["chunk", storage key, n]].
-    The executor asks for the storages in item order; values between them are written as it goes.
-    """
 
-    def __init__(self, path: str, header: bytes, storages: list, items: list):
-        self.path, self.header, self.items = path, header, [tuple(i) for i in items]
-        self.nbytes = {s.key: s.nbytes for s in storages}
-        self._sink = None
-        self._next = 0          # next item to write
-        self._consumed = 0      # bytes of `header` used so far
-        self.size = self.sha256 = None
+VALUE, CHUNK = "value", "chunk"
 
-    @staticmethod
-    def file_size(header: bytes, storages: list, items: list) -> int:
+
+@dataclass(frozen=True)
+class Distcp:
+    """The `.distcp` container (reshard.core.container.Container): `items`, in file order, say what the header's
+    bytes are; the executor asks for the storages in item order."""
+    items: tuple = ()       # Item
+    name: ClassVar[str] = "distcp"
+
+    def file_size(self, header: bytes, storages) -> int:
         """Bytes of the file on disk: every item's archive, end to end."""
         nbytes = {s.key: s.nbytes for s in storages}
         size = consumed = 0
-        for kind, key, n in items:
-            size += n if kind == "value" else Archive(header[consumed:consumed + n], nbytes[key]).length
+        for item in self.items:
+            n = item.nbytes
+            size += n if item.kind == VALUE else Archive(header[consumed:consumed + n], nbytes[item.key]).length
             consumed += n
         return size
 
+    def writer(self, out: BinaryIO, header: bytes, storages) -> "DistcpWriter":
+        return DistcpWriter(out, header, storages, self.items)
+
+
+class DistcpWriter:
+    """Writes a `.distcp` file into `out`: `header` is every item's fixed bytes end to end (Distcp); values
+    between the storages are written as the executor asks for the storages."""
+
+    def __init__(self, out: BinaryIO, header: bytes, storages, items: tuple):
+        self._sink, self.header, self.items = out, header, items
+        self.path = getattr(out, "name", "distcp")
+        self.nbytes = {s.key: s.nbytes for s in storages}
+        self._next = 0          # next item to write
+        self._consumed = 0      # bytes of `header` used so far
+
     def __enter__(self):
-        reserve = len(self.header) + sum(self.nbytes.values()) + 1024 * len(self.items)
-        self._sink = HashingSink(self.path, reserve)
         return self
 
     def _fixed(self, n: int) -> bytes:
@@ -147,14 +164,14 @@ class DistcpWriter:
 
     def _values_until(self, key) -> Archive | None:
         while self._next < len(self.items):
-            kind, item_key, n = self.items[self._next]
+            item = self.items[self._next]
             self._next += 1
-            if kind == "value":
-                self._sink.write(self._fixed(n))
-            elif item_key == key:
-                return Archive(self._fixed(n), self.nbytes[key])
+            if item.kind == VALUE:
+                self._sink.write(self._fixed(item.nbytes))
+            elif item.key == key:
+                return Archive(self._fixed(item.nbytes), self.nbytes[key])
             else:
-                raise AssertionError(f"{self.path}: storage {item_key} skipped")
+                raise AssertionError(f"{self.path}: storage {item.key} skipped")
         if key is not None:
             raise AssertionError(f"{self.path}: no item for storage {key}")
         return None
@@ -165,12 +182,8 @@ class DistcpWriter:
         return _ChunkStream(self._sink, archive, nbytes, self.path)
 
     def __exit__(self, exc_type, *exc):
-        try:
-            if exc_type is None:
-                self._values_until(None)
-            self.size, self.sha256 = self._sink.size, self._sink.sha256
-        finally:
-            self._sink.close()
+        if exc_type is None:
+            self._values_until(None)
 
 
 class _ChunkStream:

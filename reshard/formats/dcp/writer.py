@@ -17,7 +17,7 @@ from reshard.errors import ReshardError
 from reshard.formats import WRITER_SPEC_KEYS
 from reshard.formats.dcp import keys, metadata as md
 from reshard.formats.dcp.chunks import METADATA
-from reshard.formats.dcp.chunkzip import CHUNK_LIMIT, Archive
+from reshard.formats.dcp.chunkzip import CHUNK, CHUNK_LIMIT, VALUE, Archive, Distcp, Item
 from reshard.formats.torchsave_write import pickle_tree
 from reshard.formats.torchsave_read import Size, TensorRef
 from reshard.core.layout import Layout
@@ -26,22 +26,21 @@ from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, Te
 @dataclass
 class DistcpFile(TensorFile):
     """A `.distcp` file: items (tensor chunks and pickled values) end to end, each a torch.save zip."""
-    items: list = field(default_factory=list)    # ["value", None, n] | ["chunk", slot key, n]
+    items: list = field(default_factory=list)    # chunkzip.Item
     fixed: list = field(default_factory=list)    # each item's fixed bytes
     size: int = 0                                # bytes so far = the next item's offset
-    container = "distcp"
 
     def add_chunk(self, dtype: str, shape: tuple, pieces: list) -> tuple:
         slot = self.slot(dtype, shape, pieces)
         data_pkl = pickle_tree(NewTensor("0", dtype, tuple(shape)))
-        return self._append("chunk", slot.key, data_pkl, Archive(data_pkl, slot.nbytes).length)
+        return self._append(CHUNK, slot.key, data_pkl, Archive(data_pkl, slot.nbytes).length)
 
     def add_value(self, value) -> tuple:
         blob = Archive(pickle_tree(value)).whole()
-        return self._append("value", None, blob, len(blob))
+        return self._append(VALUE, None, blob, len(blob))
 
     def _append(self, kind, key, fixed: bytes, length: int) -> tuple:
-        self.items.append([kind, key, len(fixed)])
+        self.items.append(Item(kind, key, len(fixed)))
         self.fixed.append(fixed)
         offset, self.size = self.size, self.size + length
         return offset, length
@@ -49,8 +48,8 @@ class DistcpFile(TensorFile):
     def header(self) -> bytes:
         return b"".join(self.fixed)
 
-    def writer_options(self) -> dict:
-        return {"items": self.items}
+    def container(self) -> Distcp:
+        return Distcp(tuple(self.items))
 
 
 def file_name(rank: int) -> str:

@@ -1,4 +1,4 @@
-"""The one way reshard writes a big file: strictly front to back, hashed as it goes, past the page cache.
+"""How reshard.storage.posix writes a big file: strictly front to back, hashed as it goes, past the page cache.
 
 Bytes are gathered into a ring of page-aligned blocks. A full block is hashed (sha256, one thread, in
 order) and written at its place in the file (two threads, so two writes are in flight) while the producer

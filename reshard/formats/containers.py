@@ -1,0 +1,28 @@
+"""The containers reshard writes files in, by name: the one registry for convert's writers and export.
+
+Each one implements reshard.core.container.Container (exact file size, streaming writer) as a frozen dataclass
+of its options; a write request (a TensorFile) says which by returning one from `container()`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from reshard.core.container import Container
+from reshard.formats.dcp.chunkzip import Distcp
+from reshard.formats.safetensors_file import Safetensors, SafetensorsFile
+from reshard.formats.torchsave_write import TorchFile, TorchZip, load_tree
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A container and what else reshard does with its files."""
+    container: type[Container]          # the Container class
+    exported_as: type | None = None     # the TensorFile of a state dict export writes (reshard.export), if any
+    loader: Callable | None = None      # (header, storage_of) -> what loading the file gives (reshard.materialize)
+
+
+CONTAINERS = {c.container.name: c for c in (Registered(TorchZip, TorchFile, load_tree), Registered(Distcp),
+                                            Registered(Safetensors, SafetensorsFile))}
+# export's formats: each one's file type (from_entries, STEM, EXTENSION, SUFFIXES), safetensors first (the default)
+EXPORTS = {name: CONTAINERS[name].exported_as for name in ("safetensors", "torch")}

@@ -1,0 +1,100 @@
+"""The storage interface: what reshard asks of wherever checkpoint bytes live. Modelled on
+torch.distributed.checkpoint's StorageReader/StorageWriter split: reading sources and writing an output are two
+objects, each with its call order written down. Paths are the storage's own names for files (POSIX paths today,
+object keys for an object store): no file descriptor and no memory map crosses this surface.
+
+Reading (SourceStorage), any number of times, in any order, then `close()` once:
+  read(path, offset, n) / read_into(path, offset, out)     positioned reads; a short count only at the file's end
+  window(path, offset, n)                                  a read-only buffer over a range, for a sparse gather that
+                                                           touches few of its bytes; released on leaving the `with`
+  view(path)                                               the whole file as a read-only buffer, kept until close()
+  done_with(path, offset, n)                               a hint: these bytes are not read again (drop them from
+                                                           any cache)
+  size(path)
+
+Writing an output (OutputStorage), in this order:
+  1. lock(path)                                one writer per destination; `release()` the handle it returns last
+  2. delete(staged) (unless resuming), make_folder(staged/...)
+  3. for each big file: stream(path, reserve), written front to back, closed; sync(path) makes it durable;
+     append(journal, line) notes it finished
+  4. put(path, data) and copy(source, path): the small files, each durable on return
+  5. commit(staged, final): `staged`'s tree made durable, then it appears as `final` at once
+     (replacing what was there); commit_file(staged_file, final) does the same for one file
+  On any failure before 5: delete(staged), and `final` is untouched.
+  list(folder), exists(path), get(path), free_bytes(folder) may be asked at any point.
+"""
+from __future__ import annotations
+
+from typing import ContextManager, Protocol
+
+
+class SourceStorage(Protocol):
+    def read(self, path: str, offset: int, nbytes: int) -> bytes: ...
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int: ...
+
+    def window(self, path: str, offset: int, nbytes: int) -> ContextManager[memoryview]: ...
+
+    def view(self, path: str): ...     # a read-only buffer (bytes-like: len, slices, numpy.frombuffer)
+
+    def done_with(self, path: str, offset: int, nbytes: int) -> None: ...
+
+    def size(self, path: str) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class WriteStream(Protocol):
+    """A file written strictly front to back (never seeked), hashed as it goes: `size` bytes so far, `sha256`
+    once closed."""
+    size: int
+
+    def write(self, data) -> int: ...
+
+    def tell(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def sha256(self) -> str: ...
+
+
+class LockHeld(Exception):
+    """lock(path): another writer holds it."""
+
+
+class Lock(Protocol):
+    def release(self) -> None: ...
+
+
+class OutputStorage(Protocol):
+    STREAM_BUFFER_BYTES: int        # memory one open stream holds (its write buffers)
+
+    def lock(self, path: str) -> Lock: ...
+
+    def make_folder(self, path: str) -> None: ...
+
+    def stream(self, path: str, reserve: int = 0) -> WriteStream: ...
+
+    def sync(self, path: str) -> None: ...
+
+    def append(self, path: str, data: bytes) -> None: ...
+
+    def put(self, path: str, data: bytes) -> None: ...
+
+    def copy(self, source: str, path: str) -> None: ...
+
+    def get(self, path: str) -> bytes: ...
+
+    def list(self, folder: str) -> list: ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def delete(self, path: str) -> None: ...
+
+    def commit(self, staged: str, final: str) -> None: ...
+
+    def commit_file(self, staged: str, final: str) -> None: ...
+
+    def free_bytes(self, folder: str) -> int: ...
+

@@ -1,0 +1,134 @@
+"""reshard.core.container.Container: each container (torch zip, .distcp, safetensors) knows its file's exact size
+before a byte is written, writes it front to back into any stream, and is a frozen dataclass of typed options;
+convert and export take them from one registry (reshard.formats.containers), and the core imports none."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+
+import pytest
+import torch
+
+from reshard.core.write_requests import NewTensor, Piece
+from reshard.formats import containers
+from reshard.formats.dcp.writer import DistcpFile
+from reshard.formats.safetensors_file import SafetensorsFile
+from reshard.formats.torchsave_write import TorchFile
+from reshard.storage.posix_sink import HashingSink
+from tests.test_structure import REPO, import_structure
+
+SIZES = (3, 700, 1, 1500)       # elements (float32) of each tensor
+
+
+class Stream(io.RawIOBase):
+    """An in-memory stream that, like the executor's sink, cannot seek: every byte written goes at the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.data = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.data += memoryview(data).cast("B")
+        return memoryview(data).nbytes
+
+    def tell(self) -> int:
+        return len(self.data)
+
+
+def _torch():
+    file = TorchFile("x.pt", archive="x")
+    file.tree = {f"t{i}": file.slot("float32", (n,), [Piece(n)]) for i, n in enumerate(SIZES)}
+    return file
+
+
+def _safetensors():
+    file = SafetensorsFile("x.safetensors", {"format": "pt"})
+    for i, n in enumerate(SIZES):
+        file.slot("float32", (n,), [Piece(n)], key=f"t{i}")
+    return file
+
+
+def _distcp():
+    file = DistcpFile("__0_0.distcp")
+    file.add_value({"step": 3})
+    for n in SIZES:
+        file.add_chunk("float32", (n,), [Piece(n)])
+    file.add_value([1, 2])
+    return file
+
+
+FILES = {"torch": _torch, "safetensors": _safetensors, "distcp": _distcp}
+
+
+def _write(container, header: bytes, slots, out) -> None:
+    with container.writer(out, header, slots) as writer:
+        for slot in slots:
+            with writer.storage(slot.key, slot.nbytes) as stream:
+                stream.write(bytes(range(256)) * (slot.nbytes // 256) + bytes(slot.nbytes % 256))
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_exact_size_is_the_bytes_written(name):
+    file = FILES[name]()
+    container, header = file.container(), file.header()
+    out = Stream()
+    _write(container, header, file.slots, out)
+    assert type(container).name == name and len(out.data) == container.file_size(header, file.slots) > 0
+    # negative control: a file whose last storage is 64 bytes bigger is not the size of the bytes written (64: a
+    # few bytes more may only eat the 64-byte alignment padding of the member after it)
+    grown = [*file.slots[:-1], NewTensor(file.slots[-1].key, "float32", (SIZES[-1] + 16,))]
+    assert container.file_size(header, grown) != len(out.data)
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_written_through_the_sink_the_file_is_its_exact_size_and_loads(name, tmp_path):
+    file = FILES[name]()
+    container, header, path = file.container(), file.header(), tmp_path / file.path
+    with HashingSink(str(path), container.file_size(header, file.slots)) as sink:
+        _write(container, header, file.slots, sink)
+    assert path.stat().st_size == sink.size == container.file_size(header, file.slots)
+    if name == "torch":
+        assert [t.numel() for t in torch.load(path, weights_only=True).values()] == list(SIZES)
+    elif name == "safetensors":
+        from safetensors.torch import load_file
+        assert [load_file(path)[f"t{i}"].numel() for i in range(len(SIZES))] == list(SIZES)
+
+
+def test_a_storage_cut_short_is_refused():
+    """Negative control for the sizes above: a writer that would leave a chunk short of its bytes says so."""
+    file = _distcp()
+    slot = file.slots[0]
+    with pytest.raises(AssertionError, match="left over"):
+        with file.container().writer(Stream(), file.header(), file.slots) as writer:
+            with writer.storage(slot.key, slot.nbytes) as stream:
+                stream.write(bytes(slot.nbytes - 1))
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_options_are_typed_frozen_and_travel_to_worker_processes(name):
+    container = FILES[name]().container()
+    assert dataclasses.is_dataclass(container) and containers.CONTAINERS[name].container is type(container)
+    assert pickle.loads(pickle.dumps(container)) == container
+    field = next(iter(dataclasses.fields(container)), None)
+    if field is not None:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(container, field.name, None)
+
+
+def test_export_writes_the_registered_containers():
+    from reshard import export
+    assert export.FORMATS is containers.EXPORTS
+    assert {name: containers.CONTAINERS[name].exported_as for name in export.FORMATS} == export.FORMATS
+    assert all(type(kind.from_entries("x", [], {}, {}).container()).name == name
+               for name, kind in export.FORMATS.items())
+
+
+def test_the_core_imports_no_format():
+    edges, _ = import_structure(REPO / "reshard")
+    core = {m: sorted(i for i in imports if i.startswith("reshard.formats")) for m, imports in edges.items()
+            if m.startswith("reshard.core")}
+    assert core and all(not imports for imports in core.values()), core
