@@ -56,7 +56,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
             raise UsageError.at(names, "export names apply to the weights; export the optimizer state without them")
         catalog.scalars_of_groups(WITH_OPTIMIZER)
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
-    aliases = catalog.aliases
+    aliases = dict(catalog.aliases)
     if names:
         entries, aliases = export_names.load(names).apply(entries, aliases)
     metadata = {"format": "pt"}

@@ -33,7 +33,7 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "trainable": kinds.count("trainable"),
         "frozen": kinds.count("frozen"),
         "buffers": kinds.count("buffer"),
-        "aliases": catalog.aliases,
+        "aliases": dict(catalog.aliases),
         "param_groups": [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                           "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
                          for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],

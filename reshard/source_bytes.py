@@ -222,7 +222,6 @@ def _placed_mask(shard: Shard, start: int, stop: int) -> np.ndarray:
 def replica_problem(files: MappedFiles, tensor: LogicalTensor, replica, known: dict | None = None) -> str | None:
     """One line when a replica (catalog.Replica) differs from the tensor it copies, else None. `known`: as
     for first_difference."""
-    replica.checked = True
     at = first_difference(files, tensor, replica.copy, known=known)
     if at is None:
         return None

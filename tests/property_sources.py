@@ -117,15 +117,15 @@ def dtype_of(model: Model, key) -> str:
 def source_catalog(model: Model, values: dict, root: str):
     """THE hand-built Catalog: each logical tensor one raw file, one fragment (tp=pp=dp=1). A pipeline model
     also gets what the DeepSpeed reader records of layer files (which layer holds which param)."""
-    from reshard.core.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+    from reshard.core.catalog import CatalogBuilder, Fragment, ParamInfo, ScalarTensor, TensorDraft, TrainingState
     from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.core.storage_ref import StorageRef
     from reshard.core.layout import Layout
 
     src = os.path.join(root, "src", "global_step7")
     os.makedirs(src)
-    catalog = Catalog(root=src, format="deepspeed",
-                      layout=Layout(dp=1, zero=1, dtype=model.lp, options=dict(model.options)))
+    catalog = CatalogBuilder(root=src, format="deepspeed",
+                             layout=Layout(dp=1, zero=1, dtype=model.lp, options=dict(model.options)))
     zero_cfg = {"stage": 1, **model.options}
     precision = {"bfloat16": {"bf16": {"enabled": True}}, "float16": {"fp16": {"enabled": True}}}.get(model.lp, {})
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_cfg, **precision}
@@ -150,9 +150,9 @@ def source_catalog(model: Model, values: dict, root: str):
         path = os.path.join(src, f"t{i}.bin")
         with open(path, "wb") as f:
             f.write(raw)
-        tensor = catalog.add(LogicalTensor(key[0], key[1], tuple(value.shape), dtype))
+        tensor = catalog.add(TensorDraft(key[0], key[1], tuple(value.shape), dtype))
         tensor.fragments.append(Fragment(0, value.size, StorageRef(path, 0, len(raw), dtype), 0))
-    return catalog
+    return catalog.freeze()
 
 
 def convert(catalog, spec: str, dst: str, fmt: str | None = None, rules: str | None = None, read: bool = True):

@@ -4,7 +4,7 @@ import math
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from reshard.core.catalog import Fragment, LogicalTensor
+from reshard.core.catalog import Fragment, TensorDraft
 from reshard.core.storage_ref import StorageRef
 from reshard.core.locate import Locator
 from reshard.core.placement import Block, Shard, flat_boxes, full_index, regions, tiles
@@ -51,7 +51,7 @@ def test_locator_finds_every_element_where_numpy_does(case, a, b):
     full_shape, shards, part = case
     truth = np.arange(math.prod(full_shape)).reshape(full_shape)
     storage = []                       # one flat buffer holding every shard, as ranges of `part` elements
-    tensor = LogicalTensor("w", "fp32", full_shape, "int64")
+    tensor = TensorDraft("w", "fp32", full_shape, "int64")
     for at, shape in shards:
         values = truth[at[0]:at[0] + shape[0], at[1]:at[1] + shape[1]].reshape(-1)
         shard = Shard.box(at, shape)
@@ -65,7 +65,7 @@ def test_locator_finds_every_element_where_numpy_does(case, a, b):
     n = truth.size
     a, b = sorted((a % (n + 1), b % (n + 1)))
     wanted = np.zeros(b - a, int) - 1
-    for hit in Locator(tensor).boxes(None, a, b):
+    for hit in Locator(tensor.freeze()).boxes(None, a, b):
         first = int(np.ravel_multi_index(hit.local, full_shape)) - a
         span = sum((k - 1) * s for k, s in zip(hit.shape, hit.strides)) + 1
         got = np.lib.stride_tricks.as_strided(buffer[hit.elem:hit.elem + span], hit.shape,

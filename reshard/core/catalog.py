@@ -4,14 +4,17 @@ A logical tensor is a (name, state) pair: ("l1.weight", "exp_avg"). Its elements
 over fragments; a fragment says which flat range [start, stop) of which shard of the full tensor
 (reshard.core.placement: the full tensor itself, a tensor-parallel slice, a DCP chunk) sits contiguously
 in which storage, starting at which element of that storage. One fragment per shard and flat range,
-however many rows it has. Readers fill a Catalog from metadata alone; nothing here reads tensor bytes.
+however many rows it has. Readers fill a CatalogBuilder from metadata alone and freeze it into a Catalog, which
+no one changes after; nothing here reads tensor bytes.
 """
 from __future__ import annotations
 
 import math
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union, cast
 
 from reshard.core import optimizers
 from reshard.errors import CheckpointError, ReshardError
@@ -24,6 +27,12 @@ if TYPE_CHECKING:
 # State names with a fixed meaning; optimizer states keep the optimizer's own names.
 MASTER = "fp32"        # the fp32 master copy of a trainable parameter
 MODULE = "module"      # the model's state_dict value as saved (16-bit copy, frozen params, buffers)
+
+
+class TensorKey(NamedTuple):
+    """A logical tensor's key in the catalog: a tuple, so (name, state) tuples find it too."""
+    name: str
+    state: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,31 +56,44 @@ class ScalarTensor:
     dtype: str
 
 
-@dataclass
+# One optimizer scalar as saved: a one-element tensor, or a plain number
+ScalarValue = Union[ScalarTensor, float, int]
+
+
+@dataclass(frozen=True)
 class PerParamScalar:
     """An optimizer scalar a source keeps for each param of a group: torch.optim's Adam counts each param's
     own `step` (a param without a gradient is not stepped), and torch.save, DCP and a universal checkpoint's
-    `zero/<param>/step.pt` save that count per param, where a DeepSpeed save keeps one per group."""
-    values: dict = field(default_factory=dict)   # param name -> ScalarTensor | plain value, in the order read
-    files: dict = field(default_factory=dict)    # param name -> the file its value was read from, for messages
+    `zero/<param>/step.pt` save that count per param, where a DeepSpeed save keeps one per group. A builder's
+    maps grow as params are read (CatalogBuilder.record_param_scalar); a Catalog's are read-only."""
+    values: Mapping[str, ScalarValue] = field(default_factory=dict)   # param name -> value, in the order read
+    files: Mapping[str, str] = field(default_factory=dict)    # param name -> the file its value was read from
 
-    def first(self) -> tuple:
+    def first(self) -> tuple[str, ScalarValue]:
         """(name, value) of the first param read: the group's one value when all agree."""
         return next(iter(self.values.items()))
 
-    def differing(self) -> list:
+    def differing(self) -> list[tuple[str, ScalarValue]]:
         """[(name, value)] of the params whose value is not the first param's (empty: one value for all)."""
         first = self.first()[1]
         return [(name, value) for name, value in self.values.items() if value != first]
 
+    def frozen(self) -> PerParamScalar:
+        return PerParamScalar(MappingProxyType(dict(self.values)), MappingProxyType(dict(self.files)))
 
-@dataclass
+
+# Per param group, each optimizer scalar ("step"): its one value where the format keeps one per group
+# (DeepSpeed), a PerParamScalar where it keeps each param's own
+GroupScalar = Union[ScalarValue, PerParamScalar]
+
+
+@dataclass(frozen=True)
 class LogicalTensor:
     name: str
     state: str
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
-    fragments: list = field(default_factory=list)
+    fragments: tuple[Fragment, ...] = ()
     # The dtype the fragments' storages hold when it is not `dtype`: the tensor is those values cast to `dtype`
     # (rounded to nearest even, as torch's .to()); a format's loader that derives one copy from another (a
     # universal checkpoint's expert weights are their fp32 master cast to the model's dtype). "": none.
@@ -87,27 +109,54 @@ class LogicalTensor:
         return self.cast_from or self.dtype
 
     @property
-    def key(self) -> tuple:
-        return (self.name, self.state)
+    def key(self) -> TensorKey:
+        return TensorKey(self.name, self.state)
 
 
 @dataclass
+class TensorDraft:
+    """A logical tensor while a reader finds its fragments (CatalogBuilder.add); frozen into a LogicalTensor."""
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    dtype: str
+    fragments: list[Fragment] = field(default_factory=list)
+    cast_from: str = ""      # as LogicalTensor.cast_from
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stored_dtype(self) -> str:
+        return self.cast_from or self.dtype
+
+    @property
+    def key(self) -> TensorKey:
+        return TensorKey(self.name, self.state)
+
+    def freeze(self) -> LogicalTensor:
+        return LogicalTensor(self.name, self.state, tuple(self.shape), self.dtype, tuple(self.fragments),
+                             self.cast_from)
+
+
+@dataclass(frozen=True)
 class Replica:
     copy: LogicalTensor      # same name/state/shape as the catalog's tensor; fragments from another holder
     holder: str              # who holds the copy, for messages ("tensor-parallel rank 1")
     first: str               # who holds the catalog's own elements there
-    checked: bool = False
+    checked: bool = False    # compared when read (a small one); `validate --deep` compares the others
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParamInfo:
     name: str
-    shape: tuple
+    shape: tuple[int, ...]
     kind: str                  # "trainable", "frozen" or "buffer"
     group: int | None = None   # optimizer param group of a trainable param
 
 
-@dataclass
+@dataclass(frozen=True)
 class FileInfo:
     path: str                  # relative to the catalog's root
     role: str                  # e.g. "model_states", "optim_states"
@@ -121,7 +170,7 @@ class TrainingState:
     global_steps: int | None = None
     global_samples: int | None = None
     skipped_steps: int | None = None
-    lr_scheduler: object = None     # the lr scheduler's state_dict, as saved (plain data)
+    lr_scheduler: Any = None        # the lr scheduler's state_dict, as saved (plain data)
     optimizer: str = ""             # the optimizer class the checkpoint names ("": none; Contents guesses it)
 
 
@@ -129,7 +178,7 @@ class TrainingState:
 class Contents:
     """What a checkpoint holds, computed from its catalog alone (Catalog.contents) whatever its format."""
     optimizer: str       # "Adam", "AdamW", "SGD", ...: as the checkpoint names it, else told by its states; "": unknown
-    states: list         # per-element optimizer state names, in file order
+    states: list[str]    # per-element optimizer state names, in file order
     params: int          # trainable + frozen parameters (aliases not counted)
     elements: int        # elements in those parameters
     step: int | None     # optimizer step count (the largest of the param groups'); None: none saved
@@ -140,8 +189,8 @@ class ExpertLayer:
     """One mixture-of-experts layer: how many experts it has and which expert-parallel rank holds which."""
     index: int            # the layer's number among the checkpoint's MoE layers
     num_experts: int
-    placement: tuple      # per expert-parallel rank, the global experts it holds, in its local order
-    params: tuple         # the logical tensors holding its experts' weights
+    placement: tuple[tuple[int, ...], ...]   # per expert-parallel rank, the global experts it holds, in its local order
+    params: tuple[str, ...]   # the logical tensors holding its experts' weights
 
 
 @dataclass(frozen=True)
@@ -150,9 +199,9 @@ class ExpertParallel:
     experts of a packed weight, or one expert's own weight); these degrees say how the save had cut them."""
     ep: int               # expert-parallel degree: ranks among which a layer's experts are divided
     expert_dp: int        # data-parallel degree of the expert params (their optimizer state is ZeRO-cut over it)
-    layers: tuple         # ExpertLayer, in layer order
+    layers: tuple[ExpertLayer, ...]   # in layer order
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"ep": self.ep, "expert_dp": self.expert_dp,
                 "layers": [{"layer": layer.index, "experts": layer.num_experts,
                             "experts_per_rank": [len(held) for held in layer.placement],
@@ -165,63 +214,64 @@ class FormatNotes(Protocol):
     each parameter, ...): a typed object the format owns. The core never looks inside; it only asks for what the
     format knows of one parameter, for `inspect --params`."""
 
-    def param_details(self, name: str) -> dict:
+    def param_details(self, name: str) -> dict[str, Any]:
         """Plain data on how parameter `name` is held ({} when nothing beyond the catalog's own facts)."""
 
-    def layout_scalar(self, key: str, value) -> bool:
+    def layout_scalar(self, key: str, value: object) -> bool:
         """Whether param-group hyper-parameter `key` = `value` only names the topology (AutoEP's expert group
         name): a conversion changes it, so `diff` does not compare it."""
 
-    def scalars(self) -> dict:
+    def scalars(self) -> dict[str, Any]:
         """{name: value} of the non-tensor training state only this format keeps (a loss scaler, the client
         state), as saved: `diff` compares its leaves."""
 
 
-@dataclass
+class TrainingFramework(Protocol):
+    """The training framework around a save (reshard.formats.framework.Framework): the core only carries it."""
+    model_files: tuple[str, ...]
+
+    def problems(self) -> list[str]:
+        """Its own files missing, one line each."""
+
+
+@dataclass(frozen=True)
 class Catalog:
+    """A checkpoint's logical tensors, params and training state as its reader found them (CatalogBuilder.freeze):
+    read-only, to be planned, validated, inspected and exported from."""
     root: str                              # the directory the files are relative to
     format: str                            # e.g. "deepspeed"
-    layout: "Layout"
-    tensors: dict = field(default_factory=dict)        # (name, state) -> LogicalTensor
-    params: dict = field(default_factory=dict)         # name -> ParamInfo, model order
-    aliases: dict = field(default_factory=dict)        # tied name -> the name holding the data
-    order: list = field(default_factory=list)          # the model's state_dict keys, in order (aliases too)
-    param_groups: list = field(default_factory=list)   # [{hyper-params..., "params": [names, optimizer order]}]
-    # per param group, each optimizer scalar ("step"): ScalarTensor | value where the format keeps one per
-    # group (DeepSpeed), a PerParamScalar where it keeps each param's own; writers ask scalars_of_groups/_param
-    group_scalars: list = field(default_factory=list)
+    layout: Layout
+    tensors: Mapping[TensorKey, LogicalTensor] = field(default_factory=lambda: MappingProxyType({}))
+    params: Mapping[str, ParamInfo] = field(default_factory=lambda: MappingProxyType({}))   # model order
+    # tied name -> the name holding the data
+    aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    order: tuple[str, ...] = ()            # the model's state_dict keys, in order (aliases too)
+    # [{hyper-params..., "params": [names, optimizer order]}], as saved (plain data written back into pickles)
+    param_groups: tuple[dict[str, Any], ...] = ()
+    # per param group, each optimizer scalar ("step"); writers ask scalars_of_groups/_param
+    group_scalars: tuple[Mapping[str, GroupScalar], ...] = ()
     tag: str = ""                                      # the save's name (a DeepSpeed tag), for output
     training: TrainingState = field(default_factory=TrainingState)
     # taken for frozen params, but maybe floating-point buffers: the source does not say which
-    maybe_buffers: list = field(default_factory=list)
+    maybe_buffers: tuple[str, ...] = ()
     notes: FormatNotes | None = None                   # the reader's format's own notes (see FormatNotes)
-    files: list = field(default_factory=list)          # FileInfo of every file read or expected
-    problems: list = field(default_factory=list)       # what the reader found wrong, one line each
+    files: tuple[FileInfo, ...] = ()                   # every file read or expected
+    problems: tuple[str, ...] = ()                     # what the reader found wrong, one line each
     # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose
     # fragments hold, at the same flat positions, elements the catalog's own tensor holds. They must be
     # equal; readers compare the small ones, `validate --deep` every one not yet compared.
-    replicas: list = field(default_factory=list)       # [Replica]
+    replicas: tuple[Replica, ...] = ()
     # The folder the whole save lives in, which output must not overlap; None: root's parent
     # (a DeepSpeed tag folder's save dir). A DCP directory is its own save dir.
     save_dir: str | None = None
     # The training framework that drove a DeepSpeed save (reshard.formats.framework.Framework: HF Trainer's
     # checkpoint-N/ with its own files, Lightning's state inside DeepSpeed's client state); None: none.
-    framework: object = None
+    framework: TrainingFramework | None = None
     # Files a consumer loads beside the weights (absolute paths: a Hugging Face model's config, tokenizer), which an
     # export into a folder copies so that folder loads as the model
-    model_files: tuple = ()
+    model_files: tuple[str, ...] = ()
     # A mixture-of-experts save: its expert parallelism (None: no experts)
     experts: ExpertParallel | None = None
-
-    def add(self, tensor: LogicalTensor, file=None) -> LogicalTensor:
-        """The catalog's (name, state) tensor: `tensor`, or the one added before, which must agree on shape
-        and dtype (each rank's file of a tensor adds it). `file`: where `tensor` comes from, for the message."""
-        first = self.tensors.setdefault(tensor.key, tensor)
-        if (first.shape, first.dtype) != (tensor.shape, tensor.dtype):
-            where = file or _file_of(tensor) or self.root
-            raise CheckpointError(where, f"{tensor.name} ({tensor.state}): {tensor.dtype}{list(tensor.shape)} here, "
-                                  f"{first.dtype}{list(first.shape)} in {_file_of(first) or 'the files read before'}")
-        return first
 
     def check_dtypes(self) -> None:
         """Every fragment's storage holds its tensor's dtype: the bytes are read as that dtype, so a storage of
@@ -234,61 +284,56 @@ class Catalog:
 
     def tensor(self, name: str, state: str) -> LogicalTensor:
         try:
-            return self.tensors[(self.aliases.get(name, name), state)]
+            return self.tensors[TensorKey(self.aliases.get(name, name), state)]
         except KeyError:
             raise KeyError(f"no tensor {name!r} with state {state!r} in this checkpoint") from None
 
-    def states(self) -> list:
+    def states(self) -> list[str]:
         """State names present, master and module first, then optimizer states in file order."""
-        seen = dict.fromkeys(s for _, s in self.tensors)
+        seen = dict.fromkeys(key.state for key in self.tensors)
         first = [s for s in (MASTER, MODULE) if s in seen]
         return first + [s for s in seen if s not in first]
 
-    def optimizer_states(self) -> list:
+    def optimizer_states(self) -> list[str]:
         return [s for s in self.states() if s not in (MASTER, MODULE)]
 
     def contents(self) -> Contents:
         states = self.optimizer_states()
         counted = [p for p in self.params.values() if p.kind != "buffer"]
         steps = self.scalar_values("step")
-        return Contents(optimizer=self.training.optimizer or optimizers.kind(states, self.param_groups),
+        return Contents(optimizer=self.training.optimizer or optimizers.kind(states, list(self.param_groups)),
                         states=states, params=len(counted), elements=sum(math.prod(p.shape) for p in counted),
                         step=int(max(steps)) if steps else None)
 
-    def bytes_per_state(self) -> dict:
+    def bytes_per_state(self) -> dict[str, int]:
         from reshard.core.dtypes import itemsize
-        out = {}
+        out: dict[str, int] = {}
         for t in self.tensors.values():
             out[t.state] = out.get(t.state, 0) + t.numel * itemsize(t.dtype)
         return out
 
-    def weight_dtypes(self) -> tuple:
+    def weight_dtypes(self) -> tuple[str, str]:
         """(model dtype, master dtype) where the weights are saved as the optimizer updated them (no separate
         16-bit copy): the trainable params' dtypes, their master's where one is registered, else theirs. Weights
         only: the floating params' dtype and no master (""). "" also when weights-only dtypes are mixed."""
         trainable = [p.name for p in self.params.values() if p.kind == "trainable"]
         if not trainable:
-            saved = {self.tensors[(p.name, MODULE)].dtype for p in self.params.values()
-                     if p.kind == "frozen" and (p.name, MODULE) in self.tensors}
+            saved = {self.tensors[TensorKey(p.name, MODULE)].dtype for p in self.params.values()
+                     if p.kind == "frozen" and TensorKey(p.name, MODULE) in self.tensors}
             return (saved.pop() if len(saved) == 1 else ""), ""
-        saved = {self.tensors[(n, MODULE)].dtype for n in trainable}
-        masters = {self.tensors[(n, MASTER) if (n, MASTER) in self.tensors else (n, MODULE)].dtype for n in trainable}
+        saved = {self.tensors[TensorKey(n, MODULE)].dtype for n in trainable}
+        masters = {self.tensors[TensorKey(n, MASTER) if TensorKey(n, MASTER) in self.tensors
+                                else TensorKey(n, MODULE)].dtype for n in trainable}
         # mixed precisions: a DeepSpeed target keeps a float32 master and 16-bit copy of each
         return (saved.pop() if len(saved) == 1 else "float32"), (masters.pop() if len(masters) == 1 else "float32")
 
-    def record_param_scalar(self, g: int, name: str, key: str, value, path: str) -> None:
-        """A reader's: `name` (of group g, in group_scalars already) has its own `value` of optimizer scalar
-        `key`, read from `path`."""
-        entry = self.group_scalars[g].setdefault(key, PerParamScalar())
-        entry.values[name], entry.files[name] = value, path
-
-    def scalars_of_groups(self, target: str) -> list:
+    def scalars_of_groups(self, target: str) -> list[dict[str, ScalarValue]]:
         """Per param group {key: its one value}, for `target`, a format that keeps one per group. A scalar whose
         params differ refuses `target` (which would get one of the values for every param), naming the file
         and the params; the source stays readable, only its optimizer state cannot be carried."""
         out = []
         for g, scalars in enumerate(self.group_scalars):
-            one = {}
+            one: dict[str, ScalarValue] = {}
             for key, value in scalars.items():
                 if isinstance(value, PerParamScalar):
                     first_name, first = value.first()
@@ -303,12 +348,13 @@ class Catalog:
             out.append(one)
         return out
 
-    def scalars_of_param(self, name: str) -> dict:
+    def scalars_of_param(self, name: str) -> dict[str, ScalarValue]:
         """{key: value} of trainable param `name`: its own where the source keeps one per param, else its
         group's. A key the param has no value of (torch.optim keeps no state for a param never stepped) is absent."""
         g = self.params[name].group
-        out = {}
-        for key, value in (self.group_scalars[g] if g is not None and g < len(self.group_scalars) else {}).items():
+        out: dict[str, ScalarValue] = {}
+        scalars = self.group_scalars[g] if g is not None and g < len(self.group_scalars) else {}
+        for key, value in scalars.items():
             if isinstance(value, PerParamScalar):
                 if name not in value.values:
                     continue
@@ -316,23 +362,82 @@ class Catalog:
             out[key] = value
         return out
 
-    def scalar_values(self, key: str) -> set:
+    def scalar_values(self, key: str) -> set[float | int]:
         """Every plain value optimizer scalar `key` has, over all groups and params (the steps a save holds)."""
-        out = set()
+        out: set[float | int] = set()
         for scalars in self.group_scalars:
             value = scalars.get(key)
             values = value.values.values() if isinstance(value, PerParamScalar) else [value]
             out |= {v.value if isinstance(v, ScalarTensor) else v for v in values if v is not None}
         return out
 
-    def problem(self, path, text: str) -> None:
+
+@dataclass
+class CatalogBuilder:
+    """What a reader fills as it reads a checkpoint's metadata (the same fields as Catalog, open to change);
+    `freeze()` makes the Catalog everyone else reads."""
+    root: str
+    format: str
+    layout: Layout
+    tensors: dict[TensorKey, TensorDraft] = field(default_factory=dict)
+    params: dict[str, ParamInfo] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    group_scalars: list[dict[str, GroupScalar]] = field(default_factory=list)
+    tag: str = ""
+    training: TrainingState = field(default_factory=TrainingState)
+    maybe_buffers: list[str] = field(default_factory=list)
+    notes: FormatNotes | None = None
+    files: list[FileInfo] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    replicas: list[Replica] = field(default_factory=list)
+    save_dir: str | None = None
+    framework: TrainingFramework | None = None
+    model_files: tuple[str, ...] = ()
+    experts: ExpertParallel | None = None
+
+    def add(self, tensor: TensorDraft, file: str | None = None) -> TensorDraft:
+        """The catalog's (name, state) tensor: `tensor`, or the one added before, which must agree on shape
+        and dtype (each rank's file of a tensor adds it). `file`: where `tensor` comes from, for the message."""
+        first = self.tensors.setdefault(tensor.key, tensor)
+        if (first.shape, first.dtype) != (tensor.shape, tensor.dtype):
+            where = file or _file_of(tensor) or self.root
+            raise CheckpointError(where, f"{tensor.name} ({tensor.state}): {tensor.dtype}{list(tensor.shape)} here, "
+                                  f"{first.dtype}{list(first.shape)} in {_file_of(first) or 'the files read before'}")
+        return first
+
+    def record_param_scalar(self, g: int, name: str, key: str, value: ScalarValue, path: str) -> None:
+        """A reader's: `name` (of group g, in group_scalars already) has its own `value` of optimizer scalar
+        `key`, read from `path`."""
+        entry = cast(PerParamScalar, self.group_scalars[g].setdefault(key, PerParamScalar({}, {})))
+        # the builder's own dicts, made here; freeze() makes them read-only
+        cast(dict[str, ScalarValue], entry.values)[name] = value
+        cast(dict[str, str], entry.files)[name] = path
+
+    def problem(self, path: str, text: str) -> None:
         self.problems.append(f"{path}: {text}")
 
+    def freeze(self) -> Catalog:
+        """The Catalog of what was read: tuples and read-only maps, each tensor's fragments fixed."""
+        return Catalog(
+            root=self.root, format=self.format, layout=self.layout,
+            tensors=MappingProxyType({TensorKey(*key): t.freeze() for key, t in self.tensors.items()}),
+            params=MappingProxyType(dict(self.params)), aliases=MappingProxyType(dict(self.aliases)),
+            order=tuple(self.order), param_groups=tuple(self.param_groups),
+            group_scalars=tuple(MappingProxyType({key: value.frozen() if isinstance(value, PerParamScalar) else value
+                                                  for key, value in scalars.items()})
+                                for scalars in self.group_scalars),
+            tag=self.tag, training=self.training, maybe_buffers=tuple(self.maybe_buffers), notes=self.notes,
+            files=tuple(self.files), problems=tuple(self.problems), replicas=tuple(self.replicas),
+            save_dir=self.save_dir, framework=self.framework, model_files=tuple(self.model_files),
+            experts=self.experts)
 
-def _file_of(tensor: LogicalTensor) -> str | None:
+
+def _file_of(tensor: TensorDraft) -> str | None:
     return tensor.fragments[0].storage.file if tensor.fragments else None
 
 
-def _number(value) -> str:
+def _number(value: ScalarValue) -> str:
     value = value.value if isinstance(value, ScalarTensor) else value
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)

@@ -1,6 +1,11 @@
 """Element types by name, so metadata can be handled without importing torch."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
 # torch.<Name>Storage class -> element type name (torch.dtype name without "torch.")
 STORAGE_DTYPES = {
     "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
@@ -27,12 +32,12 @@ def is_floating(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
 
 
-def torch_dtype(dtype: str):
+def torch_dtype(dtype: str) -> Any:
     import torch
     return getattr(torch, dtype)
 
 
-def numpy_carrier(dtype: str):
+def numpy_carrier(dtype: str) -> np.dtype[Any]:
     """A numpy dtype with the same item size, for moving the raw bytes (numpy has no bfloat16)."""
     import numpy as np
     if dtype == "bfloat16":
@@ -42,7 +47,7 @@ def numpy_carrier(dtype: str):
     return np.dtype(dtype).newbyteorder("<")
 
 
-def cast_array(values, src: str, dst: str):
+def cast_array(values: np.ndarray[Any, Any], src: str, dst: str) -> np.ndarray[Any, Any]:
     """Element type `src` -> `dst` of a numpy array of carrier dtype (any shape and strides), rounding to nearest
     even as torch does (bfloat16 included); returns a new array."""
     import numpy as np
@@ -51,7 +56,7 @@ def cast_array(values, src: str, dst: str):
     if dst == "bfloat16":
         wide = values.astype("<f4")
         bits = wide.view("<u4")
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+        rounded: np.ndarray[Any, Any] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
         rounded[np.isnan(wide)] = 0x7FC0
         return rounded
     return values.astype(numpy_carrier(dst))

@@ -2,24 +2,32 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
+# a flat range [start, stop) of elements
+Range = tuple[int, int]
+IntArray = np.ndarray[Any, np.dtype[np.int64]]
 
-def intersect(a_start: int, a_stop: int, b_start: int, b_stop: int):
+
+def intersect(a_start: int, a_stop: int, b_start: int, b_stop: int) -> Range | None:
     """The overlap of [a_start, a_stop) and [b_start, b_stop), or None."""
     start, stop = max(a_start, b_start), min(a_stop, b_stop)
     return (start, stop) if start < stop else None
 
 
-def coverage(ranges, total: int):
+def coverage(ranges: Iterable[Range], total: int) -> tuple[list[Range], list[Range], list[Range]]:
     """Gaps and overlaps of half-open ranges over [0, total).
 
     Returns (gaps, overlaps, outside), each a list of (start, stop): elements covered by no
     range, elements covered more than once, and ranges reaching outside [0, total).
     A sort and one sweep: O(k log k) in the number of ranges.
     """
-    gaps, overlaps, outside = [], [], []
+    gaps: list[Range] = []
+    overlaps: list[Range] = []
+    outside: list[Range] = []
     reach = 0  # everything below `reach` is covered
     for start, stop in sorted(ranges):
         if start < 0 or stop > total:
@@ -34,7 +42,7 @@ def coverage(ranges, total: int):
     return gaps, overlaps, outside
 
 
-def total_length(ranges) -> int:
+def total_length(ranges: Iterable[Range]) -> int:
     return sum(stop - start for start, stop in ranges)
 
 
@@ -42,7 +50,7 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def strides(shape) -> tuple:
+def strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides, in elements."""
     out, acc = [], 1
     for n in reversed(shape):
@@ -51,17 +59,19 @@ def strides(shape) -> tuple:
     return tuple(reversed(out))
 
 
-def offset(coords, element_strides) -> int:
+def offset(coords: Sequence[int], element_strides: Sequence[int]) -> int:
     """The flat position of the element at `coords` in storage with these strides."""
     return sum(i * s for i, s in zip(coords, element_strides))
 
 
-def span(shape, element_strides) -> int:
+def span(shape: Sequence[int], element_strides: Sequence[int]) -> int:
     """Elements from the first of a box of `shape` to one past its last, in storage with these strides."""
     return sum((n - 1) * s for n, s in zip(shape, element_strides)) + 1
 
 
-def box_runs(full_shape, full_start, box, holder_shape=None, holder_start=None):
+def box_runs(full_shape: Sequence[int], full_start: Sequence[int], box: Sequence[int],
+             holder_shape: Sequence[int] | None = None,
+             holder_start: Sequence[int] | None = None) -> tuple[IntArray, IntArray, IntArray]:
     """The contiguous runs of a box of a row-major tensor, as three int64 arrays: flat start in the
     full tensor, flat start in the holder (the shard or chunk storing the box row-major: by default
     exactly the box), and length. A box is contiguous over the trailing dims it spans entirely in

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from reshard.core.catalog import Fragment, LogicalTensor
 from reshard.core.geometry import offset, strides
-from reshard.core.placement import Shard, intersect, local_extent, regions
+from reshard.core.placement import Index, Region, Shard, intersect, local_extent, regions
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +30,11 @@ class Run:
 class BoxHit:
     """A box of the request held by one fragment: its first element and shape in the requested shard, and
     the storage element of the fragment holding that first element, with the fragment's shard strides."""
-    local: tuple
-    shape: tuple
+    local: Index
+    shape: Index
     fragment: Fragment
     elem: int
-    strides: tuple
+    strides: Index
 
     @property
     def numel(self) -> int:
@@ -43,14 +44,14 @@ class BoxHit:
 class _Group:
     """The fragments of one source shard, sorted by start."""
 
-    def __init__(self, shard: Shard, fragments: list):
+    def __init__(self, shard: Shard, fragments: list[Fragment]):
         self.shard = shard
         self.fragments = sorted(fragments, key=lambda f: f.start)
         self.starts = [f.start for f in self.fragments]
         self.strides = strides(shard.shape)
-        self._regions = {}
+        self._regions: dict[int, list[Region]] = {}
 
-    def overlapping(self, lo: int, hi: int):
+    def overlapping(self, lo: int, hi: int) -> Iterator[Fragment]:
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)
         for frag in self.fragments[i:]:
             if frag.start >= hi:
@@ -58,7 +59,7 @@ class _Group:
             if frag.stop > lo:
                 yield frag
 
-    def regions(self, frag: Fragment) -> list:
+    def regions(self, frag: Fragment) -> list[Region]:
         found = self._regions.get(id(frag))
         if found is None:
             found = self._regions[id(frag)] = regions(self.shard, frag.start, frag.stop)
@@ -71,7 +72,7 @@ class Locator:
     def __init__(self, tensor: LogicalTensor):
         self.tensor = tensor
         whole = Shard.whole(tensor.shape)
-        by_shard = {}
+        by_shard: dict[Shard, list[Fragment]] = {}
         for frag in tensor.fragments:
             by_shard.setdefault(frag.shard or whole, []).append(frag)
         self.groups = {shard: _Group(shard, frags) for shard, frags in by_shard.items()}
@@ -80,20 +81,20 @@ class Locator:
         """Is `shard` (None: the whole tensor) one of the source's own shards, so that `runs` answers?"""
         return (shard or Shard.whole(self.tensor.shape)) in self.groups
 
-    def runs(self, shard: Shard | None, start: int, stop: int) -> list:
+    def runs(self, shard: Shard | None, start: int, stop: int) -> list[Run]:
         """The fragments of source shard `shard` covering [start, stop) of it, as Runs in order (gaps left out:
         the caller checks the count)."""
         group = self.groups[shard or Shard.whole(self.tensor.shape)]
-        out = []
+        out: list[Run] = []
         for frag in group.overlapping(start, stop):
             lo, hi = max(start, frag.start), min(stop, frag.stop)
             out.append(Run(lo - start, hi - lo, frag, frag.elem_offset + lo - frag.start))
         return out
 
-    def boxes(self, shard: Shard | None, start: int, stop: int) -> list:
+    def boxes(self, shard: Shard | None, start: int, stop: int) -> list[BoxHit]:
         """The boxes of [start, stop) of `shard` (None: the whole tensor) found in the fragments, as BoxHits."""
         shard = shard or Shard.whole(self.tensor.shape)
-        out = []
+        out: list[BoxHit] = []
         for want in regions(shard, start, stop):
             for group in self.groups.values():
                 extent = local_extent(group.shard, want.at, want.shape)

@@ -14,38 +14,42 @@ box meets a block in at most one box, and nothing loops over rows or elements.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from reshard.core.geometry import box_runs, offset, span, strides
+from reshard.core.geometry import Range, box_runs, offset, span, strides
+
+Index = tuple[int, ...]          # a position or a shape: one int per dim
+Box = tuple[Index, Index]        # (first element, shape)
 
 
 @dataclass(frozen=True, slots=True)
 class Block:
     """A box of the logical tensor inside a shard: it starts at `at` in the logical tensor and at `local`
     in the shard."""
-    at: tuple
-    local: tuple
-    shape: tuple
+    at: Index
+    local: Index
+    shape: Index
 
 
 @dataclass(frozen=True, slots=True)
 class Shard:
     """A row-major tensor of `shape` whose `blocks` are boxes of the logical tensor. Elements in no block
     (vocabulary padding, a replicated block read from another rank) are not placed."""
-    shape: tuple
-    blocks: tuple
+    shape: Index
+    blocks: tuple[Block, ...]
 
     @staticmethod
-    def whole(shape) -> "Shard":
-        shape = tuple(shape)
-        zeros = (0,) * len(shape)
-        return Shard(shape, (Block(zeros, zeros, shape),))
+    def whole(shape: Sequence[int]) -> Shard:
+        dims = tuple(shape)
+        zeros = (0,) * len(dims)
+        return Shard(dims, (Block(zeros, zeros, dims),))
 
     @staticmethod
-    def box(at, shape) -> "Shard":
+    def box(at: Sequence[int], shape: Sequence[int]) -> Shard:
         """A box of the logical tensor stored as a tensor of its own (a DCP chunk)."""
-        shape = tuple(shape)
-        return Shard(shape, (Block(tuple(at), (0,) * len(shape), shape),))
+        dims = tuple(shape)
+        return Shard(dims, (Block(tuple(at), (0,) * len(dims), dims),))
 
     @property
     def numel(self) -> int:
@@ -57,22 +61,22 @@ class Region:
     """A box of the logical tensor held in a flat range of a shard: where it starts in the logical tensor
     (`at`), in the shard (`local`), its shape, and `offset`, the position of its first element counted
     from the range's first element."""
-    at: tuple
-    local: tuple
-    shape: tuple
+    at: Index
+    local: Index
+    shape: Index
     offset: int
 
 
-def flat_boxes(shape, start: int, stop: int) -> list:
+def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     """The flat range [start, stop) of a row-major tensor of `shape` as boxes (first element, shape),
     each contiguous, in order: at most 2·ndim − 1 of them."""
-    out = []
+    out: list[Box] = []
     if start < stop:
         _split(tuple(shape), 0, start, stop, (), out)
     return out
 
 
-def _split(shape, d, start, stop, prefix, out):
+def _split(shape: Index, d: int, start: int, stop: int, prefix: Index, out: list[Box]) -> None:
     """[start, stop) of the sub-tensor at index `prefix` of the first d dims."""
     if d == len(shape):                       # a 0-dim tensor
         out.append(((), ()))
@@ -96,9 +100,11 @@ def _split(shape, d, start, stop, prefix, out):
         _split(shape, d + 1, 0, stop - last * inner, prefix + (last,), out)
 
 
-def intersect(a_at, a_shape, b_at, b_shape):
+def intersect(a_at: Sequence[int], a_shape: Sequence[int], b_at: Sequence[int],
+              b_shape: Sequence[int]) -> Box | None:
     """The overlap of two boxes (first element, shape) as (first element, shape), or None."""
-    at, shape = [], []
+    at: list[int] = []
+    shape: list[int] = []
     for a0, an, b0, bn in zip(a_at, a_shape, b_at, b_shape):
         lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
         if lo >= hi:
@@ -108,9 +114,9 @@ def intersect(a_at, a_shape, b_at, b_shape):
     return tuple(at), tuple(shape)
 
 
-def regions(shard: Shard, start: int, stop: int) -> list:
+def regions(shard: Shard, start: int, stop: int) -> list[Region]:
     """The boxes of the logical tensor that the flat range [start, stop) of `shard` holds, as Regions."""
-    out = []
+    out: list[Region] = []
     shard_strides = strides(shard.shape)
     for box_at, box_shape in flat_boxes(shard.shape, start, stop):
         for block in shard.blocks:
@@ -123,9 +129,9 @@ def regions(shard: Shard, start: int, stop: int) -> list:
     return out
 
 
-def local_extent(shard: Shard, at, shape):
+def local_extent(shard: Shard, at: Sequence[int], shape: Sequence[int]) -> Range | None:
     """The flat range of `shard` spanning every element of the logical box (at, shape) it places, or None."""
-    lo, hi = None, None
+    extent: Range | None = None
     shard_strides = strides(shard.shape)
     for block in shard.blocks:
         hit = intersect(at, shape, block.at, block.shape)
@@ -134,14 +140,15 @@ def local_extent(shard: Shard, at, shape):
         first = tuple(a - b + l for a, b, l in zip(hit[0], block.at, block.local))
         a = offset(first, shard_strides)
         b = a + span(hit[1], shard_strides)
-        lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
-    return None if lo is None else (lo, hi)
+        extent = (a, b) if extent is None else (min(extent[0], a), max(extent[1], b))
+    return extent
 
 
-def tiles(shape, boxes) -> bool:
+def tiles(shape: Sequence[int], boxes: Iterable[Box]) -> bool:
     """Do the boxes (first element, shape) tile a tensor of `shape`: each inside it, no two overlapping, all
     of it covered? A sort along dim 0 and a sweep over the boxes still open there."""
-    total, open_ = 0, []
+    total = 0
+    open_: list[Box] = []       # the boxes still open at the current position along dim 0
     for at, size in sorted(boxes):
         if any(a < 0 or a + n > d for a, n, d in zip(at, size, shape)):
             return False
@@ -153,13 +160,13 @@ def tiles(shape, boxes) -> bool:
     return total == math.prod(shape)
 
 
-def flat_runs(shape, at, size) -> list:
+def flat_runs(shape: Sequence[int], at: Sequence[int], size: Sequence[int]) -> list[Range]:
     """The box (at, size) of a row-major tensor of `shape` as flat ranges [start, stop), for messages."""
     starts, _, lengths = box_runs(shape, at, size)
     return [(a, a + n) for a, n in zip(starts.tolist(), lengths.tolist())]
 
 
-def full_index(shard: Shard, full_shape, index: int) -> int | None:
+def full_index(shard: Shard, full_shape: Sequence[int], index: int) -> int | None:
     """The flat index in the logical tensor of `shard`'s flat element `index` (None: no block places it)."""
     local = [0] * len(shard.shape)
     for d, s in enumerate(strides(shard.shape)):

@@ -8,16 +8,20 @@ it can be printed, saved as JSON, or split among workers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
-from reshard.core.catalog import Catalog
+from reshard.core.catalog import Catalog, TensorKey
 from reshard.core.container import Container
 from reshard.core.dtypes import itemsize
 from reshard.errors import ReshardError
 from reshard.core.geometry import offset, span, strides
 from reshard.core.layout import Layout
-from reshard.core.locate import Locator
-from reshard.core.write_requests import CopiedFile, Output, RawPiece, StageCut, TensorFile, TextFile
+from reshard.core.locate import BoxHit, Locator
+from reshard.core.placement import Index
+from reshard.core.storage_ref import StorageRef
+from reshard.core.write_requests import CopiedFile, Output, Piece, RawPiece, StageCut, TensorFile, TextFile
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,11 @@ class Copy:
 class BoxCopy:
     """One box of a Gather: its first element and shape in the target shard, and in the source the byte
     offset of its first element and the strides (in elements) of the shard holding it."""
-    local: tuple
-    shape: tuple
+    local: Index
+    shape: Index
     src_file: str
     src_offset: int
-    src_strides: tuple
+    src_strides: Index
     src_dtype: str
 
     @property
@@ -51,9 +55,9 @@ class Gather:
     `shape`, assembled from boxes (tensor-parallel slices, DCP chunks, whatever cut the source)."""
     dst: int
     count: int
-    shape: tuple
+    shape: Index
     start: int
-    copies: tuple       # BoxCopy
+    copies: tuple[BoxCopy, ...]
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,16 @@ class Fill:
     value: float
 
 
-@dataclass
+# One operation filling a run of a target storage's elements
+Op = Union[Copy, Gather, Fill]
+
+
+@dataclass(frozen=True)
 class StoragePlan:
     key: str
     dtype: str
-    shape: tuple
-    ops: list = field(default_factory=list)
+    shape: tuple[int, ...]
+    ops: tuple[Op, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -79,12 +87,12 @@ class StoragePlan:
         return self.numel * itemsize(self.dtype)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FilePlan:
     path: str                    # relative to the target directory
     container: Container         # what lays the file out, with its options (reshard.core.container)
     header: bytes                # the bytes the container puts before the storages
-    storages: list = field(default_factory=list)
+    storages: tuple[StoragePlan, ...] = ()
     size: int = 0                # bytes of the file on disk: storages, header and the container's framing
 
     @property
@@ -92,24 +100,24 @@ class FilePlan:
         """Tensor bytes (what the copies fill; progress counts these)."""
         return sum(s.nbytes for s in self.storages)
 
-    def source_files(self) -> set:
+    def source_files(self) -> set[str]:
         """The source files its copies read."""
         return {path for s in self.storages for op in s.ops for path, _, _ in _spans(op)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     source: str
     source_layout: Layout
     target: Layout
     tag: str
-    files: list = field(default_factory=list)      # FilePlan
-    texts: list = field(default_factory=list)      # TextFile
-    copied: list = field(default_factory=list)     # CopiedFile
+    files: tuple[FilePlan, ...] = ()
+    texts: tuple[TextFile, ...] = ()
+    copied: tuple[CopiedFile, ...] = ()
     save_dir: str | None = None                    # the source's save dir (None: source's parent)
     stage_cut: StageCut | None = None              # a pipeline target's stage boundaries
     output: Output | None = None                   # what the writer says it writes (None: its Layout's terms)
-    checked: list = field(default_factory=list)    # the checksummed source storages the copies read (checksums)
+    checked: tuple[StorageRef, ...] = ()           # the checksummed source storages the copies read (checksums)
 
     @property
     def bytes_written(self) -> int:
@@ -120,10 +128,10 @@ class Plan:
     def bytes_read(self) -> int:
         return sum(n * itemsize(dtype) for f in self.files for s in f.storages for n, dtype in _reads(s.ops))
 
-    def reread(self) -> dict:
+    def reread(self) -> dict[str, list[tuple[int, int]]]:
         """{source file: sorted, merged byte ranges [start, stop) the plan reads more than once} — a replicated
         tensor every target rank copies, a sparse box's neighbours: the executor keeps those pages cached."""
-        spans = {}
+        spans: dict[str, list[tuple[int, int]]] = {}
         for f in self.files:
             for s in f.storages:
                 for op in s.ops:
@@ -131,7 +139,8 @@ class Plan:
                         spans.setdefault(path, []).append((start, stop))
         out = {}
         for path, ranges in spans.items():
-            twice, reach = [], 0
+            twice: list[tuple[int, int]] = []
+            reach = 0
             for start, stop in sorted(ranges):
                 if start < reach:
                     lo, hi = start, min(reach, stop)
@@ -144,7 +153,7 @@ class Plan:
                 out[path] = twice
         return out
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         output = self.output or Output("", self.target.topology(), self.tag)
         return {"source": self.source, "source_topology": self.source_layout.topology(),
                 "format": output.format, "target_topology": output.topology, "tag": output.tag,
@@ -156,7 +165,7 @@ class Plan:
                 "partition": self.stage_cut.to_dict() if self.stage_cut else None}
 
 
-def _spans(op):
+def _spans(op: Op) -> Iterator[tuple[str, int, int]]:
     """(source file, first byte, byte past the last) of each read an op makes."""
     if isinstance(op, Copy):
         yield op.src_file, op.src_offset, op.src_offset + op.count * itemsize(op.src_dtype)
@@ -165,7 +174,7 @@ def _spans(op):
             yield box.src_file, box.src_offset, box.src_offset + span(box.shape, box.src_strides) * itemsize(box.src_dtype)
 
 
-def _reads(ops):
+def _reads(ops: Iterable[Op]) -> Iterator[tuple[int, str]]:
     """(elements, source dtype) of each read the ops make."""
     for op in ops:
         if isinstance(op, Copy):
@@ -175,47 +184,52 @@ def _reads(ops):
                 yield box.numel, box.src_dtype
 
 
-def plan(catalog: Catalog, target: Layout, targets: list, tag: str, output: Output | None = None) -> Plan:
+def plan(catalog: Catalog, target: Layout, targets: Iterable[TensorFile | TextFile | CopiedFile | StageCut], tag: str,
+         output: Output | None = None) -> Plan:
     """`output`: how the writer names what it writes (reshard.formats writer modules' describe())."""
     index = _FragmentIndex(catalog)
-    out = Plan(catalog.root, catalog.layout, target, tag, save_dir=catalog.save_dir, output=output)
+    files: list[FilePlan] = []
+    texts: list[TextFile] = []
+    copied: list[CopiedFile] = []
+    stage_cut: StageCut | None = None
     for item in targets:
         if isinstance(item, TensorFile):
-            out.files.append(_plan_file(item, index))
+            files.append(_plan_file(item, index))
         elif isinstance(item, TextFile):
-            out.texts.append(item)
+            texts.append(item)
         elif isinstance(item, CopiedFile):
-            out.copied.append(item)
+            copied.append(item)
         elif isinstance(item, StageCut):
-            out.stage_cut = item
+            stage_cut = item
         else:
             raise TypeError(f"unknown target item {item!r}")
-    out.checked = [s for s in index.read if s.crc is not None]
-    return out
+    return Plan(catalog.root, catalog.layout, target, tag, tuple(files), tuple(texts), tuple(copied),
+                save_dir=catalog.save_dir, stage_cut=stage_cut, output=output,
+                checked=tuple(s for s in index.read if s.crc is not None))
 
 
-def _plan_file(file: TensorFile, index) -> FilePlan:
+def _plan_file(file: TensorFile, index: _FragmentIndex) -> FilePlan:
     header, container = file.header(), file.container()
-    planned = FilePlan(file.path, container, header, size=container.file_size(header, file.slots))
+    size = container.file_size(header, file.slots)
+    storages = []
     for slot in file.slots:
-        storage = StoragePlan(slot.key, slot.dtype, slot.shape)
+        ops: list[Op] = []
         cursor = 0
         for piece in file.pieces[slot.key]:
             if isinstance(piece, RawPiece):
                 index.read[piece.storage] = None
-                _append(storage.ops, Copy(cursor, piece.count, piece.storage.file, piece.storage.offset,
-                                          piece.storage.dtype))
+                _append(ops, Copy(cursor, piece.count, piece.storage.file, piece.storage.offset, piece.storage.dtype))
             elif piece.source is None:
-                _append(storage.ops, Fill(cursor, piece.count, piece.value))
+                _append(ops, Fill(cursor, piece.count, piece.value))
             else:
                 for op in index.ops(piece, cursor, slot.dtype):
-                    _append(storage.ops, op)
+                    _append(ops, op)
             cursor += piece.count
-        planned.storages.append(storage)
-    return planned
+        storages.append(StoragePlan(slot.key, slot.dtype, tuple(slot.shape), tuple(ops)))
+    return FilePlan(file.path, container, header, tuple(storages), size)
 
 
-def _append(ops: list, op) -> None:
+def _append(ops: list[Op], op: Op) -> None:
     """Add an op, merging it into the previous one when they continue each other."""
     if ops:
         last = ops[-1]
@@ -231,7 +245,7 @@ def _append(ops: list, op) -> None:
     ops.append(op)
 
 
-def _as_runs(hits, shape: tuple, start: int, count: int) -> list | None:
+def _as_runs(hits: Sequence[BoxHit], shape: Index, start: int, count: int) -> list[tuple[int, BoxHit]] | None:
     """The boxes as (position in the request, hit), when each is one run of consecutive elements both in the
     requested shard (of `shape`, the request its elements [start, start + count)) and in its storage, and in
     order they tile the request: then byte copies do what a gather would. Else None."""
@@ -245,7 +259,7 @@ def _as_runs(hits, shape: tuple, start: int, count: int) -> list | None:
     return out if covered == count else None
 
 
-def _one_run(box: tuple, element_strides: tuple) -> bool:
+def _one_run(box: Index, element_strides: Index) -> bool:
     """Are a box's elements, in row-major order, consecutive in storage with these strides?"""
     step = 1
     for n, s in reversed(list(zip(box, element_strides))):
@@ -262,22 +276,23 @@ class _FragmentIndex:
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
-        self._locators = {}
-        self.read = {}      # every source storage an op reads (a dict: in the order first read)
+        self._locators: dict[TensorKey | tuple[str, str], Locator] = {}
+        self.read: dict[StorageRef, None] = {}      # every source storage an op reads (a dict: in the order first read)
 
-    def _locator(self, key) -> Locator:
+    def _locator(self, key: TensorKey | tuple[str, str]) -> Locator:
         found = self._locators.get(key)
         if found is None:
-            tensor = self.catalog.tensors.get(key)
+            tensor = self.catalog.tensors.get(TensorKey(*key))
             if tensor is None:
                 raise ReshardError.at(self.catalog.root, f"the source has no {key[1]} for {key[0]}, "
                                                          "which the target needs")
             found = self._locators[key] = Locator(tensor)
         return found
 
-    def ops(self, piece, dst: int, dtype: str) -> list:
+    def ops(self, piece: Piece, dst: int, dtype: str) -> list[Op]:
         """Copy operations filling target elements [dst, dst + piece.count) (of a `dtype` storage) from the
         source: byte runs where the source holds the piece's shard itself, else one Gather of boxes."""
+        assert piece.source is not None, "a constant piece has no source"
         locator = self._locator(piece.source)
         tensor = locator.tensor
         stored = tensor.stored_dtype
@@ -288,7 +303,8 @@ class _FragmentIndex:
         size = itemsize(stored)
         stop = piece.start + piece.count
         if locator.holds_as(piece.shard):
-            ops, covered = [], 0
+            ops: list[Op] = []
+            covered = 0
             for run in locator.runs(piece.shard, piece.start, stop):
                 if run.offset != covered:
                     break

@@ -8,11 +8,15 @@ byte copies; the executor performs them. Nothing here reads or writes a file.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Union
 
+from reshard.core.catalog import TensorKey
 from reshard.core.container import Container
 from reshard.core.dtypes import itemsize
-from reshard.core.placement import Shard
+from reshard.core.placement import Index, Shard
+from reshard.core.storage_ref import StorageRef
 
 
 @dataclass
@@ -20,7 +24,7 @@ class NewTensor:
     """A tensor to be written: its storage `key` inside the file, element type and shape."""
     key: str
     dtype: str
-    shape: tuple
+    shape: Index
 
     @property
     def numel(self) -> int:
@@ -34,13 +38,13 @@ class NewTensor:
 @dataclass(frozen=True)
 class Piece:
     count: int                    # elements
-    source: tuple | None = None   # (name, state) of a logical tensor; None for a constant
+    source: TensorKey | tuple[str, str] | None = None   # (name, state) of a logical tensor; None for a constant
     start: int = 0                # first element taken, flat in `shard` (row-major)
     value: float = 0              # the constant, when source is None
     shard: Shard | None = None    # which shard of the source tensor (reshard.core.placement); None: the tensor itself
 
     @staticmethod
-    def zeros(count: int) -> "Piece":
+    def zeros(count: int) -> Piece:
         return Piece(count)
 
 
@@ -48,11 +52,15 @@ class Piece:
 class RawPiece:
     """A source storage (StorageRef) copied whole as it lies in its file: a storage that is no logical
     tensor's, carried (a tensor in the client state a writer takes over from the source's pickle)."""
-    storage: object
+    storage: StorageRef
 
     @property
     def count(self) -> int:
         return self.storage.numel
+
+
+# what fills a slot: elements of a logical tensor or a constant, or a source storage as it lies
+AnyPiece = Union[Piece, RawPiece]
 
 
 @dataclass
@@ -63,9 +71,9 @@ class TensorFile:
     the container that lays the file out (reshard.core.container), `header()` the bytes before the storages.
     """
     path: str                                    # relative to the target directory
-    tree: object = None                          # what the header describes (a pickled tree, metadata)
-    slots: list = field(default_factory=list)    # NewTensor, in storage order
-    pieces: dict = field(default_factory=dict)   # slot key -> [Piece]
+    tree: Any = None                             # what the header describes (a pickled tree, metadata)
+    slots: list[NewTensor] = field(default_factory=list)    # in storage order
+    pieces: dict[str, Sequence[AnyPiece]] = field(default_factory=dict)   # slot key -> its pieces
 
     def header(self) -> bytes:
         raise NotImplementedError
@@ -73,7 +81,7 @@ class TensorFile:
     def container(self) -> Container:
         raise NotImplementedError
 
-    def slot(self, dtype: str, shape: tuple, pieces: list, key: str | None = None) -> NewTensor:
+    def slot(self, dtype: str, shape: Sequence[int], pieces: Sequence[AnyPiece], key: str | None = None) -> NewTensor:
         """A new tensor of this file filled from `pieces` (which must add up to its size)."""
         tensor = NewTensor(key if key is not None else str(len(self.slots)), dtype, tuple(shape))
         total = sum(p.count for p in pieces)
@@ -125,7 +133,7 @@ class StageCut:
     `method`, each stage's layer range [first, stop), and `ambiguous`, when the source could not tell the
     method, the one line saying which was taken and that `partition=` decides it."""
     method: str
-    stages: tuple                 # ((first, stop), ...) per stage
+    stages: tuple[tuple[int, int], ...]   # (first, stop) per stage
     ambiguous: str | None = None
 
     def line(self) -> str:
@@ -133,5 +141,5 @@ class StageCut:
                   for a, b in self.stages)
         return f"{self.method!r} partition: " + ", ".join(f"stage {s} {r}" for s, r in enumerate(ranges))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "stages": [list(r) for r in self.stages], "ambiguous": self.ambiguous}

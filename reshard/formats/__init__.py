@@ -47,11 +47,10 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     catalog.check_dtypes()
     around = framework.detect(path) if catalog.format == "deepspeed" else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
-        catalog.framework = around
-        catalog.model_files = catalog.model_files or around.model_files
+        catalog = replace(catalog, framework=around, model_files=catalog.model_files or around.model_files)
     if catalog.framework is not None:
-        catalog.framework = replace(catalog.framework, world=catalog.layout.world_size)
-        catalog.problems += catalog.framework.problems()
+        frame = replace(catalog.framework, world=catalog.layout.world_size)
+        catalog = replace(catalog, framework=frame, problems=(*catalog.problems, *frame.problems()))
     return catalog
 
 

@@ -10,7 +10,7 @@ import os
 import re
 
 from reshard import paths
-from reshard.core.catalog import Catalog, Fragment, FileInfo, LogicalTensor, ScalarTensor
+from reshard.core.catalog import CatalogBuilder, Fragment, FileInfo, ScalarTensor, TensorDraft
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.core.placement import Shard
@@ -29,7 +29,7 @@ CARRIED = {"optimizer": str, "global_steps": int, "global_samples": int, "skippe
 class Chunks:
     """Locates every item of `.metadata` in its `.distcp` file, checking paths and ranges."""
 
-    def __init__(self, root: str, meta, catalog: Catalog):
+    def __init__(self, root: str, meta, catalog: CatalogBuilder):
         self.root, self.catalog = root, catalog
         self.meta_path = os.path.join(root, METADATA)
         self.by_fqn = {}
@@ -99,10 +99,10 @@ class Chunks:
             return None, None
         return (path, info) if self._span(key, path, info) else (None, None)
 
-    def tensor(self, key: str, entry, name: str, state: str) -> LogicalTensor:
+    def tensor(self, key: str, entry, name: str, state: str) -> TensorDraft:
         dtype = dtype_of(entry, self.meta_path, key)
         shape = tuple(int(d) for d in entry.size)
-        tensor = self.catalog.add(LogicalTensor(name, state, shape, dtype), self.meta_path)
+        tensor = self.catalog.add(TensorDraft(name, state, shape, dtype), self.meta_path)
         for chunk in entry.chunks:
             offsets = tuple(int(o) for o in chunk.offsets)
             sizes = tuple(int(s) for s in chunk.sizes)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, TrainingState
+from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
@@ -67,7 +67,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     if not os.path.isfile(meta_path):
         raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
     meta = md.read(meta_path)
-    catalog = Catalog(root, "dcp", Layout(dp=1), save_dir=root)
+    catalog = CatalogBuilder(root, "dcp", Layout(dp=1), save_dir=root)
     chunks = Chunks(root, meta, catalog)
     values, model, optim = {}, {}, {}
     for key, entry in meta.state_dict_metadata.items():     # types checked by md.read
@@ -105,7 +105,7 @@ def read(path: str, options: NoOptions) -> Catalog:
         catalog.params[name] = ParamInfo(name, tensor.shape, kind, group_of.get(name))
         catalog.order.append(name)
         if trainable and tensor.dtype == "float32":
-            catalog.add(LogicalTensor(name, MASTER, tensor.shape, tensor.dtype, list(tensor.fragments)))
+            catalog.add(TensorDraft(name, MASTER, tensor.shape, tensor.dtype, list(tensor.fragments)))
     for name in group_of:
         if name not in catalog.params:
             catalog.problem(meta_path, f"the optimizer names {name}, which the model state dict lacks")
@@ -124,7 +124,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     catalog.files = chunks.files()
     _finish(catalog, world, carried)
     catalog.notes = DcpNotes(tuple(other))
-    return catalog
+    return catalog.freeze()
 
 
 def _ties(model: dict, names: dict, group_of: dict, chunks) -> dict:
@@ -203,9 +203,9 @@ def _carried(values: dict, chunks, meta_path) -> dict:
     return out
 
 
-def _finish(catalog: Catalog, world: int, carried: dict) -> None:
-    dtype, master_dtype = catalog.weight_dtypes()
+def _finish(catalog: CatalogBuilder, world: int, carried: dict) -> None:
+    dtype, master_dtype = catalog.freeze().weight_dtypes()
     catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype)
-    step = catalog.contents().step
+    step = catalog.freeze().contents().step
     # the source's own counters where reshard carried them, else the optimizer's step
     catalog.training = TrainingState(**{"global_steps": step, **carried})

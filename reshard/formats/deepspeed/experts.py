@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from reshard.core.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, LogicalTensor
+from reshard.core.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, TensorDraft
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed.tp_geometry import from_affine
@@ -264,7 +264,7 @@ def read_module(catalog, tag_dir: str, experts: Experts, load) -> None:
                 catalog.problem(path, f"{key}: {ref.dtype}{list(ref.shape)}, expected {stop - start} contiguous "
                                       "elements")
                 continue
-            tensor = catalog.add(LogicalTensor(name, MODULE, experts.shapes[name], ref.dtype), path)
+            tensor = catalog.add(TensorDraft(name, MODULE, experts.shapes[name], ref.dtype), path)
             tensor.fragments.append(Fragment(start, stop, ref.storage, ref.storage_offset))
     catalog.order.extend(name for name in experts.shapes if name not in catalog.order)
     catalog.experts = experts.topology

@@ -18,7 +18,8 @@ import os
 from dataclasses import replace
 
 from reshard import rule_files
-from reshard.core.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica
+from reshard.core.catalog import (MODULE, CatalogBuilder, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica,
+                                  TensorDraft)
 from reshard.core.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
@@ -35,7 +36,7 @@ REPLICA_CHECK_BYTES = 16 << 20
 MP_RANK_KEYS = ("universal_checkpoint_info", "shared_params")
 
 
-def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str | None) -> Catalog:
+def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str | None) -> CatalogBuilder:
     mp = int(model0.get("mp_world_size") or 1)
     dims = model0.get("checkpoint_parallel_dimensions") or {}
     tp, pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
@@ -109,9 +110,9 @@ def _first(locals_):
     return next(c for c in locals_.values() if c is not None)
 
 
-def _new_catalog(tag_dir, base: Catalog) -> Catalog:
-    return Catalog(root=tag_dir, format="deepspeed", layout=base.layout, tag=base.tag, training=base.training,
-                   notes=base.notes)
+def _new_catalog(tag_dir, base: CatalogBuilder) -> CatalogBuilder:
+    return CatalogBuilder(root=tag_dir, format="deepspeed", layout=base.layout, tag=base.tag, training=base.training,
+                          notes=base.notes)
 
 
 def _gather_files_and_problems(catalog, locals_):
@@ -153,7 +154,7 @@ def _geometry(tag_dir, model, layout_rules) -> Geometry:
                                    f"one shipped with reshard: {rule_files.names(rule_files.TP_RULES)})")
 
 
-def _merge_tp(tag_dir, locals_, model0, geometry, tp) -> Catalog:
+def _merge_tp(tag_dir, locals_, model0, geometry, tp) -> CatalogBuilder:
     """`model0`: the model states of the first rank in `locals_`."""
     base = _first(locals_)
     catalog = _new_catalog(tag_dir, base)
@@ -164,7 +165,7 @@ def _merge_tp(tag_dir, locals_, model0, geometry, tp) -> Catalog:
     catalog.param_groups = [dict(g) for g in base.param_groups]
     catalog.group_scalars = [dict(s) for s in base.group_scalars]
     _check_scalars(catalog, locals_, "tensor-parallel rank")
-    states, splits = base.states(), {}
+    states, splits = base.freeze().states(), {}
     with MappedFiles() as files:
         for name, info in base.params.items():
             if name in catalog.aliases:
@@ -198,7 +199,7 @@ def _merge_tensor(catalog, locals_, name, state, split, shard_shapes, shards, fi
     """`shards`: per rank, its "primary" and "copies" shards of the full tensor (tp_geometry.Split.shard)."""
     dtype = next(c.tensors[(name, state)].dtype for c in locals_.values()
                  if c is not None and (name, state) in c.tensors)
-    full = catalog.add(LogicalTensor(name, state, split.full_shape, dtype))
+    full = catalog.add(TensorDraft(name, state, split.full_shape, dtype))
     for rank, local in sorted(locals_.items()):
         if local is None or (name, state) not in local.tensors:
             continue
@@ -231,17 +232,18 @@ def _add_replicas(catalog, locals_, full, split, shards, files):
         pieces = [p for p in split.pieces.get(rank, []) if len(p.holders) > 1 and p.holders[0] != rank]
         if not pieces:
             continue
-        copy = LogicalTensor(name, state, full.shape, full.dtype)
-        copy.fragments = _on_shard(tensor.fragments, shards[rank]["copies"])
+        copy = LogicalTensor(name, state, full.shape, full.dtype,
+                             tuple(_on_shard(tensor.fragments, shards[rank]["copies"])))
         holders = sorted({p.holders[0] for p in pieces})
         _replica(catalog, full, copy, f"tensor-parallel rank {rank}", f"rank {holders[0]}", files, known)
 
 
 def _replica(catalog, tensor, copy, holder, first, files, known=None) -> None:
     """Record a second copy of (part of) `tensor`; compare it now when it is small."""
-    replica = Replica(copy, holder, first)
+    small = sum(f.numel for f in copy.fragments) * itemsize(tensor.dtype) <= REPLICA_CHECK_BYTES
+    replica = Replica(copy, holder, first, checked=small)
     catalog.replicas.append(replica)
-    if sum(f.numel for f in copy.fragments) * itemsize(tensor.dtype) <= REPLICA_CHECK_BYTES:
+    if small:
         problem = replica_problem(files, tensor, replica, known)
         if problem:
             catalog.problems.append(problem)
@@ -254,7 +256,7 @@ def _file_of(tensor, local):
 
 # ------------------------------------------------------------------------------- tensor and pipeline parallel
 
-def _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules) -> Catalog:
+def _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules) -> CatalogBuilder:
     """tp > 1 and pp > 1: mp rank r is stage r // tp, TP rank r % tp (DeepSpeed's PipelineParallelGrid orders
     the model-parallel group pipe-major). Each TP rank's stages are merged as a pipeline, with the layer files
     `layer_XX-model_{t:02d}-model_states.pt`, into a catalog of that rank's local tensors under the
@@ -280,8 +282,8 @@ def _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules) -> Catalo
             full = catalog.tensors.get((name, state))
             if full is None or name not in splits:
                 continue
-            copy = LogicalTensor(name, state, full.shape, full.dtype)
-            copy.fragments = _on_shard(replica.copy.fragments, splits[name].shard(t, replica.copy.shape))
+            copy = LogicalTensor(name, state, full.shape, full.dtype,
+                                 tuple(_on_shard(replica.copy.fragments, splits[name].shard(t, replica.copy.shape))))
             catalog.replicas.append(Replica(copy, f"{replica.holder} (tensor-parallel rank {t})",
                                             f"{replica.first}", replica.checked))
     return catalog
@@ -289,7 +291,7 @@ def _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules) -> Catalo
 
 # ---------------------------------------------------------------------------------------- pipeline parallel
 
-def _merge_stages(tag_dir, listing, locals_, models, model: int | None = None) -> Catalog:
+def _merge_stages(tag_dir, listing, locals_, models, model: int | None = None) -> CatalogBuilder:
     base = _first(locals_)
     catalog = _new_catalog(tag_dir, base)
     _gather_files_and_problems(catalog, locals_)
@@ -324,13 +326,13 @@ def _merge_stages(tag_dir, listing, locals_, models, model: int | None = None) -
 def _check_tied(catalog, locals_, first, stage, name, files):
     """A tied module is trained in every stage using it; each stage's copy must be the same."""
     a, b = locals_[first], locals_[stage]
-    for state in a.states():
+    for state in a.freeze().states():
         ta, tb = a.tensors.get((name, state)), b.tensors.get((name, state))
         if ta is None or tb is None or ta.shape != tb.shape:
             catalog.problem(os.path.join(catalog.root, names.model_states_name(stage)),
                             f"{name} ({state}): tied with stage {first}, but not held alike")
             return
-        _replica(catalog, ta, tb, f"pipeline stage {stage}", f"stage {first}", files)
+        _replica(catalog, ta, tb.freeze(), f"pipeline stage {stage}", f"stage {first}", files)
 
 
 def _read_layers(catalog, tag_dir, listing, models, files, model=None) -> tuple:
@@ -405,6 +407,6 @@ def _check_same_module(catalog, name, ref, path, files):
         catalog.problem(path, f"{name}: tied module copy has another shape or dtype than its first occurrence")
         return
     other = LogicalTensor(name, MODULE, tuple(ref.shape), ref.dtype,
-                          [Fragment(0, ref.numel, ref.storage, ref.storage_offset)] if ref.numel else [])
+                          (Fragment(0, ref.numel, ref.storage, ref.storage_offset),) if ref.numel else ())
     _replica(catalog, first, other, os.path.basename(path), "its first occurrence", files)
 

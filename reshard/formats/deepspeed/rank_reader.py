@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from reshard.core.catalog import MODULE, Catalog, FileInfo, Fragment, LogicalTensor, ParamInfo, TrainingState
+from reshard.core.catalog import MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
@@ -39,11 +39,11 @@ NOTES_KEYS = ("ds_config", "ds_version", "data_sampler", "random_ltd")     # Dee
 OPTIMIZER_SCALAR_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 
 
-def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: str, model0: dict) -> Catalog:
-    """The Catalog of one model-parallel rank's files (all of them when there is no model parallelism):
+def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: str, model0: dict) -> CatalogBuilder:
+    """The catalog of one model-parallel rank's files (all of them when there is no model parallelism):
     its tensors are that rank's local tensors (a tensor-parallel shard, a pipeline stage's params)."""
     dp = int(model0.get("dp_world_size") or 1)
-    catalog = Catalog(root=tag_dir, format="deepspeed", layout=Layout(dp=dp), tag=tag)
+    catalog = CatalogBuilder(root=tag_dir, format="deepspeed", layout=Layout(dp=dp), tag=tag)
     bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
     optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp)
     if not any(names.OPTIM_STATES.match(n) for n in listing):
@@ -212,7 +212,7 @@ def add_whole(catalog, name, state, ref):
     if not ref.is_contiguous():
         catalog.problem(ref.storage.file, f"{name}: non-contiguous tensor in the module state_dict")
         return
-    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), ref.dtype), ref.storage.file)
+    tensor = catalog.add(TensorDraft(name, state, tuple(ref.shape), ref.dtype), ref.storage.file)
     if ref.numel:
         tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from reshard.core.catalog import Catalog
+from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import notes, parallel, rank_reader
@@ -42,13 +42,13 @@ def read(path: str, options: Options) -> Catalog:
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
             catalog.notes = replace(catalog.notes, tp_rules=layout_rules)
         catalog.framework = lightning.detect(os.path.abspath(path), notes.of(catalog).client_state)
-        return catalog
+        return catalog.freeze()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.
         raise ReshardError.at(tag_dir, f"not the structure DeepSpeed writes ({type(e).__name__}: {e})") from None
 
 
-def _read(tag_dir: str, tag: str, layout_rules) -> Catalog:
+def _read(tag_dir: str, tag: str, layout_rules) -> CatalogBuilder:
     listing = sorted(os.listdir(tag_dir))
     _refuse_unsupported(tag_dir, listing)
     model0_name = rank_reader.first_model_states(tag_dir, listing)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, FileInfo, Fragment, TensorDraft
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import files as names
@@ -55,7 +56,7 @@ def sniff(path: str, tag: str | None) -> bool:
 def read(path: str, options: TagOption) -> Catalog:
     tag_dir, tag = _resolve_tag_dir(path, options.tag)
     try:
-        return _read(tag_dir, tag)
+        return _read(tag_dir, tag).freeze()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         raise ReshardError.at(tag_dir, "not the structure of a DeepSpeed universal checkpoint "
                                        f"({type(e).__name__}: {e})") from None
@@ -87,7 +88,7 @@ def _load_dict(path):
     return obj
 
 
-def _read(tag_dir, tag) -> Catalog:
+def _read(tag_dir, tag) -> CatalogBuilder:
     listing = sorted(os.listdir(tag_dir))
     optim_path = os.path.join(tag_dir, uc.ZERO_DIR, uc.OPTIMIZER_STATE)
     optim = _load_dict(optim_path)
@@ -104,7 +105,7 @@ def _read(tag_dir, tag) -> Catalog:
     if experts is not None:
         model0 = _as_the_engine_saved(model0)
 
-    catalog = Catalog(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage), tag=tag)
+    catalog = CatalogBuilder(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage), tag=tag)
     catalog.files.append(FileInfo(os.path.join(uc.ZERO_DIR, uc.OPTIMIZER_STATE), "optimizer_state", None,
                                   file_size(optim_path)))
     if stage == 3:
@@ -119,7 +120,7 @@ def _read(tag_dir, tag) -> Catalog:
     found = {}
     for g, members in enumerate(groups):
         for name in members:
-            catalog.params[name].group = g
+            catalog.params[name] = replace(catalog.params[name], group=g)
             found[name] = _read_param(catalog, name, g, num_experts.get(name))
     _missing_states(catalog, found)
     if stage == 3:
@@ -203,7 +204,7 @@ def _read_param(catalog, name, g, num_experts) -> set:
             continue
         ref = _state_tensor(catalog, path, obj, shape, num_experts)
         if ref is not None:
-            tensor = catalog.add(LogicalTensor(name, state, shape, ref.dtype), ref.storage.file)
+            tensor = catalog.add(TensorDraft(name, state, shape, ref.dtype), ref.storage.file)
             tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
     return set(states)
 
@@ -278,7 +279,7 @@ def _expert_modules(catalog, experts):
     for name in experts.shapes:
         master = catalog.tensors.get((name, MASTER))
         if master is not None:        # else a problem already
-            catalog.add(LogicalTensor(name, MODULE, master.shape, dtype, list(master.fragments),
+            catalog.add(TensorDraft(name, MODULE, master.shape, dtype, list(master.fragments),
                                       "" if dtype == master.dtype else master.dtype))
     catalog.order.extend(name for name in experts.shapes if name not in catalog.order)
     catalog.experts = experts.topology

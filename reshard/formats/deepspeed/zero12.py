@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from reshard.core.catalog import MASTER, Fragment, LogicalTensor
+from reshard.core.catalog import MASTER, Fragment, TensorDraft
 from reshard.formats.deepspeed import group_scalars
 from reshard.formats.torchsave_read import TensorRef
 from reshard.core.geometry import intersect
@@ -135,7 +135,7 @@ def _read_rank_group(catalog, path, sd, ranks, g, ranges, end, part, dp, bf16_op
         for name, (start, numel) in ranges.items():
             overlap = intersect(start, start + numel, rank_start, rank_start + usable)
             logical, shard = (local[name].name, local[name].shard) if name in local else (name, None)
-            tensor = catalog.add(LogicalTensor(logical, state, catalog.params[logical].shape, ref.dtype),
+            tensor = catalog.add(TensorDraft(logical, state, catalog.params[logical].shape, ref.dtype),
                                  ref.storage.file)
             if overlap:
                 a, b = overlap

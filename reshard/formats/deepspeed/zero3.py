@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 
 import os
+from dataclasses import replace
 
-from reshard.core.catalog import MASTER, MODULE, Fragment, LogicalTensor
+from reshard.core.catalog import MASTER, MODULE, Fragment, TensorDraft
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import group_scalars
 from reshard.formats.torchsave_read import TensorRef
@@ -74,7 +75,7 @@ def _add_fragments(catalog, sources, parts, rank, sub_start, sub_len):
         held = max(0, min(part, n - rank * part))      # real (unpadded) elements of this rank's part
         overlap = intersect(offset, offset + held, sub_start, sub_start + sub_len)
         for state, ref in sources.items():
-            tensor = catalog.add(LogicalTensor(name, state, catalog.params[name].shape, ref.dtype), ref.storage.file)
+            tensor = catalog.add(TensorDraft(name, state, catalog.params[name].shape, ref.dtype), ref.storage.file)
             if overlap and ref.numel >= overlap[1] - sub_start:
                 a, b = overlap
                 first = rank * part + a - offset
@@ -98,7 +99,7 @@ def _assign_groups(catalog, sd, parts) -> dict:
             sub += 1
             sub_end += lengths[sub]
         g = sub_group_of.get(sub, 0)
-        catalog.params[name].group = g
+        catalog.params[name] = replace(catalog.params[name], group=g)
         if g < len(members):
             members[g].append(name)
     for g, group in enumerate(groups):
@@ -124,7 +125,7 @@ def read_frozen(catalog, models) -> None:
             if not isinstance(ref, TensorRef):
                 catalog.problem(path, f"frozen parameter {p.name} has no fragment")
                 continue
-            tensor = catalog.add(LogicalTensor(p.name, MODULE, p.shape, ref.dtype), ref.storage.file)
+            tensor = catalog.add(TensorDraft(p.name, MODULE, p.shape, ref.dtype), ref.storage.file)
             start, stop = rank * part, min(n, (rank + 1) * part)
             if ref.numel < stop - start:
                 catalog.problem(path, f"frozen parameter {p.name}: fragment has {ref.numel} elements, "

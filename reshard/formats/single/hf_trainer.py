@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import replace
 
-from reshard.core.catalog import Catalog, TrainingState
+from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
@@ -47,8 +47,8 @@ def read(path: str, options: NoOptions) -> Catalog:
     weights_format = "safetensors" if hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX) else "torch"
     # the run's world size is what its per-process files say: the Trainer saves one rng_state_K.pth per process
     processes = max(1, sum(1 for name in os.listdir(folder) if RNG.match(name)))
-    catalog = Catalog(root=folder, format="hf-trainer" if has_state else weights_format,
-                      layout=Layout(dp=processes, zero=0))
+    catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,
+                             layout=Layout(dp=processes, zero=0))
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
     if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
@@ -67,14 +67,14 @@ def read(path: str, options: NoOptions) -> Catalog:
     model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order,
                 weights.buffers)
     _training_state(catalog, folder)
-    step = catalog.training.global_steps or catalog.contents().step or 0
+    step = catalog.training.global_steps or catalog.freeze().contents().step or 0
     if catalog.training.global_steps is None:
         catalog.training = replace(catalog.training, global_steps=step)
     catalog.model_files = hf_files.present(folder)
-    return catalog
+    return catalog.freeze()
 
 
-def _training_state(catalog, folder) -> None:
+def _training_state(catalog: CatalogBuilder, folder: str) -> None:
     state_path = os.path.join(folder, TRAINER_STATE)
     trainer_state = global_steps = lr_scheduler = None
     if os.path.isfile(state_path):

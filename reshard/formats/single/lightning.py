@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from reshard.core.catalog import Catalog, TrainingState
+from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
@@ -39,13 +39,13 @@ def read(path: str, options: NoOptions) -> Catalog:
         raise CheckpointError(path, f"{len(optimizers)} optimizers; only checkpoints of one optimizer can be mapped")
     if optimizers and not is_optimizer(optimizers[0]):
         raise CheckpointError(path, "optimizer_states[0] is not a torch.optim state_dict")
-    catalog = Catalog(root=path, format="lightning", layout=Layout(dp=1, zero=0))
+    catalog = CatalogBuilder(root=path, format="lightning", layout=Layout(dp=1, zero=0))
     model.add_file(catalog, path, "lightning_checkpoint")
     model.build(catalog, obj["state_dict"], path, optimizers[0] if optimizers else None, path)
     schedulers = list(obj.get("lr_schedulers") or [])
     catalog.notes = SingleNotes(lr_schedulers=schedulers, lightning={k: v for k, v in obj.items() if k not in KNOWN})
     step = obj.get("global_step")
-    step = int(step) if isinstance(step, int) else (catalog.contents().step or 0)
+    step = int(step) if isinstance(step, int) else (catalog.freeze().contents().step or 0)
     # one scheduler: the one DeepSpeed's engine keeps and reloads
     catalog.training = TrainingState(global_steps=step, lr_scheduler=schedulers[0] if len(schedulers) == 1 else None)
-    return catalog
+    return catalog.freeze()

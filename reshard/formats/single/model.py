@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-from reshard.core.catalog import MASTER, MODULE, FileInfo, Fragment, LogicalTensor, ParamInfo, ScalarTensor
+from reshard.core.catalog import (MASTER, MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, ScalarTensor,
+                                  TensorDraft)
 from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
@@ -30,12 +31,12 @@ STEP = "step"
 NAMES = "param_names"     # saved by torch.optim when built from named_parameters()
 
 
-def add_file(catalog, path: str, role: str) -> None:
+def add_file(catalog: CatalogBuilder, path: str, role: str) -> None:
     folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
     catalog.files.append(FileInfo(os.path.relpath(path, folder), role, None, file_size(path)))
 
 
-def build(catalog, module: dict, where: str, optimizer=None, optim_where: str = "", aliases=None,
+def build(catalog: CatalogBuilder, module: dict, where: str, optimizer=None, optim_where: str = "", aliases=None,
           order=None, buffers=None) -> None:
     """Fill `catalog` from `module` ({key: TensorRef}, model order) and a torch.optim state dict;
     `aliases` and `order` (all state-dict keys, aliases too) when the reader knows ties the files omit;
@@ -85,7 +86,7 @@ def _add(catalog, name, state, ref, dtype=None) -> None:
     if not ref.is_contiguous():
         catalog.problem(ref.storage.file, f"{name} ({state}): non-contiguous tensor; cannot be addressed as one range")
         return
-    tensor = catalog.add(LogicalTensor(name, state, tuple(ref.shape), dtype or ref.dtype), ref.storage.file)
+    tensor = catalog.add(TensorDraft(name, state, tuple(ref.shape), dtype or ref.dtype), ref.storage.file)
     if ref.numel:
         tensor.fragments.append(Fragment(0, ref.numel, ref.storage, ref.storage_offset))
 
@@ -172,4 +173,4 @@ def _fill_layout(catalog) -> None:
     layout = catalog.layout
     # no separate master: the optimizer updated the params as saved (pure bf16 training: bf16); a
     # DeepSpeed target widens them to its fp32 master, the same values
-    layout.dtype, layout.master_dtype = catalog.weight_dtypes()
+    layout.dtype, layout.master_dtype = catalog.freeze().weight_dtypes()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from reshard.core.catalog import Catalog
+from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model, safetensors_header
 from reshard.core.layout import Layout
@@ -39,11 +39,11 @@ def read(path: str, options: NoOptions) -> Catalog:
             tensors, metadata = safetensors_header.read_header(path)
             tied = hf_weights.tied_metadata(path, metadata)
             weights = hf_weights.Weights(tensors, tied, list(tensors) + list(tied), [(path, "weights")])
-    catalog = Catalog(root=folder, format="safetensors", layout=Layout(dp=1, zero=0))
+    catalog = CatalogBuilder(root=folder, format="safetensors", layout=Layout(dp=1, zero=0))
     for file, role in weights.files:
         model.add_file(catalog, file, role)
     model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
                 weights.buffers)
     if os.path.isdir(path):     # a save_pretrained folder: its config and tokenizer go with the weights
         catalog.model_files = hf_files.present(path)
-    return catalog
+    return catalog.freeze()

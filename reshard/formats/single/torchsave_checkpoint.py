@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from reshard.core.catalog import Catalog, TrainingState
+from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
@@ -64,11 +64,11 @@ def split(path: str, obj) -> tuple:
 def read(path: str, options: NoOptions) -> Catalog:
     path = os.path.abspath(path)
     module, optimizer, extra = split(path, torchsave_read.load(path))
-    catalog = Catalog(root=path, format="torch", layout=Layout(dp=1, zero=0))
+    catalog = CatalogBuilder(root=path, format="torch", layout=Layout(dp=1, zero=0))
     model.add_file(catalog, path, "state_dict")
     model.build(catalog, module, path, optimizer, path)
     catalog.notes = SingleNotes(extra=extra)
     scheduler = next((extra[k] for k in SCHEDULER_KEYS if isinstance(extra.get(k), dict)), None)
-    step = catalog.contents().step
+    step = catalog.freeze().contents().step
     catalog.training = TrainingState(global_steps=step or 0, lr_scheduler=scheduler)
-    return catalog
+    return catalog.freeze()
