@@ -16,7 +16,6 @@ from reshard.formats.dcp.writer import DistcpFile
 from reshard.formats.safetensors_file import SafetensorsFile
 from reshard.formats.torchsave_write import TorchFile
 from reshard.storage.posix_sink import HashingSink
-from tests.test_structure import REPO, import_structure
 
 SIZES = (3, 700, 1, 1500)       # elements (float32) of each tensor
 
@@ -125,10 +124,3 @@ def test_export_writes_the_registered_containers():
     assert {name: containers.CONTAINERS[name].exported_as for name in export.FORMATS} == export.FORMATS
     assert all(type(kind.from_entries("x", [], {}, {}).container()).name == name
                for name, kind in export.FORMATS.items())
-
-
-def test_the_core_imports_no_format():
-    edges, _ = import_structure(REPO / "reshard")
-    core = {m: sorted(i for i in imports if i.startswith("reshard.formats")) for m, imports in edges.items()
-            if m.startswith("reshard.core")}
-    assert core and all(not imports for imports in core.values()), core
