@@ -22,12 +22,14 @@ A Writer should expect this sequence of calls by `reshard.convert`:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from reshard.core.layout import DescriptorKeys, FormatTopology, Layout, SpecKey
+
 if TYPE_CHECKING:
     from reshard.core.catalog import Catalog
-    from reshard.core.layout import Layout
     from reshard.core.write_requests import Output
 
 
@@ -76,9 +78,33 @@ class Reader(Protocol):
         is wrong but readable goes to catalog.problems, what is unreadable raises a ReshardError."""
 
 
+@dataclass(frozen=True)
+class TargetKeys:
+    """What a writer's output takes of a target topology beyond the mesh's degrees (dp, tp, pp): its `--to` keys,
+    parsed into its own FormatTopology, and their keys in a layout descriptor file. Declared in a module of the
+    format that --help can read without importing the writer (reshard.formats.WRITERS)."""
+    keys: tuple[SpecKey, ...]
+    # (the source's layout, {key: value} of its keys a spec gives) -> the target's FormatTopology
+    target: Callable[[Layout, Mapping[str, object]], FormatTopology | None]
+    descriptor: DescriptorKeys      # its keys in a descriptor file -> the target's FormatTopology
+    descriptor_keys: tuple[str, ...] = ()
+
+
+def _sources(source: Layout, given: Mapping[str, object]) -> FormatTopology | None:
+    return source.format_topology
+
+
+def _source_own(source: FormatTopology | None, data: Mapping[str, object]) -> FormatTopology | None:
+    return source
+
+
+# An output written at the mesh's degrees alone: what the source's format added it keeps (for the target's
+# topology line), and it reads none of a descriptor's other keys
+MESH_ONLY = TargetKeys((), _sources, _source_own)
+
+
 @runtime_checkable
 class Writer(Protocol):
-    SPEC_KEYS: tuple    # the `--to` keys (reshard.core.layout.SPEC_KEY_NAMES) this format's output has
     PLACES_EXPERTS: bool   # writes a mixture-of-experts catalog with its expert placement (else it is refused)
 
     def target_files(self, catalog: "Catalog", target: "Layout", tag: str,

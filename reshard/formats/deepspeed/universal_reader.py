@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, FileInfo, Fragment, LogicalTensor
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
@@ -26,6 +27,7 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import experts as expert_placement
 from reshard.formats.deepspeed import group_scalars, rank_reader
 from reshard.formats.deepspeed import universal as uc
+from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import TensorRef
 from reshard.core.layout import Layout
@@ -104,7 +106,8 @@ def _read(tag_dir, tag) -> Catalog:
     if experts is not None:
         model0 = _as_the_engine_saved(model0)
 
-    catalog = Catalog(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage), tag=tag)
+    catalog = Catalog(root=tag_dir, format="universal", tag=tag,
+                      layout=Layout.of(dp, format_topology=DeepSpeedTopology(zero=stage)))
     catalog.files.append(FileInfo(os.path.join(uc.ZERO_DIR, uc.OPTIMIZER_STATE), "optimizer_state", None,
                                   file_size(optim_path)))
     if stage == 3:
@@ -265,9 +268,10 @@ def _fill_state(catalog, model0, optim, stage, experts):
     rank_reader.fill_state(catalog, model0, optim, experts)
     config = model0.get("ds_config") or {}
     bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled"))
-    catalog.layout.options = rank_reader.format_options(model0, optim, bf16 and stage != 3, stage)
+    own = rank_reader.format_topology(model0, optim, bf16 and stage != 3, stage)
     if experts is not None:      # the target keeps it unless --to names another (ep=E)
-        catalog.layout.options["ep"] = experts.topology.ep
+        own = replace(own, ep=experts.topology.ep)
+    catalog.layout = replace(catalog.layout, format_topology=own)
     rank_reader.fill_layout(catalog, model0)
 
 

@@ -22,6 +22,7 @@ from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer
 from reshard.core.layout import Layout
+from reshard.formats.unpartitioned import UNPARTITIONED
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
@@ -48,7 +49,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     # the run's world size is what its per-process files say: the Trainer saves one rng_state_K.pth per process
     processes = max(1, sum(1 for name in os.listdir(folder) if RNG.match(name)))
     catalog = Catalog(root=folder, format="hf-trainer" if has_state else weights_format,
-                      layout=Layout(dp=processes, zero=0))
+                      layout=Layout.of(processes, format_topology=UNPARTITIONED))
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
     if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
