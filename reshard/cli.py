@@ -13,7 +13,7 @@ import textwrap
 import reshard
 from reshard import cli_text, rule_files, watch_state, watching
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import FRESH, NEW_RANK_POLICIES, SPEC_KEYS, WRITERS, formats_taking
+from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
 from reshard.inspection import human_bytes, jsonable
 from reshard.text import counted
@@ -104,9 +104,9 @@ KEY_COLUMN = 19     # a wider key (partition's) has its meaning on the next line
 
 def _spec_help() -> str:
     """The keys of --to, each with what it takes and, where not every output format has a place for it, which
-    --format does: from the tables the parser and the writers use (formats.SPEC_KEYS, from the writers' declarations)."""
+    --format does: from the table the parser uses (formats.every_spec_key: the writers' declarations)."""
     rows = []
-    for k in SPEC_KEYS:
+    for k in every_spec_key():
         key = f"{k.name}={k.value}"
         taking = formats_taking([k.name])
         limits = [k.accepted()] if k.minimum is not None or k.choices else []     # (the others: their VALUE)
@@ -436,7 +436,7 @@ def _size_arg(text: str) -> int:
 
 def _shard_size_arg(text: str) -> str:
     """A shard limit in huggingface_hub's units, checked here (as the export will read it), kept as given."""
-    from reshard.formats import SPEC_KEYS, hf
+    from reshard.formats import hf
     try:
         size = hf.parse_size(text)
     except ReshardError:
@@ -636,7 +636,7 @@ def _diff(args) -> int:
 def _open_both(sides: list, layout_rules: str | None) -> list:
     """The catalogs of diff's A and B. Its --layout-rules go to whichever side's format takes them (a tensor-
     parallel save compared with its export); refused, as by any reader, only when neither takes them."""
-    from reshard.formats import SPEC_KEYS, takes
+    from reshard.formats import takes
     rules = [layout_rules if layout_rules and takes(path, tag, "layout_rules") else None for path, tag in sides]
     if layout_rules and not any(rules):
         rules[0] = layout_rules     # A's reader says in one line that it takes none

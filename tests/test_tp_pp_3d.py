@@ -140,7 +140,8 @@ def resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_pp_resume")
     results = {}
     for to in ENGINE_TARGETS + ["control"]:
-        target = target_layout(_open(fixture_dir(NAME)).layout, "tp=1,pp=2,dp=2" if to == "control" else to, "deepspeed")
+        spec = "tp=1,pp=2,dp=2" if to == "control" else to
+        target = target_layout(_open(fixture_dir(NAME)).layout, spec, "deepspeed")
         dst = out / to.replace(",", "-")
         execute(make_plan(_open(fixture_dir(NAME)), target.topology()), str(dst), progress=False)
         if to == "control":

@@ -367,7 +367,8 @@ def resumed(tmp_path_factory):
     launches = {}
     for name, to in ENGINE_JOBS + [(name, f"direct:{to}") for name, to in DIRECT_JOBS]:
         direct = to.startswith("direct:")
-        target = target_layout(reshard.open_checkpoint(fixture_dir(name)).layout, to.removeprefix("direct:"), "deepspeed")
+        source = reshard.open_checkpoint(fixture_dir(name)).layout
+        target = target_layout(source, to.removeprefix("direct:"), "deepspeed")
         if direct:
             job = {"fixture": name, "checkpoint": str(fixture_dir(name)), "tp": target.tp, "zero": ds.of(target).zero,
                    "fixtures": str(FIXTURES), "to": to, "direct": True}

@@ -1,7 +1,7 @@
 """Usage errors exit 2 with one line, everywhere (issue 24, points 7 and 8): spec keys unknown, repeated or out of
 range, keys the output format has no place for (naming the --format that has), descriptor files, options with
 ranges, a kv_heads that cannot describe the tensors; the source unmodified, DST not created. --help says exactly
-what the parser takes: both read formats.SPEC_KEYS, from the writers' declarations."""
+what the parser takes: both read formats.every_spec_key(), the writers' declarations."""
 import hashlib
 import json
 import os
@@ -14,7 +14,7 @@ from conftest import REPO, fixture_dir
 from reshard.cli import main
 from reshard.errors import UsageError
 from reshard.core.layout import Layout
-from reshard.formats import SPEC_KEYS, target_layout
+from reshard.formats import every_spec_key, target_layout
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 
 SOURCE = "z2_fp32_dp2"
@@ -124,14 +124,14 @@ def test_an_option_out_of_its_range_is_one_line(args, words, tmp_path, capsys):
 
 
 def test_help_says_exactly_what_the_parser_takes(capsys):
-    """--help listed zero=0, which convert refuses. Every key's help row gives the values formats.SPEC_KEYS
+    """--help listed zero=0, which convert refuses. Every key's help row gives the values formats.every_spec_key()
     accepts, and which output formats take it; the parser takes each value named and refuses the ones beside."""
     from reshard.formats import WRITERS, formats_taking
     assert main(["convert", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "zero=S ZeRO stage (1, 2 or 3;" in text and "0, 1, 2 or 3" not in text
     source = reshard.open_checkpoint(fixture_dir(SOURCE)).layout
-    for key in SPEC_KEYS:
+    for key in every_spec_key():
         if key.choices or key.minimum is not None:
             assert key.accepted() in text
             taken = key.choices or (key.minimum, key.minimum + 1)

@@ -127,8 +127,8 @@ class Degrees(Mapping[str, int]):
 
 
 class FormatTopology(Protocol):
-    """What a checkpoint's format adds to its topology (DeepSpeed: its ZeRO stage, how it cut its partitions), a
-    frozen object of that format's own; the core only shows and saves it, in the format's words."""
+    """What a checkpoint's format adds to its topology beyond the mesh's degrees, a frozen object of that format's
+    own (reshard/formats/<format>/); the core only shows and saves it, in the format's words."""
 
     def terms(self, brief: bool = False) -> tuple[tuple[str, object], ...]:
         """The key=value terms the topology line gives after the mesh degrees (`brief`: those worth a list row)."""
@@ -174,8 +174,8 @@ class Layout:
         return math.prod(self.degrees[name] for name in MESH)
 
     def topology(self, brief: bool = False) -> str:
-        """e.g. "dp=4,tp=1,pp=1,zero=2" (its format's terms last); `brief`, a list's row: "dp=4,zero=2", the degrees
-        of 1 past dp left out."""
+        """e.g. "dp=4,tp=2,pp=1" and its format's terms; `brief`, a list's row: "dp=4,tp=2" and the terms its format
+        gives a row, the degrees of 1 past dp left out."""
         degrees = [(k, v) for i, (k, v) in enumerate(self.degrees.items()) if not brief or i == 0 or v != 1]
         own = self.format_topology.terms(brief) if self.format_topology is not None else ()
         return ",".join(f"{k}={v}" for k, v in (*degrees, *own))

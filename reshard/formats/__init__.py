@@ -41,10 +41,6 @@ class WriterEntry:
 WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
            "universal": WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
            "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY)}
-# Every key of `--to`, once: the mesh's, then those the writers declare, in their order
-SPEC_KEYS: tuple[SpecKey, ...] = tuple({k.name: k for k in (*MESH_KEYS, *(k for w in WRITERS.values()
-                                                                          for k in w.keys.keys))}.values())
-DESCRIPTOR_KEYS = tuple(dict.fromkeys(k for w in WRITERS.values() for k in w.keys.descriptor_keys))
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
@@ -57,7 +53,7 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
     catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules)))
     catalog.check_dtypes()
-    around = framework.detect(path) if catalog.format == "deepspeed" else None
+    around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
         catalog.framework = around
         catalog.model_files = catalog.model_files or around.model_files
@@ -73,7 +69,7 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     frame = catalog.framework
     if frame is None:
         return ()
-    if format_name != "deepspeed":
+    if not _resumed_by_frameworks(format_name):
         return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
                                            f"save, not from {format_name}") for f in frame.files)
     return frame.dispositions(world, policy)
@@ -83,9 +79,13 @@ def with_framework(catalog, format_name: str, world: int, policy: str, targets: 
     """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
     whole folder the framework writes at `world` processes."""
     frame = catalog.framework
-    if frame is None or format_name != "deepspeed":
+    if frame is None or not _resumed_by_frameworks(format_name):
         return targets
     return targets + frame.target_files(world, policy)
+
+
+def _resumed_by_frameworks(format_name: str) -> bool:
+    return format_name in WRITERS and writer(format_name).RESUMED_BY_FRAMEWORKS
 
 
 def default_tag(catalog) -> str:
@@ -129,20 +129,25 @@ def _taken(reader: Reader) -> set:
     return {f.name for f in fields(reader.OPTIONS)}
 
 
+def every_spec_key() -> tuple[SpecKey, ...]:
+    """Every key of `--to`, once: the mesh's, then those the writers declare, in their order (--help lists them)."""
+    return tuple({k.name: k for k in (*MESH_KEYS, *(k for w in WRITERS.values() for k in w.keys.keys))}.values())
+
+
 def spec_keys_of(format_name: str) -> tuple[str, ...]:
-    """The `--to` keys (SPEC_KEYS) an output of `format_name` has a place for: the mesh's and its writer's."""
+    """The `--to` keys (every_spec_key) an output of `format_name` has a place for: the mesh's and its writer's."""
     return tuple(k.name for k in (*MESH_KEYS, *_target_keys(format_name).keys))
 
 
 def formats_taking(keys: Iterable[str]) -> list:
-    """The output formats whose writers take every one of these `--to` keys (SPEC_KEYS)."""
+    """The output formats whose writers take every one of these `--to` keys (every_spec_key)."""
     return [name for name in WRITERS if set(keys) <= set(spec_keys_of(name))]
 
 
 def target_layout(source: Layout, spec: str, format_name: str) -> Layout:
     """`source` with what a `--to` spec ("dp=4,zero=3") names: the mesh's degrees, and what the writer of
     `format_name` takes of the other keys (a key it has no place for is the caller's to refuse)."""
-    given = parse_spec(spec, SPEC_KEYS)
+    given = parse_spec(spec, every_spec_key())
     mesh = {k.name for k in MESH_KEYS}
     keys = _target_keys(format_name)
     own = {k.name for k in keys.keys}
@@ -153,7 +158,8 @@ def target_layout(source: Layout, spec: str, format_name: str) -> Layout:
 def descriptor_layout(source: Layout, path: str, format_name: str) -> Layout:
     """`source` with what a layout descriptor file names (Layout.with_descriptor), read by the writer of
     `format_name`."""
-    return source.with_descriptor(path, _target_keys(format_name).descriptor, DESCRIPTOR_KEYS)
+    known = tuple(dict.fromkeys(k for w in WRITERS.values() for k in w.keys.descriptor_keys))
+    return source.with_descriptor(path, _target_keys(format_name).descriptor, known)
 
 
 def _target_keys(format_name: str) -> TargetKeys:

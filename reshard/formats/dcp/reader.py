@@ -37,6 +37,7 @@ from reshard.formats.unpartitioned import UNPARTITIONED
 OPTIM_PREFIXES = ("optim.", "optimizer.")
 FORMAT = "dcp"
 OPTIONS = NoOptions       # one directory is one checkpoint: no tag
+IN_FRAMEWORK_FOLDERS = False
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ def file_name(rank: int) -> str:
 
 
 PLACES_EXPERTS = False     # no expert placement in DCP output yet
+RESUMED_BY_FRAMEWORKS = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     if target.tp != 1 or target.pp != 1:

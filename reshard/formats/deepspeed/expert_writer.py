@@ -102,8 +102,9 @@ class _Placed:
 def _check(catalog: Catalog, target: Layout) -> None:
     """What cannot be written is refused (one line each)."""
     where = catalog.root
-    if topology.of(target).zero not in (1, 2):
-        raise ReshardError.at(where, f"target ZeRO stage {topology.of(target).zero}: mixture-of-experts checkpoints are written for "
+    zero = topology.of(target).zero
+    if zero not in (1, 2):
+        raise ReshardError.at(where, f"target ZeRO stage {zero}: mixture-of-experts checkpoints are written for "
                                      "ZeRO-1/2 only (AutoEP under ZeRO-3 saves its experts in another layout)")
     if target.tp != 1 or target.pp != 1:
         raise ReshardError.at(where, "mixture-of-experts checkpoints are written without tensor or pipeline "

@@ -35,7 +35,7 @@ class DeepSpeedTopology:
     def options(self) -> dict:
         """The settings other than the stage that are set, by name."""
         named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "zero"}
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in named.items() if v not in (None, False)}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in named.items() if v is not None and v is not False}
 
     def terms(self, brief: bool = False) -> tuple[tuple[str, object], ...]:
         """zero=S, and ep=E for a mixture of experts; a list's row names a stage only (none for 0)."""

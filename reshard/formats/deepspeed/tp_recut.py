@@ -85,7 +85,7 @@ def recut(catalog, target) -> tuple:
 
 
 def check_kv_heads(catalog, target) -> None:
-    """kv_heads=K (the target's DeepSpeed topology) must describe every tensor the rule file (--layout-rules) says AutoTP cuts by
+    """kv_heads=K (topology.of(target)) must describe every tensor the rule file (--layout-rules) says AutoTP cuts by
     key-value heads: K whole heads (or head groups) along its cut dim. Else AutoTP's cut (tp_shard falls back to
     an even one where K does not divide) would cut through a head: a usage error, before anything is written,
     whatever the degree (a count that cannot be the model's is refused even where the source's cut is kept)."""

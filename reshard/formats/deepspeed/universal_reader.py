@@ -36,6 +36,7 @@ from reshard.source_bytes import file_size
 
 FORMAT = "universal"
 OPTIONS = TagOption
+IN_FRAMEWORK_FOLDERS = False
 AUTOEP_LAYERS, UC_INFO = expert_placement.AUTOEP_LAYERS, expert_placement.UC_INFO
 # What engine._save_moe_checkpoint writes there for AutoEP (engine.py:5323); ds_to_universal writes a pattern of
 # its own and lightens the layer entries (ds_to_universal.py:1269).

@@ -33,7 +33,8 @@ from dataclasses import replace
 from reshard.core.catalog import MASTER, MODULE, Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import standins
-from reshard.formats.deepspeed import expert_writer, notes, rank_params, topology, tp_writer, zero12_writer, zero3_writer
+from reshard.formats.deepspeed import expert_writer, notes, rank_params, topology, tp_writer, zero12_writer, \
+    zero3_writer
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
@@ -48,6 +49,7 @@ _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partiti
 
 # every --to key has a place in a universal tree (ep: in its model states; the zero/ tree serves every ep)
 PLACES_EXPERTS = True      # AutoEP; deepspeed.moe is refused (_check_target)
+RESUMED_BY_FRAMEWORKS = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_target(catalog, target)

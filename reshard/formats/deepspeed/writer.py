@@ -18,6 +18,7 @@ from reshard.core.write_requests import Output
 
 
 PLACES_EXPERTS = True     # expert_writer
+RESUMED_BY_FRAMEWORKS = True
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_convertible(catalog, target)
@@ -25,7 +26,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     zero = topology.of(target).zero
     if zero not in topology.STAGES:
         # a source with no ZeRO stage of its own (DCP, torch.save, universal) keeps "0" unless --to names one
-        hint = " (the source has none: name one, e.g. --to zero=2)" if topology.of(source).zero not in topology.STAGES else ""
+        none = topology.of(source).zero not in topology.STAGES
+        hint = " (the source has none: name one, e.g. --to zero=2)" if none else ""
         raise UsageError(f"target ZeRO stage {zero}: only stages 1, 2 and 3 can be written{hint}")
     if catalog.experts is not None:          # a mixture of experts: its placement is one more map
         return expert_writer.target_files(catalog, target, tag, source_save_dir)

@@ -29,6 +29,7 @@ RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 OPAQUE = (ARGS, *hf_files.CONFIGS)
 FORMAT = "hf-trainer"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:

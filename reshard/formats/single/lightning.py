@@ -24,6 +24,7 @@ SUFFIX = ".ckpt"
 KNOWN = ("state_dict", "optimizer_states", "lr_schedulers")
 FORMAT = "lightning"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:

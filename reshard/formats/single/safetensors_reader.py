@@ -17,6 +17,7 @@ SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 FORMAT = "safetensors"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:

@@ -26,6 +26,7 @@ SCHEDULER_KEYS = ("lr_scheduler", "scheduler")
 ZIP_MAGIC, LEGACY_MAGIC = b"PK\x03\x04", b"\x80\x02"
 FORMAT = "torch"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
