@@ -94,14 +94,14 @@ SPEC_KEYS = (
     SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts checkpoint, dividing dp and the expert "
             "count", minimum=1),
 )
-FIELD_OF_KEY = {"zero": "zero", "partition": "partition_method", "layer_types": "layer_types",
+_FIELD_OF_KEY = {"zero": "zero", "partition": "partition_method", "layer_types": "layer_types",
                 "kv_heads": "kv_heads", "ep": "ep"}
 
 
 def target(source: Layout, given: Mapping[str, object]) -> DeepSpeedTopology:
     """The source's DeepSpeed settings with those the `--to` keys in `given` (parsed by SPEC_KEYS) name: the
     source's stage, expert-parallel degree and partition variants unless named."""
-    return replace(of(source), **{FIELD_OF_KEY[k]: v for k, v in given.items()})
+    return replace(of(source), **{_FIELD_OF_KEY[k]: v for k, v in given.items()})
 
 
 def from_descriptor(source: DeepSpeedTopology | None, data: Mapping[str, object]) -> DeepSpeedTopology:
