@@ -13,11 +13,10 @@ import textwrap
 import reshard
 from reshard import cli_text, rule_files, watch_state, watching
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, formats_taking
+from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
 from reshard.inspection import human_bytes, jsonable
 from reshard.text import counted
-from reshard.core.layout import SPEC_KEYS
 
 # A reader that closed our stdout (`reshard inspect X | head -1`) ends the command quietly with the
 # status of a Unix tool killed by SIGPIPE, 128 + 13: `set -o pipefail` sees what it sees for `cat`.
@@ -105,9 +104,9 @@ KEY_COLUMN = 19     # a wider key (partition's) has its meaning on the next line
 
 def _spec_help() -> str:
     """The keys of --to, each with what it takes and, where not every output format has a place for it, which
-    --format does: from the tables the parser and the writers use (layout.SPEC_KEYS, formats.WRITER_SPEC_KEYS)."""
+    --format does: from the table the parser uses (formats.every_spec_key: the writers' declarations)."""
     rows = []
-    for k in SPEC_KEYS:
+    for k in every_spec_key():
         key = f"{k.name}={k.value}"
         taking = formats_taking([k.name])
         limits = [k.accepted()] if k.minimum is not None or k.choices else []     # (the others: their VALUE)

@@ -6,23 +6,25 @@ import os
 from reshard import paths, rule_files
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import FRESH, default_tag, framework_dispositions, with_framework
+from reshard.formats import (FRESH, default_tag, descriptor_layout, framework_dispositions, spec_keys_of,
+                             target_layout as spec_layout, with_framework)
 from reshard.core.layout import Layout, spec_keys
 from reshard.core.planner import Plan, plan
 
 
-def target_layout(catalog: Catalog, to: str) -> Layout:
+def target_layout(catalog: Catalog, to: str, fmt: str | None = None) -> Layout:
     """`to` is a spec ("dp=4,zero=3") or a layout descriptor file (a path, or the name of one shipped with reshard:
-    "dp4-zero3"); degrees either leaves out keep the source's."""
-    source = catalog.layout
+    "dp4-zero3"), read for an output of format `fmt` (default: the source's); degrees either leaves out keep the
+    source's."""
+    source, format_name = catalog.layout, fmt or catalog.format
     if os.path.isfile(to):
-        return source.with_descriptor(to)
+        return descriptor_layout(source, to, format_name)
     if to and "=" not in to:     # every key of a spec is key=value: this names a file
         descriptor = rule_files.find(to, rule_files.LAYOUT)
         if not os.path.isfile(descriptor):
             raise UsageError.at(to, "no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)")
-        return source.with_descriptor(descriptor)
-    return source.with_spec(to)
+        return descriptor_layout(source, descriptor, format_name)
+    return spec_layout(source, to, format_name)
 
 
 def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | None = None,
@@ -32,7 +34,7 @@ def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | 
     from reshard.validate import require_complete
 
     require_complete(catalog)
-    target = target_layout(catalog, to)         # (a bad spec is refused here)
+    target = target_layout(catalog, to, fmt)    # (a bad spec is refused here)
     if "=" in to and not os.path.isfile(to):     # a spec (a descriptor file says only what it means)
         _refuse_keys_without_meaning(catalog, to, fmt)
     return plan_for(catalog, target, tag_out, fmt, new_rank_state)
@@ -42,7 +44,8 @@ def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -
     """A `--to` key the output format has no place for (a ZeRO stage for DCP) is a usage error, not ignored; the
     line names the --format that takes it."""
     from reshard.formats import formats_taking
-    honoured = _writer(catalog, fmt).SPEC_KEYS
+    _writer(catalog, fmt)       # (a source no writer writes needs a --format)
+    honoured = spec_keys_of(fmt or catalog.format)
     unused = sorted(spec_keys(spec) - set(honoured))
     if unused:
         taking = formats_taking(unused)

@@ -76,7 +76,7 @@ def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_si
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     if not single_file:         # config, tokenizer: a folder from_pretrained loads
         targets += [CopiedFile(os.path.basename(p), p, os.path.getsize(p)) for p in catalog.model_files]
-    target = Layout(dp=1, zero=0, dtype=entries[0].dtype if entries else "float32")
+    target = Layout.of(1, dtype=entries[0].dtype if entries else "float32")
     return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
 
 

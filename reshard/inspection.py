@@ -10,6 +10,9 @@ from reshard.formats.torchsave_read import DType, TensorRef
 
 def inspect(catalog: Catalog, params: bool = False) -> dict:
     layout, contents = catalog.layout, catalog.contents()
+    # what the format adds to the mesh (a DeepSpeed save: its ZeRO stage and partitioning options), in the
+    # descriptor's words: none for a format that partitions nothing (DCP, single files)
+    own = layout.format_topology.descriptor() if layout.format_topology is not None else {}
     kinds = [p.kind for p in catalog.params.values()]
     info = {
         "path": catalog.root,
@@ -19,12 +22,12 @@ def inspect(catalog: Catalog, params: bool = False) -> dict:
         "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         # a mixture-of-experts save: ep, expert-dp, and per MoE layer its experts and their placement
         "experts": catalog.experts.describe() if catalog.experts is not None else None,
-        "zero_stage": layout.zero or None,         # None: the format has no ZeRO partitioning (DCP, single files)
+        "zero_stage": own.get("zero") or None,      # None: the format has no ZeRO partitioning (DCP, single files)
         "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
         "master_dtype": layout.master_dtype or None,
         "optimizer": contents.optimizer or None,     # None: the checkpoint does not tell
         "optimizer_states": contents.states,
-        "options": layout.options,
+        "options": own.get("options") or {},
         "step": contents.step,
         "global_steps": catalog.training.global_steps,
         "global_samples": catalog.training.global_samples,

@@ -137,15 +137,9 @@ def order(row: Checkpoint) -> tuple:
 def _row(entry, files: Files, status: str, why: str = "", catalog=None, step=None) -> Checkpoint:
     fmt = catalog.format if catalog is not None else entry.reader or (entry.unit and entry.unit.format)
     return Checkpoint(entry.path, entry.name, entry.step if entry.step is not None else step, files.mtime, files.bytes,
-                      files.disk_bytes, files.count, fmt, topology(catalog.layout) if catalog is not None else None,
+                      files.disk_bytes, files.count, fmt,
+                      catalog.layout.topology(brief=True) if catalog is not None else None,
                       status, why, unit=entry.unit.what if entry.unit is not None else None)
-
-
-def topology(layout) -> str:
-    parts = [f"dp={layout.dp}"] + [f"{k}={getattr(layout, k)}" for k in ("tp", "pp") if getattr(layout, k) > 1]
-    if layout.zero:     # 0: a format without ZeRO partitioning (DCP, single files)
-        parts.append(f"zero={layout.zero}")
-    return ",".join(parts)
 
 
 def _checked(entry, files: Files) -> tuple:

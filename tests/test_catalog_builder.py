@@ -15,7 +15,7 @@ from conftest import fixture_dir
 
 
 def _builder() -> CatalogBuilder:
-    builder = CatalogBuilder(root="/ckpt", format="test", layout=Layout(dp=1))
+    builder = CatalogBuilder(root="/ckpt", format="test", layout=Layout.of(1))
     builder.params["w"] = ParamInfo("w", (2, 3), "trainable", 0)
     builder.order.append("w")
     builder.param_groups.append({"lr": 0.1, "params": ["w"]})

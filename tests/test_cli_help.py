@@ -14,7 +14,8 @@ import pytest
 import reshard
 from reshard.cli import build_parser
 from reshard.errors import ReshardError
-from reshard.core.layout import SPEC_KEY_NAMES, SPEC_KEYS, Layout
+from reshard.core.layout import Layout
+from reshard.formats import every_spec_key, target_layout
 from conftest import REPO, fixture_dir, run_cli
 
 COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune", "watch")
@@ -73,18 +74,19 @@ def test_every_spec_key_is_accepted_and_listed_whole():
     source = reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")).layout
     samples = {"dp": "2", "tp": "1", "pp": "1", "zero": "3", "partition": "type:Block", "layer_types": "Embed/Block",
                "kv_heads": "2", "ep": "2"}
-    assert set(SPEC_KEY_NAMES) == set(samples)          # a key added to layout.py needs a sample here
-    for key in SPEC_KEY_NAMES:
-        assert isinstance(source.with_spec(f"{key}={samples[key]}"), Layout)
-    with pytest.raises(ReshardError) as refused:        # what is not in SPEC_KEYS the parser refuses
-        source.with_spec("heads=2")
-    assert f"expected keys {', '.join(SPEC_KEY_NAMES)}" in str(refused.value)
+    names = [k.name for k in every_spec_key()]
+    assert set(names) == set(samples)           # a key added to the mesh or a writer's declaration needs a sample here
+    for key in names:
+        assert isinstance(target_layout(source, f"{key}={samples[key]}", "deepspeed"), Layout)
+    with pytest.raises(ReshardError) as refused:        # what is not in every_spec_key() the parser refuses
+        target_layout(source, "heads=2", "deepspeed")
+    assert f"expected keys {', '.join(names)}" in str(refused.value)
 
     assert _help("convert", columns=60) != _help("convert", columns=200)     # the width reaches the formatter
     for columns in (60, 80, 200):      # whatever the terminal width, no key=value is cut
         for command in ("convert", "plan"):
             lines = _help(command, columns=columns).splitlines()
-            for key in SPEC_KEYS:
+            for key in every_spec_key():
                 whole = f"{key.name}={key.value}"
                 assert any(whole in line.split() for line in lines), f"{command} --help at {columns}: {whole}"
                 assert any(key.meaning.split()[0] in line for line in lines)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import reshard
+from reshard.formats.deepspeed import topology as ds
+from reshard.formats import target_layout
 from reshard.convert import make_plan
 from reshard.core.dtypes import itemsize, numpy_carrier
 from reshard.executor import execute
@@ -48,7 +50,7 @@ def test_every_fixture_converts_to_a_complete_checkpoint(fixture_name, dp, conve
     out = reshard.open_checkpoint(converted(fixture_name, f"dp={dp}"))
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
-    assert out.layout.dp == dp and out.layout.zero == source.layout.zero
+    assert out.layout.dp == dp and ds.of(out.layout).zero == ds.of(source.layout).zero
     assert out.contents().step == source.contents().step and out.training.global_steps == source.training.global_steps
     _assert_same_tensors(source, out)
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
@@ -118,13 +120,13 @@ def test_stage_changes_keep_every_tensor(name, stage, tmp_path):
     source = reshard.open_checkpoint(fixture_dir(name))
     out = _convert(fixture_dir(name), tmp_path / "out", f"dp=3,zero={stage}")
     assert reshard.validate(out, deep=True).ok
-    assert out.layout.zero == stage
+    assert ds.of(out.layout).zero == stage
     for (param, state), tensor in source.tensors.items():
         if stage == 3 and state == "module" and source.params[param].kind == "trainable":
             assert (param, state) not in out.tensors    # ZeRO-3 keeps no 16-bit copy of trainable params
             continue
         assert torch.equal(reshard.full_tensor(source, param, state), reshard.full_tensor(out, param, state))
-    if source.layout.zero == 3 and stage != 3:   # the 16-bit module copy is the master cast down
+    if ds.of(source.layout).zero == 3 and stage != 3:   # the 16-bit module copy is the master cast down
         for p in source.params.values():
             if p.kind == "trainable":
                 master = reshard.full_tensor(source, p.name, "fp32")
@@ -203,7 +205,7 @@ def test_workers_descriptor_and_tag_out(tmp_path):
     run_cli("convert", src, tmp_path / "three", "--to", "dp=3,zero=2", "--workers", "3", "--quiet", check=0)
     assert _tree_bytes(tmp_path / "one") == _tree_bytes(tmp_path / "three")
 
-    layout = reshard.open_checkpoint(src).layout.with_spec("dp=3,zero=2")
+    layout = target_layout(reshard.open_checkpoint(src).layout, "dp=3,zero=2", "deepspeed")
     layout.save(tmp_path / "target.json")
     run_cli("convert", src, tmp_path / "described", "--to", tmp_path / "target.json", "--quiet", check=0)
     assert _tree_bytes(tmp_path / "one") == _tree_bytes(tmp_path / "described")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import reshard
+from reshard.formats.deepspeed import topology as ds
 from reshard.core.catalog import MASTER, MODULE
 from reshard.core.dtypes import itemsize
 from reshard.core.placement import Shard, regions
@@ -47,7 +48,7 @@ def test_every_tensor_is_the_engines_truth(name):
     meta = truth_json(name)
     assert _differences(catalog, truth_tensors(name)) == []
     assert sorted(n for n, p in catalog.params.items() if p.kind == "trainable") == sorted(meta["trainable"])
-    assert catalog.layout.dp == meta["world_size"] and catalog.layout.zero == meta["zero_stage"]
+    assert catalog.layout.dp == meta["world_size"] and ds.of(catalog.layout).zero == meta["zero_stage"]
     experts = catalog.experts
     assert (experts.ep, experts.expert_dp) == (meta["ep"], meta["world_size"] // meta["ep"])
     assert all(layer.num_experts == meta["num_experts"] and layer.placement == ((0, 1), (2, 3))

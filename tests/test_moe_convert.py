@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import reshard
+from reshard.formats.deepspeed import topology as ds
 from reshard.core.catalog import MASTER
 from reshard.convert import make_plan
 from reshard.executor import execute
@@ -43,7 +44,7 @@ def _spec(catalog, to):
     """The (ep, dp, zero) `to` asks for, the source's where it names none."""
     given = dict(item.split("=") for item in to.split(","))
     return (int(given.get("ep", catalog.experts.ep)), int(given.get("dp", catalog.layout.dp)),
-            int(given.get("zero", catalog.layout.zero)))
+            int(given.get("zero", ds.of(catalog.layout).zero)))
 
 
 def _experts_held(catalog) -> dict:
@@ -67,7 +68,7 @@ def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
     assert _differences(out, truth_tensors(name)) == []
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
-    assert (out.experts.ep, out.experts.expert_dp, out.layout.dp, out.layout.zero) == (ep, dp // ep, dp, zero)
+    assert (out.experts.ep, out.experts.expert_dp, out.layout.dp, ds.of(out.layout).zero) == (ep, dp // ep, dp, zero)
     assert out.param_groups[1]["name"] == f"ep_size_{ep}" and out.param_groups[1]["moe"]
     # every rank's file holds the experts DeepSpeed's process groups give its expert-parallel rank
     data_first = name.endswith("datafirst")

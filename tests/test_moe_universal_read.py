@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import reshard
+from reshard.formats.deepspeed import topology as ds
 from reshard.core.catalog import MASTER, MODULE
 from conftest import fixture_dir, run_cli, truth_json, truth_tensors
 from test_moe import PACKED, _differences, _set_element
@@ -37,7 +38,7 @@ def test_the_tree_reads_as_the_engines_truth(trees, name):
     assert catalog.experts.expert_dp == truth_json(name)["world_size"] // 2
     assert {n: (p.kind, p.group) for n, p in catalog.params.items()} == \
         {n: (p.kind, p.group) for n, p in source.params.items()}
-    assert catalog.layout.options["ep"] == 2 and catalog.layout.dtype == source.layout.dtype
+    assert ds.of(catalog.layout).ep == 2 and catalog.layout.dtype == source.layout.dtype
     report = reshard.validate(catalog)
     assert report.ok, report.problems
     # the experts' module weights are the master's own elements, cast where the model is 16-bit

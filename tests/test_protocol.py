@@ -30,7 +30,7 @@ def test_every_reader_satisfies_the_reader_protocol(name):
 
 @pytest.mark.parametrize("name", sorted(WRITERS))
 def test_every_writer_satisfies_the_writer_protocol(name):
-    module = importlib.import_module(WRITERS[name])
+    module = importlib.import_module(WRITERS[name].module)
     assert isinstance(module, Writer), name
     for method in ("target_files", "describe", "batch_size_advice"):
         assert _parameters(getattr(module, method)) == _parameters(getattr(Writer, method)), (name, method)
@@ -42,9 +42,9 @@ def test_the_protocol_check_sees_a_module_that_lacks_a_member():
     lacking = type(torchfile)("lacking")
     lacking.sniff, lacking.read, lacking.FORMAT = torchfile.sniff, torchfile.read, torchfile.FORMAT
     assert not isinstance(lacking, Reader)
-    lacking.OPTIONS = torchfile.OPTIONS
+    lacking.OPTIONS, lacking.IN_FRAMEWORK_FOLDERS = torchfile.OPTIONS, torchfile.IN_FRAMEWORK_FOLDERS
     assert isinstance(lacking, Reader)
-    dcp_writer = importlib.import_module(WRITERS["dcp"])
+    dcp_writer = importlib.import_module(WRITERS["dcp"].module)
     half = type(dcp_writer)("half")
     half.target_files, half.batch_size_advice = dcp_writer.target_files, dcp_writer.batch_size_advice
     assert not isinstance(half, Writer)

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import reshard
+from reshard.formats.deepspeed import topology as ds
+from reshard.formats import target_layout
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
@@ -57,8 +59,8 @@ def test_the_3d_save_holds_deepspeeds_file_names():
 @pytest.mark.parametrize("to", TARGETS)
 def test_converts_to_the_truth_and_back_to_deepspeeds_own_files(to, tmp_path):
     out = _convert(fixture_dir(NAME), tmp_path / "out", to)
-    target = _open(fixture_dir(NAME)).layout.with_spec(to)
-    assert (out.layout.tp, out.layout.pp, out.layout.dp, out.layout.zero) == (target.tp, target.pp, target.dp, 1)
+    target = target_layout(_open(fixture_dir(NAME)).layout, to, "deepspeed")
+    assert (out.layout.tp, out.layout.pp, out.layout.dp, ds.of(out.layout).zero) == (target.tp, target.pp, target.dp, 1)
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     truth = truth_tensors(NAME)
@@ -139,7 +141,8 @@ def tp_pp_resume_jobs(out):
     """Each conversion (with the fixture itself loaded directly) and the control: (world, None, job)."""
     jobs = []
     for to in ENGINE_TARGETS + ["control"]:
-        target = _open(fixture_dir(NAME)).layout.with_spec("tp=1,pp=2,dp=2" if to == "control" else to)
+        spec = "tp=1,pp=2,dp=2" if to == "control" else to
+        target = target_layout(_open(fixture_dir(NAME)).layout, spec, "deepspeed")
         dst = out / to.replace(",", "-")
         execute(make_plan(_open(fixture_dir(NAME)), target.topology()), str(dst), progress=False)
         if to == "control":

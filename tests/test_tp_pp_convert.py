@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import reshard
+from reshard.formats import target_layout
+from reshard.formats.deepspeed import topology as ds
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
@@ -38,7 +40,7 @@ def _convert(src, dst, to):
 
 
 def _assert_same_tensors(a, b):
-    if b.layout.zero == 3 and a.layout.zero != 3:     # ZeRO-3 keeps no 16-bit copy beside the fp32 master
+    if ds.of(b.layout).zero == 3 and ds.of(a.layout).zero != 3:     # ZeRO-3 keeps no 16-bit copy beside the fp32 master
         assert set(b.tensors) == {k for k in a.tensors if k[1] != "module" or a.params[k[0]].kind != "trainable"}
     else:
         assert set(a.tensors) == set(b.tensors)
@@ -59,12 +61,12 @@ def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
     out = _convert(fixture_dir(name), tmp_path / "out", to)
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
-    target = source.layout.with_spec(to)
-    assert (out.layout.tp, out.layout.dp, out.layout.zero) == (target.tp, target.dp, target.zero)
+    target = target_layout(source.layout, to, "deepspeed")
+    assert (out.layout.tp, out.layout.dp, ds.of(out.layout).zero) == (target.tp, target.dp, ds.of(target).zero)
     _assert_same_tensors(source, out)
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
     assert out.training.global_steps == source.training.global_steps
-    first = "zero_pp_rank_0_mp_rank_00_model_states.pt" if target.zero == 3 else "mp_rank_00_model_states.pt"
+    first = "zero_pp_rank_0_mp_rank_00_model_states.pt" if ds.of(target).zero == 3 else "mp_rank_00_model_states.pt"
     model0 = torchsave_read.load(tag_dir(tmp_path / "out") / first)
     assert model0["mp_world_size"] == target.tp
     assert model0["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": target.tp}
@@ -124,8 +126,8 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     out = _convert(fixture_dir(PIPE), tmp_path / "out", to)
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
-    target = source.layout.with_spec(to)
-    assert (out.layout.pp, out.layout.dp, out.layout.zero) == (target.pp, target.dp, target.zero)
+    target = target_layout(source.layout, to, "deepspeed")
+    assert (out.layout.pp, out.layout.dp, ds.of(out.layout).zero) == (target.pp, target.dp, ds.of(target).zero)
     _assert_same_tensors(source, out)
     assert out.param_groups[0]["params"] == source.param_groups[0]["params"]
     # uniform partition of 5 layers (what the fixture's PipelineModule uses): [0, 3, 5] at pp=2 and so on;
@@ -366,18 +368,19 @@ def tp_resume_jobs(out):
     jobs = []
     for name, to in ENGINE_JOBS + [(name, f"direct:{to}") for name, to in DIRECT_JOBS]:
         direct = to.startswith("direct:")
-        target = reshard.open_checkpoint(fixture_dir(name)).layout.with_spec(to.removeprefix("direct:"))
+        source = reshard.open_checkpoint(fixture_dir(name)).layout
+        target = target_layout(source, to.removeprefix("direct:"), "deepspeed")
         if direct:
-            job = {"fixture": name, "checkpoint": str(fixture_dir(name)), "tp": target.tp, "zero": target.zero,
+            job = {"fixture": name, "checkpoint": str(fixture_dir(name)), "tp": target.tp, "zero": ds.of(target).zero,
                    "fixtures": str(FIXTURES), "to": to, "direct": True}
         else:
             dst = out / f"{name}-{to.replace(',', '-').replace('/', '-')}"
             execute(make_plan(reshard.open_checkpoint(fixture_dir(name)), to), str(dst), progress=False)
-            job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": target.zero,
+            job = {"fixture": name, "checkpoint": str(dst), "tp": target.tp, "zero": ds.of(target).zero,
                    "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}
         pipe = name in (PIPE, TIED)
         if pipe:    # the engine script builds a PipelineModule per job: every pp x dp of a world size shares a launch
-            job.update(pp=target.pp, partition=target.options.get("partition_method"))   # None: the model's own
+            job.update(pp=target.pp, partition=ds.of(target).partition_method)   # None: the model's own
         jobs.append((target.tp * target.pp * target.dp, "pipe" if pipe else target.tp, job))
     # negative control: a complete checkpoint that loads, compared with another run's truth (same model)
     jobs.append((2, 1, {"fixture": "autotp2_z2_fp32_tied_dp2", "truth": "autotp2_z1_bf16_tied_dp2",
@@ -524,7 +527,7 @@ def recut_jobs(out):
         dst = _recut(name, out / str(index), to, via_tp1)
         target = reshard.open_checkpoint(dst).layout
         jobs.append((target.tp * target.dp, target.tp, {"fixture": name, "checkpoint": str(dst), "tp": target.tp,
-                     "zero": target.zero, "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}))
+                     "zero": ds.of(target).zero, "fixtures": str(FIXTURES), "resave": str(dst) + "-resaved", "to": to}))
     return jobs
 
 

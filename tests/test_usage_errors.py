@@ -1,7 +1,7 @@
 """Usage errors exit 2 with one line, everywhere (issue 24, points 7 and 8): spec keys unknown, repeated or out of
 range, keys the output format has no place for (naming the --format that has), descriptor files, options with
 ranges, a kv_heads that cannot describe the tensors; the source unmodified, DST not created. --help says exactly
-what the parser takes: both read layout.SPEC_KEYS and formats.WRITER_SPEC_KEYS."""
+what the parser takes: both read formats.every_spec_key(), the writers' declarations."""
 import hashlib
 import json
 import os
@@ -13,7 +13,9 @@ import reshard
 from conftest import REPO, fixture_dir
 from reshard.cli import main
 from reshard.errors import UsageError
-from reshard.core.layout import SPEC_KEYS, Layout
+from reshard.core.layout import Layout
+from reshard.formats import every_spec_key, target_layout
+from reshard.formats.deepspeed.topology import DeepSpeedTopology
 
 SOURCE = "z2_fp32_dp2"
 AUTOTP = "autotp2_z1_fp32_dp2"          # a Llama with 2 key-value heads: k_proj 8 rows, q_proj 16
@@ -82,7 +84,7 @@ def test_a_key_the_output_has_no_place_for_names_the_format_that_has(dcp_source,
 def test_a_bad_descriptor_file_is_a_usage_error(tmp_path, capsys):
     """--to FILE: a missing file, a value out of range, a key given twice (json kept the last one) exit 2."""
     src = fixture_dir(SOURCE)
-    good = Layout(dp=3, zero=2).to_dict()
+    good = Layout.of(3, format_topology=DeepSpeedTopology(zero=2)).to_dict()
     cases = {"twice.json": ('{"kind": "reshard.core.layout", "version": 1, "dp": 3, "dp": 4}', "dp given twice"),
              "dp0.json": (json.dumps({**good, "dp": 0}), "dp must be a positive integer"),
              "zero7.json": (json.dumps({**good, "zero": 7}), "zero must be"),
@@ -122,22 +124,22 @@ def test_an_option_out_of_its_range_is_one_line(args, words, tmp_path, capsys):
 
 
 def test_help_says_exactly_what_the_parser_takes(capsys):
-    """--help listed zero=0, which convert refuses. Every key's help row gives the values layout.SPEC_KEYS
+    """--help listed zero=0, which convert refuses. Every key's help row gives the values formats.every_spec_key()
     accepts, and which output formats take it; the parser takes each value named and refuses the ones beside."""
     from reshard.formats import WRITERS, formats_taking
     assert main(["convert", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "zero=S ZeRO stage (1, 2 or 3;" in text and "0, 1, 2 or 3" not in text
     source = reshard.open_checkpoint(fixture_dir(SOURCE)).layout
-    for key in SPEC_KEYS:
+    for key in every_spec_key():
         if key.choices or key.minimum is not None:
             assert key.accepted() in text
             taken = key.choices or (key.minimum, key.minimum + 1)
             for value in taken:
-                assert isinstance(source.with_spec(f"{key.name}={value}"), Layout)
+                assert isinstance(target_layout(source, f"{key.name}={value}", "deepspeed"), Layout)
             for value in sorted({min(taken) - 1, *([max(taken) + 1] if key.choices else [])}):
                 with pytest.raises(UsageError):
-                    source.with_spec(f"{key.name}={value}")
+                    target_layout(source, f"{key.name}={value}", "deepspeed")
         taking = formats_taking([key.name])
         if len(taking) < len(WRITERS):
             assert f"{' and '.join(taking)} output" in text

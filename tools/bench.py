@@ -160,6 +160,7 @@ def make_synthetic(args):
     from reshard.formats import standins, writer
     from reshard.core.storage_ref import StorageRef
     from reshard.core.layout import Layout
+    from reshard.formats.deepspeed.topology import DeepSpeedTopology
     from reshard.core.planner import plan
 
     layers = max(1, round(float(args.params) / HIDDEN ** 2))
@@ -171,8 +172,8 @@ def make_synthetic(args):
     states = ["exp_avg", "exp_avg_sq"]
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     catalog = Catalog(root=os.path.dirname(block), format="deepspeed",
-                      layout=Layout(dp=args.dp, zero=args.stage, dtype=dtype,
-                                    options={"sub_group_size": 1_000_000_000}))
+                      layout=Layout.of(args.dp, dtype=dtype, format_topology=DeepSpeedTopology(
+                          zero=args.stage, sub_group_size=1_000_000_000)))
     scaler = standins.LossScaler()
     scaler.__dict__.update(cur_scale=1.0, dynamic=False)
     catalog.training = TrainingState(global_steps=1, global_samples=args.dp, skipped_steps=0)

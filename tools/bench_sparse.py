@@ -22,6 +22,7 @@ from reshard.target_bytes import constant
 from reshard.formats import standins, writer
 from reshard.formats.torchsave_write import ALIGNMENT
 from reshard.core.layout import Layout
+from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.core.write_requests import CopiedFile, TensorFile, TextFile
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 32000, 8192, 28672, 64, 8, 128
@@ -51,7 +52,7 @@ def source_catalog(root: str, layers: int) -> Catalog:
               "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
               "pipeline": {"activation_checkpoint_interval": 1}}
     catalog = Catalog(root=root, format="deepspeed",
-                      layout=Layout(dp=1, zero=1, dtype="bfloat16"))
+                      layout=Layout.of(1, dtype="bfloat16", format_topology=DeepSpeedTopology(zero=1)))
     scaler = standins.LossScaler()
     scaler.__dict__.update(cur_scale=1.0, dynamic=False)
     layer_files, layer_of, stages = {}, {}, {}
@@ -83,7 +84,7 @@ def source_catalog(root: str, layers: int) -> Catalog:
 def make_sparse(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple:
     """Write the checkpoint under dst; returns (files, apparent bytes)."""
     catalog = source_catalog(dst, layers)
-    target = Layout(**{**catalog.layout.__dict__, "tp": tp, "pp": pp, "dp": dp})
+    target = catalog.layout.with_degrees({"tp": tp, "pp": pp, "dp": dp})
     items = writer("deepspeed").target_files(catalog, target, TAG)
     count = apparent = 0
     for item in items:

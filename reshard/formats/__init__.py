@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import fields, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 
 from reshard import rule_files
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
-from reshard.formats.protocol import Reader, ReadRequest, Writer
-from reshard.core.layout import SPEC_KEY_NAMES
+from reshard.formats.deepspeed import topology as ds_topology
+from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
+from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
@@ -26,13 +28,19 @@ READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, z
            "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
            "reshard.formats.single.lightning",           # *.ckpt
            "reshard.formats.single.torchsave_checkpoint"]           # *.pt, *.pth, *.bin
-# Target formats of `convert --format`.
-WRITERS = {"deepspeed": "reshard.formats.deepspeed.writer", "universal": "reshard.formats.deepspeed.universal_writer",
-           "dcp": "reshard.formats.dcp.writer"}
-# The `--to` keys (reshard.core.layout.SPEC_KEYS) each one's output has a place for: every key in DeepSpeed's files; a
-# DCP directory is one file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO
-# stage. Each writer's SPEC_KEYS is its entry; kept here so that --help says it without importing the writers.
-WRITER_SPEC_KEYS = {"deepspeed": SPEC_KEY_NAMES, "universal": SPEC_KEY_NAMES, "dcp": ("dp", "tp", "pp")}
+
+
+@dataclass(frozen=True)
+class WriterEntry:
+    module: str             # satisfies protocol.Writer; imported when its format is written
+    keys: TargetKeys        # what its output takes of a target topology (read by --help without importing it)
+
+
+# Target formats of `convert --format`. Every key of `--to` has a place in DeepSpeed's files; a DCP directory is one
+# file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO stage.
+WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
+           "universal": WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
+           "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY)}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
@@ -45,7 +53,7 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
     catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules)))
     catalog.check_dtypes()
-    around = framework.detect(path) if catalog.format == "deepspeed" else None
+    around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
         catalog = replace(catalog, framework=around, model_files=catalog.model_files or around.model_files)
     if catalog.framework is not None:
@@ -60,7 +68,7 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     frame = catalog.framework
     if frame is None:
         return ()
-    if format_name != "deepspeed":
+    if not _resumed_by_frameworks(format_name):
         return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
                                            f"save, not from {format_name}") for f in frame.files)
     return frame.dispositions(world, policy)
@@ -70,9 +78,13 @@ def with_framework(catalog, format_name: str, world: int, policy: str, targets: 
     """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
     whole folder the framework writes at `world` processes."""
     frame = catalog.framework
-    if frame is None or format_name != "deepspeed":
+    if frame is None or not _resumed_by_frameworks(format_name):
         return targets
     return targets + frame.target_files(world, policy)
+
+
+def _resumed_by_frameworks(format_name: str) -> bool:
+    return format_name in WRITERS and writer(format_name).RESUMED_BY_FRAMEWORKS
 
 
 def default_tag(catalog) -> str:
@@ -116,16 +128,49 @@ def _taken(reader: Reader) -> set:
     return {f.name for f in fields(reader.OPTIONS)}
 
 
-def formats_taking(keys) -> list:
-    """The output formats whose writers take every one of these `--to` keys (reshard.core.layout.SPEC_KEYS)."""
-    return [name for name in WRITERS if set(keys) <= set(WRITER_SPEC_KEYS[name])]
+def every_spec_key() -> tuple[SpecKey, ...]:
+    """Every key of `--to`, once: the mesh's, then those the writers declare, in their order (--help lists them)."""
+    return tuple({k.name: k for k in (*MESH_KEYS, *(k for w in WRITERS.values() for k in w.keys.keys))}.values())
+
+
+def spec_keys_of(format_name: str) -> tuple[str, ...]:
+    """The `--to` keys (every_spec_key) an output of `format_name` has a place for: the mesh's and its writer's."""
+    return tuple(k.name for k in (*MESH_KEYS, *_target_keys(format_name).keys))
+
+
+def formats_taking(keys: Iterable[str]) -> list:
+    """The output formats whose writers take every one of these `--to` keys (every_spec_key)."""
+    return [name for name in WRITERS if set(keys) <= set(spec_keys_of(name))]
+
+
+def target_layout(source: Layout, spec: str, format_name: str) -> Layout:
+    """`source` with what a `--to` spec ("dp=4,zero=3") names: the mesh's degrees, and what the writer of
+    `format_name` takes of the other keys (a key it has no place for is the caller's to refuse)."""
+    given = parse_spec(spec, every_spec_key())
+    mesh = {k.name for k in MESH_KEYS}
+    keys = _target_keys(format_name)
+    own = {k.name for k in keys.keys}
+    target = source.with_degrees({k: v for k, v in given.items() if k in mesh and isinstance(v, int)})
+    return replace(target, format_topology=keys.target(source, {k: v for k, v in given.items() if k in own}))
+
+
+def descriptor_layout(source: Layout, path: str, format_name: str) -> Layout:
+    """`source` with what a layout descriptor file names (Layout.with_descriptor), read by the writer of
+    `format_name`."""
+    known = tuple(dict.fromkeys(k for w in WRITERS.values() for k in w.keys.descriptor_keys))
+    return source.with_descriptor(path, _target_keys(format_name).descriptor, known)
+
+
+def _target_keys(format_name: str) -> TargetKeys:
+    """(a format no writer writes takes the mesh's keys: the refusal to write it comes with the writer)"""
+    return WRITERS[format_name].keys if format_name in WRITERS else MESH_ONLY
 
 
 def writer(format_name: str) -> Writer:
     """The writer module of a target format."""
     if format_name not in WRITERS:
         raise UsageError(f"no writer for format {format_name!r} (known: {', '.join(WRITERS)})")
-    return importlib.import_module(WRITERS[format_name])
+    return importlib.import_module(WRITERS[format_name].module)
 
 
 def container_loader(container):

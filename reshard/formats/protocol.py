@@ -13,7 +13,10 @@ A Reader should expect this sequence of calls by `reshard.formats.read`:
   4) (registry) the returned Catalog's fragments are checked against their tensors' dtypes
      (Catalog.check_dtypes), so no reader repeats that check.
 
-A Writer should expect this sequence of calls by `reshard.convert`:
+A Writer declares what it takes of a target topology beyond the mesh's degrees (its `--to` keys, parsed into a
+FormatTopology of its format's own) as a TargetKeys beside its module in reshard.formats.WRITERS: --help, the spec
+parser and the refusal of a key it has no place for read that, without importing it. It should expect this
+sequence of calls by `reshard.convert`, with `target` built so:
 
   1) target_files(catalog, target, tag, source_save_dir) once: every file of the output, or a
      ReshardError saying in one line why this catalog cannot be written at `target`;
@@ -22,12 +25,14 @@ A Writer should expect this sequence of calls by `reshard.convert`:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from reshard.core.layout import DescriptorKeys, FormatTopology, Layout, SpecKey
+
 if TYPE_CHECKING:
     from reshard.core.catalog import Catalog
-    from reshard.core.layout import Layout
     from reshard.core.write_requests import Output
 
 
@@ -66,6 +71,9 @@ class TagOption:
 class Reader(Protocol):
     FORMAT: str      # the format's name, as its catalogs, `inspect` and `list` spell it ("dcp")
     OPTIONS: type    # a frozen dataclass whose fields are the ReadRequest fields this format takes
+    # Its saves sit in a training framework's folder (HF Trainer's checkpoint-N/, Accelerate's, Lightning's): the
+    # registry reads the framework's own files around them (formats.framework)
+    IN_FRAMEWORK_FOLDERS: bool
 
     def sniff(self, path: str, tag: str | None) -> bool:
         """Is the checkpoint at `path` (with tag folder `tag`, when given) in this format? From names and magic
@@ -76,19 +84,45 @@ class Reader(Protocol):
         is wrong but readable goes to catalog.problems, what is unreadable raises a ReshardError."""
 
 
+@dataclass(frozen=True)
+class TargetKeys:
+    """What a writer's output takes of a target topology beyond the mesh's degrees (dp, tp, pp): its `--to` keys,
+    parsed into its own FormatTopology, and their keys in a layout descriptor file. Declared in a module of the
+    format that --help can read without importing the writer (reshard.formats.WRITERS)."""
+    keys: tuple[SpecKey, ...]
+    # (the source's layout, {key: value} of its keys a spec gives) -> the target's FormatTopology
+    target: Callable[[Layout, Mapping[str, object]], FormatTopology | None]
+    descriptor: DescriptorKeys      # its keys in a descriptor file -> the target's FormatTopology
+    descriptor_keys: tuple[str, ...] = ()
+
+
+def _sources(source: Layout, given: Mapping[str, object]) -> FormatTopology | None:
+    return source.format_topology
+
+
+def _source_own(source: FormatTopology | None, data: Mapping[str, object]) -> FormatTopology | None:
+    return source
+
+
+# An output written at the mesh's degrees alone: what the source's format added it keeps (for the target's
+# topology line), and it reads none of a descriptor's other keys
+MESH_ONLY = TargetKeys((), _sources, _source_own)
+
+
 @runtime_checkable
 class Writer(Protocol):
-    SPEC_KEYS: tuple    # the `--to` keys (reshard.core.layout.SPEC_KEY_NAMES) this format's output has
     PLACES_EXPERTS: bool   # writes a mixture-of-experts catalog with its expert placement (else it is refused)
+    # A training framework (formats.framework) resumes from its files: the framework's own files go with them
+    RESUMED_BY_FRAMEWORKS: bool
 
-    def target_files(self, catalog: "Catalog", target: "Layout", tag: str,
+    def target_files(self, catalog: "Catalog", target: Layout, tag: str,
                      source_save_dir: str | None = None) -> list:
         """Every file of `catalog` written at `target` (reshard.core.write_requests: TensorFile, TextFile, CopiedFile),
         named relative to the output directory; `tag` names the output's tag, `source_save_dir` is where
         files copied as they are (scripts) come from (None: none)."""
 
-    def describe(self, target: "Layout", tag: str) -> "Output":
+    def describe(self, target: Layout, tag: str) -> "Output":
         """What the output is, in the format's own terms."""
 
-    def batch_size_advice(self, catalog: "Catalog", target: "Layout") -> str | None:
+    def batch_size_advice(self, catalog: "Catalog", target: Layout) -> str | None:
         """What happens to the global batch size when dp changes, and which setting keeps it; None: nothing to say."""

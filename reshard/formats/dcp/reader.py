@@ -32,10 +32,12 @@ from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.formats.protocol import NoOptions
 from reshard.core.layout import Layout
+from reshard.formats.unpartitioned import UNPARTITIONED
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")
 FORMAT = "dcp"
 OPTIONS = NoOptions       # one directory is one checkpoint: no tag
+IN_FRAMEWORK_FOLDERS = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     if not os.path.isfile(meta_path):
         raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
     meta = md.read(meta_path)
-    catalog = CatalogBuilder(root, "dcp", Layout(dp=1), save_dir=root)
+    catalog = CatalogBuilder(root, "dcp", Layout.of(1), save_dir=root)
     chunks = Chunks(root, meta, catalog)
     values, model, optim = {}, {}, {}
     for key, entry in meta.state_dict_metadata.items():     # types checked by md.read
@@ -205,7 +207,7 @@ def _carried(values: dict, chunks, meta_path) -> dict:
 
 def _finish(catalog: CatalogBuilder, world: int, carried: dict) -> None:
     dtype, master_dtype = catalog.freeze().weight_dtypes()
-    catalog.layout = Layout(dp=world, zero=0, dtype=dtype, master_dtype=master_dtype)
+    catalog.layout = Layout.of(world, dtype=dtype, master_dtype=master_dtype, format_topology=UNPARTITIONED)
     step = catalog.freeze().contents().step
     # the source's own counters where reshard carried them, else the optimizer's step
     catalog.training = TrainingState(**{"global_steps": step, **carried})

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from reshard.core.catalog import Catalog, ScalarTensor
 from reshard.core.dtypes import itemsize
 from reshard.errors import ReshardError
-from reshard.formats import WRITER_SPEC_KEYS
 from reshard.formats.dcp import keys, metadata as md
 from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.dcp.chunkzip import CHUNK, CHUNK_LIMIT, VALUE, Archive, Distcp, Item
@@ -56,8 +55,8 @@ def file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-SPEC_KEYS = WRITER_SPEC_KEYS["dcp"]     # dp; tp=1 and pp=1 gather a model-parallel source; no ZeRO stage
 PLACES_EXPERTS = False     # no expert placement in DCP output yet
+RESUMED_BY_FRAMEWORKS = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     if target.tp != 1 or target.pp != 1:

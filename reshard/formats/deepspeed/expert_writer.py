@@ -23,7 +23,7 @@ from dataclasses import replace
 from reshard.core.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import experts as expert_files
-from reshard.formats.deepspeed import notes, rank_params, zero12_writer
+from reshard.formats.deepspeed import notes, rank_params, topology, zero12_writer
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
 from reshard.formats.torchsave_write import TorchFile
@@ -82,7 +82,7 @@ class _Placed:
 
     def __init__(self, catalog: Catalog, target: Layout):
         _check(catalog, target)
-        ep = target.options["ep"]
+        ep = topology.of(target).ep
         self.catalog, self.zt = catalog, ExpertTarget(catalog, target, ep)
         self.held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
         self.flat = [[zero12_writer.FlatGroup(self.zt, params, g,
@@ -102,13 +102,14 @@ class _Placed:
 def _check(catalog: Catalog, target: Layout) -> None:
     """What cannot be written is refused (one line each)."""
     where = catalog.root
-    if target.zero not in (1, 2):
-        raise ReshardError.at(where, f"target ZeRO stage {target.zero}: mixture-of-experts checkpoints are written for "
+    zero = topology.of(target).zero
+    if zero not in (1, 2):
+        raise ReshardError.at(where, f"target ZeRO stage {zero}: mixture-of-experts checkpoints are written for "
                                      "ZeRO-1/2 only (AutoEP under ZeRO-3 saves its experts in another layout)")
     if target.tp != 1 or target.pp != 1:
         raise ReshardError.at(where, "mixture-of-experts checkpoints are written without tensor or pipeline "
                                      "parallelism")
-    ep = target.options["ep"]
+    ep = topology.of(target).ep
     for layer in catalog.experts.layers:
         if layer.num_experts % ep:
             raise ReshardError.at(where, f"ep={ep} does not divide the {layer.num_experts} experts of MoE layer "
@@ -119,8 +120,8 @@ def _check(catalog: Catalog, target: Layout) -> None:
 
 
 def refuse_ep_without_experts(catalog: Catalog, target: Layout) -> None:
-    if catalog.experts is None and "ep" in target.options:
-        raise ReshardError.at(catalog.root, f"ep={target.options['ep']}: the source has no experts (not a "
+    if catalog.experts is None and topology.of(target).ep is not None:
+        raise ReshardError.at(catalog.root, f"ep={topology.of(target).ep}: the source has no experts (not a "
                                             "mixture-of-experts checkpoint)")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from reshard.errors import ReshardError
 from reshard.core.layout import Layout
+from reshard.formats.deepspeed.topology import DeepSpeedTopology
 
 LIVE_FORMAT = "deepspeed"       # the files a live engine loads are DeepSpeed's own, whatever the source's format
 
@@ -15,27 +16,21 @@ def engine_layout(engine) -> Layout:
     """The topology, precision and ZeRO options of `engine` (a deepspeed.DeepSpeedEngine, PipelineEngine too)."""
     # DeepSpeed keeps the config it was given, parsed, here; it has no public accessor
     config = dict(engine._config._param_dict)
-    options = {"ds_config": config}
-    if engine.zero_elastic_checkpoint():
-        options["elastic"] = True
-    if type(engine.optimizer).__name__ == "BF16_Optimizer":
-        options["bf16_optimizer"] = True
-    method = getattr(engine.module, "partition_method", None)
-    if isinstance(method, str):                  # a PipelineModule: how its layers were cut into stages
-        options["partition_method"] = method
-    heads = getattr(getattr(engine.module, "config", None), "num_key_value_heads", None)
-    if isinstance(heads, int):                   # AutoTP cuts attention by key-value heads
-        options["kv_heads"] = heads
-    if getattr(engine, "has_moe_layers", False):
-        options["ep"] = _expert_parallel_degree(engine)
+    method = getattr(engine.module, "partition_method", None)      # a PipelineModule's: how its layers were cut
+    heads = getattr(getattr(engine.module, "config", None), "num_key_value_heads", None)    # AutoTP cuts by them
+    own = DeepSpeedTopology(zero=engine.zero_optimization_stage(), ds_config=config,
+                            elastic=bool(engine.zero_elastic_checkpoint()),
+                            bf16_optimizer=type(engine.optimizer).__name__ == "BF16_Optimizer",
+                            partition_method=method if isinstance(method, str) else None,
+                            kv_heads=heads if isinstance(heads, int) else None,
+                            ep=_expert_parallel_degree(engine) if getattr(engine, "has_moe_layers", False) else None)
     dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
     grid = getattr(engine, "grid", None)
     if grid is not None:        # a PipelineEngine: its model parallelism is pipe x tensor (slice)
         tp, pp = grid.get_slice_parallel_world_size(), grid.get_pipe_parallel_world_size()
     else:
         tp, pp = engine.mp_world_size, 1
-    return Layout(dp=engine.dp_world_size, tp=tp, pp=pp, zero=engine.zero_optimization_stage(), dtype=dtype,
-                  options=options)
+    return Layout.of(engine.dp_world_size, tp, pp, dtype=dtype, format_topology=own)
 
 
 def _expert_parallel_degree(engine) -> int:

@@ -61,7 +61,7 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
     # what each mp rank's model states add to the training state, for writers at the same degree
     catalog.notes = replace(catalog.notes, mp_rank_extra={rank: {k: model[k] for k in MP_RANK_KEYS if k in model}
                                                           for rank, model in models.items()})
-    catalog.layout.tp, catalog.layout.pp = tp, pp
+    catalog.layout = catalog.layout.with_degrees({"tp": tp, "pp": pp})
     return catalog
 
 

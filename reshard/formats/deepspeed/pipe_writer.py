@@ -47,7 +47,7 @@ import numpy as np
 from reshard.core.catalog import MODULE, Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes, rank_params
+from reshard.formats.deepspeed import notes, rank_params, topology
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.tp_geometry import Geometry
 from reshard.formats.deepspeed.zero_files import rank_files
@@ -64,14 +64,15 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if not layer_files:
         raise ReshardError.at(catalog.root, "not a PipelineModule save (no layer files): a pipeline target needs "
                                             "the model's layers")
-    if target.zero != 1:     # deepspeed/runtime/pipe/engine.py asserts stage < 2
+    ds = topology.of(target)
+    if ds.zero != 1:     # deepspeed/runtime/pipe/engine.py asserts stage < 2
         raise ReshardError(f"target {target.topology()}: a PipelineEngine trains with ZeRO stage 1 only "
                            "(DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism)")
     if any(p.kind == "frozen" for p in catalog.params.values()):
         raise ReshardError.at(catalog.root, "frozen parameters in a pipeline are not supported")
     layers = {int(i): entries for i, entries in layer_files.items()}
-    cut = stage_boundaries(catalog, layers, target.pp, target.options.get("partition_method"),
-                           target.options.get("layer_types"))
+    cut = stage_boundaries(catalog, layers, target.pp, ds.partition_method,
+                           list(ds.layer_types) if ds.layer_types is not None else None)
     zt = ZeroTarget(catalog, target)
     if target.tp == 1:     # a PipelineModule on its plain pipe x data topology: layer files without -model_TT
         held = [(None, rank_params.whole(catalog))]

@@ -11,6 +11,7 @@ of one with it, and by universal_reader.py for the model states of a universal t
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from reshard.core.catalog import MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
@@ -20,6 +21,7 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import experts as expert_placement
 from reshard.formats.deepspeed import group_scalars, zero12, zero3
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
+from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_read import TensorRef
 from reshard.core.layout import Layout
 from reshard.source_bytes import file_size
@@ -43,7 +45,7 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     """The catalog of one model-parallel rank's files (all of them when there is no model parallelism):
     its tensors are that rank's local tensors (a tensor-parallel shard, a pipeline stage's params)."""
     dp = int(model0.get("dp_world_size") or 1)
-    catalog = CatalogBuilder(root=tag_dir, format="deepspeed", layout=Layout(dp=dp), tag=tag)
+    catalog = CatalogBuilder(root=tag_dir, format="deepspeed", layout=Layout.of(dp), tag=tag)
     bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
     optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp)
     if not any(names.OPTIM_STATES.match(n) for n in listing):
@@ -55,14 +57,14 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
                                        f"(expected {expected})")
 
     stage = _zero_stage(first_optim)
-    catalog.layout.zero = stage
-    catalog.layout.options = format_options(model0, first_optim, bf16_prefix, stage)
+    catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, first_optim, bf16_prefix, stage))
     experts = expert_placement.read(tag_dir, listing, model0, first_optim)
     if experts is not None and (stage == 3 or mp):
         raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints with ZeRO-3 or tensor/pipeline parallelism "
                                        "are not supported")
     if experts is not None:      # the target keeps it unless --to names another (ep=E)
-        catalog.layout.options["ep"] = experts.topology.ep
+        catalog.layout = replace(catalog.layout, format_topology=replace(catalog.layout.format_topology,
+                                                                         ep=experts.topology.ep))
     if stage == 3:
         if mp:
             raise ReshardError.at(tag_dir, "ZeRO-3 with tensor or pipeline parallelism is not supported")
@@ -244,26 +246,20 @@ def _unregistered(catalog, model0) -> tuple:
     of one; a ZeRO-1 save lists none, and only AutoEP's router alias is known (experts.router_aliases)."""
     frozen = [n for n, p in catalog.params.items() if p.kind == "frozen"]
     listed = model0.get("frozen_param_shapes")
-    if isinstance(listed, dict) and catalog.layout.zero == 2:
+    if isinstance(listed, dict) and catalog.layout.format_topology.zero == 2:
         return tuple(n for n in frozen if n not in listed)
     aliases = set(expert_placement.router_aliases(model0))
     return tuple(n for n in frozen if n in aliases)
 
 
-def format_options(model0, optim0, bf16_prefix, stage) -> dict:
-    """How DeepSpeed cut this checkpoint's partitions, where it has variants."""
+def format_topology(model0, optim0, bf16_prefix, stage) -> DeepSpeedTopology:
+    """The ZeRO stage, and how DeepSpeed cut this checkpoint's partitions where it has variants."""
     zero_cfg = (model0.get("ds_config") or {}).get("zero_optimization") or {}
-    options = {}
-    if bf16_prefix and "zero_stage" not in optim0:
-        options["bf16_optimizer"] = True
-    if isinstance(optim0.get("base_optimizer_state"), list):
-        options["elastic"] = True
-    for key in ("round_robin_gradients", "parameter_alignment"):
-        if zero_cfg.get(key):
-            options[key] = True
-    if stage == 3:
-        options["sub_group_size"] = int(zero_cfg.get("sub_group_size", 1_000_000_000))
-    return options
+    return DeepSpeedTopology(zero=stage, bf16_optimizer=bool(bf16_prefix and "zero_stage" not in optim0),
+                             elastic=isinstance(optim0.get("base_optimizer_state"), list),
+                             round_robin_gradients=bool(zero_cfg.get("round_robin_gradients")),
+                             parameter_alignment=bool(zero_cfg.get("parameter_alignment")),
+                             sub_group_size=int(zero_cfg.get("sub_group_size", 1_000_000_000)) if stage == 3 else None)
 
 
 def fill_layout(catalog, model0):
@@ -273,7 +269,7 @@ def fill_layout(catalog, model0):
              if p.kind == "trainable" and (n, MODULE) in catalog.tensors}
     floating = sorted(d for d in saved if is_floating(d))
     # the 16-bit copy says it when there is one (ZeRO-1/2); ZeRO-3 saves none, its config says it
-    layout.dtype = floating[0] if len(floating) == 1 else (_config_dtype(config) or "float32")
+    catalog.layout = replace(layout, dtype=floating[0] if len(floating) == 1 else (_config_dtype(config) or "float32"))
 
 
 def _optimizer_name(config) -> str:

@@ -26,6 +26,7 @@ class Options:
 
 
 OPTIONS = Options
+IN_FRAMEWORK_FOLDERS = True
 
 
 def sniff(path: str, tag: str | None) -> bool:

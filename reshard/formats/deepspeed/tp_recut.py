@@ -20,7 +20,7 @@ import copy
 import re
 
 from reshard.errors import ReshardError, UsageError
-from reshard.formats.deepspeed import notes
+from reshard.formats.deepspeed import notes, topology
 from reshard.formats.deepspeed.tp_geometry import Geometry, Split, contiguous, replicated
 from reshard.core.geometry import offset, strides
 
@@ -52,7 +52,7 @@ def recut(catalog, target) -> tuple:
                            "give it with --layout-rules (rules with 'recut', e.g. --layout-rules llama-autotp)")
     grain = int(tp_config.get("tp_grain_size", 1) or 1)
     geometry = Geometry.from_rule_file(rules_path)
-    kv_heads = target.options.get("kv_heads")
+    kv_heads = topology.of(target).kv_heads
     cuts = {}                                # name -> (dim, cut) or None (replicated)
     for name, info in catalog.params.items():
         if name in catalog.aliases:
@@ -85,11 +85,11 @@ def recut(catalog, target) -> tuple:
 
 
 def check_kv_heads(catalog, target) -> None:
-    """kv_heads=K (target.options) must describe every tensor the rule file (--layout-rules) says AutoTP cuts by
+    """kv_heads=K (topology.of(target)) must describe every tensor the rule file (--layout-rules) says AutoTP cuts by
     key-value heads: K whole heads (or head groups) along its cut dim. Else AutoTP's cut (tp_shard falls back to
     an even one where K does not divide) would cut through a head: a usage error, before anything is written,
     whatever the degree (a count that cannot be the model's is refused even where the source's cut is kept)."""
-    kv_heads, rules_path = target.options.get("kv_heads"), notes.of(catalog).tp_rules
+    kv_heads, rules_path = topology.of(target).kv_heads, notes.of(catalog).tp_rules
     if not kv_heads or not rules_path:
         return
     where = f"{catalog.root}: tp={catalog.layout.tp} -> tp={target.tp}"

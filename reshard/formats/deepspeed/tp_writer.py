@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import notes, rank_params, tp_recut
+from reshard.formats.deepspeed import notes, rank_params, topology, tp_recut
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
 from reshard.core.layout import Layout
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
-    if target.tp > 1 and target.zero not in (1, 2):
+    if target.tp > 1 and topology.of(target).zero not in (1, 2):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel target is written for ZeRO-1/2 only "
                            "(what AutoTP trains with)")
     tp_recut.check_kv_heads(catalog, target)

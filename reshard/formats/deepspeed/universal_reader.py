@@ -27,6 +27,7 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import experts as expert_placement
 from reshard.formats.deepspeed import group_scalars, rank_reader
 from reshard.formats.deepspeed import universal as uc
+from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import TensorRef
 from reshard.core.layout import Layout
@@ -35,6 +36,7 @@ from reshard.source_bytes import file_size
 
 FORMAT = "universal"
 OPTIONS = TagOption
+IN_FRAMEWORK_FOLDERS = False
 AUTOEP_LAYERS, UC_INFO = expert_placement.AUTOEP_LAYERS, expert_placement.UC_INFO
 # What engine._save_moe_checkpoint writes there for AutoEP (engine.py:5323); ds_to_universal writes a pattern of
 # its own and lightens the layer entries (ds_to_universal.py:1269).
@@ -105,7 +107,8 @@ def _read(tag_dir, tag) -> CatalogBuilder:
     if experts is not None:
         model0 = _as_the_engine_saved(model0)
 
-    catalog = CatalogBuilder(root=tag_dir, format="universal", layout=Layout(dp=dp, zero=stage), tag=tag)
+    catalog = CatalogBuilder(root=tag_dir, format="universal", tag=tag,
+                             layout=Layout.of(dp, format_topology=DeepSpeedTopology(zero=stage)))
     catalog.files.append(FileInfo(os.path.join(uc.ZERO_DIR, uc.OPTIMIZER_STATE), "optimizer_state", None,
                                   file_size(optim_path)))
     if stage == 3:
@@ -266,9 +269,10 @@ def _fill_state(catalog, model0, optim, stage, experts):
     rank_reader.fill_state(catalog, model0, optim, experts)
     config = model0.get("ds_config") or {}
     bf16 = bool((config.get("bf16") or config.get("bfloat16") or {}).get("enabled"))
-    catalog.layout.options = rank_reader.format_options(model0, optim, bf16 and stage != 3, stage)
+    own = rank_reader.format_topology(model0, optim, bf16 and stage != 3, stage)
     if experts is not None:      # the target keeps it unless --to names another (ep=E)
-        catalog.layout.options["ep"] = experts.topology.ep
+        own = replace(own, ep=experts.topology.ep)
+    catalog.layout = replace(catalog.layout, format_topology=own)
     rank_reader.fill_layout(catalog, model0)
 
 

@@ -32,8 +32,9 @@ from dataclasses import replace
 
 from reshard.core.catalog import MASTER, MODULE, Catalog
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import WRITER_SPEC_KEYS, standins
-from reshard.formats.deepspeed import expert_writer, notes, rank_params, tp_writer, zero12_writer, zero3_writer
+from reshard.formats import standins
+from reshard.formats.deepspeed import expert_writer, notes, rank_params, topology, tp_writer, zero12_writer, \
+    zero3_writer
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed import universal as uc
 from reshard.formats.deepspeed import writer as zero_writer
@@ -47,18 +48,18 @@ _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partiti
 
 
 # every --to key has a place in a universal tree (ep: in its model states; the zero/ tree serves every ep)
-SPEC_KEYS = WRITER_SPEC_KEYS["universal"]
 PLACES_EXPERTS = True      # AutoEP; deepspeed.moe is refused (_check_target)
+RESUMED_BY_FRAMEWORKS = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_target(catalog, target)
     # A universal checkpoint is never elastic: its optimizer_state.pt needs the param groups.
-    target = replace(target, options={k: v for k, v in target.options.items() if k != "elastic"})
+    target = replace(target, format_topology=replace(topology.of(target), elastic=False))
     if catalog.experts is not None:
         out = _expert_flavour(catalog, target, tag)
     elif target.tp > 1 or catalog.layout.tp > 1:
         out = _tensor_parallel_flavour(catalog, target, tag)
-    elif target.zero == 3:
+    elif topology.of(target).zero == 3:
         out = _zero3_flavour(ZeroTarget(catalog, target), rank_params.whole(catalog), tag)
     else:
         out = _zero12_flavour(ZeroTarget(catalog, target), rank_params.whole(catalog), tag)
@@ -81,11 +82,12 @@ def _check_target(catalog, target):
     scalars = catalog.scalars_of_groups("a universal checkpoint")
     if target.pp != 1 or catalog.layout.pp != 1 or notes.of(catalog).pipe_layer_files:
         raise ReshardError(f"target {target.topology()}: universal checkpoints are written for pp=1 only")
-    if (target.tp > 1 or catalog.layout.tp > 1) and target.zero not in (1, 2):
+    zero = topology.of(target).zero
+    if (target.tp > 1 or catalog.layout.tp > 1) and zero not in (1, 2):
         raise ReshardError(f"target {target.topology()}: a tensor-parallel universal checkpoint is written for "
                            "ZeRO-1/2 only (what AutoTP trains with); use --to zero=1 or 2")
-    if target.zero not in (1, 2, 3):
-        raise UsageError(f"target ZeRO stage {target.zero}: DeepSpeed loads a universal checkpoint only into a "
+    if zero not in topology.STAGES:
+        raise UsageError(f"target ZeRO stage {zero}: DeepSpeed loads a universal checkpoint only into a "
                            "ZeRO-1, ZeRO-2 (incl. BF16_Optimizer) or ZeRO-3 engine; use --to zero=1, 2 or 3")
     if catalog.experts is not None and not expert_writer.packs_experts(catalog):
         raise ReshardError.at(catalog.root, "a universal checkpoint of deepspeed.moe experts cannot be loaded: "
@@ -95,7 +97,7 @@ def _check_target(catalog, target):
     for name in catalog.params:
         if os.sep in name or name in (".", "..") or name == uc.OPTIMIZER_STATE:
             raise ReshardError(f"parameter name {name!r} cannot be a folder of a universal checkpoint")
-    if target.zero == 3:
+    if zero == 3:
         unloadable = [s for s in catalog.optimizer_states() if s not in uc.ZERO3_LOADED_STATES]
         if unloadable:
             raise ReshardError(f"optimizer states {', '.join(unloadable)}: DeepSpeed's ZeRO-3 universal loader reads "

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import WRITER_SPEC_KEYS
-from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, tp_writer
+from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, topology, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output
 
 
-SPEC_KEYS = WRITER_SPEC_KEYS["deepspeed"]      # every --to key has a place in DeepSpeed's files
 PLACES_EXPERTS = True     # expert_writer
+RESUMED_BY_FRAMEWORKS = True
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_convertible(catalog, target)
     source = catalog.layout
-    if target.zero not in (1, 2, 3):
+    zero = topology.of(target).zero
+    if zero not in topology.STAGES:
         # a source with no ZeRO stage of its own (DCP, torch.save, universal) keeps "0" unless --to names one
-        hint = " (the source has none: name one, e.g. --to zero=2)" if source.zero not in (1, 2, 3) else ""
-        raise UsageError(f"target ZeRO stage {target.zero}: only stages 1, 2 and 3 can be written{hint}")
+        none = topology.of(source).zero not in topology.STAGES
+        hint = " (the source has none: name one, e.g. --to zero=2)" if none else ""
+        raise UsageError(f"target ZeRO stage {zero}: only stages 1, 2 and 3 can be written{hint}")
     if catalog.experts is not None:          # a mixture of experts: its placement is one more map
         return expert_writer.target_files(catalog, target, tag, source_save_dir)
     expert_writer.refuse_ep_without_experts(catalog, target)
@@ -45,7 +46,7 @@ def _check_convertible(catalog: Catalog, target: Layout) -> None:
                                             "training and needs the optimizer's state, so it is not written")
     catalog.scalars_of_groups(TARGET)      # refuses params of a group whose steps differ
     unsure = catalog.maybe_buffers
-    if target.zero == 3 and unsure:
+    if topology.of(target).zero == 3 and unsure:
         raise ReshardError.at(catalog.root, f"{unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
                                             "floating-point buffer, the source does not say which, and ZeRO-3 "
                                             "stores the two differently; convert to zero=1 or zero=2")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from reshard.core.catalog import MASTER, Fragment, TensorDraft
-from reshard.formats.deepspeed import group_scalars
+from reshard.formats.deepspeed import group_scalars, topology
 from reshard.formats.torchsave_read import TensorRef
 from reshard.core.geometry import intersect
 
@@ -76,7 +76,7 @@ def _optimizer_order(present, g, flat_order, layout):
     of a contiguous run of that order, so the ranks' lists chained together and deduplicated are
     the whole order.
     """
-    if not layout.options.get("round_robin_gradients"):
+    if not topology.of(layout).round_robin_gradients:
         return flat_order
     order = []
     for rank, (path, sd) in sorted(present.items()):

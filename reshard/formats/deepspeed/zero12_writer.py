@@ -118,7 +118,7 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
         module, slots = None, {p.name: None for p in frozen}
     else:
         module, slots = module_tree(params, full)
-    stage2 = zt.target.zero == 2
+    stage2 = zt.stage == 2
     shape = lambda n: zt.saved_shape(params.by_name[n].shape)
     file.tree = {
         "module": module,
@@ -167,7 +167,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         if zt.elastic:
             inner.update(_elastic_step(zt))
         inner.update({"single_partition_of_fp32_groups": fp32_parts,
-                      "zero_stage": standins.ZeroStageEnum(zt.target.zero), "group_paddings": paddings,
+                      "zero_stage": standins.ZeroStageEnum(zt.stage), "group_paddings": paddings,
                       "param_alignment_paddings": [list(group.paddings) for group in groups],
                       "partition_count": count, "ds_version": zt.ds_version, "param_slice_mappings": mappings})
     file.tree = {"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version}

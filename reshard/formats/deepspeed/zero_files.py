@@ -10,7 +10,7 @@ def rank_files(zt: ZeroTarget, params: RankParams, tag: str, extra: dict | None 
     """The model-states and optimizer files of model-parallel rank params.mp_rank at the target dp; `extra`: the
     keys the engine adds to its model states (universal_checkpoint_info; shared_params when not the model's)."""
     extra, out = extra or {}, []
-    if zt.target.zero == 3:
+    if zt.stage == 3:
         groups = zero3_writer.sub_groups(zt, params)
         for rank in range(zt.dp):
             out.append(zero3_writer.model_states(zt, params, rank, groups, tag, extra))

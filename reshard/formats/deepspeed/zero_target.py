@@ -9,7 +9,7 @@ from collections import OrderedDict
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.formats import standins
 from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes
+from reshard.formats.deepspeed import notes, topology
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.torchsave_write import TorchFile
 from reshard.formats.torchsave_read import Size
@@ -31,23 +31,25 @@ class ZeroTarget:
         self.target = target
         self.dp = target.dp
         self.lp_dtype = target.dtype
+        ds = topology.of(target)
+        self.stage = ds.zero
         # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed_engine), else the source's
-        self.config = copy.deepcopy(target.options.get("ds_config") or notes.of(catalog).ds_config or {})
+        self.config = copy.deepcopy(ds.ds_config or notes.of(catalog).ds_config or {})
         if self.config:
-            self.config.setdefault("zero_optimization", {})["stage"] = target.zero
+            self.config.setdefault("zero_optimization", {})["stage"] = ds.zero
             if "tensor_parallel" in self.config:     # AutoTP (a Megatron-style model cuts itself: no key)
                 self.config["tensor_parallel"]["autotp_size"] = target.tp
         zero_cfg = self.config.get("zero_optimization") or {}
-        options = target.options
         self.bf16_prefix = self.lp_dtype == "bfloat16"
         grad_accum = ((self.config.get("data_types") or {}).get("grad_accum_dtype") or "").lower()
-        self.bf16_optimizer = (target.zero == 1 and self.lp_dtype == "bfloat16"
+        self.bf16_optimizer = (ds.zero == 1 and self.lp_dtype == "bfloat16"
                                and (grad_accum in ("fp32", "float32", "float") or
-                                    (options.get("bf16_optimizer") and not grad_accum)))
-        self.elastic = bool(options.get("elastic")) and target.zero in (1, 2) and not self.bf16_optimizer
-        self.round_robin = bool(zero_cfg.get("round_robin_gradients", options.get("round_robin_gradients")))
-        self.param_alignment = bool(zero_cfg.get("parameter_alignment", options.get("parameter_alignment")))
-        self.sub_group_size = int(zero_cfg.get("sub_group_size", options.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+                                    (ds.bf16_optimizer and not grad_accum)))
+        self.elastic = ds.elastic and ds.zero in (1, 2) and not self.bf16_optimizer
+        self.round_robin = bool(zero_cfg.get("round_robin_gradients", ds.round_robin_gradients))
+        self.param_alignment = bool(zero_cfg.get("parameter_alignment", ds.parameter_alignment))
+        sub_group_size = DEFAULT_SUB_GROUP_SIZE if ds.sub_group_size is None else ds.sub_group_size
+        self.sub_group_size = int(zero_cfg.get("sub_group_size", sub_group_size))
         self.states = catalog.optimizer_states()
         # A source not saved by DeepSpeed names no version; DeepSpeed asserts one and refuses ZeRO-1
         # files older than 0.3.17, so say the version whose layout this writer follows.

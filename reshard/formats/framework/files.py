@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from reshard import manifest
 from reshard.errors import ReshardError
 from reshard.core.write_requests import CopiedFile
+from reshard.formats.deepspeed import topology
 
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
 NEW_RANK_POLICIES = (FRESH, COPY_RANK0, FAIL)
@@ -97,9 +98,8 @@ class Framework:
 
     def title(self, layout) -> str:
         """e.g. "HF Trainer + DeepSpeed ZeRO-2, dp=2" (tp and pp named when not 1)."""
-        degrees = ", ".join(f"{k}={v}" for k, v in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp))
-                            if k == "dp" or v != 1)
-        return f"{self.name} + DeepSpeed ZeRO-{layout.zero}, {degrees}"
+        degrees = ", ".join(f"{k}={v}" for k, v in layout.degrees.items() if k == "dp" or v != 1)
+        return f"{self.name} + DeepSpeed ZeRO-{topology.of(layout).zero}, {degrees}"
 
     def problems(self) -> list:
         """Per-process files missing for a process that saved: one line each, naming the file. In a folder reshard

@@ -22,12 +22,14 @@ from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer
 from reshard.core.layout import Layout
+from reshard.formats.unpartitioned import UNPARTITIONED
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 OPAQUE = (ARGS, *hf_files.CONFIGS)
 FORMAT = "hf-trainer"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -48,7 +50,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     # the run's world size is what its per-process files say: the Trainer saves one rng_state_K.pth per process
     processes = max(1, sum(1 for name in os.listdir(folder) if RNG.match(name)))
     catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,
-                             layout=Layout(dp=processes, zero=0))
+                             layout=Layout.of(processes, format_topology=UNPARTITIONED))
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
     if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work

@@ -18,11 +18,13 @@ from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer, is_state_dict
 from reshard.core.layout import Layout
+from reshard.formats.unpartitioned import UNPARTITIONED
 
 SUFFIX = ".ckpt"
 KNOWN = ("state_dict", "optimizer_states", "lr_schedulers")
 FORMAT = "lightning"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -39,7 +41,7 @@ def read(path: str, options: NoOptions) -> Catalog:
         raise CheckpointError(path, f"{len(optimizers)} optimizers; only checkpoints of one optimizer can be mapped")
     if optimizers and not is_optimizer(optimizers[0]):
         raise CheckpointError(path, "optimizer_states[0] is not a torch.optim state_dict")
-    catalog = CatalogBuilder(root=path, format="lightning", layout=Layout(dp=1, zero=0))
+    catalog = CatalogBuilder(root=path, format="lightning", layout=Layout.of(1, format_topology=UNPARTITIONED))
     model.add_file(catalog, path, "lightning_checkpoint")
     model.build(catalog, obj["state_dict"], path, optimizers[0] if optimizers else None, path)
     schedulers = list(obj.get("lr_schedulers") or [])

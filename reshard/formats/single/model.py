@@ -18,6 +18,7 @@ index, its per-element states and step. `optim_map.assign` says which name each 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from reshard.core.catalog import (MASTER, MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, ScalarTensor,
                                   TensorDraft)
@@ -173,4 +174,5 @@ def _fill_layout(catalog) -> None:
     layout = catalog.layout
     # no separate master: the optimizer updated the params as saved (pure bf16 training: bf16); a
     # DeepSpeed target widens them to its fp32 master, the same values
-    layout.dtype, layout.master_dtype = catalog.freeze().weight_dtypes()
+    dtype, master_dtype = catalog.freeze().weight_dtypes()
+    catalog.layout = replace(layout, dtype=dtype, master_dtype=master_dtype)

@@ -11,11 +11,13 @@ from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model, safetensors_header
 from reshard.core.layout import Layout
+from reshard.formats.unpartitioned import UNPARTITIONED
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 FORMAT = "safetensors"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -39,7 +41,7 @@ def read(path: str, options: NoOptions) -> Catalog:
             tensors, metadata = safetensors_header.read_header(path)
             tied = hf_weights.tied_metadata(path, metadata)
             weights = hf_weights.Weights(tensors, tied, list(tensors) + list(tied), [(path, "weights")])
-    catalog = CatalogBuilder(root=folder, format="safetensors", layout=Layout(dp=1, zero=0))
+    catalog = CatalogBuilder(root=folder, format="safetensors", layout=Layout.of(1, format_topology=UNPARTITIONED))
     for file, role in weights.files:
         model.add_file(catalog, file, role)
     model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,

@@ -17,6 +17,7 @@ from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.torchsave_read import TensorRef
 from reshard.core.layout import Layout
+from reshard.formats.unpartitioned import UNPARTITIONED
 
 SUFFIXES = (".pt", ".pth", ".bin")
 MODEL_KEYS = ("state_dict", "model", "module", "model_state_dict")
@@ -25,6 +26,7 @@ SCHEDULER_KEYS = ("lr_scheduler", "scheduler")
 ZIP_MAGIC, LEGACY_MAGIC = b"PK\x03\x04", b"\x80\x02"
 FORMAT = "torch"
 OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -64,7 +66,7 @@ def split(path: str, obj) -> tuple:
 def read(path: str, options: NoOptions) -> Catalog:
     path = os.path.abspath(path)
     module, optimizer, extra = split(path, torchsave_read.load(path))
-    catalog = CatalogBuilder(root=path, format="torch", layout=Layout(dp=1, zero=0))
+    catalog = CatalogBuilder(root=path, format="torch", layout=Layout.of(1, format_topology=UNPARTITIONED))
     model.add_file(catalog, path, "state_dict")
     model.build(catalog, module, path, optimizer, path)
     catalog.notes = SingleNotes(extra=extra)
