@@ -602,10 +602,9 @@ def _files_words(written) -> str:
 def _export(args) -> int:
     from reshard.executor import execute
     from reshard.export import export_plan
-    from reshard.validate import require_complete
-    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
-    require_complete(catalog)
-    plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+    from reshard.validate import prove_complete
+    complete = prove_complete(reshard.open_checkpoint(args.path, args.tag, args.layout_rules))
+    plan, single_file = export_plan(complete, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights,
                                     names=args.names)
     group = _group()

@@ -360,8 +360,6 @@ def _export_file(source: str, out: str) -> None:
     it, so a reader of `out` sees the old best or the new, whole."""
     from reshard.executor import execute
     from reshard.export import export_plan
-    from reshard.validate import require_complete
-    catalog = read_catalog(source)
-    require_complete(catalog)
-    plan, single_file = export_plan(catalog, out)
+    from reshard.validate import prove_complete
+    plan, single_file = export_plan(prove_complete(read_catalog(source)), out)
     execute(plan, out, overwrite=True, progress=False, single_file=single_file)

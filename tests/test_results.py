@@ -1,0 +1,53 @@
+"""The typed results between the library and the CLI: each one's plain data is what `--json` prints, and
+completeness is a proof object that planning takes."""
+import dataclasses
+
+import pytest
+
+import reshard
+from conftest import copy_fixture, fixture_dir, tag_dir
+from reshard.core.problems import MISSING, READER, Problem
+from reshard.convert import make_plan, plan_for
+from reshard.validate import Complete, ValidationReport, prove_complete
+
+
+def test_a_problem_reads_as_the_line_it_was():
+    line = "/ckpt/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt: missing (expected for data-parallel rank 1)"
+    problem = Problem.from_line(line)
+    assert problem.file == "/ckpt/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt" and problem.kind == READER
+    assert str(problem) == line and "missing" in problem
+    # negative control: a line that starts with no path keeps its words whole, with no file
+    plain = Problem.from_line("group 0: no fp32 master partition")
+    assert plain.file is None and str(plain) == "group 0: no fp32 master partition"
+    assert Problem.from_line("ckpt: x", root="ckpt").file == "ckpt"
+
+
+def test_validation_problems_are_typed(tmp_path):
+    save = copy_fixture("z3_fp32_dp2", tmp_path)
+    for path in tag_dir(save).glob("*zero_pp_rank_1_*"):
+        path.unlink()
+    report = reshard.validate(reshard.open_checkpoint(save))
+    assert isinstance(report, ValidationReport) and not report.ok
+    kinds = {p.kind for p in report.problems}
+    assert {READER, MISSING} <= kinds
+    gap = next(p for p in report.problems if p.kind == MISSING)
+    assert gap.file == str(tag_dir(save)) and gap.tensor and gap.tensor.split(" (")[0] in gap.message
+    assert report.to_dict()["problems"] == [str(p) for p in report.problems]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.ok = True    # noqa  (frozen: a report is what was found, not a place to add to)
+
+
+def test_completeness_is_a_proof_that_planning_takes(tmp_path):
+    catalog = reshard.open_checkpoint(fixture_dir("z2_fp32_dp2"))
+    complete = prove_complete(catalog)
+    assert isinstance(complete, Complete) and complete.catalog is catalog and complete.report.ok
+    assert make_plan(complete, "dp=4").target.dp == 4     # the proof made once is taken as it is
+    # negative controls: no proof of a report with problems; a broken checkpoint is refused in one line
+    with pytest.raises(ValueError):
+        Complete(catalog, ValidationReport(problems=(Problem(None, None, READER, "broken"),)))
+    save = copy_fixture("z2_fp32_dp2", tmp_path)
+    next(tag_dir(save).glob("*zero_pp_rank_1_*optim*")).unlink()
+    with pytest.raises(reshard.ReshardError, match="the checkpoint is not complete"):
+        prove_complete(reshard.open_checkpoint(save))
+    with pytest.raises(AttributeError):
+        plan_for(catalog, catalog.layout)      # a catalog is not a proof
