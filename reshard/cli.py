@@ -15,7 +15,7 @@ from reshard import cli_text, rule_files, watch_state, watching
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
-from reshard.inspection import human_bytes, jsonable
+from reshard.inspection import human_bytes
 from reshard.text import counted
 from reshard.core.layout import SPEC_KEYS
 
@@ -506,8 +506,7 @@ def _inspect(args) -> int:
     catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
     info = reshard.inspect(catalog, params=args.params)
     if args.json:
-        json.dump(jsonable(info), sys.stdout, indent=2)
-        print()
+        _dump(info.to_dict())
     else:
         cli_text.print_inspect(info)
     if catalog.problems:    # what could be read is shown; the checkpoint is still not whole

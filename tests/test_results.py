@@ -51,3 +51,17 @@ def test_completeness_is_a_proof_that_planning_takes(tmp_path):
         prove_complete(reshard.open_checkpoint(save))
     with pytest.raises(AttributeError):
         plan_for(catalog, catalog.layout)      # a catalog is not a proof
+
+
+def test_an_inspection_is_typed_and_its_plain_data_is_the_json(capsys):
+    import json
+    from conftest import run_cli
+    from reshard.inspection import Inspection
+    info = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")), params=True)
+    assert isinstance(info, Inspection) and info.topology["dp"] == 2 and info.zero_stage == 2
+    assert json.loads(run_cli("inspect", fixture_dir("z2_fp32_dp2"), "--params", "--json").stdout) == info.to_dict()
+    # negative control: without the table, its key is absent from the data, as from the JSON
+    plain = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")))
+    assert "parameter_table" not in plain.to_dict() and "parameter_table" in info.to_dict()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.step = 0   # noqa
