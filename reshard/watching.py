@@ -88,7 +88,23 @@ class Watcher:
     `policy`: retention applied after validation (None: delete nothing); `metric`/`mode` rank `export_best` (a
     .safetensors file outside the run) and name the metric each line shows (default: the policy's); `exec_cmd`:
     a shell command run for each good checkpoint, its path in $RESHARD_CHECKPOINT and in place of `{}`;
-    `say(text, error)`: where lines go (default: nowhere)."""
+    `say(text, error)`: where lines go (default: nowhere).
+
+    Args:
+        run_dir: a run directory, as for list_checkpoints; its state is kept in a file there.
+        policy, checksums, export_best, metric, mode, exec_cmd, say: as above; metrics, recent, settle: as for
+            list_checkpoints.
+
+    Returns:
+        `poll()` returns a Pass: the checkpoints newly validated (`reported`), those still being written, those
+        deleted, the problems.
+
+    Example:
+        >>> with reshard.Watcher("ckpt/", settle=0) as watcher:
+        ...     done = watcher.poll()
+        >>> [(event.name, event.status) for event in done.reported], done.removed
+        ([('global_step2', 'complete'), ('global_step3', 'complete')], ())
+    """
 
     def __init__(self, run_dir, policy: Policy | None = None, *, checksums: bool = False,
                  export_best: str | None = None, metric: str | None = None, mode: str | None = None,
