@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-
 from typing import TYPE_CHECKING
 
 from reshard.convert import framework_files, make_plan
@@ -19,8 +18,10 @@ from reshard.errors import ReshardError, UnknownFormatError
 from reshard.export import export_plan
 from reshard.formats import FRESH, read, takes
 from reshard.formats.run_layout import scan
-from reshard.inspection import Inspection, inspect as inspect_catalog
-from reshard.validate import Complete, ValidationReport, prove_complete as prove_catalog_complete
+from reshard.inspection import Inspection
+from reshard.inspection import inspect as inspect_catalog
+from reshard.validate import Complete, ValidationReport
+from reshard.validate import prove_complete as prove_catalog_complete
 from reshard.validate import validate as validate_catalog
 
 if TYPE_CHECKING:       # the modules that write and compare bytes load when a call needs them: `import reshard` and

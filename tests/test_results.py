@@ -3,11 +3,11 @@ completeness is a proof object that planning takes."""
 import dataclasses
 
 import pytest
+from conftest import copy_fixture, fixture_dir, tag_dir
 
 import reshard
-from conftest import copy_fixture, fixture_dir, tag_dir
-from reshard.core.problems import MISSING, READER, Problem
 from reshard.convert import make_plan, plan_for
+from reshard.core.problems import MISSING, READER, Problem
 from reshard.validate import Complete, ValidationReport, prove_complete
 
 
@@ -34,7 +34,7 @@ def test_validation_problems_are_typed(tmp_path):
     assert gap.file == str(tag_dir(save)) and gap.tensor and gap.tensor.split(" (")[0] in gap.message
     assert report.to_dict()["problems"] == [str(p) for p in report.problems]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        report.ok = True    # noqa  (frozen: a report is what was found, not a place to add to)
+        report.ok = True
 
 
 def test_completeness_is_a_proof_that_planning_takes(tmp_path):
@@ -55,7 +55,9 @@ def test_completeness_is_a_proof_that_planning_takes(tmp_path):
 
 def test_an_inspection_is_typed_and_its_plain_data_is_the_json(capsys):
     import json
+
     from conftest import run_cli
+
     from reshard.inspection import Inspection
     info = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")), params=True)
     assert isinstance(info, Inspection) and info.topology["dp"] == 2 and info.zero_stage == 2
@@ -64,4 +66,26 @@ def test_an_inspection_is_typed_and_its_plain_data_is_the_json(capsys):
     plain = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")))
     assert "parameter_table" not in plain.to_dict() and "parameter_table" in info.to_dict()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        info.step = 0   # noqa
+        info.step = 0
+
+
+def test_a_plan_summary_is_typed_and_says_when_the_disk_is_short():
+    summary = reshard.plan(fixture_dir("z2_fp32_dp2"), "dp=4")
+    assert summary.disk_ok and summary.to_dict()["disk_ok"] is True
+    assert [f.path for f in summary.files] == [f["path"] for f in summary.to_dict()["files"]]
+    assert "framework" not in summary.to_dict()     # a bare DeepSpeed save: no training framework's folder
+    # negative control: the same plan on a disk with fewer free bytes than it writes
+    short = dataclasses.replace(summary, free_disk_bytes=summary.bytes_written)
+    assert not short.disk_ok and short.to_dict()["disk_ok"] is False
+
+
+def test_written_lists_the_framework_files_only_where_there_are_some(tmp_path):
+    written = reshard.convert(fixture_dir("z2_fp32_dp2"), tmp_path / "out", "dp=4")
+    assert written.framework_files == () and "framework_files" not in written.to_dict()
+    assert written.size == sum(f.size for f in written.files) == written.to_dict()["bytes"]
+
+    class Kept:     # a Disposition as Written sees it
+        def to_dict(self):
+            return {"path": "trainer_state.json", "action": "copied"}
+    assert dataclasses.replace(written, framework_files=(Kept(),)).to_dict()["framework_files"] == \
+        [{"path": "trainer_state.json", "action": "copied"}]

@@ -11,10 +11,10 @@ import textwrap
 
 import reshard
 from reshard import rule_files, watching
+from reshard.core.layout import SPEC_KEYS
 from reshard.errors import ReshardError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
-from reshard.core.layout import SPEC_KEYS
 
 
 class _Parser(argparse.ArgumentParser):
