@@ -24,8 +24,9 @@ from reshard.validate import Complete, ValidationReport
 from reshard.validate import prove_complete as prove_catalog_complete
 from reshard.validate import validate as validate_catalog
 
-if TYPE_CHECKING:       # the modules that write and compare bytes load when a call needs them: `import reshard` and
-    # opening a checkpoint stay light (no multiprocessing, no numpy comparison)
+# The modules that write and compare bytes load when a call needs them: `import reshard`, and opening a checkpoint,
+# stay light (no multiprocessing, no comparison).
+if TYPE_CHECKING:
     from reshard.comparison import DiffReport
     from reshard.executor import Written
     from reshard.plan_summary import PlanSummary
@@ -247,6 +248,7 @@ def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalo
         >>> report.equal, report.compared > 0
         (True, True)
     """
+    from reshard.comparison import diff as compare
     sides = [(a, tag_a), (b, tag_b)]
     # --layout-rules go to whichever side's format takes them (a tensor-parallel save compared with its export);
     # refused, as by any reader, only when neither takes them: A's reader says so in one line
@@ -254,7 +256,6 @@ def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalo
              takes(os.fspath(side), side_tag, "layout_rules") else None for side, side_tag in sides]
     if layout_rules and not any(rules):
         rules[0] = layout_rules
-    from reshard.comparison import diff as compare
     catalog_a, catalog_b = (_catalog(side, side_tag, r) for (side, side_tag), r in zip(sides, rules))
     return compare(catalog_a, catalog_b, atol=atol, progress=progress)
 

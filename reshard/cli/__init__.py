@@ -52,7 +52,3 @@ def _main(argv) -> int:
     except OSError as e:       # an I/O failure no layer turned into a ReshardError: still one line
         error(args, f"{e.filename or ''}: {e.strerror or e}", e.filename)
         return getattr(args, "error_exit", 1)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
