@@ -1,56 +1,48 @@
 """reshard: convert, export, validate and inspect distributed training checkpoints.
 
-The Python API:
+The Python API mirrors the CLI, one function per command, each returning a typed result (docs/api.md):
 
-    catalog = reshard.open_checkpoint("ckpt/")            # metadata only, nothing executed
-    info = reshard.inspect(catalog, params=True)           # plain data (what `reshard inspect --json` prints)
-    report = reshard.validate(catalog, deep=False)         # report.ok, report.problems
+    info = reshard.inspect("ckpt/")                      # Inspection: topology, dtypes, optimizer, files
+    report = reshard.validate("ckpt/", deep=True)        # ValidationReport: report.ok, report.problems
+    summary = reshard.plan("ckpt/", "dp=4,zero=3")       # PlanSummary: files, bytes, disk_ok
+    written = reshard.convert("ckpt/", "new/", "dp=4")   # Written: the files on disk and the manifest
+    written = reshard.export("ckpt/", "model.safetensors")
+    report = reshard.diff("ckpt/", "new/")               # DiffReport: report.equal, report.differences
+    catalog = reshard.open_checkpoint("ckpt/")           # metadata only, nothing executed
     weight = reshard.full_tensor(catalog, "l1.weight", "fp32")   # a torch tensor, bit-exact
-    run = reshard.list_checkpoints("out/")                 # every checkpoint of a run, complete or not
+    run = reshard.list_checkpoints("out/")               # every checkpoint of a run, complete or not
     plan = reshard.prune("out/", reshard.Policy(keep_last=3), yes=False)   # the plan; yes=True deletes
     watcher = reshard.Watcher("out/", reshard.Policy(keep_last=3))   # watcher.poll(): one pass; .run(): until .stop()
 """
 from __future__ import annotations
 
-import os
-
-from reshard.errors import CheckpointError, ReshardError, UnknownFormatError
-from reshard.inspection import inspect
+from reshard.errors import CheckpointError, ReshardError, UnknownFormatError, UsageError
+from reshard.core.catalog import Catalog
+from reshard.core.problems import Problem
+from reshard.inspection import Inspection
+from reshard.listing import RECENT_SECONDS, list_checkpoints
 from reshard.pruning import prune
 from reshard.retention import Policy
-from reshard.listing import RECENT_SECONDS, list_checkpoints
 from reshard.source_bytes import full_tensor
-from reshard.validate import validate
+from reshard.validate import Complete, ValidationReport
 from reshard.version import __version__
 from reshard.watching import Watcher
+# last: these functions take the names of the modules reshard.convert, reshard.export and reshard.validate
+from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
+
+# the results of writing and comparing, from the modules that do it, loaded when first asked for: `import reshard`
+# (and every reader under it) stays light
+_LATER = {"PlanSummary": "reshard.plan_summary", "Written": "reshard.executor", "DiffReport": "reshard.comparison"}
 
 
-def open_checkpoint(path, tag: str | None = None, layout_rules: str | None = None):
-    """Read a checkpoint's metadata into a Catalog (see reshard.core.catalog). `layout_rules`: a rule file
-    saying how tensor parallelism cut the tensors, for checkpoints that do not carry it (a path, or the name
-    of one shipped with reshard: "megatron-gpt", "llama-autotp")."""
-    from reshard.formats import read
-    try:
-        return read(str(path), tag, layout_rules)
-    except UnknownFormatError as e:
-        raise _run_directory_hint(str(path)) or e from None
+def __getattr__(name: str):
+    if name in _LATER:
+        import importlib
+        return getattr(importlib.import_module(_LATER[name]), name)
+    raise AttributeError(f"module 'reshard' has no attribute {name!r}")
 
 
-def _run_directory_hint(path: str) -> ReshardError | None:
-    """A run directory given where one checkpoint is expected: the error points at `reshard list`."""
-    from reshard.formats.run_layout import scan
-    if not os.path.isdir(path):
-        return None
-    try:
-        found = scan(path).entries
-    except ReshardError:
-        return None
-    if not found:
-        return None
-    names = ", ".join(sorted(e.name for e in found)[:3]) + (", ..." if len(found) > 3 else "")
-    return UnknownFormatError.at(path, f"a run directory of {len(found)} checkpoint{'s' * (len(found) != 1)} "
-                                       f"({names}), not one checkpoint: `reshard list {path}` shows them")
-
-
-__all__ = ["open_checkpoint", "inspect", "validate", "full_tensor", "list_checkpoints", "prune", "Policy", "Watcher",
-           "RECENT_SECONDS", "ReshardError", "CheckpointError", "__version__"]
+__all__ = ["open_checkpoint", "inspect", "validate", "prove_complete", "plan", "convert", "export", "diff",
+           "full_tensor", "list_checkpoints", "prune", "Policy", "Watcher", "RECENT_SECONDS",
+           "Catalog", "Inspection", "ValidationReport", "Problem", "Complete", "PlanSummary", "Written", "DiffReport",
+           "ReshardError", "CheckpointError", "UnknownFormatError", "UsageError", "__version__"]

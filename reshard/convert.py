@@ -10,6 +10,7 @@ from reshard.formats import (FRESH, default_tag, descriptor_layout, framework_di
                              target_layout as spec_layout, with_framework)
 from reshard.core.layout import Layout, spec_keys
 from reshard.core.planner import Plan, plan
+from reshard.validate import Complete, prove_complete
 
 
 def target_layout(catalog: Catalog, to: str, fmt: str | None = None) -> Layout:
@@ -27,17 +28,17 @@ def target_layout(catalog: Catalog, to: str, fmt: str | None = None) -> Layout:
     return spec_layout(source, to, format_name)
 
 
-def make_plan(catalog: Catalog, to: str, tag_out: str | None = None, fmt: str | None = None,
+def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, fmt: str | None = None,
               new_rank_state: str = FRESH) -> Plan:
-    """The plan writing `catalog` at topology `to` in format `fmt` (default: the source's format); with a training
-    framework's files around the source, those too (`new_rank_state`: what a process the source lacks gets)."""
-    from reshard.validate import require_complete
-
-    require_complete(catalog)
+    """The plan writing the checkpoint at topology `to` in format `fmt` (default: the source's format); with a
+    training framework's files around the source, those too (`new_rank_state`: what a process the source lacks
+    gets). A Catalog is proven whole first (prove_complete); a Complete is that proof, made before."""
+    complete = source if isinstance(source, Complete) else prove_complete(source)
+    catalog = complete.catalog
     target = target_layout(catalog, to, fmt)    # (a bad spec is refused here)
     if "=" in to and not os.path.isfile(to):     # a spec (a descriptor file says only what it means)
         _refuse_keys_without_meaning(catalog, to, fmt)
-    return plan_for(catalog, target, tag_out, fmt, new_rank_state)
+    return plan_for(complete, target, tag_out, fmt, new_rank_state)
 
 
 def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -> None:
@@ -54,9 +55,10 @@ def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -
                          f"(it is written at {', '.join(honoured)}){where}")
 
 
-def plan_for(catalog: Catalog, target: Layout, tag_out: str | None = None, fmt: str | None = None,
+def plan_for(complete: Complete, target: Layout, tag_out: str | None = None, fmt: str | None = None,
              new_rank_state: str = FRESH) -> Plan:
-    """make_plan's plan at layout `target`, for a whole catalog."""
+    """make_plan's plan at layout `target`, for a catalog proven whole."""
+    catalog = complete.catalog
     tag = tag_out or catalog.tag or default_tag(catalog)
     why = paths.escape(tag, single=True)
     if why:     # a tag is one folder of the output: `../x` or an absolute path would put the rank files elsewhere

@@ -27,7 +27,7 @@ from reshard.formats.deepspeed.live import LIVE_FORMAT, engine_layout
 from reshard.materialize import materialize
 from reshard.core.planner import Plan
 from reshard.staging import output_path, write_text
-from reshard.validate import require_complete
+from reshard.validate import prove_complete
 
 STAGING = "/dev/shm"        # where there is one; every rank of a node sees the same folder
 
@@ -41,9 +41,8 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
     group = TorchGroup()            # the engine's process group: left as it is
     problem, plan = None, None
     try:
-        catalog = formats.read(os.fspath(src), tag, layout_rules)
-        require_complete(catalog)
-        plan = plan_for(catalog, engine_layout(engine), tag, fmt=LIVE_FORMAT)     # whatever the source's format
+        complete = prove_complete(formats.read(os.fspath(src), tag, layout_rules))
+        plan = plan_for(complete, engine_layout(engine), tag, fmt=LIVE_FORMAT)     # whatever the source's format
     except ReshardError as e:
         problem = e
     if not group.all_ok(problem is None):

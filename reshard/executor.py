@@ -33,7 +33,7 @@ from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, output_path
 from reshard.storage.posix import PosixOutput
 from reshard.storage.protocol import OutputStorage
-from reshard.core.write_requests import Output
+from reshard.core.write_requests import Output, StageCut
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
@@ -86,22 +86,40 @@ class WrittenFile:
 
 
 @dataclass(frozen=True)
+class StagedFile:
+    """One target file written in the staging area (by this process or a worker): what the journal and the
+    manifest record of it, and the CRC-32s of the source blocks its copies read (checksums.Tally.pieces)."""
+    path: str       # relative to the destination
+    size: int
+    sha256: str
+    pieces: dict
+
+
+@dataclass(frozen=True)
 class Written:
-    """What a run left on disk once committed: every file the manifest lists, with its size, and the manifest."""
+    """What a run left on disk once committed: every file the manifest lists, with its size, and the manifest;
+    for a conversion also how its pipeline stages cut the layers and what became of the training framework's
+    own files (Disposition)."""
     path: str
     output: Output | None
-    files: tuple        # WrittenFile, in the plan's order
+    files: tuple[WrittenFile, ...]      # in the plan's order
     manifest: str
+    stage_cut: StageCut | None = None
+    framework_files: tuple = ()
 
     @property
     def size(self) -> int:
         return sum(f.size for f in self.files)
 
     def to_dict(self) -> dict:
+        """Plain data: what `reshard convert --json` and `reshard export --json` print."""
         output = self.output or Output("")
-        return {"path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
+        data = {"path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
                 "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
                 "manifest": self.manifest}
+        if self.framework_files:
+            data["framework_files"] = [d.to_dict() for d in self.framework_files]
+        return data
 
 
 def chunk_bytes(memory_budget: int, workers: int, stream_bytes: int = PosixOutput.STREAM_BUFFER_BYTES) -> int:
@@ -265,10 +283,7 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
                     while running:
                         done, running = wait(running, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
                         for job in done:
-                            path, size, sha, pieces = job.result()
-                            tally.merge(pieces)
-                            staging.record(path, size, sha)
-                            digests[path] = (size, sha)
+                            _staged(job.result(), staging, digests, tally)
                             bar.update(jobs[job].nbytes)
                         INTERRUPTS.check()
                 except BaseException:
@@ -278,14 +293,18 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
                     raise
         else:
             for f in todo:
-                path, size, sha, pieces = write_file(f, staging.tmp, chunk, bar.update, reread, _members(f, checked),
-                                                     staging.storage)
-                tally.merge(pieces)
-                staging.record(path, size, sha)
-                digests[path] = (size, sha)
+                _staged(write_file(f, staging.tmp, chunk, bar.update, reread, _members(f, checked), staging.storage),
+                        staging, digests, tally)
     finally:
         bar.close()
     return digests
+
+
+def _staged(done: StagedFile, staging: Staging, digests: dict, tally: Tally) -> None:
+    """A file finished: journaled (for --resume), its digest kept for the manifest, its source reads tallied."""
+    tally.merge(done.pieces)
+    staging.record(done.path, done.size, done.sha256)
+    digests[done.path] = (done.size, done.sha256)
 
 
 def _write_small_files(plan: Plan, root: str, storage: OutputStorage) -> dict:
@@ -316,10 +335,10 @@ def _members(file: FilePlan, checked: dict) -> list:
 
 
 def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict | None = None,
-               members=(), output: OutputStorage | None = None) -> tuple:
-    """Write one target file; returns (path, size, sha256, the CRC-32s of the blocks read from `members`,
-    checksums.Tally.pieces). Runs in worker processes too. `reread`: source byte ranges other reads need again
-    (Plan.reread), kept in the page cache. `output`: where the file is written (by default the local filesystem).
+               members=(), output: OutputStorage | None = None) -> StagedFile:
+    """Write one target file; returns what was written, with the CRC-32s of the blocks read from `members`.
+    Runs in worker processes too. `reread`: source byte ranges other reads need again (Plan.reread), kept in the
+    page cache. `output`: where the file is written (by default the local filesystem).
 
     A reader thread fetches (and casts) the next blocks while this thread writes the current
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
@@ -344,7 +363,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     finally:
         sources.close()
     output.sync(path)
-    return plan.path, stream.size, stream.sha256, sources.tally.pieces()
+    return StagedFile(plan.path, stream.size, stream.sha256, sources.tally.pieces())
 
 
 def _read_ahead(pool, tasks):

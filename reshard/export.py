@@ -22,6 +22,7 @@ from reshard.inspection import jsonable
 from reshard.core.layout import Layout
 from reshard.core.planner import plan
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, TextFile
+from reshard.validate import Complete
 
 FORMATS = EXPORTS     # container name -> its file type: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"
@@ -36,12 +37,14 @@ class Entry(NewTensor):
     start: int = 0
 
 
-def export_plan(catalog: Catalog, out: str, *, dtype: str = "fp32", max_shard_size=None,
+def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_size=None,
                 with_optimizer: bool = False, fmt: str | None = None, weights: str = "master",
                 names: str | None = None):
     """(Plan, single_file): the files of the export; single_file when OUT names one file. `fmt`:
     safetensors or torch; by default the one OUT's suffix names (safetensors for a directory). `names`: an
-    export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights."""
+    export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights. `complete`:
+    the proof that the checkpoint is whole (reshard.validate.prove_complete)."""
+    catalog = complete.catalog
     fmt = export_format(out, fmt)
     if dtype not in ("auto", *SHORT):
         raise ReshardError(f"unknown dtype {dtype!r} (fp32, bf16, fp16 or auto)")

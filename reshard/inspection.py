@@ -1,58 +1,93 @@
-"""What a checkpoint holds, as plain data (printed as text or JSON by the CLI)."""
+"""What a checkpoint holds, as an Inspection (printed as text or JSON by the CLI)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
 from reshard.formats.torchsave_read import DType, TensorRef
 
 
-def inspect(catalog: Catalog, params: bool = False) -> dict:
+@dataclass(frozen=True)
+class Inspection:
+    """What a checkpoint holds: its topology, dtypes, optimizer, training counters, parameters and files. The
+    nested parts are plain data as `reshard inspect --json` prints them; None where the checkpoint does not tell."""
+    path: str
+    format: str
+    framework: dict | None          # the training framework's folder around the save, and its own files
+    tag: str | None                 # only formats with tag folders have one
+    topology: dict                  # dp, tp, pp, world_size
+    experts: dict | None            # a mixture-of-experts save: ep, expert-dp, per MoE layer its experts' placement
+    zero_stage: int | None          # None: the format has no ZeRO partitioning (DCP, single files)
+    dtype: str | None               # None: unknown (mixed, or no master copy)
+    master_dtype: str | None
+    optimizer: str | None           # None: the checkpoint does not tell
+    optimizer_states: list
+    options: dict
+    step: int | None
+    global_steps: int | None
+    global_samples: int | None
+    parameters: int
+    elements: int
+    trainable: int
+    frozen: int
+    buffers: int
+    aliases: dict                   # {tied name: the name it is tied to}
+    param_groups: list              # per group: its hyper-parameters and how many params it holds
+    split_scalars: list             # optimizer scalars that differ between a group's params
+    bytes_per_state: dict
+    files: list                     # {path, role, rank, bytes}
+    problems: int                   # how many problems the reader found (`validate` says which)
+    parameter_table: list | None = None     # with params=True: one row per parameter
+
+    def to_dict(self) -> dict:
+        """Plain data: what `reshard inspect --json` prints."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.parameter_table is None:
+            del data["parameter_table"]
+        return jsonable(data)
+
+
+def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     layout, contents = catalog.layout, catalog.contents()
     # what the format adds to the mesh (a DeepSpeed save: its ZeRO stage and partitioning options), in the
     # descriptor's words: none for a format that partitions nothing (DCP, single files)
     own = layout.format_topology.descriptor() if layout.format_topology is not None else {}
     kinds = [p.kind for p in catalog.params.values()]
-    info = {
-        "path": catalog.root,
-        "format": catalog.format,
-        "framework": None,
-        "tag": catalog.tag or None,
-        "topology": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
-        # a mixture-of-experts save: ep, expert-dp, and per MoE layer its experts and their placement
-        "experts": catalog.experts.describe() if catalog.experts is not None else None,
-        "zero_stage": own.get("zero") or None,      # None: the format has no ZeRO partitioning (DCP, single files)
-        "dtype": layout.dtype or None,               # None: unknown (mixed, or no master copy)
-        "master_dtype": layout.master_dtype or None,
-        "optimizer": contents.optimizer or None,     # None: the checkpoint does not tell
-        "optimizer_states": contents.states,
-        "options": own.get("options") or {},
-        "step": contents.step,
-        "global_steps": catalog.training.global_steps,
-        "global_samples": catalog.training.global_samples,
-        "parameters": contents.params,
-        "elements": contents.elements,
-        "trainable": kinds.count("trainable"),
-        "frozen": kinds.count("frozen"),
-        "buffers": kinds.count("buffer"),
-        "aliases": dict(catalog.aliases),
-        "param_groups": [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
-                          "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
-                         for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
-        # optimizer scalars that differ between a group's params (the first param's value is in param_groups)
-        "split_scalars": [{"group": g, "key": key, "param": name, "value": jsonable(value)}
-                          for g, scalars in enumerate(catalog.group_scalars) for key, per_param in scalars.items()
-                          if isinstance(per_param, PerParamScalar) for name, value in per_param.differing()],
-        "bytes_per_state": catalog.bytes_per_state(),
-        "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
-        "problems": len(catalog.problems),
-    }
-    if catalog.framework is not None:      # the training framework's folder around the save, and its own files
-        info["framework"] = catalog.framework.to_dict(layout)
-    if params:
-        info["parameter_table"] = [_param_row(catalog, p) for p in catalog.params.values()]
-    return info
+    return Inspection(
+        path=catalog.root,
+        format=catalog.format,
+        framework=catalog.framework.to_dict(layout) if catalog.framework is not None else None,
+        tag=catalog.tag or None,
+        topology={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
+        experts=catalog.experts.describe() if catalog.experts is not None else None,
+        zero_stage=own.get("zero") or None,      # None: the format has no ZeRO partitioning (DCP, single files)
+        dtype=layout.dtype or None,
+        master_dtype=layout.master_dtype or None,
+        optimizer=contents.optimizer or None,
+        optimizer_states=contents.states,
+        options=own.get("options") or {},
+        step=contents.step,
+        global_steps=catalog.training.global_steps,
+        global_samples=catalog.training.global_samples,
+        parameters=contents.params,
+        elements=contents.elements,
+        trainable=kinds.count("trainable"),
+        frozen=kinds.count("frozen"),
+        buffers=kinds.count("buffer"),
+        aliases=dict(catalog.aliases),
+        param_groups=[{**{k: jsonable(v) for k, v in g.items() if k != "params"},
+                       "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
+                      for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
+        # (the first param's value is in param_groups)
+        split_scalars=[{"group": g, "key": key, "param": name, "value": jsonable(value)}
+                       for g, scalars in enumerate(catalog.group_scalars) for key, per_param in scalars.items()
+                       if isinstance(per_param, PerParamScalar) for name, value in per_param.differing()],
+        bytes_per_state=catalog.bytes_per_state(),
+        files=[{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
+        problems=len(catalog.problems),
+        parameter_table=[_param_row(catalog, p) for p in catalog.params.values()] if params else None,
+    )
 
 
 def _first(scalar):

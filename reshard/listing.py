@@ -86,10 +86,25 @@ class Files:
 
 def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | None = None,
                      recent: float = RECENT_SECONDS, settle: float = 0.0) -> RunListing:
-    """Every checkpoint under `run_dir`, oldest first. `metrics`: a user's metrics file (JSON or CSV, step ->
-    value; `metric_name` names a bare {step: value} file's values); `recent`: a file modified less than this many
-    seconds ago marks its save in progress; `settle`: also look again after this many seconds, and a checkpoint
-    whose files changed is in progress."""
+    """Every checkpoint of a run directory, as `reshard list` shows them; metadata only.
+
+    Args:
+        run_dir: a DeepSpeed save dir, Hugging Face output dir, Lightning checkpoint dir, DCP step dirs, or a
+            folder holding several.
+        metrics: a user's metrics file (JSON or CSV, step -> value); `metric_name` names a bare {step: value}
+            file's values.
+        recent: a file modified less than this many seconds ago marks its save in progress.
+        settle: also look again after this many seconds; a checkpoint whose files changed is in progress.
+
+    Returns:
+        A RunListing: `checkpoints` (Checkpoint rows, oldest first: name, step, status, format, topology, size,
+        why when incomplete), `notes`; `to_dict()` is what `reshard list --json` prints.
+
+    Example:
+        >>> run = reshard.list_checkpoints("ckpt/")
+        >>> [(row.name, row.step, row.status) for row in run.checkpoints]
+        [('global_step2', 2, 'complete'), ('global_step3', 3, 'complete')]
+    """
     root = os.path.realpath(str(run_dir))
     found = run_layout.scan(root)
     user = run_metrics.read_metrics_file(metrics, metric_name) if metrics else {}

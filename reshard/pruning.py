@@ -48,8 +48,25 @@ class PrunePlan:
 
 def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None, recent: float = RECENT_SECONDS,
           settle: float = 0.0) -> PrunePlan:
-    """The plan of `policy` on `run_dir`; with `yes`, carried out. Raises PolicyError (nothing deleted) when the
-    policy cannot be evaluated, UsageError when it says nothing."""
+    """The checkpoints a retention policy does not keep, as `reshard prune` plans them; deleted with `yes`.
+
+    Args:
+        run_dir: a run directory, as for list_checkpoints.
+        policy: a Policy (keep_last, keep_best by metric, keep_every, keep_steps, delete_incomplete). Always
+            kept: the newest complete checkpoint, and any one `latest`, the framework's best or a link names.
+        yes: delete (default: the plan only).
+        metrics, recent, settle: as for list_checkpoints.
+
+    Returns:
+        A PrunePlan: `decisions` (keep / delete / untouched, and why), `bytes_freed`, and once executed what was
+        removed; `to_dict()` is what `reshard prune --json` prints. Raises PolicyError (nothing deleted) when
+        the policy cannot be evaluated, UsageError when it says nothing.
+
+    Example:
+        >>> plan = reshard.prune("ckpt/", reshard.Policy(keep_last=1))
+        >>> [(d.checkpoint.name, d.action) for d in plan.decisions], plan.executed
+        ([('global_step2', 'delete'), ('global_step3', 'keep')], False)
+    """
     policy.check()
     listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
     return carry_out(listing, decide(listing.checkpoints, policy), yes)

@@ -20,14 +20,16 @@ from reshard.errors import ReshardError
 from reshard.core.geometry import coverage, total_length
 from reshard.text import counted
 from reshard.core.placement import Shard, flat_runs, regions, tiles
+from reshard.core.problems import CHECKSUM, DUPLICATE, MISSING, NO_STATE, NON_FINITE, OUTSIDE, REPLICA, Problem
 from reshard.progress import bar as progress_bar
 
 MAX_RANGES_SHOWN = 3
 
 
-@dataclass
-class Report:
-    problems: list = field(default_factory=list)
+@dataclass(frozen=True)
+class ValidationReport:
+    """What `validate` found: its problems (none: the checkpoint is whole) and what it counted."""
+    problems: tuple[Problem, ...] = ()
     tensors: int = 0
     elements: int = 0
     missing_elements: int = 0
@@ -40,7 +42,7 @@ class Report:
     # It says nothing about the checkpoint's coverage, which stands: not a problem.
     unverified: str | None = None
     crc_members: int = 0            # --deep: zip members whose CRC-32 was verified
-    no_checksum: list = field(default_factory=list)    # --deep: files of a format that carries no checksum
+    no_checksum: tuple[str, ...] = ()    # --deep: files of a format that carries no checksum
 
     @property
     def ok(self) -> bool:
@@ -75,40 +77,81 @@ class Report:
         return f"checksums: not verified (no manifest: {self.unverified})" if self.unverified else None
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "problems": self.problems, "tensors": self.tensors, "elements": self.elements,
+        """Plain data: what `reshard validate --json` prints."""
+        return {"ok": self.ok, "problems": [str(p) for p in self.problems], "tensors": self.tensors,
+                "elements": self.elements,
                 "missing_elements": self.missing_elements, "missing_fraction": self.missing_fraction,
                 "duplicate_elements": self.duplicate_elements, "files": self.files, "deep": self.deep,
                 "manifest": self.manifest, "checksums_verified": self.checksums,
                 "checksums_unverified": self.unverified, "crc_members": self.crc_members,
-                "no_checksum": self.no_checksum}
+                "no_checksum": list(self.no_checksum)}
 
 
-def validate(catalog: Catalog, deep: bool = False, checksums: bool = False, progress: bool = False) -> Report:
+@dataclass
+class _Found:
+    """What the checks find, as they go; frozen into a ValidationReport at the end."""
+    problems: list = field(default_factory=list)       # Problem
+    tensors: int = 0
+    elements: int = 0
+    missing_elements: int = 0
+    duplicate_elements: int = 0
+    files: int = 0
+    deep: bool = False
+    manifest: str | None = None
+    checksums: bool = False
+    unverified: str | None = None
+    crc_members: int = 0
+    no_checksum: list = field(default_factory=list)
+
+    def report(self) -> ValidationReport:
+        return ValidationReport(**{**vars(self), "problems": tuple(self.problems),
+                                   "no_checksum": tuple(self.no_checksum)})
+
+
+@dataclass(frozen=True)
+class Complete:
+    """The proof that a catalog is whole (every element of every tensor present once, every state there): what
+    planning a conversion or an export takes. Made by `prove_complete`; one is never made of a report with
+    problems."""
+    catalog: Catalog
+    report: ValidationReport
+
+    def __post_init__(self):
+        if not self.report.ok:
+            raise ValueError("a Complete needs a report without problems")
+
+
+def validate(catalog: Catalog, deep: bool = False, checksums: bool = False,
+             progress: bool = False) -> ValidationReport:
     """`deep` reads every byte for NaN/Inf; `checksums` verifies the sha256 of every file against the
     reshard manifest (sizes are checked whenever a manifest is there). `progress`: bars of the bytes read
     and hashed on stderr, when it is a terminal."""
-    report = Report(problems=list(catalog.problems), files=len(catalog.files), deep=deep)
+    report = _Found(problems=[Problem.from_line(line, catalog.root) for line in catalog.problems],
+                    files=len(catalog.files), deep=deep)
     _check_coverage(catalog, report)
     _check_states_present(catalog, report)
     _check_manifest(catalog, report, checksums, progress)
     if deep:
         _check_values(catalog, report, progress)
-    return report
+    return report.report()
 
 
-def require_complete(catalog: Catalog) -> None:
-    """Raise one line when the checkpoint is not whole: nothing is converted or exported from it."""
+def prove_complete(catalog: Catalog) -> Complete:
+    """The proof that `catalog` is whole, which planning takes; one line raised when it is not: nothing is
+    converted or exported from it."""
     report = validate(catalog)
     if not report.ok:
         problems = counted(len(report.problems), "problem")
         raise ReshardError.at(catalog.root, f"the checkpoint is not complete ({problems}, "
                                             f"first: {report.problems[0]}); run `reshard validate`")
+    return Complete(catalog, report)
 
 
 def _check_manifest(catalog, report, checksums, progress):
     found = manifest.find(catalog.root)
     if found:
-        report.problems += manifest.verify(found, checksums, within=catalog.root, progress=progress)
+        report.problems += [Problem.from_line(line, catalog.root, CHECKSUM)
+                            for line in manifest.verify(found, checksums, within=catalog.root, progress=progress)]
         report.manifest, report.checksums = found, checksums
     elif checksums:
         report.unverified = " or ".join(manifest.places(catalog.root))
@@ -126,8 +169,8 @@ def _check_coverage(catalog, report):
         report.elements += tensor.numel
         for frag in tensor.fragments:
             if frag.elem_offset < 0 or frag.elem_offset + frag.numel > frag.storage.numel:
-                report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}) reaches outside "
-                                       "its storage")
+                report.problems.append(Problem(frag.storage.file, _named(tensor), OUTSIDE,
+                                               f"{tensor.name} ({tensor.state}) reaches outside its storage"))
         ranges = _flat_ranges(tensor)
         if ranges is None:
             continue
@@ -137,14 +180,14 @@ def _check_coverage(catalog, report):
         report.duplicate_elements += doubled
         label = f"{tensor.name} ({tensor.state}, {tensor.numel} elements)"
         if missing:         # from the checkpoint, not from the file(s) holding the rest
-            report.problems.append(f"{catalog.root}: {label}: {missing} elements missing, "
-                                   f"at {_ranges(gaps)}")
+            report.problems.append(Problem(catalog.root, _named(tensor), MISSING,
+                                           f"{label}: {missing} elements missing, at {_ranges(gaps)}"))
         if doubled:
-            report.problems.append(f"{_where(catalog, tensor)}: {label}: {doubled} elements held more than once, "
-                                   f"at {_ranges(overlaps)}")
+            report.problems.append(Problem(_where(catalog, tensor), _named(tensor), DUPLICATE,
+                                           f"{label}: {doubled} elements held more than once, at {_ranges(overlaps)}"))
         if outside:
-            report.problems.append(f"{_where(catalog, tensor)}: {label}: fragments outside the tensor at "
-                                   f"{_ranges(outside)}")
+            report.problems.append(Problem(_where(catalog, tensor), _named(tensor), OUTSIDE,
+                                           f"{label}: fragments outside the tensor at {_ranges(outside)}"))
 
 
 def _flat_ranges(tensor):
@@ -174,7 +217,8 @@ def _check_states_present(catalog, report):
             continue
         for state in wanted:
             if (p.name, state) not in catalog.tensors:
-                report.problems.append(f"{catalog.root}: trainable parameter {p.name} has no {state} state")
+                report.problems.append(Problem(catalog.root, f"{p.name} ({state})", NO_STATE,
+                                               f"trainable parameter {p.name} has no {state} state"))
 
 
 def _check_values(catalog, report, progress):
@@ -191,19 +235,20 @@ def _check_values(catalog, report, progress):
             except Exception as e:  # a damaged file: already reported by the coverage checks
                 problem = str(e)
             if problem:
-                report.problems.append(problem)
+                report.problems.append(Problem.from_line(problem, catalog.root, REPLICA, _named(replica.copy)))
             bar.update(2 * _nbytes(replica.copy))
         for tensor in floating:
             for frag in tensor.fragments:
                 try:
                     values = files.fragment(frag, tensor.dtype)
                 except Exception as e:  # a damaged file: already reported by the coverage checks
-                    report.problems.append(str(e))
+                    report.problems.append(Problem.from_line(str(e), catalog.root, CHECKSUM, _named(tensor)))
                     break
                 bad = _count_non_finite(values, tensor.dtype, bar.update)
                 if bad:
-                    report.problems.append(f"{frag.storage.file}: {tensor.name} ({tensor.state}): {bad} NaN/Inf "
-                                           f"values in elements [{frag.start}, {frag.stop})")
+                    report.problems.append(Problem(frag.storage.file, _named(tensor), NON_FINITE,
+                                                   f"{tensor.name} ({tensor.state}): {bad} NaN/Inf values in elements "
+                                                   f"[{frag.start}, {frag.stop})"))
         _check_crcs(catalog, files, report)
 
 
@@ -215,7 +260,12 @@ def _check_crcs(catalog, files, report) -> None:
     report.crc_members = len({(s.file, s.offset) for s in storages if s.crc is not None})
     report.no_checksum = sorted({s.file for s in storages if s.crc is None})
     for problem in files.tally.problems():
-        report.problems.append(str(problem))
+        report.problems.append(Problem.from_line(str(problem), catalog.root, CHECKSUM))
+
+
+def _named(tensor) -> str:
+    """A logical tensor as a Problem names it: `name (state)`."""
+    return f"{tensor.name} ({tensor.state})"
 
 
 def _nbytes(tensor) -> int:

@@ -88,7 +88,23 @@ class Watcher:
     `policy`: retention applied after validation (None: delete nothing); `metric`/`mode` rank `export_best` (a
     .safetensors file outside the run) and name the metric each line shows (default: the policy's); `exec_cmd`:
     a shell command run for each good checkpoint, its path in $RESHARD_CHECKPOINT and in place of `{}`;
-    `say(text, error)`: where lines go (default: nowhere)."""
+    `say(text, error)`: where lines go (default: nowhere).
+
+    Args:
+        run_dir: a run directory, as for list_checkpoints; its state is kept in a file there.
+        policy, checksums, export_best, metric, mode, exec_cmd, say: as above; metrics, recent, settle: as for
+            list_checkpoints.
+
+    Returns:
+        `poll()` returns a Pass: the checkpoints newly validated (`reported`), those still being written, those
+        deleted, the problems.
+
+    Example:
+        >>> with reshard.Watcher("ckpt/", settle=0) as watcher:
+        ...     done = watcher.poll()
+        >>> [(event.name, event.status) for event in done.reported], done.removed
+        ([('global_step2', 'complete'), ('global_step3', 'complete')], ())
+    """
 
     def __init__(self, run_dir, policy: Policy | None = None, *, checksums: bool = False,
                  export_best: str | None = None, metric: str | None = None, mode: str | None = None,
@@ -360,8 +376,6 @@ def _export_file(source: str, out: str) -> None:
     it, so a reader of `out` sees the old best or the new, whole."""
     from reshard.executor import execute
     from reshard.export import export_plan
-    from reshard.validate import require_complete
-    catalog = read_catalog(source)
-    require_complete(catalog)
-    plan, single_file = export_plan(catalog, out)
+    from reshard.validate import prove_complete
+    plan, single_file = export_plan(prove_complete(read_catalog(source)), out)
     execute(plan, out, overwrite=True, progress=False, single_file=single_file)

@@ -16,7 +16,7 @@ import pytest
 
 import reshard
 import reshard.cli
-import reshard.diff
+import reshard.comparison
 from reshard.core.dtypes import is_floating, itemsize
 from conftest import fixture_dir, run_cli
 
@@ -134,11 +134,11 @@ def test_bars_count_the_bytes_read(monkeypatch):
     import reshard.source_bytes
     a, b = reshard.open_checkpoint(SRC), reshard.open_checkpoint(OTHER)
     read = []
-    original_range, original_fragment = reshard.diff.read_range, reshard.source_bytes.MappedFiles.fragment
-    monkeypatch.setattr(reshard.diff, "read_range", lambda *args: read.append(original_range(*args)) or read[-1])
+    original_range, original_fragment = reshard.comparison.read_range, reshard.source_bytes.MappedFiles.fragment
+    monkeypatch.setattr(reshard.comparison, "read_range", lambda *args: read.append(original_range(*args)) or read[-1])
     recorder = _Recorder()
-    monkeypatch.setattr(reshard.diff, "progress_bar", recorder)
-    report = reshard.diff.diff(a, b, progress=True)
+    monkeypatch.setattr(reshard.comparison, "progress_bar", recorder)
+    report = reshard.comparison.diff(a, b, progress=True)
     assert report.compared > 0
     assert recorder.totals == [recorder.counted] and recorder.counted == sum(r.nbytes for r in read) > 0
 

@@ -255,7 +255,7 @@ def test_safetensors_single_and_sharded_inspect_validate_export(tmp_path):
     for i, (src, expected, tied) in enumerate(cases):
         catalog = reshard.open_checkpoint(src)
         info = reshard.inspect(catalog)
-        assert info["format"] == "safetensors" and info["aliases"] == tied, src
+        assert info.format == "safetensors" and info.aliases == tied, src
         assert reshard.validate(catalog).ok
         out = tmp_path / "out"     # not beside a source folder: that is its save dir, protected
         export_equals(src, out / f"export-{i}.safetensors", expected, tied)

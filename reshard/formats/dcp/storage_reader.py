@@ -26,7 +26,7 @@ from reshard.formats.dcp import keys
 from reshard.formats.torchsave_read import TensorRef
 from reshard.core.placement import Shard
 from reshard.source_bytes import MappedFiles, read_shard
-from reshard.validate import require_complete
+from reshard.validate import prove_complete
 
 
 class Reader(StorageReader):
@@ -44,9 +44,7 @@ class Reader(StorageReader):
         here, on every rank alike, before dcp.load's first collective (which would wrap it)."""
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-            catalog = formats.read(self.path, self.tag, self.layout_rules)
-            require_complete(catalog)
-            self.catalog = catalog
+            self.catalog = prove_complete(formats.read(self.path, self.tag, self.layout_rules)).catalog
         self._sources = {}
 
     @classmethod

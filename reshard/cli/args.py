@@ -1,61 +1,19 @@
-"""Command line: argument parsing and printing only; the work is in the library."""
+"""The command line's arguments: the parser of every command, its help, and the types of its values. Parsing
+only: each command's work is in its module (reshard.cli.<command>), over the public API."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import signal
 import sys
 import textwrap
 
 import reshard
-from reshard import cli_text, rule_files, watch_state, watching
-from reshard.errors import ReshardError, UsageError
+from reshard import rule_files, watching
+from reshard.errors import ReshardError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
-from reshard.inspection import human_bytes, jsonable
-from reshard.text import counted
-
-# A reader that closed our stdout (`reshard inspect X | head -1`) ends the command quietly with the
-# status of a Unix tool killed by SIGPIPE, 128 + 13: `set -o pipefail` sees what it sees for `cat`.
-EXIT_STDOUT_CLOSED = 141
-
-
-def main(argv=None) -> int:
-    try:
-        code = _main(argv)
-        sys.stdout.flush()      # output still buffered meets a closed pipe here, not at interpreter exit
-        return code
-    except BrokenPipeError:
-        # Python's recommended handling: point stdout at devnull so the flush at exit cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_STDOUT_CLOSED
-    except KeyboardInterrupt:   # here, not in _main: a Ctrl-C while the arguments are parsed ends as quietly
-        print("reshard: interrupted", file=sys.stderr)
-        return 130
-
-
-def _main(argv) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:     # --help, --version (0), a bad argument (2: _Parser.error said it in one line)
-        return e.code
-    try:
-        return args.run(args)
-    except BrokenPipeError:
-        raise
-    except UsageError as e:
-        _error(args, str(e), e.file)
-        return 2
-    except ReshardError as e:
-        _error(args, str(e), e.file)
-        return getattr(args, "error_exit", 1)
-    except OSError as e:       # an I/O failure no layer turned into a ReshardError: still one line
-        _error(args, f"{e.filename or ''}: {e.strerror or e}", e.filename)
-        return getattr(args, "error_exit", 1)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,20 +90,6 @@ MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
 WORKERS_HELP = "local processes writing files (default 1)"
 
 
-def _error(args, message: str, file) -> None:
-    """One line on stderr; with --json also {"error", "file"} on stdout. Under torchrun, from rank 0 only."""
-    if os.environ.get("RANK", "0") != "0":
-        return
-    print(f"reshard: {message}", file=sys.stderr)
-    if getattr(args, "json", False):
-        _dump({"error": message, "file": None if file is None else str(file)})
-
-
-def _dump(data) -> None:
-    json.dump(data, sys.stdout, indent=2)
-    print()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="reshard", description=(
         "Convert, export, inspect, validate and compare training checkpoints (DeepSpeed ZeRO, "
@@ -164,7 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     _source_args(p)
     p.add_argument("--params", action="store_true", help="add a per-parameter table")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(run=_inspect)
 
     p = _command(sub, "validate", "prove every element of every tensor is present exactly once "
                  "(exit 0 complete, 1 not, 2 usage)",
@@ -178,7 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify every file's sha256 against the reshard manifest (convert/export write one; "
                    "without one: a line says they are not verified, the verdict stands)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(run=_validate)
 
     p = _command(sub, "plan", "what a conversion would read and write, without writing",
                  ("reshard plan ckpt/ --to dp=4,zero=3",
@@ -193,7 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
     _new_rank_state_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
-    p.set_defaults(run=_plan)
 
     p = _command(sub, "convert", "write the checkpoint for another topology (DeepSpeed resumes from it)",
                  ("reshard convert ckpt/ new/ --to dp=4,zero=3     # tp and pp kept",
@@ -219,7 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.add_argument("--json", action="store_true", help="print what was written (files, bytes, topology, manifest) "
                    "as JSON")
-    p.set_defaults(run=_convert)
 
     p = _command(sub, "export", "one consolidated state dict: safetensors (or HF shards), or torch",
                  ("reshard export ckpt/ model.safetensors",
@@ -251,7 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after an interrupted run, keep the files it finished (checked by sha256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.add_argument("--json", action="store_true", help="print what was written (files, bytes, manifest) as JSON")
-    p.set_defaults(run=_export)
 
     p = _command(sub, "diff", "compare two checkpoints of any formats and topologies, tensor by tensor "
                  "(exit 0 equal, 1 different, 2 trouble)",
@@ -270,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _quiet_arg(p)
-    p.set_defaults(run=_diff, error_exit=2)
+    p.set_defaults(error_exit=2)
     _lifecycle_commands(sub)
     return parser
 
@@ -287,7 +226,6 @@ def _lifecycle_commands(sub) -> None:
     _run_dir_args(p)
     p.add_argument("--metric", metavar="NAME", help="the name of the values of a bare {step: value} metrics file")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(run=_list)
 
     p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep (a dry run without --yes)",
                  ("reshard prune out/ --keep-last 3                       # prints the plan",
@@ -304,7 +242,6 @@ def _lifecycle_commands(sub) -> None:
     _run_dir_args(p)
     p.add_argument("--json", action="store_true", help="print the plan (and what was deleted) as JSON")
     _quiet_arg(p)
-    p.set_defaults(run=_prune)
     _watch_command(sub)
 
 
@@ -334,7 +271,6 @@ def _watch_command(sub) -> None:
     p.add_argument("--interval", type=_positive_float, default=watching.INTERVAL_SECONDS, metavar="S",
                    help=f"seconds between passes (default {watching.INTERVAL_SECONDS:g})")
     _run_dir_args(p, settle=watching.SETTLE_SECONDS)
-    p.set_defaults(run=_watch)
 
 
 def _policy_args(p) -> None:
@@ -350,7 +286,8 @@ def _policy_args(p) -> None:
     p.add_argument("--delete-incomplete", action="store_true", help="also delete incomplete checkpoints nothing names")
 
 
-def _policy(args) -> reshard.Policy:
+def policy(args) -> reshard.Policy:
+    """The retention policy of prune's and watch's options."""
     return reshard.Policy(keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
                           keep_every=args.keep_every, keep_steps=args.keep_steps,
                           delete_incomplete=args.delete_incomplete)
@@ -373,53 +310,6 @@ def _steps_arg(text: str) -> tuple:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of steps: {text!r} (e.g. 1000,5000)") from None
 
-
-def _list(args) -> int:
-    listing = reshard.list_checkpoints(args.path, metrics=args.metrics, metric_name=args.metric, recent=args.recent,
-                                       settle=args.settle)
-    if args.json:
-        _dump(listing.to_dict())
-    else:
-        cli_text.print_listing(listing)
-    return 0
-
-
-def _prune(args) -> int:
-    plan = reshard.prune(args.path, _policy(args), yes=args.yes, metrics=args.metrics, recent=args.recent,
-                         settle=args.settle)
-    if args.json:
-        _dump(plan.to_dict())
-    else:
-        cli_text.print_prune(plan, args.quiet)
-    return 0
-
-
-def _watch(args) -> int:
-    policy = _policy(args)
-    watcher = reshard.Watcher(args.path, policy if policy.keeps_by_rule() or policy.delete_incomplete else None,
-                              checksums=args.checksums, export_best=args.export_best, metric=args.metric,
-                              mode=args.mode, exec_cmd=args.exec_cmd, metrics=args.metrics, recent=args.recent,
-                              settle=args.settle, say=_say)
-    if args.once:
-        done = watcher.poll()
-        cli_text.print_watch_pass(watcher.root, done)
-        return 1 if done.broken or done.problems else 0
-    stopped_by = []
-
-    def stop(signum, frame):    # only noted: the pass under way finishes its step, then the loop ends
-        stopped_by.append(signal.Signals(signum).name)
-        watcher.stop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop)
-    print(f"watching {watcher.root} every {args.interval:g} s (state: {watch_state.path_in(watcher.root)})",
-          flush=True)
-    watcher.run(args.interval)
-    print(f"stopped ({stopped_by[0] if stopped_by else 'stop'})", flush=True)
-    return 0
-
-
-def _say(text: str, error: bool) -> None:
-    print(text, file=sys.stderr if error else sys.stdout, flush=True)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -501,153 +391,3 @@ def _quiet_arg(p):
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
 
-def _inspect(args) -> int:
-    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
-    info = reshard.inspect(catalog, params=args.params)
-    if args.json:
-        json.dump(jsonable(info), sys.stdout, indent=2)
-        print()
-    else:
-        cli_text.print_inspect(info)
-    if catalog.problems:    # what could be read is shown; the checkpoint is still not whole
-        more = f" (and {len(catalog.problems) - 1} more; run `reshard validate`)" if len(catalog.problems) > 1 else ""
-        print(f"reshard: {catalog.problems[0]}{more}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _validate(args) -> int:
-    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules), deep=args.deep,
-                              checksums=args.checksums, progress=not args.quiet)
-    if args.json:
-        json.dump(report.to_dict(), sys.stdout, indent=2)
-        print()
-    else:
-        for problem in report.problems:
-            print(problem)
-        if report.checksum_line():
-            print(report.checksum_line())
-        print(report.summary())
-    return 0 if report.ok else 1
-
-
-def _make_plan(args):
-    from reshard.convert import make_plan
-    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
-    return catalog, make_plan(catalog, args.to, args.tag_out, args.fmt, args.new_rank_state)
-
-
-def _plan(args) -> int:
-    catalog, plan = _make_plan(args)
-    summary = cli_text.print_plan(catalog, plan, args)
-    if not summary["disk_ok"]:
-        print(f"reshard: {summary['free_disk_at']}: {human_bytes(summary['free_disk_bytes'])} free, the conversion "
-              f"writes {human_bytes(plan.bytes_written)}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _convert(args) -> int:
-    from reshard.executor import execute
-    catalog, plan = _make_plan(args)
-    if args.dry_run:
-        cli_text.print_plan(catalog, plan, args)
-        return 0
-    group = _group()
-    try:
-        written = execute(plan, args.dst, overwrite=args.overwrite, memory_budget=args.memory_budget,
-                          workers=args.workers, progress=not args.quiet, resume=args.resume, group=group)
-    finally:
-        group.close()
-    if plan.stage_cut and written is not None and not args.quiet:
-        # which layers each stage holds; the note when the source could not tell
-        if not args.json:
-            print(f"stages   {plan.stage_cut.line()}")
-        if plan.stage_cut.ambiguous:
-            print(f"reshard: note: {plan.stage_cut.ambiguous}", file=sys.stderr)
-    _print_written(args, args.dst, written, cli_text.framework_files(catalog, plan, args))
-    return 0
-
-
-def _print_written(args, dst, written, framework_files=()) -> None:
-    """What is on disk now, as `validate --checksums` will find it (rank 0 only: the others return None);
-    `framework_files`: what became of each file of the training framework around the source (Disposition)."""
-    if written is None:
-        return
-    if args.json:
-        _dump({**written.to_dict(), **({"framework_files": [d.to_dict() for d in framework_files]}
-                                       if framework_files else {})})
-    elif not args.quiet:
-        print(f"wrote {dst} ({written.output.words()}): {_files_words(written)}, {human_bytes(written.size)}")
-        for d in framework_files:
-            print(f"  {d.line()}")
-
-
-def _files_words(written) -> str:
-    """`4 checkpoint files and 3 others (latest, ...)`: the checkpoint's files counted as `validate` counts them
-    (its reader, metadata only, on what was written), then the rest by name."""
-    try:
-        catalog = reshard.open_checkpoint(written.path)
-    except ReshardError:    # an output no reader opens alone: every file counted
-        return counted(len(written.files), "file")
-    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
-    read_back = {os.path.realpath(os.path.join(folder, f.path)) for f in catalog.files}
-    others = sorted(os.path.relpath(f.path, written.path) for f in written.files
-                    if os.path.realpath(f.path) not in read_back)
-    rest = f" and {counted(len(others), 'other')} ({', '.join(others)})" if others else ""
-    return f"{counted(len(written.files) - len(others), 'checkpoint file')}{rest}"
-
-
-def _export(args) -> int:
-    from reshard.executor import execute
-    from reshard.export import export_plan
-    from reshard.validate import require_complete
-    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
-    require_complete(catalog)
-    plan, single_file = export_plan(catalog, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                    with_optimizer=args.with_optimizer, fmt=args.format, weights=args.weights,
-                                    names=args.names)
-    group = _group()
-    try:
-        written = execute(plan, args.out, overwrite=args.overwrite, memory_budget=args.memory_budget,
-                          progress=not args.quiet, single_file=single_file, resume=args.resume, group=group)
-    finally:
-        group.close()
-    _print_written(args, args.out, written)
-    return 0
-
-
-def _diff(args) -> int:
-    from reshard.diff import diff
-    report = diff(*_open_both([(args.a, args.tag_a), (args.b, args.tag_b)], args.layout_rules),
-                  atol=args.atol, progress=not args.quiet)
-    if args.json:
-        json.dump(report.to_dict(), sys.stdout, indent=2)
-        print()
-    else:
-        for note in [] if args.quiet else report.notes:
-            print(f"note: {note}")
-        for d in report.differences:
-            print(d.line())
-        print(report.summary())
-    return 0 if report.equal else 1
-
-
-def _open_both(sides: list, layout_rules: str | None) -> list:
-    """The catalogs of diff's A and B. Its --layout-rules go to whichever side's format takes them (a tensor-
-    parallel save compared with its export); refused, as by any reader, only when neither takes them."""
-    from reshard.formats import takes
-    rules = [layout_rules if layout_rules and takes(path, tag, "layout_rules") else None for path, tag in sides]
-    if layout_rules and not any(rules):
-        rules[0] = layout_rules     # A's reader says in one line that it takes none
-    return [reshard.open_checkpoint(path, tag, r) for (path, tag), r in zip(sides, rules)]
-
-
-def _group():
-    """Under torchrun, the ranks share the files of one plan; otherwise this process writes them all."""
-    from reshard.distributed import Solo, TorchGroup, launched_by_torchrun
-    return TorchGroup() if launched_by_torchrun() else Solo()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

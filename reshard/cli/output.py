@@ -1,0 +1,54 @@
+"""What every command prints alike: errors in one line, JSON, and what a write left on disk."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import reshard
+from reshard.errors import ReshardError
+from reshard.executor import Written
+from reshard.inspection import human_bytes
+from reshard.text import counted
+
+
+def error(args, message: str, file) -> None:
+    """One line on stderr; with --json also {"error", "file"} on stdout. Under torchrun, from rank 0 only."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    print(f"reshard: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        dump({"error": message, "file": None if file is None else str(file)})
+
+
+def dump(data) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    print()
+
+
+def print_written(args, dst, written: Written | None) -> None:
+    """What is on disk now, as `validate --checksums` will find it (rank 0 only: the others have None), and what
+    became of each file of the training framework around the source (Written.framework_files)."""
+    if written is None:
+        return
+    if args.json:
+        dump(written.to_dict())
+    elif not args.quiet:
+        print(f"wrote {dst} ({written.output.words()}): {files_words(written)}, {human_bytes(written.size)}")
+        for d in written.framework_files:
+            print(f"  {d.line()}")
+
+
+def files_words(written: Written) -> str:
+    """`4 checkpoint files and 3 others (latest, ...)`: the checkpoint's files counted as `validate` counts them
+    (its reader, metadata only, on what was written), then the rest by name."""
+    try:
+        catalog = reshard.open_checkpoint(written.path)
+    except ReshardError:    # an output no reader opens alone: every file counted
+        return counted(len(written.files), "file")
+    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
+    read_back = {os.path.realpath(os.path.join(folder, f.path)) for f in catalog.files}
+    others = sorted(os.path.relpath(f.path, written.path) for f in written.files
+                    if os.path.realpath(f.path) not in read_back)
+    rest = f" and {counted(len(others), 'other')} ({', '.join(others)})" if others else ""
+    return f"{counted(len(written.files) - len(others), 'checkpoint file')}{rest}"

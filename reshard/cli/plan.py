@@ -1,0 +1,65 @@
+"""`reshard plan`: what a conversion would read and write, without writing; exit 1 when the disk has no room."""
+from __future__ import annotations
+
+import sys
+
+import reshard
+from reshard.cli.output import dump
+from reshard.formats import REPRODUCIBILITY
+from reshard.inspection import human_bytes
+from reshard.plan_summary import PlanSummary
+from reshard.text import counted
+
+
+def run(args) -> int:
+    summary = summarize(args, args.dst)
+    show(args, summary)
+    if not summary.disk_ok:
+        print(f"reshard: {summary.free_disk_at}: {human_bytes(summary.free_disk_bytes)} free, the conversion "
+              f"writes {human_bytes(summary.bytes_written)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def summarize(args, dst) -> PlanSummary:
+    """The plan of plan's (and convert's) arguments, its free-disk check at `dst`."""
+    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
+    return reshard.plan(catalog, args.to, tag_out=args.tag_out, fmt=args.fmt, new_rank_state=args.new_rank_state,
+                        dst=dst, memory_budget=args.memory_budget, workers=args.workers)
+
+
+def show(args, summary: PlanSummary) -> None:
+    """The plan as JSON or text."""
+    if args.json:
+        dump(summary.to_dict())
+    else:
+        print_plan(summary)
+
+
+def print_plan(summary: PlanSummary) -> None:
+    """The plan as `reshard plan` (and `convert --dry-run`) prints it."""
+    print(f"source   {summary.source}")
+    print(f"         {summary.source_topology}")
+    print(f"target   {summary.target}")
+    if summary.stage_cut:
+        print(f"stages   {summary.stage_cut.line()}")
+        if summary.stage_cut.ambiguous:
+            print(f"note     {summary.stage_cut.ambiguous}")
+    print(f"files    {len(summary.files)} to write:")
+    for f in summary.files:
+        copied = " (copied)" if f.copied_from is not None else ""
+        print(f"           {f.path:<56} {human_bytes(f.bytes):>10}{copied}")
+    print(f"read     {human_bytes(summary.bytes_read)}")
+    print(f"write    {human_bytes(summary.bytes_written)}")
+    print(f"memory   copy buffers at most {human_bytes(summary.estimated_peak_buffer_bytes)} "
+          f"(--memory-budget {human_bytes(summary.memory_budget)}, {counted(summary.workers, 'worker')})")
+    verdict = "enough" if summary.disk_ok else "NOT ENOUGH"
+    print(f"disk     {human_bytes(summary.free_disk_bytes)} free at {summary.free_disk_at}: {verdict}")
+    if summary.advice:
+        print(f"advice   {summary.advice}")
+    if summary.framework is not None:
+        print(f"framework {summary.framework.name}: {counted(summary.framework.own_files, 'file')} of its own")
+        for d in summary.framework.files:
+            print(f"           {d.line()}")
+        print(f"per-rank {summary.framework.policy}")
+        print(f"note     {REPRODUCIBILITY}")

@@ -1,0 +1,19 @@
+"""`reshard validate`: is every element of every tensor there exactly once? Exit 0 complete, 1 not."""
+from __future__ import annotations
+
+import reshard
+from reshard.cli.output import dump
+
+
+def run(args) -> int:
+    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules), deep=args.deep,
+                              checksums=args.checksums, progress=not args.quiet)
+    if args.json:
+        dump(report.to_dict())
+    else:
+        for problem in report.problems:
+            print(problem)
+        if report.checksum_line():
+            print(report.checksum_line())
+        print(report.summary())
+    return 0 if report.ok else 1

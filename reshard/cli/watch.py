@@ -1,0 +1,50 @@
+"""`reshard watch`: validate each checkpoint of a run as its save finishes, report it, apply a retention policy."""
+from __future__ import annotations
+
+import signal
+import sys
+
+import reshard
+from reshard import watch_state
+from reshard.cli.args import policy as policy_of
+from reshard.listing import INCOMPLETE
+from reshard.text import counted
+from reshard.watching import label
+
+
+def run(args) -> int:
+    policy = policy_of(args)
+    watcher = reshard.Watcher(args.path, policy if policy.keeps_by_rule() or policy.delete_incomplete else None,
+                              checksums=args.checksums, export_best=args.export_best, metric=args.metric,
+                              mode=args.mode, exec_cmd=args.exec_cmd, metrics=args.metrics, recent=args.recent,
+                              settle=args.settle, say=say)
+    if args.once:
+        done = watcher.poll()
+        print_watch_pass(watcher.root, done)
+        return 1 if done.broken or done.problems else 0
+    stopped_by = []
+
+    def stop(signum, frame):    # only noted: the pass under way finishes its step, then the loop ends
+        stopped_by.append(signal.Signals(signum).name)
+        watcher.stop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    print(f"watching {watcher.root} every {args.interval:g} s (state: {watch_state.path_in(watcher.root)})",
+          flush=True)
+    watcher.run(args.interval)
+    print(f"stopped ({stopped_by[0] if stopped_by else 'stop'})", flush=True)
+    return 0
+
+
+def say(text: str, error: bool) -> None:
+    """Where the watcher's lines go: its problems to stderr, the rest to stdout, each at once."""
+    print(text, file=sys.stderr if error else sys.stdout, flush=True)
+
+
+def print_watch_pass(root: str, done) -> None:
+    """`reshard watch --once`, after the lines of the pass: what is still being written, and a summary."""
+    for row in done.waiting:
+        print(f"{label(row)}: in progress — {row.why} ({row.name})")
+    broken = sum(e.status == INCOMPLETE for e in done.reported)
+    print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), "
+          f"{len(done.waiting)} in progress, {len(done.removed)} deleted")
