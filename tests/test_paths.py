@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+from dataclasses import replace
 
 import reshard
 from conftest import fixture_dir
@@ -78,13 +79,13 @@ def test_no_writer_can_place_a_file_outside_dst(src, tmp_path):
     tag = victim.read_text()
     for name in ("../planted", str(victim), "global_step2/../../planted"):
         plan = make_plan(catalog, "dp=3")
-        plan.texts.append(TextFile(name, "overwritten\n"))
+        plan = replace(plan, texts=(*plan.texts, TextFile(name, "overwritten\n")))  # a Plan is frozen
         with pytest.raises(UsageError, match="every file written stays inside the destination"):
             execute(plan, str(tmp_path / "dst"), progress=False)
         assert not (tmp_path / "planted").exists() and victim.read_text() == tag
         assert not os.path.exists(tmp_path / "dst") and not os.path.exists(tmp_path / ".dst.reshard-tmp")
     plan = make_plan(catalog, "dp=3")
-    plan.texts.append(TextFile("extra/note.txt", "inside\n"))
+    plan = replace(plan, texts=(*plan.texts, TextFile("extra/note.txt", "inside\n")))  # a Plan is frozen
     execute(plan, str(tmp_path / "dst"), progress=False)
     assert (tmp_path / "dst" / "extra" / "note.txt").read_text() == "inside\n"
 

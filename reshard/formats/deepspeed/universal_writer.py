@@ -159,7 +159,7 @@ def _expert_flavour(catalog, target, tag) -> list:
 
 
 def _tensor_parallel_flavour(catalog, target, tag) -> list:
-    whole, tp_keys = replace(target, tp=1), _tp_keys(catalog)
+    whole, tp_keys = target.with_degrees({"tp": 1}), _tp_keys(catalog)
     if catalog.layout.tp > 1:
         unmapped = [n for n, p in catalog.params.items() if p.kind == "trainable" and n not in tp_keys]
         if unmapped:      # a Megatron-style cut: ds_to_universal's cat_dim / sub-param keys, which we do not write
