@@ -20,7 +20,7 @@ from reshard.formats.deepspeed.experts import expert_ranks
 from reshard.core.placement import Shard
 from conftest import MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
 from test_convert import _assert_same_tree, _covered_elements
-from test_moe import AUTOEP, PACKED, _differences, _set_element
+from test_moe import PACKED, _differences, _set_element
 
 # (fixture, --to): ep 2 -> 1, 2 -> 4, ep 2 x expert-dp 2 -> ep 2 x expert-dp 1, the dense dp alone, a stage change.
 # dp is the data-parallel degree of the dense params (DeepSpeed's dp_world_size, the world here); the experts'

@@ -14,7 +14,9 @@ Call order:
 """
 from __future__ import annotations
 
-from typing import BinaryIO, ClassVar, ContextManager, Protocol, Sequence
+from collections.abc import Sequence
+from types import TracebackType
+from typing import BinaryIO, ClassVar, ContextManager, Protocol
 
 
 class SizedStorage(Protocol):
@@ -28,7 +30,7 @@ class SizedStorage(Protocol):
 class StorageStream(Protocol):
     """Where one storage's bytes are streamed in."""
 
-    def write(self, data) -> int: ...
+    def write(self, data: bytes | bytearray | memoryview) -> int: ...
 
 
 class ContainerWriter(Protocol):
@@ -36,7 +38,8 @@ class ContainerWriter(Protocol):
 
     def __enter__(self) -> ContainerWriter: ...
 
-    def __exit__(self, exc_type, exc, tb) -> bool | None: ...
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None: ...
 
     def storage(self, key: str, nbytes: int) -> ContextManager[StorageStream]: ...
 
