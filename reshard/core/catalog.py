@@ -87,17 +87,14 @@ class PerParamScalar:
 GroupScalar = Union[ScalarValue, PerParamScalar]
 
 
-@dataclass(frozen=True)
-class LogicalTensor:
+class TensorFacts:
+    """What a logical tensor's name, shape and dtypes say, the same for one being read (TensorDraft) and one frozen
+    (LogicalTensor)."""
     name: str
     state: str
     shape: tuple[int, ...]
     dtype: str
-    fragments: tuple[Fragment, ...] = ()
-    # The dtype the fragments' storages hold when it is not `dtype`: the tensor is those values cast to `dtype`
-    # (rounded to nearest even, as torch's .to()); a format's loader that derives one copy from another (a
-    # universal checkpoint's expert weights are their fp32 master cast to the model's dtype). "": none.
-    cast_from: str = ""
+    cast_from: str
 
     @property
     def numel(self) -> int:
@@ -113,8 +110,21 @@ class LogicalTensor:
         return TensorKey(self.name, self.state)
 
 
+@dataclass(frozen=True)
+class LogicalTensor(TensorFacts):
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    dtype: str
+    fragments: tuple[Fragment, ...] = ()
+    # The dtype the fragments' storages hold when it is not `dtype`: the tensor is those values cast to `dtype`
+    # (rounded to nearest even, as torch's .to()); a format's loader that derives one copy from another (a
+    # universal checkpoint's expert weights are their fp32 master cast to the model's dtype). "": none.
+    cast_from: str = ""
+
+
 @dataclass
-class TensorDraft:
+class TensorDraft(TensorFacts):
     """A logical tensor while a reader finds its fragments (CatalogBuilder.add); frozen into a LogicalTensor."""
     name: str
     state: str
@@ -122,18 +132,6 @@ class TensorDraft:
     dtype: str
     fragments: list[Fragment] = field(default_factory=list)
     cast_from: str = ""      # as LogicalTensor.cast_from
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def stored_dtype(self) -> str:
-        return self.cast_from or self.dtype
-
-    @property
-    def key(self) -> TensorKey:
-        return TensorKey(self.name, self.state)
 
     def freeze(self) -> LogicalTensor:
         return LogicalTensor(self.name, self.state, tuple(self.shape), self.dtype, tuple(self.fragments),
