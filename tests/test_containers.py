@@ -119,8 +119,8 @@ def test_options_are_typed_frozen_and_travel_to_worker_processes(name):
 
 
 def test_export_writes_the_registered_containers():
-    from reshard import export
-    assert export.FORMATS is containers.EXPORTS
-    assert {name: containers.CONTAINERS[name].exported_as for name in export.FORMATS} == export.FORMATS
+    from reshard.export import FORMATS
+    assert FORMATS is containers.EXPORTS
+    assert {name: containers.CONTAINERS[name].exported_as for name in FORMATS} == FORMATS
     assert all(type(kind.from_entries("x", [], {}, {}).container()).name == name
-               for name, kind in export.FORMATS.items())
+               for name, kind in FORMATS.items())
