@@ -3,7 +3,8 @@
     python tests/fault_driver.py MODE N [reshard arguments...]
 
 MODE kill: SIGKILL this process at the N-th write to an output file; int: SIGINT there;
-pause: sleep N seconds at the first write (to hold the destination's lock); disk: report N bytes
+pause: at the first write (holding the destination's lock) print `paused` on stderr and wait until
+stdin is closed (at most N seconds); disk: report N bytes
 free on every filesystem; ctrlc: SIGINT the whole process group, as a terminal's Ctrl-C does, at the
 N-th function call or return the main thread makes once the executor has started staging (so it lands
 anywhere: inside a lock, a futures call, a zip member); calls: count those calls up to the commit and
@@ -11,10 +12,10 @@ print `calls C` as the last line on stderr; fs: SIGKILL this process at its N-th
 (what `prune --yes` deletes with). The faults are injected from outside: reshard's code is not changed.
 """
 import os
+import select
 import shutil
 import signal
 import sys
-import time
 
 from reshard.cli import main
 from reshard.storage import posix_sink as sink
@@ -35,7 +36,8 @@ def faulty_write(self, data):
     if mode == "int" and writes[0] == n:
         os.kill(os.getpid(), signal.SIGINT)
     if mode == "pause" and writes[0] == 1:
-        time.sleep(n)
+        print("paused", file=sys.stderr, flush=True)
+        select.select([sys.stdin], [], [], n)       # the test closes our stdin when it is done with the lock
     return original_write(self, data)
 
 

@@ -6,7 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -121,10 +120,11 @@ def test_ctrl_c_anywhere_in_the_executor_exits_130_and_leaves_nothing(workers, t
 
 def test_two_converts_into_one_destination(tmp_path, reference):
     dst = tmp_path / "out"
-    first = subprocess.Popen([sys.executable, DRIVER, "pause", "3", "convert", str(SRC), str(dst), *ARGS],
-                             env=ENV, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    first = subprocess.Popen([sys.executable, DRIVER, "pause", "120", "convert", str(SRC), str(dst), *ARGS],
+                             env=ENV, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert first.stderr.readline() == "paused\n"      # the first holds the lock, mid-write
     second = run_cli("convert", SRC, dst, *ARGS, check=1)
+    first.stdin.close()
     assert "another reshard is writing it" in second.stderr
     assert first.wait(timeout=60) == 0
     assert _tree(dst) == reference

@@ -38,15 +38,14 @@ def test_text_output_names_the_essentials():
         assert needle in out, needle
 
 
-def test_inspect_is_metadata_only_and_fast():
-    """Opening needs no torch import and no tensor bytes: time it against bare Python start-up."""
-    code = ("import sys, time; t=time.perf_counter(); import reshard.formats as f; "
+def test_inspect_reads_metadata_without_torch():
+    """Opening and inspecting need no torch import (what made them slow) and no tensor bytes."""
+    code = ("import sys; import reshard.formats as f; "
             "c=f.read(sys.argv[1]); from reshard.inspection import inspect; inspect(c, params=True); "
-            "print(time.perf_counter()-t, 'torch' in sys.modules)")
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(fixture_dir("z3_fp32_dp4"))], capture_output=True,
                          text=True, cwd=REPO, check=True).stdout.split()
-    assert out[1] == "False", "reading metadata imported torch"
-    assert float(out[0]) < 2.0
+    assert out == ["False"], "reading metadata imported torch"
 
 
 def test_an_export_is_inspected_in_the_dtype_it_was_written(tmp_path):
