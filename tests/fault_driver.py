@@ -1,6 +1,7 @@
 """Run the reshard CLI with a fault injected, for the interruption and disk tests.
 
     python tests/fault_driver.py MODE N [reshard arguments...]
+    python tests/fault_driver.py serve TIMEOUT
 
 MODE kill: SIGKILL this process at the N-th write to an output file; int: SIGINT there;
 pause: at the first write (holding the destination's lock) print `paused` on stderr and wait until
@@ -10,18 +11,27 @@ N-th function call or return the main thread makes once the executor has started
 anywhere: inside a lock, a futures call, a zip member); calls: count those calls up to the commit and
 print `calls C` as the last line on stderr; fs: SIGKILL this process at its N-th rename, unlink or rmdir
 (what `prune --yes` deletes with). The faults are injected from outside: reshard's code is not changed.
+
+serve: for tests that run hundreds of drivers. Each line on stdin, a JSON list [MODE, N, arguments...], is
+run in a child forked from this process, which has imported reshard once: the child leads a session of
+its own (as `start_new_session` makes a process), its stdout is /dev/null, and it ends as the process
+above would, through the interpreter's own exit. The answer, one JSON line on stdout, is [exit status as
+subprocess gives it, or "hung" once the child and its group ran past TIMEOUT seconds and were killed,
+the child's stderr].
 """
+import json
 import os
 import select
 import shutil
 import signal
 import sys
+import tempfile
 
 from reshard.cli import main
-from reshard.storage import posix_sink as sink
 from reshard.staging import Staging
+from reshard.storage import posix_sink as sink
 
-mode, n = sys.argv[1], int(sys.argv[2])
+mode, n = "", 0
 writes = [0]
 calls = [0, None]       # calls counted so far, calls counted when the commit began
 original_write = sink.HashingSink.write
@@ -71,18 +81,56 @@ def killing_at_nth(call):
     return counted
 
 
-sink.HashingSink.write = faulty_write
-if mode == "fs":
-    os.rename, os.unlink, os.rmdir = (killing_at_nth(f) for f in (os.rename, os.unlink, os.rmdir))
-if mode in ("ctrlc", "calls"):
-    Staging.prepare, Staging.commit = counting_prepare, counting_commit
-# As in a terminal: a shell starting jobs in the background (CI, nohup) makes them ignore SIGINT.
-signal.signal(signal.SIGINT, signal.default_int_handler)
-if mode == "disk":
-    usage = shutil.disk_usage
-    shutil.disk_usage = lambda path: usage(path)._replace(free=n)
-status = main(sys.argv[3:])
-sys.setprofile(None)
-if mode == "calls":
-    print(f"calls {calls[1]}", file=sys.stderr)
-sys.exit(status)
+def run(argv: list) -> None:
+    """Run `reshard ARGV[2:]` with fault ARGV[0] at ARGV[1], and exit with its status."""
+    global mode, n, DRIVER
+    mode, n, DRIVER = argv[0], int(argv[1]), os.getpid()
+    sink.HashingSink.write = faulty_write
+    if mode == "fs":
+        os.rename, os.unlink, os.rmdir = (killing_at_nth(f) for f in (os.rename, os.unlink, os.rmdir))
+    if mode in ("ctrlc", "calls"):
+        Staging.prepare, Staging.commit = counting_prepare, counting_commit
+    # As in a terminal: a shell starting jobs in the background (CI, nohup) makes them ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if mode == "disk":
+        usage = shutil.disk_usage
+        shutil.disk_usage = lambda path: usage(path)._replace(free=n)
+    status = main(argv[2:])
+    sys.setprofile(None)
+    if mode == "calls":
+        print(f"calls {calls[1]}", file=sys.stderr)
+    sys.exit(status)
+
+
+def serve(timeout: float) -> None:
+    import reshard.api  # noqa: F401  (what a command imports on first use, imported once for every child)
+    while line := sys.stdin.readline():
+        with tempfile.TemporaryFile() as stderr:
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.setsid()
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 0), os.dup2(null, 1), os.dup2(stderr.fileno(), 2)
+                run(json.loads(line))
+            status = exit_status(pid, timeout)
+            stderr.seek(0)
+            print(json.dumps([status, stderr.read().decode(errors="replace")]), flush=True)
+
+
+def exit_status(pid: int, timeout: float):
+    """The child's exit status (-SIGNAL where a signal ended it), or "hung" past `timeout` (then its group
+    is killed: a hang is a lock the fault left held, not a slow run)."""
+    ended = os.pidfd_open(pid)
+    try:
+        if not select.select([ended], [], [], timeout)[0]:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hung"
+    finally:
+        os.close(ended)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+if __name__ == "__main__":
+    serve(float(sys.argv[2])) if sys.argv[1] == "serve" else run(sys.argv[1:])

@@ -1,4 +1,5 @@
 """Interruption, resumption, locking and disk failures: never a half-written destination."""
+import json
 import os
 import random
 import resource
@@ -21,6 +22,25 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 def _driver(mode, n, *args, **kwargs):
     return subprocess.run([sys.executable, DRIVER, mode, str(n), *map(str, args)], capture_output=True, text=True,
                           env=ENV, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """`served(MODE, N, *args)`: fault_driver.py's MODE run in a child forked from one server that imported
+    reshard once (the Ctrl-C test runs hundreds); (exit status or "hung", stderr)."""
+    server = subprocess.Popen([sys.executable, DRIVER, "serve", "120"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=ENV)
+
+    def run(mode, n, *args):
+        server.stdin.write(json.dumps([mode, str(n), *map(str, args)]) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        assert answer, f"the fault driver's server ended (exit {server.wait()})"
+        return tuple(json.loads(answer))
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
 
 
 def _tree(root):
@@ -91,26 +111,22 @@ def many_blocks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_ctrl_c_anywhere_in_the_executor_exits_130_and_leaves_nothing(workers, tmp_path, many_blocks):
+def test_ctrl_c_anywhere_in_the_executor_exits_130_and_leaves_nothing(workers, tmp_path, many_blocks, served):
     """Ctrl-C (SIGINT to the process group, workers included) at many points from staging to the commit,
     wherever it lands (a lock, a futures call, a zip member being closed, a worker between jobs): exit 130,
     the one line `reshard: interrupted`, and no destination, staging area or lock left."""
     args = ["convert", many_blocks, tmp_path / "out", "--to", "dp=2,zero=2", "--format", "deepspeed",
             "--memory-budget", "64KiB", "--workers", workers, "--quiet"]
-    counted = _driver("calls", 0, *args)
-    assert counted.returncode == 0, counted.stderr
-    calls = int(counted.stderr.strip().splitlines()[-1].split()[1])
+    status, stderr = served("calls", 0, *args)
+    assert status == 0, stderr
+    calls = int(stderr.strip().splitlines()[-1].split()[1])
     shutil.rmtree(tmp_path / "out")
     # the first calls, then drawn (seeded) over the run, short of the commit (a Ctrl-C once it has begun lets
     # it finish); counts vary a little from run to run with how long the main thread waits
     points = [*range(1, 11), *sorted(random.Random(workers).sample(range(11, int(calls * 0.9)), 200 // workers))]
     failures = []
     for at in points:
-        try:
-            proc = _driver("ctrlc", at, *args, start_new_session=True, timeout=120)
-            outcome = (proc.returncode, proc.stderr)
-        except subprocess.TimeoutExpired:       # a hang (a lock the interrupt left held), not a slow run
-            outcome = ("hung", "")
+        outcome = served("ctrlc", at, *args)        # "hung": a lock the interrupt left held, not a slow run
         if outcome != (130, "reshard: interrupted\n") or os.listdir(tmp_path):
             failures.append(f"Ctrl-C at call {at}: exit {outcome[0]}, left {os.listdir(tmp_path)}, "
                             f"stderr {outcome[1][-300:]!r}")
