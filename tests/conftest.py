@@ -112,8 +112,16 @@ def fixture_name(request):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (README's test command: `-n 2 --dist loadgroup`) each group runs in one worker: a
+    module's tests together, so its module fixtures are made once; and every module that shares torchrun
+    launches (tests/engine_launches.py) in one worker, where the session's launches then run once."""
     if not FIXTURE_NAMES:
         raise pytest.UsageError(f"no fixtures under {FIXTURES}; run tools/make_fixtures.py")
+    import engine_launches
+    sharing = engine_launches.sharing_modules()
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("shared-launches" if module in sharing else module))
 
 
 def torchrun_env() -> dict:

@@ -44,6 +44,11 @@ def shares(script: str, after: tuple = ()):
     return register
 
 
+def sharing_modules() -> set[str]:
+    """The test modules that registered a provider: their tests must run in one process (pytest-xdist)."""
+    return {provider.__module__ for provider in _PROVIDERS}
+
+
 class Launches:
     """The session's shared launches; `run(script, world, jobs, out, stem)` runs one (conftest.run_torchrun)."""
 
