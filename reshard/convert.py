@@ -5,11 +5,18 @@ import os
 
 from reshard import paths, rule_files
 from reshard.core.catalog import Catalog
-from reshard.errors import ReshardError, UsageError
-from reshard.formats import (FRESH, default_tag, descriptor_layout, framework_dispositions, spec_keys_of,
-                             target_layout as spec_layout, with_framework)
 from reshard.core.layout import Layout, spec_keys
 from reshard.core.planner import Plan, plan
+from reshard.errors import ReshardError, UsageError
+from reshard.formats import (
+    FRESH,
+    default_tag,
+    descriptor_layout,
+    framework_dispositions,
+    spec_keys_of,
+    target_layout as spec_layout,
+    with_framework,
+)
 from reshard.validate import Complete, prove_complete
 
 

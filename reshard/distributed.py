@@ -66,7 +66,7 @@ def share(files: list, rank: int, world: int) -> list:
     """This rank's files: largest first, each to the least loaded rank (the same answer on every rank)."""
     loads = [0] * world
     mine = []
-    for index, f in sorted(enumerate(files), key=lambda item: (-item[1].nbytes, item[0])):
+    for _index, f in sorted(enumerate(files), key=lambda item: (-item[1].nbytes, item[0])):
         owner = min(range(world), key=lambda r: (loads[r], r))
         loads[owner] += f.nbytes
         if owner == rank:

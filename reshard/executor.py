@@ -3,8 +3,8 @@
 Each target file is written front to back: its header, then every storage filled op by op from
 source byte ranges (positioned reads into bounded blocks, read ahead in a thread, cast if the dtypes differ)
 or constants. Bytes are read and written through the storage interface (reshard.storage). Files are built in a
-Staging area (reshard.staging) and committed only when all of them are complete and every source member read has the CRC-32 its zip stores (reshard.checksums);
-on any failure but a hard kill the staging area is removed.
+Staging area (reshard.staging) and committed only when all of them are complete and every source member read has the
+CRC-32 its zip stores (reshard.checksums); on any failure but a hard kill the staging area is removed.
 
 Ctrl-C is acted on only where nothing is half done (class Interrupts). Python raises KeyboardInterrupt
 wherever the main thread happens to be: inside a lock's `with` it leaves the lock held (a hang); inside
@@ -24,16 +24,16 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolE
 from dataclasses import dataclass
 
 from reshard import checksums, manifest, paths
-from reshard.errors import ReshardError
-from reshard.distributed import Solo, share
-from reshard.target_bytes import SourceFiles, storage_blocks
 from reshard.checksums import Tally
 from reshard.core.planner import FilePlan, Plan
+from reshard.core.write_requests import Output, StageCut
+from reshard.distributed import Solo, share
+from reshard.errors import ReshardError
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, output_path
 from reshard.storage.posix import PosixOutput
 from reshard.storage.protocol import OutputStorage
-from reshard.core.write_requests import Output, StageCut
+from reshard.target_bytes import SourceFiles, storage_blocks
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written

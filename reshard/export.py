@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from reshard import export_names
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
 from reshard.core.dtypes import SHORT, is_floating
+from reshard.core.layout import Layout
+from reshard.core.planner import plan
+from reshard.core.write_requests import CopiedFile, NewTensor, Output, TextFile
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
 from reshard.formats.containers import EXPORTS
 from reshard.inspection import jsonable
-from reshard.core.layout import Layout
-from reshard.core.planner import plan
-from reshard.core.write_requests import CopiedFile, NewTensor, Output, TextFile
 from reshard.validate import Complete
 
 FORMATS = EXPORTS     # container name -> its file type: from_entries, STEM, EXTENSION, SUFFIXES
@@ -157,7 +157,7 @@ def _sharded(file_type, stem, entries, aliases, metadata, max_shard_size) -> lis
     groups = hf.shard([(e.key, e.nbytes) for e in entries], max_shard_size)
     names = hf.shard_names(stem, extension, len(groups))
     files, weight_map = [], {}
-    for filename, members in zip(names, groups):
+    for filename, members in zip(names, groups, strict=True):
         tied = {a: s for a, s in aliases.items() if s in members}
         file = file_type.from_entries(filename, [by_name[n] for n in members], tied, metadata)
         files.append(file)

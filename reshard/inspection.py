@@ -78,7 +78,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         aliases=dict(catalog.aliases),
         param_groups=[{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                        "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
-                      for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
+                      for g, scalars in zip(catalog.param_groups, catalog.group_scalars, strict=True)],
         # (the first param's value is in param_groups)
         split_scalars=[{"group": g, "key": key, "param": name, "value": jsonable(value)}
                        for g, scalars in enumerate(catalog.group_scalars) for key, per_param in scalars.items()

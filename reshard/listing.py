@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from reshard.errors import ReshardError, UnsafeCheckpointError
-from reshard.formats import read as read_catalog
-from reshard.formats import run_layout, run_metrics, units
+from reshard.formats import read as read_catalog, run_layout, run_metrics, units
 from reshard.validate import validate
 
 COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"

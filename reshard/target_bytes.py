@@ -12,12 +12,12 @@ import math
 import numpy as np
 
 from reshard.checksums import Tally
-from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
-from reshard.errors import ReshardError
 from reshard.core import geometry
+from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.core.geometry import strides
 from reshard.core.placement import flat_boxes, intersect
 from reshard.core.planner import Copy, Gather
+from reshard.errors import ReshardError
 from reshard.storage.posix import PosixSource
 from reshard.storage.protocol import SourceStorage
 
@@ -86,7 +86,7 @@ def _gather_block(sources, op, first: int, count: int, dtype: str) -> memoryview
                 continue
             at, shape = hit
             offset = box.src_offset + itemsize(box.src_dtype) * sum(
-                (a - l) * s for a, l, s in zip(at, box.local, box.src_strides))
+                (a - loc) * s for a, loc, s in zip(at, box.local, box.src_strides, strict=True))
             dst = geometry.offset(at, shard_strides) - lo
             target = np.lib.stride_tricks.as_strided(out[dst:], shape, byte_strides)
             sources.copy_box(target, box.src_file, offset, box.src_strides, box.src_dtype, dtype)

@@ -16,17 +16,26 @@ import os
 import shlex
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from reshard import watch_state
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import read as read_catalog
 from reshard.inspection import human_bytes
+from reshard.listing import (
+    COMPLETE,
+    IN_PROGRESS,
+    INCOMPLETE,
+    RECENT_SECONDS,
+    Checkpoint,
+    fingerprint,
+    list_checkpoints,
+    problem_line,
+    unchanged,
+)
 from reshard.pruning import carry_out
 from reshard.retention import Policy, PolicyError, decide, metric_of, ranked
-from reshard.listing import (COMPLETE, IN_PROGRESS, INCOMPLETE, RECENT_SECONDS, Checkpoint, fingerprint,
-                          list_checkpoints, problem_line, unchanged)
 from reshard.validate import validate
 
 SETTLE_SECONDS = 1.0        # the second look of each pass: sizes equal twice this far apart

@@ -18,8 +18,8 @@ import signal
 import sys
 
 from reshard.cli import main
-from reshard.storage import posix_sink as sink
 from reshard.staging import Staging
+from reshard.storage import posix_sink as sink
 
 mode, n = sys.argv[1], int(sys.argv[2])
 writes = [0]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from reshard.cli import convert, diff, export, inspect, plan, prune, validate, watch
-from reshard.cli import list as list_command
+from reshard.cli import convert, diff, export, inspect, list as list_command, plan, prune, validate, watch
 from reshard.cli.args import build_parser
 from reshard.cli.output import error
 from reshard.errors import ReshardError, UsageError

@@ -15,8 +15,9 @@ Call order:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import BinaryIO, ClassVar, ContextManager, Protocol
+from typing import BinaryIO, ClassVar, Protocol
 
 
 class SizedStorage(Protocol):
@@ -41,7 +42,7 @@ class ContainerWriter(Protocol):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None: ...
 
-    def storage(self, key: str, nbytes: int) -> ContextManager[StorageStream]: ...
+    def storage(self, key: str, nbytes: int) -> AbstractContextManager[StorageStream]: ...
 
 
 class Container(Protocol):

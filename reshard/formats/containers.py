@@ -5,8 +5,8 @@ of its options; a write request (a TensorFile) says which by returning one from 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from reshard.core.container import Container
 from reshard.formats.dcp.chunkzip import Distcp

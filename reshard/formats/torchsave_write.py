@@ -12,7 +12,6 @@ streams in.
 """
 from __future__ import annotations
 
-
 import collections
 import copyreg
 import enum
@@ -26,10 +25,10 @@ from dataclasses import dataclass, field, replace
 from typing import BinaryIO, ClassVar
 
 from reshard.core.dtypes import STORAGE_DTYPES
-from reshard.formats import standins
 from reshard.core.storage_ref import StorageRef
-from reshard.formats.torchsave_read import DType, Size, TensorRef
 from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
+from reshard.formats import standins
+from reshard.formats.torchsave_read import DType, Size, TensorRef
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
@@ -47,7 +46,7 @@ class TorchFile(TensorFile):
     STEM, EXTENSION, SUFFIXES = "pytorch_model", "bin", (".bin", ".pt", ".pth")   # Hugging Face's names
 
     @classmethod
-    def from_entries(cls, path, entries, aliases, metadata=None) -> "TorchFile":
+    def from_entries(cls, path, entries, aliases, metadata=None) -> TorchFile:
         """A state dict file: one tensor per entry (NewTensor with a `source`); a tied name is the
         same tensor as its source, as in torch."""
         file = cls(path, archive=os.path.splitext(os.path.basename(path))[0])
@@ -75,7 +74,7 @@ class TorchFile(TensorFile):
             slot = self.carried[storage] = self.slot(storage.dtype, (storage.numel,), pieces)
         return slot
 
-    def container(self) -> "TorchZip":
+    def container(self) -> TorchZip:
         return TorchZip(self.archive)
 
 
@@ -166,7 +165,7 @@ class TreePickler(pickle._Pickler):
         self.memoize(obj)
 
     def _write_global(self, glob):
-        self.write(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode("utf-8"))
+        self.write(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode())
 
     def _save_named_global(self, glob):
         self._write_global(glob)
@@ -193,6 +192,7 @@ def load_tree(data_pkl: bytes, storage_of):
     (pickle_tree) only: its globals are torch's and those the source checkpoint named, which the process
     loading it trusts as it trusts the checkpoint (DeepSpeed's loader unpickles the same names)."""
     import torch
+
     from reshard.core.dtypes import torch_dtype
 
     class Unpickler(pickle.Unpickler):
@@ -234,7 +234,7 @@ class TorchZip:
             end += 56 + 20      # ZIP64 end of central directory record and its locator
         return offset + directory + end
 
-    def writer(self, out: BinaryIO, data_pkl: bytes, storages) -> "TorchZipWriter":
+    def writer(self, out: BinaryIO, data_pkl: bytes, storages) -> TorchZipWriter:
         return TorchZipWriter(out, data_pkl, self.archive)
 
 

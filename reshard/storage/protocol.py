@@ -25,7 +25,8 @@ Writing an output (OutputStorage), in this order:
 """
 from __future__ import annotations
 
-from typing import ContextManager, Protocol
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 
 class SourceStorage(Protocol):
@@ -33,7 +34,7 @@ class SourceStorage(Protocol):
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int: ...
 
-    def window(self, path: str, offset: int, nbytes: int) -> ContextManager[memoryview]: ...
+    def window(self, path: str, offset: int, nbytes: int) -> AbstractContextManager[memoryview]: ...
 
     def view(self, path: str): ...     # a read-only buffer (bytes-like: len, slices, numpy.frombuffer)
 

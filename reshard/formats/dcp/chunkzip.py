@@ -139,7 +139,7 @@ class Distcp:
             consumed += n
         return size
 
-    def writer(self, out: BinaryIO, header: bytes, storages) -> "DistcpWriter":
+    def writer(self, out: BinaryIO, header: bytes, storages) -> DistcpWriter:
         return DistcpWriter(out, header, storages, self.items)
 
 

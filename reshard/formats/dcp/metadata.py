@@ -16,8 +16,8 @@ import io
 import pickle
 
 from reshard.errors import CheckpointError
-from reshard.formats.torchsave_write import GlobalName, TreePickler
 from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
+from reshard.formats.torchsave_write import GlobalName, TreePickler
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -29,7 +29,7 @@ class _Record:
     FIELDS: tuple = ()
 
     def __init__(self, *args, **kwargs):
-        for name, value in zip(self.FIELDS, args):
+        for name, value in zip(self.FIELDS, args, strict=False):    # a pickle may give fewer args than fields
             setattr(self, name, value)
         for name, value in kwargs.items():
             setattr(self, name, value)

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.formats.protocol import NoOptions
-from reshard.core.layout import Layout
 from reshard.formats.unpartitioned import UNPARTITIONED
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import os
+
 import numpy as np
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
@@ -21,10 +22,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from reshard import formats
 from reshard.core.catalog import ScalarTensor
 from reshard.core.dtypes import numpy_carrier, torch_dtype
+from reshard.core.placement import Shard
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.placement import Shard
 from reshard.source_bytes import MappedFiles, read_shard
 from reshard.validate import prove_complete
 

@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 
 from reshard.core.catalog import Catalog, ScalarTensor
 from reshard.core.dtypes import itemsize
+from reshard.core.layout import Layout
+from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TextFile
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys, metadata as md
 from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.dcp.chunkzip import CHUNK, CHUNK_LIMIT, VALUE, Archive, Distcp, Item
-from reshard.formats.torchsave_write import pickle_tree
 from reshard.formats.torchsave_read import Size, TensorRef
-from reshard.core.layout import Layout
-from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TextFile
+from reshard.formats.torchsave_write import pickle_tree
+
 
 @dataclass
 class DistcpFile(TensorFile):
@@ -81,7 +82,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             written[source].append(chunk)
             out.chunk(key, shape, dtype, *chunk)
     for entry in keys.value_entries(catalog):
-        if isinstance(entry.value, TensorRef):  # dcp.load wants a tensor entry there, which this writer does not make yet
+        # dcp.load wants a tensor entry there, which this writer does not make yet
+        if isinstance(entry.value, TensorRef):
             raise ReshardError.at(catalog.root, f"{entry.key} is a tensor; DCP output carries it only as a plain value "
                                                 "(not supported yet)")
         offset, length = files[0].add_value(entry.value)

@@ -21,15 +21,14 @@ import math
 from dataclasses import replace
 
 from reshard.core.catalog import MODULE, Catalog
-from reshard.errors import ReshardError
-from reshard.formats.deepspeed import experts as expert_files
-from reshard.formats.deepspeed import notes, rank_params, topology, zero12_writer
-from reshard.formats.deepspeed.rank_params import RankParams
-from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.formats.torchsave_write import TorchFile
 from reshard.core.layout import Layout
 from reshard.core.placement import Block, Shard
 from reshard.core.write_requests import Piece
+from reshard.errors import ReshardError
+from reshard.formats.deepspeed import experts as expert_files, notes, rank_params, topology, zero12_writer
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
+from reshard.formats.torchsave_write import TorchFile
 
 AUTOEP_LAYERS, UC_INFO = expert_files.AUTOEP_LAYERS, expert_files.UC_INFO
 

@@ -18,13 +18,20 @@ import os
 from dataclasses import replace
 
 from reshard import rule_files
-from reshard.core.catalog import (MODULE, CatalogBuilder, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica,
-                                  TensorDraft)
+from reshard.core.catalog import (
+    MODULE,
+    CatalogBuilder,
+    FileInfo,
+    Fragment,
+    LogicalTensor,
+    ParamInfo,
+    Replica,
+    TensorDraft,
+)
 from reshard.core.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import group_scalars, rank_reader
+from reshard.formats.deepspeed import files as names, group_scalars, rank_reader
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import MappedFiles, file_size, replica_problem
@@ -116,7 +123,7 @@ def _new_catalog(tag_dir, base: CatalogBuilder) -> CatalogBuilder:
 
 
 def _gather_files_and_problems(catalog, locals_):
-    for rank, local in sorted(locals_.items()):
+    for _rank, local in sorted(locals_.items()):
         if local is None:
             continue
         catalog.files += local.files

@@ -37,6 +37,7 @@ divides evenly and only small replicated tensors (norms, biases) are left whole,
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import OrderedDict
@@ -45,16 +46,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.core.catalog import MODULE, Catalog
+from reshard.core.layout import Layout
+from reshard.core.write_requests import StageCut
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes, rank_params, topology
+from reshard.formats.deepspeed import files as names, notes, rank_params, topology
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.tp_geometry import Geometry
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
 from reshard.formats.torchsave_write import TorchFile
-from reshard.core.layout import Layout
-from reshard.core.write_requests import StageCut
 
 TIED = "tied_modules."
 
@@ -189,7 +189,7 @@ class Cut:
     ambiguous: str | None = None
 
     def record(self) -> StageCut:
-        return StageCut(self.method, tuple(zip(self.parts[:-1], self.parts[1:])), self.ambiguous)
+        return StageCut(self.method, tuple(itertools.pairwise(self.parts)), self.ambiguous)
 
 
 def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from reshard.core.catalog import MODULE, Catalog
-from reshard.errors import ReshardError
 from reshard.core.placement import Shard
 from reshard.core.write_requests import Piece
+from reshard.errors import ReshardError
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class RankParams:
     def of_kind(self, kind: str) -> list:
         return [p for p in self.params if p.kind == kind]
 
-    def subset(self, order, mp_rank: int, weights_in_layer_files: bool) -> "RankParams":
+    def subset(self, order, mp_rank: int, weights_in_layer_files: bool) -> RankParams:
         """The params named in `order` (a pipeline stage's), in that order; groups keep that order too, and
         no tied names (a stage's module is in its layer files)."""
         order = tuple(order)

@@ -15,15 +15,13 @@ from dataclasses import replace
 
 from reshard.core.catalog import MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import experts as expert_placement
-from reshard.formats.deepspeed import group_scalars, zero12, zero3
+from reshard.formats.deepspeed import experts as expert_placement, files as names, group_scalars, zero3, zero12
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.layout import Layout
 from reshard.source_bytes import file_size
 
 # What a mixture-of-experts save's model states add (engine._save_moe_checkpoint), kept for its writer
@@ -88,7 +86,8 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
 
 def first_model_states(tag_dir, listing) -> str:
     for pattern in (names.MODEL_STATES, names.ZERO3_MODEL_STATES):
-        found = sorted((n for n in listing if pattern.match(n)), key=lambda n: [int(x) for x in pattern.match(n).groups()])
+        found = sorted((n for n in listing if pattern.match(n)),
+                       key=lambda n: [int(x) for x in pattern.match(n).groups()])
         if found:
             return found[0]
     raise ReshardError.at(tag_dir, "no *_model_states.pt file; not a DeepSpeed checkpoint tag folder")

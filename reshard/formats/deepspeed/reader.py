@@ -10,8 +10,7 @@ from dataclasses import dataclass, replace
 
 from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes, parallel, rank_reader
+from reshard.formats.deepspeed import files as names, notes, parallel, rank_reader
 from reshard.formats.framework import lightning
 
 FORMAT = "deepspeed"

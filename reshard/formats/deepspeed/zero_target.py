@@ -7,14 +7,13 @@ import os
 from collections import OrderedDict
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
-from reshard.formats import standins
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes, topology
-from reshard.formats.deepspeed.rank_params import RankParam, RankParams
-from reshard.formats.torchsave_write import TorchFile
-from reshard.formats.torchsave_read import Size
 from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, Piece, TextFile
+from reshard.formats import standins
+from reshard.formats.deepspeed import files as names, notes, topology
+from reshard.formats.deepspeed.rank_params import RankParam, RankParams
+from reshard.formats.torchsave_read import Size
+from reshard.formats.torchsave_write import TorchFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -33,7 +32,8 @@ class ZeroTarget:
         self.lp_dtype = target.dtype
         ds = topology.of(target)
         self.stage = ds.zero
-        # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed_engine), else the source's
+        # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed_engine),
+        # else the source's
         self.config = copy.deepcopy(ds.ds_config or notes.of(catalog).ds_config or {})
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = ds.zero

@@ -6,9 +6,22 @@ from __future__ import annotations
 
 import os
 
-from reshard.formats.framework.files import (CARRIED, COPIED, COPY_RANK0, DROPPED, FAIL, FRESH,  # noqa: F401
-                                             NEW_RANK_POLICIES, NONE, REPRODUCIBILITY, REWRITTEN, Disposition,
-                                             Framework, FrameworkFile, PerRank)
+from reshard.formats.framework.files import (  # noqa: F401
+    CARRIED,
+    COPIED,
+    COPY_RANK0,
+    DROPPED,
+    FAIL,
+    FRESH,
+    NEW_RANK_POLICIES,
+    NONE,
+    REPRODUCIBILITY,
+    REWRITTEN,
+    Disposition,
+    Framework,
+    FrameworkFile,
+    PerRank,
+)
 
 
 def detect(path: str) -> Framework | None:

@@ -20,8 +20,16 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from reshard.core.catalog import (MASTER, MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, ScalarTensor,
-                                  TensorDraft)
+from reshard.core.catalog import (
+    MASTER,
+    MODULE,
+    CatalogBuilder,
+    FileInfo,
+    Fragment,
+    ParamInfo,
+    ScalarTensor,
+    TensorDraft,
+)
 from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
@@ -126,7 +134,7 @@ def _map_optimizer(catalog, tensors, optimizer, where) -> dict:
             row.append(per_element[0] if per_element else optim_map.WILDCARD)
         shapes.append(row)
     named = [g.get(NAMES) for g in optimizer["param_groups"]]
-    if all(isinstance(n, list) and len(n) == len(i) for n, i in zip(named, ids)):
+    if all(isinstance(n, list) and len(n) == len(i) for n, i in zip(named, ids, strict=True)):
         return _by_saved_names(where, tensors, catalog.aliases, named, shapes)
     candidates = [(k, tuple(r.shape)) for k, r in tensors.items() if is_floating(r.dtype)]
     return optim_map.assign(where, candidates, shapes)
@@ -139,7 +147,8 @@ def _by_saved_names(where, tensors, aliases, named, shapes) -> dict:
         for pos, name in enumerate(names):
             key = aliases.get(name, name)
             if key not in tensors:
-                raise CheckpointError(where, f"the optimizer names parameter {name!r}, which the model state dict lacks")
+                raise CheckpointError(where, f"the optimizer names parameter {name!r}, which the model state dict "
+                                      "lacks")
             if shapes[g][pos] not in (optim_map.WILDCARD, tuple(tensors[key].shape)):
                 raise CheckpointError(where, f"the optimizer state of {name!r} has shape {list(shapes[g][pos])}, "
                                       f"the parameter {list(tensors[key].shape)}")
