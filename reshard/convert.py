@@ -17,6 +17,7 @@ from reshard.formats import (
     target_layout as spec_layout,
     with_framework,
 )
+from reshard.formats.framework import framework_of
 from reshard.validate import Complete, prove_complete
 
 
@@ -91,7 +92,8 @@ def framework_files(catalog: Catalog, target: Layout, fmt: str | None, new_rank_
 def batch_size_advice(catalog: Catalog, target: Layout, fmt: str | None = None) -> str | None:
     """What happens to the global batch size when dp changes, and how to keep it (format-specific)."""
     advice = _writer(catalog, fmt).batch_size_advice(catalog, target)
-    return catalog.framework.batch_advice(advice) if catalog.framework is not None else advice
+    frame = framework_of(catalog)
+    return frame.batch_advice(advice) if frame is not None else advice
 
 
 def _writer(catalog: Catalog, fmt: str | None):

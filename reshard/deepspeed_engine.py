@@ -47,6 +47,7 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
         problem = e
     if not group.all_ok(problem is None):
         raise problem or ReshardError("another rank could not plan this load (its error says why)")
+    assert plan is not None         # (planned on every rank, or raised above)
     where = group.broadcast(_staging_folder(staging) if group.rank == 0 else None)
     if isinstance(where, ReshardError):
         raise where

@@ -94,7 +94,7 @@ class MappedFiles:
         start, nbytes = storage.offset + first * size, out.size * size
         if first < 0 or start + nbytes > storage.offset + storage.nbytes:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         done = self._files.read_into(storage.file, start, view)
         if done != nbytes:
             raise CheckpointError(storage.file, f"truncated: needs byte {start + nbytes}, file has {start + done}")
@@ -202,7 +202,7 @@ def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTen
             theirs = values[lo - frag.start:hi - frag.start]
             mine, theirs = (a.view(f"u{a.itemsize}") for a in (mine, theirs))    # bits: NaN equals NaN
             differs = mine != theirs
-            if not placed:
+            if frag.shard is not None and not placed:      # (placed when it has no shard)
                 differs &= _placed_mask(frag.shard, lo, hi)
             if differs.any():
                 at = lo + int(np.flatnonzero(differs)[0])

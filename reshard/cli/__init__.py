@@ -37,7 +37,7 @@ def _main(argv) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:     # --help, --version (0), a bad argument (2: args._Parser.error said it in one line)
-        return e.code
+        return e.code if isinstance(e.code, int) else int(e.code is not None)     # (argparse exits with an int)
     try:
         return COMMANDS[args.command](args)
     except BrokenPipeError:

@@ -225,7 +225,10 @@ class FormatNotes(Protocol):
 
 class TrainingFramework(Protocol):
     """The training framework around a save (reshard.formats.framework.Framework): the core only carries it."""
-    model_files: tuple[str, ...]
+
+    @property
+    def model_files(self) -> tuple[str, ...]:
+        """Paths an export copies beside the weights (a frozen dataclass field in the framework's own type)."""
 
     def problems(self) -> list[str]:
         """Its own files missing, one line each."""

@@ -22,7 +22,9 @@ from typing import BinaryIO, ClassVar, Protocol
 
 class SizedStorage(Protocol):
     """A storage to be written: its key inside the file and its byte count (NewTensor, StoragePlan)."""
-    key: str
+
+    @property
+    def key(self) -> str: ...
 
     @property
     def nbytes(self) -> int: ...

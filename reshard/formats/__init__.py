@@ -55,8 +55,9 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
         catalog = replace(catalog, framework=around, model_files=catalog.model_files or around.model_files)
-    if catalog.framework is not None:
-        frame = replace(catalog.framework, world=catalog.layout.world_size)
+    frame = framework.framework_of(catalog)
+    if frame is not None:
+        frame = replace(frame, world=catalog.layout.world_size)
         catalog = replace(catalog, framework=frame, problems=(*catalog.problems, *frame.problems()))
     return catalog
 

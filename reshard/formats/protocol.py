@@ -51,7 +51,7 @@ class ReadRequest:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
-    def option(cls, name: str) -> dict:
+    def option(cls, name: str) -> Mapping[str, str]:
         """The metadata of option `name` (flag, use)."""
         return next(f.metadata for f in fields(cls) if f.name == name)
 

@@ -50,7 +50,8 @@ class SafetensorsFile(TensorFile):
         return tensor
 
     def header(self) -> bytes:
-        entries, offset = {}, 0
+        entries: dict[str, dict] = {}
+        offset = 0
         if self.tree:
             entries["__metadata__"] = {str(k): str(v) for k, v in self.tree.items()}
         for t in self.slots:

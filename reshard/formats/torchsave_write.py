@@ -145,8 +145,8 @@ class TreePickler(pickle._Pickler):
         if ref.parameter:
             return (_REBUILD_PARAMETER, (replace(ref, parameter=False), ref.requires_grad, collections.OrderedDict()))
         slot = self._carry(ref.storage)
-        args = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, tuple(ref.shape), tuple(ref.stride),
-                ref.requires_grad, collections.OrderedDict())
+        args: tuple = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, tuple(ref.shape),
+                       tuple(ref.stride), ref.requires_grad, collections.OrderedDict())
         if ref.attrs:
             return (_REBUILD_FROM_TYPE, (_REBUILD, _TENSOR, args, dict(ref.attrs)))
         return (_REBUILD, args)
@@ -171,7 +171,8 @@ class TreePickler(pickle._Pickler):
         self._write_global(glob)
         self.memoize(glob)
 
-    dispatch[GlobalName] = _save_named_global
+    # typeshed gives pickle's dispatch table Unpickler methods; it holds the Pickler's (pickle._Pickler.dispatch)
+    dispatch[GlobalName] = _save_named_global  # type: ignore[assignment]
 
 
 def pickle_tree(tree, carry=None) -> bytes:
@@ -252,7 +253,7 @@ class TorchZipWriter:
         self._sink = out
         self.archive = archive
         self.data_pkl = data_pkl
-        self._zip = None
+        self._zip: zipfile.ZipFile | None = None
 
     def __enter__(self):
         self._zip = zipfile.ZipFile(self._sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
@@ -264,17 +265,22 @@ class TorchZipWriter:
 
     def storage(self, key: str, nbytes: int):
         """A write stream for storage `key` (exactly `nbytes` must be written, then closed)."""
-        return self._zip.open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=_zip64(nbytes))
+        return self._open().open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=_zip64(nbytes))
 
     def __exit__(self, exc_type, *exc):
         if exc_type is None:
             self._put("version", b"3\n")
             digest = hashlib.sha1(self.data_pkl).hexdigest()
             self._put(".data/serialization_id", digest.encode())
-        self._zip.close()
+        self._open().close()
+
+    def _open(self) -> zipfile.ZipFile:
+        if self._zip is None:
+            raise RuntimeError("TorchZipWriter: write inside `with` (the archive opens in __enter__)")
+        return self._zip
 
     def _put(self, name: str, data: bytes) -> None:
-        with self._zip.open(self._aligned_info(name, len(data)), "w") as f:
+        with self._open().open(self._aligned_info(name, len(data)), "w") as f:
             f.write(data)
 
     def _aligned_info(self, name: str, nbytes: int) -> zipfile.ZipInfo:

@@ -26,6 +26,7 @@ Writing an output (OutputStorage), in this order:
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Protocol
 
 
@@ -55,6 +56,11 @@ class WriteStream(Protocol):
     def tell(self) -> int: ...
 
     def close(self) -> None: ...
+
+    def __enter__(self) -> WriteStream: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> object: ...
 
     @property
     def sha256(self) -> str: ...

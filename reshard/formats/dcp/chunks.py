@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import Any
 
 from reshard import paths
 from reshard.core.catalog import CatalogBuilder, FileInfo, Fragment, ScalarTensor, TensorDraft
@@ -32,8 +33,8 @@ class Chunks:
     def __init__(self, root: str, meta, catalog: CatalogBuilder):
         self.root, self.catalog = root, catalog
         self.meta_path = os.path.join(root, METADATA)
-        self.by_fqn = {}
-        self.sizes = {}
+        self.by_fqn: dict[str, list[tuple[Any, Any]]] = {}
+        self.sizes: dict[str, int | None] = {}
         for index, info in meta.storage_data.items():
             self.by_fqn.setdefault(index.fqn, []).append((getattr(index, "offset", None), info))
             if getattr(info, "transform_descriptors", None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from reshard.core.catalog import Catalog, ScalarTensor
 from reshard.core.dtypes import itemsize
@@ -64,7 +65,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
-    written = {}        # source (name, state) -> its chunks' locations, for a tied name to share
+    # source (name, state) -> its chunks' locations, for a tied name to share
+    written: dict[tuple[str, str], Any] = {}
     for entry in keys.tensor_entries(catalog):
         key, source, shape, dtype = entry.key, entry.source, entry.shape, entry.dtype
         if entry.name in catalog.aliases and source in written:

@@ -205,6 +205,7 @@ def ds_moe_local(name: str, per_rank: int) -> tuple:
     number, as the layer files and the catalog name it) when each rank holds `per_rank` experts: local index
     expert % per_rank, as the engine numbers them (its layer files: global = ep rank * local + index)."""
     m = DS_MOE_EXPERT.match(name)
+    assert m is not None, name      # (called for deepspeed.moe expert params only)
     expert = int(m.group(2))
     return expert, f"{m.group(1)}{expert % per_rank}{m.group(3)}"
 

@@ -75,7 +75,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
                            list(ds.layer_types) if ds.layer_types is not None else None)
     zt = ZeroTarget(catalog, target)
     if target.tp == 1:     # a PipelineModule on its plain pipe x data topology: layer files without -model_TT
-        held = [(None, rank_params.whole(catalog))]
+        held: list[tuple[int | None, RankParams]] = [(None, rank_params.whole(catalog))]
     else:                  # TP rank t's shards (the source's boxes at its own degree, else Megatron's even cut)
         splits = (notes.of(catalog).tp_splits if target.tp == catalog.layout.tp
                   else megatron_splits(catalog, target.tp))
@@ -206,6 +206,7 @@ def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None 
         methods = _methods(catalog, uses, named, layer_types)
     count = len(uses)
     if named and named.startswith("type:"):
+        assert layer_types      # (_methods refuses a type: partition without them)
         if pp > len(layer_types):
             raise ReshardError.at(catalog.root, f"pp={pp} but the model has {len(layer_types)} layers")
         return Cut(named, tuple(methods[named](pp)), uses)
@@ -263,7 +264,7 @@ def _gives_source_stages(catalog, uses, parts) -> bool:
     (a tied module's in every stage with a layer using it)."""
     if len(parts) != catalog.layout.pp + 1:
         return False
-    trained = {}
+    trained: dict[str, set[int]] = {}
     for stage in range(len(parts) - 1):
         for index in range(parts[stage], min(parts[stage + 1], len(uses))):
             for name in uses[index]:

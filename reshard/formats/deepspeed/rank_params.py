@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from reshard.core.catalog import MODULE, Catalog
+from reshard.core.catalog import MODULE, Catalog, TensorKey
 from reshard.core.placement import Shard
 from reshard.core.write_requests import Piece
 from reshard.errors import ReshardError
@@ -87,9 +87,10 @@ def tp_rank(catalog: Catalog, rank: int, splits: dict) -> RankParams:
 def _compose(catalog: Catalog, placed: dict, mp_rank: int = 0) -> RankParams:
     params = []
     for name, info in catalog.params.items():
-        module = catalog.tensors.get((name, MODULE))
+        module = catalog.tensors.get(TensorKey(name, MODULE))
         shape, shard = placed[name]
-        params.append(RankParam(name, tuple(shape), info.kind, info.group, module and module.dtype, shard))
+        params.append(RankParam(name, tuple(shape), info.kind, info.group,
+                                module.dtype if module is not None else None, shard))
     groups = tuple(tuple(group["params"]) for group in catalog.param_groups)
     return RankParams(tuple(params), tuple(catalog.order), tuple(catalog.aliases.items()), groups, mp_rank)
 

@@ -40,7 +40,7 @@ def read(path: str, options: Options) -> Catalog:
     try:
         catalog = _read(tag_dir, tag, layout_rules)
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
-            catalog.notes = replace(catalog.notes, tp_rules=layout_rules)
+            catalog.notes = replace(notes.of(catalog), tp_rules=layout_rules)
         catalog.framework = lightning.detect(os.path.abspath(path), notes.of(catalog).client_state)
         return catalog.freeze()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:

@@ -145,7 +145,7 @@ def trim_rows(split: Split, rows: int) -> Split:
     """The split of the tensor's first `rows` rows (vocabulary padding dropped): boxes clipped along dim 0."""
     if not split.full_shape or rows >= split.full_shape[0]:
         return split
-    pieces = {}
+    pieces: dict[int, list[Piece]] = {}
     for rank, ps in split.pieces.items():
         pieces[rank] = []
         for p in ps:
@@ -175,7 +175,7 @@ def _row_major(box_strides, box, shape) -> bool:
 
 def from_affine(name, entry, shard_shapes, source) -> Split:
     full = tuple(int(n) for n in entry["logical_shape"])
-    pieces = {}
+    pieces: dict[int, list[Piece]] = {}
     for rank_key, value in entry["ranks"].items():
         rank = int(rank_key)
         shard = tuple(int(n) for n in value["shard_shape"])
@@ -227,7 +227,10 @@ def from_rule(name, rule, shard_shapes, tp, source, counts_error=ReshardError) -
     return _sub_params(name, rule, shapes, dim, tp, source, counts_error)
 
 
-def _box(start_in_dim, shard_start_in_dim, size, dim, shape):
+Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]     # (full start, shard start, shape)
+
+
+def _box(start_in_dim, shard_start_in_dim, size, dim, shape) -> Box:
     full_start = tuple(start_in_dim if d == dim else 0 for d in range(len(shape)))
     shard_start = tuple(shard_start_in_dim if d == dim else 0 for d in range(len(shape)))
     box = tuple(size if d == dim else n for d, n in enumerate(shape))
@@ -263,7 +266,7 @@ def _sub_params(name, rule, shapes, dim, tp, source, counts_error) -> Split:
             raise counts_error(f"{source}: {name}: sub-param sizes {sizes} do not divide by tp={tp}; give "
                                "shard widths")
         widths = [[n // tp] * tp for n in sizes]
-    pieces = {r: [] for r in range(tp)}
+    pieces: dict[int, list[Piece]] = {r: [] for r in range(tp)}
     for r in range(tp):
         have = sum(w[r] for w in widths)
         if shapes[r][dim] != have:

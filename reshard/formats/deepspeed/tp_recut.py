@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Any
 
 from reshard.core.geometry import offset, strides
 from reshard.errors import ReshardError, UsageError
@@ -53,7 +54,7 @@ def recut(catalog, target) -> tuple:
     grain = int(tp_config.get("tp_grain_size", 1) or 1)
     geometry = Geometry.from_rule_file(rules_path)
     kv_heads = topology.of(target).kv_heads
-    cuts = {}                                # name -> (dim, cut) or None (replicated)
+    cuts: dict[str, tuple[int, Any] | None] = {}            # name -> (dim, cut) or None (replicated)
     for name, info in catalog.params.items():
         if name in catalog.aliases:
             continue

@@ -29,6 +29,7 @@ import math
 import os
 import re
 from dataclasses import replace
+from typing import Any
 
 from reshard.core.catalog import MASTER, MODULE, Catalog
 from reshard.core.layout import Layout
@@ -191,7 +192,7 @@ def _tp_keys(catalog) -> dict:
     info = extra.get("universal_checkpoint_info") or {}
     affine = list((info.get("affine_map") or {}).get("params") or {})
     vocab = info.get("vocabulary_parameter_patterns") or []
-    out = {}
+    out: dict[str, Any] = {}
     for name, p in catalog.params.items():
         if not any(re.match(pattern, name) for pattern in affine):
             continue          # no map: the category branches (cat_dim) apply; AutoTP always writes maps
@@ -264,7 +265,8 @@ def _zero3_optimizer_state(zt, sub_groups, tag) -> TorchFile:
     included, which no loader reads; we leave those out.
     """
     file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
-    state, members = {}, [[] for _ in zt.catalog.param_groups]
+    state: dict[int, dict] = {}
+    members: list[list[int]] = [[] for _ in zt.catalog.param_groups]
     for i, (g, _) in enumerate(sub_groups):
         state[i] = {key: scalar_slot(file, value) for key, value in zt.scalars(g).items()}
         members[g].append(i)

@@ -90,7 +90,7 @@ def _assign_groups(catalog, sd, parts) -> dict:
         for i in group.get("params", []):
             sub_group_of[i] = g
     lengths = [ref.numel for ref in sd.get(FP32_FLAT_GROUPS) or []]
-    members = [[] for _ in groups]
+    members: list[list[str]] = [[] for _ in groups]
     sub, sub_end = 0, lengths[0] if lengths else 0
     for name, _n, _part, offset in parts:
         while sub + 1 < len(lengths) and offset >= sub_end:

@@ -83,7 +83,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     states, flat_groups = {}, []
-    group_members = [[] for _ in params.groups]
+    group_members: list[list[int]] = [[] for _ in params.groups]
     for i, (g, members) in enumerate(groups):
         length = sum(ceil_div(params.by_name[n].numel, zt.dp) for n in members)
         pieces = {s: [p for n in members for p in _part_pieces(zt, params.by_name[n], s, rank)]

@@ -73,6 +73,7 @@ class Disposition:
     why: str
 
     def line(self) -> str:
+        where: str | None
         if self.action == REWRITTEN:
             where = f"{self.source} -> {self.target}"
         elif self.action in (NONE, COPIED):

@@ -51,7 +51,8 @@ def build(catalog: CatalogBuilder, module: dict, where: str, optimizer=None, opt
     `aliases` and `order` (all state-dict keys, aliases too) when the reader knows ties the files omit;
     `buffers` when it knows which keys are buffers (else: see the module docstring)."""
     aliases = dict(aliases or {})
-    tensors, views = {}, {}
+    tensors: dict[str, TensorRef] = {}
+    views: dict[tuple, str] = {}        # (file, offset, storage offset, shape, stride) -> the first key
     for key, ref in module.items():
         if not isinstance(ref, TensorRef):
             catalog.problem(where, f"state dict entry {key!r} is not a tensor ({type(ref).__name__}); left out")

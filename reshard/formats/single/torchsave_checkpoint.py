@@ -8,6 +8,7 @@ refused by torchsave_read with a one-line message.
 from __future__ import annotations
 
 import os
+from typing import TypeGuard
 
 from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
@@ -37,7 +38,7 @@ def sniff(path: str, tag: str | None) -> bool:
     return head == ZIP_MAGIC or head[:2] == LEGACY_MAGIC or os.path.getsize(path) == 0
 
 
-def is_state_dict(obj) -> bool:
+def is_state_dict(obj) -> TypeGuard[dict]:
     return isinstance(obj, dict) and bool(obj) and all(isinstance(v, TensorRef) for v in obj.values())
 
 
