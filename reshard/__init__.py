@@ -16,9 +16,9 @@ The Python API mirrors the CLI, one function per command, each returning a typed
 """
 from __future__ import annotations
 
-from reshard.errors import CheckpointError, ReshardError, UnknownFormatError, UsageError
 from reshard.core.catalog import Catalog
 from reshard.core.problems import Problem
+from reshard.errors import CheckpointError, ReshardError, UnknownFormatError, UsageError
 from reshard.inspection import Inspection
 from reshard.listing import RECENT_SECONDS, list_checkpoints
 from reshard.pruning import prune
@@ -27,6 +27,8 @@ from reshard.source_bytes import full_tensor
 from reshard.validate import Complete, ValidationReport
 from reshard.version import __version__
 from reshard.watching import Watcher
+
+# isort: split
 # last: these functions take the names of the modules reshard.convert, reshard.export and reshard.validate
 from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
 

@@ -18,11 +18,13 @@ from reshard.errors import ReshardError, UnknownFormatError
 from reshard.export import export_plan
 from reshard.formats import FRESH, read, takes
 from reshard.formats.run_layout import scan
-from reshard.inspection import Inspection
-from reshard.inspection import inspect as inspect_catalog
-from reshard.validate import Complete, ValidationReport
-from reshard.validate import prove_complete as prove_catalog_complete
-from reshard.validate import validate as validate_catalog
+from reshard.inspection import Inspection, inspect as inspect_catalog
+from reshard.validate import (
+    Complete,
+    ValidationReport,
+    prove_complete as prove_catalog_complete,
+    validate as validate_catalog,
+)
 
 # The modules that write and compare bytes load when a call needs them: `import reshard`, and opening a checkpoint,
 # stay light (no multiprocessing, no comparison).
@@ -256,7 +258,7 @@ def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalo
              takes(os.fspath(side), side_tag, "layout_rules") else None for side, side_tag in sides]
     if layout_rules and not any(rules):
         rules[0] = layout_rules
-    catalog_a, catalog_b = (_catalog(side, side_tag, r) for (side, side_tag), r in zip(sides, rules))
+    catalog_a, catalog_b = (_catalog(side, side_tag, r) for (side, side_tag), r in zip(sides, rules, strict=True))
     return compare(catalog_a, catalog_b, atol=atol, progress=progress)
 
 

@@ -178,12 +178,12 @@ def _member_crc(storage, pieces: list, fds: dict) -> int:
     boundaries: a block is a free step from its first byte to the byte past its last, reading from disk a
     step that costs its length."""
     first, end = storage.offset, storage.offset + storage.nbytes
-    hashed = {}
+    hashed: dict[tuple[int, int], int] = {}
     for lo, hi, crc in pieces:
         if crc is not None and hashed.get((lo, hi), crc) == crc:
             hashed[(lo, hi)] = crc
     points = sorted({first, end} | {p for lo, hi in hashed for p in (lo, hi)})
-    from_here = {}
+    from_here: dict[int, list[int]] = {}
     for lo, hi in hashed:
         from_here.setdefault(lo, []).append(hi)
     cost, step = {first: 0}, {}         # fewest disk bytes to reach a point; how it was reached

@@ -27,14 +27,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKey
 from reshard.core.dtypes import is_floating, itemsize
+from reshard.core.locate import Locator
 from reshard.formats.torchsave_read import TensorRef
 from reshard.progress import bar as progress_bar
-from reshard.core.locate import Locator
 from reshard.source_bytes import MappedFiles, read_range, read_scalar
 from reshard.text import counted
 
@@ -125,7 +126,7 @@ def _compare_scalars(a: Catalog, b: Catalog, report: DiffReport) -> None:
     of values with the params that have it; the training counters, the lr scheduler's state and what the format
     keeps (loss scaler, client state), each leaf by its path, one only one side holds noted."""
     params_a, params_b = _param_scalars(a), _param_scalars(b)
-    differing = {}      # (scalar, value A, value B) -> [params], in A's order
+    differing: dict[tuple, list[str]] = {}      # (scalar, value A, value B) -> [params], in A's order
     for (name, key), va in params_a.items():
         vb = params_b.get((name, key), va)
         if not _same_scalar(va, vb):
@@ -146,7 +147,7 @@ def _compare_scalars(a: Catalog, b: Catalog, report: DiffReport) -> None:
 
 def _param_scalars(catalog: Catalog) -> dict:
     """{(trainable param, scalar): value}: its optimizer scalars and its group's hyper-parameters (leaves)."""
-    out = {}
+    out: dict[tuple[str, str], Any] = {}
     for p in catalog.params.values():
         if p.kind != "trainable" or p.name in catalog.aliases:
             continue
@@ -161,7 +162,7 @@ def _param_scalars(catalog: Catalog) -> dict:
 
 def _global_scalars(catalog: Catalog) -> dict:
     """{path: value} of the training state's leaves and the format's own (catalog.FormatNotes.scalars)."""
-    out = {}
+    out: dict[str, Any] = {}
     training = catalog.training
     for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler"):
         if getattr(training, key) is not None:
@@ -229,7 +230,7 @@ def _pairs(a: Catalog, b: Catalog, report: DiffReport) -> list:
         pairs.append(((name, "weight"), _weight_key(a, name), _weight_key(b, name)))
     for name in names:       # the 16-bit copy, where both sides keep it beside a master (its bytes or a cast)
         if all((name, MASTER) in c.tensors and (name, MODULE) in c.tensors and
-               _not_the_master(c.tensors[(name, MODULE)], c.tensors[(name, MASTER)]) for c in (a, b)):
+               _not_the_master(c.tensors[TensorKey(name, MODULE)], c.tensors[TensorKey(name, MASTER)]) for c in (a, b)):
             pairs.append(((name, MODULE), (name, MODULE), (name, MODULE)))
     states_a, states_b = a.optimizer_states(), b.optimizer_states()
     if states_a and states_b:

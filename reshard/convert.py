@@ -5,11 +5,19 @@ import os
 
 from reshard import paths, rule_files
 from reshard.core.catalog import Catalog
-from reshard.errors import ReshardError, UsageError
-from reshard.formats import (FRESH, default_tag, descriptor_layout, framework_dispositions, spec_keys_of,
-                             target_layout as spec_layout, with_framework)
 from reshard.core.layout import Layout, spec_keys
 from reshard.core.planner import Plan, plan
+from reshard.errors import ReshardError, UsageError
+from reshard.formats import (
+    FRESH,
+    default_tag,
+    descriptor_layout,
+    framework_dispositions,
+    spec_keys_of,
+    target_layout as spec_layout,
+    with_framework,
+)
+from reshard.formats.framework import framework_of
 from reshard.validate import Complete, prove_complete
 
 
@@ -84,7 +92,8 @@ def framework_files(catalog: Catalog, target: Layout, fmt: str | None, new_rank_
 def batch_size_advice(catalog: Catalog, target: Layout, fmt: str | None = None) -> str | None:
     """What happens to the global batch size when dp changes, and how to keep it (format-specific)."""
     advice = _writer(catalog, fmt).batch_size_advice(catalog, target)
-    return catalog.framework.batch_advice(advice) if catalog.framework is not None else advice
+    frame = framework_of(catalog)
+    return frame.batch_advice(advice) if frame is not None else advice
 
 
 def _writer(catalog: Catalog, fmt: str | None):

@@ -8,8 +8,8 @@ folder that names those files, with the engine's checkpoint engine (DeepSpeed's 
 files are read) answering each file it asks for from memory: the object `torch.load` of the written file
 would give, its tensors read from the source straight into their memory (a mixture of experts' layer files
 too: DeepSpeed reads them through the engine's checkpoint engine, engine._load_checkpoint -> load_moe_state_dict).
-Nothing is written beside the checkpoint, and no tensor byte is written anywhere. A checkpoint any rank cannot read raises the same
-one-line ReshardError on every rank before DeepSpeed's first collective.
+Nothing is written beside the checkpoint, and no tensor byte is written anywhere. A checkpoint any rank cannot read
+raises the same one-line ReshardError on every rank before DeepSpeed's first collective.
 """
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ import shutil
 import tempfile
 
 from reshard import checksums, formats
-from reshard.target_bytes import SourceFiles
 from reshard.checksums import Tally
 from reshard.convert import plan_for
+from reshard.core.planner import Plan
 from reshard.distributed import TorchGroup
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed.live import LIVE_FORMAT, engine_layout
 from reshard.materialize import materialize
-from reshard.core.planner import Plan
 from reshard.staging import output_path, write_text
+from reshard.target_bytes import SourceFiles
 from reshard.validate import prove_complete
 
 STAGING = "/dev/shm"        # where there is one; every rank of a node sees the same folder
@@ -47,6 +47,7 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
         problem = e
     if not group.all_ok(problem is None):
         raise problem or ReshardError("another rank could not plan this load (its error says why)")
+    assert plan is not None         # (planned on every rank, or raised above)
     where = group.broadcast(_staging_folder(staging) if group.rank == 0 else None)
     if isinstance(where, ReshardError):
         raise where

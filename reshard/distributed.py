@@ -7,6 +7,7 @@ uses torch.distributed (gloo), as set up by torchrun's environment variables.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 class Solo:
@@ -48,7 +49,7 @@ class TorchGroup:
 
     def gather_dicts(self, mine: dict) -> dict:
         """Every rank's dict merged (on every rank)."""
-        parts = [None] * self.world
+        parts: list[Any] = [None] * self.world      # all_gather_object puts each rank's dict in its place
         self._dist.all_gather_object(parts, mine)
         return {k: v for part in parts for k, v in part.items()}
 
@@ -66,7 +67,7 @@ def share(files: list, rank: int, world: int) -> list:
     """This rank's files: largest first, each to the least loaded rank (the same answer on every rank)."""
     loads = [0] * world
     mine = []
-    for index, f in sorted(enumerate(files), key=lambda item: (-item[1].nbytes, item[0])):
+    for _index, f in sorted(enumerate(files), key=lambda item: (-item[1].nbytes, item[0])):
         owner = min(range(world), key=lambda r: (loads[r], r))
         loads[owner] += f.nbytes
         if owner == rank:

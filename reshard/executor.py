@@ -3,8 +3,8 @@
 Each target file is written front to back: its header, then every storage filled op by op from
 source byte ranges (positioned reads into bounded blocks, read ahead in a thread, cast if the dtypes differ)
 or constants. Bytes are read and written through the storage interface (reshard.storage). Files are built in a
-Staging area (reshard.staging) and committed only when all of them are complete and every source member read has the CRC-32 its zip stores (reshard.checksums);
-on any failure but a hard kill the staging area is removed.
+Staging area (reshard.staging) and committed only when all of them are complete and every source member read has the
+CRC-32 its zip stores (reshard.checksums); on any failure but a hard kill the staging area is removed.
 
 Ctrl-C is acted on only where nothing is half done (class Interrupts). Python raises KeyboardInterrupt
 wherever the main thread happens to be: inside a lock's `with` it leaves the lock held (a hang); inside
@@ -22,18 +22,19 @@ import threading
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import BinaryIO, cast
 
 from reshard import checksums, manifest, paths
-from reshard.errors import ReshardError
-from reshard.distributed import Solo, share
-from reshard.target_bytes import SourceFiles, storage_blocks
 from reshard.checksums import Tally
 from reshard.core.planner import FilePlan, Plan
+from reshard.core.write_requests import Output, StageCut
+from reshard.distributed import Solo, share
+from reshard.errors import ReshardError
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, output_path
 from reshard.storage.posix import PosixOutput
 from reshard.storage.protocol import OutputStorage
-from reshard.core.write_requests import Output, StageCut
+from reshard.target_bytes import SourceFiles, storage_blocks
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
@@ -249,7 +250,7 @@ def check_free_space(plan: Plan, staging, resume: bool) -> None:
 
 def _by_file(storages) -> dict:
     """{source path: [storage]}: what each target file's reads are looked up in."""
-    out = {}
+    out: dict[str, list] = {}
     for storage in storages:
         out.setdefault(storage.file, []).append(storage)
     return out
@@ -344,12 +345,13 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
     """
     path = output_path(root, plan.path)
-    output = output or PosixOutput()
+    storage_out: OutputStorage = output or PosixOutput()
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
     try:
-        with ThreadPoolExecutor(max_workers=1) as reader, output.stream(path, plan.size) as stream, \
-                plan.container.writer(stream, plan.header, plan.storages) as zw:
+        # (a WriteStream is written as a binary file: the containers' zip and header writers take it as one)
+        with ThreadPoolExecutor(max_workers=1) as reader, storage_out.stream(path, plan.size) as stream, \
+                plan.container.writer(cast(BinaryIO, stream), plan.header, plan.storages) as zw:
             for storage in plan.storages:
                 with zw.storage(storage.key, storage.nbytes) as out, \
                         contextlib.closing(_read_ahead(reader, storage_blocks(storage, chunk, sources))) as blocks:
@@ -362,7 +364,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
         raise ReshardError.at(path, f"write failed: {e.strerror or e}") from None
     finally:
         sources.close()
-    output.sync(path)
+    storage_out.sync(path)
     return StagedFile(plan.path, stream.size, stream.sha256, sources.tally.pieces())
 
 

@@ -13,15 +13,15 @@ import os
 from dataclasses import dataclass
 
 from reshard import export_names
-from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKey
 from reshard.core.dtypes import SHORT, is_floating
+from reshard.core.layout import Layout
+from reshard.core.planner import plan
+from reshard.core.write_requests import CopiedFile, NewTensor, Output, TensorFile, TextFile
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
 from reshard.formats.containers import EXPORTS
 from reshard.inspection import jsonable
-from reshard.core.layout import Layout
-from reshard.core.planner import plan
-from reshard.core.write_requests import CopiedFile, NewTensor, Output, TextFile
 from reshard.validate import Complete
 
 FORMATS = EXPORTS     # container name -> its file type: from_entries, STEM, EXTENSION, SUFFIXES
@@ -65,6 +65,7 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
     metadata = {"format": "pt"}
     if aliases:
         metadata["tied"] = json.dumps(aliases)
+    targets: list[TensorFile | TextFile | CopiedFile]
     if single_file:
         targets = [file_type.from_entries(os.path.basename(out), entries, aliases, metadata)]
     else:
@@ -72,7 +73,7 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
                            max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
     if with_optimizer:
         for state in optimizer_sets(catalog, entries):
-            state_entries = [Entry(p.name, catalog.tensors[(p.name, state)].dtype, p.shape, (p.name, state))
+            state_entries = [Entry(p.name, catalog.tensors[TensorKey(p.name, state)].dtype, p.shape, (p.name, state))
                              for p in catalog.params.values() if p.kind == "trainable"]
             targets += _sharded(file_type, f"optimizer-{state}", state_entries, {}, {"format": "pt"},
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
@@ -110,7 +111,7 @@ def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
             source = (key, MODULE) if use_module else (key, MASTER)
         else:
             source = (key, MODULE)
-        saved = catalog.tensors[source].dtype
+        saved = catalog.tensors[TensorKey(*source)].dtype
         if not is_floating(saved):
             target = saved                      # integer buffers keep their type
         elif dtype is not None:
@@ -157,7 +158,7 @@ def _sharded(file_type, stem, entries, aliases, metadata, max_shard_size) -> lis
     groups = hf.shard([(e.key, e.nbytes) for e in entries], max_shard_size)
     names = hf.shard_names(stem, extension, len(groups))
     files, weight_map = [], {}
-    for filename, members in zip(names, groups):
+    for filename, members in zip(names, groups, strict=True):
         tied = {a: s for a, s in aliases.items() if s in members}
         file = file_type.from_entries(filename, [by_name[n] for n in members], tied, metadata)
         files.append(file)

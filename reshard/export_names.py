@@ -48,7 +48,7 @@ class ExportNames:
                 raise ReshardError.at(self.path, f"{alias} is tied to {holder}: a rule may rename tied tensors, "
                                                  "not split them or drop the one holding the data")
             ties[self._whole(alias)] = self._whole(holder)
-        seen = {}
+        seen: dict[str, str] = {}
         for entry in out:
             if entry.key in seen or entry.key in ties:
                 raise ReshardError.at(self.path, f"two tensors would be exported as {entry.key} "
@@ -69,15 +69,20 @@ class ExportNames:
 
     def _whole(self, name: str) -> str:
         rule = self._rule(name)
-        return name if rule is None else rule.pattern.fullmatch(name).expand(rule.name)
+        if rule is None:
+            return name
+        match = rule.pattern.fullmatch(name)
+        assert match is not None and rule.name is not None     # (_rule matched it; callers drop dropped names)
+        return match.expand(rule.name)
 
     def _entries_of(self, entry) -> list:
         rule = self._rule(entry.key)
         if rule is None:
             return [entry]
-        if rule.name is None:
+        match = rule.pattern.fullmatch(entry.key)
+        if rule.name is None or match is None:      # (_rule matched it)
             return []
-        template = rule.pattern.fullmatch(entry.key).expand(rule.name)
+        template = match.expand(rule.name)
         if not rule.split:
             return [replace(entry, key=template)]
         if not entry.shape:

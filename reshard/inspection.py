@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, fields, is_dataclass
+from typing import Any
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
+from reshard.formats.framework import framework_of
 from reshard.formats.torchsave_read import DType, TensorRef
 
 
@@ -52,12 +54,13 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     layout, contents = catalog.layout, catalog.contents()
     # what the format adds to the mesh (a DeepSpeed save: its ZeRO stage and partitioning options), in the
     # descriptor's words: none for a format that partitions nothing (DCP, single files)
-    own = layout.format_topology.descriptor() if layout.format_topology is not None else {}
+    own: dict[str, Any] = layout.format_topology.descriptor() if layout.format_topology is not None else {}
     kinds = [p.kind for p in catalog.params.values()]
+    frame = framework_of(catalog)
     return Inspection(
         path=catalog.root,
         format=catalog.format,
-        framework=catalog.framework.to_dict(layout) if catalog.framework is not None else None,
+        framework=frame.to_dict(layout) if frame is not None else None,
         tag=catalog.tag or None,
         topology={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
         experts=catalog.experts.describe() if catalog.experts is not None else None,
@@ -78,7 +81,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         aliases=dict(catalog.aliases),
         param_groups=[{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                        "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
-                      for g, scalars in zip(catalog.param_groups, catalog.group_scalars)],
+                      for g, scalars in zip(catalog.param_groups, catalog.group_scalars, strict=True)],
         # (the first param's value is in param_groups)
         split_scalars=[{"group": g, "key": key, "param": name, "value": jsonable(value)}
                        for g, scalars in enumerate(catalog.group_scalars) for key, per_param in scalars.items()
@@ -131,7 +134,7 @@ def jsonable(value):
     return repr(value)
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

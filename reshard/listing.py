@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from reshard.errors import ReshardError, UnsafeCheckpointError
-from reshard.formats import read as read_catalog
-from reshard.formats import run_layout, run_metrics, units
+from reshard.formats import read as read_catalog, run_layout, run_metrics, units
 from reshard.validate import validate
 
 COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"
@@ -186,7 +185,7 @@ def problem_line(report) -> str:
 def _abandoned(rows: list, unfinished: set) -> list:
     """A staging folder (path in `unfinished`: nothing written to it lately) older than a finished save of a later
     step will never finish: incomplete, not in progress (so `prune --delete-incomplete` may remove it)."""
-    newest_of = {}
+    newest_of: dict[str, int] = {}
     for r in rows:
         if r.complete and r.step is not None:
             newest_of[r.series] = max(r.step, newest_of.get(r.series, r.step))
@@ -200,7 +199,8 @@ def _abandoned(rows: list, unfinished: set) -> list:
 
 
 def _with_metrics(rows: list, records: dict, user: dict) -> list:
-    history = {}        # folder -> step -> values: a log speaks for the checkpoints saved beside it
+    # folder -> step -> values: a log speaks for the checkpoints saved beside it
+    history: dict[str, dict[int, dict[str, float]]] = {}
     for path, recorded in records.items():
         for step, values in recorded.history.items():
             history.setdefault(os.path.dirname(path), {}).setdefault(step, {}).update(values)

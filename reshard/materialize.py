@@ -4,9 +4,9 @@ checksum: reshard.deepspeed_engine.load_checkpoint hands these to DeepSpeed's lo
 """
 from __future__ import annotations
 
-from reshard.target_bytes import SourceFiles, fill
-from reshard.formats import container_loader
 from reshard.core.planner import FilePlan
+from reshard.formats import container_loader
+from reshard.target_bytes import SourceFiles, fill
 
 
 def materialize(file: FilePlan, sources: SourceFiles, place=None):

@@ -12,6 +12,7 @@ from reshard.core.planner import Plan
 from reshard.core.write_requests import StageCut
 from reshard.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
 from reshard.formats import FRESH, REPRODUCIBILITY
+from reshard.formats.framework import framework_of
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
     memory_budget = memory_budget or DEFAULT_MEMORY_BUDGET
     summary = plan.summary()
     framework = None
-    if catalog.framework is not None:
-        framework = FrameworkPlan(catalog.framework.name, new_rank_state, catalog.framework.policy_line(new_rank_state),
-                                  len(catalog.framework.files),
+    frame = framework_of(catalog)
+    if frame is not None:
+        framework = FrameworkPlan(frame.name, new_rank_state, frame.policy_line(new_rank_state), len(frame.files),
                                   tuple(framework_files(catalog, plan.target, fmt, new_rank_state)))
     where = os.path.abspath(dst) if dst else os.getcwd()
     while not os.path.exists(where):

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError
 from reshard.formats.run_layout import trash_path
-from reshard.retention import DELETE, Policy, decide
 from reshard.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
+from reshard.retention import DELETE, Policy, decide
 from reshard.staging import fsync
 
 

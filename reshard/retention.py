@@ -62,7 +62,7 @@ class Decision:
 def decide(rows: list, policy: Policy) -> list:
     """A Decision for every row, series by series (each folder of checkpoints is ranked on its own), oldest first."""
     policy.check()
-    series = {}
+    series: dict[str, list] = {}
     for r in sorted(rows, key=order):
         series.setdefault(r.series, []).append(r)
     return [d for group in series.values() for d in _decide_series(group, policy)]
@@ -70,7 +70,7 @@ def decide(rows: list, policy: Policy) -> list:
 
 def _decide_series(rows: list, policy: Policy) -> list:
     complete = [r for r in rows if r.status == COMPLETE]
-    kept = {r.path: [] for r in rows}
+    kept: dict[str, list[str]] = {r.path: [] for r in rows}
     if complete:
         kept[complete[-1].path].append("newest complete checkpoint")
     for r in rows:
@@ -89,7 +89,7 @@ def _decide_series(rows: list, policy: Policy) -> list:
             kept[r.path].append(f"step {r.step} kept by --keep-steps")
         if not policy.keeps_by_rule():      # --delete-incomplete alone removes broken saves, nothing else
             kept[r.path].append("complete, and no --keep rule given")
-    if policy.keep_best:    # one the metric cannot rank may be the best: deleting it is not the policy's call
+    if policy.keep_best and policy.metric:  # one the metric cannot rank may be the best: not the policy's call
         unranked = [r for r in complete if metric_of(r, policy.metric) is None and not kept[r.path]]
         if unranked:
             raise PolicyError.at(unranked[0].path, f"records no {policy.metric!r} at its step, so --keep-best cannot "
@@ -107,6 +107,7 @@ def metric_of(row, metric: str) -> float | None:
 
 
 def _keep_best(complete: list, policy: Policy, kept: dict) -> None:
+    assert policy.metric is not None        # (Policy: --keep-best needs --metric)
     if not any(metric_of(r, policy.metric) is not None for r in complete):
         recorded = sorted({k for r in complete for k in r.metrics})
         raise PolicyError(f"no complete checkpoint records metric {policy.metric!r} (recorded: "

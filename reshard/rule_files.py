@@ -24,7 +24,8 @@ def shipped(kind: str) -> dict:
     for folder in (SHIPPED, SHIPPED / "topologies"):
         for entry in folder.iterdir() if folder.is_dir() else ():
             if entry.name.endswith(SUFFIX) and _kind(entry) == kind:
-                out[entry.name[:-len(SUFFIX)]] = os.fspath(entry)
+                # an installed package's files() is a pathlib.Path; typeshed's Traversable is not os.PathLike
+                out[entry.name[:-len(SUFFIX)]] = os.fspath(entry)  # type: ignore[call-overload]
     return dict(sorted(out.items()))
 
 

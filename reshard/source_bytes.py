@@ -1,7 +1,8 @@
 """Reading tensor bytes in place: the only place that touches storage bytes when reading.
 
 Fragments point at storages by byte offset; `MappedFiles` views each file once through the storage
-(reshard.storage: a memory map, on POSIX) and hands out numpy views (no copy). `full_tensor` rebuilds one logical tensor, for tests, export and checks.
+(reshard.storage: a memory map, on POSIX) and hands out numpy views (no copy). `full_tensor` rebuilds one logical
+tensor, for tests, export and checks.
 """
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from reshard.core.catalog import Catalog, Fragment, LogicalTensor
 from reshard.checksums import Tally
+from reshard.core.catalog import Catalog, Fragment, LogicalTensor
 from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
-from reshard.errors import CheckpointError
-from reshard.core.storage_ref import StorageRef
 from reshard.core.geometry import offset, span, strides
 from reshard.core.locate import Locator
 from reshard.core.placement import Shard, full_index, regions
+from reshard.core.storage_ref import StorageRef
+from reshard.errors import CheckpointError
 from reshard.storage.posix import PosixSource
 from reshard.storage.protocol import SourceStorage
-
 
 # Fewer bytes than this are read with pread, not through the map: a fault on a mapped page reads ahead
 # a whole window around it (read_ahead_kb), which for the small tensors read one by one when a catalog is
@@ -94,7 +94,7 @@ class MappedFiles:
         start, nbytes = storage.offset + first * size, out.size * size
         if first < 0 or start + nbytes > storage.offset + storage.nbytes:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         done = self._files.read_into(storage.file, start, view)
         if done != nbytes:
             raise CheckpointError(storage.file, f"truncated: needs byte {start + nbytes}, file has {start + done}")
@@ -147,6 +147,7 @@ def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, s
 def full_tensor(catalog: Catalog, name: str, state: str, files: MappedFiles | None = None):
     """The whole logical tensor (name, state) as a torch tensor of its saved dtype and shape."""
     import torch
+
     from reshard.core.dtypes import torch_dtype
 
     tensor = catalog.tensor(name, state)
@@ -201,7 +202,7 @@ def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTen
             theirs = values[lo - frag.start:hi - frag.start]
             mine, theirs = (a.view(f"u{a.itemsize}") for a in (mine, theirs))    # bits: NaN equals NaN
             differs = mine != theirs
-            if not placed:
+            if frag.shard is not None and not placed:      # (placed when it has no shard)
                 differs &= _placed_mask(frag.shard, lo, hi)
             if differs.any():
                 at = lo + int(np.flatnonzero(differs)[0])

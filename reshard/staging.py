@@ -13,7 +13,7 @@ import os
 from reshard import manifest, paths
 from reshard.errors import ReshardError, UsageError
 from reshard.storage.posix import PosixOutput, fsync, write_text  # noqa: F401  (fsync, write_text: for callers)
-from reshard.storage.protocol import LockHeld, OutputStorage
+from reshard.storage.protocol import Lock, LockHeld, OutputStorage
 
 
 class Staging:
@@ -27,7 +27,7 @@ class Staging:
         parent, name = os.path.split(self.dst)
         self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
         self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
-        self._lock = None
+        self._lock: Lock | None = None
 
     def place(self, rel: str) -> str:
         """Where the output's file `rel` is built: under the staging folder (see output_path)."""
@@ -62,7 +62,7 @@ class Staging:
 
     def finished(self) -> dict:
         """Files a previous run completed: {path: (size, sha256)}, from the journal."""
-        done = {}
+        done: dict[str, tuple[int, str]] = {}
         try:
             lines = self.storage.get(self.place(self.JOURNAL)).decode().splitlines()
         except OSError:

@@ -12,12 +12,12 @@ import math
 import numpy as np
 
 from reshard.checksums import Tally
-from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
-from reshard.errors import ReshardError
 from reshard.core import geometry
+from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.core.geometry import strides
 from reshard.core.placement import flat_boxes, intersect
 from reshard.core.planner import Copy, Gather
+from reshard.errors import ReshardError
 from reshard.storage.posix import PosixSource
 from reshard.storage.protocol import SourceStorage
 
@@ -86,17 +86,17 @@ def _gather_block(sources, op, first: int, count: int, dtype: str) -> memoryview
                 continue
             at, shape = hit
             offset = box.src_offset + itemsize(box.src_dtype) * sum(
-                (a - l) * s for a, l, s in zip(at, box.local, box.src_strides))
+                (a - loc) * s for a, loc, s in zip(at, box.local, box.src_strides, strict=True))
             dst = geometry.offset(at, shard_strides) - lo
             target = np.lib.stride_tricks.as_strided(out[dst:], shape, byte_strides)
             sources.copy_box(target, box.src_file, offset, box.src_strides, box.src_dtype, dtype)
             filled += math.prod(shape)
     if filled != count:
         raise AssertionError(f"a gather filled {filled} of {count} elements")   # the planner counted them
-    return memoryview(out).cast("B")
+    return out.data.cast("B")
 
 
-def constant(value, dtype: str, count: int) -> bytes:
+def constant(value, dtype: str, count: int) -> bytes | memoryview:
     if dtype == "bfloat16":
         return cast(np.full(count, value, dtype="<f4").tobytes(), "float32", "bfloat16")
     return np.full(count, value, dtype=numpy_carrier(dtype)).tobytes()
@@ -104,7 +104,7 @@ def constant(value, dtype: str, count: int) -> bytes:
 
 def cast(raw, src: str, dst: str) -> memoryview:
     """Convert element type, rounding to nearest even as torch does (bfloat16 included)."""
-    return memoryview(cast_array(np.frombuffer(raw, dtype=numpy_carrier(src)), src, dst)).cast("B")
+    return cast_array(np.frombuffer(raw, dtype=numpy_carrier(src)), src, dst).data.cast("B")
 
 
 def _assign(target: np.ndarray, values: np.ndarray, src: str, dst: str) -> None:
@@ -145,7 +145,7 @@ class SourceFiles:
     def read_into(self, path: str, offset: int, out: np.ndarray) -> None:
         """`out.nbytes` bytes of `path` from `offset` read straight into `out` (contiguous); dropped from the
         page cache afterwards as `read` drops them."""
-        view, nbytes = memoryview(out).cast("B"), out.nbytes
+        view, nbytes = out.data.cast("B"), out.nbytes
         if self._files.read_into(path, offset, view) != nbytes:
             raise ReshardError.at(path, f"truncated: needed bytes [{offset}, {offset + nbytes})")
         self.tally.note_at(path, offset, view)

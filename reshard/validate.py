@@ -16,12 +16,12 @@ import numpy as np
 from reshard import manifest
 from reshard.core.catalog import MASTER, Catalog
 from reshard.core.dtypes import is_floating, itemsize
-from reshard.errors import ReshardError
 from reshard.core.geometry import coverage, total_length
-from reshard.text import counted
 from reshard.core.placement import Shard, flat_runs, regions, tiles
 from reshard.core.problems import CHECKSUM, DUPLICATE, MISSING, NO_STATE, NON_FINITE, OUTSIDE, REPLICA, Problem
+from reshard.errors import ReshardError
 from reshard.progress import bar as progress_bar
+from reshard.text import counted
 
 MAX_RANGES_SHOWN = 3
 
@@ -199,7 +199,8 @@ def _flat_ranges(tensor):
              for r in regions(f.shard or Shard.whole(tensor.shape), f.start, f.stop)]
     if tiles(tensor.shape, boxes):
         return None
-    outside = [(at, size) for at, size in boxes if any(a + n > d for a, n, d in zip(at, size, tensor.shape))]
+    outside = [(at, size) for at, size in boxes
+               if any(a + n > d for a, n, d in zip(at, size, tensor.shape, strict=True))]
     if outside:      # a box past the tensor's end (readers refuse those): reported as outside, by its size
         return [(tensor.numel, tensor.numel + math.prod(size)) for _, size in outside]
     return [run for at, size in boxes for run in flat_runs(tensor.shape, at, size)]

@@ -51,7 +51,9 @@ class Best:
         return (self.out, self.metric, self.mode) == (out, metric, mode) and self.value is not None
 
     def better(self, value: float) -> bool:
-        """Whether `value` is strictly better than the exported one's."""
+        """Whether `value` is strictly better than the exported one's (any is, where it kept no score)."""
+        if self.value is None:
+            return True
         return value < self.value if self.mode == "min" else value > self.value
 
 

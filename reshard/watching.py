@@ -16,17 +16,27 @@ import os
 import shlex
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any
 
 from reshard import watch_state
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import read as read_catalog
 from reshard.inspection import human_bytes
+from reshard.listing import (
+    COMPLETE,
+    IN_PROGRESS,
+    INCOMPLETE,
+    RECENT_SECONDS,
+    Checkpoint,
+    fingerprint,
+    list_checkpoints,
+    problem_line,
+    unchanged,
+)
 from reshard.pruning import carry_out
 from reshard.retention import Policy, PolicyError, decide, metric_of, ranked
-from reshard.listing import (COMPLETE, IN_PROGRESS, INCOMPLETE, RECENT_SECONDS, Checkpoint, fingerprint,
-                          list_checkpoints, problem_line, unchanged)
 from reshard.validate import validate
 
 SETTLE_SECONDS = 1.0        # the second look of each pass: sizes equal twice this far apart
@@ -132,8 +142,9 @@ class Watcher:
             self.close()
             raise
         self.stopped = threading.Event()
-        self._failed_exports = set()    # (name, fingerprint) whose export failed: not retried every pass
-        self._said = set()              # problem lines already said (a policy error repeats every pass)
+        # (name, fingerprint) whose export failed: not retried every pass
+        self._failed_exports: set[tuple[str, tuple]] = set()
+        self._said: set[str] = set()    # problem lines already said (a policy error repeats every pass)
 
     def close(self) -> None:
         """Let another watcher watch the directory (also when this process ends)."""
@@ -259,17 +270,19 @@ class Watcher:
         checkpoint, or where that is gone from the best one left, which is said as a problem when it is worse."""
         if not self.export_best:
             return None, []
+        metric = self.metric
+        assert metric is not None and self.mode is not None     # (checked when built: --export-best needs --metric)
         complete = [r for r in verdicts if r.status == COMPLETE]
-        best = ranked(complete, self.metric, self.mode)
+        best = ranked(complete, metric, self.mode)
         held = self.state.best
-        if not (held and held.scored(self.export_best, self.metric, self.mode)):
+        if not (held and held.scored(self.export_best, metric, self.mode)):
             held = None         # nothing exported yet, or ranked otherwise then: no score to beat
         better = bool(best) and (held is None or held.better(best[0][0]))
         lost = held is not None and watch_state.identity(self.export_best) != held.written
         if not better and not lost:
             return None, []
         pick, note, worse = best[0] if best else None, "", False
-        if lost:
+        if held is not None and lost:
             was = f"{'changed' if os.path.exists(self.export_best) else 'removed'} since {label(held)} " \
                   f"({self.metric} {held.value:g}) was exported to it"
             source = [r for r in complete if (r.name, fingerprint(r)) == (held.name, held.fingerprint)]
@@ -284,6 +297,7 @@ class Watcher:
                 worse = best[0][0] != held.value
                 note = f"{was}, which is deleted: the best checkpoint left is written" + \
                     (", a worse one" if worse else "")
+        assert pick is not None         # (with no best, a lost export returned above or picked its own source)
         value, row = pick
         key = (row.name, fingerprint(row))
         if key in self._failed_exports:
@@ -294,7 +308,7 @@ class Watcher:
             self._failed_exports.add(key)
             return None, [self._problem(f"--export-best: {e}")]
         self.state = replace(self.state, best=watch_state.Best(
-            row.name, fingerprint(row), self.export_best, self.metric, self.mode, value, row.step,
+            row.name, fingerprint(row), self.export_best, metric, self.mode, value, row.step,
             watch_state.identity(self.export_best)))
         watch_state.save(self.root, self.state)
         self.say(f"best {self.metric} {value:g}: {label(row)} exported to {self.export_best}", False)
@@ -347,7 +361,7 @@ def within(text: str, root: str) -> str:
 def _held_for_pointers(listing) -> list:
     """The listing's rows, each newer than the checkpoint a pointer of its folder names (DeepSpeed's `latest`)
     turned in progress: the pointer moves when the save is done, after the last rank's files."""
-    named = {}      # series -> the newest row a pointer names
+    named: dict[str, Any] = {}      # series -> the newest row a pointer names
     for r in listing.checkpoints:
         if r.path in listing.pointers and r.step is not None and r.step > getattr(named.get(r.series), "step", -1):
             named[r.series] = r

@@ -21,7 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
+from torchrun_jobs import run_rank
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SAMPLES = 48
@@ -103,7 +104,8 @@ def run(job) -> dict:
         tensors = engine_tensors(engine)
         if accelerator.is_main_process:
             problems.extend(differences(tensors, load_file(job["truth"])))
-            report.update(compared=len(tensors), negative_differences=len(differences(tensors, load_file(job["after"]))))
+            report.update(compared=len(tensors),
+                          negative_differences=len(differences(tensors, load_file(job["after"]))))
         report.update(global_steps=engine.global_steps, lr=scheduler.get_last_lr()[0], counter=counter.count)
         loss = train_step()
         if not math.isfinite(loss):

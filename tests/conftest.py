@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import torchrun_jobs  # noqa: E402
 from torchrun_jobs import free_port  # noqa: E402,F401  (the one free port for tests)
+
 FIXTURES = Path(os.environ.get("RESHARD_FIXTURES", REPO / "fixtures"))
 ALL_FIXTURES = sorted(p.name for p in FIXTURES.iterdir() if (p / "truth.json").exists()) if FIXTURES.exists() else []
 # Mixture-of-experts fixtures (truth.json "kind": "autoep" or "moe", tools/fixture_moe.py) have tests of their own
@@ -92,7 +93,7 @@ def _in_process(argv: list, where) -> tuple:
 @pytest.fixture(scope="session")
 def lifecycle_template(tmp_path_factory):
     """The DeepSpeed run directory of lifecycle_runs.deepspeed_run, made once; tests take a copy each."""
-    import lifecycle_runs       # here, not above: it imports this module
+    import lifecycle_runs  # here, not above: it imports this module
     root = tmp_path_factory.mktemp("template")
     lifecycle_runs.deepspeed_run(root)
     return root

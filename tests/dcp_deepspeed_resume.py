@@ -21,6 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 from torchrun_jobs import run_rank  # noqa: E402
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

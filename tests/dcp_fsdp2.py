@@ -32,8 +32,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,  # noqa: E402
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from fixture_model import build_model, make_batch, param_groups  # noqa: E402
@@ -79,6 +78,7 @@ def built(job):
         blocks = model.model.layers
     elif kind == "gpt2":
         from transformers import GPT2LMHeadModel
+
         from single_models import gpt2_config
         model = GPT2LMHeadModel(gpt2_config())
         blocks = model.transformer.h
@@ -116,7 +116,7 @@ def make(job):
     """The job's model, its optimizer (over its param groups, `lr` and the job's "hyper"), and its loss_of."""
     model, groups, loss_of = built(job)
     hyper = job.get("hyper") or [{} for _ in groups]
-    for group, h in zip(groups, hyper):
+    for group, h in zip(groups, hyper, strict=True):
         group.update(h)
     cls = OPTIMIZERS[job.get("optimizer", "AdamW")]
     kwargs = {"momentum": 0.9} if cls is torch.optim.SGD else {}
@@ -164,6 +164,7 @@ def load_2d(source):
     fully_shard over dp; loaded from `source` (any format) through reshard.dcp_reader.Reader."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     import reshard.dcp_reader
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
     model = build_model()

@@ -111,7 +111,7 @@ class Launches:
                     if not isinstance(self._results[provider], Exception):
                         self._results[provider] = AssertionError(f"{launch}: {failure}")
                 continue
-            for (provider, index, _), result in zip(owned, results):
+            for (provider, index, _), result in zip(owned, results, strict=True):
                 if not isinstance(self._results[provider], Exception):
                     self._results[provider][index] = result
         for provider in providers:

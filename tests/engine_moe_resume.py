@@ -25,6 +25,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 from torchrun_jobs import run_rank  # noqa: E402
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -57,7 +58,9 @@ def main(jobs_path, results_path):
             torch.manual_seed(1)                  # not the fixture's seed 0: the load must bring every value
             model = MixtralForCausalLM(fixture_moe.mixtral_config())
             params = model.parameters()
-            forward = lambda ids: engine(input_ids=ids, labels=ids).loss       # noqa: E731, F821  (engine: bound below)
+
+            def forward(engine, ids):         # a Hugging Face model: the loss from its labels
+                return engine(input_ids=ids, labels=ids).loss
         else:                                     # deepspeed.moe: the fixture's module at ep_size=EP
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
             model = fixture_moe.MoENet(job["ep"])
@@ -66,7 +69,9 @@ def main(jobs_path, results_path):
                     p.add_(1.0)
             params = split_params_into_different_moe_groups_for_optimizer(
                 {"params": list(model.parameters()), "name": "dense"})
-            forward = lambda ids: engine(ids, ids)      # noqa: E731, F821  (engine: bound below)
+
+            def forward(engine, ids):         # the fixture's module returns its loss
+                return engine(ids, ids)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         problems = []
         if "zero" in job and engine.zero_optimization_stage() != job["zero"]:
@@ -98,7 +103,7 @@ def main(jobs_path, results_path):
         generator = torch.Generator().manual_seed(400 + rank)
         ids = torch.randint(0, fixture_moe.TOKENS, (2, 10), generator=generator)
         before = engine.global_steps
-        loss = forward(ids)
+        loss = forward(engine, ids)
         engine.backward(loss)
         engine.step()
         if rank == 0:

@@ -2,17 +2,17 @@
 
     torchrun --nproc_per_node M tests/engine_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": name, "checkpoint": dir, "stage": S[, "universal": true][, "direct": true]}. For each job every rank builds
-the fixture's model with its DeepSpeed config (ZeRO stage S, world size M), calls the ordinary
+JOBS.json lists {"fixture": name, "checkpoint": dir, "stage": S[, "universal": true][, "direct": true]}. For each job
+every rank builds the fixture's model with its DeepSpeed config (ZeRO stage S, world size M), calls the ordinary
 `engine.load_checkpoint(dir)`, reads the full fp32 params and optimizer states back from the live
 engine exactly as tools/make_fixtures.py did when it saved the fixture, compares them with the
 fixture's truth, checks steps and hyper-parameters, and trains one more step. Rank 0 writes
 {"fixture", "checkpoint", "stage", "world", "problems": [...]} per job to RESULTS.json.
 
 A "direct" job loads "checkpoint", saved at any topology, with `reshard.deepspeed_engine.load_checkpoint(engine, dir)`
-instead of DeepSpeed's own call (no conversion step). A "universal" job builds the engine with `"checkpoint": {"load_universal": true}`, so
-`load_checkpoint(dir)` takes the tag from `latest_universal` and loads `zero/`. Run those with a
-fixed PYTHONHASHSEED: that set order decides the order of each rank's optimizer states, and the
+instead of DeepSpeed's own call (no conversion step). A "universal" job builds the engine with `"checkpoint":
+{"load_universal": true}`, so `load_checkpoint(dir)` takes the tag from `latest_universal` and loads `zero/`. Run those
+with a fixed PYTHONHASHSEED: that set order decides the order of each rank's optimizer states, and the
 truth reader gathers states across ranks in that order.
 """
 import copy

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 sys.path.insert(0, HERE)
 from torchrun_jobs import run_rank  # noqa: E402
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

@@ -2,10 +2,10 @@
 
     torchrun --nproc_per_node TP*DP (or PP*DP) tests/engine_tp_resume.py JOBS.json RESULTS.json
 
-JOBS.json lists {"fixture": autotp fixture name, "checkpoint": dir, "tp": TP, "fixtures": dir, "universal"?: bool}, or for the
-pipeline fixtures {"fixture": "pipe2_z1_fp32_dp2", "checkpoint": dir, "pp": PP, "partition"?: METHOD, "fixtures": dir}:
-its PipelineModule (fixture_parallel.pipe_model) built with num_stages=PP and resumed by the PipelineEngine (truth: fixture_parallel.pipe_truth,
-one more `train_batch`). For each job
+JOBS.json lists {"fixture": autotp fixture name, "checkpoint": dir, "tp": TP, "fixtures": dir, "universal"?: bool}, or
+for the pipeline fixtures {"fixture": "pipe2_z1_fp32_dp2", "checkpoint": dir, "pp": PP, "partition"?: METHOD,
+"fixtures": dir}: its PipelineModule (fixture_parallel.pipe_model) built with num_stages=PP and resumed by the
+PipelineEngine (truth: fixture_parallel.pipe_truth, one more `train_batch`). For each job
 every rank builds the fixture's Llama exactly as tools/fixture_parallel.py did (same seed), with the
 fixture's DeepSpeed config but `"tensor_parallel": {"autotp_size": TP}` (AutoTP off at TP=1), calls the
 ordinary `engine.load_checkpoint(dir)`, takes the truth from the live engine with the function the fixture
@@ -25,6 +25,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 from torchrun_jobs import run_rank  # noqa: E402
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -49,7 +50,7 @@ def main(jobs_path, results_path):
         config = copy.deepcopy(spec["ds_config"])
         config["zero_optimization"]["stage"] = job.get("zero", config["zero_optimization"]["stage"])
         pipe = "pp" in job
-        if pipe:            # the fixture's PipelineModule cut into job["pp"] stages (its own partition method unless named)
+        if pipe:        # the fixture's PipelineModule cut into job["pp"] stages (its own partition method unless named)
             model = fp.pipe_model(spec, num_stages=job["pp"], partition_method=job.get("partition"))
         else:
             config["tensor_parallel"] = {"autotp_size": job["tp"]}

@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
+from torchrun_jobs import run_rank
 
 
 def main(out):

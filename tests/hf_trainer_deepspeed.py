@@ -11,8 +11,9 @@ save: trains a tiny random GPT-2 (from a config) to max_steps, saving every save
       and rank 0 writes it to `truth` formatted with step=the global step.
 resume: the same Trainer (same max_steps, so the same lr schedule), trainer.train(resume_from_checkpoint=...);
       right after the load (on_train_begin) the engine's tensors are compared with `truth` bit for bit (and
-      with `negative`, another state's truth, which must differ), the global step and epoch reported; then one more step runs (training stops after it) and its
-      global step and lr are reported, for the test to compare with the source run's log at that step.
+      with `negative`, another state's truth, which must differ), the global step and epoch reported; then one more step
+      runs (training stops after it) and its global step and lr are reported, for the test to compare with the source
+      run's log at that step.
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import json
@@ -22,8 +23,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from engine_state import differences, engine_tensors  # noqa: E402
-from torchrun_jobs import run_rank  # noqa: E402
+from engine_state import differences, engine_tensors
+from torchrun_jobs import run_rank
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SAMPLES = 48        # one epoch holds every step of the runs the tests make

@@ -14,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from cpu_fsdp import fsdp_on_cpu  # noqa: E402
-from torchrun_jobs import run_rank  # noqa: E402
+from cpu_fsdp import fsdp_on_cpu
+from torchrun_jobs import run_rank
 
 
 def main(job_path, result_path):

@@ -18,7 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
+from torchrun_jobs import run_rank
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
@@ -28,6 +29,7 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
 
 def engine_of(seed):
     import deepspeed
+
     from fixture_model import build_model
     model = build_model(seed=seed)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
@@ -53,6 +55,7 @@ def main(jobs_path, results_path):
     import deepspeed
     import deepspeed.comm as dist
     import torch
+
     from fixture_model import make_batch
 
     torch.set_num_threads(1)

@@ -69,6 +69,7 @@ def dcp_loop(root: Path, steps) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     from fixture_model import build_model, make_batch, param_groups
 
     torch.manual_seed(0)
@@ -92,6 +93,7 @@ def hf_run(root: Path, max_steps: int = 8, save_steps: int = 2, eval_steps: int 
     `save_steps`; returns (output dir, the trainer's final state)."""
     import torch
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
     import single_models as sm
 
     torch.manual_seed(0)
@@ -110,9 +112,10 @@ def hf_run(root: Path, max_steps: int = 8, save_steps: int = 2, eval_steps: int 
 def lightning_run(root: Path, epochs: int = 4):
     """A real Lightning fit, validating each epoch, ModelCheckpoint(monitor="val_loss", save_top_k=-1); returns
     (checkpoint dir, {path: score} as the live callback holds them, its best_model_path)."""
-    import torch
     import lightning.pytorch as pl
+    import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
+
     import single_lightning as sl
     import single_models as sm
 

@@ -25,9 +25,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
-from pickles import block_reshard  # noqa: E402
-from engine_state import differences, engine_tensors  # noqa: E402
+from engine_state import differences, engine_tensors
+from pickles import block_reshard
+from torchrun_jobs import run_rank
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 block_reshard()     # the training job runs where reshard is not installed: what it loads must not need it
 
@@ -37,8 +38,9 @@ SCHEDULER_KEYS = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "step_siz
 
 
 def lit_module(note):
-    import torch
     import lightning.pytorch as pl
+    import torch
+
     import single_models as sm
 
     class LitLogged(pl.LightningModule):
@@ -65,9 +67,9 @@ def lit_module(note):
 
 def cpu_strategy(stage):
     """Lightning's DeepSpeedStrategy with its CUDA-only check lifted (see the module docstring)."""
+    import lightning.pytorch.strategies.deepspeed as lightning_deepspeed
     import torch
     from lightning.pytorch.accelerators import CPUAccelerator
-    import lightning.pytorch.strategies.deepspeed as lightning_deepspeed
     lightning_deepspeed.CUDAAccelerator = CPUAccelerator     # the one isinstance check in setup_environment
     devices = [torch.device("cpu", i) for i in range(int(os.environ["LOCAL_WORLD_SIZE"]))]
     return lightning_deepspeed.DeepSpeedStrategy(stage=stage, parallel_devices=devices)
@@ -99,6 +101,7 @@ def trainer_for(job, callbacks, max_steps):
 
 def data():
     import torch
+
     import single_models as sm
     return torch.utils.data.DataLoader([sm.tokens(i, batch=1)[0] for i in range(SAMPLES)], batch_size=BATCH)
 
@@ -122,8 +125,8 @@ def plain(value):
 def save(job):
     import lightning.pytorch as pl
     import torch
-    from safetensors.torch import save_file
     import torch.distributed as dist
+    from safetensors.torch import save_file
 
     class Truth(pl.Callback):
         def on_save_checkpoint(self, trainer, module, saved):     # what Lightning hands DeepSpeed as client state

@@ -163,7 +163,7 @@ def _zero3_sub_groups(model: Model, members, dp):
     if size >= sum(parts):
         return [list(members)]
     out, current, total = [], [], 0
-    for name, part in zip(members, parts):
+    for name, part in zip(members, parts, strict=True):
         current.append(name)
         total += part
         if total >= size or name == members[-1]:
@@ -259,7 +259,8 @@ def check_deepspeed(tag_dir: str, model: Model, values: dict, topo: Topology, kv
             groups = [[n for n in held if n in set(members)] for members in model.groups]
             sizes = {n: shard(n, values[(n, MASTER)]).size for n in held if (n, MASTER) in values}
             flats = [_zero12_flat(model, members, sizes, topo.dp, lp_size) for members in groups]
-            check.equal(f"mp {mp} param_shapes", [{n: tuple(s) for n, s in g.items()} for g in model_states["param_shapes"]],
+            check.equal(f"mp {mp} param_shapes",
+                        [{n: tuple(s) for n, s in g.items()} for g in model_states["param_shapes"]],
                         [{n: shard(n, values[(n, MASTER)]).shape for n in order} for order, *_ in flats])
             frozen = {p.name: shard(p.name, values[(p.name, MODULE)]) for p in model.params if p.kind == "frozen"
                       and p.name in held}
@@ -309,7 +310,8 @@ def _check_zero3(check, tag_dir, model, values, topo, mp, shard):
         states = load(os.path.join(tag_dir, name))
         check.equal(f"{name} param_shapes", [{n: tuple(s) for n, s in g.items()} for g in states["param_shapes"]],
                     [{n: model.param(n).shape for n in sg} for sg in sub_groups])
-        check.equal(f"{name} buffer_names", states["buffer_names"], [p.name for p in model.params if p.kind == "buffer"])
+        check.equal(f"{name} buffer_names", states["buffer_names"],
+                    [p.name for p in model.params if p.kind == "buffer"])
         for p in model.params:
             if p.kind == "buffer":
                 check.same(f"{name} {p.name}", states["module"][p.name], values[(p.name, MODULE)])
@@ -382,8 +384,9 @@ def check_dcp(path: str, model: Model, values: dict, dp: int) -> Checker:
                     for r in range(ranks) if r * per < rows]
         entry = metadata.state_dict_metadata[key]
         got = []
-        for i, chunk in enumerate(entry.chunks):
-            index = next(ix for ix in metadata.storage_data if ix.fqn == key and tuple(ix.offset) == tuple(chunk.offsets))
+        for _i, chunk in enumerate(entry.chunks):
+            index = next(ix for ix in metadata.storage_data
+                         if ix.fqn == key and tuple(ix.offset) == tuple(chunk.offsets))
             got.append((tuple(chunk.offsets), tuple(chunk.sizes), metadata.storage_data[index].relative_path))
         check.equal(f"{key} chunks", got, [(o, s, f"__{r}_0.distcp") for o, s, r in expected])
     return check

@@ -118,15 +118,16 @@ def source_catalog(model: Model, values: dict, root: str):
     """THE hand-built Catalog: each logical tensor one raw file, one fragment (tp=pp=dp=1). A pipeline model
     also gets what the DeepSpeed reader records of layer files (which layer holds which param)."""
     from reshard.core.catalog import CatalogBuilder, Fragment, ParamInfo, ScalarTensor, TensorDraft, TrainingState
-    from reshard.formats.deepspeed.notes import DeepSpeedNotes
-    from reshard.core.storage_ref import StorageRef
     from reshard.core.layout import Layout
+    from reshard.core.storage_ref import StorageRef
+    from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.formats.deepspeed.topology import DeepSpeedTopology
 
     src = os.path.join(root, "src", "global_step7")
     os.makedirs(src)
     catalog = CatalogBuilder(root=src, format="deepspeed",
-                             layout=Layout.of(1, dtype=model.lp, format_topology=DeepSpeedTopology(zero=1, **model.options)))
+                             layout=Layout.of(1, dtype=model.lp,
+                                              format_topology=DeepSpeedTopology(zero=1, **model.options)))
     zero_cfg = {"stage": 1, **model.options}
     precision = {"bfloat16": {"bf16": {"enabled": True}}, "float16": {"fp16": {"enabled": True}}}.get(model.lp, {})
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_cfg, **precision}

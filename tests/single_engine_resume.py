@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node M tests/single_engine_resume.py JOBS.json RESULTS.json
 
-JOBS.json is a list of jobs, each {"model": "tiny_lm" | "gpt2" | "lightning", "checkpoint": dir, "stage": S, "truth": file,
-      "optimizer": "Adam" | "AdamW" | "SGD", "hyper": {...}, "groups": [{"names": [...], hyper...}],
+JOBS.json is a list of jobs, each {"model": "tiny_lm" | "gpt2" | "lightning", "checkpoint": dir, "stage": S,
+      "truth": file, "optimizer": "Adam" | "AdamW" | "SGD", "hyper": {...}, "groups": [{"names": [...], hyper...}],
       "global_steps": N, "scheduler": {"class", "kwargs", "expected": {state key: value}} or absent}.
 Every rank builds the model, the optimizer with the source's groups (as the source training built
 them) and its LR scheduler, calls the ordinary engine.load_checkpoint, reads every fp32 param and
@@ -17,7 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
+from torchrun_jobs import run_rank
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -69,6 +70,7 @@ def main(jobs_path, results_path):
 
 def run(job, rank):
     import gc
+
     import deepspeed
     import deepspeed.comm as dist
     import torch

@@ -1,6 +1,6 @@
 """A tiny LightningModule (the TinyLM inside) trained by lightning.pytorch.Trainer on CPU."""
-import torch
 import lightning.pytorch as pl
+import torch
 
 import single_models as sm
 

@@ -61,12 +61,12 @@ def loads(out, saved):
     """Each stage's folder converted by the command line for 1 and 3 processes, and loaded there; and loaded
     unconverted at 3 (which must fail): (dp, None, job)."""
     jobs = []
-    for stage, result in zip(STAGES, saved):
+    for stage, result in zip(STAGES, saved, strict=True):
         source = Path(result["dir"]).parent
         for dp in LOADS:
             run_cli("convert", source / "state", source / f"dp{dp}", "--to", f"dp={dp}", "--quiet", check=0)
             jobs.append((dp, None, job(source, stage, "load", source / f"dp{dp}")))
-    for stage, result in zip(STAGES, saved):     # last: the same load of the unconverted folder must fail
+    for stage, result in zip(STAGES, saved, strict=True):     # last: the same load of the unconverted folder must fail
         source = Path(result["dir"]).parent
         jobs.append((3, None, {**job(source, stage, "load", source / "state"), "fails": True}))
     return jobs

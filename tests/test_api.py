@@ -8,9 +8,9 @@ import os
 import shutil
 
 import pytest
-from conftest import fixture_dir, run_cli
 
 import reshard
+from conftest import fixture_dir, run_cli
 
 # the calls of the API: one per command of the CLI, and the lifecycle calls
 CALLS = [reshard.open_checkpoint, reshard.inspect, reshard.validate, reshard.prove_complete, reshard.plan,

@@ -6,12 +6,21 @@ import dataclasses
 import pytest
 
 import reshard
-from reshard.core.catalog import (MASTER, MODULE, CatalogBuilder, Fragment, ParamInfo, PerParamScalar, ScalarTensor,
-                                  TensorDraft, TensorKey)
+from conftest import fixture_dir
+from reshard.core.catalog import (
+    MASTER,
+    MODULE,
+    CatalogBuilder,
+    Fragment,
+    ParamInfo,
+    PerParamScalar,
+    ScalarTensor,
+    TensorDraft,
+    TensorKey,
+)
 from reshard.core.layout import Layout
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
-from conftest import fixture_dir
 
 
 def _builder() -> CatalogBuilder:

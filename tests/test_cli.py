@@ -3,8 +3,8 @@ prints about the files it wrote (the disk's numbers), JSON for programs, and a c
 import contextlib
 import io
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,8 +85,9 @@ def test_layout_rules_refused_by_every_reader_that_takes_none(tmp_path):
 def every_format(tmp_path_factory):
     """{reader FORMAT: a checkpoint of that format}: each made by reshard from the DeepSpeed fixture, the
     Lightning file by torch.save and the Trainer folder by safetensors, as those frameworks lay them out."""
-    import reshard.cli
     from safetensors.torch import save_file
+
+    import reshard.cli
     root = tmp_path_factory.mktemp("formats")
     for args in (["export", SRC, root / "model.pt"], ["export", SRC, root / "model.safetensors"],
                  ["convert", SRC, root / "dcp", "--format", "dcp"],
@@ -288,9 +289,9 @@ def test_export_summary_matches_the_disk(tmp_path):
 def test_torch_file_size_is_known_before_writing_also_with_zip64(tmp_path, monkeypatch):
     """The planned size of a torch.save archive is the written one, also where zipfile adds ZIP64 fields
     (a small limit stands in for the 2 GiB one); torch.load reads the archive."""
+    from reshard.core.write_requests import Piece
     from reshard.formats.torchsave_write import TorchFile, TorchZip, pickle_tree
     from reshard.storage.posix_sink import HashingSink
-    from reshard.core.write_requests import Piece
 
     for limit in (None, 3000, 300):
         if limit:
@@ -328,7 +329,8 @@ def test_export_json_says_what_was_written(tmp_path):
     out = tmp_path / "m.pt"
     data = json.loads(run_cli("export", SRC, out, "--json", check=0).stdout)
     assert data["format"] == "torch" and data["tag"] is None and data["topology"] is None
-    assert data["files"] == [{"path": str(out), "bytes": os.path.getsize(out)}] and data["bytes"] == os.path.getsize(out)
+    assert data["files"] == [{"path": str(out), "bytes": os.path.getsize(out)}]
+    assert data["bytes"] == os.path.getsize(out)
     assert data["manifest"] == f"{out}.reshard-manifest.json" and os.path.isfile(data["manifest"])
     weights = torch.load(out, weights_only=True)
     truth = truth_tensors("z2_fp32_dp2")

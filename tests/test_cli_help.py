@@ -12,11 +12,11 @@ from unittest import mock
 import pytest
 
 import reshard
-from reshard.cli import build_parser
-from reshard.errors import ReshardError
-from reshard.core.layout import Layout
-from reshard.formats import every_spec_key, target_layout
 from conftest import REPO, fixture_dir, run_cli
+from reshard.cli import build_parser
+from reshard.core.layout import Layout
+from reshard.errors import ReshardError
+from reshard.formats import every_spec_key, target_layout
 
 COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune", "watch")
 # Examples name these sources; the test puts a copy of a real checkpoint of that kind there.

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import reshard
-from reshard.formats.deepspeed import topology as ds
-from reshard.formats import target_layout
+from conftest import copy_fixture, fixture_dir, run_cli, tag_dir, truth_json
 from reshard.convert import make_plan
 from reshard.core.dtypes import itemsize, numpy_carrier
 from reshard.executor import execute
-from reshard.formats import torchsave_read
+from reshard.formats import target_layout, torchsave_read
+from reshard.formats.deepspeed import topology as ds
 from reshard.formats.torchsave_read import TensorRef
-from conftest import copy_fixture, fixture_dir, run_cli, tag_dir, truth_json
 
 TARGETS = [1, 2, 3, 5]
 
@@ -81,7 +80,7 @@ def _assert_same_tree(a, b, where, covered):
             _assert_same_tree(a[k], b[k], f"{where}.{k}", covered)
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same_tree(x, y, f"{where}[{i}]", covered)
     else:
         assert type(a) is type(b) and a == b, (where, a, b)
@@ -121,7 +120,7 @@ def test_stage_changes_keep_every_tensor(name, stage, tmp_path):
     out = _convert(fixture_dir(name), tmp_path / "out", f"dp=3,zero={stage}")
     assert reshard.validate(out, deep=True).ok
     assert ds.of(out.layout).zero == stage
-    for (param, state), tensor in source.tensors.items():
+    for (param, state), _tensor in source.tensors.items():
         if stage == 3 and state == "module" and source.params[param].kind == "trainable":
             assert (param, state) not in out.tensors    # ZeRO-3 keeps no 16-bit copy of trainable params
             continue

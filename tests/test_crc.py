@@ -24,14 +24,14 @@ import reshard
 import reshard.checksums
 import reshard.cli
 import reshard.dcp_reader
+from conftest import REPO, copy_fixture, fixture_dir, tag_dir
+from engine_launches import shares
 from reshard.checksums import Tally, crc32_combine
 from reshard.convert import make_plan
 from reshard.core.dtypes import itemsize
+from reshard.core.storage_ref import StorageRef
 from reshard.deepspeed_engine import ServedFiles
 from reshard.errors import CheckpointError
-from reshard.core.storage_ref import StorageRef
-from conftest import REPO, copy_fixture, fixture_dir, tag_dir
-from engine_launches import shares
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 NAME = "z2_fp32_dp2"
@@ -240,7 +240,7 @@ def _dcp_load(src):
 
 def _dcp_load_error(src) -> str:
     """What dcp.load raises (a CheckpointException carrying each rank's exception), as text."""
-    from torch.distributed.checkpoint.api import CheckpointException    # (a BaseException)
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
     with pytest.raises(CheckpointException) as caught:
         _dcp_load(src)
     failures = getattr(caught.value, "failures", {})
@@ -360,8 +360,8 @@ def live_load_jobs(out):
 
 @pytest.mark.engine
 def test_the_live_engine_load_raises_on_every_rank(engine_launches):
-    """reshard.deepspeed_engine.load_checkpoint under torchrun (2 ranks, the fixture's own model and config): the corrupt
-    copy raises the same one line on every rank, after DeepSpeed's load and before training goes on; the
+    """reshard.deepspeed_engine.load_checkpoint under torchrun (2 ranks, the fixture's own model and config): the
+    corrupt copy raises the same one line on every rank, after DeepSpeed's load and before training goes on; the
     clean fixture in the same launch loads (the negative control)."""
     bad, good = engine_launches.results(live_load_jobs)
     assert os.path.dirname(os.path.dirname(bad["file"])) == bad["checkpoint"] != good["checkpoint"]

@@ -17,19 +17,30 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
-from reshard.errors import ReshardError
-from conftest import (FIXTURES, mutated, REPO, fixture_dir, run_cli, run_torchrun, tag_dir, torchrun, truth_json,
-                      truth_tensors)
+from conftest import (
+    FIXTURES,
+    REPO,
+    fixture_dir,
+    mutated,
+    run_cli,
+    run_torchrun,
+    tag_dir,
+    torchrun,
+    truth_json,
+    truth_tensors,
+)
 from engine_state import fsdp2_differences, saved_param_groups
+from reshard.errors import ReshardError
 
 sys.path.insert(0, str(REPO / "tools"))
-from make_hostile import Payload  # noqa: E402
+from make_hostile import Payload
 
 # fp32 ZeRO-1/2/3, bf16 (ZeRO-3, ZeRO-1, BF16_Optimizer), SGD, two param groups with frozen and tied params
 # loaded through reshard.dcp_reader.Reader only: ZeRO-3 bf16 dp=4, ZeRO-2 round-robin; and the tensor- and pipeline-
 # parallel fixtures, into the model each was trained as (tests/dcp_fsdp2.py "model")
 READ_ONLY = ["z3_bf16_dp4", "z2_fp32_roundrobin_dp4"]
-PARALLEL_MODELS = {"autotp2_z1_fp32_dp2": {"model": "llama", "hf_config": str(FIXTURES / "autotp2_z1_fp32_dp2" / "hf_config")},
+PARALLEL_MODELS = {"autotp2_z1_fp32_dp2": {"model": "llama",
+                                           "hf_config": str(FIXTURES / "autotp2_z1_fp32_dp2" / "hf_config")},
                    "pipe2_z1_fp32_dp2": {"model": "pipe"}, "pipe2_tiedhead_z1_fp32_dp2": {"model": "tied_head"}}
 FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z1_bf16_frozen_tied_dp2",
                     "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2", "z2_fp32_sgd_dp2"]
@@ -87,6 +98,7 @@ def _real_save(out, variant):
     (flatten_optimizer_state_dict=True, two param groups), "no_prefix" (model keys at the top)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     from fixture_model import build_model, make_batch, param_groups
 
     model = build_model(tied=True)
@@ -384,7 +396,7 @@ def fsdp2_loaded(fixtures_as_dcp, fsdp2_save):
     loaded = {}
     for world in (2, 3):
         jobs = _load_jobs(converted, out, world)
-        for name, job in zip(converted, jobs):
+        for name, job in zip(converted, jobs, strict=True):
             job.update(source=str(fixture_dir(name)), reader_out=str(out / f"{name}-read-{world}.pt"))
         jobs.append({"source": str(fsdp2_ckpt), "reader_out": str(out / f"fsdp2-read-{world}.pt"), "optimizer": "Adam"})
         more = {name: {**(_model_job(name) if name in READ_ONLY else
@@ -418,7 +430,7 @@ def test_deepspeed_fixtures_load_into_fsdp2_with_dcp_load(fixtures_as_dcp, fsdp2
     # the comparison sees another run's state (the same model and optimizer, trained in fp32)
     other = torch.load(more["z3_bf16_dp4"]["reader_out"], weights_only=False)
     assert fsdp2_differences(other, truth_tensors("z3_fp32_dp4"), truth_json("z3_fp32_dp4")["global_steps"])[0]
-    for name, job in zip(converted, jobs):
+    for name, job in zip(converted, jobs, strict=True):
         _compare_with_truth(name, torch.load(job["out"], weights_only=False))
         read = torch.load(job["reader_out"], weights_only=False)
         _compare_with_truth(name, read)
@@ -542,7 +554,7 @@ def deepspeed_resumed(fsdp2_save, tmp_path_factory):
         jobs[stage] = {"checkpoint": str(dst), "stage": stage, "truth": truth, "control": control}
     jobs["reshard"] = {"checkpoint": str(ckpt), "stage": 3, "truth": truth, "loader": "reshard",
                        "control": str(_nudged(truth, out / "control-reshard.pt", "l2.weight", "exp_avg_sq", 3))}
-    return dict(zip(jobs, run_torchrun("dcp_deepspeed_resume.py", 2, list(jobs.values()), out, "resume")))
+    return dict(zip(jobs, run_torchrun("dcp_deepspeed_resume.py", 2, list(jobs.values()), out, "resume"), strict=True))
 
 
 @pytest.mark.engine

@@ -17,12 +17,21 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import reshard
 import reshard.dcp_reader
-from conftest import (ALL_FIXTURES, FIXTURES, REPO, copy_fixture, fixture_dir, tag_dir, truth_json, truth_tensors,
-                      write_in_zip)
+from conftest import (
+    ALL_FIXTURES,
+    FIXTURES,
+    REPO,
+    copy_fixture,
+    fixture_dir,
+    tag_dir,
+    truth_json,
+    truth_tensors,
+    write_in_zip,
+)
 from reshard.errors import ReshardError
 
 sys.path.insert(0, str(REPO / "tools"))
-from fixture_model import build_model, make_batch  # noqa: E402
+from fixture_model import build_model, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RULES = {name: str(REPO / "reshard" / "layouts" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}
@@ -55,7 +64,8 @@ def test_dcp_load_gives_the_engine_truth(name):
     """dcp.load into tensors of the metadata's shapes, filled with NaN: every recorded value arrives exact,
     every step is the engine's."""
     metadata = _reader(name).read_metadata()
-    flat = {key: torch.full(tuple(m.size), float("nan"), dtype=m.properties.dtype) if m.properties.dtype.is_floating_point
+    flat = {key: torch.full(tuple(m.size), float("nan"), dtype=m.properties.dtype)
+            if m.properties.dtype.is_floating_point
             else torch.zeros(tuple(m.size), dtype=m.properties.dtype)
             for key, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
     dcp.load(flat, storage_reader=_reader(name))
@@ -123,7 +133,7 @@ def assert_resumed_as_truth(name, model, optim):
                 assert float(optim.state[p]["step"]) == info["global_steps"]
     saved_groups = info["param_groups"]
     assert len(optim.param_groups) == len(saved_groups)
-    for group, saved in zip(optim.param_groups, saved_groups):
+    for group, saved in zip(optim.param_groups, saved_groups, strict=True):
         assert (group["lr"], group["weight_decay"]) == (saved["lr"], saved["weight_decay"])   # not the script's
     assert torch.equal(model.pos, torch.arange(5)) and torch.equal(model.scale, torch.tensor([1.0, 0.5, 0.25]))
     loss = model(make_batch(99, 0))
@@ -183,7 +193,8 @@ def test_elastic_checkpoints_hold_no_hyper_parameters():
     """What a DeepSpeed elastic save lacks, DCP's planner names; with allow_partial_load the optimizer keeps
     the script's own (as DeepSpeed does), and every tensor is still the engine's."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    with pytest.raises(dcp.api.CheckpointException, match="Missing key in checkpoint state_dict: optim.param_groups.0.lr"):
+    with pytest.raises(dcp.api.CheckpointException,
+                       match="Missing key in checkpoint state_dict: optim.param_groups.0.lr"):
         _resume(ELASTIC, _reader(ELASTIC))
     model = build_model(seed=99)
     optim = torch.optim.AdamW(model.parameters(), lr=0.5)

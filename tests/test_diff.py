@@ -9,9 +9,9 @@ import pytest
 
 import reshard
 import reshard.comparison
+from conftest import fixture_dir, run_cli, write_in_zip
 from reshard.core.catalog import MASTER
 from reshard.core.dtypes import itemsize
-from conftest import fixture_dir, run_cli, write_in_zip
 
 
 @pytest.mark.parametrize("name,to", [("z3_bf16_dp4", "dp=3,zero=1"), ("z2_fp32_roundrobin_dp4", "dp=2"),

@@ -43,6 +43,7 @@ def test_a_corrupt_source_is_found_across_ranks_and_nothing_is_committed(tmp_pat
     """Bit rot (issue 24): one flipped bit in a member the ranks read parts of; rank 0 gathers every rank's block
     CRCs, finds the mismatch before the commit, and nothing is left."""
     import shutil
+
     import reshard
     src = tmp_path / "src"
     shutil.copytree(fixture_dir("z3_fp32_frozen_tied_dp2"), src)

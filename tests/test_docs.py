@@ -8,8 +8,9 @@ import shutil
 import subprocess
 import sys
 
-import lifecycle_runs
 import pytest
+
+import lifecycle_runs
 from conftest import REPO, fixture_dir
 from doc_blocks import SETUP_REASON, Block, DocBlockError, blocks, commands, is_setup, run_block
 from test_framework_files import hf_folder

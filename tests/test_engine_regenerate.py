@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 import reshard
-from reshard.core.catalog import MASTER
 from conftest import REPO, truth_tensors
+from reshard.core.catalog import MASTER
 
 pytestmark = pytest.mark.engine
 NAMES = ["z2_fp32_dp2", "z3_bf16_dp2"]

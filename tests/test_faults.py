@@ -68,7 +68,8 @@ def test_sigkill_leaves_no_destination_and_resume_completes_identically(at, tmp_
         pytest.fail(f"the run finished before write {at}; lower the kill points")
     assert proc.returncode == -signal.SIGKILL
     assert not dst.exists() and staging.is_dir()
-    journaled = (staging / ".reshard-journal").read_text().splitlines() if (staging / ".reshard-journal").exists() else []
+    journal = staging / ".reshard-journal"
+    journaled = journal.read_text().splitlines() if journal.exists() else []
     inodes = {line.split('"path": "')[1].split('"')[0]: None for line in journaled}
     for rel in inodes:
         inodes[rel] = os.stat(staging / rel).st_ino

@@ -15,8 +15,18 @@ import pytest
 
 from conftest import fixture_dir, run_cli
 from reshard.errors import ReshardError
-from reshard.formats.framework import (CARRIED, COPIED, COPY_RANK0, DROPPED, FAIL, FRESH, NONE, REWRITTEN,
-                                       Framework, FrameworkFile)
+from reshard.formats.framework import (
+    CARRIED,
+    COPIED,
+    COPY_RANK0,
+    DROPPED,
+    FAIL,
+    FRESH,
+    NONE,
+    REWRITTEN,
+    Framework,
+    FrameworkFile,
+)
 from reshard.formats.framework.hf_trainer import RNG
 
 

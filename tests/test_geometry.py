@@ -39,20 +39,21 @@ def test_coverage_matches_element_counts(case):
 def test_box_runs_cover_exactly_the_box(data):
     """Every element of a box, through its runs, lands where numpy's indexing puts it (full tensor and holder)."""
     import numpy as np
+
     from reshard.core.geometry import box_runs
     ndim = data.draw(st.integers(0, 3))
     full = tuple(data.draw(st.integers(1, 5)) for _ in range(ndim))
     start = tuple(data.draw(st.integers(0, n - 1)) for n in full)
-    box = tuple(data.draw(st.integers(1, n - s)) for n, s in zip(full, start))
+    box = tuple(data.draw(st.integers(1, n - s)) for n, s in zip(full, start, strict=True))
     pad = tuple(data.draw(st.integers(0, 2)) for _ in range(ndim))     # the holder: the box plus a margin
-    holder = tuple(b + p for b, p in zip(box, pad))
+    holder = tuple(b + p for b, p in zip(box, pad, strict=True))
     holder_start = tuple(data.draw(st.integers(0, p)) for p in pad)
     values = np.arange(int(np.prod(full)), dtype=np.int64).reshape(full)
-    expect_full = values[tuple(slice(s, s + b) for s, b in zip(start, box))].reshape(-1)
+    expect_full = values[tuple(slice(s, s + b) for s, b in zip(start, box, strict=True))].reshape(-1)
     where = np.arange(int(np.prod(holder)), dtype=np.int64).reshape(holder)
-    expect_holder = where[tuple(slice(s, s + b) for s, b in zip(holder_start, box))].reshape(-1)
+    expect_holder = where[tuple(slice(s, s + b) for s, b in zip(holder_start, box, strict=True))].reshape(-1)
     got_full, got_holder = [], []
-    for f, h, n in zip(*box_runs(full, start, box, holder, holder_start)):
+    for f, h, n in zip(*box_runs(full, start, box, holder, holder_start), strict=True):
         got_full += range(f, f + n)
         got_holder += range(h, h + n)
     assert got_full == expect_full.tolist() and got_holder == expect_holder.tolist()

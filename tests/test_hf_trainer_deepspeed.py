@@ -71,15 +71,16 @@ def resumes(out, saved):
     """Each stage's checkpoint-3 converted by the command line to 1 and 3 processes, and resumed there; and resumed
     unconverted at 3 (which must fail): (dp, None, job)."""
     jobs = []
-    for stage, run in zip(STAGES, saved):
+    for stage, run in zip(STAGES, saved, strict=True):
         source = Source(Path(run["out"]).parent, stage)
         for dp, gas in RESUMES:
             run_cli("convert", source / "run" / f"checkpoint-{SAVE}", _converted(source, dp), "--to", f"dp={dp}",
                     "--quiet", check=0)
             jobs.append((dp, None, _resume_job(source, _converted(source, dp), f"dp{dp}", gas)))
-    for stage, run in zip(STAGES, saved):     # last: the same resume of the unconverted folder must fail
+    for stage, run in zip(STAGES, saved, strict=True):     # last: the same resume of the unconverted folder must fail
         source = Source(Path(run["out"]).parent, stage)
-        jobs.append((3, None, {**_resume_job(source, source / "run" / f"checkpoint-{SAVE}", "baseline"), "fails": True}))
+        job = _resume_job(source, source / "run" / f"checkpoint-{SAVE}", "baseline")
+        jobs.append((3, None, {**job, "fails": True}))
     return jobs
 
 
@@ -139,8 +140,10 @@ def test_fsdp2_loads_the_trainers_checkpoint_through_the_reader(source):
     Adam moments are the live engine's at save time, the hyper-parameters those torch.load finds in the
     optimizer file; then it trains a step."""
     import math
+
     import torch
     from safetensors.torch import load_file
+
     from engine_state import fsdp2_differences, saved_param_groups
     folder, world = source / "run" / f"checkpoint-{SAVE}", 3 if source.stage == 2 else 2
     job = {"model": "gpt2", "optimizer": "AdamW", "source": str(folder), "reader_out": str(source / "fsdp2.pt")}

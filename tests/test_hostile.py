@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
+from conftest import REPO, fixture_dir, mutated, run_cli, tag_dir
 from reshard.errors import ReshardError
 from reshard.formats import torchsave_read
-from conftest import mutated, REPO, fixture_dir, run_cli, tag_dir
 
 sys.path.insert(0, str(REPO / "tools"))
-import make_hostile  # noqa: E402
+import make_hostile
 
 COMMANDS = {
     "inspect": lambda src, out: ["inspect", src],
@@ -65,7 +65,8 @@ def test_every_command_refuses(corpus, case, tmp_path):
     assert set(CASE_NAMES) == set(cases)
 
 
-@settings(max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", 300)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_rank_files_only_ever_give_a_checkpoint_error(data, tmp_path_factory):
     """Mutated real files: the reader returns or raises ReshardError, nothing else, never runs code."""

@@ -6,13 +6,13 @@ import re
 import pytest
 
 import reshard
-from reshard.errors import ReshardError
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, truth_json
 from reshard.core.layout import Degrees, Layout
+from reshard.errors import ReshardError
 from reshard.formats import target_layout
 from reshard.formats.deepspeed import topology as ds
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.unpartitioned import UNPARTITIONED
-from conftest import FIXTURES, REPO, fixture_dir, run_cli, truth_json
 
 
 def test_detected_layout_round_trips_through_a_descriptor(fixture_name, tmp_path):
@@ -83,7 +83,8 @@ def test_example_topologies_convert_a_real_checkpoint(tmp_path, descriptor, fixt
 def test_a_descriptor_with_another_precision_is_refused(tmp_path):
     path = tmp_path / "bf16.json"
     path.write_text(json.dumps({"kind": "reshard.core.layout", "version": 1, "dp": 2, "dtype": "bfloat16"}))
-    proc = run_cli("convert", FIXTURES / "z2_fp32_dp2" / "checkpoint", tmp_path / "out", "--to", path, check=2)    # the --to the user gave: a usage error
+    # the --to the user gave: a usage error
+    proc = run_cli("convert", FIXTURES / "z2_fp32_dp2" / "checkpoint", tmp_path / "out", "--to", path, check=2)
     assert "dtype bfloat16 differs from the source's float32" in proc.stderr
 
 

@@ -66,9 +66,9 @@ def test_the_same_tags_whole_are_complete(tmp_path):
 def test_cli_list_text_and_json(ds_run):
     text = run_cli("list", ds_run, check=0).stdout
     assert "coverage proof" in text
-    line = next(l for l in text.splitlines() if l.rstrip().endswith("ds/global_step4"))
+    line = next(ln for ln in text.splitlines() if ln.rstrip().endswith("ds/global_step4"))
     assert "INCOMPLETE" in line and "dp=4,zero=3" in line
-    assert "named by ds/latest" in next(l for l in text.splitlines() if "ds/global_step8" in l)
+    assert "named by ds/latest" in next(ln for ln in text.splitlines() if "ds/global_step8" in ln)
     data = json.loads(run_cli("list", ds_run, "--json", check=0).stdout)
     assert data["check"] == "coverage"
     assert [(c["name"], c["status"]) for c in data["checkpoints"]] == \

@@ -15,14 +15,13 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import lifecycle_runs as lr
 import reshard
 from conftest import REPO, run_cli
-from reshard.retention import DELETE, KEEP, UNTOUCHED, Policy, PolicyError, decide
 from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint
+from reshard.retention import DELETE, KEEP, UNTOUCHED, Policy, PolicyError, decide
 
 DRIVER = str(REPO / "tests" / "fault_driver.py")
 

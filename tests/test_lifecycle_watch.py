@@ -251,7 +251,8 @@ def test_hf_trainer_run_a_policy_it_cannot_evaluate_is_said_once_and_deletes_not
     assert sorted(os.listdir(hf_dir)) == [f"checkpoint-{n}" for n in (2, 4, 6, 8)]
     again = run_cli("watch", tmp_path, "--once", "--keep-last", "1", check=0)
     assert reported(again.stdout) == {}
-    kept = {"checkpoint-8"} | ({os.path.basename(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
+    best = {os.path.basename(state.best_model_checkpoint)} if state.best_model_checkpoint else set()
+    kept = {"checkpoint-8"} | best
     assert sorted(os.listdir(hf_dir)) == sorted(kept)
 
 

@@ -1,6 +1,6 @@
-"""Lightning's DeepSpeedStrategy checkpoints: a real ZeRO-2 (and ZeRO-3) run at 2 devices saves `step=3.ckpt/` (ModelCheckpoint),
-reshard converts the folder for 1 and 3 devices, and `trainer.fit(model, ckpt_path=...)` resumes it there
-(tests/lightning_deepspeed.py; its ranks cannot import reshard). Without reshard the same resume fails with
+"""Lightning's DeepSpeedStrategy checkpoints: a real ZeRO-2 (and ZeRO-3) run at 2 devices saves `step=3.ckpt/`
+(ModelCheckpoint), reshard converts the folder for 1 and 3 devices, and `trainer.fit(model, ckpt_path=...)` resumes it
+there (tests/lightning_deepspeed.py; its ranks cannot import reshard). Without reshard the same resume fails with
 DeepSpeed's error."""
 import filecmp
 import json
@@ -65,7 +65,7 @@ def resumes(out, saved_runs):
     """Each stage's save converted to every size, and at each size the unconverted save (which must fail) and
     reshard's folder resumed: (size, None, job)."""
     jobs = []
-    for stage, run in zip(STAGES, saved_runs[::2]):
+    for stage, run in zip(STAGES, saved_runs[::2], strict=True):
         ckpt = Path(run["ckpt"])
         tmp = ckpt.parent.parent
         job = {"dir": str(ckpt.parent), "truth": str(tmp / "run.safetensors"),
@@ -92,7 +92,8 @@ def test_inspect_says_lightning_around_deepspeed(saved, converted):
         assert framework["name"] == "Lightning" and framework["files"] == []   # its state is DeepSpeed's client state
     # a DeepSpeed save whose client state is not Lightning's names no framework
     plain = json.loads(run_cli("inspect", fixture_dir("z2_fp32_dp2"), "--json", check=0).stdout)
-    assert plain["framework"] is None and "Lightning" not in run_cli("inspect", fixture_dir("z2_fp32_dp2"), check=0).stdout
+    assert plain["framework"] is None
+    assert "Lightning" not in run_cli("inspect", fixture_dir("z2_fp32_dp2"), check=0).stdout
 
 
 def test_converted_folder_is_what_lightning_writes(saved, converted):

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import reshard
-from reshard.target_bytes import SourceFiles
+from conftest import ALL_FIXTURES, REPO, copy_fixture, fixture_dir
 from reshard.convert import make_plan
 from reshard.executor import execute
 from reshard.materialize import materialize
-from conftest import ALL_FIXTURES, REPO, copy_fixture, fixture_dir
+from reshard.target_bytes import SourceFiles
 
 RULES = {name: str(REPO / "reshard" / "layouts" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}
 
@@ -37,7 +37,7 @@ def _same(a, b, where, storages):
             _same(a[key], b[key], f"{where}.{key}", storages)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _same(x, y, f"{where}[{i}]", storages)
     elif hasattr(a, "__dict__") and not isinstance(a, type):
         _same(vars(a), vars(b), where, storages)

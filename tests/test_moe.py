@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import reshard
-from reshard.formats.deepspeed import topology as ds
+from conftest import FIXTURES, MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors, write_in_zip
 from reshard.core.catalog import MASTER, MODULE
 from reshard.core.dtypes import itemsize
 from reshard.core.placement import Shard, regions
+from reshard.formats.deepspeed import topology as ds
 from reshard.source_bytes import full_tensor
-from conftest import FIXTURES, MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors, write_in_zip
 
 AUTOEP = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep"]
 PACKED = "model.layers.1.mlp.experts.w2"          # an AutoEP packed weight: (num_experts, hidden, intermediate)
@@ -164,8 +164,8 @@ def _holder(tensor, element):
     for frag in tensor.fragments:
         shard = frag.shard or Shard.whole(tensor.shape)
         for r in regions(shard, frag.start, frag.stop):
-            if all(a <= c < a + n for c, a, n in zip(coords, r.at, r.shape)):
-                local = [c - a + lo for c, a, lo in zip(coords, r.at, r.local)]
+            if all(a <= c < a + n for c, a, n in zip(coords, r.at, r.shape, strict=True)):
+                local = [c - a + lo for c, a, lo in zip(coords, r.at, r.local, strict=True)]
                 return frag, int(np.ravel_multi_index(local, shard.shape))
     raise AssertionError(f"no fragment holds element {element}")
 

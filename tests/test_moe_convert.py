@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import reshard
-from reshard.formats.deepspeed import topology as ds
-from reshard.core.catalog import MASTER
+from conftest import MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
 from reshard.convert import make_plan
+from reshard.core.catalog import MASTER
+from reshard.core.placement import Shard
 from reshard.executor import execute
 from reshard.formats import torchsave_read
+from reshard.formats.deepspeed import topology as ds
 from reshard.formats.deepspeed.experts import expert_ranks
-from reshard.core.placement import Shard
-from conftest import MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
 from test_convert import _assert_same_tree, _covered_elements
 from test_moe import PACKED, _differences, _set_element
 
@@ -137,7 +137,7 @@ def _assert_same_objects(a, b, where):
             _assert_same_objects(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same_objects(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)

@@ -1,19 +1,19 @@
-"""The unmodified DeepSpeed engine with AutoEP (and with deepspeed.moe) resumes reshard's conversions at another ep x dp (issue #16):
-`engine.load_checkpoint` of the output, then its fp32 masters, both Adam moments and module weights (gathered as
-tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and one more step runs
+"""The unmodified DeepSpeed engine with AutoEP (and with deepspeed.moe) resumes reshard's conversions at another ep x dp
+(issue #16): `engine.load_checkpoint` of the output, then its fp32 masters, both Adam moments and module weights
+(gathered as tools/fixture_moe.py takes the truth) equal the fixture's truth bit for bit, and one more step runs
 (tests/engine_moe_resume.py); so does the engine built with load_universal, from reshard's universal trees.
 Two launches (2 and 4 ranks), several engines each. Negative controls: a changed
 expert element in a converted file is caught; DeepSpeed's own load of the fixture at ep 1 gives wrong expert
-masters (docs/deepspeed-moe.md §5) where reshard's output gives the truth. reshard.deepspeed_engine.load_checkpoint loads
-the saves straight into the engine at another ep, bit-exact too."""
+masters (docs/deepspeed-moe.md §5) where reshard's output gives the truth. reshard.deepspeed_engine.load_checkpoint
+loads the saves straight into the engine at another ep, bit-exact too."""
 import shutil
 
 import pytest
 import torch
 
 import reshard
-from reshard.core.catalog import MASTER
 from conftest import FIXTURES, fixture_dir, run_cli, run_torchrun, truth_tensors
+from reshard.core.catalog import MASTER
 from test_moe import PACKED, _set_element
 from test_universal import ds_to_universal
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import REPO, fixture_dir, run_cli, truth_tensors
 
 sys.path.insert(0, str(REPO / "tools"))
-from fixture_moe import mixtral_config, probe  # noqa: E402
+from fixture_moe import mixtral_config, probe
 
 NAMES = REPO / "reshard" / "layouts" / "mixtral-autoep-hf.json"
 AUTOEP = ["autoep2_z1_fp32", "autoep2_z2_fp32_dp2", "autoep2_z2_bf16"]

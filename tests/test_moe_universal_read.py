@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import reshard
-from reshard.formats.deepspeed import topology as ds
-from reshard.core.catalog import MASTER, MODULE
 from conftest import fixture_dir, run_cli, truth_json, truth_tensors
+from reshard.core.catalog import MASTER, MODULE
+from reshard.formats.deepspeed import topology as ds
 from test_moe import PACKED, _differences, _set_element
 from test_universal import _one_line_error, ds_to_universal
 

@@ -7,10 +7,10 @@ import json
 import shutil
 
 import pytest
-import single_models as sm
 import torch
-from conftest import fixture_dir
 
+import single_models as sm
+from conftest import fixture_dir
 from reshard.cli import main
 from reshard.text import counted
 

@@ -8,17 +8,17 @@ folder (by '..', an absolute path or a symlink) are refused with exit 1: the che
 import hashlib
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
-from dataclasses import replace
 
 import reshard
 from conftest import fixture_dir
 from reshard.cli import main
 from reshard.convert import make_plan
+from reshard.core.write_requests import TextFile
 from reshard.errors import UsageError
 from reshard.executor import execute
-from reshard.core.write_requests import TextFile
 
 SOURCE = "z2_fp32_dp2"
 

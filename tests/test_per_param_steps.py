@@ -81,18 +81,18 @@ def test_dcp_output_gives_each_param_its_own_step(source, tmp_path):
     run_cli("convert", path, tmp_path / "dcp", "--format", "dcp", "--quiet", check=0)
     loaded, loaded_opt = _load_dcp(tmp_path / "dcp")
     assert _steps(loaded_opt, loaded) == STEPS
-    for p, q in zip(model.parameters(), loaded.parameters()):
+    for p, q in zip(model.parameters(), loaded.parameters(), strict=True):
         assert torch.equal(p, q)
         for state in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][state], loaded_opt.state[q][state]), state
     # Adam's bias correction depends on the step: the next update equals the source's only with its steps
     expected = _one_more_step(model, opt)
-    assert all(torch.equal(a, b) for a, b in zip(expected, _one_more_step(loaded, loaded_opt)))
+    assert all(torch.equal(a, b) for a, b in zip(expected, _one_more_step(loaded, loaded_opt), strict=True))
     # negative control: the same state with one step for all (5, the group's largest) updates differently
     wrong, wrong_opt = _load_dcp(tmp_path / "dcp")
     for p in wrong.parameters():
         wrong_opt.state[p]["step"].fill_(5)
-    assert not all(torch.equal(a, b) for a, b in zip(expected, _one_more_step(wrong, wrong_opt)))
+    assert not all(torch.equal(a, b) for a, b in zip(expected, _one_more_step(wrong, wrong_opt), strict=True))
 
 
 def test_dcp_to_dcp_keeps_them_and_deepspeed_refuses_the_dcp(source, tmp_path):

@@ -1,13 +1,14 @@
 """Placements: flat ranges of shards as boxes, and the lookups that meet them, checked against numpy indexing."""
+import itertools
 import math
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from reshard.core.catalog import Fragment, TensorDraft
-from reshard.core.storage_ref import StorageRef
 from reshard.core.locate import Locator
 from reshard.core.placement import Block, Shard, flat_boxes, full_index, regions, tiles
+from reshard.core.storage_ref import StorageRef
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 
@@ -21,7 +22,7 @@ def test_flat_boxes_are_the_range_in_order(case):
     boxes = flat_boxes(shape, a, b)
     for at, size in boxes:
         assert int(np.ravel_multi_index(at, shape)) == position if shape else position == 0
-        seen[tuple(slice(i, i + n) for i, n in zip(at, size))] += 1
+        seen[tuple(slice(i, i + n) for i, n in zip(at, size, strict=True))] += 1
         position += math.prod(size)
     expected = np.zeros(math.prod(shape), int)
     expected[a:b] = 1
@@ -38,7 +39,7 @@ def cut_tensors(draw):
     cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=2)))) if n > 1 else []
     edges = [0, *cuts, n]
     shards = []
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         shape = (hi - lo, cols) if dim == 0 else (rows, hi - lo)
         at = (lo, 0) if dim == 0 else (0, lo)
         shards.append((at, shape))
@@ -67,7 +68,7 @@ def test_locator_finds_every_element_where_numpy_does(case, a, b):
     wanted = np.zeros(b - a, int) - 1
     for hit in Locator(tensor.freeze()).boxes(None, a, b):
         first = int(np.ravel_multi_index(hit.local, full_shape)) - a
-        span = sum((k - 1) * s for k, s in zip(hit.shape, hit.strides)) + 1
+        span = sum((k - 1) * s for k, s in zip(hit.shape, hit.strides, strict=True)) + 1
         got = np.lib.stride_tricks.as_strided(buffer[hit.elem:hit.elem + span], hit.shape,
                                               tuple(s * 8 for s in hit.strides))
         np.lib.stride_tricks.as_strided(wanted[first:], hit.shape, (full_shape[1] * 8, 8))[...] = got

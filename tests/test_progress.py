@@ -17,8 +17,8 @@ import pytest
 import reshard
 import reshard.cli
 import reshard.comparison
-from reshard.core.dtypes import is_floating, itemsize
 from conftest import fixture_dir, run_cli
+from reshard.core.dtypes import is_floating, itemsize
 
 SRC = fixture_dir("z2_fp32_dp2")
 OTHER = fixture_dir("z1_fp32_dp2")

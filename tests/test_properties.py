@@ -13,9 +13,9 @@ RESHARD_PROPERTY_EXAMPLES=N multiplies max_examples by N for a long run.
 import os
 import tempfile
 
-import reshard
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import reshard
 from property_oracle import Topology, assert_ok, check_deepspeed, tag_dir
 from property_sources import LP, MODULE, Model, Param, bits, convert, source_catalog, tree_bytes, truth
 

@@ -35,13 +35,23 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import reshard
+from conftest import REPO
+from property_oracle import (
+    Refused,
+    Topology,
+    assert_ok,
+    autotp_cut,
+    check_dcp,
+    check_deepspeed,
+    check_universal,
+    megatron_shard,
+    stages,
+    tag_dir,
+    without_16bit_copy,
+)
+from property_sources import LP, MASTER, MODULE, Model, Param, convert, source_catalog, tree_bytes, truth
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
-
-from conftest import REPO
-from property_oracle import Refused, Topology, assert_ok, autotp_cut, check_dcp, check_deepspeed, check_universal, \
-    megatron_shard, stages, tag_dir, without_16bit_copy
-from property_sources import LP, MASTER, MODULE, Model, Param, convert, source_catalog, tree_bytes, truth
 from test_properties import models as dp_models
 
 SCALE = int(os.environ.get("RESHARD_PROPERTY_EXAMPLES", "1"))
@@ -124,7 +134,8 @@ def autotp_models(draw):
     trainable = [p.name for p in params if p.kind == "trainable"]
     groups = draw(st.integers(1, 2))
     grain = draw(st.sampled_from([1, 1, 1, 2]))
-    model = Model(tuple(params), tuple(tuple(trainable[g::groups]) for g in range(groups)), lp=draw(st.sampled_from(LP)),
+    model = Model(tuple(params), tuple(tuple(trainable[g::groups]) for g in range(groups)),
+                  lp=draw(st.sampled_from(LP)),
                   states=draw(st.sampled_from([("exp_avg", "exp_avg_sq"), ("momentum_buffer",)])),
                   tensor_parallel={"autotp_size": 1, "tp_grain_size": grain}, rules=LLAMA_RULES)
     tp_a = draw(st.integers(1, kv))
@@ -321,6 +332,7 @@ def _dcp_save(model, values, path):
     """The model saved by torch's own dcp.save in one process, as get_state_dict(model, optimizer) gives it."""
     import torch
     import torch.distributed.checkpoint as dcp
+
     from property_sources import BITS, TORCH, dtype_of
 
     def tensor(key):
@@ -331,7 +343,8 @@ def _dcp_save(model, values, path):
     weights = {p.name: tensor((p.name, MASTER) if p.kind == "trainable" else (p.name, MODULE)) for p in model.params}
     state = {p.name: {"step": torch.tensor(7.0), **{s: tensor((p.name, s)) for s in model.states}}
              for p in model.trainable()}
-    groups = [{"lr": 0.1 * (g + 1), "weight_decay": 0.0, "params": list(members)} for g, members in enumerate(model.groups)]
+    groups = [{"lr": 0.1 * (g + 1), "weight_decay": 0.0, "params": list(members)}
+              for g, members in enumerate(model.groups)]
     dcp.save({"model": weights, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=path, no_dist=True)
 
 

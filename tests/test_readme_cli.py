@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
-
 from reshard.cli import build_parser
 
 INDENT = len("reshard validate ")

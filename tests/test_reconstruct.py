@@ -2,9 +2,9 @@
 import torch
 
 import reshard
-from reshard.formats.deepspeed import topology as ds
-from reshard.core.catalog import MASTER, MODULE
 from conftest import FIXTURE_NAMES, fixture_dir, truth_json, truth_tensors
+from reshard.core.catalog import MASTER, MODULE
+from reshard.formats.deepspeed import topology as ds
 
 EXPECTED = {"z1_fp32_dp2", "z1_fp32_dp4", "z1_bf16_dp2", "z1_bf16_dp4", "z2_fp32_dp2", "z2_fp32_dp4",
             "z2_bf16_dp2", "z2_bf16_dp4", "z3_fp32_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z3_bf16_dp4",
@@ -62,7 +62,7 @@ def test_scalars_hyper_parameters_and_training_state(fixture_name):
     if ds.of(layout).elastic:
         return  # DeepSpeed's elastic files do not save param_groups; nothing to compare
     assert len(catalog.param_groups) == len(meta["param_groups"])
-    for ours, theirs in zip(catalog.param_groups, meta["param_groups"]):
+    for ours, theirs in zip(catalog.param_groups, meta["param_groups"], strict=True):
         assert sorted(ours["params"]) == sorted(theirs["param_names"])
         for key, value in theirs.items():
             if key not in ("param_names", "params"):

@@ -3,9 +3,9 @@ completeness is a proof object that planning takes."""
 import dataclasses
 
 import pytest
-from conftest import copy_fixture, fixture_dir, tag_dir
 
 import reshard
+from conftest import copy_fixture, fixture_dir, tag_dir
 from reshard.convert import make_plan, plan_for
 from reshard.core.problems import MISSING, READER, Problem
 from reshard.validate import Complete, ValidationReport, prove_complete
@@ -57,7 +57,6 @@ def test_an_inspection_is_typed_and_its_plain_data_is_the_json(capsys):
     import json
 
     from conftest import run_cli
-
     from reshard.inspection import Inspection
     info = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")), params=True)
     assert isinstance(info, Inspection) and info.topology["dp"] == 2 and info.zero_stage == 2

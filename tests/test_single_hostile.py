@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import single_models as sm
 from conftest import run_cli
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
-import single_models as sm
 
 
 class Payload:

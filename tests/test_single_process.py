@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reshard
-from reshard.convert import make_plan
-from conftest import run_cli, run_torchrun
 import single_models as sm
+from conftest import run_cli, run_torchrun
+from reshard.convert import make_plan
 
 
 def run_engine(world, jobs, tmp):
@@ -79,7 +79,8 @@ def test_plain_torch_save_inspect_validate_export(tmp_path):
     path, model, _ = _plain_run(tmp_path)
     info = json.loads(run_cli("inspect", path, "--json", check=0).stdout)
     assert (info["format"], info["optimizer"], info["optimizer_states"]) == ("torch", "Adam", ["exp_avg", "exp_avg_sq"])
-    assert (info["trainable"], info["buffers"], info["aliases"], info["step"]) == (7, 1, {"head.weight": "emb.weight"}, 3)
+    assert (info["trainable"], info["buffers"], info["aliases"], info["step"]) == \
+        (7, 1, {"head.weight": "emb.weight"}, 3)
     assert "complete" in run_cli("validate", path, check=0).stdout
     export_equals(path, tmp_path / "out.safetensors", model.state_dict(), {"head.weight": "emb.weight"})
     # converted to DeepSpeed and read back by the DeepSpeed reader: the same model
@@ -99,7 +100,8 @@ def test_plain_torch_save_resumes_in_deepspeed_at_dp_1_and_3(tmp_path):
         jobs.append({**sgd_job, "stage": 2,
                      "checkpoint": convert(sgd_path, tmp_path / f"sgd-{world}", f"dp={world},zero=2")})
         if world == 3:      # pure bf16 training: DeepSpeed's fp32 masters and states are the saved values widened
-            jobs += [{**bf16_job, "stage": s, "checkpoint": convert(bf16_path, tmp_path / f"bf16-{s}", f"dp=3,zero={s}")}
+            jobs += [{**bf16_job, "stage": s,
+                      "checkpoint": convert(bf16_path, tmp_path / f"bf16-{s}", f"dp=3,zero={s}")}
                      for s in (2, 3)]
         for result in run_engine(world, jobs, tmp_path):
             assert result["problems"] == [] and result["compared"] > 0, result
@@ -274,6 +276,7 @@ def _through_the_reader(src, model, groups, model_only=False):
     through reshard.dcp_reader.Reader, in one process (no process group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
     import reshard.dcp_reader
     named = dict(model.named_parameters())
     optim = torch.optim.AdamW([{"params": [named[n] for n in g["names"]]} for g in groups], lr=123.0)
@@ -334,12 +337,13 @@ def test_single_process_checkpoints_load_through_the_reader(hf_run, lightning_ru
     lm.save_pretrained(tmp_path / "pretrained", max_shard_size="10KB")     # sharded safetensors, tied head
     fresh = GPT2LMHeadModel(sm.gpt2_config())
     _through_the_reader(tmp_path / "pretrained", fresh, job["groups"], model_only=True)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), lm.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), lm.state_dict().values(), strict=True))
 
 
 def _nudge_first_value(safetensors_path, name, delta):
     """Add `delta` to element 0 of tensor `name` in a safetensors file, in place."""
     import struct
+
     import numpy as np
     with open(safetensors_path, "r+b") as f:
         header_len = struct.unpack("<Q", f.read(8))[0]

@@ -1,7 +1,8 @@
-"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its sha256 is theirs, whatever the sizes
-of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
+"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its sha256 is theirs, whatever the
+sizes of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
 import errno
 import hashlib
+import itertools
 import os
 
 import numpy as np
@@ -24,7 +25,7 @@ def _pieces():
     data = rng.integers(0, 256, size=2 * BLOCK + 12345, dtype=np.uint8).tobytes()
     # odd sizes, one write across two blocks, one bigger than a block, a numpy view, an empty write
     cuts = [0, 1, 4097, BLOCK - 3, BLOCK + 5, BLOCK + 5, 2 * BLOCK + 100, len(data)]
-    pieces = [data[a:b] for a, b in zip(cuts, cuts[1:])]
+    pieces = [data[a:b] for a, b in itertools.pairwise(cuts)]
     pieces.append(np.frombuffer(b"\x01\x02\x03\x04\x05\x06\x07\x08", dtype="<u4"))
     return pieces, data + b"\x01\x02\x03\x04\x05\x06\x07\x08"
 

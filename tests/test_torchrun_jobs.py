@@ -7,7 +7,7 @@ import sys
 from conftest import REPO, torchrun, torchrun_env
 
 sys.path.insert(0, str(REPO / "tools"))
-import torchrun_jobs  # noqa: E402
+import torchrun_jobs
 
 # A rank of SCRIPT notes when it destroys its process group, and whether the interpreter's teardown ran.
 SCRIPT = """

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import FIXTURE_NAMES, copy_fixture, run_cli, tag_dir
+from reshard.core.catalog import Fragment
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import MappedFiles, read_scalar
-from reshard.core.catalog import Fragment
-from conftest import FIXTURE_NAMES, copy_fixture, run_cli, tag_dir
 
 
 def _bytes_of(ref: TensorRef) -> bytes:

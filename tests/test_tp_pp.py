@@ -11,13 +11,12 @@ import pytest
 import torch
 
 import reshard
-from reshard.formats.deepspeed import topology as ds
-from reshard.errors import ReshardError
-from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, trim_rows
-from reshard.core.placement import Shard, regions
-from reshard.source_bytes import full_tensor
-
 from conftest import FIXTURES, PARALLEL_FIXTURES, REPO, fixture_dir, run_cli, truth_json, truth_tensors
+from reshard.core.placement import Shard, regions
+from reshard.errors import ReshardError
+from reshard.formats.deepspeed import topology as ds
+from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, trim_rows
+from reshard.source_bytes import full_tensor
 
 AUTOTP = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "autotp"]
 PIPE = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "pipe"]
@@ -127,7 +126,8 @@ def test_inspect_and_validate_commands(name):
     elif meta["kind"] == "megatron_pipe":       # stage 0: layers 0-2, stage 1: layers 3-5
         assert rows["2.mlp.dense_h_to_4h.weight"]["tensor_parallel"] == "4 boxes"
         assert rows["3.self_attention.dense.weight"]["tensor_parallel"] == "split dim 1"
-        assert rows["2.mlp.dense_h_to_4h.weight"]["stages"] == [0] and rows["3.mlp.dense_h_to_4h.weight"]["stages"] == [1]
+        assert rows["2.mlp.dense_h_to_4h.weight"]["stages"] == [0]
+        assert rows["3.mlp.dense_h_to_4h.weight"]["stages"] == [1]
         word = rows["tied_modules.embed.word_embeddings.weight"]
         assert word["shape"] == [40, 8] and word["stages"] == [0, 1] and word["tensor_parallel"] == "split dim 0"
     else:      # the tied embedding is trained by both stages (in the tied-head model, by its head's on stage 1)
@@ -263,8 +263,8 @@ def _rebuild(split, shards):
     for rank, values in shards.items():
         shard = split.shard(rank, values.shape) or Shard.whole(split.full_shape)
         for r in regions(shard, 0, values.size):
-            full[tuple(slice(a, a + n) for a, n in zip(r.at, r.shape))] = \
-                values[tuple(slice(a, a + n) for a, n in zip(r.local, r.shape))]
+            full[tuple(slice(a, a + n) for a, n in zip(r.at, r.shape, strict=True))] = \
+                values[tuple(slice(a, a + n) for a, n in zip(r.local, r.shape, strict=True))]
     return full
 
 
@@ -433,7 +433,9 @@ def test_pattern_lists_follow_deepspeeds_converter():
             "parameter_with_sub_params": [{"patterns": [r".*qkv"], "shape": [3, -1], "partition_dim": 0}],
             "vocabulary_parameter_patterns": [r".*word_embeddings"], "original_vocab_size": 37}
     geometry = Geometry.from_checkpoint(info, "test")
-    two = lambda shape: {0: shape, 1: shape}
+
+    def two(shape):
+        return {0: shape, 1: shape}
     assert geometry.split("3.input_layernorm.weight", two((8,)), 2).pieces[1][0].holders == (0, 1)
     assert geometry.split("shared.bias", two((8,)), 2).full_shape == (8,)           # replicated wins over average
     with pytest.raises(ReshardError, match="averaged"):

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import reshard
-from reshard.formats.deepspeed import topology as ds
-from reshard.formats import target_layout
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, tag_dir, truth_tensors
+from engine_launches import shares
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
-from conftest import FIXTURES, REPO, fixture_dir, run_cli, tag_dir, truth_tensors
-from engine_launches import shares
+from reshard.formats import target_layout
+from reshard.formats.deepspeed import topology as ds
 from test_convert import _covered_elements
 from test_tp_pp_convert import _assert_same_files
 
@@ -93,6 +93,7 @@ def test_cli_convert_and_export(tmp_path):
 
 def test_a_tied_copy_that_differs_is_found_now_or_by_validate_deep(tmp_path, monkeypatch):
     import shutil
+
     from reshard.formats.deepspeed import parallel
     save = tmp_path / "save"
     shutil.copytree(fixture_dir(NAME), save)

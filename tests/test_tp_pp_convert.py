@@ -8,6 +8,7 @@ refusals. With the engine
 (tests/engine_tp_resume.py under torchrun): the unmodified engine resumes each output at its topology with
 the fixture's truth bit for bit, runs one more step, and its own save of that state is our files again.
 """
+import itertools
 import json
 import os
 from pathlib import Path
@@ -16,14 +17,13 @@ import pytest
 import torch
 
 import reshard
-from reshard.formats import target_layout
-from reshard.formats.deepspeed import topology as ds
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, run_torchrun, tag_dir
+from engine_launches import shares
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
-from reshard.formats import torchsave_read
-from conftest import REPO, FIXTURES, fixture_dir, run_cli, tag_dir, run_torchrun
-from engine_launches import shares
+from reshard.formats import target_layout, torchsave_read
+from reshard.formats.deepspeed import topology as ds
 from test_convert import _assert_same_tree, _covered_elements
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
@@ -140,7 +140,8 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     tag = tag_dir(tmp_path / "out")
     assert sorted(n for n in os.listdir(tag) if n.startswith("layer_")) == \
         [f"layer_{i:02d}-model_states.pt" for i in range(5)]
-    assert all(torchsave_read.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None for s in range(target.pp))
+    assert all(torchsave_read.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None
+               for s in range(target.pp))
 
 
 @pytest.mark.parametrize("name, via, back", [(PIPE, via, "pp=2,dp=2,partition=uniform")
@@ -157,7 +158,8 @@ def test_pipeline_partition_by_parameters_when_named(tmp_path):
     """The fixture's 5 layers weigh [348, 262, 24, 162, 348] trainable elements: DeepSpeed's 'parameters'
     partition at pp=2 is [0, 2, 5] (uniform: [0, 3, 5]), so layer 2 moves to the second stage."""
     out = _convert(fixture_dir(PIPE), tmp_path / "out", "pp=2,dp=1,partition=parameters")
-    assert out.notes.stages["1.fc.weight"] == [0] and out.notes.stages["2.weight"] == [1] and out.notes.stages["3.fc.weight"] == [1]
+    assert out.notes.stages["1.fc.weight"] == [0] and out.notes.stages["2.weight"] == [1]
+    assert out.notes.stages["3.fc.weight"] == [1]
     assert out.notes.stages["tied_modules.emb.weight"] == [0, 1]
     back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
     _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
@@ -167,6 +169,7 @@ def test_pipeline_partition_by_parameters_when_named(tmp_path):
 
 def test_pipeline_stage_boundaries_follow_deepspeeds_partition():
     from deepspeed.runtime.utils import partition_balanced as ds_balanced, partition_uniform as ds_uniform
+
     from reshard.formats.deepspeed.pipe_writer import partition_balanced, partition_uniform
     for items in range(1, 12):
         for parts in range(1, 7):
@@ -183,13 +186,20 @@ def test_pipeline_partition_by_type_follows_deepspeeds():
     """'type:REGEX' weighs 1 the layers DeepSpeed's own PipelineModule._find_layer_type finds (run unbound on
     the layer specs: it needs no process group) and balances them with its partition_balanced."""
     from types import SimpleNamespace
+
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.utils import partition_balanced as ds_balanced
+
     from reshard.formats.deepspeed.pipe_writer import partition_by_type
 
-    class Embed(torch.nn.Module): pass
-    class Block(torch.nn.Module): pass
-    class FinalBlockNorm(torch.nn.Module): pass
+    class Embed(torch.nn.Module):
+        pass
+
+    class Block(torch.nn.Module):
+        pass
+
+    class FinalBlockNorm(torch.nn.Module):
+        pass
     models = [[Embed, Block, torch.nn.LayerNorm, Block, Embed],
               [Embed] + [Block] * 7 + [FinalBlockNorm, torch.nn.Linear],
               [Block, Embed, Embed, Embed, Block, torch.nn.Dropout, Block]]
@@ -265,6 +275,7 @@ def _tied_head_counts():
     _count_layer_params, run unbound on tools/fixture_parallel.py's layer specs (it needs no process group)."""
     import sys
     from types import SimpleNamespace
+
     from deepspeed.pipe import PipelineModule
     sys.path.insert(0, str(REPO / "tools"))
     import fixture_parallel
@@ -286,7 +297,7 @@ def test_every_stage_using_the_tied_head_trains_the_tied_weight(pp, tmp_path):
     source = reshard.open_checkpoint(fixture_dir(TIED))
     plan = make_plan(source, f"pp={pp},dp=1")
     parts = _deepspeed_parts("parameters", pp)
-    assert plan.stage_cut.method == "parameters" and list(plan.stage_cut.stages) == list(zip(parts, parts[1:]))
+    assert plan.stage_cut.method == "parameters" and list(plan.stage_cut.stages) == list(itertools.pairwise(parts))
     execute(plan, str(tmp_path / "out"), progress=False)
     out = reshard.open_checkpoint(tmp_path / "out")
     assert reshard.validate(out, deep=True).ok
@@ -303,7 +314,7 @@ def test_every_stage_using_the_tied_head_trains_the_tied_weight(pp, tmp_path):
 
 def _ranges(parts):
     return ", ".join(f"stage {s} " + (f"layers {a}-{b - 1}" if b - a > 1 else f"layer {a}")
-                     for s, (a, b) in enumerate(zip(parts, parts[1:])))
+                     for s, (a, b) in enumerate(itertools.pairwise(parts)))
 
 
 def test_the_default_partition_is_deepspeeds_and_the_plan_says_when_the_source_cannot_tell(tmp_path):
@@ -315,7 +326,7 @@ def test_the_default_partition_is_deepspeeds_and_the_plan_says_when_the_source_c
     assert parameters != uniform
     src = fixture_dir(TIED)
     summary = json.loads(run_cli("plan", src, "--to", "pp=4,dp=1", "--json").stdout)["partition"]
-    assert summary["method"] == "parameters" and summary["stages"] == [list(r) for r in zip(parameters, parameters[1:])]
+    assert summary["method"] == "parameters" and summary["stages"] == [list(r) for r in itertools.pairwise(parameters)]
     assert "partition=uniform" in summary["ambiguous"]
     text = run_cli("plan", src, "--to", "pp=4,dp=1").stdout.splitlines()
     assert f"stages   'parameters' partition: {_ranges(parameters)}" in text
@@ -324,10 +335,11 @@ def test_the_default_partition_is_deepspeeds_and_the_plan_says_when_the_source_c
     assert f"stages   'parameters' partition: {_ranges(parameters)}" in proc.stdout.splitlines()
     assert [line for line in proc.stderr.splitlines() if "note" in line] == [f"reshard: note: {summary['ambiguous']}"]
     out = reshard.open_checkpoint(tmp_path / "out")
-    assert out.notes.stages["1.fc.weight"] == [1] and out.notes.stages["4.fc.weight"] == [2] and out.notes.stages["5.weight"] == [3]
+    assert out.notes.stages["1.fc.weight"] == [1] and out.notes.stages["4.fc.weight"] == [2]
+    assert out.notes.stages["5.weight"] == [3]
     # partition=uniform decides it: DeepSpeed's uniform cut, nothing ambiguous
     summary = json.loads(run_cli("plan", src, "--to", "pp=4,dp=1,partition=uniform", "--json").stdout)["partition"]
-    assert summary == {"method": "uniform", "stages": [list(r) for r in zip(uniform, uniform[1:])], "ambiguous": None}
+    assert summary == {"method": "uniform", "stages": [list(r) for r in itertools.pairwise(uniform)], "ambiguous": None}
     text = run_cli("plan", src, "--to", "pp=4,dp=1,partition=uniform").stdout
     assert f"stages   'uniform' partition: {_ranges(uniform)}\n" in text and "\nnote" not in text
     # where both methods cut the target alike (pp=2), or only one gives the source's stages, nothing to say
@@ -445,6 +457,7 @@ KV_HEADS = {name: json.loads((FIXTURES / name / "hf_config" / "config.json").rea
 def test_shard_sizes_follow_deepspeeds_autotp():
     """tp_recut.shard_sizes is tp_shard.get_shard_size_list: attention by key-value heads, MLP and lm_head even."""
     from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
     from reshard.formats.deepspeed.tp_recut import shard_sizes
     layers = {"heads": "model.layers.0.self_attn.q_proj", "even": "model.layers.0.mlp.gate_proj"}
     for kv in (None, 1, 2, 3, 4, 8):

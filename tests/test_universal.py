@@ -20,7 +20,7 @@ from conftest import FIXTURE_NAMES, REPO, fixture_dir, run_cli, tag_dir, truth_j
 from reshard.core.catalog import MASTER
 
 sys.path.insert(0, str(REPO / "tools"))
-from make_hostile import Payload  # noqa: E402
+from make_hostile import Payload
 
 # Fixtures DeepSpeed's ds_to_universal converts correctly (one per optimizer wrapper / stage / dtype family).
 DS_AGREES = ["z2_fp32_dp4", "z3_fp32_dp4", "bf16opt_z1_dp2", "z1_bf16_frozen_tied_dp2", "z2_fp16_dp2",
@@ -73,7 +73,7 @@ def differences(a, b, where=""):
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
         if len(a) != len(b):
             return [f"{where}: {len(a)} vs {len(b)} items"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{where}[{i}]")]
     if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type):
         return differences(vars(a), vars(b), where)
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]

@@ -54,7 +54,8 @@ def _differences(a, b):
         x, y = a[key], b[key]
         if isinstance(x, dict) or isinstance(y, dict):
             if not (isinstance(x, dict) and isinstance(y, dict)) or list(x) != list(y):
-                out.append(f"{key}: keys {list(x) if isinstance(x, dict) else x} vs {list(y) if isinstance(y, dict) else y}")
+                out.append(f"{key}: keys {list(x) if isinstance(x, dict) else x} vs "
+                           f"{list(y) if isinstance(y, dict) else y}")
                 continue
             if [v for k, v in x.items() if k != "param"] != [v for k, v in y.items() if k != "param"]:
                 out.append(f"{key}: {x} vs {y}")

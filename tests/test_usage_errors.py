@@ -12,8 +12,8 @@ import pytest
 import reshard
 from conftest import REPO, fixture_dir
 from reshard.cli import main
-from reshard.errors import UsageError
 from reshard.core.layout import Layout
+from reshard.errors import UsageError
 from reshard.formats import every_spec_key, target_layout
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 

@@ -63,7 +63,8 @@ REPO = os.path.dirname(HERE)
 # ------------------------------------------------------------------------------------------ make
 def make(args):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    cmd = [__file__, "worker", args.dir, "--params", str(args.params), "--stage", str(args.stage), "--dtype", args.dtype]
+    cmd = [__file__, "worker", args.dir, "--params", str(args.params), "--stage", str(args.stage),
+           "--dtype", args.dtype]
     start = time.perf_counter()
     proc = torchrun_jobs.launch(args.dp, cmd, env, timeout=None, log=print)
     if proc.returncode != 0:
@@ -112,7 +113,8 @@ def _torchrun(world, args, what):
     """One engine run of tools/bench_checkpoints.py on WORLD ranks (CPU, gloo); exits on failure."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
-    proc = torchrun_jobs.launch(world, [os.path.join(HERE, "bench_checkpoints.py"), *args], env, timeout=None, log=print)
+    proc = torchrun_jobs.launch(world, [os.path.join(HERE, "bench_checkpoints.py"), *args], env, timeout=None,
+                                log=print)
     if proc.returncode != 0:
         sys.exit(f"{proc.stdout}{proc.stderr}\nbench {what}: the engine run failed (exit {proc.returncode})")
     return time.perf_counter() - start
@@ -129,11 +131,13 @@ def make_tp(args):
 def make_moe(args):
     """An AutoEP Mixtral checkpoint saved by the real engine at ep = world (bench_checkpoints.py moe)."""
     seconds = _torchrun(args.ep, ["moe", args.dir, args.ep], "make-moe")
-    print(f"made {args.dir} (AutoEP Mixtral, ep={args.ep}, ZeRO-2 fp32) in {seconds:.0f} s: {du(args.dir) / 1e9:.2f} GB")
+    print(f"made {args.dir} (AutoEP Mixtral, ep={args.ep}, ZeRO-2 fp32) in {seconds:.0f} s: "
+          f"{du(args.dir) / 1e9:.2f} GB")
 
 
 def make_dcp(args):
-    """A DCP checkpoint of column-sharded (Shard(1)) DTensors with Adam state, by dcp.save (bench_checkpoints.py dcp)."""
+    """A DCP checkpoint of column-sharded (Shard(1)) DTensors with Adam state, by dcp.save
+    (bench_checkpoints.py dcp)."""
     seconds = _torchrun(args.ranks, ["dcp", args.dir, args.tensors], "make-dcp")
     print(f"made {args.dir} ({args.tensors} 4096x11008 fp32 weights, Shard(1) over {args.ranks} ranks) in "
           f"{seconds:.0f} s: {du(args.dir) / 1e9:.2f} GB")
@@ -151,17 +155,17 @@ def make_synthetic(args):
     if args.sparse:
         return make_sparse(args)
     args.dp = args.dp or 8
+    import deepspeed
     import numpy as np
 
-    import deepspeed
     from reshard.core.catalog import MASTER, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
-    from reshard.formats.deepspeed.notes import DeepSpeedNotes
+    from reshard.core.layout import Layout
+    from reshard.core.planner import plan
+    from reshard.core.storage_ref import StorageRef
     from reshard.executor import execute
     from reshard.formats import standins, writer
-    from reshard.core.storage_ref import StorageRef
-    from reshard.core.layout import Layout
+    from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.formats.deepspeed.topology import DeepSpeedTopology
-    from reshard.core.planner import plan
 
     layers = max(1, round(float(args.params) / HIDDEN ** 2))
     work = tempfile.mkdtemp(prefix="reshard-synthetic-", dir=os.path.dirname(os.path.abspath(args.dir)))
@@ -224,11 +228,12 @@ def compare(args):
 
     real, synthetic = resolve_tag_dir(args.real)[0], resolve_tag_dir(args.synthetic)[0]
     names = sorted(os.listdir(real))
-    problems = [] if names == sorted(os.listdir(synthetic)) else [f"files differ: {names} vs {sorted(os.listdir(synthetic))}"]
+    theirs = sorted(os.listdir(synthetic))
+    problems = [] if names == theirs else [f"files differ: {names} vs {theirs}"]
     for name in names:
         if os.path.exists(os.path.join(synthetic, name)):
-            _same_tree(torchsave_read.load(os.path.join(real, name)), torchsave_read.load(os.path.join(synthetic, name)),
-                       name, problems)
+            _same_tree(torchsave_read.load(os.path.join(real, name)),
+                       torchsave_read.load(os.path.join(synthetic, name)), name, problems)
     print("\n".join(problems) if problems else f"same structure: {len(names)} files, every key, dtype and shape")
     return 1 if problems else 0
 
@@ -247,7 +252,7 @@ def _same_tree(a, b, where, problems):
     elif isinstance(a, (list, tuple)):
         if len(a) != len(b):
             problems.append(f"{where}: {len(a)} vs {len(b)} items")
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):     # the common items, past a length problem
             _same_tree(x, y, f"{where}[{i}]", problems)
     elif type(a) is not type(b) or (a != b and not (isinstance(a, float) and where.endswith(("lr",)))):
         problems.append(f"{where}: {a!r} vs {b!r}")
@@ -277,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tp", type=int, default=8, help="with --sparse: tensor-parallel degree (default 8)")
     m.add_argument("--pp", type=int, default=2, help="with --sparse: pipeline stages (default 2)")
     m.add_argument("--layers", type=int, default=80, help="with --sparse: decoder layers (default 80)")
-    what = "save a random HF Llama (hidden 4096, intermediate 11008, 32/8 heads) with the real engine's AutoTP, bf16 ZeRO-1"
+    what = ("save a random HF Llama (hidden 4096, intermediate 11008, 32/8 heads) with the real engine's AutoTP, "
+            "bf16 ZeRO-1")
     m = command("make-tp", what)
     m.add_argument("dir", help="the dir to create: DIR/checkpoint is the save dir, DIR/hf_config the model config")
     m.add_argument("--tp", type=int, default=2, help="autotp_size (default 2)")
@@ -318,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--universal", action="store_true",
                    help="also time `convert --format universal` and DeepSpeed's ds_to_universal")
     r.add_argument("--dcp", action="store_true",
-                   help="also time `convert --format dcp`, and `reshard export` of that DCP against torch's dcp_to_torch")
+                   help="also time `convert --format dcp`, and `reshard export` of that DCP against torch's "
+                        "dcp_to_torch")
     r.add_argument("--format", help="the target format of the --to conversions (e.g. deepspeed, from a DCP source)")
     r.add_argument("--layout-rules", metavar="FILE", help="passed to every reshard command (a tensor-parallel re-cut "
                    "needs --layout-rules llama-autotp and kv_heads=K in its --to)")
@@ -343,8 +350,8 @@ def main():
     if args.cmd == "run":
         timed = args.to or args.inspect or args.validate or args.plan or args.export or args.universal or args.dcp
         args.to = args.to or ([] if timed else ["dp=4"])
-    sys.exit({"make": make, "make-tp": make_tp, "make-dcp": make_dcp, "make-moe": make_moe, "make-synthetic": make_synthetic,
-              "compare": compare, "worker": worker, "run": run}[args.cmd](args))
+    sys.exit({"make": make, "make-tp": make_tp, "make-dcp": make_dcp, "make-moe": make_moe,
+              "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run}[args.cmd](args))
 
 
 if __name__ == "__main__":

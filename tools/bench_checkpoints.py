@@ -17,7 +17,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from torchrun_jobs import run_rank
+from torchrun_jobs import run_rank  # noqa: E402  (found through the sys.path insert above)
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 4096, 11008, 32, 8
 
@@ -48,7 +48,8 @@ def save_tp(out, tp, layers, vocab, intermediate=INTERMEDIATE):
     model = LlamaForCausalLM(llama_config(int(layers), int(vocab), int(intermediate)))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=tp_config(int(tp)))
     # the TP ranks of a data-parallel group see the same batch
-    ids = torch.randint(0, int(vocab), (1, 16), generator=torch.Generator().manual_seed(groups.get_data_parallel_rank()))
+    generator = torch.Generator().manual_seed(groups.get_data_parallel_rank())
+    ids = torch.randint(0, int(vocab), (1, 16), generator=generator)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     engine.save_checkpoint(os.path.join(out, "checkpoint"))

@@ -107,6 +107,7 @@ def main(mode, src, out, *rest):
 
 def deepspeed_load(mode, src, out, ep=1):
     import deepspeed
+
     import reshard.deepspeed_engine
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -130,8 +131,9 @@ def deepspeed_load(mode, src, out, ep=1):
 
 def _stack_engine(mode, src):
     import deepspeed
-    from bench import HIDDEN, engine_config
+
     import reshard
+    from bench import HIDDEN, engine_config
 
     layers = len(reshard.open_checkpoint(src).order)     # (reshard reads universal trees too)
     config = engine_config(3, "bf16")
@@ -144,8 +146,9 @@ def _stack_engine(mode, src):
 
 def _moe_engine(mode, ep):
     import deepspeed
-    from bench_checkpoints import moe_config, moe_engine_config
     from transformers import MixtralForCausalLM
+
+    from bench_checkpoints import moe_config, moe_engine_config
 
     config = moe_engine_config(ep)
     if mode == "moe-universal":

@@ -183,9 +183,11 @@ def run(args):
             by_name[ours][f"ratio_to_{theirs}"] = by_name[ours]["median_seconds"] / by_name[theirs]["median_seconds"]
     print(f"source {src}: {size / 1e9:.2f} GB; {args.repeat} alternating runs; caches "
           f"{'dropped before each run' if cold else 'NOT dropped (no permission)'}")
-    print(f"{'command':<30} {'median s':>9} {'x cp':>6} {'GB/s':>6} {'read GB':>8} {'written GB':>10} {'peak RSS MiB':>13}")
+    print(f"{'command':<30} {'median s':>9} {'x cp':>6} {'GB/s':>6} {'read GB':>8} {'written GB':>10} "
+          f"{'peak RSS MiB':>13}")
     for r in table:
-        versus = ", ".join(f"{v:.2f}x {k[9:]}" for k, v in r.items() if k.startswith("ratio_to_") and k != "ratio_to_cp")
+        versus = ", ".join(f"{v:.2f}x {k[9:]}" for k, v in r.items()
+                           if k.startswith("ratio_to_") and k != "ratio_to_cp")
         ratio = "" if r["ratio_to_cp"] is None else f"{r['ratio_to_cp']:.2f}"
         if r["stopped"]:
             versus = f"STOPPED ({r['stopped']}): seconds and RSS are lower bounds"

@@ -17,13 +17,13 @@ import struct
 import zipfile
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
-from reshard.formats.deepspeed.notes import DeepSpeedNotes
-from reshard.target_bytes import constant
-from reshard.formats import standins, writer
-from reshard.formats.torchsave_write import ALIGNMENT
 from reshard.core.layout import Layout
-from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.core.write_requests import CopiedFile, TensorFile, TextFile
+from reshard.formats import standins, writer
+from reshard.formats.deepspeed.notes import DeepSpeedNotes
+from reshard.formats.deepspeed.topology import DeepSpeedTopology
+from reshard.formats.torchsave_write import ALIGNMENT
+from reshard.target_bytes import constant
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 32000, 8192, 28672, 64, 8, 128
 RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reshard", "layouts",
@@ -41,7 +41,8 @@ def llama70b_layers(layers: int) -> list:
              ("mlp.dense_h_to_4h.weight", (2 * FFN, HIDDEN)),
              ("mlp.dense_4h_to_h.weight", (HIDDEN, FFN))]
     return ([(0, [("word_embeddings.weight", (VOCAB, HIDDEN))])] + [(1 + i, block) for i in range(layers)]
-            + [(layers + 1, [("final_layernorm.weight", (HIDDEN,))]), (layers + 2, [("lm_head.weight", (VOCAB, HIDDEN))])])
+            + [(layers + 1, [("final_layernorm.weight", (HIDDEN,))]),
+               (layers + 2, [("lm_head.weight", (VOCAB, HIDDEN))])])
 
 
 def source_catalog(root: str, layers: int) -> Catalog:

@@ -184,7 +184,8 @@ class MegatronGPT(torch.nn.Module):
             self._names[attr] = name
 
     def state_dict(self, *args, **kwargs):       # Megatron's dotted names
-        return type(super().state_dict())((self._names.get(k, k), v) for k, v in super().state_dict(*args, **kwargs).items())
+        return type(super().state_dict())((self._names.get(k, k), v)
+                                          for k, v in super().state_dict(*args, **kwargs).items())
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         for k, v in super().named_parameters(prefix, recurse, remove_duplicate):
@@ -204,7 +205,8 @@ class MegatronGPT(torch.nn.Module):
         h = F.embedding(local.clamp(0, emb.shape[0] - 1), emb) * (~outside).unsqueeze(-1)
         h = _ReduceFromTP.apply(h, group) + self.p("language_model.embedding.position_embeddings.weight")[:inp.shape[1]]
         # attention: heads split over ranks
-        x = F.layer_norm(h, (HIDDEN,), self.p(PREFIX + "input_layernorm.weight"), self.p(PREFIX + "input_layernorm.bias"))
+        x = F.layer_norm(h, (HIDDEN,), self.p(PREFIX + "input_layernorm.weight"),
+                         self.p(PREFIX + "input_layernorm.bias"))
         qkv = F.linear(_CopyToTP.apply(x, group), self.p(PREFIX + "self_attention.query_key_value.weight"),
                        self.p(PREFIX + "self_attention.query_key_value.bias"))
         b, t = qkv.shape[:2]
@@ -230,6 +232,7 @@ def megatron_truth(engine, mpu, state_names):
     """Full fp32 masters, optimizer states and module weights: each TP rank's (DP-gathered) tensors are
     gathered over the TP group and put together by the model's own `unshard`."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     from fixture_parallel import _gather
     out = {}
     module = dict(engine.module.state_dict())

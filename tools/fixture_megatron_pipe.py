@@ -15,8 +15,19 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from fixture_megatron import (CUTS, HEAD_DIM, HIDDEN, SEQ, VOCAB, _CopyToTP, _GatherLastDim,
-                              _ReduceFromTP, full_shapes, shard, unshard)
+from fixture_megatron import (
+    CUTS,
+    HEAD_DIM,
+    HIDDEN,
+    SEQ,
+    VOCAB,
+    _CopyToTP,
+    _GatherLastDim,
+    _ReduceFromTP,
+    full_shapes,
+    shard,
+    unshard,
+)
 
 TP, PP, DP = 2, 2, 2
 STEPS = 3

@@ -169,7 +169,7 @@ def moe_truth(engine, state_names, flat_truth):
         else:                  # AutoEP: packed (local, ...) -> (num_experts, ...)
             full = torch.zeros((NUM_EXPERTS,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
             seen = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
-            for part, part_ids in zip(parts, every_ids):
+            for part, part_ids in zip(parts, every_ids, strict=True):
                 full[torch.tensor(part_ids)] = part
                 seen[torch.tensor(part_ids)] += 1
             assert bool((seen == 1).all()), (name, every_ids)

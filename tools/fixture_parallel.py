@@ -46,7 +46,7 @@ def _gather(t, group):
     flat[:t.numel()] = t.reshape(-1)
     parts = [torch.empty_like(flat) for _ in range(world)]
     tdist.all_gather(parts, flat, group=group)
-    return [p[:torch.Size(s).numel()].reshape(s) for p, s in zip(parts, shapes)]
+    return [p[:torch.Size(s).numel()].reshape(s) for p, s in zip(parts, shapes, strict=True)]
 
 
 def autotp_truth(engine, state_names):
@@ -60,7 +60,7 @@ def autotp_truth(engine, state_names):
     Module weights come from `GatherReplacedLayerParams`, the engine's own gather for 16-bit saves, an
     independent path (cat along the partition dim) that the masters are compared with in fp32.
     """
-    from deepspeed.checkpoint.affine import ParamAffineMap, SCALE_POWER_BY_STATE
+    from deepspeed.checkpoint.affine import SCALE_POWER_BY_STATE, ParamAffineMap
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
     from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
 

@@ -29,16 +29,17 @@ pp=2, dp=2 with ``train_batch``, ``pipe2_tiedhead_z1_fp32_dp2`` one whose tied e
 (a ``forward_fn``, no layer file) on the last stage, cut by DeepSpeed's default ``partition_method="parameters"``;
 ``megatron_tp2_z1_fp32_dp2`` trains a Megatron-style GPT (tools/fixture_megatron.py:
 its own tensor-parallel layers through DeepSpeed's ``mpu`` interface, fused QKV, SwiGLU, padded vocab-parallel
-embedding) whose checkpoint carries no ``universal_checkpoint_info``. Their truth holds the FULL tensors under the names the checkpoint uses: TP shards are
-gathered over the TP group and put together with each parameter's own AutoTP affine map; pipeline stages' dicts are
-gathered over the world (a tied weight's copies asserted equal). About 15-30 s per fixture.
+embedding) whose checkpoint carries no ``universal_checkpoint_info``. Their truth holds the FULL tensors under the names
+the checkpoint uses: TP shards are gathered over the TP group and put together with each parameter's own AutoTP affine
+map; pipeline stages' dicts are gathered over the world (a tied weight's copies asserted equal). About 15-30 s per
+fixture.
 
 Mixture-of-experts fixtures (``kind`` ``autoep`` or ``moe``; tools/fixture_moe.py): ``autoep2_*`` train a tiny random
 ``transformers`` Mixtral (4 experts, top-2) with DeepSpeed AutoEP at ep=2 (ZeRO-1 fp32 and ZeRO-2 bf16 on 2 ranks,
-ZeRO-2 fp32 at ep=2 x dp=2 on 4 ranks, also with ``use_data_before_expert_parallelism``; transformers 5.21.0, see pyproject.toml), ``dsmoe_ep2_z2_fp32`` a small
-module around ``deepspeed.moe.layer.MoE`` (ep=2, ZeRO-2). Their truth holds every expert in its global place (AutoEP's
-packed ``experts.w1/w2/w3`` as ``(num_experts, ...)`` tensors), and ``logits`` of a fixed probe; truth.json adds
-``ep`` and ``num_experts``.
+ZeRO-2 fp32 at ep=2 x dp=2 on 4 ranks, also with ``use_data_before_expert_parallelism``; transformers 5.21.0, see
+pyproject.toml), ``dsmoe_ep2_z2_fp32`` a small module around ``deepspeed.moe.layer.MoE`` (ep=2, ZeRO-2). Their truth
+holds every expert in its global place (AutoEP's packed ``experts.w1/w2/w3`` as ``(num_experts, ...)`` tensors), and
+``logits`` of a fixed probe; truth.json adds ``ep`` and ``num_experts``.
 
 Determinism: truth files are bit-identical across reruns, and so are all checkpoint files except the ZeRO-3
 ``*_optim_states.pt`` files, whose ``fp32_flat_groups`` padding elements are uninitialised memory in DeepSpeed.
@@ -168,7 +169,8 @@ def _configs():
                                             (2, "fp32", 4, True)):
         name = f"autoep2_z{stage}_{dtype}" + ("_dp2" if world == 4 else "") + ("_datafirst" if data_first else "")
         # data_first: the expert-data-parallel groups are consecutive ranks ([0, 1], [2, 3]), not strided
-        extra = {"expert_parallel": dict(autoep), **({"use_data_before_expert_parallelism": True} if data_first else {})}
+        extra = {"expert_parallel": dict(autoep),
+                 **({"use_data_before_expert_parallelism": True} if data_first else {})}
         add(name, stage, dtype, world, extra=extra)
         out[name]["kind"] = "autoep"
         del out[name]["ds_config"]["scheduler"]
@@ -228,12 +230,12 @@ def _flat_truth(engine, base, names_by_id, state_names):
     else:  # DeepSpeedZeroOptimizer (stage 1/2)
         lp_groups, lp_flats, hp_parts = opt.bit16_groups, opt.bit16_groups_flat, opt.single_partition_of_fp32_groups
     out = {}
-    for i, (lps, flat, hp) in enumerate(zip(lp_groups, lp_flats, hp_parts)):
+    for i, (lps, flat, hp) in enumerate(zip(lp_groups, lp_flats, hp_parts, strict=True)):
         group = opt.real_dp_process_group[i]
         world = tdist.get_world_size(group=group)
         assert hp.numel() * world == flat.numel(), (hp.numel(), world, flat.numel())
 
-        def gather(t):
+        def gather(t, world=world, group=group):     # bound here: the loop rebinds both
             parts = [torch.empty_like(t) for _ in range(world)]
             tdist.all_gather(parts, t.contiguous(), group=group)
             return torch.cat(parts).detach().float().cpu()
@@ -268,9 +270,10 @@ def engine_truth(engine, spec):
     A collective under ZeRO-3: every rank must call it. Also used by tests/engine_resume.py to read
     a resumed engine the same way.
     """
-    import torch
     import deepspeed
+    import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     from fixture_model import param_groups
 
     zero_stage = int(engine.zero_optimization_stage())
@@ -336,7 +339,7 @@ def engine_truth(engine, spec):
     pg = []
     opt_groups = engine.optimizer.param_groups
     assert len(opt_groups) == len(group_names), (len(opt_groups), len(group_names))
-    for g, names in zip(opt_groups, group_names):
+    for g, names in zip(opt_groups, group_names, strict=True):
         d = {k: _jsonable(v) for k, v in g.items() if k != "params"}
         d["param_names"] = list(names)
         pg.append(d)
@@ -378,7 +381,7 @@ def worker(name, out_dir):
 
     sys.dont_write_bytecode = True  # keep tools/ free of __pycache__
     sys.path.insert(0, HERE)
-    from fixture_model import build_model, param_groups, make_batch
+    from fixture_model import build_model, make_batch, param_groups
 
     spec = CONFIGS[name]
     deepspeed.init_distributed(dist_backend="gloo")
@@ -449,10 +452,11 @@ def worker(name, out_dir):
 
 def parallel_worker(spec, out_dir, rank):
     """The tensor/pipeline-parallel fixtures (tools/fixture_parallel.py): train, take the truth, save."""
-    import torch
     import deepspeed
     import deepspeed.comm as dist
+    import torch
     from safetensors.torch import save_file
+
     import fixture_parallel as fp
 
     spec = copy.deepcopy(spec)
@@ -587,7 +591,7 @@ def launch(name, out, log_dir):
     if rc != 0 or not os.path.exists(os.path.join(tmp_dir, "truth.json")):
         with open(log_path, errors="replace") as f:
             lines = f.read().splitlines()
-        errors = [l for l in lines if ("Error" in l or "Exception" in l) and "ChildFailedError" not in l]
+        errors = [ln for ln in lines if ("Error" in ln or "Exception" in ln) and "ChildFailedError" not in ln]
         shown = list(dict.fromkeys(errors))[-6:] or lines[-15:]
         print(f"FAIL {name}: rc={rc} ({dt:.1f}s), log {log_path}\n    " + "\n    ".join(shown), flush=True)
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -642,7 +646,7 @@ def main():
             results = list(ex.map(lambda n: launch(n, out, log_dir), names))
     else:
         results = [launch(n, out, log_dir) for n in names]
-    failed = [n for n, ok in zip(names, results) if not ok]
+    failed = [n for n, ok in zip(names, results, strict=True) if not ok]
     print(f"{len(names) - len(failed)}/{len(names)} fixtures ok in {time.time() - t0:.0f}s; "
           f"{out}: {_dir_size(out) / 1024:.0f}K" + (f"; FAILED: {','.join(failed)}" if failed else ""))
     if not failed:

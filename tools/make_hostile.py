@@ -137,5 +137,5 @@ def _garble_pickle(path, tag):
 
 
 if __name__ == "__main__":
-    for name, (save, victim, commands, needle) in build(sys.argv[1], sys.argv[2]).items():
+    for name, (_save, victim, commands, _needle) in build(sys.argv[1], sys.argv[2]).items():
         print(f"{name:<32} {victim}  [{', '.join(commands)}]")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from reshard.cli import convert, diff, export, inspect, plan, prune, validate, watch
-from reshard.cli import list as list_command
+from reshard.cli import convert, diff, export, inspect, list as list_command, plan, prune, validate, watch
 from reshard.cli.args import build_parser
 from reshard.cli.output import error
 from reshard.errors import ReshardError, UsageError
@@ -38,7 +37,7 @@ def _main(argv) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:     # --help, --version (0), a bad argument (2: args._Parser.error said it in one line)
-        return e.code
+        return e.code if isinstance(e.code, int) else int(e.code is not None)     # (argparse exits with an int)
     try:
         return COMMANDS[args.command](args)
     except BrokenPipeError:

@@ -34,6 +34,7 @@ def print_written(args, dst, written: Written | None) -> None:
     if args.json:
         dump(written.to_dict())
     elif not args.quiet:
+        assert written.output is not None       # (a write reports what it wrote)
         print(f"wrote {dst} ({written.output.words()}): {files_words(written)}, {human_bytes(written.size)}")
         for d in written.framework_files:
             print(f"  {d.line()}")

@@ -10,16 +10,15 @@ no one changes after; nothing here reads tensor bytes.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 from reshard.core import optimizers
-from reshard.errors import CheckpointError, ReshardError
-from reshard.core.storage_ref import StorageRef
 from reshard.core.placement import Shard
+from reshard.core.storage_ref import StorageRef
+from reshard.errors import CheckpointError, ReshardError
 
 if TYPE_CHECKING:
     from reshard.core.layout import Layout
@@ -57,7 +56,7 @@ class ScalarTensor:
 
 
 # One optimizer scalar as saved: a one-element tensor, or a plain number
-ScalarValue = Union[ScalarTensor, float, int]
+ScalarValue = ScalarTensor | float | int
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ class PerParamScalar:
 
 # Per param group, each optimizer scalar ("step"): its one value where the format keeps one per group
 # (DeepSpeed), a PerParamScalar where it keeps each param's own
-GroupScalar = Union[ScalarValue, PerParamScalar]
+GroupScalar = ScalarValue | PerParamScalar
 
 
 class TensorFacts:
@@ -226,7 +225,10 @@ class FormatNotes(Protocol):
 
 class TrainingFramework(Protocol):
     """The training framework around a save (reshard.formats.framework.Framework): the core only carries it."""
-    model_files: tuple[str, ...]
+
+    @property
+    def model_files(self) -> tuple[str, ...]:
+        """Paths an export copies beside the weights (a frozen dataclass field in the framework's own type)."""
 
     def problems(self) -> list[str]:
         """Its own files missing, one line each."""

@@ -15,13 +15,16 @@ Call order:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import BinaryIO, ClassVar, ContextManager, Protocol
+from typing import BinaryIO, ClassVar, Protocol
 
 
 class SizedStorage(Protocol):
     """A storage to be written: its key inside the file and its byte count (NewTensor, StoragePlan)."""
-    key: str
+
+    @property
+    def key(self) -> str: ...
 
     @property
     def nbytes(self) -> int: ...
@@ -41,7 +44,7 @@ class ContainerWriter(Protocol):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None: ...
 
-    def storage(self, key: str, nbytes: int) -> ContextManager[StorageStream]: ...
+    def storage(self, key: str, nbytes: int) -> AbstractContextManager[StorageStream]: ...
 
 
 class Container(Protocol):

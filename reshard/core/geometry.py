@@ -61,12 +61,12 @@ def strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 def offset(coords: Sequence[int], element_strides: Sequence[int]) -> int:
     """The flat position of the element at `coords` in storage with these strides."""
-    return sum(i * s for i, s in zip(coords, element_strides))
+    return sum(i * s for i, s in zip(coords, element_strides, strict=True))
 
 
 def span(shape: Sequence[int], element_strides: Sequence[int]) -> int:
     """Elements from the first of a box of `shape` to one past its last, in storage with these strides."""
-    return sum((n - 1) * s for n, s in zip(shape, element_strides)) + 1
+    return sum((n - 1) * s for n, s in zip(shape, element_strides, strict=True)) + 1
 
 
 def box_runs(full_shape: Sequence[int], full_start: Sequence[int], box: Sequence[int],

@@ -106,8 +106,8 @@ class Locator:
                         if hit is None:
                             continue
                         at, shape = hit
-                        local = tuple(l + a - w for l, a, w in zip(want.local, at, want.at))
-                        held = tuple(l + a - h for l, a, h in zip(have.local, at, have.at))
+                        local = tuple(loc + a - w for loc, a, w in zip(want.local, at, want.at, strict=True))
+                        held = tuple(loc + a - h for loc, a, h in zip(have.local, at, have.at, strict=True))
                         elem = frag.elem_offset - frag.start + offset(held, group.strides)
                         out.append(BoxHit(local, shape, frag, elem, group.strides))
         return out

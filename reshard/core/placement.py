@@ -105,7 +105,7 @@ def intersect(a_at: Sequence[int], a_shape: Sequence[int], b_at: Sequence[int],
     """The overlap of two boxes (first element, shape) as (first element, shape), or None."""
     at: list[int] = []
     shape: list[int] = []
-    for a0, an, b0, bn in zip(a_at, a_shape, b_at, b_shape):
+    for a0, an, b0, bn in zip(a_at, a_shape, b_at, b_shape, strict=True):
         lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
         if lo >= hi:
             return None
@@ -124,7 +124,7 @@ def regions(shard: Shard, start: int, stop: int) -> list[Region]:
             if hit is None:
                 continue
             local, shape = hit
-            at = tuple(a + l - b for a, l, b in zip(block.at, local, block.local))
+            at = tuple(a + loc - b for a, loc, b in zip(block.at, local, block.local, strict=True))
             out.append(Region(at, local, shape, offset(local, shard_strides) - start))
     return out
 
@@ -137,7 +137,7 @@ def local_extent(shard: Shard, at: Sequence[int], shape: Sequence[int]) -> Range
         hit = intersect(at, shape, block.at, block.shape)
         if hit is None:
             continue
-        first = tuple(a - b + l for a, b, l in zip(hit[0], block.at, block.local))
+        first = tuple(a - b + loc for a, b, loc in zip(hit[0], block.at, block.local, strict=True))
         a = offset(first, shard_strides)
         b = a + span(hit[1], shard_strides)
         extent = (a, b) if extent is None else (min(extent[0], a), max(extent[1], b))
@@ -150,7 +150,7 @@ def tiles(shape: Sequence[int], boxes: Iterable[Box]) -> bool:
     total = 0
     open_: list[Box] = []       # the boxes still open at the current position along dim 0
     for at, size in sorted(boxes):
-        if any(a < 0 or a + n > d for a, n, d in zip(at, size, shape)):
+        if any(a < 0 or a + n > d for a, n, d in zip(at, size, shape, strict=True)):
             return False
         open_ = [(a, n) for a, n in open_ if a[0] + n[0] > at[0]] if shape else open_
         if any(intersect(at, size, a, n) for a, n in open_):
@@ -163,7 +163,7 @@ def tiles(shape: Sequence[int], boxes: Iterable[Box]) -> bool:
 def flat_runs(shape: Sequence[int], at: Sequence[int], size: Sequence[int]) -> list[Range]:
     """The box (at, size) of a row-major tensor of `shape` as flat ranges [start, stop), for messages."""
     starts, _, lengths = box_runs(shape, at, size)
-    return [(a, a + n) for a, n in zip(starts.tolist(), lengths.tolist())]
+    return [(a, a + n) for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
 
 
 def full_index(shard: Shard, full_shape: Sequence[int], index: int) -> int | None:
@@ -172,7 +172,7 @@ def full_index(shard: Shard, full_shape: Sequence[int], index: int) -> int | Non
     for d, s in enumerate(strides(shard.shape)):
         local[d], index = divmod(index, s) if s else (0, index)
     for block in shard.blocks:
-        if all(l <= i < l + n for i, l, n in zip(local, block.local, block.shape)):
-            at = [a + i - l for a, i, l in zip(block.at, local, block.local)]
+        if all(lo <= i < lo + n for i, lo, n in zip(local, block.local, block.shape, strict=True)):
+            at = [a + i - lo for a, i, lo in zip(block.at, local, block.local, strict=True)]
             return offset(at, strides(full_shape))
     return None

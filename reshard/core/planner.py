@@ -10,18 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from reshard.core.catalog import Catalog, TensorKey
 from reshard.core.container import Container
 from reshard.core.dtypes import itemsize
-from reshard.errors import ReshardError
 from reshard.core.geometry import offset, span, strides
 from reshard.core.layout import Layout
 from reshard.core.locate import BoxHit, Locator
 from reshard.core.placement import Index
 from reshard.core.storage_ref import StorageRef
 from reshard.core.write_requests import CopiedFile, Output, Piece, RawPiece, StageCut, TensorFile, TextFile
+from reshard.errors import ReshardError
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Fill:
 
 
 # One operation filling a run of a target storage's elements
-Op = Union[Copy, Gather, Fill]
+Op = Copy | Gather | Fill
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,8 @@ def _spans(op: Op) -> Iterator[tuple[str, int, int]]:
         yield op.src_file, op.src_offset, op.src_offset + op.count * itemsize(op.src_dtype)
     elif isinstance(op, Gather):
         for box in op.copies:
-            yield box.src_file, box.src_offset, box.src_offset + span(box.shape, box.src_strides) * itemsize(box.src_dtype)
+            nbytes = span(box.shape, box.src_strides) * itemsize(box.src_dtype)
+            yield box.src_file, box.src_offset, box.src_offset + nbytes
 
 
 def _reads(ops: Iterable[Op]) -> Iterator[tuple[int, str]]:
@@ -262,7 +263,7 @@ def _as_runs(hits: Sequence[BoxHit], shape: Index, start: int, count: int) -> li
 def _one_run(box: Index, element_strides: Index) -> bool:
     """Are a box's elements, in row-major order, consecutive in storage with these strides?"""
     step = 1
-    for n, s in reversed(list(zip(box, element_strides))):
+    for n, s in reversed(list(zip(box, element_strides, strict=True))):
         if n == 1:
             continue
         if s != step:

@@ -2,15 +2,15 @@
 
 A writer (in reshard/formats/) describes each target file as an object tree holding `NewTensor`
 slots, plus, per slot, a list of `Piece`s laid end to end: a run of elements of one shard of one
-source logical tensor (a TP rank's slice, or the whole tensor), or a constant (padding zeros, a step counter). The planner turns pieces into
-byte copies; the executor performs them. Nothing here reads or writes a file.
+source logical tensor (a TP rank's slice, or the whole tensor), or a constant (padding zeros, a step counter). The
+planner turns pieces into byte copies; the executor performs them. Nothing here reads or writes a file.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from reshard.core.catalog import TensorKey
 from reshard.core.container import Container
@@ -60,7 +60,7 @@ class RawPiece:
 
 
 # what fills a slot: elements of a logical tensor or a constant, or a source storage as it lies
-AnyPiece = Union[Piece, RawPiece]
+AnyPiece = Piece | RawPiece
 
 
 @dataclass

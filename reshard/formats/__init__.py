@@ -12,13 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
 from reshard import rule_files
+from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
-from reshard.formats.deepspeed import files as ds_files
+from reshard.formats.deepspeed import files as ds_files, topology as ds_topology
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
-from reshard.formats.deepspeed import topology as ds_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
-from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
@@ -56,8 +55,9 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
         catalog = replace(catalog, framework=around, model_files=catalog.model_files or around.model_files)
-    if catalog.framework is not None:
-        frame = replace(catalog.framework, world=catalog.layout.world_size)
+    frame = framework.framework_of(catalog)
+    if frame is not None:
+        frame = replace(frame, world=catalog.layout.world_size)
         catalog = replace(catalog, framework=frame, problems=(*catalog.problems, *frame.problems()))
     return catalog
 

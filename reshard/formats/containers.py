@@ -5,8 +5,8 @@ of its options; a write request (a TensorFile) says which by returning one from 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from reshard.core.container import Container
 from reshard.formats.dcp.chunkzip import Distcp
@@ -18,11 +18,21 @@ from reshard.formats.torchsave_write import TorchFile, TorchZip, load_tree
 class Registered:
     """A container and what else reshard does with its files."""
     container: type[Container]          # the Container class
-    exported_as: type | None = None     # the TensorFile of a state dict export writes (reshard.export), if any
+    # the TensorFile of a state dict export writes (reshard.export), if any
+    exported_as: type[SafetensorsFile] | type[TorchFile] | None = None
     loader: Callable | None = None      # (header, storage_of) -> what loading the file gives (reshard.materialize)
 
 
 CONTAINERS = {c.container.name: c for c in (Registered(TorchZip, TorchFile, load_tree), Registered(Distcp),
                                             Registered(Safetensors, SafetensorsFile))}
 # export's formats: each one's file type (from_entries, STEM, EXTENSION, SUFFIXES), safetensors first (the default)
-EXPORTS = {name: CONTAINERS[name].exported_as for name in ("safetensors", "torch")}
+
+
+def _exported_as(name: str) -> type[SafetensorsFile] | type[TorchFile]:
+    file_type = CONTAINERS[name].exported_as
+    if file_type is None:
+        raise AssertionError(f"container {name} has no export file type")
+    return file_type
+
+
+EXPORTS = {name: _exported_as(name) for name in ("safetensors", "torch")}

@@ -33,7 +33,9 @@ def parse_size(size) -> int:
 def shard(entries: list, max_shard_size) -> list:
     """Group (name, nbytes) entries into shards (lists of names), as huggingface_hub does."""
     limit = parse_size(max_shard_size)
-    shards, current, current_size = [], [], 0
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
     for name, nbytes in entries:
         if nbytes > limit:
             shards.append([name])

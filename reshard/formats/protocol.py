@@ -51,7 +51,7 @@ class ReadRequest:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
-    def option(cls, name: str) -> dict:
+    def option(cls, name: str) -> Mapping[str, str]:
         """The metadata of option `name` (flag, use)."""
         return next(f.metadata for f in fields(cls) if f.name == name)
 
@@ -79,7 +79,7 @@ class Reader(Protocol):
         """Is the checkpoint at `path` (with tag folder `tag`, when given) in this format? From names and magic
         bytes only: cheap, and never an error (a damaged file of this format is still this format's)."""
 
-    def read(self, path: str, options) -> "Catalog":
+    def read(self, path: str, options) -> Catalog:
         """The Catalog of the checkpoint at `path`, from metadata alone, with `options` (an OPTIONS); what
         is wrong but readable goes to catalog.problems, what is unreadable raises a ReshardError."""
 
@@ -115,14 +115,14 @@ class Writer(Protocol):
     # A training framework (formats.framework) resumes from its files: the framework's own files go with them
     RESUMED_BY_FRAMEWORKS: bool
 
-    def target_files(self, catalog: "Catalog", target: Layout, tag: str,
+    def target_files(self, catalog: Catalog, target: Layout, tag: str,
                      source_save_dir: str | None = None) -> list:
         """Every file of `catalog` written at `target` (reshard.core.write_requests: TensorFile, TextFile, CopiedFile),
         named relative to the output directory; `tag` names the output's tag, `source_save_dir` is where
         files copied as they are (scripts) come from (None: none)."""
 
-    def describe(self, target: Layout, tag: str) -> "Output":
+    def describe(self, target: Layout, tag: str) -> Output:
         """What the output is, in the format's own terms."""
 
-    def batch_size_advice(self, catalog: "Catalog", target: Layout) -> str | None:
+    def batch_size_advice(self, catalog: Catalog, target: Layout) -> str | None:
         """What happens to the global batch size when dp changes, and which setting keeps it; None: nothing to say."""

@@ -20,8 +20,7 @@ from reshard import paths
 from reshard.errors import ReshardError
 from reshard.formats import reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
-from reshard.formats.deepspeed import files as ds_files
-from reshard.formats.deepspeed import universal as uc
+from reshard.formats.deepspeed import files as ds_files, universal as uc
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
 TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard prune), finished by a rerun

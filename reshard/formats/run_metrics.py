@@ -66,7 +66,7 @@ def _trainer_state(state_file: str, step: int | None) -> Recorded:
     try:
         with open(state_file) as f:
             state = json.load(f)
-        history = {}
+        history: dict[int, dict[str, float]] = {}
         for record in state.get("log_history") or []:
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 values = {k: float(v) for k, v in record.items() if k not in NOT_METRICS
@@ -76,7 +76,7 @@ def _trainer_state(state_file: str, step: int | None) -> Recorded:
     except (OSError, ValueError, AttributeError) as e:
         raise ReshardError.at(state_file, f"unreadable ({e})") from None
     best = state.get("best_model_checkpoint")
-    return Recorded(history.get(at, {}), history, best if isinstance(best, str) else None,
+    return Recorded(history.get(at, {}) if at is not None else {}, history, best if isinstance(best, str) else None,
                     f"{TRAINER_STATE} best_model_checkpoint")
 
 
@@ -136,7 +136,7 @@ def _csv_rows(text: str):
 
 
 def _merge(records) -> dict:
-    out = {}
+    out: dict[int, dict[str, float]] = {}
     for record in records:
         step = int(record["step"])
         values = {k: float(v) for k, v in record.items() if k != "step"}

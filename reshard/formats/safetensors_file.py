@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import BinaryIO, ClassVar
 
 from reshard.core.dtypes import itemsize
-from reshard.errors import ReshardError
 from reshard.core.write_requests import Piece, TensorFile
+from reshard.errors import ReshardError
 
 DTYPE_CODES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
@@ -33,7 +33,7 @@ class SafetensorsFile(TensorFile):
     STEM, EXTENSION, SUFFIXES = "model", "safetensors", (".safetensors",)   # Hugging Face's names
 
     @classmethod
-    def from_entries(cls, path, entries, aliases, metadata) -> "SafetensorsFile":
+    def from_entries(cls, path, entries, aliases, metadata) -> SafetensorsFile:
         """A state dict file: one tensor per entry (NewTensor with a `source`); ties are listed in
         the metadata, never written twice (safetensors has no shared storage)."""
         file = cls(path, dict(metadata))
@@ -50,7 +50,8 @@ class SafetensorsFile(TensorFile):
         return tensor
 
     def header(self) -> bytes:
-        entries, offset = {}, 0
+        entries: dict[str, dict] = {}
+        offset = 0
         if self.tree:
             entries["__metadata__"] = {str(k): str(v) for k, v in self.tree.items()}
         for t in self.slots:
@@ -63,7 +64,7 @@ class SafetensorsFile(TensorFile):
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
 
-    def container(self) -> "Safetensors":
+    def container(self) -> Safetensors:
         return Safetensors()
 
 
@@ -76,7 +77,7 @@ class Safetensors:
         """Bytes of the file on disk: the header, then the tensors packed without gaps."""
         return len(header) + sum(s.nbytes for s in storages)
 
-    def writer(self, out: BinaryIO, header: bytes, storages) -> "SafetensorsWriter":
+    def writer(self, out: BinaryIO, header: bytes, storages) -> SafetensorsWriter:
         return SafetensorsWriter(out, header, storages)
 
 

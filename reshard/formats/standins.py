@@ -41,7 +41,7 @@ class DynamicLossScaler(_AttributeBag):
 
 
 @dataclass
-class fragment_address:  # noqa: N801 - DeepSpeed's own spelling
+class fragment_address:  # DeepSpeed's own spelling
     numel: int = 0
     start: int = 0
 

@@ -10,10 +10,9 @@ torch itself is not imported here: opening a checkpoint to inspect it costs no t
 """
 from __future__ import annotations
 
-import math
-
 import collections
 import io
+import math
 import os
 import pickle
 import struct
@@ -21,10 +20,10 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 
-from reshard.errors import CheckpointError, UnsafeCheckpointError
-from reshard.formats import standins
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
+from reshard.errors import CheckpointError, UnsafeCheckpointError
+from reshard.formats import standins
 
 
 @dataclass
@@ -48,14 +47,15 @@ class TensorRef:
 
     def is_contiguous(self) -> bool:
         expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+        for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
             if size != 1 and stride != expected:
                 return False
             expected *= size
         return True
 
     def __repr__(self) -> str:
-        return f"TensorRef({self.dtype}{list(self.shape)} @ {os.path.basename(self.storage.file)}+{self.storage.offset})"
+        return (f"TensorRef({self.dtype}{list(self.shape)} @ "
+                f"{os.path.basename(self.storage.file)}+{self.storage.offset})")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ streams in.
 """
 from __future__ import annotations
 
-
 import collections
 import copyreg
 import enum
@@ -26,10 +25,10 @@ from dataclasses import dataclass, field, replace
 from typing import BinaryIO, ClassVar
 
 from reshard.core.dtypes import STORAGE_DTYPES
-from reshard.formats import standins
 from reshard.core.storage_ref import StorageRef
-from reshard.formats.torchsave_read import DType, Size, TensorRef
 from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
+from reshard.formats import standins
+from reshard.formats.torchsave_read import DType, Size, TensorRef
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
@@ -47,7 +46,7 @@ class TorchFile(TensorFile):
     STEM, EXTENSION, SUFFIXES = "pytorch_model", "bin", (".bin", ".pt", ".pth")   # Hugging Face's names
 
     @classmethod
-    def from_entries(cls, path, entries, aliases, metadata=None) -> "TorchFile":
+    def from_entries(cls, path, entries, aliases, metadata=None) -> TorchFile:
         """A state dict file: one tensor per entry (NewTensor with a `source`); a tied name is the
         same tensor as its source, as in torch."""
         file = cls(path, archive=os.path.splitext(os.path.basename(path))[0])
@@ -75,7 +74,7 @@ class TorchFile(TensorFile):
             slot = self.carried[storage] = self.slot(storage.dtype, (storage.numel,), pieces)
         return slot
 
-    def container(self) -> "TorchZip":
+    def container(self) -> TorchZip:
         return TorchZip(self.archive)
 
 
@@ -146,8 +145,8 @@ class TreePickler(pickle._Pickler):
         if ref.parameter:
             return (_REBUILD_PARAMETER, (replace(ref, parameter=False), ref.requires_grad, collections.OrderedDict()))
         slot = self._carry(ref.storage)
-        args = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, tuple(ref.shape), tuple(ref.stride),
-                ref.requires_grad, collections.OrderedDict())
+        args: tuple = (_StorageId(slot.key, slot.dtype, slot.numel), ref.storage_offset, tuple(ref.shape),
+                       tuple(ref.stride), ref.requires_grad, collections.OrderedDict())
         if ref.attrs:
             return (_REBUILD_FROM_TYPE, (_REBUILD, _TENSOR, args, dict(ref.attrs)))
         return (_REBUILD, args)
@@ -166,13 +165,14 @@ class TreePickler(pickle._Pickler):
         self.memoize(obj)
 
     def _write_global(self, glob):
-        self.write(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode("utf-8"))
+        self.write(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode())
 
     def _save_named_global(self, glob):
         self._write_global(glob)
         self.memoize(glob)
 
-    dispatch[GlobalName] = _save_named_global
+    # typeshed gives pickle's dispatch table Unpickler methods; it holds the Pickler's (pickle._Pickler.dispatch)
+    dispatch[GlobalName] = _save_named_global  # type: ignore[assignment]
 
 
 def pickle_tree(tree, carry=None) -> bytes:
@@ -193,6 +193,7 @@ def load_tree(data_pkl: bytes, storage_of):
     (pickle_tree) only: its globals are torch's and those the source checkpoint named, which the process
     loading it trusts as it trusts the checkpoint (DeepSpeed's loader unpickles the same names)."""
     import torch
+
     from reshard.core.dtypes import torch_dtype
 
     class Unpickler(pickle.Unpickler):
@@ -234,7 +235,7 @@ class TorchZip:
             end += 56 + 20      # ZIP64 end of central directory record and its locator
         return offset + directory + end
 
-    def writer(self, out: BinaryIO, data_pkl: bytes, storages) -> "TorchZipWriter":
+    def writer(self, out: BinaryIO, data_pkl: bytes, storages) -> TorchZipWriter:
         return TorchZipWriter(out, data_pkl, self.archive)
 
 
@@ -252,7 +253,7 @@ class TorchZipWriter:
         self._sink = out
         self.archive = archive
         self.data_pkl = data_pkl
-        self._zip = None
+        self._zip: zipfile.ZipFile | None = None
 
     def __enter__(self):
         self._zip = zipfile.ZipFile(self._sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
@@ -264,17 +265,22 @@ class TorchZipWriter:
 
     def storage(self, key: str, nbytes: int):
         """A write stream for storage `key` (exactly `nbytes` must be written, then closed)."""
-        return self._zip.open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=_zip64(nbytes))
+        return self._open().open(self._aligned_info(f"data/{key}", nbytes), "w", force_zip64=_zip64(nbytes))
 
     def __exit__(self, exc_type, *exc):
         if exc_type is None:
             self._put("version", b"3\n")
             digest = hashlib.sha1(self.data_pkl).hexdigest()
             self._put(".data/serialization_id", digest.encode())
-        self._zip.close()
+        self._open().close()
+
+    def _open(self) -> zipfile.ZipFile:
+        if self._zip is None:
+            raise RuntimeError("TorchZipWriter: write inside `with` (the archive opens in __enter__)")
+        return self._zip
 
     def _put(self, name: str, data: bytes) -> None:
-        with self._zip.open(self._aligned_info(name, len(data)), "w") as f:
+        with self._open().open(self._aligned_info(name, len(data)), "w") as f:
             f.write(data)
 
     def _aligned_info(self, name: str, nbytes: int) -> zipfile.ZipInfo:

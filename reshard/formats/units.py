@@ -79,7 +79,7 @@ class Listing:
     dirs: frozenset
 
     @classmethod
-    def of(cls, folder: str) -> "Listing":
+    def of(cls, folder: str) -> Listing:
         try:
             names = os.listdir(folder)
         except OSError:

@@ -16,7 +16,8 @@ import hashlib
 import io
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 BLOCK = 8 << 20         # bytes per block
 BLOCKS = 4              # blocks per open file: one filling, the others hashed and written
@@ -52,8 +53,9 @@ class HashingSink(io.RawIOBase):
         self._sha = hashlib.sha256()
         self._hasher = ThreadPoolExecutor(max_workers=1)        # one worker: blocks are hashed in order
         self._writers = ThreadPoolExecutor(max_workers=WRITERS)
-        self._blocks = [mmap.mmap(-1, BLOCK) for _ in range(BLOCKS)]
-        self._flushing = [()] * BLOCKS      # each block's pending hash and write
+        self._blocks: Sequence[mmap.mmap] = [mmap.mmap(-1, BLOCK) for _ in range(BLOCKS)]
+        # each block's pending hash and write
+        self._flushing: list[tuple[Future[None], ...]] = [()] * BLOCKS
         self._current = self._fill = 0
         self._finished = False
         self.size = 0

@@ -25,7 +25,9 @@ Writing an output (OutputStorage), in this order:
 """
 from __future__ import annotations
 
-from typing import ContextManager, Protocol
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Protocol
 
 
 class SourceStorage(Protocol):
@@ -33,7 +35,7 @@ class SourceStorage(Protocol):
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int: ...
 
-    def window(self, path: str, offset: int, nbytes: int) -> ContextManager[memoryview]: ...
+    def window(self, path: str, offset: int, nbytes: int) -> AbstractContextManager[memoryview]: ...
 
     def view(self, path: str): ...     # a read-only buffer (bytes-like: len, slices, numpy.frombuffer)
 
@@ -54,6 +56,11 @@ class WriteStream(Protocol):
     def tell(self) -> int: ...
 
     def close(self) -> None: ...
+
+    def __enter__(self) -> WriteStream: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> object: ...
 
     @property
     def sha256(self) -> str: ...

@@ -8,14 +8,15 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import Any
 
 from reshard import paths
-from reshard.core.catalog import CatalogBuilder, Fragment, FileInfo, ScalarTensor, TensorDraft
+from reshard.core.catalog import CatalogBuilder, FileInfo, Fragment, ScalarTensor, TensorDraft
+from reshard.core.placement import Shard
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
-from reshard.core.placement import Shard
-from reshard.source_bytes import read_scalar
 from reshard.formats.torchsave_read import DType, TensorRef
+from reshard.source_bytes import read_scalar
 
 METADATA = ".metadata"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
@@ -32,8 +33,8 @@ class Chunks:
     def __init__(self, root: str, meta, catalog: CatalogBuilder):
         self.root, self.catalog = root, catalog
         self.meta_path = os.path.join(root, METADATA)
-        self.by_fqn = {}
-        self.sizes = {}
+        self.by_fqn: dict[str, list[tuple[Any, Any]]] = {}
+        self.sizes: dict[str, int | None] = {}
         for index, info in meta.storage_data.items():
             self.by_fqn.setdefault(index.fqn, []).append((getattr(index, "offset", None), info))
             if getattr(info, "transform_descriptors", None):
@@ -107,7 +108,7 @@ class Chunks:
             offsets = tuple(int(o) for o in chunk.offsets)
             sizes = tuple(int(s) for s in chunk.sizes)
             if len(offsets) != len(shape) or len(sizes) != len(shape) or \
-                    any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+                    any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
                 self.catalog.problem(self.meta_path, f"{key}: chunk at {offsets} of size {sizes} lies outside "
                                      f"the tensor's shape {shape}")
                 continue

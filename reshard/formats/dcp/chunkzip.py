@@ -79,7 +79,7 @@ class Archive:
         out = bytearray()
         for member in self.members:
             out += member.local_header()
-            if member.streamed:
+            if member.data is None:      # streamed
                 return bytes(out)
             out += member.data
         return bytes(out) + self.tail()
@@ -92,7 +92,7 @@ class Archive:
                 member.crc = crc
                 out += member.trailer()
                 after = True
-            elif after:
+            elif after and member.data is not None:      # (only the streamed member has none)
                 out += member.local_header() + member.data
         directory = b"".join(m.central() for m in self.members)
         out += directory + _END.pack(0x06054B50, 0, 0, len(self.members), len(self.members), len(directory),
@@ -139,7 +139,7 @@ class Distcp:
             consumed += n
         return size
 
-    def writer(self, out: BinaryIO, header: bytes, storages) -> "DistcpWriter":
+    def writer(self, out: BinaryIO, header: bytes, storages) -> DistcpWriter:
         return DistcpWriter(out, header, storages, self.items)
 
 
@@ -178,6 +178,7 @@ class DistcpWriter:
 
     def storage(self, key: str, nbytes: int):
         archive = self._values_until(key)
+        assert archive is not None      # (None only when no key is asked for)
         self._sink.write(archive.head())
         return _ChunkStream(self._sink, archive, nbytes, self.path)
 

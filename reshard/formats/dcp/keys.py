@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKey
 from reshard.errors import ReshardError
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX
 
@@ -22,7 +22,7 @@ MODEL, OPTIM = "model", "optim"
 class TensorEntry:
     key: str                # the flat DCP key
     name: str               # the parameter (or buffer) it belongs to
-    source: object          # (name, state) of the catalog tensor holding it, or a ScalarTensor (a step)
+    source: tuple[str, str] | ScalarTensor  # (name, state) of the catalog tensor holding it, or a ScalarTensor (a step)
     shape: tuple
     dtype: str
     sharded: bool           # FSDP2 shards it over the data-parallel ranks (params and their states)
@@ -44,7 +44,7 @@ def tensor_entries(catalog: Catalog):
             else (holder, MODULE)
         if source not in catalog.tensors:
             raise ReshardError.at(catalog.root, f"no weights for {name} ({source[1]})")
-        yield TensorEntry(f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[source].dtype,
+        yield TensorEntry(f"{MODEL}.{name}", name, source, tuple(info.shape), catalog.tensors[TensorKey(*source)].dtype,
                           info.kind != "buffer")
     for group in catalog.param_groups:
         for name in group["params"]:
@@ -53,7 +53,7 @@ def tensor_entries(catalog: Catalog):
                 value = step if isinstance(step, ScalarTensor) else ScalarTensor(float(step), "float32")
                 yield TensorEntry(f"{OPTIM}.state.{name}.step", name, value, (), value.dtype, False)
             for state in catalog.optimizer_states():
-                tensor = catalog.tensors.get((name, state))
+                tensor = catalog.tensors.get(TensorKey(name, state))
                 if tensor is not None:
                     yield TensorEntry(f"{OPTIM}.state.{name}.{state}", name, tensor.key, tuple(tensor.shape),
                                       tensor.dtype, True)

@@ -14,10 +14,11 @@ import copyreg
 import enum
 import io
 import pickle
+from typing import Any, TypeGuard
 
 from reshard.errors import CheckpointError
-from reshard.formats.torchsave_write import GlobalName, TreePickler
 from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
+from reshard.formats.torchsave_write import GlobalName, TreePickler
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -29,7 +30,7 @@ class _Record:
     FIELDS: tuple = ()
 
     def __init__(self, *args, **kwargs):
-        for name, value in zip(self.FIELDS, args):
+        for name, value in zip(self.FIELDS, args, strict=False):    # a pickle may give fewer args than fields
             setattr(self, name, value)
         for name, value in kwargs.items():
             setattr(self, name, value)
@@ -53,6 +54,10 @@ class _Record:
 
 class Metadata(_Record):
     FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    # (annotations only, no class attributes: a pickle sets what it has; read() checks the types)
+    state_dict_metadata: dict[str, Any]
+    planner_data: Any
+    storage_data: dict[Any, Any]
 
 
 class TensorStorageMetadata(_Record):
@@ -73,6 +78,8 @@ class StorageMeta(_Record):
 
 class MetadataIndex(_Record):
     FIELDS = ("fqn", "offset", "index")
+    fqn: str
+    offset: Any
 
     def __hash__(self):        # DCP hashes (fqn, offset); the index is only a hint
         return hash((self.fqn, getattr(self, "offset", None)))
@@ -137,7 +144,7 @@ GLOBAL_NAMES = {
     MemFormat: (_MD, "_MEM_FORMAT_ENCODING"),
     StorageInfo: (_FS, "_StorageInfo"),
 }
-ALLOWED = {name: cls for cls, name in GLOBAL_NAMES.items()}
+ALLOWED: dict[tuple[str, str], object] = {name: cls for cls, name in GLOBAL_NAMES.items()}
 ALLOWED.update({
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path, ("pathlib._local", "PosixPath"): _path,
@@ -180,7 +187,7 @@ def read(path: str) -> Metadata:
     return md
 
 
-def _ints(value, length=None) -> bool:
+def _ints(value, length=None) -> TypeGuard[tuple[int, ...]]:
     return isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value) \
         and (length is None or len(value) == length)
 

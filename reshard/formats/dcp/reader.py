@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.formats.protocol import NoOptions
-from reshard.core.layout import Layout
 from reshard.formats.unpartitioned import UNPARTITIONED
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")
@@ -132,7 +133,7 @@ def read(path: str, options: NoOptions) -> Catalog:
 def _ties(model: dict, names: dict, group_of: dict, chunks) -> dict:
     """{tied name: holder}: model entries whose chunks are the very same bytes (as reshard writes a
     tied weight). The holder is the one the optimizer names, else the first in model order."""
-    by_bytes = {}
+    by_bytes: dict[Any, list[str]] = {}
     for key, entry in model.items():
         where = chunks.signature(key, entry)
         if where:
@@ -155,7 +156,8 @@ def _model_names(model: dict) -> dict:
 def _param_groups(meta, values: dict, chunks, meta_path) -> list:
     """Optimizer param groups from the value entries, in either of get_state_dict's spellings."""
     planner = meta.planner_data if isinstance(getattr(meta, "planner_data", None), dict) else {}
-    indexed, by_fqn = {}, {}
+    indexed: dict[int, dict[str, Any]] = {}
+    by_fqn: dict[str, Any] = {}
     for key in values:
         prefix = next((p for p in OPTIM_PREFIXES if key.startswith(p + "param_groups.")), None)
         if prefix is None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import math
 import os
+from typing import Any
+
 import numpy as np
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
@@ -19,12 +21,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from reshard import formats
-from reshard.core.catalog import ScalarTensor
+from reshard.core.catalog import ScalarTensor, TensorKey
 from reshard.core.dtypes import numpy_carrier, torch_dtype
+from reshard.core.placement import Shard
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.placement import Shard
 from reshard.source_bytes import MappedFiles, read_shard
 from reshard.validate import prove_complete
 
@@ -45,7 +47,7 @@ class Reader(StorageReader):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
             self.catalog = prove_complete(formats.read(self.path, self.tag, self.layout_rules)).catalog
-        self._sources = {}
+        self._sources: dict[dcp_md.MetadataIndex, Any] = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -56,7 +58,9 @@ class Reader(StorageReader):
         return True
 
     def read_metadata(self, *args, **kwargs) -> dcp_md.Metadata:
-        entries, storage, planner = {}, {}, {}
+        entries: dict[str, dcp_md.TensorStorageMetadata | dcp_md.BytesStorageMetadata] = {}
+        storage: dict[dcp_md.MetadataIndex, keys.TensorEntry | keys.ValueEntry] = {}
+        planner: dict[str, object] = {}
         for entry in keys.tensor_entries(self.catalog):
             size = torch.Size(entry.shape)
             properties = dcp_md.TensorProperties(dtype=torch_dtype(entry.dtype))
@@ -97,7 +101,7 @@ class Reader(StorageReader):
                 self._fill(files, entry, at, shape, target)
                 planner.commit_tensor(item, target)
             files.verify()      # each source member read from, whole: a corrupt one fails the load
-        done = torch.futures.Future()
+        done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
 
@@ -107,7 +111,7 @@ class Reader(StorageReader):
         if isinstance(entry.source, ScalarTensor):
             target.copy_(torch.tensor(entry.source.value, dtype=torch_dtype(entry.source.dtype)))
             return
-        tensor = self.catalog.tensors[entry.source]
+        tensor = self.catalog.tensors[TensorKey(*entry.source)]
         dtype = torch_dtype(tensor.dtype)
         if target.dtype == dtype and target.is_contiguous():
             _read_box(files, tensor, at, shape, target.view(-1).view(torch.uint8).numpy().view(

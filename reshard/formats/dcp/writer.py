@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from reshard.core.catalog import Catalog, ScalarTensor
 from reshard.core.dtypes import itemsize
+from reshard.core.layout import Layout
+from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TextFile
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys, metadata as md
 from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.dcp.chunkzip import CHUNK, CHUNK_LIMIT, VALUE, Archive, Distcp, Item
-from reshard.formats.torchsave_write import pickle_tree
 from reshard.formats.torchsave_read import Size, TensorRef
-from reshard.core.layout import Layout
-from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TextFile
+from reshard.formats.torchsave_write import pickle_tree
+
 
 @dataclass
 class DistcpFile(TensorFile):
@@ -63,7 +65,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
     out = _Metadata()
-    written = {}        # source (name, state) -> its chunks' locations, for a tied name to share
+    # source (name, state) -> its chunks' locations, for a tied name to share
+    written: dict[tuple[str, str], Any] = {}
     for entry in keys.tensor_entries(catalog):
         key, source, shape, dtype = entry.key, entry.source, entry.shape, entry.dtype
         if entry.name in catalog.aliases and source in written:
@@ -81,7 +84,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             written[source].append(chunk)
             out.chunk(key, shape, dtype, *chunk)
     for entry in keys.value_entries(catalog):
-        if isinstance(entry.value, TensorRef):  # dcp.load wants a tensor entry there, which this writer does not make yet
+        # dcp.load wants a tensor entry there, which this writer does not make yet
+        if isinstance(entry.value, TensorRef):
             raise ReshardError.at(catalog.root, f"{entry.key} is a tensor; DCP output carries it only as a plain value "
                                                 "(not supported yet)")
         offset, length = files[0].add_value(entry.value)

@@ -20,16 +20,15 @@ import copy
 import math
 from dataclasses import replace
 
-from reshard.core.catalog import MODULE, Catalog
-from reshard.errors import ReshardError
-from reshard.formats.deepspeed import experts as expert_files
-from reshard.formats.deepspeed import notes, rank_params, topology, zero12_writer
-from reshard.formats.deepspeed.rank_params import RankParams
-from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.formats.torchsave_write import TorchFile
+from reshard.core.catalog import MODULE, Catalog, ExpertParallel, TensorKey
 from reshard.core.layout import Layout
 from reshard.core.placement import Block, Shard
 from reshard.core.write_requests import Piece
+from reshard.errors import ReshardError
+from reshard.formats.deepspeed import experts as expert_files, notes, rank_params, topology, zero12_writer
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
+from reshard.formats.torchsave_write import TorchFile
 
 AUTOEP_LAYERS, UC_INFO = expert_files.AUTOEP_LAYERS, expert_files.UC_INFO
 
@@ -82,7 +81,7 @@ class _Placed:
 
     def __init__(self, catalog: Catalog, target: Layout):
         _check(catalog, target)
-        ep = topology.of(target).ep
+        ep = _target_ep(catalog, target)
         self.catalog, self.zt = catalog, ExpertTarget(catalog, target, ep)
         self.held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
         self.flat = [[zero12_writer.FlatGroup(self.zt, params, g,
@@ -99,6 +98,20 @@ class _Placed:
         return zero12_writer.optim_states(zt, self.held[ep_rank], rank, self.flat[ep_rank], tag, places)
 
 
+def _target_ep(catalog: Catalog, target: Layout) -> int:
+    ep = topology.of(target).ep
+    if ep is None:
+        raise ReshardError.at(catalog.root, "a mixture of experts is written at an expert-parallel degree: name one "
+                                            "(--to ep=N)")
+    return ep
+
+
+def _experts(catalog: Catalog) -> ExpertParallel:
+    if catalog.experts is None:
+        raise AssertionError(f"{catalog.root}: the expert writer was given a catalog without experts")
+    return catalog.experts
+
+
 def _check(catalog: Catalog, target: Layout) -> None:
     """What cannot be written is refused (one line each)."""
     where = catalog.root
@@ -109,8 +122,8 @@ def _check(catalog: Catalog, target: Layout) -> None:
     if target.tp != 1 or target.pp != 1:
         raise ReshardError.at(where, "mixture-of-experts checkpoints are written without tensor or pipeline "
                                      "parallelism")
-    ep = topology.of(target).ep
-    for layer in catalog.experts.layers:
+    ep = _target_ep(catalog, target)
+    for layer in _experts(catalog).layers:
         if layer.num_experts % ep:
             raise ReshardError.at(where, f"ep={ep} does not divide the {layer.num_experts} experts of MoE layer "
                                          f"{layer.index}")
@@ -136,7 +149,7 @@ def _ep_rank_params(catalog: Catalog, ep_rank: int, ep: int) -> RankParams:
     whole, under its local number. The module holds no expert weights (they are in the layer files)."""
     whole = rank_params.whole(catalog)
     packed = packs_experts(catalog)
-    per_rank = {name: layer.num_experts // ep for layer in catalog.experts.layers for name in layer.params}
+    per_rank = {name: layer.num_experts // ep for layer in _experts(catalog).layers for name in layer.params}
     params, renamed = [], {}
     for p in whole.params:
         if p.name in per_rank and packed:
@@ -208,7 +221,7 @@ def _layer_files(catalog: Catalog, tag: str) -> list:
     out = []
     for ef in notes.of(catalog).expert_files:
         file = TorchFile(f"{tag}/{ef.name}", archive=ef.name[:-3])
-        file.tree = {key: file.slot(catalog.tensors[(name, MODULE)].dtype, shape,
+        file.tree = {key: file.slot(catalog.tensors[TensorKey(name, MODULE)].dtype, shape,
                                     [Piece(stop - start, (name, MODULE), start)])
                      for key, name, start, stop, shape in ef.keys}
         out.append(file)

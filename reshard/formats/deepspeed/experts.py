@@ -22,11 +22,11 @@ import re
 from dataclasses import dataclass
 
 from reshard.core.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, TensorDraft
+from reshard.core.placement import Shard
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed.tp_geometry import from_affine
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.placement import Shard
 from reshard.source_bytes import file_size
 
 # Model-states keys of an AutoEP save: its layers' placement and affine maps, and the universal-checkpoint info
@@ -142,7 +142,8 @@ def _autoep(tag_dir, autoep_layers, param_shapes, expert_groups):
         per_rank = num_experts // len(placement)
         if placement != tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(placement))):
             raise ReshardError.at(tag_dir, f"MoE layer {layer}: expert placement {[list(p) for p in placement]} is "
-                                           "not contiguous; the engine's layer files would not match it (not supported)")
+                                           "not contiguous; the engine's layer files would not match it "
+                                           "(not supported)")
         params = (entry["affine_maps"] or {}).get("params") or {}
         source = f"ds_autoep_layers of {tag_dir}"
         for name, affine in params.items():
@@ -204,6 +205,7 @@ def ds_moe_local(name: str, per_rank: int) -> tuple:
     number, as the layer files and the catalog name it) when each rank holds `per_rank` experts: local index
     expert % per_rank, as the engine numbers them (its layer files: global = ep rank * local + index)."""
     m = DS_MOE_EXPERT.match(name)
+    assert m is not None, name      # (called for deepspeed.moe expert params only)
     expert = int(m.group(2))
     return expert, f"{m.group(1)}{expert % per_rank}{m.group(3)}"
 

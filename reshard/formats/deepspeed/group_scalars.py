@@ -6,6 +6,8 @@ most files hold (two ranks, two values) nothing tells which is right, and every 
 """
 from __future__ import annotations
 
+from typing import Any
+
 from reshard.core.catalog import PerParamScalar, ScalarTensor
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import read_scalar
@@ -40,7 +42,7 @@ def agreed(held: list, what: str) -> tuple:
     """(the value most files hold, [(file, problem)]) for `held` [(file, its value of `what`)], values the files
     must agree on: each file holding another value than most is named; with no value held by most, every file
     is, with its value and the others'. (The value: the first one read when no value is held by most.)"""
-    values = []     # [(value, [files])], in the order first read
+    values: list[tuple[Any, list[str]]] = []     # [(value, [files])], in the order first read
     for path, value in held:
         for seen, paths in values:
             if seen == value:

@@ -5,8 +5,8 @@ follow what this engine does, not what the source's engine did.
 """
 from __future__ import annotations
 
-from reshard.errors import ReshardError
 from reshard.core.layout import Layout
+from reshard.errors import ReshardError
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 
 LIVE_FORMAT = "deepspeed"       # the files a live engine loads are DeepSpeed's own, whatever the source's format

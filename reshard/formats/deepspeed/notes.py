@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reshard.core.catalog import Catalog
+from reshard.core.catalog import Catalog, CatalogBuilder
 
 EXPERT_GROUP = "ep_size_"       # AutoEP names its expert param group by its ep (auto_ep_layer.ep_group_name)
 
@@ -61,6 +61,6 @@ class DeepSpeedNotes:
 
 
 NONE = DeepSpeedNotes()
-def of(catalog: Catalog) -> DeepSpeedNotes:
+def of(catalog: Catalog | CatalogBuilder) -> DeepSpeedNotes:
     """The catalog's DeepSpeed notes; empty ones when another format's reader made it."""
     return catalog.notes if isinstance(catalog.notes, DeepSpeedNotes) else NONE

@@ -16,15 +16,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import Any
 
 from reshard import rule_files
-from reshard.core.catalog import (MODULE, CatalogBuilder, FileInfo, Fragment, LogicalTensor, ParamInfo, Replica,
-                                  TensorDraft)
+from reshard.core.catalog import (
+    MODULE,
+    CatalogBuilder,
+    FileInfo,
+    Fragment,
+    LogicalTensor,
+    ParamInfo,
+    Replica,
+    TensorDraft,
+    TensorKey,
+)
 from reshard.core.dtypes import itemsize
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import group_scalars, rank_reader
+from reshard.formats.deepspeed import files as names, group_scalars, notes, rank_reader
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import MappedFiles, file_size, replica_problem
@@ -59,7 +68,7 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
     catalog.problems[:0] = problems
     catalog.files[:0] = files
     # what each mp rank's model states add to the training state, for writers at the same degree
-    catalog.notes = replace(catalog.notes, mp_rank_extra={rank: {k: model[k] for k in MP_RANK_KEYS if k in model}
+    catalog.notes = replace(notes.of(catalog), mp_rank_extra={rank: {k: model[k] for k in MP_RANK_KEYS if k in model}
                                                           for rank, model in models.items()})
     catalog.layout = catalog.layout.with_degrees({"tp": tp, "pp": pp})
     return catalog
@@ -116,7 +125,7 @@ def _new_catalog(tag_dir, base: CatalogBuilder) -> CatalogBuilder:
 
 
 def _gather_files_and_problems(catalog, locals_):
-    for rank, local in sorted(locals_.items()):
+    for _rank, local in sorted(locals_.items()):
         if local is None:
             continue
         catalog.files += local.files
@@ -182,7 +191,7 @@ def _merge_tp(tag_dir, locals_, model0, geometry, tp) -> CatalogBuilder:
                       for rank, shape in shard_shapes.items()}
             for state in [s for s in states if (name, s) in base.tensors]:
                 _merge_tensor(catalog, locals_, name, state, split, shard_shapes, shards, files)
-    catalog.notes = replace(catalog.notes, tp_splits=splits)
+    catalog.notes = replace(notes.of(catalog), tp_splits=splits)
     return catalog
 
 
@@ -262,7 +271,8 @@ def _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules) -> Catalo
     `layer_XX-model_{t:02d}-model_states.pt`, into a catalog of that rank's local tensors under the
     PipelineModule names; those are then put together like the TP ranks of a plain tensor-parallel save."""
     geometry = _geometry(tag_dir, _first(models), layout_rules)
-    per_rank, per_rank_model = {}, {}
+    per_rank: dict[int, Any] = {}
+    per_rank_model: dict[int, Any] = {}
     for t in range(tp):
         stages = {s: locals_[s * tp + t] for s in range(pp)}
         if all(c is None for c in stages.values()):
@@ -273,13 +283,13 @@ def _merge_3d(tag_dir, listing, locals_, models, tp, pp, layout_rules) -> Catalo
         per_rank_model[t] = _first(stage_models)
     # the first TP rank's notes (its stages, layers and layer files: alike on every rank) are the catalog's
     catalog = _merge_tp(tag_dir, per_rank, _first(per_rank_model), geometry, tp)
-    splits = catalog.notes.tp_splits
+    splits = notes.of(catalog).tp_splits
     # tied copies (another stage's, a later layer file's) were found per TP rank in shard elements: re-address
     # them to full-tensor elements like the rank's own tensors, so that `validate --deep` compares the big ones
     for t, merged in sorted(per_rank.items()):
         for replica in merged.replicas if merged is not None else []:
             name, state = replica.copy.name, replica.copy.state
-            full = catalog.tensors.get((name, state))
+            full = catalog.tensors.get(TensorKey(name, state))
             if full is None or name not in splits:
                 continue
             copy = LogicalTensor(name, state, full.shape, full.dtype,
@@ -297,8 +307,8 @@ def _merge_stages(tag_dir, listing, locals_, models, model: int | None = None) -
     _gather_files_and_problems(catalog, locals_)
     catalog.group_scalars = [dict(s) for s in base.group_scalars]
     _check_scalars(catalog, locals_, "pipeline stage")
-    holder = {}                                      # param name -> the stage whose copy is used
-    stages = {}                                      # param name -> the stages whose optimizer trains it
+    holder: dict[str, int] = {}                      # param name -> the stage whose copy is used
+    stages: dict[str, list[int]] = {}                # param name -> the stages whose optimizer trains it
     with MappedFiles() as files:
         for stage, local in sorted(locals_.items()):
             if local is None:
@@ -319,7 +329,7 @@ def _merge_stages(tag_dir, listing, locals_, models, model: int | None = None) -
                     if key[0] == name:
                         catalog.tensors[key] = tensor
         layers, layer_files = _read_layers(catalog, tag_dir, listing, models, files, model)
-    catalog.notes = replace(catalog.notes, stages=stages, layers=layers, pipe_layer_files=layer_files)
+    catalog.notes = replace(notes.of(catalog), stages=stages, layers=layers, pipe_layer_files=layer_files)
     return catalog
 
 
@@ -339,7 +349,8 @@ def _read_layers(catalog, tag_dir, listing, models, files, model=None) -> tuple:
     """Module weights and buffers from the layer files, under the PipelineModule's names (with tensor
     parallelism, `model` is the TP rank whose files `layer_XX-model_{model:02d}-...` are read). Returns (name ->
     (layer index, key in its file), layer index -> [(key, name or None)] in file order: what writers rewrite)."""
-    known, buffers = set(catalog.params), set()
+    known: set[str] = set(catalog.params)
+    buffers: set[str] = set()
     for sd in models.values():
         buffers.update(sd.get("buffer_names") or [])
     known |= buffers

@@ -37,6 +37,7 @@ divides evenly and only small replicated tensors (norms, biases) are left whole,
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import OrderedDict
@@ -45,16 +46,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.core.catalog import MODULE, Catalog
+from reshard.core.layout import Layout
+from reshard.core.write_requests import StageCut
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes, rank_params, topology
+from reshard.formats.deepspeed import files as names, notes, rank_params, topology
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.tp_geometry import Geometry
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
 from reshard.formats.torchsave_write import TorchFile
-from reshard.core.layout import Layout
-from reshard.core.write_requests import StageCut
 
 TIED = "tied_modules."
 
@@ -75,7 +75,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
                            list(ds.layer_types) if ds.layer_types is not None else None)
     zt = ZeroTarget(catalog, target)
     if target.tp == 1:     # a PipelineModule on its plain pipe x data topology: layer files without -model_TT
-        held = [(None, rank_params.whole(catalog))]
+        held: list[tuple[int | None, RankParams]] = [(None, rank_params.whole(catalog))]
     else:                  # TP rank t's shards (the source's boxes at its own degree, else Megatron's even cut)
         splits = (notes.of(catalog).tp_splits if target.tp == catalog.layout.tp
                   else megatron_splits(catalog, target.tp))
@@ -189,7 +189,7 @@ class Cut:
     ambiguous: str | None = None
 
     def record(self) -> StageCut:
-        return StageCut(self.method, tuple(zip(self.parts[:-1], self.parts[1:])), self.ambiguous)
+        return StageCut(self.method, tuple(itertools.pairwise(self.parts)), self.ambiguous)
 
 
 def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None = None,
@@ -206,6 +206,7 @@ def stage_boundaries(catalog: Catalog, layers: dict, pp: int, named: str | None 
         methods = _methods(catalog, uses, named, layer_types)
     count = len(uses)
     if named and named.startswith("type:"):
+        assert layer_types      # (_methods refuses a type: partition without them)
         if pp > len(layer_types):
             raise ReshardError.at(catalog.root, f"pp={pp} but the model has {len(layer_types)} layers")
         return Cut(named, tuple(methods[named](pp)), uses)
@@ -263,7 +264,7 @@ def _gives_source_stages(catalog, uses, parts) -> bool:
     (a tied module's in every stage with a layer using it)."""
     if len(parts) != catalog.layout.pp + 1:
         return False
-    trained = {}
+    trained: dict[str, set[int]] = {}
     for stage in range(len(parts) - 1):
         for index in range(parts[stage], min(parts[stage + 1], len(uses))):
             for name in uses[index]:

@@ -17,10 +17,10 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from reshard.core.catalog import MODULE, Catalog
-from reshard.errors import ReshardError
+from reshard.core.catalog import MODULE, Catalog, TensorKey
 from reshard.core.placement import Shard
 from reshard.core.write_requests import Piece
+from reshard.errors import ReshardError
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class RankParams:
     def of_kind(self, kind: str) -> list:
         return [p for p in self.params if p.kind == kind]
 
-    def subset(self, order, mp_rank: int, weights_in_layer_files: bool) -> "RankParams":
+    def subset(self, order, mp_rank: int, weights_in_layer_files: bool) -> RankParams:
         """The params named in `order` (a pipeline stage's), in that order; groups keep that order too, and
         no tied names (a stage's module is in its layer files)."""
         order = tuple(order)
@@ -87,9 +87,10 @@ def tp_rank(catalog: Catalog, rank: int, splits: dict) -> RankParams:
 def _compose(catalog: Catalog, placed: dict, mp_rank: int = 0) -> RankParams:
     params = []
     for name, info in catalog.params.items():
-        module = catalog.tensors.get((name, MODULE))
+        module = catalog.tensors.get(TensorKey(name, MODULE))
         shape, shard = placed[name]
-        params.append(RankParam(name, tuple(shape), info.kind, info.group, module and module.dtype, shard))
+        params.append(RankParam(name, tuple(shape), info.kind, info.group,
+                                module.dtype if module is not None else None, shard))
     groups = tuple(tuple(group["params"]) for group in catalog.param_groups)
     return RankParams(tuple(params), tuple(catalog.order), tuple(catalog.aliases.items()), groups, mp_rank)
 

@@ -15,15 +15,20 @@ from dataclasses import replace
 
 from reshard.core.catalog import MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import experts as expert_placement
-from reshard.formats.deepspeed import group_scalars, zero12, zero3
+from reshard.formats.deepspeed import (
+    experts as expert_placement,
+    files as names,
+    group_scalars,
+    topology,
+    zero3,
+    zero12,
+)
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.layout import Layout
 from reshard.source_bytes import file_size
 
 # What a mixture-of-experts save's model states add (engine._save_moe_checkpoint), kept for its writer
@@ -63,7 +68,7 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
         raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints with ZeRO-3 or tensor/pipeline parallelism "
                                        "are not supported")
     if experts is not None:      # the target keeps it unless --to names another (ep=E)
-        catalog.layout = replace(catalog.layout, format_topology=replace(catalog.layout.format_topology,
+        catalog.layout = replace(catalog.layout, format_topology=replace(topology.of(catalog.layout),
                                                                          ep=experts.topology.ep))
     if stage == 3:
         if mp:
@@ -88,7 +93,8 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
 
 def first_model_states(tag_dir, listing) -> str:
     for pattern in (names.MODEL_STATES, names.ZERO3_MODEL_STATES):
-        found = sorted((n for n in listing if pattern.match(n)), key=lambda n: [int(x) for x in pattern.match(n).groups()])
+        matched = [(n, m) for n in listing if (m := pattern.match(n)) is not None]
+        found = [n for n, _ in sorted(matched, key=lambda nm: [int(x) for x in nm[1].groups()])]
         if found:
             return found[0]
     raise ReshardError.at(tag_dir, "no *_model_states.pt file; not a DeepSpeed checkpoint tag folder")
@@ -104,7 +110,7 @@ def load_or_raise(path):
 def _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp=0) -> dict:
     """Optimizer files of every data-parallel rank (of model-parallel rank `mp`): rank -> (path, state dict
     or None if unusable)."""
-    found = {}
+    found: dict[int, str] = {}
     for n in listing:
         m = names.OPTIM_STATES.match(n)
         if m and int(m.group(3)) == mp:

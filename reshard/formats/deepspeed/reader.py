@@ -10,8 +10,7 @@ from dataclasses import dataclass, replace
 
 from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes, parallel, rank_reader
+from reshard.formats.deepspeed import files as names, notes, parallel, rank_reader
 from reshard.formats.framework import lightning
 
 FORMAT = "deepspeed"
@@ -41,7 +40,7 @@ def read(path: str, options: Options) -> Catalog:
     try:
         catalog = _read(tag_dir, tag, layout_rules)
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
-            catalog.notes = replace(catalog.notes, tp_rules=layout_rules)
+            catalog.notes = replace(notes.of(catalog), tp_rules=layout_rules)
         catalog.framework = lightning.detect(os.path.abspath(path), notes.of(catalog).client_state)
         return catalog.freeze()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:

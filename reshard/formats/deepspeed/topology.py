@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from reshard.core.layout import FormatTopology, Layout, SpecKey
 from reshard.errors import UsageError
@@ -101,7 +102,8 @@ _FIELD_OF_KEY = {"zero": "zero", "partition": "partition_method", "layer_types":
 def target(source: Layout, given: Mapping[str, object]) -> DeepSpeedTopology:
     """The source's DeepSpeed settings with those the `--to` keys in `given` (parsed by SPEC_KEYS) name: the
     source's stage, expert-parallel degree and partition variants unless named."""
-    return replace(of(source), **{_FIELD_OF_KEY[k]: v for k, v in given.items()})
+    changes: dict[str, Any] = {_FIELD_OF_KEY[k]: v for k, v in given.items()}
+    return replace(of(source), **changes)
 
 
 def from_descriptor(source: DeepSpeedTopology | None, data: Mapping[str, object]) -> DeepSpeedTopology:
@@ -120,8 +122,9 @@ def from_descriptor(source: DeepSpeedTopology | None, data: Mapping[str, object]
     if unknown:
         raise UsageError(f"unknown layout options {', '.join(unknown)}")
     method = options.get("partition_method")
-    if method is not None and partition_method_problem(method):
-        raise UsageError(partition_method_problem(method))
+    problem = partition_method_problem(method) if method is not None else None
+    if problem:
+        raise UsageError(problem)
     types = options.get("layer_types")
     if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) and t for t in types)):
         raise UsageError("layer_types must be a list of the pipeline layers' class names")

@@ -17,11 +17,10 @@ import json
 import re
 from dataclasses import dataclass
 
-
 from reshard import rule_files
-from reshard.errors import ReshardError, UsageError
 from reshard.core.geometry import strides
 from reshard.core.placement import Block, Shard
+from reshard.errors import ReshardError, UsageError
 
 RULES_KIND = rule_files.TP_RULES
 RULES_VERSION = 1
@@ -56,7 +55,8 @@ class Split:
         pieces = [p for ps in self.pieces.values() for p in ps]
         if pieces and all(len(p.holders) == len(self.pieces) for p in pieces):
             return "replicated"
-        dims = {d for p in pieces for d, (n, full) in enumerate(zip(p.shape, self.full_shape)) if n != full}
+        dims = {d for p in pieces
+                for d, (n, full) in enumerate(zip(p.shape, self.full_shape, strict=True)) if n != full}
         if all(len(ps) == 1 for ps in self.pieces.values()) and len(dims) == 1:
             return f"split dim {dims.pop()}"
         return f"{len(pieces)} boxes"
@@ -95,7 +95,7 @@ class Geometry:
         self.counts_error = counts_error
 
     @classmethod
-    def from_checkpoint(cls, info: dict, where: str) -> "Geometry":
+    def from_checkpoint(cls, info: dict, where: str) -> Geometry:
         affine = ((info.get("affine_map") or {}).get("params")) or {}
         vocab = info.get("original_vocab_size")
         return cls(affine, _rules_from_uc_info(info), f"universal_checkpoint_info of {where}", prefix_match=True,
@@ -103,7 +103,7 @@ class Geometry:
                    vocab_size=int(vocab) if vocab else None)
 
     @classmethod
-    def from_rule_file(cls, path: str) -> "Geometry":
+    def from_rule_file(cls, path: str) -> Geometry:
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -145,7 +145,7 @@ def trim_rows(split: Split, rows: int) -> Split:
     """The split of the tensor's first `rows` rows (vocabulary padding dropped): boxes clipped along dim 0."""
     if not split.full_shape or rows >= split.full_shape[0]:
         return split
-    pieces = {}
+    pieces: dict[int, list[Piece]] = {}
     for rank, ps in split.pieces.items():
         pieces[rank] = []
         for p in ps:
@@ -162,7 +162,7 @@ def replicated(name: str, shard_shapes: dict, tp: int, source: str) -> Split:
 
 def _unravel(offset: int, shape) -> tuple:
     coords = []
-    for n, stride in zip(shape, strides(shape)):
+    for n, stride in zip(shape, strides(shape), strict=True):
         coords.append(offset // stride if n else 0)
         offset -= coords[-1] * stride
     return tuple(coords)
@@ -170,12 +170,12 @@ def _unravel(offset: int, shape) -> tuple:
 
 def _row_major(box_strides, box, shape) -> bool:
     """Do `box_strides` walk a box of `shape`'s row-major layout (dims of the box of size 1 do not matter)?"""
-    return all(n == 1 or s == e for n, s, e in zip(box, box_strides, strides(shape)))
+    return all(n == 1 or s == e for n, s, e in zip(box, box_strides, strides(shape), strict=True))
 
 
 def from_affine(name, entry, shard_shapes, source) -> Split:
     full = tuple(int(n) for n in entry["logical_shape"])
-    pieces = {}
+    pieces: dict[int, list[Piece]] = {}
     for rank_key, value in entry["ranks"].items():
         rank = int(rank_key)
         shard = tuple(int(n) for n in value["shard_shape"])
@@ -215,7 +215,7 @@ def from_rule(name, rule, shard_shapes, tp, source, counts_error=ReshardError) -
     dim = rule.dim if rule.dim >= 0 else len(any_shape) + rule.dim
     if not 0 <= dim < len(any_shape):
         raise ReshardError(f"{source}: {name} has {len(any_shape)} dims, the rule cuts dim {rule.dim}")
-    for r, s in shapes.items():
+    for s in shapes.values():
         if s[:dim] + s[dim + 1:] != any_shape[:dim] + any_shape[dim + 1:]:
             raise ReshardError(f"{source}: {name}: shard shapes {sorted(set(shapes.values()))} differ outside the "
                                f"split dim {dim}")
@@ -227,7 +227,10 @@ def from_rule(name, rule, shard_shapes, tp, source, counts_error=ReshardError) -
     return _sub_params(name, rule, shapes, dim, tp, source, counts_error)
 
 
-def _box(start_in_dim, shard_start_in_dim, size, dim, shape):
+Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]     # (full start, shard start, shape)
+
+
+def _box(start_in_dim, shard_start_in_dim, size, dim, shape) -> Box:
     full_start = tuple(start_in_dim if d == dim else 0 for d in range(len(shape)))
     shard_start = tuple(shard_start_in_dim if d == dim else 0 for d in range(len(shape)))
     box = tuple(size if d == dim else n for d, n in enumerate(shape))
@@ -263,14 +266,14 @@ def _sub_params(name, rule, shapes, dim, tp, source, counts_error) -> Split:
             raise counts_error(f"{source}: {name}: sub-param sizes {sizes} do not divide by tp={tp}; give "
                                "shard widths")
         widths = [[n // tp] * tp for n in sizes]
-    pieces = {r: [] for r in range(tp)}
+    pieces: dict[int, list[Piece]] = {r: [] for r in range(tp)}
     for r in range(tp):
         have = sum(w[r] for w in widths)
         if shapes[r][dim] != have:
             raise counts_error(f"{source}: {name}: tensor-parallel rank {r} holds {shapes[r][dim]} rows along dim "
                                f"{dim}, the sub-param rule gives it {have}")
         full_at, shard_at = 0, 0
-        for size, w in zip(sizes, widths):
+        for size, w in zip(sizes, widths, strict=True):
             start = full_at + sum(w[:r])
             if w[r]:
                 pieces[r].append(Piece(*_box(start, shard_at, w[r], dim, shapes[r]), (r,)))

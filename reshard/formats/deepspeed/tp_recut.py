@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Any
 
+from reshard.core.geometry import offset, strides
 from reshard.errors import ReshardError, UsageError
 from reshard.formats.deepspeed import notes, topology
 from reshard.formats.deepspeed.tp_geometry import Geometry, Split, contiguous, replicated
-from reshard.core.geometry import offset, strides
 
 UC_VERSION = 0.4          # deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8)
 AFFINE_VERSION = 1        # deepspeed/checkpoint/affine.py AFFINE_MAP_FORMAT_VERSION
@@ -53,7 +54,7 @@ def recut(catalog, target) -> tuple:
     grain = int(tp_config.get("tp_grain_size", 1) or 1)
     geometry = Geometry.from_rule_file(rules_path)
     kv_heads = topology.of(target).kv_heads
-    cuts = {}                                # name -> (dim, cut) or None (replicated)
+    cuts: dict[str, tuple[int, Any] | None] = {}            # name -> (dim, cut) or None (replicated)
     for name, info in catalog.params.items():
         if name in catalog.aliases:
             continue
@@ -123,8 +124,8 @@ def _split(name, shape, cut, tp, kv_heads, grain, where) -> Split:
 def _same_boxes(a: Split, b: Split | None) -> bool:
     if b is None or tuple(a.full_shape) != tuple(b.full_shape):
         return False
-    key = lambda split: {r: sorted((p.full_start, p.shard_start, p.shape) for p in ps)
-                         for r, ps in split.pieces.items() if ps}
+    def key(split: Split) -> dict:
+        return {r: sorted((p.full_start, p.shard_start, p.shape) for p in ps) for r, ps in split.pieces.items() if ps}
     return key(a) == key(b)
 
 

@@ -15,11 +15,11 @@ Pipeline-parallel sources and targets are written by pipe_writer.
 from __future__ import annotations
 
 from reshard.core.catalog import Catalog
+from reshard.core.layout import Layout
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import notes, rank_params, topology, tp_recut
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.core.layout import Layout
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:

@@ -21,18 +21,20 @@ import os
 from dataclasses import replace
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, FileInfo, Fragment, TensorDraft
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import experts as expert_placement
-from reshard.formats.deepspeed import group_scalars, rank_reader
-from reshard.formats.deepspeed import universal as uc
+from reshard.formats.deepspeed import (
+    experts as expert_placement,
+    files as names,
+    group_scalars,
+    rank_reader,
+    universal as uc,
+)
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.layout import Layout
 from reshard.source_bytes import file_size
-
 
 FORMAT = "universal"
 OPTIONS = TagOption
@@ -175,7 +177,7 @@ def _groups(catalog, model0, optim, stage, experts) -> list:
     if len(loaded) != len(groups):
         raise ReshardError.at(os.path.join(catalog.root, uc.ZERO_DIR, uc.OPTIMIZER_STATE), f"{len(loaded)} param "
                            f"groups, the model-states file has {len(groups)}")
-    for hyper, members in zip(loaded, groups):
+    for hyper, members in zip(loaded, groups, strict=True):
         catalog.param_groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": members})
         catalog.group_scalars.append({})
     return groups

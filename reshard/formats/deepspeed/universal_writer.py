@@ -29,19 +29,27 @@ import math
 import os
 import re
 from dataclasses import replace
+from typing import Any
 
 from reshard.core.catalog import MASTER, MODULE, Catalog
-from reshard.errors import ReshardError, UsageError
-from reshard.formats import standins
-from reshard.formats.deepspeed import expert_writer, notes, rank_params, topology, tp_writer, zero12_writer, \
-    zero3_writer
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import universal as uc
-from reshard.formats.deepspeed import writer as zero_writer
-from reshard.formats.deepspeed.zero_target import ZeroTarget, scalar_slot
-from reshard.formats.torchsave_write import TorchFile
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output, Piece, TextFile
+from reshard.errors import ReshardError, UsageError
+from reshard.formats import standins
+from reshard.formats.deepspeed import (
+    expert_writer,
+    files as names,
+    notes,
+    rank_params,
+    topology,
+    tp_writer,
+    universal as uc,
+    writer as zero_writer,
+    zero3_writer,
+    zero12_writer,
+)
+from reshard.formats.deepspeed.zero_target import ZeroTarget, scalar_slot
+from reshard.formats.torchsave_write import TorchFile
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -182,9 +190,9 @@ def _tp_keys(catalog) -> dict:
     matched with re.match as its get_matched_affine_map / get_matched_pattern do."""
     extra = notes.of(catalog).mp_rank_extra.get(0) or {}
     info = extra.get("universal_checkpoint_info") or {}
-    affine = list(((info.get("affine_map") or {}).get("params") or {}))
+    affine = list((info.get("affine_map") or {}).get("params") or {})
     vocab = info.get("vocabulary_parameter_patterns") or []
-    out = {}
+    out: dict[str, Any] = {}
     for name, p in catalog.params.items():
         if not any(re.match(pattern, name) for pattern in affine):
             continue          # no map: the category branches (cat_dim) apply; AutoTP always writes maps
@@ -257,7 +265,8 @@ def _zero3_optimizer_state(zt, sub_groups, tag) -> TorchFile:
     included, which no loader reads; we leave those out.
     """
     file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
-    state, members = {}, [[] for _ in zt.catalog.param_groups]
+    state: dict[int, dict] = {}
+    members: list[list[int]] = [[] for _ in zt.catalog.param_groups]
     for i, (g, _) in enumerate(sub_groups):
         state[i] = {key: scalar_slot(file, value) for key, value in zt.scalars(g).items()}
         members[g].append(i)

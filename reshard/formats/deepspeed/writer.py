@@ -9,13 +9,12 @@ names and counts, the bytes are described as Pieces.
 from __future__ import annotations
 
 from reshard.core.catalog import Catalog
+from reshard.core.layout import Layout
+from reshard.core.write_requests import Output
 from reshard.errors import ReshardError, UsageError
 from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, topology, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
-from reshard.core.layout import Layout
-from reshard.core.write_requests import Output
-
 
 PLACES_EXPERTS = True     # expert_writer
 RESUMED_BY_FRAMEWORKS = True
@@ -36,7 +35,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         return pipe_writer.target_files(catalog, target, tag, source_save_dir)
     if target.tp != 1 or source.tp != 1:
         return tp_writer.target_files(catalog, target, tag, source_save_dir)
-    return rank_files(ZeroTarget(catalog, target), rank_params.whole(catalog), tag) + closing_files(tag, source_save_dir)
+    return (rank_files(ZeroTarget(catalog, target), rank_params.whole(catalog), tag)
+            + closing_files(tag, source_save_dir))
 
 
 def _check_convertible(catalog: Catalog, target: Layout) -> None:

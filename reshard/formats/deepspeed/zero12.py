@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 
 from reshard.core.catalog import MASTER, Fragment, TensorDraft
+from reshard.core.geometry import intersect
 from reshard.formats.deepspeed import group_scalars, topology
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.geometry import intersect
 
 FP32_PARTITIONS = "single_partition_of_fp32_groups"
 
@@ -79,7 +79,7 @@ def _optimizer_order(present, g, flat_order, layout):
     if not topology.of(layout).round_robin_gradients:
         return flat_order
     order = []
-    for rank, (path, sd) in sorted(present.items()):
+    for _rank, (_path, sd) in sorted(present.items()):
         mappings = sd.get("param_slice_mappings") or []
         if g < len(mappings):
             order.extend(name for name in mappings[g] if name not in order)

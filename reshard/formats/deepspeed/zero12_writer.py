@@ -13,15 +13,13 @@ from collections import OrderedDict
 
 from reshard.core.catalog import MASTER, MODULE
 from reshard.core.dtypes import itemsize
-from reshard.formats import standins
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes
-from reshard.formats.deepspeed.rank_params import RankParams
-from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry, \
-    weight_source
-from reshard.formats.torchsave_write import TorchFile
 from reshard.core.geometry import ceil_div, intersect
 from reshard.core.write_requests import Piece
+from reshard.formats import standins
+from reshard.formats.deepspeed import files as names, notes
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry, weight_source
+from reshard.formats.torchsave_write import TorchFile
 
 
 class FlatGroup:
@@ -119,7 +117,9 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
     else:
         module, slots = module_tree(params, full)
     stage2 = zt.stage == 2
-    shape = lambda n: zt.saved_shape(params.by_name[n].shape)
+
+    def shape(n):
+        return zt.saved_shape(params.by_name[n].shape)
     file.tree = {
         "module": module,
         "buffer_names": buffer_names(params),
@@ -140,7 +140,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     fp32_parts, paddings, states, lean_states, param_groups, mappings = [], [], {}, [], [], []
-    for group, place in zip(groups, places or [rank] * len(groups)):
+    for group, place in zip(groups, places or [rank] * len(groups), strict=True):
         lo = place * group.part
         pad = group.tail_padding(place)
         lean = group.part - pad

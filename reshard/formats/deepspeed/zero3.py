@@ -9,15 +9,13 @@ rank's model-states file.
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import replace
 
 from reshard.core.catalog import MASTER, MODULE, Fragment, TensorDraft
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import group_scalars
-from reshard.formats.torchsave_read import TensorRef
 from reshard.core.geometry import ceil_div, intersect
+from reshard.formats.deepspeed import files as names, group_scalars
+from reshard.formats.torchsave_read import TensorRef
 
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 
@@ -92,9 +90,9 @@ def _assign_groups(catalog, sd, parts) -> dict:
         for i in group.get("params", []):
             sub_group_of[i] = g
     lengths = [ref.numel for ref in sd.get(FP32_FLAT_GROUPS) or []]
-    members = [[] for _ in groups]
+    members: list[list[str]] = [[] for _ in groups]
     sub, sub_end = 0, lengths[0] if lengths else 0
-    for name, n, part, offset in parts:
+    for name, _n, _part, offset in parts:
         while sub + 1 < len(lengths) and offset >= sub_end:
             sub += 1
             sub_end += lengths[sub]

@@ -8,14 +8,14 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from reshard.core.catalog import MASTER, MODULE
+from reshard.core.geometry import ceil_div
+from reshard.core.write_requests import Piece
 from reshard.formats import standins
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry
-from reshard.formats.torchsave_write import TorchFile
 from reshard.formats.torchsave_read import Size
-from reshard.core.geometry import ceil_div
-from reshard.core.write_requests import Piece
+from reshard.formats.torchsave_write import TorchFile
 
 
 def sub_groups(zt: ZeroTarget, params: RankParams) -> list:
@@ -28,7 +28,7 @@ def sub_groups(zt: ZeroTarget, params: RankParams) -> list:
             out.append((g, members))
             continue
         current, size = [], 0
-        for name, part in zip(members, parts):
+        for name, part in zip(members, parts, strict=True):
             current.append(name)
             size += part
             if size >= zt.sub_group_size or name == members[-1]:
@@ -63,7 +63,9 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     for p in frozen:
         frozen_fragments[p.name] = file.slot(p.module_dtype, (ceil_div(p.numel, zt.dp),),
                                              _part_pieces(zt, p, MODULE, rank))
-    shape = lambda n: Size(params.by_name[n].shape)
+
+    def shape(n):
+        return Size(params.by_name[n].shape)
     file.tree = {
         "module": module,
         "buffer_names": buffer_names(params),
@@ -81,7 +83,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     states, flat_groups = {}, []
-    group_members = [[] for _ in params.groups]
+    group_members: list[list[int]] = [[] for _ in params.groups]
     for i, (g, members) in enumerate(groups):
         length = sum(ceil_div(params.by_name[n].numel, zt.dp) for n in members)
         pieces = {s: [p for n in members for p in _part_pieces(zt, params.by_name[n], s, rank)]

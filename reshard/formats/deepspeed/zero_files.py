@@ -1,7 +1,7 @@
 """The ZeRO files of one model-parallel rank: what it holds (a RankParams) cut for the target dp and stage."""
 from __future__ import annotations
 
-from reshard.formats.deepspeed import zero12_writer, zero3_writer
+from reshard.formats.deepspeed import zero3_writer, zero12_writer
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget
 

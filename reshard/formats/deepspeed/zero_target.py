@@ -6,15 +6,14 @@ import copy
 import os
 from collections import OrderedDict
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor
-from reshard.formats import standins
-from reshard.formats.deepspeed import files as names
-from reshard.formats.deepspeed import notes, topology
-from reshard.formats.deepspeed.rank_params import RankParam, RankParams
-from reshard.formats.torchsave_write import TorchFile
-from reshard.formats.torchsave_read import Size
+from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, ScalarValue
 from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, Piece, TextFile
+from reshard.formats import standins
+from reshard.formats.deepspeed import files as names, notes, topology
+from reshard.formats.deepspeed.rank_params import RankParam, RankParams
+from reshard.formats.torchsave_read import Size
+from reshard.formats.torchsave_write import TorchFile
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -33,7 +32,8 @@ class ZeroTarget:
         self.lp_dtype = target.dtype
         ds = topology.of(target)
         self.stage = ds.zero
-        # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed_engine), else the source's
+        # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed_engine),
+        # else the source's
         self.config = copy.deepcopy(ds.ds_config or notes.of(catalog).ds_config or {})
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = ds.zero
@@ -54,7 +54,7 @@ class ZeroTarget:
         # A source not saved by DeepSpeed names no version; DeepSpeed asserts one and refuses ZeRO-1
         # files older than 0.3.17, so say the version whose layout this writer follows.
         self.ds_version = notes.of(catalog).ds_version or WRITES_DS_VERSION
-        self._scalars = None
+        self._scalars: list[dict[str, ScalarValue]] | None = None
 
     def scalars(self, g: int) -> dict:
         """Group g's optimizer scalars, one value each (the target was refused when a group's params differ)."""
@@ -136,7 +136,8 @@ def buffer_names(params: RankParams) -> list:
 
 def closing_files(tag: str, source_save_dir: str | None) -> list:
     """`latest` and the source's consolidation scripts."""
-    out = [TextFile(names.LATEST, tag)]    # the bare tag, as engine.save_checkpoint writes it
+    # the bare tag, as engine.save_checkpoint writes it
+    out: list[TextFile | CopiedFile] = [TextFile(names.LATEST, tag)]
     if source_save_dir:
         for script in SCRIPTS:
             path = os.path.join(source_save_dir, script)

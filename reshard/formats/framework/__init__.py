@@ -5,10 +5,33 @@ lightning).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from reshard.formats.framework.files import (CARRIED, COPIED, COPY_RANK0, DROPPED, FAIL, FRESH,  # noqa: F401
-                                             NEW_RANK_POLICIES, NONE, REPRODUCIBILITY, REWRITTEN, Disposition,
-                                             Framework, FrameworkFile, PerRank)
+from reshard.formats.framework.files import (  # noqa: F401
+    CARRIED,
+    COPIED,
+    COPY_RANK0,
+    DROPPED,
+    FAIL,
+    FRESH,
+    NEW_RANK_POLICIES,
+    NONE,
+    REPRODUCIBILITY,
+    REWRITTEN,
+    Disposition,
+    Framework,
+    FrameworkFile,
+    PerRank,
+)
+
+if TYPE_CHECKING:
+    from reshard.core.catalog import Catalog
+
+
+def framework_of(catalog: Catalog) -> Framework | None:
+    """The framework around the catalog's save, as this package describes it (the core carries it only as a
+    catalog.TrainingFramework), or None."""
+    return catalog.framework if isinstance(catalog.framework, Framework) else None
 
 
 def detect(path: str) -> Framework | None:

@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 
 from reshard import manifest
-from reshard.errors import ReshardError
 from reshard.core.write_requests import CopiedFile
+from reshard.errors import ReshardError
 from reshard.formats.deepspeed import topology
 
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
@@ -73,6 +73,7 @@ class Disposition:
     why: str
 
     def line(self) -> str:
+        where: str | None
         if self.action == REWRITTEN:
             where = f"{self.source} -> {self.target}"
         elif self.action in (NONE, COPIED):

@@ -34,13 +34,16 @@ def model_order(folder: str):
         cls = getattr(transformers, architecture, None)
         if cls is None or not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
             return None
+        if cls.config_class is None:      # a base class: no config of its own
+            return None
         with torch.device("meta"):
             model = cls(cls.config_class.from_dict(config))
         state = model.state_dict(keep_vars=True)
         buffers = {id(b) for b in model.buffers()}
     except Exception:   # no transformers, an unknown or newer architecture: the order stays unknown
         return None
-    first, aliases = {}, {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
     for key, value in state.items():
         holder = first.setdefault(id(value), key)
         if holder != key:

@@ -15,13 +15,13 @@ import re
 from dataclasses import replace
 
 from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer
-from reshard.core.layout import Layout
 from reshard.formats.unpartitioned import UNPARTITIONED
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
@@ -46,7 +46,8 @@ def sniff(path: str, tag: str | None) -> bool:
 def read(path: str, options: NoOptions) -> Catalog:
     folder = os.path.abspath(path)
     has_state = os.path.isfile(os.path.join(folder, TRAINER_STATE))
-    weights_format = "safetensors" if hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX) else "torch"
+    safe = hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
+    weights_format = "safetensors" if safe else "torch"
     # the run's world size is what its per-process files say: the Trainer saves one rng_state_K.pth per process
     processes = max(1, sum(1 for name in os.listdir(folder) if RNG.match(name)))
     catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,

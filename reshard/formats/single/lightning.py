@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 
 from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer, is_state_dict
-from reshard.core.layout import Layout
 from reshard.formats.unpartitioned import UNPARTITIONED
 
 SUFFIX = ".ckpt"

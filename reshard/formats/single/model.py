@@ -20,8 +20,16 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from reshard.core.catalog import (MASTER, MODULE, CatalogBuilder, FileInfo, Fragment, ParamInfo, ScalarTensor,
-                                  TensorDraft)
+from reshard.core.catalog import (
+    MASTER,
+    MODULE,
+    CatalogBuilder,
+    FileInfo,
+    Fragment,
+    ParamInfo,
+    ScalarTensor,
+    TensorDraft,
+)
 from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
@@ -43,7 +51,8 @@ def build(catalog: CatalogBuilder, module: dict, where: str, optimizer=None, opt
     `aliases` and `order` (all state-dict keys, aliases too) when the reader knows ties the files omit;
     `buffers` when it knows which keys are buffers (else: see the module docstring)."""
     aliases = dict(aliases or {})
-    tensors, views = {}, {}
+    tensors: dict[str, TensorRef] = {}
+    views: dict[tuple, str] = {}        # (file, offset, storage offset, shape, stride) -> the first key
     for key, ref in module.items():
         if not isinstance(ref, TensorRef):
             catalog.problem(where, f"state dict entry {key!r} is not a tensor ({type(ref).__name__}); left out")
@@ -126,7 +135,7 @@ def _map_optimizer(catalog, tensors, optimizer, where) -> dict:
             row.append(per_element[0] if per_element else optim_map.WILDCARD)
         shapes.append(row)
     named = [g.get(NAMES) for g in optimizer["param_groups"]]
-    if all(isinstance(n, list) and len(n) == len(i) for n, i in zip(named, ids)):
+    if all(isinstance(n, list) and len(n) == len(i) for n, i in zip(named, ids, strict=True)):
         return _by_saved_names(where, tensors, catalog.aliases, named, shapes)
     candidates = [(k, tuple(r.shape)) for k, r in tensors.items() if is_floating(r.dtype)]
     return optim_map.assign(where, candidates, shapes)
@@ -139,7 +148,8 @@ def _by_saved_names(where, tensors, aliases, named, shapes) -> dict:
         for pos, name in enumerate(names):
             key = aliases.get(name, name)
             if key not in tensors:
-                raise CheckpointError(where, f"the optimizer names parameter {name!r}, which the model state dict lacks")
+                raise CheckpointError(where, f"the optimizer names parameter {name!r}, which the model state dict "
+                                      "lacks")
             if shapes[g][pos] not in (optim_map.WILDCARD, tuple(tensors[key].shape)):
                 raise CheckpointError(where, f"the optimizer state of {name!r} has shape {list(shapes[g][pos])}, "
                                       f"the parameter {list(tensors[key].shape)}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 from reshard.errors import CheckpointError
 
 WILDCARD = None
+State = tuple[int, ...]                        # how far each group has got
+Step = tuple[int, State | None, int | None]     # (ways, the previous state, the group that took the position)
 MAX_STATES = 2_000_000      # ways of being part-way through the groups; many groups and spare entries explode
 
 
@@ -32,14 +34,15 @@ def assign(path: str, candidates: list, groups: list) -> dict:
     # Forward dynamic programme over model positions; a state is how far each group has got.
     # Each state keeps (number of ways, capped at 2; the previous state; the choice made).
     start = tuple(0 for _ in groups)
-    layers = [{start: (1, None, None)}]
+    layers: list[dict[State, Step]] = [{start: (1, None, None)}]
     explored = 0
     for i, (_, shape) in enumerate(candidates):
-        nxt = {}
+        nxt: dict[State, Step] = {}
         for state, (ways, _, _) in layers[-1].items():
             skipped = i - sum(state)
-            options = [(g, state[:g] + (state[g] + 1,) + state[g + 1:]) for g in range(len(groups))
-                       if state[g] < len(groups[g]) and groups[g][state[g]] in (WILDCARD, shape)]
+            options: list[tuple[int | None, State]] = [
+                (g, state[:g] + (state[g] + 1,) + state[g + 1:]) for g in range(len(groups))
+                if state[g] < len(groups[g]) and groups[g][state[g]] in (WILDCARD, shape)]
             if skipped < spare:
                 options.append((None, state))
             for choice, new in options:
@@ -62,9 +65,11 @@ def assign(path: str, candidates: list, groups: list) -> dict:
         raise CheckpointError(path, "the optimizer state maps to the parameters in more than one way (entries it "
                               "does not train, frozen params or buffers, have the shape of ones it trains, or params "
                               "have no state yet); refusing to guess")
-    out, state = {}, end
+    out: dict[str, tuple[int, int]] = {}
+    state = end
     for i in range(len(candidates), 0, -1):
         _, previous, choice = layers[i][state]
+        assert previous is not None     # only the start state, before position 0, has none
         if choice is not None:
             out[candidates[i - 1][0]] = (choice, previous[choice])
         state = previous

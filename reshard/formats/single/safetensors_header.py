@@ -7,6 +7,7 @@ library would map the file) and check every claim it makes against the file's si
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -14,9 +15,9 @@ import struct
 
 from reshard import paths
 from reshard.core.dtypes import itemsize
+from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
 from reshard.formats.safetensors_file import DTYPE_CODES
-from reshard.core.storage_ref import StorageRef
 from reshard.formats.torchsave_read import TensorRef
 
 DTYPES = {code: name for name, code in DTYPE_CODES.items()}
@@ -54,7 +55,7 @@ def read_header(path: str) -> tuple:
         tensors[name] = ref
         spans.append((ref.storage.offset, ref.storage.offset + ref.storage.nbytes, name))
     spans.sort()
-    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+    for (_a0, a1, a), (b0, b1, b) in itertools.pairwise(spans):
         if b0 < a1:
             raise CheckpointError(path, f"tensors {a} and {b} overlap in the data (bytes {b0 - data_start} "
                                   f"to {min(a1, b1) - data_start})")

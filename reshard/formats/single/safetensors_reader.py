@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 from reshard.core.catalog import Catalog, CatalogBuilder
+from reshard.core.layout import Layout
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model, safetensors_header
-from reshard.core.layout import Layout
 from reshard.formats.unpartitioned import UNPARTITIONED
 
 SUFFIX = ".safetensors"

@@ -8,15 +8,16 @@ refused by torchsave_read with a one-line message.
 from __future__ import annotations
 
 import os
+from typing import TypeGuard
 
 from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
+from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.torchsave_read import TensorRef
-from reshard.core.layout import Layout
 from reshard.formats.unpartitioned import UNPARTITIONED
 
 SUFFIXES = (".pt", ".pth", ".bin")
@@ -37,7 +38,7 @@ def sniff(path: str, tag: str | None) -> bool:
     return head == ZIP_MAGIC or head[:2] == LEGACY_MAGIC or os.path.getsize(path) == 0
 
 
-def is_state_dict(obj) -> bool:
+def is_state_dict(obj) -> TypeGuard[dict]:
     return isinstance(obj, dict) and bool(obj) and all(isinstance(v, TensorRef) for v in obj.values())
 
 
