@@ -110,6 +110,8 @@ def _placer(map_location):
     import torch
     if callable(map_location):
         return lambda storage: map_location(storage, "cpu")
+    if isinstance(map_location, dict):     # torch.load's {saved location: new one}; every storage here is "cpu"
+        map_location = map_location.get("cpu", "cpu")
     device = torch.device(map_location) if isinstance(map_location, (str, torch.device)) else None
     if map_location is None or device.type == "cpu":
         return None

@@ -97,3 +97,37 @@ def test_map_location_is_applied_to_each_storage(tmp_path):
     finally:
         sources.close()
     assert seen and all(n > 0 for n in seen)
+
+
+@pytest.mark.parametrize("map_location", [{"cpu": "cuda:0"}, {"cuda:0": "cpu"}, {}])
+def test_a_map_location_dict_maps_the_storages_as_torch_load_does(map_location, tmp_path):
+    """DeepSpeed's load passes what the user gave: torch.load's {saved location: new one}. On this CPU-only
+    build, torch.load's own move to cuda:0 fails; ours must fail alike, and the others stay on the CPU."""
+    from reshard.deepspeed_engine import ServedFiles
+    src = fixture_dir("z1_fp32_dp2")
+    plan = _plan(src, "z1_fp32_dp2", "dp=2")        # the same files: torch.load reads the source's own
+    name = next(f.path for f in plan.files if f.path.endswith("model_states.pt"))
+    served = ServedFiles(None, str(tmp_path), plan)
+    outcomes = []
+    try:
+        for load in (lambda: torch.load(src / name, map_location=map_location, weights_only=False),
+                     lambda: served.load(str(tmp_path / name), map_location=map_location)):
+            try:
+                outcomes.append({t.device.type for t in _tensors(load())})
+            except RuntimeError as e:        # torch: no CUDA in this build
+                outcomes.append(type(e))
+    finally:
+        served.close()
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0] == ({"cpu"} if map_location.get("cpu", "cpu") == "cpu" else RuntimeError), outcomes
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
