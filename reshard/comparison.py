@@ -42,7 +42,7 @@ from reshard.text import counted
 BLOCK = 1 << 22     # elements per comparison step
 
 
-@dataclass
+@dataclass(frozen=True)
 class Difference:
     name: str
     state: str
@@ -62,17 +62,17 @@ class Difference:
         return f"{self.name} ({self.state}): {self.detail}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiffReport:
+    """What diff found: `differences` (none: the checkpoints are equal) and `notes` (what is equal only up to
+    a representation: a dtype, NaN bits; what one side alone holds and is not counted)."""
     a: str
     b: str
     atol: float
-    compared: int = 0           # logical tensors compared value by value
-    elements: int = 0
-    differences: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-    recast: dict = field(default_factory=dict)   # (dtype A, dtype B) -> tensors whose values are all equal
-    nan_bits: list = field(default_factory=list)  # tensors with NaNs at the same places but other bits
+    compared: int                           # logical tensors compared value by value
+    elements: int
+    differences: tuple[Difference, ...]
+    notes: tuple[str, ...]
 
     @property
     def equal(self) -> bool:
@@ -88,13 +88,25 @@ class DiffReport:
 
     def to_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "atol": self.atol, "equal": self.equal, "compared": self.compared,
-                "elements": self.elements, "notes": self.notes,
+                "elements": self.elements, "notes": list(self.notes),
                 "differences": [vars(d) for d in self.differences]}
+
+
+@dataclass
+class _Found:
+    """What the comparison finds, as it goes; frozen into a DiffReport at the end."""
+    atol: float
+    compared: int = 0
+    elements: int = 0
+    differences: list[Difference] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    recast: dict = field(default_factory=dict)   # (dtype A, dtype B) -> tensors whose values are all equal
+    nan_bits: list = field(default_factory=list)  # tensors with NaNs at the same places but other bits
 
 
 def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> DiffReport:
     """`progress`: a bar of the bytes read on stderr, when it is a terminal."""
-    report = DiffReport(a.root, b.root, atol)
+    report = _Found(atol)
     pairs = _pairs(a, b, report)
     both = [(a.tensors[key_a], b.tensors[key_b]) for _, key_a, key_b in pairs if key_a and key_b]
     total = sum(ta.numel * (itemsize(ta.dtype) + itemsize(tb.dtype)) for ta, tb in both
@@ -117,10 +129,11 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> D
                             f"at the same elements in A and B, counted equal: {_some(report.nan_bits)}")
     _compare_scalars(a, b, report)
     _compare_problems(a, b, report)
-    return report
+    return DiffReport(a.root, b.root, atol, report.compared, report.elements, tuple(report.differences),
+                      tuple(report.notes))
 
 
-def _compare_scalars(a: Catalog, b: Catalog, report: DiffReport) -> None:
+def _compare_scalars(a: Catalog, b: Catalog, report: _Found) -> None:
     """Every non-tensor value both hold, exactly (--atol is for tensors): each trainable param's optimizer
     scalars (its own step, or its group's) and its group's hyper-parameters, one difference per scalar and pair
     of values with the params that have it; the training counters, the lr scheduler's state and what the format
@@ -201,7 +214,7 @@ def _same_scalar(a, b) -> bool:
     return a == b
 
 
-def _compare_problems(a: Catalog, b: Catalog, report: DiffReport) -> None:
+def _compare_problems(a: Catalog, b: Catalog, report: _Found) -> None:
     """What the reader found wrong in one side's files and not in the other's (one rank's step from another
     save among the others) is a difference: such a checkpoint holds two values where the other holds one."""
     seen = [{p.replace(c.root + os.sep, "") for p in c.problems} for c in (a, b)]
@@ -221,7 +234,7 @@ def _some(names: list) -> str:
     return f"{', '.join(names[:3])}{' …' if len(names) > 3 else ''}"
 
 
-def _pairs(a: Catalog, b: Catalog, report: DiffReport) -> list:
+def _pairs(a: Catalog, b: Catalog, report: _Found) -> list:
     """[(label (name, state), key in A or None, key in B or None)] in A's model order, then B's extras."""
     pairs = []
     names = [n for n in a.params if n not in a.aliases] + \
