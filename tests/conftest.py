@@ -113,16 +113,25 @@ def fixture_name(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (README's test command: `-n 2 --dist loadgroup`) each group runs in one worker: a
-    module's tests together, so its module fixtures are made once; and every module that shares torchrun
-    launches (tests/engine_launches.py) in one worker, where the session's launches then run once."""
     if not FIXTURE_NAMES:
         raise pytest.UsageError(f"no fixtures under {FIXTURES}; run tools/make_fixtures.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (README's test command, `-n 2`) a module's tests run in one worker, so its module
+    fixtures are made once; and the modules that share torchrun launches (tests/engine_launches.py) all in
+    one, where the session's launches then run once. The biggest groups go first (xdist's default order)."""
+    from xdist.scheduler import LoadScopeScheduling
+
     import engine_launches
-    sharing = engine_launches.sharing_modules()
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("shared-launches" if module in sharing else module))
+    sharing = {str(path.relative_to(config.rootpath)) for path in engine_launches.sharing_files(REPO / "tests")}
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "the shared launches" if path in sharing else path
+
+    return ByModule(config, log)
 
 
 def torchrun_env() -> dict:

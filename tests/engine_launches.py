@@ -13,6 +13,7 @@ and no other.
 """
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +45,14 @@ def shares(script: str, after: tuple = ()):
     return register
 
 
-def sharing_modules() -> set[str]:
-    """The test modules that registered a provider: their tests must run in one process (pytest-xdist)."""
-    return {provider.__module__ for provider in _PROVIDERS}
+def sharing_files(tests: Path) -> list[Path]:
+    """The test modules under `tests` that register a provider (`@shares(...)`): their tests must run in one
+    process. Read from their source: pytest-xdist's controller, which asks, imports no test module."""
+    def shares(node: ast.expr) -> bool:
+        return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "shares"
+    return [path for path in sorted(tests.glob("test_*.py"))
+            if any(shares(decorator) for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.FunctionDef) for decorator in node.decorator_list)]
 
 
 class Launches:

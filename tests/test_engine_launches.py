@@ -97,3 +97,14 @@ def test_an_unregistered_provider_is_refused(registry, tmp_path_factory):
     launches = Launches(_session(), tmp_path_factory, Torchrun())
     with pytest.raises(AssertionError, match="not registered"):
         launches.results(lambda out: [])
+
+
+def test_the_modules_that_share_launches_are_found_in_their_source(tmp_path):
+    """pytest-xdist keeps them in one worker (conftest.pytest_xdist_make_scheduler); its controller imports none."""
+    (tmp_path / "test_sharing.py").write_text('@shares("engine_resume.py", after=(saves,))\ndef jobs(out): ...\n')
+    (tmp_path / "test_calling.py").write_text('def jobs(out):\n    return shares("s.py")(out)\n')
+    (tmp_path / "test_other.py").write_text('@pytest.mark.engine\ndef test_x(): ...\n')
+    (tmp_path / "helper.py").write_text('@shares("s.py")\ndef jobs(out): ...\n')
+    assert [p.name for p in engine_launches.sharing_files(tmp_path)] == ["test_sharing.py"]
+    real = {p.name for p in engine_launches.sharing_files(engine_launches.Path(__file__).parent)}
+    assert {"test_engine_resume.py", "test_accelerate_deepspeed.py", "test_tp_pp_convert.py"} <= real
