@@ -25,7 +25,9 @@ def main(argv=None) -> int:
         return code
     except BrokenPipeError:
         # Python's recommended handling: point stdout at devnull so the flush at exit cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
         return EXIT_STDOUT_CLOSED
     except KeyboardInterrupt:   # here, not in _main: a Ctrl-C while the arguments are parsed ends as quietly
         print("reshard: interrupted", file=sys.stderr)
