@@ -11,13 +11,12 @@ Tensor and pipeline parallelism and the other formats: tests/test_properties_par
 RESHARD_PROPERTY_EXAMPLES=N multiplies max_examples by N for a long run.
 """
 import os
-import tempfile
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
 from property_oracle import Topology, assert_ok, check_deepspeed, tag_dir
-from property_sources import LP, MODULE, Model, Param, bits, convert, source_catalog, tree_bytes, truth
+from property_sources import LP, MODULE, Model, Param, bits, convert, scratch, source_catalog, tree_bytes, truth
 
 SCALE = int(os.environ.get("RESHARD_PROPERTY_EXAMPLES", "1"))
 
@@ -57,7 +56,7 @@ def _check(catalog, path, model, values, topo):
 @given(models())
 def test_conversions_move_every_element_to_its_place(case):
     model, a_topo, b_topo = case
-    with tempfile.TemporaryDirectory() as root:
+    with scratch() as root:
         values = truth(model)
         a = convert(source_catalog(model, values, root), a_topo.spec(), os.path.join(root, "a"))
         _check(a, os.path.join(root, "a"), model, values, a_topo)

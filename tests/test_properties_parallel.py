@@ -28,7 +28,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -49,7 +48,7 @@ from property_oracle import (
     tag_dir,
     without_16bit_copy,
 )
-from property_sources import LP, MASTER, MODULE, Model, Param, convert, source_catalog, tree_bytes, truth
+from property_sources import LP, MASTER, MODULE, Model, Param, convert, scratch, source_catalog, tree_bytes, truth
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from test_properties import models as dp_models
@@ -148,7 +147,7 @@ def autotp_models(draw):
 @given(autotp_models())
 def test_autotp_every_element_lands_where_the_rules_say(case):
     model, kv, grain, a_topo, b_topo, fmt = case
-    with tempfile.TemporaryDirectory() as root:
+    with scratch() as root:
         values = truth(model)
         source = source_catalog(model, values, root)
         a = write(source, model, a_topo, f"{root}/a", kv, grain, LLAMA_RULES)
@@ -247,7 +246,7 @@ def test_pipeline_every_element_lands_in_its_stage_and_shard(case):
     model, a_topo, b_topo, fmt = case
     tied = model.layers[0] == model.layers[-1]
     event(f"{'tied head, ' if tied else ''}pp {a_topo.pp} -> {b_topo.pp}")
-    with tempfile.TemporaryDirectory() as root:
+    with scratch() as root:
         values = truth(model)
         source = source_catalog(model, values, root)
         a = write(source, model, a_topo, f"{root}/a", rules=MEGATRON_RULES)
@@ -274,7 +273,7 @@ def test_vocabulary_padding_rows_are_dropped_when_read_with_the_vocabulary_size(
     vocab = model.params[0].shape[0]
     if a_topo.tp == 1 or padding >= vocab or refusal(model, a_topo):
         return
-    with tempfile.TemporaryDirectory() as root:
+    with scratch() as root:
         values = truth(model)
         write(source_catalog(model, values, root), model, a_topo, f"{root}/a", rules=MEGATRON_RULES)
         rules = json.loads(open(MEGATRON_RULES).read())
@@ -354,7 +353,7 @@ def test_a_dcp_save_by_torch_converts_to_deepspeed(case):
     """A DCP directory written by torch (not by reshard) as a source: every element of the DeepSpeed files."""
     model, _, b_topo = case
     model = dataclasses.replace(model, options={})      # a DCP save carries no DeepSpeed options
-    with tempfile.TemporaryDirectory() as root:
+    with scratch() as root:
         values = truth(model)
         _dcp_save(model, values, f"{root}/dcp")
         convert(reshard.open_checkpoint(f"{root}/dcp"), b_topo.spec(), f"{root}/b", fmt="deepspeed", read=False)
