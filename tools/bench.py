@@ -158,7 +158,15 @@ def make_synthetic(args):
     import deepspeed
     import numpy as np
 
-    from reshard.core.catalog import MASTER, Catalog, Fragment, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+    from reshard.core.catalog import (
+        MASTER,
+        CatalogBuilder,
+        Fragment,
+        ParamInfo,
+        ScalarTensor,
+        TensorDraft,
+        TrainingState,
+    )
     from reshard.core.layout import Layout
     from reshard.core.planner import plan
     from reshard.core.storage_ref import StorageRef
@@ -175,9 +183,9 @@ def make_synthetic(args):
         f.write(np.random.default_rng(0).bytes(HIDDEN * HIDDEN * 4))
     states = ["exp_avg", "exp_avg_sq"]
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
-    catalog = Catalog(root=os.path.dirname(block), format="deepspeed",
-                      layout=Layout.of(args.dp, dtype=dtype, format_topology=DeepSpeedTopology(
-                          zero=args.stage, sub_group_size=1_000_000_000)))
+    catalog = CatalogBuilder(root=os.path.dirname(block), format="deepspeed",
+                             layout=Layout.of(args.dp, dtype=dtype, format_topology=DeepSpeedTopology(
+                                 zero=args.stage, sub_group_size=1_000_000_000)))
     scaler = standins.LossScaler()
     scaler.__dict__.update(cur_scale=1.0, dynamic=False)
     catalog.training = TrainingState(global_steps=1, global_samples=args.dp, skipped_steps=0)
@@ -189,17 +197,18 @@ def make_synthetic(args):
         catalog.params[name] = ParamInfo(name, (HIDDEN, HIDDEN), "trainable", 0)
         catalog.order.append(name)
         for state in [MASTER, *states]:
-            tensor = catalog.add(LogicalTensor(name, state, (HIDDEN, HIDDEN), "float32"))
+            tensor = catalog.add(TensorDraft(name, state, (HIDDEN, HIDDEN), "float32"))
             tensor.fragments.append(Fragment(0, HIDDEN * HIDDEN, storage, 0))
     hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
              "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
              "decoupled_weight_decay": True}
     catalog.param_groups.append({**hyper, "params": names})
     catalog.group_scalars.append({"step": ScalarTensor(1.0, "float32")})
-    target = catalog.layout
-    targets = writer("deepspeed").target_files(catalog, target, "global_step1")
+    source = catalog.freeze()
+    target = source.layout
+    targets = writer("deepspeed").target_files(source, target, "global_step1")
     start = time.perf_counter()
-    execute(plan(catalog, target, targets, "global_step1"), args.dir, progress=False)
+    execute(plan(source, target, targets, "global_step1"), args.dir, progress=False)
     shutil.rmtree(work)
     script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")
     shutil.copy(script, os.path.join(args.dir, "zero_to_fp32.py"))

@@ -16,7 +16,16 @@ import os
 import struct
 import zipfile
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, LogicalTensor, ParamInfo, ScalarTensor, TrainingState
+from reshard.core.catalog import (
+    MASTER,
+    MODULE,
+    Catalog,
+    CatalogBuilder,
+    ParamInfo,
+    ScalarTensor,
+    TensorDraft,
+    TrainingState,
+)
 from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, TensorFile, TextFile
 from reshard.formats import standins, writer
@@ -52,8 +61,8 @@ def source_catalog(root: str, layers: int) -> Catalog:
               "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
               "pipeline": {"activation_checkpoint_interval": 1}}
-    catalog = Catalog(root=root, format="deepspeed",
-                      layout=Layout.of(1, dtype="bfloat16", format_topology=DeepSpeedTopology(zero=1)))
+    catalog = CatalogBuilder(root=root, format="deepspeed",
+                             layout=Layout.of(1, dtype="bfloat16", format_topology=DeepSpeedTopology(zero=1)))
     scaler = standins.LossScaler()
     scaler.__dict__.update(cur_scale=1.0, dynamic=False)
     layer_files, layer_of, stages = {}, {}, {}
@@ -66,9 +75,9 @@ def source_catalog(root: str, layers: int) -> Catalog:
             catalog.order.append(name)
             layer_of[name] = (index, key)
             stages[name] = [0]
-            catalog.add(LogicalTensor(name, MODULE, shape, "bfloat16"))
+            catalog.add(TensorDraft(name, MODULE, shape, "bfloat16"))
             for state in [MASTER, *STATES]:
-                catalog.add(LogicalTensor(name, state, shape, "float32"))
+                catalog.add(TensorDraft(name, state, shape, "float32"))
     catalog.tag = TAG
     catalog.training = TrainingState(global_steps=1, global_samples=16, skipped_steps=0, optimizer="AdamW")
     catalog.notes = DeepSpeedNotes(ds_config=config, ds_version=deepspeed.__version__, loss_scaler=scaler,
@@ -79,7 +88,7 @@ def source_catalog(root: str, layers: int) -> Catalog:
              "decoupled_weight_decay": True}
     catalog.param_groups.append({**hyper, "params": list(catalog.order)})
     catalog.group_scalars.append({"step": ScalarTensor(1.0, "float32")})
-    return catalog
+    return catalog.freeze()
 
 
 def make_sparse(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple:
