@@ -117,38 +117,43 @@ def fixture_name(request):
 LONGEST = ("test_faults", "test_moe_engine", "test_dcp", "test_lifecycle_watch", "test_properties",
            "test_properties_parallel", "test_single_process", "test_distributed", "test_torchrun_jobs",
            "test_lifecycle_prune", "test_lifecycle_units", "test_hf_folders")   # 167 s ... 33 s
+SHARED = "the shared launches"
+
+
+@functools.cache
+def group_of(path: str) -> str:
+    """The group of the test module at `path` (as in a node id, `tests/test_x.py`): SHARED for every module that
+    shares torchrun launches (tests/engine_launches.py), else the module's own."""
+    import engine_launches
+    sharing = {f"tests/{module.name}" for module in engine_launches.sharing_files(REPO / "tests")}
+    return SHARED if path in sharing else path
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules sharing torchrun launches first (the longest group), then LONGEST, then the others; each
-    module's tests in their order."""
+    """The shared launches' modules first (the longest group), then LONGEST, then the others; each module's
+    tests in their order."""
     if not FIXTURE_NAMES:
         raise pytest.UsageError(f"no fixtures under {FIXTURES}; run tools/make_fixtures.py")
-    import engine_launches
-    sharing = {path.stem for path in engine_launches.sharing_files(REPO / "tests")}
+    order = [SHARED, *(f"tests/{module}.py" for module in LONGEST)]
 
     def rank(item) -> int:
-        module = item.module.__name__
-        return 0 if module in sharing else 1 + LONGEST.index(module) if module in LONGEST else 1 + len(LONGEST)
+        group = group_of(item.nodeid.split("::", 1)[0])
+        return order.index(group) if group in order else len(order)
     items.sort(key=rank)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (README's test command, `-n 2`) a module's tests run in one worker, so its module
-    fixtures are made once; and the modules that share torchrun launches (tests/engine_launches.py) all in
-    one, where the session's launches then run once. Groups start in the order collected (longest first)."""
+    """Under pytest-xdist (README's test command, `-n 2`) each group runs in one worker: a module's tests
+    together, so its module fixtures are made once, and the modules that share torchrun launches all in one,
+    where the session's launches then run once. Groups start in the order collected (longest first)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    import engine_launches
-    sharing = {str(path.relative_to(config.rootpath)) for path in engine_launches.sharing_files(REPO / "tests")}
-
-    class ByModule(LoadScopeScheduling):
+    class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "the shared launches" if path in sharing else path
+            return group_of(nodeid.split("::", 1)[0])
 
-    config.option.loadscopereorder = False      # xdist's own order: the groups with most tests first
-    return ByModule(config, log)
+    config.option.loadscopereorder = False      # not xdist's own order (the groups with most tests first)
+    return ByGroup(config, log)
 
 
 def torchrun_env() -> dict:

@@ -39,6 +39,8 @@ SCRATCH = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 def scratch() -> tempfile.TemporaryDirectory:
     """A folder for one example, removed after it."""
     return tempfile.TemporaryDirectory(dir=SCRATCH)
+
+
 # 16-bit patterns of normal finite numbers: bf16 exponent 1..254, fp16 exponent 1..30
 PATTERNS = {"bfloat16": (0x0080, 0x7F00), "float16": (0x0400, 0x7B00), "float32": (0x0080, 0x7F00)}
 
