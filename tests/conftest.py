@@ -121,12 +121,17 @@ SHARED = "the shared launches"
 
 
 @functools.cache
+def sharing_modules() -> frozenset[str]:
+    """The test modules (as in a node id, `tests/test_x.py`) that share torchrun launches (tests/engine_launches.py),
+    read from the sources once per process."""
+    import engine_launches
+    return frozenset(f"tests/{module.name}" for module in engine_launches.sharing_files(REPO / "tests"))
+
+
 def group_of(path: str) -> str:
     """The group of the test module at `path` (as in a node id, `tests/test_x.py`): SHARED for every module that
-    shares torchrun launches (tests/engine_launches.py), else the module's own."""
-    import engine_launches
-    sharing = {f"tests/{module.name}" for module in engine_launches.sharing_files(REPO / "tests")}
-    return SHARED if path in sharing else path
+    shares torchrun launches, else the module's own."""
+    return SHARED if path in sharing_modules() else path
 
 
 def pytest_collection_modifyitems(config, items):
@@ -168,12 +173,16 @@ def deepspeed_ops_ready() -> bool:
     return torchrun_jobs.build_deepspeed_ops(torchrun_env())
 
 
-def torchrun(world: int, *args, check: bool = True, deepspeed: bool = True, timeout: float = 1800):
+def torchrun(world: int, *args, check: bool = True, deepspeed: bool = True, timeout: float = 1800,
+             forked: bool = True):
     """`torchrun ARGS` at `world` ranks on a free port (tools/torchrun_jobs.py); the CompletedProcess.
-    With `check`, a failure shows the end of its output; `deepspeed=False` for ranks that never import it."""
+    With `check`, a failure shows the end of its output; `deepspeed=False` for ranks that never import it.
+    The ranks are forked from one server that imported torch and the frameworks once (tools/forked_ranks.py:
+    what torchrun's workers see, without an agent and ~10 CPU-seconds of imports per launch); `forked=False`
+    where torchrun itself is what a test is about."""
     if deepspeed:
         deepspeed_ops_ready()
-    proc = torchrun_jobs.launch(world, args, torchrun_env(), timeout=timeout)
+    proc = torchrun_jobs.launch(world, args, torchrun_env(), timeout=timeout, forked=forked)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

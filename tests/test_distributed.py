@@ -1,12 +1,14 @@
-"""`torchrun -m reshard convert|export`: the ranks share the files; output identical to one process."""
+"""`torchrun -m reshard convert|export`: the ranks share the files; output identical to one process. Under torchrun
+itself at 2 ranks; the other launches fork their ranks (tools/forked_ranks.py: the same environment, a fraction of
+the start-up)."""
 
 import pytest
 
 from conftest import fixture_dir, run_cli, torchrun
 
 
-def _torchrun(k, *args):
-    return torchrun(k, "-m", "reshard", *args, check=False, deepspeed=False, timeout=600)
+def _torchrun(k, *args, forked=True):
+    return torchrun(k, "-m", "reshard", *args, check=False, deepspeed=False, timeout=600, forked=forked)
 
 
 def _tree(root):
@@ -17,13 +19,13 @@ def _tree(root):
 def test_ranks_write_their_share_and_rank0_commits(k, tmp_path):
     src = fixture_dir("z3_fp32_frozen_tied_dp2")
     run_cli("convert", src, tmp_path / "single", "--to", "dp=5,zero=1", "--quiet", check=0)
-    proc = _torchrun(k, "convert", src, tmp_path / "multi", "--to", "dp=5,zero=1", "--quiet")
+    proc = _torchrun(k, "convert", src, tmp_path / "multi", "--to", "dp=5,zero=1", "--quiet", forked=k != 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _tree(tmp_path / "single") == _tree(tmp_path / "multi")
     assert not [p for p in tmp_path.iterdir() if "reshard-tmp" in p.name]
 
     run_cli("export", src, tmp_path / "single-export", "--max-shard-size", "1KB", "--quiet", check=0)
-    proc = _torchrun(k, "export", src, tmp_path / "multi-export", "--max-shard-size", "1KB", "--quiet")
+    proc = _torchrun(k, "export", src, tmp_path / "multi-export", "--max-shard-size", "1KB", "--quiet", forked=k != 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _tree(tmp_path / "single-export") == _tree(tmp_path / "multi-export")
 

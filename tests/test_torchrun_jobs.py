@@ -1,8 +1,16 @@
 """The torchrun launches of the tests and tools (tools/torchrun_jobs.py): a free port, once more when it was
-taken; DeepSpeed's comm op built once; every script leaving its process group, also on an error."""
+taken; DeepSpeed's comm op built once; every script leaving its process group, also on an error; and the ranks the
+tests fork instead (tools/forked_ranks.py): what torchrun's workers see, one failure stopping the others, a timeout
+killing the launch whole."""
+import json
 import re
 import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from conftest import REPO, torchrun, torchrun_env
 
@@ -42,7 +50,7 @@ def _run(tmp_path, helper: bool, fail: bool):
     out.mkdir()
     script = out / "script.py"
     script.write_text(SCRIPT.format(tools=str(REPO / "tools"), out=str(out), helper=helper, fail=fail))
-    proc = torchrun(2, script, check=False, deepspeed=False)
+    proc = torchrun(2, script, check=False, deepspeed=False, forked=False)
     return proc, {p.name: p.read_text() for p in out.iterdir() if p.name != "script.py"}
 
 
@@ -59,7 +67,8 @@ def test_a_rank_leaves_its_process_group_and_skips_the_teardown_also_when_it_fai
     assert notes == {"teardown0": "up", "teardown1": "up"}
 
 
-def test_a_port_taken_before_torchrun_binds_it_is_retried_once_on_another(tmp_path, monkeypatch):
+@pytest.mark.parametrize("forked", [False, True], ids=["torchrun", "forked"])
+def test_a_port_taken_before_torchrun_binds_it_is_retried_once_on_another(tmp_path, monkeypatch, forked):
     taken = socket.socket()
     taken.bind(("", 0))
     taken.listen()
@@ -71,7 +80,7 @@ def test_a_port_taken_before_torchrun_binds_it_is_retried_once_on_another(tmp_pa
     script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n"
                       "dist.destroy_process_group()\n")
     with taken:
-        proc = torchrun_jobs.launch(2, [script], torchrun_env(), log=logged.append)
+        proc = torchrun_jobs.launch(2, [script], torchrun_env(), log=logged.append, forked=forked)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert logged == [f"torchrun: port {port} was taken before its store bound it (EADDRINUSE); "
                       "once more on another"]
@@ -98,3 +107,73 @@ def test_every_torchrun_script_leaves_its_group_and_no_port_is_fixed():
     for path in (*REPO.glob("tests/*.py"), *REPO.glob("tools/*.py")):
         if path.name not in ("test_torchrun_jobs.py", "torchrun_jobs.py"):
             assert "--master_port" not in path.read_text(), f"{path.name} picks its own torchrun port"
+
+
+# The forked ranks (tools/forked_ranks.py) the tests' launches use instead of torchrun's.
+PROBE = """
+import json, os, sys
+seen = {{"env": {{k: v for k, v in os.environ.items() if k not in {base!r} or {base!r}[k] != v}},
+        "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "torch_preloaded": "torch" in sys.modules,
+        "leaked": hasattr(sys, "forked_ranks_mark")}}
+sys.forked_ranks_mark = True      # set in this launch only: the next one must not see it
+with open(os.path.join({out!r}, "seen" + os.environ["RANK"]), "w") as f:
+    json.dump(seen, f)
+"""
+
+
+def _probe(tmp_path, forked: bool, name: str):
+    out = tmp_path / name
+    out.mkdir()
+    script = out / "probe.py"
+    script.write_text(PROBE.format(base=torchrun_env(), out=str(out)))
+    proc = torchrun(2, script, "an-argument", check=False, deepspeed=False, forked=forked)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return script, [json.loads((out / f"seen{rank}").read_text()) for rank in (0, 1)]
+
+
+def test_forked_ranks_see_what_torchruns_workers_see_and_nothing_of_another_launch(tmp_path):
+    real_script, real = _probe(tmp_path, forked=False, name="torchrun")
+    forked_script, forked = _probe(tmp_path, forked=True, name="forked")
+    _, again = _probe(tmp_path, forked=True, name="again")
+    # what only torchrun's agent sets: its error file and signals, its own store (rank 0 hosts it here)
+    agent_only = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_USE_AGENT_STORE", "_"}
+    for theirs, ours in zip(real, forked, strict=True):
+        assert {k: v for k, v in ours["env"].items() if k not in agent_only | {"MASTER_PORT"}} == \
+               {k: v for k, v in theirs["env"].items() if k not in agent_only | {"MASTER_PORT"}}
+        assert ours["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert (ours["argv"][1:], ours["cwd"]) == (theirs["argv"][1:], theirs["cwd"]) == (["an-argument"], str(REPO))
+        assert (Path(ours["path0"]), Path(theirs["path0"])) == (forked_script.parent, real_script.parent)
+    # the control: torchrun's ranks start without torch; forked ones with it imported, and nothing left from
+    # the launch before
+    assert [s["torch_preloaded"] for s in real + forked] == [False, False, True, True]
+    assert [s["leaked"] for s in forked + again] == [False] * 4
+
+
+def test_a_failing_forked_rank_stops_the_others(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, time\nif os.environ['RANK'] == '1':\n    raise RuntimeError('failed on purpose')\n"
+                      "time.sleep(3600)\n")
+    proc = torchrun_jobs.launch(2, [script], torchrun_env(), timeout=600, forked=True)
+    assert proc.returncode == 1 and "RuntimeError: failed on purpose" in proc.stderr
+    assert "stopping the others" in proc.stderr
+
+
+def test_a_forked_launch_past_its_timeout_is_killed_whole(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w')"
+                      ".write(str(os.getpid()))\ntime.sleep(3600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        torchrun_jobs.launch(2, [script], torchrun_env(), timeout=20, forked=True)
+    pids = [int((tmp_path / rank).read_text()) for rank in ("0", "1")]
+    for _ in range(600):        # SIGKILL is delivered, not awaited: until both are gone (or zombies), a minute at most
+        if all(_gone(pid) for pid in pids):
+            break
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -1,7 +1,8 @@
 """torchrun launches that survive a busy machine and a torchrun job beside them (tests and tools share this).
 
 - `launch(world, args, env)`: torchrun on a free port, once more on another if that port was taken
-  between `free_port` closing it and torchrun's store binding it (the reason is logged).
+  between `free_port` closing it and torchrun's store binding it (the reason is logged); with `forked`, the
+  ranks forked from a server that imported torch and the frameworks once (tools/forked_ranks.py) instead.
 - `build_deepspeed_ops(env)`: DeepSpeed's JIT-built CPU op (`deepspeed_shm_comm`, built by every rank's
   `deepspeed.init_distributed`) built and loaded once in one process, so ranks only load it.
 - `run_rank(main, *args)`: how every script run under torchrun calls its main: the process group is
@@ -33,11 +34,16 @@ def free_port() -> int:
             return port
 
 
-def launch(world: int, args, env: dict, timeout: float = 1800, log=None, cwd=None) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node WORLD --master_port <free> ARGS...`, output captured."""
+def launch(world: int, args, env: dict, timeout: float = 1800, log=None, cwd=None,
+           forked: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node WORLD --master_port <free> ARGS...`, output captured; with `forked`, the same
+    ranks forked by tools/forked_ranks.py (rank 0's store on the free port)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
     def run(port):
+        if forked:
+            import forked_ranks
+            return forked_ranks.launch(world, args, env, port, timeout=timeout, cwd=cwd)
         return subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port), *map(str, args)],
                               capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
 
