@@ -217,9 +217,9 @@ def _same_scalar(a, b) -> bool:
 def _compare_problems(a: Catalog, b: Catalog, report: _Found) -> None:
     """What the reader found wrong in one side's files and not in the other's (one rank's step from another
     save among the others) is a difference: such a checkpoint holds two values where the other holds one."""
-    seen = [{p.replace(c.root + os.sep, "") for p in c.problems} for c in (a, b)]
+    seen = [{str(p).replace(c.root + os.sep, "") for p in c.problems} for c in (a, b)]
     for side, catalog, other in (("A", a, seen[1]), ("B", b, seen[0])):
-        for problem in catalog.problems:
+        for problem in map(str, catalog.problems):
             if problem.replace(catalog.root + os.sep, "") not in other:
                 report.differences.append(Difference(f"{side} only", "files", "problem", problem))
 

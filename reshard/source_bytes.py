@@ -17,6 +17,7 @@ from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
 from reshard.core.geometry import offset, span, strides
 from reshard.core.locate import Locator
 from reshard.core.placement import Shard, full_index, regions
+from reshard.core.problems import REPLICA, Problem
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
 from reshard.storage.posix import PosixSource
@@ -220,12 +221,13 @@ def _placed_mask(shard: Shard, start: int, stop: int) -> np.ndarray:
     return mask
 
 
-def replica_problem(files: MappedFiles, tensor: LogicalTensor, replica, known: dict | None = None) -> str | None:
-    """One line when a replica (catalog.Replica) differs from the tensor it copies, else None. `known`: as
+def replica_problem(files: MappedFiles, tensor: LogicalTensor, replica, known: dict | None = None) -> Problem | None:
+    """The problem when a replica (catalog.Replica) differs from the tensor it copies, else None. `known`: as
     for first_difference."""
     at = first_difference(files, tensor, replica.copy, known=known)
     if at is None:
         return None
     where = sorted({f.storage.file for f in replica.copy.fragments})
-    return (f"{where[0] if where else '?'}: {tensor.name} ({tensor.state}): replicated, but {replica.holder} "
-            f"differs from {replica.first} (first at element {at})")
+    return Problem(where[0] if where else "?", f"{tensor.name} ({tensor.state})", REPLICA,
+                   f"{tensor.name} ({tensor.state}): replicated, but {replica.holder} differs from {replica.first} "
+                   f"(first at element {at})")

@@ -126,7 +126,7 @@ def validate(catalog: Catalog, deep: bool = False, checksums: bool = False,
     """`deep` reads every byte for NaN/Inf; `checksums` verifies the sha256 of every file against the
     reshard manifest (sizes are checked whenever a manifest is there). `progress`: bars of the bytes read
     and hashed on stderr, when it is a terminal."""
-    report = _Found(problems=[Problem.from_line(line, catalog.root) for line in catalog.problems],
+    report = _Found(problems=list(catalog.problems),
                     files=len(catalog.files), deep=deep)
     _check_coverage(catalog, report)
     _check_states_present(catalog, report)
@@ -234,9 +234,9 @@ def _check_values(catalog, report, progress):
             try:
                 problem = replica_problem(files, catalog.tensor(replica.copy.name, replica.copy.state), replica)
             except Exception as e:  # a damaged file: already reported by the coverage checks
-                problem = str(e)
+                problem = Problem.from_line(str(e), catalog.root, REPLICA, _named(replica.copy))
             if problem:
-                report.problems.append(Problem.from_line(problem, catalog.root, REPLICA, _named(replica.copy)))
+                report.problems.append(problem)
             bar.update(2 * _nbytes(replica.copy))
         for tensor in floating:
             for frag in tensor.fragments:

@@ -19,6 +19,7 @@ from reshard.core.catalog import (
     TensorKey,
 )
 from reshard.core.layout import Layout
+from reshard.core.problems import READER, Problem
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
 
@@ -43,7 +44,7 @@ def test_freeze_keeps_what_was_built_in_tuples_and_read_only_maps():
     master = catalog.tensor("w", MASTER)
     assert master.key == TensorKey("w", MASTER) == ("w", MASTER) and catalog.tensors[("w", MASTER)] is master
     assert [(f.start, f.stop) for f in master.fragments] == [(0, 3), (3, 6)] and isinstance(master.fragments, tuple)
-    assert catalog.order == ("w",) and catalog.problems == ("/ckpt/a.bin: a note",)
+    assert catalog.order == ("w",) and catalog.problems == (Problem("/ckpt/a.bin", None, READER, "a note"),)
     assert catalog.contents().step == 7 and catalog.states() == [MASTER, MODULE]
     assert isinstance(catalog.group_scalars[0]["step"], PerParamScalar)
 

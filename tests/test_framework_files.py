@@ -96,13 +96,14 @@ def test_two_processes_to_three_keeps_both_and_the_policy_decides_the_third():
 def test_a_run_that_saved_no_rng_state_gets_none_at_any_size():
     f = framework(2, ["trainer_state.json"])
     assert table(f.dispositions(3, FAIL)) == {("trainer_state.json", "trainer_state.json"): CARRIED}
-    assert f.problems() == []
+    assert f.missing() == []
 
 
 def test_a_missing_process_file_is_a_problem_naming_it():
-    assert framework(2, ["rng_state_0.pth"]).problems() == [
+    assert list(map(str, framework(2, ["rng_state_0.pth"]).missing())) == [
         "/ckpt/rng_state_1.pth: missing (RNG states of process 1 of a 2-process run)"]
-    assert framework(1, ["rng_state.pth"]).problems() == []
+    assert framework(2, ["rng_state_0.pth"]).missing()[0].file == "/ckpt/rng_state_1.pth"
+    assert framework(1, ["rng_state.pth"]).missing() == []
 
 
 # -- convert and plan on a folder ------------------------------------------------------------------------------

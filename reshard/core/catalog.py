@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 from reshard.core import optimizers
 from reshard.core.placement import Shard
+from reshard.core.problems import READER, Problem
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError, ReshardError
 
@@ -230,8 +231,8 @@ class TrainingFramework(Protocol):
     def model_files(self) -> tuple[str, ...]:
         """Paths an export copies beside the weights (a frozen dataclass field in the framework's own type)."""
 
-    def problems(self) -> list[str]:
-        """Its own files missing, one line each."""
+    def missing(self) -> list[Problem]:
+        """Its own files missing, a problem each."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,7 @@ class Catalog:
     maybe_buffers: tuple[str, ...] = ()
     notes: FormatNotes | None = None                   # the reader's format's own notes (see FormatNotes)
     files: tuple[FileInfo, ...] = ()                   # every file read or expected
-    problems: tuple[str, ...] = ()                     # what the reader found wrong, one line each
+    problems: tuple[Problem, ...] = ()                 # what the reader found wrong
     # Second copies of replicated data (a norm weight on every TP rank): each a LogicalTensor whose
     # fragments hold, at the same flat positions, elements the catalog's own tensor holds. They must be
     # equal; readers compare the small ones, `validate --deep` every one not yet compared.
@@ -390,7 +391,7 @@ class CatalogBuilder:
     maybe_buffers: list[str] = field(default_factory=list)
     notes: FormatNotes | None = None
     files: list[FileInfo] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
     replicas: list[Replica] = field(default_factory=list)
     save_dir: str | None = None
     framework: TrainingFramework | None = None
@@ -416,7 +417,12 @@ class CatalogBuilder:
         cast(dict[str, str], entry.files)[name] = path
 
     def problem(self, path: str, text: str) -> None:
-        self.problems.append(f"{path}: {text}")
+        """What is wrong in the file at `path` but readable (`text` does not repeat the path)."""
+        self.problems.append(Problem(str(path), None, READER, text))
+
+    def failed(self, error: ReshardError) -> None:
+        """A file that could not be read (the others still are): `error`, as a problem."""
+        self.problems.append(Problem.of_error(error))
 
     def freeze(self) -> Catalog:
         """The Catalog of what was read: tuples and read-only maps, each tensor's fragments fixed."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reshard.errors import ReshardError
+
 # Kinds of problem (Problem.kind): where they come from, so a caller can tell them apart without reading words.
 READER = "reader"               # what a reader noticed opening the files (missing, unreadable, disagreeing)
 MISSING = "missing"             # elements of a tensor no fragment holds
@@ -20,6 +22,14 @@ class Problem:
     tensor: str | None      # the logical tensor, "name (state)", where one is concerned
     kind: str               # one of the kinds above
     message: str            # the words after the file
+
+    @classmethod
+    def of_error(cls, error: ReshardError, kind: str = READER, tensor: str | None = None) -> Problem:
+        """What a ReshardError says, as a problem: its file, and its line after the file."""
+        line = str(error)
+        if error.file is not None and line.startswith(error.file + ": "):
+            return cls(error.file, tensor, kind, line[len(error.file) + 2:])
+        return cls(None, tensor, kind, line)
 
     @classmethod
     def from_line(cls, line: str, root: str = "", kind: str = READER, tensor: str | None = None) -> Problem:

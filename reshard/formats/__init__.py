@@ -58,7 +58,7 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None):
     frame = framework.framework_of(catalog)
     if frame is not None:
         frame = replace(frame, world=catalog.layout.world_size)
-        catalog = replace(catalog, framework=frame, problems=(*catalog.problems, *frame.problems()))
+        catalog = replace(catalog, framework=frame, problems=(*catalog.problems, *frame.missing()))
     return catalog
 
 

@@ -255,7 +255,7 @@ def read_module(catalog, tag_dir: str, experts: Experts, load) -> None:
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:      # unreadable: a problem of this file, the others are still read
-            catalog.problems.append(str(e))
+            catalog.failed(e)
             continue
         for key, name, start, stop, _ in ef.keys:
             ref = sd.get(key)

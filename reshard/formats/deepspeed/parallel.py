@@ -31,6 +31,7 @@ from reshard.core.catalog import (
     TensorKey,
 )
 from reshard.core.dtypes import itemsize
+from reshard.core.problems import READER, Problem
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import files as names, group_scalars, notes, rank_reader
@@ -82,7 +83,7 @@ def _read_ranks(tag_dir, tag, listing, mp, model0):
         name = names.model_states_name(rank)
         path = os.path.join(tag_dir, name)
         if not os.path.exists(path):
-            problems.append(f"{path}: missing (expected for model-parallel rank {rank} of {mp})")
+            problems.append(Problem(path, None, READER, f"missing (expected for model-parallel rank {rank} of {mp})"))
             files.append(FileInfo(name, "model_states", None, 0))
             locals_[rank] = None
             continue
@@ -91,14 +92,14 @@ def _read_ranks(tag_dir, tag, listing, mp, model0):
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:
-            problems.append(str(e))
+            problems.append(Problem.of_error(e))
             locals_[rank] = None
             continue
         saved = (model.get("mp_world_size"), model.get("global_steps"))
         if saved != (mp, model0.get("global_steps")):
-            problems.append(f"{path}: mp_world_size {saved[0]}, global_steps {saved[1]}: not the same save as "
-                            f"the first model-parallel rank's (mp_world_size {mp}, global_steps "
-                            f"{model0.get('global_steps')})")
+            problems.append(Problem(path, None, READER, f"mp_world_size {saved[0]}, global_steps {saved[1]}: not the "
+                                    f"same save as the first model-parallel rank's (mp_world_size {mp}, "
+                                    f"global_steps {model0.get('global_steps')})"))
         try:
             locals_[rank] = rank_reader.read_mp_rank(tag_dir, tag, listing, rank, name, model)
         except UnsafeCheckpointError:
@@ -106,12 +107,12 @@ def _read_ranks(tag_dir, tag, listing, mp, model0):
         except ReshardError as e:           # e.g. none of its optimizer files is there
             if rank == 0 and mp == 1:
                 raise
-            problems.append(str(e))
+            problems.append(Problem.of_error(e))
             locals_[rank] = None
             continue
         models[rank] = model
     if all(c is None for c in locals_.values()):
-        raise ReshardError(problems[0] if problems else f"{tag_dir}: no model-parallel rank's files could be read")
+        raise ReshardError(str(problems[0]) if problems else f"{tag_dir}: no model-parallel rank's files could be read")
     return locals_, models, problems, files
 
 
@@ -377,7 +378,7 @@ def _read_layers(catalog, tag_dir, listing, models, files, model=None) -> tuple:
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:
-            catalog.problems.append(str(e))
+            catalog.failed(e)
             continue
         if not isinstance(sd, dict):
             catalog.problem(path, f"expected a state dict, found {type(sd).__name__}")

@@ -136,7 +136,7 @@ def _load_rank_file(catalog, tag_dir, name, role, rank, required_key):
     except UnsafeCheckpointError:
         raise
     except CheckpointError as e:
-        catalog.problems.append(str(e))
+        catalog.failed(e)
         return None
     if required_key not in sd:
         catalog.problem(path, f"no '{required_key}' key; not a DeepSpeed {role.replace('_', ' ')} file")

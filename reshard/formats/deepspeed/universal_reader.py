@@ -202,7 +202,7 @@ def _read_param(catalog, name, g, num_experts) -> set:
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:
-            catalog.problems.append(str(e))
+            catalog.failed(e)
             continue
         if state == uc.STEP:        # ds_to_universal copies the group's into each; the loader asserts they agree
             catalog.record_param_scalar(g, name, uc.STEP, group_scalars.scalar(obj), path)

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from reshard import manifest
+from reshard.core.problems import READER, Problem
 from reshard.core.write_requests import CopiedFile
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import topology
@@ -102,8 +103,8 @@ class Framework:
         degrees = ", ".join(f"{k}={v}" for k, v in layout.degrees.items() if k == "dp" or v != 1)
         return f"{self.name} + DeepSpeed ZeRO-{topology.of(layout).zero}, {degrees}"
 
-    def problems(self) -> list:
-        """Per-process files missing for a process that saved: one line each, naming the file. In a folder reshard
+    def missing(self) -> list[Problem]:
+        """Per-process files missing for a process that saved, each a problem of that file. In a folder reshard
         wrote (its manifest is there) an absent one is what --new-rank-state decided, and a file the manifest
         lists but the folder lacks is the manifest check's to report."""
         if os.path.isfile(os.path.join(self.folder, manifest.NAME)):
@@ -116,8 +117,8 @@ class Framework:
             for rank in range(self.world):
                 if rank not in have:
                     name = kind.name(rank, self.world)
-                    out.append(f"{os.path.join(self.folder, name)}: missing ({kind.what} of process {rank} of a "
-                               f"{self.world}-process run)")
+                    out.append(Problem(os.path.join(self.folder, name), None, READER,
+                                       f"missing ({kind.what} of process {rank} of a {self.world}-process run)"))
         return out
 
     def dispositions(self, world: int, policy: str = FRESH) -> tuple:
