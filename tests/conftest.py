@@ -112,45 +112,49 @@ def fixture_name(request):
     return request.param
 
 
-# The modules that run longest besides the shared launches (seconds at -n 2 on the 2-core machine, at 0799294),
-# started first under pytest-xdist so that none is left running alone at the end.
-LONGEST = ("test_faults", "test_moe_engine", "test_dcp", "test_lifecycle_watch", "test_properties",
-           "test_properties_parallel", "test_single_process", "test_distributed", "test_torchrun_jobs",
-           "test_lifecycle_prune", "test_lifecycle_units", "test_hf_folders")   # 167 s ... 33 s
-SHARED = "the shared launches"
+# The modules that run longest, with the launches they share (seconds at -n 2 on the 2-core machine, measured
+# when the launches were grouped by script), started first under pytest-xdist so none is left running alone at the end.
+LONGEST = ("test_engine_resume", "test_lightning_deepspeed", "test_tp_pp_convert", "test_accelerate_deepspeed",
+           "test_hf_trainer_deepspeed", "test_faults", "test_properties", "test_moe_engine", "test_engine_llama_export",
+           "test_dcp", "test_single_process", "test_distributed", "test_tp_pp_3d", "test_lifecycle_watch",
+           "test_properties_parallel", "test_torchrun_jobs", "test_lifecycle_prune", "test_lifecycle_units",
+           "test_hf_folders")      # 400 s ... 30 s
 
 
 @functools.cache
-def sharing_modules() -> frozenset[str]:
-    """The test modules (as in a node id, `tests/test_x.py`) that share torchrun launches (tests/engine_launches.py),
-    read from the sources once per process."""
+def launch_groups() -> dict[str, str]:
+    """The test modules (as in a node id, `tests/test_x.py`) that share torchrun launches, with their group
+    (tests/engine_launches.py), read from the sources once per process."""
     import engine_launches
-    return frozenset(f"tests/{module.name}" for module in engine_launches.sharing_files(REPO / "tests"))
+    return {f"tests/{module}": group for module, group in engine_launches.launch_groups(REPO / "tests").items()}
 
 
 def group_of(path: str) -> str:
-    """The group of the test module at `path` (as in a node id, `tests/test_x.py`): SHARED for every module that
-    shares torchrun launches, else the module's own."""
-    return SHARED if path in sharing_modules() else path
+    """The group of the test module at `path` (as in a node id, `tests/test_x.py`): the modules sharing a script's
+    torchrun launches are one group, any other module its own."""
+    return launch_groups().get(path, path)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The shared launches' modules first (the longest group), then LONGEST, then the others; each module's
-    tests in their order."""
+    """The groups in LONGEST's order (a group where its first module is), then the others; each module's tests
+    in their order."""
     if not FIXTURE_NAMES:
         raise pytest.UsageError(f"no fixtures under {FIXTURES}; run tools/make_fixtures.py")
-    order = [SHARED, *(f"tests/{module}.py" for module in LONGEST)]
+    order = [f"tests/{module}.py" for module in LONGEST]
+    members: dict[str, list[str]] = {}
+    for path, group in launch_groups().items():
+        members.setdefault(group, []).append(path)
 
     def rank(item) -> int:
-        group = group_of(item.nodeid.split("::", 1)[0])
-        return order.index(group) if group in order else len(order)
+        path = item.nodeid.split("::", 1)[0]
+        return min(order.index(p) if p in order else len(order) for p in members.get(group_of(path), [path]))
     items.sort(key=rank)
 
 
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (README's test command, `-n 2`) each group runs in one worker: a module's tests
-    together, so its module fixtures are made once, and the modules that share torchrun launches all in one,
-    where the session's launches then run once. Groups start in the order collected (longest first)."""
+    together, so its module fixtures are made once, and the modules that share a script's torchrun launches in
+    one, where those launches then run once. Groups start in the order collected (longest first)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):

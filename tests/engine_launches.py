@@ -4,9 +4,11 @@ module that needs it.
 Starting the ranks (torchrun, importing torch and DeepSpeed, the process group) costs more than most jobs, so a
 module does not launch its own: it registers a provider with `@shares(script)`, a function that prepares its
 checkpoints in a directory of its own and returns its jobs as `(world, group, job)`; `group` keeps apart jobs
-that cannot share a process (None where any can). The first module to ask for results (`Launches.results`) runs
-the providers of every module with a selected engine test, launches each (script, world, group) once with all
-their jobs, in the order they came, and hands each module the results of its own jobs, in its order. A provider
+that cannot share a process (None where any can). The first module to ask for results of a script
+(`Launches.results`) runs that script's providers of every module with a selected engine test, launches each
+(script, world, group) once with all their jobs, in the order they came, and hands each module the results of its
+own jobs, in its order. The modules sharing a script run in one process (`launch_groups`); those of other scripts
+can run beside them. A provider
 registered `after` others (resumes of what a save launch wrote) is given their results and runs in the next round,
 with every other provider ready then. A launch that fails fails every module with a job in it, with its output,
 and no other.
@@ -45,14 +47,30 @@ def shares(script: str, after: tuple = ()):
     return register
 
 
-def sharing_files(tests: Path) -> list[Path]:
-    """The test modules under `tests` that register a provider (`@shares(...)`): their tests must run in one
-    process. Read from their source: pytest-xdist's controller, which asks, imports no test module."""
-    def shares(node: ast.expr) -> bool:
-        return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "shares"
-    return [path for path in sorted(tests.glob("test_*.py"))
-            if any(shares(decorator) for node in ast.walk(ast.parse(path.read_text()))
-                   if isinstance(node, ast.FunctionDef) for decorator in node.decorator_list)]
+def launch_groups(tests: Path) -> dict[str, str]:
+    """The test modules under `tests` that register providers (`@shares(script)`), by file name, each with the
+    name of its group: the modules whose providers share a script are one group, whose tests must run in one
+    process (`Launches` runs a script's launches for the modules of its group only). Read from their source:
+    pytest-xdist's controller, which asks, imports no test module."""
+    scripts: dict[str, set[str]] = {}       # module file name -> the scripts its providers launch
+    for path in sorted(tests.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Constant) for target in node.targets
+                     if isinstance(target, ast.Name)}
+        for node in ast.walk(tree):
+            for decorator in node.decorator_list if isinstance(node, ast.FunctionDef) else ():
+                if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "shares":
+                    script = decorator.args[0]
+                    name = script.value if isinstance(script, ast.Constant) else constants[script.id]
+                    scripts.setdefault(path.name, set()).add(name)
+    groups: list[tuple[set[str], set[str]]] = []    # (scripts, modules), joined where they share a script
+    for module, launched in scripts.items():
+        joined = [g for g in groups if g[0] & launched]
+        groups = [g for g in groups if not g[0] & launched]
+        groups.append((launched.union(*(g[0] for g in joined)), {module}.union(*(g[1] for g in joined))))
+    return {module: "launches of " + ", ".join(sorted(launched)) for launched, modules in groups
+            for module in modules}
 
 
 class Launches:
@@ -79,8 +97,11 @@ class Launches:
         return outcome
 
     def _needed(self, asked: Provider) -> list:
-        """The providers of the modules with a selected engine test and `asked`, with those they come after."""
-        needed, todo = [], [p for p in _PROVIDERS if p is asked or p.__module__ in self._wanted]
+        """`asked`, the providers of its script of the modules with a selected engine test, and those they come
+        after."""
+        script = _PROVIDERS[asked][0]
+        needed, todo = [], [p for p in _PROVIDERS
+                            if p is asked or (_PROVIDERS[p][0] == script and p.__module__ in self._wanted)]
         while todo:
             provider = todo.pop()
             if provider not in needed:

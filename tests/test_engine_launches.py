@@ -52,10 +52,12 @@ def test_one_launch_per_script_world_and_group_for_every_module_and_each_its_own
     run = Torchrun()
     launches = Launches(_session("test_a", "test_b", "test_c"), tmp_path_factory, run)
     assert [r["id"] for r in launches.results(b)] == ["b1", "b2"]
+    # the launches of b's script, for every module: not yet those of another script (another group's, which may
+    # run in another process)
     assert sorted(run.launches) == sorted([("s.py", 2, "s-w2", ["a1", "a3", "b1"]), ("s.py", 3, "s-w3", ["a2"]),
-                                           ("s.py", 2, "s-w2-tp", ["b2"]), ("t.py", 2, "t-w2", ["c1"])])
+                                           ("s.py", 2, "s-w2-tp", ["b2"])])
     assert [(r["id"], r["world"]) for r in launches.results(a)] == [("a1", 2), ("a2", 3), ("a3", 2)]
-    assert [r["id"] for r in launches.results(other)] == ["c1"]
+    assert [r["id"] for r in launches.results(other)] == ["c1"] and run.launches[-1] == ("t.py", 2, "t-w2", ["c1"])
     assert len(run.launches) == 4           # once per session
     # a provider of a module with no selected engine test runs only when asked, in a launch of its own
     assert [r["id"] for r in launches.results(unselected)] == ["d1"] and run.launches[-1][3] == ["d1"]
@@ -99,12 +101,21 @@ def test_an_unregistered_provider_is_refused(registry, tmp_path_factory):
         launches.results(lambda out: [])
 
 
-def test_the_modules_that_share_launches_are_found_in_their_source(tmp_path):
-    """pytest-xdist keeps them in one worker (conftest.pytest_xdist_make_scheduler); its controller imports none."""
+def test_the_modules_that_share_launches_are_found_in_their_source_and_grouped_by_script(tmp_path):
+    """pytest-xdist keeps each group in one worker (conftest.pytest_xdist_make_scheduler); its controller imports
+    none. Modules are joined where their providers share a script, also through a third module."""
     (tmp_path / "test_sharing.py").write_text('@shares("engine_resume.py", after=(saves,))\ndef jobs(out): ...\n')
+    (tmp_path / "test_also.py").write_text('SCRIPT = "engine_resume.py"\n@shares(SCRIPT)\ndef jobs(out): ...\n')
+    (tmp_path / "test_x1.py").write_text('@shares("x.py")\ndef jobs(out): ...\n')
+    (tmp_path / "test_x2.py").write_text('@shares("y.py")\ndef jobs(out): ...\n')
+    (tmp_path / "test_x3.py").write_text('@shares("x.py")\ndef a(out): ...\n@shares("y.py")\ndef b(out): ...\n')
     (tmp_path / "test_calling.py").write_text('def jobs(out):\n    return shares("s.py")(out)\n')
     (tmp_path / "test_other.py").write_text('@pytest.mark.engine\ndef test_x(): ...\n')
     (tmp_path / "helper.py").write_text('@shares("s.py")\ndef jobs(out): ...\n')
-    assert [p.name for p in engine_launches.sharing_files(tmp_path)] == ["test_sharing.py"]
-    real = {p.name for p in engine_launches.sharing_files(engine_launches.Path(__file__).parent)}
-    assert {"test_engine_resume.py", "test_accelerate_deepspeed.py", "test_tp_pp_convert.py"} <= real
+    assert engine_launches.launch_groups(tmp_path) == {
+        "test_also.py": "launches of engine_resume.py", "test_sharing.py": "launches of engine_resume.py",
+        "test_x1.py": "launches of x.py, y.py", "test_x2.py": "launches of x.py, y.py",
+        "test_x3.py": "launches of x.py, y.py"}
+    real = engine_launches.launch_groups(engine_launches.Path(__file__).parent)
+    assert real["test_engine_resume.py"] == real["test_crc.py"] == real["test_universal_engine.py"]
+    assert real["test_tp_pp_convert.py"] == real["test_universal_tp.py"] != real["test_engine_resume.py"]
