@@ -48,7 +48,7 @@ UNIVERSAL = [(2, "autoep2_z1_fp32", "", 1), (2, "autoep2_z2_bf16", "", 1), (2, "
              (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4", 4),
              (4, "autoep2_z1_fp32", "ep=4,dp=4", 4)]
 # reshard.deepspeed_engine.load_checkpoint of the fixture itself into the engine at another ep: (world, fixture, ep)
-DIRECT = [(2, "autoep2_z1_fp32", 1), (2, "autoep2_z2_bf16", 1), (2, "dsmoe_ep2_z2_fp32", 1),
+DIRECT = [(2, "autoep2_z1_fp32", 1), (2, "autoep2_z2_bf16", 1), (2, "dsmoe_ep2_z2_fp32", 1), (2, "autoep2_z3_fp32", 1),
           (4, "autoep2_z2_fp32_dp2_datafirst", 4), (4, "autoep2_z2_fp32_dp2", 1), (4, "dsmoe_ep2_z2_fp32", 4)]
 # (world, fixture, --to): DeepSpeed's ds_to_universal tree of the fixture, converted back by reshard (read as
 # tests/test_moe_universal_read.py does: the experts' bf16 module weights are their masters cast)

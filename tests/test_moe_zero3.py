@@ -133,3 +133,48 @@ def test_there_and_back_gives_deepspeeds_own_files(name, there, tmp_path):
     _convert(fixture_dir(name), tmp_path / "there", there)
     _convert(tmp_path / "there", tmp_path / "back", f"ep=2,dp={meta['world_size']},zero=3")
     _assert_deepspeeds_own_files(name, tmp_path / "back")
+
+
+def _rewrite_model_states(save, change):
+    """Every rank's model states of a copy, changed by change(state dict) and saved again (our own test files)."""
+    import torch
+    for path in sorted(tag_dir(save).glob("zero_pp_rank_*_model_states.pt")):
+        sd = torch.load(path, weights_only=False)
+        change(sd)
+        torch.save(sd, path)
+
+
+def test_another_expert_state_format_version_is_refused_in_one_line(tmp_path):
+    save = tmp_path / "save"
+    shutil.copytree(fixture_dir("autoep2_z3_fp32"), save)
+
+    def version_2(sd):
+        for entry in sd["ds_autoep_layers"]:
+            entry["checkpoint_format_version"] = 2
+    _rewrite_model_states(save, version_2)
+    proc = run_cli("inspect", save, check=1)
+    [line] = proc.stderr.strip().splitlines()
+    assert "expert state format 'zero3_partitioned' version 2; only 'zero3_partitioned' version 1" in line, line
+
+
+def test_a_rank_naming_other_experts_than_its_process_groups_is_a_problem(tmp_path):
+    """Rank 1 of the ep-2 save says it held ep rank 0's experts: validate names its model states."""
+    save = tmp_path / "save"
+    shutil.copytree(fixture_dir("autoep2_z3_fp32"), save)
+    path = tag_dir(save) / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    import torch
+    sd = torch.load(path, weights_only=False)
+    for entry in sd["ds_autoep_layers"]:
+        entry["ep_rank"] = 0
+    torch.save(sd, path)
+    proc = run_cli("validate", save, check=1)
+    [line] = _problem_lines(proc, path.name)
+    assert line == f"{path}: MoE layer 0: ep rank, expert-data-parallel rank (0, 0), expected (1, 0) for " \
+                   "data-parallel rank 1"
+
+
+def test_a_zero3_moe_save_is_not_written_as_a_universal_tree_for_zero3(tmp_path):
+    proc = run_cli("convert", fixture_dir("autoep2_z3_fp32"), tmp_path / "out", "--format", "universal", check=1)
+    [line] = proc.stderr.strip().splitlines()
+    assert "a universal checkpoint of experts is written for ZeRO-1/2 only" in line
+    assert not (tmp_path / "out").exists()
