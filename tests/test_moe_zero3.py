@@ -178,3 +178,16 @@ def test_a_zero3_moe_save_is_not_written_as_a_universal_tree_for_zero3(tmp_path)
     [line] = proc.stderr.strip().splitlines()
     assert "a universal checkpoint of experts is written for ZeRO-1/2 only" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_save_without_zero_is_refused_in_one_line_naming_why(tmp_path):
+    """An `expp_rank_*` optimizer file (DeepSpeed's MoE save without ZeRO, docs/deepspeed-moe.md §6) in the tag
+    folder: refused before anything is read."""
+    save = tmp_path / "save"
+    shutil.copytree(fixture_dir("autoep2_z1_fp32"), save)
+    shutil.copy(tag_dir(save) / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                tag_dir(save) / "expp_rank_0_mp_rank_00_optim_states.pt")
+    proc = run_cli("inspect", save, check=1)
+    [line] = proc.stderr.strip().splitlines()
+    assert line == f"reshard: {tag_dir(save)}: mixture-of-experts checkpoints without ZeRO (expp_rank_* optimizer " \
+                   "files) are not supported"
