@@ -24,7 +24,7 @@ pytestmark = pytest.mark.engine
 Z3_CONVERSIONS = [(2, "autoep2_z3_fp32", "ep=1,dp=2"), (4, "autoep2_z3_fp32", "ep=2,dp=4"),
                   (4, "autoep2_z3_fp32_dp2", "ep=4,dp=4"), (4, "autoep2_z3_fp32_dp2", "ep=1,dp=4"),
                   (2, "autoep2_z3_fp32", "ep=2,dp=2,zero=1"), (2, "autoep2_z1_fp32", "ep=2,dp=2,zero=3"),
-                  (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4,zero=3")]
+                  (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4,zero=3"), (2, "autoep2_z2_bf16", "ep=1,dp=2,zero=3")]
 # (world, fixture, --to): ep 2 -> ep 1 x dp 2; ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; bf16; ep 2 -> ep 4 x dp 4;
 # use_data_before_expert_parallelism at ep 4; ep 2 x expert-dp 2 -> ep 1 x dp 4; deepspeed.moe ep 2 -> 1 and 4;
 # ZeRO-1 -> 2 (at ep 1 and ep 2) and 2 -> 1 (fp32; bf16, whose ZeRO-1 is BF16_Optimizer), the engine built at the
