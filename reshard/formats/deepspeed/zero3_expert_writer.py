@@ -15,6 +15,7 @@ No layer_L_expert_E file is written.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from reshard.core.catalog import MASTER
 from reshard.core.geometry import ceil_div
@@ -26,12 +27,16 @@ from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, modu
 from reshard.formats.torchsave_write import TorchFile
 
 
+@dataclass(frozen=True)
 class SubGroup:
     """One ZeRO-3 sub-group of a rank: its param group, params, and the ranks it is partitioned over."""
-
-    def __init__(self, g: int, members: list, expert: bool, count: int, place: int, ranks: list, group_name: str):
-        self.g, self.members, self.expert = g, members, expert
-        self.count, self.place, self.ranks, self.group_name = count, place, ranks, group_name
+    g: int                  # the optimizer param group
+    members: tuple          # its params' names, in order
+    expert: bool            # the rank's local experts (cut over the expert-data-parallel group), else dense
+    count: int              # the ranks it is partitioned over
+    place: int              # this rank's part among them
+    ranks: tuple            # their global ranks
+    group_name: str         # ds_zero_partition_groups' group name: "replicated" or the expert group's
 
 
 def sub_groups(zt, params: RankParams, rank: int, is_expert) -> list:
@@ -53,14 +58,15 @@ def sub_groups(zt, params: RankParams, rank: int, is_expert) -> list:
             group_name = f"ep_size_{zt.ep}" if expert else zero3_experts.DENSE_FAMILY
             parts = [ceil_div(params.by_name[n].numel, count) for n in members]
             if zt.sub_group_size >= sum(parts):
-                out.append(SubGroup(g, members, expert, count, place, ranks, group_name))
+                out.append(SubGroup(g, tuple(members), expert, count, place, tuple(ranks), group_name))
                 continue
-            current, size = [], 0
+            current: list[str] = []
+            size = 0
             for name, part in zip(members, parts, strict=True):
                 current.append(name)
                 size += part
                 if size >= zt.sub_group_size or name == members[-1]:
-                    out.append(SubGroup(g, current, expert, count, place, ranks, group_name))
+                    out.append(SubGroup(g, tuple(current), expert, count, place, tuple(ranks), group_name))
                     current, size = [], 0
     return out
 
