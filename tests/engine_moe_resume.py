@@ -7,7 +7,8 @@ JOBS.json lists {"fixture": an autoep or deepspeed.moe fixture, "checkpoint": di
 tools/fixture_moe.py does but with other values (so a load that does not happen shows): the AutoEP Mixtral with the
 fixture's DeepSpeed config at `"autoep_size": EP`, the deepspeed.moe module at `ep_size=EP` ("zero": the engine at
 that ZeRO stage, not the fixture's); calls the ordinary `engine.load_checkpoint(dir)` ("direct":
-`reshard.deepspeed_engine.load_checkpoint(engine, dir)` of a checkpoint saved at any topology, instead; "universal": the
+`reshard.deepspeed_engine.load_checkpoint(engine, dir)` of a checkpoint saved at any topology, instead; "refused":
+DeepSpeed's own load, whose exception, if any, is the result (`"error"`), nothing compared; "universal": the
 engine is built with `"checkpoint": {"load_universal": true}` and, as DeepSpeed's universal loader cuts experts by
 the largest expert-parallel group any engine of the process made, universal jobs of one launch go in order of
 growing EP); takes the truth from the live engine with the function the fixture was made with
@@ -76,6 +77,18 @@ def main(jobs_path, results_path):
         problems = []
         if "zero" in job and engine.zero_optimization_stage() != job["zero"]:
             problems.append(f"the engine runs ZeRO-{engine.zero_optimization_stage()}, not {job['zero']}")
+        if job.get("refused"):      # DeepSpeed's own load expected to refuse: its error is the result
+            try:
+                engine.load_checkpoint(job["checkpoint"])
+                error = None
+            except Exception as e:          # whatever the engine raises is what is measured
+                error = f"{type(e).__name__}: {e}"
+            if rank == 0:
+                results.append({**job, "world": world, "problems": [], "differ": [], "error": error})
+            dist.barrier()
+            del engine, model
+            gc.collect()
+            continue
         if job.get("direct"):       # no conversion step: reshard plans this engine's files and serves them
             import reshard.deepspeed_engine
             load_path, _ = reshard.deepspeed_engine.load_checkpoint(engine, job["checkpoint"])

@@ -19,6 +19,12 @@ from test_universal import ds_to_universal
 
 pytestmark = pytest.mark.engine
 
+# AutoEP under ZeRO-3 (issue #29), the experts partition-native in the ZeRO-3 files: ep 2 -> 1, ep 2 x expert-dp 1 ->
+# ep 2 x expert-dp 2 and -> ep 4, ep 2 x expert-dp 2 -> ep 1 x dp 4; ZeRO-3 -> 1 and ZeRO-1/2 -> 3
+Z3_CONVERSIONS = [(2, "autoep2_z3_fp32", "ep=1,dp=2"), (4, "autoep2_z3_fp32", "ep=2,dp=4"),
+                  (4, "autoep2_z3_fp32_dp2", "ep=4,dp=4"), (4, "autoep2_z3_fp32_dp2", "ep=1,dp=4"),
+                  (2, "autoep2_z3_fp32", "ep=2,dp=2,zero=1"), (2, "autoep2_z1_fp32", "ep=2,dp=2,zero=3"),
+                  (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4,zero=3"), (2, "autoep2_z2_bf16", "ep=1,dp=2,zero=3")]
 # (world, fixture, --to): ep 2 -> ep 1 x dp 2; ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; bf16; ep 2 -> ep 4 x dp 4;
 # use_data_before_expert_parallelism at ep 4; ep 2 x expert-dp 2 -> ep 1 x dp 4; deepspeed.moe ep 2 -> 1 and 4;
 # ZeRO-1 -> 2 (at ep 1 and ep 2) and 2 -> 1 (fp32; bf16, whose ZeRO-1 is BF16_Optimizer), the engine built at the
@@ -28,7 +34,8 @@ CONVERSIONS = [(2, "autoep2_z1_fp32", "ep=1,dp=2"), (2, "autoep2_z2_fp32_dp2", "
                (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4"), (4, "autoep2_z2_fp32_dp2", "ep=1,dp=4"),
                (2, "dsmoe_ep2_z2_fp32", "ep=1,dp=2"), (4, "dsmoe_ep2_z2_fp32", "ep=4,dp=4"),
                (2, "autoep2_z1_fp32", "ep=1,dp=2,zero=2"), (2, "autoep2_z1_fp32", "ep=2,dp=2,zero=2"),
-               (4, "autoep2_z2_fp32_dp2", "ep=2,dp=4,zero=1"), (2, "autoep2_z2_bf16", "ep=2,dp=2,zero=1")]
+               (4, "autoep2_z2_fp32_dp2", "ep=2,dp=4,zero=1"), (2, "autoep2_z2_bf16", "ep=2,dp=2,zero=1"),
+               *Z3_CONVERSIONS]
 CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
 # Universal trees written by `convert --format universal` and loaded with load_universal: (world, fixture, --to, ep
 # of the engine): ep 2 -> 1 (fp32, bf16); ep 2 x expert-dp 2 -> ep 2 x expert-dp 1; at 4 ranks ep 2 x expert-dp 2 ->
@@ -41,7 +48,7 @@ UNIVERSAL = [(2, "autoep2_z1_fp32", "", 1), (2, "autoep2_z2_bf16", "", 1), (2, "
              (4, "autoep2_z2_fp32_dp2", "", 1), (4, "autoep2_z2_fp32_dp2_datafirst", "ep=4,dp=4", 4),
              (4, "autoep2_z1_fp32", "ep=4,dp=4", 4)]
 # reshard.deepspeed_engine.load_checkpoint of the fixture itself into the engine at another ep: (world, fixture, ep)
-DIRECT = [(2, "autoep2_z1_fp32", 1), (2, "autoep2_z2_bf16", 1), (2, "dsmoe_ep2_z2_fp32", 1),
+DIRECT = [(2, "autoep2_z1_fp32", 1), (2, "autoep2_z2_bf16", 1), (2, "dsmoe_ep2_z2_fp32", 1), (2, "autoep2_z3_fp32", 1),
           (4, "autoep2_z2_fp32_dp2_datafirst", 4), (4, "autoep2_z2_fp32_dp2", 1), (4, "dsmoe_ep2_z2_fp32", 4)]
 # (world, fixture, --to): DeepSpeed's ds_to_universal tree of the fixture, converted back by reshard (read as
 # tests/test_moe_universal_read.py does: the experts' bf16 module weights are their masters cast)
@@ -82,6 +89,14 @@ def resumed(tmp_path_factory):
     # DeepSpeed's native load of the ep-2 fixture at ep 1
     jobs[2].append({"fixture": "autoep2_z1_fp32", "checkpoint": str(fixture_dir("autoep2_z1_fp32")), "ep": 1,
                     "fixtures": str(FIXTURES), "to": "native"})
+    # ZeRO-3: DeepSpeed's own load of the ep-2 save at ep 1 (refused), and a changed expert element in our output
+    jobs[2].append({"fixture": "autoep2_z3_fp32", "checkpoint": str(fixture_dir("autoep2_z3_fp32")), "ep": 1,
+                    "fixtures": str(FIXTURES), "to": "native z3", "refused": True})
+    z3 = next(job for job in jobs[2] if job["fixture"] == "autoep2_z3_fp32" and job["to"] == "ep=1,dp=2")
+    changed_z3 = out / "changed-z3"
+    shutil.copytree(z3["checkpoint"], changed_z3)
+    _set_element(reshard.open_checkpoint(changed_z3), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
+    jobs[2].append({**z3, "checkpoint": str(changed_z3), "to": "changed z3"})
     for world, name, ep in DIRECT:         # no conversion step
         jobs[world].append({"fixture": name, "checkpoint": str(fixture_dir(name)), "ep": ep, "fixtures": str(FIXTURES),
                             "to": f"direct ep={ep}", "direct": True})
@@ -106,6 +121,19 @@ def resumed(tmp_path_factory):
 def test_the_engine_resumes_the_truth_at_another_ep(resumed, world, name, to):
     result = resumed[(name, to)]
     assert result["world"] == world and result["problems"] == []
+
+
+def test_deepspeed_refuses_its_own_zero3_save_at_another_ep(resumed):
+    """AutoEP under ZeRO-3: the engine at ep 1 compares the save's ds_zero_partition_groups with its own and refuses
+    (stage3._rigid_load_state_dict); reshard's conversion of the same save resumes the truth (above)."""
+    error = resumed[("autoep2_z3_fp32", "native z3")]["error"]
+    assert error is not None and "same parameter placement topology" in error, error
+    assert resumed[("autoep2_z3_fp32", "ep=1,dp=2")]["differ"] == []
+
+
+def test_a_changed_expert_element_of_a_zero3_conversion_is_caught(resumed):
+    """The ZeRO-3 engine restores its module weights from the fp32 masters: both show the one changed element."""
+    assert resumed[("autoep2_z3_fp32", "changed z3")]["differ"] == [f"fp32/{PACKED}", f"module/{PACKED}"]
 
 
 @pytest.mark.parametrize("world,name,to", FROM_UNIVERSAL)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from fixture_moe import mixtral_config, probe
 
 NAMES = REPO / "reshard" / "layouts" / "mixtral-autoep-hf.json"
-AUTOEP = ["autoep2_z1_fp32", "autoep2_z2_fp32_dp2", "autoep2_z2_bf16"]
+AUTOEP = ["autoep2_z1_fp32", "autoep2_z2_fp32_dp2", "autoep2_z2_bf16", "autoep2_z3_fp32_dp2"]
 
 
 def _pretrained(name, out, *names):

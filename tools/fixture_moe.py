@@ -11,7 +11,11 @@ over that group's own data-parallel group (make_fixtures.py's ``_flat_truth``: o
 group, over the expert-data-parallel group for an expert group), which gives each rank its local experts; those are
 then gathered over the expert-parallel group and put in their global places (AutoEP: the layer's own
 ``expert_placement_descriptor``; deepspeed.moe: ``ep_rank * local + i``, how its layer files number experts).
-Module weights likewise, from the engine's module ``state_dict``. Logits of a fixed probe are recorded (every rank
+Module weights likewise, from the engine's module ``state_dict``. Under ZeRO-3 (``autoep2_z3_*``) the flat fp32
+partitions are the optimizer's own sub-groups (``fp32_partitioned_groups_flat``), each gathered over the process group
+DeepSpeed partitions it over (``sub_group_process_groups``: the world for the dense params, the expert-data-parallel
+group for an expert sub-group) and cut param by param by ``partition_numel`` (each param's padded part); the module
+weights are read inside ``GatheredParameters``. Logits of a fixed probe are recorded (every rank
 runs the forward: AutoEP exchanges tokens between the ranks).
 """
 import re
@@ -142,13 +146,58 @@ def _global_name(name, ep_rank, num_local):
     return f"{name[:m.start()]}{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}{name[m.end():]}"
 
 
+def _z3_flat_truth(engine, base, names_by_id, state_names):
+    """Full fp32 masters and optimizer states of a ZeRO-3 engine's params, each expert param its rank's local tensor.
+
+    Sub-group i's flat fp32 partition is its params' parts (``partition_numel`` each, the last rank's padded) in
+    order; gathered over the sub-group's own process group, a param is its parts concatenated, cut to ``ds_numel``.
+    """
+    import torch
+    import torch.distributed as tdist
+    opt = engine.optimizer
+    out = {}
+    for i, params in enumerate(opt.fp16_groups):
+        group = opt.sub_group_process_groups[i]
+        world = tdist.get_world_size(group=group)
+        flat = opt.fp32_partitioned_groups_flat[i]
+
+        def gather(t, world=world, group=group):     # bound here: the loop rebinds both
+            parts = [torch.empty_like(t) for _ in range(world)]
+            tdist.all_gather(parts, t.contiguous(), group=group)
+            return [part.detach().float().cpu() for part in parts]
+
+        full = {"fp32": gather(flat.data)}
+        for s in state_names:
+            full[s] = gather(base.state[flat][s])
+        offset = 0
+        for p in params:
+            n = p.partition_numel()
+            for key, parts in full.items():
+                whole = torch.cat([part[offset:offset + n] for part in parts])[:p.ds_numel]
+                out[f"{key}/{names_by_id[id(p)]}"] = whole.view(p.ds_shape).clone().contiguous()
+            offset += n
+        assert offset == flat.numel(), (offset, flat.numel())
+    return out
+
+
+def _module_state(engine):
+    """The module state_dict (under ZeRO-3 inside GatheredParameters: every param whole on every rank)."""
+    if engine.zero_optimization_stage() != 3:
+        return {k: v.detach().cpu().clone().contiguous() for k, v in engine.module.state_dict().items()}
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        return {k: v.detach().cpu().clone().contiguous() for k, v in engine.module.state_dict().items()}
+
+
 def moe_truth(engine, state_names, flat_truth):
     """Full fp32 masters, optimizer states and module weights of an MoE engine, every expert in its global place."""
     import torch.distributed as tdist
     named = list(engine.module.named_parameters())
+    if engine.zero_optimization_stage() == 3:
+        flat_truth = _z3_flat_truth
     local = flat_truth(engine, engine.optimizer.optimizer, dict((id(p), n) for n, p in named), state_names)
-    for k, v in engine.module.state_dict().items():
-        local[f"module/{k}"] = v.detach().cpu().clone().contiguous()
+    for k, v in _module_state(engine).items():
+        local[f"module/{k}"] = v
     experts = _local_experts(engine)
     num_local = NUM_EXPERTS // tdist.get_world_size(next(iter(experts.values()))[1])
     out = {}

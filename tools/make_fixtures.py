@@ -36,7 +36,8 @@ fixture.
 
 Mixture-of-experts fixtures (``kind`` ``autoep`` or ``moe``; tools/fixture_moe.py): ``autoep2_*`` train a tiny random
 ``transformers`` Mixtral (4 experts, top-2) with DeepSpeed AutoEP at ep=2 (ZeRO-1 fp32 and ZeRO-2 bf16 on 2 ranks,
-ZeRO-2 fp32 at ep=2 x dp=2 on 4 ranks, also with ``use_data_before_expert_parallelism``; transformers 5.21.0, see
+ZeRO-2 fp32 at ep=2 x dp=2 on 4 ranks, also with ``use_data_before_expert_parallelism``; ZeRO-3 fp32 on 2 and 4
+ranks, ``autoep2_z3_fp32`` and ``autoep2_z3_fp32_dp2``, experts partition-native; transformers 5.21.0, see
 pyproject.toml), ``dsmoe_ep2_z2_fp32`` a small module around ``deepspeed.moe.layer.MoE`` (ep=2, ZeRO-2). Their truth
 holds every expert in its global place (AutoEP's packed ``experts.w1/w2/w3`` as ``(num_experts, ...)`` tensors), and
 ``logits`` of a fixed probe; truth.json adds ``ep`` and ``num_experts``.
@@ -166,7 +167,7 @@ def _configs():
     # mixture of experts (tools/fixture_moe.py): AutoEP Mixtral at ep=2 (x dp=2 on 4 ranks), deepspeed.moe at ep=2
     autoep = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
     for stage, dtype, world, data_first in ((1, "fp32", 2, False), (2, "bf16", 2, False), (2, "fp32", 4, False),
-                                            (2, "fp32", 4, True)):
+                                            (2, "fp32", 4, True), (3, "fp32", 2, False), (3, "fp32", 4, False)):
         name = f"autoep2_z{stage}_{dtype}" + ("_dp2" if world == 4 else "") + ("_datafirst" if data_first else "")
         # data_first: the expert-data-parallel groups are consecutive ranks ([0, 1], [2, 3]), not strided
         extra = {"expert_parallel": dict(autoep),

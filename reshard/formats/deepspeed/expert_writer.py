@@ -12,7 +12,8 @@ optimizer does:
   vector of expert-parallel rank `ep(d)` (experts.expert_ranks: DeepSpeed's process groups).
 The model states hold the dense module, param_shapes with rank 0's local expert params, and (AutoEP)
 ds_autoep_layers and its copy in universal_checkpoint_info re-derived for E; every global expert's module weights go
-to its layer_L_expert_E file, which does not depend on E (global numbers). ZeRO-1/2 only (zero12_writer).
+to its layer_L_expert_E file, which does not depend on E (global numbers). Under ZeRO-3 (AutoEP only) every rank's
+files hold its experts partition-native and no layer file is written (zero3_expert_writer).
 """
 from __future__ import annotations
 
@@ -20,12 +21,21 @@ import copy
 import math
 from dataclasses import replace
 
-from reshard.core.catalog import MODULE, Catalog, ExpertParallel, TensorKey
+from reshard.core.catalog import MASTER, MODULE, Catalog, ExpertParallel, TensorKey
 from reshard.core.layout import Layout
 from reshard.core.placement import Block, Shard
 from reshard.core.write_requests import Piece
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import experts as expert_files, notes, rank_params, topology, zero12_writer
+from reshard.formats.deepspeed import (
+    experts as expert_files,
+    files as names,
+    notes,
+    rank_params,
+    topology,
+    zero3_expert_writer,
+    zero3_experts,
+    zero12_writer,
+)
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
 from reshard.formats.torchsave_write import TorchFile
@@ -65,14 +75,20 @@ def group_name(ep: int) -> str:
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     placed = _Placed(catalog, target)
+    if placed.zt.stage == 3:       # AutoEP under ZeRO-3: the experts in the ZeRO files, no layer files
+        return [f for rank in range(placed.zt.dp) for f in placed.zero3_files(rank, tag)] + \
+            closing_files(tag, source_save_dir)
     return ([placed.model_states(tag)] + [placed.optim_states(rank, tag) for rank in range(placed.zt.dp)]
-            + _layer_files(catalog, tag) + closing_files(tag, source_save_dir))
+            + _layer_files(catalog, tag, placed.zt.lp_dtype) + closing_files(tag, source_save_dir))
 
 
 def rank0_files(catalog: Catalog, target: Layout, tag: str) -> tuple:
     """(model states, data-parallel rank 0's optimizer file) of the engine at the target's ep and dp: the training
     state a universal checkpoint of experts carries beside its zero/ tree (universal_writer)."""
     placed = _Placed(catalog, target)
+    if placed.zt.stage == 3:
+        raise ReshardError.at(catalog.root, "a universal checkpoint of experts is written for ZeRO-1/2 only (not "
+                                            "yet for a ZeRO-3 engine); use --to zero=1 or 2")
     return placed.model_states(tag), placed.optim_states(0, tag)
 
 
@@ -86,10 +102,20 @@ class _Placed:
         self.held = [_ep_rank_params(catalog, r, ep) for r in range(ep)]
         self.flat = [[zero12_writer.FlatGroup(self.zt, params, g,
                                               self.zt.expert_dp if self.zt.is_expert_group(g) else self.zt.dp)
-                      for g in range(len(params.groups))] for params in self.held]
+                      for g in range(len(params.groups))] for params in self.held] if self.zt.stage != 3 else []
 
     def model_states(self, tag: str) -> TorchFile:
         return zero12_writer.model_states(self.zt, self.held[0], self.flat[0], tag, _model_keys(self.catalog, self.zt))
+
+    def zero3_files(self, rank: int, tag: str) -> list:
+        """Data-parallel rank `rank`'s model states and optimizer file under ZeRO-3."""
+        zt = self.zt
+        ep_rank, _ = expert_files.expert_ranks(rank, zt.ep, zt.expert_dp, zt.data_first)
+        params = self.held[ep_rank]
+        experts = {name for layer in _experts(self.catalog).layers for name in layer.params}
+        groups = zero3_expert_writer.sub_groups(zt, params, rank, lambda name: name in experts)
+        return [zero3_expert_writer.model_states(zt, params, rank, groups, tag, _model_keys(self.catalog, zt, rank)),
+                zero3_expert_writer.optim_states(zt, params, rank, groups, tag)]
 
     def optim_states(self, rank: int, tag: str) -> TorchFile:
         zt = self.zt
@@ -116,9 +142,12 @@ def _check(catalog: Catalog, target: Layout) -> None:
     """What cannot be written is refused (one line each)."""
     where = catalog.root
     zero = topology.of(target).zero
-    if zero not in (1, 2):
+    if zero not in (1, 2, 3):
         raise ReshardError.at(where, f"target ZeRO stage {zero}: mixture-of-experts checkpoints are written for "
-                                     "ZeRO-1/2 only (AutoEP under ZeRO-3 saves its experts in another layout)")
+                                     "ZeRO-1, 2 and 3 only")
+    if zero == 3 and not packs_experts(catalog):
+        raise ReshardError.at(where, "target ZeRO stage 3: only AutoEP experts are written under ZeRO-3 (DeepSpeed "
+                                     "0.19.8 saves deepspeed.moe experts partition-native for no ZeRO-3 layout)")
     if target.tp != 1 or target.pp != 1:
         raise ReshardError.at(where, "mixture-of-experts checkpoints are written without tensor or pipeline "
                                      "parallelism")
@@ -170,24 +199,30 @@ def _ep_rank_params(catalog: Catalog, ep_rank: int, ep: int) -> RankParams:
     return RankParams(tuple(params), order, whole.aliases, groups)
 
 
-def _model_keys(catalog: Catalog, zt: ExpertTarget) -> dict:
-    """num_experts, ds_autoep_layers and universal_checkpoint_info as the engine at the target's ep saves them."""
+def _model_keys(catalog: Catalog, zt: ExpertTarget, rank: int = 0) -> dict:
+    """num_experts, ds_autoep_layers and universal_checkpoint_info as the engine at the target's ep saves them (in
+    the model states of data-parallel rank `rank`: ZeRO-3 writes one per rank, ZeRO-1/2 rank 0's)."""
     saved = notes.of(catalog).expert_keys
-    out = {}
+    # the engine lists AutoEP's router alias in no shared_params (a ZeRO-3 source's catalog ties it to the router)
+    out: dict = {"shared_params": {alias: source for alias, source in catalog.aliases.items()
+                                   if not expert_files.is_router_tie(alias, source, saved.get(AUTOEP_LAYERS))}}
     for key, value in saved.items():
         if key == AUTOEP_LAYERS and value:           # (None for deepspeed.moe)
-            value = [_layer_entry(catalog, entry, zt) for entry in value]
+            value = [_layer_entry(catalog, entry, zt, rank) for entry in value]
         elif key == UC_INFO and isinstance(value, dict) and AUTOEP_LAYERS in value:
-            value = {**value, AUTOEP_LAYERS: [_layer_entry(catalog, entry, zt) for entry in value[AUTOEP_LAYERS]]}
+            value = {**value, AUTOEP_LAYERS: [_layer_entry(catalog, entry, zt, rank)
+                                              for entry in value[AUTOEP_LAYERS]]}
         out[key] = value
     return out
 
 
-def _layer_entry(catalog: Catalog, entry: dict, zt: ExpertTarget) -> dict:
-    """One ds_autoep_layers entry at the target's ep: rank 0's view (engine._save_moe_checkpoint), its placement
-    and affine maps lowered as checkpoint/autoep_affine.py does for the contiguous placement."""
+def _layer_entry(catalog: Catalog, entry: dict, zt: ExpertTarget, rank: int) -> dict:
+    """One ds_autoep_layers entry at the target's ep as data-parallel rank `rank` sees it
+    (engine._save_moe_checkpoint), its placement and affine maps lowered as checkpoint/autoep_affine.py does for the
+    contiguous placement; under ZeRO-3 marked zero3_partitioned (format version 1), else per_expert_files."""
     num_experts, ep = int(entry["num_experts"]), zt.ep
     local = num_experts // ep
+    ep_rank, edp_rank = expert_files.expert_ranks(rank, ep, zt.expert_dp, zt.data_first)
     ranks = [list(range(r * local, (r + 1) * local)) for r in range(ep)]
     out = copy.deepcopy(entry)         # every other key as saved, in the saved order
     params = {name: _affine_map(catalog.params[name].shape, local, ep)
@@ -196,8 +231,12 @@ def _layer_entry(catalog: Catalog, entry: dict, zt: ExpertTarget) -> dict:
                expert_placement={"version": entry["expert_placement"]["version"], "num_experts": num_experts,
                                  "ep_size": ep, "ranks": [{"rank": r, "experts": e} for r, e in enumerate(ranks)]},
                affine_maps={**entry["affine_maps"], "params": params},
-               ep_group_name=group_name(ep), ep_rank=0, expert_data_parallel_rank=0,
-               expert_data_parallel_world_size=zt.expert_dp, global_expert_start=0, global_expert_end=local)
+               ep_group_name=group_name(ep), ep_rank=ep_rank, expert_data_parallel_rank=edp_rank,
+               expert_data_parallel_world_size=zt.expert_dp, global_expert_start=ep_rank * local,
+               global_expert_end=(ep_rank + 1) * local)
+    if zero3_experts.FORMAT_KEY in out:
+        out[zero3_experts.FORMAT_KEY] = zero3_experts.FORMAT if zt.stage == 3 else "per_expert_files"
+        out[zero3_experts.FORMAT_VERSION_KEY] = zero3_experts.FORMAT_VERSION if zt.stage == 3 else None
     return out
 
 
@@ -215,14 +254,30 @@ def _affine_map(shape: tuple, local: int, ep: int) -> dict:
                       for r in range(ep)}}
 
 
-def _layer_files(catalog: Catalog, tag: str) -> list:
+def _layer_files(catalog: Catalog, tag: str, lp_dtype: str) -> list:
     """Every layer_L_expert_E file as the source holds it: each key expert E's elements of a logical tensor (a slab
-    of an AutoEP packed weight, a deepspeed.moe expert param whole), in the source's order."""
+    of an AutoEP packed weight, a deepspeed.moe expert param whole), in the source's order. A ZeRO-3 source has none
+    and saved no module copy of its experts: its AutoEP layers' files are made as the engine makes them (each packed
+    weight's slab of expert E, in w1, w2, w3 order), from the fp32 masters cast to the model's dtype."""
     out = []
-    for ef in notes.of(catalog).expert_files:
+    for ef in notes.of(catalog).expert_files or _autoep_layer_files(catalog):
         file = TorchFile(f"{tag}/{ef.name}", archive=ef.name[:-3])
-        file.tree = {key: file.slot(catalog.tensors[TensorKey(name, MODULE)].dtype, shape,
-                                    [Piece(stop - start, (name, MODULE), start)])
-                     for key, name, start, stop, shape in ef.keys}
+        tree = {}
+        for key, name, start, stop, shape in ef.keys:
+            module = catalog.tensors.get(TensorKey(name, MODULE))
+            state, dtype = (MODULE, module.dtype) if module is not None else (MASTER, lp_dtype)
+            tree[key] = file.slot(dtype, shape, [Piece(stop - start, (name, state), start)])
+        file.tree = tree
         out.append(file)
+    return out
+
+
+def _autoep_layer_files(catalog: Catalog) -> list:
+    out = []
+    for layer in _experts(catalog).layers:
+        shapes = {name: catalog.params[name].shape for name in layer.params}
+        for e in range(layer.num_experts):
+            keys = tuple((expert_files.autoep_expert_key(name, e), name, e * math.prod(shape[1:]),
+                          (e + 1) * math.prod(shape[1:]), tuple(shape[1:])) for name, shape in shapes.items())
+            out.append(expert_files.ExpertFile(names.expert_states_name(layer.index, e), layer.index, e, keys))
     return out

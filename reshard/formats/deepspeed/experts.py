@@ -115,6 +115,18 @@ def from_groups(tag_dir: str, listing: list, model0: dict, groups: list, partiti
     else:
         layers, local, shapes, files = _ds_moe(tag_dir, param_shapes, expert_groups, _ep_of(tag_dir, partition_count,
                                                                                              expert_groups, dp))
+    return _experts(tag_dir, model0, expert_groups, layers, local, shapes, files)
+
+
+def from_autoep(tag_dir: str, model0: dict, param_shapes: list, groups: frozenset, layer_files: bool) -> Experts:
+    """An AutoEP placement whose expert params are those of `groups` (param_shapes entries); `layer_files`: whether
+    the save has layer_L_expert_E files (ZeRO-1/2) or none (ZeRO-3 keeps the experts in its own files)."""
+    layers, local, shapes, files = _autoep(tag_dir, model0[AUTOEP_LAYERS], param_shapes, groups)
+    return _experts(tag_dir, model0, groups, layers, local, shapes, files if layer_files else [])
+
+
+def _experts(tag_dir, model0, expert_groups, layers, local, shapes, files) -> Experts:
+    dp = int(model0.get("dp_world_size") or 1)
     ep = len(layers[0].placement)
     if dp % ep:
         raise ReshardError.at(tag_dir, f"expert-parallel degree {ep} does not divide the data-parallel degree {dp}")
@@ -186,6 +198,35 @@ def router_aliases(model0: dict) -> tuple:
             if child != AUTOEP_ROUTER and router and _child_tensors(module, prefix, child) == router:
                 out += [f"{prefix}{child}.{rest}" for rest in router]
     return tuple(out)
+
+
+def router_ties(model0: dict) -> dict:
+    """{router alias key: the router's own key} (router_aliases): under ZeRO-3 the module holds empty placeholders,
+    the alias's as the router's, and the alias is a second name of the router param (a tie), as a PipelineModule's
+    or a tied embedding's shared_params are, though the engine lists it in no shared_params."""
+    out = {}
+    for alias in router_aliases(model0):
+        for entry in model0.get(AUTOEP_LAYERS) or ():
+            prefix = f"{entry['module_path']}." if entry.get("module_path") else ""
+            if alias.startswith(prefix):
+                rest = alias[len(prefix):].split(".", 1)[1]
+                out[alias] = f"{prefix}{AUTOEP_ROUTER}.{rest}"
+                break
+    return out
+
+
+def is_router_tie(alias: str, source: str, autoep_layers) -> bool:
+    """Whether tie alias -> source is an AutoEP layer's router under its second name (which the engine saves as a
+    copy of its own, in no shared_params)."""
+    for entry in autoep_layers or ():
+        head = f"{entry['module_path']}.{AUTOEP_ROUTER}." if entry.get("module_path") else f"{AUTOEP_ROUTER}."
+        if source.startswith(head):
+            prefix, rest = head[:-len(AUTOEP_ROUTER) - 1], source[len(head):]
+            child = alias[len(prefix):-len(rest) - 1] if alias.startswith(prefix) and alias.endswith(f".{rest}") \
+                else ""
+            if child and "." not in child and child != AUTOEP_ROUTER:
+                return True
+    return False
 
 
 def _child_tensors(module: dict, prefix: str, child: str) -> dict:

@@ -24,6 +24,7 @@ from reshard.formats.deepspeed import (
     group_scalars,
     topology,
     zero3,
+    zero3_experts,
     zero12,
 )
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
@@ -63,10 +64,15 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
 
     stage = _zero_stage(first_optim)
     catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, first_optim, bf16_prefix, stage))
-    experts = expert_placement.read(tag_dir, listing, model0, first_optim)
-    if experts is not None and (stage == 3 or mp):
-        raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints with ZeRO-3 or tensor/pipeline parallelism "
-                                       "are not supported")
+    partitioned = stage == 3 and zero3_experts.is_partitioned(model0)      # AutoEP under ZeRO-3
+    experts = zero3_experts.read(tag_dir, listing, model0) if partitioned else \
+        expert_placement.read(tag_dir, listing, model0, first_optim)
+    if experts is not None and mp:
+        raise ReshardError.at(tag_dir, "mixture-of-experts checkpoints with tensor/pipeline parallelism are not "
+                                       "supported")
+    if experts is not None and stage == 3 and not partitioned:
+        raise ReshardError.at(tag_dir, "a ZeRO-3 mixture-of-experts save whose ds_autoep_layers are not marked "
+                                       "zero3_partitioned (deepspeed.moe or an older AutoEP) is not supported")
     if experts is not None:      # the target keeps it unless --to names another (ep=E)
         catalog.layout = replace(catalog.layout, format_topology=replace(topology.of(catalog.layout),
                                                                          ep=experts.topology.ep))
@@ -79,7 +85,10 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
         catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
 
     read_model(catalog, model0, models, stage, experts)
-    if stage == 3:
+    if stage == 3 and experts is not None:
+        zero3_experts.read_partitions(catalog, model0, optim, experts)
+        zero3_experts.check_ranks(catalog, models, experts)
+    elif stage == 3:
         zero3.read_partitions(catalog, model0, models, optim)
     else:
         zero12.read_partitions(catalog, model0, optim, experts)
@@ -182,6 +191,8 @@ def read_model(catalog, model0, models, stage, experts=None):
     module = model0.get("module") or {}
     buffer_names = list(model0.get("buffer_names") or [])
     catalog.aliases = dict(model0.get("shared_params") or {})
+    if stage == 3 and experts is not None:      # AutoEP's router alias: a placeholder, a second name of the router
+        catalog.aliases.update(expert_placement.router_ties(model0))
     catalog.order = list(module)
     param_shapes = model0.get("param_shapes") or []
     trainable = {}
