@@ -128,11 +128,12 @@ def _distcp(save):
     return sorted((save / next(p.name for p in save.iterdir() if p.name.startswith("iter_"))).glob("*.distcp"))
 
 
+@pytest.mark.parametrize("which", [0, -1])      # rank 0's first file also holds the buckets' stored counts
 @pytest.mark.parametrize("broken", ["truncated", "missing"])
-def test_a_damaged_distcp_is_named(broken, tmp_path):
+def test_a_damaged_distcp_is_named(broken, which, tmp_path):
     name = DP_RESHARDABLE[0]
     save = _copy(name, tmp_path)
-    victim = _distcp(save)[-1]
+    victim = _distcp(save)[which]
     if broken == "truncated":
         os.truncate(victim, victim.stat().st_size // 2)
     else:

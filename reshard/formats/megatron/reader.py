@@ -314,14 +314,14 @@ class _Reader:
                 continue
             layer = offsets[0] if stacked else None
             at, size = (offsets[1:], sizes[1:]) if stacked else (offsets, sizes)
+            if model_tensor:        # (from .metadata: where the chunks lie, readable or not)
+                self.boxes[logical[layer]].boxes.append((at, size))
             ref = chunks.chunk(key, dtype, offsets, sizes)
             if ref is None:
                 continue
             shard = None if size == inner else Shard.box(at, size)
             drafts[layer].fragments.append(Fragment(0, math.prod(size), ref.storage, ref.storage_offset,
                                                     rank_of(ref.storage.file), shard))
-            if model_tensor:
-                self.boxes[logical[layer]].boxes.append((at, size))
         return list(logical.values())
 
     def _layer_prefix(self, key: str) -> str | None:
@@ -418,8 +418,8 @@ class _Reader:
                                       "dp_reshardable buckets cannot be checked")
             value = self.chunks.value(key)
             path = self.chunks.path_of(key)
-            if value is MISSING:
-                raise CheckpointError(path or self.meta_path, f"{key} cannot be read")
+            if value is MISSING:      # its file's problem is noted; the saved chunk cuts still check the layout
+                continue
             stored = _bucket_counts(value)
             if stored is None:
                 raise CheckpointError(path or self.meta_path, f"{key} holds {value!r:.80}, not per-buffer lists of "
@@ -498,11 +498,13 @@ class _Reader:
         return plain, (max(steps) if steps else None)
 
     def _distributed_object(self, what: str):
-        key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(0, what) + "/")), None)
-        if key is None:
-            return None
-        value = self.chunks.value(key)
-        return None if value is MISSING else _object(value)
+        """The first readable copy of what every model-parallel group saves alike (its optimizer's param groups)."""
+        for group in range(self.tp * self.pp):
+            key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(group, what) + "/")), None)
+            value = self.chunks.value(key) if key is not None else MISSING
+            if value is not MISSING:
+                return _object(value)
+        return None
 
     def _group_of(self, ordered: list[str], groups: list[dict]) -> dict[str, int]:
         """Each param's group, by megatron-core's rule: biases and one-dimensional params take no weight decay (the
