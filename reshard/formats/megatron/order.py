@@ -1,6 +1,8 @@
-"""The order in which a Megatron model registers its parameters, and which pipeline stage holds each: a rule file
-(reshard/layouts/megatron-core-gpt.json, kind "reshard.megatron-buffers"), since a torch_dist save records neither,
-and the distributed optimizer's `dp_reshardable` buffers are laid out in that order (buckets.py)."""
+"""The order in which a Megatron model registers its parameters, which pipeline stage holds each and which take no
+weight decay: a rule file
+(reshard/layouts/megatron-core-gpt.json, kind "reshard.megatron-buffers"), since a torch_dist save records none of
+them: the distributed optimizer's `dp_reshardable` buffers are laid out in that order (buckets.py), and the saved
+param groups name no params."""
 from __future__ import annotations
 
 import json
@@ -24,6 +26,12 @@ class ParamOrder:
     layer: tuple[str, ...]               # relative to a layer
     after_layers: tuple[str, ...]
     shared_embedding: tuple[str, ...]    # tied between the first and last stage: a bucket of its own
+    no_decay_ndim: int | None = None     # params of this many dimensions take no weight decay
+    no_decay_suffixes: tuple[str, ...] = ()     # nor do params whose names end so
+
+    def takes_no_weight_decay(self, name: str, shape: Sequence[int]) -> bool:
+        """Is `name` in the default optimizer's group without weight decay (wd_mult 0)?"""
+        return len(shape) == self.no_decay_ndim or name.endswith(self.no_decay_suffixes)
 
     def layer_of(self, name: str) -> tuple[int, str] | None:
         """(layer index, name within the layer) of a per-layer name, or None."""
@@ -66,8 +74,10 @@ def load(given: str | None = None) -> ParamOrder:
     if not isinstance(data, dict) or data.get("kind") != KIND or data.get("version") != 1:
         raise ReshardError.at(path, f"not a version 1 {KIND} file")
     try:
+        no_decay = data.get("no_weight_decay", {})
         return ParamOrder(path, tuple(data["transformer_impl"]), str(data["layer_prefix"]),
                           tuple(data["before_layers"]), tuple(data["layer"]), tuple(data["after_layers"]),
-                          tuple(data.get("shared_embedding", ())))
+                          tuple(data.get("shared_embedding", ())), no_decay.get("ndim"),
+                          tuple(no_decay.get("suffixes", ())))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

@@ -29,7 +29,6 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.core.catalog import (
@@ -137,19 +136,11 @@ def read(path: str, options: TagOption) -> Catalog:
         raise ReshardError.at(folder, f"not the structure megatron-core writes ({type(e).__name__}: {e})") from None
 
 
-@dataclass
-class _Stacked:
-    """Where one per-layer (or whole) logical tensor came from, for the optimizer's buffers and inspect."""
-    key: str                          # the key in the save
-    layer: int | None
-    boxes: list = field(default_factory=list)     # (at, size) of each chunk of the model's tensor
-
-
 class _Reader:
     def __init__(self, folder: str, save_dir: str | None, name: str):
         self.folder, self.save_dir, self.name = folder, save_dir, name
         self.meta_path = os.path.join(folder, METADATA)
-        self.boxes: dict[str, _Stacked] = {}      # model param name -> its chunks' boxes
+        self.boxes: dict[str, list[tuple]] = {}     # model param name -> (at, size) of each chunk of it
         self.notes: dict[str, dict[str, Any]] = {}
 
     def read(self) -> Catalog:
@@ -296,7 +287,7 @@ class _Reader:
                   for layer, name in logical.items()}
         if model_tensor:
             for index, name in logical.items():
-                self.boxes[name] = _Stacked(key, index)
+                self.boxes[name] = []
                 self.notes[name] = {"saved_as": key, **({"layer": index} if index is not None else {})}
         for chunk in entry.chunks:
             offsets = tuple(int(o) for o in chunk.offsets)
@@ -315,7 +306,7 @@ class _Reader:
             layer = offsets[0] if stacked else None
             at, size = (offsets[1:], sizes[1:]) if stacked else (offsets, sizes)
             if model_tensor:        # (from .metadata: where the chunks lie, readable or not)
-                self.boxes[logical[layer]].boxes.append((at, size))
+                self.boxes[logical[layer]].append((at, size))
             ref = chunks.chunk(key, dtype, offsets, sizes)
             if ref is None:
                 continue
@@ -336,7 +327,7 @@ class _Reader:
         the one axis they cut, every tp-th from the rank's (Megatron's SwiGLU fc1 holds its gate and up halves so),
         in that order; a tensor saved as one chunk is whole on every rank. None: the chunks do not say."""
         full = self.catalog.tensors[TensorKey(name, MODULE)].shape
-        boxes = sorted(self.boxes[name].boxes)
+        boxes = sorted(self.boxes[name])
         if len(boxes) == 1 and tuple(boxes[0][1]) == tuple(full):
             return Shard.whole(full), math.prod(full)
         axes = {d for d in range(len(full)) if len({b[0][d] for b in boxes}) > 1}
@@ -507,18 +498,23 @@ class _Reader:
         return None
 
     def _group_of(self, ordered: list[str], groups: list[dict]) -> dict[str, int]:
-        """Each param's group, by megatron-core's rule: biases and one-dimensional params take no weight decay (the
-        group whose wd_mult is 0), the others the group that has it."""
+        """Each param's group: the saved groups name no params, so megatron-core's default grouping (the rule file:
+        which params take no weight decay) puts each in the group whose wd_mult is 0 or in the other one. A save
+        with other groups (decoupled or scaled learning rates) leaves the params unassigned, a problem noted."""
         if not groups:
             return {}
-        no_wd = next((i for i, g in enumerate(groups) if g.get("wd_mult") == 0.0), None)
-        wd = next((i for i, g in enumerate(groups) if g.get("wd_mult") not in (0.0, None)), None)
+        no_wd = [i for i, g in enumerate(groups) if g.get("wd_mult") == 0.0]
+        wd = [i for i, g in enumerate(groups) if g.get("wd_mult") not in (0.0, None)]
+        if len(groups) > 2 or len(no_wd) > 1 or len(wd) > 1:
+            self.catalog.problem(self.common_path, f"{len(groups)} optimizer param groups: which params each holds "
+                                 "is known for megatron-core's default grouping (weight decay or not) only")
+            return {}
+        rules = param_order.load()
         out = {}
         for name in ordered:
             shape = self.catalog.tensors[TensorKey(name, MODULE)].shape
-            plain = len(shape) == 1 or name.endswith(".bias")
-            group = (no_wd if plain else wd)
-            out[name] = group if group is not None else 0
+            group = no_wd if rules.takes_no_weight_decay(name, shape) else wd
+            out[name] = group[0] if group else 0
         return out
 
 
