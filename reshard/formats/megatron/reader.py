@@ -256,10 +256,8 @@ class _Reader:
         return value
 
     def _files(self, chunks: Chunks) -> list[FileInfo]:
+        """The iteration folder's files (the save dir's tracker names the latest iteration; it is no part of one)."""
         out = []
-        if self.save_dir is not None and os.path.isfile(os.path.join(self.save_dir, TRACKER)):
-            out.append(FileInfo(os.path.join("..", TRACKER), "tracker", None,
-                                os.path.getsize(os.path.join(self.save_dir, TRACKER))))
         for name, role in ((CONFIG, "config"), (COMMON, "common")):
             out.append(FileInfo(name, role, None, os.path.getsize(os.path.join(self.folder, name))))
         return out + chunks.files()
