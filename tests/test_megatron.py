@@ -236,3 +236,17 @@ def test_a_hostile_common_pt_is_refused_and_nothing_runs(tmp_path):
         reshard.open_checkpoint(str(save))
     assert not canary.exists()
     reshard.open_checkpoint(str(_save(NAMES[0])))     # the control: the fixture's own common.pt is read
+
+
+def test_the_command_line_shows_the_sharding_and_a_019_layout_is_refused(tmp_path):
+    name = DP_RESHARDABLE[0]
+    proc = run_cli("inspect", str(_save(name)))
+    assert proc.returncode == 0 and "format        megatron (tag iter_0000003)" in proc.stdout
+    assert "sharding=dp_reshardable" in proc.stdout and "topology      dp=2 tp=2 pp=1" in proc.stdout
+    save = _copy(name, tmp_path)
+    folder = next(save.glob("iter_*"))
+    (folder / "common.pt").unlink()            # 0.19 keeps the common state inside DCP: no common.pt, and
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    proc = run_cli("inspect", str(save))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "0.19" in lines[0] and str(folder) in lines[0]
