@@ -43,12 +43,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+import torchrun_jobs  # noqa: E402
+
 STEPS = 3
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ, MICRO = 64, 16, 4, 2, 32, 2, 8, 2
 
@@ -72,20 +74,19 @@ def main() -> int:
         print("\n".join(CONFIGS))
         return 0
     if args.worker:
-        worker(args.worker, Path(args.out))
-        return 0
+        torchrun_jobs.run_rank(worker, args.worker, Path(args.out))     # (leaves the process group, ends the rank)
     names = args.only.split(",") if args.only else list(CONFIGS)
     for name in names:
         cfg = CONFIGS[name]
         world = cfg["tp"] * cfg["pp"] * cfg["dp"]
         final = Path(args.out) / name
-        stage = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=Path(args.out).parent if Path(args.out).exists()
-                                      else None))
+        stage = Path(tempfile.mkdtemp(prefix=f"{name}."))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                   "--master_port", str(_free_port()), __file__, "--worker", name, "--out", str(stage)]
         print(f"{name}: {world} processes", flush=True)
-        subprocess.run(["timeout", str(int(args.timeout)), *command], check=True, env=env)
+        proc = torchrun_jobs.launch(world, [__file__, "--worker", name, "--out", stage], env, timeout=args.timeout)
+        if proc.returncode != 0:
+            print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
+            raise SystemExit(f"{name}: the ranks failed (exit {proc.returncode})")
         if final.exists():
             shutil.rmtree(final)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -94,15 +95,7 @@ def main() -> int:
     return 0
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker(name: str, out: Path) -> None:
-    sys.path.insert(0, str(REPO / "tools"))
     import megatron_cpu
     megatron_cpu.install()
 
@@ -221,6 +214,18 @@ def worker(name: str, out: Path) -> None:
         _write_truth(out / name, cfg, name, gathered, layouts, optimizer, iteration)
     dist.barrier()
     dist.destroy_process_group()
+    _end_helpers()
+
+
+def _end_helpers() -> None:
+    """End the processes the torch_dist writer left behind (a multiprocessing Manager for its results, the resource
+    tracker): run_rank ends the rank with os._exit, which runs no finalizer, and they would hold torchrun's output
+    pipes open."""
+    import psutil
+    helpers = psutil.Process().children(recursive=True)
+    for helper in helpers:
+        helper.terminate()
+    psutil.wait_procs(helpers, timeout=10)
 
 
 def _megatron_args(cfg, iteration):
