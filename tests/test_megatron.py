@@ -5,7 +5,9 @@ dp_reshardable sharding. Nothing here imports megatron: the fixtures are read as
 
 Negative controls: a truncated or missing `.distcp` is named; a changed element is found by diff; a dp_reshardable
 save whose stored per_bucket_numel disagrees with the recomputed buckets is refused in one line; a hostile pickle in
-common.pt is refused and nothing runs.
+common.pt is refused and nothing runs. The export under Hugging Face Llama's names, loaded by transformers'
+LlamaForCausalLM, gives the logits Megatron's own forward gave at save time; the same export with q/k/v cut without
+the query groups, or gate and up swapped, gives other logits.
 """
 from __future__ import annotations
 
@@ -275,3 +277,112 @@ def test_a_dcp_conversion_loads_in_torch_as_the_truth(name, tmp_path):
         assert torch.equal(value, truth[expected]), key
         seen.add(expected)
     assert seen == {k for k in truth if not k.startswith("module/")}
+
+
+# -- export under Hugging Face Llama's names (reshard/layouts/megatron-core-llama.json) --
+
+LLAMA = "megatron-core-llama"
+SHIPPED_LLAMA = os.path.join(os.path.dirname(reshard.__file__), "layouts", f"{LLAMA}.json")
+
+
+def _forward(name):
+    """Megatron's own fp32 forward of the saved weights at save time: the fixed tokens and their logits."""
+    return load_file(str(ROOT / name / "truth_forward.safetensors"))
+
+
+def _llama_logits(folder, tokens):
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _rules(tmp_path, change):
+    """The shipped Llama rule file with `change(spec)` applied, as a file of its own."""
+    spec = json.loads(open(SHIPPED_LLAMA).read())
+    change(spec)
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def _rule(spec, what):
+    return next(r for r in spec["rules"] if what in r["match"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_llama_export_gives_megatrons_logits(name, tmp_path):
+    """`export --names megatron-core-llama` into a folder: LlamaForCausalLM.from_pretrained loads it (weights and the
+    config.json built from the save's args), and its logits of the fixture's tokens are Megatron's own, in fp32."""
+    run_cli("export", str(_save(name)), str(tmp_path / "hf"), "--names", LLAMA, "--quiet", check=0)
+    info = _info(name)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]) == \
+        (info["hidden"], info["heads"], info["query_groups"], info["ffn"], info["layers"], info["vocab"])
+    forward = _forward(name)
+    logits = _llama_logits(tmp_path / "hf", forward["tokens"])
+    torch.testing.assert_close(logits, forward["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_llama_export_cuts_qkv_by_query_group_and_fc1_into_gate_and_up(tmp_path):
+    """The geometry itself, against the truth: q/k/v are each group's rows of linear_qkv (groups of q heads, k, v),
+    gate and up the halves of linear_fc1; everything else renamed whole."""
+    name = NAMES[0]
+    info, truth = _info(name), _truth(name)
+    reshard.export(str(_save(name)), str(tmp_path / "hf.safetensors"), names=LLAMA)
+    hf = load_file(str(tmp_path / "hf.safetensors"))
+    head = info["hidden"] // info["heads"]
+    per_group = info["heads"] // info["query_groups"]
+    for layer in range(info["layers"]):
+        qkv = truth[f"fp32/decoder.layers.{layer}.self_attention.linear_qkv.weight"]
+        groups = qkv.view(info["query_groups"], (per_group + 2) * head, info["hidden"])
+        q, k, v = groups.split([per_group * head, head, head], dim=1)
+        prefix = f"model.layers.{layer}"
+        assert torch.equal(hf[f"{prefix}.self_attn.q_proj.weight"], q.reshape(-1, info["hidden"]))
+        assert torch.equal(hf[f"{prefix}.self_attn.k_proj.weight"], k.reshape(-1, info["hidden"]))
+        assert torch.equal(hf[f"{prefix}.self_attn.v_proj.weight"], v.reshape(-1, info["hidden"]))
+        gate, up = truth[f"fp32/decoder.layers.{layer}.mlp.linear_fc1.weight"].chunk(2)
+        assert torch.equal(hf[f"{prefix}.mlp.gate_proj.weight"], gate)
+        assert torch.equal(hf[f"{prefix}.mlp.up_proj.weight"], up)
+        assert torch.equal(hf[f"{prefix}.input_layernorm.weight"],
+                           truth[f"fp32/decoder.layers.{layer}.self_attention.linear_qkv.layer_norm_weight"])
+    assert torch.equal(hf["lm_head.weight"], truth["fp32/output_layer.weight"])
+    assert len(hf) == 2 + 1 + 9 * info["layers"]         # embed, norm, lm_head; 9 per layer
+
+
+@pytest.mark.parametrize("wrong", ["qkv without groups", "gate and up swapped"])
+def test_llama_export_with_wrong_geometry_gives_other_logits(wrong, tmp_path):
+    """The negative control: the same export with q/k/v cut as three contiguous blocks (the query groups ignored:
+    the shapes still fit) or with gate and up swapped loads, and its logits are not Megatron's."""
+    name = "mcore_dp_reshardable_tp2_dp2"
+
+    def change(spec):
+        if wrong == "qkv without groups":
+            rows = _rule(spec, "linear_qkv\\.weight")["rows"]
+            rows["groups"] = 1
+            for part in rows["parts"][1:]:
+                part["rows"] = 8        # 2 groups × 4 rows: the k and v shapes Llama expects
+        else:
+            parts = _rule(spec, "linear_fc1\\.weight")["rows"]["parts"]
+            parts.reverse()
+    run_cli("export", str(_save(name)), str(tmp_path / "hf"), "--names", _rules(tmp_path, change), "--quiet", check=0)
+    forward = _forward(name)
+    logits = _llama_logits(tmp_path / "hf", forward["tokens"])
+    assert (logits - forward["logits"]).abs().max() > 1e-3
+
+
+def test_llama_rules_refuse_a_save_of_another_model(tmp_path):
+    """A save whose args say otherwise than the rule file requires is refused in one line naming the rule file; a
+    parameter no rule knows is refused naming it; a group count that does not divide the rows is refused."""
+    save = str(_save(NAMES[0]))
+    other = _rules(tmp_path, lambda spec: spec["requires"].update(swiglu=False))
+    with pytest.raises(ReshardError, match=r"rules\.json.*swiglu = False; the checkpoint has True"):
+        reshard.export(save, str(tmp_path / "a"), names=other)
+    strict = _rules(tmp_path, lambda spec: spec["rules"].insert(0, {"match": ".*linear_proj.*", "refuse": "no"}))
+    with pytest.raises(ReshardError, match=r"rules\.json: decoder\.layers\.0\.self_attention\.linear_proj\.weight: no"):
+        reshard.export(save, str(tmp_path / "b"), names=strict)
+    three = _rules(tmp_path, lambda spec: _rule(spec, "linear_qkv\\.weight")["rows"].update(groups=3))
+    with pytest.raises(ReshardError, match=r"32 rows are not 3 equal groups"):
+        reshard.export(save, str(tmp_path / "c"), names=three)
+    assert not any((tmp_path / d).exists() for d in "abc")

@@ -10,7 +10,7 @@ torch_dist writer's subprocess dies and the save hangs: every launch runs under 
 this launches ``torchrun --nproc_per_node <world> tools/fixture_megatron_core.py --worker NAME`` (gloo, the CUDA
 shim of tools/megatron_cpu.py). The worker builds a ``GPTModel`` configured as Llama (RMSNorm, SwiGLU, RoPE, no
 biases, untied output layer, grouped-query attention: 4 heads, 2 query groups; 2 layers, hidden 16, SwiGLU width 32,
-vocab 64) from the local layer spec, wraps it as Megatron-LM does (Float16Module for bf16, DistributedDataParallel),
+vocab 64, RMSNorm epsilon 1e-5, RoPE base 10000) from the local layer spec, wraps it as Megatron-LM does (Float16Module for bf16, DistributedDataParallel),
 trains it ``STEPS`` Adam steps on deterministic tokens through megatron's forward-backward schedule, and saves it as
 Megatron-LM's ``save_checkpoint`` lays out a torch_dist save: ``<out>/<NAME>/save/latest_checkpointed_iteration.txt``
 and ``iter_0000003/`` written by ``dist_checkpointing.save`` of ``generate_state_dict``'s dict (args, checkpoint
@@ -26,6 +26,10 @@ Beside ``save/`` rank 0 writes the truth, taken from the live model and optimize
   gives them, ``...linear_qkv.layer_norm_weight``): every ShardedTensor of the model's and the optimizer's sharded
   state dict (the distributed optimizer asked for its gathered ``fully_reshardable`` form, whatever is saved) put
   together from every rank at its global offsets, and cut along the stacked layer axis;
+* ``truth_forward.safetensors``: Megatron's own forward of the saved weights in fp32 (``tokens``, a fixed batch of 2×8
+  token ids, and their ``logits``): after the save every rank makes the model parallel groups again at tp=1, pp=1
+  and builds the same GPTModel in fp32, given every parameter's fp32 master at its sharded state dict's global
+  offsets; what ``export --names megatron-core-llama`` writes must give the same logits in transformers' Llama;
 * ``truth.json``: megatron-core and torch versions, topology (tp, pp, dp), optimizer, sharding type, iteration, the
   optimizer step, param groups' hyper-parameters, and Megatron's own buffer layout (per parameter its
   [start, end) in its bucket, per bucket ``numel_unpadded``), for the distributed optimizer.
@@ -53,6 +57,8 @@ import torchrun_jobs  # noqa: E402
 
 STEPS = 3
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ, MICRO = 64, 16, 4, 2, 32, 2, 8, 2
+NORM_EPS, ROPE_BASE = 1e-5, 10000
+FORWARD_SEED = 99          # the fixed token batch whose logits truth_forward.safetensors holds
 
 CONFIGS = {
     "mcore_plain_tp2_pp2": dict(tp=2, pp=2, dp=1, distributed=False, sharding=None),
@@ -127,11 +133,11 @@ def worker(name: str, out: Path) -> None:
         pipeline_model_parallel_size=cfg["pp"], use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, sequence_parallel=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        init_method_std=0.02)
+        init_method_std=0.02, layernorm_epsilon=NORM_EPS)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
                      max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
                      post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope")
+                     position_embedding_type="rope", rotary_base=ROPE_BASE)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=cfg["distributed"], overlap_grad_reduce=False,
                                                grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, model))
@@ -213,8 +219,64 @@ def worker(name: str, out: Path) -> None:
     if rank == 0:
         _write_truth(out / name, cfg, name, gathered, layouts, optimizer, iteration)
     dist.barrier()
+    _forward(out / name, config, gathered, rank)
+    dist.barrier()
     dist.destroy_process_group()
     _end_helpers()
+
+
+def _forward(folder: Path, config, gathered, rank: int) -> None:
+    """Megatron's own forward of the saved weights, in fp32: the model parallel groups made again at tp=1, pp=1, a
+    GPTModel of the same config in fp32 given the fp32 master of every parameter (gathered from every rank) at its
+    sharded state dict's global offsets, and its logits of a fixed token batch, which rank 0 writes to
+    ``truth_forward.safetensors`` (``tokens``, ``logits``)."""
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state as mpu, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    fp32 = dataclasses.replace(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, bf16=False,
+                               params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    model = GPTModel(fp32, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=True, post_process=True,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=ROPE_BASE)
+    masters = {}
+    for pieces in gathered:
+        for key, shape, offset, prepend, data in pieces:
+            state, name = _state_of(key)
+            if state != "fp32":
+                continue
+            full = masters.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float32))
+            local = (1,) * prepend + tuple(data.shape)
+            full[tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))] = data.reshape(local)
+    loaded = set()
+    with torch.no_grad():
+        for key, shape, offset, prepend, data in _pieces(model.sharded_state_dict(), clone=False):
+            assert tuple(masters[key].shape) == shape, key
+            local = (1,) * prepend + tuple(data.shape)
+            source = masters[key][tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))]
+            assert not source.isnan().any(), key
+            data.copy_(source.reshape(data.shape))
+            loaded.add(key)
+    assert loaded == set(masters), set(masters) ^ loaded
+    for key, _shape, offset, prepend, data in _pieces(model.sharded_state_dict()):     # copied into the params
+        local = (1,) * prepend + tuple(data.shape)
+        assert torch.equal(masters[key][tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))],
+                           data.reshape(local)), key
+    model.eval()
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(FORWARD_SEED))
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    with torch.no_grad():
+        logits = model(tokens, position_ids, None)
+    assert logits.shape == (2, SEQ, VOCAB) and logits.dtype == torch.float32, (logits.shape, logits.dtype)
+    if rank == 0:
+        from safetensors.torch import save_file
+        save_file({"tokens": tokens.contiguous(), "logits": logits.contiguous()},
+                  str(folder / "truth_forward.safetensors"))
 
 
 def _end_helpers() -> None:
@@ -246,6 +308,7 @@ def _megatron_args(cfg, iteration):
         clip_grad=1.0, use_distributed_optimizer=cfg["distributed"], overlap_grad_reduce=False,
         overlap_param_gather=False, ddp_bucket_size=None, ddp_pad_buckets_for_high_nccl_busbw=False,
         grad_reduce_in_fp32=True, dist_ckpt_optim_fully_reshardable=cfg["sharding"] == "fully_reshardable",
+        norm_epsilon=NORM_EPS, rotary_base=ROPE_BASE, rotary_percent=1.0, rotary_interleaved=False,
         micro_batch_size=MICRO, global_batch_size=MICRO * 2 * cfg["dp"], train_iters=10, iteration=iteration,
         consumed_train_samples=iteration * MICRO * 2 * cfg["dp"], ckpt_format="torch_dist", no_save_rng=False,
         no_save_optim=False, save_interval=STEPS, transformer_impl="local", attention_backend=AttnBackend.auto,
@@ -268,9 +331,9 @@ def _rng_state(mpu, tensor_parallel):
                          replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _pieces(sharded):
+def _pieces(sharded, clone=True):
     """[(key, global shape, global offset, prepended axes, tensor)] of every ShardedTensor in a sharded state dict
-    (factories built first)."""
+    (factories built first); clone=False: the tensors themselves (the model's parameters)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
     apply_factories(sharded)
@@ -281,7 +344,7 @@ def _pieces(sharded):
         if isinstance(value, ShardedTensor):
             assert value.flattened_range is None, value.key
             out.append((value.key, tuple(value.global_shape), tuple(value.global_offset), value.prepend_axis_num,
-                        value.data.detach().clone().cpu()))
+                        value.data.detach().clone().cpu() if clone else value.data))
     return out
 
 

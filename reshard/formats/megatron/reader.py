@@ -242,7 +242,9 @@ class _Reader:
         catalog.files = self._files(chunks)
         counters = {k: common[k] for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
                     if isinstance(common.get(k), (int, float))}
-        catalog.notes = MegatronNotes(self.notes, counters)
+        plain = tuple((k, v) for k, v in sorted(self.args.items())
+                      if v is None or isinstance(v, (bool, int, float, str)))
+        catalog.notes = MegatronNotes(self.notes, counters, plain)
         return catalog.freeze()
 
     # -- degrees and files
