@@ -10,8 +10,9 @@ torch_dist writer's subprocess dies and the save hangs: every launch runs under 
 this launches ``torchrun --nproc_per_node <world> tools/fixture_megatron_core.py --worker NAME`` (gloo, the CUDA
 shim of tools/megatron_cpu.py). The worker builds a ``GPTModel`` configured as Llama (RMSNorm, SwiGLU, RoPE, no
 biases, untied output layer, grouped-query attention: 4 heads, 2 query groups; 2 layers, hidden 16, SwiGLU width 32,
-vocab 64, RMSNorm epsilon 1e-5, RoPE base 10000) from the local layer spec, wraps it as Megatron-LM does (Float16Module for bf16, DistributedDataParallel),
-trains it ``STEPS`` Adam steps on deterministic tokens through megatron's forward-backward schedule, and saves it as
+vocab 64, RMSNorm epsilon 1e-5, RoPE base 10000) from the local layer spec, wraps it as Megatron-LM does
+(Float16Module for bf16, DistributedDataParallel), trains it ``STEPS`` Adam steps on deterministic tokens through
+megatron's forward-backward schedule, and saves it as
 Megatron-LM's ``save_checkpoint`` lays out a torch_dist save: ``<out>/<NAME>/save/latest_checkpointed_iteration.txt``
 and ``iter_0000003/`` written by ``dist_checkpointing.save`` of ``generate_state_dict``'s dict (args, checkpoint
 version 3.0, iteration, model, optimizer, scheduler, RNG state, flops) with the sharding metadata Megatron-LM passes
