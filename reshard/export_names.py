@@ -97,7 +97,7 @@ class ExportNames:
                 raise ReshardError.at(self.path, f"needs {key} = {wanted!r}, and the checkpoint does not record "
                                                  f"{'hyperparameters' if facts is None else key}")
             if facts[key] != wanted:
-                raise ReshardError.at(self.path, f"is for {key} = {wanted!r}; the checkpoint has {facts[key]!r}")
+                raise ReshardError.at(self.path, f"requires {key} = {wanted!r}; the checkpoint has {facts[key]!r}")
 
     def config_text(self, facts: Mapping[str, Any] | None) -> str:
         """The config file's JSON, its values taken from the save's hyperparameters where the rules say."""
