@@ -16,6 +16,7 @@ from reshard import export_names
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKey
 from reshard.core.dtypes import SHORT, is_floating
 from reshard.core.layout import Layout
+from reshard.core.placement import Shard
 from reshard.core.planner import plan
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, TensorFile, TextFile
 from reshard.errors import ReshardError, UsageError
@@ -32,9 +33,11 @@ WITH_OPTIMIZER = "the optimizer state (--with-optimizer)"    # optimizer.json ke
 @dataclass
 class Entry(NewTensor):
     """A tensor of the export: its name (the key), dtype and shape, and the logical tensor it copies, from its
-    flat element `start` (a slab of it, where export names split a tensor)."""
+    flat element `start` (a slab of it, where export names split a tensor), or the `shard` of it (boxes of it, where
+    export names cut interleaved parts: a fused QKV's q, k, v)."""
     source: tuple = ()
     start: int = 0
+    shard: Shard | None = None
 
 
 def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_size=None,
@@ -60,8 +63,10 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
         catalog.scalars_of_groups(WITH_OPTIMIZER)
     entries = weight_entries(catalog, None if dtype == "auto" else SHORT[dtype], weights)
     aliases = dict(catalog.aliases)
-    if names:
-        entries, aliases = export_names.load(names).apply(entries, aliases)
+    rules = export_names.load(names) if names else None
+    facts = catalog.notes.hyperparameters() if isinstance(catalog.notes, export_names.ModelFacts) else None
+    if rules is not None:
+        entries, aliases = rules.apply(entries, aliases, facts)
     metadata = {"format": "pt"}
     if aliases:
         metadata["tied"] = json.dumps(aliases)
@@ -80,6 +85,10 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     if not single_file:         # config, tokenizer: a folder from_pretrained loads
         targets += [CopiedFile(os.path.basename(p), p, os.path.getsize(p)) for p in catalog.model_files]
+        if rules is not None and rules.config is not None:      # a config the rules build from the save's values
+            if any(t.path == rules.config.file for t in targets):
+                raise ReshardError.at(rules.path, f"the checkpoint has its own {rules.config.file}")
+            targets.append(TextFile(rules.config.file, rules.config_text(facts)))
     target = Layout.of(1, dtype=entries[0].dtype if entries else "float32")
     return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
 

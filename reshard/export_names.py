@@ -1,45 +1,124 @@
 """Export names: how an exported state dict names and cuts the checkpoint's tensors, for a consumer that
 names them otherwise (Hugging Face's Mixtral takes one tensor per expert where DeepSpeed AutoEP packs them
-into one). A rule file (reshard/layouts/ ships some, found by name: rule_files):
+into one; Hugging Face's Llama takes q, k and v where Megatron fuses them). A rule file (reshard/layouts/ ships
+some, found by name: rule_files):
 
     {"kind": "reshard.export-names", "version": 1, "description": "...",
+     "requires": {HYPERPARAMETER: VALUE},                        the save must record these values
+     "config": {"file": "config.json", "values": {KEY: VALUE | {"from": VALUE-REF, "default": VALUE}}},
      "rules": [{"match": REGEX, "name": TEMPLATE},               renamed (TEMPLATE as re's expand: \\1, \\g<x>)
                {"match": REGEX, "name": TEMPLATE, "split": 0},   one tensor per index of dim 0, {index} in TEMPLATE
-               {"match": REGEX, "drop": true}]}                  left out (another name of a tensor kept)
+               {"match": REGEX, "rows": {"groups": N, "parts": [{"name": TEMPLATE, "rows": N}, ...]}},
+                                                                 dim 0 cut into interleaved parts (below)
+               {"match": REGEX, "drop": true},                   left out (another name of a tensor kept)
+               {"match": REGEX, "refuse": REASON}]}              the export stops, naming the tensor
 
 A name is matched with re.fullmatch, the first rule deciding; a name no rule matches keeps its name. A split
-along dim 0 takes contiguous slabs of the tensor (an element offset each), so it stays a byte copy.
+along dim 0 takes contiguous slabs of the tensor (an element offset each), so it stays a byte copy. A "rows" cut
+views dim 0 as `groups` equal blocks (1 when not given), each block cut into the parts in order: a part's "rows"
+is its share of each block, and the parts without "rows" share what is left equally; part i is its rows of every
+block, blocks in order (a fused QKV laid out per query group [q; k; v]: groups = the query groups; SwiGLU's fused
+[gate; up]: two parts, no groups). Each part is a shard of the tensor (one box per block), so the planner copies it
+as boxes. N is a whole number, or a VALUE-REF: the name of a hyperparameter the save records (a list of names: the
+first one recorded and not null).
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 from reshard import rule_files
+from reshard.core.placement import Block, Shard
 from reshard.errors import ReshardError
 
 KIND = rule_files.EXPORT_NAMES
 INDEX = "{index}"
+Count = int | str | tuple[str, ...]     # a whole number, or the hyperparameter(s) that give it
+
+
+@runtime_checkable
+class ModelFacts(Protocol):
+    """A reader's notes (Catalog.notes) that know the model's hyperparameters as the save records them (Megatron's
+    args): plain values by the save's own names."""
+
+    def hyperparameters(self) -> Mapping[str, Any]:
+        """{name: value} (numbers, strings, booleans, None)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str               # the template of the part's name
+    rows: Count | None      # its rows in each block; None: an equal share of what the sized parts leave
+
+
+@dataclass(frozen=True)
+class Rows:
+    groups: Count           # equal blocks along dim 0
+    parts: tuple[Part, ...]
 
 
 @dataclass(frozen=True)
 class NameRule:
     pattern: re.Pattern
-    name: str | None        # the template; None: drop
+    name: str | None        # the template; None: drop (or refuse, with `refuse`)
     split: bool             # one tensor per index of dim 0
+    rows: Rows | None = None
+    refuse: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    file: str               # written beside the weights (config.json)
+    values: tuple[tuple[str, Any], ...]     # (key, a literal, or From)
+
+
+@dataclass(frozen=True)
+class From:
+    names: tuple[str, ...]  # the hyperparameters, the first recorded and not null taken
+    default: Any = None
+    has_default: bool = False
 
 
 @dataclass(frozen=True)
 class ExportNames:
     path: str
     rules: tuple            # NameRule
+    requires: tuple[tuple[str, Any], ...] = ()
+    config: Config | None = None
 
-    def apply(self, entries: list, aliases: dict) -> tuple:
-        """(entries, aliases) under the rules: entries (export.Entry) renamed, split or dropped; a tie kept
-        between the new names of tensors renamed whole."""
-        out = [new for entry in entries for new in self._entries_of(entry)]
+    def check(self, facts: Mapping[str, Any] | None) -> None:
+        """Refused in one line where the save records another value than `requires` says (or none)."""
+        for key, wanted in self.requires:
+            if facts is None or key not in facts:
+                raise ReshardError.at(self.path, f"needs {key} = {wanted!r}, and the checkpoint does not record "
+                                                 f"{'hyperparameters' if facts is None else key}")
+            if facts[key] != wanted:
+                raise ReshardError.at(self.path, f"requires {key} = {wanted!r}; the checkpoint has {facts[key]!r}")
+
+    def config_text(self, facts: Mapping[str, Any] | None) -> str:
+        """The config file's JSON, its values taken from the save's hyperparameters where the rules say."""
+        assert self.config is not None
+        out = {}
+        for key, value in self.config.values:
+            if isinstance(value, From):
+                found = _lookup(facts, value.names)
+                if found is None and not value.has_default:
+                    raise ReshardError.at(self.path, f"config {key}: the checkpoint records none of "
+                                                     f"{', '.join(value.names)}")
+                value = value.default if found is None else found
+            out[key] = value
+        return json.dumps(out, indent=2) + "\n"
+
+    def apply(self, entries: list, aliases: dict, facts: Mapping[str, Any] | None = None) -> tuple:
+        """(entries, aliases) under the rules: entries (export.Entry) renamed, split, cut into parts or dropped; a
+        tie kept between the new names of tensors renamed whole. `facts`: the save's hyperparameters, for the
+        counts rules give by name."""
+        self.check(facts)
+        out = [new for entry in entries for new in self._entries_of(entry, facts)]
         ties = {}
         for alias, holder in aliases.items():
             if self._drops(alias):
@@ -62,7 +141,7 @@ class ExportNames:
 
     def _cuts(self, name: str) -> bool:
         rule = self._rule(name)
-        return rule is not None and (rule.split or rule.name is None)
+        return rule is not None and (rule.split or rule.rows is not None or rule.name is None)
 
     def _rule(self, name: str) -> NameRule | None:
         return next((r for r in self.rules if r.pattern.fullmatch(name)), None)
@@ -75,11 +154,15 @@ class ExportNames:
         assert match is not None and rule.name is not None     # (_rule matched it; callers drop dropped names)
         return match.expand(rule.name)
 
-    def _entries_of(self, entry) -> list:
+    def _entries_of(self, entry, facts) -> list:
         rule = self._rule(entry.key)
         if rule is None:
             return [entry]
+        if rule.refuse is not None:
+            raise ReshardError.at(self.path, f"{entry.key}: {rule.refuse}")
         match = rule.pattern.fullmatch(entry.key)
+        if rule.rows is not None and match is not None:
+            return self._parts(entry, match, rule.rows, facts)
         if rule.name is None or match is None:      # (_rule matched it)
             return []
         template = match.expand(rule.name)
@@ -90,6 +173,50 @@ class ExportNames:
         slab = math.prod(entry.shape[1:])
         return [replace(entry, key=template.replace(INDEX, str(i)), shape=tuple(entry.shape[1:]),
                         start=entry.start + i * slab) for i in range(entry.shape[0])]
+
+
+    def _parts(self, entry, match: re.Match, rows: Rows, facts) -> list:
+        """The parts of a "rows" cut, each a shard of the entry's tensor: one box per block of dim 0."""
+        if not entry.shape or entry.start or getattr(entry, "shard", None) is not None:
+            raise ReshardError.at(self.path, f"{entry.key}: a rows cut takes a whole tensor with a dim 0")
+        groups = self._count(rows.groups, facts, entry.key, "groups")
+        if groups <= 0 or entry.shape[0] % groups:
+            raise ReshardError.at(self.path, f"{entry.key}: {entry.shape[0]} rows are not {groups} equal groups")
+        block = entry.shape[0] // groups
+        sized = [None if p.rows is None else self._count(p.rows, facts, entry.key, "rows") for p in rows.parts]
+        free = sum(n is None for n in sized)
+        left = block - sum(n for n in sized if n is not None)
+        if left < 0 or (free and left % free) or (not free and left):
+            raise ReshardError.at(self.path, f"{entry.key}: the parts' rows do not fill a group of {block} rows")
+        rest = tuple(entry.shape[1:])
+        out, first = [], 0
+        for part, n in zip(rows.parts, sized, strict=True):
+            n = left // free if n is None else n
+            zeros = (0,) * len(rest)
+            blocks = tuple(Block((g * block + first, *zeros), (g * n, *zeros), (n, *rest)) for g in range(groups))
+            shape = (groups * n, *rest)
+            out.append(replace(entry, key=match.expand(part.name), shape=shape, shard=Shard(shape, blocks)))
+            first += n
+        return out
+
+    def _count(self, count: Count, facts, name: str, what: str) -> int:
+        if isinstance(count, int):
+            return count
+        names = (count,) if isinstance(count, str) else count
+        value = _lookup(facts, names)
+        if not isinstance(value, int) or isinstance(value, bool):
+            recorded = f"records as {value!r}" if value is not None else "does not record"
+            raise ReshardError.at(self.path, f"{name}: {what} is {'/'.join(names)}, which the checkpoint {recorded}"
+                                             ", not a whole number")
+        return value
+
+
+def _lookup(facts: Mapping[str, Any] | None, names: tuple[str, ...]) -> Any:
+    """The first of `names` that `facts` records and is not None."""
+    for name in names:
+        if facts is not None and facts.get(name) is not None:
+            return facts[name]
+    return None
 
 
 def load(path: str) -> ExportNames:
@@ -108,7 +235,44 @@ def load(path: str) -> ExportNames:
     rules = spec.get("rules")
     if not isinstance(rules, list):
         raise ReshardError.at(path, '"rules" must be a list')
-    return ExportNames(path, tuple(_rule(path, i, r) for i, r in enumerate(rules)))
+    unknown = set(spec) - {"kind", "version", "description", "rules", "requires", "config", "note"}
+    if unknown:
+        raise ReshardError.at(path, f"unknown keys {', '.join(sorted(unknown))}")
+    requires = spec.get("requires", {})
+    if not isinstance(requires, dict):
+        raise ReshardError.at(path, '"requires" must be an object: {hyperparameter: value}')
+    return ExportNames(path, tuple(_rule(path, i, r) for i, r in enumerate(rules)), tuple(requires.items()),
+                       _config(path, spec.get("config")))
+
+
+def _config(path: str, config) -> Config | None:
+    if config is None:
+        return None
+    if (not isinstance(config, dict) or not isinstance(config.get("file"), str) or not config["file"]
+            or "/" in config["file"] or not isinstance(config.get("values"), dict) or set(config) - {"file", "values"}):
+        raise ReshardError.at(path, '"config" must be {"file": NAME, "values": {KEY: VALUE}}')
+    values = []
+    for key, value in config["values"].items():
+        if isinstance(value, dict) and "from" in value:
+            if set(value) - {"from", "default"}:
+                raise ReshardError.at(path, f'config {key}: {{"from": NAME, "default": VALUE}} takes nothing else')
+            value = From(_names(path, f"config {key}", value["from"]), value.get("default"), "default" in value)
+        values.append((key, value))
+    return Config(config["file"], tuple(values))
+
+
+def _names(path: str, where: str, given) -> tuple[str, ...]:
+    if isinstance(given, str):
+        return (given,)
+    if isinstance(given, list) and given and all(isinstance(n, str) for n in given):
+        return tuple(given)
+    raise ReshardError.at(path, f"{where}: a hyperparameter's name, or a list of them")
+
+
+def _count_spec(path: str, where: str, given) -> Count:
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return given
+    return _names(path, where, given)
 
 
 def _rule(path: str, i: int, rule) -> NameRule:
@@ -119,9 +283,17 @@ def _rule(path: str, i: int, rule) -> NameRule:
         pattern = re.compile(rule["match"])
     except re.error as e:
         raise ReshardError.at(path, f"{where}: bad regular expression: {e}") from None
-    unknown = set(rule) - {"match", "name", "split", "drop", "note"}
+    unknown = set(rule) - {"match", "name", "split", "drop", "rows", "refuse", "note"}
     if unknown:
         raise ReshardError.at(path, f"{where}: unknown keys {', '.join(sorted(unknown))}")
+    if "refuse" in rule:
+        if not isinstance(rule["refuse"], str) or set(rule) - {"match", "refuse", "note"}:
+            raise ReshardError.at(path, f'{where}: "refuse" (a reason) goes alone')
+        return NameRule(pattern, None, False, refuse=rule["refuse"])
+    if "rows" in rule:
+        if set(rule) - {"match", "rows", "note"}:
+            raise ReshardError.at(path, f'{where}: "rows" goes alone (its parts name the tensors)')
+        return NameRule(pattern, None, False, rows=_rows(path, where, rule["rows"]))
     if rule.get("drop") is True:
         if "name" in rule or "split" in rule:
             raise ReshardError.at(path, f'{where}: "drop" goes alone')
@@ -135,3 +307,16 @@ def _rule(path: str, i: int, rule) -> NameRule:
     if (split == 0) != (INDEX in rule["name"]):
         raise ReshardError.at(path, f'{where}: a split names each part with {INDEX}, and only a split does')
     return NameRule(pattern, rule["name"], split == 0)
+
+
+def _rows(path: str, where: str, rows) -> Rows:
+    if not isinstance(rows, dict) or set(rows) - {"groups", "parts"} or not isinstance(rows.get("parts"), list) \
+            or len(rows["parts"]) < 2:
+        raise ReshardError.at(path, f'{where}: "rows" must be {{"groups": N, "parts": [two or more parts]}}')
+    parts = []
+    for part in rows["parts"]:
+        if not isinstance(part, dict) or not isinstance(part.get("name"), str) or set(part) - {"name", "rows"}:
+            raise ReshardError.at(path, f'{where}: each part is {{"name": TEMPLATE, "rows": N}} ("rows" optional)')
+        parts.append(Part(part["name"], _count_spec(path, f"{where} rows", part["rows"]) if "rows" in part else None))
+    groups = _count_spec(path, f"{where} groups", rows["groups"]) if "groups" in rows else 1
+    return Rows(groups, tuple(parts))

@@ -132,3 +132,35 @@ def test_export_refusals(tmp_path):
     assert "exists" in proc.stderr and (tmp_path / "exists.safetensors").read_text() == "x"
     proc = run_cli("export", src, tmp_path / "o", "--max-shard-size", "5 parsecs", check=2)
     assert "shard size" in proc.stderr and not (tmp_path / "o").exists()
+
+
+def test_rows_rules_cut_interleaved_parts_as_boxes_and_refuse_what_does_not_fit(tmp_path):
+    """A "rows" rule (export_names): each part is its rows of every group, a shard of boxes; counts by number or by a
+    hyperparameter the checkpoint records. Controls: a count no checkpoint value gives, groups that do not divide the
+    rows, and parts that do not fill a group are refused in one line naming the rule file."""
+    from reshard import export_names
+    from reshard.core.placement import Block
+    from reshard.errors import ReshardError
+    from reshard.export import Entry
+
+    def rules(rows):
+        path = tmp_path / "names.json"
+        path.write_text(json.dumps({"kind": "reshard.export-names", "version": 1,
+                                    "rules": [{"match": "w", "rows": rows}]}))
+        return export_names.load(str(path))
+    entry = Entry("w", "float32", (12, 3), ("w", "fp32"))
+    qkv = {"groups": "groups", "parts": [{"name": "q"}, {"name": "k", "rows": 1}, {"name": "v", "rows": 1}]}
+    out, _ = rules(qkv).apply([entry], {}, {"groups": 3})
+    assert [(e.key, e.shape) for e in out] == [("q", (6, 3)), ("k", (3, 3)), ("v", (3, 3))]
+    assert out[1].shard.blocks == tuple(Block((4 * g + 2, 0), (g, 0), (1, 3)) for g in range(3))
+    halves, _ = rules({"parts": [{"name": "gate"}, {"name": "up"}]}).apply([entry], {})
+    assert [(e.key, e.shard.blocks) for e in halves] == [("gate", (Block((0, 0), (0, 0), (6, 3)),)),
+                                                         ("up", (Block((6, 0), (0, 0), (6, 3)),))]
+    with pytest.raises(ReshardError, match=r"names\.json: w: groups is groups, which the checkpoint does not record"):
+        rules(qkv).apply([entry], {})
+    with pytest.raises(ReshardError, match=r"names\.json: w: 12 rows are not 5 equal groups"):
+        rules(qkv).apply([entry], {}, {"groups": 5})
+    with pytest.raises(ReshardError, match=r"names\.json: w: the parts' rows do not fill a group of 4 rows"):
+        rules({"groups": 3, "parts": [{"name": "a", "rows": 3}, {"name": "b", "rows": 2}]}).apply([entry], {})
+    with pytest.raises(ReshardError, match=r'names\.json: rule 0: "rows" must be'):
+        rules({"parts": [{"name": "alone"}]})

@@ -20,7 +20,8 @@ from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY 
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
 
 # Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
+READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iteration.txt, iter_NNNNNNN/ (torch_dist)
+           "reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
            "reshard.formats.deepspeed.reader",
            "reshard.formats.dcp.reader",                 # .metadata + *.distcp
            "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
@@ -104,7 +105,8 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
             return module
     if tag is not None and not os.path.isdir(os.path.join(path, tag)):
         raise ReshardError.at(os.path.join(path, tag), "tag folder does not exist")
-    raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: DeepSpeed ZeRO, universal and "
+    raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: Megatron-core torch_dist, "
+                                "DeepSpeed ZeRO, universal and "
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
                                 "Hugging Face Trainer checkpoint folders, safetensors)")
 

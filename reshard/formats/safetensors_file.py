@@ -38,7 +38,7 @@ class SafetensorsFile(TensorFile):
         the metadata, never written twice (safetensors has no shared storage)."""
         file = cls(path, dict(metadata))
         for e in entries:
-            file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, e.start)], key=e.key)
+            file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, e.start, shard=e.shard)], key=e.key)
         return file
 
     def holds(self, name: str) -> bool:

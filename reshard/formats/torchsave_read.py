@@ -160,8 +160,8 @@ class AllowListUnpickler(pickle.Unpickler):
 
 
 class _SafeUnpickler(AllowListUnpickler):
-    def __init__(self, data: bytes, path: str, storages: dict):
-        super().__init__(data, path, ALLOWED)
+    def __init__(self, data: bytes, path: str, storages: dict, allowed: dict | None = None):
+        super().__init__(data, path, ALLOWED if allowed is None else allowed)
         self._storages = storages
 
     def persistent_load(self, pid):
@@ -183,11 +183,13 @@ _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")   # zip local file header, 30 byte
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
-def load(path: str, span: tuple | None = None) -> object:
+def load(path: str, span: tuple | None = None, allowed: dict | None = None) -> object:
     """Unpickle a torch.save file safely; tensors become TensorRefs into `path`.
 
     `span` = (offset, length) reads a torch.save archive embedded in a larger file (a DCP
     `.distcp` chunk): the zip is parsed in place and storages are located by absolute offset.
+    `allowed`: the allow-list to unpickle with, when a format's pickles name more than ALLOWED (a superset of
+    it, built by that format from inert stand-ins); None: ALLOWED.
     """
     path = os.fspath(path)
     try:
@@ -229,7 +231,7 @@ def load(path: str, span: tuple | None = None) -> object:
         where = "" if span is None else f" at byte {base}"
         raise CheckpointError(path, f"damaged zip archive{where} ({type(e).__name__}: {e})") from None
     try:
-        return _SafeUnpickler(data, path, storages).load()
+        return _SafeUnpickler(data, path, storages, allowed).load()
     except CheckpointError:
         raise
     except Exception as e:  # a malformed pickle: report, never propagate a traceback

@@ -52,7 +52,7 @@ class TorchFile(TensorFile):
         file = cls(path, archive=os.path.splitext(os.path.basename(path))[0])
         tree = collections.OrderedDict()
         for e in entries:
-            tree[e.key] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, e.start)])
+            tree[e.key] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, e.start, shard=e.shard)])
         for alias, source in aliases.items():
             if source in tree:
                 tree[alias] = tree[source]

@@ -185,7 +185,7 @@ def _lightning(listing: Listing) -> Unit:
 
 def _megatron(listing: Listing) -> Unit:
     if MEGATRON_META in listing.files or METADATA in listing.files:
-        return _opaque("Megatron-LM", "(torch_dist)", "reshard does not read Megatron checkpoints")
+        return _opaque("Megatron-LM", "(torch_dist)", "list and prune leave Megatron saves to `reshard validate`")
     if any(d.startswith("mp_rank_") for d in listing.dirs):
         return _opaque("Megatron-LM", "(torch, legacy)", "reshard does not read Megatron checkpoints")
     return unknown("Megatron-LM", "an iter_N folder of neither torch_dist's nor the legacy torch format's files")

@@ -70,6 +70,10 @@ class Chunks:
             out.append((tuple(chunk.offsets), tuple(chunk.sizes), path, info.offset, info.length))
         return tuple(out) if len(out) > 2 else None
 
+    def path_of(self, key: str) -> str | None:
+        """The file holding (the first chunk of) item `key`, or None."""
+        return self._located(key)[0]
+
     def _located(self, key: str, offset=None):
         for saved_offset, info in self.by_fqn.get(key, ()):
             if offset is None or tuple(saved_offset or ()) == tuple(offset):
@@ -114,25 +118,33 @@ class Chunks:
                 continue
             if not math.prod(sizes):
                 continue
-            path, info = self._located(key, offsets)
-            if path is None:
-                self.catalog.problem(self.meta_path, f"{key}: no storage location for the chunk at {offsets}")
-                continue
-            if not self._span(key, path, info):
-                continue
-            ref = self._ref(key, path, info)
+            ref = self.chunk(key, dtype, offsets, sizes)
             if ref is None:
-                continue
-            if ref.dtype != dtype or ref.shape != sizes or not ref.is_contiguous():
-                self.catalog.problem(path, f"{key}: the chunk at byte {info.offset} holds "
-                                     f"{ref.dtype}{list(ref.shape)}, "
-                                     f".metadata says {dtype}{list(sizes)} (contiguous)")
                 continue
             # one fragment per chunk: the chunk is a box of the tensor, stored as a tensor of its own
             shard = None if sizes == shape else Shard.box(offsets, sizes)
             tensor.fragments.append(Fragment(0, math.prod(sizes), ref.storage, ref.storage_offset,
-                                             rank_of(info.relative_path), shard))
+                                             rank_of(ref.storage.file), shard))
         return tensor
+
+    def chunk(self, key: str, dtype: str, offsets: tuple, sizes: tuple) -> TensorRef | None:
+        """The stored tensor of the chunk of `key` at `offsets` (a contiguous `dtype` tensor of `sizes`), located,
+        range-checked and parsed in place; None, a problem noted, where it cannot be read."""
+        path, info = self._located(key, offsets)
+        if path is None:
+            self.catalog.problem(self.meta_path, f"{key}: no storage location for the chunk at {offsets}")
+            return None
+        if not self._span(key, path, info):
+            return None
+        ref = self._ref(key, path, info)
+        if ref is None:
+            return None
+        if ref.dtype != dtype or ref.shape != tuple(sizes) or not ref.is_contiguous():
+            self.catalog.problem(path, f"{key}: the chunk at byte {info.offset} holds "
+                                 f"{ref.dtype}{list(ref.shape)}, "
+                                 f".metadata says {dtype}{list(sizes)} (contiguous)")
+            return None
+        return ref
 
     def _ref(self, key, path, info):
         try:
@@ -158,11 +170,13 @@ class Chunks:
             raise CheckpointError(path, f"{key}: the step counter is not a one-element {dtype} tensor")
         return ScalarTensor(float(read_scalar(ref)), ref.dtype)
 
-    def value(self, key: str):
+    def value(self, key: str, allowed: dict | None = None):
+        """The plain value saved as bytes under `key`, unpickled through `allowed` (torchsave_read.load); MISSING, a
+        problem noted, where it cannot be read."""
         path, info = self._item(key)
         if path is None:
             return MISSING
-        value = torchsave_read.load(path, span=(info.offset, info.length))
+        value = torchsave_read.load(path, span=(info.offset, info.length), allowed=allowed)
         if isinstance(value, TensorRef):
             raise CheckpointError(path, f"{key}: a tensor-valued hyper-parameter is not supported")
         return value

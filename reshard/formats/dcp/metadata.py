@@ -157,15 +157,16 @@ ALLOWED.update({key: value for key, value in TORCH_ALLOWED.items() if isinstance
 
 
 class _Unpickler(AllowListUnpickler):
-    def __init__(self, data: bytes, path: str):
-        super().__init__(data, path, ALLOWED)
+    def __init__(self, data: bytes, path: str, allowed: dict):
+        super().__init__(data, path, allowed)
 
     def persistent_load(self, pid):
         raise CheckpointError(self._path, "a persistent id in DCP metadata")
 
 
-def read(path: str) -> Metadata:
-    """The `.metadata` file at `path`, unpickled through the allow-list."""
+def read(path: str, allowed: dict | None = None) -> Metadata:
+    """The `.metadata` file at `path`, unpickled through the allow-list (`allowed`: a format's superset of ALLOWED,
+    for a `.metadata` that pickles more than DCP's own classes)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -174,7 +175,7 @@ def read(path: str) -> Metadata:
     if not data:
         raise CheckpointError(path, "file is empty (0 bytes)")
     try:
-        md = _Unpickler(data, path).load()
+        md = _Unpickler(data, path, ALLOWED if allowed is None else allowed).load()
     except CheckpointError:
         raise
     except Exception as e:  # garbage or a damaged pickle: one line, never a traceback

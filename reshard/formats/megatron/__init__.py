@@ -1,0 +1,1 @@
+"""Megatron-core checkpoints (Megatron-LM save dirs of the torch_dist format): reader.py."""

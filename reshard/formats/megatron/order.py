@@ -1,0 +1,83 @@
+"""The order in which a Megatron model registers its parameters, which pipeline stage holds each and which take no
+weight decay: a rule file
+(reshard/layouts/megatron-core-gpt.json, kind "reshard.megatron-buffers"), since a torch_dist save records none of
+them: the distributed optimizer's `dp_reshardable` buffers are laid out in that order (buckets.py), and the saved
+param groups name no params."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from reshard import rule_files
+from reshard.errors import ReshardError
+
+KIND = rule_files.MEGATRON_BUFFERS
+SHIPPED = "megatron-core-gpt"
+
+
+@dataclass(frozen=True)
+class ParamOrder:
+    path: str
+    transformer_impl: tuple[str, ...]     # the layer implementations the order was checked for
+    layer_prefix: str                    # "decoder.layers."
+    before_layers: tuple[str, ...]
+    layer: tuple[str, ...]               # relative to a layer
+    after_layers: tuple[str, ...]
+    shared_embedding: tuple[str, ...]    # tied between the first and last stage: a bucket of its own
+    no_decay_ndim: int | None = None     # params of this many dimensions take no weight decay
+    no_decay_suffixes: tuple[str, ...] = ()     # nor do params whose names end so
+
+    def takes_no_weight_decay(self, name: str, shape: Sequence[int]) -> bool:
+        """Is `name` in the default optimizer's group without weight decay (wd_mult 0)?"""
+        return len(shape) == self.no_decay_ndim or name.endswith(self.no_decay_suffixes)
+
+    def layer_of(self, name: str) -> tuple[int, str] | None:
+        """(layer index, name within the layer) of a per-layer name, or None."""
+        found = re.fullmatch(re.escape(self.layer_prefix) + r"(\d+)\.(.+)", name)
+        return (int(found.group(1)), found.group(2)) if found else None
+
+    def ordered(self, names: Sequence[str]) -> list[str]:
+        """`names` in registration order; a ReshardError naming the rule file for one it does not place."""
+        def rank(name: str) -> tuple:
+            where = self.layer_of(name)
+            if where is not None and where[1] in self.layer:
+                return (1, where[0], self.layer.index(where[1]))
+            if name in self.before_layers:
+                return (0, 0, self.before_layers.index(name))
+            if name in self.after_layers:
+                return (2, 0, self.after_layers.index(name))
+            raise ReshardError.at(self.path, f"{name}: this parameter order does not place it, so the distributed "
+                                             "optimizer's buffers cannot be laid out")
+        return sorted(names, key=rank)
+
+    def on_stage(self, name: str, stage: int, stages: int, layers: int) -> bool:
+        """Does pipeline stage `stage` of `stages` hold `name` (layers split evenly, the names before them on the
+        first stage, those after on the last)?"""
+        where = self.layer_of(name)
+        if where is not None:
+            per = layers // stages
+            return stage * per <= where[0] < (stage + 1) * per
+        if name in self.before_layers:
+            return stage == 0
+        return stage == stages - 1
+
+
+def load(given: str | None = None) -> ParamOrder:
+    path = rule_files.find(given or SHIPPED, KIND)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ReshardError.at(path, f"cannot read the parameter-order file ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != KIND or data.get("version") != 1:
+        raise ReshardError.at(path, f"not a version 1 {KIND} file")
+    try:
+        no_decay = data.get("no_weight_decay", {})
+        return ParamOrder(path, tuple(data["transformer_impl"]), str(data["layer_prefix"]),
+                          tuple(data["before_layers"]), tuple(data["layer"]), tuple(data["after_layers"]),
+                          tuple(data.get("shared_embedding", ())), no_decay.get("ndim"),
+                          tuple(no_decay.get("suffixes", ())))
+    except (KeyError, TypeError) as e:
+        raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

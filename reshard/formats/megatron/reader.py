@@ -1,0 +1,547 @@
+"""A Megatron-LM save dir of megatron-core's torch_dist format -> Catalog, from metadata alone.
+
+    <save>/latest_checkpointed_iteration.txt      the iteration Megatron-LM loads ("3"; "release")
+    <save>/iter_0000003/metadata.json             {"sharded_backend": "torch_dist", ...}
+                        common.pt                 args (argparse.Namespace), iteration, checkpoint_version,
+                                                  content_metadata (the distributed optimizer's sharding type), ...
+                        .metadata, __R_I.distcp   a DCP checkpoint of every sharded tensor and object
+
+The path is the save dir (its latest iteration, or `--tag iter_NNNNNNN`) or an iteration folder. Keys:
+
+  decoder.layers.<key>                        a layer stack: a leading layer axis, one chunk per (layer, TP shard)
+                                              -> one logical tensor per layer, decoder.layers.<i>.<key>
+  <model key>                                 -> (key, module)
+  optimizer.state.{fp32_param|param}.<key>    -> (key, fp32)   the plain optimizer / fully_reshardable
+  optimizer.state.{exp_avg|exp_avg_sq}.<key>  -> (key, state)
+  optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(P, G).bucket_idx_K.{param|exp_avg|exp_avg_sq}
+                                              dp_reshardable: per model-parallel rank G (tp rank + tp * pp rank) and
+                                              grad buffer, flat buckets, mapped onto the params by recomputing
+                                              megatron's bucketing (buckets.py) in the parameter order of a rule
+                                              file (order.py), checked against per_bucket_numel(_unpadded)
+
+Every pickle (common.pt, `.metadata`, the objects inside the `.distcp` files) goes through an allow-list
+(pickles.py): nothing in a checkpoint runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from reshard.core.catalog import (
+    MASTER,
+    MODULE,
+    Catalog,
+    CatalogBuilder,
+    FileInfo,
+    Fragment,
+    LogicalTensor,
+    ParamInfo,
+    Replica,
+    TensorDraft,
+    TensorKey,
+    TrainingState,
+)
+from reshard.core.layout import Layout
+from reshard.core.placement import Block, Shard
+from reshard.errors import CheckpointError, ReshardError
+from reshard.formats.dcp import metadata as md
+from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks, dtype_of, rank_of
+from reshard.formats.megatron import buckets, order as param_order
+from reshard.formats.megatron.pickles import COMMON_ALLOWED, METADATA_ALLOWED, Namespace
+from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopology
+from reshard.formats.protocol import TagOption
+from reshard.formats.torchsave_read import DType, TensorRef, load as load_pickle
+from reshard.source_bytes import read_scalar
+
+FORMAT = "megatron"
+OPTIONS = TagOption
+IN_FRAMEWORK_FOLDERS = False
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ITERATION = re.compile(r"iter_(\d{7})$")
+RELEASE = "release"
+CONFIG = "metadata.json"
+COMMON = "common.pt"
+OPTIMIZER_STATE = "optimizer.state."
+# the optimizer's state names -> the catalog's: the fp32 copy is the master
+STATES = {"fp32_param": MASTER, "param": MASTER, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(\(.*\))\.bucket_idx_(\d+)"
+                    r"\.(\w+)$")
+PER_BUCKET = "optimizer.distributed.dp_group_idx_{}.{}"
+SHARDING_KEY = "distrib_optim_sharding_type"
+LAYER_STACKS = ("decoder.layers.", "encoder.layers.")     # a TransformerBlock's layers, saved stacked
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+# What inspect says of the version: a 0.16 save records none; its files are laid out as 0.16 lays them
+LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no version)"
+
+
+def sniff(path: str, tag: str | None) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if tag is not None:
+        return _is_iteration_dir(os.path.join(path, tag))
+    if os.path.isfile(os.path.join(path, TRACKER)) or _is_iteration_dir(path):
+        return True
+    return any(ITERATION.match(n) and _is_iteration_dir(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def _is_iteration_dir(path: str) -> bool:
+    """A folder megatron-core's dist_checkpointing wrote: metadata.json naming a sharded backend."""
+    config = _config(os.path.join(path, CONFIG))
+    return isinstance(config, dict) and "sharded_backend" in config
+
+
+def _config(path: str):
+    try:
+        with open(path) as f:
+            return json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+
+
+def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
+    """(iteration folder, save dir or None, its name) of the checkpoint at `path`."""
+    path = os.path.abspath(path)
+    if tag is not None:
+        return os.path.join(path, tag), path, tag
+    if _is_iteration_dir(path):
+        parent = os.path.dirname(path)
+        return path, parent if os.path.isfile(os.path.join(parent, TRACKER)) else None, os.path.basename(path)
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(tracker, "missing: name the iteration folder (--tag iter_NNNNNNN or its path)")
+    with open(tracker) as f:
+        text = f.read(64).strip()
+    if text == RELEASE:
+        name = RELEASE
+    elif re.fullmatch(r"[0-9]+", text):
+        name = f"iter_{int(text):07d}"
+    else:
+        raise CheckpointError(tracker, f"holds {text[:20]!r}, not an iteration number")
+    folder = os.path.join(path, name)
+    if not os.path.isdir(folder):
+        raise CheckpointError(folder, f"missing: {TRACKER} names iteration {text}")
+    return folder, path, name
+
+
+def read(path: str, options: TagOption) -> Catalog:
+    folder, save_dir, name = resolve(path, options.tag)
+    try:
+        return _Reader(folder, save_dir, name).read()
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        raise ReshardError.at(folder, f"not the structure megatron-core writes ({type(e).__name__}: {e})") from None
+
+
+class _Reader:
+    def __init__(self, folder: str, save_dir: str | None, name: str):
+        self.folder, self.save_dir, self.name = folder, save_dir, name
+        self.meta_path = os.path.join(folder, METADATA)
+        self.boxes: dict[str, list[tuple]] = {}     # model param name -> (at, size) of each chunk of it
+        self.notes: dict[str, dict[str, Any]] = {}
+
+    def read(self) -> Catalog:
+        folder = self.folder
+        config = _config(os.path.join(folder, CONFIG))
+        if not isinstance(config, dict):
+            raise CheckpointError(os.path.join(folder, CONFIG), "missing or not JSON: not a megatron-core "
+                                  "distributed checkpoint")
+        backend = config.get("sharded_backend")
+        if backend != "torch_dist":
+            raise CheckpointError(os.path.join(folder, CONFIG), f"sharded backend {backend!r}: only torch_dist "
+                                  "saves are read")
+        common_path = os.path.join(folder, COMMON)
+        if not os.path.isfile(common_path):
+            if os.path.isfile(self.meta_path) and "common_backend" not in config:
+                raise CheckpointError(folder, "megatron-core 0.19's layout (the common state inside the DCP "
+                                      "checkpoint, no common.pt) is not read yet")
+            raise CheckpointError(common_path, "missing: every torch_dist save of megatron-core 0.16 writes it")
+        common = load_pickle(common_path, allowed=COMMON_ALLOWED)
+        if not isinstance(common, dict):
+            raise CheckpointError(common_path, f"holds a {type(common).__name__}, not the common state dict")
+        if not os.path.isfile(self.meta_path):
+            raise CheckpointError(self.meta_path, "missing: DCP writes .metadata last, so the save did not finish")
+        meta = md.read(self.meta_path, METADATA_ALLOWED)
+        self.common, self.common_path = common, common_path
+        args = common.get("args")
+        self.args = vars(args) if isinstance(args, Namespace) else {}
+        content = common.get("content_metadata")
+        self.content = content if isinstance(content, dict) else {}
+        tp = self._degree("tensor_model_parallel_size")
+        pp = self._degree("pipeline_model_parallel_size")
+        self.tp, self.pp = tp, pp
+        catalog = CatalogBuilder(folder, FORMAT, Layout.of(1, tp, pp), tag=self.name,
+                                 save_dir=self.save_dir or folder)
+        self.catalog = catalog
+        chunks = Chunks(folder, meta, catalog)
+        self.chunks = chunks
+        world = chunks.world()
+        dp = self._degree("data_parallel_size", world // (tp * pp) if world % (tp * pp) == 0 else 1)
+        self.dp = dp
+        entries = meta.state_dict_metadata
+        tensors = {k: e for k, e in entries.items() if isinstance(e, md.TensorStorageMetadata)}
+        model = {k: e for k, e in tensors.items() if not k.startswith("optimizer.")}
+        optimizer = {k: e for k, e in tensors.items() if k.startswith(OPTIMIZER_STATE)}
+        distributed = {k: e for k, e in tensors.items() if BUCKET.match(k)}
+        other = sorted(k for k in tensors if k.startswith("optimizer.") and k not in optimizer
+                       and k not in distributed)
+        if other:
+            catalog.problem(self.meta_path, f"optimizer tensors of no known layout: {', '.join(other[:3])}")
+        for key, entry in model.items():
+            self._add(key, entry, key, MODULE, model_tensor=True)
+        names = [n for n in self.boxes]
+        sharding = self.content.get(SHARDING_KEY)
+        if sharding is None:
+            sharding = PLAIN if optimizer or not distributed else DP_RESHARDABLE
+        states: set[str] = set()
+        for key, entry in optimizer.items():
+            state, _, target = key[len(OPTIMIZER_STATE):].partition(".")
+            if state not in STATES or target not in model:
+                catalog.problem(self.meta_path, f"{key}: optimizer state of no model tensor in this save")
+                continue
+            states |= set(self._add(key, entry, target, STATES[state]))
+        if distributed:
+            if sharding != DP_RESHARDABLE:
+                raise CheckpointError(self.common_path, f"content_metadata says {sharding}, but the save holds the "
+                                      "distributed optimizer's dp_reshardable buckets")
+            states |= self._buckets(distributed, names)
+        ordered = self._ordered(names)
+        groups, step = self._param_groups()
+        group_of = self._group_of(ordered, groups)
+        for name in ordered:
+            tensor = catalog.tensors[TensorKey(name, MODULE)]
+            trainable = name in states
+            catalog.params[name] = ParamInfo(name, tensor.shape, "trainable" if trainable else "frozen",
+                                             group_of.get(name) if trainable else None)
+            catalog.order.append(name)
+        catalog.param_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                                 "params": [n for n in ordered if group_of.get(n) == i
+                                            and catalog.params[n].kind == "trainable"]}
+                                for i, g in enumerate(groups)]
+        catalog.group_scalars = [({"step": step} if step is not None else {}) for _ in groups]
+        model_dtypes = {catalog.tensors[TensorKey(n, MODULE)].dtype for n in ordered}
+        masters = {catalog.tensors[TensorKey(n, MASTER)].dtype for n in ordered
+                   if TensorKey(n, MASTER) in catalog.tensors}
+        iteration = common.get("iteration")
+        version = common.get("checkpoint_version")
+        catalog.layout = Layout.of(
+            dp, tp, pp, dtype=model_dtypes.pop() if len(model_dtypes) == 1 else "",
+            master_dtype=masters.pop() if len(masters) == 1 else "",
+            format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
+                                             float(version) if isinstance(version, (int, float)) else None,
+                                             LAYOUT_016))
+        samples = self.args.get("consumed_train_samples")
+        scheduler = common.get("opt_param_scheduler")
+        catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
+                                         global_samples=samples if isinstance(samples, int) else None,
+                                         lr_scheduler=scheduler,
+                                         optimizer=_optimizer_name(self.args.get("optimizer")))
+        catalog.files = self._files(chunks)
+        counters = {k: common[k] for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
+                    if isinstance(common.get(k), (int, float))}
+        plain = tuple((k, v) for k, v in sorted(self.args.items())
+                      if v is None or isinstance(v, (bool, int, float, str)))
+        catalog.notes = MegatronNotes(self.notes, counters, plain)
+        return catalog.freeze()
+
+    # -- degrees and files
+
+    def _degree(self, key: str, default: int = 1) -> int:
+        value = self.args.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, int) or value < 1:
+            raise CheckpointError(self.common_path, f"args.{key} is {value!r}, not a positive whole number")
+        return value
+
+    def _files(self, chunks: Chunks) -> list[FileInfo]:
+        """The iteration folder's files (the save dir's tracker names the latest iteration; it is no part of one)."""
+        out = []
+        for name, role in ((CONFIG, "config"), (COMMON, "common")):
+            out.append(FileInfo(name, role, None, os.path.getsize(os.path.join(self.folder, name))))
+        return out + chunks.files()
+
+    # -- tensors
+
+    def _add(self, key: str, entry, model_key: str, state: str, model_tensor: bool = False) -> list[str]:
+        """The logical tensors of saved tensor `key` (state `state` of model tensor `model_key`): one per layer for
+        a layer stack, each chunk a box of its layer's tensor. Returns their names."""
+        catalog, chunks = self.catalog, self.chunks
+        dtype = dtype_of(entry, self.meta_path, key)
+        shape = tuple(int(d) for d in entry.size)
+        prefix = self._layer_prefix(model_key)
+        stacked = prefix is not None and len(shape) >= 1
+        logical: dict[int | None, str]
+        if stacked:
+            assert prefix is not None
+            rest = model_key[len(prefix):]
+            logical = {layer: f"{prefix}{layer}.{rest}" for layer in range(shape[0])}
+            inner = shape[1:]
+        else:
+            logical = {None: model_key}
+            inner = shape
+        drafts = {layer: catalog.add(TensorDraft(name, state, inner, dtype), self.meta_path)
+                  for layer, name in logical.items()}
+        if model_tensor:
+            for index, name in logical.items():
+                self.boxes[name] = []
+                self.notes[name] = {"saved_as": key, **({"layer": index} if index is not None else {})}
+        for chunk in entry.chunks:
+            offsets = tuple(int(o) for o in chunk.offsets)
+            sizes = tuple(int(s) for s in chunk.sizes)
+            if len(offsets) != len(shape) or any(o < 0 or s < 0 or o + s > d
+                                                 for o, s, d in zip(offsets, sizes, shape, strict=False)):
+                catalog.problem(self.meta_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the "
+                                f"tensor's shape {shape}")
+                continue
+            if not math.prod(sizes):
+                continue
+            if stacked and sizes[0] != 1:
+                catalog.problem(self.meta_path, f"{key}: a chunk spans {sizes[0]} layers (at {offsets}); a layer "
+                                "stack is saved one layer per chunk")
+                continue
+            layer = offsets[0] if stacked else None
+            at, size = (offsets[1:], sizes[1:]) if stacked else (offsets, sizes)
+            if model_tensor:        # (from .metadata: where the chunks lie, readable or not)
+                self.boxes[logical[layer]].append((at, size))
+            ref = chunks.chunk(key, dtype, offsets, sizes)
+            if ref is None:
+                continue
+            shard = None if size == inner else Shard.box(at, size)
+            drafts[layer].fragments.append(Fragment(0, math.prod(size), ref.storage, ref.storage_offset,
+                                                    rank_of(ref.storage.file), shard))
+        return list(logical.values())
+
+    def _layer_prefix(self, key: str) -> str | None:
+        """The layer stack `key` belongs to ("decoder.layers."), or None: megatron-core saves a TransformerBlock's
+        layers stacked, a leading axis numbering them."""
+        return next((prefix for prefix in LAYER_STACKS if key.startswith(prefix)), None)
+
+    # -- the distributed optimizer's buckets (dp_reshardable)
+
+    def _local_shard(self, name: str, tp_rank: int) -> tuple[Shard, int] | None:
+        """(the shard of `name` tensor-parallel rank `tp_rank` holds, its elements): the model's chunks of it along
+        the one axis they cut, every tp-th from the rank's (Megatron's SwiGLU fc1 holds its gate and up halves so),
+        in that order; a tensor saved as one chunk is whole on every rank. None: the chunks do not say."""
+        full = self.catalog.tensors[TensorKey(name, MODULE)].shape
+        boxes = sorted(self.boxes[name])
+        if len(boxes) == 1 and tuple(boxes[0][1]) == tuple(full):
+            return Shard.whole(full), math.prod(full)
+        axes = {d for d in range(len(full)) if len({b[0][d] for b in boxes}) > 1}
+        if len(axes) != 1 or len(boxes) % self.tp:
+            return None
+        axis = axes.pop()
+        mine = sorted(boxes, key=lambda b: b[0][axis])[tp_rank::self.tp]
+        blocks, local = [], 0
+        for at, size in mine:
+            blocks.append(Block(tuple(at), tuple(local if d == axis else 0 for d in range(len(full))), tuple(size)))
+            local += size[axis]
+        shape = tuple(local if d == axis else n for d, n in enumerate(full))
+        return Shard(shape, tuple(blocks)), math.prod(shape)
+
+    def _buckets(self, distributed: Mapping[str, Any], names: list[str]) -> set[str]:
+        """Fragments of every param's fp32 copy and moments from the dp_reshardable buckets; the names they cover."""
+        rules = param_order.load()
+        impl = self.args.get("transformer_impl", "local")
+        if impl not in rules.transformer_impl:
+            raise CheckpointError(self.common_path, f"transformer_impl {impl!r}: the distributed optimizer's "
+                                  f"bucket layout is known for {', '.join(rules.transformer_impl)} only "
+                                  f"({rules.path})")
+        for key in ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers"):
+            if self.args.get(key):
+                raise CheckpointError(self.common_path, f"args.{key} = {self.args[key]}: uneven or virtual "
+                                      "pipeline stages are not read yet in dp_reshardable saves")
+        layers = self.args.get("num_layers")
+        by_group: dict[int, dict[tuple, dict[str, tuple[str, Any]]]] = {}
+        for key, entry in distributed.items():
+            found = BUCKET.match(key)
+            assert found is not None
+            group, gbuf, dtypes, bucket, state = found.groups()
+            if state not in STATES:
+                self.catalog.problem(self.meta_path, f"{key}: an optimizer state reshard does not know")
+                continue
+            by_group.setdefault(int(group), {}).setdefault((int(gbuf), dtypes, int(bucket)), {})[state] = (key, entry)
+        if sorted(by_group) != list(range(self.tp * self.pp)):
+            raise CheckpointError(self.meta_path, f"dp_reshardable buckets of model-parallel groups {sorted(by_group)}"
+                                  f", expected 0..{self.tp * self.pp - 1} (tp={self.tp}, pp={self.pp})")
+        covered: set[str] = set()
+        ordered = rules.ordered(names)
+        shared = frozenset(rules.shared_embedding) if (self.pp > 1 and not self.args.get(
+            "untie_embeddings_and_output_weights", True)) else frozenset()
+        for group, saved in sorted(by_group.items()):
+            tp_rank, pp_rank = group % self.tp, group // self.tp
+            params = []
+            shards = {}
+            for name in ordered:
+                if self.pp > 1 and not rules.on_stage(name, pp_rank, self.pp, int(layers or 0)):
+                    continue
+                local = self._local_shard(name, tp_rank)
+                if local is None:
+                    raise CheckpointError(self.meta_path, f"{name}: its chunks do not say which part tensor-parallel"
+                                          f" rank {tp_rank} holds, so the optimizer's buckets cannot be mapped")
+                shards[name] = local[0]
+                params.append((name, local[1]))
+            bucket_size = None
+            if self.args.get("overlap_grad_reduce") and pp_rank == 0:
+                bucket_size = self.args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * self.dp)
+            laid = buckets.lay_out(params, self.dp, bucket_size, shared & {n for n, _ in params},
+                                   bool(self.args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+            self._check_counts(group, saved, laid)
+            for (_, _, k), states in sorted(saved.items()):
+                for state, (key, entry) in states.items():
+                    self._bucket_fragments(key, entry, laid[k], shards, STATES[state], tp_rank, group)
+            covered |= set(shards)
+        return covered
+
+    def _check_counts(self, group: int, saved: Mapping[tuple, Any], laid: list[buckets.Bucket]) -> None:
+        """The stored per_bucket_numel(_unpadded) of group `group` against the recomputed buckets: refused where they
+        differ (the parameters would be mapped to the wrong elements)."""
+        recomputed = {"per_bucket_numel": [b.numel for b in laid],
+                      "per_bucket_numel_unpadded": [b.numel_unpadded for b in laid]}
+        for what, expected in recomputed.items():
+            key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(group, what) + "/")), None)
+            if key is None:
+                raise CheckpointError(self.meta_path, f"{PER_BUCKET.format(group, what)} is missing: the "
+                                      "dp_reshardable buckets cannot be checked")
+            value = self.chunks.value(key)
+            path = self.chunks.path_of(key)
+            if value is MISSING:      # its file's problem is noted; the saved chunk cuts still check the layout
+                continue
+            stored = _bucket_counts(value)
+            if stored is None:
+                raise CheckpointError(path or self.meta_path, f"{key} holds {value!r:.80}, not per-buffer lists of "
+                                      "bucket sizes")
+            if len(stored) != 1 or stored[0] != expected:
+                raise CheckpointError(path or self.meta_path, f"dp_reshardable {what} of model-parallel group "
+                                      f"{group} is {stored}, recomputed {[expected]} from the parameters "
+                                      f"(dp={self.dp}): the buckets cannot be mapped to parameters")
+        if len(saved) != len(laid) or sorted(k for _, _, k in saved) != list(range(len(laid))):
+            raise CheckpointError(self.meta_path, f"model-parallel group {group} saves buckets "
+                                  f"{sorted(k for _, _, k in saved)}, recomputed {len(laid)}")
+
+    def _bucket_fragments(self, key: str, entry, bucket: buckets.Bucket, shards: Mapping[str, Shard], state: str,
+                          tp_rank: int, group: int) -> None:
+        dtype = dtype_of(entry, self.meta_path, key)
+        if tuple(entry.size) != (bucket.numel_unpadded,):
+            raise CheckpointError(self.meta_path, f"{key}: {list(entry.size)} elements saved, the recomputed bucket "
+                                  f"holds {bucket.numel_unpadded}")
+        expected = bucket.chunks(self.dp)
+        saved = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in entry.chunks)
+        if saved != [(start, size) for start, size, _ in expected]:
+            raise CheckpointError(self.meta_path, f"{key}: saved in chunks {saved[:4]}..., the recomputed layout cuts "
+                                  f"it at {[(s, n) for s, n, _ in expected][:4]}...: the buckets cannot be mapped")
+        starts = {p.name: p.start for p in bucket.params}
+        for start, size, name in expected:
+            if name is None:
+                continue
+            ref = self.chunks.chunk(key, dtype, (start,), (size,))
+            if ref is None:
+                continue
+            shard = shards[name]
+            full = self.catalog.tensors[TensorKey(name, MODULE)].shape
+            first = start - starts[name]
+            whole = shard.blocks == Shard.whole(full).blocks and shard.shape == tuple(full)
+            fragment = Fragment(first, first + size, ref.storage, ref.storage_offset, rank_of(ref.storage.file),
+                                None if whole else shard)
+            replicated = whole and self.tp > 1
+            if replicated and tp_rank != 0:
+                copy = LogicalTensor(name, state, tuple(full), dtype, (fragment,))
+                self.catalog.replicas.append(Replica(copy, f"model-parallel group {group} (tensor-parallel rank "
+                                                           f"{tp_rank})", "tensor-parallel rank 0"))
+                continue
+            draft = self.catalog.add(TensorDraft(name, state, tuple(full), dtype), self.meta_path)
+            draft.fragments.append(fragment)
+
+    # -- order, param groups
+
+    def _ordered(self, names: list[str]) -> list[str]:
+        try:
+            return param_order.load().ordered(names)
+        except ReshardError:
+            return names
+
+    def _param_groups(self) -> tuple[list[dict], int | None]:
+        """The optimizer's param groups as saved (hyper-parameters), and its step."""
+        optimizer = self.common.get("optimizer")
+        inner = None
+        if isinstance(optimizer, dict):
+            inner = optimizer.get("optimizer", optimizer)
+        if not (isinstance(inner, dict) and isinstance(inner.get("param_groups"), list)):
+            found = self._distributed_object("optimizer")
+            if isinstance(found, dict):
+                inner = found.get("optimizer", found)
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            self.catalog.problem(self.common_path, "no optimizer param groups found")
+            return [], None
+        steps = {int(g["step"]) for g in groups if isinstance(g.get("step"), (int, float))}
+        state = inner.get("state") if isinstance(inner, dict) else None
+        common_step = state.get("common_step") if isinstance(state, dict) else None
+        if isinstance(common_step, TensorRef) and common_step.numel == 1:    # the plain optimizer's one step
+            steps.add(int(read_scalar(common_step)))
+        elif isinstance(common_step, (int, float)):
+            steps.add(int(common_step))
+        plain = [{k: v for k, v in g.items() if k != "step"} for g in groups]
+        return plain, (max(steps) if steps else None)
+
+    def _distributed_object(self, what: str):
+        """The first readable copy of what every model-parallel group saves alike (its optimizer's param groups)."""
+        for group in range(self.tp * self.pp):
+            key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(group, what) + "/")), None)
+            value = self.chunks.value(key) if key is not None else MISSING
+            if value is not MISSING:
+                return _object(value)
+        return None
+
+    def _group_of(self, ordered: list[str], groups: list[dict]) -> dict[str, int]:
+        """Each param's group: the saved groups name no params, so megatron-core's default grouping (the rule file:
+        which params take no weight decay) puts each in the group whose wd_mult is 0 or in the other one. A save
+        with other groups (decoupled or scaled learning rates) leaves the params unassigned, a problem noted."""
+        if not groups:
+            return {}
+        no_wd = [i for i, g in enumerate(groups) if g.get("wd_mult") == 0.0]
+        wd = [i for i, g in enumerate(groups) if g.get("wd_mult") not in (0.0, None)]
+        if len(groups) > 2 or len(no_wd) > 1 or len(wd) > 1:
+            self.catalog.problem(self.common_path, f"{len(groups)} optimizer param groups: which params each holds "
+                                 "is known for megatron-core's default grouping (weight decay or not) only")
+            return {}
+        rules = param_order.load()
+        out = {}
+        for name in ordered:
+            shape = self.catalog.tensors[TensorKey(name, MODULE)].shape
+            group = no_wd if rules.takes_no_weight_decay(name, shape) else wd
+            out[name] = group[0] if group else 0
+        return out
+
+
+def _object(value):
+    """The object a megatron ShardedObject saved (dist_checkpointing stores it in a one-element list)."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _bucket_counts(value) -> list | None:
+    """[[count per bucket] per grad buffer] of a saved per_bucket_numel: a list of {(dtypes): [counts]}."""
+    value = _object(value)
+    if not isinstance(value, list):
+        return None
+    out = []
+    for entry in value:
+        if not isinstance(entry, dict) or len(entry) != 1:
+            return None
+        counts = next(iter(entry.values()))
+        if not isinstance(counts, list) or not all(type(c) is int for c in counts):
+            return None
+        out.append(counts)
+    return out
+
+
+def _optimizer_name(name) -> str:
+    """Megatron's `--optimizer adam` is Adam with decoupled weight decay (torch's AdamW, TE's FusedAdam)."""
+    return {"adam": "AdamW", "sgd": "SGD"}.get(name, "") if isinstance(name, str) else ""
+
+
+__all__ = ["FORMAT", "OPTIONS", "sniff", "read", "DType", "TensorRef"]

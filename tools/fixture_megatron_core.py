@@ -1,0 +1,430 @@
+#!/usr/bin/env python
+"""Megatron-core torch_dist fixtures: a tiny Llama-configured GPTModel trained by the real megatron-core on CPU.
+
+Usage::
+
+    python tools/fixture_megatron_core.py [--only NAME[,NAME...]] [--out DIR] [--list]
+
+Made with megatron-core 0.16.1 (the newest pip installs on Python 3.11), torch 2.13.0+cpu and psutil (without it the
+torch_dist writer's subprocess dies and the save hangs: every launch runs under a timeout). For each configuration
+this launches ``torchrun --nproc_per_node <world> tools/fixture_megatron_core.py --worker NAME`` (gloo, the CUDA
+shim of tools/megatron_cpu.py). The worker builds a ``GPTModel`` configured as Llama (RMSNorm, SwiGLU, RoPE, no
+biases, untied output layer, grouped-query attention: 4 heads, 2 query groups; 2 layers, hidden 16, SwiGLU width 32,
+vocab 64, RMSNorm epsilon 1e-5, RoPE base 10000) from the local layer spec, wraps it as Megatron-LM does
+(Float16Module for bf16, DistributedDataParallel), trains it ``STEPS`` Adam steps on deterministic tokens through
+megatron's forward-backward schedule, and saves it as
+Megatron-LM's ``save_checkpoint`` lays out a torch_dist save: ``<out>/<NAME>/save/latest_checkpointed_iteration.txt``
+and ``iter_0000003/`` written by ``dist_checkpointing.save`` of ``generate_state_dict``'s dict (args, checkpoint
+version 3.0, iteration, model, optimizer, scheduler, RNG state, flops) with the sharding metadata Megatron-LM passes
+as ``content_metadata``. Megatron-LM's own training loop is not in the megatron-core wheel; ``args`` is an
+``argparse.Namespace`` holding the arguments that describe this run under Megatron-LM's names.
+
+Beside ``save/`` rank 0 writes the truth, taken from the live model and optimizer, not from the files:
+
+* ``truth.safetensors``: ``module/<name>`` (the bf16 weights), ``fp32/<name>`` (the fp32 master), ``exp_avg/<name>``,
+  ``exp_avg_sq/<name>``, per parameter under Megatron's per-layer names
+  (``decoder.layers.<i>.self_attention.linear_qkv.weight``; a layer's norms under the names its sharded state dict
+  gives them, ``...linear_qkv.layer_norm_weight``): every ShardedTensor of the model's and the optimizer's sharded
+  state dict (the distributed optimizer asked for its gathered ``fully_reshardable`` form, whatever is saved) put
+  together from every rank at its global offsets, and cut along the stacked layer axis;
+* ``truth_forward.safetensors``: Megatron's own forward of the saved weights in fp32 (``tokens``, a fixed batch of 2×8
+  token ids, and their ``logits``): after the save every rank makes the model parallel groups again at tp=1, pp=1
+  and builds the same GPTModel in fp32, given every parameter's fp32 master at its sharded state dict's global
+  offsets; what ``export --names megatron-core-llama`` writes must give the same logits in transformers' Llama;
+* ``truth.json``: megatron-core and torch versions, topology (tp, pp, dp), optimizer, sharding type, iteration, the
+  optimizer step, param groups' hyper-parameters, and Megatron's own buffer layout (per parameter its
+  [start, end) in its bucket, per bucket ``numel_unpadded``), for the distributed optimizer.
+
+The configurations (each file well under 1 MB):
+
+* ``mcore_plain_tp2_pp2``: plain (Float16) optimizer, tp=2, pp=2, dp=1;
+* ``mcore_fully_reshardable_tp2_dp2``: distributed optimizer, ``fully_reshardable``, tp=2, dp=2;
+* ``mcore_dp_reshardable_tp2_dp2``: distributed optimizer, ``dp_reshardable`` (Megatron-LM's default), tp=2, dp=2;
+* ``mcore_dp_reshardable_tp2_pp2_dp2``: the same at tp=2, pp=2, dp=2 (8 processes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+import torchrun_jobs  # noqa: E402
+
+STEPS = 3
+VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ, MICRO = 64, 16, 4, 2, 32, 2, 8, 2
+NORM_EPS, ROPE_BASE = 1e-5, 10000
+FORWARD_SEED = 99          # the fixed token batch whose logits truth_forward.safetensors holds
+
+CONFIGS = {
+    "mcore_plain_tp2_pp2": dict(tp=2, pp=2, dp=1, distributed=False, sharding=None),
+    "mcore_fully_reshardable_tp2_dp2": dict(tp=2, pp=1, dp=2, distributed=True, sharding="fully_reshardable"),
+    "mcore_dp_reshardable_tp2_dp2": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_reshardable"),
+    "mcore_dp_reshardable_tp2_pp2_dp2": dict(tp=2, pp=2, dp=2, distributed=True, sharding="dp_reshardable"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", help="comma-separated configuration names")
+    parser.add_argument("--out", default=str(REPO / "fixtures" / "megatron_core"))
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    if args.list:
+        print("\n".join(CONFIGS))
+        return 0
+    if args.worker:
+        torchrun_jobs.run_rank(worker, args.worker, Path(args.out))     # (leaves the process group, ends the rank)
+    names = args.only.split(",") if args.only else list(CONFIGS)
+    for name in names:
+        cfg = CONFIGS[name]
+        world = cfg["tp"] * cfg["pp"] * cfg["dp"]
+        final = Path(args.out) / name
+        stage = Path(tempfile.mkdtemp(prefix=f"{name}."))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+        print(f"{name}: {world} processes", flush=True)
+        proc = torchrun_jobs.launch(world, [__file__, "--worker", name, "--out", stage], env, timeout=args.timeout)
+        if proc.returncode != 0:
+            print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
+            raise SystemExit(f"{name}: the ranks failed (exit {proc.returncode})")
+        if final.exists():
+            shutil.rmtree(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(stage / name), str(final))
+        shutil.rmtree(stage, ignore_errors=True)
+    return 0
+
+
+def worker(name: str, out: Path) -> None:
+    import megatron_cpu
+    megatron_cpu.install()
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state as mpu, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    cfg = CONFIGS[name]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mpu.initialize_model_parallel(cfg["tp"], cfg["pp"])
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg["tp"],
+        pipeline_model_parallel_size=cfg["pp"], use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, sequence_parallel=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        init_method_std=0.02, layernorm_epsilon=NORM_EPS)
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
+                     post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", rotary_base=ROPE_BASE)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=cfg["distributed"], overlap_grad_reduce=False,
+                                               grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, model))
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9,
+                                 adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=True,
+                                 use_distributed_optimizer=cfg["distributed"])
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
+                                        lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=10, wd_incr_style="constant")
+
+    generator = torch.Generator().manual_seed(7 + mpu.get_data_parallel_rank())
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator)
+            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    def forward_step(data_iterator, module):
+        batch = next(data_iterator)
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO, SEQ)
+        output = module(batch["tokens"], position_ids, None, labels=batch["labels"])
+
+        def loss_func(losses):
+            loss = losses.float().mean()
+            return loss, {"loss": loss.detach()}
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    data = batches()
+    for _ in range(STEPS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=2,
+                         seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
+        optimizer.step()
+        scheduler.step(increment=1)
+    iteration = STEPS
+
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if cfg["distributed"]:
+        metadata["distrib_optim_sharding_type"] = cfg["sharding"]
+        if cfg["sharding"] == "fully_reshardable":
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    sd_metadata = {**metadata, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+    run_args = _megatron_args(cfg, iteration)
+    state_dict = {"args": run_args, "checkpoint_version": 3.0, "iteration": iteration}
+    state_dict["model"] = model.sharded_state_dict(metadata=sd_metadata)   # unwrapped, as Megatron-LM saves
+    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=sd_metadata)
+    state_dict["opt_param_scheduler"] = scheduler.state_dict()
+    state_dict["rng_state"] = _rng_state(mpu, tensor_parallel)
+    state_dict["num_floating_point_operations_so_far"] = 0
+    save = out / name / "save"
+    checkpoint = save / f"iter_{iteration:07d}"
+    if rank == 0:
+        checkpoint.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state_dict, str(checkpoint), content_metadata=metadata)
+    dist.barrier()
+    if rank == 0:
+        (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+    # The truth, from the live model and optimizer: the model's sharded state dict and the optimizer's in model space
+    truth_sd = {"model": model.sharded_state_dict(metadata=sd_metadata)}
+    truth_metadata = {**sd_metadata}
+    if cfg["distributed"]:
+        truth_metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        truth_metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    truth_sd["optimizer"] = optimizer.sharded_state_dict(truth_sd, metadata=truth_metadata)
+    pieces = _pieces(truth_sd)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pieces)
+    layout = _buffer_layout(ddp, optimizer) if cfg["distributed"] else None
+    layouts = [None] * dist.get_world_size()
+    dist.all_gather_object(layouts, (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
+                                     mpu.get_data_parallel_rank(), layout))
+    if rank == 0:
+        _write_truth(out / name, cfg, name, gathered, layouts, optimizer, iteration)
+    dist.barrier()
+    _forward(out / name, config, gathered, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+    _end_helpers()
+
+
+def _forward(folder: Path, config, gathered, rank: int) -> None:
+    """Megatron's own forward of the saved weights, in fp32: the model parallel groups made again at tp=1, pp=1, a
+    GPTModel of the same config in fp32 given the fp32 master of every parameter (gathered from every rank) at its
+    sharded state dict's global offsets, and its logits of a fixed token batch, which rank 0 writes to
+    ``truth_forward.safetensors`` (``tokens``, ``logits``)."""
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state as mpu, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    fp32 = dataclasses.replace(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, bf16=False,
+                               params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    model = GPTModel(fp32, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=True, post_process=True,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=ROPE_BASE)
+    masters = {}
+    for pieces in gathered:
+        for key, shape, offset, prepend, data in pieces:
+            state, name = _state_of(key)
+            if state != "fp32":
+                continue
+            full = masters.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float32))
+            local = (1,) * prepend + tuple(data.shape)
+            full[tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))] = data.reshape(local)
+    loaded = set()
+    with torch.no_grad():
+        for key, shape, offset, prepend, data in _pieces(model.sharded_state_dict(), clone=False):
+            assert tuple(masters[key].shape) == shape, key
+            local = (1,) * prepend + tuple(data.shape)
+            source = masters[key][tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))]
+            assert not source.isnan().any(), key
+            data.copy_(source.reshape(data.shape))
+            loaded.add(key)
+    assert loaded == set(masters), set(masters) ^ loaded
+    for key, _shape, offset, prepend, data in _pieces(model.sharded_state_dict()):     # copied into the params
+        local = (1,) * prepend + tuple(data.shape)
+        assert torch.equal(masters[key][tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))],
+                           data.reshape(local)), key
+    model.eval()
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(FORWARD_SEED))
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    with torch.no_grad():
+        logits = model(tokens, position_ids, None)
+    assert logits.shape == (2, SEQ, VOCAB) and logits.dtype == torch.float32, (logits.shape, logits.dtype)
+    if rank == 0:
+        from safetensors.torch import save_file
+        save_file({"tokens": tokens.contiguous(), "logits": logits.contiguous()},
+                  str(folder / "truth_forward.safetensors"))
+
+
+def _end_helpers() -> None:
+    """End the processes the torch_dist writer left behind (a multiprocessing Manager for its results, the resource
+    tracker): run_rank ends the rank with os._exit, which runs no finalizer, and they would hold torchrun's output
+    pipes open."""
+    import psutil
+    helpers = psutil.Process().children(recursive=True)
+    for helper in helpers:
+        helper.terminate()
+    psutil.wait_procs(helpers, timeout=10)
+
+
+def _megatron_args(cfg, iteration):
+    """The arguments Megatron-LM would pickle for this run (a subset, under its names)."""
+    import signal
+
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+    return argparse.Namespace(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, group_query_attention=True, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
+        max_position_embeddings=SEQ, padded_vocab_size=VOCAB, normalization="RMSNorm", swiglu=True,
+        add_bias_linear=False, position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+        tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"], data_parallel_size=cfg["dp"],
+        context_parallel_size=1, expert_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        world_size=cfg["tp"] * cfg["pp"] * cfg["dp"], bf16=True, fp16=False, params_dtype=torch.bfloat16,
+        optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        clip_grad=1.0, use_distributed_optimizer=cfg["distributed"], overlap_grad_reduce=False,
+        overlap_param_gather=False, ddp_bucket_size=None, ddp_pad_buckets_for_high_nccl_busbw=False,
+        grad_reduce_in_fp32=True, dist_ckpt_optim_fully_reshardable=cfg["sharding"] == "fully_reshardable",
+        norm_epsilon=NORM_EPS, rotary_base=ROPE_BASE, rotary_percent=1.0, rotary_interleaved=False,
+        micro_batch_size=MICRO, global_batch_size=MICRO * 2 * cfg["dp"], train_iters=10, iteration=iteration,
+        consumed_train_samples=iteration * MICRO * 2 * cfg["dp"], ckpt_format="torch_dist", no_save_rng=False,
+        no_save_optim=False, save_interval=STEPS, transformer_impl="local", attention_backend=AttnBackend.auto,
+        exit_signal=signal.SIGTERM, decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+
+
+def _rng_state(mpu, tensor_parallel):
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    state = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+              "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+              "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
+    return ShardedObject("rng_state", state, (mpu.get_pipeline_model_parallel_world_size(),
+                                              mpu.get_tensor_model_parallel_world_size()),
+                         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
+                         replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _pieces(sharded, clone=True):
+    """[(key, global shape, global offset, prepended axes, tensor)] of every ShardedTensor in a sharded state dict
+    (factories built first); clone=False: the tensors themselves (the model's parameters)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
+    apply_factories(sharded)
+    out = []
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedTensorFactory):
+            raise AssertionError(f"an unbuilt factory {value.key}")
+        if isinstance(value, ShardedTensor):
+            assert value.flattened_range is None, value.key
+            out.append((value.key, tuple(value.global_shape), tuple(value.global_offset), value.prepend_axis_num,
+                        value.data.detach().clone().cpu() if clone else value.data))
+    return out
+
+
+def _buffer_layout(ddp, optimizer):
+    """Megatron's own placement of each parameter in the distributed optimizer's buffers (for truth.json)."""
+    names = {p: n.removeprefix("module.") for n, p in ddp.module.named_parameters()}
+    out = []
+    for b, buffer in enumerate(ddp.buffers):
+        buckets = [{"numel": bucket.grad_data.numel(), "numel_unpadded": bucket.numel_unpadded,
+                    "offset": bucket.offset} for bucket in buffer.buckets]
+        params = {names[p]: list(where) for p, where in buffer.param_index_map.items()}
+        out.append({"buffer": b, "data_parallel_group_idx": _group_idx(optimizer),
+                    "param_dtype": str(buffer.param_dtype), "grad_dtype": str(buffer.grad_dtype),
+                    "buckets": buckets, "params": params})
+    return out
+
+
+def _group_idx(optimizer):
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(inner, "data_parallel_group_idx"):
+            return inner.data_parallel_group_idx
+    return None
+
+
+def _write_truth(folder: Path, cfg, name, gathered, layouts, optimizer, iteration):
+    import megatron.core
+    import torch
+    from safetensors.torch import save_file
+    full: dict = {}
+    prepended: dict = {}
+    for pieces in gathered:
+        for key, shape, offset, prepend, data in pieces:
+            tensor = full.setdefault(key, torch.full(shape, float("nan"), dtype=data.dtype))
+            local = (1,) * prepend + tuple(data.shape)
+            index = tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
+            tensor[index] = data.reshape(local)
+            prepended[key] = prepend
+    out = {}
+    for key, tensor in full.items():
+        assert not (tensor.is_floating_point() and tensor.isnan().any()), f"{key}: not every element was gathered"
+        state, name_ = _state_of(key)
+        if prepended[key]:
+            assert prepended[key] == 1, key
+            stack, _, rest = name_.partition(".layers.")
+            for layer in range(tensor.shape[0]):
+                out[f"{state}/{stack}.layers.{layer}.{rest}"] = tensor[layer].clone()
+        else:
+            out[f"{state}/{name_}"] = tensor
+    save_file(out, str(folder / "truth.safetensors"))
+    groups = []
+    steps = set()
+    for group in optimizer.param_groups:
+        groups.append({k: v for k, v in group.items() if isinstance(v, (int, float, bool, str)) and k != "params"})
+        for p in group["params"]:
+            state = optimizer.optimizer.state.get(p, {}) if hasattr(optimizer, "optimizer") else {}
+            if "step" in state:
+                steps.add(int(state["step"]))
+        if "step" in group:
+            steps.add(int(group["step"]))
+    info = {"kind": "megatron-core", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
+            "tp": cfg["tp"], "pp": cfg["pp"], "dp": cfg["dp"],
+            "optimizer": "distributed" if cfg["distributed"] else "plain", "sharding_type": cfg["sharding"],
+            "iteration": iteration, "step": sorted(steps), "param_groups": groups, "model_dtype": "bfloat16",
+            "layers": LAYERS, "vocab": VOCAB, "hidden": HIDDEN, "heads": HEADS, "query_groups": GROUPS,
+            "ffn": FFN}
+    if cfg["distributed"]:
+        info["buffer_layout"] = [{"tp_rank": t, "pp_rank": p, "dp_rank": d, "buffers": layout}
+                                 for t, p, d, layout in layouts if d == 0]
+    (folder / "truth.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+
+
+def _state_of(key: str):
+    """(state, model key) of a sharded key: the model's weights are `module`, the optimizer's fp32 copy `fp32`."""
+    for prefix, state in (("optimizer.state.fp32_param.", "fp32"), ("optimizer.state.param.", "fp32"),
+                          ("optimizer.state.exp_avg_sq.", "exp_avg_sq"), ("optimizer.state.exp_avg.", "exp_avg")):
+        if key.startswith(prefix):
+            return state, key[len(prefix):]
+    return "module", key
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Run megatron-core (0.16) on CPU over gloo: the CUDA calls its training and checkpointing code makes, answered
+on the CPU. For the fixture tool and tests only; nothing in the reshard package imports it.
+
+`install()` must run before megatron.core is imported. What it patches, each found necessary on this machine:
+1. the CUDA RNG (Megatron's RNG tracker: torch.cuda.get_rng_state / manual_seed, tensor_parallel.random's
+   _get/_set_cuda_rng_state) backed by a CPU generator of its own;
+2. torch.cuda.current_device -> 0 (the param and grad buffers allocate on it);
+3. torch.cuda.synchronize / empty_cache -> no-ops (pipeline p2p communication);
+4. a TorchFunctionMode mapping device='cuda' (or a device index) to the CPU, Tensor.cuda() a no-op, and
+   Tensor.type() reporting torch.cuda.*Tensor (the optimizer checks that params are CUDA tensors);
+5. torch.cuda streams and events as no-op objects.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_GENERATOR = torch.Generator()     # stands in for the CUDA default generator
+_installed = False
+
+
+def _cpu(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _OnCpu(TorchFunctionMode):
+    """Every `device=` a torch function is given that names CUDA (or a bare index) becomes the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if func in (torch.Tensor.to,) and args and len(args) > 1 and not isinstance(args[1], torch.Tensor):
+            args = (args[0], _cpu(args[1]) if not isinstance(args[1], torch.dtype) else args[1], *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoOp:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _type(original):
+    def patched(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            name = original(self)       # (through the mode, which may call this again: once is enough)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+    return patched
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.get_rng_state = lambda *a, **k: _GENERATOR.get_state()
+    cuda.set_rng_state = lambda state, *a, **k: _GENERATOR.set_state(state)
+    cuda.manual_seed = lambda seed: _GENERATOR.manual_seed(seed)
+    cuda.manual_seed_all = lambda seed: _GENERATOR.manual_seed(seed)
+    cuda.current_stream = lambda *a, **k: _NoOp()
+    cuda.default_stream = lambda *a, **k: _NoOp()
+    cuda.Stream = _NoOp
+    cuda.Event = _NoOp
+    cuda.stream = lambda *a, **k: _NoOp()
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = _type(torch.Tensor.type)
+    _OnCpu().__enter__()      # for the life of the process
+    from megatron.core.tensor_parallel import random as mrandom
+    mrandom._get_cuda_rng_state = lambda *a, **k: _GENERATOR.get_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: _GENERATOR.set_state(state)
