@@ -12,7 +12,9 @@ import os
 from reshard.errors import UsageError
 
 TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "reshard.core.layout"
-WHAT = {TP_RULES: "tensor-parallel rule file", EXPORT_NAMES: "export-names file", LAYOUT: "topology descriptor"}
+MODULE_NAMES = "reshard.module-names"
+WHAT = {TP_RULES: "tensor-parallel rule file", EXPORT_NAMES: "export-names file", LAYOUT: "topology descriptor",
+        MODULE_NAMES: "module-names file"}
 SUFFIX = ".json"
 # Installed as plain files (pip unpacks wheels), so the folder is a path the readers open like any other file.
 SHIPPED = importlib.resources.files("reshard") / "layouts"
