@@ -43,7 +43,8 @@ def _differences(loaded: dict, truth: dict) -> list:
     return sorted(k for k, v in truth.items() if not (loaded[k].shape == v.shape and torch.equal(loaded[k], v)))
 
 
-@pytest.mark.parametrize("name", ["autoep2_z1_fp32", "autoep2_z3_fp32", "autoep2_z3_fp32_dp2"])
+@pytest.mark.parametrize("name", ["autoep2_z1_fp32", "autoep2_z2_bf16", "autoep2_z2_fp32_dp2_datafirst",
+                                  "autoep2_z3_fp32", "autoep2_z3_fp32_dp2"])
 def test_the_output_and_the_reader_give_transformers_mixtral_the_engines_values(name, tmp_path):
     truth = _mixtral_truth(name)
     run_cli("convert", fixture_dir(name), tmp_path / "dcp", "--format", "dcp", "--to", "dp=2", "--names", MOE_NAMES,
