@@ -127,7 +127,7 @@ def prove_complete(source: str | os.PathLike[str] | Catalog, *, tag: str | None 
 def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, tag: str | None = None,
          layout_rules: str | None = None, tag_out: str | None = None, fmt: str | None = None,
          new_rank_state: str = FRESH, dst: str | os.PathLike[str] | None = None,
-         memory_budget: int | None = None, workers: int = 1) -> PlanSummary:
+         memory_budget: int | None = None, workers: int = 1, names: str | None = None) -> PlanSummary:
     """What a conversion would read and write, without writing, as `reshard plan` shows it.
 
     Args:
@@ -142,6 +142,8 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         dst: where the output would go, for the free-disk check (default: the working directory).
         memory_budget: bound on the copy buffers, in bytes (default: 512 MiB, reshard.executor's);
             workers: local processes writing files.
+        names: a module-names rule file (a path, or a name shipped with reshard: "mixtral-autoep-fsdp") putting the
+            params under the names and shapes of the model that loads the output (reshard.module_names).
 
     Returns:
         A PlanSummary: the files, bytes read and written, buffers, free disk (`disk_ok`), advice; `plan` is the
@@ -154,7 +156,7 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
     """
     from reshard.plan_summary import summarize
     complete = _complete(source, tag, layout_rules)
-    made = make_plan(complete, to, tag_out, fmt, new_rank_state)
+    made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     return summarize(complete.catalog, made, fmt=fmt, new_rank_state=new_rank_state,
                      dst=None if dst is None else os.fspath(dst), memory_budget=memory_budget, workers=workers)
 
@@ -163,12 +165,12 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
             tag: str | None = None, layout_rules: str | None = None, tag_out: str | None = None,
             fmt: str | None = None, new_rank_state: str = FRESH, workers: int = 1,
             memory_budget: int | None = None, overwrite: bool = False, resume: bool = False,
-            progress: bool = False) -> Written | None:
+            progress: bool = False, names: str | None = None) -> Written | None:
     """Write the checkpoint for another topology (or format), as `reshard convert` does; the framework resumes
     from the output with its own load call. Under torchrun the ranks share the files.
 
     Args:
-        source, to, tag, layout_rules, tag_out, fmt, new_rank_state, workers, memory_budget: as for plan.
+        source, to, tag, layout_rules, tag_out, fmt, new_rank_state, workers, memory_budget, names: as for plan.
         dst: the new save dir (created; it must be empty, or `overwrite`).
         overwrite: replace a non-empty `dst`.
         resume: after an interrupted run, keep the files it finished (checked by sha256).
@@ -185,7 +187,7 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
         ('dp=4,tp=1,pp=1,zero=2', True)
     """
     complete = _complete(source, tag, layout_rules)
-    made = make_plan(complete, to, tag_out, fmt, new_rank_state)
+    made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     written = _execute(made, dst, overwrite=overwrite, memory_budget=memory_budget, workers=workers,
                        progress=progress, resume=resume)
     if written is None:

@@ -37,11 +37,16 @@ def target_layout(catalog: Catalog, to: str, fmt: str | None = None) -> Layout:
 
 
 def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, fmt: str | None = None,
-              new_rank_state: str = FRESH) -> Plan:
+              new_rank_state: str = FRESH, names: str | None = None) -> Plan:
     """The plan writing the checkpoint at topology `to` in format `fmt` (default: the source's format); with a
     training framework's files around the source, those too (`new_rank_state`: what a process the source lacks
-    gets). A Catalog is proven whole first (prove_complete); a Complete is that proof, made before."""
+    gets). A Catalog is proven whole first (prove_complete); a Complete is that proof, made before. `names`: a
+    module-names rule file (reshard.module_names) putting the params under the names and shapes of the model that
+    loads the output (an AutoEP Mixtral's experts as transformers' Mixtral holds them)."""
     complete = source if isinstance(source, Complete) else prove_complete(source)
+    if names:
+        from reshard import module_names
+        complete = prove_complete(module_names.load(names).apply(complete.catalog))
     catalog = complete.catalog
     target = target_layout(catalog, to, fmt)    # (a bad spec is refused here)
     if "=" in to and not os.path.isfile(to):     # a spec (a descriptor file says only what it means)
@@ -78,7 +83,8 @@ def plan_for(complete: Complete, target: Layout, tag_out: str | None = None, fmt
         from reshard.formats import WRITERS, writer
         placing = " or ".join(name for name in WRITERS if writer(name).PLACES_EXPERTS)
         raise ReshardError.at(catalog.root, f"converting mixture-of-experts checkpoints to {fmt or catalog.format} "
-                                            f"is not supported yet (to {placing} it is; export reads them)")
+                                            f"is not supported yet (to {placing} it is; export reads them; "
+                                            "--names mixtral-autoep-fsdp writes an AutoEP Mixtral as one model)")
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))

@@ -12,9 +12,9 @@ import os
 from reshard.errors import UsageError
 
 TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "reshard.core.layout"
-MEGATRON_BUFFERS = "reshard.megatron-buffers"
+MEGATRON_BUFFERS, MODULE_NAMES = "reshard.megatron-buffers", "reshard.module-names"
 WHAT = {TP_RULES: "tensor-parallel rule file", EXPORT_NAMES: "export-names file", LAYOUT: "topology descriptor",
-        MEGATRON_BUFFERS: "Megatron parameter-order file"}
+        MEGATRON_BUFFERS: "Megatron parameter-order file", MODULE_NAMES: "module-names file"}
 SUFFIX = ".json"
 # Installed as plain files (pip unpacks wheels), so the folder is a path the readers open like any other file.
 SHIPPED = importlib.resources.files("reshard") / "layouts"

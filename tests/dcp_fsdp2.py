@@ -12,7 +12,9 @@ state and param groups) to "out" for the test to compare. A job with "source" an
 (or only) loads that checkpoint, of any format, through `reshard.dcp_reader.Reader`, then trains one step.
 "model" names another model than the fixture model: "llama" (the AutoTP fixtures' LlamaForCausalLM, from
 "hf_config"), "gpt2" (tests/hf_trainer_deepspeed.py's, with the Trainer's two param groups), "pipe" and
-"tied_head" (the pipeline fixtures' layers as one module).
+"tied_head" (the pipeline fixtures' layers as one module), "mixtral" (the MoE fixtures' MixtralForCausalLM,
+tools/fixture_moe.py, with AutoEP's two param groups: the dense params, then the experts); "names" is the Reader's
+module-names rule file.
 
 `train`: a few Adam steps of the untied fixture model under FSDP2, then `dcp.save` of
 {"model", "optim"} from `get_state_dict`, and the gathered full state to TRUTH.pt. Also
@@ -82,6 +84,12 @@ def built(job):
         from single_models import gpt2_config
         model = GPT2LMHeadModel(gpt2_config())
         blocks = model.transformer.h
+    elif kind == "mixtral":
+        from transformers import MixtralForCausalLM
+
+        from fixture_moe import mixtral_config
+        model = MixtralForCausalLM(mixtral_config())
+        blocks = model.model.layers
     elif kind in ("pipe", "tied_head"):
         model, blocks = PipeAsModule(tied_head=kind == "tied_head"), []
     else:
@@ -94,6 +102,10 @@ def built(job):
         named = dict(model.named_parameters())
         groups = [{"params": [named[n] for n in g["names"]], "weight_decay": g["weight_decay"]}
                   for g in trainer_param_groups(model, 0.01)]
+    elif kind == "mixtral":        # as DeepSpeed AutoEP groups them: the experts apart
+        named = list(model.named_parameters())
+        groups = [{"params": [p for n, p in named if ".experts." not in n]},
+                  {"params": [p for n, p in named if ".experts." in n]}]
     elif kind == "fixture":
         groups, _ = param_groups(model, two_groups=job.get("two_groups", False))
         groups = groups if job.get("two_groups") else [{"params": groups}]
@@ -103,7 +115,7 @@ def built(job):
     def loss_of(rank):
         if kind == "fixture":
             return model(make_batch(100, rank))
-        if kind in ("llama", "gpt2"):
+        if kind in ("llama", "gpt2", "mixtral"):
             tokens = _tokens(model.config.vocab_size, rank)
             return model(input_ids=tokens, labels=tokens).loss
         tokens = _tokens(model.tied_modules.emb.weight.shape[0], rank)
@@ -138,7 +150,8 @@ def load(jobs_path):
             load_one(job, job["out"], checkpoint_id=job["dcp"])
         if "source" in job:     # the original checkpoint, whatever its format, through reshard's StorageReader
             import reshard.dcp_reader
-            load_one(job, job["reader_out"], storage_reader=reshard.dcp_reader.Reader(job["source"]), then_step=True)
+            reader = reshard.dcp_reader.Reader(job["source"], names=job.get("names"))
+            load_one(job, job["reader_out"], storage_reader=reader, then_step=True)
 
 
 def load_one(job, out, then_step=False, **where):

@@ -12,6 +12,7 @@ import pickle
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -42,6 +43,12 @@ READ_ONLY = ["z3_bf16_dp4", "z2_fp32_roundrobin_dp4"]
 PARALLEL_MODELS = {"autotp2_z1_fp32_dp2": {"model": "llama",
                                            "hf_config": str(FIXTURES / "autotp2_z1_fp32_dp2" / "hf_config")},
                    "pipe2_z1_fp32_dp2": {"model": "pipe"}, "pipe2_tiedhead_z1_fp32_dp2": {"model": "tied_head"}}
+# mixture-of-experts saves of DeepSpeed AutoEP (ZeRO-1/2/3, ep 2 and ep 2 x expert-dp 2, fp32 and bf16), written as
+# DCP and read through reshard.dcp_reader.Reader under transformers' Mixtral names (mixtral-autoep-fsdp)
+MOE_TO_LOAD = ["autoep2_z1_fp32", "autoep2_z2_bf16", "autoep2_z2_fp32_dp2", "autoep2_z3_fp32", "autoep2_z3_fp32_dp2"]
+MOE_NAMES = "mixtral-autoep-fsdp"
+CHANGED = ("model.layers.1.mlp.experts.w3", (2, 5, 7))     # an element of expert 2 changed in a copy of the source
+SWAPPED = "model.layers.0.mlp.experts.down_proj"           # its two FSDP2 chunks (experts 0-1, 2-3) swapped
 FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z1_bf16_frozen_tied_dp2",
                     "z3_fp32_frozen_tied_dp2", "bf16opt_z1_dp2", "z2_fp32_sgd_dp2"]
 
@@ -382,12 +389,45 @@ def fixtures_as_dcp(tmp_path_factory):
     return converted, out
 
 
+def _moe_jobs(out):
+    """The 2-rank launch's MoE jobs ({name: job}): each MoE fixture converted to DCP under Mixtral's names and read
+    through reshard.dcp_reader.Reader; and two negative controls: a source with one expert element changed,
+    converted, and an output whose expert chunks of one tensor are swapped in its .metadata."""
+    from test_moe import _set_element
+    jobs = {}
+    for name in MOE_TO_LOAD:
+        dst = out / f"moe-{name}"
+        reshard.convert(fixture_dir(name), dst, "dp=2", fmt="dcp", names=MOE_NAMES)
+        jobs[name] = {"model": "mixtral", "optimizer": "AdamW", "dcp": str(dst), "out": str(out / f"moe-{name}.pt"),
+                      "source": str(fixture_dir(name)), "reader_out": str(out / f"moe-{name}-read.pt"),
+                      "names": MOE_NAMES}
+    changed = out / "moe-changed-source"
+    shutil.copytree(fixture_dir("autoep2_z3_fp32"), changed)
+    param, at = CHANGED
+    tensor = reshard.open_checkpoint(changed).tensor(param, "fp32")
+    _set_element(reshard.open_checkpoint(changed), param, "fp32", int(np.ravel_multi_index(at, tensor.shape)),
+                 lambda x: x + 0.5)
+    reshard.convert(changed, out / "moe-changed", "dp=2", fmt="dcp", names=MOE_NAMES)
+    swapped = out / "moe-swapped"
+    shutil.copytree(out / "moe-autoep2_z3_fp32", swapped)
+
+    def swap(meta):
+        first, second = [index for index in meta.storage_data if index.fqn == f"model.{SWAPPED}"]
+        meta.storage_data[first], meta.storage_data[second] = meta.storage_data[second], meta.storage_data[first]
+    _edit_metadata(swapped, swap)
+    for control in ("changed", "swapped"):
+        jobs[control] = {"model": "mixtral", "optimizer": "AdamW", "dcp": str(out / f"moe-{control}"),
+                         "out": str(out / f"moe-{control}.pt")}
+    return jobs
+
+
 @pytest.fixture(scope="module")
 def fsdp2_loaded(fixtures_as_dcp, fsdp2_save):
     """At 2 and 3 ranks, one launch each: every fixture converted to DCP, and the sources read through
     reshard.dcp_reader.Reader ({world: (those jobs, {name: job of a source read only})}); at 2 also the FSDP2
-    save converted to DCP at dp=2 (its folder and its job)."""
+    save converted to DCP at dp=2 (its folder and its job), and the MoE jobs (_moe_jobs)."""
     converted, out = fixtures_as_dcp
+    moe = _moe_jobs(out)
     fsdp2_ckpt, _ = fsdp2_save
     dcp2 = out / "fsdp2-dcp2"
     run_cli("convert", fsdp2_ckpt, dcp2, "--format", "dcp", "--to", "dp=2", "--quiet", check=0)
@@ -403,10 +443,64 @@ def fsdp2_loaded(fixtures_as_dcp, fsdp2_save):
                           {**PARALLEL_MODELS[name], "optimizer": truth_json(name)["optimizer_class"]}),
                        "source": str(fixture_dir(name)), "reader_out": str(out / f"{name}-read-{world}.pt")}
                 for name in [*READ_ONLY, *PARALLEL_MODELS]}
-        (out / f"jobs-{world}.json").write_text(json.dumps(jobs + list(more.values()) + [dcp2_job] * (world == 2)))
+        (out / f"jobs-{world}.json").write_text(json.dumps(jobs + list(more.values()) +
+                                                           ([dcp2_job, *moe.values()] if world == 2 else [])))
         torchrun(world, REPO / "tests" / "dcp_fsdp2.py", "load", out / f"jobs-{world}.json", deepspeed=False)
         loaded[world] = jobs, more
-    return loaded, dcp2, dcp2_job
+    return loaded, dcp2, dcp2_job, moe
+
+
+def _mixtral_truth(name):
+    """The fixture's truth (fp32 masters, both moments) under transformers' Mixtral names and shapes, made here from
+    the engine's packed experts: gate_up_proj is w1 then w3 along dim 1 (MixtralExperts' chunk(2) takes gate
+    first), down_proj is w2, the router is mlp.gate."""
+    truth, out = truth_tensors(name), {}
+    for key, tensor in truth.items():
+        state, _, param = key.partition("/")
+        if state in ("module", "logits"):
+            continue            # FSDP2 holds the masters; the 16-bit copies are the engine's
+        layer, _, leaf = param.rpartition(".mlp.experts.")
+        if leaf == "w1":
+            up = truth[f"{state}/{layer}.mlp.experts.w3"]
+            out[f"{state}/{layer}.mlp.experts.gate_up_proj"] = torch.cat([tensor, up], dim=1)
+        elif leaf == "w2":
+            out[f"{state}/{layer}.mlp.experts.down_proj"] = tensor
+        elif leaf != "w3":
+            out[f"{state}/{param.replace('.mlp.router.gate.weight', '.mlp.gate.weight')}"] = tensor
+    return out
+
+
+@pytest.mark.engine
+def test_moe_saves_load_into_an_fsdp2_mixtral_with_dcp_load(fsdp2_loaded):
+    """Issue #29: each AutoEP save (ZeRO-1/2/3, ep 2 and ep 2 x expert-dp 2, fp32 and bf16) converted with --format dcp
+    --names mixtral-autoep-fsdp, and read straight through reshard.dcp_reader.Reader, loads with dcp.load into an
+    FSDP2-wrapped transformers MixtralForCausalLM at 2 ranks: every param (fp32), both Adam moments and the step equal
+    the engine's, every expert in its global place; the Reader's model then trains a step. Negative controls: one
+    expert element changed in the source is found in that tensor at that place only; an output whose expert chunks
+    are swapped loads the experts at the wrong index, and is caught."""
+    moe = fsdp2_loaded[3]
+    names = set()
+    for name in MOE_TO_LOAD:
+        truth, step = _mixtral_truth(name), truth_json(name)["step"]
+        for kind in ("out", "reader_out"):
+            loaded = torch.load(moe[name][kind], weights_only=False)
+            problems, compared = fsdp2_differences(loaded, truth, step)
+            assert problems == [] and compared == len(truth), (name, kind, problems[:5])
+            assert [g["lr"] for g in loaded["optim"]["param_groups"]] == [0.01, 0.01]      # not the job's 123
+            names = set(loaded["model"])
+        assert math.isfinite(torch.load(moe[name]["reader_out"], weights_only=False)["next_loss"]), name
+    assert {n for n in names if ".mlp." in n} == {f"model.layers.{i}.mlp.{p}" for i in range(2)
+                                                  for p in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}
+    truth = _mixtral_truth("autoep2_z3_fp32")
+    changed = torch.load(moe["changed"]["out"], weights_only=False)
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert fsdp2_differences(changed, truth, 3)[0] == [f"fp32/{fused}: differs"]
+    expert, row, col = CHANGED[1]
+    diff = (changed["model"][fused] - truth[f"fp32/{fused}"]).nonzero().tolist()
+    assert diff == [[expert, 32 + row, col]]          # w3's row r of expert e: row I + r of gate_up_proj
+    swapped = torch.load(moe["swapped"]["out"], weights_only=False)
+    assert fsdp2_differences(swapped, truth, 3)[0] == [f"fp32/{SWAPPED}: differs"]
+    assert torch.equal(swapped["model"][SWAPPED], truth[f"fp32/{SWAPPED}"][[2, 3, 0, 1]])
 
 
 @pytest.mark.engine
@@ -520,7 +614,7 @@ def test_reshard_reads_column_and_grid_boxes(fsdp2_save, tmp_path):
 def test_an_fsdp2_save_converted_to_dcp_loads_at_2_ranks(fsdp2_save, fsdp2_loaded):
     """(loaded in the 2-rank launch of the fixtures' loads)"""
     _, truth = fsdp2_save
-    _, dst, job = fsdp2_loaded
+    _, dst, job, _ = fsdp2_loaded
     assert sorted(p.name for p in dst.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     loaded = torch.load(job["out"], weights_only=False)
     assert sorted(loaded["model"]) == sorted(truth["model"])

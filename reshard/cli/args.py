@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag-out", metavar="TAG", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
     p.add_argument("--format", dest="fmt", metavar=f"{{{','.join(WRITERS)}}}", help=TARGET_FORMAT_HELP)
+    p.add_argument("--names", metavar="FILE",
+                   help="the names and shapes of the model that loads the output: a module-names rule file, a path "
+                        f"or the name of one shipped with reshard ({rule_files.names(rule_files.MODULE_NAMES)}; "
+                        "mixtral-autoep-fsdp: an AutoEP Mixtral as transformers' MixtralForCausalLM, for --format dcp)")
     _new_rank_state_arg(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)

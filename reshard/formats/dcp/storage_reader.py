@@ -34,11 +34,12 @@ from reshard.validate import prove_complete
 class Reader(StorageReader):
     """`dcp.load(state_dict, storage_reader=Reader("ckpt/"))` loads the checkpoint at `path`, whatever its
     format and topology. `tag` and `layout_rules` are reshard's reading options (a DeepSpeed tag folder, a
-    tensor-parallel rule file)."""
+    tensor-parallel rule file); `names`, a module-names rule file (reshard.module_names: "mixtral-autoep-fsdp" serves
+    an AutoEP Mixtral's experts as transformers' MixtralForCausalLM holds them)."""
 
-    def __init__(self, path, tag: str | None = None, layout_rules: str | None = None):
+    def __init__(self, path, tag: str | None = None, layout_rules: str | None = None, names: str | None = None):
         super().__init__()
-        self.tag, self.layout_rules = tag, layout_rules
+        self.tag, self.layout_rules, self.names = tag, layout_rules, names
         self.reset(path)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -46,7 +47,14 @@ class Reader(StorageReader):
         here, on every rank alike, before dcp.load's first collective (which would wrap it)."""
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-            self.catalog = prove_complete(formats.read(self.path, self.tag, self.layout_rules)).catalog
+            catalog = prove_complete(formats.read(self.path, self.tag, self.layout_rules)).catalog
+            if self.names:
+                from reshard import module_names
+                catalog = prove_complete(module_names.load(self.names).apply(catalog)).catalog
+            elif catalog.experts is not None:
+                raise ReshardError.at(self.path, "a mixture-of-experts checkpoint is served as one model only under "
+                                                 "a model's names (names=, e.g. mixtral-autoep-fsdp)")
+            self.catalog = catalog
         self._sources: dict[dcp_md.MetadataIndex, Any] = {}
 
     @classmethod

@@ -57,7 +57,7 @@ def file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-PLACES_EXPERTS = False     # no expert placement in DCP output yet
+PLACES_EXPERTS = False     # experts go in as one model's params only: convert --names (reshard.module_names)
 RESUMED_BY_FRAMEWORKS = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:

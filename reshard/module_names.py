@@ -1,0 +1,236 @@
+"""Module names: a checkpoint's params under the names and shapes of the model a training script holds, for output
+that loads into that model as it is (`convert --format dcp --names mixtral-autoep-fsdp`, `dcp_reader.Reader(...,
+names=)`). DeepSpeed AutoEP packs a Mixtral layer's experts as `experts.w1/w2/w3`, where transformers 5.x's Mixtral
+holds `experts.gate_up_proj` (w1 and w3 joined along dim 1) and `experts.down_proj`. A rule file (reshard/layouts/
+ships some, found by name: rule_files):
+
+    {"kind": "reshard.module-names", "version": 1, "description": "...",
+     "rules": [{"match": REGEX, "name": TEMPLATE},                      renamed (re's expand: \\1, \\g<x>)
+               {"match": REGEX, "name": TEMPLATE, "join": [T0, T1], "dim": d},   the params T0, T1 (templates)
+                                                                        end to end along dim d, as one param
+               {"match": REGEX, "drop": true}]}                         left out (another name of a param kept)
+
+A name is matched with re.fullmatch, the first rule deciding; a name no rule matches keeps its name. The names only
+say which param goes where: where each part's elements lie in the joined param (its box: an offset along `dim` of
+the sizes of the parts before it) is computed from the shapes, and every fragment of a part becomes a fragment of the
+joined param shifted by that box, so reading and writing stay byte copies. The result is a dense model's catalog:
+every expert is already in its global place in the source's logical tensors, and no expert parallelism is left.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from reshard import rule_files
+from reshard.core.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, PerParamScalar, TensorKey
+from reshard.core.placement import Block, Shard
+from reshard.errors import ReshardError
+
+KIND = rule_files.MODULE_NAMES
+
+
+@dataclass(frozen=True)
+class ModuleRule:
+    pattern: re.Pattern
+    name: str | None                # the template; None: drop
+    join: tuple[str, ...] = ()      # templates of the params joined, in order
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Target:
+    """One param of the model: its name and the source params making it, each at `offset` along `dim`."""
+    name: str
+    parts: tuple[str, ...]
+    offsets: tuple[int, ...]
+    dim: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModuleNames:
+    path: str
+    rules: tuple[ModuleRule, ...]
+
+    def apply(self, catalog: Catalog) -> Catalog:
+        """`catalog` under the model's names and shapes (see the module's doc); a name the rules cannot place is a
+        one-line error naming the rule file."""
+        targets, renamed, dropped = self._targets(catalog)
+        tensors: dict[TensorKey, LogicalTensor] = {}
+        for target in targets:
+            states = [{key.state for key in catalog.tensors if key.name == part} for part in target.parts]
+            if any(s != states[0] for s in states):
+                raise ReshardError.at(self.path, f"{target.name}: its parts {', '.join(target.parts)} hold different "
+                                                 "states")
+            for state in sorted(states[0]):
+                tensors[TensorKey(target.name, state)] = _joined(catalog, target, state, self.path)
+        params = {}
+        for target in targets:
+            info = catalog.params[target.parts[0]]
+            kinds = {(catalog.params[p].kind, catalog.params[p].group) for p in target.parts}
+            if len(kinds) > 1:
+                raise ReshardError.at(self.path, f"{target.name}: its parts {', '.join(target.parts)} are of "
+                                                 "different kinds or param groups")
+            params[target.name] = ParamInfo(target.name, target.shape, info.kind, info.group)
+        aliases = {renamed[a]: renamed[h] for a, h in catalog.aliases.items() if a not in dropped}
+        order = [renamed[n] for n in catalog.order if n not in dropped]
+        groups = tuple({**group, "params": list(dict.fromkeys(renamed[n] for n in group["params"]))}
+                       for group in catalog.param_groups)
+        scalars = tuple(MappingProxyType({key: _renamed_scalar(value, targets, self.path)
+                                          for key, value in group.items()}) for group in catalog.group_scalars)
+        if catalog.replicas and any(r.copy.name in renamed and renamed[r.copy.name] != r.copy.name
+                                    for r in catalog.replicas):
+            raise ReshardError.at(self.path, "renaming params with replicated copies is not supported")
+        return replace(catalog, tensors=MappingProxyType(tensors), params=MappingProxyType(params),
+                       aliases=MappingProxyType(aliases), order=tuple(dict.fromkeys(order)), param_groups=groups,
+                       group_scalars=scalars, experts=None)
+
+    def _targets(self, catalog: Catalog) -> tuple[list[Target], dict[str, str], set[str]]:
+        """(the model's params in the source's order, source name -> model name, names left out)."""
+        targets: list[Target] = []
+        renamed: dict[str, str] = {}
+        dropped: set[str] = set()
+        joined: set[str] = set()
+        names = list(catalog.params) + [a for a in catalog.aliases if a not in catalog.params]
+        for name in names:
+            if name in joined:
+                continue
+            rule = next((r for r in self.rules if r.pattern.fullmatch(name)), None)
+            match = rule.pattern.fullmatch(name) if rule is not None else None
+            if rule is None or match is None:
+                renamed[name] = name
+            elif rule.name is None:
+                dropped.add(name)
+                continue
+            else:
+                renamed[name] = match.expand(rule.name)
+            if name not in catalog.params:
+                continue            # an alias: its holder's data
+            if rule is None or not rule.join:
+                targets.append(Target(renamed[name], (name,), (0,), 0, tuple(catalog.params[name].shape)))
+                continue
+            parts = tuple(match.expand(t) for t in rule.join) if match is not None else ()
+            missing = [p for p in parts if p not in catalog.params]
+            if missing or name not in parts:
+                raise ReshardError.at(self.path, f"{name}: joins {', '.join(parts)}, but "
+                                                 f"{', '.join(missing) or name + ' is not one of them'}")
+            targets.append(_join(renamed[name], parts, [tuple(catalog.params[p].shape) for p in parts], rule.dim,
+                                 self.path))
+            for part in parts:
+                renamed[part] = renamed[name]
+                joined.add(part)
+        seen: dict[str, str] = {}
+        for target in targets:
+            if target.name in seen:
+                raise ReshardError.at(self.path, f"two params would be named {target.name} "
+                                                 f"({seen[target.name]} and {target.parts[0]})")
+            seen[target.name] = target.parts[0]
+        experts = catalog.experts.layers if catalog.experts is not None else ()
+        unnamed = [p for layer in experts for p in layer.params if not any(r.pattern.fullmatch(p) for r in self.rules)]
+        if unnamed:     # (a model of its own names would hold one expert-parallel rank's experts, not all)
+            raise ReshardError.at(self.path, f"{unnamed[0]}: an expert param no rule names")
+        for alias, holder in catalog.aliases.items():
+            if alias not in dropped and holder not in renamed:
+                raise ReshardError.at(self.path, f"{alias} is tied to {holder}, which a rule drops")
+        return targets, renamed, dropped
+
+
+def _join(name: str, parts: tuple[str, ...], shapes: list[tuple[int, ...]], dim: int, path: str) -> Target:
+    """The target of `parts` of `shapes` end to end along `dim`: the same size on every other dim."""
+    first = shapes[0]
+    if not 0 <= dim < len(first) or any(len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:]
+                                        for s in shapes):
+        joined = ", ".join(f"{p}{list(s)}" for p, s in zip(parts, shapes, strict=True))
+        raise ReshardError.at(path, f"{name}: cannot join {joined} along dim {dim}")
+    offsets, at = [], 0
+    for shape in shapes:
+        offsets.append(at)
+        at += shape[dim]
+    return Target(name, parts, tuple(offsets), dim, first[:dim] + (at,) + first[dim + 1:])
+
+
+def _joined(catalog: Catalog, target: Target, state: str, path: str) -> LogicalTensor:
+    """The (target, state) tensor: each part's fragments, their boxes shifted to the part's place."""
+    tensors = [catalog.tensors[TensorKey(part, state)] for part in target.parts]
+    if len({t.dtype for t in tensors}) > 1 or len({t.cast_from for t in tensors}) > 1:
+        raise ReshardError.at(path, f"{target.name} ({state}): its parts are of different dtypes")
+    if len(tensors) == 1:
+        return replace(tensors[0], name=target.name)
+    fragments = [_shifted(fragment, tensor.shape, target.dim, offset)
+                 for tensor, offset in zip(tensors, target.offsets, strict=True) for fragment in tensor.fragments]
+    return LogicalTensor(target.name, state, target.shape, tensors[0].dtype, tuple(fragments), tensors[0].cast_from)
+
+
+def _shifted(fragment: Fragment, shape: tuple[int, ...], dim: int, offset: int) -> Fragment:
+    """`fragment` of a part of `shape`, as a fragment of the joined tensor where the part starts at `offset`
+    along `dim`."""
+    shard = fragment.shard or Shard.whole(shape)
+    blocks = tuple(Block(tuple(a + offset if d == dim else a for d, a in enumerate(b.at)), b.local, b.shape)
+                   for b in shard.blocks)
+    return replace(fragment, shard=Shard(shard.shape, blocks))
+
+
+def _renamed_scalar(value, targets: list[Target], path: str):
+    """A group's optimizer scalar under the new names: a param's own value (a step) is its parts', which must
+    agree."""
+    if not isinstance(value, PerParamScalar):
+        return value
+    values, files = {}, {}
+    for target in targets:
+        found = [(value.values[p], value.files.get(p)) for p in target.parts if p in value.values]
+        if not found:
+            continue
+        if any(v != found[0][0] for v, _ in found):
+            raise ReshardError.at(path, f"{target.name}: its parts {', '.join(target.parts)} have different optimizer "
+                                        f"scalars ({', '.join(str(v) for v, _ in found)})")
+        values[target.name] = found[0][0]
+        if found[0][1] is not None:
+            files[target.name] = found[0][1]
+    return PerParamScalar(MappingProxyType(values), MappingProxyType(files))
+
+
+def load(path: str) -> ModuleNames:
+    """The rules of the file at `path` (or shipped with reshard under that name); a file that is not one is a
+    one-line error naming it."""
+    path = rule_files.find(path, KIND)
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except OSError as e:
+        raise ReshardError.at(path, f"cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise ReshardError.at(path, f"not JSON: {e}") from None
+    if not isinstance(spec, dict) or spec.get("kind") != KIND or spec.get("version") != 1:
+        raise ReshardError.at(path, f'not a module-names file (needs "kind": "{KIND}", "version": 1)')
+    rules = spec.get("rules")
+    if not isinstance(rules, list):
+        raise ReshardError.at(path, '"rules" must be a list')
+    return ModuleNames(path, tuple(_rule(path, i, r) for i, r in enumerate(rules)))
+
+
+def _rule(path: str, i: int, rule) -> ModuleRule:
+    where = f"rule {i}"
+    if not isinstance(rule, dict) or not isinstance(rule.get("match"), str):
+        raise ReshardError.at(path, f'{where}: needs "match", a regular expression')
+    try:
+        pattern = re.compile(rule["match"])
+    except re.error as e:
+        raise ReshardError.at(path, f"{where}: bad regular expression: {e}") from None
+    unknown = set(rule) - {"match", "name", "join", "dim", "drop", "note"}
+    if unknown:
+        raise ReshardError.at(path, f"{where}: unknown keys {', '.join(sorted(unknown))}")
+    if rule.get("drop") is True:
+        if set(rule) - {"match", "drop", "note"}:
+            raise ReshardError.at(path, f'{where}: "drop" goes alone')
+        return ModuleRule(pattern, None)
+    if not isinstance(rule.get("name"), str):
+        raise ReshardError.at(path, f'{where}: needs "name" (a template) or "drop": true')
+    join = rule.get("join", [])
+    if not isinstance(join, list) or not all(isinstance(t, str) for t in join) or len(join) == 1:
+        raise ReshardError.at(path, f'{where}: "join" is a list of two or more templates')
+    dim = rule.get("dim", 0)
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0 or ("dim" in rule and not join):
+        raise ReshardError.at(path, f'{where}: "dim" is a dimension (0, 1, ...) of a "join"')
+    return ModuleRule(pattern, rule["name"], tuple(join), dim)
