@@ -119,3 +119,16 @@ def test_an_export_names_file_is_not_a_module_names_file(tmp_path):
     proc = run_cli("convert", fixture_dir("autoep2_z1_fp32"), tmp_path / "out", "--format", "dcp", "--names",
                    tmp_path / "hf.json", check=1)
     assert "not a module-names file" in proc.stderr
+
+
+def test_plan_takes_the_names_convert_takes(tmp_path):
+    """`reshard plan` of the conversion shows what convert writes (its files) and writes nothing; without
+    --names it refuses as convert does."""
+    source = fixture_dir("autoep2_z3_fp32")
+    proc = run_cli("plan", source, "--format", "dcp", "--names", MOE_NAMES, "--json", check=0)
+    planned = sorted(f["path"] for f in json.loads(proc.stdout)["files"])
+    run_cli("convert", source, tmp_path / "out", "--format", "dcp", "--names", MOE_NAMES, "--quiet", check=0)
+    written = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name != "reshard-manifest.json")
+    assert planned and [p.rsplit("/", 1)[-1] for p in planned] == written
+    proc = run_cli("plan", source, "--format", "dcp", check=1)
+    assert "--names mixtral-autoep-fsdp" in proc.stderr

@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
     _new_rank_state_arg(p)
+    _module_names_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
 
     p = _command(sub, "convert", "write the checkpoint for another topology (DeepSpeed resumes from it)",
@@ -150,10 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag-out", metavar="TAG", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
     p.add_argument("--format", dest="fmt", metavar=f"{{{','.join(WRITERS)}}}", help=TARGET_FORMAT_HELP)
-    p.add_argument("--names", metavar="FILE",
-                   help="the names and shapes of the model that loads the output: a module-names rule file, a path "
-                        f"or the name of one shipped with reshard ({rule_files.names(rule_files.MODULE_NAMES)}; "
-                        "mixtral-autoep-fsdp: an AutoEP Mixtral as transformers' MixtralForCausalLM, for --format dcp)")
+    _module_names_arg(p)
     _new_rank_state_arg(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
@@ -382,6 +380,14 @@ def _source_args(p):
     p.add_argument("--tag", help="the tag folder to read (default: the one named in 'latest')")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
     _quiet_arg(p)
+
+
+def _module_names_arg(p) -> None:
+    """plan's and convert's --names (a module-names rule file)."""
+    p.add_argument("--names", metavar="FILE",
+                   help="the names and shapes of the model that loads the output: a module-names rule file, a path "
+                        f"or the name of one shipped with reshard ({rule_files.names(rule_files.MODULE_NAMES)}; "
+                        "mixtral-autoep-fsdp: an AutoEP Mixtral as transformers' MixtralForCausalLM, for --format dcp)")
 
 
 def _new_rank_state_arg(p):

@@ -26,7 +26,7 @@ def summarize(args, dst) -> PlanSummary:
     catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
     return reshard.plan(catalog, args.to, tag_out=args.tag_out, fmt=args.fmt, new_rank_state=args.new_rank_state,
                         dst=dst, memory_budget=args.memory_budget, workers=args.workers,
-                        names=getattr(args, "names", None))
+                        names=args.names)
 
 
 def show(args, summary: PlanSummary) -> None:
