@@ -222,16 +222,7 @@ def _lookup(facts: Mapping[str, Any] | None, names: tuple[str, ...]) -> Any:
 def load(path: str) -> ExportNames:
     """The rules of the file at `path` (or shipped with reshard under that name); a file that is not one is a
     one-line error naming it."""
-    path = rule_files.find(path, KIND)
-    try:
-        with open(path) as f:
-            spec = json.load(f)
-    except OSError as e:
-        raise ReshardError.at(path, f"cannot read: {e.strerror}") from None
-    except ValueError as e:
-        raise ReshardError.at(path, f"not JSON: {e}") from None
-    if not isinstance(spec, dict) or spec.get("kind") != KIND or spec.get("version") != 1:
-        raise ReshardError.at(path, f'not an export-names file (needs "kind": "{KIND}", "version": 1)')
+    path, spec = rule_files.load(path, KIND)
     rules = spec.get("rules")
     if not isinstance(rules, list):
         raise ReshardError.at(path, '"rules" must be a list')

@@ -18,7 +18,6 @@ every expert is already in its global place in the source's logical tensors, and
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -194,16 +193,7 @@ def _renamed_scalar(value, targets: list[Target], path: str):
 def load(path: str) -> ModuleNames:
     """The rules of the file at `path` (or shipped with reshard under that name); a file that is not one is a
     one-line error naming it."""
-    path = rule_files.find(path, KIND)
-    try:
-        with open(path) as f:
-            spec = json.load(f)
-    except OSError as e:
-        raise ReshardError.at(path, f"cannot read: {e.strerror}") from None
-    except ValueError as e:
-        raise ReshardError.at(path, f"not JSON: {e}") from None
-    if not isinstance(spec, dict) or spec.get("kind") != KIND or spec.get("version") != 1:
-        raise ReshardError.at(path, f'not a module-names file (needs "kind": "{KIND}", "version": 1)')
+    path, spec = rule_files.load(path, KIND)
     rules = spec.get("rules")
     if not isinstance(rules, list):
         raise ReshardError.at(path, '"rules" must be a list')

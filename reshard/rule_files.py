@@ -9,7 +9,7 @@ import importlib.resources
 import json
 import os
 
-from reshard.errors import UsageError
+from reshard.errors import ReshardError, UsageError
 
 TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "reshard.core.layout"
 MEGATRON_BUFFERS, MODULE_NAMES = "reshard.megatron-buffers", "reshard.module-names"
@@ -45,6 +45,23 @@ def find(given: str, kind: str) -> str:
     if given in found:
         return found[given]
     raise UsageError.at(given, f"no such file, nor a {WHAT[kind]} shipped with reshard ({', '.join(found)})")
+
+
+def load(given: str, kind: str) -> tuple[str, dict]:
+    """(the path `given` names, as find; its JSON object), checked to be a version 1 file of `kind`: a file that
+    cannot be read or is not one is a one-line error naming it."""
+    path = find(given, kind)
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except OSError as e:
+        raise ReshardError.at(path, f"cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise ReshardError.at(path, f"not JSON: {e}") from None
+    if not isinstance(spec, dict) or spec.get("kind") != kind or spec.get("version") != 1:
+        article = "an" if WHAT[kind][0] in "aeiou" else "a"
+        raise ReshardError.at(path, f'not {article} {WHAT[kind]} (needs "kind": "{kind}", "version": 1)')
+    return path, spec
 
 
 def _kind(entry) -> str | None:

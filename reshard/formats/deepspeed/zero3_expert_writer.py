@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from reshard.core.catalog import MASTER
 from reshard.core.geometry import ceil_div
-from reshard.core.write_requests import Piece
 from reshard.formats import standins
 from reshard.formats.deepspeed import experts as expert_files, files as names, notes, zero3_experts
-from reshard.formats.deepspeed.rank_params import RankParam, RankParams
+from reshard.formats.deepspeed.rank_params import RankParams
+from reshard.formats.deepspeed.zero3_writer import part_pieces
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry
 from reshard.formats.torchsave_write import TorchFile
 
@@ -71,17 +71,6 @@ def sub_groups(zt, params: RankParams, rank: int, is_expert) -> list:
     return out
 
 
-def _part_pieces(param: RankParam, state: str, count: int, place: int) -> list:
-    """Part `place` of `count` ceil(n/count)-element parts of one param: its real elements, then padding zeros."""
-    n = param.numel
-    part = ceil_div(n, count)
-    held = max(0, min(part, n - place * part))
-    pieces = [param.piece(state, place * part, held)] if held else []
-    if part > held:
-        pieces.append(Piece.zeros(part - held))
-    return pieces
-
-
 def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str, extra: dict) -> TorchFile:
     name = names.model_states_name(params.mp_rank, rank)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
@@ -98,7 +87,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     frozen_fragments = OrderedDict()
     for p in frozen:
         frozen_fragments[p.name] = file.slot(p.module_dtype, (ceil_div(p.numel, zt.dp),),
-                                             _part_pieces(p, "module", zt.dp, rank))
+                                             part_pieces(p, "module", zt.dp, rank))
     file.tree = {
         "module": module,
         "buffer_names": buffer_names(params),
@@ -120,7 +109,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     group_members: list[list[int]] = [[] for _ in params.groups]
     for i, sg in enumerate(groups):
         length = sum(ceil_div(params.by_name[n].numel, sg.count) for n in sg.members)
-        pieces = {s: [p for n in sg.members for p in _part_pieces(params.by_name[n], s, sg.count, sg.place)]
+        pieces = {s: [p for n in sg.members for p in part_pieces(params.by_name[n], s, sg.count, sg.place)]
                   for s in [MASTER, *zt.states]}
         states[i] = state_dict_entry(zt, file, sg.g, {s: (length, pieces[s]) for s in zt.states})
         flat_groups.append(file.slot("float32", (length,), pieces[MASTER]))

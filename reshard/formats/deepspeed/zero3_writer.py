@@ -37,12 +37,13 @@ def sub_groups(zt: ZeroTarget, params: RankParams) -> list:
     return out
 
 
-def _part_pieces(zt: ZeroTarget, param: RankParam, state: str, rank: int) -> list:
-    """Rank's ceil(n/dp) part of one param: its real elements, then padding zeros."""
+def part_pieces(param: RankParam, state: str, count: int, place: int) -> list:
+    """Part `place` of one param cut into `count` parts of ceil(n/count) elements (a rank's of dp, or of its ZeRO-3
+    sub-group): its real elements, then padding zeros."""
     n = param.numel
-    part = ceil_div(n, zt.dp)
-    held = max(0, min(part, n - rank * part))
-    pieces = [param.piece(state, rank * part, held)] if held else []
+    part = ceil_div(n, count)
+    held = max(0, min(part, n - place * part))
+    pieces = [param.piece(state, place * part, held)] if held else []
     if part > held:
         pieces.append(Piece.zeros(part - held))
     return pieces
@@ -62,7 +63,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     frozen_fragments = OrderedDict()
     for p in frozen:
         frozen_fragments[p.name] = file.slot(p.module_dtype, (ceil_div(p.numel, zt.dp),),
-                                             _part_pieces(zt, p, MODULE, rank))
+                                             part_pieces(p, MODULE, zt.dp, rank))
 
     def shape(n):
         return Size(params.by_name[n].shape)
@@ -86,7 +87,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     group_members: list[list[int]] = [[] for _ in params.groups]
     for i, (g, members) in enumerate(groups):
         length = sum(ceil_div(params.by_name[n].numel, zt.dp) for n in members)
-        pieces = {s: [p for n in members for p in _part_pieces(zt, params.by_name[n], s, rank)]
+        pieces = {s: [p for n in members for p in part_pieces(params.by_name[n], s, zt.dp, rank)]
                   for s in [MASTER, *zt.states]}
         states[i] = state_dict_entry(zt, file, g, {s: (length, pieces[s]) for s in zt.states})
         flat_groups.append(file.slot("float32", (length,), pieces[MASTER]))

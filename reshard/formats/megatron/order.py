@@ -5,7 +5,6 @@ them: the distributed optimizer's `dp_reshardable` buffers are laid out in that 
 param groups name no params."""
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,14 +64,7 @@ class ParamOrder:
 
 
 def load(given: str | None = None) -> ParamOrder:
-    path = rule_files.find(given or SHIPPED, KIND)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ReshardError.at(path, f"cannot read the parameter-order file ({e})") from None
-    if not isinstance(data, dict) or data.get("kind") != KIND or data.get("version") != 1:
-        raise ReshardError.at(path, f"not a version 1 {KIND} file")
+    path, data = rule_files.load(given or SHIPPED, KIND)
     try:
         no_decay = data.get("no_weight_decay", {})
         return ParamOrder(path, tuple(data["transformer_impl"]), str(data["layer_prefix"]),
