@@ -232,7 +232,7 @@ def test_diff_finds_no_difference_and_a_changed_expert_element_shows(tmp_path):
     ("dsmoe_ep2_z2_fp32", ("--to", "zero=3"), "only AutoEP experts are written under ZeRO-3"),
     ("dsmoe_ep2_z2_fp32", ("--to", "ep=3,dp=3"), "ep=3 does not divide the 4 experts of MoE layer 0"),
     ("autoep2_z1_fp32", ("--to", "dp=2", "--format", "dcp"),
-     "converting mixture-of-experts checkpoints to dcp is not supported yet"),
+     "converting mixture-of-experts checkpoints to dcp needs --names RULES"),
     ("z1_fp32_dp2", ("--to", "ep=2"), "ep=2: the source has no experts"),
 ])
 def test_what_cannot_be_written_is_refused_in_one_line(name, args, needle, tmp_path):

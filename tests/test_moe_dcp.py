@@ -6,6 +6,7 @@ against the engine's truth; the FSDP2 model at 2 ranks is tests/test_dcp.py's (e
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 
@@ -15,21 +16,25 @@ import torch.distributed.checkpoint as dcp
 
 import reshard
 import reshard.dcp_reader
-from conftest import REPO, fixture_dir, run_cli
+from conftest import REPO, fixture_dir, run_cli, truth_tensors
 from reshard.errors import ReshardError
 from test_dcp import MOE_NAMES, _edit_metadata, _mixtral_truth
 
 sys.path.insert(0, str(REPO / "tools"))
-from fixture_moe import mixtral_config
+from fixture_moe import MoENet, mixtral_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 STATES = ("exp_avg", "exp_avg_sq")
+DSMOE_NAMES = "deepspeed-moe-ep1"
 
 
-def _loaded(**where) -> dict:
-    """{truth key: tensor} that dcp.load puts into a MixtralForCausalLM's state dict (params, both moments)."""
-    from transformers import MixtralForCausalLM
-    model = {k: torch.full_like(v, float("nan")) for k, v in MixtralForCausalLM(mixtral_config()).state_dict().items()}
+def _loaded(module=None, **where) -> dict:
+    """{truth key: tensor} that dcp.load puts into the state dict of `module` (default a MixtralForCausalLM): params
+    and both moments."""
+    if module is None:
+        from transformers import MixtralForCausalLM
+        module = MixtralForCausalLM(mixtral_config())
+    model = {k: torch.full_like(v, float("nan")) for k, v in module.state_dict().items()}
     state = {"model": model, "optim": {"state": {k: {s: torch.full_like(v, float("nan")) for s in STATES}
                                                  for k, v in model.items()}}}
     dcp.load(state, **where)
@@ -70,6 +75,30 @@ def test_experts_at_the_wrong_index_are_caught(tmp_path):
     assert torch.equal(loaded[f"fp32/{swapped}"], truth[f"fp32/{swapped}"][[2, 3, 0, 1]])
 
 
+def _dsmoe_truth(name):
+    """The fixture's truth (fp32 masters, both moments) under the names the engine's experts have in its layer files,
+    the names the MoE layer holds at ep_size=1."""
+    return {k: v for k, v in truth_tensors(name).items() if k.partition("/")[0] in ("fp32", *STATES)}
+
+
+def test_deepspeed_moe_goes_into_the_model_built_at_ep_1(tmp_path):
+    """deepspeed.moe (ep=2, ZeRO-2) as DCP: dcp.load into the same model built with ep_size=1 gets every expert,
+    master and moment of the engine's truth; and the same through the Reader, with no output written."""
+    name = "dsmoe_ep2_z2_fp32"
+    run_cli("convert", fixture_dir(name), tmp_path / "dcp", "--format", "dcp", "--names", DSMOE_NAMES, "--quiet",
+            check=0)
+    truth = _dsmoe_truth(name)
+    assert _differences(_loaded(MoENet(ep_size=1), checkpoint_id=tmp_path / "dcp"), truth) == []
+    reader = reshard.dcp_reader.Reader(fixture_dir(name), names=DSMOE_NAMES)
+    assert _differences(_loaded(MoENet(ep_size=1), storage_reader=reader), truth) == []
+    # Negative control: the two ep ranks' experts taken in the other order (the numbering the rule file relies on)
+    swapped = {k: truth[re.sub(r"deepspeed_experts\.(\d)", lambda m: f"deepspeed_experts.{(int(m[1]) + 2) % 4}", k)]
+               for k in truth}
+    assert {k.rsplit(".", 2)[0].split("/")[1] for k in _differences(_loaded(MoENet(ep_size=1), storage_reader=reader),
+                                                                   swapped)} == {
+        f"moe.deepspeed_moe.experts.deepspeed_experts.{e}" for e in range(4)}
+
+
 def test_gate_and_up_in_the_other_order_are_caught(tmp_path):
     """Negative control of the layout: a rule file joining w3 before w1 loads, and every gate_up_proj differs."""
     spec = json.loads((REPO / "reshard" / "layouts" / f"{MOE_NAMES}.json").read_text())
@@ -85,13 +114,16 @@ def test_gate_and_up_in_the_other_order_are_caught(tmp_path):
 def test_moe_without_names_is_refused_in_one_line(tmp_path):
     proc = run_cli("convert", fixture_dir("autoep2_z3_fp32"), tmp_path / "out", "--format", "dcp", check=1)
     [line] = proc.stderr.strip().splitlines()
-    assert "mixture-of-experts" in line and "--names mixtral-autoep-fsdp" in line and not (tmp_path / "out").exists()
+    assert "mixture-of-experts" in line and "--names RULES" in line and MOE_NAMES in line
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ReshardError, match="names="):
         reshard.dcp_reader.Reader(fixture_dir("autoep2_z3_fp32"))
     # deepspeed.moe's experts are no Mixtral's: the rule file names none of them
     proc = run_cli("convert", fixture_dir("dsmoe_ep2_z2_fp32"), tmp_path / "out", "--format", "dcp", "--names",
                    MOE_NAMES, check=1)
     assert "an expert param no rule names" in proc.stderr and not (tmp_path / "out").exists()
+    proc = run_cli("convert", fixture_dir("dsmoe_ep2_z2_fp32"), tmp_path / "out", "--format", "dcp", check=1)
+    assert f"shipped RULES: {DSMOE_NAMES}, {MOE_NAMES})" in proc.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("rules,needle", [
@@ -131,4 +163,4 @@ def test_plan_takes_the_names_convert_takes(tmp_path):
     written = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name != "reshard-manifest.json")
     assert planned and [p.rsplit("/", 1)[-1] for p in planned] == written
     proc = run_cli("plan", source, "--format", "dcp", check=1)
-    assert "--names mixtral-autoep-fsdp" in proc.stderr
+    assert "--names RULES" in proc.stderr and MOE_NAMES in proc.stderr
