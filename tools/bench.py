@@ -14,9 +14,9 @@
     python tools/bench.py make-tp DIR [--tp 2] [--dp 1] [--layers 1] [--vocab 4096] [--intermediate 11008]
         A random Hugging Face Llama (hidden 4096, intermediate 11008, 32 heads / 8 key-value heads)
         trained one step by the real engine with AutoTP, bf16 ZeRO-1, saved to DIR/checkpoint (3.2 GB).
-    python tools/bench.py make-moe DIR [--ep 2]
+    python tools/bench.py make-moe DIR [--ep 2] [--stage 2]
         A random Hugging Face Mixtral (2 layers of 8 experts, hidden 512) trained one step by the real
-        engine with AutoEP at ep 2 on 2 ranks, ZeRO-2 fp32 (0.44 GB).
+        engine with AutoEP at ep 2 on 2 ranks, ZeRO-2 (or --stage) fp32 (0.44 GB).
     python tools/bench.py make-dcp DIR [--ranks 2] [--tensors 4]
         4096x11008 fp32 weights column-sharded (Shard(1)) over the ranks, with one Adam step's state,
         saved by torch's dcp.save (2.2 GB). Both run tools/bench_checkpoints.py under torchrun.
@@ -130,8 +130,8 @@ def make_tp(args):
 
 def make_moe(args):
     """An AutoEP Mixtral checkpoint saved by the real engine at ep = world (bench_checkpoints.py moe)."""
-    seconds = _torchrun(args.ep, ["moe", args.dir, args.ep], "make-moe")
-    print(f"made {args.dir} (AutoEP Mixtral, ep={args.ep}, ZeRO-2 fp32) in {seconds:.0f} s: "
+    seconds = _torchrun(args.ep, ["moe", args.dir, args.ep, args.stage], "make-moe")
+    print(f"made {args.dir} (AutoEP Mixtral, ep={args.ep}, ZeRO-{args.stage} fp32) in {seconds:.0f} s: "
           f"{du(args.dir) / 1e9:.2f} GB")
 
 
@@ -306,10 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("dir", help="the DCP dir to create")
     m.add_argument("--ranks", type=int, default=2, help="ranks the tensors are cut over (default 2)")
     m.add_argument("--tensors", type=int, default=4, help="how many 4096x11008 weights (default 4)")
-    what = "save a random HF Mixtral (hidden 512, 2 layers of 8 experts) with the real engine's AutoEP, ZeRO-2 fp32"
+    what = "save a random HF Mixtral (hidden 512, 2 layers of 8 experts) with the real engine's AutoEP, fp32"
     m = command("make-moe", what)
     m.add_argument("dir", help="the save dir to create (0.44 GB)")
     m.add_argument("--ep", type=int, default=2, help="autoep_size, and the ranks it is trained on (default 2)")
+    m.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (default 2)")
     what = "check that a synthetic checkpoint has the files and pickled structure of a real one of the same size"
     c = command("compare", what)
     c.add_argument("real", help="a save dir written by `make`")

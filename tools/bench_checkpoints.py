@@ -7,9 +7,10 @@
     torchrun --nproc_per_node RANKS tools/bench_checkpoints.py dcp DIR TENSORS
         TENSORS 4096x11008 fp32 weights, each a DTensor column-sharded (Shard(1)) over RANKS, with the
         Adam state (exp_avg, exp_avg_sq, step) of one step, saved by dcp.save as {"model", "optim"}.
-    torchrun --nproc_per_node EP tools/bench_checkpoints.py moe DIR EP
+    torchrun --nproc_per_node EP tools/bench_checkpoints.py moe DIR EP [STAGE]
         A random Hugging Face Mixtral (moe_config: hidden 512, 8 experts in each of 2 layers), trained one
-        step by DeepSpeed with AutoEP at ep EP (moe_engine_config: ZeRO-2, fp32), saved to DIR (0.44 GB).
+        step by DeepSpeed with AutoEP at ep EP (moe_engine_config: ZeRO STAGE, default 2, fp32), saved to DIR
+        (0.44 GB).
 """
 import os
 import sys
@@ -65,14 +66,14 @@ def moe_config():
                          max_position_embeddings=64)
 
 
-def moe_engine_config(ep):
+def moe_engine_config(ep, stage=2):
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": {"stage": 2},
+            "zero_optimization": {"stage": int(stage)},
             "expert_parallel": {"enabled": True, "autoep_size": int(ep), "preset_model": "mixtral"}}
 
 
-def save_moe(out, ep):
+def save_moe(out, ep, stage=2):
     import deepspeed
     import torch
     from transformers import MixtralForCausalLM
@@ -82,7 +83,7 @@ def save_moe(out, ep):
     torch.manual_seed(0)
     model = MixtralForCausalLM(moe_config())
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=moe_engine_config(ep))
+                                           config=moe_engine_config(ep, stage))
     ids = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(deepspeed.comm.get_rank()))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
