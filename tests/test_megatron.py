@@ -30,6 +30,7 @@ NAMES = sorted(p.name for p in ROOT.iterdir() if (p / "truth.json").exists()) if
 DP_RESHARDABLE = [n for n in NAMES if json.loads((ROOT / n / "truth.json").read_text())["sharding_type"]
                   == "dp_reshardable"]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
+V019 = "mcore_dp_reshardable_tp2_dp2_v019"       # saved by megatron-core 0.19.2: its layout
 
 
 def _save(name):
@@ -52,8 +53,8 @@ def _copy(name, tmp_path):
 
 def test_the_fixtures_are_small_and_cover_every_sharding():
     assert {_info(n)["sharding_type"] for n in NAMES} == {None, "fully_reshardable", "dp_reshardable"}
+    assert {_info(n)["megatron_core"] for n in NAMES} == {"0.16.1", "0.19.2"}
     for name in NAMES:
-        assert _info(name)["megatron_core"] == "0.16.1"
         for path in (ROOT / name).rglob("*"):
             assert not path.is_file() or path.stat().st_size < 1 << 20, path
 
@@ -240,18 +241,37 @@ def test_a_hostile_common_pt_is_refused_and_nothing_runs(tmp_path):
     reshard.open_checkpoint(str(_save(NAMES[0])))     # the control: the fixture's own common.pt is read
 
 
-def test_the_command_line_shows_the_sharding_and_a_019_layout_is_refused(tmp_path):
-    name = DP_RESHARDABLE[0]
-    proc = run_cli("inspect", str(_save(name)))
-    assert proc.returncode == 0 and "format        megatron (tag iter_0000003)" in proc.stdout
-    assert "sharding=dp_reshardable" in proc.stdout and "topology      dp=2 tp=2 pp=1" in proc.stdout
-    save = _copy(name, tmp_path)
+def test_the_command_line_shows_the_sharding_and_the_layout(tmp_path):
+    for name, layout in (("mcore_dp_reshardable_tp2_dp2", "0.16 layout"), (V019, "0.19 layout")):
+        proc = run_cli("inspect", str(_save(name)))
+        assert proc.returncode == 0 and "format        megatron (tag iter_0000003)" in proc.stdout
+        assert "sharding=dp_reshardable" in proc.stdout and "topology      dp=2 tp=2 pp=1" in proc.stdout
+        assert f"megatron_core={layout}" in proc.stdout
+
+
+def test_a_019_save_is_the_016_save_of_the_same_run():
+    """megatron-core 0.19.2 and 0.16.1 ran the same configuration (seeds, data, tp=2, dp=2, dp_reshardable): the
+    0.19 layout (common state a DCP object, one .distcp per rank) reads to the same tensors and scalars."""
+    assert not list(_save(V019).glob("iter_*/common.pt")) and list(_save(V019).glob("iter_*/__3_0.distcp"))
+    assert reshard.diff(str(_save(V019)), str(_save("mcore_dp_reshardable_tp2_dp2"))).equal
+
+
+def test_without_its_common_state_a_save_is_refused_in_one_line(tmp_path):
+    """0.16 without common.pt, and 0.19 with the file holding the DCP object common_state cut short: one line each,
+    naming where the common state should be."""
+    save = _copy("mcore_dp_reshardable_tp2_dp2", tmp_path)
     folder = next(save.glob("iter_*"))
-    (folder / "common.pt").unlink()            # 0.19 keeps the common state inside DCP: no common.pt, and
-    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (folder / "common.pt").unlink()
     proc = run_cli("inspect", str(save))
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and "0.19" in lines[0] and str(folder) in lines[0]
+    assert proc.returncode == 1 and len(lines) == 1 and str(folder / "common.pt") in lines[0] and "0.19" in lines[0]
+    save = _copy(V019, tmp_path)
+    folder = next(save.glob("iter_*"))
+    for distcp in folder.glob("*.distcp"):
+        os.truncate(distcp, 0)
+    proc = run_cli("inspect", str(save))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "common_state" in lines[0], lines
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

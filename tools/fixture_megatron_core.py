@@ -5,7 +5,8 @@ Usage::
 
     python tools/fixture_megatron_core.py [--only NAME[,NAME...]] [--out DIR] [--list]
 
-Made with megatron-core 0.16.1 (the newest pip installs on Python 3.11), torch 2.13.0+cpu and psutil (without it the
+Made with megatron-core 0.16.1 (the newest pip installs on Python 3.11; ``*_v019`` with 0.19.2, see below),
+torch 2.13.0+cpu and psutil (without it the
 torch_dist writer's subprocess dies and the save hangs: every launch runs under a timeout). For each configuration
 this launches ``torchrun --nproc_per_node <world> tools/fixture_megatron_core.py --worker NAME`` (gloo, the CUDA
 shim of tools/megatron_cpu.py). The worker builds a ``GPTModel`` configured as Llama (RMSNorm, SwiGLU, RoPE, no
@@ -40,7 +41,13 @@ The configurations (each file well under 1 MB):
 * ``mcore_plain_tp2_pp2``: plain (Float16) optimizer, tp=2, pp=2, dp=1;
 * ``mcore_fully_reshardable_tp2_dp2``: distributed optimizer, ``fully_reshardable``, tp=2, dp=2;
 * ``mcore_dp_reshardable_tp2_dp2``: distributed optimizer, ``dp_reshardable`` (Megatron-LM's default), tp=2, dp=2;
-* ``mcore_dp_reshardable_tp2_pp2_dp2``: the same at tp=2, pp=2, dp=2 (8 processes).
+* ``mcore_dp_reshardable_tp2_pp2_dp2``: the same at tp=2, pp=2, dp=2 (8 processes);
+* ``mcore_dp_reshardable_tp2_dp2_v019``: ``mcore_dp_reshardable_tp2_dp2`` saved by megatron-core 0.19.2, whose layout
+  keeps the common state inside the DCP checkpoint (no ``common.pt``). 0.19 declares Python >= 3.12, but its wheel
+  runs here: in a venv with torch==2.13.0, psutil, numpy, packaging and triton (which 0.19 imports unconditionally),
+  unpack it into site-packages (``pip download megatron-core==0.19.2 --python-version 3.12 --only-binary=:all:
+  --no-deps``, then ``python -m zipfile -e WHEEL SITE_PACKAGES``) and run this script with that venv's python and
+  ``PYTHONPATH=tools``. The worker refuses to make a configuration with another version than it names.
 """
 from __future__ import annotations
 
@@ -66,6 +73,8 @@ CONFIGS = {
     "mcore_fully_reshardable_tp2_dp2": dict(tp=2, pp=1, dp=2, distributed=True, sharding="fully_reshardable"),
     "mcore_dp_reshardable_tp2_dp2": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_reshardable"),
     "mcore_dp_reshardable_tp2_pp2_dp2": dict(tp=2, pp=2, dp=2, distributed=True, sharding="dp_reshardable"),
+    "mcore_dp_reshardable_tp2_dp2_v019": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_reshardable",
+                                            megatron="0.19."),
 }
 
 
@@ -119,6 +128,10 @@ def worker(name: str, out: Path) -> None:
     from megatron.core.transformer.module import Float16Module
 
     cfg = CONFIGS[name]
+    import megatron.core
+    if not megatron.core.__version__.startswith(cfg.get("megatron", "0.16.")):
+        raise SystemExit(f"{name} is made with megatron-core {cfg.get('megatron', '0.16.')}x, not "
+                         f"{megatron.core.__version__}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mpu.initialize_model_parallel(cfg["tp"], cfg["pp"])

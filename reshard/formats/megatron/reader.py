@@ -5,6 +5,8 @@
                         common.pt                 args (argparse.Namespace), iteration, checkpoint_version,
                                                   content_metadata (the distributed optimizer's sharding type), ...
                         .metadata, __R_I.distcp   a DCP checkpoint of every sharded tensor and object
+megatron-core 0.19 writes no common.pt: the common state is the DCP object common_state (metadata.json names no
+common backend).
 
 The path is the save dir (its latest iteration, or `--tag iter_NNNNNNN`) or an iteration folder. Keys:
 
@@ -77,6 +79,8 @@ LAYER_STACKS = ("decoder.layers.", "encoder.layers.")     # a TransformerBlock's
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 # What inspect says of the version: a 0.16 save records none; its files are laid out as 0.16 lays them
 LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no version)"
+LAYOUT_019 = "0.19 layout (the common state a DCP object; the save records no version)"
+COMMON_STATE = "common_state"         # 0.19: the common state's DCP key (its ShardedObject: common_state/shard_0_1)
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -153,19 +157,16 @@ class _Reader:
         if backend != "torch_dist":
             raise CheckpointError(os.path.join(folder, CONFIG), f"sharded backend {backend!r}: only torch_dist "
                                   "saves are read")
-        common_path = os.path.join(folder, COMMON)
-        if not os.path.isfile(common_path):
-            if os.path.isfile(self.meta_path) and "common_backend" not in config:
-                raise CheckpointError(folder, "megatron-core 0.19's layout (the common state inside the DCP "
-                                      "checkpoint, no common.pt) is not read yet")
-            raise CheckpointError(common_path, "missing: every torch_dist save of megatron-core 0.16 writes it")
-        common = load_pickle(common_path, allowed=COMMON_ALLOWED)
-        if not isinstance(common, dict):
-            raise CheckpointError(common_path, f"holds a {type(common).__name__}, not the common state dict")
         if not os.path.isfile(self.meta_path):
             raise CheckpointError(self.meta_path, "missing: DCP writes .metadata last, so the save did not finish")
         meta = md.read(self.meta_path, METADATA_ALLOWED)
-        self.common, self.common_path = common, common_path
+        # tp and pp come from the common state's args: the layout is set once they are known
+        catalog = CatalogBuilder(folder, FORMAT, Layout.of(1, 1, 1), tag=self.name, save_dir=self.save_dir or folder)
+        self.catalog = catalog
+        chunks = Chunks(folder, meta, catalog)
+        self.chunks = chunks
+        common, self.common_path, layout = self._common(config, chunks)
+        self.common = common
         args = common.get("args")
         self.args = vars(args) if isinstance(args, Namespace) else {}
         content = common.get("content_metadata")
@@ -173,11 +174,7 @@ class _Reader:
         tp = self._degree("tensor_model_parallel_size")
         pp = self._degree("pipeline_model_parallel_size")
         self.tp, self.pp = tp, pp
-        catalog = CatalogBuilder(folder, FORMAT, Layout.of(1, tp, pp), tag=self.name,
-                                 save_dir=self.save_dir or folder)
-        self.catalog = catalog
-        chunks = Chunks(folder, meta, catalog)
-        self.chunks = chunks
+        catalog.layout = Layout.of(1, tp, pp)
         world = chunks.world()
         dp = self._degree("data_parallel_size", world // (tp * pp) if world % (tp * pp) == 0 else 1)
         self.dp = dp
@@ -232,7 +229,7 @@ class _Reader:
             master_dtype=masters.pop() if len(masters) == 1 else "",
             format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
                                              float(version) if isinstance(version, (int, float)) else None,
-                                             LAYOUT_016))
+                                             layout))
         samples = self.args.get("consumed_train_samples")
         scheduler = common.get("opt_param_scheduler")
         catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
@@ -247,6 +244,26 @@ class _Reader:
         catalog.notes = MegatronNotes(self.notes, counters, plain)
         return catalog.freeze()
 
+    def _common(self, config: dict, chunks: Chunks) -> tuple[dict, str, str]:
+        """(the common state, where it is, which layout holds it): common.pt beside the DCP files (0.16), or the
+        DCP object `common_state` (0.19, whose metadata.json names no common backend)."""
+        common_path = os.path.join(self.folder, COMMON)
+        stored = next((k for k in chunks.by_fqn if k.split("/")[0] == COMMON_STATE), None)
+        if os.path.isfile(common_path):
+            common, layout = load_pickle(common_path, allowed=COMMON_ALLOWED), LAYOUT_016
+        elif stored is not None and "common_backend" not in config:
+            common_path, layout = f"{self.meta_path}:{stored}", LAYOUT_019
+            common = _object(chunks.value(stored, allowed=COMMON_ALLOWED))
+            if common is MISSING:
+                raise CheckpointError(common_path, "cannot be read (its .distcp file is missing or short), and "
+                                      "without it the save's topology is unknown")
+        else:
+            raise CheckpointError(common_path, "missing: every torch_dist save of megatron-core 0.16 writes it "
+                                  f"(0.19 writes the DCP object {COMMON_STATE} instead)")
+        if not isinstance(common, dict):
+            raise CheckpointError(common_path, f"holds a {type(common).__name__}, not the common state dict")
+        return common, common_path, layout
+
     # -- degrees and files
 
     def _degree(self, key: str, default: int = 1) -> int:
@@ -259,10 +276,9 @@ class _Reader:
 
     def _files(self, chunks: Chunks) -> list[FileInfo]:
         """The iteration folder's files (the save dir's tracker names the latest iteration; it is no part of one)."""
-        out = []
-        for name, role in ((CONFIG, "config"), (COMMON, "common")):
-            out.append(FileInfo(name, role, None, os.path.getsize(os.path.join(self.folder, name))))
-        return out + chunks.files()
+        own = ((CONFIG, "config"), (COMMON, "common")) if os.path.isfile(self.common_path) else ((CONFIG, "config"),)
+        return [FileInfo(name, role, None, os.path.getsize(os.path.join(self.folder, name))) for name, role in own] + \
+            chunks.files()
 
     # -- tensors
 
