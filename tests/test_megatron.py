@@ -31,6 +31,7 @@ DP_RESHARDABLE = [n for n in NAMES if json.loads((ROOT / n / "truth.json").read_
                   == "dp_reshardable"]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 V019 = "mcore_dp_reshardable_tp2_dp2_v019"       # saved by megatron-core 0.19.2: its layout
+V015 = "mcore_fully_sharded_model_space_tp2_dp2_v015"      # saved by 0.15.3: its default sharding
 
 
 def _save(name):
@@ -52,8 +53,9 @@ def _copy(name, tmp_path):
 
 
 def test_the_fixtures_are_small_and_cover_every_sharding():
-    assert {_info(n)["sharding_type"] for n in NAMES} == {None, "fully_reshardable", "dp_reshardable"}
-    assert {_info(n)["megatron_core"] for n in NAMES} == {"0.16.1", "0.19.2"}
+    assert {_info(n)["sharding_type"] for n in NAMES} == {None, "fully_reshardable", "dp_reshardable",
+                                                           "fully_sharded_model_space"}
+    assert {_info(n)["megatron_core"] for n in NAMES} == {"0.15.3", "0.16.1", "0.19.2"}
     for name in NAMES:
         for path in (ROOT / name).rglob("*"):
             assert not path.is_file() or path.stat().st_size < 1 << 20, path
@@ -242,11 +244,12 @@ def test_a_hostile_common_pt_is_refused_and_nothing_runs(tmp_path):
 
 
 def test_the_command_line_shows_the_sharding_and_the_layout(tmp_path):
-    for name, layout in (("mcore_dp_reshardable_tp2_dp2", "0.16 layout"), (V019, "0.19 layout")):
+    for name, layout in (("mcore_dp_reshardable_tp2_dp2", "0.16 layout"), (V019, "0.19 layout"),
+                         (V015, "0.15 layout")):
         proc = run_cli("inspect", str(_save(name)))
         assert proc.returncode == 0 and "format        megatron (tag iter_0000003)" in proc.stdout
-        assert "sharding=dp_reshardable" in proc.stdout and "topology      dp=2 tp=2 pp=1" in proc.stdout
-        assert f"megatron_core={layout}" in proc.stdout
+        assert f"sharding={_info(name)['sharding_type']}" in proc.stdout
+        assert "topology      dp=2 tp=2 pp=1" in proc.stdout and f"megatron_core={layout}" in proc.stdout
 
 
 def test_a_019_save_is_the_016_save_of_the_same_run():
@@ -254,6 +257,20 @@ def test_a_019_save_is_the_016_save_of_the_same_run():
     0.19 layout (common state a DCP object, one .distcp per rank) reads to the same tensors and scalars."""
     assert not list(_save(V019).glob("iter_*/common.pt")) and list(_save(V019).glob("iter_*/__3_0.distcp"))
     assert reshard.diff(str(_save(V019)), str(_save("mcore_dp_reshardable_tp2_dp2"))).equal
+
+
+def test_a_015_state_without_its_flattening_is_not_taken_as_it_is_stored(tmp_path):
+    """0.15 stores the distributed optimizer's states block-wise flattened ((blocks..., block numel); .metadata's
+    mcore_data gives the global shape). The control: with mcore_data renamed away, no state is read in the shape it
+    is stored in; each is a problem naming it."""
+    save = _copy(V015, tmp_path)
+    meta = next(save.glob("iter_*/.metadata"))
+    meta.write_bytes(meta.read_bytes().replace(b"mcore_data", b"mcore_gone"))
+    report = reshard.validate(str(save))
+    assert not report.ok
+    assert "optimizer.state.exp_avg.output_layer.weight: saved as [2, 1, 512], its model tensor as [64, 16]" in \
+        "\n".join(str(p) for p in report.problems)
+    assert reshard.validate(str(_save(V015))).ok
 
 
 def test_without_its_common_state_a_save_is_refused_in_one_line(tmp_path):

@@ -5,10 +5,10 @@ Usage::
 
     python tools/fixture_megatron_core.py [--only NAME[,NAME...]] [--out DIR] [--list]
 
-Made with megatron-core 0.16.1 (the newest pip installs on Python 3.11; ``*_v019`` with 0.19.2, see below),
-torch 2.13.0+cpu and psutil (without it the
-torch_dist writer's subprocess dies and the save hangs: every launch runs under a timeout). For each configuration
-this launches ``torchrun --nproc_per_node <world> tools/fixture_megatron_core.py --worker NAME`` (gloo, the CUDA
+Made with megatron-core 0.16.1 (the newest pip installs on Python 3.11; ``*_v015`` with 0.15.3 and ``*_v019`` with
+0.19.2, see below), torch 2.13.0+cpu and psutil (without it the torch_dist writer's subprocess dies and the save
+hangs: every launch runs under a timeout). For each configuration this launches ``torchrun --nproc_per_node <world>
+tools/fixture_megatron_core.py --worker NAME`` (gloo, the CUDA
 shim of tools/megatron_cpu.py). The worker builds a ``GPTModel`` configured as Llama (RMSNorm, SwiGLU, RoPE, no
 biases, untied output layer, grouped-query attention: 4 heads, 2 query groups; 2 layers, hidden 16, SwiGLU width 32,
 vocab 64, RMSNorm epsilon 1e-5, RoPE base 10000) from the local layer spec, wraps it as Megatron-LM does
@@ -42,6 +42,9 @@ The configurations (each file well under 1 MB):
 * ``mcore_fully_reshardable_tp2_dp2``: distributed optimizer, ``fully_reshardable``, tp=2, dp=2;
 * ``mcore_dp_reshardable_tp2_dp2``: distributed optimizer, ``dp_reshardable`` (Megatron-LM's default), tp=2, dp=2;
 * ``mcore_dp_reshardable_tp2_pp2_dp2``: the same at tp=2, pp=2, dp=2 (8 processes);
+* ``mcore_fully_sharded_model_space_tp2_dp2_v015``: the distributed optimizer at tp=2, dp=2 saved by megatron-core
+  0.15.3 (``pip install megatron-core==0.15.3`` in a venv of its own) in 0.15's default sharding,
+  ``fully_sharded_model_space``: model-shaped states, each stored block-wise flattened (``flattened_range``);
 * ``mcore_dp_reshardable_tp2_dp2_v019``: ``mcore_dp_reshardable_tp2_dp2`` saved by megatron-core 0.19.2, whose layout
   keeps the common state inside the DCP checkpoint (no ``common.pt``). 0.19 declares Python >= 3.12, but its wheel
   runs here: in a venv with torch==2.13.0, psutil, numpy, packaging and triton (which 0.19 imports unconditionally),
@@ -73,6 +76,8 @@ CONFIGS = {
     "mcore_fully_reshardable_tp2_dp2": dict(tp=2, pp=1, dp=2, distributed=True, sharding="fully_reshardable"),
     "mcore_dp_reshardable_tp2_dp2": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_reshardable"),
     "mcore_dp_reshardable_tp2_pp2_dp2": dict(tp=2, pp=2, dp=2, distributed=True, sharding="dp_reshardable"),
+    "mcore_fully_sharded_model_space_tp2_dp2_v015": dict(tp=2, pp=1, dp=2, distributed=True,
+                                                         sharding="fully_sharded_model_space", megatron="0.15."),
     "mcore_dp_reshardable_tp2_dp2_v019": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_reshardable",
                                             megatron="0.19."),
 }

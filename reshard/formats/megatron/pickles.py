@@ -2,7 +2,8 @@
 
 `common.pt` pickles Megatron-LM's `args`, an `argparse.Namespace` whose values include Megatron enums
 (`AttnBackend`, `ModelType`, ...) and `signal.Signals`; the DCP `.metadata` megatron-core writes adds the savers'
-plans (`all_local_plans`: torch's SavePlan, WriteItem, WriteItemType, TensorWriteData) to DCP's own classes. Each
+plans (`all_local_plans`: torch's SavePlan, WriteItem, WriteItemType, TensorWriteData) to DCP's own classes, and
+0.15 pickles both as its own subclasses, MCoreMetadata and MCoreSavePlan. Each
 becomes a plain record of its state here; an enum member becomes its class's name and value. Nothing is imported,
 nothing runs: any other global is still refused (torchsave_read.AllowListUnpickler).
 """
@@ -82,8 +83,20 @@ class TensorWriteData(Record):
     pass
 
 
+class MCoreSavePlan(SavePlan):
+    """megatron-core 0.15's SavePlan, with its sharded tensors' `mcore_data`."""
+
+
+class MCoreMetadata(dcp_metadata.Metadata):
+    """megatron-core 0.15's `.metadata`: DCP's Metadata with the sharded tensors' `mcore_data` (their
+    flattened ranges) beside it."""
+
+
 _PLANNER = "torch.distributed.checkpoint.planner"
+_MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
 METADATA_ALLOWED: dict = {**dcp_metadata.ALLOWED,
+                          (_MCORE_TORCH, "MCoreMetadata"): MCoreMetadata,
+                          (_MCORE_TORCH, "MCoreSavePlan"): MCoreSavePlan,
                           (_PLANNER, "SavePlan"): SavePlan, (_PLANNER, "WriteItem"): WriteItem,
                           (_PLANNER, "TensorWriteData"): TensorWriteData,
                           (_PLANNER, "WriteItemType"): _enum(f"{_PLANNER}.WriteItemType")}

@@ -15,6 +15,8 @@ The path is the save dir (its latest iteration, or `--tag iter_NNNNNNN`) or an i
   <model key>                                 -> (key, module)
   optimizer.state.{fp32_param|param}.<key>    -> (key, fp32)   the plain optimizer / fully_reshardable
   optimizer.state.{exp_avg|exp_avg_sq}.<key>  -> (key, state)
+                                              (0.15, fully_sharded_model_space: stored block-wise flattened, each
+                                              chunk a flat range of one tensor-parallel block; _reformulated)
   optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(P, G).bucket_idx_K.{param|exp_avg|exp_avg_sq}
                                               dp_reshardable: per model-parallel rank G (tp rank + tp * pp rank) and
                                               grad buffer, flat buckets, mapped onto the params by recomputing
@@ -31,6 +33,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from reshard.core.catalog import (
@@ -79,6 +82,7 @@ LAYER_STACKS = ("decoder.layers.", "encoder.layers.")     # a TransformerBlock's
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 # What inspect says of the version: a 0.16 save records none; its files are laid out as 0.16 lays them
 LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no version)"
+LAYOUT_015 = "0.15 layout (common.pt beside the DCP files; optimizer states as flat ranges of their blocks)"
 LAYOUT_019 = "0.19 layout (the common state a DCP object; the save records no version)"
 COMMON_STATE = "common_state"         # 0.19: the common state's DCP key (its ShardedObject: common_state/shard_0_1)
 
@@ -146,6 +150,7 @@ class _Reader:
         self.meta_path = os.path.join(folder, METADATA)
         self.boxes: dict[str, list[tuple]] = {}     # model param name -> (at, size) of each chunk of it
         self.notes: dict[str, dict[str, Any]] = {}
+        self.flattened = False      # a 0.15 save: states stored as flat ranges of blocks (_reformulated)
 
     def read(self) -> Catalog:
         folder = self.folder
@@ -160,6 +165,7 @@ class _Reader:
         if not os.path.isfile(self.meta_path):
             raise CheckpointError(self.meta_path, "missing: DCP writes .metadata last, so the save did not finish")
         meta = md.read(self.meta_path, METADATA_ALLOWED)
+        self.meta = meta
         # tp and pp come from the common state's args: the layout is set once they are known
         catalog = CatalogBuilder(folder, FORMAT, Layout.of(1, 1, 1), tag=self.name, save_dir=self.save_dir or folder)
         self.catalog = catalog
@@ -199,7 +205,16 @@ class _Reader:
             if state not in STATES or target not in model:
                 catalog.problem(self.meta_path, f"{key}: optimizer state of no model tensor in this save")
                 continue
-            states |= set(self._add(key, entry, target, STATES[state]))
+            stored, model_shape = _size(entry), _size(model[target])
+            blocks = self._reformulated(key, stored)
+            if blocks is _UNREADABLE:
+                continue
+            if (stored if blocks is None else blocks.shape) != model_shape:
+                catalog.problem(self.meta_path, f"{key}: saved as {list(stored)}, its model tensor as "
+                                f"{list(model_shape)}, and no block-wise flattening (0.15's mcore_data) relates "
+                                "the two")
+                continue
+            states |= set(self._add(key, entry, target, STATES[state], blocks=blocks))
         if distributed:
             if sharding != DP_RESHARDABLE:
                 raise CheckpointError(self.common_path, f"content_metadata says {sharding}, but the save holds the "
@@ -219,6 +234,8 @@ class _Reader:
                                             and catalog.params[n].kind == "trainable"]}
                                 for i, g in enumerate(groups)]
         catalog.group_scalars = [({"step": step} if step is not None else {}) for _ in groups]
+        if self.flattened:
+            layout = LAYOUT_015
         model_dtypes = {catalog.tensors[TensorKey(n, MODULE)].dtype for n in ordered}
         masters = {catalog.tensors[TensorKey(n, MASTER)].dtype for n in ordered
                    if TensorKey(n, MASTER) in catalog.tensors}
@@ -282,12 +299,15 @@ class _Reader:
 
     # -- tensors
 
-    def _add(self, key: str, entry, model_key: str, state: str, model_tensor: bool = False) -> list[str]:
+    def _add(self, key: str, entry, model_key: str, state: str, model_tensor: bool = False,
+             blocks: FlatBlocks | None = None) -> list[str]:
         """The logical tensors of saved tensor `key` (state `state` of model tensor `model_key`): one per layer for
-        a layer stack, each chunk a box of its layer's tensor. Returns their names."""
+        a layer stack, each chunk a box of its layer's tensor (or, `blocks` given, a flat range of one: 0.15's
+        reformulated states). Returns their names."""
         catalog, chunks = self.catalog, self.chunks
         dtype = dtype_of(entry, self.meta_path, key)
-        shape = tuple(int(d) for d in entry.size)
+        stored = _size(entry)
+        shape = stored if blocks is None else blocks.shape
         prefix = self._layer_prefix(model_key)
         stacked = prefix is not None and len(shape) >= 1
         logical: dict[int | None, str]
@@ -308,12 +328,15 @@ class _Reader:
         for chunk in entry.chunks:
             offsets = tuple(int(o) for o in chunk.offsets)
             sizes = tuple(int(s) for s in chunk.sizes)
-            if len(offsets) != len(shape) or any(o < 0 or s < 0 or o + s > d
-                                                 for o, s, d in zip(offsets, sizes, shape, strict=False)):
+            if len(offsets) != len(stored) or any(o < 0 or s < 0 or o + s > d
+                                                  for o, s, d in zip(offsets, sizes, stored, strict=False)):
                 catalog.problem(self.meta_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the "
-                                f"tensor's shape {shape}")
+                                f"tensor's shape {stored}")
                 continue
             if not math.prod(sizes):
+                continue
+            if blocks is not None:
+                self._add_flat_chunk(key, dtype, blocks, offsets, sizes, drafts, stacked)
                 continue
             if stacked and sizes[0] != 1:
                 catalog.problem(self.meta_path, f"{key}: a chunk spans {sizes[0]} layers (at {offsets}); a layer "
@@ -330,6 +353,51 @@ class _Reader:
             drafts[layer].fragments.append(Fragment(0, math.prod(size), ref.storage, ref.storage_offset,
                                                     rank_of(ref.storage.file), shard))
         return list(logical.values())
+
+    def _reformulated(self, key: str, stored: tuple[int, ...]):
+        """megatron-core 0.15 (`fully_sharded_model_space`) saves a state whose dp ranks hold flat ranges of their
+        tensor-parallel blocks reformulated: a tensor of global shape G cut into b_k blocks along each dim k is
+        stored as (b_0, ..., b_{n-1}, block numel), each block flattened row-major (`mcore_data` records G as
+        `nd_reformulated_orig_global_shape`). Its Blocks, None for a tensor stored as it is, or _UNREADABLE (a
+        problem noted) where the two shapes do not fit."""
+        extra = getattr(self.meta, "mcore_data", None)
+        record = extra.get(key) if isinstance(extra, dict) else None
+        original = record.get("nd_reformulated_orig_global_shape") if isinstance(record, dict) else None
+        if original is None:
+            return None
+        if not isinstance(original, (tuple, list)) or not all(type(d) is int and d > 0 for d in original):
+            self.catalog.problem(self.meta_path, f"{key}: nd_reformulated_orig_global_shape {original!r} is not a "
+                                 "shape")
+            return _UNREADABLE
+        shape, counts = tuple(original), stored[:-1]
+        if len(counts) != len(shape) or any(c < 1 or d % c for d, c in zip(shape, counts, strict=False)) or \
+                math.prod(d // c for d, c in zip(shape, counts, strict=False)) != stored[-1]:
+            self.catalog.problem(self.meta_path, f"{key}: stored as {list(stored)}, which is no block-wise "
+                                 f"flattening of its global shape {list(shape)}")
+            return _UNREADABLE
+        self.flattened = True
+        return FlatBlocks(shape, tuple(d // c for d, c in zip(shape, counts, strict=True)))
+
+    def _add_flat_chunk(self, key: str, dtype: str, blocks: FlatBlocks, offsets: tuple, sizes: tuple,
+                        drafts: dict, stacked: bool) -> None:
+        """One chunk of a reformulated state (see _reformulated): a flat range of one block, at (block index...,
+        flat start) with sizes (1, ..., 1, length)."""
+        if any(s != 1 for s in sizes[:-1]):
+            self.catalog.problem(self.meta_path, f"{key}: a chunk at {offsets} of size {sizes} spans blocks")
+            return
+        ref = self.chunks.chunk(key, dtype, offsets, sizes)
+        if ref is None:
+            return
+        at = tuple(i * b for i, b in zip(offsets[:-1], blocks.block, strict=True))
+        layer, at, block = (at[0], at[1:], blocks.block[1:]) if stacked else (None, at, blocks.block)
+        if stacked and blocks.block[0] != 1:
+            self.catalog.problem(self.meta_path, f"{key}: a block spans {blocks.block[0]} layers; a layer stack is "
+                                 "saved one layer per block")
+            return
+        whole = block == (blocks.shape[1:] if stacked else blocks.shape)
+        start = offsets[-1]
+        drafts[layer].fragments.append(Fragment(start, start + sizes[-1], ref.storage, ref.storage_offset,
+                                                rank_of(ref.storage.file), None if whole else Shard.box(at, block)))
 
     def _layer_prefix(self, key: str) -> str | None:
         """The layer stack `key` belongs to ("decoder.layers."), or None: megatron-core saves a TransformerBlock's
@@ -532,6 +600,21 @@ class _Reader:
             group = no_wd if rules.takes_no_weight_decay(name, shape) else wd
             out[name] = group[0] if group else 0
         return out
+
+
+@dataclass(frozen=True)
+class FlatBlocks:
+    """A 0.15 reformulated state: its global shape and the shape of each block stored flattened."""
+    shape: tuple[int, ...]
+    block: tuple[int, ...]
+
+
+_UNREADABLE = object()
+
+
+def _size(entry) -> tuple[int, ...]:
+    """The global shape of a DCP tensor entry."""
+    return tuple(int(d) for d in entry.size)
 
 
 def _object(value):
