@@ -54,7 +54,7 @@ def _copy(name, tmp_path):
 
 def test_the_fixtures_are_small_and_cover_every_sharding():
     assert {_info(n)["sharding_type"] for n in NAMES} == {None, "fully_reshardable", "dp_reshardable",
-                                                           "fully_sharded_model_space"}
+                                                           "fully_sharded_model_space", "dp_zero_gather_scatter"}
     assert {_info(n)["megatron_core"] for n in NAMES} == {"0.15.3", "0.16.1", "0.19.2"}
     for name in NAMES:
         for path in (ROOT / name).rglob("*"):
@@ -245,7 +245,7 @@ def test_a_hostile_common_pt_is_refused_and_nothing_runs(tmp_path):
 
 def test_the_command_line_shows_the_sharding_and_the_layout(tmp_path):
     for name, layout in (("mcore_dp_reshardable_tp2_dp2", "0.16 layout"), (V019, "0.19 layout"),
-                         (V015, "0.15 layout")):
+                         (V015, "0.15 layout"), ("mcore_legacy_distributed_tp2_dp2", "legacy torch format")):
         proc = run_cli("inspect", str(_save(name)))
         assert proc.returncode == 0 and "format        megatron (tag iter_0000003)" in proc.stdout
         assert f"sharding={_info(name)['sharding_type']}" in proc.stdout
@@ -271,6 +271,33 @@ def test_a_015_state_without_its_flattening_is_not_taken_as_it_is_stored(tmp_pat
     assert "optimizer.state.exp_avg.output_layer.weight: saved as [2, 1, 512], its model tensor as [64, 16]" in \
         "\n".join(str(p) for p in report.problems)
     assert reshard.validate(str(_save(V015))).ok
+
+
+@pytest.mark.parametrize("legacy,same_run", [("mcore_legacy_plain_tp2_pp2", "mcore_plain_tp2_pp2"),
+                                             ("mcore_legacy_distributed_tp2_dp2", "mcore_dp_reshardable_tp2_dp2")])
+def test_a_legacy_save_is_the_torch_dist_save_of_the_same_run(legacy, same_run, tmp_path):
+    """Megatron-LM's legacy format (mp_rank_*/model_optim_rng.pt, the distributed optimizer's distrib_optim.pt)
+    of a run saved again as torch_dist: every param, master and moment equal, though nothing in the legacy files
+    says how a tensor is cut (the tp rule file) or where a param lies in a flat buffer (the recomputed buckets).
+    The control: two tensor-parallel ranks' files swapped read, and differ."""
+    assert reshard.diff(str(_save(legacy)), str(_save(same_run))).equal
+    save = _copy(legacy, tmp_path)
+    folder = next(save.glob("iter_*"))
+    name = "distrib_optim.pt" if "distributed" in legacy else "model_optim_rng.pt"
+    first, second = sorted(folder.glob(f"mp_rank_*/{name}"))[:2]
+    held = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(held)
+    swapped = reshard.diff(str(save), str(_save(same_run)))
+    assert not swapped.equal and any("fp32" in str(d) or "exp_avg" in str(d) for d in swapped.differences)
+
+
+def test_a_missing_legacy_rank_is_named(tmp_path):
+    save = _copy("mcore_legacy_plain_tp2_pp2", tmp_path)
+    gone = next(save.glob("iter_*/mp_rank_01_001"))
+    shutil.rmtree(gone)
+    report = reshard.validate(str(save))
+    assert not report.ok and any(str(gone) in str(p) and "missing" in str(p) for p in report.problems)
 
 
 def test_without_its_common_state_a_save_is_refused_in_one_line(tmp_path):

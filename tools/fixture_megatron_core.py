@@ -42,6 +42,10 @@ The configurations (each file well under 1 MB):
 * ``mcore_fully_reshardable_tp2_dp2``: distributed optimizer, ``fully_reshardable``, tp=2, dp=2;
 * ``mcore_dp_reshardable_tp2_dp2``: distributed optimizer, ``dp_reshardable`` (Megatron-LM's default), tp=2, dp=2;
 * ``mcore_dp_reshardable_tp2_pp2_dp2``: the same at tp=2, pp=2, dp=2 (8 processes);
+* ``mcore_legacy_plain_tp2_pp2`` and ``mcore_legacy_distributed_tp2_dp2``: the runs of ``mcore_plain_tp2_pp2`` and
+  ``mcore_dp_reshardable_tp2_dp2`` saved in Megatron-LM's legacy format (``--ckpt-format torch``) as its
+  save_checkpoint writes it: ``iter_0000003/mp_rank_TT[_PPP]/model_optim_rng.pt`` from each tensor/pipeline rank's
+  first data-parallel rank, and the distributed optimizer's gathered ``distrib_optim.pt`` beside it;
 * ``mcore_fully_sharded_model_space_tp2_dp2_v015``: the distributed optimizer at tp=2, dp=2 saved by megatron-core
   0.15.3 (``pip install megatron-core==0.15.3`` in a venv of its own) in 0.15's default sharding,
   ``fully_sharded_model_space``: model-shaped states, each stored block-wise flattened (``flattened_range``);
@@ -78,6 +82,9 @@ CONFIGS = {
     "mcore_dp_reshardable_tp2_pp2_dp2": dict(tp=2, pp=2, dp=2, distributed=True, sharding="dp_reshardable"),
     "mcore_fully_sharded_model_space_tp2_dp2_v015": dict(tp=2, pp=1, dp=2, distributed=True,
                                                          sharding="fully_sharded_model_space", megatron="0.15."),
+    "mcore_legacy_plain_tp2_pp2": dict(tp=2, pp=2, dp=1, distributed=False, sharding=None, format="torch"),
+    "mcore_legacy_distributed_tp2_dp2": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_zero_gather_scatter",
+                                             format="torch"),
     "mcore_dp_reshardable_tp2_dp2_v019": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_reshardable",
                                             megatron="0.19."),
 }
@@ -205,18 +212,21 @@ def worker(name: str, out: Path) -> None:
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     sd_metadata = {**metadata, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
     run_args = _megatron_args(cfg, iteration)
-    state_dict = {"args": run_args, "checkpoint_version": 3.0, "iteration": iteration}
-    state_dict["model"] = model.sharded_state_dict(metadata=sd_metadata)   # unwrapped, as Megatron-LM saves
-    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=sd_metadata)
-    state_dict["opt_param_scheduler"] = scheduler.state_dict()
-    state_dict["rng_state"] = _rng_state(mpu, tensor_parallel)
-    state_dict["num_floating_point_operations_so_far"] = 0
     save = out / name / "save"
     checkpoint = save / f"iter_{iteration:07d}"
     if rank == 0:
         checkpoint.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(state_dict, str(checkpoint), content_metadata=metadata)
+    if cfg.get("format") == "torch":
+        _save_legacy(checkpoint, cfg, run_args, iteration, model, optimizer, scheduler, mpu, tensor_parallel)
+    else:
+        state_dict = {"args": run_args, "checkpoint_version": 3.0, "iteration": iteration}
+        state_dict["model"] = model.sharded_state_dict(metadata=sd_metadata)   # unwrapped, as Megatron-LM saves
+        state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=sd_metadata)
+        state_dict["opt_param_scheduler"] = scheduler.state_dict()
+        state_dict["rng_state"] = _rng_state(mpu, tensor_parallel)
+        state_dict["num_floating_point_operations_so_far"] = 0
+        dist_checkpointing.save(state_dict, str(checkpoint), content_metadata=metadata)
     dist.barrier()
     if rank == 0:
         (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
@@ -329,10 +339,33 @@ def _megatron_args(cfg, iteration):
         grad_reduce_in_fp32=True, dist_ckpt_optim_fully_reshardable=cfg["sharding"] == "fully_reshardable",
         norm_epsilon=NORM_EPS, rotary_base=ROPE_BASE, rotary_percent=1.0, rotary_interleaved=False,
         micro_batch_size=MICRO, global_batch_size=MICRO * 2 * cfg["dp"], train_iters=10, iteration=iteration,
-        consumed_train_samples=iteration * MICRO * 2 * cfg["dp"], ckpt_format="torch_dist", no_save_rng=False,
-        no_save_optim=False, save_interval=STEPS, transformer_impl="local", attention_backend=AttnBackend.auto,
-        exit_signal=signal.SIGTERM, decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+        consumed_train_samples=iteration * MICRO * 2 * cfg["dp"], ckpt_format=cfg.get("format", "torch_dist"),
+        no_save_rng=False, no_save_optim=False, save_interval=STEPS, transformer_impl="local",
+        attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, decoder_first_pipeline_num_layers=None,
+        decoder_last_pipeline_num_layers=None,
         account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+
+
+def _save_legacy(checkpoint: Path, cfg, run_args, iteration, model, optimizer, scheduler, mpu, tensor_parallel):
+    """Megatron-LM's save_checkpoint with --ckpt-format torch: the first data-parallel rank of each (tp, pp) rank
+    torch.saves generate_state_dict's dict (the model's state_dict_for_save_checkpoint, the optimizer's
+    state_dict, scheduler, RNG states) to mp_rank_TT[_PPP]/model_optim_rng.pt; the distributed optimizer's
+    parameter state goes to distrib_optim.pt beside it (save_parameter_state, gathered on that rank)."""
+    import torch
+    tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
+    folder = checkpoint / (f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if cfg["pp"] > 1 else ""))
+    dp_rank = mpu.get_data_parallel_rank()
+    if dp_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    if cfg["distributed"]:
+        optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    if dp_rank == 0:
+        rng = _rng_state(mpu, tensor_parallel).data
+        torch.save({"args": run_args, "checkpoint_version": 3.0, "iteration": iteration,
+                    "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                    "opt_param_scheduler": scheduler.state_dict(), "rng_state": rng,
+                    "num_floating_point_operations_so_far": 0}, folder / "model_optim_rng.pt")
 
 
 def _rng_state(mpu, tensor_parallel):

@@ -27,6 +27,19 @@ class ParamOrder:
     shared_embedding: tuple[str, ...]    # tied between the first and last stage: a bucket of its own
     no_decay_ndim: int | None = None     # params of this many dimensions take no weight decay
     no_decay_suffixes: tuple[str, ...] = ()     # nor do params whose names end so
+    keys_map: tuple[tuple[str, str], ...] = ()     # a legacy state dict's layer-relative prefix -> the saved key's
+
+    def sharded_name(self, name: str) -> str:
+        """A module state dict's name under the key megatron-core's sharded state dict gives it (a legacy save's
+        `decoder.layers.0.input_layernorm.weight` is `decoder.layers.0.self_attention.linear_qkv.layer_norm_weight`
+        in torch_dist)."""
+        where = self.layer_of(name)
+        if where is None:
+            return name
+        for prefix, replacement in self.keys_map:
+            if where[1].startswith(prefix):
+                return f"{self.layer_prefix}{where[0]}.{replacement}{where[1][len(prefix):]}"
+        return name
 
     def takes_no_weight_decay(self, name: str, shape: Sequence[int]) -> bool:
         """Is `name` in the default optimizer's group without weight decay (wd_mult 0)?"""
@@ -70,6 +83,7 @@ def load(given: str | None = None) -> ParamOrder:
         return ParamOrder(path, tuple(data["transformer_impl"]), str(data["layer_prefix"]),
                           tuple(data["before_layers"]), tuple(data["layer"]), tuple(data["after_layers"]),
                           tuple(data.get("shared_embedding", ())), no_decay.get("ndim"),
-                          tuple(no_decay.get("suffixes", ())))
+                          tuple(no_decay.get("suffixes", ())),
+                          tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

@@ -71,6 +71,27 @@ COMMON_ALLOWED.update({(module, name): _enum(f"{module}.{name}") for module, nam
                        for name in names})
 
 
+class NumpyArray(Record):
+    """numpy's ndarray in the legacy format's RNG states (np.random.get_state()): its pickled state, unread."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class NumpyDType(NumpyArray):
+    """numpy.dtype(...) of such an array."""
+
+
+def _ndarray(*args):
+    return NumpyArray()
+
+
+# Megatron-LM's legacy files (model_optim_rng.pt) pickle the RNG states whole, numpy's among them
+LEGACY_ALLOWED: dict = {**COMMON_ALLOWED, ("numpy", "ndarray"): NumpyArray, ("numpy", "dtype"): NumpyDType,
+                        ("numpy.core.multiarray", "_reconstruct"): _ndarray,
+                        ("numpy._core.multiarray", "_reconstruct"): _ndarray}
+
+
 class SavePlan(Record):
     pass
 

@@ -55,7 +55,7 @@ from reshard.core.placement import Block, Shard
 from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks, dtype_of, rank_of
-from reshard.formats.megatron import buckets, order as param_order
+from reshard.formats.megatron import buckets, legacy, order as param_order
 from reshard.formats.megatron.pickles import COMMON_ALLOWED, METADATA_ALLOWED, Namespace
 from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopology
 from reshard.formats.protocol import TagOption
@@ -98,9 +98,10 @@ def sniff(path: str, tag: str | None) -> bool:
 
 
 def _is_iteration_dir(path: str) -> bool:
-    """A folder megatron-core's dist_checkpointing wrote: metadata.json naming a sharded backend."""
+    """A folder megatron-core's dist_checkpointing wrote (metadata.json naming a sharded backend), or one of
+    Megatron-LM's legacy format."""
     config = _config(os.path.join(path, CONFIG))
-    return isinstance(config, dict) and "sharded_backend" in config
+    return isinstance(config, dict) and "sharded_backend" in config or legacy.is_legacy(path)
 
 
 def _config(path: str):
@@ -139,6 +140,8 @@ def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
 def read(path: str, options: TagOption) -> Catalog:
     folder, save_dir, name = resolve(path, options.tag)
     try:
+        if not os.path.isfile(os.path.join(folder, CONFIG)) and legacy.is_legacy(folder):
+            return legacy.read(folder, save_dir, name, FORMAT)
         return _Reader(folder, save_dir, name).read()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         raise ReshardError.at(folder, f"not the structure megatron-core writes ({type(e).__name__}: {e})") from None

@@ -1,0 +1,355 @@
+"""Megatron-LM's legacy checkpoints (`--ckpt-format torch`) -> Catalog, from the pickles' metadata alone.
+
+    <save>/latest_checkpointed_iteration.txt
+    <save>/iter_0000003/mp_rank_TT[_PPP]/model_optim_rng.pt   per tensor- (and pipeline-) parallel rank, written by
+                                                             its first data-parallel rank: args, iteration, the
+                                                             rank's own module state dict, the optimizer's state
+                                                             dict, scheduler, RNG states
+                                         distrib_optim.pt    the distributed optimizer's state, gathered over data
+                                                             parallelism: per grad buffer one flat fp32 param,
+                                                             exp_avg and exp_avg_sq, the buckets without padding
+
+Nothing in the files says how tensor parallelism cut a tensor: a tensor-parallel rule file does
+(reshard/layouts/megatron-core-gpt-tp.json, megatron-core's SwiGLU GPTModel), applied to the names megatron-core's
+sharded state dict gives (the parameter-order file's state_dict_keys_map), so a legacy save reads to the same
+logical tensors as a torch_dist save of the same run. A pipeline stage numbers its layers from 0: stage s of P holds
+layers s·L/P onwards (even stages only). The plain optimizer's state is keyed by position in its param groups,
+which hold the stage's params in registration order (the state dict's order) split by weight decay (order.py);
+the distributed optimizer's flat buffers are laid out as buckets.py recomputes, each bucket's unpadded part after
+the one before.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from reshard import rule_files
+from reshard.core.catalog import (
+    MASTER,
+    MODULE,
+    CatalogBuilder,
+    FileInfo,
+    Fragment,
+    ParamInfo,
+    TensorDraft,
+    TensorKey,
+    TrainingState,
+)
+from reshard.core.layout import Layout
+from reshard.core.placement import Shard
+from reshard.errors import CheckpointError, ReshardError
+from reshard.formats.deepspeed import tp_geometry
+from reshard.formats.megatron import buckets, order as param_order, pickles
+from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopology
+from reshard.formats.torchsave_read import TensorRef, load as load_pickle
+from reshard.source_bytes import read_scalar
+
+MODEL_FILE = "model_optim_rng.pt"
+OPTIMIZER_FILE = "distrib_optim.pt"
+RANK_FOLDER = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+TP_RULES = "megatron-core-gpt-tp"
+GATHERED = "dp_zero_gather_scatter"    # megatron's name for the distributed optimizer's state gathered per buffer
+LAYOUT = "legacy torch format (mp_rank_* folders of pickles)"
+STATES = ("param", "exp_avg", "exp_avg_sq")     # a buffer's flat states; param is the fp32 master
+
+
+def is_legacy(folder: str) -> bool:
+    """An iteration folder of Megatron-LM's legacy format: mp_rank_* folders holding model_optim_rng.pt."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(RANK_FOLDER.match(n) and os.path.isfile(os.path.join(folder, n, MODEL_FILE)) for n in names)
+
+
+def read(folder: str, save_dir: str | None, name: str, format_name: str):
+    return _LegacyReader(folder, save_dir, name, format_name).read()
+
+
+class _LegacyReader:
+    def __init__(self, folder: str, save_dir: str | None, name: str, format_name: str):
+        self.folder, self.name = folder, name
+        self.catalog = CatalogBuilder(folder, format_name, Layout.of(1, 1, 1), tag=name, save_dir=save_dir or folder)
+        self.rules = param_order.load()
+        self.notes: dict[str, dict[str, Any]] = {}
+        self.steps: set[int] = set()        # the plain optimizer's per-param steps
+
+    def read(self):
+        catalog = self.catalog
+        ranks = self._rank_folders()
+        first = os.path.join(ranks[min(ranks)], MODEL_FILE)
+        states = {key: self._load(os.path.join(path, MODEL_FILE)) for key, path in ranks.items()}
+        head = states[min(ranks)]
+        args = head.get("args")
+        self.args = vars(args) if isinstance(args, pickles.Namespace) else {}
+        tp, pp, dp = (self._degree(first, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                       "data_parallel_size"))
+        self.tp, self.pp = tp, pp
+        for key in ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers", "expert_model_parallel_size"):
+            if self.args.get(key) not in (None, 0, 1):
+                raise CheckpointError(first, f"args.{key} = {self.args[key]}: not read in legacy saves yet")
+        if tp > 1 and not self.args.get("swiglu"):
+            raise CheckpointError(first, "a legacy save at tp > 1 without --swiglu: how its MLP is cut is checked "
+                                  f"for SwiGLU models only ({TP_RULES})")
+        missing = sorted(set((t, p) for t in range(tp) for p in range(pp)) - set(ranks))
+        for t, p in missing:
+            catalog.problem(os.path.join(self.folder, _folder_name(t, p, pp)), "missing")
+        extra = sorted(set(ranks) - set((t, p) for t in range(tp) for p in range(pp)))
+        if extra:
+            raise CheckpointError(os.path.join(self.folder, ranks[extra[0]]), f"a rank beyond tp={tp}, pp={pp}")
+        layers = self.args.get("num_layers")
+        if pp > 1 and (not isinstance(layers, int) or layers % pp):
+            raise CheckpointError(first, f"args.num_layers {layers!r} does not split evenly over pp={pp}")
+        catalog.layout = Layout.of(dp, tp, pp)
+
+        local = {key: self._local_params(key, state, int(layers or 0)) for key, state in states.items()}
+        geometry = tp_geometry.Geometry.from_rule_file(rule_files.find(TP_RULES, rule_files.TP_RULES))
+        shards = self._model(local, geometry)
+        sharding = self._optimizer(ranks, states, local, shards)
+        groups, step = self._param_groups(head)
+        self._params(groups)
+        catalog.group_scalars = [({"step": step} if step is not None else {}) for _ in groups]
+        model_dtypes = {t.dtype for k, t in catalog.tensors.items() if k.state == MODULE}
+        masters = {t.dtype for k, t in catalog.tensors.items() if k.state == MASTER}
+        iteration, version = head.get("iteration"), head.get("checkpoint_version")
+        catalog.layout = Layout.of(
+            dp, tp, pp, dtype=model_dtypes.pop() if len(model_dtypes) == 1 else "",
+            master_dtype=masters.pop() if len(masters) == 1 else "",
+            format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
+                                             float(version) if isinstance(version, (int, float)) else None,
+                                             LAYOUT, backend="torch"))
+        samples = self.args.get("consumed_train_samples")
+        catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
+                                         global_samples=samples if isinstance(samples, int) else None,
+                                         lr_scheduler=head.get("opt_param_scheduler"),
+                                         optimizer={"adam": "AdamW", "sgd": "SGD"}.get(self.args.get("optimizer"), ""))
+        catalog.files = self._files(ranks)
+        counters = {k: head[k] for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
+                    if isinstance(head.get(k), (int, float))}
+        plain = tuple((k, v) for k, v in sorted(self.args.items())
+                      if v is None or isinstance(v, (bool, int, float, str)))
+        catalog.notes = MegatronNotes(self.notes, counters, plain)
+        return catalog.freeze()
+
+    # -- files
+
+    def _rank_folders(self) -> dict[tuple[int, int], str]:
+        out = {}
+        for entry in sorted(os.listdir(self.folder)):
+            found = RANK_FOLDER.match(entry)
+            if found is None or not os.path.isdir(os.path.join(self.folder, entry)):
+                continue
+            if found.group(3):
+                raise CheckpointError(os.path.join(self.folder, entry), "an expert-parallel rank's folder: legacy "
+                                      "saves with expert parallelism are not read yet")
+            out[(int(found.group(1)), int(found.group(2) or 0))] = os.path.join(self.folder, entry)
+        return out
+
+    def _load(self, path: str) -> Mapping[str, Any]:
+        if not os.path.isfile(path):
+            raise CheckpointError(path, "missing")
+        state = load_pickle(path, allowed=pickles.LEGACY_ALLOWED)
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise CheckpointError(path, "not the state dict Megatron-LM's save_checkpoint writes (no model)")
+        return state
+
+    def _degree(self, path: str, key: str) -> int:
+        value = self.args.get(key, 1)
+        if value is None:
+            return 1
+        if not isinstance(value, int) or value < 1:
+            raise CheckpointError(path, f"args.{key} is {value!r}, not a positive whole number")
+        return value
+
+    def _files(self, ranks: Mapping[tuple[int, int], str]) -> list[FileInfo]:
+        out = []
+        for (t, p), folder in sorted(ranks.items()):
+            for name, role in ((MODEL_FILE, "model"), (OPTIMIZER_FILE, "optimizer")):
+                path = os.path.join(folder, name)
+                if os.path.isfile(path):
+                    out.append(FileInfo(os.path.relpath(path, self.folder), role, t + self.tp * p,
+                                        os.path.getsize(path)))
+        return out
+
+    # -- the model
+
+    def _local_params(self, key: tuple[int, int], state: Mapping[str, Any], layers: int) -> dict[str, TensorRef]:
+        """{name as a torch_dist save keys it: the rank's tensor}, in the rank's registration order: its layer
+        numbers made global for its pipeline stage, `_extra_state` entries (no tensor) left out."""
+        stage, out = key[1], {}
+        for name, value in state["model"].items():
+            if not isinstance(value, TensorRef):
+                continue
+            where = self.rules.layer_of(name)
+            if where is not None and self.pp > 1:
+                name = f"{self.rules.layer_prefix}{where[0] + stage * (layers // self.pp)}.{where[1]}"
+            out[self.rules.sharded_name(name)] = value
+        return out
+
+    def _model(self, local: Mapping[tuple[int, int], dict[str, TensorRef]],
+               geometry: tp_geometry.Geometry) -> dict[str, dict[int, Shard | None]]:
+        """The module tensors; {name: {tp rank: the shard it is read from}} for the optimizer's states (a
+        replicated tensor is read from tp rank 0: the others' shards hold no block)."""
+        shapes: dict[str, dict[int, tuple]] = {}
+        dtypes: dict[str, str] = {}
+        for (t, _), params in local.items():
+            for name, ref in params.items():
+                shapes.setdefault(name, {})[t] = tuple(ref.shape)
+                dtypes.setdefault(name, ref.dtype)
+        shards: dict[str, dict[int, Shard | None]] = {}
+        for name, by_rank in shapes.items():
+            try:
+                split = geometry.split(name, by_rank, self.tp)
+            except ReshardError as e:
+                raise CheckpointError(self.folder, str(e)) from None
+            self.catalog.add(TensorDraft(name, MODULE, tuple(split.full_shape), dtypes[name]), self.folder)
+            self.notes[name] = {"tensor_parallel": split.describe()}
+            shards[name] = {t: split.shard(t, shape) for t, shape in by_rank.items()}
+        for (t, p), params in sorted(local.items()):
+            for name, ref in params.items():
+                self._fragment(name, MODULE, ref, (t, p), shards)
+        return shards
+
+    def _fragment(self, name: str, state: str, ref: TensorRef, key: tuple[int, int],
+                  shards: Mapping[str, Mapping[int, Shard | None]], storage_offset: int | None = None) -> None:
+        """Rank `key`'s tensor of (name, state), stored at `ref` (at `storage_offset` elements of its storage, for
+        a part of a flat buffer), as a fragment of the logical tensor: the shard tensor parallelism gives it."""
+        full = self.catalog.tensors[TensorKey(name, MODULE)].shape
+        draft = self.catalog.add(TensorDraft(name, state, full, ref.dtype), ref.storage.file)
+        t, p = key
+        shard = shards[name].get(t)
+        if shard is not None and not shard.blocks:
+            return          # a copy of what another rank holds
+        if storage_offset is None and not ref.is_contiguous():
+            self.catalog.problem(ref.storage.file, f"{name} ({state}): not stored contiguously")
+            return
+        numel = math.prod(shard.shape) if shard is not None else math.prod(full)
+        draft.fragments.append(Fragment(0, numel, ref.storage,
+                                        ref.storage_offset if storage_offset is None else storage_offset,
+                                        t + self.tp * p, shard))
+
+    # -- the optimizer
+
+    def _optimizer(self, ranks, states, local, shards) -> str:
+        """The fp32 masters and moments of every rank; the optimizer's sharding."""
+        distributed = [os.path.join(path, OPTIMIZER_FILE) for path in ranks.values()]
+        if any(os.path.isfile(p) for p in distributed) or self.args.get("use_distributed_optimizer"):
+            for key, path in sorted(ranks.items()):
+                self._gathered(key, os.path.join(path, OPTIMIZER_FILE), local[key], shards)
+            return GATHERED
+        for key, state in sorted(states.items()):
+            self._plain(key, os.path.join(ranks[key], MODEL_FILE), state, local[key], shards)
+        return PLAIN
+
+    def _groups_of(self, params: Mapping[str, TensorRef], groups: list) -> list[list[str]]:
+        """The names each saved param group holds: the rank's params in registration order, the group without
+        weight decay (wd_mult 0) taking what the parameter-order file says takes none."""
+        no_decay = [self.rules.takes_no_weight_decay(n, ref.shape) for n, ref in params.items()]
+        return [[n for n, nd in zip(params, no_decay, strict=True) if nd == (g.get("wd_mult") == 0.0)]
+                for g in groups]
+
+    def _plain(self, key, path, state, params, shards) -> None:
+        """Megatron's Float16 optimizer: fp32_from_fp16_params[g][i] and state[index] of param_groups[g]'s i-th."""
+        optimizer = state.get("optimizer")
+        inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+        masters = optimizer.get("fp32_from_fp16_params") if isinstance(optimizer, dict) else None
+        if not isinstance(inner, dict) or not isinstance(masters, list):
+            self.catalog.problem(path, "no optimizer state (fp32_from_fp16_params) in it")
+            return
+        groups, saved = inner.get("param_groups", []), inner.get("state", {})
+        for group, names, fp32 in zip(groups, self._groups_of(params, groups), masters, strict=False):
+            indices = group.get("params", [])
+            if not (len(names) == len(indices) == len(fp32)):
+                self.catalog.problem(path, f"a param group of {len(indices)} params, {len(fp32)} fp32 copies, where "
+                                     f"the parameter-order file puts {len(names)} of this rank's params")
+                continue
+            for name, index, master in zip(names, indices, fp32, strict=True):
+                moments = saved.get(index, {})
+                for state_name, ref in ((MASTER, master), ("exp_avg", moments.get("exp_avg")),
+                                        ("exp_avg_sq", moments.get("exp_avg_sq"))):
+                    self._state(path, name, state_name, ref, params[name], key, shards)
+                step = moments.get("step")
+                if isinstance(step, TensorRef) and step.numel == 1:
+                    self.steps.add(int(read_scalar(step)))
+
+    def _state(self, path, name, state_name, ref, param: TensorRef, key, shards) -> None:
+        if not isinstance(ref, TensorRef) or tuple(ref.shape) != tuple(param.shape):
+            shape = list(ref.shape) if isinstance(ref, TensorRef) else type(ref).__name__
+            self.catalog.problem(path, f"{name} ({state_name}): the optimizer holds {shape} where the param is "
+                                 f"{list(param.shape)}: its params are not in the order the parameter-order file "
+                                 "gives")
+            return
+        self._fragment(name, state_name, ref, key, shards)
+
+    def _gathered(self, key, path, params, shards) -> None:
+        """distrib_optim.pt: {buckets_coalesced, grad buffer index: {(param dtype, grad dtype): {param, exp_avg,
+        exp_avg_sq, numel_unpadded}}}, the buffer's params laid out as buckets.lay_out recomputes."""
+        if not os.path.isfile(path):
+            self.catalog.problem(path, "missing: the distributed optimizer saves its state there")
+            return
+        saved = load_pickle(path, allowed=pickles.LEGACY_ALLOWED)
+        buffers = {k: v for k, v in saved.items() if isinstance(k, int)} if isinstance(saved, dict) else {}
+        if list(buffers) != [0] or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
+            raise CheckpointError(path, "one grad buffer of one dtype is read (bf16 or fp16 params, fp32 grads); "
+                                  f"this file holds {len(buffers)} buffers")
+        flat = next(iter(buffers[0].values()))
+        laid = buckets.lay_out([(n, ref.numel) for n, ref in params.items()],
+                               int(self.args.get("data_parallel_size") or 1), self._bucket_size(),
+                               high_busbw=bool(self.args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+        unpadded = sum(b.numel_unpadded for b in laid)
+        if flat.get("numel_unpadded") != unpadded or any(
+                not isinstance(flat.get(s), TensorRef) or flat[s].numel != unpadded for s in STATES):
+            raise CheckpointError(path, f"holds {flat.get('numel_unpadded')!r} elements per state where megatron's "
+                                  f"bucketing of this rank's params gives {unpadded}")
+        at = 0
+        for bucket in laid:
+            for placed in bucket.params:
+                for state in STATES:
+                    ref = flat[state]
+                    self._fragment(placed.name, MASTER if state == "param" else state, ref, key, shards,
+                                   storage_offset=ref.storage_offset + at + placed.start)
+            at += bucket.numel_unpadded
+
+    def _bucket_size(self) -> int | None:
+        if not self.args.get("overlap_grad_reduce"):
+            return None
+        size = self.args.get("ddp_bucket_size")
+        return size if isinstance(size, int) else max(40_000_000, 1_000_000 * int(self.args.get(
+            "data_parallel_size") or 1))
+
+    # -- groups and params
+
+    def _param_groups(self, head: Mapping[str, Any]) -> tuple[list[dict], int | None]:
+        optimizer = head.get("optimizer")
+        inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            self.catalog.problem(self.folder, "no optimizer param groups found")
+            return [], None
+        steps = self.steps | {int(g["step"]) for g in groups if isinstance(g.get("step"), (int, float))}
+        return [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups], \
+            (max(steps) if steps else None)
+
+    def _params(self, groups: list[dict]) -> None:
+        catalog = self.catalog
+        names = [k.name for k in catalog.tensors if k.state == MODULE]
+        ordered = self.rules.ordered(names)
+        no_wd = [i for i, g in enumerate(groups) if g.get("wd_mult") == 0.0]
+        wd = [i for i, g in enumerate(groups) if g.get("wd_mult") != 0.0]
+        trainable = {k.name for k in catalog.tensors if k.state != MODULE}
+        for name in ordered:
+            shape = catalog.tensors[TensorKey(name, MODULE)].shape
+            held = no_wd if self.rules.takes_no_weight_decay(name, shape) else wd
+            kind = "trainable" if name in trainable else "frozen"
+            catalog.params[name] = ParamInfo(name, shape, kind, held[0] if held and kind == "trainable" else None)
+            catalog.order.append(name)
+        catalog.param_groups = [{**g, "params": [n for n in ordered if catalog.params[n].group == i]}
+                                for i, g in enumerate(groups)]
+
+
+def _folder_name(t: int, p: int, pp: int) -> str:
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
