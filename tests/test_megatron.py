@@ -227,20 +227,22 @@ class _Payload:
         return self.func, self.args
 
 
-def test_a_hostile_common_pt_is_refused_and_nothing_runs(tmp_path):
-    save = _copy(NAMES[0], tmp_path)
+@pytest.mark.parametrize("name,pickle", [(NAMES[0], "common.pt"), ("mcore_legacy_plain_tp2_pp2",
+                                                                   "mp_rank_00_000/model_optim_rng.pt")])
+def test_a_hostile_common_pt_is_refused_and_nothing_runs(name, pickle, tmp_path):
+    save = _copy(name, tmp_path)
     canary = tmp_path / "canary"
-    common = next(save.glob("iter_*/common.pt"))
-    torch.save({"args": None, "iteration": 3, "evil": _Payload(os.system, f"touch {canary}")}, common)
+    common = next(save.glob(f"iter_*/{pickle}"))
+    torch.save({"args": None, "iteration": 3, "model": {}, "evil": _Payload(os.system, f"touch {canary}")}, common)
     for command in (["inspect"], ["validate"], ["export"]):
         out = [str(tmp_path / "out.safetensors")] if command == ["export"] else []
         proc = run_cli(*command, str(save), *out)
-        assert proc.returncode == 1 and "common.pt" in proc.stderr + proc.stdout and "system" in proc.stderr + \
-            proc.stdout, proc.stderr
+        assert proc.returncode == 1 and pickle.split("/")[-1] in proc.stderr + proc.stdout and \
+            "system" in proc.stderr + proc.stdout, proc.stderr
     with pytest.raises(UnsafeCheckpointError):
         reshard.open_checkpoint(str(save))
     assert not canary.exists()
-    reshard.open_checkpoint(str(_save(NAMES[0])))     # the control: the fixture's own common.pt is read
+    reshard.open_checkpoint(str(_save(name)))     # the control: the fixture's own file is read
 
 
 def test_the_command_line_shows_the_sharding_and_the_layout(tmp_path):
