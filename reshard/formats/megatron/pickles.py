@@ -4,7 +4,8 @@
 (`AttnBackend`, `ModelType`, ...) and `signal.Signals`; the DCP `.metadata` megatron-core writes adds the savers'
 plans (`all_local_plans`: torch's SavePlan, WriteItem, WriteItemType, TensorWriteData) to DCP's own classes. Each
 becomes a plain record of its state here; an enum member becomes its class's name and value. Nothing is imported,
-nothing runs: any other global is still refused (torchsave_read.AllowListUnpickler).
+nothing runs: any other global is still refused (torchsave_read.AllowListUnpickler). The writer pickles `args` and
+its enums back under their own globals (`pickled_as`), so Megatron loads a written common.pt as its own.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from reshard.formats.dcp import metadata as dcp_metadata
 from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED
+from reshard.formats.torchsave_write import GlobalName, PickledAs
 
 
 class Record:
@@ -35,7 +37,10 @@ class Record:
 
 
 class Namespace(Record):
-    """argparse.Namespace: Megatron-LM's `args`."""
+    """argparse.Namespace: Megatron-LM's `args`; pickled back as argparse.Namespace() given its attributes."""
+
+    def pickled_as(self) -> PickledAs:
+        return PickledAs(GlobalName("argparse", "Namespace"), (), dict(self.__dict__))
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,11 @@ class EnumMember:
 
     def __repr__(self) -> str:
         return f"{self.enum}({self.value!r})"
+
+    def pickled_as(self) -> PickledAs:
+        """The member, as pickle writes an enum member: its class called with its value."""
+        module, _, name = self.enum.rpartition(".")
+        return PickledAs(GlobalName(module, name), (self.value,))
 
 
 def _enum(name: str):
