@@ -27,10 +27,9 @@ def main(jobs_path, results_path):
     megatron_cpu.install()
 
     import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
 
     import fixture_megatron_core as fixture
-
-    from megatron.core import parallel_state as mpu
 
     dist.init_process_group("gloo")
     try:

@@ -16,8 +16,8 @@ from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.deepspeed import files as ds_files, topology as ds_topology
-from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
+from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
 
 # Tried in order; the first whose sniff() accepts the path reads it.

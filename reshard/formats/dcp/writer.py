@@ -133,7 +133,8 @@ class MetadataBuilder:
     planner flattens nested state dicts by it); a writer of flat keys (Megatron's) records none, as its saver does."""
 
     def __init__(self, planner: bool = True):
-        self.entries, self.storage = {}, {}
+        self.entries: dict[str, Any] = {}
+        self.storage: dict[Any, Any] = {}
         self.planner: dict | None = {} if planner else None
 
     def chunk(self, key, shape, dtype, offsets, sizes, path, offset, length):

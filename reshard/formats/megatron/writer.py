@@ -116,8 +116,9 @@ class _Writer:
         self.catalog, self.tag = catalog, tag
         self.grid = Grid(target.tp, target.pp, target.dp)
         self.source = catalog.layout
-        self.common = load_pickle(os.path.join(catalog.root, COMMON), allowed=COMMON_ALLOWED)
-        args = self.common.get("args") if isinstance(self.common, dict) else None
+        common = load_pickle(os.path.join(catalog.root, COMMON), allowed=COMMON_ALLOWED)
+        self.common: dict[str, Any] = common if isinstance(common, dict) else {}
+        args = self.common.get("args")
         if not isinstance(args, Namespace):
             raise CheckpointError(os.path.join(catalog.root, COMMON), "holds no args namespace to write at the target")
         self.args: dict[str, Any] = dict(vars(args))
@@ -298,7 +299,7 @@ class _Writer:
     # -- the optimizer's param groups and step
 
     def _step(self) -> float:
-        steps = {float(s["step"]) for s in self.catalog.group_scalars if "step" in s}
+        steps = {float(s) for s in self.catalog.scalar_values("step")}
         if len(steps) != 1:
             raise ReshardError.at(self.catalog.root, f"optimizer steps {sorted(steps)}: Megatron's optimizer keeps "
                                   "one step for every param group")
