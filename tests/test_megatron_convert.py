@@ -151,3 +151,24 @@ def test_what_megatron_cannot_take_is_refused_in_one_line(tmp_path):
     assert deepspeed.returncode != 0 and "needs a Megatron source" in deepspeed.stderr
     assert len(deepspeed.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_round_trip_through_tp1_writes_megatrons_own_keys_and_chunks(tmp_path):
+    """tp=2·pp=2·dp=2 -> tp=1 -> tp=2·pp=2·dp=2 again: every tensor key, global shape and chunk box of megatron-core's
+    own save (its dp_reshardable buckets' per-rank cuts included), and the same elements; only the RNG state is left
+    out, as it is on any change of tp or pp."""
+    name = "mcore_dp_reshardable_tp2_pp2_dp2"
+    _convert(name, "tp=1", tmp_path / "tp1")
+    execute(make_plan(reshard.open_checkpoint(str(tmp_path / "tp1")), "tp=2,pp=2,dp=2"), str(tmp_path / "back"),
+            progress=False)
+    original, back = (dcp_metadata.read(str(folder / "iter_0000003" / ".metadata"), METADATA_ALLOWED)
+                      for folder in (ROOT / name / "save", tmp_path / "back"))
+
+    def boxes(meta):
+        return {key: (tuple(entry.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks))
+                if isinstance(entry, dcp_metadata.TensorStorageMetadata) else None
+                for key, entry in meta.state_dict_metadata.items()}
+    ours, megatrons = boxes(back), boxes(original)
+    assert {k for k in megatrons if k not in ours} == {f"rng_state/shard_{p}.{t}_2.2" for p in (0, 1) for t in (0, 1)}
+    assert ours == {k: v for k, v in megatrons.items() if not k.startswith("rng_state/")}
+    assert "no difference" in run_cli("diff", ROOT / name / "save", tmp_path / "back", check=0).stdout

@@ -177,8 +177,26 @@ class _Writer:
             parts = 1
             if cut is not None:
                 parts = cut.parts if cut.parts_when is None or self.args.get(cut.parts_when) else 1
-            out.append(Param(name, key, layer, shape, cut, parts))
+            param = Param(name, key, layer, shape, cut, parts)
+            self._check_cut(param)
+            out.append(param)
         return out
+
+    def _check_cut(self, param: Param) -> None:
+        """The rule file's cut of `param` at the source's tp must be the boxes the source saved: a model the rules do
+        not describe is refused, not written with its tensors cut wrongly."""
+        tp = self.source.tp
+        ruled = {(tuple(at), tuple(size)) for rank in range(tp)
+                 for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, tp, rank)}
+        saved = set()
+        for fragment in self.catalog.tensors[TensorKey(param.name, MODULE)].fragments:
+            shard = fragment.shard or Shard.whole(param.shape)
+            saved |= {(tuple(b.at), tuple(b.shape)) for b in shard.blocks}
+        whole = {((0,) * len(param.shape), param.shape)}
+        if ruled != saved and saved != whole:      # (a tensor saved whole says nothing of its cut)
+            raise ReshardError.at(self.rules.path, f"{param.name}: the source saved it in boxes "
+                                  f"{sorted(saved)[:2]}..., this rule file cuts it at tp={tp} into "
+                                  f"{sorted(ruled)[:2]}...: its tensor-parallel layout is not the one described")
 
     # -- files
 
@@ -319,8 +337,11 @@ class _Writer:
         are the source's."""
         layers = int(self.args["num_layers"])
         per_stage = layers // self.grid.pp
+        saved = self.source_meta.state_dict_metadata
         keep_rng = (self.grid.tp, self.grid.pp) == (self.source.tp, self.source.pp) and not (
-            self.args.get("data_parallel_random_init") and self.grid.dp != self.source.dp)
+            self.args.get("data_parallel_random_init") and self.grid.dp != self.source.dp) and all(
+            RNG.format(p, t, self.grid.pp, self.grid.tp) in saved for p in range(self.grid.pp)
+            for t in range(self.grid.tp))
         self.rng = keep_rng
         for key, entry in self.source_meta.state_dict_metadata.items():
             if isinstance(entry, md.TensorStorageMetadata):
