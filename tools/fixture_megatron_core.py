@@ -127,17 +127,8 @@ def worker(name: str, out: Path) -> None:
     import megatron_cpu
     megatron_cpu.install()
 
-    import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state as mpu, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
 
     cfg = CONFIGS[name]
     import megatron.core
@@ -146,63 +137,8 @@ def worker(name: str, out: Path) -> None:
                          f"{megatron.core.__version__}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mpu.initialize_model_parallel(cfg["tp"], cfg["pp"])
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    torch.manual_seed(1234)
-
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
-        ffn_hidden_size=FFN, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
-        bias_activation_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg["tp"],
-        pipeline_model_parallel_size=cfg["pp"], use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, sequence_parallel=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        init_method_std=0.02, layernorm_epsilon=NORM_EPS)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
-                     post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", rotary_base=ROPE_BASE)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=cfg["distributed"], overlap_grad_reduce=False,
-                                               grad_reduce_in_fp32=True)
-    ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, model))
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9,
-                                 adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=True,
-                                 use_distributed_optimizer=cfg["distributed"])
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
-                                        lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
-                                        wd_incr_steps=10, wd_incr_style="constant")
-
-    generator = torch.Generator().manual_seed(7 + mpu.get_data_parallel_rank())
-
-    def batches():
-        while True:
-            tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator)
-            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-
-    def forward_step(data_iterator, module):
-        batch = next(data_iterator)
-        position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO, SEQ)
-        output = module(batch["tokens"], position_ids, None, labels=batch["labels"])
-
-        def loss_func(losses):
-            loss = losses.float().mean()
-            return loss, {"loss": loss.detach()}
-        return output, loss_func
-
-    forward_backward = get_forward_backward_func()
-    data = batches()
-    for _ in range(STEPS):
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=2,
-                         seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
-        optimizer.step()
-        scheduler.step(increment=1)
+    config, model, ddp, optimizer, scheduler = build(cfg["tp"], cfg["pp"], cfg["distributed"])
+    train(config, ddp, optimizer, scheduler, STEPS, seed=7)
     iteration = STEPS
 
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -224,7 +160,7 @@ def worker(name: str, out: Path) -> None:
         state_dict["model"] = model.sharded_state_dict(metadata=sd_metadata)   # unwrapped, as Megatron-LM saves
         state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=sd_metadata)
         state_dict["opt_param_scheduler"] = scheduler.state_dict()
-        state_dict["rng_state"] = _rng_state(mpu, tensor_parallel)
+        state_dict["rng_state"] = rng_state(mpu, tensor_parallel)
         state_dict["num_floating_point_operations_so_far"] = 0
         dist_checkpointing.save(state_dict, str(checkpoint), content_metadata=metadata)
     dist.barrier()
@@ -232,15 +168,8 @@ def worker(name: str, out: Path) -> None:
         (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
     # The truth, from the live model and optimizer: the model's sharded state dict and the optimizer's in model space
-    truth_sd = {"model": model.sharded_state_dict(metadata=sd_metadata)}
-    truth_metadata = {**sd_metadata}
-    if cfg["distributed"]:
-        truth_metadata["distrib_optim_sharding_type"] = "fully_reshardable"
-        truth_metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
-    truth_sd["optimizer"] = optimizer.sharded_state_dict(truth_sd, metadata=truth_metadata)
-    pieces = _pieces(truth_sd)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
+    dist.all_gather_object(gathered, live_pieces(model, optimizer, sd_metadata, cfg["distributed"]))
     layout = _buffer_layout(ddp, optimizer) if cfg["distributed"] else None
     layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
@@ -251,7 +180,131 @@ def worker(name: str, out: Path) -> None:
     _forward(out / name, config, gathered, rank)
     dist.barrier()
     dist.destroy_process_group()
-    _end_helpers()
+    end_helpers()
+
+
+def build(tp: int, pp: int, distributed: bool):
+    """(config, model, ddp, optimizer, scheduler): the fixtures' Llama-configured GPTModel (local layer spec) at tp, pp
+    (the model parallel groups made here; dp is what the world leaves), wrapped as Megatron-LM wraps it (Float16Module,
+    DistributedDataParallel), with Megatron's Adam (the distributed optimizer where `distributed`) and scheduler.
+    The ranks' process group must exist."""
+    import torch
+    from megatron.core import parallel_state as mpu, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    mpu.initialize_model_parallel(tp, pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, sequence_parallel=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        init_method_std=0.02, layernorm_epsilon=NORM_EPS)
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
+                     post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", rotary_base=ROPE_BASE)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
+                                               grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, model))
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9,
+                                 adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=True,
+                                 use_distributed_optimizer=distributed)
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
+                                        lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=10, wd_incr_style="constant")
+    return config, model, ddp, optimizer, scheduler
+
+
+def train(config, ddp, optimizer, scheduler, steps: int, seed: int) -> list:
+    """`steps` Adam steps on deterministic tokens (per data-parallel rank) through Megatron's forward-backward
+    schedule; the losses the last pipeline stage saw (empty elsewhere)."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    generator = torch.Generator().manual_seed(seed + mpu.get_data_parallel_rank())
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator)
+            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    def forward_step(data_iterator, module):
+        batch = next(data_iterator)
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO, SEQ)
+        output = module(batch["tokens"], position_ids, None, labels=batch["labels"])
+
+        def loss_func(losses):
+            loss = losses.float().mean()
+            return loss, {"loss": loss.detach()}
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    data = batches()
+    losses = []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=2,
+                               seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
+        optimizer.step()
+        scheduler.step(increment=1)
+        losses += [float(o["loss"]) for o in out]
+    return losses
+
+
+def live_pieces(model, optimizer, sd_metadata, distributed: bool) -> list:
+    """pieces() of the live model's and optimizer's sharded state dict, the distributed optimizer asked for its
+    model-space (fully_reshardable) form: what truth.safetensors is assembled from."""
+    truth_sd = {"model": model.sharded_state_dict(metadata=sd_metadata)}
+    truth_metadata = {**sd_metadata}
+    if distributed:
+        truth_metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        truth_metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    truth_sd["optimizer"] = optimizer.sharded_state_dict(truth_sd, metadata=truth_metadata)
+    return pieces(truth_sd)
+
+
+def assemble(gathered) -> dict:
+    """{"<state>/<per-layer name>": tensor} from every rank's pieces(): each ShardedTensor put at its global offsets,
+    a layer stack cut along its layer axis (the names truth.safetensors uses)."""
+    import torch
+    full: dict = {}
+    prepended: dict = {}
+    for rank_pieces in gathered:
+        for key, shape, offset, prepend, data in rank_pieces:
+            tensor = full.setdefault(key, torch.full(shape, float("nan"), dtype=data.dtype))
+            local = (1,) * prepend + tuple(data.shape)
+            index = tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
+            tensor[index] = data.reshape(local)
+            prepended[key] = prepend
+    out = {}
+    for key, tensor in full.items():
+        assert not (tensor.is_floating_point() and tensor.isnan().any()), f"{key}: not every element was gathered"
+        state, name_ = state_of(key)
+        if prepended[key]:
+            assert prepended[key] == 1, key
+            stack, _, rest = name_.partition(".layers.")
+            for layer in range(tensor.shape[0]):
+                out[f"{state}/{stack}.layers.{layer}.{rest}"] = tensor[layer].clone()
+        else:
+            out[f"{state}/{name_}"] = tensor
+    return out
 
 
 def _forward(folder: Path, config, gathered, rank: int) -> None:
@@ -274,9 +327,9 @@ def _forward(folder: Path, config, gathered, rank: int) -> None:
                      max_sequence_length=SEQ, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=ROPE_BASE)
     masters = {}
-    for pieces in gathered:
-        for key, shape, offset, prepend, data in pieces:
-            state, name = _state_of(key)
+    for rank_pieces in gathered:
+        for key, shape, offset, prepend, data in rank_pieces:
+            state, name = state_of(key)
             if state != "fp32":
                 continue
             full = masters.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float32))
@@ -284,7 +337,7 @@ def _forward(folder: Path, config, gathered, rank: int) -> None:
             full[tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))] = data.reshape(local)
     loaded = set()
     with torch.no_grad():
-        for key, shape, offset, prepend, data in _pieces(model.sharded_state_dict(), clone=False):
+        for key, shape, offset, prepend, data in pieces(model.sharded_state_dict(), clone=False):
             assert tuple(masters[key].shape) == shape, key
             local = (1,) * prepend + tuple(data.shape)
             source = masters[key][tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))]
@@ -292,7 +345,7 @@ def _forward(folder: Path, config, gathered, rank: int) -> None:
             data.copy_(source.reshape(data.shape))
             loaded.add(key)
     assert loaded == set(masters), set(masters) ^ loaded
-    for key, _shape, offset, prepend, data in _pieces(model.sharded_state_dict()):     # copied into the params
+    for key, _shape, offset, prepend, data in pieces(model.sharded_state_dict()):     # copied into the params
         local = (1,) * prepend + tuple(data.shape)
         assert torch.equal(masters[key][tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))],
                            data.reshape(local)), key
@@ -308,7 +361,7 @@ def _forward(folder: Path, config, gathered, rank: int) -> None:
                   str(folder / "truth_forward.safetensors"))
 
 
-def _end_helpers() -> None:
+def end_helpers() -> None:
     """End the processes the torch_dist writer left behind (a multiprocessing Manager for its results, the resource
     tracker): run_rank ends the rank with os._exit, which runs no finalizer, and they would hold torchrun's output
     pipes open."""
@@ -361,14 +414,14 @@ def _save_legacy(checkpoint: Path, cfg, run_args, iteration, model, optimizer, s
     if cfg["distributed"]:
         optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
     if dp_rank == 0:
-        rng = _rng_state(mpu, tensor_parallel).data
+        rng = rng_state(mpu, tensor_parallel).data
         torch.save({"args": run_args, "checkpoint_version": 3.0, "iteration": iteration,
                     "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
                     "opt_param_scheduler": scheduler.state_dict(), "rng_state": rng,
                     "num_floating_point_operations_so_far": 0}, folder / "model_optim_rng.pt")
 
 
-def _rng_state(mpu, tensor_parallel):
+def rng_state(mpu, tensor_parallel):
     import random
 
     import numpy as np
@@ -383,7 +436,7 @@ def _rng_state(mpu, tensor_parallel):
                          replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _pieces(sharded, clone=True):
+def pieces(sharded, clone=True):
     """[(key, global shape, global offset, prepended axes, tensor)] of every ShardedTensor in a sharded state dict
     (factories built first); clone=False: the tensors themselves (the model's parameters)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -425,27 +478,7 @@ def _write_truth(folder: Path, cfg, name, gathered, layouts, optimizer, iteratio
     import megatron.core
     import torch
     from safetensors.torch import save_file
-    full: dict = {}
-    prepended: dict = {}
-    for pieces in gathered:
-        for key, shape, offset, prepend, data in pieces:
-            tensor = full.setdefault(key, torch.full(shape, float("nan"), dtype=data.dtype))
-            local = (1,) * prepend + tuple(data.shape)
-            index = tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
-            tensor[index] = data.reshape(local)
-            prepended[key] = prepend
-    out = {}
-    for key, tensor in full.items():
-        assert not (tensor.is_floating_point() and tensor.isnan().any()), f"{key}: not every element was gathered"
-        state, name_ = _state_of(key)
-        if prepended[key]:
-            assert prepended[key] == 1, key
-            stack, _, rest = name_.partition(".layers.")
-            for layer in range(tensor.shape[0]):
-                out[f"{state}/{stack}.layers.{layer}.{rest}"] = tensor[layer].clone()
-        else:
-            out[f"{state}/{name_}"] = tensor
-    save_file(out, str(folder / "truth.safetensors"))
+    save_file(assemble(gathered), str(folder / "truth.safetensors"))
     groups = []
     steps = set()
     for group in optimizer.param_groups:
@@ -468,7 +501,7 @@ def _write_truth(folder: Path, cfg, name, gathered, layouts, optimizer, iteratio
     (folder / "truth.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
 
 
-def _state_of(key: str):
+def state_of(key: str):
     """(state, model key) of a sharded key: the model's weights are `module`, the optimizer's fp32 copy `fp32`."""
     for prefix, state in (("optimizer.state.fp32_param.", "fp32"), ("optimizer.state.param.", "fp32"),
                           ("optimizer.state.exp_avg_sq.", "exp_avg_sq"), ("optimizer.state.exp_avg.", "exp_avg")):

@@ -8,7 +8,11 @@ on the CPU. For the fixture tool and tests only; nothing in the reshard package 
 3. torch.cuda.synchronize / empty_cache -> no-ops (pipeline p2p communication);
 4. a TorchFunctionMode mapping device='cuda' (or a device index) to the CPU, Tensor.cuda() a no-op, and
    Tensor.type() reporting torch.cuda.*Tensor (the optimizer checks that params are CUDA tensors);
-5. torch.cuda streams and events as no-op objects.
+5. torch.cuda streams and events as no-op objects;
+6. a `fully_reshardable` load into torch's AdamW (megatron-core's fallback without Transformer Engine or Apex): the
+   distributed optimizer copies every state its local optimizer holds from the loaded ones, and torch's AdamW holds a
+   per-parameter `step` the save does not (TE's and Apex's FusedAdam keep it in the param groups): KeyError 'step'.
+   The parameter keeps the step it has (the load restores it from the param groups).
 """
 from __future__ import annotations
 
@@ -87,6 +91,18 @@ def install() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _type(torch.Tensor.type)
     _OnCpu().__enter__()      # for the life of the process
+    from megatron.core.optimizer import distrib_optimizer
+    setter = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group, order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group]["params"][order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return setter(self, model_param, tensors)
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     from megatron.core.tensor_parallel import random as mrandom
     mrandom._get_cuda_rng_state = lambda *a, **k: _GENERATOR.get_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: _GENERATOR.set_state(state)

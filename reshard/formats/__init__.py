@@ -17,6 +17,7 @@ from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.deepspeed import files as ds_files, topology as ds_topology
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
+from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
 
 # Tried in order; the first whose sniff() accepts the path reads it.
@@ -37,10 +38,12 @@ class WriterEntry:
 
 
 # Target formats of `convert --format`. Every key of `--to` has a place in DeepSpeed's files; a DCP directory is one
-# file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO stage.
+# file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO stage. A Megatron-LM save dir
+# (torch_dist) at any tp, pp and dp, its optimizer in the sharding `sharding=` names.
 WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
            "universal": WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
-           "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY)}
+           "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY),
+           "megatron": WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS)}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):

@@ -88,6 +88,16 @@ class GlobalName:
         raise TypeError(f"{self.module}.{self.name} is only a name to pickle")
 
 
+@dataclass(frozen=True)
+class PickledAs:
+    """How a format's stand-in is pickled back (its class's `pickled_as(self)` gives this): a call of the global it
+    stands for with `args`, then `state` set on the result (BUILD) unless None: argparse.Namespace() and its
+    attributes, an enum's class called with the member's value."""
+    glob: GlobalName
+    args: tuple = ()
+    state: dict | None = None
+
+
 _REBUILD = GlobalName("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_FROM_TYPE = GlobalName("torch._tensor", "_rebuild_from_type_v2")
 _REBUILD_PARAMETER = GlobalName("torch._utils", "_rebuild_parameter")
@@ -134,6 +144,11 @@ class TreePickler(pickle._Pickler):
             return (type(obj), (int(obj.value),))
         if type(obj) in standins.GLOBAL_NAMES:
             return (copyreg.__newobj__, (type(obj),), dict(vars(obj)))
+        pickled_as = getattr(type(obj), "pickled_as", None)
+        if callable(pickled_as):     # a format's stand-in (PickledAs) for an object of the framework that saved it
+            spelled = pickled_as(obj)
+            return (spelled.glob, spelled.args) if spelled.state is None else \
+                (spelled.glob, spelled.args, spelled.state)
         return NotImplemented
 
     def _source_tensor(self, ref: TensorRef):

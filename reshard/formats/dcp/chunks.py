@@ -181,6 +181,20 @@ class Chunks:
             raise CheckpointError(path, f"{key}: a tensor-valued hyper-parameter is not supported")
         return value
 
+    def blob(self, key: str) -> bytes | object:
+        """The bytes of value item `key` as they lie in its file (a torch.save archive, not unpickled: a writer copies
+        it whole); MISSING, a problem noted, where it cannot be read."""
+        path, info = self._item(key)
+        if path is None:
+            return MISSING
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if len(data) != info.length:
+            self.catalog.problem(path, f"{key}: {len(data)} of {info.length} bytes at byte {info.offset}")
+            return MISSING
+        return data
+
     def files(self) -> list:
         out = [FileInfo(METADATA, "metadata", None, os.path.getsize(self.meta_path))]
         for path, size in sorted(self.sizes.items()):

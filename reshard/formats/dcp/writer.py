@@ -40,6 +40,10 @@ class DistcpFile(TensorFile):
         blob = Archive(pickle_tree(value)).whole()
         return self._append(VALUE, None, blob, len(blob))
 
+    def add_blob(self, blob: bytes) -> tuple:
+        """A value item copied as it lies in a source file (a torch.save archive, never unpickled here)."""
+        return self._append(VALUE, None, blob, len(blob))
+
     def _append(self, kind, key, fixed: bytes, length: int) -> tuple:
         self.items.append(Item(kind, key, len(fixed)))
         self.fixed.append(fixed)
@@ -64,7 +68,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
     files = [DistcpFile(file_name(r)) for r in range(target.dp)]
-    out = _Metadata()
+    out = MetadataBuilder()
     # source (name, state) -> its chunks' locations, for a tied name to share
     written: dict[tuple[str, str], Any] = {}
     for entry in keys.tensor_entries(catalog):
@@ -124,25 +128,34 @@ def _row_blocks(key, shape, dtype, source, dp):
     return out
 
 
-class _Metadata:
-    """DCP's Metadata, built up chunk by chunk."""
+class MetadataBuilder:
+    """DCP's Metadata, built up chunk by chunk. `planner`: each key's planner path is recorded (DCP's default
+    planner flattens nested state dicts by it); a writer of flat keys (Megatron's) records none, as its saver does."""
 
-    def __init__(self):
-        self.entries, self.storage, self.planner = {}, {}, {}
+    def __init__(self, planner: bool = True):
+        self.entries: dict[str, Any] = {}
+        self.storage: dict[Any, Any] = {}
+        self.planner: dict | None = {} if planner else None
 
     def chunk(self, key, shape, dtype, offsets, sizes, path, offset, length):
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = md.TensorStorageMetadata(md.tensor_properties(dtype), Size(shape), [])
-            self.planner[key] = keys.planner_path(key)
+            if self.planner is not None:
+                self.planner[key] = keys.planner_path(key)
         index = md.MetadataIndex(key, Size(offsets), len(entry.chunks))
         entry.chunks.append(md.ChunkStorageMetadata(Size(offsets), Size(sizes)))
         self.storage[index] = md.StorageInfo(path, offset, length)
 
     def value(self, key, planner_path, path, offset, length):
         self.entries[key] = md.BytesStorageMetadata()
-        self.planner[key] = planner_path
+        if self.planner is not None:
+            self.planner[key] = planner_path
         self.storage[md.MetadataIndex(key, None, None)] = md.StorageInfo(path, offset, length)
+
+    def blob(self, key, path, offset, length):
+        """A value item under a flat key (no planner path)."""
+        self.value(key, None, path, offset, length)
 
     def build(self, tag: str) -> md.Metadata:
         return md.Metadata(self.entries, self.planner, self.storage,

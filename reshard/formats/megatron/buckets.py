@@ -20,7 +20,7 @@ The saved tensor of a bucket is its unpadded length; data-parallel rank r holds 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 PARAM_ALIGNMENT = 64       # elements: 128 bytes of a 16-bit parameter
@@ -66,6 +66,16 @@ class Bucket:
             if at < high:
                 out.append((at, high - at, None))
         return out
+
+
+def bucket_size(args: Mapping[str, object], pp_rank: int, dp: int) -> int | None:
+    """The bucket size of pipeline stage `pp_rank`'s grad buffer at data-parallel degree `dp`, from Megatron-LM's
+    `args`: buckets only with overlapped grad reduction, and only on the first stage (megatron-core's DDP);
+    `ddp_bucket_size` or max(40M, 1M·dp) elements."""
+    if args.get("overlap_grad_reduce") and pp_rank == 0:
+        given = args.get("ddp_bucket_size")
+        return given if isinstance(given, int) and given > 0 else max(40_000_000, 1_000_000 * dp)
+    return None
 
 
 def _up(n: int, divisor: int) -> int:

@@ -9,14 +9,13 @@
                                                              parallelism: per grad buffer one flat fp32 param,
                                                              exp_avg and exp_avg_sq, the buckets without padding
 
-Nothing in the files says how tensor parallelism cut a tensor: a tensor-parallel rule file does
-(reshard/layouts/megatron-core-gpt-tp.json, megatron-core's SwiGLU GPTModel), applied to the names megatron-core's
-sharded state dict gives (the parameter-order file's state_dict_keys_map), so a legacy save reads to the same
-logical tensors as a torch_dist save of the same run. A pipeline stage numbers its layers from 0: stage s of P holds
-layers s·L/P onwards (even stages only). The plain optimizer's state is keyed by position in its param groups,
-which hold the stage's params in registration order (the state dict's order) split by weight decay (order.py);
-the distributed optimizer's flat buffers are laid out as buckets.py recomputes, each bucket's unpadded part after
-the one before.
+Nothing in the files says how tensor parallelism cut a tensor: the parameter-order file does (its `tensor_parallel`
+cuts, tp_boxes.py), applied to the names megatron-core's sharded state dict gives (its `state_dict_keys_map`), so a
+legacy save reads to the same logical tensors as a torch_dist save of the same run. A pipeline stage numbers its
+layers from 0: stage s of P holds layers s·L/P onwards (even stages only). The plain optimizer's state is keyed by
+position in its param groups, which hold the stage's params in registration order (the state dict's order) split by
+weight decay (order.py); the distributed optimizer's flat buffers are laid out as buckets.py recomputes, each
+bucket's unpadded part after the one before.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from reshard import rule_files
 from reshard.core.catalog import (
     MASTER,
     MODULE,
@@ -41,8 +39,7 @@ from reshard.core.catalog import (
 from reshard.core.layout import Layout
 from reshard.core.placement import Shard
 from reshard.errors import CheckpointError, ReshardError
-from reshard.formats.deepspeed import tp_geometry
-from reshard.formats.megatron import buckets, order as param_order, pickles
+from reshard.formats.megatron import buckets, order as param_order, pickles, tp_boxes
 from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopology
 from reshard.formats.torchsave_read import TensorRef, load as load_pickle
 from reshard.source_bytes import read_scalar
@@ -50,7 +47,6 @@ from reshard.source_bytes import read_scalar
 MODEL_FILE = "model_optim_rng.pt"
 OPTIMIZER_FILE = "distrib_optim.pt"
 RANK_FOLDER = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
-TP_RULES = "megatron-core-gpt-tp"
 GATHERED = "dp_zero_gather_scatter"    # megatron's name for the distributed optimizer's state gathered per buffer
 LAYOUT = "legacy torch format (mp_rank_* folders of pickles)"
 STATES = ("param", "exp_avg", "exp_avg_sq")     # a buffer's flat states; param is the fp32 master
@@ -92,9 +88,6 @@ class _LegacyReader:
                     "decoder_last_pipeline_num_layers", "expert_model_parallel_size"):
             if self.args.get(key) not in (None, 0, 1):
                 raise CheckpointError(first, f"args.{key} = {self.args[key]}: not read in legacy saves yet")
-        if tp > 1 and not self.args.get("swiglu"):
-            raise CheckpointError(first, "a legacy save at tp > 1 without --swiglu: how its MLP is cut is checked "
-                                  f"for SwiGLU models only ({TP_RULES})")
         missing = sorted(set((t, p) for t in range(tp) for p in range(pp)) - set(ranks))
         for t, p in missing:
             catalog.problem(os.path.join(self.folder, _folder_name(t, p, pp)), "missing")
@@ -107,8 +100,7 @@ class _LegacyReader:
         catalog.layout = Layout.of(dp, tp, pp)
 
         local = {key: self._local_params(key, state, int(layers or 0)) for key, state in states.items()}
-        geometry = tp_geometry.Geometry.from_rule_file(rule_files.find(TP_RULES, rule_files.TP_RULES))
-        shards = self._model(local, geometry)
+        shards = self._model(local)
         sharding = self._optimizer(ranks, states, local, shards)
         groups, step = self._param_groups(head)
         self._params(groups)
@@ -190,25 +182,26 @@ class _LegacyReader:
             out[self.rules.sharded_name(name)] = value
         return out
 
-    def _model(self, local: Mapping[tuple[int, int], dict[str, TensorRef]],
-               geometry: tp_geometry.Geometry) -> dict[str, dict[int, Shard | None]]:
-        """The module tensors; {name: {tp rank: the shard it is read from}} for the optimizer's states (a
-        replicated tensor is read from tp rank 0: the others' shards hold no block)."""
-        shapes: dict[str, dict[int, tuple]] = {}
-        dtypes: dict[str, str] = {}
-        for (t, _), params in local.items():
-            for name, ref in params.items():
-                shapes.setdefault(name, {})[t] = tuple(ref.shape)
-                dtypes.setdefault(name, ref.dtype)
+    def _model(self, local: Mapping[tuple[int, int], dict[str, TensorRef]]) -> dict[str, dict[int, Shard | None]]:
+        """The module tensors; {name: {tp rank: the shard it is read from}} for the optimizer's states (a tensor
+        whole on every rank is read from tp rank 0: the others' shards hold no block)."""
         shards: dict[str, dict[int, Shard | None]] = {}
-        for name, by_rank in shapes.items():
-            try:
-                split = geometry.split(name, by_rank, self.tp)
-            except ReshardError as e:
-                raise CheckpointError(self.folder, str(e)) from None
-            self.catalog.add(TensorDraft(name, MODULE, tuple(split.full_shape), dtypes[name]), self.folder)
-            self.notes[name] = {"tensor_parallel": split.describe()}
-            shards[name] = {t: split.shard(t, shape) for t, shape in by_rank.items()}
+        for (t, _), params in sorted(local.items()):
+            for name, ref in params.items():
+                cut = self.rules.tp_cut(name)
+                parts = cut.parts if cut is not None and (cut.parts_when is None or self.args.get(cut.parts_when)) \
+                    else 1
+                shape = tuple(n * self.tp if cut is not None and d == cut.axis else n
+                              for d, n in enumerate(ref.shape))
+                try:
+                    boxes = tp_boxes.rank_boxes(name, shape, cut, parts, self.tp, t)
+                except ReshardError as e:
+                    raise CheckpointError(ref.storage.file, str(e)) from None
+                shard = tp_boxes.local_shard(boxes, cut) if cut is not None or t == 0 else Shard(shape, ())
+                shards.setdefault(name, {})[t] = None if shard == Shard.whole(shape) else shard
+                self.catalog.add(TensorDraft(name, MODULE, shape, ref.dtype), ref.storage.file)
+                self.notes.setdefault(name, {"tensor_parallel": f"axis {cut.axis}" + (
+                    f", {parts} parts" if parts > 1 else "") if cut is not None else "whole on every rank"})
         for (t, p), params in sorted(local.items()):
             for name, ref in params.items():
                 self._fragment(name, MODULE, ref, (t, p), shards)

@@ -1,5 +1,5 @@
-"""The order in which a Megatron model registers its parameters, which pipeline stage holds each and which take no
-weight decay: a rule file
+"""The order in which a Megatron model registers its parameters, which pipeline stage holds each, which take no
+weight decay and how tensor parallelism cuts each: a rule file
 (reshard/layouts/megatron-core-gpt.json, kind "reshard.megatron-buffers"), since a torch_dist save records none of
 them: the distributed optimizer's `dp_reshardable` buffers are laid out in that order (buckets.py), and the saved
 param groups name no params."""
@@ -17,6 +17,15 @@ SHIPPED = "megatron-core-gpt"
 
 
 @dataclass(frozen=True)
+class TpCut:
+    """How tensor parallelism cuts a parameter: `parts` equal blocks along `axis`, each in tp equal pieces (the
+    rule file's `tensor_parallel`); `parts_when`: an argument (`swiglu`) without which there is one block."""
+    axis: int
+    parts: int = 1
+    parts_when: str | None = None
+
+
+@dataclass(frozen=True)
 class ParamOrder:
     path: str
     transformer_impl: tuple[str, ...]     # the layer implementations the order was checked for
@@ -27,6 +36,7 @@ class ParamOrder:
     shared_embedding: tuple[str, ...]    # tied between the first and last stage: a bucket of its own
     no_decay_ndim: int | None = None     # params of this many dimensions take no weight decay
     no_decay_suffixes: tuple[str, ...] = ()     # nor do params whose names end so
+    tp_cuts: tuple[tuple[str, TpCut], ...] = ()   # (name, or name within a layer) -> its cut; others are whole
     keys_map: tuple[tuple[str, str], ...] = ()     # a legacy state dict's layer-relative prefix -> the saved key's
 
     def sharded_name(self, name: str) -> str:
@@ -40,6 +50,12 @@ class ParamOrder:
             if where[1].startswith(prefix):
                 return f"{self.layer_prefix}{where[0]}.{replacement}{where[1][len(prefix):]}"
         return name
+
+    def tp_cut(self, name: str) -> TpCut | None:
+        """How tensor parallelism cuts `name`, or None: whole on every rank."""
+        where = self.layer_of(name)
+        own = where[1] if where is not None else name
+        return dict(self.tp_cuts).get(own)
 
     def takes_no_weight_decay(self, name: str, shape: Sequence[int]) -> bool:
         """Is `name` in the default optimizer's group without weight decay (wd_mult 0)?"""
@@ -80,10 +96,12 @@ def load(given: str | None = None) -> ParamOrder:
     path, data = rule_files.load(given or SHIPPED, KIND)
     try:
         no_decay = data.get("no_weight_decay", {})
+        cuts = tuple((name, TpCut(int(cut["axis"]), int(cut.get("parts", 1)), cut.get("parts_when")))
+                     for name, cut in data.get("tensor_parallel", {}).items() if name != "description")
         return ParamOrder(path, tuple(data["transformer_impl"]), str(data["layer_prefix"]),
                           tuple(data["before_layers"]), tuple(data["layer"]), tuple(data["after_layers"]),
                           tuple(data.get("shared_embedding", ())), no_decay.get("ndim"),
-                          tuple(no_decay.get("suffixes", ())),
+                          tuple(no_decay.get("suffixes", ())), cuts,
                           tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

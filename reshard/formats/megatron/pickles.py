@@ -5,7 +5,8 @@
 plans (`all_local_plans`: torch's SavePlan, WriteItem, WriteItemType, TensorWriteData) to DCP's own classes, and
 0.15 pickles both as its own subclasses, MCoreMetadata and MCoreSavePlan. Each
 becomes a plain record of its state here; an enum member becomes its class's name and value. Nothing is imported,
-nothing runs: any other global is still refused (torchsave_read.AllowListUnpickler).
+nothing runs: any other global is still refused (torchsave_read.AllowListUnpickler). The writer pickles `args` and
+its enums back under their own globals (`pickled_as`), so Megatron loads a written common.pt as its own.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from reshard.formats.dcp import metadata as dcp_metadata
 from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED
+from reshard.formats.torchsave_write import GlobalName, PickledAs
 
 
 class Record:
@@ -36,7 +38,10 @@ class Record:
 
 
 class Namespace(Record):
-    """argparse.Namespace: Megatron-LM's `args`."""
+    """argparse.Namespace: Megatron-LM's `args`; pickled back as argparse.Namespace() given its attributes."""
+
+    def pickled_as(self) -> PickledAs:
+        return PickledAs(GlobalName("argparse", "Namespace"), (), dict(self.__dict__))
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,11 @@ class EnumMember:
 
     def __repr__(self) -> str:
         return f"{self.enum}({self.value!r})"
+
+    def pickled_as(self) -> PickledAs:
+        """The member, as pickle writes an enum member: its class called with its value."""
+        module, _, name = self.enum.rpartition(".")
+        return PickledAs(GlobalName(module, name), (self.value,))
 
 
 def _enum(name: str):

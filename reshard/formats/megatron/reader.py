@@ -57,7 +57,15 @@ from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks, dtype_of, rank_of
 from reshard.formats.megatron import buckets, legacy, order as param_order
 from reshard.formats.megatron.pickles import COMMON_ALLOWED, METADATA_ALLOWED, Namespace
-from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopology
+from reshard.formats.megatron.topology import (
+    DP_RESHARDABLE,
+    LAYOUT_015,
+    LAYOUT_016,
+    LAYOUT_019,
+    PLAIN,
+    MegatronNotes,
+    MegatronTopology,
+)
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import DType, TensorRef, load as load_pickle
 from reshard.source_bytes import read_scalar
@@ -79,11 +87,6 @@ BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)
 PER_BUCKET = "optimizer.distributed.dp_group_idx_{}.{}"
 SHARDING_KEY = "distrib_optim_sharding_type"
 LAYER_STACKS = ("decoder.layers.", "encoder.layers.")     # a TransformerBlock's layers, saved stacked
-DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
-# What inspect says of the version: a 0.16 save records none; its files are laid out as 0.16 lays them
-LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no version)"
-LAYOUT_015 = "0.15 layout (common.pt beside the DCP files; optimizer states as flat ranges of their blocks)"
-LAYOUT_019 = "0.19 layout (the common state a DCP object; the save records no version)"
 COMMON_STATE = "common_state"         # 0.19: the common state's DCP key (its ShardedObject: common_state/shard_0_1)
 
 
@@ -472,10 +475,8 @@ class _Reader:
                                           f" rank {tp_rank} holds, so the optimizer's buckets cannot be mapped")
                 shards[name] = local[0]
                 params.append((name, local[1]))
-            bucket_size = None
-            if self.args.get("overlap_grad_reduce") and pp_rank == 0:
-                bucket_size = self.args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * self.dp)
-            laid = buckets.lay_out(params, self.dp, bucket_size, shared & {n for n, _ in params},
+            laid = buckets.lay_out(params, self.dp, buckets.bucket_size(self.args, pp_rank, self.dp),
+                                   shared & {n for n, _ in params},
                                    bool(self.args.get("ddp_pad_buckets_for_high_nccl_busbw")))
             self._check_counts(group, saved, laid)
             for (_, _, k), states in sorted(saved.items()):

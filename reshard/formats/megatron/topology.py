@@ -1,10 +1,21 @@
 """What a Megatron torch_dist save adds to its topology, and what its reader keeps for later (notes)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from reshard.core.layout import FormatTopology, Layout, SpecKey
+from reshard.errors import UsageError
+from reshard.formats.protocol import TargetKeys
+
 PLAIN = "plain"       # the non-distributed optimizer: model-shaped states (optimizer.state.fp32_param.<key>)
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"    # the distributed optimizer's
+SHARDINGS = (DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN)
+# What inspect says of the version: a 0.16 save records none; its files are laid out as 0.16 lays them
+LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no version)"
+LAYOUT_015 = "0.15 layout (common.pt beside the DCP files; optimizer states as flat ranges of their blocks)"
+LAYOUT_019 = "0.19 layout (the common state a DCP object; the save records no version)"
 
 
 @dataclass(frozen=True)
@@ -50,3 +61,35 @@ class MegatronNotes:
 
     def scalars(self) -> dict[str, Any]:
         return dict(self.counters)
+
+
+def _sharding(text: str) -> str:
+    if text not in SHARDINGS:
+        raise UsageError(f"sharding is {', '.join(SHARDINGS[:-1])} or {SHARDINGS[-1]}, not {text!r}")
+    return text
+
+
+SPEC_KEYS = (SpecKey("sharding", "|".join(SHARDINGS), "Megatron's optimizer state: the distributed optimizer's "
+                     "sharding type (dp_reshardable, Megatron-LM's default; fully_reshardable), or plain: the "
+                     "non-distributed optimizer (default: the source's, dp_reshardable for a distributed one)",
+                     text=_sharding),)
+
+
+def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
+    """The target's optimizer sharding: the one `sharding=` names; else a plain source stays plain and the
+    distributed optimizer is written as Megatron-LM writes it by default (dp_reshardable)."""
+    own = source.format_topology if isinstance(source.format_topology, MegatronTopology) else None
+    default = PLAIN if own is not None and own.sharding == PLAIN else DP_RESHARDABLE
+    sharding = str(given.get("sharding", default))
+    return MegatronTopology(sharding, own.iteration if own else None, own.checkpoint_version if own else None,
+                            LAYOUT_016)
+
+
+def from_descriptor(source: FormatTopology | None, data: Mapping[str, object]) -> MegatronTopology:
+    """A descriptor file's `sharding` (the source's or dp_reshardable where it names none)."""
+    own = source if isinstance(source, MegatronTopology) else None
+    sharding = data.get("sharding", own.sharding if own else DP_RESHARDABLE)
+    return MegatronTopology(_sharding(str(sharding)), layout=LAYOUT_016)
+
+
+TARGET_KEYS = TargetKeys(SPEC_KEYS, target, from_descriptor, ("sharding",))

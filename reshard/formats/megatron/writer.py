@@ -1,0 +1,386 @@
+"""Catalog x target Layout -> a Megatron-LM save dir as megatron-core 0.16 writes it in the torch_dist format, at any
+tp, pp and dp, that `dist_checkpointing.load` reads at the target topology.
+
+    <out>/latest_checkpointed_iteration.txt     the iteration (written last)
+    <out>/iter_NNNNNNN/metadata.json            {"sharded_backend": "torch_dist", ...}
+                       common.pt                the source's common state: args with the target's degrees, the
+                                                optimizer's param groups and step as the target's sharding keeps
+                                                them, content_metadata naming that sharding
+                       __R_0.distcp, .metadata  a DCP checkpoint: rank R = tp_rank + tp·(dp_rank + dp·pp_rank) writes
+                                                what it holds (data-parallel rank 0 the model's chunks)
+
+Every tensor is written as Megatron's sharded state dict names it: a layer stack under its stacked key with a leading
+layer axis (global layer numbers), one chunk per (layer, tensor-parallel box: tp_boxes, from the rule file's
+`tensor_parallel`); the optimizer state model-shaped (plain: optimizer.state.fp32_param.*, fully_reshardable:
+optimizer.state.param.*) or, dp_reshardable, in flat per-bucket buffers laid out for the target's tp, pp and dp by
+buckets.lay_out (the layout the reader checks against real saves), each data-parallel rank's part a chunk.
+
+Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Objects the
+source saved that do not depend on the topology (layers' `_extra_state`) are copied as their bytes lie; the RNG
+state is copied where tp and pp are kept and otherwise left out, with `args.no_save_rng` set, as Megatron-LM itself
+ignores the RNG state on a change of tp or pp.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, TensorKey
+from reshard.core.layout import Layout
+from reshard.core.placement import Shard
+from reshard.core.write_requests import Output, Piece, TextFile
+from reshard.errors import CheckpointError, ReshardError, UsageError
+from reshard.formats.dcp import metadata as md
+from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
+from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
+from reshard.formats.megatron import buckets, order as param_order, tp_boxes
+from reshard.formats.megatron.pickles import COMMON_ALLOWED, METADATA_ALLOWED, Namespace
+from reshard.formats.megatron.reader import BUCKET, COMMON, CONFIG, ITERATION, RELEASE, TRACKER
+from reshard.formats.megatron.topology import DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN, MegatronTopology
+from reshard.formats.torchsave_read import DType, load as load_pickle
+from reshard.formats.torchsave_write import TorchFile
+
+FORMAT = "megatron"
+PLACES_EXPERTS = False
+RESUMED_BY_FRAMEWORKS = False
+
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+# the model-shaped optimizer states' key prefixes, by sharding
+STATE_PREFIX = {PLAIN: {MASTER: "optimizer.state.fp32_param.", "exp_avg": "optimizer.state.exp_avg.",
+                        "exp_avg_sq": "optimizer.state.exp_avg_sq."},
+                FULLY_RESHARDABLE: {MASTER: "optimizer.state.param.", "exp_avg": "optimizer.state.exp_avg.",
+                                    "exp_avg_sq": "optimizer.state.exp_avg_sq."}}
+BUCKET_STATES = {"param": MASTER, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+GROUP = "optimizer.distributed.dp_group_idx_{}"
+EXTRA_STATE = re.compile(r".*\._extra_state/shard_(\d+)_(\d+)$")
+RNG = "rng_state/shard_{}.{}_{}.{}"
+TORCH_DTYPES = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32"}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The target's degrees and Megatron's rank order (tp fastest, then dp, then pp)."""
+    tp: int
+    pp: int
+    dp: int
+
+    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def group(self, tp_rank: int, pp_rank: int) -> int:
+        """The distributed optimizer's dp_group_idx of a model-parallel rank."""
+        return tp_rank + self.tp * pp_rank
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter as the target saves it: its logical name, stacked key and layer (None outside a stack)."""
+    name: str
+    key: str
+    layer: int | None
+    shape: tuple[int, ...]
+    cut: param_order.TpCut | None
+    parts: int
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    return _Writer(catalog, target, tag).files()
+
+
+def describe(target: Layout, tag: str) -> Output:
+    return Output(FORMAT, target.topology(), tag)
+
+
+def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
+    if target.dp == catalog.layout.dp:
+        return None
+    return (f"Megatron-LM keeps --global-batch-size: at dp={target.dp} each step runs global / (micro-batch size x "
+            f"{target.dp}) micro-batches per rank (it must divide evenly)")
+
+
+class _Writer:
+    def __init__(self, catalog: Catalog, target: Layout, tag: str):
+        if catalog.format != FORMAT:
+            raise ReshardError.at(catalog.root, f"Megatron output needs a Megatron source: its common state (args, "
+                                  f"scheduler) is not in a {catalog.format} checkpoint")
+        if tag != RELEASE and not ITERATION.match(tag):
+            raise UsageError(f"--tag-out {tag!r}: Megatron-LM loads iteration folders named iter_NNNNNNN (or release)")
+        topology = target.format_topology
+        self.sharding = topology.sharding if isinstance(topology, MegatronTopology) else DP_RESHARDABLE
+        self.catalog, self.tag = catalog, tag
+        self.grid = Grid(target.tp, target.pp, target.dp)
+        self.source = catalog.layout
+        common = load_pickle(os.path.join(catalog.root, COMMON), allowed=COMMON_ALLOWED)
+        self.common: dict[str, Any] = common if isinstance(common, dict) else {}
+        args = self.common.get("args")
+        if not isinstance(args, Namespace):
+            raise CheckpointError(os.path.join(catalog.root, COMMON), "holds no args namespace to write at the target")
+        self.args: dict[str, Any] = dict(vars(args))
+        self.rules = param_order.load()
+        self._check()
+        meta_path = os.path.join(catalog.root, METADATA)
+        self.source_meta = md.read(meta_path, METADATA_ALLOWED)
+        self.problems = CatalogBuilder(catalog.root, FORMAT, catalog.layout)
+        self.source_chunks = Chunks(catalog.root, self.source_meta, self.problems)
+        self.files_by_rank: dict[int, DistcpFile] = {}
+        self.meta = MetadataBuilder(planner=False)
+        self.params = self._params()
+
+    # -- what the target can be
+
+    def _check(self) -> None:
+        args, grid = self.args, self.grid
+        impl = args.get("transformer_impl", "local")
+        if impl not in self.rules.transformer_impl:
+            raise ReshardError.at(self.rules.path, f"transformer_impl {impl!r}: how its parameters are cut and "
+                                  f"laid out is known for {', '.join(self.rules.transformer_impl)} only")
+        for key in ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers"):
+            if args.get(key):
+                raise ReshardError.at(self.catalog.root, f"args.{key} = {args[key]}: uneven or virtual pipeline "
+                                      "stages are not written yet")
+        layers = args.get("num_layers")
+        if not isinstance(layers, int) or layers % grid.pp:
+            raise ReshardError(f"target pp={grid.pp}: {layers} layers do not split into equal pipeline stages")
+        for key in ("num_query_groups", "num_attention_heads"):
+            count = args.get(key)
+            if isinstance(count, int) and count % grid.tp:
+                raise ReshardError(f"target tp={grid.tp}: args.{key} = {count} is not a multiple of it")
+        if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True):
+            raise ReshardError("a tied embedding at pp > 1 (the last stage's copy, a bucket of its own) is not "
+                               "written yet")
+        dtypes = {self.catalog.tensors[TensorKey(n, MODULE)].dtype for n in self.catalog.order}
+        if len(dtypes) != 1:
+            raise ReshardError(f"parameters of several dtypes ({', '.join(sorted(dtypes))}): megatron-core keeps a "
+                               "grad buffer per dtype, not written yet")
+        self.model_dtype = dtypes.pop()
+        states = {TensorKey(n, s) in self.catalog.tensors for n in self.catalog.order
+                  for s in (MASTER, "exp_avg", "exp_avg_sq")}
+        if states != {True}:
+            raise ReshardError.at(self.catalog.root, "Megatron's optimizer state needs every parameter's fp32 master "
+                                  "and both Adam moments; this checkpoint lacks some")
+
+    def _params(self) -> list[Param]:
+        notes = self.catalog.notes
+        out = []
+        for name in self.rules.ordered(list(self.catalog.order)):
+            detail = notes.param_details(name) if notes is not None else {}
+            key, layer = detail.get("saved_as", name), detail.get("layer")
+            shape = tuple(self.catalog.tensors[TensorKey(name, MODULE)].shape)
+            cut = self.rules.tp_cut(name)
+            parts = 1
+            if cut is not None:
+                parts = cut.parts if cut.parts_when is None or self.args.get(cut.parts_when) else 1
+            param = Param(name, key, layer, shape, cut, parts)
+            self._check_cut(param)
+            out.append(param)
+        return out
+
+    def _check_cut(self, param: Param) -> None:
+        """The rule file's cut of `param` at the source's tp must be the boxes the source saved: a model the rules do
+        not describe is refused, not written with its tensors cut wrongly."""
+        tp = self.source.tp
+        ruled = {(tuple(at), tuple(size)) for rank in range(tp)
+                 for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, tp, rank)}
+        saved = set()
+        for fragment in self.catalog.tensors[TensorKey(param.name, MODULE)].fragments:
+            shard = fragment.shard or Shard.whole(param.shape)
+            saved |= {(tuple(b.at), tuple(b.shape)) for b in shard.blocks}
+        whole = {((0,) * len(param.shape), param.shape)}
+        if ruled != saved and saved != whole:      # (a tensor saved whole says nothing of its cut)
+            raise ReshardError.at(self.rules.path, f"{param.name}: the source saved it in boxes "
+                                  f"{sorted(saved)[:2]}..., this rule file cuts it at tp={tp} into "
+                                  f"{sorted(ruled)[:2]}...: its tensor-parallel layout is not the one described")
+
+    # -- files
+
+    def _file(self, rank: int) -> DistcpFile:
+        if rank not in self.files_by_rank:
+            self.files_by_rank[rank] = DistcpFile(f"{self.tag}/__{rank}_0.distcp")
+        return self.files_by_rank[rank]
+
+    def _chunk(self, rank: int, key: str, global_shape: tuple, dtype: str, offsets: tuple, sizes: tuple,
+               pieces: list) -> None:
+        file = self._file(rank)
+        offset, length = file.add_chunk(dtype, sizes, pieces)
+        self.meta.chunk(key, global_shape, dtype, offsets, sizes, os.path.basename(file.path), offset, length)
+
+    def _value(self, rank: int, key: str, value: object) -> None:
+        file = self._file(rank)
+        offset, length = file.add_value([value])     # dist_checkpointing saves a ShardedObject as [value]
+        self.meta.blob(key, os.path.basename(file.path), offset, length)
+
+    def _blob(self, rank: int, key: str) -> None:
+        blob = self.source_chunks.blob(key)
+        if blob is MISSING or not isinstance(blob, bytes):
+            raise CheckpointError(os.path.join(self.catalog.root, METADATA), f"{key}: cannot be read to copy")
+        file = self._file(rank)
+        offset, length = file.add_blob(blob)
+        self.meta.blob(key, os.path.basename(file.path), offset, length)
+
+    def files(self) -> list:
+        self._model_shaped({MODULE: ""})
+        if self.sharding in STATE_PREFIX:
+            self._model_shaped(STATE_PREFIX[self.sharding])
+        else:
+            self._buckets()
+        self._objects()
+        folder = self.tag
+        common = self._common()
+        iteration = 0 if self.tag == RELEASE else int(self.tag[len("iter_"):])
+        tensor_files = [self.files_by_rank[r] for r in sorted(self.files_by_rank)]
+        return [*tensor_files, common, TextFile(f"{folder}/{CONFIG}", json.dumps(BACKEND)),
+                TextFile(f"{folder}/{METADATA}", md.dumps(self.meta.build(self.tag))),
+                TextFile(TRACKER, RELEASE if self.tag == RELEASE else str(iteration))]
+
+    # -- tensors
+
+    def _stage(self, param: Param) -> int:
+        layers = int(self.args["num_layers"])
+        return next(s for s in range(self.grid.pp) if self.rules.on_stage(param.name, s, self.grid.pp, layers))
+
+    def _model_shaped(self, prefixes: Mapping[str, str]) -> None:
+        """The model's weights (`{MODULE: ""}`) or model-shaped optimizer states: per layer and tensor-parallel box one
+        chunk, written by that rank at data-parallel rank 0; a tensor every tp rank holds, by tp rank 0."""
+        layers = int(self.args["num_layers"])
+        for state, prefix in prefixes.items():
+            for param in self.params:
+                tensor = self.catalog.tensors[TensorKey(param.name, state)]
+                stage = self._stage(param)
+                key = prefix + param.key
+                global_shape = (layers, *param.shape) if param.layer is not None else param.shape
+                ranks = range(self.grid.tp) if param.cut is not None else range(1)
+                for tp_rank in ranks:
+                    for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts,
+                                                        self.grid.tp, tp_rank):
+                        whole = tuple(size) == param.shape
+                        pieces = [Piece(math.prod(size), (param.name, state), 0,
+                                        shard=None if whole else Shard.box(at, size))]
+                        offsets, sizes = (at, size) if param.layer is None else \
+                            ((param.layer, *at), (1, *size))
+                        self._chunk(self.grid.rank(tp_rank, 0, stage), key, global_shape, tensor.dtype,
+                                    tuple(offsets), tuple(sizes), pieces)
+
+    def _buckets(self) -> None:
+        """dp_reshardable: per model-parallel rank of the target its grad buffer's buckets laid out as megatron-core
+        lays them (buckets.lay_out over the params of its stage, each its local tensor-parallel part); per bucket
+        and state one flat tensor of the unpadded bucket, each data-parallel rank's part of each param a chunk (and
+        each gap, zeros), with per_bucket_numel(_unpadded)."""
+        grid, args = self.grid, self.args
+        grad = "float32" if args.get("grad_reduce_in_fp32") else self.model_dtype
+        dtypes = f"({TORCH_DTYPES[self.model_dtype]}, {TORCH_DTYPES[grad]})"
+        pair = (DType(TORCH_DTYPES[self.model_dtype].split(".")[1]), DType(TORCH_DTYPES[grad].split(".")[1]))
+        master = self.catalog.tensors[TensorKey(self.params[0].name, MASTER)].dtype
+        for pp_rank in range(grid.pp):
+            for tp_rank in range(grid.tp):
+                group = grid.group(tp_rank, pp_rank)
+                shards: dict[str, Shard] = {}
+                sizes = []
+                for param in self.params:
+                    if self._stage(param) != pp_rank:
+                        continue
+                    boxes = tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, grid.tp, tp_rank)
+                    shard = tp_boxes.local_shard(boxes, param.cut)
+                    shards[param.name] = shard
+                    sizes.append((param.name, tp_boxes.numel(shard)))
+                laid = buckets.lay_out(sizes, grid.dp, buckets.bucket_size(args, pp_rank, grid.dp), frozenset(),
+                                       bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+                owner = self.grid.rank(tp_rank, 0, pp_rank)
+                for index, bucket in enumerate(laid):
+                    starts = {p.name: p.start for p in bucket.params}
+                    for saved, state in BUCKET_STATES.items():
+                        key = f"{GROUP.format(group)}.gbuf_idx_0.dtype_{dtypes}.bucket_idx_{index}.{saved}"
+                        assert BUCKET.match(key), key
+                        for start, size, name in bucket.chunks(grid.dp):
+                            dp_rank = min(start // (bucket.numel // grid.dp), grid.dp - 1)
+                            if name is None:
+                                pieces = [Piece.zeros(size)]
+                            else:
+                                whole = shards[name].shape == self.catalog.tensors[TensorKey(name, MODULE)].shape
+                                pieces = [Piece(size, (name, state), start - starts[name],
+                                                shard=None if whole else shards[name])]
+                            self._chunk(grid.rank(tp_rank, dp_rank, pp_rank), key, (bucket.numel_unpadded,),
+                                        master, (start,), (size,), pieces)
+                counts = {"per_bucket_numel": [{pair: [b.numel for b in laid]}],
+                          "per_bucket_numel_unpadded": [{pair: [b.numel_unpadded for b in laid]}]}
+                for what, value in counts.items():
+                    self._value(owner, f"{GROUP.format(group)}.{what}/shard_0_1", value)
+                self._value(owner, f"{GROUP.format(group)}.optimizer/shard_0_1",
+                            {"param_groups": self._param_groups(with_step=True)})
+
+    # -- the optimizer's param groups and step
+
+    def _step(self) -> float:
+        steps = {float(s) for s in self.catalog.scalar_values("step")}
+        if len(steps) != 1:
+            raise ReshardError.at(self.catalog.root, f"optimizer steps {sorted(steps)}: Megatron's optimizer keeps "
+                                  "one step for every param group")
+        return steps.pop()
+
+    def _param_groups(self, with_step: bool) -> list[dict]:
+        groups = []
+        for group in self.catalog.param_groups:
+            plain = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**plain, "step": self._step()} if with_step else plain)
+        return groups
+
+    # -- objects and the common state
+
+    def _objects(self) -> None:
+        """The source's topology-free objects (layers' `_extra_state`) as they lie; its RNG state where tp and pp
+        are the source's."""
+        layers = int(self.args["num_layers"])
+        per_stage = layers // self.grid.pp
+        saved = self.source_meta.state_dict_metadata
+        keep_rng = (self.grid.tp, self.grid.pp) == (self.source.tp, self.source.pp) and not (
+            self.args.get("data_parallel_random_init") and self.grid.dp != self.source.dp) and all(
+            RNG.format(p, t, self.grid.pp, self.grid.tp) in saved for p in range(self.grid.pp)
+            for t in range(self.grid.tp))
+        self.rng = keep_rng
+        for key, entry in self.source_meta.state_dict_metadata.items():
+            if isinstance(entry, md.TensorStorageMetadata):
+                continue
+            extra = EXTRA_STATE.match(key)
+            if extra is not None:
+                stage = int(extra.group(1)) // per_stage if int(extra.group(2)) == layers else 0
+                self._blob(self.grid.rank(0, 0, stage), key)
+        if keep_rng:
+            for pp_rank in range(self.grid.pp):
+                for tp_rank in range(self.grid.tp):
+                    self._blob(self.grid.rank(tp_rank, 0, pp_rank), RNG.format(pp_rank, tp_rank, self.grid.pp,
+                                                                               self.grid.tp))
+
+    def _common(self) -> TorchFile:
+        """common.pt: the source's common state with the target's degrees in args, its optimizer's param groups and
+        step as the target's sharding keeps them, and content_metadata naming that sharding."""
+        grid, sharding = self.grid, self.sharding
+        args = {**self.args, "tensor_model_parallel_size": grid.tp, "pipeline_model_parallel_size": grid.pp,
+                "data_parallel_size": grid.dp, "world_size": grid.tp * grid.pp * grid.dp,
+                "use_distributed_optimizer": sharding != PLAIN,
+                "dist_ckpt_optim_fully_reshardable": sharding == FULLY_RESHARDABLE}
+        if not self.rng:
+            args["no_save_rng"] = True
+        namespace = Namespace()
+        namespace.__dict__.update(args)
+        content = {k: v for k, v in (self.common.get("content_metadata") or {}).items()
+                   if not k.startswith("distrib_optim_")}
+        file = TorchFile(f"{self.tag}/{COMMON}", archive="common")
+        if sharding == PLAIN:
+            step = file.slot("float32", (), [Piece(1, None, value=self._step())])
+            optimizer: dict = {"optimizer": {"param_groups": self._param_groups(with_step=False),
+                                             "state": {"common_step": step}}}
+        elif sharding == FULLY_RESHARDABLE:
+            content.update(distrib_optim_sharding_type=sharding, distrib_optim_fully_reshardable_mem_efficient=False)
+            optimizer = {"optimizer": {"param_groups": self._param_groups(with_step=True)},
+                         "param_state_sharding_type": sharding}
+        else:
+            content.update(distrib_optim_sharding_type=sharding)
+            optimizer = {"param_state_sharding_type": sharding}
+        file.tree = {**self.common, "args": namespace, "optimizer": optimizer, "content_metadata": content}
+        return file

@@ -1,0 +1,163 @@
+"""Load Megatron torch_dist saves in the real megatron-core 0.16.1 at their topology (torchrun, gloo, CPU).
+
+    torchrun --nproc_per_node 2 tests/megatron_load.py JOBS.json RESULTS.json
+
+JOBS.json lists {"label", "save": a Megatron-LM save dir, "tp", "pp", "truth": a truth.safetensors, "step": the
+optimizer step it holds}. For each job every rank makes the model parallel groups at tp, pp (dp: what the 2 ranks
+leave), builds the fixtures' GPTModel with Megatron's optimizer as tools/fixture_megatron_core.py does (the
+distributed optimizer where the save's content_metadata names a sharding type), and loads the save as Megatron-LM's
+load_checkpoint does at torch_dist: the common state's args must name this tp and pp; the model's and optimizer's
+sharded state dicts built with the save's content_metadata, the RNG state asked for unless args.no_save_rng, then
+`dist_checkpointing.load`, `load_state_dict` of model, optimizer and scheduler. The live model and optimizer (the
+distributed optimizer asked for its model-space form) are then gathered and compared with the truth bit for bit, and
+one more training step runs. Rank 0 writes {"label", "loaded", "error", "problems": [...], "step", "losses",
+"moved"} per job: `error` is the first line of what Megatron raised where the load failed.
+"""
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+from torchrun_jobs import run_rank  # noqa: E402
+
+
+def main(jobs_path, results_path):
+    import megatron_cpu
+    megatron_cpu.install()
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    import fixture_megatron_core as fixture
+
+    dist.init_process_group("gloo")
+    try:
+        results = []
+        for job in json.loads(open(jobs_path).read()):
+            results.append(_job(job, fixture))
+            mpu.destroy_model_parallel()
+            dist.barrier()
+        if dist.get_rank() == 0:
+            with open(results_path, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:    # the torch_dist loader's helper processes would hold torchrun's output pipes open
+        fixture.end_helpers()
+
+
+def _job(job, fixture) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state as mpu, tensor_parallel
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    save = job["save"]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        folder = os.path.join(save, f"iter_{int(f.read().strip()):07d}")
+    out = {"label": job["label"], "loaded": False, "error": None, "problems": []}
+    common = dist_checkpointing.load_common_state_dict(folder)
+    args = common["args"]
+    # Megatron-LM's load_checkpoint refuses args of another tp or pp (and then ignores the RNG state)
+    if (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) != (job["tp"], job["pp"]):
+        out["problems"].append(f"args name tp={args.tensor_model_parallel_size}, pp="
+                               f"{args.pipeline_model_parallel_size}, not the run's {job['tp']}, {job['pp']}")
+    content = dist_checkpointing.load_content_metadata(folder) or {}
+    distributed = "distrib_optim_sharding_type" in content
+    config, model, ddp, optimizer, scheduler = fixture.build(job["tp"], job["pp"], distributed)
+    _zero_state(optimizer)
+    sd_metadata = {**content, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+    state_dict = {"model": model.sharded_state_dict(metadata=sd_metadata)}
+    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=True, metadata=sd_metadata)
+    if not getattr(args, "no_save_rng", False):
+        state_dict["rng_state"] = fixture.rng_state(mpu, tensor_parallel)
+    try:
+        with torch.no_grad():
+            loaded = dist_checkpointing.load(state_dict, folder)
+        model.load_state_dict(loaded["model"], strict=False)
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    # the negative control's expected failure (DCP raises CheckpointException, a BaseException)
+    except (Exception, CheckpointException) as e:
+        lines = [line.strip() for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
+        # DCP's CheckpointException carries each rank's traceback: its last line is what Megatron raised
+        out["error"] = lines[-1][:400]
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, out["error"])
+        return out
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None)
+    failed = [e for e in errors if e]
+    if failed:
+        out["error"] = failed[0]
+        return out
+    out["loaded"] = True
+    groups = [None] * dist.get_world_size()
+    dist.all_gather_object(groups, sorted({float(g["step"]) for g in _inner(optimizer).param_groups if "step" in g}))
+    out["group_step"] = sorted({s for rank in groups for s in rank})
+    if distributed:
+        _steps_from_groups(optimizer)
+    plain = {k: v for k, v in sd_metadata.items() if not k.startswith("distrib_optim")}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, fixture.live_pieces(model, optimizer, plain, distributed))
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, _steps(optimizer))
+    out["step"] = sorted({s for rank in steps for s in rank})
+    if dist.get_rank() == 0:
+        got = fixture.assemble(gathered)
+        truth = load_file(job["truth"])
+        for key in sorted(set(truth) | set(got)):
+            if key not in got or key not in truth:
+                out["problems"].append(f"{key}: {'not loaded' if key not in got else 'not in the truth'}")
+            elif got[key].dtype != truth[key].dtype or not torch.equal(got[key], truth[key]):
+                out["problems"].append(f"{key}: differs from the truth")
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, fixture.train(config, ddp, optimizer, scheduler, 1, seed=11))
+    out["losses"] = [x for rank in losses for x in rank]
+    out["moved"] = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, _steps(optimizer))
+    out["step_after"] = sorted({s for rank in steps for s in rank})
+    return out
+
+
+def _inner(optimizer):
+    return optimizer.optimizer
+
+
+def _zero_state(optimizer) -> None:
+    """Zero Adam state before a load, as a resumed run that never stepped holds none: the distributed optimizer's
+    state_dict() (which its sharded_state_dict calls) wants one step count."""
+    import torch
+    inner = _inner(optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if not inner.state[p]:
+                inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                                      exp_avg_sq=torch.zeros_like(p.data))
+
+
+def _steps_from_groups(optimizer) -> None:
+    """Test-only, as the CPU shim's: give torch's AdamW, which megatron-core falls back to without Transformer Engine
+    or Apex, the step the distributed optimizer restored into its param groups (where TE's and Apex's FusedAdam
+    keep it). Without it the load leaves every parameter's step at the placeholder it was given before the load (its
+    dp_reshardable path copies the placeholder back) and one step tensor shared by all parameters."""
+    import torch
+    inner = _inner(optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def _steps(optimizer) -> list:
+    """The Adam step counts this rank's optimizer holds (one per parameter)."""
+    inner = _inner(optimizer)
+    return sorted({float(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]
+                   if "step" in inner.state[p]})
+
+
+if __name__ == "__main__":
+    run_rank(main, *sys.argv[1:3])

@@ -1,0 +1,174 @@
+"""Megatron torch_dist output (`convert` of a Megatron save to another tp, pp, dp or optimizer sharding), proven by
+megatron-core 0.16.1 itself: each conversion of the fixtures (fixtures/megatron_core/, real saves) is loaded by
+`dist_checkpointing.load` into Megatron's GPTModel and optimizer built at the target topology (tests/megatron_load.py,
+2 ranks, one launch for every job), and the live model's weights, fp32 masters, both Adam moments and the step are
+the truth taken from the live run at save time, bit for bit; one more training step runs.
+
+Negative controls: Megatron's own load of the dp_reshardable fixture at another tp fails (what makes the writer
+necessary); a conversion with one element changed loads, and the comparison names that tensor.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+import reshard
+from conftest import FIXTURES, fixture_dir, run_cli, write_in_zip
+from engine_launches import shares
+from reshard.convert import make_plan
+from reshard.core.catalog import TensorKey
+from reshard.errors import ReshardError, UsageError
+from reshard.executor import execute
+from reshard.formats.dcp import metadata as dcp_metadata
+from reshard.formats.megatron.pickles import METADATA_ALLOWED
+
+ROOT = FIXTURES / "megatron_core"
+# (fixture, --to): tp, pp and dp changed, every optimizer sharding written, from every sharding read
+CONVERSIONS = [
+    ("mcore_dp_reshardable_tp2_dp2", "tp=1,pp=2,dp=1"),                          # dp_reshardable, tp 2->1, pp 1->2
+    ("mcore_dp_reshardable_tp2_pp2_dp2", "tp=1,pp=1,dp=2"),                      # tp and pp to 1
+    ("mcore_fully_reshardable_tp2_dp2", "tp=1,pp=2,dp=1"),                       # -> dp_reshardable (the default)
+    ("mcore_plain_tp2_pp2", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),           # plain -> distributed, dp 1->2
+    ("mcore_dp_reshardable_tp2_dp2", "tp=2,pp=1,dp=1,sharding=plain"),           # distributed -> plain, RNG kept
+    ("mcore_dp_reshardable_tp2_pp2_dp2", "tp=1,pp=2,dp=1,sharding=fully_reshardable"),
+    ("mcore_plain_tp2_pp2", "tp=2,pp=1,dp=1"),                                   # plain stays plain
+]
+CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
+
+
+def _ids():
+    return [f"{name.removeprefix('mcore_')}-{to}" for name, to in CONVERSIONS]
+
+
+def _degrees(to: str) -> dict:
+    return {k: int(v) for k, v in (item.split("=") for item in to.split(",")) if k in ("tp", "pp", "dp")}
+
+
+def _convert(name: str, to: str, dst) -> None:
+    execute(make_plan(reshard.open_checkpoint(str(ROOT / name / "save")), to), str(dst), progress=False)
+
+
+def _change_one_element(save, name: str) -> None:
+    """One element of `name`'s exp_avg in the written files changed (its zip member's CRC-32 made to match, as a
+    writer that saved another value would have written it)."""
+    catalog = reshard.open_checkpoint(str(save))
+    fragment = catalog.tensors[TensorKey(name, "exp_avg")].fragments[0]
+    path = fragment.storage.file
+    meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"), METADATA_ALLOWED)
+    at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)
+    start, length = next((info.offset, info.length) for info in meta.storage_data.values()
+                         if info.relative_path == os.path.basename(path) and info.offset <= at < info.offset
+                         + info.length)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    item = save.parent / "item.zip"
+    item.write_bytes(bytes(data[start:start + length]))
+    value = bytes(b ^ 0x40 for b in data[at:at + 4])
+    write_in_zip(item, at - start, value)
+    data[start:start + length] = item.read_bytes()
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@shares("megatron_load.py")
+def megatron_load_jobs(out):
+    """Every conversion, the changed one and Megatron's own load of a dp_reshardable save at another tp: 2 ranks."""
+    jobs = []
+    for index, (name, to) in enumerate(CONVERSIONS):
+        dst = out / f"conversion-{index}"
+        _convert(name, to, dst)
+        degrees = _degrees(to)
+        jobs.append({"label": f"{name}:{to}", "save": str(dst), "tp": degrees["tp"], "pp": degrees["pp"],
+                     "truth": str(ROOT / name / "truth.safetensors")})
+    name, to = CONVERSIONS[0]
+    changed = out / "changed" / "save"
+    _convert(name, to, changed)
+    _change_one_element(changed, CHANGED)
+    jobs.append({"label": "changed", "save": str(changed), "tp": 1, "pp": 2,
+                 "truth": str(ROOT / name / "truth.safetensors")})
+    jobs.append({"label": "megatron itself", "save": str(ROOT / name / "save"), "tp": 1, "pp": 1,
+                 "truth": str(ROOT / name / "truth.safetensors")})
+    return [(2, None, job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def loaded(engine_launches):
+    return {r["label"]: r for r in engine_launches.results(megatron_load_jobs)}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", CONVERSIONS, ids=_ids())
+def test_megatron_loads_the_conversion_as_the_truth_and_trains_on(name, to, loaded):
+    result = loaded[f"{name}:{to}"]
+    assert result["loaded"] and result["error"] is None, result
+    assert result["problems"] == [], result["problems"]      # every weight, master and moment bit for bit
+    step = json.loads((ROOT / name / "truth.json").read_text())["step"]
+    plain = "sharding=plain" in to or ("plain" in name and "sharding=" not in to)
+    assert result["step"] == step and result["group_step"] == ([] if plain else step)
+    assert result["losses"] and all(math.isfinite(x) for x in result["losses"])
+    assert result["moved"] and result["step_after"] == [step[0] + 1]
+
+
+@pytest.mark.engine
+def test_megatron_itself_cannot_load_dp_reshardable_at_another_tp(loaded):
+    result = loaded["megatron itself"]
+    assert not result["loaded"]
+    assert "Global shape mismatch" in result["error"] and "bucket_idx_0.param" in result["error"], result["error"]
+
+
+@pytest.mark.engine
+def test_a_changed_element_is_found_in_what_megatron_loaded(loaded):
+    result = loaded["changed"]
+    assert result["loaded"] and result["problems"] == [f"exp_avg/{CHANGED}: differs from the truth"], result
+
+
+# -- reshard's own checks of the output (no engine)
+
+def test_the_output_reads_back_equal_and_names_the_target(tmp_path):
+    name, to = CONVERSIONS[3]
+    _convert(name, to, tmp_path / "out")
+    info = reshard.inspect(reshard.open_checkpoint(str(tmp_path / "out")))
+    assert (info.topology["tp"], info.topology["pp"], info.topology["dp"]) == (1, 1, 2)
+    assert info.options["sharding"] == "dp_reshardable" and info.tag == "iter_0000003" and info.problems == 0
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    diff = run_cli("diff", ROOT / name / "save", tmp_path / "out", check=0)
+    assert "no difference" in diff.stdout
+
+
+def test_what_megatron_cannot_take_is_refused_in_one_line(tmp_path):
+    save = reshard.open_checkpoint(str(ROOT / "mcore_dp_reshardable_tp2_dp2" / "save"))
+    for to, words in (("tp=3", "tp=3"), ("pp=3", "pipeline stages"), ("sharding=zero", "sharding is")):
+        with pytest.raises((ReshardError, UsageError)) as refused:
+            make_plan(save, to)
+        assert words in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(UsageError, match="iter_NNNNNNN"):
+        make_plan(save, "tp=1", tag_out="step3")
+    deepspeed = run_cli("convert", fixture_dir("z2_fp32_dp2"), tmp_path / "x", "--format", "megatron", "--to", "dp=1")
+    assert deepspeed.returncode != 0 and "needs a Megatron source" in deepspeed.stderr
+    assert len(deepspeed.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_round_trip_through_tp1_writes_megatrons_own_keys_and_chunks(tmp_path):
+    """tp=2·pp=2·dp=2 -> tp=1 -> tp=2·pp=2·dp=2 again: every tensor key, global shape and chunk box of megatron-core's
+    own save (its dp_reshardable buckets' per-rank cuts included), and the same elements; only the RNG state is left
+    out, as it is on any change of tp or pp."""
+    name = "mcore_dp_reshardable_tp2_pp2_dp2"
+    _convert(name, "tp=1", tmp_path / "tp1")
+    execute(make_plan(reshard.open_checkpoint(str(tmp_path / "tp1")), "tp=2,pp=2,dp=2"), str(tmp_path / "back"),
+            progress=False)
+    original, back = (dcp_metadata.read(str(folder / "iter_0000003" / ".metadata"), METADATA_ALLOWED)
+                      for folder in (ROOT / name / "save", tmp_path / "back"))
+
+    def boxes(meta):
+        return {key: (tuple(entry.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks))
+                if isinstance(entry, dcp_metadata.TensorStorageMetadata) else None
+                for key, entry in meta.state_dict_metadata.items()}
+    ours, megatrons = boxes(back), boxes(original)
+    assert {k for k in megatrons if k not in ours} == {f"rng_state/shard_{p}.{t}_2.2" for p in (0, 1) for t in (0, 1)}
+    assert ours == {k: v for k, v in megatrons.items() if not k.startswith("rng_state/")}
+    assert "no difference" in run_cli("diff", ROOT / name / "save", tmp_path / "back", check=0).stdout
