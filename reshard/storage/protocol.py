@@ -11,6 +11,9 @@ Reading (SourceStorage), any number of times, in any order, then `close()` once:
   done_with(path, offset, n)                               a hint: these bytes are not read again (drop them from
                                                            any cache)
   size(path)
+  mapped(path)                                             does view(path) cost nothing until its bytes are
+                                                           touched (a memory map)? Where not (object storage),
+                                                           big reads are positioned reads instead
 
 Writing an output (OutputStorage), in this order:
   1. lock(path)                                one writer per destination; `release()` the handle it returns last
@@ -27,7 +30,28 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Protocol
+from typing import IO, Any, Protocol
+
+
+class FileTree(Protocol):
+    """Files by path, as the readers see them (reshard.storage.files dispatches a path to one): what os.path
+    answers on a local disk, an object store's listing and HEAD requests for s3:// URLs."""
+
+    def exists(self, path: str) -> bool: ...
+
+    def isdir(self, path: str) -> bool: ...
+
+    def isfile(self, path: str) -> bool: ...
+
+    def islink(self, path: str) -> bool: ...
+
+    def listdir(self, path: str) -> list[str]: ...
+
+    def getsize(self, path: str) -> int: ...
+
+    def mtime_ns(self, path: str) -> int: ...
+
+    def open(self, path: str, mode: str = "r", newline: str | None = None) -> IO[Any]: ...
 
 
 class SourceStorage(Protocol):
@@ -42,6 +66,8 @@ class SourceStorage(Protocol):
     def done_with(self, path: str, offset: int, nbytes: int) -> None: ...
 
     def size(self, path: str) -> int: ...
+
+    def mapped(self, path: str) -> bool: ...   # view(path) costs nothing until touched (a map), not a download
 
     def close(self) -> None: ...
 

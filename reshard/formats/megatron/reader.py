@@ -56,6 +56,7 @@ from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopo
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import DType, TensorRef, load as load_pickle
 from reshard.source_bytes import read_scalar
+from reshard.storage import files as fs
 
 FORMAT = "megatron"
 OPTIONS = TagOption
@@ -80,13 +81,13 @@ LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no v
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return False
     if tag is not None:
         return _is_iteration_dir(os.path.join(path, tag))
-    if os.path.isfile(os.path.join(path, TRACKER)) or _is_iteration_dir(path):
+    if fs.isfile(os.path.join(path, TRACKER)) or _is_iteration_dir(path):
         return True
-    return any(ITERATION.match(n) and _is_iteration_dir(os.path.join(path, n)) for n in os.listdir(path))
+    return any(ITERATION.match(n) and _is_iteration_dir(os.path.join(path, n)) for n in fs.listdir(path))
 
 
 def _is_iteration_dir(path: str) -> bool:
@@ -97,7 +98,7 @@ def _is_iteration_dir(path: str) -> bool:
 
 def _config(path: str):
     try:
-        with open(path) as f:
+        with fs.open(path) as f:
             return json.loads(f.read(1 << 16))
     except (OSError, ValueError):
         return None
@@ -105,16 +106,16 @@ def _config(path: str):
 
 def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
     """(iteration folder, save dir or None, its name) of the checkpoint at `path`."""
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     if tag is not None:
         return os.path.join(path, tag), path, tag
     if _is_iteration_dir(path):
         parent = os.path.dirname(path)
-        return path, parent if os.path.isfile(os.path.join(parent, TRACKER)) else None, os.path.basename(path)
+        return path, parent if fs.isfile(os.path.join(parent, TRACKER)) else None, os.path.basename(path)
     tracker = os.path.join(path, TRACKER)
-    if not os.path.isfile(tracker):
+    if not fs.isfile(tracker):
         raise CheckpointError(tracker, "missing: name the iteration folder (--tag iter_NNNNNNN or its path)")
-    with open(tracker) as f:
+    with fs.open(tracker) as f:
         text = f.read(64).strip()
     if text == RELEASE:
         name = RELEASE
@@ -123,7 +124,7 @@ def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
     else:
         raise CheckpointError(tracker, f"holds {text[:20]!r}, not an iteration number")
     folder = os.path.join(path, name)
-    if not os.path.isdir(folder):
+    if not fs.isdir(folder):
         raise CheckpointError(folder, f"missing: {TRACKER} names iteration {text}")
     return folder, path, name
 
@@ -154,15 +155,15 @@ class _Reader:
             raise CheckpointError(os.path.join(folder, CONFIG), f"sharded backend {backend!r}: only torch_dist "
                                   "saves are read")
         common_path = os.path.join(folder, COMMON)
-        if not os.path.isfile(common_path):
-            if os.path.isfile(self.meta_path) and "common_backend" not in config:
+        if not fs.isfile(common_path):
+            if fs.isfile(self.meta_path) and "common_backend" not in config:
                 raise CheckpointError(folder, "megatron-core 0.19's layout (the common state inside the DCP "
                                       "checkpoint, no common.pt) is not read yet")
             raise CheckpointError(common_path, "missing: every torch_dist save of megatron-core 0.16 writes it")
         common = load_pickle(common_path, allowed=COMMON_ALLOWED)
         if not isinstance(common, dict):
             raise CheckpointError(common_path, f"holds a {type(common).__name__}, not the common state dict")
-        if not os.path.isfile(self.meta_path):
+        if not fs.isfile(self.meta_path):
             raise CheckpointError(self.meta_path, "missing: DCP writes .metadata last, so the save did not finish")
         meta = md.read(self.meta_path, METADATA_ALLOWED)
         self.common, self.common_path = common, common_path
@@ -261,7 +262,7 @@ class _Reader:
         """The iteration folder's files (the save dir's tracker names the latest iteration; it is no part of one)."""
         out = []
         for name, role in ((CONFIG, "config"), (COMMON, "common")):
-            out.append(FileInfo(name, role, None, os.path.getsize(os.path.join(self.folder, name))))
+            out.append(FileInfo(name, role, None, fs.getsize(os.path.join(self.folder, name))))
         return out + chunks.files()
 
     # -- tensors
