@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import os
 import sys
 import tempfile
@@ -17,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import s3_server  # noqa: E402
+import s3_server
 
 PART = 8 << 20
 IN_FLIGHT = 8
@@ -112,8 +113,8 @@ def main() -> None:
         print(f"{'client':8} {'GET MB/s':>9} {'GET cpu s':>10} {'PUT MB/s':>9} {'PUT cpu s':>10}")
         for name, (get, put) in CLIENTS.items():
             try:
-                puts = [_timed(lambda: put(server, f"{name}-{i}", data)) for i in range(args.repeat)]
-                gets = [_timed(lambda: get(server, f"{name}-0", len(data))) for _ in range(args.repeat)]
+                puts = [_timed(functools.partial(put, server, f"{name}-{i}", data)) for i in range(args.repeat)]
+                gets = [_timed(functools.partial(get, server, f"{name}-0", len(data))) for _ in range(args.repeat)]
             except Exception as e:     # a client that cannot talk to the server is reported, not fatal
                 print(f"{name:8} failed: {type(e).__name__}: {e}")
                 continue

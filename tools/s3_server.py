@@ -159,3 +159,9 @@ def _client(server: Server):
     env = server.env()
     return boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=REGION)
+
+
+def uploads(server: Server, prefix: str) -> list:
+    """The keys of multipart uploads begun under `prefix` and neither completed nor aborted."""
+    answer = _client(server).list_multipart_uploads(Bucket=server.bucket, Prefix=prefix)
+    return sorted(u["Key"] for u in answer.get("Uploads", ()))

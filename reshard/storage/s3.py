@@ -358,9 +358,9 @@ class UploadStream(io.RawIOBase):
         while len([job for job in self._sent if not job.done()]) >= UPLOADS_IN_FLIGHT:
             next(job for job in self._sent if not job.done()).result()
         number, part, self._part = len(self._sent) + 1, bytes(self._part), bytearray()
-        self._sent.append(self._pool.submit(self._put_part, number, part))
+        self._sent.append(self._pool.submit(self.send_part, number, part))
 
-    def _put_part(self, number: int, part: bytes) -> dict:
+    def send_part(self, number: int, part: bytes) -> dict:
         with errors(self.name):
             etag = client().upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload,
                                         PartNumber=number, Body=part)["ETag"]

@@ -1,0 +1,130 @@
+"""Checkpoints in object storage: every command given an s3:// URL, against a real S3 server (SeaweedFS `weed
+mini`, conftest.s3_server), with boto3 itself (tools/s3_server.py: upload, download) putting the sources there and
+fetching the results for the real consumers. The engine's resume of what was converted in the bucket is in
+tests/test_s3_engine.py.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import s3_server as servers
+from conftest import REPO, fixture_dir, run_cli, truth_tensors
+
+pytestmark = pytest.mark.s3
+FIXTURE = "z2_fp32_dp2"
+
+
+@pytest.fixture(scope="module")
+def source(s3_server):
+    """The fixture's save dir uploaded (by boto3) under src/; its URL."""
+    return servers.upload(s3_server, str(fixture_dir(FIXTURE)), f"src/{FIXTURE}")
+
+
+def _same(remote, url, local, folder) -> None:
+    """The command's output for the URL is its output for the local copy, the names aside."""
+    assert remote.returncode == local.returncode == 0, remote.stderr + local.stderr
+    assert remote.stdout.replace(url, "SRC") == local.stdout.replace(str(folder), "SRC")
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["validate", "--deep", "--checksums"], ["inspect", "--json"]])
+def test_inspect_and_validate_read_a_bucket_as_they_read_a_disk(s3, source, command):
+    folder = fixture_dir(FIXTURE)
+    _same(run_cli(*command, source), source, run_cli(*command, folder), folder)
+
+
+def test_plan_from_a_bucket_is_the_plan_from_disk(s3, source):
+    folder = fixture_dir(FIXTURE)
+    remote, local = (run_cli("plan", where, "--to", "dp=3", check=0) for where in (source, folder))
+    free = [line for line in remote.stdout.splitlines() if not line.startswith("disk ")]
+    assert free == [line for line in local.stdout.replace(str(folder), source).splitlines()
+                    if not line.startswith("disk ")]
+
+
+def test_diff_of_a_bucket_and_its_local_copy_finds_them_equal(s3, source):
+    proc = run_cli("diff", source, fixture_dir(FIXTURE), "--json", check=0)
+    assert json.loads(proc.stdout)["equal"] is True
+
+
+def _digests(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in folder.rglob("*") if p.is_file() and p.name != "reshard-manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The local conversion every other route must equal, byte for byte."""
+    out = tmp_path_factory.mktemp("s3-reference") / "dp3"
+    run_cli("convert", fixture_dir(FIXTURE), out, "--to", "dp=3", "--quiet", check=0)
+    return _digests(out)
+
+
+def test_convert_bucket_to_bucket_to_disk_and_disk_to_bucket_write_the_same_bytes(s3, source, reference, tmp_path):
+    run_cli("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet", check=0)
+    run_cli("convert", fixture_dir(FIXTURE), s3.url("out/disk-to-s3"), "--to", "dp=3", "--quiet", check=0)
+    run_cli("convert", source, tmp_path / "s3-to-disk", "--to", "dp=3", "--quiet", check=0)
+    assert _digests(tmp_path / "s3-to-disk") == reference
+    for prefix in ("out/s3-to-s3", "out/disk-to-s3"):
+        keys = servers.download(s3, prefix, str(tmp_path / prefix))
+        assert f"{prefix}/reshard-manifest.json" in keys
+        assert _digests(tmp_path / prefix) == reference, prefix
+        assert not [k for k in servers.keys(s3, "out/") if "reshard-tmp" in k or "reshard-lock" in k]
+        # validate --checksums re-reads every object against the manifest
+        run_cli("validate", "--checksums", s3.url(prefix), check=0)
+
+
+def test_export_from_a_bucket_is_what_from_pretrained_reads(s3, source, tmp_path):
+    run_cli("export", source, tmp_path / "s3.safetensors", "--quiet", check=0)
+    run_cli("export", fixture_dir(FIXTURE), tmp_path / "disk.safetensors", "--quiet", check=0)
+    ours, theirs, truth = (load_file(str(tmp_path / "s3.safetensors")), load_file(str(tmp_path / "disk.safetensors")),
+                           truth_tensors(FIXTURE))
+    assert ours.keys() == theirs.keys() and ours
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]), key
+        if f"module/{key}" in truth:
+            assert torch.equal(value, truth[f"module/{key}"]), key
+
+
+def _one_line(proc, url: str) -> str:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert url in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.parametrize("variable", ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"])
+def test_wrong_credentials_are_one_line_naming_the_url(s3, source, monkeypatch, variable):
+    monkeypatch.setenv(variable, "wrong")
+    assert "access denied" in _one_line(run_cli("inspect", source), source)
+
+
+def test_no_such_bucket_is_one_line_naming_the_url(s3, tmp_path):
+    url = "s3://reshard-no-such-bucket/run"
+    assert "no such bucket" in _one_line(run_cli("inspect", url), url)
+    assert "no such bucket" in _one_line(run_cli("convert", fixture_dir(FIXTURE), url, "--to", "dp=1"), url)
+
+
+def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes_it(s3, source, reference, tmp_path):
+    """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small): nothing at
+    the destination, validate refuses it, an upload was left open; --resume completes it byte for byte and
+    leaves no staging object and no open upload."""
+    dst = s3.url("out/killed")
+    killed = subprocess.run([sys.executable, str(REPO / "tests" / "s3_kill_driver.py"), "3",
+                             "convert", source, dst, "--to", "dp=3", "--quiet"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert killed.returncode == -9, killed.stderr
+    assert servers.keys(s3, "out/killed/") == []
+    assert servers.uploads(s3, "out/"), "the kill was not mid-upload"
+    _one_line(run_cli("validate", dst), dst)
+    run_cli("convert", source, dst, "--to", "dp=3", "--quiet", "--resume", check=0)
+    run_cli("validate", "--checksums", dst, check=0)
+    servers.download(s3, "out/killed", str(tmp_path / "killed"))
+    assert _digests(tmp_path / "killed") == reference
+    assert servers.uploads(s3, "out/") == []
+    assert not [k for k in servers.keys(s3, "out/") if "killed.reshard" in k]
