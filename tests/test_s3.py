@@ -128,3 +128,42 @@ def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes
     assert _digests(tmp_path / "killed") == reference
     assert servers.uploads(s3, "out/") == []
     assert not [k for k in servers.keys(s3, "out/") if "killed.reshard" in k]
+
+
+def _dcp_loaded(where) -> dict:
+    """dcp.load (torch's own) of everything the checkpoint at `where` serves, through reshard.dcp_reader.Reader,
+    into tensors of the metadata's shapes filled with NaN."""
+    import torch.distributed.checkpoint as dcp
+
+    import reshard.dcp_reader
+    metadata = reshard.dcp_reader.Reader(where).read_metadata()
+    flat = {key: torch.full(tuple(m.size), float("nan"), dtype=m.properties.dtype)
+            if m.properties.dtype.is_floating_point else torch.zeros(tuple(m.size), dtype=m.properties.dtype)
+            for key, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+    dcp.load(flat, storage_reader=reshard.dcp_reader.Reader(where))
+    return flat
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_load_through_the_reader_from_a_bucket_gives_the_engine_truth(s3, source, monkeypatch):
+    ours, theirs, truth = _dcp_loaded(source), _dcp_loaded(fixture_dir(FIXTURE)), truth_tensors(FIXTURE)
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        torch.testing.assert_close(value, theirs[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    masters = {k.split("/", 1)[1]: v for k, v in truth.items() if k.startswith("fp32/")}
+    assert masters and all(torch.equal(ours[f"model.{name}"], value) for name, value in masters.items())
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")      # the control: the same URL, refused
+    import reshard.dcp_reader
+    from reshard.errors import ReshardError
+    with pytest.raises(ReshardError, match="access denied"):
+        reshard.dcp_reader.Reader(source)
+
+
+def test_reshard_imports_no_s3_client_until_a_url_is_used():
+    """The base install needs no boto3: `import reshard` and a local command import none of it."""
+    code = ("import sys; import reshard, reshard.api, reshard.cli; from reshard.cli import main; "
+            f"main(['inspect', {str(fixture_dir(FIXTURE))!r}]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
