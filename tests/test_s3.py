@@ -167,3 +167,15 @@ def test_reshard_imports_no_s3_client_until_a_url_is_used():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
+
+
+def test_a_destination_another_writer_holds_is_refused(s3, source):
+    """The lock object (a conditional PUT) of a convert running on another host: refused in one line, nothing
+    written."""
+    dst, lock = s3.url("out/locked"), "out/.locked.reshard-lock"
+    servers.put(s3, lock, json.dumps({"host": "another-host", "pid": 1}).encode())
+    try:
+        assert "another reshard is writing it" in _one_line(run_cli("convert", source, dst, "--to", "dp=1"), dst)
+        assert servers.keys(s3, "out/locked") == []
+    finally:
+        servers.delete(s3, lock)

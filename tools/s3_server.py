@@ -165,3 +165,11 @@ def uploads(server: Server, prefix: str) -> list:
     """The keys of multipart uploads begun under `prefix` and neither completed nor aborted."""
     answer = _client(server).list_multipart_uploads(Bucket=server.bucket, Prefix=prefix)
     return sorted(u["Key"] for u in answer.get("Uploads", ()))
+
+
+def put(server: Server, key: str, data: bytes) -> None:
+    _client(server).put_object(Bucket=server.bucket, Key=key, Body=data)
+
+
+def delete(server: Server, key: str) -> None:
+    _client(server).delete_object(Bucket=server.bucket, Key=key)
