@@ -211,7 +211,7 @@ def _disk_crc(path: str, start: int, stop: int, fds: dict) -> int:
     f = fds.get(path)
     if f is None:
         try:
-            f = fds[path] = fs.open(path, "rb")
+            f = fds[path] = fs.open(path, "rb", buffering=0)   # exactly the bytes no block read
         except OSError as e:
             raise CheckpointError(path, f"cannot read: {e.strerror}") from None
     crc = 0

@@ -350,6 +350,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     storage_out: OutputStorage = output or output_for(path)
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
+    sources.will_read(plan.source_reads())
     try:
         # (a WriteStream is written as a binary file: the containers' zip and header writers take it as one)
         with ThreadPoolExecutor(max_workers=1) as reader, storage_out.stream(path, plan.size) as stream, \

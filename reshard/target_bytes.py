@@ -180,6 +180,11 @@ class SourceFiles:
             finally:
                 del block, view     # the window's views go before it does
 
+    def will_read(self, reads: dict) -> None:
+        """{path: byte ranges} about to be read (FilePlan.source_reads): a hint to the storage."""
+        for path, ranges in reads.items():
+            self._files.will_read(path, ranges)
+
     def close(self) -> None:
         self._files.close()
 

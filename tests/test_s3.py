@@ -179,3 +179,33 @@ def test_a_destination_another_writer_holds_is_refused(s3, source):
         assert servers.keys(s3, "out/locked") == []
     finally:
         servers.delete(s3, lock)
+
+
+def test_a_convert_fetches_each_source_byte_once_joining_adjacent_reads(s3, source, tmp_path):
+    """The GETs a convert makes (counted on the client's own event hook): no two ranges of an object overlap,
+    and reads side by side share a request (fewer GETs than reads; each range only what is read)."""
+    import reshard
+    from reshard.convert import make_plan
+    from reshard.executor import execute
+    from reshard.storage import s3 as objects
+    plan = make_plan(reshard.open_checkpoint(source), "dp=3")
+    reads = sum(len(r) for f in plan.files for r in f.source_reads().values())
+    gets = []
+
+    def note(params, **_):
+        gets.append((params["url_path"], params["headers"].get("Range")))     # (the request as it is sent)
+    client = objects.client()
+    client.meta.events.register("before-call.s3.GetObject", note)
+    try:
+        execute(plan, str(tmp_path / "out"), progress=False)
+    finally:
+        client.meta.events.unregister("before-call.s3.GetObject", note)
+    by_key = {}
+    for key, text in gets:
+        first, last = (int(x) for x in text.removeprefix("bytes=").split("-"))
+        by_key.setdefault(key, []).append((first, last + 1))
+    for key, ranges in by_key.items():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)), (key, ranges)
+    data = sum(len(r) for k, r in by_key.items() if "optim_states" in k or "model_states" in k)
+    assert 0 < data < reads, (data, reads)

@@ -55,8 +55,10 @@ class LocalTree:
     def mtime_ns(self, path: str) -> int:
         return os.stat(path).st_mtime_ns
 
-    def open(self, path: str, mode: str = "r", newline: str | None = None) -> IO[Any]:
-        return builtins.open(path, mode, newline=newline) if "b" not in mode else builtins.open(path, mode)
+    def open(self, path: str, mode: str = "r", newline: str | None = None, buffering: int = -1) -> IO[Any]:
+        if "b" in mode:
+            return builtins.open(path, mode, buffering=buffering)
+        return builtins.open(path, mode, newline=newline)
 
 
 LOCAL = LocalTree()
@@ -90,14 +92,15 @@ def mtime_ns(path) -> int:
     return tree(path).mtime_ns(os.fspath(path))
 
 
-def open(path, mode: str = "r", newline: str | None = None) -> IO[Any]:
-    """The file opened for reading (`mode` "r" or "rb"): a seekable binary file, or text (UTF-8) over it."""
+def open(path, mode: str = "r", newline: str | None = None, buffering: int = -1) -> IO[Any]:
+    """The file opened for reading (`mode` "r" or "rb"), as builtins.open opens it: a seekable binary file, or
+    text (UTF-8) over it. `buffering=0` (binary): each read fetches exactly what it asks for, no read-ahead."""
     if mode not in ("r", "rb"):
         raise ValueError(f"files.open reads only (mode {mode!r})")
     path = os.fspath(path)
     if not is_url(path):
-        return LOCAL.open(path, mode, newline)
-    binary = tree(path).open(path, "rb")
+        return LOCAL.open(path, mode, newline, buffering)
+    binary = tree(path).open(path, "rb", buffering=buffering)
     return binary if mode == "rb" else io.TextIOWrapper(binary, encoding="utf-8", newline=newline)
 
 

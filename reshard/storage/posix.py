@@ -83,6 +83,9 @@ class PosixSource:
     def mapped(self, path: str) -> bool:
         return True
 
+    def will_read(self, path: str, ranges: list) -> None:
+        pass    # the kernel's read-ahead joins adjacent reads already
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)

@@ -10,6 +10,9 @@ Reading (SourceStorage), any number of times, in any order, then `close()` once:
   view(path)                                               the whole file as a read-only buffer, kept until close()
   done_with(path, offset, n)                               a hint: these bytes are not read again (drop them from
                                                            any cache)
+  will_read(path, ranges)                                  a hint, before the reads: the byte ranges about to be
+                                                           read (a storage that pays per request fetches
+                                                           adjacent ones together)
   size(path)
   mapped(path)                                             does view(path) cost nothing until its bytes are
                                                            touched (a memory map)? Where not (object storage),
@@ -51,7 +54,7 @@ class FileTree(Protocol):
 
     def mtime_ns(self, path: str) -> int: ...
 
-    def open(self, path: str, mode: str = "r", newline: str | None = None) -> IO[Any]: ...
+    def open(self, path: str, mode: str = "r", newline: str | None = None, buffering: int = -1) -> IO[Any]: ...
 
 
 class SourceStorage(Protocol):
@@ -64,6 +67,8 @@ class SourceStorage(Protocol):
     def view(self, path: str): ...     # a read-only buffer (bytes-like: len, slices, numpy.frombuffer)
 
     def done_with(self, path: str, offset: int, nbytes: int) -> None: ...
+
+    def will_read(self, path: str, ranges: list[tuple[int, int]]) -> None: ...
 
     def size(self, path: str) -> int: ...
 

@@ -45,6 +45,9 @@ class Sources:
     def mapped(self, path: str) -> bool:
         return self._of(path).mapped(path)
 
+    def will_read(self, path: str, ranges: list[tuple[int, int]]) -> None:
+        self._of(path).will_read(path, ranges)
+
     def close(self) -> None:
         for storage in (self._local, self._remote):
             if storage is not None:

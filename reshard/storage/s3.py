@@ -14,6 +14,8 @@ the manifest last, so until the manifest is there nothing at the destination cla
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import errno
 import hashlib
@@ -31,6 +33,7 @@ from reshard.storage.protocol import LockHeld
 
 PART_BYTES = 8 << 20        # a ranged GET's and an upload part's size (S3's smallest part is 5 MiB)
 IN_FLIGHT = 8               # GETs at once per reader
+RUNS_KEPT = 4               # joined runs of small reads held per reader (at most PART_BYTES each)
 UPLOADS_IN_FLIGHT = 2       # parts being uploaded at once per stream (and the buffers they hold)
 RETRIES = 8                 # attempts per request (botocore's own backoff), and per body read (ours)
 DELETE_BATCH = 1000         # keys per DeleteObjects request (S3's limit)
@@ -187,8 +190,9 @@ class ObjectTree:
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return int(head["LastModified"].timestamp() * 1e9)
 
-    def open(self, path: str, mode: str = "rb", newline: str | None = None):
-        return io.BufferedReader(ObjectReader(path, self.getsize(path)), buffer_size=1 << 16)
+    def open(self, path: str, mode: str = "rb", newline: str | None = None, buffering: int = -1):
+        raw = ObjectReader(path, self.getsize(path))
+        return raw if buffering == 0 else io.BufferedReader(raw, buffer_size=1 << 16)
 
 
 TREE = ObjectTree()
@@ -250,13 +254,51 @@ class ObjectReader(io.RawIOBase):
 
 class ObjectSource:
     """SourceStorage over an object store: positioned reads as ranged GETs, a big one cut into PART_BYTES ranges
-    fetched IN_FLIGHT at a time into the caller's memory. Nothing is cached, so `done_with` has nothing to drop;
-    a window or a view is read into memory (no map of a remote object)."""
+    fetched IN_FLIGHT at a time into the caller's memory. Ranges said to be read (`will_read`) that meet or
+    overlap are joined into runs of at most PART_BYTES: a read inside such a run fetches the whole run in one GET
+    and the reads after it are served from it (RUNS_KEPT runs held), so many small tensors side by side cost one
+    request, and no byte outside what is read is fetched. A window or a view is read into memory (no map of a
+    remote object)."""
 
     def __init__(self):
         self._sizes: dict[str, int] = {}
         self._views: dict[str, bytes] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._runs: dict[str, list[tuple[int, int]]] = {}
+        self._held: collections.OrderedDict[tuple[str, int], bytearray] = collections.OrderedDict()
+
+    def will_read(self, path: str, ranges: list[tuple[int, int]]) -> None:
+        runs: list[tuple[int, int, int]] = []      # (start, stop, ranges joined)
+        for start, stop in sorted(ranges):
+            if runs and start <= runs[-1][1] and max(stop, runs[-1][1]) - runs[-1][0] <= PART_BYTES:
+                runs[-1] = (runs[-1][0], max(stop, runs[-1][1]), runs[-1][2] + 1)
+            else:
+                runs.append((start, stop, 1))
+        self._runs[path] = [(start, stop) for start, stop, joined in runs if joined > 1]
+
+    def _run_of(self, path: str, offset: int, nbytes: int) -> tuple[int, int] | None:
+        runs = self._runs.get(path)
+        if not runs:
+            return None
+        i = bisect.bisect_right(runs, (offset, float("inf"))) - 1
+        if i >= 0 and runs[i][0] <= offset and offset + nbytes <= runs[i][1]:
+            return runs[i]
+        return None
+
+    def _from_run(self, path: str, run: tuple[int, int], offset: int, out: memoryview) -> int:
+        key = (path, run[0])
+        held = self._held.get(key)
+        if held is None:
+            held = bytearray(min(run[1], self.size(path)) - run[0])
+            del held[get_range(path, run[0], memoryview(held)):]
+            self._held[key] = held
+            while len(self._held) > RUNS_KEPT:
+                self._held.popitem(last=False)
+        else:
+            self._held.move_to_end(key)
+        part = held[offset - run[0]:offset - run[0] + len(out)]
+        out[:len(part)] = part
+        return len(part)
 
     def size(self, path: str) -> int:
         found = self._sizes.get(path)
@@ -266,6 +308,9 @@ class ObjectSource:
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         out = memoryview(out).cast("B")
+        run = self._run_of(path, offset, len(out))
+        if run is not None:
+            return self._from_run(path, run, offset, out)
         n = max(0, min(len(out), self.size(path) - offset))
         parts = [(lo, min(n, lo + PART_BYTES)) for lo in range(0, n, PART_BYTES)]
         if len(parts) <= 1:
@@ -304,6 +349,7 @@ class ObjectSource:
 
     def close(self) -> None:
         self._views.clear()
+        self._held.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
