@@ -209,3 +209,64 @@ def test_a_convert_fetches_each_source_byte_once_joining_adjacent_reads(s3, sour
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)), (key, ranges)
     data = sum(len(r) for k, r in by_key.items() if "optim_states" in k or "model_states" in k)
     assert 0 < data < reads, (data, reads)
+
+
+# -- a run prefix: list and prune ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def run_prefix(s3, request):
+    """The fixture's save dir (global_step2, global_step3, `latest` naming 3) under a prefix of this test's own."""
+    prefix = f"runs/{request.node.name}"
+    return prefix, servers.upload(s3, str(fixture_dir(FIXTURE)), prefix)
+
+
+def _listed(where) -> list:
+    rows = json.loads(run_cli("list", where, "--recent", "0", "--json", check=0).stdout)["checkpoints"]
+    return [(r["name"], r["step"], r["status"], r["files"], r["bytes"]) for r in rows]
+
+
+def test_list_of_a_run_prefix_is_the_list_of_its_local_copy(run_prefix):
+    _, url = run_prefix
+    assert _listed(url) == _listed(fixture_dir(FIXTURE)) and len(_listed(url)) == 2
+
+
+def test_a_staged_or_broken_checkpoint_in_a_bucket_is_never_complete(s3, run_prefix):
+    """What a killed convert leaves (its staging prefix, no manifest) is in progress; a checkpoint missing a rank
+    file is incomplete; prune --delete-incomplete leaves the staging alone."""
+    prefix, url = run_prefix
+    tag = fixture_dir(FIXTURE) / "global_step2"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        servers.put(s3, f"{prefix}/.global_step9.reshard-tmp/global_step9/{name}", (tag / name).read_bytes())
+    servers.delete(s3, f"{prefix}/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    status = {name: state for name, _, state, _, _ in _listed(url)}
+    assert status == {".global_step9.reshard-tmp": "in progress", "global_step2": "incomplete",
+                      "global_step3": "complete"}, status
+    run_cli("prune", url, "--delete-incomplete", "--recent", "0", "--yes", check=0)
+    keys = servers.keys(s3, prefix + "/")
+    assert not [k for k in keys if "/global_step2/" in k]
+    assert [k for k in keys if ".global_step9.reshard-tmp" in k] and [k for k in keys if "/global_step3/" in k]
+
+
+def test_prune_of_a_run_prefix_keeps_the_newest_deletes_in_batches_and_a_dry_run_deletes_nothing(s3, run_prefix):
+    prefix, url = run_prefix
+    before = servers.keys(s3, prefix + "/")
+    dry = run_cli("prune", url, "--keep-last", "1", "--recent", "0", check=0)
+    assert "dry run" in dry.stdout and servers.keys(s3, prefix + "/") == before
+    # keep only step 2: the newest complete (3) is kept all the same
+    plan = json.loads(run_cli("prune", url, "--keep-steps", "2", "--recent", "0", "--json", check=0).stdout)
+    assert {d["name"]: d["action"] for d in plan["decisions"]} == {"global_step2": "keep", "global_step3": "keep"}
+    from reshard.storage import s3 as objects
+    calls = []
+
+    def note(model, **_):
+        calls.append(model.name)
+    client = objects.client()
+    client.meta.events.register("before-call.s3.*", note)
+    try:
+        run_cli("prune", url, "--keep-last", "1", "--recent", "0", "--yes", check=0)
+    finally:
+        client.meta.events.unregister("before-call.s3.*", note)
+    after = servers.keys(s3, prefix + "/")
+    assert after == [k for k in before if "/global_step2/" not in k]
+    assert calls.count("DeleteObjects") >= 1 and "DeleteObject" not in calls, calls
+    assert [name for name, *_ in _listed(url)] == ["global_step3"]

@@ -55,6 +55,18 @@ class LocalTree:
     def mtime_ns(self, path: str) -> int:
         return os.stat(path).st_mtime_ns
 
+    def files_under(self, path: str) -> list[tuple[str, int, float]]:
+        """(path, bytes, mtime) of `path`, a file, or of every file under the folder `path` (links not followed)."""
+        if not os.path.isdir(path):
+            st = os.stat(path)
+            return [(path, st.st_size, st.st_mtime)]
+        out = []
+        for folder, _, names in os.walk(path):
+            for name in names:
+                st = os.lstat(os.path.join(folder, name))
+                out.append((os.path.join(folder, name), st.st_size, st.st_mtime))
+        return out
+
     def open(self, path: str, mode: str = "r", newline: str | None = None, buffering: int = -1) -> IO[Any]:
         if "b" in mode:
             return builtins.open(path, mode, buffering=buffering)

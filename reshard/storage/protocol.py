@@ -54,6 +54,8 @@ class FileTree(Protocol):
 
     def mtime_ns(self, path: str) -> int: ...
 
+    def files_under(self, path: str) -> list[tuple[str, int, float]]: ...    # (path, bytes, mtime) of each file
+
     def open(self, path: str, mode: str = "r", newline: str | None = None, buffering: int = -1) -> IO[Any]: ...
 
 

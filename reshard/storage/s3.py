@@ -178,6 +178,17 @@ class ObjectTree:
                 out += page.get("Contents", ())
         return out
 
+    def files_under(self, path: str) -> list[tuple[str, int, float]]:
+        """(URL, bytes, upload time) of the object `path`, or of every object under the prefix `path`."""
+        bucket, key = split(path)
+        under = [(url_of(bucket, o["Key"]), int(o["Size"]), o["LastModified"].timestamp()) for o in self.keys(path)]
+        if under:
+            return under
+        head = self._head(path)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        return [(path, int(head["ContentLength"]), head["LastModified"].timestamp())]
+
     def getsize(self, path: str) -> int:
         head = self._head(path)
         if head is None:
