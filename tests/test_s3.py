@@ -270,3 +270,22 @@ def test_prune_of_a_run_prefix_keeps_the_newest_deletes_in_batches_and_a_dry_run
     assert after == [k for k in before if "/global_step2/" not in k]
     assert calls.count("DeleteObjects") >= 1 and "DeleteObject" not in calls, calls
     assert [name for name, *_ in _listed(url)] == ["global_step3"]
+
+
+def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_the_newest(s3, run_prefix):
+    """One pass reports both checkpoints and prunes to the last one, its state an object in the run prefix (its
+    lock gone after); a restarted watcher reports nothing again; without its state (the control) it reports
+    what is there again."""
+    from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
+    prefix, url = run_prefix
+    first = run_cli("watch", url, "--once", "--recent", "0", "--keep-last", "1", "--settle", "0", check=0)
+    assert "global_step2" in first.stdout and "global_step3" in first.stdout, first.stdout
+    assert "2 checkpoints newly validated" in first.stdout
+    keys = servers.keys(s3, prefix + "/")
+    assert f"{prefix}/{WATCH_STATE}" in keys and f"{prefix}/{WATCH_LOCK}" not in keys
+    assert not [k for k in keys if "/global_step2/" in k] and [k for k in keys if "/global_step3/" in k]
+    again = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
+    assert "0 checkpoints newly validated" in again.stdout, again.stdout
+    servers.delete(s3, f"{prefix}/{WATCH_STATE}")
+    control = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
+    assert "1 checkpoint newly validated" in control.stdout, control.stdout
