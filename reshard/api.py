@@ -19,6 +19,7 @@ from reshard.export import export_plan
 from reshard.formats import FRESH, read, takes
 from reshard.formats.run_layout import scan
 from reshard.inspection import Inspection, inspect as inspect_catalog
+from reshard.storage import files as fs
 from reshard.validate import (
     Complete,
     ValidationReport,
@@ -286,7 +287,7 @@ def _execute(made, dst, memory_budget: int | None, **options) -> Written | None:
 
 def _run_directory_hint(path: str) -> ReshardError | None:
     """A run directory given where one checkpoint is expected: the error points at `reshard list`."""
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return None
     try:
         found = scan(path).entries

@@ -16,9 +16,9 @@ every member of the catalog's tensors).
 from __future__ import annotations
 
 import bisect
-import os
 
 from reshard.errors import CheckpointError
+from reshard.storage import files as fs
 
 try:    # ISA-L's CRC-32 (python-isal): the same values as zlib's, about 4 times as fast here
     from isal.isal_zlib import crc32
@@ -152,8 +152,8 @@ class Tally:
                     yield CheckpointError(storage.file, f"member {storage.member}: CRC-32 mismatch (stored "
                                                         f"0x{storage.crc:08x}, read 0x{read:08x}): the file is corrupt")
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for f in fds.values():
+                f.close()
 
     def verify(self) -> None:
         """Raise the first mismatch (CheckpointError), if any."""
@@ -208,15 +208,16 @@ def _member_crc(storage, pieces: list, fds: dict) -> int:
 
 
 def _disk_crc(path: str, start: int, stop: int, fds: dict) -> int:
-    fd = fds.get(path)
-    if fd is None:
+    f = fds.get(path)
+    if f is None:
         try:
-            fd = fds[path] = os.open(path, os.O_RDONLY)
+            f = fds[path] = fs.open(path, "rb", buffering=0)   # exactly the bytes no block read
         except OSError as e:
             raise CheckpointError(path, f"cannot read: {e.strerror}") from None
     crc = 0
+    f.seek(start)
     for at in range(start, stop, _READ):
-        data = os.pread(fd, min(_READ, stop - at), at)
+        data = f.read(min(_READ, stop - at))
         if len(data) != min(_READ, stop - at):
             raise CheckpointError(path, f"truncated: needs byte {stop}, file has {at + len(data)}")
         crc = crc32(data, crc)

@@ -32,8 +32,10 @@ from reshard.distributed import Solo, share
 from reshard.errors import ReshardError
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, output_path
+from reshard.storage import files as fs
 from reshard.storage.posix import PosixOutput
 from reshard.storage.protocol import OutputStorage
+from reshard.storage.routing import output_for
 from reshard.target_bytes import SourceFiles, storage_blocks
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -139,25 +141,25 @@ def check_destination(plan: Plan, staging: Staging, overwrite: bool, single_file
     """Refuse, before anything is written, a run that would write into the source: every path it writes (its
     files placed under the staging folder, each refused if its name leads out; the destination; the folder,
     lock and manifest beside it), resolved, must lie apart from the source checkpoint."""
-    src = os.path.realpath(plan.source)
+    src = fs.realpath(plan.source)
     dst = staging.dst
     # A folder source protects its save dir too; a one-file source (a .pt, .ckpt) only itself: writing
     # beside it in its folder touches nothing it holds.
-    protected = (src, os.path.realpath(plan.save_dir or os.path.dirname(src))) if os.path.isdir(src) else (src,)
+    protected = (src, fs.realpath(plan.save_dir or os.path.dirname(src))) if fs.isdir(src) else (src,)
     for path in staging.paths(plan, single_file):
         hit = next((p for p in protected if paths.overlap(path, p)), None)
         if hit is not None:
             also = "" if path == dst else f" (it would write {path})"
             raise ReshardError.at(dst, f"the destination overlaps the source checkpoint {hit}{also}")
     if single_file:
-        if os.path.isdir(dst):
+        if fs.isdir(dst):
             raise ReshardError.at(dst, "is a directory, not a file name")
-        if os.path.exists(dst) and not overwrite:
+        if fs.exists(dst) and not overwrite:
             raise ReshardError.at(dst, "exists (use --overwrite to replace it)")
-    elif os.path.exists(dst):
-        if not os.path.isdir(dst):
+    elif fs.exists(dst):
+        if not fs.isdir(dst):
             raise ReshardError.at(dst, "exists and is not a directory")
-        if os.listdir(dst) and not overwrite:
+        if fs.listdir(dst) and not overwrite:
             raise ReshardError.at(dst, "exists and is not empty (use --overwrite to replace it)")
 
 
@@ -265,7 +267,7 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
     done = staging.finished() if resume else {}
     for f in files:
         path = staging.place(f.path)
-        if f.path in done and os.path.isfile(path) and manifest.file_digest(path) == done[f.path]:
+        if f.path in done and fs.isfile(path) and manifest.file_digest(path) == done[f.path]:
             digests[f.path] = done[f.path]
             bar.update(f.nbytes)
         else:
@@ -345,9 +347,10 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     one, so disk reads and writes overlap; at most READ_AHEAD + 1 blocks are held.
     """
     path = output_path(root, plan.path)
-    storage_out: OutputStorage = output or PosixOutput()
+    storage_out: OutputStorage = output or output_for(path)
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
+    sources.will_read(plan.source_reads())
     try:
         # (a WriteStream is written as a binary file: the containers' zip and header writers take it as one)
         with ThreadPoolExecutor(max_workers=1) as reader, storage_out.stream(path, plan.size) as stream, \

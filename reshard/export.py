@@ -23,6 +23,7 @@ from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
 from reshard.formats.containers import EXPORTS
 from reshard.inspection import jsonable
+from reshard.storage import files as fs
 from reshard.validate import Complete
 
 FORMATS = EXPORTS     # container name -> its file type: from_entries, STEM, EXTENSION, SUFFIXES
@@ -84,7 +85,7 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
                                 max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE)
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     if not single_file:         # config, tokenizer: a folder from_pretrained loads
-        targets += [CopiedFile(os.path.basename(p), p, os.path.getsize(p)) for p in catalog.model_files]
+        targets += [CopiedFile(os.path.basename(p), p, fs.getsize(p)) for p in catalog.model_files]
         if rules is not None and rules.config is not None:      # a config the rules build from the save's values
             if any(t.path == rules.config.file for t in targets):
                 raise ReshardError.at(rules.path, f"the checkpoint has its own {rules.config.file}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from reshard.errors import ReshardError, UnsafeCheckpointError
 from reshard.formats import read as read_catalog, run_layout, run_metrics, units
+from reshard.storage import files as fs
 from reshard.validate import validate
 
 COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"
@@ -104,7 +105,7 @@ def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | Non
         >>> [(row.name, row.step, row.status) for row in run.checkpoints]
         [('global_step2', 2, 'complete'), ('global_step3', 3, 'complete')]
     """
-    root = os.path.realpath(str(run_dir))
+    root = fs.realpath(str(run_dir))
     found = run_layout.scan(root)
     user = run_metrics.read_metrics_file(metrics, metric_name) if metrics else {}
     sizes = {e.path: measure(e.path, root) for e in found.entries}
@@ -243,7 +244,12 @@ def unchanged(row: Checkpoint, root: str) -> bool:
 
 
 def measure(path: str, root: str) -> Files:
-    """Sizes and newest time of a checkpoint's files, links not followed (one leaving the run is named)."""
+    """Sizes and newest time of a checkpoint's files, links not followed (one leaving the run is named). In an
+    object store: its objects, as one listing gives them (no links; what they take is what they hold)."""
+    if fs.is_url(path):
+        found = fs.tree(path).files_under(path)
+        total = sum(size for _, size, _ in found)
+        return Files(len(found), total, total, max((mtime for _, _, mtime in found), default=0.0), None)
     count = size = disk = 0
     newest, outside = 0.0, None
     walk = [(path, os.lstat(path))]

@@ -13,6 +13,7 @@ import os
 
 from reshard import paths
 from reshard.progress import bar as progress_bar
+from reshard.storage import files as fs
 from reshard.version import __version__
 
 NAME = "reshard-manifest.json"
@@ -34,15 +35,14 @@ def build(plan, digests: dict) -> dict:
 
 
 def _identity(path: str) -> dict:
-    st = os.stat(path)
-    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"path": path, "size": fs.getsize(path), "mtime_ns": fs.mtime_ns(path)}
 
 
 def file_digest(path: str, report=None) -> tuple:
     """(size, sha256 hex) of a file; `report(n)` is told of every block read."""
     sha = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    with fs.open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             sha.update(block)
             size += len(block)
@@ -54,14 +54,14 @@ def file_digest(path: str, report=None) -> tuple:
 def find(root: str) -> str | None:
     """The manifest governing a checkpoint directory (its own, or its save dir's for a tag folder)."""
     for path in places(root):
-        if os.path.isfile(path):
+        if fs.isfile(path):
             return path
     return None
 
 
 def places(root: str) -> list:
     """Where `find` looks for the manifest of the checkpoint at `root` (a folder, or a file: its folder's)."""
-    folders = [root, os.path.dirname(root)] if os.path.isdir(root) else [os.path.dirname(root)]
+    folders = [root, os.path.dirname(root)] if fs.isdir(root) else [os.path.dirname(root)]
     return [os.path.join(folder, NAME) for folder in folders]
 
 
@@ -74,7 +74,7 @@ def verify(path: str, checksums: bool, within: str | None = None, progress: bool
     """
     folder = os.path.dirname(path)
     try:
-        with open(path) as f:
+        with fs.open(path) as f:
             manifest = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         return [f"{path}: unreadable manifest ({e})"]
@@ -86,13 +86,13 @@ def verify(path: str, checksums: bool, within: str | None = None, progress: bool
         if why:
             problems.append(f"{path}: names a file outside its folder: {rel!r} ({why})")
             continue
-        target = os.path.normpath(os.path.join(folder, rel))
-        if within and not target.startswith(os.path.abspath(within) + os.sep):
+        target = fs.normpath(os.path.join(folder, rel))
+        if within and not target.startswith(fs.abspath(within) + os.sep):
             continue
-        if not os.path.isfile(target):
+        if not fs.isfile(target):
             problems.append(f"{target}: missing (listed in {NAME})")
             continue
-        size = os.path.getsize(target)
+        size = fs.getsize(target)
         if size != entry.get("size"):
             problems.append(f"{target}: {size} bytes, the manifest says {entry.get('size')}")
         elif checksums:

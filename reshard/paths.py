@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from reshard.storage import files as fs
+
 
 def escape(rel, root: str | None = None, single: bool = False) -> str | None:
     """Why `rel` joined under a folder would lead outside it (None when it stays inside): not a string, empty,
@@ -26,13 +28,13 @@ def escape(rel, root: str | None = None, single: bool = False) -> str | None:
     if single and (len(parts) > 1 or rel == "."):
         return "it is a path, not one name" if len(parts) > 1 else "it names the folder itself"
     if root is not None and not within(os.path.join(root, rel), root):
-        return f"a symlink leads out of the folder (to {os.path.realpath(os.path.join(root, rel))})"
+        return f"a symlink leads out of the folder (to {fs.realpath(os.path.join(root, rel))})"
     return None
 
 
 def within(path: str, folder: str) -> bool:
     """Is `path` `folder` or under it, both resolved (symlinks followed, as the kernel will when writing)?"""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    path, folder = fs.realpath(path), fs.realpath(folder)
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 

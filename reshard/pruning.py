@@ -18,6 +18,8 @@ from reshard.formats.run_layout import trash_path
 from reshard.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
 from reshard.retention import DELETE, Policy, decide
 from reshard.staging import fsync
+from reshard.storage import files as fs
+from reshard.storage.routing import output_for
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,13 @@ def carry_out(listing: RunListing, decisions: list, yes: bool) -> PrunePlan:
 
 
 def _delete(path: str) -> None:
+    if fs.is_url(path):     # no rename in an object store: its objects go in batched deletes
+        try:
+            output_for(path).delete(path)
+        except OSError as e:
+            raise ReshardError.at(path, f"cannot delete ({e.strerror or e}); a rerun of prune --yes finishes it") \
+                from None
+        return
     trash = trash_path(path)
     try:
         os.rename(path, trash)

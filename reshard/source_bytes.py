@@ -6,7 +6,6 @@ tensor, for tests, export and checks.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -20,8 +19,9 @@ from reshard.core.placement import Shard, full_index, regions
 from reshard.core.problems import REPLICA, Problem
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
-from reshard.storage.posix import PosixSource
+from reshard.storage import files as fs
 from reshard.storage.protocol import SourceStorage
+from reshard.storage.routing import sources
 
 # Fewer bytes than this are read with pread, not through the map: a fault on a mapped page reads ahead
 # a whole window around it (read_ahead_kb), which for the small tensors read one by one when a catalog is
@@ -35,7 +35,7 @@ class MappedFiles:
     (reshard.checksums.Tally): `verify()` checks the CRC-32 of each member read."""
 
     def __init__(self, storage: SourceStorage | None = None):
-        self._files = storage or PosixSource()
+        self._files = storage or sources()
         self.tally = Tally()
 
     def verify(self) -> None:
@@ -69,7 +69,7 @@ class MappedFiles:
         stop = start + count * size
         if first < 0 or stop > storage.offset + storage.nbytes:
             raise CheckpointError(storage.file, "fragment reaches outside its storage")
-        if stop - start < SMALL_READ:
+        if stop - start < SMALL_READ or not self._files.mapped(storage.file):
             try:
                 raw = self._files.read(storage.file, start, stop - start)
             except OSError as e:
@@ -176,7 +176,7 @@ def read_scalar(ref) -> float | int:
 
 def file_size(path: str) -> int:
     try:
-        return os.path.getsize(path)
+        return fs.getsize(path)
     except OSError:
         return 0
 

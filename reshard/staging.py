@@ -12,8 +12,10 @@ import os
 
 from reshard import manifest, paths
 from reshard.errors import ReshardError, UsageError
+from reshard.storage import files as fs
 from reshard.storage.posix import PosixOutput, fsync, write_text  # noqa: F401  (fsync, write_text: for callers)
 from reshard.storage.protocol import Lock, LockHeld, OutputStorage
+from reshard.storage.routing import output_for
 
 
 class Staging:
@@ -22,8 +24,8 @@ class Staging:
     JOURNAL = ".reshard-journal"
 
     def __init__(self, dst: str, storage: OutputStorage | None = None):
-        self.dst = os.path.abspath(dst)
-        self.storage = storage or PosixOutput()
+        self.dst = fs.abspath(dst)
+        self.storage = storage or output_for(self.dst)
         parent, name = os.path.split(self.dst)
         self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
         self.lock_path = os.path.join(parent, f".{name}.reshard-lock")

@@ -18,8 +18,8 @@ from reshard.core.geometry import strides
 from reshard.core.placement import flat_boxes, intersect
 from reshard.core.planner import Copy, Gather
 from reshard.errors import ReshardError
-from reshard.storage.posix import PosixSource
 from reshard.storage.protocol import SourceStorage
+from reshard.storage.routing import sources
 
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
 SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is mapped, not read whole
@@ -118,7 +118,7 @@ class SourceFiles:
     CRC-32 of the members it was made with."""
 
     def __init__(self, reread: dict, tally: Tally | None = None, storage: SourceStorage | None = None):
-        self._files = storage or PosixSource()
+        self._files = storage or sources()
         self._reread = reread
         self.tally = tally or Tally()
 
@@ -179,6 +179,11 @@ class SourceFiles:
                 _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
             finally:
                 del block, view     # the window's views go before it does
+
+    def will_read(self, reads: dict) -> None:
+        """{path: byte ranges} about to be read (FilePlan.source_reads): a hint to the storage."""
+        for path, ranges in reads.items():
+            self._files.will_read(path, ranges)
 
     def close(self) -> None:
         self._files.close()

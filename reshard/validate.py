@@ -21,6 +21,7 @@ from reshard.core.placement import Shard, flat_runs, regions, tiles
 from reshard.core.problems import CHECKSUM, DUPLICATE, MISSING, NO_STATE, NON_FINITE, OUTSIDE, REPLICA, Problem
 from reshard.errors import ReshardError
 from reshard.progress import bar as progress_bar
+from reshard.storage import files as fs
 from reshard.text import counted
 
 MAX_RANGES_SHOWN = 3
@@ -159,7 +160,7 @@ def _check_manifest(catalog, report, checksums, progress):
 
 def _where(catalog, tensor) -> str:
     files = sorted({os.path.basename(f.storage.file) for f in tensor.fragments})
-    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
+    folder = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)
     return os.path.join(folder, files[0]) if len(files) == 1 else catalog.root
 
 

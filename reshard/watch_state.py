@@ -10,7 +10,6 @@ state or the new, never half of one. A lock file beside it keeps a second watche
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -18,6 +17,9 @@ from dataclasses import asdict, dataclass, field, replace
 from reshard.errors import ReshardError
 from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
 from reshard.staging import fsync, write_text
+from reshard.storage import files as fs
+from reshard.storage.protocol import Lock, LockHeld
+from reshard.storage.routing import output_for
 
 VERSION = 2
 READABLE = (1, 2)       # 1: a Best without its score (what it held is then beaten by any best)
@@ -88,10 +90,10 @@ def load(root: str) -> WatchState:
     """The state saved in run directory `root`; empty when there is none. A damaged file is refused (one line),
     never overwritten: what it says decides what may be deleted."""
     path = path_in(root)
-    if not os.path.exists(path):
+    if not fs.exists(path):
         return WatchState()
     try:
-        with open(path) as f:
+        with fs.open(path) as f:
             data = json.load(f)
         if data.get("version") not in READABLE:
             raise ValueError(f"version {data.get('version')!r}, not {VERSION}")
@@ -109,34 +111,26 @@ def save(root: str, state: WatchState) -> None:
     tmp = f"{path}.tmp"
     data = {"version": VERSION, "seen": {n: asdict(s) for n, s in state.seen.items()},
             "best": asdict(state.best) if state.best else None}
+    text = json.dumps(data, indent=1) + "\n"
     try:
-        write_text(tmp, json.dumps(data, indent=1) + "\n")
+        if fs.is_url(root):
+            output_for(root).put(path, text.encode())   # an object appears whole: no sibling to rename
+            return
+        write_text(tmp, text)
         os.replace(tmp, path)
         fsync(root)
     except OSError as e:
         raise ReshardError.at(path, f"cannot write the watch state ({e.strerror or e})") from None
 
 
-def lock(root: str) -> int:
-    """Hold the run directory's watch lock (flock; `unlock` or the end of the process releases it): a second
-    watcher would report, act on and prune the same checkpoints twice."""
+def lock(root: str) -> Lock:
+    """Hold the run directory's watch lock (the storage's: an flock on disk, a conditional PUT in an object store;
+    `release()` or, on disk, the end of the process lets go of it, removing its file): a second watcher would
+    report, act on and prune the same checkpoints twice."""
     path = os.path.join(root, WATCH_LOCK)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        return output_for(root).lock(path)
+    except LockHeld:
+        raise ReshardError.at(root, f"another reshard watch is watching it (lock {path} is held)") from None
     except OSError as e:
         raise ReshardError.at(path, f"cannot create the watch lock ({e.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ReshardError.at(root, f"another reshard watch is watching it (lock {path} is held)") from None
-    return fd
-
-
-def unlock(root: str, fd: int) -> None:
-    """Release the lock and remove its file (as reshard.staging does its own): the run keeps only the state."""
-    try:
-        os.unlink(os.path.join(root, WATCH_LOCK))
-    except OSError:
-        pass
-    os.close(fd)

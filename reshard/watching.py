@@ -37,6 +37,7 @@ from reshard.listing import (
 )
 from reshard.pruning import carry_out
 from reshard.retention import Policy, PolicyError, decide, metric_of, ranked
+from reshard.storage import files as fs
 from reshard.validate import validate
 
 SETTLE_SECONDS = 1.0        # the second look of each pass: sizes equal twice this far apart
@@ -121,8 +122,8 @@ class Watcher:
                  exec_cmd: str | None = None, metrics: str | None = None, recent: float = RECENT_SECONDS,
                  settle: float = SETTLE_SECONDS, say: Callable[[str, bool], None] | None = None):
         self._lock = None       # first: close() (and __del__) may run however far __init__ got
-        self.root = os.path.realpath(str(run_dir))
-        if not os.path.isdir(self.root):
+        self.root = fs.realpath(str(run_dir))
+        if not fs.isdir(self.root):
             raise ReshardError.at(self.root, "not a directory")
         if policy is not None:
             policy.check()
@@ -149,7 +150,7 @@ class Watcher:
     def close(self) -> None:
         """Let another watcher watch the directory (also when this process ends)."""
         if self._lock is not None:
-            watch_state.unlock(self.root, self._lock)
+            self._lock.release()
             self._lock = None
 
     def __enter__(self):

@@ -107,6 +107,23 @@ def lifecycle_copy(lifecycle_template, tmp_path):
     return root
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server for this worker's session (SeaweedFS `weed mini` on free ports, tools/s3_server.py), its
+    data in the session's tmp folder; stopped (SIGTERM, then kill) when the session ends."""
+    import s3_server as servers
+    with servers.running(str(tmp_path_factory.mktemp("s3") / "data")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The server's endpoint and credentials in the environment for one test (the standard AWS chain)."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
 @pytest.fixture(params=FIXTURE_NAMES)
 def fixture_name(request):
     return request.param

@@ -9,6 +9,7 @@ import reshard
 from reshard.errors import ReshardError
 from reshard.executor import Written
 from reshard.inspection import human_bytes
+from reshard.storage import files as fs
 from reshard.text import counted
 
 
@@ -47,9 +48,9 @@ def files_words(written: Written) -> str:
         catalog = reshard.open_checkpoint(written.path)
     except ReshardError:    # an output no reader opens alone: every file counted
         return counted(len(written.files), "file")
-    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
-    read_back = {os.path.realpath(os.path.join(folder, f.path)) for f in catalog.files}
+    folder = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)
+    read_back = {fs.realpath(os.path.join(folder, f.path)) for f in catalog.files}
     others = sorted(os.path.relpath(f.path, written.path) for f in written.files
-                    if os.path.realpath(f.path) not in read_back)
+                    if fs.realpath(f.path) not in read_back)
     rest = f" and {counted(len(others), 'other')} ({', '.join(others)})" if others else ""
     return f"{counted(len(written.files) - len(others), 'checkpoint file')}{rest}"

@@ -104,6 +104,16 @@ class FilePlan:
         """The source files its copies read."""
         return {path for s in self.storages for op in s.ops for path, _, _ in _spans(op)}
 
+    def source_reads(self) -> dict[str, list[tuple[int, int]]]:
+        """{source file: the byte ranges [start, stop) its copies read, sorted}: what a storage that pays per
+        request may fetch together where they meet."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for s in self.storages:
+            for op in s.ops:
+                for path, start, stop in _spans(op):
+                    out.setdefault(path, []).append((start, stop))
+        return {path: sorted(ranges) for path, ranges in out.items()}
+
 
 @dataclass(frozen=True)
 class Plan:

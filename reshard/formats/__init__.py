@@ -19,6 +19,7 @@ from reshard.formats.deepspeed import files as ds_files, topology as ds_topology
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
 from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
+from reshard.storage import files as fs
 
 # Tried in order; the first whose sniff() accepts the path reads it.
 READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iteration.txt, iter_NNNNNNN/ (torch_dist)
@@ -100,13 +101,13 @@ def default_tag(catalog) -> str:
 
 def reader_for(path: str, tag: str | None = None) -> Reader:
     """The reader module of the checkpoint at `path` (with tag folder `tag`)."""
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise ReshardError.at(path, "no such file or directory")
     for name in READERS:
         module = importlib.import_module(name)
         if module.sniff(path, tag):
             return module
-    if tag is not None and not os.path.isdir(os.path.join(path, tag)):
+    if tag is not None and not fs.isdir(os.path.join(path, tag)):
         raise ReshardError.at(os.path.join(path, tag), "tag folder does not exist")
     raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: Megatron-core torch_dist, "
                                 "DeepSpeed ZeRO, universal and "

@@ -21,6 +21,7 @@ from reshard.errors import ReshardError
 from reshard.formats import reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files, universal as uc
+from reshard.storage import files as fs
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
 TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard prune), finished by a rerun
@@ -85,8 +86,8 @@ def step_of(name: str) -> int | None:
 def scan(root: str) -> Scan:
     """Every checkpoint under run directory `root`: each one whole, as its framework wrote it (reshard.formats.units);
     a folder recognised as one checkpoint is never looked into."""
-    root = os.path.realpath(root)
-    if not os.path.isdir(root):
+    root = fs.realpath(root)
+    if not fs.isdir(root):
         raise ReshardError.at(root, "not a directory")
     unit = units.framework_unit(os.path.basename(root), units.Listing.of(root), root)
     if unit is not None:
@@ -100,7 +101,7 @@ def scan(root: str) -> Scan:
 def _walk(root: str, folder: str, depth: int, found: Scan) -> int:
     """Scan `folder` into `found`; how many checkpoints it held."""
     try:
-        names = sorted(os.listdir(folder))
+        names = sorted(fs.listdir(folder))
     except OSError as e:
         raise ReshardError.at(folder, f"cannot list ({e.strerror})") from None
     before = len(found.entries)
@@ -111,8 +112,8 @@ def _walk(root: str, folder: str, depth: int, found: Scan) -> int:
         if name.endswith(TRASH_SUFFIX) and name.startswith("."):
             found.trash.append(path)
             continue
-        if os.path.islink(path):
-            target = os.path.realpath(path)
+        if fs.islink(path):
+            target = fs.realpath(path)
             found.links.append(Link(path, target, target == root or target.startswith(root + os.sep)))
             continue
         staging = _staging(path, rel, name)
@@ -120,7 +121,7 @@ def _walk(root: str, folder: str, depth: int, found: Scan) -> int:
             found.entries.append(staging)
         elif name.startswith("."):
             continue
-        elif os.path.isdir(path):
+        elif fs.isdir(path):
             _folder(root, path, rel, name, depth, save_dir, found)
         else:
             entry = _file_entry(path, rel, name)
@@ -134,10 +135,10 @@ def _pointed(folder: str, names: list, found: Scan) -> bool:
     pointed = False
     for pointer in (ds_files.LATEST, uc.LATEST_UNIVERSAL):
         path = os.path.join(folder, pointer)
-        if pointer in names and os.path.isfile(path) and not os.path.islink(path):
+        if pointer in names and fs.isfile(path) and not fs.islink(path):
             pointed = True
             try:
-                with open(path) as f:
+                with fs.open(path) as f:
                     tag = f.read().strip()
             except (OSError, UnicodeDecodeError):
                 continue
@@ -173,7 +174,7 @@ def _staging(path: str, rel: str, name: str) -> Entry | None:
         return Entry(path, rel, step_of(name[1:-len(STAGING_SUFFIX)]),
                      f"reshard's staging folder of {name[1:-len(STAGING_SUFFIX)]} (renamed when written)")
     staging = HF_STAGING.match(name)
-    if staging and os.path.isdir(path):
+    if staging and fs.isdir(path):
         return Entry(path, rel, int(staging.group(1)),
                      f"Hugging Face Trainer's staging folder (renamed checkpoint-{staging.group(1)} when saved)")
     return None

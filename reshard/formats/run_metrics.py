@@ -23,6 +23,7 @@ from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.single.hf_trainer import TRAINER_STATE
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.torchsave_read import TensorRef
+from reshard.storage import files as fs
 
 CALLBACKS = "callbacks"
 MODEL_CHECKPOINT = "ModelCheckpoint"
@@ -44,7 +45,7 @@ class Recorded:
 def recorded(path: str, step: int | None, catalog) -> Recorded:
     """The metrics of the checkpoint at `path` (its catalog: None when it could not be read)."""
     state_file = os.path.join(path, TRAINER_STATE)
-    if os.path.isdir(path) and os.path.isfile(state_file):
+    if fs.isdir(path) and fs.isfile(state_file):
         return _trainer_state(state_file, step)
     if catalog is None:
         return Recorded()
@@ -64,7 +65,7 @@ def recorded(path: str, step: int | None, catalog) -> Recorded:
 
 def _trainer_state(state_file: str, step: int | None) -> Recorded:
     try:
-        with open(state_file) as f:
+        with fs.open(state_file) as f:
             state = json.load(f)
         history: dict[int, dict[str, float]] = {}
         for record in state.get("log_history") or []:
@@ -109,7 +110,7 @@ def _number(value) -> float | None:
 def read_metrics_file(path: str, name: str | None) -> dict:
     """{step: {metric: value}} from a user's metrics file; `name` names the values of a bare {step: value} file."""
     try:
-        with open(path, newline="") as f:
+        with fs.open(path, newline="") as f:
             text = f.read()
     except OSError as e:
         raise ReshardError.at(path, f"cannot read ({e.strerror})") from None

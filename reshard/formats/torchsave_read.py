@@ -24,6 +24,7 @@ from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError, UnsafeCheckpointError
 from reshard.formats import standins
+from reshard.storage import files as fs
 
 
 @dataclass
@@ -193,7 +194,7 @@ def load(path: str, span: tuple | None = None, allowed: dict | None = None) -> o
     """
     path = os.fspath(path)
     try:
-        size = os.path.getsize(path)
+        size = fs.getsize(path)
     except OSError as e:
         raise CheckpointError(path, f"cannot read: {e.strerror}") from None
     base = 0
@@ -206,10 +207,10 @@ def load(path: str, span: tuple | None = None, allowed: dict | None = None) -> o
     if size == 0:
         raise CheckpointError(path, "file is empty (0 bytes)")
     try:
-        with open(path, "rb") as raw:
+        with fs.open(path, "rb") as raw:
             # no read-ahead past the few headers read here: the metadata of a checkpoint (inspect, validate,
             # a plan) is a few KiB per file, and the kernel would read up to read_ahead_kb (8 MiB) of each
-            if hasattr(os, "posix_fadvise"):     # (not on macOS)
+            if hasattr(os, "posix_fadvise") and not fs.is_url(path):     # (not on macOS; no pages of an object)
                 os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             f = raw if span is None else _Span(raw, base, size)
             head = f.read(64)

@@ -29,6 +29,7 @@ from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.single import hf_weights
 from reshard.formats.single.hf_trainer import OPTIMIZER, RNG, SCHEDULER, TRAINER_STATE
+from reshard.storage import files as fs
 
 READ, OPAQUE, UNKNOWN = "read", "opaque", "unknown"
 NOT_YET = "contents not verifiable by reshard yet"
@@ -81,11 +82,11 @@ class Listing:
     @classmethod
     def of(cls, folder: str) -> Listing:
         try:
-            names = os.listdir(folder)
+            names = fs.listdir(folder)
         except OSError:
             names = []
         paths = {n: os.path.join(folder, n) for n in names}
-        dirs = {n for n, p in paths.items() if os.path.isdir(p) and not os.path.islink(p)}
+        dirs = {n for n, p in paths.items() if fs.isdir(p) and not fs.islink(p)}
         return cls(frozenset(set(names) - dirs), frozenset(dirs))
 
 

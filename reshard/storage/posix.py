@@ -14,7 +14,7 @@ import os
 import shutil
 
 from reshard.errors import CheckpointError
-from reshard.storage import posix_sink
+from reshard.storage import files, posix_sink
 from reshard.storage.protocol import LockHeld
 
 
@@ -79,6 +79,12 @@ class PosixSource:
 
     def size(self, path: str) -> int:
         return os.path.getsize(path)
+
+    def mapped(self, path: str) -> bool:
+        return True
+
+    def will_read(self, path: str, ranges: list) -> None:
+        pass    # the kernel's read-ahead joins adjacent reads already
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -145,7 +151,12 @@ class PosixOutput:
         write_text(path, data)
 
     def copy(self, source: str, path: str) -> None:
-        shutil.copyfile(source, path)
+        """`source` (a local path or any URL reshard.storage.files reads) copied to `path`, made durable."""
+        if files.is_url(source):
+            with files.open(source, "rb") as src, open(path, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+        else:
+            shutil.copyfile(source, path)
         fsync(path)
 
     def get(self, path: str) -> bytes:

@@ -10,7 +10,13 @@ Reading (SourceStorage), any number of times, in any order, then `close()` once:
   view(path)                                               the whole file as a read-only buffer, kept until close()
   done_with(path, offset, n)                               a hint: these bytes are not read again (drop them from
                                                            any cache)
+  will_read(path, ranges)                                  a hint, before the reads: the byte ranges about to be
+                                                           read (a storage that pays per request fetches
+                                                           adjacent ones together)
   size(path)
+  mapped(path)                                             does view(path) cost nothing until its bytes are
+                                                           touched (a memory map)? Where not (object storage),
+                                                           big reads are positioned reads instead
 
 Writing an output (OutputStorage), in this order:
   1. lock(path)                                one writer per destination; `release()` the handle it returns last
@@ -27,7 +33,30 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Protocol
+from typing import IO, Any, Protocol
+
+
+class FileTree(Protocol):
+    """Files by path, as the readers see them (reshard.storage.files dispatches a path to one): what os.path
+    answers on a local disk, an object store's listing and HEAD requests for s3:// URLs."""
+
+    def exists(self, path: str) -> bool: ...
+
+    def isdir(self, path: str) -> bool: ...
+
+    def isfile(self, path: str) -> bool: ...
+
+    def islink(self, path: str) -> bool: ...
+
+    def listdir(self, path: str) -> list[str]: ...
+
+    def getsize(self, path: str) -> int: ...
+
+    def mtime_ns(self, path: str) -> int: ...
+
+    def files_under(self, path: str) -> list[tuple[str, int, float]]: ...    # (path, bytes, mtime) of each file
+
+    def open(self, path: str, mode: str = "r", newline: str | None = None, buffering: int = -1) -> IO[Any]: ...
 
 
 class SourceStorage(Protocol):
@@ -41,7 +70,11 @@ class SourceStorage(Protocol):
 
     def done_with(self, path: str, offset: int, nbytes: int) -> None: ...
 
+    def will_read(self, path: str, ranges: list[tuple[int, int]]) -> None: ...
+
     def size(self, path: str) -> int: ...
+
+    def mapped(self, path: str) -> bool: ...   # view(path) costs nothing until touched (a map), not a download
 
     def close(self) -> None: ...
 

@@ -17,6 +17,7 @@ from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.torchsave_read import DType, TensorRef
 from reshard.source_bytes import read_scalar
+from reshard.storage import files as fs
 
 METADATA = ".metadata"
 RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
@@ -43,7 +44,7 @@ class Chunks:
             self.sizes.setdefault(self._path(info), None)
         for path in self.sizes:
             try:
-                self.sizes[path] = os.path.getsize(path)
+                self.sizes[path] = fs.getsize(path)
             except OSError:
                 catalog.problem(path, "missing (named in .metadata)")
 
@@ -196,7 +197,7 @@ class Chunks:
         return data
 
     def files(self) -> list:
-        out = [FileInfo(METADATA, "metadata", None, os.path.getsize(self.meta_path))]
+        out = [FileInfo(METADATA, "metadata", None, fs.getsize(self.meta_path))]
         for path, size in sorted(self.sizes.items()):
             out.append(FileInfo(os.path.relpath(path, self.root), "distcp", rank_of(path), size or 0))
         return out

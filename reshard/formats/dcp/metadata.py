@@ -19,6 +19,7 @@ from typing import Any, TypeGuard
 from reshard.errors import CheckpointError
 from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
 from reshard.formats.torchsave_write import GlobalName, TreePickler
+from reshard.storage import files as fs
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -168,7 +169,7 @@ def read(path: str, allowed: dict | None = None) -> Metadata:
     """The `.metadata` file at `path`, unpickled through the allow-list (`allowed`: a format's superset of ALLOWED,
     for a `.metadata` that pickles more than DCP's own classes)."""
     try:
-        with open(path, "rb") as f:
+        with fs.open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise CheckpointError(path, f"cannot read: {e.strerror}") from None

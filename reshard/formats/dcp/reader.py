@@ -34,6 +34,7 @@ from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.formats.protocol import NoOptions
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.storage import files as fs
 
 OPTIM_PREFIXES = ("optim.", "optimizer.")
 FORMAT = "dcp"
@@ -57,17 +58,17 @@ class DcpNotes:
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return False
-    if os.path.isfile(os.path.join(path, METADATA)):
+    if fs.isfile(os.path.join(path, METADATA)):
         return True
-    return any(RANK_FILE.search(n) for n in os.listdir(path))
+    return any(RANK_FILE.search(n) for n in fs.listdir(path))
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    root = os.path.abspath(path)
+    root = fs.abspath(path)
     meta_path = os.path.join(root, METADATA)
-    if not os.path.isfile(meta_path):
+    if not fs.isfile(meta_path):
         raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
     meta = md.read(meta_path)
     catalog = CatalogBuilder(root, "dcp", Layout.of(1), save_dir=root)

@@ -28,6 +28,7 @@ from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed.tp_geometry import from_affine
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import file_size
+from reshard.storage import files as fs
 
 # Model-states keys of an AutoEP save: its layers' placement and affine maps, and the universal-checkpoint info
 # that carries a copy of them
@@ -288,7 +289,7 @@ def read_module(catalog, tag_dir: str, experts: Experts, load) -> None:
     for ef in experts.files:
         path = os.path.join(tag_dir, ef.name)
         catalog.files.append(FileInfo(ef.name, "expert_states", None, file_size(path)))
-        if not os.path.exists(path):
+        if not fs.exists(path):
             catalog.problem(path, f"missing (expected for expert {ef.expert} of MoE layer {ef.layer})")
             continue
         try:

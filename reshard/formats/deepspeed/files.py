@@ -6,6 +6,7 @@ import re
 
 from reshard import paths
 from reshard.errors import CheckpointError, ReshardError, UsageError
+from reshard.storage import files as fs
 
 LATEST = "latest"
 UNNAMED_TAG = "converted"      # the tag of a save whose source knows no step
@@ -41,10 +42,10 @@ def optim_states_name(dp: int, mp: int, bf16: bool) -> str:
 
 
 def is_deepspeed_dir(path: str) -> bool:
-    if os.path.isfile(os.path.join(path, LATEST)):
+    if fs.isfile(os.path.join(path, LATEST)):
         return True
     try:
-        names = os.listdir(path)
+        names = fs.listdir(path)
     except OSError:
         return False
     return any(MODEL_STATES.match(n) or ZERO3_MODEL_STATES.match(n) for n in names)
@@ -63,20 +64,20 @@ def tag_folder(save_dir: str, tag: str, pointer: str | None = None) -> str:
 
 def resolve_tag_dir(path: str, tag: str | None = None) -> tuple[str, str]:
     """(tag directory, tag) for a save dir with `latest`, a save dir plus --tag, or a tag dir."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
+    path = fs.abspath(path)
+    if not fs.isdir(path):
         raise ReshardError.at(path, "no such directory")
     latest = os.path.join(path, LATEST)
     pointer = None
-    if tag is None and os.path.isfile(latest):
-        with open(latest) as f:
+    if tag is None and fs.isfile(latest):
+        with fs.open(latest) as f:
             tag = f.read().strip()
         if not tag:
             raise ReshardError.at(latest, "file is empty; name the tag with --tag")
         pointer = latest
     if tag is not None:
         tag_dir = tag_folder(path, tag, pointer)
-        if not os.path.isdir(tag_dir):
+        if not fs.isdir(tag_dir):
             raise ReshardError.at(tag_dir, "tag folder does not exist")
         return tag_dir, tag
     if is_deepspeed_dir(path):

@@ -38,6 +38,7 @@ from reshard.formats.deepspeed import files as names, group_scalars, notes, rank
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import MappedFiles, file_size, replica_problem
+from reshard.storage import files as fs
 
 # Replicated blocks up to this size (per copy) are compared when the checkpoint is read; larger ones
 # (a replicated embedding of a big vocabulary) by `validate --deep`, so reading stays metadata-cheap.
@@ -82,7 +83,7 @@ def _read_ranks(tag_dir, tag, listing, mp, model0):
     for rank in range(mp):
         name = names.model_states_name(rank)
         path = os.path.join(tag_dir, name)
-        if not os.path.exists(path):
+        if not fs.exists(path):
             problems.append(Problem(path, None, READER, f"missing (expected for model-parallel rank {rank} of {mp})"))
             files.append(FileInfo(name, "model_states", None, 0))
             locals_[rank] = None

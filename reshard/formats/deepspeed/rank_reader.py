@@ -31,6 +31,7 @@ from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import file_size
+from reshard.storage import files as fs
 
 # What a mixture-of-experts save's model states add (engine._save_moe_checkpoint), kept for its writer
 EXPERT_KEYS = ("num_experts", "ds_autoep_layers", "universal_checkpoint_info")
@@ -137,7 +138,7 @@ def _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp=0) -> dict:
 def _load_rank_file(catalog, tag_dir, name, role, rank, required_key):
     path = os.path.join(tag_dir, name)
     catalog.files.append(FileInfo(name, role, rank, file_size(path)))
-    if not os.path.exists(path):
+    if not fs.exists(path):
         catalog.problem(path, f"missing (expected for data-parallel rank {rank})")
         return None
     try:

@@ -12,6 +12,7 @@ from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as names, notes, parallel, rank_reader
 from reshard.formats.framework import lightning
+from reshard.storage import files as fs
 
 FORMAT = "deepspeed"
 
@@ -30,8 +31,8 @@ IN_FRAMEWORK_FOLDERS = True
 
 def sniff(path: str, tag: str | None) -> bool:
     """A save dir or tag folder; with a tag, also a save dir without `latest` that holds that folder."""
-    return os.path.isdir(path) and (names.is_deepspeed_dir(path) or
-                                    (tag is not None and os.path.isdir(os.path.join(path, tag))))
+    return fs.isdir(path) and (names.is_deepspeed_dir(path) or
+                                    (tag is not None and fs.isdir(os.path.join(path, tag))))
 
 
 def read(path: str, options: Options) -> Catalog:
@@ -41,7 +42,7 @@ def read(path: str, options: Options) -> Catalog:
         catalog = _read(tag_dir, tag, layout_rules)
         if layout_rules:        # also how AutoTP would cut it at another degree (tp_recut)
             catalog.notes = replace(notes.of(catalog), tp_rules=layout_rules)
-        catalog.framework = lightning.detect(os.path.abspath(path), notes.of(catalog).client_state)
+        catalog.framework = lightning.detect(fs.abspath(path), notes.of(catalog).client_state)
         return catalog.freeze()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # The files unpickled safely but do not hold what DeepSpeed writes where it writes it.
@@ -49,7 +50,7 @@ def read(path: str, options: Options) -> Catalog:
 
 
 def _read(tag_dir: str, tag: str, layout_rules) -> CatalogBuilder:
-    listing = sorted(os.listdir(tag_dir))
+    listing = sorted(fs.listdir(tag_dir))
     _refuse_unsupported(tag_dir, listing)
     model0_name = rank_reader.first_model_states(tag_dir, listing)
     model0 = rank_reader.load_or_raise(os.path.join(tag_dir, model0_name))

@@ -21,6 +21,7 @@ from reshard import rule_files
 from reshard.core.geometry import strides
 from reshard.core.placement import Block, Shard
 from reshard.errors import ReshardError, UsageError
+from reshard.storage import files as fs
 
 RULES_KIND = rule_files.TP_RULES
 RULES_VERSION = 1
@@ -105,7 +106,7 @@ class Geometry:
     @classmethod
     def from_rule_file(cls, path: str) -> Geometry:
         try:
-            with open(path) as f:
+            with fs.open(path) as f:
                 data = json.load(f)
         except OSError as e:
             raise ReshardError.at(path, f"cannot read layout rules: {e.strerror}") from None

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from reshard.storage import files as fs
+
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_DIR = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
@@ -41,4 +43,4 @@ def optimizer_state_file(tag: str) -> str:
 
 
 def is_universal_tag_dir(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, ZERO_DIR))
+    return fs.isdir(os.path.join(path, ZERO_DIR))

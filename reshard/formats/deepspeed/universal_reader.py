@@ -35,6 +35,7 @@ from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import file_size
+from reshard.storage import files as fs
 
 FORMAT = "universal"
 OPTIONS = TagOption
@@ -46,14 +47,14 @@ ENGINE_EXPERT_PATTERNS = [r".*\.experts\.w[123]$"]
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return False
     if tag is not None:
         return uc.is_universal_tag_dir(os.path.join(path, tag))
     if uc.is_universal_tag_dir(path):
         return True
     # A save dir holding both `latest` and `latest_universal` is read as the ordinary save it also is.
-    return os.path.isfile(os.path.join(path, uc.LATEST_UNIVERSAL)) and not os.path.isfile(
+    return fs.isfile(os.path.join(path, uc.LATEST_UNIVERSAL)) and not fs.isfile(
         os.path.join(path, names.LATEST))
 
 
@@ -67,11 +68,11 @@ def read(path: str, options: TagOption) -> Catalog:
 
 
 def _resolve_tag_dir(path, tag) -> tuple:
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     pointer = None
     if tag is None and not uc.is_universal_tag_dir(path):
         pointer = os.path.join(path, uc.LATEST_UNIVERSAL)
-        with open(pointer) as f:
+        with fs.open(pointer) as f:
             tag = f.read().strip()
         if not tag:
             raise ReshardError.at(pointer, "file is empty; name the tag with --tag")
@@ -84,7 +85,7 @@ def _resolve_tag_dir(path, tag) -> tuple:
 
 
 def _load_dict(path):
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         raise CheckpointError(path, "missing")
     obj = torchsave_read.load(path)
     if not isinstance(obj, dict):
@@ -93,7 +94,7 @@ def _load_dict(path):
 
 
 def _read(tag_dir, tag) -> CatalogBuilder:
-    listing = sorted(os.listdir(tag_dir))
+    listing = sorted(fs.listdir(tag_dir))
     optim_path = os.path.join(tag_dir, uc.ZERO_DIR, uc.OPTIMIZER_STATE)
     optim = _load_dict(optim_path)
     zero3_files = [n for n in listing if names.ZERO3_MODEL_STATES.match(n)]
@@ -188,10 +189,10 @@ def _read_param(catalog, name, g, num_experts) -> set:
     holds, read into the catalog."""
     folder = os.path.join(catalog.root, uc.ZERO_DIR, name)
     shape = catalog.params[name].shape
-    if not os.path.isdir(folder):
+    if not fs.isdir(folder):
         catalog.problem(folder, f"missing: no universal state folder for trainable parameter {name}")
         return set()
-    states = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".pt"))
+    states = sorted(f[:-3] for f in fs.listdir(folder) if f.endswith(".pt"))
     if MASTER not in states:
         catalog.problem(os.path.join(folder, MASTER + ".pt"), f"missing: the fp32 master of {name}")
     for state in states:

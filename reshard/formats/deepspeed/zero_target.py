@@ -14,6 +14,7 @@ from reshard.formats.deepspeed import files as names, notes, topology
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.torchsave_read import Size
 from reshard.formats.torchsave_write import TorchFile
+from reshard.storage import files as fs
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -141,6 +142,6 @@ def closing_files(tag: str, source_save_dir: str | None) -> list:
     if source_save_dir:
         for script in SCRIPTS:
             path = os.path.join(source_save_dir, script)
-            if os.path.isfile(path):
-                out.append(CopiedFile(script, path, os.path.getsize(path)))
+            if fs.isfile(path):
+                out.append(CopiedFile(script, path, fs.getsize(path)))
     return out

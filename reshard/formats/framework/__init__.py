@@ -4,7 +4,6 @@ lightning).
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from reshard.formats.framework.files import (  # noqa: F401
@@ -23,6 +22,7 @@ from reshard.formats.framework.files import (  # noqa: F401
     FrameworkFile,
     PerRank,
 )
+from reshard.storage import files as fs
 
 if TYPE_CHECKING:
     from reshard.core.catalog import Catalog
@@ -40,10 +40,10 @@ def detect(path: str) -> Framework | None:
     # imported here, not at the top: they import other formats' modules, which import the catalog, which imports
     # reshard.formats (this package's parent) as it starts
     from reshard.formats.framework import accelerate, hf_trainer
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return None
     for module in (hf_trainer, accelerate):
-        found = module.detect(os.path.abspath(path))
+        found = module.detect(fs.abspath(path))
         if found is not None:
             return found
     return None

@@ -15,6 +15,7 @@ import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
+from reshard.storage import files as fs
 
 NAME = "Accelerate"
 RANDOM_STATES = PerRank("RNG states and the accelerator's step", "random_states_{rank}.pkl",
@@ -34,8 +35,8 @@ BATCH = ("Accelerate takes them from the DeepSpeed plugin's config and Accelerat
 
 def detect(folder: str) -> Framework | None:
     """A DeepSpeed save dir (`latest`) with Accelerate's random_states_K.pkl beside it."""
-    if not os.path.isfile(os.path.join(folder, deepspeed_files.LATEST)) or \
-            not any(RANDOM_STATES.rank_of(n) is not None for n in os.listdir(folder)):
+    if not fs.isfile(os.path.join(folder, deepspeed_files.LATEST)) or \
+            not any(RANDOM_STATES.rank_of(n) is not None for n in fs.listdir(folder)):
         return None
     return Framework(NAME, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
                      batch_note=BATCH)

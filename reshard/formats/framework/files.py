@@ -21,6 +21,7 @@ from reshard.core.problems import READER, Problem
 from reshard.core.write_requests import CopiedFile
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import topology
+from reshard.storage import files as fs
 
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
 NEW_RANK_POLICIES = (FRESH, COPY_RANK0, FAIL)
@@ -107,7 +108,7 @@ class Framework:
         """Per-process files missing for a process that saved, each a problem of that file. In a folder reshard
         wrote (its manifest is there) an absent one is what --new-rank-state decided, and a file the manifest
         lists but the folder lacks is the manifest check's to report."""
-        if os.path.isfile(os.path.join(self.folder, manifest.NAME)):
+        if fs.isfile(os.path.join(self.folder, manifest.NAME)):
             return []
         out = []
         for kind in self.kinds:
@@ -183,17 +184,17 @@ def framework_files(folder: str, kinds: tuple, what) -> tuple:
     """The FrameworkFiles of every entry of `folder` that is not DeepSpeed's: per-process files of `kinds`,
     others described by `what(name)`, folders (not carried) as such."""
     out = []
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(fs.listdir(folder)):
         path = os.path.join(folder, name)
         if deepspeed_own(folder, name):
             continue
         kind = next((k for k in kinds if k.rank_of(name) is not None), None)
-        if os.path.isdir(path):
+        if fs.isdir(path):
             out.append(FrameworkFile(name, "a folder", 0, folder=True))
         elif kind is not None:
-            out.append(FrameworkFile(name, kind.what, os.path.getsize(path), kind.rank_of(name), kind))
+            out.append(FrameworkFile(name, kind.what, fs.getsize(path), kind.rank_of(name), kind))
         else:
-            out.append(FrameworkFile(name, what(name), os.path.getsize(path)))
+            out.append(FrameworkFile(name, what(name), fs.getsize(path)))
     return tuple(out)
 
 
@@ -203,4 +204,4 @@ def deepspeed_own(folder: str, name: str) -> bool:
     from reshard.formats.deepspeed.zero_target import SCRIPTS
     path = os.path.join(folder, name)
     return name == deepspeed_files.LATEST or name in SCRIPTS or \
-        (os.path.isdir(path) and deepspeed_files.is_deepspeed_dir(path))
+        (fs.isdir(path) and deepspeed_files.is_deepspeed_dir(path))

@@ -17,6 +17,7 @@ from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 from reshard.formats.single import hf_files
 from reshard.formats.single.hf_trainer import ARGS, SCHEDULER, TRAINER_STATE
+from reshard.storage import files as fs
 
 NAME = "HF Trainer"
 RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth",
@@ -34,8 +35,8 @@ WHAT = {TRAINER_STATE: "the Trainer's state (global step, epoch, log history: a 
 
 def detect(folder: str) -> Framework | None:
     """A DeepSpeed save dir (`latest`) holding the Trainer's trainer_state.json."""
-    if not (os.path.isfile(os.path.join(folder, deepspeed_files.LATEST)) and
-            os.path.isfile(os.path.join(folder, TRAINER_STATE))):
+    if not (fs.isfile(os.path.join(folder, deepspeed_files.LATEST)) and
+            fs.isfile(os.path.join(folder, TRAINER_STATE))):
         return None
     return Framework(NAME, folder, framework_files(folder, (RNG,), _what), (RNG,),
                      model_files=hf_files.present(folder), batch_note=BATCH)

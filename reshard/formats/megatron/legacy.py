@@ -43,6 +43,7 @@ from reshard.formats.megatron import buckets, order as param_order, pickles, tp_
 from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopology
 from reshard.formats.torchsave_read import TensorRef, load as load_pickle
 from reshard.source_bytes import read_scalar
+from reshard.storage import files as fs
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIMIZER_FILE = "distrib_optim.pt"
@@ -55,10 +56,10 @@ STATES = ("param", "exp_avg", "exp_avg_sq")     # a buffer's flat states; param 
 def is_legacy(folder: str) -> bool:
     """An iteration folder of Megatron-LM's legacy format: mp_rank_* folders holding model_optim_rng.pt."""
     try:
-        names = os.listdir(folder)
+        names = fs.listdir(folder)
     except OSError:
         return False
-    return any(RANK_FOLDER.match(n) and os.path.isfile(os.path.join(folder, n, MODEL_FILE)) for n in names)
+    return any(RANK_FOLDER.match(n) and fs.isfile(os.path.join(folder, n, MODEL_FILE)) for n in names)
 
 
 def read(folder: str, save_dir: str | None, name: str, format_name: str):
@@ -131,9 +132,9 @@ class _LegacyReader:
 
     def _rank_folders(self) -> dict[tuple[int, int], str]:
         out = {}
-        for entry in sorted(os.listdir(self.folder)):
+        for entry in sorted(fs.listdir(self.folder)):
             found = RANK_FOLDER.match(entry)
-            if found is None or not os.path.isdir(os.path.join(self.folder, entry)):
+            if found is None or not fs.isdir(os.path.join(self.folder, entry)):
                 continue
             if found.group(3):
                 raise CheckpointError(os.path.join(self.folder, entry), "an expert-parallel rank's folder: legacy "
@@ -142,7 +143,7 @@ class _LegacyReader:
         return out
 
     def _load(self, path: str) -> Mapping[str, Any]:
-        if not os.path.isfile(path):
+        if not fs.isfile(path):
             raise CheckpointError(path, "missing")
         state = load_pickle(path, allowed=pickles.LEGACY_ALLOWED)
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
@@ -162,9 +163,8 @@ class _LegacyReader:
         for (t, p), folder in sorted(ranks.items()):
             for name, role in ((MODEL_FILE, "model"), (OPTIMIZER_FILE, "optimizer")):
                 path = os.path.join(folder, name)
-                if os.path.isfile(path):
-                    out.append(FileInfo(os.path.relpath(path, self.folder), role, t + self.tp * p,
-                                        os.path.getsize(path)))
+                if fs.isfile(path):
+                    out.append(FileInfo(os.path.relpath(path, self.folder), role, t + self.tp * p, fs.getsize(path)))
         return out
 
     # -- the model
@@ -230,7 +230,7 @@ class _LegacyReader:
     def _optimizer(self, ranks, states, local, shards) -> str:
         """The fp32 masters and moments of every rank; the optimizer's sharding."""
         distributed = [os.path.join(path, OPTIMIZER_FILE) for path in ranks.values()]
-        if any(os.path.isfile(p) for p in distributed) or self.args.get("use_distributed_optimizer"):
+        if any(fs.isfile(p) for p in distributed) or self.args.get("use_distributed_optimizer"):
             for key, path in sorted(ranks.items()):
                 self._gathered(key, os.path.join(path, OPTIMIZER_FILE), local[key], shards)
             return GATHERED
@@ -281,7 +281,7 @@ class _LegacyReader:
     def _gathered(self, key, path, params, shards) -> None:
         """distrib_optim.pt: {buckets_coalesced, grad buffer index: {(param dtype, grad dtype): {param, exp_avg,
         exp_avg_sq, numel_unpadded}}}, the buffer's params laid out as buckets.lay_out recomputes."""
-        if not os.path.isfile(path):
+        if not fs.isfile(path):
             self.catalog.problem(path, "missing: the distributed optimizer saves its state there")
             return
         saved = load_pickle(path, allowed=pickles.LEGACY_ALLOWED)

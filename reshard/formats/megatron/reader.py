@@ -69,6 +69,7 @@ from reshard.formats.megatron.topology import (
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import DType, TensorRef, load as load_pickle
 from reshard.source_bytes import read_scalar
+from reshard.storage import files as fs
 
 FORMAT = "megatron"
 OPTIONS = TagOption
@@ -91,13 +92,13 @@ COMMON_STATE = "common_state"         # 0.19: the common state's DCP key (its Sh
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return False
     if tag is not None:
         return _is_iteration_dir(os.path.join(path, tag))
-    if os.path.isfile(os.path.join(path, TRACKER)) or _is_iteration_dir(path):
+    if fs.isfile(os.path.join(path, TRACKER)) or _is_iteration_dir(path):
         return True
-    return any(ITERATION.match(n) and _is_iteration_dir(os.path.join(path, n)) for n in os.listdir(path))
+    return any(ITERATION.match(n) and _is_iteration_dir(os.path.join(path, n)) for n in fs.listdir(path))
 
 
 def _is_iteration_dir(path: str) -> bool:
@@ -109,7 +110,7 @@ def _is_iteration_dir(path: str) -> bool:
 
 def _config(path: str):
     try:
-        with open(path) as f:
+        with fs.open(path) as f:
             return json.loads(f.read(1 << 16))
     except (OSError, ValueError):
         return None
@@ -117,16 +118,16 @@ def _config(path: str):
 
 def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
     """(iteration folder, save dir or None, its name) of the checkpoint at `path`."""
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     if tag is not None:
         return os.path.join(path, tag), path, tag
     if _is_iteration_dir(path):
         parent = os.path.dirname(path)
-        return path, parent if os.path.isfile(os.path.join(parent, TRACKER)) else None, os.path.basename(path)
+        return path, parent if fs.isfile(os.path.join(parent, TRACKER)) else None, os.path.basename(path)
     tracker = os.path.join(path, TRACKER)
-    if not os.path.isfile(tracker):
+    if not fs.isfile(tracker):
         raise CheckpointError(tracker, "missing: name the iteration folder (--tag iter_NNNNNNN or its path)")
-    with open(tracker) as f:
+    with fs.open(tracker) as f:
         text = f.read(64).strip()
     if text == RELEASE:
         name = RELEASE
@@ -135,7 +136,7 @@ def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
     else:
         raise CheckpointError(tracker, f"holds {text[:20]!r}, not an iteration number")
     folder = os.path.join(path, name)
-    if not os.path.isdir(folder):
+    if not fs.isdir(folder):
         raise CheckpointError(folder, f"missing: {TRACKER} names iteration {text}")
     return folder, path, name
 
@@ -143,7 +144,7 @@ def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
 def read(path: str, options: TagOption) -> Catalog:
     folder, save_dir, name = resolve(path, options.tag)
     try:
-        if not os.path.isfile(os.path.join(folder, CONFIG)) and legacy.is_legacy(folder):
+        if not fs.isfile(os.path.join(folder, CONFIG)) and legacy.is_legacy(folder):
             return legacy.read(folder, save_dir, name, FORMAT)
         return _Reader(folder, save_dir, name).read()
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
@@ -168,7 +169,7 @@ class _Reader:
         if backend != "torch_dist":
             raise CheckpointError(os.path.join(folder, CONFIG), f"sharded backend {backend!r}: only torch_dist "
                                   "saves are read")
-        if not os.path.isfile(self.meta_path):
+        if not fs.isfile(self.meta_path):
             raise CheckpointError(self.meta_path, "missing: DCP writes .metadata last, so the save did not finish")
         meta = md.read(self.meta_path, METADATA_ALLOWED)
         self.meta = meta
@@ -272,7 +273,7 @@ class _Reader:
         DCP object `common_state` (0.19, whose metadata.json names no common backend)."""
         common_path = os.path.join(self.folder, COMMON)
         stored = next((k for k in chunks.by_fqn if k.split("/")[0] == COMMON_STATE), None)
-        if os.path.isfile(common_path):
+        if fs.isfile(common_path):
             common, layout = load_pickle(common_path, allowed=COMMON_ALLOWED), LAYOUT_016
         elif stored is not None and "common_backend" not in config:
             common_path, layout = f"{self.meta_path}:{stored}", LAYOUT_019
@@ -299,8 +300,8 @@ class _Reader:
 
     def _files(self, chunks: Chunks) -> list[FileInfo]:
         """The iteration folder's files (the save dir's tracker names the latest iteration; it is no part of one)."""
-        own = ((CONFIG, "config"), (COMMON, "common")) if os.path.isfile(self.common_path) else ((CONFIG, "config"),)
-        return [FileInfo(name, role, None, os.path.getsize(os.path.join(self.folder, name))) for name, role in own] + \
+        own = ((CONFIG, "config"), (COMMON, "common")) if fs.isfile(self.common_path) else ((CONFIG, "config"),)
+        return [FileInfo(name, role, None, fs.getsize(os.path.join(self.folder, name))) for name, role in own] + \
             chunks.files()
 
     # -- tensors

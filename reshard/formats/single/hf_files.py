@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from reshard.storage import files as fs
+
 CONFIGS = ("config.json", "generation_config.json")
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
              "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
@@ -17,5 +19,5 @@ NAMES = CONFIGS + TOKENIZER
 
 def present(folder: str) -> tuple:
     """Absolute paths of the files of NAMES that `folder` holds, in NAMES order."""
-    folder = os.path.abspath(folder)
-    return tuple(os.path.join(folder, n) for n in NAMES if os.path.isfile(os.path.join(folder, n)))
+    folder = fs.abspath(folder)
+    return tuple(os.path.join(folder, n) for n in NAMES if fs.isfile(os.path.join(folder, n)))

@@ -12,16 +12,18 @@ from __future__ import annotations
 import json
 import os
 
+from reshard.storage import files as fs
+
 CONFIG = "config.json"
 
 
 def model_order(folder: str):
     """(keys in state-dict order, {alias: holder}, buffer keys) or None when the architecture cannot be built."""
     path = os.path.join(folder, CONFIG)
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         return None
     try:
-        with open(path) as f:
+        with fs.open(path) as f:
             config = json.load(f)
         architecture = (config.get("architectures") or [None])[0]
     except (OSError, ValueError, AttributeError):

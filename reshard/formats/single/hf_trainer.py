@@ -23,6 +23,7 @@ from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.storage import files as fs
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
@@ -35,26 +36,26 @@ IN_FRAMEWORK_FOLDERS = False
 def sniff(path: str, tag: str | None) -> bool:
     """A folder of HF weights with a trainer state or an optimizer; or of pytorch_model.bin weights
     (save_pretrained folders of safetensors alone are safetensors_reader's)."""
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return False
     weights = hf_weights.present(path)
-    return weights is not None and (os.path.isfile(os.path.join(path, TRAINER_STATE)) or
-                                    os.path.isfile(os.path.join(path, OPTIMIZER)) or
+    return weights is not None and (fs.isfile(os.path.join(path, TRAINER_STATE)) or
+                                    fs.isfile(os.path.join(path, OPTIMIZER)) or
                                     weights in (hf_weights.BIN, hf_weights.BIN_INDEX))
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    folder = os.path.abspath(path)
-    has_state = os.path.isfile(os.path.join(folder, TRAINER_STATE))
+    folder = fs.abspath(path)
+    has_state = fs.isfile(os.path.join(folder, TRAINER_STATE))
     safe = hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
     weights_format = "safetensors" if safe else "torch"
     # the run's world size is what its per-process files say: the Trainer saves one rng_state_K.pth per process
-    processes = max(1, sum(1 for name in os.listdir(folder) if RNG.match(name)))
+    processes = max(1, sum(1 for name in fs.listdir(folder) if RNG.match(name)))
     catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,
                              layout=Layout.of(processes, format_topology=UNPARTITIONED))
     optim_path = os.path.join(folder, OPTIMIZER)
     optimizer = None
-    if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
+    if fs.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
         optimizer = torchsave_read.load(optim_path)
         if not is_optimizer(optimizer):
             raise CheckpointError(optim_path, "not a torch.optim state_dict (state, param_groups)")
@@ -80,9 +81,9 @@ def read(path: str, options: NoOptions) -> Catalog:
 def _training_state(catalog: CatalogBuilder, folder: str) -> None:
     state_path = os.path.join(folder, TRAINER_STATE)
     trainer_state = global_steps = lr_scheduler = None
-    if os.path.isfile(state_path):
+    if fs.isfile(state_path):
         try:
-            with open(state_path) as f:
+            with fs.open(state_path) as f:
                 trainer_state = json.load(f)
         except (OSError, ValueError) as e:
             raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
@@ -90,11 +91,11 @@ def _training_state(catalog: CatalogBuilder, folder: str) -> None:
         if isinstance(trainer_state, dict) and isinstance(trainer_state.get("global_step"), int):
             global_steps = trainer_state["global_step"]
     scheduler = os.path.join(folder, SCHEDULER)
-    if os.path.isfile(scheduler):
+    if fs.isfile(scheduler):
         model.add_file(catalog, scheduler, "scheduler")
         lr_scheduler = torchsave_read.load(scheduler)
     opaque = []
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(fs.listdir(folder)):
         if RNG.match(name) or name in OPAQUE:
             model.add_file(catalog, os.path.join(folder, name), "rng_state" if RNG.match(name) else "opaque")
             opaque.append(name)

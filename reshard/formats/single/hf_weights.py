@@ -13,6 +13,7 @@ from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.single import hf_model, safetensors_header
 from reshard.formats.single.torchsave_checkpoint import is_state_dict
+from reshard.storage import files as fs
 
 SAFE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -20,7 +21,7 @@ NAMES = (SAFE_INDEX, SAFE, BIN_INDEX, BIN)
 
 
 def present(folder: str) -> str | None:
-    return next((n for n in NAMES if os.path.isfile(os.path.join(folder, n))), None)
+    return next((n for n in NAMES if fs.isfile(os.path.join(folder, n))), None)
 
 
 class Weights:

@@ -8,8 +8,6 @@ and ties) is the optimizer's order when configure_optimizers passes self.paramet
 """
 from __future__ import annotations
 
-import os
-
 from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
@@ -19,6 +17,7 @@ from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer, is_state_dict
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.storage import files as fs
 
 SUFFIX = ".ckpt"
 KNOWN = ("state_dict", "optimizer_states", "lr_schedulers")
@@ -28,11 +27,11 @@ IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    return os.path.isfile(path) and path.endswith(SUFFIX)
+    return fs.isfile(path) and path.endswith(SUFFIX)
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     obj = torchsave_read.load(path)
     if not isinstance(obj, dict) or not is_state_dict(obj.get("state_dict")):
         raise CheckpointError(path, "not a Lightning checkpoint (no 'state_dict' of tensors)")

@@ -35,13 +35,14 @@ from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import file_size, read_scalar
+from reshard.storage import files as fs
 
 STEP = "step"
 NAMES = "param_names"     # saved by torch.optim when built from named_parameters()
 
 
 def add_file(catalog: CatalogBuilder, path: str, role: str) -> None:
-    folder = catalog.root if os.path.isdir(catalog.root) else os.path.dirname(catalog.root)
+    folder = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)
     catalog.files.append(FileInfo(os.path.relpath(path, folder), role, None, file_size(path)))
 
 

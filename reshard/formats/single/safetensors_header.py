@@ -19,6 +19,7 @@ from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
 from reshard.formats.safetensors_file import DTYPE_CODES
 from reshard.formats.torchsave_read import TensorRef
+from reshard.storage import files as fs
 
 DTYPES = {code: name for name, code in DTYPE_CODES.items()}
 MAX_HEADER = 100 * 1024 * 1024      # the safetensors library's own limit
@@ -27,8 +28,8 @@ MAX_HEADER = 100 * 1024 * 1024      # the safetensors library's own limit
 def read_header(path: str) -> tuple:
     """(tensors: {name: TensorRef} in header order, metadata: dict) of one safetensors file."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        size = fs.getsize(path)
+        with fs.open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(path, f"not a safetensors file ({size} bytes, no header length)")
@@ -87,9 +88,9 @@ def _tensor(path, name, entry, data_start, data_len) -> TensorRef:
 
 def read_index(index_path: str) -> dict:
     """{name: shard path} of a Hugging Face shard index, every shard inside the index's folder."""
-    folder = os.path.dirname(os.path.abspath(index_path))
+    folder = os.path.dirname(fs.abspath(index_path))
     try:
-        with open(index_path) as f:
+        with fs.open(index_path) as f:
             index = json.load(f)
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
@@ -105,7 +106,7 @@ def read_index(index_path: str) -> dict:
             raise CheckpointError(index_path, f"tensor {name!r}: shard path {shard!r} leaves the checkpoint folder "
                                               f"({why})")
         path = os.path.join(folder, shard)
-        if not os.path.isfile(path):
+        if not fs.isfile(path):
             raise CheckpointError(index_path, f"tensor {name!r}: shard {shard} is missing")
         out[name] = path
     return out

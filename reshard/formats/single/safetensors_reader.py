@@ -5,13 +5,12 @@ training format is refused. A folder with config.json gets the model's order and
 """
 from __future__ import annotations
 
-import os
-
 from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.core.layout import Layout
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model, safetensors_header
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.storage import files as fs
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -21,14 +20,14 @@ IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    if os.path.isfile(path):
+    if fs.isfile(path):
         return path.endswith((SUFFIX, INDEX_SUFFIX))
-    return os.path.isdir(path) and hf_weights.present(path) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
+    return fs.isdir(path) and hf_weights.present(path) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    path = os.path.abspath(path)
-    if os.path.isdir(path):
+    path = fs.abspath(path)
+    if fs.isdir(path):
         folder = path
         weights = hf_weights.read(path)
     else:
@@ -46,6 +45,6 @@ def read(path: str, options: NoOptions) -> Catalog:
         model.add_file(catalog, file, role)
     model.build(catalog, weights.tensors, weights.files[-1][0], None, "", weights.aliases, weights.order,
                 weights.buffers)
-    if os.path.isdir(path):     # a save_pretrained folder: its config and tokenizer go with the weights
+    if fs.isdir(path):     # a save_pretrained folder: its config and tokenizer go with the weights
         catalog.model_files = hf_files.present(path)
     return catalog.freeze()

@@ -7,7 +7,6 @@ refused by torchsave_read with a one-line message.
 """
 from __future__ import annotations
 
-import os
 from typing import TypeGuard
 
 from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
@@ -19,6 +18,7 @@ from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.torchsave_read import TensorRef
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.storage import files as fs
 
 SUFFIXES = (".pt", ".pth", ".bin")
 MODEL_KEYS = ("state_dict", "model", "module", "model_state_dict")
@@ -31,11 +31,11 @@ IN_FRAMEWORK_FOLDERS = False
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    if not (os.path.isfile(path) and path.endswith(SUFFIXES)):
+    if not (fs.isfile(path) and path.endswith(SUFFIXES)):
         return False
-    with open(path, "rb") as f:
+    with fs.open(path, "rb") as f:
         head = f.read(4)
-    return head == ZIP_MAGIC or head[:2] == LEGACY_MAGIC or os.path.getsize(path) == 0
+    return head == ZIP_MAGIC or head[:2] == LEGACY_MAGIC or fs.getsize(path) == 0
 
 
 def is_state_dict(obj) -> TypeGuard[dict]:
@@ -65,7 +65,7 @@ def split(path: str, obj) -> tuple:
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     module, optimizer, extra = split(path, torchsave_read.load(path))
     catalog = CatalogBuilder(root=path, format="torch", layout=Layout.of(1, format_topology=UNPARTITIONED))
     model.add_file(catalog, path, "state_dict")

@@ -1,0 +1,291 @@
+"""Checkpoints in object storage: every command given an s3:// URL, against a real S3 server (SeaweedFS `weed
+mini`, conftest.s3_server), with boto3 itself (tools/s3_server.py: upload, download) putting the sources there and
+fetching the results for the real consumers. The engine's resume of what was converted in the bucket is in
+tests/test_s3_engine.py.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import s3_server as servers
+from conftest import REPO, fixture_dir, run_cli, truth_tensors
+
+pytestmark = pytest.mark.s3
+FIXTURE = "z2_fp32_dp2"
+
+
+@pytest.fixture(scope="module")
+def source(s3_server):
+    """The fixture's save dir uploaded (by boto3) under src/; its URL."""
+    return servers.upload(s3_server, str(fixture_dir(FIXTURE)), f"src/{FIXTURE}")
+
+
+def _same(remote, url, local, folder) -> None:
+    """The command's output for the URL is its output for the local copy, the names aside."""
+    assert remote.returncode == local.returncode == 0, remote.stderr + local.stderr
+    assert remote.stdout.replace(url, "SRC") == local.stdout.replace(str(folder), "SRC")
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["validate", "--deep", "--checksums"], ["inspect", "--json"]])
+def test_inspect_and_validate_read_a_bucket_as_they_read_a_disk(s3, source, command):
+    folder = fixture_dir(FIXTURE)
+    _same(run_cli(*command, source), source, run_cli(*command, folder), folder)
+
+
+def test_plan_from_a_bucket_is_the_plan_from_disk(s3, source):
+    folder = fixture_dir(FIXTURE)
+    remote, local = (run_cli("plan", where, "--to", "dp=3", check=0) for where in (source, folder))
+    free = [line for line in remote.stdout.splitlines() if not line.startswith("disk ")]
+    assert free == [line for line in local.stdout.replace(str(folder), source).splitlines()
+                    if not line.startswith("disk ")]
+
+
+def test_diff_of_a_bucket_and_its_local_copy_finds_them_equal(s3, source):
+    proc = run_cli("diff", source, fixture_dir(FIXTURE), "--json", check=0)
+    assert json.loads(proc.stdout)["equal"] is True
+
+
+def _digests(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in folder.rglob("*") if p.is_file() and p.name != "reshard-manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The local conversion every other route must equal, byte for byte."""
+    out = tmp_path_factory.mktemp("s3-reference") / "dp3"
+    run_cli("convert", fixture_dir(FIXTURE), out, "--to", "dp=3", "--quiet", check=0)
+    return _digests(out)
+
+
+def test_convert_bucket_to_bucket_to_disk_and_disk_to_bucket_write_the_same_bytes(s3, source, reference, tmp_path):
+    run_cli("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet", check=0)
+    run_cli("convert", fixture_dir(FIXTURE), s3.url("out/disk-to-s3"), "--to", "dp=3", "--quiet", check=0)
+    run_cli("convert", source, tmp_path / "s3-to-disk", "--to", "dp=3", "--quiet", check=0)
+    assert _digests(tmp_path / "s3-to-disk") == reference
+    for prefix in ("out/s3-to-s3", "out/disk-to-s3"):
+        keys = servers.download(s3, prefix, str(tmp_path / prefix))
+        assert f"{prefix}/reshard-manifest.json" in keys
+        assert _digests(tmp_path / prefix) == reference, prefix
+        assert not [k for k in servers.keys(s3, "out/") if "reshard-tmp" in k or "reshard-lock" in k]
+        # validate --checksums re-reads every object against the manifest
+        run_cli("validate", "--checksums", s3.url(prefix), check=0)
+
+
+def test_export_from_a_bucket_is_what_from_pretrained_reads(s3, source, tmp_path):
+    run_cli("export", source, tmp_path / "s3.safetensors", "--quiet", check=0)
+    run_cli("export", fixture_dir(FIXTURE), tmp_path / "disk.safetensors", "--quiet", check=0)
+    ours, theirs, truth = (load_file(str(tmp_path / "s3.safetensors")), load_file(str(tmp_path / "disk.safetensors")),
+                           truth_tensors(FIXTURE))
+    assert ours.keys() == theirs.keys() and ours
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]), key
+        if f"module/{key}" in truth:
+            assert torch.equal(value, truth[f"module/{key}"]), key
+
+
+def _one_line(proc, url: str) -> str:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert url in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.parametrize("variable", ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"])
+def test_wrong_credentials_are_one_line_naming_the_url(s3, source, monkeypatch, variable):
+    monkeypatch.setenv(variable, "wrong")
+    assert "access denied" in _one_line(run_cli("inspect", source), source)
+
+
+def test_no_such_bucket_is_one_line_naming_the_url(s3, tmp_path):
+    url = "s3://reshard-no-such-bucket/run"
+    assert "no such bucket" in _one_line(run_cli("inspect", url), url)
+    assert "no such bucket" in _one_line(run_cli("convert", fixture_dir(FIXTURE), url, "--to", "dp=1"), url)
+
+
+def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes_it(s3, source, reference, tmp_path):
+    """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small): nothing at
+    the destination, validate refuses it, an upload was left open; --resume completes it byte for byte and
+    leaves no staging object and no open upload."""
+    dst = s3.url("out/killed")
+    killed = subprocess.run([sys.executable, str(REPO / "tests" / "s3_kill_driver.py"), "3",
+                             "convert", source, dst, "--to", "dp=3", "--quiet"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert killed.returncode == -9, killed.stderr
+    assert servers.keys(s3, "out/killed/") == []
+    assert servers.uploads(s3, "out/"), "the kill was not mid-upload"
+    _one_line(run_cli("validate", dst), dst)
+    run_cli("convert", source, dst, "--to", "dp=3", "--quiet", "--resume", check=0)
+    run_cli("validate", "--checksums", dst, check=0)
+    servers.download(s3, "out/killed", str(tmp_path / "killed"))
+    assert _digests(tmp_path / "killed") == reference
+    assert servers.uploads(s3, "out/") == []
+    assert not [k for k in servers.keys(s3, "out/") if "killed.reshard" in k]
+
+
+def _dcp_loaded(where) -> dict:
+    """dcp.load (torch's own) of everything the checkpoint at `where` serves, through reshard.dcp_reader.Reader,
+    into tensors of the metadata's shapes filled with NaN."""
+    import torch.distributed.checkpoint as dcp
+
+    import reshard.dcp_reader
+    metadata = reshard.dcp_reader.Reader(where).read_metadata()
+    flat = {key: torch.full(tuple(m.size), float("nan"), dtype=m.properties.dtype)
+            if m.properties.dtype.is_floating_point else torch.zeros(tuple(m.size), dtype=m.properties.dtype)
+            for key, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+    dcp.load(flat, storage_reader=reshard.dcp_reader.Reader(where))
+    return flat
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_load_through_the_reader_from_a_bucket_gives_the_engine_truth(s3, source, monkeypatch):
+    ours, theirs, truth = _dcp_loaded(source), _dcp_loaded(fixture_dir(FIXTURE)), truth_tensors(FIXTURE)
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        torch.testing.assert_close(value, theirs[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    masters = {k.split("/", 1)[1]: v for k, v in truth.items() if k.startswith("fp32/")}
+    assert masters and all(torch.equal(ours[f"model.{name}"], value) for name, value in masters.items())
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")      # the control: the same URL, refused
+    import reshard.dcp_reader
+    from reshard.errors import ReshardError
+    with pytest.raises(ReshardError, match="access denied"):
+        reshard.dcp_reader.Reader(source)
+
+
+def test_reshard_imports_no_s3_client_until_a_url_is_used():
+    """The base install needs no boto3: `import reshard` and a local command import none of it."""
+    code = ("import sys; import reshard, reshard.api, reshard.cli; from reshard.cli import main; "
+            f"main(['inspect', {str(fixture_dir(FIXTURE))!r}]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
+
+
+def test_a_destination_another_writer_holds_is_refused(s3, source):
+    """The lock object (a conditional PUT) of a convert running on another host: refused in one line, nothing
+    written."""
+    dst, lock = s3.url("out/locked"), "out/.locked.reshard-lock"
+    servers.put(s3, lock, json.dumps({"host": "another-host", "pid": 1}).encode())
+    try:
+        assert "another reshard is writing it" in _one_line(run_cli("convert", source, dst, "--to", "dp=1"), dst)
+        assert servers.keys(s3, "out/locked") == []
+    finally:
+        servers.delete(s3, lock)
+
+
+def test_a_convert_fetches_each_source_byte_once_joining_adjacent_reads(s3, source, tmp_path):
+    """The GETs a convert makes (counted on the client's own event hook): no two ranges of an object overlap,
+    and reads side by side share a request (fewer GETs than reads; each range only what is read)."""
+    import reshard
+    from reshard.convert import make_plan
+    from reshard.executor import execute
+    from reshard.storage import s3 as objects
+    plan = make_plan(reshard.open_checkpoint(source), "dp=3")
+    reads = sum(len(r) for f in plan.files for r in f.source_reads().values())
+    gets = []
+
+    def note(params, **_):
+        gets.append((params["url_path"], params["headers"].get("Range")))     # (the request as it is sent)
+    client = objects.client()
+    client.meta.events.register("before-call.s3.GetObject", note)
+    try:
+        execute(plan, str(tmp_path / "out"), progress=False)
+    finally:
+        client.meta.events.unregister("before-call.s3.GetObject", note)
+    by_key = {}
+    for key, text in gets:
+        first, last = (int(x) for x in text.removeprefix("bytes=").split("-"))
+        by_key.setdefault(key, []).append((first, last + 1))
+    for key, ranges in by_key.items():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)), (key, ranges)
+    data = sum(len(r) for k, r in by_key.items() if "optim_states" in k or "model_states" in k)
+    assert 0 < data < reads, (data, reads)
+
+
+# -- a run prefix: list and prune ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def run_prefix(s3, request):
+    """The fixture's save dir (global_step2, global_step3, `latest` naming 3) under a prefix of this test's own."""
+    prefix = f"runs/{request.node.name}"
+    return prefix, servers.upload(s3, str(fixture_dir(FIXTURE)), prefix)
+
+
+def _listed(where) -> list:
+    rows = json.loads(run_cli("list", where, "--recent", "0", "--json", check=0).stdout)["checkpoints"]
+    return [(r["name"], r["step"], r["status"], r["files"], r["bytes"]) for r in rows]
+
+
+def test_list_of_a_run_prefix_is_the_list_of_its_local_copy(run_prefix):
+    _, url = run_prefix
+    assert _listed(url) == _listed(fixture_dir(FIXTURE)) and len(_listed(url)) == 2
+
+
+def test_a_staged_or_broken_checkpoint_in_a_bucket_is_never_complete(s3, run_prefix):
+    """What a killed convert leaves (its staging prefix, no manifest) is in progress; a checkpoint missing a rank
+    file is incomplete; prune --delete-incomplete leaves the staging alone."""
+    prefix, url = run_prefix
+    tag = fixture_dir(FIXTURE) / "global_step2"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        servers.put(s3, f"{prefix}/.global_step9.reshard-tmp/global_step9/{name}", (tag / name).read_bytes())
+    servers.delete(s3, f"{prefix}/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    status = {name: state for name, _, state, _, _ in _listed(url)}
+    assert status == {".global_step9.reshard-tmp": "in progress", "global_step2": "incomplete",
+                      "global_step3": "complete"}, status
+    run_cli("prune", url, "--delete-incomplete", "--recent", "0", "--yes", check=0)
+    keys = servers.keys(s3, prefix + "/")
+    assert not [k for k in keys if "/global_step2/" in k]
+    assert [k for k in keys if ".global_step9.reshard-tmp" in k] and [k for k in keys if "/global_step3/" in k]
+
+
+def test_prune_of_a_run_prefix_keeps_the_newest_deletes_in_batches_and_a_dry_run_deletes_nothing(s3, run_prefix):
+    prefix, url = run_prefix
+    before = servers.keys(s3, prefix + "/")
+    dry = run_cli("prune", url, "--keep-last", "1", "--recent", "0", check=0)
+    assert "dry run" in dry.stdout and servers.keys(s3, prefix + "/") == before
+    # keep only step 2: the newest complete (3) is kept all the same
+    plan = json.loads(run_cli("prune", url, "--keep-steps", "2", "--recent", "0", "--json", check=0).stdout)
+    assert {d["name"]: d["action"] for d in plan["decisions"]} == {"global_step2": "keep", "global_step3": "keep"}
+    from reshard.storage import s3 as objects
+    calls = []
+
+    def note(model, **_):
+        calls.append(model.name)
+    client = objects.client()
+    client.meta.events.register("before-call.s3.*", note)
+    try:
+        run_cli("prune", url, "--keep-last", "1", "--recent", "0", "--yes", check=0)
+    finally:
+        client.meta.events.unregister("before-call.s3.*", note)
+    after = servers.keys(s3, prefix + "/")
+    assert after == [k for k in before if "/global_step2/" not in k]
+    assert calls.count("DeleteObjects") >= 1 and "DeleteObject" not in calls, calls
+    assert [name for name, *_ in _listed(url)] == ["global_step3"]
+
+
+def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_the_newest(s3, run_prefix):
+    """One pass reports both checkpoints and prunes to the last one, its state an object in the run prefix (its
+    lock gone after); a restarted watcher reports nothing again; without its state (the control) it reports
+    what is there again."""
+    from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
+    prefix, url = run_prefix
+    first = run_cli("watch", url, "--once", "--recent", "0", "--keep-last", "1", "--settle", "0", check=0)
+    assert "global_step2" in first.stdout and "global_step3" in first.stdout, first.stdout
+    assert "2 checkpoints newly validated" in first.stdout
+    keys = servers.keys(s3, prefix + "/")
+    assert f"{prefix}/{WATCH_STATE}" in keys and f"{prefix}/{WATCH_LOCK}" not in keys
+    assert not [k for k in keys if "/global_step2/" in k] and [k for k in keys if "/global_step3/" in k]
+    again = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
+    assert "0 checkpoints newly validated" in again.stdout, again.stdout
+    servers.delete(s3, f"{prefix}/{WATCH_STATE}")
+    control = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
+    assert "1 checkpoint newly validated" in control.stdout, control.stdout
