@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 tests/hf_trainer_fsdp.py JOB.json RESULT.json
 
 JOB.json is {"runs": [{"out": dir, "state_dict_type": "SHARDED_STATE_DICT" | "FULL_STATE_DICT" | null (DDP),
-                       "max_steps": N, "save_steps": K}, ...]}: one Trainer run per entry, one after the other in
+                       "max_steps": N, "save_steps": K, "tokenizer": true (optional: the Trainer's
+                       processing_class, single_models.tiny_tokenizer)}, ...]}: one Trainer run per entry, one after the other in
 the same processes (Accelerate's state is reset between them), a tiny random Llama trained to max_steps and saved
 every save_steps, each checkpoint-N/ as the Trainer writes it on GPUs. Rank 0 writes {"runs": [{"out": dir,
 "distributed_type": ..., "global_step": ...}]} to RESULT.json.
@@ -44,7 +45,11 @@ def main(job_path, result_path):
         args = TrainingArguments(output_dir=run["out"], max_steps=run["max_steps"], save_steps=run["save_steps"],
                                  per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, report_to=[],
                                  disable_tqdm=True, seed=0, **fsdp)
-        trainer = Trainer(model=model, args=args, train_dataset=data)
+        tokenizer = None
+        if run.get("tokenizer"):
+            from single_models import tiny_tokenizer
+            tokenizer = tiny_tokenizer()
+        trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
         trainer.train()
         done.append({"out": run["out"], "distributed_type": str(trainer.accelerator.distributed_type),
                      "fsdp": trainer.is_fsdp_enabled, "global_step": trainer.state.global_step})
