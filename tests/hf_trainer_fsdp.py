@@ -4,10 +4,10 @@
 
 JOB.json is {"runs": [{"out": dir, "state_dict_type": "SHARDED_STATE_DICT" | "FULL_STATE_DICT" | null (DDP),
                        "max_steps": N, "save_steps": K, "tokenizer": true (optional: the Trainer's
-                       processing_class, single_models.tiny_tokenizer)}, ...]}: one Trainer run per entry, one after the other in
-the same processes (Accelerate's state is reset between them), a tiny random Llama trained to max_steps and saved
-every save_steps, each checkpoint-N/ as the Trainer writes it on GPUs. Rank 0 writes {"runs": [{"out": dir,
-"distributed_type": ..., "global_step": ...}]} to RESULT.json.
+                       processing_class, single_models.tiny_tokenizer)}, ...]}: one Trainer run per entry, one
+after the other in the same processes (Accelerate's state is reset between them), a tiny random Llama trained to
+max_steps and saved every save_steps, each checkpoint-N/ as the Trainer writes it on GPUs. Rank 0 writes
+{"runs": [{"out": dir, "distributed_type": ..., "global_step": ...}]} to RESULT.json.
 """
 import json
 import os

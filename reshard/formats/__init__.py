@@ -24,6 +24,7 @@ READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iterati
            "reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
            "reshard.formats.deepspeed.reader",
            "reshard.formats.dcp.reader",                 # .metadata + *.distcp
+           "reshard.formats.dcp.fsdp_reader",            # pytorch_model_fsdp_0/ + optimizer_0/ (Accelerate's FSDP)
            "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
            "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
            "reshard.formats.single.lightning",           # *.ckpt

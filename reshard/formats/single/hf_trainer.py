@@ -18,6 +18,7 @@ from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
+from reshard.formats.framework.files import Framework
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
@@ -25,6 +26,11 @@ from reshard.formats.single.torchsave_checkpoint import is_optimizer
 from reshard.formats.unpartitioned import UNPARTITIONED
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
+# With FSDP's FULL_STATE_DICT (accelerate's save_fsdp_model / save_fsdp_optimizer, observed with transformers 5.21,
+# accelerate 1.16) the Trainer writes pytorch_model_fsdp.bin (the gathered module state dict, the same weights as
+# model.safetensors) and optimizer.bin: FSDP's optim_state_dict, its params and state keyed by parameter FQN
+FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
+FSDP_FULL = "FSDP (full state dict)"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 OPAQUE = (ARGS, *hf_files.CONFIGS)
 FORMAT = "hf-trainer"
@@ -40,6 +46,7 @@ def sniff(path: str, tag: str | None) -> bool:
     weights = hf_weights.present(path)
     return weights is not None and (os.path.isfile(os.path.join(path, TRAINER_STATE)) or
                                     os.path.isfile(os.path.join(path, OPTIMIZER)) or
+                                    os.path.isfile(os.path.join(path, FSDP_OPTIMIZER)) or
                                     weights in (hf_weights.BIN, hf_weights.BIN_INDEX))
 
 
@@ -52,7 +59,8 @@ def read(path: str, options: NoOptions) -> Catalog:
     processes = max(1, sum(1 for name in os.listdir(folder) if RNG.match(name)))
     catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,
                              layout=Layout.of(processes, format_topology=UNPARTITIONED))
-    optim_path = os.path.join(folder, OPTIMIZER)
+    fsdp_full = os.path.isfile(os.path.join(folder, FSDP_MODEL))
+    optim_path = os.path.join(folder, FSDP_OPTIMIZER if fsdp_full else OPTIMIZER)
     optimizer = None
     if os.path.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
         optimizer = torchsave_read.load(optim_path)
@@ -74,6 +82,9 @@ def read(path: str, options: NoOptions) -> Catalog:
     if catalog.training.global_steps is None:
         catalog.training = replace(catalog.training, global_steps=step)
     catalog.model_files = hf_files.present(folder)
+    if fsdp_full and has_state:
+        # named, not carried: a conversion writes no Trainer files for it (only the sharded layout is written)
+        catalog.framework = Framework("HF Trainer", folder, (), (), backend=FSDP_FULL)
     return catalog.freeze()
 
 
