@@ -19,9 +19,10 @@ from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 from reshard.formats.single import hf_files
-from reshard.formats.single.hf_trainer import ARGS, SCHEDULER, TRAINER_STATE
+from reshard.formats.single.hf_trainer import ARGS, FSDP_MODEL, SCHEDULER, TRAINER_STATE
 
 NAME = "HF Trainer"
+FSDP_FULL = "FSDP (full state dict)"
 RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth",
               "the Trainer finds none and keeps the RNG streams of its seed (TrainingArguments.seed)")
 WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
@@ -39,7 +40,10 @@ WHAT = {TRAINER_STATE: "the Trainer's state (global step, epoch, log history: a 
 
 def detect(folder: str) -> Framework | None:
     """A DeepSpeed save dir (`latest`), or FSDP's sharded folders (framework/fsdp.py), holding the Trainer's
-    trainer_state.json."""
+    trainer_state.json; or the Trainer's folder with FSDP's full state dict (pytorch_model_fsdp.bin), named but
+    with no files of its own: the single-process reader reads them all, and no conversion carries them."""
+    if os.path.isfile(os.path.join(folder, FSDP_MODEL)) and os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+        return Framework(NAME, folder, (), (), backend=FSDP_FULL)
     deepspeed = os.path.isfile(os.path.join(folder, deepspeed_files.LATEST))
     if not ((deepspeed or fsdp.is_sharded(folder)) and os.path.isfile(os.path.join(folder, TRAINER_STATE))):
         return None

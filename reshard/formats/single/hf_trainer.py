@@ -18,7 +18,6 @@ from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.framework.files import Framework
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
@@ -30,12 +29,13 @@ TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt"
 # accelerate 1.16) the Trainer writes pytorch_model_fsdp.bin (the gathered module state dict, the same weights as
 # model.safetensors) and optimizer.bin: FSDP's optim_state_dict, its params and state keyed by parameter FQN
 FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
-FSDP_FULL = "FSDP (full state dict)"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 OPAQUE = (ARGS, *hf_files.CONFIGS)
 FORMAT = "hf-trainer"
 OPTIONS = NoOptions
-IN_FRAMEWORK_FOLDERS = False
+# the registry asks formats.framework whose folder it is: the Trainer's with FSDP's full state dict is named
+# (framework/hf_trainer.py), a plain one is nobody's
+IN_FRAMEWORK_FOLDERS = True
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -82,9 +82,6 @@ def read(path: str, options: NoOptions) -> Catalog:
     if catalog.training.global_steps is None:
         catalog.training = replace(catalog.training, global_steps=step)
     catalog.model_files = hf_files.present(folder)
-    if fsdp_full and has_state:
-        # named, not carried: a conversion writes no Trainer files for it (only the sharded layout is written)
-        catalog.framework = Framework("HF Trainer", folder, (), (), backend=FSDP_FULL)
     return catalog.freeze()
 
 
