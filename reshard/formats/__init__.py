@@ -41,7 +41,10 @@ class WriterEntry:
 # file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO stage.
 WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
            "universal": WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
-           "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY)}
+           "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY),
+           # the folder a framework (HF Trainer, Accelerate) resumes from with FSDP's sharded state dict, its own
+           # files carried beside it as for DeepSpeed
+           "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY)}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):

@@ -207,5 +207,6 @@ def deepspeed_own(folder: str, name: str) -> bool:
     from reshard.formats.deepspeed import files as deepspeed_files
     from reshard.formats.deepspeed.zero_target import SCRIPTS
     path = os.path.join(folder, name)
-    return name == deepspeed_files.LATEST or name in SCRIPTS or \
+    # reshard's manifest of a folder it wrote describes that folder: every output gets its own
+    return name == deepspeed_files.LATEST or name in SCRIPTS or name == manifest.NAME or \
         (os.path.isdir(path) and (fsdp.own(name) or deepspeed_files.is_deepspeed_dir(path)))
