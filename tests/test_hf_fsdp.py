@@ -126,3 +126,31 @@ def test_diff_finds_the_runs_equal_and_one_changed_element(truth, tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "model.layers.1.mlp.up_proj.weight (weight): max abs diff 0.001 at element 53" in proc.stdout   # [3, 5]
     assert "DIFFERENT: 1 difference" in proc.stdout
+
+
+def test_per_parameter_steps_and_param_groups_are_carried_or_refused(truth, tmp_path):
+    """One parameter's Adam step behind the others (torch's own torch_save_to_dcp rewrites optimizer_0/): the FSDP
+    layout at 3 processes carries every parameter's own step and the param groups exactly (read back with
+    dcp_to_torch_save); DeepSpeed, which keeps one step per group, refuses in one line naming the file."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    source = tmp_path / "checkpoint-3"
+    shutil.copytree(SHARDED, source)
+    optim = {k: v for k, v in truth[1].items()}
+    optim["state"] = {name: dict(states) for name, states in truth[1]["state"].items()}
+    optim["state"]["lm_head.weight"]["step"] = torch.tensor(2.0)
+    torch.save({"optimizer": optim}, tmp_path / "behind.pt")
+    shutil.rmtree(source / "optimizer_0")
+    torch_save_to_dcp(tmp_path / "behind.pt", source / "optimizer_0")
+    proc = run_cli("convert", source, tmp_path / "ds", "--format", "deepspeed", "--to", "dp=2,zero=2")
+    assert proc.returncode == 1 and not (tmp_path / "ds").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"reshard: {source / 'optimizer_0' / '.metadata'}: param group 0: optimizer step differs between parameters "
+        "(3 at model.embed_tokens.weight vs 2 at lm_head.weight); a DeepSpeed checkpoint keeps one per group, so it "
+        "is not written"]
+    run_cli("convert", source, tmp_path / "fsdp3", "--format", "fsdp", "--to", "dp=3", "--quiet", check=0)
+    dcp_to_torch_save(tmp_path / "fsdp3" / "optimizer_0", tmp_path / "carried.pt")
+    carried = torch.load(tmp_path / "carried.pt")["optimizer"]
+    assert {n: float(s["step"]) for n, s in carried["state"].items()} == \
+        {n: 2.0 if n == "lm_head.weight" else 3.0 for n in truth[1]["state"]}
+    assert carried["param_groups"] == truth[1]["param_groups"]
+    assert all(torch.equal(carried["state"][n][s], truth[1]["state"][n][s]) for n in carried["state"] for s in STATES)
