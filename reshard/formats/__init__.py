@@ -112,7 +112,8 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
     raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: Megatron-core torch_dist, "
                                 "DeepSpeed ZeRO, universal and "
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
-                                "Hugging Face Trainer checkpoint folders, safetensors)")
+                                "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process), "
+                                "safetensors)")
 
 
 def reader_options(reader: Reader, path: str, request: ReadRequest):
