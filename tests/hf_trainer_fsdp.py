@@ -3,10 +3,12 @@
     torchrun --nproc_per_node 2 tests/hf_trainer_fsdp.py JOB.json RESULT.json
 
 JOB.json is {"runs": [{"out": dir, "state_dict_type": "SHARDED_STATE_DICT" | "FULL_STATE_DICT" | null (DDP),
-                       "max_steps": N, "save_steps": K}, ...]}: one Trainer run per entry, one after the other in
-the same processes (Accelerate's state is reset between them), a tiny random Llama trained to max_steps and saved
-every save_steps, each checkpoint-N/ as the Trainer writes it on GPUs. Rank 0 writes {"runs": [{"out": dir,
-"distributed_type": ..., "global_step": ...}]} to RESULT.json.
+                       "max_steps": N, "save_steps": K, "tokenizer": true (optional: the Trainer's
+                       processing_class, single_models.tiny_tokenizer), "config": {LlamaConfig overrides}
+                       (optional)}, ...]}: one Trainer run per entry, one
+after the other in the same processes (Accelerate's state is reset between them), a tiny random Llama trained to
+max_steps and saved every save_steps, each checkpoint-N/ as the Trainer writes it on GPUs. Rank 0 writes
+{"runs": [{"out": dir, "distributed_type": ..., "global_step": ...}]} to RESULT.json.
 """
 import json
 import os
@@ -33,10 +35,11 @@ def main(job_path, result_path):
         for name in [n for n in os.environ if n == "ACCELERATE_USE_FSDP" or n.startswith("FSDP_")]:
             del os.environ[name]            # what TrainingArguments exported for the run before
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+        config = LlamaConfig(**{"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                                "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32,
+                                **run.get("config", {})})
         model = LlamaForCausalLM(config)
-        tokens = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, config.vocab_size, (16, 8), generator=torch.Generator().manual_seed(0))
         data = [{"input_ids": t, "labels": t} for t in tokens]
         fsdp = {} if run["state_dict_type"] is None else {
             "fsdp": True, "fsdp_config": {"state_dict_type": run["state_dict_type"],
@@ -44,7 +47,11 @@ def main(job_path, result_path):
         args = TrainingArguments(output_dir=run["out"], max_steps=run["max_steps"], save_steps=run["save_steps"],
                                  per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, report_to=[],
                                  disable_tqdm=True, seed=0, **fsdp)
-        trainer = Trainer(model=model, args=args, train_dataset=data)
+        tokenizer = None
+        if run.get("tokenizer"):
+            from single_models import tiny_tokenizer
+            tokenizer = tiny_tokenizer()
+        trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
         trainer.train()
         done.append({"out": run["out"], "distributed_type": str(trainer.accelerator.distributed_type),
                      "fsdp": trainer.is_fsdp_enabled, "global_step": trainer.state.global_step})

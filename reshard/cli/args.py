@@ -81,11 +81,12 @@ def _spec_help() -> str:
 # Progress bars show only where stderr is a terminal; --quiet takes them away there too.
 QUIET_HELP = "no progress bar and no notes (errors and the requested output still print)"
 SOURCE_HELP = ("a checkpoint: DeepSpeed save dir or tag folder, universal or DCP directory, .pt/.pth/.bin, .ckpt, "
-               "HF checkpoint folder, safetensors file or folder")
+               "HF checkpoint folder (DeepSpeed, FSDP or one process), safetensors file or folder")
 RULES_HELP = ("how tensor parallelism cut each tensor, for a TP checkpoint that does not say: a rule file's path, or "
               f"the name of one shipped with reshard ({rule_files.names(rule_files.TP_RULES)})")
 TARGET_FORMAT_HELP = ("target format: deepspeed (default for a DeepSpeed source), dcp (PyTorch distributed "
-                      "checkpoint), universal (DeepSpeed's universal checkpoint)")
+                      "checkpoint), universal (DeepSpeed's universal checkpoint), fsdp (the folders HF Trainer and "
+                      "Accelerate save with FSDP's sharded state dict: pytorch_model_fsdp_0/, optimizer_0/)")
 MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
 WORKERS_HELP = "local processes writing files (default 1)"
 

@@ -61,9 +61,9 @@ def print_inspect(info: Inspection) -> None:
     print(f"  files         {len(info.files)}, {human_bytes(sum(f['bytes'] for f in info.files))}")
     for f in info.files:
         print(f"    {f['path']:<48} {human_bytes(f['bytes']):>10}")
-    if framework:
-        print(f"  {framework['name']} {counted(len(framework['files']), 'file')} beside the DeepSpeed save, "
-              f"{human_bytes(sum(f['bytes'] for f in framework['files']))}")
+    if framework and framework["files"]:
+        print(f"  {framework['name']} {counted(len(framework['files']), 'file')} beside the "
+              f"{framework['backend']} save, {human_bytes(sum(f['bytes'] for f in framework['files']))}")
         for f in framework["files"]:
             rank = "" if f["rank"] is None else f" (process {f['rank']})"
             print(f"    {f['path']:<32} {human_bytes(f['bytes']):>10}  {f['what']}{rank}")

@@ -26,6 +26,7 @@ READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iterati
            "reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
            "reshard.formats.deepspeed.reader",
            "reshard.formats.dcp.reader",                 # .metadata + *.distcp
+           "reshard.formats.dcp.fsdp_reader",            # pytorch_model_fsdp_0/ + optimizer_0/ (Accelerate's FSDP)
            "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
            "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
            "reshard.formats.single.lightning",           # *.ckpt
@@ -44,7 +45,10 @@ class WriterEntry:
 WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
            "universal": WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
            "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY),
-           "megatron": WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS)}
+            "megatron": WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
+            # the folder a framework (HF Trainer, Accelerate) resumes from with FSDP's sharded state dict, its own
+            # files carried beside it as for DeepSpeed
+            "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY)}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
@@ -112,7 +116,8 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
     raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: Megatron-core torch_dist, "
                                 "DeepSpeed ZeRO, universal and "
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
-                                "Hugging Face Trainer checkpoint folders, safetensors)")
+                                "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process), "
+                                "safetensors)")
 
 
 def reader_options(reader: Reader, path: str, request: ReadRequest):

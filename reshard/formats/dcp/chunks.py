@@ -29,17 +29,19 @@ CARRIED = {"optimizer": str, "global_steps": int, "global_samples": int, "skippe
 
 
 class Chunks:
-    """Locates every item of `.metadata` in its `.distcp` file, checking paths and ranges."""
+    """Locates every item of `.metadata` in its `.distcp` file, checking paths and ranges. `meta` may join the
+    `.metadata` of several DCP folders under `root` (joined): `meta_paths` then says which file names each key."""
 
-    def __init__(self, root: str, meta, catalog: CatalogBuilder):
+    def __init__(self, root: str, meta, catalog: CatalogBuilder, meta_paths: dict | None = None):
         self.root, self.catalog = root, catalog
         self.meta_path = os.path.join(root, METADATA)
+        self.meta_paths = meta_paths or {}
         self.by_fqn: dict[str, list[tuple[Any, Any]]] = {}
         self.sizes: dict[str, int | None] = {}
         for index, info in meta.storage_data.items():
             self.by_fqn.setdefault(index.fqn, []).append((getattr(index, "offset", None), info))
             if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(self.meta_path, f"{index.fqn}: transformed (e.g. compressed) chunks "
+                raise CheckpointError(self.meta_of(index.fqn), f"{index.fqn}: transformed (e.g. compressed) chunks "
                                       f"({info.transform_descriptors}) are not supported")
             self.sizes.setdefault(self._path(info), None)
         for path in self.sizes:
@@ -63,7 +65,7 @@ class Chunks:
 
     def signature(self, key: str, entry) -> tuple | None:
         """Where every chunk of an entry is, with its dtype and box: equal only for shared bytes."""
-        out = [dtype_of(entry, self.meta_path, key), tuple(entry.size)]
+        out = [dtype_of(entry, self.meta_of(key), key), tuple(entry.size)]
         for chunk in entry.chunks:
             path, info = self._located(key, chunk.offsets)
             if path is None:
@@ -101,20 +103,21 @@ class Chunks:
         """(path, info) of a one-chunk item (a value, a step); None (a problem noted) if unreadable."""
         path, info = self._located(key)
         if path is None:
-            self.catalog.problem(self.meta_path, f"{key}: no storage location")
+            self.catalog.problem(self.meta_of(key), f"{key}: no storage location")
             return None, None
         return (path, info) if self._span(key, path, info) else (None, None)
 
     def tensor(self, key: str, entry, name: str, state: str) -> TensorDraft:
-        dtype = dtype_of(entry, self.meta_path, key)
+        meta_path = self.meta_of(key)
+        dtype = dtype_of(entry, meta_path, key)
         shape = tuple(int(d) for d in entry.size)
-        tensor = self.catalog.add(TensorDraft(name, state, shape, dtype), self.meta_path)
+        tensor = self.catalog.add(TensorDraft(name, state, shape, dtype), meta_path)
         for chunk in entry.chunks:
             offsets = tuple(int(o) for o in chunk.offsets)
             sizes = tuple(int(s) for s in chunk.sizes)
             if len(offsets) != len(shape) or len(sizes) != len(shape) or \
                     any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
-                self.catalog.problem(self.meta_path, f"{key}: chunk at {offsets} of size {sizes} lies outside "
+                self.catalog.problem(meta_path, f"{key}: chunk at {offsets} of size {sizes} lies outside "
                                      f"the tensor's shape {shape}")
                 continue
             if not math.prod(sizes):
@@ -133,7 +136,7 @@ class Chunks:
         range-checked and parsed in place; None, a problem noted, where it cannot be read."""
         path, info = self._located(key, offsets)
         if path is None:
-            self.catalog.problem(self.meta_path, f"{key}: no storage location for the chunk at {offsets}")
+            self.catalog.problem(self.meta_of(key), f"{key}: no storage location for the chunk at {offsets}")
             return None
         if not self._span(key, path, info):
             return None
@@ -162,7 +165,7 @@ class Chunks:
 
     def scalar(self, key: str, entry) -> ScalarTensor | None:
         """A one-element tensor (an optimizer `step`): its value is read, 8 bytes at most."""
-        dtype = dtype_of(entry, self.meta_path, key)
+        dtype = dtype_of(entry, self.meta_of(key), key)
         path, info = self._item(key)
         if path is None:
             return None
@@ -188,7 +191,7 @@ class Chunks:
         path, info = self._item(key)
         if path is None:
             return MISSING
-        with open(path, "rb") as f:
+        with fs.open(path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
         if len(data) != info.length:
@@ -196,11 +199,45 @@ class Chunks:
             return MISSING
         return data
 
+    def meta_of(self, key: str) -> str:
+        """The `.metadata` file that names `key` (for a problem's line)."""
+        return self.meta_paths.get(key, self.meta_path)
+
     def files(self) -> list:
-        out = [FileInfo(METADATA, "metadata", None, fs.getsize(self.meta_path))]
+        metas = sorted(set(self.meta_paths.values())) or [self.meta_path]
+        out = [FileInfo(os.path.relpath(m, self.root), "metadata", None, fs.getsize(m)) for m in metas]
         for path, size in sorted(self.sizes.items()):
             out.append(FileInfo(os.path.relpath(path, self.root), "distcp", rank_of(path), size or 0))
         return out
+
+def joined(root: str, parts: list) -> tuple:
+    """The `.metadata` of several DCP folders under `root` ([(folder name, metadata)]) as one: each storage location
+    relative to `root`, and {key: the `.metadata` path naming it} for Chunks. Keys are the folders' own: two folders
+    naming one key are refused (neither could be told from the other)."""
+    from reshard.formats.dcp import metadata as md
+    entries: dict = {}
+    planner: dict = {}
+    storage: dict = {}
+    meta_paths: dict = {}
+    for folder, meta in parts:
+        meta_path = os.path.join(root, folder, METADATA)
+        for key, entry in meta.state_dict_metadata.items():
+            if key in entries:
+                raise CheckpointError(meta_path, f"{key} is also named by {meta_paths[key]}")
+            entries[key], meta_paths[key] = entry, meta_path
+        if isinstance(getattr(meta, "planner_data", None), dict):
+            planner.update(meta.planner_data)
+        for index, info in meta.storage_data.items():
+            rel = getattr(info, "relative_path", None)
+            why = paths.escape(rel)
+            if why:
+                raise CheckpointError(meta_path, f"chunk location {rel!r:.80} escapes its folder ({why})")
+            moved = md.StorageInfo()
+            # its range and any transform, as saved (Chunks checks them), under the joined root
+            moved.__dict__.update({**info.__dict__, "relative_path": f"{folder}/{rel}"})
+            storage[index] = moved
+    return md.Metadata(entries, planner, storage, None, None), meta_paths
+
 
 def rank_of(path: str):
     found = RANK_FILE.search(path)

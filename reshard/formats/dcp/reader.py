@@ -72,7 +72,14 @@ def read(path: str, options: NoOptions) -> Catalog:
         raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
     meta = md.read(meta_path)
     catalog = CatalogBuilder(root, "dcp", Layout.of(1), save_dir=root)
-    chunks = Chunks(root, meta, catalog)
+    return build(catalog, meta, Chunks(root, meta, catalog))
+
+
+def build(catalog: CatalogBuilder, meta, chunks: Chunks) -> Catalog:
+    """The catalog of the DCP items `meta` names (one folder's `.metadata`, or several joined: chunks.joined),
+    located by `chunks`. Where planner_data records an item's path in the nested state dict, the parameter's name
+    is taken from it, never split out of the flat key (a name may hold dots)."""
+    planner = meta.planner_data if isinstance(getattr(meta, "planner_data", None), dict) else {}
     values, model, optim = {}, {}, {}
     for key, entry in meta.state_dict_metadata.items():     # types checked by md.read
         if isinstance(entry, md.BytesStorageMetadata):
@@ -81,13 +88,13 @@ def read(path: str, options: NoOptions) -> Catalog:
             optim[key] = entry
         else:
             model[key] = entry
-    model_names = _model_names(model)
-    carried = _carried(values, chunks, meta_path)
+    model_names = _model_names(model, planner)
+    carried = _carried(values, chunks)
     other = [k for k in meta.state_dict_metadata if k not in model_names and k not in optim
              and not k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))
              and k not in {f"{CARRIED_PREFIX}.{c}" for c in carried}]
     model = {k: v for k, v in model.items() if k in model_names}
-    groups = _param_groups(meta, values, chunks, meta_path)
+    groups = _param_groups(planner, values, chunks)
     group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
     catalog.param_groups = groups
     world = chunks.world()
@@ -110,19 +117,21 @@ def read(path: str, options: NoOptions) -> Catalog:
         catalog.order.append(name)
         if trainable and tensor.dtype == "float32":
             catalog.add(TensorDraft(name, MASTER, tensor.shape, tensor.dtype, list(tensor.fragments)))
+    groups_key = next((k for k in values if k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))), "")
     for name in group_of:
         if name not in catalog.params:
-            catalog.problem(meta_path, f"the optimizer names {name}, which the model state dict lacks")
+            catalog.problem(chunks.meta_of(groups_key), f"the optimizer names {name}, which the model state dict "
+                                                        "lacks")
     catalog.group_scalars = [{} for _ in groups]
     for key, entry in optim.items():
-        fqn, _, state = key.split(".", 2)[2].rpartition(".")
+        fqn, state = _state_of(key, planner)
         if fqn not in group_of:
-            catalog.problem(meta_path, f"{key}: optimizer state of a parameter no param group holds")
+            catalog.problem(chunks.meta_of(key), f"{key}: optimizer state of a parameter no param group holds")
             continue
         if state == "step" and not entry.size:
             step = chunks.scalar(key, entry)
             if step is not None:      # Adam counts steps per param: FSDP's get_state_dict saves each its own
-                catalog.record_param_scalar(group_of[fqn], fqn, state, step, meta_path)
+                catalog.record_param_scalar(group_of[fqn], fqn, state, step, chunks.meta_of(key))
         else:
             chunks.tensor(key, entry, fqn, state)
     catalog.files = chunks.files()
@@ -146,17 +155,34 @@ def _ties(model: dict, names: dict, group_of: dict, chunks) -> dict:
     return ties
 
 
-def _model_names(model: dict) -> dict:
+def _state_of(key: str, planner: dict) -> tuple[str, str]:
+    """(parameter FQN, state name) of an optimizer state's flat key: from its planner_data path
+    (optim, "state", fqn, state) where recorded, else split off the key (the FQN between "state." and the last dot)."""
+    path = planner.get(key)
+    if isinstance(path, tuple) and len(path) == 4 and path[1] == "state" and all(isinstance(p, str) for p in path):
+        return path[2], path[3]
+    fqn, _, state = key.split(".", 2)[2].rpartition(".")
+    return fqn, state
+
+
+def _model_names(model: dict, planner: dict) -> dict:
     """Flat key -> FQN of the model's tensors: those under "model." ({"model": get_state_dict(...)[0]},
-    other top-level entries being someone else's), else every tensor outside the optimizer."""
+    other top-level entries being someone else's), else every tensor outside the optimizer. The FQN is
+    planner_data's ("model", fqn) where recorded."""
     if any(k.startswith("model.") for k in model):
-        return {k: k[len("model."):] for k in model if k.startswith("model.")}
+        out = {}
+        for key in model:
+            path = planner.get(key)
+            if isinstance(path, tuple) and len(path) == 2 and path[0] == "model" and isinstance(path[1], str):
+                out[key] = path[1]
+            elif key.startswith("model."):
+                out[key] = key[len("model."):]
+        return out
     return {k: k for k in model}
 
 
-def _param_groups(meta, values: dict, chunks, meta_path) -> list:
+def _param_groups(planner: dict, values: dict, chunks) -> list:
     """Optimizer param groups from the value entries, in either of get_state_dict's spellings."""
-    planner = meta.planner_data if isinstance(getattr(meta, "planner_data", None), dict) else {}
     indexed: dict[int, dict[str, Any]] = {}
     by_fqn: dict[str, Any] = {}
     for key in values:
@@ -179,7 +205,8 @@ def _param_groups(meta, values: dict, chunks, meta_path) -> list:
     groups = [indexed[g] for g in sorted(indexed)]
     for g, group in enumerate(groups):
         if not isinstance(group.get("params"), list):
-            chunks.catalog.problem(meta_path, f"param group {g} has no readable list of parameter names")
+            chunks.catalog.problem(chunks.meta_of(next(iter(values), "")),
+                                   f"param group {g} has no readable list of parameter names")
             group["params"] = []
         group["params"] = [str(p) for p in group["params"]]
     for fqn, hyper in by_fqn.items():     # flattened: one entry per param; equal hyper-params = one group
@@ -192,7 +219,7 @@ def _param_groups(meta, values: dict, chunks, meta_path) -> list:
     return groups
 
 
-def _carried(values: dict, chunks, meta_path) -> dict:
+def _carried(values: dict, chunks) -> dict:
     """What reshard saved of the source beyond model and optimizer (chunks.CARRIED), type-checked."""
     out = {}
     for key, kind in CARRIED.items():
@@ -202,7 +229,8 @@ def _carried(values: dict, chunks, meta_path) -> dict:
         if value is MISSING:
             continue
         if not isinstance(value, kind) or isinstance(value, bool):
-            chunks.catalog.problem(meta_path, f"{CARRIED_PREFIX}.{key} is {type(value).__name__}, not {kind.__name__}")
+            chunks.catalog.problem(chunks.meta_of(f"{CARRIED_PREFIX}.{key}"),
+                                   f"{CARRIED_PREFIX}.{key} is {type(value).__name__}, not {kind.__name__}")
             continue
         out[key] = value
     return out

@@ -9,6 +9,7 @@ DCP's commit marker, is written last by the executor (texts follow the data file
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,36 +66,48 @@ PLACES_EXPERTS = False     # experts go in as one model's params only: convert -
 RESUMED_BY_FRAMEWORKS = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    check_target(target)
+    tensors = [(entry, keys.planner_path(entry.key)) for entry in keys.tensor_entries(catalog)]
+    return folder_files(catalog, target.dp, tag, "", tensors, list(keys.value_entries(catalog)))
+
+
+def check_target(target: Layout) -> None:
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
-    files = [DistcpFile(file_name(r)) for r in range(target.dp)]
+
+
+def folder_files(catalog: Catalog, dp: int, tag: str, folder: str, tensors: list, values: list) -> list:
+    """The files of one DCP folder (`folder` under the output; "": the output itself) at `dp` ranks holding
+    `tensors` ([(keys.TensorEntry, its planner_data path)]) and `values` (keys.ValueEntry), under their keys."""
+    files = [DistcpFile(os.path.join(folder, file_name(r))) for r in range(dp)]
     out = MetadataBuilder()
     # source (name, state) -> its chunks' locations, for a tied name to share
     written: dict[tuple[str, str], Any] = {}
-    for entry in keys.tensor_entries(catalog):
+    for entry, path in tensors:
         key, source, shape, dtype = entry.key, entry.source, entry.shape, entry.dtype
         if entry.name in catalog.aliases and source in written:
             for chunk in written[source]:        # the same bytes: the reader sees the tie again
-                out.chunk(key, shape, dtype, *chunk)
+                out.chunk(key, path, shape, dtype, *chunk)
             continue
         written[source] = []
         # FSDP2 replicates buffers and one-element steps, which DCP then saves once
-        ranks = target.dp if entry.sharded else 1
+        ranks = dp if entry.sharded else 1
         for rank, (rows, pieces, chunk_shape) in enumerate(_row_blocks(key, shape, dtype, source, ranks)):
             if pieces is None:
                 continue
             offset, length = files[rank].add_chunk(dtype, chunk_shape, pieces)
-            chunk = ((rows,) + (0,) * (len(shape) - 1) if shape else (), chunk_shape, files[rank].path, offset, length)
+            # .metadata names each file relative to its own folder
+            chunk = ((rows,) + (0,) * (len(shape) - 1) if shape else (), chunk_shape, file_name(rank), offset, length)
             written[source].append(chunk)
-            out.chunk(key, shape, dtype, *chunk)
-    for entry in keys.value_entries(catalog):
+            out.chunk(key, path, shape, dtype, *chunk)
+    for entry in values:
         # dcp.load wants a tensor entry there, which this writer does not make yet
         if isinstance(entry.value, TensorRef):
             raise ReshardError.at(catalog.root, f"{entry.key} is a tensor; DCP output carries it only as a plain value "
                                                 "(not supported yet)")
         offset, length = files[0].add_value(entry.value)
-        out.value(entry.key, entry.path, files[0].path, offset, length)
-    return [f for f in files if f.items] + [TextFile(METADATA, md.dumps(out.build(tag)))]
+        out.value(entry.key, entry.path, file_name(0), offset, length)
+    return [f for f in files if f.items] + [TextFile(os.path.join(folder, METADATA), md.dumps(out.build(tag)))]
 
 
 def describe(target: Layout, tag: str) -> Output:
@@ -137,12 +150,12 @@ class MetadataBuilder:
         self.storage: dict[Any, Any] = {}
         self.planner: dict | None = {} if planner else None
 
-    def chunk(self, key, shape, dtype, offsets, sizes, path, offset, length):
+    def chunk(self, key, planner_path, shape, dtype, offsets, sizes, path, offset, length):
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = md.TensorStorageMetadata(md.tensor_properties(dtype), Size(shape), [])
             if self.planner is not None:
-                self.planner[key] = keys.planner_path(key)
+                self.planner[key] = planner_path
         index = md.MetadataIndex(key, Size(offsets), len(entry.chunks))
         entry.chunks.append(md.ChunkStorageMetadata(Size(offsets), Size(sizes)))
         self.storage[index] = md.StorageInfo(path, offset, length)

@@ -21,6 +21,7 @@ from reshard.core.problems import READER, Problem
 from reshard.core.write_requests import CopiedFile
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import topology
+from reshard.formats.framework import fsdp
 from reshard.storage import files as fs
 
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
@@ -96,13 +97,16 @@ class Framework:
     files: tuple                 # FrameworkFile, by name
     kinds: tuple                 # PerRank: the per-process kinds this framework writes
     model_files: tuple = ()      # paths an export copies beside the weights (config, tokenizer): catalog.model_files
-    world: int = 1               # processes that saved it: the DeepSpeed part's world size, once read
+    world: int = 1               # processes that saved it: the checkpoint's world size, once read
     batch_note: str = ""         # where the framework sets the batch size, for plan's advice
+    backend: str = ""            # what saved the model and optimizer beside its files, when not DeepSpeed
 
     def title(self, layout) -> str:
-        """e.g. "HF Trainer + DeepSpeed ZeRO-2, dp=2" (tp and pp named when not 1)."""
+        """e.g. "HF Trainer + DeepSpeed ZeRO-2, dp=2" (tp and pp named when not 1), "HF Trainer + FSDP (sharded
+        state dict), dp=2"."""
         degrees = ", ".join(f"{k}={v}" for k, v in layout.degrees.items() if k == "dp" or v != 1)
-        return f"{self.name} + DeepSpeed ZeRO-{topology.of(layout).zero}, {degrees}"
+        backend = self.backend or f"DeepSpeed ZeRO-{topology.of(layout).zero}"
+        return f"{self.name} + {backend}, {degrees}"
 
     def missing(self) -> list[Problem]:
         """Per-process files missing for a process that saved, each a problem of that file. In a folder reshard
@@ -177,7 +181,7 @@ class Framework:
 
     def to_dict(self, layout) -> dict:
         return {"name": self.name, "title": self.title(layout), "folder": self.folder, "world_size": self.world,
-                "files": [f.to_dict() for f in self.files]}
+                "backend": self.backend or "DeepSpeed", "files": [f.to_dict() for f in self.files]}
 
 
 def framework_files(folder: str, kinds: tuple, what) -> tuple:
@@ -199,9 +203,11 @@ def framework_files(folder: str, kinds: tuple, what) -> tuple:
 
 
 def deepspeed_own(folder: str, name: str) -> bool:
-    """`latest`, DeepSpeed's scripts and its tag folders (any folder of rank files) are DeepSpeed's part."""
+    """`latest`, DeepSpeed's scripts and its tag folders (any folder of rank files) are DeepSpeed's part; FSDP's
+    model and optimizer folders are FSDP's (framework/fsdp.py): the checkpoint's, not the framework's files."""
     from reshard.formats.deepspeed import files as deepspeed_files
     from reshard.formats.deepspeed.zero_target import SCRIPTS
     path = os.path.join(folder, name)
-    return name == deepspeed_files.LATEST or name in SCRIPTS or \
-        (fs.isdir(path) and deepspeed_files.is_deepspeed_dir(path))
+    # reshard's manifest of a folder it wrote describes that folder: every output gets its own
+    return name == deepspeed_files.LATEST or name in SCRIPTS or name == manifest.NAME or \
+        (fs.isdir(path) and (fsdp.own(name) or deepspeed_files.is_deepspeed_dir(path)))

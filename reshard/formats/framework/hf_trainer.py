@@ -1,4 +1,6 @@
-"""The Hugging Face Trainer's checkpoint-N/ folder when the Trainer drives DeepSpeed.
+"""The Hugging Face Trainer's checkpoint-N/ folder when the Trainer drives DeepSpeed, or FSDP with its sharded state
+dict (framework/fsdp.py: the same files of the Trainer's beside pytorch_model_fsdp_0/ and optimizer_0/; observed,
+transformers 5.21: trainer_state.json, scheduler.pt, rng_state_K.pth, and no config, weights or training_args.bin).
 
 Observed (transformers 5, DeepSpeed 0.19, ZeRO-2, 2 processes): `latest`, `global_stepN/` and DeepSpeed's
 zero_to_fp32.py / zero_to_torch.py (DeepSpeed's own, written by its writer), and the Trainer's: config.json,
@@ -14,18 +16,22 @@ import os
 import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
+from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 from reshard.formats.single import hf_files
-from reshard.formats.single.hf_trainer import ARGS, SCHEDULER, TRAINER_STATE
+from reshard.formats.single.hf_trainer import ARGS, FSDP_MODEL, SCHEDULER, TRAINER_STATE
 from reshard.storage import files as fs
 
 NAME = "HF Trainer"
+FSDP_FULL = "FSDP (full state dict)"
 RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth",
               "the Trainer finds none and keeps the RNG streams of its seed (TrainingArguments.seed)")
 WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 # DeepSpeed's batch settings are "auto" under the Trainer, filled from TrainingArguments.
 BATCH = ("the Trainer fills them from TrainingArguments (gradient_accumulation_steps, per_device_train_batch_size) "
          "into DeepSpeed's \"auto\" values; the same global batch keeps its epoch and data-skip arithmetic")
+FSDP_BATCH = ("the Trainer takes them from TrainingArguments (gradient_accumulation_steps, "
+              "per_device_train_batch_size); the same global batch keeps its epoch and data-skip arithmetic")
 WHAT = {TRAINER_STATE: "the Trainer's state (global step, epoch, log history: a global position)",
         SCHEDULER: "the LR scheduler's state_dict",
         ARGS: "the pickled TrainingArguments",
@@ -34,12 +40,17 @@ WHAT = {TRAINER_STATE: "the Trainer's state (global step, epoch, log history: a 
 
 
 def detect(folder: str) -> Framework | None:
-    """A DeepSpeed save dir (`latest`) holding the Trainer's trainer_state.json."""
-    if not (fs.isfile(os.path.join(folder, deepspeed_files.LATEST)) and
-            fs.isfile(os.path.join(folder, TRAINER_STATE))):
+    """A DeepSpeed save dir (`latest`), or FSDP's sharded folders (framework/fsdp.py), holding the Trainer's
+    trainer_state.json; or the Trainer's folder with FSDP's full state dict (pytorch_model_fsdp.bin), named but
+    with no files of its own: the single-process reader reads them all, and no conversion carries them."""
+    if fs.isfile(os.path.join(folder, FSDP_MODEL)) and fs.isfile(os.path.join(folder, TRAINER_STATE)):
+        return Framework(NAME, folder, (), (), backend=FSDP_FULL)
+    deepspeed = fs.isfile(os.path.join(folder, deepspeed_files.LATEST))
+    if not ((deepspeed or fsdp.is_sharded(folder)) and fs.isfile(os.path.join(folder, TRAINER_STATE))):
         return None
     return Framework(NAME, folder, framework_files(folder, (RNG,), _what), (RNG,),
-                     model_files=hf_files.present(folder), batch_note=BATCH)
+                     model_files=hf_files.present(folder), batch_note=BATCH if deepspeed else FSDP_BATCH,
+                     backend="" if deepspeed else fsdp.SHARDED)
 
 
 def _what(name: str) -> str:

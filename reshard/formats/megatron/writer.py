@@ -209,7 +209,7 @@ class _Writer:
                pieces: list) -> None:
         file = self._file(rank)
         offset, length = file.add_chunk(dtype, sizes, pieces)
-        self.meta.chunk(key, global_shape, dtype, offsets, sizes, os.path.basename(file.path), offset, length)
+        self.meta.chunk(key, None, global_shape, dtype, offsets, sizes, os.path.basename(file.path), offset, length)
 
     def _value(self, rank: int, key: str, value: object) -> None:
         file = self._file(rank)

@@ -26,11 +26,17 @@ from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.storage import files as fs
 
 TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin"
+# With FSDP's FULL_STATE_DICT (accelerate's save_fsdp_model / save_fsdp_optimizer, observed with transformers 5.21,
+# accelerate 1.16) the Trainer writes pytorch_model_fsdp.bin (the gathered module state dict, the same weights as
+# model.safetensors) and optimizer.bin: FSDP's optim_state_dict, its params and state keyed by parameter FQN
+FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
 RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 OPAQUE = (ARGS, *hf_files.CONFIGS)
 FORMAT = "hf-trainer"
 OPTIONS = NoOptions
-IN_FRAMEWORK_FOLDERS = False
+# the registry asks formats.framework whose folder it is: the Trainer's with FSDP's full state dict is named
+# (framework/hf_trainer.py), a plain one is nobody's
+IN_FRAMEWORK_FOLDERS = True
 
 
 def sniff(path: str, tag: str | None) -> bool:
@@ -41,6 +47,7 @@ def sniff(path: str, tag: str | None) -> bool:
     weights = hf_weights.present(path)
     return weights is not None and (fs.isfile(os.path.join(path, TRAINER_STATE)) or
                                     fs.isfile(os.path.join(path, OPTIMIZER)) or
+                                    fs.isfile(os.path.join(path, FSDP_OPTIMIZER)) or
                                     weights in (hf_weights.BIN, hf_weights.BIN_INDEX))
 
 
@@ -53,7 +60,8 @@ def read(path: str, options: NoOptions) -> Catalog:
     processes = max(1, sum(1 for name in fs.listdir(folder) if RNG.match(name)))
     catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,
                              layout=Layout.of(processes, format_topology=UNPARTITIONED))
-    optim_path = os.path.join(folder, OPTIMIZER)
+    fsdp_full = fs.isfile(os.path.join(folder, FSDP_MODEL))
+    optim_path = os.path.join(folder, FSDP_OPTIMIZER if fsdp_full else OPTIMIZER)
     optimizer = None
     if fs.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
         optimizer = torchsave_read.load(optim_path)

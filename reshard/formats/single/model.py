@@ -136,6 +136,8 @@ def _map_optimizer(catalog, tensors, optimizer, where) -> dict:
             row.append(per_element[0] if per_element else optim_map.WILDCARD)
         shapes.append(row)
     named = [g.get(NAMES) for g in optimizer["param_groups"]]
+    if all(isinstance(i, str) for group in ids for i in group):
+        named = ids     # FSDP's optim_state_dict names each param by its FQN
     if all(isinstance(n, list) and len(n) == len(i) for n, i in zip(named, ids, strict=True)):
         return _by_saved_names(where, tensors, catalog.aliases, named, shapes)
     candidates = [(k, tuple(r.shape)) for k, r in tensors.items() if is_floating(r.dtype)]

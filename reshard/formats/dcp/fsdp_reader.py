@@ -1,0 +1,63 @@
+"""A framework's folder saved by Accelerate's FSDP with SHARDED_STATE_DICT (HF Trainer's checkpoint-N/, Accelerate's
+save_state dir) -> one Catalog: the model's DCP folder and the optimizer's (framework/fsdp.py) read as one DCP
+checkpoint, each item where its own `.metadata` puts it, with the Trainer's step and LR scheduler where it saved
+them. The optimizer's keys (`optimizer.state.<fqn>.<state>`) meet the model's (`model.<fqn>`) through
+planner_data's paths, the parameter's FQN in both. The framework's own files (trainer state, scheduler,
+per-process RNG) are the registry's (formats.framework.detect).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+from reshard.core.catalog import Catalog, CatalogBuilder
+from reshard.core.layout import Layout
+from reshard.errors import CheckpointError
+from reshard.formats import torchsave_read
+from reshard.formats.dcp import metadata as md, reader as dcp_reader
+from reshard.formats.dcp.chunks import METADATA, Chunks, joined
+from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR, is_sharded
+from reshard.formats.protocol import NoOptions
+from reshard.formats.single.hf_trainer import SCHEDULER, TRAINER_STATE
+
+FORMAT = "fsdp"
+OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = True
+
+
+def sniff(path: str, tag: str | None) -> bool:
+    return os.path.isdir(path) and is_sharded(path)
+
+
+def read(path: str, options: NoOptions) -> Catalog:
+    root = os.path.abspath(path)
+    parts = []
+    for folder in (MODEL_DIR, OPTIM_DIR):
+        meta_path = os.path.join(root, folder, METADATA)
+        if not os.path.isfile(meta_path):
+            raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
+        parts.append((folder, md.read(meta_path)))
+    meta, meta_paths = joined(root, parts)
+    catalog = CatalogBuilder(root, FORMAT, Layout.of(1), save_dir=root)
+    read = dcp_reader.build(catalog, meta, Chunks(root, meta, catalog, meta_paths))
+    return replace(read, training=replace(read.training, **_trainer_counters(root)))
+
+
+def _trainer_counters(root: str) -> dict:
+    """The HF Trainer's global step (trainer_state.json) and LR scheduler (scheduler.pt, through the restricted
+    unpickler), where the folder has them: what `diff` and a conversion's plan compare."""
+    out: dict = {}
+    state_path = os.path.join(root, TRAINER_STATE)
+    if os.path.isfile(state_path):
+        try:
+            with open(state_path) as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
+        if isinstance(state, dict) and isinstance(state.get("global_step"), int):
+            out["global_steps"] = state["global_step"]
+    scheduler = os.path.join(root, SCHEDULER)
+    if os.path.isfile(scheduler):
+        out["lr_scheduler"] = torchsave_read.load(scheduler)
+    return out
