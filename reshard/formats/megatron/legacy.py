@@ -34,13 +34,12 @@ from reshard.core.catalog import (
     ParamInfo,
     TensorDraft,
     TensorKey,
-    TrainingState,
 )
 from reshard.core.layout import Layout
 from reshard.core.placement import Shard
 from reshard.errors import CheckpointError, ReshardError
-from reshard.formats.megatron import buckets, order as param_order, pickles, tp_boxes
-from reshard.formats.megatron.topology import PLAIN, MegatronNotes, MegatronTopology
+from reshard.formats.megatron import buckets, common as common_fields, order as param_order, pickles, tp_boxes
+from reshard.formats.megatron.topology import PLAIN
 from reshard.formats.torchsave_read import TensorRef, load as load_pickle
 from reshard.source_bytes import read_scalar
 from reshard.storage import files as fs
@@ -106,26 +105,8 @@ class _LegacyReader:
         groups, step = self._param_groups(head)
         self._params(groups)
         catalog.group_scalars = [({"step": step} if step is not None else {}) for _ in groups]
-        model_dtypes = {t.dtype for k, t in catalog.tensors.items() if k.state == MODULE}
-        masters = {t.dtype for k, t in catalog.tensors.items() if k.state == MASTER}
-        iteration, version = head.get("iteration"), head.get("checkpoint_version")
-        catalog.layout = Layout.of(
-            dp, tp, pp, dtype=model_dtypes.pop() if len(model_dtypes) == 1 else "",
-            master_dtype=masters.pop() if len(masters) == 1 else "",
-            format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
-                                             float(version) if isinstance(version, (int, float)) else None,
-                                             LAYOUT, backend="torch"))
-        samples = self.args.get("consumed_train_samples")
-        catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
-                                         global_samples=samples if isinstance(samples, int) else None,
-                                         lr_scheduler=head.get("opt_param_scheduler"),
-                                         optimizer={"adam": "AdamW", "sgd": "SGD"}.get(self.args.get("optimizer"), ""))
         catalog.files = self._files(ranks)
-        counters = {k: head[k] for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
-                    if isinstance(head.get(k), (int, float))}
-        plain = tuple((k, v) for k, v in sorted(self.args.items())
-                      if v is None or isinstance(v, (bool, int, float, str)))
-        catalog.notes = MegatronNotes(self.notes, counters, plain)
+        common_fields.finish(catalog, (dp, tp, pp), sharding, head, self.args, LAYOUT, self.notes, backend="torch")
         return catalog.freeze()
 
     # -- files

@@ -48,14 +48,13 @@ from reshard.core.catalog import (
     Replica,
     TensorDraft,
     TensorKey,
-    TrainingState,
 )
 from reshard.core.layout import Layout
 from reshard.core.placement import Block, Shard
 from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks, dtype_of, rank_of
-from reshard.formats.megatron import buckets, legacy, order as param_order
+from reshard.formats.megatron import buckets, common as common_fields, legacy, order as param_order
 from reshard.formats.megatron.pickles import COMMON_ALLOWED, METADATA_ALLOWED, Namespace
 from reshard.formats.megatron.topology import (
     DP_RESHARDABLE,
@@ -63,8 +62,6 @@ from reshard.formats.megatron.topology import (
     LAYOUT_016,
     LAYOUT_019,
     PLAIN,
-    MegatronNotes,
-    MegatronTopology,
 )
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import DType, TensorRef, load as load_pickle
@@ -243,29 +240,8 @@ class _Reader:
         catalog.group_scalars = [({"step": step} if step is not None else {}) for _ in groups]
         if self.flattened:
             layout = LAYOUT_015
-        model_dtypes = {catalog.tensors[TensorKey(n, MODULE)].dtype for n in ordered}
-        masters = {catalog.tensors[TensorKey(n, MASTER)].dtype for n in ordered
-                   if TensorKey(n, MASTER) in catalog.tensors}
-        iteration = common.get("iteration")
-        version = common.get("checkpoint_version")
-        catalog.layout = Layout.of(
-            dp, tp, pp, dtype=model_dtypes.pop() if len(model_dtypes) == 1 else "",
-            master_dtype=masters.pop() if len(masters) == 1 else "",
-            format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
-                                             float(version) if isinstance(version, (int, float)) else None,
-                                             layout))
-        samples = self.args.get("consumed_train_samples")
-        scheduler = common.get("opt_param_scheduler")
-        catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
-                                         global_samples=samples if isinstance(samples, int) else None,
-                                         lr_scheduler=scheduler,
-                                         optimizer=_optimizer_name(self.args.get("optimizer")))
         catalog.files = self._files(chunks)
-        counters = {k: common[k] for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
-                    if isinstance(common.get(k), (int, float))}
-        plain = tuple((k, v) for k, v in sorted(self.args.items())
-                      if v is None or isinstance(v, (bool, int, float, str)))
-        catalog.notes = MegatronNotes(self.notes, counters, plain)
+        common_fields.finish(catalog, (dp, tp, pp), sharding, common, self.args, layout, self.notes)
         return catalog.freeze()
 
     def _common(self, config: dict, chunks: Chunks) -> tuple[dict, str, str]:
@@ -641,11 +617,6 @@ def _bucket_counts(value) -> list | None:
             return None
         out.append(counts)
     return out
-
-
-def _optimizer_name(name) -> str:
-    """Megatron's `--optimizer adam` is Adam with decoupled weight decay (torch's AdamW, TE's FusedAdam)."""
-    return {"adam": "AdamW", "sgd": "SGD"}.get(name, "") if isinstance(name, str) else ""
 
 
 __all__ = ["FORMAT", "OPTIONS", "sniff", "read", "DType", "TensorRef"]

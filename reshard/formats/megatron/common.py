@@ -1,0 +1,42 @@
+"""What every Megatron save says of itself beyond its tensors — args, iteration, scheduler, counters — put into the
+catalog the same way whichever layout holds it (torch_dist's common state, a legacy rank file)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from reshard.core.catalog import MASTER, MODULE, CatalogBuilder, TrainingState
+from reshard.core.layout import Layout
+from reshard.formats.megatron.topology import MegatronNotes, MegatronTopology
+
+COUNTERS = ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
+
+
+def finish(catalog: CatalogBuilder, degrees: tuple[int, int, int], sharding: str, common: Mapping[str, Any],
+           args: Mapping[str, Any], layout: str, notes: dict[str, dict[str, Any]],
+           backend: str = "torch_dist") -> None:
+    """The catalog's layout ((dp, tp, pp), dtypes, `sharding`, which `layout` of files, `backend`), training state
+    and notes, from the save's `common` state and `args`."""
+    dp, tp, pp = degrees
+    model_dtypes = {t.dtype for k, t in catalog.tensors.items() if k.state == MODULE}
+    masters = {t.dtype for k, t in catalog.tensors.items() if k.state == MASTER}
+    iteration, version = common.get("iteration"), common.get("checkpoint_version")
+    catalog.layout = Layout.of(
+        dp, tp, pp, dtype=model_dtypes.pop() if len(model_dtypes) == 1 else "",
+        master_dtype=masters.pop() if len(masters) == 1 else "",
+        format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
+                                         float(version) if isinstance(version, (int, float)) else None,
+                                         layout, backend))
+    samples = args.get("consumed_train_samples")
+    catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
+                                     global_samples=samples if isinstance(samples, int) else None,
+                                     lr_scheduler=common.get("opt_param_scheduler"),
+                                     optimizer=optimizer_name(args.get("optimizer")))
+    counters = {k: common[k] for k in COUNTERS if isinstance(common.get(k), (int, float))}
+    plain = tuple((k, v) for k, v in sorted(args.items()) if v is None or isinstance(v, (bool, int, float, str)))
+    catalog.notes = MegatronNotes(notes, counters, plain)
+
+
+def optimizer_name(name) -> str:
+    """Megatron's `--optimizer adam` is Adam with decoupled weight decay (torch's AdamW, TE's FusedAdam)."""
+    return {"adam": "AdamW", "sgd": "SGD"}.get(name, "") if isinstance(name, str) else ""
