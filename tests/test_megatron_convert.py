@@ -172,3 +172,19 @@ def test_a_round_trip_through_tp1_writes_megatrons_own_keys_and_chunks(tmp_path)
     assert {k for k in megatrons if k not in ours} == {f"rng_state/shard_{p}.{t}_2.2" for p in (0, 1) for t in (0, 1)}
     assert ours == {k: v for k, v in megatrons.items() if not k.startswith("rng_state/")}
     assert "no difference" in run_cli("diff", ROOT / name / "save", tmp_path / "back", check=0).stdout
+
+
+def test_the_sparse_scale_simulation_reads_as_what_it_lays_out(tmp_path):
+    """tools/bench_megatron_sparse.py at a small scale (4 layers, tp=2·pp=2·dp=2): the sparse save it writes with
+    reshard's writer reads back complete at that topology, dp_reshardable buckets checked against its stored counts,
+    and plans to another one (the 70B-shaped figures in docs/performance.md come from the same tool)."""
+    import bench_megatron_sparse  # (tools/ is on the path: conftest)
+    files, apparent = bench_megatron_sparse.make(str(tmp_path / "save"), 2, 2, 2, 4)
+    assert files == 12 and apparent > 5 * 10**10
+    report = reshard.validate(reshard.open_checkpoint(str(tmp_path / "save")))
+    assert not report.problems and report.missing_elements == 0 and report.duplicate_elements == 0
+    info = reshard.inspect(reshard.open_checkpoint(str(tmp_path / "save")))
+    assert (info.topology["tp"], info.topology["pp"], info.topology["dp"]) == (2, 2, 2)
+    assert info.options["sharding"] == "dp_reshardable" and info.parameters == 4 * 6 + 3
+    plan = make_plan(reshard.open_checkpoint(str(tmp_path / "save")), "tp=1,pp=4,dp=2")
+    assert plan.output is not None and plan.output.topology.startswith("dp=2,tp=1,pp=4")
