@@ -6,6 +6,10 @@ the truth taken from the live run at save time, bit for bit; one more training s
 
 Negative controls: Megatron's own load of the dp_reshardable fixture at another tp fails (what makes the writer
 necessary); a conversion with one element changed loads, and the comparison names that tensor.
+
+DeepSpeed output of a Megatron save (`--format deepspeed --names megatron-core-modules`) is resumed by the real
+DeepSpeed engine around megatron-core's own GPTModel (tests/megatron_deepspeed_load.py): masters, moments, weights
+bit for bit, one more step; without the names the engine's load fails.
 """
 from __future__ import annotations
 
@@ -124,6 +128,45 @@ def test_megatron_itself_cannot_load_dp_reshardable_at_another_tp(loaded):
 def test_a_changed_element_is_found_in_what_megatron_loaded(loaded):
     result = loaded["changed"]
     assert result["loaded"] and result["problems"] == [f"exp_avg/{CHANGED}: differs from the truth"], result
+
+
+# (fixture, --to) written as DeepSpeed for an engine around megatron-core's GPTModel (tp=1, pp=1, dp=2)
+DEEPSPEED = [("mcore_fully_reshardable_tp2_dp2", "dp=2,tp=1,pp=1,zero=1")]
+
+
+@shares("megatron_deepspeed_load.py")
+def deepspeed_load_jobs(out):
+    """Each DeepSpeed conversion under the module's names, and one without them (the control): 2 ranks."""
+    jobs = []
+    for index, (name, to) in enumerate([*DEEPSPEED, DEEPSPEED[0]]):
+        names = "megatron-core-modules" if index < len(DEEPSPEED) else None
+        dst = out / f"deepspeed-{index}"
+        plan = make_plan(reshard.open_checkpoint(str(ROOT / name / "save")), to, fmt="deepspeed", names=names)
+        execute(plan, str(dst), progress=False)
+        jobs.append({"label": f"{name}:{to}" if names else "without names", "checkpoint": str(dst),
+                     "truth": str(ROOT / name / "truth.safetensors"), "zero": int(to.rsplit("zero=", 1)[1])})
+    return [(2, None, job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def resumed(engine_launches):
+    return {r["label"]: r for r in engine_launches.results(deepspeed_load_jobs)}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", DEEPSPEED, ids=[t for _, t in DEEPSPEED])
+def test_deepspeed_resumes_megatrons_model_from_the_conversion(name, to, resumed):
+    result = resumed[f"{name}:{to}"]
+    assert result["error"] is None and result["problems"] == [], result
+    step = json.loads((ROOT / name / "truth.json").read_text())["step"][0]
+    assert result["step"] == step and result["step_after"] == step + 1
+    assert result["moved"] and all(math.isfinite(x) for x in result["losses"])
+
+
+@pytest.mark.engine
+def test_deepspeed_output_without_the_modules_names_does_not_load(resumed):
+    error = resumed["without names"]["error"] or ""
+    assert "Missing key" in error and "input_layernorm" in error, error
 
 
 # -- reshard's own checks of the output (no engine)
