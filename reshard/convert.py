@@ -84,8 +84,8 @@ def plan_for(complete: Complete, target: Layout, tag_out: str | None = None, fmt
         placing = " or ".join(name for name in WRITERS if writer(name).PLACES_EXPERTS)
         raise ReshardError.at(catalog.root, f"converting mixture-of-experts checkpoints to {fmt or catalog.format} "
                                             f"is not supported yet (to {placing} it is; export reads them; "
-                                            f"--names {rule_files.names(rule_files.MODULE_NAMES)} writes them "
-                                            "under the names of a model holding every expert)")
+                                            f"--names {rule_files.names(rule_files.MODULE_NAMES, 'experts')} writes "
+                                            "them under the names of a model holding every expert)")
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))
