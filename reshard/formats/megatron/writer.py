@@ -126,8 +126,7 @@ class _Writer:
         self._check()
         meta_path = os.path.join(catalog.root, METADATA)
         self.source_meta = md.read(meta_path, METADATA_ALLOWED)
-        self.problems = CatalogBuilder(catalog.root, FORMAT, catalog.layout)
-        self.source_chunks = Chunks(catalog.root, self.source_meta, self.problems)
+        self.source_chunks: Chunks | None = None     # where the source's objects lie, when one is copied
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
         self.params = self._params()
@@ -218,6 +217,9 @@ class _Writer:
         self.meta.blob(key, os.path.basename(file.path), offset, length)
 
     def _blob(self, rank: int, key: str) -> None:
+        if self.source_chunks is None:
+            problems = CatalogBuilder(self.catalog.root, FORMAT, self.catalog.layout)
+            self.source_chunks = Chunks(self.catalog.root, self.source_meta, problems)
         blob = self.source_chunks.blob(key)
         if blob is MISSING or not isinstance(blob, bytes):
             raise CheckpointError(os.path.join(self.catalog.root, METADATA), f"{key}: cannot be read to copy")
