@@ -82,10 +82,11 @@ def plan_for(complete: Complete, target: Layout, tag_out: str | None = None, fmt
     if catalog.experts is not None and not target_format.PLACES_EXPERTS:   # it would write experts as dense params
         from reshard.formats import WRITERS, writer
         placing = " or ".join(name for name in WRITERS if writer(name).PLACES_EXPERTS)
+        shipped = rule_files.names(rule_files.MODULE_NAMES, "experts")
         raise ReshardError.at(catalog.root, f"converting mixture-of-experts checkpoints to {fmt or catalog.format} "
                                             "needs --names RULES, the names of a model holding every expert "
-                                            f"(shipped RULES: {rule_files.names(rule_files.MODULE_NAMES)}); to "
-                                            f"{placing} it needs none; export reads them")
+                                            f"(shipped RULES: {shipped}); to {placing} it needs none; export reads "
+                                            "them")
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
     return plan(catalog, target, targets, tag, target_format.describe(target, tag))

@@ -20,20 +20,22 @@ SUFFIX = ".json"
 SHIPPED = importlib.resources.files("reshard") / "layouts"
 
 
-def shipped(kind: str) -> dict:
-    """{name: path} of the shipped files of `kind`, by name."""
+def shipped(kind: str, flag: str | None = None) -> dict:
+    """{name: path} of the shipped files of `kind`, by name; with `flag`, those whose JSON sets that key true (a
+    module-names file's "experts": its rules place a mixture-of-experts model's experts)."""
     out = {}
     for folder in (SHIPPED, SHIPPED / "topologies"):
         for entry in folder.iterdir() if folder.is_dir() else ():
-            if entry.name.endswith(SUFFIX) and _kind(entry) == kind:
+            if entry.name.endswith(SUFFIX) and _kind(entry, flag) == kind:
                 # an installed package's files() is a pathlib.Path; typeshed's Traversable is not os.PathLike
                 out[entry.name[:-len(SUFFIX)]] = os.fspath(entry)  # type: ignore[call-overload]
     return dict(sorted(out.items()))
 
 
-def names(kind: str) -> str:
-    """The shipped names of `kind`, for help and messages: "llama-autotp, llama-autotp-tied, megatron-gpt"."""
-    return ", ".join(shipped(kind))
+def names(kind: str, flag: str | None = None) -> str:
+    """The shipped names of `kind` (with `flag` set, as shipped), for help and messages: "llama-autotp,
+    llama-autotp-tied, megatron-gpt"."""
+    return ", ".join(shipped(kind, flag))
 
 
 def find(given: str, kind: str) -> str:
@@ -64,9 +66,12 @@ def load(given: str, kind: str) -> tuple[str, dict]:
     return path, spec
 
 
-def _kind(entry) -> str | None:
+def _kind(entry, flag: str | None = None) -> str | None:
+    """The file's kind (None: not a rule file, or `flag` given and not set true in it)."""
     try:
         data = json.loads(entry.read_text())
     except (OSError, ValueError):
         return None
-    return data.get("kind") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or (flag is not None and data.get(flag) is not True):
+        return None
+    return data.get("kind")

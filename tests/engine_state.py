@@ -22,6 +22,8 @@ def engine_tensors(engine, module=None) -> dict:
     # ZeRO-3 holds each rank's partition of the weights: the module's full weights are gathered
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=engine.zero_optimization_stage() == 3):
         for name, value in module.state_dict().items():
+            if value is None:       # a module's empty extra state (megatron-core's layers keep one)
+                continue
             out[f"module/{name}"] = value.detach().clone().contiguous()
     return out
 

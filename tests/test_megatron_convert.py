@@ -6,6 +6,10 @@ the truth taken from the live run at save time, bit for bit; one more training s
 
 Negative controls: Megatron's own load of the dp_reshardable fixture at another tp fails (what makes the writer
 necessary); a conversion with one element changed loads, and the comparison names that tensor.
+
+DeepSpeed output of a Megatron save (`--format deepspeed --names megatron-core-modules`) is resumed by the real
+DeepSpeed engine around megatron-core's own GPTModel (tests/megatron_deepspeed_load.py): masters, moments, weights
+bit for bit, one more step; without the names the engine's load fails.
 """
 from __future__ import annotations
 
@@ -126,6 +130,45 @@ def test_a_changed_element_is_found_in_what_megatron_loaded(loaded):
     assert result["loaded"] and result["problems"] == [f"exp_avg/{CHANGED}: differs from the truth"], result
 
 
+# (fixture, --to) written as DeepSpeed for an engine around megatron-core's GPTModel (tp=1, pp=1, dp=2)
+DEEPSPEED = [("mcore_fully_reshardable_tp2_dp2", "dp=2,tp=1,pp=1,zero=1")]
+
+
+@shares("megatron_deepspeed_load.py")
+def deepspeed_load_jobs(out):
+    """Each DeepSpeed conversion under the module's names, and one without them (the control): 2 ranks."""
+    jobs = []
+    for index, (name, to) in enumerate([*DEEPSPEED, DEEPSPEED[0]]):
+        names = "megatron-core-modules" if index < len(DEEPSPEED) else None
+        dst = out / f"deepspeed-{index}"
+        plan = make_plan(reshard.open_checkpoint(str(ROOT / name / "save")), to, fmt="deepspeed", names=names)
+        execute(plan, str(dst), progress=False)
+        jobs.append({"label": f"{name}:{to}" if names else "without names", "checkpoint": str(dst),
+                     "truth": str(ROOT / name / "truth.safetensors"), "zero": int(to.rsplit("zero=", 1)[1])})
+    return [(2, None, job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def resumed(engine_launches):
+    return {r["label"]: r for r in engine_launches.results(deepspeed_load_jobs)}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", DEEPSPEED, ids=[t for _, t in DEEPSPEED])
+def test_deepspeed_resumes_megatrons_model_from_the_conversion(name, to, resumed):
+    result = resumed[f"{name}:{to}"]
+    assert result["error"] is None and result["problems"] == [], result
+    step = json.loads((ROOT / name / "truth.json").read_text())["step"][0]
+    assert result["step"] == step and result["step_after"] == step + 1
+    assert result["moved"] and all(math.isfinite(x) for x in result["losses"])
+
+
+@pytest.mark.engine
+def test_deepspeed_output_without_the_modules_names_does_not_load(resumed):
+    error = resumed["without names"]["error"] or ""
+    assert "Missing key" in error and "input_layernorm" in error, error
+
+
 # -- reshard's own checks of the output (no engine)
 
 def test_the_output_reads_back_equal_and_names_the_target(tmp_path):
@@ -172,3 +215,19 @@ def test_a_round_trip_through_tp1_writes_megatrons_own_keys_and_chunks(tmp_path)
     assert {k for k in megatrons if k not in ours} == {f"rng_state/shard_{p}.{t}_2.2" for p in (0, 1) for t in (0, 1)}
     assert ours == {k: v for k, v in megatrons.items() if not k.startswith("rng_state/")}
     assert "no difference" in run_cli("diff", ROOT / name / "save", tmp_path / "back", check=0).stdout
+
+
+def test_the_sparse_scale_simulation_reads_as_what_it_lays_out(tmp_path):
+    """tools/bench_megatron_sparse.py at a small scale (4 layers, tp=2·pp=2·dp=2): the sparse save it writes with
+    reshard's writer reads back complete at that topology, dp_reshardable buckets checked against its stored counts,
+    and plans to another one (the 70B-shaped figures in docs/performance.md come from the same tool)."""
+    import bench_megatron_sparse  # (tools/ is on the path: conftest)
+    files, apparent = bench_megatron_sparse.make(str(tmp_path / "save"), 2, 2, 2, 4)
+    assert files == 12 and apparent > 5 * 10**10
+    report = reshard.validate(reshard.open_checkpoint(str(tmp_path / "save")))
+    assert not report.problems and report.missing_elements == 0 and report.duplicate_elements == 0
+    info = reshard.inspect(reshard.open_checkpoint(str(tmp_path / "save")))
+    assert (info.topology["tp"], info.topology["pp"], info.topology["dp"]) == (2, 2, 2)
+    assert info.options["sharding"] == "dp_reshardable" and info.parameters == 4 * 6 + 3
+    plan = make_plan(reshard.open_checkpoint(str(tmp_path / "save")), "tp=1,pp=4,dp=2")
+    assert plan.output is not None and plan.output.topology.startswith("dp=2,tp=1,pp=4")

@@ -114,7 +114,7 @@ def make_sparse(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple:
     return count, apparent
 
 
-class _HoleSink:
+class HoleSink:
     """A write-only stream zipfile sees as not seekable (so it streams members with data descriptors, as
     reshard's writer does); `skip(n)` moves past n bytes without writing them: a hole."""
 
@@ -147,7 +147,7 @@ class _HoleSink:
 def write_sparse_torch_file(path: str, data_pkl: bytes, storages: list, pieces: dict, archive: str = "archive") -> int:
     """A torch.save zip laid out as reshard's TorchZipWriter lays it out, storage bytes left as holes but for
     the storages made of constants only (a `step` counter): those are written."""
-    sink = _HoleSink(path)
+    sink = HoleSink(path)
     try:
         with zipfile.ZipFile(sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             def member(name, nbytes):

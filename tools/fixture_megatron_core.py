@@ -191,30 +191,15 @@ def build(tp: int, pp: int, distributed: bool):
     import torch
     from megatron.core import parallel_state as mpu, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
     mpu.initialize_model_parallel(tp, pp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
-        ffn_hidden_size=FFN, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
-        bias_activation_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, sequence_parallel=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        init_method_std=0.02, layernorm_epsilon=NORM_EPS)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
-                     post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", rotary_base=ROPE_BASE)
+    config = transformer_config(tp, pp)
+    model = gpt_model(config)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
                                                grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, model))
@@ -228,6 +213,34 @@ def build(tp: int, pp: int, distributed: bool):
                                         lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
                                         wd_incr_steps=10, wd_incr_style="constant")
     return config, model, ddp, optimizer, scheduler
+
+
+def transformer_config(tp: int, pp: int):
+    """The fixtures' TransformerConfig (Llama-configured, bf16) at tp, pp."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, sequence_parallel=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        init_method_std=0.02, layernorm_epsilon=NORM_EPS)
+
+
+def gpt_model(config):
+    """The fixtures' GPTModel (local layer spec, RMSNorm, RoPE, untied output layer) of this stage of `config`'s
+    pipeline (the model parallel groups made)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
+                    post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
+                    position_embedding_type="rope", rotary_base=ROPE_BASE)
 
 
 def train(config, ddp, optimizer, scheduler, steps: int, seed: int) -> list:

@@ -37,6 +37,7 @@ class Chunks:
         self.meta_path = os.path.join(root, METADATA)
         self.meta_paths = meta_paths or {}
         self.by_fqn: dict[str, list[tuple[Any, Any]]] = {}
+        self._escapes: dict[str, str] = {}      # relative path -> why it escapes the checkpoint ("" if it does not)
         self.sizes: dict[str, int | None] = {}
         for index, info in meta.storage_data.items():
             self.by_fqn.setdefault(index.fqn, []).append((getattr(index, "offset", None), info))
@@ -57,7 +58,11 @@ class Chunks:
 
     def _path(self, info) -> str:
         rel = info.relative_path
-        why = paths.escape(rel, self.root)
+        why = self._escapes.get(rel) if isinstance(rel, str) else None
+        if why is None:     # (resolved once per file: a large save names each of its files thousands of times)
+            why = paths.escape(rel, self.root) or ""
+            if isinstance(rel, str):
+                self._escapes[rel] = why
         if why or not isinstance(info.offset, int) or not isinstance(info.length, int):
             raise CheckpointError(self.meta_path, f"chunk location {rel!r:.80} escapes the checkpoint directory "
                                   f"or is malformed ({why or 'its offset or length is not a number'})")

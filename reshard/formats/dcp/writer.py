@@ -8,6 +8,7 @@ DCP's commit marker, is written last by the executor (texts follow the data file
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -34,8 +35,8 @@ class DistcpFile(TensorFile):
 
     def add_chunk(self, dtype: str, shape: tuple, pieces: list) -> tuple:
         slot = self.slot(dtype, shape, pieces)
-        data_pkl = pickle_tree(NewTensor("0", dtype, tuple(shape)))
-        return self._append(CHUNK, slot.key, data_pkl, Archive(data_pkl, slot.nbytes).length)
+        data_pkl, length = _chunk_archive(dtype, tuple(shape))
+        return self._append(CHUNK, slot.key, data_pkl, length)
 
     def add_value(self, value) -> tuple:
         blob = Archive(pickle_tree(value)).whole()
@@ -56,6 +57,14 @@ class DistcpFile(TensorFile):
 
     def container(self) -> Distcp:
         return Distcp(tuple(self.items))
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_archive(dtype: str, shape: tuple) -> tuple[bytes, int]:
+    """(data.pkl, archive length) of a chunk: the same for every chunk of one dtype and shape (a large save has
+    thousands), so pickled once."""
+    data_pkl = pickle_tree(NewTensor("0", dtype, shape))
+    return data_pkl, Archive(data_pkl, math.prod(shape) * itemsize(dtype)).length
 
 
 def file_name(rank: int) -> str:
