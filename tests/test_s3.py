@@ -289,3 +289,16 @@ def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_t
     servers.delete(s3, f"{prefix}/{WATCH_STATE}")
     control = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
     assert "1 checkpoint newly validated" in control.stdout, control.stdout
+
+
+def test_torchrun_ranks_share_a_bucket_to_bucket_convert(s3, source, reference, tmp_path):
+    """2 ranks (forked as torchrun's), no shared filesystem between them but the bucket: each writes its share,
+    rank 0 commits; the bytes are the single process's."""
+    from conftest import torchrun
+    dst = s3.url("out/torchrun")
+    proc = torchrun(2, "-m", "reshard", "convert", source, dst, "--to", "dp=3", "--quiet", check=False,
+                    deepspeed=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    servers.download(s3, "out/torchrun", str(tmp_path / "torchrun"))
+    assert _digests(tmp_path / "torchrun") == reference
+    assert not [k for k in servers.keys(s3, "out/") if "torchrun.reshard" in k]

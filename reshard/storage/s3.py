@@ -545,12 +545,10 @@ class ObjectOutput:
         pass
 
     def append(self, path: str, data: bytes) -> None:
-        """No append in an object store: the object rewritten with `data` added (the journal: a line a file)."""
-        try:
-            old = self.get(path)
-        except FileNotFoundError:
-            old = b""
-        self.put(path, old + data)
+        """No append in an object store: each entry (the journal's line per finished file) is an object of its own
+        under `path/`, so writers appending at once (torchrun ranks) never overwrite one another's; `get(path)`
+        reads them back together."""
+        self.put(f"{path}/{hashlib.sha256(data).hexdigest()[:32]}", data)
 
     def put(self, path: str, data: bytes) -> None:
         bucket, key = split(path)
@@ -572,9 +570,16 @@ class ObjectOutput:
             client().copy(CopySource={"Bucket": sb, "Key": sk}, Bucket=bucket, Key=key)
 
     def get(self, path: str) -> bytes:
+        """The object's bytes; for what `append` wrote, its entries joined (in key order)."""
         bucket, key = split(path)
-        with errors(path):
-            return client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        try:
+            with errors(path):
+                return client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        except FileNotFoundError:
+            entries = sorted(o["Key"] for o in TREE.keys(path))
+            if not entries:
+                raise
+            return b"".join(self.get(url_of(bucket, entry)) for entry in entries)
 
     def list(self, folder: str) -> list:
         return TREE.listdir(folder)
