@@ -110,14 +110,28 @@ def test_no_such_bucket_is_one_line_naming_the_url(s3, tmp_path):
     assert "no such bucket" in _one_line(run_cli("convert", fixture_dir(FIXTURE), url, "--to", "dp=1"), url)
 
 
+def _faulty(fault: str, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tests" / "s3_kill_driver.py"), fault, *map(str, argv)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_an_upload_failing_mid_file_aborts_its_parts_and_leaves_nothing(s3, source):
+    """The 2nd part's upload refused: one line naming the file, exit 1; no object at the destination, no staging
+    object and no upload left open (its parts aborted)."""
+    dst = s3.url("out/failed")
+    failed = _faulty("fail:2", "convert", source, dst, "--to", "dp=3", "--quiet")
+    assert failed.returncode == 1 and "injected upload failure" in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr and failed.stderr.count("\n") == 1, failed.stderr
+    assert not [k for k in servers.keys(s3, "out/") if "failed" in k]
+    assert servers.uploads(s3, "out/") == []
+
+
 def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes_it(s3, source, reference, tmp_path):
     """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small): nothing at
     the destination, validate refuses it, an upload was left open; --resume completes it byte for byte and
     leaves no staging object and no open upload."""
     dst = s3.url("out/killed")
-    killed = subprocess.run([sys.executable, str(REPO / "tests" / "s3_kill_driver.py"), "3",
-                             "convert", source, dst, "--to", "dp=3", "--quiet"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    killed = _faulty("kill:3", "convert", source, dst, "--to", "dp=3", "--quiet")
     assert killed.returncode == -9, killed.stderr
     assert servers.keys(s3, "out/killed/") == []
     assert servers.uploads(s3, "out/"), "the kill was not mid-upload"
