@@ -316,3 +316,9 @@ def test_torchrun_ranks_share_a_bucket_to_bucket_convert(s3, source, reference, 
     servers.download(s3, "out/torchrun", str(tmp_path / "torchrun"))
     assert _digests(tmp_path / "torchrun") == reference
     assert not [k for k in servers.keys(s3, "out/") if "torchrun.reshard" in k]
+
+
+def test_a_bucket_itself_is_no_destination(s3, source):
+    proc = run_cli("convert", source, s3.url(), "--to", "dp=1")
+    assert proc.returncode == 2 and "name a prefix in it" in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.path.exists(REPO / "s3:")

@@ -595,6 +595,8 @@ class ObjectOutput:
         """The object `path` and every object under it, in batched deletes; uploads left unfinished under it
         (a killed run's parts) aborted."""
         bucket, key = split(path)
+        if not key:     # (no caller names a bucket itself; deleting one whole is never what was meant)
+            raise ReshardError.at(path, "refusing to delete everything in a bucket")
         keys = [key] + [o["Key"] for o in TREE.keys(path)]
         delete_keys(path, bucket, keys)
         with errors(path):
