@@ -81,9 +81,16 @@ def test_convert_bucket_to_bucket_to_disk_and_disk_to_bucket_write_the_same_byte
 
 def test_export_from_a_bucket_is_what_from_pretrained_reads(s3, source, tmp_path):
     run_cli("export", source, tmp_path / "s3.safetensors", "--quiet", check=0)
+    # and into the bucket: one object and its manifest beside it, fetched by boto3 for safetensors to read
+    run_cli("export", source, s3.url("exports/model.safetensors"), "--quiet", check=0)
+    assert servers.keys(s3, "exports/") == ["exports/model.safetensors",
+                                            "exports/model.safetensors.reshard-manifest.json"]
+    servers.download(s3, "exports", str(tmp_path / "exports"))
     run_cli("export", fixture_dir(FIXTURE), tmp_path / "disk.safetensors", "--quiet", check=0)
     ours, theirs, truth = (load_file(str(tmp_path / "s3.safetensors")), load_file(str(tmp_path / "disk.safetensors")),
                            truth_tensors(FIXTURE))
+    into_bucket = load_file(str(tmp_path / "exports" / "model.safetensors"))
+    assert into_bucket.keys() == ours.keys() and all(torch.equal(into_bucket[k], v) for k, v in ours.items())
     assert ours.keys() == theirs.keys() and ours
     for key, value in ours.items():
         assert torch.equal(value, theirs[key]), key
