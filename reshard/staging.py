@@ -25,6 +25,9 @@ class Staging:
 
     def __init__(self, dst: str, storage: OutputStorage | None = None):
         self.dst = fs.abspath(dst)
+        if fs.is_url(self.dst) and "/" not in self.dst.split("://", 1)[1]:
+            raise UsageError.at(self.dst, "a bucket itself cannot be the destination: name a prefix in it "
+                                          f"({self.dst}/NAME)")
         self.storage = storage or output_for(self.dst)
         parent, name = os.path.split(self.dst)
         self.tmp = os.path.join(parent, f".{name}.reshard-tmp")

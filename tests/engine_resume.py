@@ -10,7 +10,8 @@ fixture's truth, checks steps and hyper-parameters, and trains one more step. Ra
 {"fixture", "checkpoint", "stage", "world", "problems": [...]} per job to RESULTS.json.
 
 A "direct" job loads "checkpoint", saved at any topology, with `reshard.deepspeed_engine.load_checkpoint(engine, dir)`
-instead of DeepSpeed's own call (no conversion step). A "universal" job builds the engine with `"checkpoint":
+instead of DeepSpeed's own call (no conversion step); "checkpoint" may be an s3:// URL, reached with the job's
+"env" (the AWS chain's variables) set. A "universal" job builds the engine with `"checkpoint":
 {"load_universal": true}`, so `load_checkpoint(dir)` takes the tag from `latest_universal` and loads `zero/`. Run those
 with a fixed PYTHONHASHSEED: that set order decides the order of each rank's optimizer states, and the
 truth reader gathers states across ranks in that order.
@@ -69,6 +70,7 @@ def main(jobs_path, results_path):
         if job.get("direct"):       # the source itself, at its own topology, through reshard (issue #15)
             import reshard.deepspeed_engine
             from reshard.errors import ReshardError
+            os.environ.update(job.get("env", {}))     # an s3:// checkpoint's endpoint and credentials
             try:
                 load_path, client_state = reshard.deepspeed_engine.load_checkpoint(engine, job["checkpoint"])
             except ReshardError as e:   # every rank raises it, before any DeepSpeed collective: no hang

@@ -1,9 +1,10 @@
-"""Run the reshard CLI and SIGKILL it at the N-th part an S3 multipart upload sends, for tests/test_s3.py.
+"""Run the reshard CLI with a fault at the N-th part an S3 multipart upload sends, for tests/test_s3.py.
 
-    python tests/s3_kill_driver.py N [reshard arguments...]
+    python tests/s3_kill_driver.py kill:N|fail:N [reshard arguments...]
 
-Parts are made 4 KiB (reshard.storage.s3.PART_BYTES) so the tiny fixtures' files are multipart uploads; the
-fault is injected from outside, reshard's code is not changed.
+kill: SIGKILL this process there; fail: that part's upload raises (a refused request, as a full or failing store
+gives). Parts are made 4 KiB (reshard.storage.s3.PART_BYTES) so the tiny fixtures' files are multipart uploads;
+the fault is injected from outside, reshard's code is not changed.
 """
 import os
 import signal
@@ -13,16 +14,19 @@ from reshard.cli import main
 from reshard.storage import s3
 
 s3.PART_BYTES = 4096
+mode, at = sys.argv[1].split(":")
 sent = [0]
 original = s3.UploadStream.send_part
 
 
-def killing_send_part(self, number, part):
+def faulty_send_part(self, number, part):
     sent[0] += 1
-    if sent[0] == int(sys.argv[1]):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if sent[0] == int(at):
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(5, "injected upload failure", self.name)
     return original(self, number, part)
 
 
-s3.UploadStream.send_part = killing_send_part
+s3.UploadStream.send_part = faulty_send_part
 sys.exit(main(sys.argv[2:]))

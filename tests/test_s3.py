@@ -81,9 +81,16 @@ def test_convert_bucket_to_bucket_to_disk_and_disk_to_bucket_write_the_same_byte
 
 def test_export_from_a_bucket_is_what_from_pretrained_reads(s3, source, tmp_path):
     run_cli("export", source, tmp_path / "s3.safetensors", "--quiet", check=0)
+    # and into the bucket: one object and its manifest beside it, fetched by boto3 for safetensors to read
+    run_cli("export", source, s3.url("exports/model.safetensors"), "--quiet", check=0)
+    assert servers.keys(s3, "exports/") == ["exports/model.safetensors",
+                                            "exports/model.safetensors.reshard-manifest.json"]
+    servers.download(s3, "exports", str(tmp_path / "exports"))
     run_cli("export", fixture_dir(FIXTURE), tmp_path / "disk.safetensors", "--quiet", check=0)
     ours, theirs, truth = (load_file(str(tmp_path / "s3.safetensors")), load_file(str(tmp_path / "disk.safetensors")),
                            truth_tensors(FIXTURE))
+    into_bucket = load_file(str(tmp_path / "exports" / "model.safetensors"))
+    assert into_bucket.keys() == ours.keys() and all(torch.equal(into_bucket[k], v) for k, v in ours.items())
     assert ours.keys() == theirs.keys() and ours
     for key, value in ours.items():
         assert torch.equal(value, theirs[key]), key
@@ -110,14 +117,28 @@ def test_no_such_bucket_is_one_line_naming_the_url(s3, tmp_path):
     assert "no such bucket" in _one_line(run_cli("convert", fixture_dir(FIXTURE), url, "--to", "dp=1"), url)
 
 
+def _faulty(fault: str, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tests" / "s3_kill_driver.py"), fault, *map(str, argv)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_an_upload_failing_mid_file_aborts_its_parts_and_leaves_nothing(s3, source):
+    """The 2nd part's upload refused: one line naming the file, exit 1; no object at the destination, no staging
+    object and no upload left open (its parts aborted)."""
+    dst = s3.url("out/failed")
+    failed = _faulty("fail:2", "convert", source, dst, "--to", "dp=3", "--quiet")
+    assert failed.returncode == 1 and "injected upload failure" in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr and failed.stderr.count("\n") == 1, failed.stderr
+    assert not [k for k in servers.keys(s3, "out/") if "failed" in k]
+    assert servers.uploads(s3, "out/") == []
+
+
 def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes_it(s3, source, reference, tmp_path):
     """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small): nothing at
     the destination, validate refuses it, an upload was left open; --resume completes it byte for byte and
     leaves no staging object and no open upload."""
     dst = s3.url("out/killed")
-    killed = subprocess.run([sys.executable, str(REPO / "tests" / "s3_kill_driver.py"), "3",
-                             "convert", source, dst, "--to", "dp=3", "--quiet"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    killed = _faulty("kill:3", "convert", source, dst, "--to", "dp=3", "--quiet")
     assert killed.returncode == -9, killed.stderr
     assert servers.keys(s3, "out/killed/") == []
     assert servers.uploads(s3, "out/"), "the kill was not mid-upload"
@@ -289,3 +310,22 @@ def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_t
     servers.delete(s3, f"{prefix}/{WATCH_STATE}")
     control = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
     assert "1 checkpoint newly validated" in control.stdout, control.stdout
+
+
+def test_torchrun_ranks_share_a_bucket_to_bucket_convert(s3, source, reference, tmp_path):
+    """2 ranks (forked as torchrun's), no shared filesystem between them but the bucket: each writes its share,
+    rank 0 commits; the bytes are the single process's."""
+    from conftest import torchrun
+    dst = s3.url("out/torchrun")
+    proc = torchrun(2, "-m", "reshard", "convert", source, dst, "--to", "dp=3", "--quiet", check=False,
+                    deepspeed=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    servers.download(s3, "out/torchrun", str(tmp_path / "torchrun"))
+    assert _digests(tmp_path / "torchrun") == reference
+    assert not [k for k in servers.keys(s3, "out/") if "torchrun.reshard" in k]
+
+
+def test_a_bucket_itself_is_no_destination(s3, source):
+    proc = run_cli("convert", source, s3.url(), "--to", "dp=1")
+    assert proc.returncode == 2 and "name a prefix in it" in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.path.exists(REPO / "s3:")

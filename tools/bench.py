@@ -43,6 +43,10 @@
         bench.py run /work/bench/llama70b --no-cp --inspect --validate --plan tp=4,pp=4,dp=2 \
             --layout-rules megatron-gpt
 
+A checkpoint in an S3 bucket, converted straight from and to it against a download and a local convert:
+tools/bench_s3.py (docs/object-storage.md); dcp.load from a bucket through reshard's Reader against
+s3torchconnector and FsspecReader: tools/bench_s3_dcp.py. S3 clients compared: tools/bench_s3_clients.py.
+
 Nothing here is asserted: it prints figures for people (see README's Performance section).
 """
 import argparse

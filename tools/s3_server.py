@@ -10,6 +10,7 @@ the standard AWS chain (AWS_ENDPOINT_URL, a region, no instance-metadata lookup)
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
@@ -91,6 +92,17 @@ def running(data: str, bucket: str = "reshard-test", log: str | None = None):
     finally:
         _stop(process)
         out.close()
+        _remove_sockets(ports.values())
+
+
+def _remove_sockets(ports) -> None:
+    """The gRPC socket files it leaves in /tmp for the components whose socket no flag moves (the admin's):
+    named by our ports (chosen free), so they are this server's and no other's."""
+    for port in ports:
+        for grpc in (port, port + 10000):
+            for found in glob.glob(f"/tmp/seaweedfs-*-{grpc}.sock"):
+                with contextlib.suppress(OSError):
+                    os.unlink(found)
 
 
 def _wait_ready(process: subprocess.Popen, server: Server, log: str) -> None:

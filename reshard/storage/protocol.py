@@ -1,7 +1,9 @@
 """The storage interface: what reshard asks of wherever checkpoint bytes live. Modelled on
 torch.distributed.checkpoint's StorageReader/StorageWriter split: reading sources and writing an output are two
-objects, each with its call order written down. Paths are the storage's own names for files (POSIX paths today,
-object keys for an object store): no file descriptor and no memory map crosses this surface.
+objects, each with its call order written down. Paths are the storage's own names for files (POSIX paths, or
+s3://bucket/key URLs for an object store): no file descriptor and no memory map crosses this surface. A third
+object, FileTree, answers what a path holds (exists, folder, listing, size, the bytes as a file): the readers'
+metadata reads and the checks around a conversion, through reshard.storage.files.
 
 Reading (SourceStorage), any number of times, in any order, then `close()` once:
   read(path, offset, n) / read_into(path, offset, out)     positioned reads; a short count only at the file's end
@@ -25,7 +27,8 @@ Writing an output (OutputStorage), in this order:
      append(journal, line) notes it finished
   4. put(path, data) and copy(source, path): the small files, each durable on return
   5. commit(staged, final): `staged`'s tree made durable, then it appears as `final` at once
-     (replacing what was there); commit_file(staged_file, final) does the same for one file
+     (replacing what was there); commit_file(staged_file, final) does the same for one file. Where a store has no
+     atomic rename (object storage), the manifest, the last file it places, is the commit
   On any failure before 5: delete(staged), and `final` is untouched.
   list(folder), exists(path), get(path), free_bytes(folder) may be asked at any point.
 """

@@ -33,6 +33,7 @@ from reshard.storage.protocol import LockHeld
 
 PART_BYTES = 8 << 20        # a ranged GET's and an upload part's size (S3's smallest part is 5 MiB)
 IN_FLIGHT = 8               # GETs at once per reader
+MIN_GET_BYTES = 1 << 20     # a read is cut into ranges no smaller than this
 RUNS_KEPT = 4               # joined runs of small reads held per reader (at most PART_BYTES each)
 UPLOADS_IN_FLIGHT = 2       # parts being uploaded at once per stream (and the buffers they hold)
 RETRIES = 8                 # attempts per request (botocore's own backoff), and per body read (ours)
@@ -323,7 +324,10 @@ class ObjectSource:
         if run is not None:
             return self._from_run(path, run, offset, out)
         n = max(0, min(len(out), self.size(path) - offset))
-        parts = [(lo, min(n, lo + PART_BYTES)) for lo in range(0, n, PART_BYTES)]
+        # a read cut into IN_FLIGHT ranges (none under MIN_GET_BYTES, none over PART_BYTES): one GET's stream
+        # is slower than the link; the executor reads one block at a time per file
+        step = min(PART_BYTES, max(MIN_GET_BYTES, -(-n // IN_FLIGHT)))
+        parts = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
         if len(parts) <= 1:
             return get_range(path, offset, out[:n]) if n else 0
         if self._pool is None:
@@ -545,12 +549,10 @@ class ObjectOutput:
         pass
 
     def append(self, path: str, data: bytes) -> None:
-        """No append in an object store: the object rewritten with `data` added (the journal: a line a file)."""
-        try:
-            old = self.get(path)
-        except FileNotFoundError:
-            old = b""
-        self.put(path, old + data)
+        """No append in an object store: each entry (the journal's line per finished file) is an object of its own
+        under `path/`, so writers appending at once (torchrun ranks) never overwrite one another's; `get(path)`
+        reads them back together."""
+        self.put(f"{path}/{hashlib.sha256(data).hexdigest()[:32]}", data)
 
     def put(self, path: str, data: bytes) -> None:
         bucket, key = split(path)
@@ -572,9 +574,16 @@ class ObjectOutput:
             client().copy(CopySource={"Bucket": sb, "Key": sk}, Bucket=bucket, Key=key)
 
     def get(self, path: str) -> bytes:
+        """The object's bytes; for what `append` wrote, its entries joined (in key order)."""
         bucket, key = split(path)
-        with errors(path):
-            return client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        try:
+            with errors(path):
+                return client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        except FileNotFoundError:
+            entries = sorted(o["Key"] for o in TREE.keys(path))
+            if not entries:
+                raise
+            return b"".join(self.get(url_of(bucket, entry)) for entry in entries)
 
     def list(self, folder: str) -> list:
         return TREE.listdir(folder)
@@ -586,6 +595,8 @@ class ObjectOutput:
         """The object `path` and every object under it, in batched deletes; uploads left unfinished under it
         (a killed run's parts) aborted."""
         bucket, key = split(path)
+        if not key:     # (no caller names a bucket itself; deleting one whole is never what was meant)
+            raise ReshardError.at(path, "refusing to delete everything in a bucket")
         keys = [key] + [o["Key"] for o in TREE.keys(path)]
         delete_keys(path, bucket, keys)
         with errors(path):
@@ -597,18 +608,25 @@ class ObjectOutput:
                                                         UploadId=upload["UploadId"])
 
     def commit(self, staged: str, final: str) -> None:
-        """`staged`'s objects copied to `final` server-side, largest first and the manifest last: until the
-        manifest is there nothing at `final` claims to be a checkpoint. An old `final` loses its manifest
+        """`staged`'s objects copied to `final` server-side (IN_FLIGHT at once), the manifest once all the others
+        are there: until it is, nothing at `final` claims to be a checkpoint. An old `final` loses its manifest
         first, then its other objects."""
         (bucket, staged_key), (_, final_key) = split(staged), split(final)
         old = TREE.keys(final)
         if old:
             self.delete(f"{final}/{MANIFEST}")
             delete_keys(final, bucket, [o["Key"] for o in old])
-        objects = sorted(TREE.keys(staged), key=lambda o: (o["Key"].endswith("/" + MANIFEST), -o["Size"]))
-        for entry in objects:
+        objects = sorted(TREE.keys(staged), key=lambda o: -o["Size"])
+        manifests = [o for o in objects if o["Key"] == f"{staged_key}/{MANIFEST}"]
+
+        def place(entry: dict) -> None:
             rel = entry["Key"][len(staged_key) + 1:]
             self._copy_object(url_of(bucket, entry["Key"]), url_of(bucket, f"{final_key}/{rel}"))
+        with ThreadPoolExecutor(max_workers=IN_FLIGHT, thread_name_prefix="s3-copy") as pool:
+            for done in [pool.submit(place, o) for o in objects if o not in manifests]:
+                done.result()
+        for entry in manifests:     # last: the commit
+            place(entry)
         self.delete(staged)
 
     def commit_file(self, staged: str, final: str) -> None:
