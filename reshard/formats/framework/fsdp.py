@@ -4,7 +4,8 @@ save_state dir) with FSDP's SHARDED_STATE_DICT: one DCP folder for the model, on
 Observed in the HF Trainer's (transformers 5.21, accelerate 1.16, torch 2.13); Accelerate's save_state calls the
 same accelerate/utils/fsdp_utils.py save_fsdp_model and save_fsdp_optimizer, not yet run here.
 `pytorch_model_fsdp_0/` holds `{"model": model.state_dict()}` (keys `model.<fqn>`, planner path ("model", fqn)),
-`optimizer_0/` holds `{"optimizer": FSDP.optim_state_dict(...)}` (keys `optimizer.state.<fqn>.<state>`,
+`optimizer_0/` holds `{"optimizer": get_optimizer_state_dict(...)}` (FSDP2, the Trainer's default: its
+fsdp_config "version" defaults to 2; FSDP1 was not run here) (keys `optimizer.state.<fqn>.<state>`,
 `optimizer.param_groups.<g>.<hyper>`, `params` the group's FQNs), each with its own `.metadata` and
 `__<rank>_0.distcp` per process. The index is the model's (and optimizer's) in the Accelerator: the Trainer has one
 of each.
