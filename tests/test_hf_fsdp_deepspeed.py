@@ -9,6 +9,9 @@ torchrun, CPU, gloo; FSDP through the test-only shim tests/cpu_fsdp.py).
   taken at the save); `reshard convert --format fsdp --to dp=3` writes pytorch_model_fsdp_0/ and optimizer_0/; the
   Trainer with FSDP at 3 processes resumes it: torch's full model and optimizer state dicts equal the truth, every
   parameter's step is 3, the scheduler is the source's.
+- FSDP's full state dict -> its sharded layout: fixtures/hf_fsdp_full_dp2/checkpoint-3 (pytorch_model_fsdp.bin,
+  optimizer.bin) converted by `--format fsdp --to dp=3`, resumed by the Trainer with FSDP's sharded state dict at 3
+  processes: equal to torch.load of the two files, the Trainer's files carried.
 Each then trains one more step. Negative controls: each comparison against the other run's truth fails; the
 unconverted folder does not resume under the other strategy.
 """
@@ -23,6 +26,7 @@ from engine_launches import shares
 pytestmark = pytest.mark.engine
 SCRIPT = "hf_trainer_strategies.py"
 FSDP_SOURCE = REPO / "fixtures" / "hf_fsdp_sharded_dp2" / "checkpoint-3"
+FULL_SOURCE = REPO / "fixtures" / "hf_fsdp_full_dp2" / "checkpoint-3"
 SAVE, RESUMED_TO = 3, 4
 
 
@@ -36,12 +40,21 @@ def saves(out):
 def fsdp_truth(path: Path) -> None:
     """The FSDP fixture as torch's dcp_to_torch_save reads it, under engine_state's keys (fp32/, exp_avg/, ...)."""
     import torch
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(FSDP_SOURCE / "pytorch_model_fsdp_0", path.with_suffix(".model.pt"))
     dcp_to_torch_save(FSDP_SOURCE / "optimizer_0", path.with_suffix(".optim.pt"))
-    model = torch.load(path.with_suffix(".model.pt"))["model"]
-    optim = torch.load(path.with_suffix(".optim.pt"))["optimizer"]
+    _save_truth(path, torch.load(path.with_suffix(".model.pt"))["model"],
+                torch.load(path.with_suffix(".optim.pt"))["optimizer"])
+
+
+def full_truth(path: Path) -> None:
+    """The full-state-dict fixture as torch.load reads its pytorch_model_fsdp.bin and optimizer.bin."""
+    import torch
+    _save_truth(path, torch.load(FULL_SOURCE / "pytorch_model_fsdp.bin"), torch.load(FULL_SOURCE / "optimizer.bin"))
+
+
+def _save_truth(path: Path, model: dict, optim: dict) -> None:
+    from safetensors.torch import save_file
     truth = {f"fp32/{name}": value for name, value in model.items()}
     for name, states in optim["state"].items():
         truth.update({f"{state}/{name}": states[state] for state in ("exp_avg", "exp_avg_sq")})
@@ -66,11 +79,17 @@ def resumes(out, saved):
             "dp=3,zero=2", "--quiet", check=0)
     run_cli("convert", ds_source, out / "to-fsdp" / f"checkpoint-{SAVE}", "--format", "fsdp", "--to", "dp=3",
             "--quiet", check=0)
+    full = out / "full-truth.safetensors"
+    full_truth(full)
+    run_cli("convert", FULL_SOURCE, out / "full-to-sharded" / f"checkpoint-{SAVE}", "--format", "fsdp", "--to",
+            "dp=3", "--quiet", check=0)
     return [
         (3, "deepspeed", _resume(out / "resumed-ds", "deepspeed", out / "to-ds" / f"checkpoint-{SAVE}", truth,
                                  ds_truth, FSDP_SOURCE / "scheduler.pt")),
         (3, "fsdp", _resume(out / "resumed-fsdp", "fsdp", out / "to-fsdp" / f"checkpoint-{SAVE}", ds_truth, truth,
                             ds_source / "scheduler.pt")),
+        (3, "fsdp", _resume(out / "resumed-full", "fsdp", out / "full-to-sharded" / f"checkpoint-{SAVE}", full,
+                            ds_truth, FULL_SOURCE / "scheduler.pt")),
         (3, "deepspeed", _resume(out / "unconverted-ds", "deepspeed", FSDP_SOURCE, truth, ds_truth,
                                  FSDP_SOURCE / "scheduler.pt", fails=True)),
         (3, "fsdp", _resume(out / "unconverted-fsdp", "fsdp", ds_source, ds_truth, truth,
@@ -83,8 +102,8 @@ def results(engine_launches):
     return engine_launches.results(resumes)
 
 
-@pytest.mark.parametrize("index, strategy", [(0, "deepspeed"), (1, "fsdp")], ids=["fsdp-to-deepspeed",
-                                                                                   "deepspeed-to-fsdp"])
+@pytest.mark.parametrize("index, strategy", [(0, "deepspeed"), (1, "fsdp"), (2, "fsdp")],
+                         ids=["fsdp-to-deepspeed", "deepspeed-to-fsdp", "fsdp-full-to-sharded"])
 def test_the_trainer_resumes_the_converted_run_exactly(results, index, strategy):
     result = results[index]
     assert result["strategy"] == strategy and result["problems"] == [], result["problems"][:5]
@@ -107,7 +126,7 @@ def test_the_converted_folders_are_the_other_frameworks_layout(results):
 
 
 def test_unconverted_folders_do_not_resume_under_the_other_strategy(results):
-    deepspeed, fsdp = results[2:]
+    deepspeed, fsdp = results[3:]
     assert deepspeed["error"] == f"ValueError: Can't find a valid checkpoint at {FSDP_SOURCE}"
     assert fsdp["error"].startswith("RuntimeError: CheckpointException") and \
         "pytorch_model_fsdp_0/.metadata" in fsdp["error"], fsdp["error"]

@@ -7,7 +7,6 @@ per-process RNG) are the registry's (formats.framework.detect).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 
@@ -19,7 +18,8 @@ from reshard.formats.dcp import metadata as md, reader as dcp_reader
 from reshard.formats.dcp.chunks import METADATA, Chunks, joined
 from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR, is_sharded
 from reshard.formats.protocol import NoOptions
-from reshard.formats.single.hf_trainer import SCHEDULER, TRAINER_STATE
+from reshard.formats.single.hf_trainer import SCHEDULER, global_step, read_trainer_state
+from reshard.storage import files as fs
 
 FORMAT = "fsdp"
 OPTIONS = NoOptions
@@ -27,7 +27,7 @@ IN_FRAMEWORK_FOLDERS = True
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    return os.path.isdir(path) and is_sharded(path)
+    return fs.isdir(path) and is_sharded(path)
 
 
 def read(path: str, options: NoOptions) -> Catalog:
@@ -35,7 +35,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     parts = []
     for folder in (MODEL_DIR, OPTIM_DIR):
         meta_path = os.path.join(root, folder, METADATA)
-        if not os.path.isfile(meta_path):
+        if not fs.isfile(meta_path):
             raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
         parts.append((folder, md.read(meta_path)))
     meta, meta_paths = joined(root, parts)
@@ -48,16 +48,10 @@ def _trainer_counters(root: str) -> dict:
     """The HF Trainer's global step (trainer_state.json) and LR scheduler (scheduler.pt, through the restricted
     unpickler), where the folder has them: what `diff` and a conversion's plan compare."""
     out: dict = {}
-    state_path = os.path.join(root, TRAINER_STATE)
-    if os.path.isfile(state_path):
-        try:
-            with open(state_path) as f:
-                state = json.load(f)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
-        if isinstance(state, dict) and isinstance(state.get("global_step"), int):
-            out["global_steps"] = state["global_step"]
+    step = global_step(read_trainer_state(root))
+    if step is not None:
+        out["global_steps"] = step
     scheduler = os.path.join(root, SCHEDULER)
-    if os.path.isfile(scheduler):
+    if fs.isfile(scheduler):
         out["lr_scheduler"] = torchsave_read.load(scheduler)
     return out

@@ -15,7 +15,7 @@ from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output
 from reshard.formats.dcp import keys, writer as dcp_writer
-from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR, SHARDED
+from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR
 
 MODEL, OPTIMIZER = "model", "optimizer"      # accelerate's save_fsdp_model / save_fsdp_optimizer top-level keys
 PLACES_EXPERTS = False
@@ -42,8 +42,14 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
 
 
 def describe(target: Layout, tag: str) -> Output:
-    return Output("fsdp", f"{SHARDED}, dp={target.dp}")
+    """The framework's FSDP folders (the sharded state dict) for dp ranks; no ZeRO stage, no tag."""
+    return Output("fsdp", f"dp={target.dp}")
 
 
 def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
-    return None     # the framework's files say nothing of the batch size FSDP trains with
+    """The global batch is the per-process batch times the processes (and accumulation): it follows dp unless the
+    framework's settings change (formats.framework adds where it sets them)."""
+    if catalog.layout.dp == target.dp:
+        return None
+    return (f"the global batch changes with the processes ({catalog.layout.dp} -> {target.dp}) unless the batch "
+            "settings change")

@@ -14,7 +14,6 @@ import os
 import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
-from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 from reshard.storage import files as fs
 
@@ -35,14 +34,12 @@ BATCH = ("Accelerate takes them from the DeepSpeed plugin's config and Accelerat
 
 
 def detect(folder: str) -> Framework | None:
-    """A DeepSpeed save dir (`latest`), or FSDP's sharded folders (framework/fsdp.py), with Accelerate's
-    random_states_K.pkl beside it."""
-    deepspeed = fs.isfile(os.path.join(folder, deepspeed_files.LATEST))
-    if not (deepspeed or fsdp.is_sharded(folder)) or \
+    """A DeepSpeed save dir (`latest`) with Accelerate's random_states_K.pkl beside it."""
+    if not fs.isfile(os.path.join(folder, deepspeed_files.LATEST)) or \
             not any(RANDOM_STATES.rank_of(n) is not None for n in fs.listdir(folder)):
         return None
     return Framework(NAME, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
-                     batch_note=BATCH, backend="" if deepspeed else fsdp.SHARDED)
+                     batch_note=BATCH)
 
 
 def _what(name: str) -> str:

@@ -1,16 +1,20 @@
 """The folders Accelerate's FSDP save writes in a framework's folder (HF Trainer's checkpoint-N/, Accelerate's
 save_state dir) with FSDP's SHARDED_STATE_DICT: one DCP folder for the model, one for the optimizer.
 
-Observed (transformers 5.21, accelerate 1.16, torch 2.13; accelerate/utils/fsdp_utils.py save_fsdp_model and
-save_fsdp_optimizer): `pytorch_model_fsdp_0/` holds `{"model": model.state_dict()}` (keys `model.<fqn>`, planner path
-("model", fqn)), `optimizer_0/` holds `{"optimizer": FSDP.optim_state_dict(...)}` (keys
-`optimizer.state.<fqn>.<state>`, `optimizer.param_groups.<g>.<hyper>`, `params` the group's FQNs), each with its own
-`.metadata` and `__<rank>_0.distcp` per process. The index is the model's (and optimizer's) in the Accelerator: the
-Trainer has one of each.
+Observed in the HF Trainer's (transformers 5.21, accelerate 1.16, torch 2.13); Accelerate's save_state calls the
+same accelerate/utils/fsdp_utils.py save_fsdp_model and save_fsdp_optimizer, not yet run here.
+`pytorch_model_fsdp_0/` holds `{"model": model.state_dict()}` (keys `model.<fqn>`, planner path ("model", fqn)),
+`optimizer_0/` holds `{"optimizer": get_optimizer_state_dict(...)}` (FSDP2, the Trainer's default: its
+fsdp_config "version" defaults to 2; FSDP1 was not run here) (keys `optimizer.state.<fqn>.<state>`,
+`optimizer.param_groups.<g>.<hyper>`, `params` the group's FQNs), each with its own `.metadata` and
+`__<rank>_0.distcp` per process. The index is the model's (and optimizer's) in the Accelerator: the Trainer has one
+of each.
 """
 from __future__ import annotations
 
 import os
+
+from reshard.storage import files as fs
 
 MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"
 SHARDED = "FSDP (sharded state dict)"
@@ -18,7 +22,7 @@ SHARDED = "FSDP (sharded state dict)"
 
 def is_sharded(folder: str) -> bool:
     """Does `folder` hold the model's and the optimizer's sharded DCP folders?"""
-    return all(os.path.isdir(os.path.join(folder, d)) for d in (MODEL_DIR, OPTIM_DIR))
+    return all(fs.isdir(os.path.join(folder, d)) for d in (MODEL_DIR, OPTIM_DIR))
 
 
 def own(name: str) -> bool:

@@ -19,7 +19,7 @@ from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 from reshard.formats.single import hf_files
-from reshard.formats.single.hf_trainer import ARGS, FSDP_MODEL, SCHEDULER, TRAINER_STATE
+from reshard.formats.single.hf_trainer import ARGS, FSDP_MODEL, FSDP_OPTIMIZER, SCHEDULER, TRAINER_STATE
 from reshard.storage import files as fs
 
 NAME = "HF Trainer"
@@ -41,10 +41,13 @@ WHAT = {TRAINER_STATE: "the Trainer's state (global step, epoch, log history: a 
 
 def detect(folder: str) -> Framework | None:
     """A DeepSpeed save dir (`latest`), or FSDP's sharded folders (framework/fsdp.py), holding the Trainer's
-    trainer_state.json; or the Trainer's folder with FSDP's full state dict (pytorch_model_fsdp.bin), named but
-    with no files of its own: the single-process reader reads them all, and no conversion carries them."""
+    trainer_state.json; or the Trainer's folder with FSDP's full state dict (pytorch_model_fsdp.bin), whose
+    weights and optimizer files are the checkpoint (the single-process reader's) and the rest the Trainer's."""
     if fs.isfile(os.path.join(folder, FSDP_MODEL)) and fs.isfile(os.path.join(folder, TRAINER_STATE)):
-        return Framework(NAME, folder, (), (), backend=FSDP_FULL)
+        files = tuple(f for f in framework_files(folder, (RNG,), _what)
+                      if f.name not in (FSDP_MODEL, FSDP_OPTIMIZER) and not WEIGHTS.match(f.name))
+        return Framework(NAME, folder, files, (RNG,), model_files=hf_files.present(folder), batch_note=FSDP_BATCH,
+                         backend=FSDP_FULL)
     deepspeed = fs.isfile(os.path.join(folder, deepspeed_files.LATEST))
     if not ((deepspeed or fsdp.is_sharded(folder)) and fs.isfile(os.path.join(folder, TRAINER_STATE))):
         return None

@@ -86,18 +86,29 @@ def read(path: str, options: NoOptions) -> Catalog:
     return catalog.freeze()
 
 
-def _training_state(catalog: CatalogBuilder, folder: str) -> None:
+def read_trainer_state(folder: str):
+    """The Trainer's trainer_state.json in `folder` (None: there is none); unreadable, one line naming it."""
     state_path = os.path.join(folder, TRAINER_STATE)
-    trainer_state = global_steps = lr_scheduler = None
-    if fs.isfile(state_path):
-        try:
-            with fs.open(state_path) as f:
-                trainer_state = json.load(f)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
-        model.add_file(catalog, state_path, "trainer_state")
-        if isinstance(trainer_state, dict) and isinstance(trainer_state.get("global_step"), int):
-            global_steps = trainer_state["global_step"]
+    if not fs.isfile(state_path):
+        return None
+    try:
+        with fs.open(state_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(state_path, f"unreadable trainer state ({e})") from None
+
+
+def global_step(state) -> int | None:
+    """trainer_state.json's global step, where it records one."""
+    return state["global_step"] if isinstance(state, dict) and isinstance(state.get("global_step"), int) else None
+
+
+def _training_state(catalog: CatalogBuilder, folder: str) -> None:
+    lr_scheduler = None
+    trainer_state = read_trainer_state(folder)
+    global_steps = global_step(trainer_state)
+    if trainer_state is not None:
+        model.add_file(catalog, os.path.join(folder, TRAINER_STATE), "trainer_state")
     scheduler = os.path.join(folder, SCHEDULER)
     if fs.isfile(scheduler):
         model.add_file(catalog, scheduler, "scheduler")
