@@ -47,6 +47,19 @@ def test_plan_from_a_bucket_is_the_plan_from_disk(s3, source):
                     if not line.startswith("disk ")]
 
 
+def test_plan_for_a_bucket_destination_needs_no_local_disk(s3, source, tmp_path):
+    """`plan --dst s3://…` says no local disk is needed and checks none; the control, a local --dst, states its
+    free space."""
+    dst = s3.url("out/planned")
+    text = run_cli("plan", source, "--to", "dp=3", "--dst", dst, check=0).stdout
+    assert f"disk     none needed: the output goes to object storage at {dst}" in text, text
+    data = json.loads(run_cli("plan", source, "--to", "dp=3", "--dst", dst, "--json", check=0).stdout)
+    assert data["free_disk_bytes"] is None and data["disk_ok"] is True and data["free_disk_at"] == dst
+    local = run_cli("plan", source, "--to", "dp=3", "--dst", tmp_path / "dp3", check=0).stdout
+    assert f"free at {tmp_path}: enough" in local, local
+    assert not servers.keys(s3, "out/planned")
+
+
 def test_diff_of_a_bucket_and_its_local_copy_finds_them_equal(s3, source):
     proc = run_cli("diff", source, fixture_dir(FIXTURE), "--json", check=0)
     assert json.loads(proc.stdout)["equal"] is True
@@ -65,8 +78,30 @@ def reference(tmp_path_factory):
     return _digests(out)
 
 
+def _calls(*argv) -> list:
+    """The S3 operations `reshard ARGV` (in this process) asked the server for, (name, key), seen on the client's
+    own event hook."""
+    from reshard.storage import s3 as objects
+    calls: list = []
+
+    def note(model, params, **_):
+        calls.append((model.name, params.get("Key")))
+    client = objects.client()
+    client.meta.events.register("before-parameter-build.s3.*", note)
+    try:
+        run_cli(*argv, check=0)
+    finally:
+        client.meta.events.unregister("before-parameter-build.s3.*", note)
+    return calls
+
+
 def test_convert_bucket_to_bucket_to_disk_and_disk_to_bucket_write_the_same_bytes(s3, source, reference, tmp_path):
-    run_cli("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet", check=0)
+    # a new destination is written in place and committed by its manifest: no object is copied server-side
+    # (the files carried over as they are, DeepSpeed's scripts, are the only objects copied)
+    calls = _calls("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet")
+    copied = [key for name, key in calls if name in ("CopyObject", "UploadPartCopy")]
+    assert ("PutObject", "out/s3-to-s3/global_step3/mp_rank_00_model_states.pt") in calls, calls
+    assert sorted(copied) == ["out/s3-to-s3/zero_to_fp32.py", "out/s3-to-s3/zero_to_torch.py"], copied
     run_cli("convert", fixture_dir(FIXTURE), s3.url("out/disk-to-s3"), "--to", "dp=3", "--quiet", check=0)
     run_cli("convert", source, tmp_path / "s3-to-disk", "--to", "dp=3", "--quiet", check=0)
     assert _digests(tmp_path / "s3-to-disk") == reference
@@ -134,21 +169,47 @@ def test_an_upload_failing_mid_file_aborts_its_parts_and_leaves_nothing(s3, sour
 
 
 def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes_it(s3, source, reference, tmp_path):
-    """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small): nothing at
-    the destination, validate refuses it, an upload was left open; --resume completes it byte for byte and
-    leaves no staging object and no open upload."""
-    dst = s3.url("out/killed")
+    """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small), the output
+    written in place: its unfinished marker is there and no manifest, so validate refuses it, `list` of the run
+    prefix says it is in progress and `prune --delete-incomplete --yes` leaves it alone; --resume keeps the objects
+    the journal lists whole and completes it byte for byte, leaving no marker, journal, staging object or open
+    upload. The control: once finished, `list` says complete."""
+    from reshard.manifest import UNFINISHED
+    run, dst = s3.url("killrun"), s3.url("killrun/ckpt-dp3")
     killed = _faulty("kill:3", "convert", source, dst, "--to", "dp=3", "--quiet")
     assert killed.returncode == -9, killed.stderr
-    assert servers.keys(s3, "out/killed/") == []
-    assert servers.uploads(s3, "out/"), "the kill was not mid-upload"
-    _one_line(run_cli("validate", dst), dst)
+    left = servers.keys(s3, "killrun/")
+    assert f"killrun/ckpt-dp3/{UNFINISHED}" in left and "killrun/ckpt-dp3/reshard-manifest.json" not in left, left
+    assert servers.uploads(s3, "killrun/"), "the kill was not mid-upload"
+    assert "has not finished" in _one_line(run_cli("validate", dst), dst)
+    assert [(name, state) for name, _, state, _, _ in _listed(run)] == [("ckpt-dp3", "in progress")]
+    run_cli("prune", run, "--delete-incomplete", "--recent", "0", "--yes", check=0)
+    assert servers.keys(s3, "killrun/") == left
     run_cli("convert", source, dst, "--to", "dp=3", "--quiet", "--resume", check=0)
     run_cli("validate", "--checksums", dst, check=0)
-    servers.download(s3, "out/killed", str(tmp_path / "killed"))
+    servers.download(s3, "killrun/ckpt-dp3", str(tmp_path / "killed"))
     assert _digests(tmp_path / "killed") == reference
-    assert servers.uploads(s3, "out/") == []
-    assert not [k for k in servers.keys(s3, "out/") if "killed.reshard" in k]
+    assert servers.uploads(s3, "killrun/") == []
+    assert not [k for k in servers.keys(s3, "killrun/") if "reshard-" in k and not k.endswith("reshard-manifest.json")]
+    assert [(name, state) for name, _, state, _, _ in _listed(run)] == [("ckpt-dp3/global_step3", "complete")]
+
+
+def test_resume_keeps_the_objects_a_killed_convert_journaled_and_writes_the_rest(s3, source, reference, tmp_path):
+    """SIGKILL once the 2nd file is journaled: --resume writes none of the objects the journal lists (each read
+    back, its sha256 matching) and every other one, and the result is byte for byte the local conversion's."""
+    dst = s3.url("out/journaled")
+    killed = _faulty("journaled:2", "convert", source, dst, "--to", "dp=3", "--quiet")
+    assert killed.returncode == -9, killed.stderr
+    whole = [k for k in servers.keys(s3, "out/journaled/") if "/global_step" in k]
+    assert len(whole) == 2, whole
+    tag = f"{dst}/global_step3"     # a tag folder of it, its output's marker a folder up, is no checkpoint either
+    assert "has not finished" in _one_line(run_cli("inspect", tag), tag)
+    writes = {key for name, key in _calls("convert", source, dst, "--to", "dp=3", "--quiet", "--resume")
+              if name in ("PutObject", "CreateMultipartUpload")}
+    written = {k for k in servers.keys(s3, "out/journaled/") if "/global_step" in k}
+    assert writes & written == written - set(whole), (whole, writes)    # kept, not written again; the rest written
+    servers.download(s3, "out/journaled", str(tmp_path / "journaled"))
+    assert _digests(tmp_path / "journaled") == reference
 
 
 def _dcp_loaded(where) -> dict:

@@ -54,8 +54,12 @@ def print_plan(summary: PlanSummary) -> None:
     print(f"write    {human_bytes(summary.bytes_written)}")
     print(f"memory   copy buffers at most {human_bytes(summary.estimated_peak_buffer_bytes)} "
           f"(--memory-budget {human_bytes(summary.memory_budget)}, {counted(summary.workers, 'worker')})")
-    verdict = "enough" if summary.disk_ok else "NOT ENOUGH"
-    print(f"disk     {human_bytes(summary.free_disk_bytes)} free at {summary.free_disk_at}: {verdict}")
+    if summary.free_disk_bytes is None:
+        print(f"disk     none needed: the output goes to object storage at {summary.free_disk_at}, streamed up "
+              "(no local copy; an object store states no free space to check)")
+    else:
+        verdict = "enough" if summary.disk_ok else "NOT ENOUGH"
+        print(f"disk     {human_bytes(summary.free_disk_bytes)} free at {summary.free_disk_at}: {verdict}")
     if summary.advice:
         print(f"advice   {summary.advice}")
     if summary.framework is not None:
