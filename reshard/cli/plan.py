@@ -15,7 +15,7 @@ def run(args) -> int:
     summary = summarize(args, args.dst)
     show(args, summary)
     if not summary.disk_ok:
-        print(f"reshard: {summary.free_disk_at}: {human_bytes(summary.free_disk_bytes)} free, the conversion "
+        print(f"reshard: {summary.free_disk_at}: {human_bytes(summary.free_disk_bytes or 0)} free, the conversion "
               f"writes {human_bytes(summary.bytes_written)}", file=sys.stderr)
         return 1
     return 0
