@@ -293,6 +293,63 @@ def test_a_convert_fetches_each_source_byte_once_joining_adjacent_reads(s3, sour
     assert 0 < data < reads, (data, reads)
 
 
+def _reads(monkeypatch) -> list:
+    """The size of every read reshard's S3 source storage is asked for from now on (each a buffer of that size in
+    memory: a window too is one), noted on reshard.storage.s3.ObjectSource.read_into."""
+    from reshard.storage import s3 as objects
+    sizes: list = []
+    original = objects.ObjectSource.read_into
+
+    def noted(self, path, offset, out):
+        sizes.append(memoryview(out).nbytes)
+        return original(self, path, offset, out)
+    monkeypatch.setattr(objects.ObjectSource, "read_into", noted)
+    return sizes
+
+
+def test_validate_deep_and_diff_read_a_bucket_in_bounded_windows(s3, source, monkeypatch):
+    """With the windows made 256 bytes, no read validate --deep or diff asks of the object store is bigger, and
+    they say what they say of the local copy; the control, the default windows, reads bigger pieces (so the
+    fixture's fragments are bigger than the window, and the bound is no accident)."""
+    from reshard import comparison, source_bytes
+    reads = _reads(monkeypatch)
+    run_cli("validate", source, "--deep", check=0)
+    assert max(reads) > 256, max(reads)
+    reads.clear()
+    monkeypatch.setattr(source_bytes, "WINDOW_BYTES", 256)
+    monkeypatch.setattr(comparison, "BLOCK", 64)      # fp32 elements: 256 bytes a side
+    folder = fixture_dir(FIXTURE)
+    _same(run_cli("validate", source, "--deep"), source, run_cli("validate", folder, "--deep"), folder)
+    assert json.loads(run_cli("diff", source, folder, "--json", check=0).stdout)["equal"] is True
+    assert reads and max(reads) <= 256, max(reads)
+
+
+def test_a_sparse_gather_from_a_bucket_reads_in_bounded_slabs(s3, monkeypatch):
+    """A column slice of a wide matrix (a sparse box: its span is 16 times its bytes), gathered from an object
+    by reshard.target_bytes.SourceFiles, is numpy's slice of it, read in slabs no bigger than the window; the
+    control, a big window, reads the whole span at once."""
+    import numpy as np
+
+    from reshard import target_bytes
+    from reshard.storage.routing import sources
+    matrix = np.arange(64 * 512, dtype=np.float32).reshape(64, 512)
+    servers.put(s3, "sparse/matrix.bin", matrix.tobytes())
+    url = s3.url("sparse/matrix.bin")
+    reads = _reads(monkeypatch)
+    for window, largest in ((4096, 4096), (1 << 30, matrix.nbytes)):
+        monkeypatch.setattr(target_bytes, "WINDOW_BYTES", window)
+        reads.clear()
+        files = target_bytes.SourceFiles({}, storage=sources())
+        try:
+            out = np.full((64, 32), np.nan, dtype=np.float32)
+            files.copy_box(out, url, 100 * 4, (512, 1), "float32", "float32")
+        finally:
+            files.close()
+        assert np.array_equal(out, matrix[:, 100:132]), window
+        assert max(reads) <= largest and (window > 4096 or len(reads) > 1), (window, reads)
+    assert reads == [(63 * 512 + 32) * 4]       # the control: the span whole
+
+
 # -- a run prefix: list and prune ----------------------------------------------------------------------------------
 
 @pytest.fixture
