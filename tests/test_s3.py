@@ -102,6 +102,9 @@ def test_convert_bucket_to_bucket_to_disk_and_disk_to_bucket_write_the_same_byte
     copied = [key for name, key in calls if name in ("CopyObject", "UploadPartCopy")]
     assert ("PutObject", "out/s3-to-s3/global_step3/mp_rank_00_model_states.pt") in calls, calls
     assert sorted(copied) == ["out/s3-to-s3/zero_to_fp32.py", "out/s3-to-s3/zero_to_torch.py"], copied
+    # replacing it is staged beside it and copied into place (the old one whole until the new one is)
+    calls = _calls("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet", "--overwrite")
+    assert ("CopyObject", "out/s3-to-s3/global_step3/mp_rank_00_model_states.pt") in calls, calls
     run_cli("convert", fixture_dir(FIXTURE), s3.url("out/disk-to-s3"), "--to", "dp=3", "--quiet", check=0)
     run_cli("convert", source, tmp_path / "s3-to-disk", "--to", "dp=3", "--quiet", check=0)
     assert _digests(tmp_path / "s3-to-disk") == reference
@@ -370,20 +373,29 @@ def test_list_of_a_run_prefix_is_the_list_of_its_local_copy(run_prefix):
 
 
 def test_a_staged_or_broken_checkpoint_in_a_bucket_is_never_complete(s3, run_prefix):
-    """What a killed convert leaves (its staging prefix, no manifest) is in progress; a checkpoint missing a rank
-    file is incomplete; prune --delete-incomplete leaves the staging alone."""
+    """What a killed convert leaves (its staging prefix, or its unfinished marker and no manifest) is in progress,
+    unless a later step's checkpoint is complete (abandoned: incomplete); a checkpoint missing a rank file is
+    incomplete; prune --delete-incomplete leaves what is in progress alone."""
     prefix, url = run_prefix
     tag = fixture_dir(FIXTURE) / "global_step2"
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         servers.put(s3, f"{prefix}/.global_step9.reshard-tmp/global_step9/{name}", (tag / name).read_bytes())
     servers.delete(s3, f"{prefix}/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    # conversions written in place (their unfinished marker, no manifest), every file there: step 8 is later than
+    # the newest complete checkpoint (in progress); step 1 is older (abandoned, as a staging folder is on disk)
+    from reshard.manifest import UNFINISHED
+    for step in (1, 8):
+        servers.put(s3, f"{prefix}/global_step{step}/{UNFINISHED}", b"{}")
+        for name in (tag.iterdir()):
+            servers.put(s3, f"{prefix}/global_step{step}/{name.name}", name.read_bytes())
     status = {name: state for name, _, state, _, _ in _listed(url)}
     assert status == {".global_step9.reshard-tmp": "in progress", "global_step2": "incomplete",
-                      "global_step3": "complete"}, status
+                      "global_step3": "complete", "global_step8": "in progress", "global_step1": "incomplete"}, status
     run_cli("prune", url, "--delete-incomplete", "--recent", "0", "--yes", check=0)
     keys = servers.keys(s3, prefix + "/")
-    assert not [k for k in keys if "/global_step2/" in k]
+    assert not [k for k in keys if "/global_step2/" in k or "/global_step1/" in k]
     assert [k for k in keys if ".global_step9.reshard-tmp" in k] and [k for k in keys if "/global_step3/" in k]
+    assert f"{prefix}/global_step8/{UNFINISHED}" in keys
 
 
 def test_prune_of_a_run_prefix_keeps_the_newest_deletes_in_batches_and_a_dry_run_deletes_nothing(s3, run_prefix):
