@@ -159,7 +159,7 @@ def check_destination(plan: Plan, staging: Staging, overwrite: bool, single_file
     elif fs.exists(dst):
         if not fs.isdir(dst):
             raise ReshardError.at(dst, "exists and is not a directory")
-        if fs.listdir(dst) and not overwrite:
+        if fs.listdir(dst) and not overwrite and not staging.leftover():     # (what a killed run left is its own)
             raise ReshardError.at(dst, "exists and is not empty (use --overwrite to replace it)")
 
 
@@ -187,14 +187,16 @@ def _execute(plan, staging, overwrite, memory_budget, workers, progress, single_
         try:
             check_destination(plan, staging, overwrite, single_file)
             staging.acquire()
+            staging.choose(single_file)
             check_free_space(plan, staging, resume)
             staging.prepare(plan, resume)
         except ReshardError as e:
             staging.release()
             problem = e
-    problem = group.broadcast(problem)
+    problem, in_place = group.broadcast((problem, staging.in_place))
     if problem is not None:
         raise problem
+    staging.use(in_place)
     error, digests, tally = None, {}, Tally()
     try:
         mine = share(plan.files, group.rank, group.world)

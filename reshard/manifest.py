@@ -18,6 +18,10 @@ from reshard.version import __version__
 
 NAME = "reshard-manifest.json"
 KIND = "reshard.manifest"
+# An output written in place (object storage has no rename: reshard.staging) holds this object from before its first
+# file until after its manifest: a folder holding it and no manifest is a conversion not finished (in progress, or
+# killed), never a checkpoint
+UNFINISHED = ".reshard-unfinished"
 
 
 def build(plan, digests: dict) -> dict:
@@ -56,6 +60,16 @@ def find(root: str) -> str | None:
     for path in places(root):
         if fs.isfile(path):
             return path
+    return None
+
+
+def unfinished(root: str) -> str | None:
+    """The marker of an output written in place whose manifest is not there yet, in the folder `root` or the
+    folder holding it (a tag folder of such an output): the marker's path, or None."""
+    for path in places(root):
+        folder = os.path.dirname(path)
+        if fs.isfile(os.path.join(folder, UNFINISHED)) and not fs.isfile(path):
+            return os.path.join(folder, UNFINISHED)
     return None
 
 

@@ -13,6 +13,9 @@ from reshard.core.write_requests import StageCut
 from reshard.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
 from reshard.formats import FRESH, REPRODUCIBILITY
 from reshard.formats.framework import framework_of
+from reshard.storage import files as fs
+from reshard.storage.posix import PosixOutput
+from reshard.storage.routing import output_for
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,14 @@ class PlanSummary:
     memory_budget: int
     workers: int
     estimated_peak_buffer_bytes: int
-    free_disk_bytes: int
-    free_disk_at: str           # the folder the free space was measured at: DST's, or the nearest that exists
+    free_disk_bytes: int | None     # None: the output goes to object storage (no local disk, and none to check)
+    free_disk_at: str           # the folder the free space was measured at: DST's, or the nearest that exists (or
+                                # the object store's URL)
     advice: str | None          # what happens to the global batch size, and how to keep it
 
     @property
     def disk_ok(self) -> bool:
-        return self.free_disk_bytes > self.bytes_written
+        return self.free_disk_bytes is None or self.free_disk_bytes > self.bytes_written
 
     def to_dict(self) -> dict:
         """Plain data: what `reshard plan --json` prints."""
@@ -98,9 +102,11 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
     if frame is not None:
         framework = FrameworkPlan(frame.name, new_rank_state, frame.policy_line(new_rank_state), len(frame.files),
                                   tuple(framework_files(catalog, plan.target, fmt, new_rank_state)))
-    where = os.path.abspath(dst) if dst else os.getcwd()
-    while not os.path.exists(where):
+    remote = dst is not None and fs.is_url(dst)
+    where = fs.abspath(dst) if dst else os.getcwd()
+    while not remote and not os.path.exists(where):
         where = os.path.dirname(where)
+    streams = output_for(dst).STREAM_BUFFER_BYTES if dst else PosixOutput.STREAM_BUFFER_BYTES
     return PlanSummary(
         plan=plan, source=plan.source, source_topology=summary["source_topology"],
         target=plan.output.words() if plan.output else summary["format"], format=summary["format"],
@@ -109,6 +115,6 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
                     for f in summary["files"]),
         bytes_read=summary["bytes_read"], bytes_written=summary["bytes_written"], stage_cut=plan.stage_cut,
         framework=framework, memory_budget=memory_budget, workers=workers,
-        estimated_peak_buffer_bytes=buffer_bytes(memory_budget, workers),
-        free_disk_bytes=shutil.disk_usage(where).free, free_disk_at=where,
+        estimated_peak_buffer_bytes=buffer_bytes(memory_budget, workers, streams),
+        free_disk_bytes=None if remote else shutil.disk_usage(where).free, free_disk_at=where,
         advice=batch_size_advice(catalog, plan.target, fmt))

@@ -27,6 +27,10 @@ from reshard.storage.routing import sources
 # a whole window around it (read_ahead_kb), which for the small tensors read one by one when a catalog is
 # opened (replicated norm weights, compared when read) costs ~100× the bytes wanted.
 SMALL_READ = 1 << 20
+# The most bytes of a fragment taken at once by a pass over all of it (validate --deep, replica checks): from
+# storage that is not mapped (object storage) each is a read into memory, so memory stays bounded whatever the
+# fragment's size
+WINDOW_BYTES = 16 << 20
 
 
 class MappedFiles:
@@ -61,6 +65,13 @@ class MappedFiles:
         """The fragment's elements (its flat range of its shard) as a 1-D numpy view (raw carrier dtype for
         bfloat16)."""
         return self.elements(frag.storage, frag.elem_offset, frag.numel, dtype)
+
+    def windows(self, frag: Fragment, dtype: str, window: int | None = None):
+        """The fragment's elements in order, as (first element, relative to the fragment; 1-D numpy view) pieces
+        of at most `window` bytes (default WINDOW_BYTES)."""
+        step = max(1, (window or WINDOW_BYTES) // itemsize(dtype))
+        for first in range(0, frag.numel, step):
+            yield first, self.elements(frag.storage, frag.elem_offset + first, min(step, frag.numel - first), dtype)
 
     def elements(self, storage: StorageRef, first: int, count: int, dtype: str) -> np.ndarray:
         """Elements [first, first + count) of a storage as a 1-D numpy view."""
@@ -181,16 +192,17 @@ def file_size(path: str) -> int:
         return 0
 
 
-def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTensor, block: int = 1 << 22,
+def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTensor, block: int | None = None,
                      known: dict | None = None):
     """The first flat index of the tensor where `copy` (fragments over part of it) differs from it, or None.
 
     Compared in blocks of at most `block` elements: memory stays bounded whatever the tensor size. Elements
     of a copy's shard that it does not place (another rank's blocks) are not compared. `known`: the tensor's
-    blocks read so far, kept there for the next copy of the same tensor (the other TP ranks' copies of a norm)."""
+    blocks read so far, kept there for the next copy of the same tensor (the other TP ranks' copies of a norm).
+    `block` defaults to WINDOW_BYTES of the copy's elements."""
     where = Locator(tensor)
+    block = block or max(1, WINDOW_BYTES // itemsize(copy.dtype))
     for frag in sorted(copy.fragments, key=lambda f: f.start):
-        values = files.fragment(frag, copy.dtype)
         placed = frag.shard is None or len(frag.shard.blocks) == 1 and frag.shard.blocks[0].shape == frag.shard.shape
         for lo in range(frag.start, frag.stop, block):
             hi = min(frag.stop, lo + block)
@@ -200,7 +212,7 @@ def first_difference(files: MappedFiles, tensor: LogicalTensor, copy: LogicalTen
                 mine = read_shard(files, tensor, frag.shard, lo, hi, where)
                 if known is not None:
                     known[key] = mine
-            theirs = values[lo - frag.start:hi - frag.start]
+            theirs = files.elements(frag.storage, frag.elem_offset + lo - frag.start, hi - lo, copy.dtype)
             mine, theirs = (a.view(f"u{a.itemsize}") for a in (mine, theirs))    # bits: NaN equals NaN
             differs = mine != theirs
             if frag.shard is not None and not placed:      # (placed when it has no shard)

@@ -1,9 +1,16 @@
-"""Where output is built before it is committed: a hidden sibling of the destination.
+"""Where output is built before it is committed: a hidden sibling of the destination, or the destination itself.
 
 `.DST.reshard-tmp` holds the files being written; `.DST.reshard-lock` keeps a second writer out; a journal lists
 each finished file with its sha256, so a run killed half way can be resumed keeping what is whole. Committing
 writes the manifest and has the storage move the sibling into place (reshard.storage.protocol.OutputStorage
 .commit), so the destination appears complete or not at all.
+
+A store with no rename (object storage: OutputStorage.IN_PLACE) would have to copy every object to commit, so a
+new destination is written where it goes instead: its first object is the unfinished marker
+(reshard.manifest.UNFINISHED), its last the manifest, and the marker is deleted after. Until the manifest is there
+the marker says what the destination is — a conversion in progress, or killed — to `list`, `prune`, `watch` and
+every reader (reshard.formats.reader_for, run_layout). Replacing a checkpoint is still built beside it and copied
+in, so the old one stays whole until the new one is.
 """
 from __future__ import annotations
 
@@ -30,9 +37,28 @@ class Staging:
                                           f"({self.dst}/NAME)")
         self.storage = storage or output_for(self.dst)
         parent, name = os.path.split(self.dst)
-        self.tmp = os.path.join(parent, f".{name}.reshard-tmp")
+        self.staged = os.path.join(parent, f".{name}.reshard-tmp")
+        self.tmp = self.staged       # where the files are built: `staged`, or `dst` itself once use(in_place=True)
+        self.in_place = False
+        self.marker = os.path.join(self.dst, manifest.UNFINISHED)
         self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
         self._lock: Lock | None = None
+
+    def leftover(self) -> bool:
+        """Is the destination what an in-place run left unfinished (its marker, no manifest)?"""
+        return fs.isfile(self.marker) and not fs.isfile(os.path.join(self.dst, manifest.NAME))
+
+    def choose(self, single_file: bool) -> bool:
+        """Rank 0, holding the lock: build in place? Where the storage has no rename, for a folder output whose
+        destination holds nothing yet, or only what an in-place run left (a checkpoint being replaced is built
+        beside it, so it stays whole until the new one is)."""
+        self.use(self.storage.IN_PLACE and not single_file
+                 and (not fs.exists(self.dst) or not fs.listdir(self.dst) or self.leftover()))
+        return self.in_place
+
+    def use(self, in_place: bool) -> None:
+        self.in_place = in_place
+        self.tmp = self.dst if in_place else self.staged
 
     def place(self, rel: str) -> str:
         """Where the output's file `rel` is built: under the staging folder (see output_path)."""
@@ -44,7 +70,7 @@ class Staging:
         storage's commit), and a single file's manifest beside it."""
         placed = [self.place(rel) for rel in _plan_paths(plan)]
         sidecar = [f"{self.dst}.{manifest.NAME}"] if single_file else []
-        return [self.dst, self.tmp, self.lock_path, f"{self.tmp}.old", *sidecar, *placed]
+        return [self.dst, self.staged, self.lock_path, f"{self.staged}.old", *sidecar, *placed]
 
     def acquire(self) -> None:
         self.storage.make_folder(os.path.dirname(self.dst))
@@ -61,6 +87,10 @@ class Staging:
     def prepare(self, plan, resume: bool) -> None:
         if not resume:
             self.storage.delete(self.tmp)     # the leftovers of an interrupted run; --resume would keep them
+        else:
+            self.storage.drop_unfinished(self.tmp)      # (no writer is at it: the lock is held)
+        if self.in_place:   # before any file: until the manifest, the destination says it is not a checkpoint
+            self.storage.put(self.marker, (json.dumps({"writing": self.dst}) + "\n").encode())
         self.storage.make_folder(self.tmp)
         for directory in sorted({os.path.dirname(rel) for rel in _plan_paths(plan)} - {""}):
             self.storage.make_folder(self.place(directory))
@@ -100,7 +130,10 @@ class Staging:
             self.storage.delete(self.tmp)
             return f"{self.dst}.{manifest.NAME}"
         self.storage.put(self.place(manifest.NAME), (json.dumps(record, indent=1) + "\n").encode())
-        self.storage.commit(self.tmp, self.dst)
+        if self.in_place:   # the manifest was the commit
+            self.storage.delete(self.marker)
+        else:
+            self.storage.commit(self.tmp, self.dst)
         return os.path.join(self.dst, manifest.NAME)
 
     def discard(self) -> None:

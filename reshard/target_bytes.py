@@ -23,6 +23,7 @@ from reshard.storage.routing import sources
 
 DROP_CACHE_BYTES = 1 << 20      # source reads at least this big are dropped from the page cache
 SPARSE_SPAN = 2                 # a box spanning more than twice its bytes is mapped, not read whole
+WINDOW_BYTES = 16 << 20         # the most a sparse box's read spans where the source is not mapped (object storage)
 
 
 def storage_blocks(storage, chunk: int, sources):
@@ -164,9 +165,12 @@ class SourceFiles:
         size = itemsize(src)
         span = geometry.span(target.shape, box_strides) * size
         byte_strides = tuple(s * size for s in box_strides)
-        if span <= SPARSE_SPAN * target.size * size:
+        if span <= SPARSE_SPAN * target.size * size or (span <= WINDOW_BYTES and not self._files.mapped(path)):
             block = np.frombuffer(self.read(path, offset, span), dtype=numpy_carrier(src))
             _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
+            return
+        if not self._files.mapped(path):    # a window would be a read of the whole span into memory: in slabs
+            self._copy_slabs(target, path, offset, box_strides, src, dst)
             return
         self.tally.touch_at(path, offset, span)      # (only some of the span's pages are read: verified later)
         with contextlib.ExitStack() as window:
@@ -179,6 +183,19 @@ class SourceFiles:
                 _assign(target, np.lib.stride_tricks.as_strided(block, target.shape, byte_strides), src, dst)
             finally:
                 del block, view     # the window's views go before it does
+
+    def _copy_slabs(self, target: np.ndarray, path: str, offset: int, box_strides: tuple, src: str,
+                    dst: str) -> None:
+        """copy_box of a sparse box from storage that is not mapped (object storage), cut along its first axis
+        into slabs each spanning at most WINDOW_BYTES (one index spanning more: cut along the next axis), so
+        the memory a read takes stays bounded whatever the box spans."""
+        row = box_strides[0] * itemsize(src)
+        rows = min(max(1, WINDOW_BYTES // max(1, row)), max(1, target.shape[0] // 2))
+        for first in range(0, target.shape[0], rows):
+            if rows == 1:
+                self.copy_box(target[first, ...], path, offset + first * row, box_strides[1:], src, dst)
+            else:
+                self.copy_box(target[first:first + rows], path, offset + first * row, box_strides, src, dst)
 
     def will_read(self, reads: dict) -> None:
         """{path: byte ranges} about to be read (FilePlan.source_reads): a hint to the storage."""

@@ -241,12 +241,12 @@ def _check_values(catalog, report, progress):
             bar.update(2 * _nbytes(replica.copy))
         for tensor in floating:
             for frag in tensor.fragments:
-                try:
-                    values = files.fragment(frag, tensor.dtype)
+                try:    # in windows: a fragment in object storage is read into memory a window at a time
+                    bad = sum(_count_non_finite(values, tensor.dtype, bar.update)
+                              for _, values in files.windows(frag, tensor.dtype))
                 except Exception as e:  # a damaged file: already reported by the coverage checks
                     report.problems.append(Problem.from_line(str(e), catalog.root, CHECKSUM, _named(tensor)))
                     break
-                bad = _count_non_finite(values, tensor.dtype, bar.update)
                 if bad:
                     report.problems.append(Problem(frag.storage.file, _named(tensor), NON_FINITE,
                                                    f"{tensor.name} ({tensor.state}): {bad} NaN/Inf values in elements "

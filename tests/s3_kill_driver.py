@@ -1,10 +1,11 @@
 """Run the reshard CLI with a fault at the N-th part an S3 multipart upload sends, for tests/test_s3.py.
 
-    python tests/s3_kill_driver.py kill:N|fail:N [reshard arguments...]
+    python tests/s3_kill_driver.py kill:N|fail:N|journaled:N [reshard arguments...]
 
 kill: SIGKILL this process there; fail: that part's upload raises (a refused request, as a full or failing store
-gives). Parts are made 4 KiB (reshard.storage.s3.PART_BYTES) so the tiny fixtures' files are multipart uploads;
-the fault is injected from outside, reshard's code is not changed.
+gives). Parts are made 4 KiB (reshard.storage.s3.PART_BYTES) so the tiny fixtures' files are multipart uploads.
+journaled: SIGKILL once the N-th finished file is journaled (parts as they are: the files are whole objects).
+The fault is injected from outside, reshard's code is not changed.
 """
 import os
 import signal
@@ -13,10 +14,10 @@ import sys
 from reshard.cli import main
 from reshard.storage import s3
 
-s3.PART_BYTES = 4096
 mode, at = sys.argv[1].split(":")
 sent = [0]
 original = s3.UploadStream.send_part
+appended = s3.ObjectOutput.append
 
 
 def faulty_send_part(self, number, part):
@@ -28,5 +29,16 @@ def faulty_send_part(self, number, part):
     return original(self, number, part)
 
 
-s3.UploadStream.send_part = faulty_send_part
+def killing_append(self, path, data):
+    appended(self, path, data)
+    sent[0] += 1
+    if sent[0] == int(at):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if mode == "journaled":
+    s3.ObjectOutput.append = killing_append
+else:
+    s3.PART_BYTES = 4096
+    s3.UploadStream.send_part = faulty_send_part
 sys.exit(main(sys.argv[2:]))

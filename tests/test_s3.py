@@ -47,6 +47,19 @@ def test_plan_from_a_bucket_is_the_plan_from_disk(s3, source):
                     if not line.startswith("disk ")]
 
 
+def test_plan_for_a_bucket_destination_needs_no_local_disk(s3, source, tmp_path):
+    """`plan --dst s3://…` says no local disk is needed and checks none; the control, a local --dst, states its
+    free space."""
+    dst = s3.url("out/planned")
+    text = run_cli("plan", source, "--to", "dp=3", "--dst", dst, check=0).stdout
+    assert f"disk     none needed: the output goes to object storage at {dst}" in text, text
+    data = json.loads(run_cli("plan", source, "--to", "dp=3", "--dst", dst, "--json", check=0).stdout)
+    assert data["free_disk_bytes"] is None and data["disk_ok"] is True and data["free_disk_at"] == dst
+    local = run_cli("plan", source, "--to", "dp=3", "--dst", tmp_path / "dp3", check=0).stdout
+    assert f"free at {tmp_path}: enough" in local, local
+    assert not servers.keys(s3, "out/planned")
+
+
 def test_diff_of_a_bucket_and_its_local_copy_finds_them_equal(s3, source):
     proc = run_cli("diff", source, fixture_dir(FIXTURE), "--json", check=0)
     assert json.loads(proc.stdout)["equal"] is True
@@ -65,8 +78,33 @@ def reference(tmp_path_factory):
     return _digests(out)
 
 
+def _calls(*argv) -> list:
+    """The S3 operations `reshard ARGV` (in this process) asked the server for, (name, key), seen on the client's
+    own event hook."""
+    from reshard.storage import s3 as objects
+    calls: list = []
+
+    def note(model, params, **_):
+        calls.append((model.name, params.get("Key")))
+    client = objects.client()
+    client.meta.events.register("before-parameter-build.s3.*", note)
+    try:
+        run_cli(*argv, check=0)
+    finally:
+        client.meta.events.unregister("before-parameter-build.s3.*", note)
+    return calls
+
+
 def test_convert_bucket_to_bucket_to_disk_and_disk_to_bucket_write_the_same_bytes(s3, source, reference, tmp_path):
-    run_cli("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet", check=0)
+    # a new destination is written in place and committed by its manifest: no object is copied server-side
+    # (the files carried over as they are, DeepSpeed's scripts, are the only objects copied)
+    calls = _calls("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet")
+    copied = [key for name, key in calls if name in ("CopyObject", "UploadPartCopy")]
+    assert ("PutObject", "out/s3-to-s3/global_step3/mp_rank_00_model_states.pt") in calls, calls
+    assert sorted(copied) == ["out/s3-to-s3/zero_to_fp32.py", "out/s3-to-s3/zero_to_torch.py"], copied
+    # replacing it is staged beside it and copied into place (the old one whole until the new one is)
+    calls = _calls("convert", source, s3.url("out/s3-to-s3"), "--to", "dp=3", "--quiet", "--overwrite")
+    assert ("CopyObject", "out/s3-to-s3/global_step3/mp_rank_00_model_states.pt") in calls, calls
     run_cli("convert", fixture_dir(FIXTURE), s3.url("out/disk-to-s3"), "--to", "dp=3", "--quiet", check=0)
     run_cli("convert", source, tmp_path / "s3-to-disk", "--to", "dp=3", "--quiet", check=0)
     assert _digests(tmp_path / "s3-to-disk") == reference
@@ -134,21 +172,47 @@ def test_an_upload_failing_mid_file_aborts_its_parts_and_leaves_nothing(s3, sour
 
 
 def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes_it(s3, source, reference, tmp_path):
-    """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small): nothing at
-    the destination, validate refuses it, an upload was left open; --resume completes it byte for byte and
-    leaves no staging object and no open upload."""
-    dst = s3.url("out/killed")
+    """SIGKILL at the 3rd part a multipart upload sends (tests/s3_kill_driver.py makes parts small), the output
+    written in place: its unfinished marker is there and no manifest, so validate refuses it, `list` of the run
+    prefix says it is in progress and `prune --delete-incomplete --yes` leaves it alone; --resume keeps the objects
+    the journal lists whole and completes it byte for byte, leaving no marker, journal, staging object or open
+    upload. The control: once finished, `list` says complete."""
+    from reshard.manifest import UNFINISHED
+    run, dst = s3.url("killrun"), s3.url("killrun/ckpt-dp3")
     killed = _faulty("kill:3", "convert", source, dst, "--to", "dp=3", "--quiet")
     assert killed.returncode == -9, killed.stderr
-    assert servers.keys(s3, "out/killed/") == []
-    assert servers.uploads(s3, "out/"), "the kill was not mid-upload"
-    _one_line(run_cli("validate", dst), dst)
+    left = servers.keys(s3, "killrun/")
+    assert f"killrun/ckpt-dp3/{UNFINISHED}" in left and "killrun/ckpt-dp3/reshard-manifest.json" not in left, left
+    assert servers.uploads(s3, "killrun/"), "the kill was not mid-upload"
+    assert "has not finished" in _one_line(run_cli("validate", dst), dst)
+    assert [(name, state) for name, _, state, _, _ in _listed(run)] == [("ckpt-dp3", "in progress")]
+    run_cli("prune", run, "--delete-incomplete", "--recent", "0", "--yes", check=0)
+    assert servers.keys(s3, "killrun/") == left
     run_cli("convert", source, dst, "--to", "dp=3", "--quiet", "--resume", check=0)
     run_cli("validate", "--checksums", dst, check=0)
-    servers.download(s3, "out/killed", str(tmp_path / "killed"))
+    servers.download(s3, "killrun/ckpt-dp3", str(tmp_path / "killed"))
     assert _digests(tmp_path / "killed") == reference
-    assert servers.uploads(s3, "out/") == []
-    assert not [k for k in servers.keys(s3, "out/") if "killed.reshard" in k]
+    assert servers.uploads(s3, "killrun/") == []
+    assert not [k for k in servers.keys(s3, "killrun/") if "reshard-" in k and not k.endswith("reshard-manifest.json")]
+    assert [(name, state) for name, _, state, _, _ in _listed(run)] == [("ckpt-dp3/global_step3", "complete")]
+
+
+def test_resume_keeps_the_objects_a_killed_convert_journaled_and_writes_the_rest(s3, source, reference, tmp_path):
+    """SIGKILL once the 2nd file is journaled: --resume writes none of the objects the journal lists (each read
+    back, its sha256 matching) and every other one, and the result is byte for byte the local conversion's."""
+    dst = s3.url("out/journaled")
+    killed = _faulty("journaled:2", "convert", source, dst, "--to", "dp=3", "--quiet")
+    assert killed.returncode == -9, killed.stderr
+    whole = [k for k in servers.keys(s3, "out/journaled/") if "/global_step" in k]
+    assert len(whole) == 2, whole
+    tag = f"{dst}/global_step3"     # a tag folder of it, its output's marker a folder up, is no checkpoint either
+    assert "has not finished" in _one_line(run_cli("inspect", tag), tag)
+    writes = {key for name, key in _calls("convert", source, dst, "--to", "dp=3", "--quiet", "--resume")
+              if name in ("PutObject", "CreateMultipartUpload")}
+    written = {k for k in servers.keys(s3, "out/journaled/") if "/global_step" in k}
+    assert writes & written == written - set(whole), (whole, writes)    # kept, not written again; the rest written
+    servers.download(s3, "out/journaled", str(tmp_path / "journaled"))
+    assert _digests(tmp_path / "journaled") == reference
 
 
 def _dcp_loaded(where) -> dict:
@@ -232,6 +296,63 @@ def test_a_convert_fetches_each_source_byte_once_joining_adjacent_reads(s3, sour
     assert 0 < data < reads, (data, reads)
 
 
+def _reads(monkeypatch) -> list:
+    """The size of every read reshard's S3 source storage is asked for from now on (each a buffer of that size in
+    memory: a window too is one), noted on reshard.storage.s3.ObjectSource.read_into."""
+    from reshard.storage import s3 as objects
+    sizes: list = []
+    original = objects.ObjectSource.read_into
+
+    def noted(self, path, offset, out):
+        sizes.append(memoryview(out).nbytes)
+        return original(self, path, offset, out)
+    monkeypatch.setattr(objects.ObjectSource, "read_into", noted)
+    return sizes
+
+
+def test_validate_deep_and_diff_read_a_bucket_in_bounded_windows(s3, source, monkeypatch):
+    """With the windows made 256 bytes, no read validate --deep or diff asks of the object store is bigger, and
+    they say what they say of the local copy; the control, the default windows, reads bigger pieces (so the
+    fixture's fragments are bigger than the window, and the bound is no accident)."""
+    from reshard import comparison, source_bytes
+    reads = _reads(monkeypatch)
+    run_cli("validate", source, "--deep", check=0)
+    assert max(reads) > 256, max(reads)
+    reads.clear()
+    monkeypatch.setattr(source_bytes, "WINDOW_BYTES", 256)
+    monkeypatch.setattr(comparison, "BLOCK", 64)      # fp32 elements: 256 bytes a side
+    folder = fixture_dir(FIXTURE)
+    _same(run_cli("validate", source, "--deep"), source, run_cli("validate", folder, "--deep"), folder)
+    assert json.loads(run_cli("diff", source, folder, "--json", check=0).stdout)["equal"] is True
+    assert reads and max(reads) <= 256, max(reads)
+
+
+def test_a_sparse_gather_from_a_bucket_reads_in_bounded_slabs(s3, monkeypatch):
+    """A column slice of a wide matrix (a sparse box: its span is 16 times its bytes), gathered from an object
+    by reshard.target_bytes.SourceFiles, is numpy's slice of it, read in slabs no bigger than the window; the
+    control, a big window, reads the whole span at once."""
+    import numpy as np
+
+    from reshard import target_bytes
+    from reshard.storage.routing import sources
+    matrix = np.arange(64 * 512, dtype=np.float32).reshape(64, 512)
+    servers.put(s3, "sparse/matrix.bin", matrix.tobytes())
+    url = s3.url("sparse/matrix.bin")
+    reads = _reads(monkeypatch)
+    for window, largest in ((4096, 4096), (1 << 30, matrix.nbytes)):
+        monkeypatch.setattr(target_bytes, "WINDOW_BYTES", window)
+        reads.clear()
+        files = target_bytes.SourceFiles({}, storage=sources())
+        try:
+            out = np.full((64, 32), np.nan, dtype=np.float32)
+            files.copy_box(out, url, 100 * 4, (512, 1), "float32", "float32")
+        finally:
+            files.close()
+        assert np.array_equal(out, matrix[:, 100:132]), window
+        assert max(reads) <= largest and (window > 4096 or len(reads) > 1), (window, reads)
+    assert reads == [(63 * 512 + 32) * 4]       # the control: the span whole
+
+
 # -- a run prefix: list and prune ----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -252,20 +373,29 @@ def test_list_of_a_run_prefix_is_the_list_of_its_local_copy(run_prefix):
 
 
 def test_a_staged_or_broken_checkpoint_in_a_bucket_is_never_complete(s3, run_prefix):
-    """What a killed convert leaves (its staging prefix, no manifest) is in progress; a checkpoint missing a rank
-    file is incomplete; prune --delete-incomplete leaves the staging alone."""
+    """What a killed convert leaves (its staging prefix, or its unfinished marker and no manifest) is in progress,
+    unless a later step's checkpoint is complete (abandoned: incomplete); a checkpoint missing a rank file is
+    incomplete; prune --delete-incomplete leaves what is in progress alone."""
     prefix, url = run_prefix
     tag = fixture_dir(FIXTURE) / "global_step2"
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         servers.put(s3, f"{prefix}/.global_step9.reshard-tmp/global_step9/{name}", (tag / name).read_bytes())
     servers.delete(s3, f"{prefix}/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    # conversions written in place (their unfinished marker, no manifest), every file there: step 8 is later than
+    # the newest complete checkpoint (in progress); step 1 is older (abandoned, as a staging folder is on disk)
+    from reshard.manifest import UNFINISHED
+    for step in (1, 8):
+        servers.put(s3, f"{prefix}/global_step{step}/{UNFINISHED}", b"{}")
+        for name in (tag.iterdir()):
+            servers.put(s3, f"{prefix}/global_step{step}/{name.name}", name.read_bytes())
     status = {name: state for name, _, state, _, _ in _listed(url)}
     assert status == {".global_step9.reshard-tmp": "in progress", "global_step2": "incomplete",
-                      "global_step3": "complete"}, status
+                      "global_step3": "complete", "global_step8": "in progress", "global_step1": "incomplete"}, status
     run_cli("prune", url, "--delete-incomplete", "--recent", "0", "--yes", check=0)
     keys = servers.keys(s3, prefix + "/")
-    assert not [k for k in keys if "/global_step2/" in k]
+    assert not [k for k in keys if "/global_step2/" in k or "/global_step1/" in k]
     assert [k for k in keys if ".global_step9.reshard-tmp" in k] and [k for k in keys if "/global_step3/" in k]
+    assert f"{prefix}/global_step8/{UNFINISHED}" in keys
 
 
 def test_prune_of_a_run_prefix_keeps_the_newest_deletes_in_batches_and_a_dry_run_deletes_nothing(s3, run_prefix):
@@ -276,17 +406,7 @@ def test_prune_of_a_run_prefix_keeps_the_newest_deletes_in_batches_and_a_dry_run
     # keep only step 2: the newest complete (3) is kept all the same
     plan = json.loads(run_cli("prune", url, "--keep-steps", "2", "--recent", "0", "--json", check=0).stdout)
     assert {d["name"]: d["action"] for d in plan["decisions"]} == {"global_step2": "keep", "global_step3": "keep"}
-    from reshard.storage import s3 as objects
-    calls = []
-
-    def note(model, **_):
-        calls.append(model.name)
-    client = objects.client()
-    client.meta.events.register("before-call.s3.*", note)
-    try:
-        run_cli("prune", url, "--keep-last", "1", "--recent", "0", "--yes", check=0)
-    finally:
-        client.meta.events.unregister("before-call.s3.*", note)
+    calls = [name for name, _ in _calls("prune", url, "--keep-last", "1", "--recent", "0", "--yes")]
     after = servers.keys(s3, prefix + "/")
     assert after == [k for k in before if "/global_step2/" not in k]
     assert calls.count("DeleteObjects") >= 1 and "DeleteObject" not in calls, calls

@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", default="", metavar="SPEC", help=_spec_help())
     p.add_argument("--tag-out", metavar="TAG", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--format", dest="fmt", metavar=f"{{{','.join(WRITERS)}}}", help=TARGET_FORMAT_HELP)
-    p.add_argument("--dst", help="where the output would go (for the free-disk check)")
+    p.add_argument("--dst", help="where the output would go (for the free-disk check; s3:// needs no local disk)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--workers", type=_positive_int, default=1, metavar="K", help=WORKERS_HELP)
     _new_rank_state_arg(p)

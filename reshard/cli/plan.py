@@ -15,7 +15,7 @@ def run(args) -> int:
     summary = summarize(args, args.dst)
     show(args, summary)
     if not summary.disk_ok:
-        print(f"reshard: {summary.free_disk_at}: {human_bytes(summary.free_disk_bytes)} free, the conversion "
+        print(f"reshard: {summary.free_disk_at}: {human_bytes(summary.free_disk_bytes or 0)} free, the conversion "
               f"writes {human_bytes(summary.bytes_written)}", file=sys.stderr)
         return 1
     return 0
@@ -54,8 +54,12 @@ def print_plan(summary: PlanSummary) -> None:
     print(f"write    {human_bytes(summary.bytes_written)}")
     print(f"memory   copy buffers at most {human_bytes(summary.estimated_peak_buffer_bytes)} "
           f"(--memory-budget {human_bytes(summary.memory_budget)}, {counted(summary.workers, 'worker')})")
-    verdict = "enough" if summary.disk_ok else "NOT ENOUGH"
-    print(f"disk     {human_bytes(summary.free_disk_bytes)} free at {summary.free_disk_at}: {verdict}")
+    if summary.free_disk_bytes is None:
+        print(f"disk     none needed: the output goes to object storage at {summary.free_disk_at}, streamed up "
+              "(no local copy; an object store states no free space to check)")
+    else:
+        verdict = "enough" if summary.disk_ok else "NOT ENOUGH"
+        print(f"disk     {human_bytes(summary.free_disk_bytes)} free at {summary.free_disk_at}: {verdict}")
     if summary.advice:
         print(f"advice   {summary.advice}")
     if summary.framework is not None:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
-from reshard import rule_files
+from reshard import manifest, rule_files
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
@@ -107,6 +107,11 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
     """The reader module of the checkpoint at `path` (with tag folder `tag`)."""
     if not fs.exists(path):
         raise ReshardError.at(path, "no such file or directory")
+    marker = manifest.unfinished(path)
+    if marker is not None:      # before any reader: its files may all be there, but the commit is not
+        raise ReshardError.at(path, f"a conversion written in place that has not finished ({marker} and no "
+                                    f"{manifest.NAME}): still being written, or killed (`reshard convert --resume` "
+                                    "finishes it)")
     for name in READERS:
         module = importlib.import_module(name)
         if module.sniff(path, tag):

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from reshard import paths
+from reshard import manifest, paths
 from reshard.errors import ReshardError
 from reshard.formats import reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
@@ -28,6 +28,8 @@ TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard
 STAGING_SUFFIX = ".reshard-tmp"     # reshard convert/export's staging folder
 WATCH_STATE = ".reshard-watch.json"     # reshard watch's memory in the run directory: hidden, so never an entry
 WATCH_LOCK = ".reshard-watch.lock"      # held while a watcher runs: one watcher per run directory
+# a conversion written in place (object storage has no rename: reshard.staging) before its manifest is there
+IN_PLACE = f"reshard is writing it in place ({manifest.UNFINISHED}, no {manifest.NAME} yet)"
 HF_STAGING, HF_CHECKPOINT = units.HF_STAGING, units.HF_CHECKPOINT
 STEP_IN_NAME = re.compile(r"(?:global_step|step)[=_-]?(\d+)")
 LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -94,6 +96,9 @@ def scan(root: str) -> Scan:
         raise ReshardError.at(root, f"one checkpoint ({unit.what}), not a run directory: `reshard list` the folder "
                                     "holding it, `reshard inspect` it")
     found = Scan([], [], [], {})
+    if manifest.unfinished(root) is not None:   # the run prefix itself is a conversion written in place: one entry
+        found.entries.append(Entry(root, os.path.basename(root), step_of(os.path.basename(root)), IN_PLACE))
+        return found
     _walk(root, root, 0, found)
     return found
 
@@ -151,6 +156,9 @@ def _pointed(folder: str, names: list, found: Scan) -> bool:
 def _folder(root: str, path: str, rel: str, name: str, depth: int, save_dir: bool, found: Scan) -> None:
     """A sub-folder: a checkpoint (one row, not looked into), a folder of them (scanned), or something unknown."""
     listing = units.Listing.of(path)
+    if manifest.UNFINISHED in listing.files and manifest.NAME not in listing.files:
+        found.entries.append(Entry(path, rel, step_of(name), IN_PLACE))
+        return
     unit = units.framework_unit(name, listing, path)
     if unit is not None:
         found.entries.append(Entry(path, rel, step_of(name), None, None, unit))

@@ -120,6 +120,7 @@ class PosixOutput:
     travels to worker processes as it is."""
 
     STREAM_BUFFER_BYTES = posix_sink.BUFFER_BYTES
+    IN_PLACE = False        # a rename commits
 
     def lock(self, path: str) -> PosixLock:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -182,6 +183,9 @@ class PosixOutput:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+    def drop_unfinished(self, path: str) -> None:
+        pass    # a file left part written is written again from its start, or deleted with its folder
 
     def commit(self, staged: str, final: str) -> None:
         """`staged` (a folder) becomes `final`: every folder of it fsynced, an old `final` moved aside to

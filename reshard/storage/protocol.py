@@ -22,7 +22,7 @@ Reading (SourceStorage), any number of times, in any order, then `close()` once:
 
 Writing an output (OutputStorage), in this order:
   1. lock(path)                                one writer per destination; `release()` the handle it returns last
-  2. delete(staged) (unless resuming), make_folder(staged/...)
+  2. delete(staged) (unless resuming; else drop_unfinished(staged): a killed run's uploads), make_folder(staged/...)
   3. for each big file: stream(path, reserve), written front to back, closed; sync(path) makes it durable;
      append(journal, line) notes it finished
   4. put(path, data) and copy(source, path): the small files, each durable on return
@@ -30,6 +30,9 @@ Writing an output (OutputStorage), in this order:
      (replacing what was there); commit_file(staged_file, final) does the same for one file. Where a store has no
      atomic rename (object storage), the manifest, the last file it places, is the commit
   On any failure before 5: delete(staged), and `final` is untouched.
+  A store with IN_PLACE (no rename: object storage) is given a new destination as `staged` itself (reshard.staging
+  marks it unfinished until its manifest, the last object put, and 5 is skipped); its delete() then removes a
+  folder's manifest first and the unfinished marker last, so what is left part way never reads as a checkpoint.
   list(folder), exists(path), get(path), free_bytes(folder) may be asked at any point.
 """
 from __future__ import annotations
@@ -112,6 +115,7 @@ class Lock(Protocol):
 
 class OutputStorage(Protocol):
     STREAM_BUFFER_BYTES: int        # memory one open stream holds (its write buffers)
+    IN_PLACE: bool                  # no rename: a new output is written at its destination (see above)
 
     def lock(self, path: str) -> Lock: ...
 
@@ -134,6 +138,8 @@ class OutputStorage(Protocol):
     def exists(self, path: str) -> bool: ...
 
     def delete(self, path: str) -> None: ...
+
+    def drop_unfinished(self, path: str) -> None: ...     # what a killed writer left begun under `path` (uploads)
 
     def commit(self, staged: str, final: str) -> None: ...
 

@@ -9,8 +9,9 @@ off mid-read is fetched again here, with backoff too.
 Reads are ranged GETs of exactly the bytes asked for: a big read is cut into PART_BYTES ranges fetched
 IN_FLIGHT at a time, straight into the caller's memory. Writes are multipart uploads fed by the same front-to-back
 stream as a local file (no local copy), PART_BYTES parts, UPLOADS_IN_FLIGHT at once; a stream left on an error
-aborts its upload. An object store has no rename: a commit copies the staged objects to their place server-side,
-the manifest last, so until the manifest is there nothing at the destination claims to be a checkpoint.
+aborts its upload. An object store has no rename: a new destination is written in place, marked unfinished until
+its manifest (reshard.staging); replacing a checkpoint, a commit copies the staged objects to their place
+server-side, the manifest last, so until the manifest is there nothing at the destination claims to be a checkpoint.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ UPLOADS_IN_FLIGHT = 2       # parts being uploaded at once per stream (and the b
 RETRIES = 8                 # attempts per request (botocore's own backoff), and per body read (ours)
 DELETE_BATCH = 1000         # keys per DeleteObjects request (S3's limit)
 MANIFEST = "reshard-manifest.json"      # (reshard.manifest.NAME: the object a commit copies last)
+UNFINISHED = ".reshard-unfinished"      # (reshard.manifest.UNFINISHED: an output written in place, until its manifest)
 
 
 def split(url: str) -> tuple[str, str]:
@@ -503,6 +505,7 @@ class ObjectOutput:
     does nothing; a commit copies server-side (see the module's note)."""
 
     STREAM_BUFFER_BYTES = PART_BYTES * (UPLOADS_IN_FLIGHT + 1)
+    IN_PLACE = True         # no rename: a copy of every object would be the commit (reshard.staging)
 
     def lock(self, path: str) -> ObjectLock:
         """The lock object, made with If-None-Match (a second writer's PUT fails). A lock left by a process of
@@ -598,7 +601,18 @@ class ObjectOutput:
         if not key:     # (no caller names a bucket itself; deleting one whole is never what was meant)
             raise ReshardError.at(path, "refusing to delete everything in a bucket")
         keys = [key] + [o["Key"] for o in TREE.keys(path)]
-        delete_keys(path, bucket, keys)
+        # what claims a checkpoint whole goes first, what says it is unfinished last: killed half way, what is
+        # left never reads as complete
+        manifests = [k for k in keys if posixpath.basename(k) == MANIFEST]
+        markers = [k for k in keys if posixpath.basename(k) == UNFINISHED]
+        delete_keys(path, bucket, manifests)
+        delete_keys(path, bucket, [k for k in keys if k not in manifests and k not in markers])
+        self.drop_unfinished(path)
+        delete_keys(path, bucket, markers)
+
+    def drop_unfinished(self, path: str) -> None:
+        """Multipart uploads begun at or under `path` and never completed (a killed run's parts) aborted."""
+        bucket, key = split(path)
         with errors(path):
             pages = client().get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=key)
             for page in pages:
