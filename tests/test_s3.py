@@ -449,3 +449,33 @@ def test_a_bucket_itself_is_no_destination(s3, source):
     proc = run_cli("convert", source, s3.url(), "--to", "dp=1")
     assert proc.returncode == 2 and "name a prefix in it" in proc.stderr and "Traceback" not in proc.stderr
     assert not os.path.exists(REPO / "s3:")
+
+
+def test_reads_cut_off_or_throttled_are_fetched_again(s3, source, monkeypatch):
+    """A connection cut in the middle of a GET's body and a 503 SlowDown (tests/s3_faults.py, a relay in front of
+    the server): `validate --deep` reads every byte again as from the local copy. The control: the same faults reach
+    a client that does not retry (botocore with one attempt) as errors."""
+    import boto3
+    import botocore.config
+    import botocore.exceptions
+
+    from s3_faults import FaultyRelay
+    faults = ["reset", "throttle", "reset", "throttle"]
+    relay = FaultyRelay(s3.endpoint, faults)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", relay.endpoint)
+        _same(run_cli("validate", "--deep", source), source, run_cli("validate", "--deep", fixture_dir(FIXTURE)),
+              fixture_dir(FIXTURE))
+        assert relay.injected == faults
+        bare = boto3.client("s3", endpoint_url=relay.endpoint, config=botocore.config.Config(
+            retries={"total_max_attempts": 1, "mode": "standard"}))
+        bucket, _, key = source[len("s3://"):].partition("/")
+        name = next(o["Key"] for o in bare.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"])
+        relay.faults = ["throttle", "reset"]
+        with pytest.raises(botocore.exceptions.ClientError, match="SlowDown"):
+            bare.get_object(Bucket=bucket, Key=name, Range="bytes=0-1023")
+        body = bare.get_object(Bucket=bucket, Key=name, Range="bytes=0-1023")["Body"]
+        with pytest.raises((botocore.exceptions.ResponseStreamingError, botocore.exceptions.IncompleteReadError)):
+            body.read()
+    finally:
+        relay.close()
