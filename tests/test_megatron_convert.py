@@ -2,7 +2,9 @@
 megatron-core 0.16.1 itself: each conversion of the fixtures (fixtures/megatron_core/, real saves) is loaded by
 `dist_checkpointing.load` into Megatron's GPTModel and optimizer built at the target topology (tests/megatron_load.py,
 2 ranks, one launch for every job), and the live model's weights, fp32 masters, both Adam moments and the step are
-the truth taken from the live run at save time, bit for bit; one more training step runs.
+the truth taken from the live run at save time, bit for bit; one more training step runs. Sources of every layout
+the reader reads: 0.16's, and the saves 0.16 cannot load itself (0.15's fully_sharded_model_space, 0.19's, the legacy
+torch format's).
 
 Negative controls: Megatron's own load of the dp_reshardable fixture at another tp fails (what makes the writer
 necessary); a conversion with one element changed loads, and the comparison names that tensor.

@@ -15,10 +15,12 @@ layer axis (global layer numbers), one chunk per (layer, tensor-parallel box: tp
 optimizer.state.param.*) or, dp_reshardable, in flat per-bucket buffers laid out for the target's tp, pp and dp by
 buckets.lay_out (the layout the reader checks against real saves), each data-parallel rank's part a chunk.
 
-Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Objects the
-source saved that do not depend on the topology (layers' `_extra_state`) are copied as their bytes lie; the RNG
-state is copied where tp and pp are kept and otherwise left out, with `args.no_save_rng` set, as Megatron-LM itself
-ignores the RNG state on a change of tp or pp.
+Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Any
+layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
+from reader.common_state. Objects a torch_dist source saved that do not depend on the topology (layers'
+`_extra_state`) are copied as their bytes lie; a legacy source's extra-state values are written as torch_dist's
+objects (legacy.extra_states). The RNG state is copied where tp and pp are kept and the source is torch_dist, and
+otherwise left out, with `args.no_save_rng` set, as Megatron-LM itself ignores the RNG state on a change of tp or pp.
 """
 from __future__ import annotations
 
