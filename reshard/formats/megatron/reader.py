@@ -32,7 +32,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +175,7 @@ class _Reader:
         self.catalog = catalog
         chunks = Chunks(folder, meta, catalog)
         self.chunks = chunks
-        common, self.common_path, layout = _common(folder, config, chunks)
+        common, self.common_path, layout = _common(folder, config, lambda: chunks)
         self.common = common
         args = common.get("args")
         self.args = vars(args) if isinstance(args, Namespace) else {}
@@ -569,20 +569,23 @@ def common_state(folder: str) -> tuple[dict, str]:
     writer at another topology starts from: args, iteration, scheduler, counters, content_metadata."""
     if not fs.isfile(os.path.join(folder, CONFIG)) and legacy.is_legacy(folder):
         return legacy.common_state(folder)
-    meta_path = os.path.join(folder, METADATA)
     config = _config(os.path.join(folder, CONFIG))
-    chunks = Chunks(folder, md.read(meta_path, METADATA_ALLOWED),
-                    CatalogBuilder(folder, FORMAT, Layout.of(1, 1, 1)))
+
+    def chunks() -> Chunks:     # (only where there is no common.pt: a large save's .metadata takes a while to read)
+        meta = md.read(os.path.join(folder, METADATA), METADATA_ALLOWED)
+        return Chunks(folder, meta, CatalogBuilder(folder, FORMAT, Layout.of(1, 1, 1)))
     common, path, _ = _common(folder, config if isinstance(config, dict) else {}, chunks)
     return common, path
 
 
-def _common(folder: str, config: dict, chunks: Chunks) -> tuple[dict, str, str]:
+def _common(folder: str, config: dict, chunks_of: Callable[[], Chunks]) -> tuple[dict, str, str]:
     """(the common state, where it is, which layout holds it): common.pt beside the DCP files (0.16), or the
-    DCP object `common_state` (0.19, whose metadata.json names no common backend)."""
+    DCP object `common_state` (0.19, whose metadata.json names no common backend) of the DCP checkpoint
+    `chunks_of()` gives."""
     common_path = os.path.join(folder, COMMON)
-    stored = next((k for k in chunks.by_fqn if k.split("/")[0] == COMMON_STATE), None)
-    if fs.isfile(common_path):
+    chunks = None if fs.isfile(common_path) else chunks_of()
+    stored = None if chunks is None else next((k for k in chunks.by_fqn if k.split("/")[0] == COMMON_STATE), None)
+    if chunks is None:
         common, layout = load_pickle(common_path, allowed=COMMON_ALLOWED), LAYOUT_016
     elif stored is not None and "common_backend" not in config:
         common_path, layout = f"{os.path.join(folder, METADATA)}:{stored}", LAYOUT_019
