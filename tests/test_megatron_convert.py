@@ -46,6 +46,7 @@ CONVERSIONS = [
     ("mcore_legacy_plain_tp2_pp2", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),    # legacy, plain -> distributed
     ("mcore_legacy_distributed_tp2_dp2", "tp=1,pp=2,dp=1"),                      # legacy distrib_optim.pt
     ("mcore_dp_reshardable_tp2_dp2_v019", "tp=1,pp=1,dp=2"),                     # 0.19: the common state in DCP
+    ("mcore_dp_reshardable_tp2_dp2_v019", "tp=2,pp=1,dp=1,sharding=fully_reshardable"),   # its RNG state kept, asked
     ("mcore_fully_sharded_model_space_tp2_dp2_v015", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),   # 0.15
 ]
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
