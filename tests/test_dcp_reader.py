@@ -219,3 +219,39 @@ def test_a_tensor_hyper_parameter_arrives_as_a_tensor(tmp_path):
     lr = optim.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float64
     assert float(lr) == truth_json("z2_fp32_dp2")["param_groups"][0]["lr"]
+
+
+def test_metadata_is_pickled_as_pythons_own_pickler_pickles_it(tmp_path):
+    """reshard.formats.dcp.metadata.dumps' short path (MetadataPickler.save and memoize) writes the bytes the
+    standard library's pure-Python pickler writes with the same reductions, for `.metadata` files torch itself wrote
+    (an FSDP save), a Megatron conversion (objects, layer stacks, flat buckets) and the sparse 70B simulation's
+    writer at a small scale; and torch's own DCP reader loads them."""
+    import io
+    import pickle
+
+    import bench_megatron_sparse  # (tools/ is on the path: conftest)
+    from reshard.convert import make_plan
+    from reshard.executor import execute
+    from reshard.formats.dcp import metadata as md
+    from reshard.formats.megatron.pickles import METADATA_ALLOWED
+
+    class Reference(md.MetadataPickler):
+        save = pickle._Pickler.save
+        memoize = pickle._Pickler.memoize
+
+    megatron = FIXTURES / "megatron_core" / "mcore_dp_reshardable_tp2_pp2_dp2" / "save"
+    execute(make_plan(reshard.open_checkpoint(str(megatron)), "tp=1,pp=2,dp=2"), str(tmp_path / "mcore"),
+            progress=False)
+    bench_megatron_sparse.make(str(tmp_path / "sparse"), 2, 2, 2, 4)
+    paths = [*sorted((FIXTURES / "hf_fsdp_sharded_dp2").rglob(".metadata")),
+             tmp_path / "mcore" / "iter_0000003" / ".metadata", tmp_path / "sparse" / "iter_0000001" / ".metadata"]
+    assert len(paths) == 4
+    for path in paths:
+        meta = md.read(str(path), METADATA_ALLOWED)
+        buf = io.BytesIO()
+        Reference(buf, protocol=2).dump(meta)
+        ours = md.dumps(meta)
+        assert ours == buf.getvalue(), path
+        loaded = pickle.loads(ours)      # torch's classes (torch.distributed.checkpoint is imported here)
+        assert type(loaded) is dcp.metadata.Metadata and loaded.state_dict_metadata.keys() == \
+            meta.state_dict_metadata.keys()

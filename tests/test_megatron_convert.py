@@ -2,7 +2,9 @@
 megatron-core 0.16.1 itself: each conversion of the fixtures (fixtures/megatron_core/, real saves) is loaded by
 `dist_checkpointing.load` into Megatron's GPTModel and optimizer built at the target topology (tests/megatron_load.py,
 2 ranks, one launch for every job), and the live model's weights, fp32 masters, both Adam moments and the step are
-the truth taken from the live run at save time, bit for bit; one more training step runs.
+the truth taken from the live run at save time, bit for bit; one more training step runs. Sources of every layout
+the reader reads: 0.16's, and the saves 0.16 cannot load itself (0.15's fully_sharded_model_space, 0.19's, the legacy
+torch format's).
 
 Negative controls: Megatron's own load of the dp_reshardable fixture at another tp fails (what makes the writer
 necessary); a conversion with one element changed loads, and the comparison names that tensor.
@@ -40,6 +42,12 @@ CONVERSIONS = [
     ("mcore_dp_reshardable_tp2_dp2", "tp=2,pp=1,dp=1,sharding=plain"),           # distributed -> plain, RNG kept
     ("mcore_dp_reshardable_tp2_pp2_dp2", "tp=1,pp=2,dp=1,sharding=fully_reshardable"),
     ("mcore_plain_tp2_pp2", "tp=2,pp=1,dp=1"),                                   # plain stays plain
+    # other layouts -> torch_dist as 0.16 writes it (0.16 cannot load 0.15's nor 0.19's saves, nor the legacy format)
+    ("mcore_legacy_plain_tp2_pp2", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),    # legacy, plain -> distributed
+    ("mcore_legacy_distributed_tp2_dp2", "tp=1,pp=2,dp=1"),                      # legacy distrib_optim.pt
+    ("mcore_dp_reshardable_tp2_dp2_v019", "tp=1,pp=1,dp=2"),                     # 0.19: the common state in DCP
+    ("mcore_dp_reshardable_tp2_dp2_v019", "tp=2,pp=1,dp=1,sharding=fully_reshardable"),   # its RNG state kept, asked
+    ("mcore_fully_sharded_model_space_tp2_dp2_v015", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),   # 0.15
 ]
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
 
@@ -231,3 +239,61 @@ def test_the_sparse_scale_simulation_reads_as_what_it_lays_out(tmp_path):
     assert info.options["sharding"] == "dp_reshardable" and info.parameters == 4 * 6 + 3
     plan = make_plan(reshard.open_checkpoint(str(tmp_path / "save")), "tp=1,pp=4,dp=2")
     assert plan.output is not None and plan.output.topology.startswith("dp=2,tp=1,pp=4")
+
+
+def _objects(save) -> dict:
+    """{key: the unpickled value} of every object (not tensor) in a torch_dist save's DCP checkpoint."""
+    import io
+
+    import torch
+
+    from reshard.core.catalog import CatalogBuilder
+    from reshard.core.layout import Layout
+    from reshard.formats.dcp.chunks import Chunks
+    folder = os.path.join(save, "iter_0000003")
+    meta = dcp_metadata.read(os.path.join(folder, ".metadata"), METADATA_ALLOWED)
+    chunks = Chunks(folder, meta, CatalogBuilder(folder, "megatron", Layout.of(1, 1, 1)))
+    return {key: torch.load(io.BytesIO(chunks.blob(key)), weights_only=False)
+            for key, entry in meta.state_dict_metadata.items()
+            if not isinstance(entry, dcp_metadata.TensorStorageMetadata)}
+
+
+def test_a_legacy_source_writes_the_objects_megatron_writes_for_the_same_run(tmp_path):
+    """Legacy -> torch_dist: the layers' `_extra_state` values of the rank files (None, the local spec's) become the
+    objects megatron-core 0.16's own torch_dist save of the same run holds ([None] per layer and module, under the
+    same keys), the output layer's left out as GPTModel's sharded state dict leaves it out; every other object and
+    key as the conversion of that torch_dist save writes it. The legacy RNG lists are not written: args say so."""
+    import torch
+    to = "tp=1,pp=2,dp=1"
+    _convert("mcore_legacy_distributed_tp2_dp2", to, tmp_path / "legacy")
+    _convert("mcore_dp_reshardable_tp2_dp2", to, tmp_path / "torch_dist")
+    ours, same_run = _objects(tmp_path / "legacy"), _objects(tmp_path / "torch_dist")
+    megatrons = {k: v for k, v in _objects(ROOT / "mcore_dp_reshardable_tp2_dp2" / "save").items()
+                 if "._extra_state/" in k}
+    assert megatrons and all(v == [None] for v in megatrons.values())
+    assert {k: v for k, v in ours.items() if "._extra_state/" in k} == megatrons
+    assert ours.keys() == same_run.keys() and all(not k.startswith("rng_state/") for k in ours)
+    for key in ours:
+        if "._extra_state/" not in key:
+            assert repr(ours[key]) == repr(same_run[key]), key
+    common = torch.load(tmp_path / "legacy" / "iter_0000003" / "common.pt", weights_only=False)
+    reference = torch.load(tmp_path / "torch_dist" / "iter_0000003" / "common.pt", weights_only=False)
+    assert common["content_metadata"] == reference["content_metadata"]
+    assert vars(common["args"]) == vars(reference["args"]) and common["args"].ckpt_format == "torch_dist"
+    assert common["args"].no_save_rng and common.keys() == reference.keys()
+
+
+def test_a_legacy_extra_state_that_holds_a_value_is_refused_in_one_line(tmp_path):
+    """Only empty extra states (the local spec's None) are known: one holding something (Transformer Engine's FP8
+    metadata) is refused naming the file, nothing written."""
+    import torch
+    save = tmp_path / "save"
+    shutil.copytree(ROOT / "mcore_legacy_plain_tp2_pp2" / "save", save)
+    path = save / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["decoder.layers.0.mlp.linear_fc1._extra_state"] = {"fp8_meta": 1}
+    torch.save(state, path)
+    refused = run_cli("convert", save, tmp_path / "out", "--to", "tp=1,pp=1,dp=2")
+    assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "mp_rank_00_001" in refused.stderr and "linear_fc1._extra_state holds a dict" in refused.stderr
+    assert not (tmp_path / "out").exists()

@@ -227,9 +227,47 @@ def _malformed(md: Metadata) -> str | None:
     return None
 
 
-class _MetadataPickler(TreePickler):
+# exact builtin types, which neither reducer_override below nor TreePickler's reduces and persistent_id never names:
+# pickle's own dispatch writes them
+_BUILTINS = frozenset((str, int, float, bool, type(None), tuple, list, dict, bytes))
+_RECORDS = frozenset(t for t in GLOBAL_NAMES if issubclass(t, _Record))     # (MemFormat, an enum, is reduced)
+
+
+class MetadataPickler(TreePickler):
     """pickle_tree's pickler, plus the DCP classes written under DCP's names."""
     dispatch = TreePickler.dispatch.copy()
+
+    def save(self, obj, save_persistent_id=True):
+        """pickle._Pickler.save with a short path for the objects a large `.metadata` is made of (hundreds of
+        thousands of builtins, records and sizes), writing the same bytes: the memo first; a builtin by pickle's own
+        dispatch and a record by its reduction, as save does once persistent_id (None: no storages here) and
+        reducer_override (NotImplemented for a builtin) have been asked; any other object reduced by
+        reducer_override as save reduces it. At protocol 2 there are no frames to commit. Anything else: save."""
+        x = self.memo.get(id(obj))
+        if x is not None:
+            self.write(self.get(x[0]))
+            return
+        t = type(obj)
+        if t in _BUILTINS:
+            self.dispatch[t](self, obj)
+            return
+        if t in _RECORDS:
+            self.save_reduce(copyreg.__newobj__, (t,), obj.__getstate__(), obj=obj)
+            return
+        if self.persistent_id(obj) is None:
+            rv = self.reducer_override(obj)
+            if type(rv) is tuple and 2 <= len(rv) <= 6:
+                self.save_reduce(*rv, obj=obj)
+                return
+        super().save(obj, save_persistent_id)
+
+    def memoize(self, obj):
+        """pickle._Pickler.memoize less its assertion (save checks the memo first), as often as objects are saved."""
+        if self.fast:
+            return
+        idx = len(self.memo)
+        self.write(self.put(idx))
+        self.memo[id(obj)] = idx, obj
 
     def reducer_override(self, obj):
         if isinstance(obj, Layout):
@@ -251,7 +289,9 @@ class _MetadataPickler(TreePickler):
 def dumps(md: Metadata) -> bytes:
     """`.metadata` bytes for `md`, loadable by torch's own FileSystemReader."""
     buf = io.BytesIO()
-    pickler = _MetadataPickler(buf, protocol=2)     # memo on: each class name is spelled once
+    pickler = MetadataPickler(buf, protocol=2)     # memo on: each class name is spelled once
+    # (protocol 2 writes no frames: the framer would only pass each write on; typeshed omits the attribute)
+    pickler.write = buf.write  # type: ignore[attr-defined]
     pickler.dump(md)
     return buf.getvalue()
 

@@ -65,6 +65,61 @@ def read(folder: str, save_dir: str | None, name: str, format_name: str):
     return _LegacyReader(folder, save_dir, name, format_name).read()
 
 
+# what a torch_dist save keeps apart from its common state: the model, the optimizer's state, the RNG state
+SHARDED_PARTS = ("model", "optimizer", "rng_state")
+EXTRA_STATE = "._extra_state"
+EMPTY_DROPPED = ("output_layer._extra_state",)     # GPTModel's sharded state dict drops it (asserting it empty)
+
+
+def common_state(folder: str) -> tuple[dict, str]:
+    """(the common state, where it is): what the first rank file holds beside the model, the optimizer's state and
+    the RNG state, which a torch_dist save keeps in its sharded tensors and objects (args, iteration, checkpoint
+    version, scheduler, counters)."""
+    reader = _LegacyReader(folder, None, os.path.basename(folder), "megatron")
+    ranks = reader._rank_folders()
+    if not ranks:
+        raise CheckpointError(folder, "no mp_rank_* folder")
+    path = os.path.join(ranks[min(ranks)], MODEL_FILE)
+    head = reader._load(path)
+    return {k: v for k, v in head.items() if k not in SHARDED_PARTS}, path
+
+
+def extra_states(folder: str) -> dict[str, object]:
+    """{the key megatron-core's torch_dist save gives it: value} of every layer's `_extra_state` in the model state
+    dicts (tensor-parallel rank 0's of each pipeline stage): a layer stack's as one object per layer
+    (`decoder.layers.<key>._extra_state/shard_<layer>_<layers>`, global layer numbers), as its sharded state dict
+    makes them; the output layer's, which GPTModel's sharded state dict drops when empty, left out. Only empty ones
+    (None: the local spec's) are known: one that holds a value (Transformer Engine's FP8 metadata) or another
+    module's is refused, as what a torch_dist save makes of it is not known here."""
+    reader = _LegacyReader(folder, None, os.path.basename(folder), "megatron")
+    ranks = reader._rank_folders()
+    path = os.path.join(ranks[min(ranks)], MODEL_FILE)
+    head = reader._load(path)
+    args = head.get("args")
+    args = vars(args) if isinstance(args, pickles.Namespace) else {}
+    layers, pp = int(args.get("num_layers") or 0), int(args.get("pipeline_model_parallel_size") or 1)
+    rules = reader.rules
+    out: dict[str, object] = {}
+    for (t, p), rank_folder in sorted(ranks.items()):
+        if t != 0:
+            continue
+        path = os.path.join(rank_folder, MODEL_FILE)
+        for name, value in reader._load(path)["model"].items():
+            if not name.endswith(EXTRA_STATE):
+                continue
+            if value is not None:
+                raise CheckpointError(path, f"{name} holds a {type(value).__name__}: only empty extra states (the "
+                                      "local layer spec's) are written to torch_dist")
+            where = rules.layer_of(name)
+            if where is not None:
+                key = f"{rules.layer_prefix}{where[1]}/shard_{where[0] + p * (layers // pp)}_{layers}"
+                out[key] = value
+            elif name not in EMPTY_DROPPED:
+                raise CheckpointError(path, f"{name}: an extra state outside the layer stack, which a torch_dist "
+                                      "save is not known to keep")
+    return out
+
+
 class _LegacyReader:
     def __init__(self, folder: str, save_dir: str | None, name: str, format_name: str):
         self.folder, self.name = folder, name

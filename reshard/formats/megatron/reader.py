@@ -32,7 +32,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +175,7 @@ class _Reader:
         self.catalog = catalog
         chunks = Chunks(folder, meta, catalog)
         self.chunks = chunks
-        common, self.common_path, layout = self._common(config, chunks)
+        common, self.common_path, layout = _common(folder, config, lambda: chunks)
         self.common = common
         args = common.get("args")
         self.args = vars(args) if isinstance(args, Namespace) else {}
@@ -243,26 +243,6 @@ class _Reader:
         catalog.files = self._files(chunks)
         common_fields.finish(catalog, (dp, tp, pp), sharding, common, self.args, layout, self.notes)
         return catalog.freeze()
-
-    def _common(self, config: dict, chunks: Chunks) -> tuple[dict, str, str]:
-        """(the common state, where it is, which layout holds it): common.pt beside the DCP files (0.16), or the
-        DCP object `common_state` (0.19, whose metadata.json names no common backend)."""
-        common_path = os.path.join(self.folder, COMMON)
-        stored = next((k for k in chunks.by_fqn if k.split("/")[0] == COMMON_STATE), None)
-        if fs.isfile(common_path):
-            common, layout = load_pickle(common_path, allowed=COMMON_ALLOWED), LAYOUT_016
-        elif stored is not None and "common_backend" not in config:
-            common_path, layout = f"{self.meta_path}:{stored}", LAYOUT_019
-            common = _object(chunks.value(stored, allowed=COMMON_ALLOWED))
-            if common is MISSING:
-                raise CheckpointError(common_path, "cannot be read (its .distcp file is missing or short), and "
-                                      "without it the save's topology is unknown")
-        else:
-            raise CheckpointError(common_path, "missing: every torch_dist save of megatron-core 0.16 writes it "
-                                  f"(0.19 writes the DCP object {COMMON_STATE} instead)")
-        if not isinstance(common, dict):
-            raise CheckpointError(common_path, f"holds a {type(common).__name__}, not the common state dict")
-        return common, common_path, layout
 
     # -- degrees and files
 
@@ -583,6 +563,44 @@ class _Reader:
         return out
 
 
+def common_state(folder: str) -> tuple[dict, str]:
+    """(the common state, where it is) of iteration folder `folder`, whichever layout keeps it: common.pt (0.15,
+    0.16), the DCP object common_state (0.19), or a legacy save's first rank file (legacy.common_state). What a
+    writer at another topology starts from: args, iteration, scheduler, counters, content_metadata."""
+    if not fs.isfile(os.path.join(folder, CONFIG)) and legacy.is_legacy(folder):
+        return legacy.common_state(folder)
+    config = _config(os.path.join(folder, CONFIG))
+
+    def chunks() -> Chunks:     # (only where there is no common.pt: a large save's .metadata takes a while to read)
+        meta = md.read(os.path.join(folder, METADATA), METADATA_ALLOWED)
+        return Chunks(folder, meta, CatalogBuilder(folder, FORMAT, Layout.of(1, 1, 1)))
+    common, path, _ = _common(folder, config if isinstance(config, dict) else {}, chunks)
+    return common, path
+
+
+def _common(folder: str, config: dict, chunks_of: Callable[[], Chunks]) -> tuple[dict, str, str]:
+    """(the common state, where it is, which layout holds it): common.pt beside the DCP files (0.16), or the
+    DCP object `common_state` (0.19, whose metadata.json names no common backend) of the DCP checkpoint
+    `chunks_of()` gives."""
+    common_path = os.path.join(folder, COMMON)
+    chunks = None if fs.isfile(common_path) else chunks_of()
+    stored = None if chunks is None else next((k for k in chunks.by_fqn if k.split("/")[0] == COMMON_STATE), None)
+    if chunks is None:
+        common, layout = load_pickle(common_path, allowed=COMMON_ALLOWED), LAYOUT_016
+    elif stored is not None and "common_backend" not in config:
+        common_path, layout = f"{os.path.join(folder, METADATA)}:{stored}", LAYOUT_019
+        common = _object(chunks.value(stored, allowed=COMMON_ALLOWED))
+        if common is MISSING:
+            raise CheckpointError(common_path, "cannot be read (its .distcp file is missing or short), and "
+                                  "without it the save's topology is unknown")
+    else:
+        raise CheckpointError(common_path, "missing: every torch_dist save of megatron-core 0.16 writes it "
+                              f"(0.19 writes the DCP object {COMMON_STATE} instead)")
+    if not isinstance(common, dict):
+        raise CheckpointError(common_path, f"holds a {type(common).__name__}, not the common state dict")
+    return common, common_path, layout
+
+
 @dataclass(frozen=True)
 class FlatBlocks:
     """A 0.15 reformulated state: its global shape and the shape of each block stored flattened."""
@@ -619,4 +637,4 @@ def _bucket_counts(value) -> list | None:
     return out
 
 
-__all__ = ["FORMAT", "OPTIONS", "sniff", "read", "DType", "TensorRef"]
+__all__ = ["FORMAT", "OPTIONS", "sniff", "read", "common_state", "DType", "TensorRef"]

@@ -15,10 +15,12 @@ layer axis (global layer numbers), one chunk per (layer, tensor-parallel box: tp
 optimizer.state.param.*) or, dp_reshardable, in flat per-bucket buffers laid out for the target's tp, pp and dp by
 buckets.lay_out (the layout the reader checks against real saves), each data-parallel rank's part a chunk.
 
-Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Objects the
-source saved that do not depend on the topology (layers' `_extra_state`) are copied as their bytes lie; the RNG
-state is copied where tp and pp are kept and otherwise left out, with `args.no_save_rng` set, as Megatron-LM itself
-ignores the RNG state on a change of tp or pp.
+Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Any
+layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
+from reader.common_state. Objects a torch_dist source saved that do not depend on the topology (layers'
+`_extra_state`) are copied as their bytes lie; a legacy source's extra-state values are written as torch_dist's
+objects (legacy.extra_states). The RNG state is copied where tp and pp are kept and the source is torch_dist, and
+otherwise left out, with `args.no_save_rng` set, as Megatron-LM itself ignores the RNG state on a change of tp or pp.
 """
 from __future__ import annotations
 
@@ -38,11 +40,11 @@ from reshard.errors import CheckpointError, ReshardError, UsageError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
-from reshard.formats.megatron import buckets, order as param_order, tp_boxes
-from reshard.formats.megatron.pickles import COMMON_ALLOWED, METADATA_ALLOWED, Namespace
-from reshard.formats.megatron.reader import BUCKET, COMMON, CONFIG, ITERATION, RELEASE, TRACKER
+from reshard.formats.megatron import buckets, legacy, order as param_order, tp_boxes
+from reshard.formats.megatron.pickles import METADATA_ALLOWED, Namespace
+from reshard.formats.megatron.reader import BUCKET, COMMON, CONFIG, ITERATION, RELEASE, TRACKER, common_state
 from reshard.formats.megatron.topology import DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN, MegatronTopology
-from reshard.formats.torchsave_read import DType, load as load_pickle
+from reshard.formats.torchsave_read import DType
 from reshard.formats.torchsave_write import TorchFile
 
 FORMAT = "megatron"
@@ -60,6 +62,9 @@ BUCKET_STATES = {"param": MASTER, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_s
 GROUP = "optimizer.distributed.dp_group_idx_{}"
 EXTRA_STATE = re.compile(r".*\._extra_state/shard_(\d+)_(\d+)$")
 RNG = "rng_state/shard_{}.{}_{}.{}"
+# what Megatron-LM's save (_build_sharded_state_dict_metadata) records in content_metadata beside the optimizer's
+# sharding, as every torch_dist fixture (0.15, 0.16, 0.19) holds it: for a legacy source, which records none
+SAVE_CONTENT = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 TORCH_DTYPES = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32"}
 
 
@@ -116,16 +121,17 @@ class _Writer:
         self.catalog, self.tag = catalog, tag
         self.grid = Grid(target.tp, target.pp, target.dp)
         self.source = catalog.layout
-        common = load_pickle(os.path.join(catalog.root, COMMON), allowed=COMMON_ALLOWED)
-        self.common: dict[str, Any] = common if isinstance(common, dict) else {}
+        own = self.source.format_topology
+        self.legacy = isinstance(own, MegatronTopology) and own.backend != "torch_dist"
+        self.common, common_path = common_state(catalog.root)
         args = self.common.get("args")
         if not isinstance(args, Namespace):
-            raise CheckpointError(os.path.join(catalog.root, COMMON), "holds no args namespace to write at the target")
+            raise CheckpointError(common_path, "holds no args namespace to write at the target")
         self.args: dict[str, Any] = dict(vars(args))
         self.rules = param_order.load()
         self._check()
-        meta_path = os.path.join(catalog.root, METADATA)
-        self.source_meta = md.read(meta_path, METADATA_ALLOWED)
+        # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files)
+        self.source_meta = None if self.legacy else md.read(os.path.join(catalog.root, METADATA), METADATA_ALLOWED)
         self.source_chunks: Chunks | None = None     # where the source's objects lie, when one is copied
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
@@ -170,7 +176,11 @@ class _Writer:
         out = []
         for name in self.rules.ordered(list(self.catalog.order)):
             detail = notes.param_details(name) if notes is not None else {}
-            key, layer = detail.get("saved_as", name), detail.get("layer")
+            key, layer = detail.get("saved_as"), detail.get("layer")
+            where = self.rules.layer_of(name)
+            if key is None and where is not None:     # (a legacy save keeps each layer's own: stacked by the rules)
+                key, layer = f"{self.rules.layer_prefix}{where[1]}", where[0]
+            key = key or name
             shape = tuple(self.catalog.tensors[TensorKey(name, MODULE)].shape)
             cut = self.rules.tp_cut(name)
             parts = 1
@@ -217,6 +227,7 @@ class _Writer:
         self.meta.blob(key, os.path.basename(file.path), offset, length)
 
     def _blob(self, rank: int, key: str) -> None:
+        assert self.source_meta is not None
         if self.source_chunks is None:
             problems = CatalogBuilder(self.catalog.root, FORMAT, self.catalog.layout)
             self.source_chunks = Chunks(self.catalog.root, self.source_meta, problems)
@@ -336,23 +347,36 @@ class _Writer:
     # -- objects and the common state
 
     def _objects(self) -> None:
-        """The source's topology-free objects (layers' `_extra_state`) as they lie; its RNG state where tp and pp
-        are the source's."""
+        """The layers' `_extra_state` objects: a torch_dist source's as their bytes lie, a legacy source's values as
+        megatron-core's torch_dist save writes them ([value]: the empty ones of the local spec); the source's RNG state
+        where tp and pp are the source's and it is saved as the target keeps it (torch_dist's per-rank objects)."""
         layers = int(self.args["num_layers"])
         per_stage = layers // self.grid.pp
+
+        def owner(key: str) -> int | None:
+            extra = EXTRA_STATE.match(key)
+            if extra is None:
+                return None
+            stage = int(extra.group(1)) // per_stage if int(extra.group(2)) == layers else 0
+            return self.grid.rank(0, 0, stage)
+        if self.source_meta is None:
+            for key, value in legacy.extra_states(self.catalog.root).items():
+                rank = owner(key)
+                if rank is None:
+                    raise ReshardError.at(self.catalog.root, f"{key}: not a layer's extra state as written here")
+                self._value(rank, key, value)
+            self.rng = False    # (its RNG lists hold tensors: not re-serialized into value items yet)
+            return
         saved = self.source_meta.state_dict_metadata
         keep_rng = (self.grid.tp, self.grid.pp) == (self.source.tp, self.source.pp) and not (
             self.args.get("data_parallel_random_init") and self.grid.dp != self.source.dp) and all(
             RNG.format(p, t, self.grid.pp, self.grid.tp) in saved for p in range(self.grid.pp)
             for t in range(self.grid.tp))
         self.rng = keep_rng
-        for key, entry in self.source_meta.state_dict_metadata.items():
-            if isinstance(entry, md.TensorStorageMetadata):
-                continue
-            extra = EXTRA_STATE.match(key)
-            if extra is not None:
-                stage = int(extra.group(1)) // per_stage if int(extra.group(2)) == layers else 0
-                self._blob(self.grid.rank(0, 0, stage), key)
+        for key, entry in saved.items():
+            rank = owner(key)
+            if rank is not None and not isinstance(entry, md.TensorStorageMetadata):
+                self._blob(rank, key)
         if keep_rng:
             for pp_rank in range(self.grid.pp):
                 for tp_rank in range(self.grid.tp):
@@ -369,9 +393,11 @@ class _Writer:
                 "dist_ckpt_optim_fully_reshardable": sharding == FULLY_RESHARDABLE}
         if not self.rng:
             args["no_save_rng"] = True
+        if "ckpt_format" in args:       # (a legacy source's "torch": the output is torch_dist)
+            args["ckpt_format"] = "torch_dist"
         namespace = Namespace()
         namespace.__dict__.update(args)
-        content = {k: v for k, v in (self.common.get("content_metadata") or {}).items()
+        content = {k: v for k, v in (self.common.get("content_metadata") or SAVE_CONTENT).items()
                    if not k.startswith("distrib_optim_")}
         file = TorchFile(f"{self.tag}/{COMMON}", archive="common")
         if sharding == PLAIN:
