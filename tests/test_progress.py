@@ -134,7 +134,7 @@ def test_bars_count_the_bytes_read(monkeypatch):
     import reshard.source_bytes
     a, b = reshard.open_checkpoint(SRC), reshard.open_checkpoint(OTHER)
     read = []
-    original_range, original_fragment = reshard.comparison.read_range, reshard.source_bytes.MappedFiles.fragment
+    original_range = reshard.comparison.read_range
     monkeypatch.setattr(reshard.comparison, "read_range", lambda *args: read.append(original_range(*args)) or read[-1])
     recorder = _Recorder()
     monkeypatch.setattr(reshard.comparison, "progress_bar", recorder)
@@ -143,8 +143,13 @@ def test_bars_count_the_bytes_read(monkeypatch):
     assert recorder.totals == [recorder.counted] and recorder.counted == sum(r.nbytes for r in read) > 0
 
     read.clear()
-    monkeypatch.setattr(reshard.source_bytes.MappedFiles, "fragment",
-                        lambda *args: read.append(original_fragment(*args)) or read[-1])
+    original_windows = reshard.source_bytes.MappedFiles.windows
+
+    def windows(*args):         # validate --deep reads each fragment in windows
+        for first, values in original_windows(*args):
+            read.append(values)
+            yield first, values
+    monkeypatch.setattr(reshard.source_bytes.MappedFiles, "windows", windows)
     recorder = _Recorder()
     monkeypatch.setattr(sys.modules["reshard.validate"], "progress_bar", recorder)
     assert reshard.validate(a, deep=True, progress=True).ok

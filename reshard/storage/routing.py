@@ -10,7 +10,7 @@ from reshard.storage.protocol import OutputStorage, SourceStorage
 class Sources:
     """SourceStorage over every path: each call goes to the storage of its path, made when first needed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._local: SourceStorage | None = None
         self._remote: SourceStorage | None = None
 
