@@ -34,6 +34,9 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "deepsp
            "accelerate", "lightning", "safetensors.torch")
 
 
+LOAD_OP_SECONDS = 300     # a first build of DeepSpeed's CPU comm op takes ~1 min on 2 cores
+
+
 def _rank_env(env: dict, world: int, rank: int, port: int) -> dict:
     """What torchrun's agent sets for each worker (torch/distributed/elastic/agent/server/local_elastic_agent.py),
     one node; but TORCHELASTIC_USE_AGENT_STORE is False: rank 0 hosts the store, as under any other launcher, and
@@ -112,6 +115,30 @@ def _run_launch(request: dict) -> None:
     os._exit(status)
 
 
+def _load_deepspeed_comm_op() -> None:
+    """DeepSpeed's CPU communication op (deepspeed.comm.torch.build_shm_op), loaded once here, so the ranks forked
+    from this server find it loaded (OpBuilder's class-level cache). Otherwise every rank loads it, and each load
+    takes the JIT build's file lock (torch.utils.cpp_extension), even when nothing is rebuilt: a rank killed while
+    it holds that lock (a test's timeout) would leave every later DeepSpeed launch on the machine waiting on it.
+    Where it cannot be loaded here within LOAD_OP_SECONDS (a build failing, or another process's stale lock), the
+    ranks load it as before, where what goes wrong is reported."""
+    if "deepspeed" not in sys.modules:
+        return
+
+    def give_up(signum, frame):
+        raise TimeoutError("loading DeepSpeed's comm op")
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(LOAD_OP_SECONDS)
+    try:
+        from deepspeed.comm.torch import build_shm_op
+        build_shm_op()
+    except Exception:
+        pass
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def serve() -> None:
     """Import PRELOAD, then answer launch requests read from stdin until it closes."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
@@ -121,6 +148,7 @@ def serve() -> None:
             __import__(name)
         except ImportError:
             pass
+    _load_deepspeed_comm_op()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
     answers.write(json.dumps({"ready": True, "threads": threads}) + "\n")
     for line in sys.stdin:
