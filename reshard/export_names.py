@@ -268,15 +268,7 @@ def _count_spec(path: str, where: str, given) -> Count:
 
 def _rule(path: str, i: int, rule) -> NameRule:
     where = f"rule {i}"
-    if not isinstance(rule, dict) or not isinstance(rule.get("match"), str):
-        raise ReshardError.at(path, f'{where}: needs "match", a regular expression')
-    try:
-        pattern = re.compile(rule["match"])
-    except re.error as e:
-        raise ReshardError.at(path, f"{where}: bad regular expression: {e}") from None
-    unknown = set(rule) - {"match", "name", "split", "drop", "rows", "refuse", "note"}
-    if unknown:
-        raise ReshardError.at(path, f"{where}: unknown keys {', '.join(sorted(unknown))}")
+    pattern = rule_files.rule_pattern(path, i, rule, {"match", "name", "split", "drop", "rows", "refuse", "note"})
     if "refuse" in rule:
         if not isinstance(rule["refuse"], str) or set(rule) - {"match", "refuse", "note"}:
             raise ReshardError.at(path, f'{where}: "refuse" (a reason) goes alone')

@@ -202,15 +202,7 @@ def load(path: str) -> ModuleNames:
 
 def _rule(path: str, i: int, rule) -> ModuleRule:
     where = f"rule {i}"
-    if not isinstance(rule, dict) or not isinstance(rule.get("match"), str):
-        raise ReshardError.at(path, f'{where}: needs "match", a regular expression')
-    try:
-        pattern = re.compile(rule["match"])
-    except re.error as e:
-        raise ReshardError.at(path, f"{where}: bad regular expression: {e}") from None
-    unknown = set(rule) - {"match", "name", "join", "dim", "drop", "note"}
-    if unknown:
-        raise ReshardError.at(path, f"{where}: unknown keys {', '.join(sorted(unknown))}")
+    pattern = rule_files.rule_pattern(path, i, rule, {"match", "name", "join", "dim", "drop", "note"})
     if rule.get("drop") is True:
         if set(rule) - {"match", "drop", "note"}:
             raise ReshardError.at(path, f'{where}: "drop" goes alone')
