@@ -77,8 +77,9 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
             runpy.run_path(argv[0], run_name="__main__")
         status = 0
     except SystemExit as stop:
-        from torchrun_jobs import exit_status  # (torchrun_jobs imports this module lazily too)
-        status = exit_status(stop)
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code, file=sys.stderr)
     except BaseException:
         import traceback
         traceback.print_exc()

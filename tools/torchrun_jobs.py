@@ -97,7 +97,9 @@ def run_rank(main, *args) -> None:
         main(*args)
         status = 0
     except SystemExit as stop:
-        status = exit_status(stop)
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -113,13 +115,3 @@ def run_rank(main, *args) -> None:
 
 def _warn(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def exit_status(stop: SystemExit) -> int:
-    """A process's exit status for `stop`, as the interpreter gives it (a message is printed to stderr, status 1)."""
-    if isinstance(stop.code, int):
-        return stop.code
-    if stop.code is not None:
-        print(stop.code, file=sys.stderr)
-        return 1
-    return 0
