@@ -157,6 +157,7 @@ class _Writer:
             count = args.get(key)
             if isinstance(count, int) and count % grid.tp:
                 raise ReshardError(f"target tp={grid.tp}: args.{key} = {count} is not a multiple of it")
+        self._check_vocabulary_padding()
         if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True):
             raise ReshardError("a tied embedding at pp > 1 (the last stage's copy, a bucket of its own) is not "
                                "written yet")
@@ -170,6 +171,24 @@ class _Writer:
         if states != {True}:
             raise ReshardError.at(self.catalog.root, "Megatron's optimizer state needs every parameter's fp32 master "
                                   "and both Adam moments; this checkpoint lacks some")
+
+    def _check_vocabulary_padding(self) -> None:
+        """Megatron-LM pads the tokenizer's vocabulary up to a multiple of make_vocab_size_divisible_by x tp when it
+        builds the model: where that is another size at the target's tp than the saved embedding's, its load fails
+        on the shape. Re-padding the embedding's rows is not written yet, so such a target is refused. (Without
+        args.vocab_size, the tokenizer's own size, a saved padding that is a multiple at the target is taken as
+        the size Megatron-LM will pad to.)"""
+        padded, multiple = self.args.get("padded_vocab_size"), self.args.get("make_vocab_size_divisible_by")
+        if not isinstance(padded, int) or not isinstance(multiple, int):
+            return
+        multiple *= self.grid.tp
+        vocab = self.args.get("vocab_size")
+        target = -(-vocab // multiple) * multiple if isinstance(vocab, int) else None
+        if (target or padded) != padded or padded % multiple:
+            raise ReshardError(f"target tp={self.grid.tp}: Megatron-LM pads the vocabulary to a multiple of "
+                               f"make_vocab_size_divisible_by x tp = {multiple},{f' {target} rows,' if target else ''} "
+                               f"not the {padded} saved; re-padding the "
+                               "embedding is not written yet")
 
     def _params(self) -> list[Param]:
         notes = self.catalog.notes
