@@ -41,8 +41,17 @@ from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
 from reshard.formats.megatron import buckets, legacy, order as param_order, tp_boxes
-from reshard.formats.megatron.pickles import METADATA_ALLOWED, Namespace
-from reshard.formats.megatron.reader import BUCKET, COMMON, CONFIG, ITERATION, RELEASE, TRACKER, common_state
+from reshard.formats.megatron.pickles import Namespace
+from reshard.formats.megatron.reader import (
+    BUCKET,
+    COMMON,
+    CONFIG,
+    ITERATION,
+    RELEASE,
+    TRACKER,
+    common_state,
+    source_metadata,
+)
 from reshard.formats.megatron.topology import DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN, MegatronTopology
 from reshard.formats.torchsave_read import DType
 from reshard.formats.torchsave_write import TorchFile
@@ -131,7 +140,7 @@ class _Writer:
         self.rules = param_order.load()
         self._check()
         # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files)
-        self.source_meta = None if self.legacy else md.read(os.path.join(catalog.root, METADATA), METADATA_ALLOWED)
+        self.source_meta = None if self.legacy else source_metadata(os.path.join(catalog.root, METADATA))
         self.source_chunks: Chunks | None = None     # where the source's objects lie, when one is copied
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
