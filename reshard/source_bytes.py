@@ -6,6 +6,7 @@ tensor, for tests, export and checks.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import replace
 
 import numpy as np
@@ -104,6 +105,18 @@ class MappedFiles:
         return np.frombuffer(m, dtype=numpy_carrier(dtype), count=count, offset=start)
 
 
+    def let_go(self, storage: StorageRef, first: int, count: int, dtype: str) -> None:
+        """Done with elements [first, first + count) read through the map: their pages leave this process's
+        resident memory (they stay in the page cache; a view still held reads them again). Without it a pass over
+        a whole checkpoint through maps (diff) keeps every page it read resident: twice the checkpoint's size."""
+        size = itemsize(dtype)
+        start, stop = storage.offset + first * size, storage.offset + (first + count) * size
+        if stop - start < SMALL_READ or not self._files.mapped(storage.file):
+            return      # (read by pread into memory of its own, not mapped)
+        m = self._view(storage.file)
+        start -= start % mmap.PAGESIZE
+        m.madvise(mmap.MADV_DONTNEED, start, min(stop, len(m)) - start)
+
     def read_into(self, storage: StorageRef, first: int, out: np.ndarray, dtype: str) -> None:
         """Elements [first, first + out.size) of a storage read into `out` (1-D, contiguous): the kernel copies
         from the page cache straight into the caller's memory, and no mapped page stays in this process."""
@@ -158,6 +171,7 @@ def read_shard(files: MappedFiles, tensor: LogicalTensor, shard: Shard | None, s
         values = files.elements(hit.fragment.storage, hit.elem, span(hit.shape, hit.strides), tensor.dtype)
         np.lib.stride_tricks.as_strided(out[first:], hit.shape, byte_strides)[...] = \
             np.lib.stride_tricks.as_strided(values, hit.shape, tuple(s * out.itemsize for s in hit.strides))
+        files.let_go(hit.fragment.storage, hit.elem, values.size, tensor.dtype)
     return out
 
 
