@@ -34,7 +34,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import torchrun_jobs  # noqa: E402
 
-NAME, WORLD, SAVE_STEP, FORWARD_SEED = "torchtitan_llama_fsdp2", 2, 3, 99
+WORLD, SAVE_STEP, FORWARD_SEED = 2, 3, 99
+# name -> fuse_qkv: torchtitan's llama3 flavors fuse q, k and v into one `wqkv` parameter (FusedQKVLinear), whose
+# optimizer state reshard cannot place on the model's wq/wk/wv without the key-value head count, which the save does
+# not record (refused, tests/test_torchtitan.py); `_build_llama3_layers(fuse_qkv=False)` holds them as three
+# (QKVLinear), and the model and optimizer name the same parameters
+CONFIGS = {"torchtitan_llama_fsdp2": False, "torchtitan_llama_fused_fsdp2": True}
 
 
 def main() -> int:
@@ -42,24 +47,26 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "fixtures" / "torchtitan"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--name", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        torchrun_jobs.run_rank(worker, Path(args.worker))      # (leaves the process group, ends the rank)
-    final = Path(args.out) / NAME
-    stage = Path(tempfile.mkdtemp(prefix=f"{NAME}."))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    proc = torchrun_jobs.launch(WORLD, [__file__, "--worker", stage], env, timeout=args.timeout)
-    if proc.returncode != 0:
-        print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
-        raise SystemExit(f"{NAME}: the ranks failed (exit {proc.returncode})")
-    if final.exists():
-        shutil.rmtree(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(stage), str(final))
+        torchrun_jobs.run_rank(worker, Path(args.worker), CONFIGS[args.name])   # (leaves the group, ends the rank)
+    for name in CONFIGS:
+        final = Path(args.out) / name
+        stage = Path(tempfile.mkdtemp(prefix=f"{name}."))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        proc = torchrun_jobs.launch(WORLD, [__file__, "--worker", stage, "--name", name], env, timeout=args.timeout)
+        if proc.returncode != 0:
+            print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
+            raise SystemExit(f"{name}: the ranks failed (exit {proc.returncode})")
+        if final.exists():
+            shutil.rmtree(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(stage), str(final))
     return 0
 
 
-def worker(out: Path) -> None:
+def worker(out: Path, fuse_qkv: bool) -> None:
     import torchtitan_cpu
     torchtitan_cpu.install()
     import torch
@@ -67,7 +74,7 @@ def worker(out: Path) -> None:
     from safetensors.torch import save_file
     dist.init_process_group("gloo")
     model, optimizers, lr_schedulers, dataloader, train_state, checkpointer = torchtitan_cpu.components(
-        str(out / "checkpoint"))
+        str(out / "checkpoint"), fuse_qkv=fuse_qkv)
     losses = torchtitan_cpu.train_steps(model, optimizers, lr_schedulers, iter(dataloader), train_state, SAVE_STEP)
     checkpointer.save(curr_step=SAVE_STEP)
     checkpointer.close()
@@ -81,7 +88,7 @@ def worker(out: Path) -> None:
         t = torchtitan_cpu
         (out / "truth.json").write_text(json.dumps({
             "torchtitan": getattr(torchtitan, "__version__", "0.3.0"), "torch": torch.__version__,
-            "world": dist.get_world_size(), "step": SAVE_STEP, "losses": losses,
+            "world": dist.get_world_size(), "fuse_qkv": fuse_qkv, "step": SAVE_STEP, "losses": losses,
             "ntokens_seen": train_state.ntokens_seen,
             "model": {"dim": t.DIM, "n_heads": t.HEADS, "n_kv_heads": t.KV_HEADS, "n_layers": t.LAYERS,
                       "hidden_dim": t.HIDDEN, "vocab_size": t.VOCAB, "rope_theta": t.ROPE_THETA,

@@ -40,18 +40,18 @@ def install() -> None:
     sys.modules[KERNELS] = module
 
 
-# The run the fixture saves and the tests resume: a tiny Llama 3 of torchtitan's own model code (fused QKV as every
-# llama3 flavor has it, grouped-query attention), fp32, FSDP2 over all ranks. Attention: torchtitan's own
-# ScaledDotProductAttention module (causal), the maskless backend its Trainer supports (trainer.py: "the SDPA config
-# used by the graph_trainer tests"), in place of the FlexAttention its llama3 flavors name: FlexAttention has no
-# backward on CPU ("FlexAttention does not support backward on CPU", torch 2.13). On one document of causal tokens the
-# two compute the same attention; the checkpoint's keys and shapes do not depend on it.
+# The run the fixture saves and the tests resume: a tiny Llama 3 of torchtitan's own model code (grouped-query
+# attention; QKV fused as every llama3 flavor has it, or three projections: `fuse_qkv`), fp32, FSDP2 over all ranks.
+# Attention: torchtitan's own ScaledDotProductAttention module (causal), the maskless backend its Trainer supports
+# (trainer.py: "the SDPA config used by the graph_trainer tests"), in place of the FlexAttention its llama3 flavors
+# name: FlexAttention has no backward on CPU ("FlexAttention does not support backward on CPU", torch 2.13). On one
+# document of causal tokens the two compute the same attention; the checkpoint's keys and shapes do not depend on it.
 DIM, HEADS, KV_HEADS, LAYERS, HIDDEN, VOCAB, SEQ, BATCH = 16, 4, 2, 2, 32, 64, 8, 2
 ROPE_THETA, NORM_EPS, LR, WARMUP, STEPS = 10000.0, 1e-5, 1e-2, 2, 10
 SAMPLES = 64
 
 
-def model_config():
+def model_config(fuse_qkv: bool):
     install()
     import torch
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -62,7 +62,7 @@ def model_config():
     layers = _build_llama3_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
                                   rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=4 * SEQ, theta=ROPE_THETA,
                                                           scaling="none"),
-                                  attn_backend="flex")
+                                  fuse_qkv=fuse_qkv, attn_backend="flex")
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return Llama3Model.Config(
@@ -74,7 +74,7 @@ def model_config():
         layers=layers)
 
 
-def build_model(mesh):
+def build_model(mesh, fuse_qkv: bool):
     """The model with torchtitan's own FSDP2 wrapping (apply_fsdp_to_decoder, as parallelize_llama calls it) on
     `mesh`; every rank draws the same initial weights (seed 0) before the wrapping shards them. torchtitan turns
     FSDP's gradient division off (disable_fsdp_gradient_division: factor 1.0, it scales by the global token count
@@ -84,7 +84,7 @@ def build_model(mesh):
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_gradient_division
     torch.manual_seed(0)
-    model = model_config().build()
+    model = model_config(fuse_qkv).build()
     model.init_states()
     apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
     disable_fsdp_gradient_division(model)
@@ -109,7 +109,7 @@ class TrainState:
         self.ntokens_seen = state_dict["ntokens_seen"]
 
 
-def components(folder: str, *, exclude_from_loading=()):
+def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=()):
     """(model, optimizers, lr_schedulers, dataloader, train_state, checkpointer) at this process group's world size,
     the checkpoint manager saving to and loading from `folder`/step-N."""
     import torch
@@ -121,7 +121,7 @@ def components(folder: str, *, exclude_from_loading=()):
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    model = build_model(mesh)
+    model = build_model(mesh, fuse_qkv)
     optimizers = OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
                                        optimizer_kwargs={"lr": LR, "weight_decay": 0.1, "betas": (0.9, 0.95),

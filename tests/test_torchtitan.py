@@ -1,0 +1,149 @@
+"""torchtitan's step-N folders (fixtures/torchtitan/, saved by torchtitan 0.3.0's own CheckpointManager at 2 CPU
+ranks: tools/fixture_torchtitan.py) read whole, and converted to another world size and resumed by torchtitan itself.
+
+Reading: `inspect` names torchtitan, its step and dp, and lists its own entries (lr_scheduler, dataloader,
+train_state); `validate --deep` finds model and optimizer complete, every optimizer state on a model parameter; a
+fused-QKV save (every llama3 flavor's default) is refused naming the fused parameter: its optimizer state cannot be
+placed on the model's wq/wk/wv without the key-value head count, which the save does not record.
+
+Resuming: `convert --format torchtitan --to dp=3` is loaded by torchtitan's `CheckpointManager.load` at 3 ranks
+(tests/torchtitan_load.py, one launch for every job): weights, both Adam moments, every parameter's step, the LR
+scheduler and the train state equal the source as torch's own dcp_to_torch_save reads it, the dataloader entries are
+carried as saved, and one more step runs. Negative controls: a conversion with one exp_avg element changed is found
+naming it; the true conversion against a truth with one element changed fails.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+import reshard
+from conftest import FIXTURES, run_cli, write_in_zip
+from engine_launches import shares
+from reshard.core.catalog import TensorKey
+from reshard.formats.dcp import metadata as dcp_metadata
+
+ROOT = FIXTURES / "torchtitan"
+SOURCE = ROOT / "torchtitan_llama_fsdp2" / "checkpoint" / "step-3"
+FUSED = ROOT / "torchtitan_llama_fused_fsdp2" / "checkpoint" / "step-3"
+CHANGED = "layers.1.feed_forward.w2.weight"      # the element the negative controls change (its exp_avg)
+
+
+def test_inspect_names_torchtitan_its_step_dp_and_own_entries():
+    out = run_cli("inspect", SOURCE, check=0).stdout
+    assert "format        torchtitan + FSDP2 (DCP), dp=2" in out
+    assert "step          3 (global_steps 3" in out
+    for key, value in [("train_state.step", "3"), ("train_state.ntokens_seen", "48"), ("lr_scheduler.last_epoch",
+                       "3"), ("dataloader.world_size", "2"), ("dataloader.dp_rank_0", "bytes"),
+                       ("dataloader.dp_rank_1", "bytes")]:
+        assert any(line.split()[:1] == [key] and value in line for line in out.splitlines()), (key, out)
+    data = json.loads(run_cli("inspect", SOURCE, "--json", check=0).stdout)
+    assert data["framework"]["name"] == "torchtitan" and data["topology"]["dp"] == 2
+    assert {e["key"] for e in data["entries"]} == {"train_state.step", "train_state.ntokens_seen",
+                                                   "lr_scheduler.last_epoch", "dataloader.world_size",
+                                                   "dataloader.dp_rank_0", "dataloader.dp_rank_1"}
+
+
+def test_validate_deep_finds_model_and_optimizer_complete():
+    assert run_cli("validate", "--deep", SOURCE, check=0).stdout.startswith("complete;")
+    catalog = reshard.open_checkpoint(str(SOURCE))
+    assert len(catalog.params) == 21 and all(p.kind == "trainable" for p in catalog.params.values())
+    for name in catalog.params:     # the optimizer's FQN-keyed states, each on a model parameter
+        assert {TensorKey(name, s) for s in ("exp_avg", "exp_avg_sq")} <= set(catalog.tensors)
+        assert catalog.scalars_of_param(name)["step"].value == 3.0
+
+
+def test_a_fused_qkv_save_is_refused_naming_the_fused_parameter():
+    proc = run_cli("validate", FUSED)
+    assert proc.returncode != 0
+    assert "the optimizer names layers.0.attention.qkv_linear.wqkv.weight, which the model state dict lacks" \
+        in proc.stdout + proc.stderr
+
+
+def _convert(dst, source=SOURCE) -> None:
+    run_cli("convert", source, dst, "--format", "torchtitan", "--to", "dp=3", "--quiet", check=0)
+
+
+def _change_one_element(folder, name: str) -> None:
+    """One element of `name`'s exp_avg changed in the folder's files (its zip member's CRC-32 made to match, as a
+    save of another value would have written it)."""
+    catalog = reshard.open_checkpoint(str(folder))
+    fragment = catalog.tensors[TensorKey(name, "exp_avg")].fragments[0]
+    path = fragment.storage.file
+    meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"))
+    at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)
+    start, length = next((info.offset, info.length) for info in meta.storage_data.values()
+                         if info.relative_path == os.path.basename(path) and info.offset <= at < info.offset
+                         + info.length)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    item = folder.parent / "item.zip"
+    item.write_bytes(bytes(data[start:start + length]))
+    write_in_zip(item, at - start, bytes(b ^ 0x40 for b in data[at:at + 4]))
+    data[start:start + length] = item.read_bytes()
+    item.unlink()
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_diff_finds_the_conversion_equal_and_a_changed_element(tmp_path):
+    _convert(tmp_path / "three" / "step-3")
+    assert run_cli("diff", SOURCE, tmp_path / "three" / "step-3", check=0).stdout.startswith("no difference")
+    run_cli("convert", SOURCE, tmp_path / "dcp", "--format", "dcp", "--to", "dp=1", "--quiet", check=0)
+    out = run_cli("diff", SOURCE, tmp_path / "dcp", check=0).stdout     # another format: reshard's own DCP layout
+    assert "no difference: 63 tensors" in out and "6 scalars only in A, not compared: train_state.step" in out, out
+    changed = tmp_path / "changed" / "step-3"
+    shutil.copytree(tmp_path / "three" / "step-3", changed)
+    _change_one_element(changed, CHANGED)
+    proc = run_cli("diff", SOURCE, changed, check=1)
+    assert f"{CHANGED}" in proc.stdout and "exp_avg" in proc.stdout, proc.stdout
+
+
+@shares("torchtitan_load.py")
+def torchtitan_load_jobs(out):
+    """The conversion at 3 ranks, the changed one, and the conversion against a changed truth: 3 ranks."""
+    jobs = []
+    _convert(out / "converted" / "step-3")
+    jobs.append({"label": "converted", "folder": str(out / "converted"), "step": 3, "truth": str(SOURCE),
+                 "exclude": ["dataloader"]})
+    _convert(out / "changed" / "step-3")
+    _change_one_element(out / "changed" / "step-3", CHANGED)
+    jobs.append({"label": "changed", "folder": str(out / "changed"), "step": 3, "truth": str(SOURCE),
+                 "exclude": ["dataloader"]})
+    wrong = out / "wrong-truth" / "step-3"
+    shutil.copytree(SOURCE, wrong)
+    _change_one_element(wrong, CHANGED)
+    jobs.append({"label": "wrong truth", "folder": str(out / "converted"), "step": 3, "truth": str(wrong),
+                 "exclude": ["dataloader"]})
+    return [(3, None, job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def loaded(engine_launches):
+    return {r["label"]: r for r in engine_launches.results(torchtitan_load_jobs)}
+
+
+@pytest.mark.engine
+def test_torchtitan_resumes_the_conversion_at_3_ranks_as_the_truth_and_trains_on(loaded):
+    result = loaded["converted"]
+    assert result["loaded"] and result["error"] is None, result
+    assert result["problems"] == [], result["problems"]     # weights, moments, steps, scheduler, train state, loader
+    assert result["step"] == 3 and result["last_epoch"] == 3
+    assert len(result["losses"]) == 1 and all(math.isfinite(x) for x in result["losses"])
+    assert result["step_after"] == [4.0]
+
+
+@pytest.mark.engine
+def test_a_changed_element_is_found_in_what_torchtitan_loaded(loaded):
+    result = loaded["changed"]
+    assert result["loaded"] and result["problems"] == [f"optimizer.state.{CHANGED}.exp_avg: differs from the truth"]
+
+
+@pytest.mark.engine
+def test_a_wrong_truth_fails(loaded):
+    result = loaded["wrong truth"]
+    assert result["loaded"] and result["problems"] == [f"optimizer.state.{CHANGED}.exp_avg: differs from the truth"]
