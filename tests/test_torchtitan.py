@@ -6,6 +6,11 @@ train_state); `validate --deep` finds model and optimizer complete, every optimi
 fused-QKV save (every llama3 flavor's default) is refused naming the fused parameter: its optimizer state cannot be
 placed on the model's wq/wk/wv without the key-value head count, which the save does not record.
 
+Export: `export --names torchtitan-llama --config config.json` writes a folder transformers' LlamaForCausalLM
+loads, whose logits on the fixture's fixed batch equal torchtitan's own forward of the saved weights (the fixture's
+truth_forward.safetensors); without the rule's rotary reordering of q and k (the negative control) they differ.
+`--with-optimizer` writes both moments as torch's dcp_to_torch_save reads them.
+
 Resuming: `convert --format torchtitan --to dp=3` is loaded by torchtitan's `CheckpointManager.load` at 3 ranks
 (tests/torchtitan_load.py, one launch for every job): weights, both Adam moments, every parameter's step, the LR
 scheduler and the train state equal the source as torch's own dcp_to_torch_save reads it, the dataloader entries are
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -62,6 +68,68 @@ def test_a_fused_qkv_save_is_refused_naming_the_fused_parameter():
     assert proc.returncode != 0
     assert "the optimizer names layers.0.attention.qkv_linear.wqkv.weight, which the model state dict lacks" \
         in proc.stdout + proc.stderr
+
+
+def _hf_config(folder) -> str:
+    """The Hugging Face config.json of the fixture's model (what a torchtitan run's hf_assets_path holds)."""
+    from transformers import LlamaConfig
+    m = json.loads((ROOT / "torchtitan_llama_fsdp2" / "truth.json").read_text())["model"]
+    LlamaConfig(hidden_size=m["dim"], intermediate_size=m["hidden_dim"], num_hidden_layers=m["n_layers"],
+                num_attention_heads=m["n_heads"], num_key_value_heads=m["n_kv_heads"],
+                head_dim=m["dim"] // m["n_heads"], vocab_size=m["vocab_size"], rms_norm_eps=m["norm_eps"],
+                rope_theta=m["rope_theta"], max_position_embeddings=32, tie_word_embeddings=False,
+                attention_bias=False, mlp_bias=False).save_pretrained(folder)
+    return str(folder / "config.json")
+
+
+def _logits(folder):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    truth = load_file(ROOT / "torchtitan_llama_fsdp2" / "truth_forward.safetensors")
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(truth["tokens"]).logits, truth["logits"]
+
+
+def test_export_loads_in_transformers_with_torchtitans_own_logits(tmp_path):
+    import torch
+    config = _hf_config(tmp_path / "assets")
+    run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", config, "--quiet",
+            check=0)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(open(config).read())
+    logits, truth = _logits(tmp_path / "hf")
+    torch.testing.assert_close(logits, truth, rtol=1e-5, atol=1e-5)
+    # the control: the same names without the rotary reordering of q and k
+    rules = json.loads(open(os.path.join(reshard.__path__[0], "layouts", "torchtitan-llama.json")).read())
+    for rule in rules["rules"]:
+        rule.pop("strided", None)
+    (tmp_path / "plain.json").write_text(json.dumps(rules))
+    run_cli("export", SOURCE, tmp_path / "plain", "--names", tmp_path / "plain.json", "--config", config, "--quiet",
+            check=0)
+    logits, truth = _logits(tmp_path / "plain")
+    assert not torch.allclose(logits, truth, rtol=1e-5, atol=1e-5)
+
+
+def test_export_without_the_config_is_refused_in_one_line(tmp_path):
+    proc = run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama")
+    assert proc.returncode != 0 and not (tmp_path / "hf").exists()
+    assert "block is head_dim, which the checkpoint does not record, not a whole number (export --config: a model " \
+        "config giving it)" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_export_with_optimizer_holds_both_moments_as_torch_reads_them(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    run_cli("export", SOURCE, tmp_path / "out", "--with-optimizer", "--quiet", check=0)
+    dcp_to_torch_save(SOURCE, tmp_path / "truth.pt")
+    truth = torch.load(tmp_path / "truth.pt", weights_only=False)
+    for state in ("exp_avg", "exp_avg_sq"):
+        got = load_file(tmp_path / "out" / f"optimizer-{state}.safetensors")
+        assert set(got) == set(truth) - {"optimizer", "lr_scheduler", "dataloader", "train_state"}
+        for name, tensor in got.items():
+            assert torch.equal(tensor, truth["optimizer"][f"state.{name}.{state}"]), (state, name)
 
 
 def _convert(dst, source=SOURCE) -> None:
@@ -147,3 +215,37 @@ def test_a_changed_element_is_found_in_what_torchtitan_loaded(loaded):
 def test_a_wrong_truth_fails(loaded):
     result = loaded["wrong truth"]
     assert result["loaded"] and result["problems"] == [f"optimizer.state.{CHANGED}.exp_avg: differs from the truth"]
+
+
+def _rules(tmp_path, rule) -> str:
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({"kind": "reshard.export-names", "version": 1, "rules": [rule]}))
+    return str(path)
+
+
+def test_a_strided_rule_reorders_each_blocks_rows_by_their_stride(tmp_path):
+    from reshard import export_names
+    from reshard.export import Entry
+    rules = export_names.load(_rules(tmp_path, {"match": "w", "name": "v", "strided": {"block": "head_dim",
+                                                                                        "stride": 2}}))
+    (entry,), _ = rules.apply([Entry("w", "float32", (8, 3), ("w", "fp32"))], {}, {"head_dim": 4})
+    assert entry.key == "v" and entry.shard.shape == (8, 3)
+    # output row <- input row: each head of 4 rows takes its even rows, then its odd ones
+    assert [(b.local[0], b.at[0]) for b in entry.shard.blocks] == [(0, 0), (1, 2), (2, 1), (3, 3),
+                                                                   (4, 4), (5, 6), (6, 5), (7, 7)]
+    assert all(b.shape == (1, 3) for b in entry.shard.blocks)
+
+
+@pytest.mark.parametrize("strided, message", [
+    ({"block": 4, "stride": 1}, '"strided" is {"block": N, "stride": S >= 2}'),
+    ({"block": 4}, '"strided" is {"block": N, "stride": S >= 2}'),
+    ({"block": 3, "stride": 2}, "8 rows are not blocks of 3 rows whose rows go by 2"),
+])
+def test_a_bad_strided_rule_is_refused_naming_the_file(tmp_path, strided, message):
+    from reshard import export_names
+    from reshard.errors import ReshardError
+    from reshard.export import Entry
+    path = _rules(tmp_path, {"match": "w", "name": "v", "strided": strided})
+    with pytest.raises(ReshardError, match=re.escape(message)) as caught:
+        export_names.load(path).apply([Entry("w", "float32", (8, 3), ("w", "fp32"))], {}, {})
+    assert path in str(caught.value)
