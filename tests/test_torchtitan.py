@@ -173,20 +173,18 @@ def test_diff_finds_the_conversion_equal_and_a_changed_element(tmp_path):
 
 @shares("torchtitan_load.py")
 def torchtitan_load_jobs(out):
-    """The conversion at 3 ranks, the changed one, and the conversion against a changed truth: 3 ranks."""
-    jobs = []
-    _convert(out / "converted" / "step-3")
-    jobs.append({"label": "converted", "folder": str(out / "converted"), "step": 3, "truth": str(SOURCE),
-                 "exclude": ["dataloader"]})
-    _convert(out / "changed" / "step-3")
-    _change_one_element(out / "changed" / "step-3", CHANGED)
-    jobs.append({"label": "changed", "folder": str(out / "changed"), "step": 3, "truth": str(SOURCE),
-                 "exclude": ["dataloader"]})
+    """The conversion at 3 ranks (against the source and against a changed copy of it), and the conversion with one
+    element changed: 3 ranks."""
     wrong = out / "wrong-truth" / "step-3"
     shutil.copytree(SOURCE, wrong)
     _change_one_element(wrong, CHANGED)
-    jobs.append({"label": "wrong truth", "folder": str(out / "converted"), "step": 3, "truth": str(wrong),
-                 "exclude": ["dataloader"]})
+    jobs = []
+    for label in ("converted", "changed"):
+        _convert(out / label / "step-3")
+        if label == "changed":
+            _change_one_element(out / label / "step-3", CHANGED)
+        jobs.append({"label": label, "folder": str(out / label), "step": 3, "exclude": ["dataloader"],
+                     "truths": {"source": str(SOURCE), "wrong": str(wrong)}})
     return [(3, None, job) for job in jobs]
 
 
@@ -199,7 +197,7 @@ def loaded(engine_launches):
 def test_torchtitan_resumes_the_conversion_at_3_ranks_as_the_truth_and_trains_on(loaded):
     result = loaded["converted"]
     assert result["loaded"] and result["error"] is None, result
-    assert result["problems"] == [], result["problems"]     # weights, moments, steps, scheduler, train state, loader
+    assert result["problems"]["source"] == [], result    # weights, moments, steps, scheduler, train state, loader
     assert result["step"] == 3 and result["last_epoch"] == 3
     assert len(result["losses"]) == 1 and all(math.isfinite(x) for x in result["losses"])
     assert result["step_after"] == [4.0]
@@ -208,13 +206,15 @@ def test_torchtitan_resumes_the_conversion_at_3_ranks_as_the_truth_and_trains_on
 @pytest.mark.engine
 def test_a_changed_element_is_found_in_what_torchtitan_loaded(loaded):
     result = loaded["changed"]
-    assert result["loaded"] and result["problems"] == [f"optimizer.state.{CHANGED}.exp_avg: differs from the truth"]
+    assert result["loaded"] and result["problems"]["source"] == [f"optimizer.state.{CHANGED}.exp_avg: differs from "
+                                                                 "the truth"], result
 
 
 @pytest.mark.engine
 def test_a_wrong_truth_fails(loaded):
-    result = loaded["wrong truth"]
-    assert result["loaded"] and result["problems"] == [f"optimizer.state.{CHANGED}.exp_avg: differs from the truth"]
+    result = loaded["converted"]
+    assert result["loaded"] and result["problems"]["wrong"] == [f"optimizer.state.{CHANGED}.exp_avg: differs from "
+                                                                "the truth"], result
 
 
 def _rules(tmp_path, rule) -> str:

@@ -3,15 +3,15 @@
 
     torchrun --nproc_per_node 3 tests/torchtitan_load.py JOBS.json RESULTS.json
 
-JOBS.json lists {"label", "folder": a checkpoint folder holding step-N/, "step": N, "truth": a step-N folder,
-"exclude": checkpoint.exclude_from_loading}. For each job every rank builds the run tools/fixture_torchtitan.py saved
+JOBS.json lists {"label", "folder": a checkpoint folder holding step-N/, "step": N, "truths": {name: a step-N
+folder}, "exclude": checkpoint.exclude_from_loading}. For each job every rank builds the run tools/fixture_torchtitan.py saved
 (tools/torchtitan_cpu.components: torchtitan's Llama 3, its FSDP2 wrapping over all ranks, OptimizersContainer,
 LRSchedulersContainer, ParallelAwareDataloader, the Trainer's train_state) and calls `CheckpointManager.load(step=N)`.
-The truth is read from "truth" by torch's own `dcp_to_torch_save` (no reshard): the live weights (full tensors),
+Each truth is read by torch's own `dcp_to_torch_save` (no reshard): the live weights (full tensors),
 both Adam moments and each parameter's step (torchtitan's OptimizersContainer.state_dict), the LR scheduler's
 last_epoch and the train state must equal it exactly; the folder's dataloader entries, read the same way, must equal
-the truth's. Then one more training step runs. Rank 0 writes {"label", "loaded", "error", "problems": [...], "step",
-"last_epoch", "losses", "step_after"} per job.
+the truth's. Then one more training step runs. Rank 0 writes {"label", "loaded", "error", "problems": {truth's name:
+[...]}, "step", "last_epoch", "losses", "step_after"} per job.
 """
 import json
 import os
@@ -42,9 +42,9 @@ def _truth(folder: str) -> dict:
         return torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
 
 
-def _problems(job, weights, optim, lr_schedulers, train_state) -> list:
+def _problems(job, folder, weights, optim, lr_schedulers, train_state) -> list:
     import torch
-    truth, problems = _truth(job["truth"]), []
+    truth, problems = _truth(folder), []
     problems += [f"{name}: differs from the truth" for name, live in weights.items()
                  if not torch.equal(live, truth[name])]
     problems += [f"optimizer.{key}: differs from the truth" for key, live in optim.items()
@@ -64,7 +64,7 @@ def _job(job: dict) -> dict:
     import torch.distributed as dist
 
     import torchtitan_cpu
-    result = {"label": job["label"], "loaded": False, "error": None, "problems": [], "losses": []}
+    result = {"label": job["label"], "loaded": False, "error": None, "problems": {}, "losses": []}
     model, optimizers, lr_schedulers, dataloader, train_state, checkpointer = torchtitan_cpu.components(
         job["folder"], fuse_qkv=False, exclude_from_loading=job["exclude"])
     try:
@@ -77,7 +77,8 @@ def _job(job: dict) -> dict:
         optim = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                  for k, v in optimizers.state_dict().items() if k.startswith("state.")}
         if dist.get_rank() == 0:
-            result["problems"] = _problems(job, weights, optim, lr_schedulers, train_state)
+            result["problems"] = {name: _problems(job, truth, weights, optim, lr_schedulers, train_state)
+                                  for name, truth in job["truths"].items()}
         result["step"], result["last_epoch"] = train_state.step, lr_schedulers.schedulers[0].last_epoch
         result["losses"] = torchtitan_cpu.train_steps(model, optimizers, lr_schedulers, iter(dataloader),
                                                       train_state, 1)
