@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 3 tests/torchtitan_load.py JOBS.json RESULTS.json
 
 JOBS.json lists {"label", "folder": a checkpoint folder holding step-N/, "step": N, "truths": {name: a step-N
-folder}, "exclude": checkpoint.exclude_from_loading}. For each job every rank builds the run tools/fixture_torchtitan.py saved
-(tools/torchtitan_cpu.components: torchtitan's Llama 3, its FSDP2 wrapping over all ranks, OptimizersContainer,
+folder}, "exclude": checkpoint.exclude_from_loading}. For each job every rank builds the run
+tools/fixture_torchtitan.py saved (tools/torchtitan_cpu.components: torchtitan's Llama 3, its FSDP2 wrapping over all ranks, OptimizersContainer,
 LRSchedulersContainer, ParallelAwareDataloader, the Trainer's train_state) and calls `CheckpointManager.load(step=N)`.
 Each truth is read by torch's own `dcp_to_torch_save` (no reshard): the live weights (full tensors),
 both Adam moments and each parameter's step (torchtitan's OptimizersContainer.state_dict), the LR scheduler's
