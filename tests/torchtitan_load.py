@@ -5,13 +5,13 @@
 
 JOBS.json lists {"label", "folder": a checkpoint folder holding step-N/, "step": N, "truths": {name: a step-N
 folder}, "exclude": checkpoint.exclude_from_loading}. For each job every rank builds the run
-tools/fixture_torchtitan.py saved (tools/torchtitan_cpu.components: torchtitan's Llama 3, its FSDP2 wrapping over all ranks, OptimizersContainer,
-LRSchedulersContainer, ParallelAwareDataloader, the Trainer's train_state) and calls `CheckpointManager.load(step=N)`.
-Each truth is read by torch's own `dcp_to_torch_save` (no reshard): the live weights (full tensors),
-both Adam moments and each parameter's step (torchtitan's OptimizersContainer.state_dict), the LR scheduler's
-last_epoch and the train state must equal it exactly; the folder's dataloader entries, read the same way, must equal
-the truth's. Then one more training step runs. Rank 0 writes {"label", "loaded", "error", "problems": {truth's name:
-[...]}, "step", "last_epoch", "losses", "step_after"} per job.
+tools/fixture_torchtitan.py saved (tools/torchtitan_cpu.components: torchtitan's Llama 3, its FSDP2 wrapping over
+all ranks, OptimizersContainer, LRSchedulersContainer, ParallelAwareDataloader, the Trainer's train_state) and calls
+`CheckpointManager.load(step=N)`. Each truth is read by torch's own `dcp_to_torch_save` (no reshard): the live
+weights (full tensors), both Adam moments and each parameter's step (torchtitan's OptimizersContainer.state_dict),
+the LR scheduler's last_epoch and the train state must equal it exactly; the folder's dataloader entries, read the
+same way, must equal the truth's. Then one more training step runs. Rank 0 writes {"label", "loaded", "error",
+"problems": {truth's name: [...]}, "step", "last_epoch", "losses", "step_after"} per job.
 """
 import json
 import os
