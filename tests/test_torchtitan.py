@@ -171,6 +171,11 @@ def test_diff_finds_the_conversion_equal_and_a_changed_element(tmp_path):
     assert f"{CHANGED}" in proc.stdout and "exp_avg" in proc.stdout, proc.stdout
 
 
+def test_plan_advises_excluding_the_data_loaders_at_another_size():
+    out = run_cli("plan", SOURCE, "--format", "torchtitan", "--to", "dp=3", check=0).stdout
+    assert 'checkpoint.exclude_from_loading = ["dataloader"]' in out and "framework" not in out, out
+
+
 @shares("torchtitan_load.py")
 def torchtitan_load_jobs(out):
     """The conversion at 3 ranks (against the source and against a changed copy of it), and the conversion with one
