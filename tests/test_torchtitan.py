@@ -14,8 +14,9 @@ truth_forward.safetensors); without the rule's rotary reordering of q and k (the
 Resuming: `convert --format torchtitan --to dp=3` is loaded by torchtitan's `CheckpointManager.load` at 3 ranks
 (tests/torchtitan_load.py, one launch for every job): weights, both Adam moments, every parameter's step, the LR
 scheduler and the train state equal the source as torch's own dcp_to_torch_save reads it, the dataloader entries are
-carried as saved, and one more step runs. Negative controls: a conversion with one exp_avg element changed is found
-naming it; the true conversion against a truth with one element changed fails.
+carried as saved, and one more step runs; at 2 ranks (the size that saved it) the data loaders load too, at their
+saved position. Negative controls: a conversion with one exp_avg element changed is found naming it; the true
+conversion against a truth with one element changed fails.
 """
 from __future__ import annotations
 
@@ -132,8 +133,8 @@ def test_export_with_optimizer_holds_both_moments_as_torch_reads_them(tmp_path):
             assert torch.equal(tensor, truth["optimizer"][f"state.{name}.{state}"]), (state, name)
 
 
-def _convert(dst, source=SOURCE) -> None:
-    run_cli("convert", source, dst, "--format", "torchtitan", "--to", "dp=3", "--quiet", check=0)
+def _convert(dst, source=SOURCE, dp: int = 3) -> None:
+    run_cli("convert", source, dst, "--format", "torchtitan", "--to", f"dp={dp}", "--quiet", check=0)
 
 
 def _change_one_element(folder, name: str) -> None:
@@ -190,7 +191,10 @@ def torchtitan_load_jobs(out):
             _change_one_element(out / label / "step-3", CHANGED)
         jobs.append({"label": label, "folder": str(out / label), "step": 3, "exclude": ["dataloader"],
                      "truths": {"source": str(SOURCE), "wrong": str(wrong)}})
-    return [(3, None, job) for job in jobs]
+    _convert(out / "same-size" / "step-3", dp=2)      # the data loaders too: torchtitan loads them only at 2
+    same = {"label": "same size", "folder": str(out / "same-size"), "step": 3, "exclude": [],
+            "truths": {"source": str(SOURCE)}}
+    return [(3, None, job) for job in jobs] + [(2, None, same)]
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +209,13 @@ def test_torchtitan_resumes_the_conversion_at_3_ranks_as_the_truth_and_trains_on
     assert result["problems"]["source"] == [], result    # weights, moments, steps, scheduler, train state, loader
     assert result["step"] == 3 and result["last_epoch"] == 3
     assert len(result["losses"]) == 1 and all(math.isfinite(x) for x in result["losses"])
+    assert result["step_after"] == [4.0]
+
+
+@pytest.mark.engine
+def test_torchtitan_resumes_a_conversion_at_the_same_size_with_its_data_loaders(loaded):
+    result = loaded["same size"]
+    assert result["loaded"] and result["problems"]["source"] == [], result
     assert result["step_after"] == [4.0]
 
 

@@ -10,7 +10,8 @@ all ranks, OptimizersContainer, LRSchedulersContainer, ParallelAwareDataloader, 
 `CheckpointManager.load(step=N)`. Each truth is read by torch's own `dcp_to_torch_save` (no reshard): the live
 weights (full tensors), both Adam moments and each parameter's step (torchtitan's OptimizersContainer.state_dict),
 the LR scheduler's last_epoch and the train state must equal it exactly; the folder's dataloader entries, read the
-same way, must equal the truth's. Then one more training step runs. Rank 0 writes {"label", "loaded", "error",
+same way, must equal the truth's, and where the job loads the data loaders (at the size that saved them) rank 0's
+loaded position must be the truth's. Then one more training step runs. Rank 0 writes {"label", "loaded", "error",
 "problems": {truth's name: [...]}, "step", "last_epoch", "losses", "step_after"} per job.
 """
 import json
@@ -42,7 +43,7 @@ def _truth(folder: str) -> dict:
         return torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
 
 
-def _problems(job, folder, weights, optim, lr_schedulers, train_state) -> list:
+def _problems(job, folder, weights, optim, lr_schedulers, train_state, dataloader) -> list:
     import torch
     truth, problems = _truth(folder), []
     problems += [f"{name}: differs from the truth" for name, live in weights.items()
@@ -57,6 +58,9 @@ def _problems(job, folder, weights, optim, lr_schedulers, train_state) -> list:
         problems.append("train_state: differs from the truth")
     if _truth(os.path.join(job["folder"], f"step-{job['step']}"))["dataloader"] != truth["dataloader"]:
         problems.append("dataloader: differs from the truth")
+    if "dataloader" not in job["exclude"] and dataloader.state_dict() != {
+            k: v for k, v in truth["dataloader"].items() if k in ("dp_rank_0", "world_size")}:
+        problems.append("dataloader: rank 0 loaded another position")     # (loaded at the size that saved it)
     return problems
 
 
@@ -77,8 +81,8 @@ def _job(job: dict) -> dict:
         optim = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                  for k, v in optimizers.state_dict().items() if k.startswith("state.")}
         if dist.get_rank() == 0:
-            result["problems"] = {name: _problems(job, truth, weights, optim, lr_schedulers, train_state)
-                                  for name, truth in job["truths"].items()}
+            result["problems"] = {name: _problems(job, truth, weights, optim, lr_schedulers, train_state,
+                                                  dataloader) for name, truth in job["truths"].items()}
         result["step"], result["last_epoch"] = train_state.step, lr_schedulers.schedulers[0].last_epoch
         result["losses"] = torchtitan_cpu.train_steps(model, optimizers, lr_schedulers, iter(dataloader),
                                                       train_state, 1)
