@@ -12,7 +12,7 @@ truth_forward.safetensors); without the rule's rotary reordering of q and k (the
 `--with-optimizer` writes both moments as torch's dcp_to_torch_save reads them.
 
 Resuming: `convert --format torchtitan --to dp=3` is loaded by torchtitan's `CheckpointManager.load` at 3 ranks
-(tests/torchtitan_load.py, one launch for every job): weights, both Adam moments, every parameter's step, the LR
+(tests/torchtitan_load.py: one 3-rank and one 2-rank launch): weights, both Adam moments, every parameter's step, the LR
 scheduler and the train state equal the source as torch's own dcp_to_torch_save reads it, the dataloader entries are
 carried as saved, and one more step runs; at 2 ranks (the size that saved it) the data loaders load too, at their
 saved position. Negative controls: a conversion with one exp_avg element changed is found naming it; the true
