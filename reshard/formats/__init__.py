@@ -48,7 +48,9 @@ WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topol
             "megatron": WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
             # the folder a framework (HF Trainer, Accelerate) resumes from with FSDP's sharded state dict, its own
             # files carried beside it as for DeepSpeed
-            "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY)}
+            "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY),
+            # torchtitan's step-N folder (its CheckpointManager's flat keys), its own entries carried
+            "torchtitan": WriterEntry("reshard.formats.dcp.torchtitan_writer", MESH_ONLY)}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
