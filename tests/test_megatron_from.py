@@ -1,7 +1,7 @@
 """Megatron torch_dist output of a DeepSpeed checkpoint of megatron-core's GPTModel (`convert --format megatron
 --names megatron-core-modules --to tp=..,args=FILE`), proven by megatron-core 0.16.1 itself.
 
-The source (fixtures/megatron_core/mcore_deepspeed_z1_dp2, tools/fixture_megatron_deepspeed.py) is the fixtures'
+The source (fixtures/megatron_deepspeed/mcore_deepspeed_z1_dp2, tools/fixture_megatron_deepspeed.py) is the fixtures'
 GPTModel trained by the real DeepSpeed engine (ZeRO-1, bf16, dp=2), saved under the module's own names; its truth is
 the live engine's weights, fp32 masters and both Adam moments at save time. Each conversion is loaded by
 `dist_checkpointing.load` into Megatron's GPTModel and optimizer built at the target topology (tests/megatron_load.py,
@@ -29,11 +29,11 @@ from reshard.executor import execute
 
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
 
-SOURCE = FIXTURES / "megatron_core" / "mcore_deepspeed_z1_dp2"
+SOURCE = FIXTURES / "megatron_deepspeed" / "mcore_deepspeed_z1_dp2"
 ARGS = SOURCE / "megatron_args.json"
 NAMES = "megatron-core-modules"
 # --to (args= added): every optimizer sharding, tp, pp and dp changed
-CONVERSIONS = ["tp=2,pp=1,dp=1", "tp=1,pp=2,dp=1,sharding=plain", "tp=1,pp=1,dp=2,sharding=fully_reshardable"]
+CONVERSIONS = ["tp=1,pp=1,dp=2", "tp=1,pp=2,dp=1,sharding=plain", "tp=2,pp=1,dp=1,sharding=fully_reshardable"]
 
 
 def _convert(to: str, dst, args=ARGS) -> None:
@@ -55,7 +55,7 @@ def megatron_load_jobs(out):
     changed = out / "from-deepspeed-changed" / "save"
     _convert(CONVERSIONS[0], changed)
     change_one_element(changed, CHANGED)
-    jobs.append({"label": "changed", "save": str(changed), "tp": 2, "pp": 1, "truth": truth})
+    jobs.append({"label": "changed", "save": str(changed), "tp": 1, "pp": 1, "truth": truth})
     return [(2, None, job) for job in jobs]
 
 
@@ -115,6 +115,7 @@ def test_the_common_state_is_the_users_arguments_and_the_runs_counters(tmp_path)
     (("args", "adam_beta2", 0.999), "args.adam_beta2 = 0.999: the checkpoint's param group 0 holds 0.95"),
     (("args", "swiglu", False), "args.ffn_hidden_size, args.swiglu make decoder.layers.0.mlp.linear_fc1.weight"),
     (("args", "lr", None), "args.lr is not given"),
+    (("args", "transformer_impl", None), "args.transformer_impl is not given"),
     (("opt_param_scheduler", "num_steps", None), "opt_param_scheduler.num_steps is not given"),
     (("iteration", None, 7), "iteration = 7: the checkpoint's is 3"),
 ])

@@ -59,7 +59,7 @@ def torch_dist_name(name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(REPO / "fixtures" / "megatron_core"))
+    parser.add_argument("--out", default=str(REPO / "fixtures" / "megatron_deepspeed"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()

@@ -30,7 +30,8 @@ from reshard.formats.megatron.order import ParamOrder
 REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
             "max_position_embeddings", "seq_length", "normalization", "swiglu", "add_bias_linear",
             "position_embedding_type", "untie_embeddings_and_output_weights", "bf16", "fp16", "optimizer", "lr",
-            "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "micro_batch_size", "global_batch_size")
+            "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "micro_batch_size", "global_batch_size",
+            "transformer_impl")
 # OptimizerParamScheduler.state_dict(), which load_checkpoint hands to its load_state_dict
 SCHEDULER = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "num_steps", "start_wd",
              "end_wd", "wd_incr_steps", "wd_incr_style")
@@ -84,8 +85,7 @@ def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
     samples = _counter(path, args.get("consumed_train_samples"), catalog.training.global_samples,
                        "args.consumed_train_samples", "its sample count")
     args["consumed_train_samples"] = samples
-    args.setdefault("transformer_impl", "local")
-    args.setdefault("kv_channels", args["hidden_size"] // args["num_attention_heads"])
+    args.setdefault("kv_channels", args["hidden_size"] // args["num_attention_heads"])   # (Megatron-LM's default)
     args["ckpt_format"] = "torch_dist"     # (the output's; the degrees and the optimizer's sharding: the writer's)
     return RunArgs(args, iteration, scheduler, _param_groups(path, args, catalog, rules))
 

@@ -15,8 +15,11 @@ layer axis (global layer numbers), one chunk per (layer, tensor-parallel box: tp
 optimizer.state.param.*) or, dp_reshardable, in flat per-bucket buffers laid out for the target's tp, pp and dp by
 buckets.lay_out (the layout the reader checks against real saves), each data-parallel rank's part a chunk.
 
-Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Any
-layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
+A Megatron source has the common state Megatron needs (args, scheduler); a source of another format (a DeepSpeed
+checkpoint of megatron-core's GPTModel, under torch_dist's names by `--names megatron-core-modules` undone) gets it
+from the user's Megatron-LM arguments, `--to ...,args=FILE` (run_args: checked against its tensors, the param groups
+megatron-core's defaults), and is refused without them; its layers' extra states are the local spec's empty ones.
+Any layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
 from reader.common_state. Objects a torch_dist source saved that do not depend on the topology (layers'
 `_extra_state`) are copied as their bytes lie; a legacy source's extra-state values are written as torch_dist's
 objects (legacy.extra_states). The RNG state is copied where tp and pp are kept and the source is torch_dist, and
@@ -142,22 +145,8 @@ class _Writer:
         self.rules = param_order.load()
         # the parameters (a DeepSpeed module state dict's order also names its layers' extra states)
         self.names = [n for n in catalog.order if n in catalog.params] if self.foreign else list(catalog.order)
-        if given is not None:
-            self._refuse_unplaced()
-            run = run_args.load(given, catalog, self.rules)
-            self.common: dict[str, Any] = {"args": None, "checkpoint_version": run_args.CHECKPOINT_VERSION,
-                           "iteration": run.iteration, "opt_param_scheduler": dict(run.scheduler)}
-            self.args: dict[str, Any] = dict(run.args)
-            self.groups = [dict(g) for g in run.param_groups]
-            if ITERATION.match(tag) and int(tag[len("iter_"):]) != run.iteration:
-                raise UsageError(f"--tag-out {tag}: the run's iteration is {run.iteration}")
-        else:
-            self.common, common_path = common_state(catalog.root)
-            args = self.common.get("args")
-            if not isinstance(args, Namespace):
-                raise CheckpointError(common_path, "holds no args namespace to write at the target")
-            self.args = dict(vars(args))
-            self.groups = [{k: v for k, v in g.items() if k != "params"} for g in catalog.param_groups]
+        self.common, self.args, self.groups = self._given_state(given) if given is not None else \
+            self._source_state()
         self._check()
         # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files; another format,
         # none but its layers' empty extra states)
@@ -167,6 +156,28 @@ class _Writer:
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
         self.params = self._params()
+
+    # -- the common state: the source's, or the user's arguments (args=FILE) for a source of another format
+
+    def _source_state(self) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+        """(common state, args, param groups less their params) of a Megatron source."""
+        common, common_path = common_state(self.catalog.root)
+        args = common.get("args")
+        if not isinstance(args, Namespace):
+            raise CheckpointError(common_path, "holds no args namespace to write at the target")
+        return common, dict(vars(args)), [{k: v for k, v in g.items() if k != "params"}
+                                          for g in self.catalog.param_groups]
+
+    def _given_state(self, path: str) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+        """The same from the arguments file at `path`, checked against the source (run_args.load); the output's
+        iteration folder must be the run's."""
+        self._refuse_unplaced()
+        run = run_args.load(path, self.catalog, self.rules)
+        if ITERATION.match(self.tag) and int(self.tag[len("iter_"):]) != run.iteration:
+            raise UsageError(f"--tag-out {self.tag}: the run's iteration is {run.iteration}")
+        common = {"checkpoint_version": run_args.CHECKPOINT_VERSION, "iteration": run.iteration,
+                  "opt_param_scheduler": dict(run.scheduler)}
+        return common, dict(run.args), [dict(g) for g in run.param_groups]
 
     # -- what the target can be
 
