@@ -4,7 +4,7 @@ megatron` from DeepSpeed, universal and DCP (tests/test_megatron_from.py).
 
 Usage::
 
-    python tools/fixture_megatron_deepspeed.py [--out DIR]
+    python tools/fixture_megatron_deepspeed.py [--out DIR] [--zero STAGE]
 
 Made with megatron-core 0.16.1, DeepSpeed 0.19.8 and torch 2.13.0+cpu (DS_ACCELERATOR=cpu, gloo, the CUDA shim of
 tools/megatron_cpu.py). ``torchrun --nproc_per_node 2 tools/fixture_megatron_deepspeed.py --worker`` builds the
@@ -60,25 +60,27 @@ def torch_dist_name(name: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(REPO / "fixtures" / "megatron_deepspeed"))
+    parser.add_argument("--zero", type=int, default=1, help="the ZeRO stage (the fixture's is 1; 2 and 3 for a check "
+                        "by hand, written as mcore_deepspeed_z<STAGE>_dp2)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     if args.worker:
-        torchrun_jobs.run_rank(worker, Path(args.worker))
+        torchrun_jobs.run_rank(worker, Path(args.worker), args.zero)
     stage = Path(tempfile.mkdtemp(prefix=f"{NAME}."))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO / "tools")}
-    proc = torchrun_jobs.launch(2, [__file__, "--worker", stage], env, timeout=args.timeout)
+    proc = torchrun_jobs.launch(2, [__file__, "--worker", stage, "--zero", args.zero], env, timeout=args.timeout)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
         raise SystemExit(f"{NAME}: the ranks failed (exit {proc.returncode})")
-    final = Path(args.out) / NAME
+    final = Path(args.out) / NAME.replace("_z1_", f"_z{args.zero}_")
     if final.exists():
         shutil.rmtree(final)
     shutil.move(str(stage), str(final))
     return 0
 
 
-def worker(out: Path) -> None:
+def worker(out: Path, zero: int) -> None:
     import megatron_cpu
     megatron_cpu.install()
 
@@ -101,7 +103,7 @@ def worker(out: Path) -> None:
     groups = [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": WEIGHT_DECAY},
               {"params": [p for _, p in named if p.dim() == 1], "weight_decay": 0.0}]
     config = {"train_micro_batch_size_per_gpu": fixture.MICRO, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+              "steps_per_print": 10**9, "bf16": {"enabled": True}, "zero_optimization": {"stage": zero},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8,
                                                         "weight_decay": WEIGHT_DECAY, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
@@ -122,7 +124,7 @@ def worker(out: Path) -> None:
         hyper = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, list))}
                  for g in inner.param_groups]
         info = {"kind": "megatron-core under deepspeed", "deepspeed": deepspeed.__version__,
-                "torch": torch.__version__, "zero": 1, "dp": 2, "step": steps, "iteration": engine.global_steps,
+                "torch": torch.__version__, "zero": zero, "dp": 2, "step": steps, "iteration": engine.global_steps,
                 "param_groups": hyper}
         (out / "truth.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         (out / "megatron_args.json").write_text(json.dumps(megatron_args(fixture), indent=1) + "\n")

@@ -154,6 +154,9 @@ def _check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) ->
             raise ReshardError.at(path, f"args.{key} = {args[key]!r}, yet the checkpoint "
                                         f"{'holds' if present else 'holds no'} *{suffix}")
     dtypes = {t.dtype for k, t in catalog.tensors.items() if k.state == "module"}
+    if not dtypes:
+        raise ReshardError.at(catalog.root, "holds no model weights of its own (a ZeRO-3 save keeps only the fp32 "
+                                            "partitions): Megatron output of it is not written yet")
     dtype = "bfloat16" if args["bf16"] else "float16" if args["fp16"] else "float32"
     if dtypes != {dtype}:
         raise ReshardError.at(path, f"args.bf16 = {args['bf16']}, args.fp16 = {args['fp16']}: the model is "
