@@ -144,3 +144,29 @@ def test_without_the_names_or_the_arguments_it_is_refused_in_one_line(tmp_path):
         assert refused.returncode == status and words in refused.stderr, refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("rule, words", [
+    ({"match": "(a)\\.(b)", "name": "x.\\1", "join": ["\\1.c", "\\1.d"]}, "only renames can be undone"),
+    ({"match": "a.*\\.(b)", "name": "x.\\1"}, "outside a group"),
+    ({"match": "(a)\\.(b)", "name": "x.\\1"}, "leaves out a group"),
+    ({"match": "((a)b)\\.c", "name": "x.\\1"}, "a capturing group inside another"),
+])
+def test_a_names_rule_that_cannot_be_undone_is_refused_in_one_line(tmp_path, rule, words):
+    from reshard import module_names
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({"kind": "reshard.module-names", "version": 1, "description": "t", "rules": [rule]}))
+    with pytest.raises(ReshardError) as refused:
+        module_names.inverted(module_names.load(str(path)))
+    assert words in str(refused.value) and str(path) in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_shipped_names_undone_give_torch_dist_keys_and_come_back():
+    from reshard import module_names
+    forward = module_names.load(NAMES)
+    back = module_names.inverted(forward)
+    for name, key in (("decoder.layers.1.input_layernorm.weight", "decoder.layers.1.self_attention.linear_qkv."
+                       "layer_norm_weight"), ("decoder.layers.0.pre_mlp_layernorm.bias",
+                                              "decoder.layers.0.mlp.linear_fc1.layer_norm_bias"),
+                      ("output_layer.weight", "output_layer.weight")):
+        assert back.rename(name) == key and forward.rename(key) == name
