@@ -118,6 +118,8 @@ def test_the_common_state_is_the_users_arguments_and_the_runs_counters(tmp_path)
     (("args", "transformer_impl", None), "args.transformer_impl is not given"),
     (("opt_param_scheduler", "num_steps", None), "opt_param_scheduler.num_steps is not given"),
     (("iteration", None, 7), "iteration = 7: the checkpoint's is 3"),
+    (("args", "iteration", 5), "args.iteration = 5: the checkpoint's is 3"),
+    (("args", "consumed_train_samples", 99), "args.consumed_train_samples = 99: the checkpoint's is 12"),
 ])
 def test_arguments_that_contradict_the_checkpoint_are_refused_in_one_line(tmp_path, change, words):
     data = json.loads(ARGS.read_text())

@@ -81,7 +81,8 @@ def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
                                         f"{args[arg]}")
     iteration = _counter(path, data.get("iteration"), catalog.training.global_steps, "iteration",
                          "its step count")
-    args["iteration"] = iteration
+    if args.setdefault("iteration", iteration) != iteration:
+        raise ReshardError.at(path, f"args.iteration = {args['iteration']}: the checkpoint's is {iteration}")
     samples = _counter(path, args.get("consumed_train_samples"), catalog.training.global_samples,
                        "args.consumed_train_samples", "its sample count")
     args["consumed_train_samples"] = samples
