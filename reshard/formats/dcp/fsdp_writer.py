@@ -20,6 +20,7 @@ from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR
 MODEL, OPTIMIZER = "model", "optimizer"      # accelerate's save_fsdp_model / save_fsdp_optimizer top-level keys
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = True
+SAVES_OWN_NAMES = False
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -39,6 +40,10 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             values.append(replace(value, key=".".join(str(p) for p in path), path=path))
     return [*dcp_writer.folder_files(catalog, target.dp, tag, MODEL_DIR, model, []),
             *dcp_writer.folder_files(catalog, target.dp, tag, OPTIM_DIR, optim, values)]
+
+
+def output_tag(catalog, tag: str) -> str:
+    return tag
 
 
 def describe(target: Layout, tag: str) -> Output:

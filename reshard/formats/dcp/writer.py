@@ -73,6 +73,7 @@ def file_name(rank: int) -> str:
 
 PLACES_EXPERTS = False     # experts go in as one model's params only: convert --names (reshard.module_names)
 RESUMED_BY_FRAMEWORKS = False
+SAVES_OWN_NAMES = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     check_target(target)
@@ -122,6 +123,10 @@ def folder_files(catalog: Catalog, dp: int, tag: str, folder: str, tensors: list
         offset, length = files[0].add_blob(blob)
         out.value(key, path, file_name(0), offset, length)
     return [f for f in files if f.items] + [TextFile(os.path.join(folder, METADATA), md.dumps(out.build(tag)))]
+
+
+def output_tag(catalog, tag: str) -> str:
+    return tag
 
 
 def describe(target: Layout, tag: str) -> Output:

@@ -66,6 +66,12 @@ class ParamOrder:
         found = re.fullmatch(re.escape(self.layer_prefix) + r"(\d+)\.(.+)", name)
         return (int(found.group(1)), found.group(2)) if found else None
 
+    def places(self, name: str) -> bool:
+        """Is `name` a parameter this order places (a torch_dist key of the model it describes)?"""
+        where = self.layer_of(name)
+        return (where is not None and where[1] in self.layer) or name in self.before_layers or \
+            name in self.after_layers
+
     def ordered(self, names: Sequence[str]) -> list[str]:
         """`names` in registration order; a ReshardError naming the rule file for one it does not place."""
         def rank(name: str) -> tuple:

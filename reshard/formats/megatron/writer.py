@@ -15,8 +15,11 @@ layer axis (global layer numbers), one chunk per (layer, tensor-parallel box: tp
 optimizer.state.param.*) or, dp_reshardable, in flat per-bucket buffers laid out for the target's tp, pp and dp by
 buckets.lay_out (the layout the reader checks against real saves), each data-parallel rank's part a chunk.
 
-Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Any
-layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
+A Megatron source has the common state Megatron needs (args, scheduler); a source of another format (a DeepSpeed
+checkpoint of megatron-core's GPTModel, under torch_dist's names by `--names megatron-core-modules` undone) gets it
+from the user's Megatron-LM arguments, `--to ...,args=FILE` (run_args: checked against its tensors, the param groups
+megatron-core's defaults), and is refused without them; its layers' extra states are the local spec's empty ones.
+Any layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
 from reader.common_state. Objects a torch_dist source saved that do not depend on the topology (layers'
 `_extra_state`) are copied as their bytes lie; a legacy source's extra-state values are written as torch_dist's
 objects (legacy.extra_states). The RNG state is copied where tp and pp are kept and the source is torch_dist, and
@@ -40,7 +43,7 @@ from reshard.errors import CheckpointError, ReshardError, UsageError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
-from reshard.formats.megatron import buckets, legacy, order as param_order, tp_boxes
+from reshard.formats.megatron import buckets, legacy, order as param_order, run_args, tp_boxes
 from reshard.formats.megatron.pickles import Namespace
 from reshard.formats.megatron.reader import (
     BUCKET,
@@ -59,6 +62,7 @@ from reshard.formats.torchsave_write import TorchFile
 FORMAT = "megatron"
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = False
+SAVES_OWN_NAMES = True    # torch_dist keys: megatron-core-modules undone
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
@@ -107,6 +111,15 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     return _Writer(catalog, target, tag).files()
 
 
+def output_tag(catalog: Catalog, tag: str) -> str:
+    """A source of another format (a DeepSpeed tag global_step3) is written in Megatron's folder of its step
+    (iter_0000003) where it records one."""
+    step = catalog.training.global_steps
+    if catalog.format == FORMAT or ITERATION.match(tag) or tag == RELEASE or step is None:
+        return tag
+    return f"iter_{step:07d}"
+
+
 def describe(target: Layout, tag: str) -> Output:
     return Output(FORMAT, target.topology(), tag)
 
@@ -120,33 +133,72 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
 
 class _Writer:
     def __init__(self, catalog: Catalog, target: Layout, tag: str):
-        if catalog.format != FORMAT:
-            raise ReshardError.at(catalog.root, f"Megatron output needs a Megatron source: its common state (args, "
-                                  f"scheduler) is not in a {catalog.format} checkpoint")
+        topology = target.format_topology
+        given = topology.run_args if isinstance(topology, MegatronTopology) else None
+        self.foreign = catalog.format != FORMAT     # a source without Megatron's common state: args=FILE gives it
+        if self.foreign and given is None:
+            raise UsageError.at(catalog.root, "Megatron output needs Megatron's common state (args, scheduler), which "
+                                f"a {catalog.format} checkpoint does not hold: give the run's Megatron-LM arguments, "
+                                "--to ...,args=FILE (docs/formats/megatron.md)")
+        if not self.foreign and given is not None:
+            raise UsageError(f"--to args={given}: a Megatron source has its own arguments (args= is for a source "
+                             "that holds none)")
         if tag != RELEASE and not ITERATION.match(tag):
             raise UsageError(f"--tag-out {tag!r}: Megatron-LM loads iteration folders named iter_NNNNNNN (or release)")
-        topology = target.format_topology
         self.sharding = topology.sharding if isinstance(topology, MegatronTopology) else DP_RESHARDABLE
         self.catalog, self.tag = catalog, tag
         self.grid = Grid(target.tp, target.pp, target.dp)
         self.source = catalog.layout
         own = self.source.format_topology
         self.legacy = isinstance(own, MegatronTopology) and own.backend != "torch_dist"
-        self.common, common_path = common_state(catalog.root)
-        args = self.common.get("args")
-        if not isinstance(args, Namespace):
-            raise CheckpointError(common_path, "holds no args namespace to write at the target")
-        self.args: dict[str, Any] = dict(vars(args))
         self.rules = param_order.load()
+        # the parameters (a DeepSpeed module state dict's order also names its layers' extra states)
+        self.names = [n for n in catalog.order if n in catalog.params] if self.foreign else list(catalog.order)
+        self.common, self.args, self.groups = self._given_state(given) if given is not None else \
+            self._source_state()
         self._check()
-        # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files)
-        self.source_meta = None if self.legacy else source_metadata(os.path.join(catalog.root, METADATA))
+        # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files; another format,
+        # none but its layers' empty extra states)
+        self.source_meta = None if self.legacy or self.foreign else \
+            source_metadata(os.path.join(catalog.root, METADATA))
         self.source_chunks: Chunks | None = None     # where the source's objects lie, when one is copied
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
         self.params = self._params()
 
+    # -- the common state: the source's, or the user's arguments (args=FILE) for a source of another format
+
+    def _source_state(self) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+        """(common state, args, param groups less their params) of a Megatron source."""
+        common, common_path = common_state(self.catalog.root)
+        args = common.get("args")
+        if not isinstance(args, Namespace):
+            raise CheckpointError(common_path, "holds no args namespace to write at the target")
+        return common, dict(vars(args)), [{k: v for k, v in g.items() if k != "params"}
+                                          for g in self.catalog.param_groups]
+
+    def _given_state(self, path: str) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+        """The same from the arguments file at `path`, checked against the source (run_args.load); the output's
+        iteration folder must be the run's."""
+        self._refuse_unplaced()
+        run = run_args.load(path, self.catalog, self.rules)
+        if ITERATION.match(self.tag) and int(self.tag[len("iter_"):]) != run.iteration:
+            raise UsageError(f"--tag-out {self.tag}: the run's iteration is {run.iteration}")
+        common = {"checkpoint_version": run_args.CHECKPOINT_VERSION, "iteration": run.iteration,
+                  "opt_param_scheduler": dict(run.scheduler)}
+        return common, dict(run.args), [dict(g) for g in run.param_groups]
+
     # -- what the target can be
+
+    def _refuse_unplaced(self) -> None:
+        """A source of another format under names that are not torch_dist's keys (a DeepSpeed save holds the
+        module's own: a layer's input_layernorm) is refused, naming the rule file that brings them back."""
+        for name in self.names:
+            if not self.rules.places(name):
+                raise ReshardError.at(self.catalog.root, f"{name}: not a parameter of megatron-core's torch_dist "
+                                      f"save ({self.rules.path}); a {self.catalog.format} checkpoint of its GPTModel "
+                                      "holds the modules' own names: --names megatron-core-modules brings them "
+                                      "back")
 
     def _check(self) -> None:
         args, grid = self.args, self.grid
@@ -170,12 +222,12 @@ class _Writer:
         if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True):
             raise ReshardError("a tied embedding at pp > 1 (the last stage's copy, a bucket of its own) is not "
                                "written yet")
-        dtypes = {self.catalog.tensors[TensorKey(n, MODULE)].dtype for n in self.catalog.order}
+        dtypes = {self.catalog.tensors[TensorKey(n, MODULE)].dtype for n in self.names}
         if len(dtypes) != 1:
             raise ReshardError(f"parameters of several dtypes ({', '.join(sorted(dtypes))}): megatron-core keeps a "
                                "grad buffer per dtype, not written yet")
         self.model_dtype = dtypes.pop()
-        states = {TensorKey(n, s) in self.catalog.tensors for n in self.catalog.order
+        states = {TensorKey(n, s) in self.catalog.tensors for n in self.names
                   for s in (MASTER, "exp_avg", "exp_avg_sq")}
         if states != {True}:
             raise ReshardError.at(self.catalog.root, "Megatron's optimizer state needs every parameter's fp32 master "
@@ -202,7 +254,7 @@ class _Writer:
     def _params(self) -> list[Param]:
         notes = self.catalog.notes
         out = []
-        for name in self.rules.ordered(list(self.catalog.order)):
+        for name in self.rules.ordered(self.names):
             detail = notes.param_details(name) if notes is not None else {}
             key, layer = detail.get("saved_as"), detail.get("layer")
             where = self.rules.layer_of(name)
@@ -367,9 +419,8 @@ class _Writer:
 
     def _param_groups(self, with_step: bool) -> list[dict]:
         groups = []
-        for group in self.catalog.param_groups:
-            plain = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**plain, "step": self._step()} if with_step else plain)
+        for plain in self.groups:
+            groups.append({**plain, "step": self._step()} if with_step else dict(plain))
         return groups
 
     # -- objects and the common state
@@ -387,6 +438,15 @@ class _Writer:
                 return None
             stage = int(extra.group(1)) // per_stage if int(extra.group(2)) == layers else 0
             return self.grid.rank(0, 0, stage)
+        if self.foreign:        # its layers' extra states, empty in the local spec (transformer_impl: _check)
+            for name in self.catalog.order:
+                if name.endswith(legacy.EXTRA_STATE) and name not in self.catalog.params:
+                    key = legacy.extra_state_key(self.rules, name, 0, layers, self.catalog.root)
+                    rank = None if key is None else owner(key)
+                    if key is not None and rank is not None:
+                        self._value(rank, key, None)
+            self.rng = False
+            return
         if self.source_meta is None:
             for key, value in legacy.extra_states(self.catalog.root).items():
                 rank = owner(key)
