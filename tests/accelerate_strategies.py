@@ -15,8 +15,8 @@ save: N steps, a registered custom object counting them, accelerator.save_state(
       state dicts) taken right after and written by rank 0.
 load: everything built from another seed, accelerator.load_state(dir); the full state gathered the same way is
       compared with `truth` bit for bit and with `negative` (must differ); every parameter's optimizer step, the
-      scheduler's state_dict (against torch.load of `scheduler`), the custom object and the accelerator's step are
-      reported; then one more step runs.
+      param groups' weight decay and lr, the scheduler's state_dict (against torch.load of `scheduler`), the custom
+      object and the accelerator's step are reported; then one more step runs.
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import math
@@ -157,7 +157,8 @@ def run(job) -> dict:
                 problems.append(f"scheduler {scheduler.scheduler.state_dict()} != saved {saved}")
             report.update(compared=len(truth), steps=sorted(set(steps.values())),
                           negative_differences=len(differences(tensors, load_file(job["negative"]))))
-        report.update(counter=counter.count, lr=scheduler.get_last_lr()[0], accelerator_step=accelerator.step)
+        report.update(counter=counter.count, lr=scheduler.get_last_lr()[0], accelerator_step=accelerator.step,
+                      groups=[[g["weight_decay"], g["lr"]] for g in optimizer.optimizer.param_groups])
         loss = train_step()
         if not math.isfinite(loss):
             problems.append(f"one more step: loss {loss}")

@@ -99,3 +99,33 @@ def test_side_files_are_checked_and_pickles_go_through_the_allow_list(tmp_path):
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         f"reshard: {broken / 'scheduler.bin'}: refusing to unpickle global posix.system (not on reshard's "
         "allow-list; nothing was executed)"]
+
+
+def test_per_parameter_steps_and_param_groups_are_carried_or_refused(truth, tmp_path):
+    """One parameter's Adam step behind the others (torch's own torch_save_to_dcp rewrites optimizer_0/): Accelerate's
+    FSDP layout at 3 processes carries every parameter's own step and both param groups exactly (read back with
+    dcp_to_torch_save); Accelerate's DeepSpeed layout, one step per group, is refused in one line naming the file."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    source = tmp_path / "state"
+    shutil.copytree(SOURCE, source)
+    optim = dict(truth[1])
+    optim["state"] = {name: dict(states) for name, states in truth[1]["state"].items()}
+    optim["state"]["model.norm.weight"]["step"] = torch.tensor(2.0)
+    torch.save({"optimizer": optim}, tmp_path / "behind.pt")
+    shutil.rmtree(source / "optimizer_0")
+    torch_save_to_dcp(tmp_path / "behind.pt", source / "optimizer_0")
+    proc = run_cli("convert", source, tmp_path / "ds", "--format", "deepspeed", "--to", "dp=2,zero=2")
+    assert proc.returncode == 1 and not (tmp_path / "ds").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"reshard: {source / 'optimizer_0' / '.metadata'}: param group 1: optimizer step differs between parameters "
+        "(3 at model.layers.0.input_layernorm.weight vs 2 at model.norm.weight); a DeepSpeed checkpoint keeps one per "
+        "group, so it is not written"]
+    run_cli("convert", source, tmp_path / "fsdp3", "--format", "fsdp", "--to", "dp=3", "--quiet", check=0)
+    assert {"random_states_0.pkl", "random_states_1.pkl", "scheduler.bin", "custom_checkpoint_0.pkl"} <= \
+        set(os.listdir(tmp_path / "fsdp3"))
+    dcp_to_torch_save(tmp_path / "fsdp3" / "optimizer_0", tmp_path / "carried.pt")
+    carried = torch.load(tmp_path / "carried.pt")["optimizer"]
+    assert {n: float(s["step"]) for n, s in carried["state"].items()} == \
+        {n: 2.0 if n == "model.norm.weight" else 3.0 for n in truth[1]["state"]}
+    assert carried["param_groups"] == truth[1]["param_groups"]
+    assert all(torch.equal(carried["state"][n][s], truth[1]["state"][n][s]) for n in carried["state"] for s in STATES)

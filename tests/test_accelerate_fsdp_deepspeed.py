@@ -81,6 +81,9 @@ def test_load_state_resumes_the_converted_run_exactly(results, index, strategy):
     assert result["compared"] == 63                 # 21 params: fp32 weights, exp_avg, exp_avg_sq
     assert result["negative_differences"] > 0       # the other run's truth fails the same comparison
     assert result["steps"] == [float(STEPS)] and result["next_steps"] == [float(STEPS + 1)]
+    # the param groups' hyperparameters as saved (DeepSpeed's ZeRO-2 flat groups keep the source's two)
+    assert result["groups"] == [[0.01, scheduled_lr(2 * STEPS, TRAINING_STEPS)], [0.0, scheduled_lr(2 * STEPS,
+                                                                                                     TRAINING_STEPS)]]
     # the scheduler, the registered object and process 0's accelerator step come back; the schedule goes on,
     # Accelerate stepping it once per process
     assert (result["lr"], result["counter"]) == (scheduled_lr(2 * STEPS, TRAINING_STEPS), STEPS)
