@@ -17,7 +17,8 @@ def fsdp_on_cpu() -> None:
 
     def __init__(self, *args, fsdp_plugin=None, **kwargs):
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        # FSDP: the process's state still marked by an earlier Accelerator of this shim (a state reset keeps it)
+        if fsdp_plugin is not None and self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.FSDP):
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP

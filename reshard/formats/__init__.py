@@ -100,7 +100,11 @@ def _resumed_by_frameworks(format_name: str) -> bool:
 
 def default_tag(catalog) -> str:
     """The output's tag for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name DeepSpeed's
-    own save gives its step."""
+    own save gives its step, or the one the framework around it gives DeepSpeed (Accelerate's pytorch_model), which
+    its resume asks for."""
+    frame = framework.framework_of(catalog)
+    if frame is not None and frame.deepspeed_tag:
+        return frame.deepspeed_tag
     step = catalog.training.global_steps
     return ds_files.step_tag(catalog.contents().step if step is None else step)
 
@@ -124,7 +128,7 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
                                 "DeepSpeed ZeRO, universal and "
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
                                 "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process), "
-                                "safetensors)")
+                                "Accelerate save_state folders (DeepSpeed, FSDP), safetensors)")
 
 
 def reader_options(reader: Reader, path: str, request: ReadRequest):

@@ -100,6 +100,7 @@ class Framework:
     world: int = 1               # processes that saved it: the checkpoint's world size, once read
     batch_note: str = ""         # where the framework sets the batch size, for plan's advice
     backend: str = ""            # what saved the model and optimizer beside its files, when not DeepSpeed
+    deepspeed_tag: str = ""      # the tag it gives DeepSpeed's save (Accelerate: pytorch_model); "": global_stepN
 
     def title(self, layout) -> str:
         """e.g. "HF Trainer + DeepSpeed ZeRO-2, dp=2" (tp and pp named when not 1), "HF Trainer + FSDP (sharded
