@@ -25,6 +25,7 @@ from reshard.storage import files as fs
 READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iteration.txt, iter_NNNNNNN/ (torch_dist)
            "reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
            "reshard.formats.deepspeed.reader",
+           "reshard.formats.dcp.lightning_reader",       # .metadata + meta.pt (Lightning's FSDPStrategy, sharded)
            "reshard.formats.dcp.reader",                 # .metadata + *.distcp
            "reshard.formats.dcp.fsdp_reader",            # pytorch_model_fsdp_0/ + optimizer_0/ (Accelerate's FSDP)
            "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
