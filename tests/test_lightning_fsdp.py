@@ -142,3 +142,14 @@ def test_lightning_itself_reshards_a_sharded_folder_on_load(run):
     exactly as reshard's (this records it; the conversion's value is another strategy's folder)."""
     assert run.unconverted["error"] is None
     assert run.unconverted["resumed"]["problems"] == [] and run.unconverted["resumed"]["world"] == TARGET
+
+
+@pytest.mark.parametrize("fmt", ["deepspeed"])
+def test_another_strategy_is_refused_in_one_line(tmp_path, fmt):
+    """Lightning's meta.pt has no place in a DeepSpeed folder (DeepSpeedStrategy reads its state from the client
+    state): refused, nothing written, rather than a folder Lightning would resume without its loops."""
+    source = Path(__file__).parent.parent / "fixtures" / "lightning_fsdp_dp2" / f"step={STEPS}.ckpt"
+    got = run_cli("convert", source, tmp_path / "out", "--format", fmt, "--to", "dp=2,zero=2")
+    assert got.returncode == 1 and not (tmp_path / "out").exists()
+    assert got.stderr.strip().splitlines() == [f"reshard: {source}: Lightning's state (meta.pt) is not carried into "
+                                               f"a {fmt} folder yet: convert within fsdp, or export the weights"]

@@ -16,7 +16,7 @@ from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.deepspeed import files as ds_files, topology as ds_topology
-from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
+from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY, lightning as lightning_framework  # noqa: F401  (for cli, convert)
 from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
 from reshard.storage import files as fs
@@ -78,6 +78,7 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     frame = catalog.framework
     if frame is None:
         return ()
+    _check_strategy(frame, format_name)
     if not _resumed_by_frameworks(format_name):
         return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
                                            f"save, not from {format_name}") for f in frame.files)
@@ -90,7 +91,20 @@ def with_framework(catalog, format_name: str, world: int, policy: str, targets: 
     frame = catalog.framework
     if frame is None or not _resumed_by_frameworks(format_name):
         return targets
+    _check_strategy(frame, format_name)
     return targets + frame.target_files(world, policy)
+
+
+def _check_strategy(frame, format_name: str) -> None:
+    """Lightning keeps its own state where its strategy does (DeepSpeed's client state, FSDPStrategy's meta.pt):
+    a folder for the other strategy would lack it, so that crossing is refused rather than written without it."""
+    if frame.name != lightning_framework.NAME or not _resumed_by_frameworks(format_name):
+        return
+    source = "fsdp" if frame.backend == lightning_framework.FSDP_SHARDED else "deepspeed"
+    if (format_name == "fsdp") != (source == "fsdp"):
+        kept = "meta.pt" if source == "fsdp" else "DeepSpeed's client state"
+        raise ReshardError.at(frame.folder, f"Lightning's state ({kept}) is not carried into a {format_name} folder "
+                                            f"yet: convert within {source}, or export the weights")
 
 
 def _resumed_by_frameworks(format_name: str) -> bool:
