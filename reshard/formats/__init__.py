@@ -78,7 +78,9 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     frame = catalog.framework
     if frame is None:
         return ()
-    _check_strategy(frame, format_name)
+    if _resumed_by_frameworks(format_name) and lightning_framework.crosses(frame, format_name):
+        return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name}'s state it holds is "
+                                           f"written into the {format_name} output's own files") for f in frame.files)
     if not _resumed_by_frameworks(format_name):
         return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
                                            f"save, not from {format_name}") for f in frame.files)
@@ -89,22 +91,10 @@ def with_framework(catalog, format_name: str, world: int, policy: str, targets: 
     """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
     whole folder the framework writes at `world` processes."""
     frame = catalog.framework
-    if frame is None or not _resumed_by_frameworks(format_name):
+    if frame is None or not _resumed_by_frameworks(format_name) or lightning_framework.crosses(frame, format_name):
         return targets
-    _check_strategy(frame, format_name)
     return targets + frame.target_files(world, policy)
 
-
-def _check_strategy(frame, format_name: str) -> None:
-    """Lightning keeps its own state where its strategy does (DeepSpeed's client state, FSDPStrategy's meta.pt):
-    a folder for the other strategy would lack it, so that crossing is refused rather than written without it."""
-    if frame.name != lightning_framework.NAME or not _resumed_by_frameworks(format_name):
-        return
-    source = "fsdp" if frame.backend == lightning_framework.FSDP_SHARDED else "deepspeed"
-    if (format_name == "fsdp") != (source == "fsdp"):
-        kept = "meta.pt" if source == "fsdp" else "DeepSpeed's client state"
-        raise ReshardError.at(frame.folder, f"Lightning's state ({kept}) is not carried into a {format_name} folder "
-                                            f"yet: convert within {source}, or export the weights")
 
 
 def _resumed_by_frameworks(format_name: str) -> bool:
@@ -114,6 +104,9 @@ def _resumed_by_frameworks(format_name: str) -> bool:
 def default_tag(catalog) -> str:
     """The output's tag for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name DeepSpeed's
     own save gives its step."""
+    frame = framework.framework_of(catalog)
+    if frame is not None and frame.name == lightning_framework.NAME:
+        return lightning_framework.DEEPSPEED_TAG        # the one tag Lightning's DeepSpeedStrategy saves and loads
     step = catalog.training.global_steps
     return ds_files.step_tag(catalog.contents().step if step is None else step)
 

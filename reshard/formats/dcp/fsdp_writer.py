@@ -22,6 +22,7 @@ from reshard.core.write_requests import Output
 from reshard.formats.dcp import keys, writer as dcp_writer
 from reshard.formats.framework import framework_of, lightning
 from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR
+from reshard.formats.torchsave_write import TorchFile
 
 MODEL, OPTIMIZER = "model", "optimizer"      # accelerate's save_fsdp_model / save_fsdp_optimizer top-level keys
 PLACES_EXPERTS = False
@@ -33,7 +34,13 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     frame = framework_of(catalog)
     if frame is not None and frame.name == lightning.NAME:
         model, optim, values = _entries(catalog, lightning.FSDP_MODEL, lightning.FSDP_OPTIMIZER)
-        return dcp_writer.folder_files(catalog, target.dp, tag, "", model + optim, values)
+        files = dcp_writer.folder_files(catalog, target.dp, tag, "", model + optim, values)
+        if lightning.crosses(frame, "fsdp") and frame.state:
+            # from DeepSpeedStrategy: its client state is the dict FSDPStrategy saves as meta.pt (rank 0's)
+            meta = TorchFile(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt"))
+            meta.tree = dict(frame.state)
+            files.append(meta)
+        return files
     model, optim, values = _entries(catalog, MODEL, OPTIMIZER)
     return [*dcp_writer.folder_files(catalog, target.dp, tag, MODEL_DIR, model, []),
             *dcp_writer.folder_files(catalog, target.dp, tag, OPTIM_DIR, optim, values)]

@@ -5,14 +5,11 @@ from meta.pt, read through the restricted unpickler (nothing in it is executed).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 from reshard.core.catalog import Catalog
-from reshard.errors import CheckpointError
-from reshard.formats import torchsave_read
 from reshard.formats.dcp import reader as dcp_reader
-from reshard.formats.framework.lightning import FSDP_META, is_fsdp_sharded
+from reshard.formats.framework.lightning import is_fsdp_sharded, load_meta
 from reshard.formats.protocol import NoOptions
 
 FORMAT = "fsdp"      # written back by the fsdp writer, in the layout of the framework around it
@@ -32,10 +29,7 @@ def read(path: str, options: NoOptions) -> Catalog:
 def counters(root: str) -> dict:
     """Lightning's global step and its one LR scheduler's state_dict (DeepSpeed's engine and reshard's other writers
     carry one), from meta.pt."""
-    meta_path = os.path.join(root, FSDP_META)
-    meta = torchsave_read.load(meta_path)
-    if not isinstance(meta, dict):
-        raise CheckpointError(meta_path, f"not Lightning's checkpoint dict ({type(meta).__name__})")
+    meta = load_meta(root)
     out: dict = {}
     step = meta.get("global_step")
     if isinstance(step, int) and not isinstance(step, bool):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from reshard.errors import CheckpointError
+from reshard.formats import torchsave_read
 from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.framework.files import Framework, FrameworkFile
 from reshard.storage import files as fs
@@ -31,8 +33,9 @@ def detect(folder: str, client_state: dict) -> Framework | None:
     """Lightning, when the DeepSpeed save's client state is its checkpoint dict."""
     if VERSION_KEY not in client_state:
         return None
-    return Framework(NAME, folder, (), (), batch_note=BATCH)
+    return Framework(NAME, folder, (), (), batch_note=BATCH, state=dict(client_state))
 
+DEEPSPEED_TAG = "checkpoint"     # DeepSpeedStrategy.save_checkpoint's tag
 # FSDPStrategy's sharded folder (lightning.fabric.utilities.load._METADATA_FILENAME; save_checkpoint's keys)
 FSDP_META = "meta.pt"
 FSDP_MODEL, FSDP_OPTIMIZER = "model", "optimizer_0"
@@ -51,4 +54,19 @@ def detect_folder(folder: str) -> Framework | None:
     if not is_fsdp_sharded(folder):
         return None
     meta = FrameworkFile(FSDP_META, META_WHAT, fs.getsize(os.path.join(folder, FSDP_META)))
-    return Framework(NAME, folder, (meta,), (), batch_note=BATCH, backend=FSDP_SHARDED)
+    return Framework(NAME, folder, (meta,), (), batch_note=BATCH, backend=FSDP_SHARDED, state=load_meta(folder))
+
+
+def load_meta(folder: str) -> dict:
+    """meta.pt, through the restricted unpickler (nothing in it runs; a tensor in it is a TensorRef)."""
+    path = os.path.join(folder, FSDP_META)
+    meta = torchsave_read.load(path)
+    if not isinstance(meta, dict) or VERSION_KEY not in meta:
+        raise CheckpointError(path, f"not Lightning's checkpoint dict (no {VERSION_KEY!r})")
+    return meta
+
+
+def crosses(frame: Framework, format_name: str) -> bool:
+    """Does an output of `format_name` (one a framework resumes from) put Lightning's run under the other strategy
+    (DeepSpeed <-> FSDP), its state moving between DeepSpeed's client state and meta.pt?"""
+    return frame.name == NAME and (format_name == "fsdp") != (frame.backend == FSDP_SHARDED)
