@@ -231,6 +231,11 @@ class TrainingFramework(Protocol):
     def model_files(self) -> tuple[str, ...]:
         """Paths an export copies beside the weights (a frozen dataclass field in the framework's own type)."""
 
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """Its own non-tensor state where the backend keeps it, for a writer of another backend to carry (None:
+        none kept)."""
+
     def missing(self) -> list[Problem]:
         """Its own files missing, a problem each."""
 

@@ -39,7 +39,7 @@ from reshard.formats.protocol import NoOptions
 from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.storage import files as fs
 
-OPTIM_PREFIXES = ("optim.", "optimizer.")
+OPTIM_PREFIXES = ("optim.", "optimizer.", "optimizer_0.")     # get_state_dict, Accelerate, Lightning
 FORMAT = "dcp"
 OPTIONS = NoOptions       # one directory is one checkpoint: no tag
 IN_FRAMEWORK_FOLDERS = False
