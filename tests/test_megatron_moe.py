@@ -1,0 +1,151 @@
+"""Megatron-core mixture-of-experts saves (fixtures/megatron_core/mcore_moe_*: a GPTModel whose every layer's MLP is
+4 experts, SequentialMLP, top-2 router, trained by the real megatron-core 0.16.1 at ep=2, dp=2 with the distributed
+optimizer, tools/fixture_megatron_core.py): the experts are read as megatron-core saved them (one tensor per layer
+stack with an expert axis, decoder.layers.mlp.experts.experts.*), every expert of every layer once, with the fp32
+masters and both moments of the truth taken from the live run; the experts' dp_reshardable buckets (the second of
+the chained distributed optimizers, one model-parallel group per expert-parallel rank over the expert-data-parallel
+ranks) recomputed and checked against their stored counts. (The generic reading tests of tests/test_megatron.py run
+on these fixtures too: inspect, every element once, export against the truth.)
+
+Negative controls: a changed expert element is found by diff; wrong stored counts of the experts' buckets and a
+missing rank file are refused in one line naming the file.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import zipfile
+
+import pytest
+from safetensors.torch import load_file
+
+import reshard
+from conftest import FIXTURES, run_cli, write_in_zip
+from reshard.core.catalog import MASTER, TensorKey
+
+ROOT = FIXTURES / "megatron_core"
+MOE = ["mcore_moe_dp_reshardable_ep2_dp2", "mcore_moe_fully_reshardable_ep2_dp2"]
+EXPERT = "decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight"     # held by expert-parallel rank 1
+
+
+def _save(name):
+    return ROOT / name / "save"
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_inspect_shows_the_expert_parallelism(name):
+    info = reshard.inspect(reshard.open_checkpoint(str(_save(name))))
+    truth = json.loads((ROOT / name / "truth.json").read_text())
+    assert info.experts is not None and info.experts["ep"] == truth["ep"] == 2
+    assert info.experts["expert_dp"] == truth["dp"] // truth["ep"]
+    assert [layer["experts"] for layer in info.experts["layers"]] == [truth["experts"]] * truth["layers"]
+    assert [layer["placement"] for layer in info.experts["layers"]] == [[[0, 1], [2, 3]]] * truth["layers"]
+    assert info.problems == 0 and info.step == truth["step"][0]
+    # the experts' param group (is_expert_parallel) holds every expert's params, and only them
+    catalog = reshard.open_checkpoint(str(_save(name)))
+    experts = [g for g in catalog.param_groups if g.get("is_expert_parallel")]
+    assert len(experts) == 1 and sorted(experts[0]["params"]) == sorted(
+        n for n in catalog.params if ".mlp.experts.experts." in n)
+    assert len(experts[0]["params"]) == truth["layers"] * truth["experts"] * 2
+    line = run_cli("inspect", _save(name)).stdout
+    assert "experts       ep=2 expert-dp=1; layer 0: 4 experts, 2/2 per rank" in line
+
+
+def test_validate_deep_finds_every_expert_once_with_its_masters_and_moments():
+    name = MOE[0]
+    proc = run_cli("validate", "--deep", _save(name))
+    assert proc.returncode == 0 and proc.stdout.startswith("complete;"), proc.stdout + proc.stderr
+    truth = load_file(str(ROOT / name / "truth.safetensors"))
+    catalog = reshard.open_checkpoint(str(_save(name)))
+    experts = {k.split("/", 1)[1] for k in truth if ".experts.experts." in k}
+    assert len(experts) == 2 * 4 * 2       # layers x experts x (fc1, fc2)
+    for expert in experts:
+        for state in (MASTER, "exp_avg", "exp_avg_sq"):
+            assert TensorKey(expert, state) in catalog.tensors, (expert, state)
+
+
+def test_the_two_shardings_of_one_run_are_equal():
+    """The dp_reshardable buckets (mapped by recomputing Megatron's bucketing) and the fully_reshardable
+    model-space states Megatron itself wrote for the same run hold the same values."""
+    proc = run_cli("diff", _save(MOE[0]), _save(MOE[1]), check=0)
+    assert proc.returncode == 0 and "no difference" in proc.stdout, proc.stdout
+
+
+def test_a_changed_expert_element_is_found(tmp_path):
+    """One bf16 element of the expert stack's chunk of expert-parallel rank 1 (layer 1, expert 3) changed: diff
+    names that expert; the fixture against itself is equal (the control)."""
+    save = tmp_path / "save"
+    shutil.copytree(_save(MOE[0]), save)
+    path, offset, length = _chunk_span(save, "decoder.layers.mlp.experts.experts.linear_fc2.weight", (1, 3, 0, 0))
+
+    def flip(part):
+        with zipfile.ZipFile(part) as zf:
+            member = next(i for i in zf.infolist() if "/data/" in i.filename)
+        header = part.read_bytes()[member.header_offset:member.header_offset + 30]
+        start = member.header_offset + 30 + sum(struct.unpack_from("<HH", header, 26))
+        value = part.read_bytes()[start:start + 2]
+        write_in_zip(part, start, bytes([value[0] ^ 1, value[1]]))
+    _rewrite_in_span(path, offset, length, flip)
+    assert reshard.diff(str(_save(MOE[0])), str(_save(MOE[0]))).equal
+    changed = reshard.diff(str(_save(MOE[0])), str(save))
+    assert not changed.equal and [d.name for d in changed.differences] == [EXPERT], changed.differences
+
+
+def test_wrong_expert_bucket_counts_are_refused_in_one_line(tmp_path):
+    """The experts' stored per_bucket_numel_unpadded of expert-parallel rank 1 changed: the recomputed layout
+    disagrees, and the save is refused in one line naming the file, not mapped to the wrong elements."""
+    save = tmp_path / "save"
+    shutil.copytree(_save(MOE[0]), save)
+    key = "chained_1.optimizer.distributed.dp_group_idx_1.per_bucket_numel_unpadded"
+    path, offset, length = _chunk_span(save, key)
+
+    def bump(part):
+        with zipfile.ZipFile(part) as zf:
+            member = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+            pickled = zf.read(member)
+        header = part.read_bytes()[member.header_offset:member.header_offset + 30]
+        start = member.header_offset + 30 + sum(struct.unpack_from("<HH", header, 26))
+        at = max(pickled.rfind(b"M"), pickled.rfind(b"J"))       # the last count: BININT2 or BININT
+        width = 2 if pickled[at:at + 1] == b"M" else 4
+        value = int.from_bytes(pickled[at + 1:at + 1 + width], "little")
+        write_in_zip(part, start + at + 1, (value + 64).to_bytes(width, "little"))
+    _rewrite_in_span(path, offset, length, bump)
+    proc = run_cli("validate", save)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert path.name in lines[0], lines[0]
+    assert "chained_1.per_bucket_numel_unpadded of model-parallel group 1" in lines[0], lines[0]
+
+
+def _chunk_span(save, key: str, at: tuple[int, ...] | None = None):
+    """(file, offset, length) of DCP item `key` (the chunk at offsets `at`, else its first)."""
+    from reshard.formats.dcp import metadata as md
+    from reshard.formats.megatron.pickles import METADATA_ALLOWED
+    folder = save / "iter_0000003"
+    meta = md.read(str(folder / ".metadata"), METADATA_ALLOWED)
+    for index, info in meta.storage_data.items():
+        if index.fqn.startswith(key) and (at is None or tuple(index.offset) == at):
+            return folder / info.relative_path, info.offset, info.length
+    raise AssertionError(key)
+
+
+def _rewrite_in_span(path, offset, length, edit):
+    """Apply `edit(zip path)` to the torch.save archive at [offset, offset + length) of `path`, its size kept."""
+    blob = path.read_bytes()
+    part = path.with_suffix(".part")
+    part.write_bytes(blob[offset:offset + length])
+    edit(part)
+    new = part.read_bytes()
+    assert len(new) == length
+    path.write_bytes(blob[:offset] + new + blob[offset + length:])
+    part.unlink()
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    save = tmp_path / "save"
+    shutil.copytree(_save(MOE[0]), save)
+    (save / "iter_0000003" / "__1_1.distcp").unlink()
+    proc = run_cli("validate", save)
+    assert proc.returncode != 0 and "__1_1.distcp" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
