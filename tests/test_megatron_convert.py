@@ -48,7 +48,12 @@ CONVERSIONS = [
     ("mcore_dp_reshardable_tp2_dp2_v019", "tp=1,pp=1,dp=2"),                     # 0.19: the common state in DCP
     ("mcore_dp_reshardable_tp2_dp2_v019", "tp=2,pp=1,dp=1,sharding=fully_reshardable"),   # its RNG state kept, asked
     ("mcore_fully_sharded_model_space_tp2_dp2_v015", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),   # 0.15
+    # a mixture of experts (4 per layer), ep=2 -> ep=1 (the experts then dense params: one buffer, one optimizer)
+    ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1"),
+    ("mcore_moe_fully_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1"),
+    ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=2,sharding=fully_reshardable"),
 ]
+MOE_BACK = ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1", "tp=1,pp=1,dp=2,ep=2")   # ep 1 -> 2
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
 
 
@@ -57,7 +62,13 @@ def _ids():
 
 
 def _degrees(to: str) -> dict:
-    return {k: int(v) for k, v in (item.split("=") for item in to.split(",")) if k in ("tp", "pp", "dp")}
+    return {k: int(v) for k, v in (item.split("=") for item in to.split(",")) if k in ("tp", "pp", "dp", "ep")}
+
+
+def _experts(name: str, degrees: dict) -> dict:
+    """A mixture of experts' job keys for tests/megatron_load.py (its model built with the experts, at the ep)."""
+    info = json.loads((ROOT / name / "truth.json").read_text())
+    return {"ep": degrees.get("ep", info["ep"]), "experts": info["experts"]} if "ep" in info else {}
 
 
 def _convert(name: str, to: str, dst) -> None:
@@ -95,7 +106,12 @@ def megatron_load_jobs(out):
         _convert(name, to, dst)
         degrees = _degrees(to)
         jobs.append({"label": f"{name}:{to}", "save": str(dst), "tp": degrees["tp"], "pp": degrees["pp"],
-                     "truth": str(ROOT / name / "truth.safetensors")})
+                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, degrees)})
+    name, first, back = MOE_BACK        # ep 2 -> 1 -> 2: a conversion's output as the source
+    _convert(name, first, out / "moe-ep1")
+    execute(make_plan(reshard.open_checkpoint(str(out / "moe-ep1")), back), str(out / "moe-back"), progress=False)
+    jobs.append({"label": "moe ep1 -> ep2", "save": str(out / "moe-back"), "tp": 1, "pp": 1,
+                 "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, _degrees(back))})
     name, to = CONVERSIONS[0]
     changed = out / "changed" / "save"
     _convert(name, to, changed)
@@ -104,6 +120,9 @@ def megatron_load_jobs(out):
                  "truth": str(ROOT / name / "truth.safetensors")})
     jobs.append({"label": "megatron itself", "save": str(ROOT / name / "save"), "tp": 1, "pp": 1,
                  "truth": str(ROOT / name / "truth.safetensors")})
+    moe = MOE_BACK[0]
+    jobs.append({"label": "megatron itself at another ep", "save": str(ROOT / moe / "save"), "tp": 1, "pp": 1,
+                 "truth": str(ROOT / moe / "truth.safetensors"), "ep": 1, "experts": 4})
     return [(2, None, job) for job in jobs]
 
 
@@ -123,6 +142,21 @@ def test_megatron_loads_the_conversion_as_the_truth_and_trains_on(name, to, load
     assert result["step"] == step and result["group_step"] == ([] if plain else step)
     assert result["losses"] and all(math.isfinite(x) for x in result["losses"])
     assert result["moved"] and result["step_after"] == [step[0] + 1]
+
+
+@pytest.mark.engine
+def test_megatron_loads_an_ep1_conversion_converted_back_to_ep2(loaded):
+    result = loaded["moe ep1 -> ep2"]
+    assert result["loaded"] and result["problems"] == [], result
+    assert result["step"] == [3.0] and result["moved"] and result["step_after"] == [4.0]
+
+
+@pytest.mark.engine
+def test_megatron_itself_cannot_load_dp_reshardable_at_another_ep(loaded):
+    """Its experts' optimizer is chained to the dense one only at ep > 1: at ep=1 it asks for unchained buckets."""
+    result = loaded["megatron itself at another ep"]
+    assert not result["loaded"]
+    assert "KeyError" in result["error"] and "bucket_idx_0.param from model not in state dict" in result["error"]
 
 
 @pytest.mark.engine

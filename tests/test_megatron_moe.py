@@ -149,3 +149,40 @@ def test_a_missing_rank_file_is_named(tmp_path):
     proc = run_cli("validate", save)
     assert proc.returncode != 0 and "__1_1.distcp" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
+
+
+def test_a_round_trip_through_ep1_writes_megatrons_own_keys_and_chunks(tmp_path):
+    """ep=2 -> ep=1 -> ep=2: every key, global shape and chunk box of megatron-core's own save (the expert stacks'
+    per-expert chunks, both chained optimizers' buckets and their per-rank cuts, every object) and the same
+    elements. At ep=1 the experts are dense params (no chained optimizer)."""
+    from reshard.convert import make_plan
+    from reshard.executor import execute
+    from reshard.formats.dcp import metadata as md
+    from reshard.formats.megatron.pickles import METADATA_ALLOWED
+    source = _save(MOE[0])
+    execute(make_plan(reshard.open_checkpoint(str(source)), "dp=2,ep=1"), str(tmp_path / "ep1"), progress=False)
+    execute(make_plan(reshard.open_checkpoint(str(tmp_path / "ep1")), "dp=2,ep=2"), str(tmp_path / "back"),
+            progress=False)
+
+    def boxes(save):
+        meta = md.read(str(save / "iter_0000003" / ".metadata"), METADATA_ALLOWED)
+        return {key: (tuple(e.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in e.chunks))
+                if isinstance(e, md.TensorStorageMetadata) else None for key, e in meta.state_dict_metadata.items()}
+    ep1 = boxes(tmp_path / "ep1")
+    assert not any(k.startswith("chained_") for k in ep1) and "optimizer.distributed.dp_group_idx_0.per_bucket_numel" \
+        "/shard_0_1" in ep1
+    assert boxes(tmp_path / "back") == boxes(source)
+    for other in ("ep1", "back"):
+        proc = run_cli("diff", source, tmp_path / other)
+        assert proc.returncode == 0 and "no difference" in proc.stdout, proc.stdout
+    info = reshard.inspect(reshard.open_checkpoint(str(tmp_path / "ep1")))
+    assert info.experts is not None and (info.experts["ep"], info.experts["expert_dp"]) == (1, 2)
+
+
+def test_what_is_not_written_for_experts_is_refused_in_one_line(tmp_path):
+    for to, words in (("dp=2,ep=3", "ep=3 must divide"), ("dp=1,tp=2,ep=1", "tp=1, pp=1"),
+                      ("dp=2,ep=2,sharding=plain", "sharding=plain")):
+        proc = run_cli("convert", _save(MOE[0]), tmp_path / "out", "--to", to)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1 and words in lines[0], (to, proc.stderr)
+        assert not (tmp_path / "out").exists()

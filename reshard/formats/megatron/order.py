@@ -40,6 +40,7 @@ class ParamOrder:
     keys_map: tuple[tuple[str, str], ...] = ()     # a legacy state dict's layer-relative prefix -> the saved key's
     expert_prefix: str | None = None     # "mlp.experts.experts.": saved with an expert axis after the layer axis
     expert_params: tuple[str, ...] = ()  # an expert's params (relative to it), in registration order
+    expert_cuts: tuple[tuple[str, TpCut], ...] = ()   # how an expert's params are cut (SwiGLU's fc1: two parts)
 
     def expert_of(self, name: str) -> tuple[int, int, str] | None:
         """(layer, expert, name within the expert) of one expert's param, or None."""
@@ -67,6 +68,9 @@ class ParamOrder:
 
     def tp_cut(self, name: str) -> TpCut | None:
         """How tensor parallelism cuts `name`, or None: whole on every rank."""
+        expert = self.expert_of(name)
+        if expert is not None:
+            return dict(self.expert_cuts).get(expert[2])
         where = self.layer_of(name)
         own = where[1] if where is not None else name
         return dict(self.tp_cuts).get(own)
@@ -114,13 +118,16 @@ def load(given: str | None = None) -> ParamOrder:
     try:
         no_decay = data.get("no_weight_decay", {})
         experts = data.get("experts", {})
-        cuts = tuple((name, TpCut(int(cut["axis"]), int(cut.get("parts", 1)), cut.get("parts_when")))
-                     for name, cut in data.get("tensor_parallel", {}).items() if name != "description")
+        def cuts_of(given: dict) -> tuple[tuple[str, TpCut], ...]:
+            return tuple((name, TpCut(int(cut["axis"]), int(cut.get("parts", 1)), cut.get("parts_when")))
+                         for name, cut in given.items() if name != "description")
+        cuts = cuts_of(data.get("tensor_parallel", {}))
         return ParamOrder(path, tuple(data["transformer_impl"]), str(data["layer_prefix"]),
                           tuple(data["before_layers"]), tuple(data["layer"]), tuple(data["after_layers"]),
                           tuple(data.get("shared_embedding", ())), no_decay.get("ndim"),
                           tuple(no_decay.get("suffixes", ())), cuts,
                           tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()),
-                          experts.get("prefix"), tuple(experts.get("params", ())))
+                          experts.get("prefix"), tuple(experts.get("params", ())),
+                          cuts_of(experts.get("tensor_parallel", {})))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

@@ -433,6 +433,8 @@ class _Reader:
                 (int(gbuf), dtypes, int(bucket)), {})[state] = (key, entry)
         experts = [n for n in names if rules.expert_of(n) is not None]
         dense = [n for n in names if rules.expert_of(n) is None]
+        if self._degree("expert_model_parallel_size") == 1:     # (at ep=1 experts are dense params to megatron-core)
+            experts, dense = [], names
         # megatron-core chains the dense params' distributed optimizer and the experts' (chained_0., chained_1.)
         expected = ["chained_0.", "chained_1."] if experts else [""]
         if sorted(by_optimizer) != expected:
@@ -642,8 +644,10 @@ class _Reader:
             return {}
         rules = param_order.load()
         out = {}
+        # (at ep=1 megatron-core groups the experts' params with the dense ones: no group is_expert_parallel)
+        chained = any(g.get("is_expert_parallel") for g in groups)
         for expert in (False, True):
-            mine = [i for i, g in enumerate(groups) if bool(g.get("is_expert_parallel")) == expert]
+            mine = [i for i, g in enumerate(groups) if bool(g.get("is_expert_parallel")) == (expert and chained)]
             no_wd = [i for i in mine if groups[i].get("wd_mult") == 0.0]
             wd = [i for i in mine if groups[i].get("wd_mult") not in (0.0, None)]
             if len(mine) > 2 or len(no_wd) > 1 or len(wd) > 1:

@@ -27,9 +27,11 @@ class MegatronTopology:
     checkpoint_version: float | None = None
     layout: str = ""          # which megatron-core layout the files follow ("0.16": common.pt beside DCP's files)
     backend: str = "torch_dist"
+    ep: int | None = None     # a mixture of experts' expert-parallel degree (None: no experts)
 
     def terms(self, brief: bool = False) -> tuple[tuple[str, object], ...]:
-        return () if brief else (("optimizer", self.sharding),)
+        experts = (("ep", self.ep),) if self.ep is not None else ()
+        return experts if brief else (*experts, ("optimizer", self.sharding))
 
     def descriptor(self) -> dict[str, object]:
         return {"optimizer": self.sharding, "options": self.options()}
@@ -57,7 +59,8 @@ class MegatronNotes:
         return dict(self.params.get(name, {}))
 
     def layout_scalar(self, key: str, value: object) -> bool:
-        return False
+        # (megatron-core marks the experts' groups so at ep > 1 only: a change of ep changes it)
+        return key == "is_expert_parallel"
 
     def scalars(self) -> dict[str, Any]:
         return dict(self.counters)
@@ -72,7 +75,9 @@ def _sharding(text: str) -> str:
 SPEC_KEYS = (SpecKey("sharding", "|".join(SHARDINGS), "Megatron's optimizer state: the distributed optimizer's "
                      "sharding type (dp_reshardable, Megatron-LM's default; fully_reshardable), or plain: the "
                      "non-distributed optimizer (default: the source's, dp_reshardable for a distributed one)",
-                     text=_sharding),)
+                     text=_sharding),
+             SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts save, dividing dp and each layer's "
+                     "experts (default: the source's)", minimum=1))
 
 
 def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
@@ -81,8 +86,9 @@ def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
     own = source.format_topology if isinstance(source.format_topology, MegatronTopology) else None
     default = PLAIN if own is not None and own.sharding == PLAIN else DP_RESHARDABLE
     sharding = str(given.get("sharding", default))
+    ep = given.get("ep", own.ep if own else None)
     return MegatronTopology(sharding, own.iteration if own else None, own.checkpoint_version if own else None,
-                            LAYOUT_016)
+                            LAYOUT_016, ep=int(ep) if isinstance(ep, int) else None)
 
 
 def from_descriptor(source: FormatTopology | None, data: Mapping[str, object]) -> MegatronTopology:
