@@ -186,3 +186,39 @@ def test_what_is_not_written_for_experts_is_refused_in_one_line(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode != 0 and len(lines) == 1 and words in lines[0], (to, proc.stderr)
         assert not (tmp_path / "out").exists()
+
+
+def _mixtral_logits(folder, tokens):
+    import torch
+    from transformers import MixtralForCausalLM
+    model = MixtralForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_mixtral_export_gives_megatrons_logits(swapped, tmp_path):
+    """`export --names megatron-core-mixtral`: MixtralForCausalLM.from_pretrained loads the folder (config.json from
+    the save's args: experts, top-k, the experts' width) and its logits of the fixture's tokens are Megatron's own
+    fp32 forward of the saved weights (taken at save time), within fp32 tolerance. The negative control: each
+    expert's gate and up (w1, w3) swapped loads too, and gives other logits."""
+    import os
+
+    import torch
+    names = os.path.join(os.path.dirname(reshard.__file__), "layouts", "megatron-core-mixtral.json")
+    if swapped:
+        spec = json.loads(open(names).read())
+        next(r for r in spec["rules"] if "experts" in r["match"] and "rows" in r)["rows"]["parts"].reverse()
+        names = str(tmp_path / "swapped.json")
+        (tmp_path / "swapped.json").write_text(json.dumps(spec))
+    run_cli("export", _save(MOE[0]), tmp_path / "hf", "--names", names, "--quiet", check=0)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    truth = json.loads((ROOT / MOE[0] / "truth.json").read_text())
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == \
+        (truth["experts"], truth["topk"], truth["expert_ffn"])
+    forward = load_file(str(ROOT / MOE[0] / "truth_forward.safetensors"))
+    logits = _mixtral_logits(tmp_path / "hf", forward["tokens"])
+    if swapped:
+        assert (logits - forward["logits"]).abs().max() > 1e-3
+    else:
+        torch.testing.assert_close(logits, forward["logits"], rtol=1e-5, atol=1e-5)
