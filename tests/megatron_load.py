@@ -4,7 +4,7 @@
 
 JOBS.json lists {"label", "save": a Megatron-LM save dir, "tp", "pp", "truth": a truth.safetensors, "step": the
 optimizer step it holds; a mixture of experts' "ep" and "experts"}. For each job every rank makes the model parallel
-groups at tp, pp, ep (dp: what the 2 ranks leave), builds the fixtures' GPTModel with Megatron's optimizer as
+groups at tp, pp, ep (dp: what the ranks leave), builds the fixtures' GPTModel with Megatron's optimizer as
 tools/fixture_megatron_core.py does (the
 distributed optimizer where the save's content_metadata names a sharding type), and loads the save as Megatron-LM's
 load_checkpoint does at torch_dist: the common state's args must name this tp and pp; the model's and optimizer's

@@ -1,13 +1,15 @@
 """Megatron torch_dist output (`convert` of a Megatron save to another tp, pp, dp or optimizer sharding), proven by
 megatron-core 0.16.1 itself: each conversion of the fixtures (fixtures/megatron_core/, real saves) is loaded by
 `dist_checkpointing.load` into Megatron's GPTModel and optimizer built at the target topology (tests/megatron_load.py,
-2 ranks, one launch for every job), and the live model's weights, fp32 masters, both Adam moments and the step are
+2 ranks, one launch for every job; 4 for a mixture of experts at ep=4 or with expert-data-parallel ranks), and the
+live model's weights, fp32 masters, both Adam moments and the step are
 the truth taken from the live run at save time, bit for bit; one more training step runs. Sources of every layout
 the reader reads: 0.16's, and the saves 0.16 cannot load itself (0.15's fully_sharded_model_space, 0.19's, the legacy
-torch format's).
+torch format's); a mixture of experts' (mcore_moe_*: ep=2 -> 1, 1 -> 2, 4, and dp=4 at ep=2).
 
 Negative controls: Megatron's own load of the dp_reshardable fixture at another tp fails (what makes the writer
-necessary); a conversion with one element changed loads, and the comparison names that tensor.
+necessary), and of the MoE fixture at another ep; a conversion with one element changed loads, and the comparison
+names that tensor.
 
 DeepSpeed output of a Megatron save (`--format deepspeed --names megatron-core-modules`) is resumed by the real
 DeepSpeed engine around megatron-core's own GPTModel (tests/megatron_deepspeed_load.py): masters, moments, weights
@@ -54,11 +56,14 @@ CONVERSIONS = [
     ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=2,sharding=fully_reshardable"),
 ]
 MOE_BACK = ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1", "tp=1,pp=1,dp=2,ep=2")   # ep 1 -> 2
+# loaded by 4 ranks (a launch of its own): ep=4 (one expert per rank), and ep=2 with two expert-data-parallel ranks
+MOE_WIDE = [("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=4,ep=4"),
+            ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=4,ep=2")]
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
 
 
 def _ids():
-    return [f"{name.removeprefix('mcore_')}-{to}" for name, to in CONVERSIONS]
+    return [f"{name.removeprefix('mcore_')}-{to}" for name, to in CONVERSIONS + MOE_WIDE]
 
 
 def _degrees(to: str) -> dict:
@@ -99,7 +104,8 @@ def _change_one_element(save, name: str) -> None:
 
 @shares("megatron_load.py")
 def megatron_load_jobs(out):
-    """Every conversion, the changed one and Megatron's own load of a dp_reshardable save at another tp: 2 ranks."""
+    """Every conversion, the changed one and Megatron's own load of a dp_reshardable save at another tp (and ep): 2
+    ranks; MOE_WIDE's conversions: 4."""
     jobs = []
     for index, (name, to) in enumerate(CONVERSIONS):
         dst = out / f"conversion-{index}"
@@ -123,7 +129,13 @@ def megatron_load_jobs(out):
     moe = MOE_BACK[0]
     jobs.append({"label": "megatron itself at another ep", "save": str(ROOT / moe / "save"), "tp": 1, "pp": 1,
                  "truth": str(ROOT / moe / "truth.safetensors"), "ep": 1, "experts": 4})
-    return [(2, None, job) for job in jobs]
+    wide = []
+    for index, (name, to) in enumerate(MOE_WIDE):
+        dst = out / f"wide-{index}"
+        _convert(name, to, dst)
+        wide.append({"label": f"{name}:{to}", "save": str(dst), "tp": 1, "pp": 1,
+                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, _degrees(to))})
+    return [(2, None, job) for job in jobs] + [(4, None, job) for job in wide]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +144,7 @@ def loaded(engine_launches):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name, to", CONVERSIONS, ids=_ids())
+@pytest.mark.parametrize("name, to", CONVERSIONS + MOE_WIDE, ids=_ids())
 def test_megatron_loads_the_conversion_as_the_truth_and_trains_on(name, to, loaded):
     result = loaded[f"{name}:{to}"]
     assert result["loaded"] and result["error"] is None, result

@@ -54,7 +54,13 @@ The configurations (each file well under 1 MB):
   runs here: in a venv with torch==2.13.0, psutil, numpy, packaging and triton (which 0.19 imports unconditionally),
   unpack it into site-packages (``pip download megatron-core==0.19.2 --python-version 3.12 --only-binary=:all:
   --no-deps``, then ``python -m zipfile -e WHEEL SITE_PACKAGES``) and run this script with that venv's python and
-  ``PYTHONPATH=tools``. The worker refuses to make a configuration with another version than it names.
+  ``PYTHONPATH=tools``. The worker refuses to make a configuration with another version than it names;
+* ``mcore_moe_dp_reshardable_ep2_dp2`` and ``mcore_moe_fully_reshardable_ep2_dp2``: the same model with every layer's
+  MLP a mixture of EXPERTS (4) SequentialMLP experts (``moe_grouped_gemm`` off, width EXPERT_FFN), a top-TOPK (2)
+  router without load-balancing loss, the allgather token dispatcher (the alltoall one needs CUDA events), trained
+  at ep=2 over the dp=2 ranks; truth.json adds ep, experts, topk and expert_ffn, truth.safetensors names each
+  expert's params ``decoder.layers.<i>.mlp.experts.experts.<e>.linear_fc1.weight``, and its buffer layout lists every
+  rank's (the experts' grad buffer differs between expert-parallel ranks).
 """
 from __future__ import annotations
 
