@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 2 tests/megatron_load.py JOBS.json RESULTS.json
 
 JOBS.json lists {"label", "save": a Megatron-LM save dir, "tp", "pp", "truth": a truth.safetensors, "step": the
-optimizer step it holds}. For each job every rank makes the model parallel groups at tp, pp (dp: what the 2 ranks
-leave), builds the fixtures' GPTModel with Megatron's optimizer as tools/fixture_megatron_core.py does (the
+optimizer step it holds; a mixture of experts' "ep" and "experts"}. For each job every rank makes the model parallel
+groups at tp, pp, ep (dp: what the ranks leave), builds the fixtures' GPTModel with Megatron's optimizer as
+tools/fixture_megatron_core.py does (the
 distributed optimizer where the save's content_metadata names a sharding type), and loads the save as Megatron-LM's
 load_checkpoint does at torch_dist: the common state's args must name this tp and pp; the model's and optimizer's
 sharded state dicts built with the save's content_metadata, the RNG state asked for unless args.no_save_rng, then
@@ -66,7 +67,8 @@ def _job(job, fixture) -> dict:
                                f"{args.pipeline_model_parallel_size}, not the run's {job['tp']}, {job['pp']}")
     content = dist_checkpointing.load_content_metadata(folder) or {}
     distributed = "distrib_optim_sharding_type" in content
-    config, model, ddp, optimizer, scheduler = fixture.build(job["tp"], job["pp"], distributed)
+    config, model, ddp, optimizer, scheduler = fixture.build(job["tp"], job["pp"], distributed, job.get("ep", 1),
+                                                             job.get("experts"))
     _zero_state(optimizer)
     sd_metadata = {**content, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
     state_dict = {"model": model.sharded_state_dict(metadata=sd_metadata)}
@@ -95,7 +97,8 @@ def _job(job, fixture) -> dict:
         return out
     out["loaded"] = True
     groups = [None] * dist.get_world_size()
-    dist.all_gather_object(groups, sorted({float(g["step"]) for g in _inner(optimizer).param_groups if "step" in g}))
+    dist.all_gather_object(groups, sorted({float(g["step"]) for inner in _inners(optimizer)
+                                           for g in inner.param_groups if "step" in g}))
     out["group_step"] = sorted({s for rank in groups for s in rank})
     if distributed:
         _steps_from_groups(optimizer)
@@ -124,16 +127,16 @@ def _job(job, fixture) -> dict:
     return out
 
 
-def _inner(optimizer):
-    return optimizer.optimizer
+def _inners(optimizer):
+    """The torch optimizers under Megatron's (a mixture of experts chains the dense params' and the experts')."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def _zero_state(optimizer) -> None:
     """Zero Adam state before a load, as a resumed run that never stepped holds none: the distributed optimizer's
     state_dict() (which its sharded_state_dict calls) wants one step count."""
     import torch
-    inner = _inner(optimizer)
-    for group in inner.param_groups:
+    for inner, group in ((i, g) for i in _inners(optimizer) for g in i.param_groups):
         for p in group["params"]:
             if not inner.state[p]:
                 inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
@@ -146,17 +149,15 @@ def _steps_from_groups(optimizer) -> None:
     keep it). Without it the load leaves every parameter's step at the placeholder it was given before the load (its
     dp_reshardable path copies the placeholder back) and one step tensor shared by all parameters."""
     import torch
-    inner = _inner(optimizer)
-    for group in inner.param_groups:
+    for inner, group in ((i, g) for i in _inners(optimizer) for g in i.param_groups):
         for p in group["params"]:
             inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
 def _steps(optimizer) -> list:
     """The Adam step counts this rank's optimizer holds (one per parameter)."""
-    inner = _inner(optimizer)
-    return sorted({float(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]
-                   if "step" in inner.state[p]})
+    return sorted({float(inner.state[p]["step"]) for inner in _inners(optimizer) for g in inner.param_groups
+                   for p in g["params"] if "step" in inner.state[p]})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from reshard.formats.megatron.pickles import METADATA_ALLOWED
 
 
 def degrees(to: str) -> dict:
-    return {k: int(v) for k, v in (item.split("=") for item in to.split(",")) if k in ("tp", "pp", "dp")}
+    return {k: int(v) for k, v in (item.split("=") for item in to.split(",")) if k in ("tp", "pp", "dp", "ep")}
 
 
 def change_one_element(save, name: str) -> None:

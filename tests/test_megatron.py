@@ -29,6 +29,8 @@ ROOT = FIXTURES / "megatron_core"
 NAMES = sorted(p.name for p in ROOT.iterdir() if (p / "truth.json").exists()) if ROOT.is_dir() else []
 DP_RESHARDABLE = [n for n in NAMES if json.loads((ROOT / n / "truth.json").read_text())["sharding_type"]
                   == "dp_reshardable"]
+# a mixture of experts' saves (tests/test_megatron_moe.py): Llama's names and the plain DCP writer do not take them
+DENSE = [n for n in NAMES if "ep" not in json.loads((ROOT / n / "truth.json").read_text())]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 V019 = "mcore_dp_reshardable_tp2_dp2_v019"       # saved by megatron-core 0.19.2: its layout
 V015 = "mcore_fully_sharded_model_space_tp2_dp2_v015"      # saved by 0.15.3: its default sharding
@@ -331,7 +333,7 @@ def test_without_its_common_state_a_save_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_a_dcp_conversion_loads_in_torch_as_the_truth(name, tmp_path):
     """No Megatron writer yet, but the generic DCP writer takes the catalog: torch's own dcp.load of the output
     (one rank) gives the fp32 masters and both moments of the truth; nothing is left NaN."""
@@ -386,7 +388,7 @@ def _rule(spec, what):
     return next(r for r in spec["rules"] if what in r["match"])
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_llama_export_gives_megatrons_logits(name, tmp_path):
     """`export --names megatron-core-llama` into a folder: LlamaForCausalLM.from_pretrained loads it (weights and the
     config.json built from the save's args), and its logits of the fixture's tokens are Megatron's own, in fp32."""

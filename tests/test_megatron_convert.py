@@ -1,13 +1,15 @@
 """Megatron torch_dist output (`convert` of a Megatron save to another tp, pp, dp or optimizer sharding), proven by
 megatron-core 0.16.1 itself: each conversion of the fixtures (fixtures/megatron_core/, real saves) is loaded by
 `dist_checkpointing.load` into Megatron's GPTModel and optimizer built at the target topology (tests/megatron_load.py,
-2 ranks, one launch for every job), and the live model's weights, fp32 masters, both Adam moments and the step are
+2 ranks, one launch for every job; 4 for a mixture of experts at ep=4 or with expert-data-parallel ranks), and the
+live model's weights, fp32 masters, both Adam moments and the step are
 the truth taken from the live run at save time, bit for bit; one more training step runs. Sources of every layout
 the reader reads: 0.16's, and the saves 0.16 cannot load itself (0.15's fully_sharded_model_space, 0.19's, the legacy
-torch format's).
+torch format's); a mixture of experts' (mcore_moe_*: ep=2 -> 1, 1 -> 2, 4, and dp=4 at ep=2).
 
 Negative controls: Megatron's own load of the dp_reshardable fixture at another tp fails (what makes the writer
-necessary); a conversion with one element changed loads, and the comparison names that tensor.
+necessary), and of the MoE fixture at another ep; a conversion with one element changed loads, and the comparison
+names that tensor.
 
 DeepSpeed output of a Megatron save (`--format deepspeed --names megatron-core-modules`) is resumed by the real
 DeepSpeed engine around megatron-core's own GPTModel (tests/megatron_deepspeed_load.py): masters, moments, weights
@@ -47,12 +49,26 @@ CONVERSIONS = [
     ("mcore_dp_reshardable_tp2_dp2_v019", "tp=1,pp=1,dp=2"),                     # 0.19: the common state in DCP
     ("mcore_dp_reshardable_tp2_dp2_v019", "tp=2,pp=1,dp=1,sharding=fully_reshardable"),   # its RNG state kept, asked
     ("mcore_fully_sharded_model_space_tp2_dp2_v015", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),   # 0.15
+    # a mixture of experts (4 per layer), ep=2 -> ep=1 (the experts then dense params: one buffer, one optimizer)
+    ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1"),
+    ("mcore_moe_fully_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1"),
+    ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=2,sharding=fully_reshardable"),
 ]
+MOE_BACK = ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1", "tp=1,pp=1,dp=2,ep=2")   # ep 1 -> 2
+# loaded by 4 ranks (a launch of its own): ep=4 (one expert per rank), and ep=2 with two expert-data-parallel ranks
+MOE_WIDE = [("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=4,ep=4"),
+            ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=4,ep=2")]
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
 
 
 def _ids():
-    return [f"{name.removeprefix('mcore_')}-{to}" for name, to in CONVERSIONS]
+    return [f"{name.removeprefix('mcore_')}-{to}" for name, to in CONVERSIONS + MOE_WIDE]
+
+
+def _experts(name: str, degrees: dict) -> dict:
+    """A mixture of experts' job keys for tests/megatron_load.py (its model built with the experts, at the ep)."""
+    info = json.loads((ROOT / name / "truth.json").read_text())
+    return {"ep": degrees.get("ep", info["ep"]), "experts": info["experts"]} if "ep" in info else {}
 
 
 def _convert(name: str, to: str, dst) -> None:
@@ -61,14 +77,20 @@ def _convert(name: str, to: str, dst) -> None:
 
 @shares("megatron_load.py")
 def megatron_load_jobs(out):
-    """Every conversion, the changed one and Megatron's own load of a dp_reshardable save at another tp: 2 ranks."""
+    """Every conversion, the changed one and Megatron's own load of a dp_reshardable save at another tp (and ep): 2
+    ranks; MOE_WIDE's conversions: 4."""
     jobs = []
     for index, (name, to) in enumerate(CONVERSIONS):
         dst = out / f"conversion-{index}"
         _convert(name, to, dst)
         cut = degrees(to)
         jobs.append({"label": f"{name}:{to}", "save": str(dst), "tp": cut["tp"], "pp": cut["pp"],
-                     "truth": str(ROOT / name / "truth.safetensors")})
+                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, cut)})
+    name, first, back = MOE_BACK        # ep 2 -> 1 -> 2: a conversion's output as the source
+    _convert(name, first, out / "moe-ep1")
+    execute(make_plan(reshard.open_checkpoint(str(out / "moe-ep1")), back), str(out / "moe-back"), progress=False)
+    jobs.append({"label": "moe ep1 -> ep2", "save": str(out / "moe-back"), "tp": 1, "pp": 1,
+                 "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, degrees(back))})
     name, to = CONVERSIONS[0]
     changed = out / "changed" / "save"
     _convert(name, to, changed)
@@ -77,7 +99,16 @@ def megatron_load_jobs(out):
                  "truth": str(ROOT / name / "truth.safetensors")})
     jobs.append({"label": "megatron itself", "save": str(ROOT / name / "save"), "tp": 1, "pp": 1,
                  "truth": str(ROOT / name / "truth.safetensors")})
-    return [(2, None, job) for job in jobs]
+    moe = MOE_BACK[0]
+    jobs.append({"label": "megatron itself at another ep", "save": str(ROOT / moe / "save"), "tp": 1, "pp": 1,
+                 "truth": str(ROOT / moe / "truth.safetensors"), "ep": 1, "experts": 4})
+    wide = []
+    for index, (name, to) in enumerate(MOE_WIDE):
+        dst = out / f"wide-{index}"
+        _convert(name, to, dst)
+        wide.append({"label": f"{name}:{to}", "save": str(dst), "tp": 1, "pp": 1,
+                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, degrees(to))})
+    return [(2, None, job) for job in jobs] + [(4, None, job) for job in wide]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +117,7 @@ def loaded(engine_launches):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name, to", CONVERSIONS, ids=_ids())
+@pytest.mark.parametrize("name, to", CONVERSIONS + MOE_WIDE, ids=_ids())
 def test_megatron_loads_the_conversion_as_the_truth_and_trains_on(name, to, loaded):
     result = loaded[f"{name}:{to}"]
     assert result["loaded"] and result["error"] is None, result
@@ -96,6 +127,21 @@ def test_megatron_loads_the_conversion_as_the_truth_and_trains_on(name, to, load
     assert result["step"] == step and result["group_step"] == ([] if plain else step)
     assert result["losses"] and all(math.isfinite(x) for x in result["losses"])
     assert result["moved"] and result["step_after"] == [step[0] + 1]
+
+
+@pytest.mark.engine
+def test_megatron_loads_an_ep1_conversion_converted_back_to_ep2(loaded):
+    result = loaded["moe ep1 -> ep2"]
+    assert result["loaded"] and result["problems"] == [], result
+    assert result["step"] == [3.0] and result["moved"] and result["step_after"] == [4.0]
+
+
+@pytest.mark.engine
+def test_megatron_itself_cannot_load_dp_reshardable_at_another_ep(loaded):
+    """Its experts' optimizer is chained to the dense one only at ep > 1: at ep=1 it asks for unchained buckets."""
+    result = loaded["megatron itself at another ep"]
+    assert not result["loaded"]
+    assert "KeyError" in result["error"] and "bucket_idx_0.param from model not in state dict" in result["error"]
 
 
 @pytest.mark.engine

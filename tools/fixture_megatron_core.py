@@ -54,7 +54,13 @@ The configurations (each file well under 1 MB):
   runs here: in a venv with torch==2.13.0, psutil, numpy, packaging and triton (which 0.19 imports unconditionally),
   unpack it into site-packages (``pip download megatron-core==0.19.2 --python-version 3.12 --only-binary=:all:
   --no-deps``, then ``python -m zipfile -e WHEEL SITE_PACKAGES``) and run this script with that venv's python and
-  ``PYTHONPATH=tools``. The worker refuses to make a configuration with another version than it names.
+  ``PYTHONPATH=tools``. The worker refuses to make a configuration with another version than it names;
+* ``mcore_moe_dp_reshardable_ep2_dp2`` and ``mcore_moe_fully_reshardable_ep2_dp2``: the same model with every layer's
+  MLP a mixture of EXPERTS (4) SequentialMLP experts (``moe_grouped_gemm`` off, width EXPERT_FFN), a top-TOPK (2)
+  router without load-balancing loss, the allgather token dispatcher (the alltoall one needs CUDA events), trained
+  at ep=2 over the dp=2 ranks; truth.json adds ep, experts, topk and expert_ffn, truth.safetensors names each
+  expert's params ``decoder.layers.<i>.mlp.experts.experts.<e>.linear_fc1.weight``, and its buffer layout lists every
+  rank's (the experts' grad buffer differs between expert-parallel ranks).
 """
 from __future__ import annotations
 
@@ -89,7 +95,12 @@ CONFIGS = {
                                              format="torch"),
     "mcore_dp_reshardable_tp2_dp2_v019": dict(tp=2, pp=1, dp=2, distributed=True, sharding="dp_reshardable",
                                             megatron="0.19."),
+    # MoE: every layer's MLP EXPERTS experts (SequentialMLP), expert-parallel over ep of the dp ranks
+    "mcore_moe_dp_reshardable_ep2_dp2": dict(tp=1, pp=1, dp=2, ep=2, distributed=True, sharding="dp_reshardable"),
+    "mcore_moe_fully_reshardable_ep2_dp2": dict(tp=1, pp=1, dp=2, ep=2, distributed=True,
+                                                sharding="fully_reshardable"),
 }
+EXPERTS, TOPK, EXPERT_FFN = 4, 2, 16     # the MoE configurations' experts, router top-k and each expert's width
 
 
 def main() -> int:
@@ -139,7 +150,7 @@ def worker(name: str, out: Path) -> None:
                          f"{megatron.core.__version__}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    config, model, ddp, optimizer, scheduler = build(cfg["tp"], cfg["pp"], cfg["distributed"])
+    config, model, ddp, optimizer, scheduler = build(cfg["tp"], cfg["pp"], cfg["distributed"], cfg.get("ep", 1))
     train(config, ddp, optimizer, scheduler, STEPS, seed=7)
     iteration = STEPS
 
@@ -185,9 +196,10 @@ def worker(name: str, out: Path) -> None:
     end_helpers()
 
 
-def build(tp: int, pp: int, distributed: bool):
+def build(tp: int, pp: int, distributed: bool, ep: int = 1, experts: int | None = None):
     """(config, model, ddp, optimizer, scheduler): the fixtures' Llama-configured GPTModel (local layer spec) at tp, pp
-    (the model parallel groups made here; dp is what the world leaves), wrapped as Megatron-LM wraps it (Float16Module,
+    (the model parallel groups made here; dp is what the world leaves), its MLPs mixtures of `experts` (EXPERTS where
+    ep > 1) expert-parallel over ep ranks, wrapped as Megatron-LM wraps it (Float16Module,
     DistributedDataParallel), with Megatron's Adam (the distributed optimizer where `distributed`) and scheduler.
     The ranks' process group must exist."""
     import torch
@@ -197,10 +209,10 @@ def build(tp: int, pp: int, distributed: bool):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
-    mpu.initialize_model_parallel(tp, pp)
+    mpu.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    config = transformer_config(tp, pp)
+    config = transformer_config(tp, pp, ep, experts if experts is not None else (EXPERTS if ep > 1 else None))
     model = gpt_model(config)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
                                                grad_reduce_in_fp32=True)
@@ -217,11 +229,17 @@ def build(tp: int, pp: int, distributed: bool):
     return config, model, ddp, optimizer, scheduler
 
 
-def transformer_config(tp: int, pp: int):
-    """The fixtures' TransformerConfig (Llama-configured, bf16) at tp, pp."""
+def transformer_config(tp: int, pp: int, ep: int = 1, experts: int | None = None):
+    """The fixtures' TransformerConfig (Llama-configured, bf16) at tp, pp; with `experts`, each layer's MLP a mixture
+    of them (SequentialMLP: one MLP module per expert, top-TOPK softmax router, no load-balancing loss, the
+    all-to-all token dispatcher) expert-parallel over ep ranks."""
     import torch
     from megatron.core.transformer import TransformerConfig
-    return TransformerConfig(
+    moe = {} if not experts else dict(
+        num_moe_experts=experts, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=ep)
+    return TransformerConfig(**moe,
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         ffn_hidden_size=FFN, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
@@ -239,7 +257,9 @@ def gpt_model(config):
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    normalization="RMSNorm")
+    return GPTModel(config, spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
                     post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                     position_embedding_type="rope", rotary_base=ROPE_BASE)
@@ -312,7 +332,15 @@ def assemble(gathered) -> dict:
     for key, tensor in full.items():
         assert not (tensor.is_floating_point() and tensor.isnan().any()), f"{key}: not every element was gathered"
         state, name_ = state_of(key)
-        if prepended[key]:
+        if prepended[key] == 2:     # a layer stack of experts: (layer, expert, ...) -> one tensor per expert
+            stack, _, rest = name_.partition(".layers.")
+            within, _, own = rest.partition(".experts.experts.")
+            assert own, key
+            for layer in range(tensor.shape[0]):
+                for expert in range(tensor.shape[1]):
+                    out[f"{state}/{stack}.layers.{layer}.{within}.experts.experts.{expert}.{own}"] = \
+                        tensor[layer, expert].clone()
+        elif prepended[key]:
             assert prepended[key] == 1, key
             stack, _, rest = name_.partition(".layers.")
             for layer in range(tensor.shape[0]):
@@ -336,9 +364,12 @@ def _forward(folder: Path, config, gathered, rank: int) -> None:
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    fp32 = dataclasses.replace(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, bf16=False,
+    # (a config of its own: the trained one holds the DDP's hooks, which an expert's deepcopy of it cannot copy)
+    fp32 = dataclasses.replace(transformer_config(1, 1, 1, config.num_moe_experts), bf16=False,
                                params_dtype=torch.float32, pipeline_dtype=torch.float32)
-    model = GPTModel(fp32, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    normalization="RMSNorm")
+    model = GPTModel(fp32, spec, vocab_size=VOCAB,
                      max_sequence_length=SEQ, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=ROPE_BASE)
     masters = {}
@@ -393,13 +424,17 @@ def _megatron_args(cfg, iteration):
 
     import torch
     from megatron.core.transformer.enums import AttnBackend
+    moe = {} if cfg.get("ep", 1) == 1 else dict(
+        num_experts=EXPERTS, expert_tensor_parallel_size=cfg["tp"], moe_router_topk=TOPK,
+        moe_ffn_hidden_size=EXPERT_FFN, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     return argparse.Namespace(
-        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        **moe, num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, group_query_attention=True, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
         max_position_embeddings=SEQ, padded_vocab_size=VOCAB, normalization="RMSNorm", swiglu=True,
         add_bias_linear=False, position_embedding_type="rope", untie_embeddings_and_output_weights=True,
         tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"], data_parallel_size=cfg["dp"],
-        context_parallel_size=1, expert_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1, expert_model_parallel_size=cfg.get("ep", 1), virtual_pipeline_model_parallel_size=None,
         world_size=cfg["tp"] * cfg["pp"] * cfg["dp"], bf16=True, fp16=False, params_dtype=torch.bfloat16,
         optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         clip_grad=1.0, use_distributed_optimizer=cfg["distributed"], overlap_grad_reduce=False,
@@ -472,18 +507,20 @@ def _buffer_layout(ddp, optimizer):
     """Megatron's own placement of each parameter in the distributed optimizer's buffers (for truth.json)."""
     names = {p: n.removeprefix("module.") for n, p in ddp.module.named_parameters()}
     out = []
-    for b, buffer in enumerate(ddp.buffers):
+    for b, buffer in enumerate([*ddp.buffers, *ddp.expert_parallel_buffers]):
         buckets = [{"numel": bucket.grad_data.numel(), "numel_unpadded": bucket.numel_unpadded,
                     "offset": bucket.offset} for bucket in buffer.buckets]
         params = {names[p]: list(where) for p, where in buffer.param_index_map.items()}
-        out.append({"buffer": b, "data_parallel_group_idx": _group_idx(optimizer),
+        out.append({"buffer": b, "expert": b >= len(ddp.buffers),
+                    "data_parallel_group_idx": _group_idx(optimizer, b >= len(ddp.buffers)),
                     "param_dtype": str(buffer.param_dtype), "grad_dtype": str(buffer.grad_dtype),
                     "buckets": buckets, "params": params})
     return out
 
 
-def _group_idx(optimizer):
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+def _group_idx(optimizer, expert: bool = False):
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner in chained[1:] if expert else chained:     # (the expert params' optimizer is the second)
         if hasattr(inner, "data_parallel_group_idx"):
             return inner.data_parallel_group_idx
     return None
@@ -499,9 +536,10 @@ def _write_truth(folder: Path, cfg, name, gathered, layouts, optimizer, iteratio
     for group in optimizer.param_groups:
         groups.append({k: v for k, v in group.items() if isinstance(v, (int, float, bool, str)) and k != "params"})
         for p in group["params"]:
-            state = optimizer.optimizer.state.get(p, {}) if hasattr(optimizer, "optimizer") else {}
-            if "step" in state:
-                steps.add(int(state["step"]))
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                state = inner.optimizer.state.get(p, {}) if hasattr(inner, "optimizer") else {}
+                if "step" in state:
+                    steps.add(int(state["step"]))
         if "step" in group:
             steps.add(int(group["step"]))
     info = {"kind": "megatron-core", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
@@ -510,9 +548,12 @@ def _write_truth(folder: Path, cfg, name, gathered, layouts, optimizer, iteratio
             "iteration": iteration, "step": sorted(steps), "param_groups": groups, "model_dtype": "bfloat16",
             "layers": LAYERS, "vocab": VOCAB, "hidden": HIDDEN, "heads": HEADS, "query_groups": GROUPS,
             "ffn": FFN}
+    if cfg.get("ep", 1) > 1:
+        info.update(ep=cfg["ep"], experts=EXPERTS, topk=TOPK, expert_ffn=EXPERT_FFN)
     if cfg["distributed"]:
+        # (with experts each rank's: the expert buffers differ between expert-parallel ranks)
         info["buffer_layout"] = [{"tp_rank": t, "pp_rank": p, "dp_rank": d, "buffers": layout}
-                                 for t, p, d, layout in layouts if d == 0]
+                                 for t, p, d, layout in layouts if d == 0 or cfg.get("ep", 1) > 1]
     (folder / "truth.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
 
 

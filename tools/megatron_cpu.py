@@ -8,11 +8,14 @@ on the CPU. For the fixture tool and tests only; nothing in the reshard package 
 3. torch.cuda.synchronize / empty_cache -> no-ops (pipeline p2p communication);
 4. a TorchFunctionMode mapping device='cuda' (or a device index) to the CPU, Tensor.cuda() a no-op, and
    Tensor.type() reporting torch.cuda.*Tensor (the optimizer checks that params are CUDA tensors);
-5. torch.cuda streams and events as no-op objects;
+5. torch.cuda streams and events as no-op objects; the backward pass under the mode of 4 too (a mode is off while
+   its handler runs, and torch.autograd.backward reaches it);
 6. a `fully_reshardable` load into torch's AdamW (megatron-core's fallback without Transformer Engine or Apex): the
    distributed optimizer copies every state its local optimizer holds from the loaded ones, and torch's AdamW holds a
    per-parameter `step` the save does not (TE's and Apex's FusedAdam keep it in the param groups): KeyError 'step'.
    The parameter keeps the step it has (the load restores it from the param groups).
+7. the MoE router without Transformer Engine: 0.16.1's moe_utils names `te_general_gemm` only where TE imports, and
+   its router gating asks `te_general_gemm is not None` (NameError): it is made None, the torch matmul path.
 """
 from __future__ import annotations
 
@@ -91,6 +94,15 @@ def install() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _type(torch.Tensor.type)
     _OnCpu().__enter__()      # for the life of the process
+    # A mode is off while its handler runs, and torch.autograd.backward reaches the handler: the backward pass (where
+    # the MoE dispatcher's gathers allocate on the current device) runs under a mode of its own
+    from torch import autograd
+    engine = autograd._engine_run_backward
+
+    def run_backward(*args, **kwargs):
+        with _OnCpu():
+            return engine(*args, **kwargs)
+    autograd._engine_run_backward = run_backward
     from megatron.core.optimizer import distrib_optimizer
     setter = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
 
@@ -103,6 +115,9 @@ def install() -> None:
                 tensors = {**tensors, "step": step}
         return setter(self, model_param, tensors)
     distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     from megatron.core.tensor_parallel import random as mrandom
     mrandom._get_cuda_rng_state = lambda *a, **k: _GENERATOR.get_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: _GENERATOR.set_state(state)

@@ -43,6 +43,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
                                    [(e.key, e.path, e.blob) for e in own])
 
 
+output_tag = dcp_writer.output_tag     # (a DCP folder has no tag)
+
+
 def describe(target: Layout, tag: str) -> Output:
     """torchtitan's step-N folder for dp ranks; no ZeRO stage, no tag."""
     return Output("torchtitan", f"dp={target.dp}")

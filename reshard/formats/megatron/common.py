@@ -26,7 +26,8 @@ def finish(catalog: CatalogBuilder, degrees: tuple[int, int, int], sharding: str
         master_dtype=masters.pop() if len(masters) == 1 else "",
         format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
                                          float(version) if isinstance(version, (int, float)) else None,
-                                         layout, backend))
+                                         layout, backend,
+                                         ep=catalog.experts.ep if catalog.experts is not None else None))
     samples = args.get("consumed_train_samples")
     catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
                                      global_samples=samples if isinstance(samples, int) else None,

@@ -38,6 +38,21 @@ class ParamOrder:
     no_decay_suffixes: tuple[str, ...] = ()     # nor do params whose names end so
     tp_cuts: tuple[tuple[str, TpCut], ...] = ()   # (name, or name within a layer) -> its cut; others are whole
     keys_map: tuple[tuple[str, str], ...] = ()     # a legacy state dict's layer-relative prefix -> the saved key's
+    expert_prefix: str | None = None     # "mlp.experts.experts.": saved with an expert axis after the layer axis
+    expert_params: tuple[str, ...] = ()  # an expert's params (relative to it), in registration order
+    expert_cuts: tuple[tuple[str, TpCut], ...] = ()   # how an expert's params are cut (SwiGLU's fc1: two parts)
+
+    def expert_of(self, name: str) -> tuple[int, int, str] | None:
+        """(layer, expert, name within the expert) of one expert's param, or None."""
+        where = self.layer_of(name)
+        if where is None or self.expert_prefix is None or not where[1].startswith(self.expert_prefix):
+            return None
+        found = re.fullmatch(r"(\d+)\.(.+)", where[1][len(self.expert_prefix):])
+        return (where[0], int(found.group(1)), found.group(2)) if found else None
+
+    def is_expert_stack(self, within_layer: str) -> bool:
+        """Is a saved layer stack's key (relative to the layer) an expert stack (an expert axis after the layer's)?"""
+        return self.expert_prefix is not None and within_layer.startswith(self.expert_prefix)
 
     def sharded_name(self, name: str) -> str:
         """A module state dict's name under the key megatron-core's sharded state dict gives it (a legacy save's
@@ -53,6 +68,9 @@ class ParamOrder:
 
     def tp_cut(self, name: str) -> TpCut | None:
         """How tensor parallelism cuts `name`, or None: whole on every rank."""
+        expert = self.expert_of(name)
+        if expert is not None:
+            return dict(self.expert_cuts).get(expert[2])
         where = self.layer_of(name)
         own = where[1] if where is not None else name
         return dict(self.tp_cuts).get(own)
@@ -75,6 +93,9 @@ class ParamOrder:
     def ordered(self, names: Sequence[str]) -> list[str]:
         """`names` in registration order; a ReshardError naming the rule file for one it does not place."""
         def rank(name: str) -> tuple:
+            expert = self.expert_of(name)
+            if expert is not None and expert[2] in self.expert_params:
+                return (1, expert[0], len(self.layer), expert[1], self.expert_params.index(expert[2]))
             where = self.layer_of(name)
             if where is not None and where[1] in self.layer:
                 return (1, where[0], self.layer.index(where[1]))
@@ -102,12 +123,17 @@ def load(given: str | None = None) -> ParamOrder:
     path, data = rule_files.load(given or SHIPPED, KIND)
     try:
         no_decay = data.get("no_weight_decay", {})
-        cuts = tuple((name, TpCut(int(cut["axis"]), int(cut.get("parts", 1)), cut.get("parts_when")))
-                     for name, cut in data.get("tensor_parallel", {}).items() if name != "description")
+        experts = data.get("experts", {})
+        def cuts_of(given: dict) -> tuple[tuple[str, TpCut], ...]:
+            return tuple((name, TpCut(int(cut["axis"]), int(cut.get("parts", 1)), cut.get("parts_when")))
+                         for name, cut in given.items() if name != "description")
+        cuts = cuts_of(data.get("tensor_parallel", {}))
         return ParamOrder(path, tuple(data["transformer_impl"]), str(data["layer_prefix"]),
                           tuple(data["before_layers"]), tuple(data["layer"]), tuple(data["after_layers"]),
                           tuple(data.get("shared_embedding", ())), no_decay.get("ndim"),
                           tuple(no_decay.get("suffixes", ())), cuts,
-                          tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()))
+                          tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()),
+                          experts.get("prefix"), tuple(experts.get("params", ())),
+                          cuts_of(experts.get("tensor_parallel", {})))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

@@ -41,6 +41,8 @@ from reshard.core.catalog import (
     MODULE,
     Catalog,
     CatalogBuilder,
+    ExpertLayer,
+    ExpertParallel,
     FileInfo,
     Fragment,
     LogicalTensor,
@@ -80,11 +82,14 @@ COMMON = "common.pt"
 OPTIMIZER_STATE = "optimizer.state."
 # the optimizer's state names -> the catalog's: the fp32 copy is the master
 STATES = {"fp32_param": MASTER, "param": MASTER, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(\(.*\))\.bucket_idx_(\d+)"
-                    r"\.(\w+)$")
-PER_BUCKET = "optimizer.distributed.dp_group_idx_{}.{}"
+# (a mixture of experts' save chains two distributed optimizers, the dense params' and the experts': chained_K.)
+BUCKET = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(\(.*\))"
+                    r"\.bucket_idx_(\d+)\.(\w+)$")
+PER_BUCKET = "{}optimizer.distributed.dp_group_idx_{}.{}"
 SHARDING_KEY = "distrib_optim_sharding_type"
 LAYER_STACKS = ("decoder.layers.", "encoder.layers.")     # a TransformerBlock's layers, saved stacked
+CHAINED = re.compile(r"chained_\d+\.optimizer\.")
+BUCKET_OBJECT = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.")
 COMMON_STATE = "common_state"         # 0.19: the common state's DCP key (its ShardedObject: common_state/shard_0_1)
 
 
@@ -190,10 +195,10 @@ class _Reader:
         self.dp = dp
         entries = meta.state_dict_metadata
         tensors = {k: e for k, e in entries.items() if isinstance(e, md.TensorStorageMetadata)}
-        model = {k: e for k, e in tensors.items() if not k.startswith("optimizer.")}
+        model = {k: e for k, e in tensors.items() if not k.startswith("optimizer.") and not CHAINED.match(k)}
         optimizer = {k: e for k, e in tensors.items() if k.startswith(OPTIMIZER_STATE)}
         distributed = {k: e for k, e in tensors.items() if BUCKET.match(k)}
-        other = sorted(k for k in tensors if k.startswith("optimizer.") and k not in optimizer
+        other = sorted(k for k in tensors if (k.startswith("optimizer.") or CHAINED.match(k)) and k not in optimizer
                        and k not in distributed)
         if other:
             catalog.problem(self.meta_path, f"optimizer tensors of no known layout: {', '.join(other[:3])}")
@@ -240,6 +245,7 @@ class _Reader:
         catalog.group_scalars = [({"step": step} if step is not None else {}) for _ in groups]
         if self.flattened:
             layout = LAYOUT_015
+        catalog.experts = self._experts(ordered)
         catalog.files = self._files(chunks)
         common_fields.finish(catalog, (dp, tp, pp), sharding, common, self.args, layout, self.notes)
         return catalog.freeze()
@@ -273,21 +279,31 @@ class _Reader:
         shape = stored if blocks is None else blocks.shape
         prefix = self._layer_prefix(model_key)
         stacked = prefix is not None and len(shape) >= 1
-        logical: dict[int | None, str]
-        if stacked:
+        rules = param_order.load()
+        # an expert stack: (layers, experts, ...), one logical tensor per layer and expert
+        experts = stacked and prefix is not None and rules.is_expert_stack(model_key[len(prefix):]) and len(shape) >= 2
+        axes = 2 if experts else 1 if stacked else 0
+        logical: dict[tuple[int, ...], str]
+        if experts:
+            assert prefix is not None and rules.expert_prefix is not None
+            own = model_key[len(prefix) + len(rules.expert_prefix):]
+            logical = {(layer, e): f"{prefix}{layer}.{rules.expert_prefix}{e}.{own}"
+                       for layer in range(shape[0]) for e in range(shape[1])}
+            inner = shape[2:]
+        elif stacked:
             assert prefix is not None
             rest = model_key[len(prefix):]
-            logical = {layer: f"{prefix}{layer}.{rest}" for layer in range(shape[0])}
+            logical = {(layer,): f"{prefix}{layer}.{rest}" for layer in range(shape[0])}
             inner = shape[1:]
         else:
-            logical = {None: model_key}
+            logical = {(): model_key}
             inner = shape
         drafts = {layer: catalog.add(TensorDraft(name, state, inner, dtype), self.meta_path)
                   for layer, name in logical.items()}
         if model_tensor:
             for index, name in logical.items():
                 self.boxes[name] = []
-                self.notes[name] = {"saved_as": key, **({"layer": index} if index is not None else {})}
+                self.notes[name] = {"saved_as": key, **dict(zip(("layer", "expert"), index, strict=False))}
         for chunk in entry.chunks:
             offsets = tuple(int(o) for o in chunk.offsets)
             sizes = tuple(int(s) for s in chunk.sizes)
@@ -298,15 +314,18 @@ class _Reader:
                 continue
             if not math.prod(sizes):
                 continue
+            if blocks is not None and experts:
+                catalog.problem(self.meta_path, f"{key}: experts stored block-wise flattened (0.15) are not read")
+                continue
             if blocks is not None:
                 self._add_flat_chunk(key, dtype, blocks, offsets, sizes, drafts, stacked)
                 continue
-            if stacked and sizes[0] != 1:
-                catalog.problem(self.meta_path, f"{key}: a chunk spans {sizes[0]} layers (at {offsets}); a layer "
-                                "stack is saved one layer per chunk")
+            if any(n != 1 for n in sizes[:axes]):
+                catalog.problem(self.meta_path, f"{key}: a chunk spans {sizes[:axes]} layers (and experts) at "
+                                f"{offsets}; a layer stack is saved one layer (and expert) per chunk")
                 continue
-            layer = offsets[0] if stacked else None
-            at, size = (offsets[1:], sizes[1:]) if stacked else (offsets, sizes)
+            layer = offsets[:axes]
+            at, size = offsets[axes:], sizes[axes:]
             if model_tensor:        # (from .metadata: where the chunks lie, readable or not)
                 self.boxes[logical[layer]].append((at, size))
             ref = chunks.chunk(key, dtype, offsets, sizes)
@@ -352,7 +371,7 @@ class _Reader:
         if ref is None:
             return
         at = tuple(i * b for i, b in zip(offsets[:-1], blocks.block, strict=True))
-        layer, at, block = (at[0], at[1:], blocks.block[1:]) if stacked else (None, at, blocks.block)
+        layer, at, block = ((at[0],), at[1:], blocks.block[1:]) if stacked else ((), at, blocks.block)
         if stacked and blocks.block[0] != 1:
             self.catalog.problem(self.meta_path, f"{key}: a block spans {blocks.block[0]} layers; a layer stack is "
                                  "saved one layer per block")
@@ -402,29 +421,79 @@ class _Reader:
             if self.args.get(key):
                 raise CheckpointError(self.common_path, f"args.{key} = {self.args[key]}: uneven or virtual "
                                       "pipeline stages are not read yet in dp_reshardable saves")
-        layers = self.args.get("num_layers")
-        by_group: dict[int, dict[tuple, dict[str, tuple[str, Any]]]] = {}
+        by_optimizer: dict[str, dict[int, dict[tuple, dict[str, tuple[str, Any]]]]] = {}
         for key, entry in distributed.items():
             found = BUCKET.match(key)
             assert found is not None
-            group, gbuf, dtypes, bucket, state = found.groups()
+            chained, group, gbuf, dtypes, bucket, state = found.groups()
             if state not in STATES:
                 self.catalog.problem(self.meta_path, f"{key}: an optimizer state reshard does not know")
                 continue
-            by_group.setdefault(int(group), {}).setdefault((int(gbuf), dtypes, int(bucket)), {})[state] = (key, entry)
-        if sorted(by_group) != list(range(self.tp * self.pp)):
-            raise CheckpointError(self.meta_path, f"dp_reshardable buckets of model-parallel groups {sorted(by_group)}"
-                                  f", expected 0..{self.tp * self.pp - 1} (tp={self.tp}, pp={self.pp})")
+            by_optimizer.setdefault(chained or "", {}).setdefault(int(group), {}).setdefault(
+                (int(gbuf), dtypes, int(bucket)), {})[state] = (key, entry)
+        experts = [n for n in names if rules.expert_of(n) is not None]
+        dense = [n for n in names if rules.expert_of(n) is None]
+        if self._degree("expert_model_parallel_size") == 1:     # (at ep=1 experts are dense params to megatron-core)
+            experts, dense = [], names
+        # megatron-core chains the dense params' distributed optimizer and the experts' (chained_0., chained_1.)
+        expected = ["chained_0.", "chained_1."] if experts else [""]
+        if sorted(by_optimizer) != expected:
+            raise CheckpointError(self.meta_path, f"dp_reshardable buckets of optimizers {sorted(by_optimizer)}, "
+                                  f"expected {expected} for a model {'with' if experts else 'without'} experts")
+        groups = {g: (g % self.tp, g // self.tp) for g in range(self.tp * self.pp)}
+        covered = self._optimizer_buckets(expected[0], by_optimizer[expected[0]], rules.ordered(dense), groups,
+                                          self.dp, frozenset(rules.shared_embedding) if (self.pp > 1 and not
+                                          self.args.get("untie_embeddings_and_output_weights", True)) else
+                                          frozenset())
+        if experts:
+            ep = self._degree("expert_model_parallel_size")
+            if self.tp > 1 or self.pp > 1 or self.args.get("overlap_grad_reduce") or \
+                    self._degree("expert_tensor_parallel_size", self.tp) != self.tp or self.dp % ep:
+                raise CheckpointError(self.common_path, "the experts' dp_reshardable buckets are read at tp=1, pp=1 "
+                                      f"without overlapped grad reduction only (tp={self.tp}, pp={self.pp}, "
+                                      f"dp={self.dp}, ep={ep})")
+            # one model-parallel group per expert-parallel rank (its experts' grad buffer), over dp/ep ranks
+            held = self._expert_ranks(rules.ordered(experts), ep)
+            covered |= self._optimizer_buckets(expected[1], by_optimizer[expected[1]], [], {r: (0, 0) for r in
+                                               range(ep)}, self.dp // ep, frozenset(), held)
+        return covered
+
+    def _expert_ranks(self, ordered: list[str], ep: int) -> dict[int, list[str]]:
+        """{expert-parallel rank: its experts' params in registration order}: rank r holds experts
+        [r·E/ep, (r+1)·E/ep) of every layer."""
+        rules = param_order.load()
+        counts: dict[int, int] = {}
+        for name in ordered:
+            found = rules.expert_of(name)
+            assert found is not None
+            counts[found[0]] = max(counts.get(found[0], 0), found[1] + 1)
+        if any(n % ep for n in counts.values()):
+            raise CheckpointError(self.common_path, f"experts per layer {sorted(set(counts.values()))} do not divide "
+                                  f"among ep={ep} ranks")
+        out: dict[int, list[str]] = {r: [] for r in range(ep)}
+        for name in ordered:
+            layer, expert, _ = rules.expert_of(name) or (0, 0, "")
+            out[expert // (counts[layer] // ep)].append(name)
+        return out
+
+    def _optimizer_buckets(self, prefix: str, by_group: Mapping[int, Mapping[tuple, Any]], ordered: list[str],
+                           groups: Mapping[int, tuple[int, int]], dp: int, shared: frozenset[str],
+                           held: Mapping[int, list[str]] | None = None) -> set[str]:
+        """Fragments from one distributed optimizer's buckets (keys under `prefix`): per model-parallel group (its
+        (tp rank, pp rank) in `groups`) the params it holds (`held[group]`, else those of `ordered` on its stage)
+        laid out over `dp` ranks, checked against the stored counts. The names covered."""
+        rules = param_order.load()
+        layers = self.args.get("num_layers")
+        if sorted(by_group) != sorted(groups):
+            raise CheckpointError(self.meta_path, f"{prefix}dp_reshardable buckets of model-parallel groups "
+                                  f"{sorted(by_group)}, expected 0..{len(groups) - 1} (tp={self.tp}, pp={self.pp})")
         covered: set[str] = set()
-        ordered = rules.ordered(names)
-        shared = frozenset(rules.shared_embedding) if (self.pp > 1 and not self.args.get(
-            "untie_embeddings_and_output_weights", True)) else frozenset()
         for group, saved in sorted(by_group.items()):
-            tp_rank, pp_rank = group % self.tp, group // self.tp
+            tp_rank, pp_rank = groups[group]
             params = []
             shards = {}
-            for name in ordered:
-                if self.pp > 1 and not rules.on_stage(name, pp_rank, self.pp, int(layers or 0)):
+            for name in (held[group] if held is not None else ordered):
+                if held is None and self.pp > 1 and not rules.on_stage(name, pp_rank, self.pp, int(layers or 0)):
                     continue
                 local = self._local_shard(name, tp_rank)
                 if local is None:
@@ -432,25 +501,28 @@ class _Reader:
                                           f" rank {tp_rank} holds, so the optimizer's buckets cannot be mapped")
                 shards[name] = local[0]
                 params.append((name, local[1]))
-            laid = buckets.lay_out(params, self.dp, buckets.bucket_size(self.args, pp_rank, self.dp),
+            laid = buckets.lay_out(params, dp, buckets.bucket_size(self.args, pp_rank, dp),
                                    shared & {n for n, _ in params},
                                    bool(self.args.get("ddp_pad_buckets_for_high_nccl_busbw")))
-            self._check_counts(group, saved, laid)
+            self._check_counts(prefix, group, saved, laid, dp)
             for (_, _, k), states in sorted(saved.items()):
                 for state, (key, entry) in states.items():
-                    self._bucket_fragments(key, entry, laid[k], shards, STATES[state], tp_rank, group)
+                    self._bucket_fragments(key, entry, laid[k], shards, STATES[state], tp_rank, group, dp,
+                                           held is not None)
             covered |= set(shards)
         return covered
 
-    def _check_counts(self, group: int, saved: Mapping[tuple, Any], laid: list[buckets.Bucket]) -> None:
+    def _check_counts(self, prefix: str, group: int, saved: Mapping[tuple, Any], laid: list[buckets.Bucket],
+                      dp: int) -> None:
         """The stored per_bucket_numel(_unpadded) of group `group` against the recomputed buckets: refused where they
         differ (the parameters would be mapped to the wrong elements)."""
         recomputed = {"per_bucket_numel": [b.numel for b in laid],
                       "per_bucket_numel_unpadded": [b.numel_unpadded for b in laid]}
         for what, expected in recomputed.items():
-            key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(group, what) + "/")), None)
+            key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(prefix, group, what) + "/")),
+                       None)
             if key is None:
-                raise CheckpointError(self.meta_path, f"{PER_BUCKET.format(group, what)} is missing: the "
+                raise CheckpointError(self.meta_path, f"{PER_BUCKET.format(prefix, group, what)} is missing: the "
                                       "dp_reshardable buckets cannot be checked")
             value = self.chunks.value(key)
             path = self.chunks.path_of(key)
@@ -461,20 +533,20 @@ class _Reader:
                 raise CheckpointError(path or self.meta_path, f"{key} holds {value!r:.80}, not per-buffer lists of "
                                       "bucket sizes")
             if len(stored) != 1 or stored[0] != expected:
-                raise CheckpointError(path or self.meta_path, f"dp_reshardable {what} of model-parallel group "
+                raise CheckpointError(path or self.meta_path, f"dp_reshardable {prefix}{what} of model-parallel group "
                                       f"{group} is {stored}, recomputed {[expected]} from the parameters "
-                                      f"(dp={self.dp}): the buckets cannot be mapped to parameters")
+                                      f"(dp={dp}): the buckets cannot be mapped to parameters")
         if len(saved) != len(laid) or sorted(k for _, _, k in saved) != list(range(len(laid))):
             raise CheckpointError(self.meta_path, f"model-parallel group {group} saves buckets "
                                   f"{sorted(k for _, _, k in saved)}, recomputed {len(laid)}")
 
     def _bucket_fragments(self, key: str, entry, bucket: buckets.Bucket, shards: Mapping[str, Shard], state: str,
-                          tp_rank: int, group: int) -> None:
+                          tp_rank: int, group: int, dp: int, experts: bool = False) -> None:
         dtype = dtype_of(entry, self.meta_path, key)
         if tuple(entry.size) != (bucket.numel_unpadded,):
             raise CheckpointError(self.meta_path, f"{key}: {list(entry.size)} elements saved, the recomputed bucket "
                                   f"holds {bucket.numel_unpadded}")
-        expected = bucket.chunks(self.dp)
+        expected = bucket.chunks(dp)
         saved = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in entry.chunks)
         if saved != [(start, size) for start, size, _ in expected]:
             raise CheckpointError(self.meta_path, f"{key}: saved in chunks {saved[:4]}..., the recomputed layout cuts "
@@ -492,7 +564,7 @@ class _Reader:
             whole = shard.blocks == Shard.whole(full).blocks and shard.shape == tuple(full)
             fragment = Fragment(first, first + size, ref.storage, ref.storage_offset, rank_of(ref.storage.file),
                                 None if whole else shard)
-            replicated = whole and self.tp > 1
+            replicated = whole and self.tp > 1 and not experts
             if replicated and tp_rank != 0:
                 copy = LogicalTensor(name, state, tuple(full), dtype, (fragment,))
                 self.catalog.replicas.append(Replica(copy, f"model-parallel group {group} (tensor-parallel rank "
@@ -513,6 +585,12 @@ class _Reader:
         """The optimizer's param groups as saved (hyper-parameters), and its step."""
         optimizer = self.common.get("optimizer")
         inner = None
+        if isinstance(optimizer, dict) and optimizer and all(type(k) is int for k in optimizer):
+            # chained optimizers (a mixture of experts': the dense params' and the experts'): their groups joined
+            chained = [optimizer[k].get("optimizer") if isinstance(optimizer[k], dict) else None
+                       for k in sorted(optimizer)]
+            if all(isinstance(c, dict) and isinstance(c.get("param_groups"), list) for c in chained):
+                optimizer = {"param_groups": [g for c in chained if c is not None for g in c["param_groups"]]}
         if isinstance(optimizer, dict):
             inner = optimizer.get("optimizer", optimizer)
         if not (isinstance(inner, dict) and isinstance(inner.get("param_groups"), list)):
@@ -534,33 +612,79 @@ class _Reader:
         return plain, (max(steps) if steps else None)
 
     def _distributed_object(self, what: str):
-        """The first readable copy of what every model-parallel group saves alike (its optimizer's param groups)."""
-        for group in range(self.tp * self.pp):
-            key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(group, what) + "/")), None)
-            value = self.chunks.value(key) if key is not None else MISSING
-            if value is not MISSING:
-                return _object(value)
-        return None
+        """The first readable copy of what every model-parallel group saves alike (its optimizer's param groups); of
+        chained optimizers (a mixture of experts': the dense params' and the experts') their param groups joined,
+        in chain order, as megatron-core's ChainedOptimizer lists them."""
+        chained = sorted({found.group(1) or "" for k in self.chunks.by_fqn if (found := BUCKET_OBJECT.match(k))},
+                         key=lambda p: int(p[len("chained_"):-1]) if p else -1)
+        found_values = []
+        for prefix in chained or [""]:
+            for group in range(self.tp * self.pp * (self._degree("expert_model_parallel_size") if prefix else 1)):
+                key = next((k for k in self.chunks.by_fqn if k.startswith(PER_BUCKET.format(prefix, group, what)
+                                                                            + "/")), None)
+                value = self.chunks.value(key) if key is not None else MISSING
+                if value is not MISSING:
+                    found_values.append(_object(value))
+                    break
+            else:
+                return None
+        if len(found_values) == 1:
+            return found_values[0]
+        inners = [v.get("optimizer", v) if isinstance(v, dict) else None for v in found_values]
+        if not all(isinstance(i, dict) and isinstance(i.get("param_groups"), list) for i in inners):
+            return None
+        return {"param_groups": [g for inner in inners if inner is not None for g in inner["param_groups"]]}
 
     def _group_of(self, ordered: list[str], groups: list[dict]) -> dict[str, int]:
         """Each param's group: the saved groups name no params, so megatron-core's default grouping (the rule file:
         which params take no weight decay) puts each in the group whose wd_mult is 0 or in the other one. A save
-        with other groups (decoupled or scaled learning rates) leaves the params unassigned, a problem noted."""
+        with other groups (decoupled or scaled learning rates) leaves the params unassigned, a problem noted. Experts'
+        params are grouped alike among the groups marked is_expert_parallel."""
         if not groups:
-            return {}
-        no_wd = [i for i, g in enumerate(groups) if g.get("wd_mult") == 0.0]
-        wd = [i for i, g in enumerate(groups) if g.get("wd_mult") not in (0.0, None)]
-        if len(groups) > 2 or len(no_wd) > 1 or len(wd) > 1:
-            self.catalog.problem(self.common_path, f"{len(groups)} optimizer param groups: which params each holds "
-                                 "is known for megatron-core's default grouping (weight decay or not) only")
             return {}
         rules = param_order.load()
         out = {}
-        for name in ordered:
-            shape = self.catalog.tensors[TensorKey(name, MODULE)].shape
-            group = no_wd if rules.takes_no_weight_decay(name, shape) else wd
-            out[name] = group[0] if group else 0
+        # (at ep=1 megatron-core groups the experts' params with the dense ones: no group is_expert_parallel)
+        chained = any(g.get("is_expert_parallel") for g in groups)
+        for expert in (False, True):
+            mine = [i for i, g in enumerate(groups) if bool(g.get("is_expert_parallel")) == (expert and chained)]
+            no_wd = [i for i in mine if groups[i].get("wd_mult") == 0.0]
+            wd = [i for i in mine if groups[i].get("wd_mult") not in (0.0, None)]
+            if len(mine) > 2 or len(no_wd) > 1 or len(wd) > 1:
+                self.catalog.problem(self.common_path, f"{len(groups)} optimizer param groups: which params each "
+                                     "holds is known for megatron-core's default grouping (weight decay or not, "
+                                     "experts or not) only")
+                return {}
+            for name in ordered:
+                if (rules.expert_of(name) is not None) != expert:
+                    continue
+                shape = self.catalog.tensors[TensorKey(name, MODULE)].shape
+                group = no_wd if rules.takes_no_weight_decay(name, shape) else wd
+                out[name] = group[0] if group else (mine[0] if mine else 0)
         return out
+
+    def _experts(self, ordered: list[str]) -> ExpertParallel | None:
+        """The save's expert parallelism (None without experts): ep from its args, each layer's experts divided
+        evenly among the expert-parallel ranks in order, as SequentialMLP places them."""
+        rules = param_order.load()
+        per_layer: dict[int, dict[int, list[str]]] = {}
+        for name in ordered:
+            found = rules.expert_of(name)
+            if found is not None:
+                per_layer.setdefault(found[0], {}).setdefault(found[1], []).append(name)
+        if not per_layer:
+            return None
+        ep = self._degree("expert_model_parallel_size")
+        layers = []
+        for index, (layer, experts) in enumerate(sorted(per_layer.items())):
+            count = len(experts)
+            if sorted(experts) != list(range(count)) or count % ep:
+                raise CheckpointError(self.meta_path, f"layer {layer} saves experts {sorted(experts)}, which do not "
+                                      f"divide among ep={ep} ranks")
+            per = count // ep
+            layers.append(ExpertLayer(index, count, tuple(tuple(range(r * per, (r + 1) * per)) for r in range(ep)),
+                                      tuple(n for e in range(count) for n in experts[e])))
+        return ExpertParallel(ep, max(1, self.dp * self.tp // ep), tuple(layers))
 
 
 _last_read: tuple[tuple[str, int, int], md.Metadata] | None = None

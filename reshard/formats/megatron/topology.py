@@ -30,9 +30,11 @@ class MegatronTopology:
     # a target's Megatron-LM arguments file (args=FILE: megatron/run_args.py), for a source without Megatron's
     # common state (DeepSpeed, universal, DCP)
     run_args: str | None = None
+    ep: int | None = None     # a mixture of experts' expert-parallel degree (None: no experts)
 
     def terms(self, brief: bool = False) -> tuple[tuple[str, object], ...]:
-        return () if brief else (("optimizer", self.sharding),)
+        experts = (("ep", self.ep),) if self.ep is not None else ()
+        return experts if brief else (*experts, ("optimizer", self.sharding))
 
     def descriptor(self) -> dict[str, object]:
         return {"optimizer": self.sharding, "options": self.options()}
@@ -60,7 +62,8 @@ class MegatronNotes:
         return dict(self.params.get(name, {}))
 
     def layout_scalar(self, key: str, value: object) -> bool:
-        return False
+        # (megatron-core marks the experts' groups so at ep > 1 only: a change of ep changes it)
+        return key == "is_expert_parallel"
 
     def scalars(self) -> dict[str, Any]:
         return dict(self.counters)
@@ -83,7 +86,9 @@ SPEC_KEYS = (SpecKey("sharding", "|".join(SHARDINGS), "Megatron's optimizer stat
                      "non-distributed optimizer (default: the source's, dp_reshardable for a distributed one)",
                      text=_sharding),
              SpecKey("args", "FILE", "a JSON file of the run's Megatron-LM arguments and scheduler state, for a "
-                     "source that holds none (DeepSpeed, universal, DCP): docs/formats/megatron.md", text=_args_file))
+                     "source that holds none (DeepSpeed, universal, DCP): docs/formats/megatron.md", text=_args_file),
+             SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts save, dividing dp and each layer's "
+                     "experts (default: the source's)", minimum=1))
 
 
 def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
@@ -93,8 +98,10 @@ def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
     default = PLAIN if own is not None and own.sharding == PLAIN else DP_RESHARDABLE
     sharding = str(given.get("sharding", default))
     run_args = given.get("args")
+    ep = given.get("ep", own.ep if own else None)
     return MegatronTopology(sharding, own.iteration if own else None, own.checkpoint_version if own else None,
-                            LAYOUT_016, run_args=str(run_args) if run_args is not None else None)
+                            LAYOUT_016, run_args=str(run_args) if run_args is not None else None,
+                            ep=int(ep) if isinstance(ep, int) else None)
 
 
 def from_descriptor(source: FormatTopology | None, data: Mapping[str, object]) -> MegatronTopology:

@@ -31,7 +31,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,7 @@ from reshard.formats.torchsave_read import DType
 from reshard.formats.torchsave_write import TorchFile
 
 FORMAT = "megatron"
-PLACES_EXPERTS = False
+PLACES_EXPERTS = True      # a mixture of experts' save, at any ep dividing dp and the experts (tp=1, pp=1)
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = True    # torch_dist keys: megatron-core-modules undone
 
@@ -74,6 +74,9 @@ STATE_PREFIX = {PLAIN: {MASTER: "optimizer.state.fp32_param.", "exp_avg": "optim
 BUCKET_STATES = {"param": MASTER, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 GROUP = "optimizer.distributed.dp_group_idx_{}"
 EXTRA_STATE = re.compile(r".*\._extra_state/shard_(\d+)_(\d+)$")
+EXPERT_EXTRA_STATE = re.compile(r".*\._extra_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")   # (layer, expert of each)
+# with experts megatron-core chains two distributed optimizers: the dense params' and the experts'
+DENSE_CHAIN, EXPERT_CHAIN = "chained_0.", "chained_1."
 RNG = "rng_state/shard_{}.{}_{}.{}"
 # what Megatron-LM's save (_build_sharded_state_dict_metadata) records in content_metadata beside the optimizer's
 # sharding, as every torch_dist fixture (0.15, 0.16, 0.19) holds it: for a legacy source, which records none
@@ -105,6 +108,7 @@ class Param:
     shape: tuple[int, ...]
     cut: param_order.TpCut | None
     parts: int
+    expert: int | None = None     # an expert's param: its global expert number (saved on an expert axis)
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -165,6 +169,7 @@ class _Writer:
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
         self.params = self._params()
+        self.ep, self.experts = self._experts(target)
 
     # -- the common state: the source's, or the user's arguments (args=FILE) for a source of another format
 
@@ -266,7 +271,8 @@ class _Writer:
             parts = 1
             if cut is not None:
                 parts = cut.parts if cut.parts_when is None or self.args.get(cut.parts_when) else 1
-            param = Param(name, key, layer, shape, cut, parts)
+            expert = detail.get("expert") if self.rules.expert_of(name) is not None else None
+            param = Param(name, key, layer, shape, cut, parts, expert)
             self._check_cut(param)
             out.append(param)
         return out
@@ -287,6 +293,33 @@ class _Writer:
             raise ReshardError.at(self.rules.path, f"{param.name}: the source saved it in boxes "
                                   f"{sorted(saved)[:2]}..., this rule file cuts it at tp={tp} into "
                                   f"{sorted(ruled)[:2]}...: its tensor-parallel layout is not the one described")
+
+    def _experts(self, target: Layout) -> tuple[int, int]:
+        """(the target's expert-parallel degree, experts per layer), (1, 0) without experts: checked against what
+        is written (tp=1, pp=1; ep dividing dp and the experts; the distributed optimizer)."""
+        experts = self.catalog.experts
+        topology = target.format_topology
+        if experts is None:
+            if isinstance(topology, MegatronTopology) and topology.ep not in (None, 1):
+                raise ReshardError(f"ep={topology.ep}: this save has no experts")
+            return 1, 0
+        counts = {layer.num_experts for layer in experts.layers}
+        ep = topology.ep if isinstance(topology, MegatronTopology) and topology.ep else experts.ep
+        count = counts.pop() if len(counts) == 1 else 0
+        if not count or count % ep or self.grid.dp % ep:
+            raise ReshardError(f"ep={ep} must divide dp={self.grid.dp} and each layer's experts "
+                               f"({', '.join(str(layer.num_experts) for layer in experts.layers)})")
+        if (self.grid.tp, self.grid.pp) != (1, 1) or self.sharding == PLAIN:
+            raise ReshardError("a mixture of experts is written at tp=1, pp=1 with the distributed optimizer only "
+                               f"(asked: tp={self.grid.tp}, pp={self.grid.pp}, sharding={self.sharding})")
+        if any(p.expert is None for p in self.params if self.rules.expert_of(p.name) is not None):
+            raise ReshardError.at(self.catalog.root, "its experts' params do not say which expert they are")
+        return ep, count
+
+    def _expert_rank(self, expert: int, edp_rank: int = 0) -> int:
+        """The rank holding `expert` at expert-data-parallel rank `edp_rank` (tp=1, pp=1: the expert-parallel rank
+        runs fastest)."""
+        return expert // (self.experts // self.ep) + self.ep * edp_rank
 
     # -- files
 
@@ -349,6 +382,9 @@ class _Writer:
                 stage = self._stage(param)
                 key = prefix + param.key
                 global_shape = (layers, *param.shape) if param.layer is not None else param.shape
+                if param.expert is not None:
+                    self._expert_shaped(param, state, key, tensor.dtype)
+                    continue
                 ranks = range(self.grid.tp) if param.cut is not None else range(1)
                 for tp_rank in ranks:
                     for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts,
@@ -360,6 +396,17 @@ class _Writer:
                             ((param.layer, *at), (1, *size))
                         self._chunk(self.grid.rank(tp_rank, 0, stage), key, global_shape, tensor.dtype,
                                     tuple(offsets), tuple(sizes), pieces)
+
+    def _expert_shaped(self, param: Param, state: str, key: str, dtype: str) -> None:
+        """An expert's param (or model-shaped state): its boxes (SwiGLU's fc1 in two parts, as the save cuts it) at
+        (layer, expert) of the expert stack, written by the expert-parallel rank holding it."""
+        assert param.expert is not None and param.layer is not None
+        layers = int(self.args["num_layers"])
+        for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, 1, 0):
+            whole = tuple(size) == param.shape
+            pieces = [Piece(math.prod(size), (param.name, state), 0, shard=None if whole else Shard.box(at, size))]
+            self._chunk(self._expert_rank(param.expert), key, (layers, self.experts, *param.shape), dtype,
+                        (param.layer, param.expert, *at), (1, 1, *size), pieces)
 
     def _buckets(self) -> None:
         """dp_reshardable: per model-parallel rank of the target its grad buffer's buckets laid out as megatron-core
@@ -377,36 +424,55 @@ class _Writer:
                 shards: dict[str, Shard] = {}
                 sizes = []
                 for param in self.params:
-                    if self._stage(param) != pp_rank:
+                    if self._stage(param) != pp_rank or (param.expert is not None and self.ep > 1):
                         continue
                     boxes = tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, grid.tp, tp_rank)
                     shard = tp_boxes.local_shard(boxes, param.cut)
                     shards[param.name] = shard
                     sizes.append((param.name, tp_boxes.numel(shard)))
-                laid = buckets.lay_out(sizes, grid.dp, buckets.bucket_size(args, pp_rank, grid.dp), frozenset(),
-                                       bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
-                owner = self.grid.rank(tp_rank, 0, pp_rank)
-                for index, bucket in enumerate(laid):
-                    starts = {p.name: p.start for p in bucket.params}
-                    for saved, state in BUCKET_STATES.items():
-                        key = f"{GROUP.format(group)}.gbuf_idx_0.dtype_{dtypes}.bucket_idx_{index}.{saved}"
-                        assert BUCKET.match(key), key
-                        for start, size, name in bucket.chunks(grid.dp):
-                            dp_rank = min(start // (bucket.numel // grid.dp), grid.dp - 1)
-                            if name is None:
-                                pieces = [Piece.zeros(size)]
-                            else:
-                                whole = shards[name].shape == self.catalog.tensors[TensorKey(name, MODULE)].shape
-                                pieces = [Piece(size, (name, state), start - starts[name],
-                                                shard=None if whole else shards[name])]
-                            self._chunk(grid.rank(tp_rank, dp_rank, pp_rank), key, (bucket.numel_unpadded,),
-                                        master, (start,), (size,), pieces)
-                counts = {"per_bucket_numel": [{pair: [b.numel for b in laid]}],
-                          "per_bucket_numel_unpadded": [{pair: [b.numel_unpadded for b in laid]}]}
-                for what, value in counts.items():
-                    self._value(owner, f"{GROUP.format(group)}.{what}/shard_0_1", value)
-                self._value(owner, f"{GROUP.format(group)}.optimizer/shard_0_1",
-                            {"param_groups": self._param_groups(with_step=True)})
+                chained = bool(self.experts) and self.ep > 1
+                self._buffer(DENSE_CHAIN if chained else "", group, sizes, shards, grid.dp, pp_rank, dtypes, pair,
+                             master, lambda dp_rank, t=tp_rank, p=pp_rank: grid.rank(t, dp_rank, p),
+                             False if self.experts else None)
+        # (at ep=1 megatron-core holds the experts as dense params: in the one buffer above, one optimizer)
+        for ep_rank in range(self.ep if self.experts and self.ep > 1 else 0):
+            mine = [p for p in self.params if p.expert is not None and self._expert_rank(p.expert) == ep_rank]
+            shards = {p.name: Shard.whole(p.shape) for p in mine}
+            self._buffer(EXPERT_CHAIN, ep_rank, [(p.name, math.prod(p.shape)) for p in mine], shards,
+                         grid.dp // self.ep, 0, dtypes, pair, master,
+                         lambda edp_rank, r=ep_rank: r + self.ep * edp_rank, True)
+
+    def _buffer(self, prefix: str, group: int, sizes: list, shards: Mapping[str, Shard], dp: int, pp_rank: int,
+                dtypes: str, pair: tuple, master: str, rank_of, expert: bool | None) -> None:
+        """One distributed optimizer's grad buffer of model-parallel group `group` (keys under `prefix`): its
+        buckets laid out over `dp` ranks (`rank_of(dp rank)` writes each part), per bucket and state a flat tensor,
+        with per_bucket_numel(_unpadded) and the param groups of that optimizer (`expert`: the experts' or the
+        dense params' groups; None: all)."""
+        args = self.args
+        laid = buckets.lay_out(sizes, dp, buckets.bucket_size(args, pp_rank, dp), frozenset(),
+                               bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+        owner = rank_of(0)
+        name_of = f"{prefix}{GROUP.format(group)}"
+        for index, bucket in enumerate(laid):
+            starts = {p.name: p.start for p in bucket.params}
+            for saved, state in BUCKET_STATES.items():
+                key = f"{name_of}.gbuf_idx_0.dtype_{dtypes}.bucket_idx_{index}.{saved}"
+                assert BUCKET.match(key), key
+                for start, size, name in bucket.chunks(dp):
+                    dp_rank = min(start // (bucket.numel // dp), dp - 1)
+                    if name is None:
+                        pieces = [Piece.zeros(size)]
+                    else:
+                        whole = shards[name].shape == self.catalog.tensors[TensorKey(name, MODULE)].shape
+                        pieces = [Piece(size, (name, state), start - starts[name],
+                                        shard=None if whole else shards[name])]
+                    self._chunk(rank_of(dp_rank), key, (bucket.numel_unpadded,), master, (start,), (size,), pieces)
+        counts = {"per_bucket_numel": [{pair: [b.numel for b in laid]}],
+                  "per_bucket_numel_unpadded": [{pair: [b.numel_unpadded for b in laid]}]}
+        for what, value in counts.items():
+            self._value(owner, f"{name_of}.{what}/shard_0_1", value)
+        self._value(owner, f"{name_of}.optimizer/shard_0_1",
+                    {"param_groups": self._param_groups(with_step=True, expert=expert)})
 
     # -- the optimizer's param groups and step
 
@@ -417,10 +483,33 @@ class _Writer:
                                   "one step for every param group")
         return steps.pop()
 
-    def _param_groups(self, with_step: bool) -> list[dict]:
+    def _param_groups(self, with_step: bool, expert: bool | None = None) -> list[dict]:
+        """The param groups (`expert` given: the experts' optimizer's, marked is_expert_parallel, or the dense
+        params'). megatron-core groups the params alike whatever the ep, apart from is_expert_parallel, which it sets
+        on the experts' at ep > 1 (a group of its own for each grouping that holds experts) and on none at ep=1 (the
+        experts then in the dense params' groups)."""
+        if expert is None:      # (the source's groups, or those of the arguments given for another format)
+            return self._groups_of(self.groups, with_step)
+        merged: dict[tuple, dict] = {}
+        for group in self.catalog.param_groups:
+            experts = [n for n in group.get("params", ()) if self.rules.expert_of(n) is not None]
+            held = experts if expert else [n for n in group.get("params", ()) if n not in experts]
+            if expert and self.ep == 1:
+                held = []
+            elif not expert and self.ep == 1:
+                held = list(group.get("params", ()))
+            if not held:
+                continue
+            plain = {**group, "is_expert_parallel": expert and self.ep > 1}
+            key = tuple(sorted((k, repr(v)) for k, v in plain.items() if k != "params"))
+            merged.setdefault(key, {**plain, "params": []})["params"] += held
+        return self._groups_of(list(merged.values()), with_step)
+
+    def _groups_of(self, given: Sequence[Mapping[str, Any]], with_step: bool) -> list[dict]:
         groups = []
-        for plain in self.groups:
-            groups.append({**plain, "step": self._step()} if with_step else dict(plain))
+        for group in given:
+            plain = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**plain, "step": self._step()} if with_step else plain)
         return groups
 
     # -- objects and the common state
@@ -433,6 +522,9 @@ class _Writer:
         per_stage = layers // self.grid.pp
 
         def owner(key: str) -> int | None:
+            expert = EXPERT_EXTRA_STATE.match(key)
+            if expert is not None and self.experts:
+                return self._expert_rank(int(expert.group(2)))
             extra = EXTRA_STATE.match(key)
             if extra is None:
                 return None
@@ -479,6 +571,8 @@ class _Writer:
                 "data_parallel_size": grid.dp, "world_size": grid.tp * grid.pp * grid.dp,
                 "use_distributed_optimizer": sharding != PLAIN,
                 "dist_ckpt_optim_fully_reshardable": sharding == FULLY_RESHARDABLE}
+        if self.experts:
+            args["expert_model_parallel_size"] = self.ep
         if not self.rng:
             args["no_save_rng"] = True
         if "ckpt_format" in args:       # (a legacy source's "torch": the output is torch_dist)
@@ -494,10 +588,15 @@ class _Writer:
                                              "state": {"common_step": step}}}
         elif sharding == FULLY_RESHARDABLE:
             content.update(distrib_optim_sharding_type=sharding, distrib_optim_fully_reshardable_mem_efficient=False)
-            optimizer = {"optimizer": {"param_groups": self._param_groups(with_step=True)},
+            optimizer = {"optimizer": {"param_groups": self._param_groups(with_step=True,
+                                                                          expert=False if self.experts else None)},
                          "param_state_sharding_type": sharding}
         else:
             content.update(distrib_optim_sharding_type=sharding)
             optimizer = {"param_state_sharding_type": sharding}
+        if self.experts and self.ep > 1:     # megatron-core's ChainedOptimizer: {index: each one's}, the experts' 2nd
+            optimizer = {index: {**({"optimizer": {"param_groups": self._param_groups(True, expert)}}
+                                    if sharding == FULLY_RESHARDABLE else {}), "param_state_sharding_type": sharding}
+                         for index, expert in enumerate((False, True))}
         file.tree = {**self.common, "args": namespace, "optimizer": optimizer, "content_metadata": content}
         return file
