@@ -136,7 +136,7 @@ def export_format(out: str, fmt: str | None) -> str:
 def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
     """One entry per state_dict key that holds data (tied aliases excluded), in model order."""
     out = []
-    for key in catalog.order:
+    for key in catalog.tensor_order():
         if key in catalog.aliases:
             continue
         p = catalog.params[key]

@@ -34,6 +34,7 @@ ARGS = SOURCE / "megatron_args.json"
 NAMES = "megatron-core-modules"
 # --to (args= added): every optimizer sharding, tp, pp and dp changed
 CONVERSIONS = ["tp=1,pp=1,dp=2", "tp=1,pp=2,dp=1,sharding=plain", "tp=2,pp=1,dp=1,sharding=fully_reshardable"]
+UNIVERSAL = "tp=2,pp=1,dp=1"     # the universal checkpoint of the same run, to Megatron (dp_reshardable)
 
 
 def _convert(to: str, dst, args=ARGS) -> None:
@@ -52,6 +53,15 @@ def megatron_load_jobs(out):
         _convert(to, dst)
         cut = degrees(to)
         jobs.append({"label": to, "save": str(dst), "tp": cut["tp"], "pp": cut["pp"], "truth": truth})
+    # the same run by way of reshard's universal checkpoint of it: universal -> Megatron
+    execute(make_plan(reshard.open_checkpoint(str(SOURCE / "checkpoint")), "dp=1", fmt="universal"),
+            str(out / "universal"), progress=False)
+    plan = make_plan(reshard.open_checkpoint(str(out / "universal")), f"{UNIVERSAL},args={ARGS}", fmt="megatron",
+                     names=NAMES)
+    execute(plan, str(out / "from-universal"), progress=False)
+    cut = degrees(UNIVERSAL)
+    jobs.append({"label": "universal", "save": str(out / "from-universal"), "tp": cut["tp"], "pp": cut["pp"],
+                 "truth": truth})
     changed = out / "from-deepspeed-changed" / "save"
     _convert(CONVERSIONS[0], changed)
     change_one_element(changed, CHANGED)
@@ -74,6 +84,15 @@ def test_megatron_loads_the_deepspeed_run_as_the_engine_held_it_and_trains_on(to
     assert result["step"] == step and result["group_step"] == ([] if "plain" in to else step)
     assert result["losses"] and all(math.isfinite(x) for x in result["losses"])
     assert result["moved"] and result["step_after"] == [step[0] + 1]
+
+
+@pytest.mark.engine
+def test_megatron_loads_the_runs_universal_checkpoint_as_the_engine_held_it(loaded):
+    """DeepSpeed -> universal (reshard) -> Megatron: the universal checkpoint holds the same tensors, and the same
+    arguments file gives the common state."""
+    result = loaded["universal"]
+    assert result["loaded"] and result["error"] is None and result["problems"] == [], result
+    assert result["moved"] and result["step_after"] == [json.loads((SOURCE / "truth.json").read_text())["step"][0] + 1]
 
 
 @pytest.mark.engine
@@ -172,3 +191,14 @@ def test_the_shipped_names_undone_give_torch_dist_keys_and_come_back():
                                               "decoder.layers.0.mlp.linear_fc1.layer_norm_bias"),
                       ("output_layer.weight", "output_layer.weight")):
         assert back.rename(name) == key and forward.rename(key) == name
+
+
+@pytest.mark.parametrize("fmt", ["deepspeed", "universal", "dcp"])
+def test_the_deepspeed_run_converts_to_the_other_formats_past_its_empty_extra_states(tmp_path, fmt):
+    """Its module state dict holds megatron-core's layers' `_extra_state: None` entries, which no writer places:
+    each writer leaves them out (once a KeyError traceback), and the output holds every tensor as the source."""
+    source = str(SOURCE / "checkpoint")
+    assert any(n.endswith("._extra_state") for n in reshard.open_checkpoint(source).order)
+    execute(make_plan(reshard.open_checkpoint(source), "dp=1", fmt=fmt), str(tmp_path / fmt), progress=False)
+    diff = run_cli("diff", source, tmp_path / fmt, check=0)
+    assert diff.returncode == 0 and "no difference" in diff.stdout

@@ -288,6 +288,11 @@ class Catalog:
                     raise CheckpointError(fragment.storage.file, f"{tensor.name} ({tensor.state}): a storage of "
                                           f"{fragment.storage.dtype} holds part of a {tensor.stored_dtype} tensor")
 
+    def tensor_order(self) -> list[str]:
+        """The state_dict keys in order that name a param or an alias of one: `order` less the entries that hold
+        no tensor (a module's empty extra state, megatron-core's `_extra_state: None`), which no writer places."""
+        return [name for name in self.order if self.aliases.get(name, name) in self.params]
+
     def tensor(self, name: str, state: str) -> LogicalTensor:
         try:
             return self.tensors[TensorKey(self.aliases.get(name, name), state)]

@@ -41,6 +41,7 @@ class ParamOrder:
     expert_prefix: str | None = None     # "mlp.experts.experts.": saved with an expert axis after the layer axis
     expert_params: tuple[str, ...] = ()  # an expert's params (relative to it), in registration order
     expert_cuts: tuple[tuple[str, TpCut], ...] = ()   # how an expert's params are cut (SwiGLU's fc1: two parts)
+    extra_states: tuple[str, ...] = ()   # layer modules (relative to a layer) that save an empty `_extra_state`
 
     def expert_of(self, name: str) -> tuple[int, int, str] | None:
         """(layer, expert, name within the expert) of one expert's param, or None."""
@@ -134,6 +135,7 @@ def load(given: str | None = None) -> ParamOrder:
                           tuple(no_decay.get("suffixes", ())), cuts,
                           tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()),
                           experts.get("prefix"), tuple(experts.get("params", ())),
-                          cuts_of(experts.get("tensor_parallel", {})))
+                          cuts_of(experts.get("tensor_parallel", {})),
+                          tuple(data.get("extra_states", {}).get("modules", ())))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

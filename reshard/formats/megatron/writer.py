@@ -514,6 +514,21 @@ class _Writer:
 
     # -- objects and the common state
 
+    def _empty_extra_states(self) -> list[str]:
+        """The `_extra_state` names of a source of another format: those its module state dict names (a DeepSpeed
+        save's), or, where it names none (a universal or DCP checkpoint), one for each module the rule file says
+        saves one, in each layer holding a param of that module."""
+        named = [n for n in self.catalog.order if n.endswith(legacy.EXTRA_STATE) and n not in self.catalog.params]
+        if named:
+            return named
+        modules = []
+        for param in self.params:
+            where = self.rules.layer_of(param.name)
+            module = param.name.rsplit(".", 1)[0]
+            if where is not None and where[1].rsplit(".", 1)[0] in self.rules.extra_states and module not in modules:
+                modules.append(module)
+        return [f"{module}{legacy.EXTRA_STATE}" for module in modules]
+
     def _objects(self) -> None:
         """The layers' `_extra_state` objects: a torch_dist source's as their bytes lie, a legacy source's values as
         megatron-core's torch_dist save writes them ([value]: the empty ones of the local spec); the source's RNG state
@@ -531,12 +546,11 @@ class _Writer:
             stage = int(extra.group(1)) // per_stage if int(extra.group(2)) == layers else 0
             return self.grid.rank(0, 0, stage)
         if self.foreign:        # its layers' extra states, empty in the local spec (transformer_impl: _check)
-            for name in self.catalog.order:
-                if name.endswith(legacy.EXTRA_STATE) and name not in self.catalog.params:
-                    key = legacy.extra_state_key(self.rules, name, 0, layers, self.catalog.root)
-                    rank = None if key is None else owner(key)
-                    if key is not None and rank is not None:
-                        self._value(rank, key, None)
+            for name in self._empty_extra_states():
+                key = legacy.extra_state_key(self.rules, name, 0, layers, self.catalog.root)
+                rank = None if key is None else owner(key)
+                if key is not None and rank is not None:
+                    self._value(rank, key, None)
             self.rng = False
             return
         if self.source_meta is None:
