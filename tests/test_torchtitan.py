@@ -287,3 +287,13 @@ def test_a_bad_strided_rule_is_refused_naming_the_file(tmp_path, strided, messag
     with pytest.raises(ReshardError, match=re.escape(message)) as caught:
         export_names.load(path).apply([Entry("w", "float32", (8, 3), ("w", "fp32"))], {}, {})
     assert path in str(caught.value)
+
+
+@pytest.mark.parametrize("text", [None, "[1]", "{not json"])
+def test_a_bad_model_config_is_refused_in_one_line_with_nothing_written(tmp_path, text):
+    config = tmp_path / "config.json"
+    if text is not None:
+        config.write_text(text)
+    proc = run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", config)
+    assert proc.returncode == 2 and not (tmp_path / "hf").exists()
+    assert proc.stderr.startswith(f"reshard: {config}: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
