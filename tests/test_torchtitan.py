@@ -8,7 +8,8 @@ placed on the model's wq/wk/wv without the key-value head count, which the save 
 
 Export: `export --names torchtitan-llama --config config.json` writes a folder transformers' LlamaForCausalLM
 loads, whose logits on the fixture's fixed batch equal torchtitan's own forward of the saved weights (the fixture's
-truth_forward.safetensors); without the rule's rotary reordering of q and k (the negative control) they differ.
+truth_forward.safetensors), and its tensors are those torchtitan's own Llama3StateDictAdapter.to_hf gives; without
+the rule's rotary reordering of q and k (the negative control) the logits differ.
 `--with-optimizer` writes both moments as torch's dcp_to_torch_save reads them.
 
 Resuming: `convert --format torchtitan --to dp=3` is loaded by torchtitan's `CheckpointManager.load` at 3 ranks
@@ -110,6 +111,27 @@ def test_export_loads_in_transformers_with_torchtitans_own_logits(tmp_path):
             check=0)
     logits, truth = _logits(tmp_path / "plain")
     assert not torch.allclose(logits, truth, rtol=1e-5, atol=1e-5)
+
+
+def test_export_holds_what_torchtitans_own_hf_adapter_gives(tmp_path):
+    """torchtitan's Llama3StateDictAdapter.to_hf (its names, its q/k permutation) of the saved model state, read by
+    torch's dcp_to_torch_save: the export holds the same tensors under the same names."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import torchtitan_cpu
+    torchtitan_cpu.install()
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+    run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", _hf_config(tmp_path / "a"),
+            "--quiet", check=0)
+    dcp_to_torch_save(SOURCE, tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    model = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    expected = Llama3StateDictAdapter(torchtitan_cpu.model_config(fuse_qkv=False), None).to_hf(model)
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(exported) == set(expected)
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
 def test_export_without_the_config_is_refused_in_one_line(tmp_path):
@@ -265,3 +287,13 @@ def test_a_bad_strided_rule_is_refused_naming_the_file(tmp_path, strided, messag
     with pytest.raises(ReshardError, match=re.escape(message)) as caught:
         export_names.load(path).apply([Entry("w", "float32", (8, 3), ("w", "fp32"))], {}, {})
     assert path in str(caught.value)
+
+
+@pytest.mark.parametrize("text", [None, "[1]", "{not json"])
+def test_a_bad_model_config_is_refused_in_one_line_with_nothing_written(tmp_path, text):
+    config = tmp_path / "config.json"
+    if text is not None:
+        config.write_text(text)
+    proc = run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", config)
+    assert proc.returncode == 2 and not (tmp_path / "hf").exists()
+    assert proc.stderr.startswith(f"reshard: {config}: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
