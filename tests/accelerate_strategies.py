@@ -32,19 +32,6 @@ STATES = ("exp_avg", "exp_avg_sq")
 SAMPLES = 32
 
 
-class Counter:
-    """A custom object registered for checkpointing (custom_checkpoint_0.pkl)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def state_dict(self):
-        return {"count": self.count}
-
-    def load_state_dict(self, state):
-        self.count = state["count"]
-
-
 def main(jobs_path, results_path):
     from hf_trainer_deepspeed import run_jobs
     run_jobs(jobs_path, results_path, run)
@@ -83,6 +70,7 @@ def run(job) -> dict:
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
 
+    from accelerate_deepspeed import Counter
     from engine_state import differences
     torch.set_num_threads(1)
     fsdp = job["strategy"] == "fsdp"

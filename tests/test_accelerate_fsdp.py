@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
-from test_hf_fsdp import STATES, config
+from test_hf_fsdp import STATES, config, consolidated
 
 SOURCE = REPO / "fixtures" / "accelerate_fsdp_sharded_dp2" / "state"
 ACCELERATE = {"custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"}
@@ -22,11 +22,7 @@ ACCELERATE = {"custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1
 @pytest.fixture(scope="module")
 def truth(tmp_path_factory):
     """The save as torch's dcp_to_torch_save consolidates it: (model state dict, optimizer state dict)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    out = tmp_path_factory.mktemp("truth")
-    dcp_to_torch_save(SOURCE / "pytorch_model_fsdp_0", out / "model.pt")
-    dcp_to_torch_save(SOURCE / "optimizer_0", out / "optimizer.pt")
-    return torch.load(out / "model.pt")["model"], torch.load(out / "optimizer.pt")["optimizer"]
+    return consolidated(SOURCE, tmp_path_factory.mktemp("truth"))
 
 
 def test_inspect_names_accelerate_and_fsdp():

@@ -21,6 +21,7 @@ import pytest
 from conftest import REPO, run_cli
 from engine_launches import shares
 from test_accelerate_deepspeed import scheduled_lr
+from test_hf_fsdp import consolidated
 
 pytestmark = pytest.mark.engine
 SCRIPT = "accelerate_strategies.py"
@@ -33,13 +34,8 @@ TRAINING_STEPS = 20     # tests/accelerate_strategies.py's linear schedule
 
 def fsdp_truth(path: Path) -> None:
     """The FSDP source as torch's dcp_to_torch_save reads it, under engine_state's keys (fp32/, exp_avg/, ...)."""
-    import torch
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(FSDP_SOURCE / "pytorch_model_fsdp_0", path.with_suffix(".model.pt"))
-    dcp_to_torch_save(FSDP_SOURCE / "optimizer_0", path.with_suffix(".optim.pt"))
-    model = torch.load(path.with_suffix(".model.pt"))["model"]
-    optim = torch.load(path.with_suffix(".optim.pt"))["optimizer"]
+    model, optim = consolidated(FSDP_SOURCE, path.parent)
     truth = {f"fp32/{name}": value for name, value in model.items()}
     for name, states in optim["state"].items():
         truth.update({f"{state}/{name}": states[state] for state in ("exp_avg", "exp_avg_sq")})
