@@ -5,7 +5,8 @@ checkpoint by torch alone (the test's dcp_to_torch_save and torch.load).
     torchrun --nproc_per_node N tests/lightning_fsdp.py JOBS.json RESULTS.json
 
 JOBS.json is a list of jobs, run in order in one process:
-  {"mode": "save", "dir": D, "seed": S, "steps": K}: fit K steps from seed S; ModelCheckpoint saves `D/step=K.ckpt/`.
+  {"mode": "save", "dir": D, "seed": S, "steps": K[, "state_dict_type": "full"]}: fit K steps from seed S;
+      ModelCheckpoint saves `D/step=K.ckpt/` (with "full": one file, `D/step=K.ckpt`).
   {"mode": "resume", "ckpt": C, "dir": D, "truth": T, "control": T2, "steps": K}: fit from C (another seed:
       everything must come from the checkpoint) up to step K + 1; right after the restore (on_train_start) the
       gathered model weights, both Adam moments and each param's step are compared with T (a torch.save of
@@ -28,11 +29,11 @@ from torchrun_jobs import run_rank
 STATES = ("exp_avg", "exp_avg_sq", "step")
 
 
-def strategy():
+def strategy(state_dict_type="sharded"):
     from lightning.pytorch.strategies import FSDPStrategy
 
     from cpu_fsdp import lightning_fsdp_on_cpu
-    return lightning_fsdp_on_cpu(FSDPStrategy)(state_dict_type="sharded", process_group_backend="gloo")
+    return lightning_fsdp_on_cpu(FSDPStrategy)(state_dict_type=state_dict_type, process_group_backend="gloo")
 
 
 def trainer_for(job, callbacks, max_steps):
@@ -41,8 +42,8 @@ def trainer_for(job, callbacks, max_steps):
     checkpoint = ModelCheckpoint(dirpath=job["dir"], filename="{step}", every_n_train_steps=job["steps"],
                                  save_top_k=-1)
     return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-                      strategy=strategy(), logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[checkpoint, *callbacks])
+                      strategy=strategy(job.get("state_dict_type", "sharded")), logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, *callbacks])
 
 
 def save(job):

@@ -33,14 +33,18 @@ MODEL_KEYS = 9          # 7 trainable, the tied head (FSDP1 saves it under its o
 
 @shares(SCRIPT)
 def saves(out):
-    """The run and another run's (the control), each saved by ModelCheckpoint at 2 processes."""
-    return [(2, None, {"mode": "save", "dir": str(out / name), "seed": seed, "steps": STEPS})
-            for name, seed in (("run", 0), ("control", 1))]
+    """The run and another run's (the control), each saved by ModelCheckpoint at 2 processes; and the run again
+    with state_dict_type="full" (one file)."""
+    return [*((2, None, {"mode": "save", "dir": str(out / name), "seed": seed, "steps": STEPS})
+              for name, seed in (("run", 0), ("control", 1))),
+            (2, None, {"mode": "save", "dir": str(out / "full"), "seed": 0, "steps": STEPS, "state_dict_type": "full"})]
 
 
 def truth_of(ckpt: Path, out: Path) -> Path:
     """What the saved folder holds, read by torch alone: its DCP items gathered by dcp_to_torch_save, Lightning's
     global step and scheduler by torch.load of meta.pt; {"tensors": {"model/<fqn>", "<state>/<fqn>"}, ...}."""
+    if out.exists():        # read once for both strategies' resumes
+        return out
     whole = out.with_suffix(".whole.pt")
     dcp_to_torch_save(ckpt, whole)
     saved = torch.load(whole)
@@ -106,7 +110,7 @@ def engine_truth_of(truth: Path, out: Path) -> Path:
 def resumes(out, saved_runs, deepspeed_runs):
     """At 3 processes under FSDPStrategy: the FSDP run unconverted and converted for 3; the DeepSpeed run
     unconverted (which must fail) and converted to FSDP's folder for 3."""
-    run, control = (Path(r["ckpt"]) for r in saved_runs)
+    run, control = (Path(r["ckpt"]) for r in saved_runs[:2])
     tmp = run.parent.parent
     truth, wrong = truth_of(run, tmp / "run.pt"), truth_of(control, tmp / "control.pt")
     run_cli("convert", run, _converted(tmp), "--to", f"dp={TARGET}", check=0)
@@ -127,12 +131,12 @@ def resumes(out, saved_runs, deepspeed_runs):
 def deepspeed_resumes(out, saved_runs):
     """At 3 processes under DeepSpeedStrategy (ZeRO-2): the FSDP run unconverted (which must fail) and converted to
     DeepSpeed's folder for 3."""
-    run, control = (Path(r["ckpt"]) for r in saved_runs)
+    run, control = (Path(r["ckpt"]) for r in saved_runs[:2])
     tmp = run.parent.parent
     target = _converted(tmp, "to-deepspeed-")
     run_cli("convert", run, target, "--format", "deepspeed", "--to", f"dp={TARGET},zero=2", check=0)
-    truth = engine_truth_of(truth_of(run, out / "run.pt"), out / "run.safetensors")
-    wrong = engine_truth_of(truth_of(control, out / "control.pt"), out / "control.safetensors")
+    truth = engine_truth_of(truth_of(run, tmp / "run.pt"), out / "run.safetensors")
+    wrong = engine_truth_of(truth_of(control, tmp / "control.pt"), out / "control.safetensors")
     job = {"truth": str(truth), "control": str(wrong), "stage": 2, "steps": STEPS}
     return [(TARGET, None, {**job, "mode": "fail", "ckpt": str(run), "dir": str(out / "unconverted")}),
             (TARGET, None, {**job, "mode": "resume", "ckpt": str(target), "dir": str(out / "converted")})]
@@ -145,6 +149,7 @@ class Run:
     converted: Path
     unconverted: dict       # Lightning's resume of the source folder at 3 processes
     resumed: dict           # of reshard's
+    full: Path              # the same run saved with state_dict_type="full"
     deepspeed: Path         # DeepSpeedStrategy's save of the same run
     crossed: dict           # {"to-fsdp"|"to-deepspeed": (the unconverted folder's resume, reshard's)}
 
@@ -156,7 +161,7 @@ def run(engine_launches) -> Run:
     fsdp_unconverted, to_deepspeed = engine_launches.results(deepspeed_resumes)
     ckpt = Path(saved[0]["ckpt"])
     tmp = ckpt.parent.parent
-    return Run(ckpt, torch.load(tmp / "run.pt"), _converted(tmp), unconverted, resumed,
+    return Run(ckpt, torch.load(tmp / "run.pt"), _converted(tmp), unconverted, resumed, Path(saved[2]["ckpt"]),
                Path(engine_launches.results(deepspeed_saves)[0]["ckpt"]),
                {"to-fsdp": (ds_unconverted, to_fsdp), "to-deepspeed": (fsdp_unconverted, to_deepspeed)})
 
@@ -260,3 +265,28 @@ def test_an_fsdp_run_goes_on_under_deepspeed(run):
     assert (got["global_step"], got["epoch"]) == (run.truth["global_step"], 0) == (STEPS, 0)
     assert got["scheduler"] == {k: run.truth["scheduler"][k] for k in got["scheduler"]}
     assert got["after_step"] == STEPS + 1 and got["lr_after"] == run.truth["scheduler"]["_last_lr"][0] / 2
+
+
+def test_the_full_file_is_a_lightning_ckpt_read_whole(run, tmp_path):
+    """state_dict_type="full": one torch.save file of Lightning's checkpoint dict, the whole module's state dict
+    and the optimizer rekeyed by FSDP to parameter ids (FSDP.rekey_optim_state_dict). Nothing in it says FSDP (a
+    one-process save looks the same), so reshard reads it as a Lightning .ckpt; its ids map onto the parameters in
+    the module's order: the same run's sharded folder, as torch reads it, holds the same weights and moments."""
+    assert run.full.is_file() and run.full.name == f"step={STEPS}.ckpt"
+    saved = torch.load(run.full, weights_only=False)
+    assert set(saved) == {"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops", "callbacks",
+                          "optimizer_states", "lr_schedulers", "hparams_name", "hyper_parameters"}
+    assert sorted(saved["optimizer_states"][0]["state"]) == list(range(7))      # ids, not names
+    info = json.loads(run_cli("inspect", run.full, "--json", check=0).stdout)
+    assert (info["format"], info["trainable"], info["global_steps"]) == ("lightning", 7, STEPS)
+    assert json.loads(run_cli("validate", run.full, "--deep", "--json", check=0).stdout)["ok"]
+    assert "no difference" in run_cli("diff", run.full, run.ckpt, check=0).stdout
+    run_cli("export", run.full, tmp_path / "out", "--with-optimizer", check=0)
+    compared = 0
+    for state, file in (("model", "model"), ("exp_avg", "optimizer-exp_avg"), ("exp_avg_sq", "optimizer-exp_avg_sq")):
+        exported = load_file(tmp_path / "out" / f"{file}.safetensors")
+        for key, value in run.truth["tensors"].items():
+            if key.startswith(f"{state}/") and key.split("/", 1)[1] in exported:
+                assert torch.equal(exported[key.split("/", 1)[1]], value), key
+                compared += 1
+    assert compared >= 7 * 3
