@@ -25,6 +25,7 @@ pytestmark = pytest.mark.engine
 
 SCRIPT = "lightning_fsdp.py"
 DEEPSPEED_SCRIPT = "lightning_deepspeed.py"
+MODEL_PARALLEL = "model_parallel"
 FSDP_REFUSES = "does not point to a valid checkpoint"         # FSDPStrategy.load_checkpoint, given DeepSpeed's folder
 STEPS = 3
 TARGET = 3
@@ -33,11 +34,13 @@ MODEL_KEYS = 9          # 7 trainable, the tied head (FSDP1 saves it under its o
 
 @shares(SCRIPT)
 def saves(out):
-    """The run and another run's (the control), each saved by ModelCheckpoint at 2 processes; and the run again
-    with state_dict_type="full" (one file)."""
+    """The run and another run's (the control), each saved by ModelCheckpoint at 2 processes; the run again with
+    state_dict_type="full" (one file), and under ModelParallelStrategy (FSDP2)."""
     return [*((2, None, {"mode": "save", "dir": str(out / name), "seed": seed, "steps": STEPS})
               for name, seed in (("run", 0), ("control", 1))),
-            (2, None, {"mode": "save", "dir": str(out / "full"), "seed": 0, "steps": STEPS, "state_dict_type": "full"})]
+            (2, None, {"mode": "save", "dir": str(out / "full"), "seed": 0, "steps": STEPS, "state_dict_type": "full"}),
+            (2, None, {"mode": "save", "dir": str(out / "model-parallel"), "seed": 0, "steps": STEPS,
+                       "strategy": MODEL_PARALLEL})]
 
 
 def truth_of(ckpt: Path, out: Path) -> Path:
@@ -50,7 +53,8 @@ def truth_of(ckpt: Path, out: Path) -> Path:
     saved = torch.load(whole)
     whole.unlink()
     meta = torch.load(ckpt / "meta.pt", weights_only=False)
-    tensors = {f"model/{k}": v for k, v in saved["model"].items()}
+    model = saved["model"] if "model" in saved else saved["state_dict"]      # ModelParallelStrategy's key
+    tensors = {f"model/{k}": v for k, v in model.items()}
     for fqn, states in saved["optimizer_0"]["state"].items():
         tensors.update({f"{s}/{fqn}": v for s, v in states.items()})
     torch.save({"tensors": tensors, "global_step": meta["global_step"], "scheduler": meta["lr_schedulers"][0]}, out)
@@ -120,11 +124,17 @@ def resumes(out, saved_runs, deepspeed_runs):
     engine_truth = fsdp_truth_of_engine(deepspeed.parent.parent / "run.safetensors", tmp / "deepspeed-run.pt")
     job = {"truth": str(truth), "control": str(wrong), "steps": STEPS}
     crossed = {**job, "truth": str(engine_truth)}
+    parallel = Path(saved_runs[3]["ckpt"])
+    run_cli("convert", parallel, _converted(tmp, "model-parallel-"), "--to", f"dp={TARGET}", check=0)
+    sharded = {**job, "truth": str(truth_of(parallel, tmp / "model-parallel.pt")), "strategy": MODEL_PARALLEL}
     return [(TARGET, None, {**job, "mode": "fail", "ckpt": str(run), "dir": str(out / "unconverted")}),
             (TARGET, None, {**job, "mode": "resume", "ckpt": str(_converted(tmp)), "dir": str(out / "converted")}),
             (TARGET, None, {**crossed, "mode": "fail", "ckpt": str(deepspeed), "dir": str(out / "ds-unconverted")}),
             (TARGET, None, {**crossed, "mode": "resume", "ckpt": str(_converted(tmp, "from-deepspeed-")),
-                            "dir": str(out / "ds-converted")})]
+                            "dir": str(out / "ds-converted")}),
+            (TARGET, None, {**sharded, "mode": "fail", "ckpt": str(parallel), "dir": str(out / "mp-unconverted")}),
+            (TARGET, None, {**sharded, "mode": "resume", "ckpt": str(_converted(tmp, "model-parallel-")),
+                            "dir": str(out / "mp-converted")})]
 
 
 @shares(DEEPSPEED_SCRIPT, after=(saves,))
@@ -152,18 +162,20 @@ class Run:
     full: Path              # the same run saved with state_dict_type="full"
     deepspeed: Path         # DeepSpeedStrategy's save of the same run
     crossed: dict           # {"to-fsdp"|"to-deepspeed": (the unconverted folder's resume, reshard's)}
+    model_parallel: tuple   # ModelParallelStrategy's save, and (its unconverted folder's resume at 3, reshard's)
 
 
 @pytest.fixture(scope="module")
 def run(engine_launches) -> Run:
     saved = engine_launches.results(saves)
-    unconverted, resumed, ds_unconverted, to_fsdp = engine_launches.results(resumes)
+    unconverted, resumed, ds_unconverted, to_fsdp, mp_unconverted, mp_resumed = engine_launches.results(resumes)
     fsdp_unconverted, to_deepspeed = engine_launches.results(deepspeed_resumes)
     ckpt = Path(saved[0]["ckpt"])
     tmp = ckpt.parent.parent
     return Run(ckpt, torch.load(tmp / "run.pt"), _converted(tmp), unconverted, resumed, Path(saved[2]["ckpt"]),
                Path(engine_launches.results(deepspeed_saves)[0]["ckpt"]),
-               {"to-fsdp": (ds_unconverted, to_fsdp), "to-deepspeed": (fsdp_unconverted, to_deepspeed)})
+               {"to-fsdp": (ds_unconverted, to_fsdp), "to-deepspeed": (fsdp_unconverted, to_deepspeed)},
+               (Path(saved[3]["ckpt"]), mp_unconverted, mp_resumed))
 
 
 def test_the_folder_is_what_lightning_writes(run):
@@ -290,3 +302,26 @@ def test_the_full_file_is_a_lightning_ckpt_read_whole(run, tmp_path):
                 assert torch.equal(exported[key.split("/", 1)[1]], value), key
                 compared += 1
     assert compared >= 7 * 3
+
+
+def test_model_parallel_strategy_is_read_and_resumed_at_another_size(run):
+    """ModelParallelStrategy (FSDP2 through fully_shard, DCP): the same folder with the model under `state_dict`;
+    read whole, converted for 3 processes in its own layout, resumed there by the strategy equal to torch's reading
+    of the source (the same run as the FSDPStrategy one: equal to it too)."""
+    saved, unconverted, got = run.model_parallel
+    converted = _converted(run.ckpt.parent.parent, "model-parallel-")
+    for folder, dp in ((saved, 2), (converted, TARGET)):
+        assert f"format        Lightning + ModelParallelStrategy (FSDP2, sharded), dp={dp}\n" in run_cli(
+            "inspect", folder, check=0).stdout
+        assert json.loads(run_cli("validate", folder, "--deep", "--json", check=0).stdout)["ok"]
+    assert "no difference" in run_cli("diff", saved, run.ckpt, check=0).stdout
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(converted)).read_metadata().state_dict_metadata
+    assert {k.split(".", 1)[0] for k in keys} == {"state_dict", "optimizer_0"}
+    assert got["world"] == TARGET and got["problems"] == [] and got["compared"] == 30
+    assert {p.split(":")[0] for p in got["control_problems"]} >= {k for k in run.truth["tensors"]
+                                                                 if k.startswith("exp_avg")}
+    assert (got["global_step"], got["after_step"]) == (STEPS, STEPS + 1)
+    assert got["scheduler"] == {k: run.truth["scheduler"][k] for k in got["scheduler"]}
+    # DCP reshards on load: the unconverted folder resumes at 3 as well (recorded, not a failure reshard fixes)
+    assert unconverted["error"] is None and unconverted["resumed"]["problems"] == []
