@@ -30,17 +30,28 @@ def lightning_fsdp_on_cpu(strategy_class):
     (FSDPStrategy), since Lightning refuses only the class itself off CUDA (the accelerator connector's
     `type(strategy) is FSDPStrategy` check), and FSDP1 told the CPU is its device where Lightning gives none (it
     passes the CPU device's index, None, and FSDP1 then looks for an accelerator and refuses to run without one).
-    Wrapping, stepping and saving (the sharded state dict through torch.distributed.checkpoint, meta.pt) are
-    Lightning's and torch's own code; the files are those a GPU run writes (DCP stores every tensor as CPU bytes).
-    Lightning's full state dict cannot be taken on CPU: it offloads to CPU what FSDP1 then frees (a segfault in
-    FSDP's state-dict hook), so only state_dict_type="sharded" runs here."""
+    For state_dict_type="full", Lightning's full state dict context asks FSDP1 to offload to CPU, which on a CPU
+    device frees the very storage it copies (a segfault in FSDP's state-dict hook): there the offload is off, the
+    rest of the context (FULL_STATE_DICT, rank0_only) as Lightning sets it, and the tensors are on the CPU either
+    way. Wrapping, stepping and saving (the sharded state dict through torch.distributed.checkpoint and meta.pt,
+    or the full file) are Lightning's and torch's own code; the files are those a GPU run writes."""
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
     import torch
     import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp.api import FullOptimStateDictConfig
     init_handle = fsdp1._init_device_handle
 
     def _init_device_handle(state, module, ignored_params, device_id):
         return init_handle(state, module, ignored_params, torch.device("cpu") if device_id is None else device_id)
     fsdp1._init_device_handle = _init_device_handle
+
+    def _get_full_state_dict_context(module, world_size, rank0_only=True):
+        return fsdp1.FullyShardedDataParallel.state_dict_type(
+            module=module, state_dict_type=StateDictType.FULL_STATE_DICT,
+            state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+            optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only))
+    lightning_fsdp._get_full_state_dict_context = _get_full_state_dict_context
 
     class CpuFSDPStrategy(strategy_class):
         pass

@@ -5,7 +5,9 @@ checkpoint by torch alone (the test's dcp_to_torch_save and torch.load).
     torchrun --nproc_per_node N tests/lightning_fsdp.py JOBS.json RESULTS.json
 
 JOBS.json is a list of jobs, run in order in one process:
-  {"mode": "save", "dir": D, "seed": S, "steps": K}: fit K steps from seed S; ModelCheckpoint saves `D/step=K.ckpt/`.
+  {"mode": "save", "dir": D, "seed": S, "steps": K[, "state_dict_type": "full"][, "strategy": "model_parallel"]}:
+      fit K steps from seed S; ModelCheckpoint saves `D/step=K.ckpt/` (with "full": one file, `D/step=K.ckpt`);
+      every job may name ModelParallelStrategy instead of FSDPStrategy.
   {"mode": "resume", "ckpt": C, "dir": D, "truth": T, "control": T2, "steps": K}: fit from C (another seed:
       everything must come from the checkpoint) up to step K + 1; right after the restore (on_train_start) the
       gathered model weights, both Adam moments and each param's step are compared with T (a torch.save of
@@ -26,13 +28,35 @@ from lightning_deepspeed import data, lit_module, scheduler_state
 from torchrun_jobs import run_rank
 
 STATES = ("exp_avg", "exp_avg_sq", "step")
+MODEL_PARALLEL = "model_parallel"
 
 
-def strategy():
-    from lightning.pytorch.strategies import FSDPStrategy
+def strategy(job):
+    """FSDPStrategy through the CPU shim, or ModelParallelStrategy (FSDP2: runs on CPU with gloo as it is)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     from cpu_fsdp import lightning_fsdp_on_cpu
-    return lightning_fsdp_on_cpu(FSDPStrategy)(state_dict_type="sharded", process_group_backend="gloo")
+    if job.get("strategy") == MODEL_PARALLEL:
+        return ModelParallelStrategy(data_parallel_size=int(os.environ["WORLD_SIZE"]), tensor_parallel_size=1)
+    return lightning_fsdp_on_cpu(FSDPStrategy)(state_dict_type=job.get("state_dict_type", "sharded"),
+                                               process_group_backend="gloo")
+
+
+def module_for(job, note):
+    """tests/lightning_deepspeed.py's module; under ModelParallelStrategy with FSDP2's fully_shard applied in
+    configure_model, as that strategy requires. Built from the seed's RNG state as it is when called."""
+    import torch
+    state = torch.get_rng_state()
+    plain = type(lit_module(note))
+    torch.set_rng_state(state)
+    if job.get("strategy") != MODEL_PARALLEL:
+        return plain(note)
+
+    class Sharded(plain):
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+    return Sharded(note)
 
 
 def trainer_for(job, callbacks, max_steps):
@@ -41,15 +65,15 @@ def trainer_for(job, callbacks, max_steps):
     checkpoint = ModelCheckpoint(dirpath=job["dir"], filename="{step}", every_n_train_steps=job["steps"],
                                  save_top_k=-1)
     return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-                      strategy=strategy(), logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[checkpoint, *callbacks])
+                      strategy=strategy(job), logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, *callbacks])
 
 
 def save(job):
     import torch
     torch.manual_seed(job["seed"])
     trainer = trainer_for(job, [], job["steps"])
-    trainer.fit(lit_module(note=f"seed {job['seed']}"), data())
+    trainer.fit(module_for(job, note=f"seed {job['seed']}"), data())
     return {"mode": "save", "ckpt": os.path.join(job["dir"], f"step={job['steps']}.ckpt")}
 
 
@@ -99,7 +123,7 @@ def resume(job):
 
     torch.manual_seed(4321)
     trainer = trainer_for(job, [Check()], job["steps"] + 1)
-    trainer.fit(lit_module(note="another init"), data(), ckpt_path=job["ckpt"])
+    trainer.fit(module_for(job, note="another init"), data(), ckpt_path=job["ckpt"])
     if not math.isfinite(seen.get("loss", math.nan)):
         seen.setdefault("problems", []).append(f"one more step: loss {seen.get('loss')}")
     return {"mode": "resume", "ckpt": job["ckpt"], "world": int(os.environ["WORLD_SIZE"]), **seen}

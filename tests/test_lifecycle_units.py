@@ -192,9 +192,10 @@ def dcp_save(folder: Path) -> None:
 
 
 def documented_layouts(root: Path) -> Path:
-    """A run directory of checkpoints laid out as Megatron-LM (torch_dist and the legacy torch format), torchtitan and
-    Lightning's FSDP strategy write them (as observed of megatron-core 0.16 and read in the others' sources), each
-    around a real DCP save, and of folders no framework's layout accounts for whole."""
+    """A run directory of checkpoints laid out as Megatron-LM (torch_dist and the legacy torch format) and torchtitan
+    write them (as observed of megatron-core 0.16 and read in the others' sources), each around a real DCP save,
+    Lightning's FSDPStrategy folder (the real one, fixtures/lightning_fsdp_dp2), and folders no framework's layout
+    accounts for whole."""
     import torch
     run = root / "run"
     megatron = run / "megatron"
@@ -215,8 +216,8 @@ def documented_layouts(root: Path) -> Path:
         dcp_save(run / "torchtitan" / f"step-{step}")
     lightning = run / "lightning" / "epoch=0-step=5.ckpt"
     lightning.parent.mkdir()
-    dcp_save(lightning)
-    torch.save({"epoch": 0, "global_step": 5}, lightning / "meta.pt")
+    # what Lightning's FSDPStrategy writes (tools/fixture_lightning_fsdp.py), read whole
+    shutil.copytree(Path(REPO) / "fixtures" / "lightning_fsdp_dp2" / "step=3.ckpt", lightning)
     misc = run / "misc"
     misc.mkdir()
     torch.save({"w": torch.ones(3)}, misc / "random.pt")
@@ -236,7 +237,7 @@ def documented_layouts(root: Path) -> Path:
 
 EXPECTED = {    # name: (status, unit)
     "hf/checkpoint-7": (UNKNOWN, "HF Trainer"),
-    "lightning/epoch=0-step=5.ckpt": (COMPLETE, "Lightning with FSDP (sharded)"),
+    "lightning/epoch=0-step=5.ckpt": (COMPLETE, "Lightning with FSDP (sharded)"),     # read whole
     "megatron/iter_0000100": (UNVERIFIABLE, "Megatron-LM (torch_dist)"),
     "megatron/iter_0000200": (UNVERIFIABLE, "Megatron-LM (torch_dist)"),
     "megatron_legacy/iter_0000050": (UNVERIFIABLE, "Megatron-LM (torch, legacy)"),

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.engine
 
 SCRIPT = "lightning_fsdp.py"
 DEEPSPEED_SCRIPT = "lightning_deepspeed.py"
+MODEL_PARALLEL = "model_parallel"
 FSDP_REFUSES = "does not point to a valid checkpoint"         # FSDPStrategy.load_checkpoint, given DeepSpeed's folder
 STEPS = 3
 TARGET = 3
@@ -33,23 +34,41 @@ MODEL_KEYS = 9          # 7 trainable, the tied head (FSDP1 saves it under its o
 
 @shares(SCRIPT)
 def saves(out):
-    """The run and another run's (the control), each saved by ModelCheckpoint at 2 processes."""
-    return [(2, None, {"mode": "save", "dir": str(out / name), "seed": seed, "steps": STEPS})
-            for name, seed in (("run", 0), ("control", 1))]
+    """The run, saved by ModelCheckpoint at 2 processes; again with state_dict_type="full" (one file), and under
+    ModelParallelStrategy (FSDP2)."""
+    return [(2, None, {"mode": "save", "dir": str(out / "run"), "seed": 0, "steps": STEPS}),
+            (2, None, {"mode": "save", "dir": str(out / "full"), "seed": 0, "steps": STEPS, "state_dict_type": "full"}),
+            (2, None, {"mode": "save", "dir": str(out / "model-parallel"), "seed": 0, "steps": STEPS,
+                       "strategy": MODEL_PARALLEL})]
 
 
 def truth_of(ckpt: Path, out: Path) -> Path:
     """What the saved folder holds, read by torch alone: its DCP items gathered by dcp_to_torch_save, Lightning's
     global step and scheduler by torch.load of meta.pt; {"tensors": {"model/<fqn>", "<state>/<fqn>"}, ...}."""
+    if out.exists():        # read once for both strategies' resumes
+        return out
     whole = out.with_suffix(".whole.pt")
     dcp_to_torch_save(ckpt, whole)
     saved = torch.load(whole)
     whole.unlink()
     meta = torch.load(ckpt / "meta.pt", weights_only=False)
-    tensors = {f"model/{k}": v for k, v in saved["model"].items()}
+    model = saved["model"] if "model" in saved else saved["state_dict"]      # ModelParallelStrategy's key
+    tensors = {f"model/{k}": v for k, v in model.items()}
     for fqn, states in saved["optimizer_0"]["state"].items():
         tensors.update({f"{s}/{fqn}": v for s, v in states.items()})
     torch.save({"tensors": tensors, "global_step": meta["global_step"], "scheduler": meta["lr_schedulers"][0]}, out)
+    return out
+
+
+def wrong_of(truth: Path, out: Path) -> Path:
+    """The negative control's truth: every tensor of `truth` one step off (the next float up, an integer plus one),
+    which an exact comparison must find in each."""
+    if out.exists():
+        return out
+    saved = torch.load(truth)
+    saved["tensors"] = {k: torch.nextafter(v, torch.full_like(v, float("inf"))) if v.is_floating_point() else v + 1
+                        for k, v in saved["tensors"].items()}
+    torch.save(saved, out)
     return out
 
 
@@ -106,9 +125,10 @@ def engine_truth_of(truth: Path, out: Path) -> Path:
 def resumes(out, saved_runs, deepspeed_runs):
     """At 3 processes under FSDPStrategy: the FSDP run unconverted and converted for 3; the DeepSpeed run
     unconverted (which must fail) and converted to FSDP's folder for 3."""
-    run, control = (Path(r["ckpt"]) for r in saved_runs)
+    run = Path(saved_runs[0]["ckpt"])
     tmp = run.parent.parent
-    truth, wrong = truth_of(run, tmp / "run.pt"), truth_of(control, tmp / "control.pt")
+    truth = truth_of(run, tmp / "run.pt")
+    wrong = wrong_of(truth, tmp / "wrong.pt")
     run_cli("convert", run, _converted(tmp), "--to", f"dp={TARGET}", check=0)
     deepspeed = Path(deepspeed_runs[0]["ckpt"])
     run_cli("convert", deepspeed, _converted(tmp, "from-deepspeed-"), "--format", "fsdp", "--to", f"dp={TARGET}",
@@ -116,23 +136,28 @@ def resumes(out, saved_runs, deepspeed_runs):
     engine_truth = fsdp_truth_of_engine(deepspeed.parent.parent / "run.safetensors", tmp / "deepspeed-run.pt")
     job = {"truth": str(truth), "control": str(wrong), "steps": STEPS}
     crossed = {**job, "truth": str(engine_truth)}
+    parallel = Path(saved_runs[2]["ckpt"])
+    run_cli("convert", parallel, _converted(tmp, "model-parallel-"), "--to", f"dp={TARGET}", check=0)
+    sharded = {**job, "truth": str(truth_of(parallel, tmp / "model-parallel.pt")), "strategy": MODEL_PARALLEL}
     return [(TARGET, None, {**job, "mode": "fail", "ckpt": str(run), "dir": str(out / "unconverted")}),
             (TARGET, None, {**job, "mode": "resume", "ckpt": str(_converted(tmp)), "dir": str(out / "converted")}),
             (TARGET, None, {**crossed, "mode": "fail", "ckpt": str(deepspeed), "dir": str(out / "ds-unconverted")}),
             (TARGET, None, {**crossed, "mode": "resume", "ckpt": str(_converted(tmp, "from-deepspeed-")),
-                            "dir": str(out / "ds-converted")})]
+                            "dir": str(out / "ds-converted")}),
+            (TARGET, None, {**sharded, "mode": "resume", "ckpt": str(_converted(tmp, "model-parallel-")),
+                            "dir": str(out / "mp-converted")})]
 
 
 @shares(DEEPSPEED_SCRIPT, after=(saves,))
 def deepspeed_resumes(out, saved_runs):
     """At 3 processes under DeepSpeedStrategy (ZeRO-2): the FSDP run unconverted (which must fail) and converted to
     DeepSpeed's folder for 3."""
-    run, control = (Path(r["ckpt"]) for r in saved_runs)
+    run = Path(saved_runs[0]["ckpt"])
     tmp = run.parent.parent
     target = _converted(tmp, "to-deepspeed-")
     run_cli("convert", run, target, "--format", "deepspeed", "--to", f"dp={TARGET},zero=2", check=0)
-    truth = engine_truth_of(truth_of(run, out / "run.pt"), out / "run.safetensors")
-    wrong = engine_truth_of(truth_of(control, out / "control.pt"), out / "control.safetensors")
+    truth = engine_truth_of(truth_of(run, tmp / "run.pt"), out / "run.safetensors")
+    wrong = engine_truth_of(wrong_of(truth_of(run, tmp / "run.pt"), tmp / "wrong.pt"), out / "wrong.safetensors")
     job = {"truth": str(truth), "control": str(wrong), "stage": 2, "steps": STEPS}
     return [(TARGET, None, {**job, "mode": "fail", "ckpt": str(run), "dir": str(out / "unconverted")}),
             (TARGET, None, {**job, "mode": "resume", "ckpt": str(target), "dir": str(out / "converted")})]
@@ -145,20 +170,23 @@ class Run:
     converted: Path
     unconverted: dict       # Lightning's resume of the source folder at 3 processes
     resumed: dict           # of reshard's
+    full: Path              # the same run saved with state_dict_type="full"
     deepspeed: Path         # DeepSpeedStrategy's save of the same run
     crossed: dict           # {"to-fsdp"|"to-deepspeed": (the unconverted folder's resume, reshard's)}
+    model_parallel: tuple   # ModelParallelStrategy's save, and reshard's folder's resume at 3
 
 
 @pytest.fixture(scope="module")
 def run(engine_launches) -> Run:
     saved = engine_launches.results(saves)
-    unconverted, resumed, ds_unconverted, to_fsdp = engine_launches.results(resumes)
+    unconverted, resumed, ds_unconverted, to_fsdp, mp_resumed = engine_launches.results(resumes)
     fsdp_unconverted, to_deepspeed = engine_launches.results(deepspeed_resumes)
     ckpt = Path(saved[0]["ckpt"])
     tmp = ckpt.parent.parent
-    return Run(ckpt, torch.load(tmp / "run.pt"), _converted(tmp), unconverted, resumed,
+    return Run(ckpt, torch.load(tmp / "run.pt"), _converted(tmp), unconverted, resumed, Path(saved[1]["ckpt"]),
                Path(engine_launches.results(deepspeed_saves)[0]["ckpt"]),
-               {"to-fsdp": (ds_unconverted, to_fsdp), "to-deepspeed": (fsdp_unconverted, to_deepspeed)})
+               {"to-fsdp": (ds_unconverted, to_fsdp), "to-deepspeed": (fsdp_unconverted, to_deepspeed)},
+               (Path(saved[2]["ckpt"]), mp_resumed))
 
 
 def test_the_folder_is_what_lightning_writes(run):
@@ -209,7 +237,7 @@ def test_diff_and_export_equal_torch_reading(run, tmp_path):
 def test_lightning_resumes_the_converted_folder_exactly(run):
     got = run.resumed
     assert got["world"] == TARGET and got["problems"] == [] and got["compared"] == len(run.truth["tensors"]) == 30
-    # negative control: another run's truth fails in every weight and moment
+    # negative control: a truth one step off fails in every weight and moment
     missed = {p.split(":")[0] for p in got["control_problems"]}
     assert {k for k in run.truth["tensors"] if not k.startswith(("step/", "model/net.positions"))} <= missed
     assert (got["global_step"], got["epoch"]) == (run.truth["global_step"], 0) == (STEPS, 0)
@@ -260,3 +288,50 @@ def test_an_fsdp_run_goes_on_under_deepspeed(run):
     assert (got["global_step"], got["epoch"]) == (run.truth["global_step"], 0) == (STEPS, 0)
     assert got["scheduler"] == {k: run.truth["scheduler"][k] for k in got["scheduler"]}
     assert got["after_step"] == STEPS + 1 and got["lr_after"] == run.truth["scheduler"]["_last_lr"][0] / 2
+
+
+def test_the_full_file_is_a_lightning_ckpt_read_whole(run, tmp_path):
+    """state_dict_type="full": one torch.save file of Lightning's checkpoint dict, the whole module's state dict
+    and the optimizer rekeyed by FSDP to parameter ids (FSDP.rekey_optim_state_dict). Nothing in it says FSDP (a
+    one-process save looks the same), so reshard reads it as a Lightning .ckpt; its ids map onto the parameters in
+    the module's order: the same run's sharded folder, as torch reads it, holds the same weights and moments."""
+    assert run.full.is_file() and run.full.name == f"step={STEPS}.ckpt"
+    saved = torch.load(run.full, weights_only=False)
+    assert set(saved) == {"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops", "callbacks",
+                          "optimizer_states", "lr_schedulers", "hparams_name", "hyper_parameters"}
+    assert sorted(saved["optimizer_states"][0]["state"]) == list(range(7))      # ids, not names
+    info = json.loads(run_cli("inspect", run.full, "--json", check=0).stdout)
+    assert (info["format"], info["trainable"], info["global_steps"]) == ("lightning", 7, STEPS)
+    assert json.loads(run_cli("validate", run.full, "--deep", "--json", check=0).stdout)["ok"]
+    assert "no difference" in run_cli("diff", run.full, run.ckpt, check=0).stdout
+    run_cli("export", run.full, tmp_path / "out", "--with-optimizer", check=0)
+    compared = 0
+    for state, file in (("model", "model"), ("exp_avg", "optimizer-exp_avg"), ("exp_avg_sq", "optimizer-exp_avg_sq")):
+        exported = load_file(tmp_path / "out" / f"{file}.safetensors")
+        for key, value in run.truth["tensors"].items():
+            if key.startswith(f"{state}/") and key.split("/", 1)[1] in exported:
+                assert torch.equal(exported[key.split("/", 1)[1]], value), key
+                compared += 1
+    assert compared >= 7 * 3
+
+
+def test_model_parallel_strategy_is_read_and_resumed_at_another_size(run):
+    """ModelParallelStrategy (FSDP2 through fully_shard, DCP): the same folder with the model under `state_dict`;
+    read whole, converted for 3 processes in its own layout, resumed there by the strategy equal to torch's reading
+    of the source (the same run as the FSDPStrategy one: equal to it too). Like FSDPStrategy's, its unconverted
+    folder would resume at 3 as well (DCP reshards on load; not launched again here)."""
+    saved, got = run.model_parallel
+    converted = _converted(run.ckpt.parent.parent, "model-parallel-")
+    for folder, dp in ((saved, 2), (converted, TARGET)):
+        assert f"format        Lightning + ModelParallelStrategy (FSDP2, sharded), dp={dp}\n" in run_cli(
+            "inspect", folder, check=0).stdout
+        assert json.loads(run_cli("validate", folder, "--deep", "--json", check=0).stdout)["ok"]
+    assert "no difference" in run_cli("diff", saved, run.ckpt, check=0).stdout
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(converted)).read_metadata().state_dict_metadata
+    assert {k.split(".", 1)[0] for k in keys} == {"state_dict", "optimizer_0"}
+    assert got["world"] == TARGET and got["problems"] == [] and got["compared"] == 30
+    assert {p.split(":")[0] for p in got["control_problems"]} >= {k for k in run.truth["tensors"]
+                                                                 if k.startswith("exp_avg")}
+    assert (got["global_step"], got["after_step"]) == (STEPS, STEPS + 1)
+    assert got["scheduler"] == {k: run.truth["scheduler"][k] for k in got["scheduler"]}

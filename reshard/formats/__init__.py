@@ -81,8 +81,10 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     if frame is None:
         return ()
     if _resumed_by_frameworks(format_name) and lightning_framework.crosses(frame, format_name):
-        return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name}'s state it holds is "
-                                           f"written into the {format_name} output's own files") for f in frame.files)
+        # only FSDPStrategy's folder has a file of Lightning's (meta.pt); DeepSpeedStrategy keeps it as client state
+        return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"its dict is written as the "
+                                           f"{format_name} output's client state, where DeepSpeedStrategy reads it")
+                     for f in frame.files)
     if not _resumed_by_frameworks(format_name):
         return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
                                            f"save, not from {format_name}") for f in frame.files)

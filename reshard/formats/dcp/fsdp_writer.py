@@ -34,7 +34,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     dcp_writer.check_target(target)
     frame = framework_of(catalog)
     if frame is not None and frame.name == lightning.NAME:
-        model, optim, values = _entries(catalog, lightning.FSDP_MODEL, lightning.FSDP_OPTIMIZER)
+        model, optim, values = _entries(catalog, lightning.model_key(frame), lightning.FSDP_OPTIMIZER)
         files = dcp_writer.folder_files(catalog, target.dp, tag, "", model + optim, values)
         if lightning.crosses(frame, "fsdp") and frame.state:
             # from DeepSpeedStrategy: its client state is the dict FSDPStrategy saves as meta.pt (rank 0's)

@@ -39,6 +39,7 @@ from reshard.formats.protocol import NoOptions
 from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.storage import files as fs
 
+MODEL_KEYS = ("model", "state_dict")     # the model's top-level key: get_state_dict's, Lightning's ModelParallel
 OPTIM_PREFIXES = ("optim.", "optimizer.", "optimizer_0.")     # get_state_dict, Accelerate, Lightning
 FORMAT = "dcp"
 OPTIONS = NoOptions       # one directory is one checkpoint: no tag
@@ -196,17 +197,18 @@ def _state_of(key: str, planner: dict) -> tuple[str, str]:
 
 
 def _model_names(model: dict, planner: dict) -> dict:
-    """Flat key -> FQN of the model's tensors: those under "model." ({"model": get_state_dict(...)[0]},
-    other top-level entries being someone else's), else every tensor outside the optimizer. The FQN is
-    planner_data's ("model", fqn) where recorded."""
-    if any(k.startswith("model.") for k in model):
+    """Flat key -> FQN of the model's tensors: those under "model." ({"model": get_state_dict(...)[0]}; Lightning's
+    ModelParallelStrategy: "state_dict."), other top-level entries being someone else's, else every tensor outside
+    the optimizer. The FQN is planner_data's (top, fqn) where recorded."""
+    top = next((t for t in MODEL_KEYS if any(k.startswith(f"{t}.") for k in model)), None)
+    if top is not None:
         out = {}
         for key in model:
             path = planner.get(key)
-            if isinstance(path, tuple) and len(path) == 2 and path[0] == "model" and isinstance(path[1], str):
+            if isinstance(path, tuple) and len(path) == 2 and path[0] == top and isinstance(path[1], str):
                 out[key] = path[1]
-            elif key.startswith("model."):
-                out[key] = key[len("model."):]
+            elif key.startswith(f"{top}."):
+                out[key] = key[len(f"{top}."):]
         return out
     return {k: k for k in model}
 

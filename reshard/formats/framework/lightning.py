@@ -12,6 +12,7 @@ and `.params` the group's FQNs; FSDP1 keys its optimizer by FQN as FSDP2 does), 
 per process, and `meta.pt`, written by rank 0: the rest of the checkpoint dict (epoch, global_step,
 pytorch-lightning_version, loops, callbacks, lr_schedulers, hyper_parameters when saved), which Lightning's
 load_checkpoint returns as it is. It is the same whatever the world size, so it is carried byte for byte.
+ModelParallelStrategy (FSDP2) writes the same folder, its model under `state_dict.<fqn>`.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def detect(folder: str, client_state: dict) -> Framework | None:
 FSDP_META = "meta.pt"
 FSDP_MODEL, FSDP_OPTIMIZER = "model", "optimizer_0"
 FSDP_SHARDED = "FSDP (sharded)"
+# ModelParallelStrategy (FSDP2 and DCP; observed, lightning 2.6.6 at 2 CPU processes, fully_shard in configure_model):
+# the same folder, its model under "state_dict" (save_checkpoint's key) instead of "model"
+MODEL_PARALLEL = "ModelParallelStrategy (FSDP2, sharded)"
+MODEL_KEY = {FSDP_SHARDED: FSDP_MODEL, MODEL_PARALLEL: "state_dict"}     # backend -> the DCP items' model key
 META_WHAT = ("Lightning's checkpoint less model and optimizer (epoch, global_step, loops, callbacks, lr_schedulers, "
              "hyper-parameters)")
 
@@ -49,12 +54,15 @@ def is_fsdp_sharded(folder: str) -> bool:
     return fs.isdir(folder) and all(fs.isfile(os.path.join(folder, n)) for n in (METADATA, FSDP_META))
 
 
-def detect_folder(folder: str) -> Framework | None:
-    """Lightning around FSDP's sharded state dict; its one file of its own is meta.pt."""
-    if not is_fsdp_sharded(folder):
-        return None
+def sharded_framework(folder: str, model_key: str) -> Framework:
+    """Lightning around a sharded DCP folder whose model is under `model_key` (which says the strategy); its one
+    file of its own is meta.pt."""
+    backend = next((b for b, key in MODEL_KEY.items() if key == model_key), None)
+    if backend is None:
+        raise CheckpointError(os.path.join(folder, METADATA), f"Lightning's folder holds its model under "
+                                                              f"{model_key!r}, which no strategy reshard knows writes")
     meta = FrameworkFile(FSDP_META, META_WHAT, fs.getsize(os.path.join(folder, FSDP_META)))
-    return Framework(NAME, folder, (meta,), (), batch_note=BATCH, backend=FSDP_SHARDED, state=load_meta(folder),
+    return Framework(NAME, folder, (meta,), (), batch_note=BATCH, backend=backend, state=load_meta(folder),
                      deepspeed_tag=DEEPSPEED_TAG)
 
 
@@ -70,4 +78,10 @@ def load_meta(folder: str) -> dict:
 def crosses(frame: Framework, format_name: str) -> bool:
     """Does an output of `format_name` (one a framework resumes from) put Lightning's run under the other strategy
     (DeepSpeed <-> FSDP), its state moving between DeepSpeed's client state and meta.pt?"""
-    return frame.name == NAME and (format_name == "fsdp") != (frame.backend == FSDP_SHARDED)
+    return frame.name == NAME and (format_name == "fsdp") != (frame.backend in MODEL_KEY)
+
+
+def model_key(frame: Framework) -> str:
+    """The model's top-level key in the DCP folder written for `frame`'s run: its own strategy's, FSDPStrategy's
+    for a run coming from DeepSpeedStrategy."""
+    return MODEL_KEY.get(frame.backend, FSDP_MODEL)
