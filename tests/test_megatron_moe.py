@@ -180,9 +180,10 @@ def test_a_round_trip_through_ep1_writes_megatrons_own_keys_and_chunks(tmp_path)
 
 
 def test_what_is_not_written_for_experts_is_refused_in_one_line(tmp_path):
-    for to, words in (("dp=2,ep=3", "ep=3 must divide"), ("dp=1,tp=2,ep=1", "tp=1, pp=1"),
-                      ("dp=2,ep=2,sharding=plain", "sharding=plain")):
-        proc = run_cli("convert", _save(MOE[0]), tmp_path / "out", "--to", to)
+    for to, words, *fmt in (("dp=2,ep=3", "ep=3 must divide"), ("dp=1,tp=2,ep=1", "tp=1, pp=1"),
+                            ("dp=2,ep=2,sharding=plain", "sharding=plain"),
+                            ("dp=2,zero=1,ep=2", "not written as DeepSpeed's expert files", "--format", "deepspeed")):
+        proc = run_cli("convert", _save(MOE[0]), tmp_path / "out", "--to", to, *fmt)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode != 0 and len(lines) == 1 and words in lines[0], (to, proc.stderr)
         assert not (tmp_path / "out").exists()
