@@ -200,7 +200,8 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
 def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.PathLike[str], *,
            tag: str | None = None, layout_rules: str | None = None, dtype: str = "fp32",
            max_shard_size: str | None = None, with_optimizer: bool = False, fmt: str | None = None,
-           weights: str = "master", names: str | None = None, memory_budget: int | None = None,
+           weights: str = "master", names: str | None = None, config: str | None = None,
+           memory_budget: int | None = None,
            overwrite: bool = False, resume: bool = False, progress: bool = False) -> Written | None:
     """One consolidated state dict, as `reshard export` writes it: safetensors (or Hugging Face shards with an
     index), or one torch.save file.
@@ -214,6 +215,8 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
         fmt: "safetensors" or "torch" (default: torch for a .bin/.pt/.pth `out`, else safetensors).
         weights: "master" (the fp32 master copy) or "module" (the saved 16-bit copy, where there is one).
         names: an export-names rule file (a path, or a name shipped with reshard) renaming and cutting weights.
+        config: the model's config.json for a checkpoint without one (torchtitan's): written beside the weights,
+            its values answering the rules' counts by name.
         memory_budget, overwrite, resume, progress: as for convert.
 
     Returns:
@@ -227,7 +230,8 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
     """
     complete = _complete(source, tag, layout_rules)
     made, single_file = export_plan(complete, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
-                                              with_optimizer=with_optimizer, fmt=fmt, weights=weights, names=names)
+                                              with_optimizer=with_optimizer, fmt=fmt, weights=weights, names=names,
+                                              config=config)
     return _execute(made, out, overwrite=overwrite, memory_budget=memory_budget, progress=progress,
                     single_file=single_file, resume=resume)
 

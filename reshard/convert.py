@@ -42,11 +42,16 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
     training framework's files around the source, those too (`new_rank_state`: what a process the source lacks
     gets). A Catalog is proven whole first (prove_complete); a Complete is that proof, made before. `names`: a
     module-names rule file (reshard.module_names) putting the params under the names and shapes of the model that
-    loads the output (an AutoEP Mixtral's experts as transformers' Mixtral holds them)."""
+    loads the output (an AutoEP Mixtral's experts as transformers' Mixtral holds them), or, for output in a format
+    that saves under names of its own (Megatron's torch_dist keys) from a source of another, undone: the module's
+    names the source holds brought back to that format's."""
     complete = source if isinstance(source, Complete) else prove_complete(source)
     if names:
         from reshard import module_names
-        complete = prove_complete(module_names.load(names).apply(complete.catalog))
+        rules = module_names.load(names)
+        if fmt is not None and fmt != complete.catalog.format and _writer(complete.catalog, fmt).SAVES_OWN_NAMES:
+            rules = module_names.inverted(rules)
+        complete = prove_complete(rules.apply(complete.catalog))
     catalog = complete.catalog
     target = target_layout(catalog, to, fmt)    # (a bad spec is refused here)
     if "=" in to and not os.path.isfile(to):     # a spec (a descriptor file says only what it means)
@@ -72,13 +77,13 @@ def plan_for(complete: Complete, target: Layout, tag_out: str | None = None, fmt
              new_rank_state: str = FRESH) -> Plan:
     """make_plan's plan at layout `target`, for a catalog proven whole."""
     catalog = complete.catalog
-    tag = tag_out or catalog.tag or default_tag(catalog)
+    target_format = _writer(catalog, fmt)
+    tag = tag_out or target_format.output_tag(catalog, catalog.tag or default_tag(catalog))
     why = paths.escape(tag, single=True)
     if why:     # a tag is one folder of the output: `../x` or an absolute path would put the rank files elsewhere
         raise UsageError(f"--tag-out {tag!r}: {why}; a tag is one folder name inside DST" if tag_out else
                          f"{catalog.root}: tag {tag!r}: {why}; name the output's tag with --tag-out")
     save_dir = os.path.dirname(catalog.root)
-    target_format = _writer(catalog, fmt)
     if catalog.experts is not None and not target_format.PLACES_EXPERTS:   # it would write experts as dense params
         from reshard.formats import WRITERS, writer
         placing = " or ".join(name for name in WRITERS if writer(name).PLACES_EXPERTS)

@@ -43,10 +43,12 @@ class Entry(NewTensor):
 
 def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_size=None,
                 with_optimizer: bool = False, fmt: str | None = None, weights: str = "master",
-                names: str | None = None):
+                names: str | None = None, config: str | None = None):
     """(Plan, single_file): the files of the export; single_file when OUT names one file. `fmt`:
     safetensors or torch; by default the one OUT's suffix names (safetensors for a directory). `names`: an
-    export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights. `complete`:
+    export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights. `config`: the
+    model's config.json (Hugging Face's), for a checkpoint that holds none (torchtitan's): written beside the weights
+    in a folder, and its values answer the rules' counts by name (head_dim) where the save records none. `complete`:
     the proof that the checkpoint is whole (reshard.validate.prove_complete)."""
     catalog = complete.catalog
     fmt = export_format(out, fmt)
@@ -66,6 +68,9 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
     aliases = dict(catalog.aliases)
     rules = export_names.load(names) if names else None
     facts = catalog.notes.hyperparameters() if isinstance(catalog.notes, export_names.ModelFacts) else None
+    given = _model_config(config) if config else None
+    if given is not None:
+        facts = {**given, **(facts or {})}      # the save's own record first
     if rules is not None:
         entries, aliases = rules.apply(entries, aliases, facts)
     metadata = {"format": "pt"}
@@ -86,12 +91,31 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
         targets.append(TextFile(OPTIMIZER_JSON, json.dumps(optimizer_summary(catalog, entries, fmt), indent=2) + "\n"))
     if not single_file:         # config, tokenizer: a folder from_pretrained loads
         targets += [CopiedFile(os.path.basename(p), p, fs.getsize(p)) for p in catalog.model_files]
+        if config:
+            if any(t.path == MODEL_CONFIG for t in targets):
+                raise UsageError.at(config, f"the checkpoint has its own {MODEL_CONFIG}")
+            targets.append(CopiedFile(MODEL_CONFIG, config, fs.getsize(config)))
         if rules is not None and rules.config is not None:      # a config the rules build from the save's values
             if any(t.path == rules.config.file for t in targets):
                 raise ReshardError.at(rules.path, f"the checkpoint has its own {rules.config.file}")
             targets.append(TextFile(rules.config.file, rules.config_text(facts)))
     target = Layout.of(1, dtype=entries[0].dtype if entries else "float32")
     return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
+
+
+MODEL_CONFIG = "config.json"       # what from_pretrained reads beside the weights
+
+
+def _model_config(path: str) -> dict:
+    """The values of a model config file (a JSON object: Hugging Face's config.json); a one-line error otherwise."""
+    try:
+        with fs.open(path, "rb") as f:
+            values = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise UsageError.at(path, f"not a readable JSON model config ({e})") from None
+    if not isinstance(values, dict):
+        raise UsageError.at(path, "a model config is a JSON object")
+    return values
 
 
 def export_format(out: str, fmt: str | None) -> str:
@@ -112,7 +136,7 @@ def export_format(out: str, fmt: str | None) -> str:
 def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
     """One entry per state_dict key that holds data (tied aliases excluded), in model order."""
     out = []
-    for key in catalog.order:
+    for key in catalog.tensor_order():
         if key in catalog.aliases:
             continue
         p = catalog.params[key]

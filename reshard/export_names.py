@@ -10,6 +10,8 @@ some, found by name: rule_files):
                {"match": REGEX, "name": TEMPLATE, "split": 0},   one tensor per index of dim 0, {index} in TEMPLATE
                {"match": REGEX, "rows": {"groups": N, "parts": [{"name": TEMPLATE, "rows": N}, ...]}},
                                                                  dim 0 cut into interleaved parts (below)
+               {"match": REGEX, "name": TEMPLATE, "strided": {"block": N, "stride": S}},
+                                                                 dim 0's rows reordered within blocks (below)
                {"match": REGEX, "drop": true},                   left out (another name of a tensor kept)
                {"match": REGEX, "refuse": REASON}]}              the export stops, naming the tensor
 
@@ -19,8 +21,12 @@ views dim 0 as `groups` equal blocks (1 when not given), each block cut into the
 is its share of each block, and the parts without "rows" share what is left equally; part i is its rows of every
 block, blocks in order (a fused QKV laid out per query group [q; k; v]: groups = the query groups; SwiGLU's fused
 [gate; up]: two parts, no groups). Each part is a shard of the tensor (one box per block), so the planner copies it
-as boxes. N is a whole number, or a VALUE-REF: the name of a hyperparameter the save records (a list of names: the
-first one recorded and not null).
+as boxes. A "strided" rule views dim 0 as blocks of N rows and reorders each block's rows by their stride S: first
+rows 0, S, 2S, ..., then 1, S+1, ..., (a block viewed as (N/S, S) and transposed): rotary embeddings' interleaved
+pairs, as torchtitan and Meta's Llama order a head's q and k rows, into the halves Hugging Face's Llama rotates (N =
+the head size, S = 2). Each row is a box of the tensor, so it too is a copy of boxes. N is a whole number, or a
+VALUE-REF: the name of a hyperparameter the save records, or the model config given to the export (a list of names:
+the first one recorded and not null).
 """
 from __future__ import annotations
 
@@ -62,12 +68,19 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class Strided:
+    block: Count            # rows per block of dim 0
+    stride: int             # a block's rows taken every `stride`, from each offset in turn
+
+
+@dataclass(frozen=True)
 class NameRule:
     pattern: re.Pattern
     name: str | None        # the template; None: drop (or refuse, with `refuse`)
     split: bool             # one tensor per index of dim 0
     rows: Rows | None = None
     refuse: str | None = None
+    strided: Strided | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +154,8 @@ class ExportNames:
 
     def _cuts(self, name: str) -> bool:
         rule = self._rule(name)
-        return rule is not None and (rule.split or rule.rows is not None or rule.name is None)
+        return rule is not None and (rule.split or rule.rows is not None or rule.strided is not None
+                                     or rule.name is None)
 
     def _rule(self, name: str) -> NameRule | None:
         return next((r for r in self.rules if r.pattern.fullmatch(name)), None)
@@ -166,6 +180,8 @@ class ExportNames:
         if rule.name is None or match is None:      # (_rule matched it)
             return []
         template = match.expand(rule.name)
+        if rule.strided is not None:
+            return [self._strided(entry, template, rule.strided, facts)]
         if not rule.split:
             return [replace(entry, key=template)]
         if not entry.shape:
@@ -199,6 +215,20 @@ class ExportNames:
             first += n
         return out
 
+    def _strided(self, entry, key: str, strided: Strided, facts):
+        """The entry under `key`, its dim 0 reordered within blocks: a shard of the tensor, one box per row."""
+        if not entry.shape or entry.start or getattr(entry, "shard", None) is not None:
+            raise ReshardError.at(self.path, f"{entry.key}: a strided rule takes a whole tensor with a dim 0")
+        block, step, rows = self._count(strided.block, facts, entry.key, "block"), strided.stride, entry.shape[0]
+        if block <= 0 or rows % block or block % step:
+            raise ReshardError.at(self.path, f"{entry.key}: {rows} rows are not blocks of {block} rows whose rows "
+                                             f"go by {step}")
+        rest = tuple(entry.shape[1:])
+        zeros, per = (0,) * len(rest), block // step
+        boxes = tuple(Block((b * block + i * step + j, *zeros), (b * block + j * per + i, *zeros), (1, *rest))
+                      for b in range(rows // block) for j in range(step) for i in range(per))
+        return replace(entry, key=key, shard=Shard(tuple(entry.shape), boxes))
+
     def _count(self, count: Count, facts, name: str, what: str) -> int:
         if isinstance(count, int):
             return count
@@ -207,7 +237,7 @@ class ExportNames:
         if not isinstance(value, int) or isinstance(value, bool):
             recorded = f"records as {value!r}" if value is not None else "does not record"
             raise ReshardError.at(self.path, f"{name}: {what} is {'/'.join(names)}, which the checkpoint {recorded}"
-                                             ", not a whole number")
+                                             ", not a whole number (export --config: a model config giving it)")
         return value
 
 
@@ -268,7 +298,8 @@ def _count_spec(path: str, where: str, given) -> Count:
 
 def _rule(path: str, i: int, rule) -> NameRule:
     where = f"rule {i}"
-    pattern = rule_files.rule_pattern(path, i, rule, {"match", "name", "split", "drop", "rows", "refuse", "note"})
+    pattern = rule_files.rule_pattern(path, i, rule, {"match", "name", "split", "drop", "rows", "refuse", "strided",
+                                                      "note"})
     if "refuse" in rule:
         if not isinstance(rule["refuse"], str) or set(rule) - {"match", "refuse", "note"}:
             raise ReshardError.at(path, f'{where}: "refuse" (a reason) goes alone')
@@ -283,6 +314,14 @@ def _rule(path: str, i: int, rule) -> NameRule:
         return NameRule(pattern, None, False)
     if not isinstance(rule.get("name"), str):
         raise ReshardError.at(path, f'{where}: needs "name" (a template) or "drop": true')
+    if "strided" in rule:
+        given = rule["strided"]
+        if set(rule) - {"match", "name", "strided", "note"} or not isinstance(given, dict) \
+                or set(given) != {"block", "stride"} or not isinstance(given["stride"], int) \
+                or isinstance(given["stride"], bool) or given["stride"] < 2:
+            raise ReshardError.at(path, f'{where}: "strided" is {{"block": N, "stride": S >= 2}} beside "name" alone')
+        return NameRule(pattern, rule["name"], False,
+                        strided=Strided(_count_spec(path, f"{where} block", given["block"]), given["stride"]))
     split = rule.get("split")
     if split not in (None, 0):
         raise ReshardError.at(path, f'{where}: "split" can only be 0 (slabs of dim 0 are contiguous; '

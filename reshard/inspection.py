@@ -3,11 +3,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, fields, is_dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
 from reshard.formats.framework import framework_of
 from reshard.formats.torchsave_read import DType, TensorRef
+
+
+@runtime_checkable
+class OwnEntries(Protocol):
+    """A reader's notes that hold a framework's own state inside the checkpoint (torchtitan's lr_scheduler,
+    dataloader and train_state DCP entries)."""
+
+    def own_entries(self) -> list[dict]:
+        """[{key, what, value}]"""
 
 
 @dataclass(frozen=True)
@@ -41,12 +50,15 @@ class Inspection:
     files: list                     # {path, role, rank, bytes}
     problems: int                   # how many problems the reader found (`validate` says which)
     parameter_table: list | None = None     # with params=True: one row per parameter
+    entries: list | None = None     # the framework's own state saved inside the checkpoint: {key, what, value}
 
     def to_dict(self) -> dict:
         """Plain data: what `reshard inspect --json` prints."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.parameter_table is None:
             del data["parameter_table"]
+        if self.entries is None:
+            del data["entries"]
         return jsonable(data)
 
 
@@ -90,6 +102,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         files=[{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
         problems=len(catalog.problems),
         parameter_table=[_param_row(catalog, p) for p in catalog.params.values()] if params else None,
+        entries=catalog.notes.own_entries() if isinstance(catalog.notes, OwnEntries) else None,
     )
 
 

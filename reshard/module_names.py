@@ -10,7 +10,12 @@ ships some, found by name: rule_files):
                                                                         end to end along dim d, as one param
                {"match": REGEX, "drop": true}]}                         left out (another name of a param kept)
 
-A name is matched with re.fullmatch, the first rule deciding; a name no rule matches keeps its name. The names only
+A name is matched with re.fullmatch, the first rule deciding; a name no rule matches keeps its name. `inverted()`
+undoes a file of renames, for output in a format that saves under the names the rules map from (a DeepSpeed save of
+megatron-core's GPTModel, under the module's names, written as a Megatron torch_dist save: megatron-core-modules):
+each rule's match must be literal text around capturing groups, every group used by its template, so the template
+read as a pattern and the match read as a template undo it; every name undone is renamed forward again and must
+come back, or the rule file is refused. The names only
 say which param goes where: where each part's elements lie in the joined param (its box: an offset along `dim` of
 the sizes of the parts before it) is computed from the shapes, and every fragment of a part becomes a fragment of the
 joined param shifted by that box, so reading and writing stay byte copies. The result is a dense model's catalog:
@@ -53,6 +58,12 @@ class ModuleNames:
     path: str
     rules: tuple[ModuleRule, ...]
 
+    def rename(self, name: str) -> str:
+        """The name a rename rule gives `name` (itself where none matches)."""
+        rule = next((r for r in self.rules if r.pattern.fullmatch(name)), None)
+        match = rule.pattern.fullmatch(name) if rule is not None else None
+        return match.expand(rule.name) if rule is not None and match is not None and rule.name else name
+
     def apply(self, catalog: Catalog) -> Catalog:
         """`catalog` under the model's names and shapes (see the module's doc); a name the rules cannot place is a
         one-line error naming the rule file."""
@@ -74,7 +85,8 @@ class ModuleNames:
                                                  "different kinds or param groups")
             params[target.name] = ParamInfo(target.name, target.shape, info.kind, info.group)
         aliases = {renamed[a]: renamed[h] for a, h in catalog.aliases.items() if a not in dropped}
-        order = [renamed[n] for n in catalog.order if n not in dropped]
+        # (an order may name entries that are neither params nor aliases: a module state dict's extra states)
+        order = [renamed.get(n) or self.rename(n) for n in catalog.order if n not in dropped]
         groups = tuple({**group, "params": list(dict.fromkeys(renamed[n] for n in group["params"]))}
                        for group in catalog.param_groups)
         scalars = tuple(MappingProxyType({key: _renamed_scalar(value, targets, self.path)
@@ -134,6 +146,114 @@ class ModuleNames:
             if alias not in dropped and holder not in renamed:
                 raise ReshardError.at(self.path, f"{alias} is tied to {holder}, which a rule drops")
         return targets, renamed, dropped
+
+
+def inverted(rules: ModuleNames) -> ModuleNames:
+    """The rules undone (see the module's doc): a one-line error naming the file for a rule that cannot be."""
+    out = []
+    for i, rule in enumerate(rules.rules):
+        if rule.name is None or rule.join:
+            raise ReshardError.at(rules.path, f"rule {i}: only renames can be undone, not a join or a drop")
+        out.append(_inverse(rules.path, i, rule))
+    return InvertedNames(rules.path, tuple(out), rules)
+
+
+@dataclass(frozen=True)
+class InvertedNames(ModuleNames):
+    """Rules undone, each name they rename checked by renaming it forward again (`forward`)."""
+    forward: ModuleNames | None = None
+
+    def apply(self, catalog: Catalog) -> Catalog:
+        assert self.forward is not None
+        out = super().apply(catalog)
+        for name in catalog.params:
+            back = self.rename(name)
+            if self.forward.rename(back) != name:
+                raise ReshardError.at(self.path, f"{name}: undone as {back}, which these rules name "
+                                                 f"{self.forward.rename(back)}: they cannot be undone for it")
+        return out
+
+
+def _literal(text: str, path: str, i: int) -> str:
+    """The text a run of a pattern outside its groups stands for: escaped or plain characters only."""
+    out, at = [], 0
+    while at < len(text):
+        char = text[at]
+        if char == "\\" and at + 1 < len(text) and not text[at + 1].isalnum():
+            out.append(text[at + 1])
+            at += 2
+        elif char in ".^$*+?{}[]|()\\":
+            raise ReshardError.at(path, f"rule {i}: its match has {text[at:at + 2]!r} outside a group: not a literal "
+                                        "text around groups, so it cannot be undone")
+        else:
+            out.append(char)
+            at += 1
+    return "".join(out)
+
+
+def _groups(pattern: str, path: str, i: int) -> list[tuple[str, str]]:
+    """[(literal text, ""), ("", group's own pattern), ...] of a match: its top-level capturing groups and the text
+    around them (a group holding another capturing group cannot be undone)."""
+    parts: list[tuple[str, str]] = []
+    depth, start, outside, at, in_class = 0, 0, 0, 0, False
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\":
+            at += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            capturing = not pattern.startswith("(?", at) or pattern.startswith("(?P<", at)
+            if depth == 0:
+                if not capturing:
+                    raise ReshardError.at(path, f"rule {i}: a group that does not capture outside any other: it "
+                                                "cannot be undone")
+                parts.append((_literal(pattern[outside:at], path, i), ""))
+                start = at + 1 if not pattern.startswith("(?P<", at) else pattern.index(">", at) + 1
+            elif capturing:
+                raise ReshardError.at(path, f"rule {i}: a capturing group inside another: it cannot be undone")
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth == 0:
+                parts.append(("", pattern[start:at]))
+                outside = at + 1
+        at += 1
+    parts.append((_literal(pattern[outside:], path, i), ""))
+    return parts
+
+
+def _inverse(path: str, i: int, rule: ModuleRule) -> ModuleRule:
+    """The rename undone: the template as a pattern (each reference its group's pattern, named g<n>), the match as
+    a template (each group a reference to it)."""
+    assert rule.name is not None
+    parts = _groups(rule.pattern.pattern, path, i)
+    groups = [g for text, g in parts if not text and g]
+    pattern, seen, at = [], set(), 0
+    template = rule.name
+    for found in re.finditer(r"\\(?:(\d+)|g<(\d+)>)", template):
+        pattern.append(re.escape(template[at:found.start()]))
+        number = int(found.group(1) or found.group(2))
+        if not 1 <= number <= len(groups):
+            raise ReshardError.at(path, f"rule {i}: its template refers to group {number}, which is not one of its "
+                                        "match's groups outside any other: it cannot be undone")
+        pattern.append(f"(?P=g{number})" if number in seen else f"(?P<g{number}>{groups[number - 1]})")
+        seen.add(number)
+        at = found.end()
+    pattern.append(re.escape(template[at:]))
+    if seen != set(range(1, len(groups) + 1)):
+        raise ReshardError.at(path, f"rule {i}: its template leaves out a group of its match: it cannot be undone")
+    back, number = [], 0
+    for text, group in parts:
+        if group:
+            number += 1
+            back.append(f"\\g<g{number}>")
+        else:
+            back.append(text.replace("\\", "\\\\"))
+    return ModuleRule(re.compile("".join(pattern)), "".join(back))
 
 
 def _join(name: str, parts: tuple[str, ...], shapes: list[tuple[int, ...]], dim: int, path: str) -> Target:

@@ -99,7 +99,7 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
     summary = plan.summary()
     framework = None
     frame = framework_of(catalog)
-    if frame is not None:
+    if frame is not None and (frame.files or frame.kinds):    # (torchtitan keeps its state inside the checkpoint)
         framework = FrameworkPlan(frame.name, new_rank_state, frame.policy_line(new_rank_state), len(frame.files),
                                   tuple(framework_files(catalog, plan.target, fmt, new_rank_state)))
     remote = dst is not None and fs.is_url(dst)

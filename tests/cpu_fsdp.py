@@ -17,8 +17,31 @@ def fsdp_on_cpu() -> None:
 
     def __init__(self, *args, fsdp_plugin=None, **kwargs):
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        # FSDP: the process's state still marked by an earlier Accelerator of this shim (a state reset keeps it)
+        if fsdp_plugin is not None and self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.FSDP):
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     AcceleratorState.__init__ = __init__
+
+
+def lightning_fsdp_on_cpu(strategy_class):
+    """Lightning's FSDPStrategy on CPU, as on GPUs (lightning 2.6.6, torch 2.13): a subclass of `strategy_class`
+    (FSDPStrategy), since Lightning refuses only the class itself off CUDA (the accelerator connector's
+    `type(strategy) is FSDPStrategy` check), and FSDP1 told the CPU is its device where Lightning gives none (it
+    passes the CPU device's index, None, and FSDP1 then looks for an accelerator and refuses to run without one).
+    Wrapping, stepping and saving (the sharded state dict through torch.distributed.checkpoint, meta.pt) are
+    Lightning's and torch's own code; the files are those a GPU run writes (DCP stores every tensor as CPU bytes).
+    Lightning's full state dict cannot be taken on CPU: it offloads to CPU what FSDP1 then frees (a segfault in
+    FSDP's state-dict hook), so only state_dict_type="sharded" runs here."""
+    import torch
+    import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1
+    init_handle = fsdp1._init_device_handle
+
+    def _init_device_handle(state, module, ignored_params, device_id):
+        return init_handle(state, module, ignored_params, torch.device("cpu") if device_id is None else device_id)
+    fsdp1._init_device_handle = _init_device_handle
+
+    class CpuFSDPStrategy(strategy_class):
+        pass
+    return CpuFSDPStrategy

@@ -78,12 +78,13 @@ def converted(source, engine_launches):
     return {dp: source / f"dp{dp}" for dp in LOADS}
 
 
-def scheduled_lr(steps: int) -> float:
-    """The lr of the run's scheduler after `steps` steps (Accelerate steps it once per process per step)."""
+def scheduled_lr(steps: int, training_steps: int = 10) -> float:
+    """The lr of the run's scheduler (linear over `training_steps`) after `steps` steps (Accelerate steps it once
+    per process per step)."""
     import torch
     from transformers import get_linear_schedule_with_warmup
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=10)
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=training_steps)
     for _ in range(steps):
         optimizer.step()
         scheduler.step()

@@ -29,14 +29,19 @@ def config():
                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
 
 
+def consolidated(folder, out) -> tuple:
+    """A framework's FSDP sharded save (`folder`) as torch's dcp_to_torch_save consolidates it into `out`:
+    (model state dict, optimizer state dict)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(folder / "pytorch_model_fsdp_0", out / "model.pt")
+    dcp_to_torch_save(folder / "optimizer_0", out / "optimizer.pt")
+    return torch.load(out / "model.pt")["model"], torch.load(out / "optimizer.pt")["optimizer"]
+
+
 @pytest.fixture(scope="module")
 def truth(tmp_path_factory):
-    """The sharded save as torch's dcp_to_torch_save consolidates it: (model state dict, optimizer state dict)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    out = tmp_path_factory.mktemp("truth")
-    dcp_to_torch_save(SHARDED / "pytorch_model_fsdp_0", out / "model.pt")
-    dcp_to_torch_save(SHARDED / "optimizer_0", out / "optimizer.pt")
-    return torch.load(out / "model.pt")["model"], torch.load(out / "optimizer.pt")["optimizer"]
+    """The sharded save as torch's dcp_to_torch_save consolidates it."""
+    return consolidated(SHARDED, tmp_path_factory.mktemp("truth"))
 
 
 def test_inspect_names_the_framework_and_backend():

@@ -236,7 +236,7 @@ def documented_layouts(root: Path) -> Path:
 
 EXPECTED = {    # name: (status, unit)
     "hf/checkpoint-7": (UNKNOWN, "HF Trainer"),
-    "lightning/epoch=0-step=5.ckpt": (UNVERIFIABLE, "Lightning with FSDP (sharded)"),
+    "lightning/epoch=0-step=5.ckpt": (COMPLETE, "Lightning with FSDP (sharded)"),
     "megatron/iter_0000100": (UNVERIFIABLE, "Megatron-LM (torch_dist)"),
     "megatron/iter_0000200": (UNVERIFIABLE, "Megatron-LM (torch_dist)"),
     "megatron_legacy/iter_0000050": (UNVERIFIABLE, "Megatron-LM (torch, legacy)"),

@@ -152,6 +152,16 @@ def test_a_damaged_distcp_is_named(broken, which, tmp_path):
     assert reshard.validate(str(_save(name))).ok          # the control: the fixture itself is whole
 
 
+def test_a_metadata_rewritten_since_it_was_read_is_read_again(tmp_path):
+    """The source's .metadata is kept once read (open and convert both need it): a file changed since is not."""
+    save = _copy(DP_RESHARDABLE[0], tmp_path)
+    assert reshard.validate(str(save)).ok
+    meta = next(save.glob("iter_*/.metadata"))
+    meta.write_bytes(meta.read_bytes()[:-10])
+    with pytest.raises(ReshardError, match=r"\.metadata"):
+        reshard.validate(str(save))
+
+
 def _chunk_span(save, key_start: str):
     """(file, offset, length) of the first DCP item whose key starts with `key_start`."""
     catalog_dir = next(p for p in save.iterdir() if p.name.startswith("iter_"))

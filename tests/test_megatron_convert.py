@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 
 import pytest
 
 import reshard
-from conftest import FIXTURES, fixture_dir, run_cli, write_in_zip
+from conftest import FIXTURES, fixture_dir, run_cli
 from engine_launches import shares
+from megatron_saves import change_one_element, degrees, objects
 from reshard.convert import make_plan
-from reshard.core.catalog import TensorKey
 from reshard.errors import ReshardError, UsageError
 from reshard.executor import execute
 from reshard.formats.dcp import metadata as dcp_metadata
@@ -67,10 +66,6 @@ def _ids():
     return [f"{name.removeprefix('mcore_')}-{to}" for name, to in CONVERSIONS + MOE_WIDE]
 
 
-def _degrees(to: str) -> dict:
-    return {k: int(v) for k, v in (item.split("=") for item in to.split(",")) if k in ("tp", "pp", "dp", "ep")}
-
-
 def _experts(name: str, degrees: dict) -> dict:
     """A mixture of experts' job keys for tests/megatron_load.py (its model built with the experts, at the ep)."""
     info = json.loads((ROOT / name / "truth.json").read_text())
@@ -81,28 +76,6 @@ def _convert(name: str, to: str, dst) -> None:
     execute(make_plan(reshard.open_checkpoint(str(ROOT / name / "save")), to), str(dst), progress=False)
 
 
-def _change_one_element(save, name: str) -> None:
-    """One element of `name`'s exp_avg in the written files changed (its zip member's CRC-32 made to match, as a
-    writer that saved another value would have written it)."""
-    catalog = reshard.open_checkpoint(str(save))
-    fragment = catalog.tensors[TensorKey(name, "exp_avg")].fragments[0]
-    path = fragment.storage.file
-    meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"), METADATA_ALLOWED)
-    at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)
-    start, length = next((info.offset, info.length) for info in meta.storage_data.values()
-                         if info.relative_path == os.path.basename(path) and info.offset <= at < info.offset
-                         + info.length)
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    item = save.parent / "item.zip"
-    item.write_bytes(bytes(data[start:start + length]))
-    value = bytes(b ^ 0x40 for b in data[at:at + 4])
-    write_in_zip(item, at - start, value)
-    data[start:start + length] = item.read_bytes()
-    with open(path, "wb") as f:
-        f.write(data)
-
-
 @shares("megatron_load.py")
 def megatron_load_jobs(out):
     """Every conversion, the changed one and Megatron's own load of a dp_reshardable save at another tp (and ep): 2
@@ -111,18 +84,18 @@ def megatron_load_jobs(out):
     for index, (name, to) in enumerate(CONVERSIONS):
         dst = out / f"conversion-{index}"
         _convert(name, to, dst)
-        degrees = _degrees(to)
-        jobs.append({"label": f"{name}:{to}", "save": str(dst), "tp": degrees["tp"], "pp": degrees["pp"],
-                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, degrees)})
+        cut = degrees(to)
+        jobs.append({"label": f"{name}:{to}", "save": str(dst), "tp": cut["tp"], "pp": cut["pp"],
+                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, cut)})
     name, first, back = MOE_BACK        # ep 2 -> 1 -> 2: a conversion's output as the source
     _convert(name, first, out / "moe-ep1")
     execute(make_plan(reshard.open_checkpoint(str(out / "moe-ep1")), back), str(out / "moe-back"), progress=False)
     jobs.append({"label": "moe ep1 -> ep2", "save": str(out / "moe-back"), "tp": 1, "pp": 1,
-                 "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, _degrees(back))})
+                 "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, degrees(back))})
     name, to = CONVERSIONS[0]
     changed = out / "changed" / "save"
     _convert(name, to, changed)
-    _change_one_element(changed, CHANGED)
+    change_one_element(changed, CHANGED)
     jobs.append({"label": "changed", "save": str(changed), "tp": 1, "pp": 2,
                  "truth": str(ROOT / name / "truth.safetensors")})
     jobs.append({"label": "megatron itself", "save": str(ROOT / name / "save"), "tp": 1, "pp": 1,
@@ -130,9 +103,9 @@ def megatron_load_jobs(out):
     moe = MOE_BACK[0]
     changed = out / "moe-changed" / "save"     # one expert's element, in the dense buffer at ep=1
     _convert(moe, MOE_BACK[1], changed)
-    _change_one_element(changed, MOE_CHANGED)
+    change_one_element(changed, MOE_CHANGED)
     jobs.append({"label": "moe changed", "save": str(changed), "tp": 1, "pp": 1,
-                 "truth": str(ROOT / moe / "truth.safetensors"), **_experts(moe, _degrees(MOE_BACK[1]))})
+                 "truth": str(ROOT / moe / "truth.safetensors"), **_experts(moe, degrees(MOE_BACK[1]))})
     jobs.append({"label": "megatron itself at another ep", "save": str(ROOT / moe / "save"), "tp": 1, "pp": 1,
                  "truth": str(ROOT / moe / "truth.safetensors"), "ep": 1, "experts": 4})
     wide = []
@@ -140,7 +113,7 @@ def megatron_load_jobs(out):
         dst = out / f"wide-{index}"
         _convert(name, to, dst)
         wide.append({"label": f"{name}:{to}", "save": str(dst), "tp": 1, "pp": 1,
-                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, _degrees(to))})
+                     "truth": str(ROOT / name / "truth.safetensors"), **_experts(name, degrees(to))})
     return [(2, None, job) for job in jobs] + [(4, None, job) for job in wide]
 
 
@@ -256,8 +229,27 @@ def test_what_megatron_cannot_take_is_refused_in_one_line(tmp_path):
         assert words in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(UsageError, match="iter_NNNNNNN"):
         make_plan(save, "tp=1", tag_out="step3")
+    # Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp: a target tp whose multiple
+    # the saved padding is not would load another embedding shape (64 rows: a multiple of 64 x 1, not of 64 x 2)
+    import torch
+    padded = shutil.copytree(ROOT / "mcore_dp_reshardable_tp2_dp2" / "save", tmp_path / "padded")
+    common = torch.load(padded / "iter_0000003" / "common.pt", weights_only=False)
+    common["args"].make_vocab_size_divisible_by = 64
+    torch.save(common, padded / "iter_0000003" / "common.pt")
+    padded_save = reshard.open_checkpoint(str(padded))
+    with pytest.raises(ReshardError, match=r"tp = 128, not the 64 saved") as refused:
+        make_plan(padded_save, "tp=2,dp=1")
+    assert "\n" not in str(refused.value)
+    make_plan(padded_save, "tp=1,dp=2")     # (the control: 64 is a multiple of 64 x 1)
+    # with the tokenizer's own size in args, the padding Megatron-LM will make is known: 40 -> 64 at 16 x 2, 48 at 16
+    common["args"].make_vocab_size_divisible_by, common["args"].vocab_size = 16, 40
+    torch.save(common, padded / "iter_0000003" / "common.pt")
+    padded_save = reshard.open_checkpoint(str(padded))
+    with pytest.raises(ReshardError, match=r"tp = 16, 48 rows, not the 64 saved"):
+        make_plan(padded_save, "tp=1,dp=2")
+    make_plan(padded_save, "tp=2,dp=1")
     deepspeed = run_cli("convert", fixture_dir("z2_fp32_dp2"), tmp_path / "x", "--format", "megatron", "--to", "dp=1")
-    assert deepspeed.returncode != 0 and "needs a Megatron source" in deepspeed.stderr
+    assert deepspeed.returncode == 2 and "does not hold: give the run's Megatron-LM arguments" in deepspeed.stderr
     assert len(deepspeed.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
 
@@ -299,23 +291,6 @@ def test_the_sparse_scale_simulation_reads_as_what_it_lays_out(tmp_path):
     assert plan.output is not None and plan.output.topology.startswith("dp=2,tp=1,pp=4")
 
 
-def _objects(save) -> dict:
-    """{key: the unpickled value} of every object (not tensor) in a torch_dist save's DCP checkpoint."""
-    import io
-
-    import torch
-
-    from reshard.core.catalog import CatalogBuilder
-    from reshard.core.layout import Layout
-    from reshard.formats.dcp.chunks import Chunks
-    folder = os.path.join(save, "iter_0000003")
-    meta = dcp_metadata.read(os.path.join(folder, ".metadata"), METADATA_ALLOWED)
-    chunks = Chunks(folder, meta, CatalogBuilder(folder, "megatron", Layout.of(1, 1, 1)))
-    return {key: torch.load(io.BytesIO(chunks.blob(key)), weights_only=False)
-            for key, entry in meta.state_dict_metadata.items()
-            if not isinstance(entry, dcp_metadata.TensorStorageMetadata)}
-
-
 def test_a_legacy_source_writes_the_objects_megatron_writes_for_the_same_run(tmp_path):
     """Legacy -> torch_dist: the layers' `_extra_state` values of the rank files (None, the local spec's) become the
     objects megatron-core 0.16's own torch_dist save of the same run holds ([None] per layer and module, under the
@@ -325,8 +300,8 @@ def test_a_legacy_source_writes_the_objects_megatron_writes_for_the_same_run(tmp
     to = "tp=1,pp=2,dp=1"
     _convert("mcore_legacy_distributed_tp2_dp2", to, tmp_path / "legacy")
     _convert("mcore_dp_reshardable_tp2_dp2", to, tmp_path / "torch_dist")
-    ours, same_run = _objects(tmp_path / "legacy"), _objects(tmp_path / "torch_dist")
-    megatrons = {k: v for k, v in _objects(ROOT / "mcore_dp_reshardable_tp2_dp2" / "save").items()
+    ours, same_run = objects(tmp_path / "legacy"), objects(tmp_path / "torch_dist")
+    megatrons = {k: v for k, v in objects(ROOT / "mcore_dp_reshardable_tp2_dp2" / "save").items()
                  if "._extra_state/" in k}
     assert megatrons and all(v == [None] for v in megatrons.values())
     assert {k: v for k, v in ours.items() if "._extra_state/" in k} == megatrons

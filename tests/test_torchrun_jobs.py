@@ -177,3 +177,23 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_torchrun_launch_ends_with_torchrun_though_a_rank_left_a_process_holding_its_output(tmp_path):
+    """A rank that leaves a process behind with its output open (torch_dist's writer helpers, orphaned when a rank
+    fails) once held the captured pipe open until the launch's timeout; the launch now ends when torchrun does and
+    kills what its session left."""
+    script = tmp_path / "orphan.py"
+    script.write_text("import os, subprocess, sys\n"
+                      "if os.environ['RANK'] == '0':\n"
+                      f"    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'])\n"
+                      f"    open(os.path.join({str(tmp_path)!r}, 'orphan'), 'w').write(str(p.pid))\n"
+                      "print('rank done', flush=True)\n")
+    proc = torchrun_jobs.launch(2, [script], torchrun_env(), timeout=300)     # (TimeoutExpired when it hangs)
+    assert proc.returncode == 0 and proc.stdout.count("rank done") == 2
+    orphan = int((tmp_path / "orphan").read_text())
+    for _ in range(600):        # SIGKILL is delivered, not awaited
+        if _gone(orphan):
+            break
+        time.sleep(0.1)
+    assert _gone(orphan)

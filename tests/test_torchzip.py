@@ -132,3 +132,33 @@ def test_empty_truncated_and_garbage_files(tmp_path):
     (tmp_path / "junk.pt").write_bytes(np.arange(100, dtype=np.uint8).tobytes())
     with pytest.raises(CheckpointError, match="not a torch.save"):
         torchsave_read.load(tmp_path / "junk.pt")
+
+
+@pytest.mark.parametrize("tensors", [1, 300])
+def test_zip_directory_reads_what_zipfile_reads_of_torch_saves(tmp_path, tensors):
+    """The short path through a torch.save archive's directory (reshard.formats.zip_directory) names every member
+    at the offset, size and CRC zipfile gives; archives it does not read (a comment, a damaged end record) go to
+    zipfile, with the same result or the same one-line refusal."""
+    import io
+    import zipfile
+
+    from reshard.formats import zip_directory
+    path = tmp_path / "t.pt"
+    torch.save({f"t{i}": torch.randn(3) for i in range(tensors)}, path)
+    data = path.read_bytes()
+    found = zip_directory.members(lambda n: data[-n:], len(data))
+    expected = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    assert [(m.filename, m.header_offset, m.file_size, m.CRC) for m in found] == \
+        [(i.filename, i.header_offset, i.file_size, i.CRC) for i in expected]
+    assert tensors == 1 or sum(46 + len(m.filename) for m in found) > 4096   # a directory beyond the first read
+
+    # controls: a comment (torch.save writes none) or a damaged end record is not read here, zipfile decides
+    commented = data[:-2] + (4).to_bytes(2, "little") + b"note"
+    assert zip_directory.members(lambda n: commented[-n:], len(commented)) is None
+    damaged = data[:-22] + b"PK\x05\x07" + data[-18:]
+    assert zip_directory.members(lambda n: damaged[-n:], len(damaged)) is None
+    (tmp_path / "commented.pt").write_bytes(commented)
+    assert torchsave_read.load(tmp_path / "commented.pt")["t0"].shape == (3,)
+    (tmp_path / "damaged.pt").write_bytes(damaged)
+    with pytest.raises(CheckpointError, match="damaged.pt: .*zip"):
+        torchsave_read.load(tmp_path / "damaged.pt")

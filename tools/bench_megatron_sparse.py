@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+import zlib
 
 from reshard.core.catalog import MASTER, MODULE, CatalogBuilder, ParamInfo, TensorDraft, TrainingState
 from reshard.core.layout import Layout
@@ -112,8 +113,9 @@ def source(root: str, layers: int):
     return catalog.freeze()
 
 
-def write_sparse_distcp(path: str, file) -> int:
-    """A `.distcp` file as reshard's writer lays it out: its objects written, each chunk's bytes a hole."""
+def write_sparse_distcp(path: str, file, dense: bool = False) -> int:
+    """A `.distcp` file as reshard's writer lays it out: its objects written, each chunk's bytes a hole (`dense`:
+    random bytes, as a real save's are on disk)."""
     sink = HoleSink(path)
     nbytes = {s.key: s.nbytes for s in file.slots}
     try:
@@ -123,14 +125,34 @@ def write_sparse_distcp(path: str, file) -> int:
                 continue
             archive = Archive(fixed, nbytes[item.key])
             sink.write(archive.head())
-            sink.skip(nbytes[item.key])
-            sink.write(archive.tail(crc32_of_zeros(nbytes[item.key])))
+            if dense:
+                crc = 0
+                for block in random_blocks(nbytes[item.key]):
+                    sink.write(block)
+                    crc = zlib.crc32(block, crc)
+            else:
+                sink.skip(nbytes[item.key])
+                crc = crc32_of_zeros(nbytes[item.key])
+            sink.write(archive.tail(crc))
         return sink.tell()
     finally:
         sink.close()
 
 
-def make(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple[int, int]:
+_RANDOM = os.urandom(1 << 24)
+
+
+def random_blocks(n: int):
+    """n bytes of incompressible data, in blocks of at most 16 MiB (windows of one random buffer)."""
+    at = 0
+    while at < n:
+        size = min(n - at, len(_RANDOM) - 4096)
+        start = (at // 4096 * 7919) % 4096
+        yield _RANDOM[start:start + size]
+        at += size
+
+
+def make(dst: str, tp: int, pp: int, dp: int, layers: int, dense: bool = False) -> tuple[int, int]:
     """Write the save under dst; (files, apparent bytes)."""
     with tempfile.TemporaryDirectory() as stub:
         catalog = source(stub, layers)
@@ -146,7 +168,7 @@ def make(dst: str, tp: int, pp: int, dp: int, layers: int) -> tuple[int, int]:
                 f.write(data)
             apparent += len(data)
         elif hasattr(item, "items"):        # a .distcp file
-            apparent += write_sparse_distcp(path, item)
+            apparent += write_sparse_distcp(path, item, dense)
         elif isinstance(item, TensorFile):  # common.pt
             apparent += write_sparse_torch_file(path, item.header(), item.slots, item.pieces,
                                                 item.container().archive)
@@ -161,11 +183,17 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--layers", type=int, default=80)
+    parser.add_argument("--dims", help="VOCAB,HIDDEN,FFN,HEADS,GROUPS: another model of the same shape (head size 128)")
+    parser.add_argument("--dense", action="store_true", help="random tensor bytes, not holes (a save to copy and "
+                        "convert against the disk's speed; size it with --dims and --layers)")
     args = parser.parse_args()
+    if args.dims:
+        global VOCAB, HIDDEN, FFN, HEADS, GROUPS
+        VOCAB, HIDDEN, FFN, HEADS, GROUPS = (int(v) for v in args.dims.split(","))
     start = time.perf_counter()
-    files, apparent = make(args.dir, args.tp, args.pp, args.dp, args.layers)
-    print(f"{args.dir}: {files} files, {apparent / 1e12:.2f} TB apparent (tp={args.tp}, pp={args.pp}, dp={args.dp}, "
-          f"{args.layers} layers) in {time.perf_counter() - start:.0f} s")
+    files, apparent = make(args.dir, args.tp, args.pp, args.dp, args.layers, args.dense)
+    print(f"{args.dir}: {files} files, {apparent / 1e9:.2f} GB {'' if args.dense else 'apparent '}(tp={args.tp}, "
+          f"pp={args.pp}, dp={args.dp}, {args.layers} layers) in {time.perf_counter() - start:.0f} s")
     return 0
 
 

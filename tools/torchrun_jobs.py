@@ -44,8 +44,8 @@ def launch(world: int, args, env: dict, timeout: float = 1800, log=None, cwd=Non
         if forked:
             import forked_ranks
             return forked_ranks.launch(world, args, env, port, timeout=timeout, cwd=cwd)
-        return subprocess.run([torchrun, "--nproc_per_node", str(world), "--master_port", str(port), *map(str, args)],
-                              capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+        return _run_alone([torchrun, "--nproc_per_node", str(world), "--master_port", str(port), *map(str, args)],
+                          env, timeout, cwd)
 
     port = free_port()
     proc = run(port)
@@ -54,6 +54,55 @@ def launch(world: int, args, env: dict, timeout: float = 1800, log=None, cwd=Non
                        "once more on another")
         proc = run(free_port())
     return proc
+
+
+def _run_alone(command: list, env: dict, timeout: float, cwd) -> subprocess.CompletedProcess:
+    """`command` in a session of its own, its output through files: done when it exits, even where a process it
+    started outlives it holding its output open (torch_dist's writer helpers, orphaned when a rank fails, kept
+    a pipe open until the timeout); then whatever is left is killed: its session's group, and every process
+    still holding its output (torchrun's workers run in sessions of their own)."""
+    import signal
+    import tempfile
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env, cwd=cwd, start_new_session=True)
+        code = None
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:    # (a Ctrl-C too: the session does not get the terminal's signals)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)     # the session's group: the launcher and anything it left
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            for pid in _holding(out) | _holding(err):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if code is None:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+
+def _holding(file) -> set[int]:
+    """The other processes with `file` open (Linux's /proc; none found elsewhere)."""
+    mine = os.fstat(file.fileno())
+    found = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino) and int(pid) != os.getpid():
+                    found.add(int(pid))
+                    break
+        except OSError:     # (gone, or not ours to look into)
+            continue
+    return found
 
 
 def _port_taken(stderr: str) -> bool:

@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the consumer names and cuts the weights: an export-names rule file, a path or the name "
                         f"of one shipped with reshard ({rule_files.names(rule_files.EXPORT_NAMES)}; mixtral-autoep-hf: "
                         "AutoEP's packed experts as Hugging Face's one tensor per expert)")
+    p.add_argument("--config", metavar="FILE",
+                   help="the model's config.json (Hugging Face's) for a checkpoint that holds none (torchtitan's: the "
+                        "one in the run's hf_assets_path): written beside the weights, its values answering the "
+                        "--names rules' counts by name (head_dim)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--resume", action="store_true",

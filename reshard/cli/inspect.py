@@ -67,6 +67,11 @@ def print_inspect(info: Inspection) -> None:
         for f in framework["files"]:
             rank = "" if f["rank"] is None else f" (process {f['rank']})"
             print(f"    {f['path']:<32} {human_bytes(f['bytes']):>10}  {f['what']}{rank}")
+    if info.entries:
+        print(f"  {framework['name'] if framework else 'framework'} state  {len(info.entries)} "
+              f"entr{'y' if len(info.entries) == 1 else 'ies'} in the checkpoint, carried by a conversion")
+        for e in info.entries:
+            print(f"    {e['key']:<32} {e['value']!s:>10}  {e['what']}")
     if info.problems:
         print(f"  problems      {info.problems} (run `reshard validate`)")
     for row in info.parameter_table or []:

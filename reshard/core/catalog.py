@@ -231,6 +231,11 @@ class TrainingFramework(Protocol):
     def model_files(self) -> tuple[str, ...]:
         """Paths an export copies beside the weights (a frozen dataclass field in the framework's own type)."""
 
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """Its own non-tensor state where the backend keeps it, for a writer of another backend to carry (None:
+        none kept)."""
+
     def missing(self) -> list[Problem]:
         """Its own files missing, a problem each."""
 
@@ -282,6 +287,11 @@ class Catalog:
                 if fragment.storage.dtype != tensor.stored_dtype:
                     raise CheckpointError(fragment.storage.file, f"{tensor.name} ({tensor.state}): a storage of "
                                           f"{fragment.storage.dtype} holds part of a {tensor.stored_dtype} tensor")
+
+    def tensor_order(self) -> list[str]:
+        """The state_dict keys in order that name a param or an alias of one: `order` less the entries that hold
+        no tensor (a module's empty extra state, megatron-core's `_extra_state: None`), which no writer places."""
+        return [name for name in self.order if self.aliases.get(name, name) in self.params]
 
     def tensor(self, name: str, state: str) -> LogicalTensor:
         try:

@@ -76,6 +76,14 @@ class Locator:
         for frag in tensor.fragments:
             by_shard.setdefault(frag.shard or whole, []).append(frag)
         self.groups = {shard: _Group(shard, frags) for shard, frags in by_shard.items()}
+        # the groups by where their blocks start and end along the first axis: a request meets only the few
+        # shards beside it (a layer-stacked Megatron tensor has a shard per layer and tensor-parallel rank)
+        spans = sorted(((min((b.at[0] for b in g.shard.blocks), default=0),
+                         max((b.at[0] + b.shape[0] for b in g.shard.blocks), default=0), i, g)
+                        for i, g in enumerate(self.groups.values())), key=lambda s: s[:3]) if tensor.shape else []
+        self._firsts = [s[0] for s in spans]
+        self._spans = [(s[1], s[3]) for s in spans]
+        self._longest = max((s[1] - s[0] for s in spans), default=0)
 
     def holds_as(self, shard: Shard | None) -> bool:
         """Is `shard` (None: the whole tensor) one of the source's own shards, so that `runs` answers?"""
@@ -91,12 +99,24 @@ class Locator:
             out.append(Run(lo - start, hi - lo, frag, frag.elem_offset + lo - frag.start))
         return out
 
+    def _beside(self, at: Index, shape: Index) -> Iterator[_Group]:
+        """The groups whose blocks may meet the box (at, shape): all but those apart from it along axis 0."""
+        if not at:
+            yield from self.groups.values()
+            return
+        lo, hi = at[0], at[0] + shape[0]
+        first = bisect.bisect_left(self._firsts, lo - self._longest)
+        for i in range(first, bisect.bisect_left(self._firsts, hi)):
+            stop, group = self._spans[i]
+            if stop > lo:
+                yield group
+
     def boxes(self, shard: Shard | None, start: int, stop: int) -> list[BoxHit]:
         """The boxes of [start, stop) of `shard` (None: the whole tensor) found in the fragments, as BoxHits."""
         shard = shard or Shard.whole(self.tensor.shape)
         out: list[BoxHit] = []
         for want in regions(shard, start, stop):
-            for group in self.groups.values():
+            for group in self._beside(want.at, want.shape):
                 extent = local_extent(group.shard, want.at, want.shape)
                 if extent is None:
                     continue

@@ -16,7 +16,7 @@ from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
 from reshard.formats.deepspeed import files as ds_files, topology as ds_topology
-from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY  # noqa: F401  (for cli, convert)
+from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY, lightning as lightning_framework  # noqa: F401  (for cli, convert)
 from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
 from reshard.storage import files as fs
@@ -25,6 +25,7 @@ from reshard.storage import files as fs
 READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iteration.txt, iter_NNNNNNN/ (torch_dist)
            "reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
            "reshard.formats.deepspeed.reader",
+           "reshard.formats.dcp.lightning_reader",       # .metadata + meta.pt (Lightning's FSDPStrategy, sharded)
            "reshard.formats.dcp.reader",                 # .metadata + *.distcp
            "reshard.formats.dcp.fsdp_reader",            # pytorch_model_fsdp_0/ + optimizer_0/ (Accelerate's FSDP)
            "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
@@ -48,7 +49,9 @@ WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topol
             "megatron": WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
             # the folder a framework (HF Trainer, Accelerate) resumes from with FSDP's sharded state dict, its own
             # files carried beside it as for DeepSpeed
-            "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY)}
+            "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY),
+            # torchtitan's step-N folder (its CheckpointManager's flat keys), its own entries carried
+            "torchtitan": WriterEntry("reshard.formats.dcp.torchtitan_writer", MESH_ONLY)}
 
 
 def read(path: str, tag: str | None = None, layout_rules: str | None = None):
@@ -77,6 +80,9 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     frame = catalog.framework
     if frame is None:
         return ()
+    if _resumed_by_frameworks(format_name) and lightning_framework.crosses(frame, format_name):
+        return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name}'s state it holds is "
+                                           f"written into the {format_name} output's own files") for f in frame.files)
     if not _resumed_by_frameworks(format_name):
         return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
                                            f"save, not from {format_name}") for f in frame.files)
@@ -87,9 +93,10 @@ def with_framework(catalog, format_name: str, world: int, policy: str, targets: 
     """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
     whole folder the framework writes at `world` processes."""
     frame = catalog.framework
-    if frame is None or not _resumed_by_frameworks(format_name):
+    if frame is None or not _resumed_by_frameworks(format_name) or lightning_framework.crosses(frame, format_name):
         return targets
     return targets + frame.target_files(world, policy)
+
 
 
 def _resumed_by_frameworks(format_name: str) -> bool:
@@ -98,7 +105,11 @@ def _resumed_by_frameworks(format_name: str) -> bool:
 
 def default_tag(catalog) -> str:
     """The output's tag for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name DeepSpeed's
-    own save gives its step."""
+    own save gives its step, or the one the framework around it gives DeepSpeed (Accelerate's pytorch_model), which
+    its resume asks for."""
+    frame = framework.framework_of(catalog)
+    if frame is not None and frame.deepspeed_tag:
+        return frame.deepspeed_tag
     step = catalog.training.global_steps
     return ds_files.step_tag(catalog.contents().step if step is None else step)
 
@@ -122,7 +133,7 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
                                 "DeepSpeed ZeRO, universal and "
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
                                 "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process), "
-                                "safetensors)")
+                                "Accelerate save_state folders (DeepSpeed, FSDP), safetensors)")
 
 
 def reader_options(reader: Reader, path: str, request: ReadRequest):

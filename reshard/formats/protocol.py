@@ -114,12 +114,18 @@ class Writer(Protocol):
     PLACES_EXPERTS: bool   # writes a mixture-of-experts catalog with its expert placement (else it is refused)
     # A training framework (formats.framework) resumes from its files: the framework's own files go with them
     RESUMED_BY_FRAMEWORKS: bool
+    # It saves params under names of its own, which a module-names rule file (reshard.module_names) maps to a
+    # module's: a source under the module's names is written under its own by those rules undone
+    SAVES_OWN_NAMES: bool
 
     def target_files(self, catalog: Catalog, target: Layout, tag: str,
                      source_save_dir: str | None = None) -> list:
         """Every file of `catalog` written at `target` (reshard.core.write_requests: TensorFile, TextFile, CopiedFile),
         named relative to the output directory; `tag` names the output's tag, `source_save_dir` is where
         files copied as they are (scripts) come from (None: none)."""
+
+    def output_tag(self, catalog: Catalog, tag: str) -> str:
+        """The tag the output is written under when none is asked for, given the source's (or the default one)."""
 
     def describe(self, target: Layout, tag: str) -> Output:
         """What the output is, in the format's own terms."""

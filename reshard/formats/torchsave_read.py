@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError, UnsafeCheckpointError
-from reshard.formats import standins
+from reshard.formats import standins, zip_directory
 from reshard.storage import files as fs
 
 
@@ -212,20 +212,16 @@ def load(path: str, span: tuple | None = None, allowed: dict | None = None) -> o
             # a plan) is a few KiB per file, and the kernel would read up to read_ahead_kb (8 MiB) of each
             if hasattr(os, "posix_fadvise") and not fs.is_url(path):     # (not on macOS; no pages of an object)
                 os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-            f = raw if span is None else _Span(raw, base, size)
-            head = f.read(64)
-            if not zipfile.is_zipfile(f):
-                raise CheckpointError(path, _not_zip_reason(head, size))
-            f.seek(0)
-            with zipfile.ZipFile(f) as zf:
-                infos = zf.infolist()
-                pkl = [i for i in infos if i.filename.endswith("data.pkl")
-                       and i.filename.count("/") == 1]
-                if len(pkl) != 1:
-                    raise CheckpointError(path, "zip archive is not a torch.save file (no data.pkl)")
-                prefix = pkl[0].filename[: -len("data.pkl")]
-                storages = _locate_storages(f, path, size, prefix, infos, base)
-                data = _checked_read(f, zf, pkl[0], path, size)
+            f = _Span(raw, base, size)
+            infos = zip_directory.members(f.tail, size)
+            if infos is None or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+                infos = _zipfile_members(f, path, size)
+            pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
+            if len(pkl) != 1:
+                raise CheckpointError(path, "zip archive is not a torch.save file (no data.pkl)")
+            prefix = pkl[0].filename[: -len("data.pkl")]
+            storages = _locate_storages(f, path, size, prefix, infos, base)
+            data = _checked_read(f, pkl[0], path, size)
     except CheckpointError:
         raise
     except Exception as e:  # zipfile fails in many ways on damaged archives; all mean the same here
@@ -240,11 +236,27 @@ def load(path: str, span: tuple | None = None, allowed: dict | None = None) -> o
 
 
 class _Span(io.RawIOBase):
-    """Bytes [base, base + size) of an open file, seen as a whole file (for zipfile)."""
+    """Bytes [base, base + size) of an open file, seen as a whole file (for zipfile), its head and tail read once.
+
+    A torch.save archive's local headers and `data.pkl` lie in its first few KiB, its directory in its last:
+    reading them once each, up front, is two reads of the file per archive, where the many small seeks and reads
+    cost most of the time (a DCP `.metadata` of a large Megatron save names ~18,000 such archives)."""
+
+    _EDGE = 4096
 
     def __init__(self, raw, base: int, size: int):
         super().__init__()
         self._raw, self._base, self._size, self._pos = raw, base, size, 0
+        raw.seek(base)
+        self._edges = [(0, raw.read(min(size, self._EDGE)))]
+
+    def tail(self, n: int) -> bytes:
+        """The last `n` bytes, kept for later reads."""
+        start = max(0, self._size - n)
+        self._raw.seek(self._base + start)
+        data = self._raw.read(self._size - start)
+        self._edges.append((start, data))
+        return data
 
     def readable(self) -> bool:
         return True
@@ -261,6 +273,10 @@ class _Span(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         n = self._size - self._pos if n is None or n < 0 else min(n, max(0, self._size - self._pos))
+        for start, data in self._edges:
+            if start <= self._pos and self._pos + n <= start + len(data):
+                self._pos += n
+                return data[self._pos - n - start:self._pos - start]
         self._raw.seek(self._base + self._pos)
         data = self._raw.read(n)
         self._pos += len(data)
@@ -272,11 +288,33 @@ class _Span(io.RawIOBase):
         return len(data)
 
 
-def _checked_read(f, zf, info, path: str, size: int) -> bytes:
+def _zipfile_members(f, path: str, size: int) -> list:
+    """The members of an archive zip_directory does not read (a comment, a compressed member): zipfile's reading,
+    a compressed `data.pkl` (which torch.save never writes) read whole into a stored stand-in."""
+    f.seek(0)
+    head = f.read(64)
+    if not zipfile.is_zipfile(f):
+        raise CheckpointError(path, _not_zip_reason(head, size))
+    f.seek(0)
+    with zipfile.ZipFile(f) as zf:
+        infos = zf.infolist()
+        return [_Inflated(i.filename, zf.read(i)) if i.filename.endswith("data.pkl") and
+                i.compress_type != zipfile.ZIP_STORED else i for i in infos]
+
+
+@dataclass(frozen=True)
+class _Inflated:
+    """A compressed member, read (and CRC-checked) by zipfile."""
+    filename: str
+    data: bytes
+    compress_type: int = zipfile.ZIP_STORED
+
+
+def _checked_read(f, info, path: str, size: int) -> bytes:
     """A whole member, its CRC-32 checked and named in the message (zipfile's own check names neither the file
     nor the values; it still checks a compressed member, which torch.save never writes)."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        return zf.read(info)
+    if isinstance(info, _Inflated):
+        return info.data
     f.seek(_data_offset(f, path, size, info, info.filename))
     data = f.read(info.file_size)
     read = zlib.crc32(data)

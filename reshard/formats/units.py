@@ -11,7 +11,7 @@ would be counted, judged and deleted apart from the rest. So a folder is recogni
   `optimizer.bin`), or DDP / one process (`model.safetensors` or `pytorch_model.bin`, `optimizer.pt`: read);
 - Accelerate: save_state's `checkpoint_N/` (`random_states_K.pkl`) with DeepSpeed (read), FSDP, or neither
   (`model.safetensors`, `optimizer.bin`, `scheduler.bin`);
-- Lightning: `*.ckpt` files (read) and `*.ckpt/` folders with DeepSpeed (read) or FSDP (DCP + `meta.pt`);
+- Lightning: `*.ckpt` files (read) and `*.ckpt/` folders with DeepSpeed (read) or FSDP (DCP + `meta.pt`: read);
 - Megatron-LM: `iter_NNNNNNN/`, torch_dist (DCP + `metadata.json`) or the legacy torch format (`mp_rank_*/`);
 - torchtitan `step-N/` and any other DCP folder (`.metadata`, `*.distcp`), DeepSpeed tag folders of a save dir
   (`latest`), universal trees: read by the format registry.
@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files
+from reshard.formats.framework import lightning
 from reshard.formats.single import hf_weights
 from reshard.formats.single.hf_trainer import OPTIMIZER, RNG, SCHEDULER, TRAINER_STATE
 from reshard.storage import files as fs
@@ -179,6 +180,8 @@ def _accelerate(listing: Listing, folder: str) -> Unit:
 def _lightning(listing: Listing) -> Unit:
     if ds_files.LATEST in listing.files:
         return Unit("Lightning", READ, backend="with DeepSpeed")
+    if METADATA in listing.files and lightning.FSDP_META in listing.files:
+        return Unit("Lightning", READ, backend="with FSDP (sharded)")
     if METADATA in listing.files or any(RANK_FILE.search(n) for n in listing.files):
         return _opaque("Lightning", "with FSDP (sharded)", "reading FSDP checkpoints whole is a later issue")
     return unknown("Lightning", "a .ckpt folder of neither DeepSpeed's nor FSDP's files")

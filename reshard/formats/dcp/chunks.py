@@ -39,8 +39,11 @@ class Chunks:
         self.by_fqn: dict[str, list[tuple[Any, Any]]] = {}
         self._escapes: dict[str, str] = {}      # relative path -> why it escapes the checkpoint ("" if it does not)
         self.sizes: dict[str, int | None] = {}
+        self._at: dict[tuple[str, tuple], Any] = {}     # (fqn, chunk offsets) -> its storage (the first named)
         for index, info in meta.storage_data.items():
-            self.by_fqn.setdefault(index.fqn, []).append((getattr(index, "offset", None), info))
+            offset = getattr(index, "offset", None)
+            self.by_fqn.setdefault(index.fqn, []).append((offset, info))
+            self._at.setdefault((index.fqn, tuple(offset or ())), info)
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(self.meta_of(index.fqn), f"{index.fqn}: transformed (e.g. compressed) chunks "
                                       f"({info.transform_descriptors}) are not supported")
@@ -83,10 +86,11 @@ class Chunks:
         return self._located(key)[0]
 
     def _located(self, key: str, offset=None):
-        for saved_offset, info in self.by_fqn.get(key, ()):
-            if offset is None or tuple(saved_offset or ()) == tuple(offset):
-                return self._path(info), info
-        return None, None
+        if offset is None:
+            info = next(iter(self.by_fqn.get(key, ())), (None, None))[1]
+        else:
+            info = self._at.get((key, tuple(offset)))
+        return (None, None) if info is None else (self._path(info), info)
 
     def _span_problem(self, key, path, info) -> str | None:
         """What is wrong with the byte range of an item, if anything."""

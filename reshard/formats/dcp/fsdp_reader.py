@@ -1,9 +1,9 @@
 """A framework's folder saved by Accelerate's FSDP with SHARDED_STATE_DICT (HF Trainer's checkpoint-N/, Accelerate's
 save_state dir) -> one Catalog: the model's DCP folder and the optimizer's (framework/fsdp.py) read as one DCP
-checkpoint, each item where its own `.metadata` puts it, with the Trainer's step and LR scheduler where it saved
-them. The optimizer's keys (`optimizer.state.<fqn>.<state>`) meet the model's (`model.<fqn>`) through
-planner_data's paths, the parameter's FQN in both. The framework's own files (trainer state, scheduler,
-per-process RNG) are the registry's (formats.framework.detect).
+checkpoint, each item where its own `.metadata` puts it, with the Trainer's step and the LR scheduler (the Trainer's
+or Accelerate's) where it saved them. The optimizer's keys (`optimizer.state.<fqn>.<state>`) meet the model's
+(`model.<fqn>`) through planner_data's paths, the parameter's FQN in both. The framework's own files (trainer state,
+scheduler, per-process RNG) are the registry's (formats.framework.detect).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
 from reshard.formats.dcp import metadata as md, reader as dcp_reader
 from reshard.formats.dcp.chunks import METADATA, Chunks, joined
+from reshard.formats.framework import accelerate
 from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR, is_sharded
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single.hf_trainer import SCHEDULER, global_step, read_trainer_state
@@ -45,13 +46,16 @@ def read(path: str, options: NoOptions) -> Catalog:
 
 
 def _trainer_counters(root: str) -> dict:
-    """The HF Trainer's global step (trainer_state.json) and LR scheduler (scheduler.pt, through the restricted
-    unpickler), where the folder has them: what `diff` and a conversion's plan compare."""
+    """The HF Trainer's global step (trainer_state.json) and the LR scheduler (the Trainer's scheduler.pt,
+    Accelerate's scheduler.bin, through the restricted unpickler), where the folder has them: what `diff` and a
+    conversion's plan compare. (Accelerate's step is in its pickled random_states_K.pkl, never unpickled.)"""
     out: dict = {}
     step = global_step(read_trainer_state(root))
     if step is not None:
         out["global_steps"] = step
-    scheduler = os.path.join(root, SCHEDULER)
-    if fs.isfile(scheduler):
-        out["lr_scheduler"] = torchsave_read.load(scheduler)
+    for name in (SCHEDULER, accelerate.SCHEDULER):
+        scheduler = os.path.join(root, name)
+        if fs.isfile(scheduler):
+            out["lr_scheduler"] = torchsave_read.load(scheduler)
+            break
     return out

@@ -6,6 +6,11 @@ DCP folder cut along dim 0 over the target's dp ranks (dcp/writer.py). The frame
 scheduler, per-process RNG) are the registry's to add (formats.with_framework): this writer is RESUMED_BY_FRAMEWORKS.
 What reshard's DCP output carries beyond the two state dicts (`reshard.*` counters) is left out: the Trainer keeps
 its counters in trainer_state.json.
+
+Where the framework around the source is Lightning, the output is FSDPStrategy's sharded folder instead
+(framework/lightning.py): one DCP folder of `model.<fqn>` and `optimizer_0.*` (planner paths ("model", fqn) and
+("optimizer_0", ...)), which `trainer.fit(ckpt_path=)` loads with FSDPStrategy(state_dict_type="sharded"); its
+meta.pt is the framework's file, carried as the registry says.
 """
 from __future__ import annotations
 
@@ -15,30 +20,54 @@ from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output
 from reshard.formats.dcp import keys, writer as dcp_writer
+from reshard.formats.framework import framework_of, lightning
 from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR
+from reshard.formats.torchsave_write import TorchFile
 
 MODEL, OPTIMIZER = "model", "optimizer"      # accelerate's save_fsdp_model / save_fsdp_optimizer top-level keys
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = True
+SAVES_OWN_NAMES = False
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     dcp_writer.check_target(target)
+    frame = framework_of(catalog)
+    if frame is not None and frame.name == lightning.NAME:
+        model, optim, values = _entries(catalog, lightning.FSDP_MODEL, lightning.FSDP_OPTIMIZER)
+        files = dcp_writer.folder_files(catalog, target.dp, tag, "", model + optim, values)
+        if lightning.crosses(frame, "fsdp") and frame.state:
+            # from DeepSpeedStrategy: its client state is the dict FSDPStrategy saves as meta.pt (rank 0's)
+            meta = TorchFile(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt"))
+            meta.tree = dict(frame.state)
+            files.append(meta)
+        return files
+    model, optim, values = _entries(catalog, MODEL, OPTIMIZER)
+    return [*dcp_writer.folder_files(catalog, target.dp, tag, MODEL_DIR, model, []),
+            *dcp_writer.folder_files(catalog, target.dp, tag, OPTIM_DIR, optim, values)]
+
+
+def _entries(catalog: Catalog, model_key: str, optim_key: str) -> tuple[list, list, list]:
+    """The model's and the optimizer's tensor entries (with their planner paths) and the optimizer's values, under
+    the framework's top-level keys."""
     model, optim = [], []
     for entry in keys.tensor_entries(catalog):
         if entry.key.startswith(f"{keys.MODEL}."):
-            model.append((replace(entry, key=f"{MODEL}.{entry.name}"), (MODEL, entry.name)))
+            model.append((replace(entry, key=f"{model_key}.{entry.name}"), (model_key, entry.name)))
             continue
         state = entry.key[len(f"{keys.OPTIM}.state.{entry.name}."):]      # the name is the entry's, not split out
-        optim.append((replace(entry, key=f"{OPTIMIZER}.state.{entry.name}.{state}"),
-                      (OPTIMIZER, "state", entry.name, state)))
+        optim.append((replace(entry, key=f"{optim_key}.state.{entry.name}.{state}"),
+                      (optim_key, "state", entry.name, state)))
     values = []
     for value in keys.value_entries(catalog):
         if value.path[0] == keys.OPTIM:
-            path = (OPTIMIZER, *value.path[1:])
+            path = (optim_key, *value.path[1:])
             values.append(replace(value, key=".".join(str(p) for p in path), path=path))
-    return [*dcp_writer.folder_files(catalog, target.dp, tag, MODEL_DIR, model, []),
-            *dcp_writer.folder_files(catalog, target.dp, tag, OPTIM_DIR, optim, values)]
+    return model, optim, values
+
+
+def output_tag(catalog, tag: str) -> str:
+    return tag
 
 
 def describe(target: Layout, tag: str) -> Output:

@@ -37,7 +37,7 @@ class ValueEntry:
 
 def tensor_entries(catalog: Catalog):
     """Every tensor entry, in get_state_dict's order."""
-    for name in catalog.order:
+    for name in catalog.tensor_order():
         holder = catalog.aliases.get(name, name)
         info = catalog.params[holder]
         source = (holder, MASTER) if info.kind == "trainable" and (holder, MASTER) in catalog.tensors \

@@ -11,6 +11,8 @@ holds (a dim-0 shard is a single run). Keys follow `get_state_dict` + `dcp.save`
   optim.param_groups.<g>.<hyper|params> -> param_groups  (default get_state_dict)
   optim.param_groups.<fqn>.<hyper>      -> param_groups  (flatten_optimizer_state_dict=True)
   reshard.<optimizer|counter>           -> catalog.training (what reshard's DCP writer carries)
+  lr_scheduler.*, dataloader.*, train_state.* in a torchtitan folder (torchtitan.py) -> DcpNotes.own, carried by
+                                          the torchtitan writer; train_state.step is the global step
   any other key                         -> DcpNotes.other_keys (carried by no writer yet)
 
 DCP does not record which model entries are buffers, frozen params or tied names. An entry the
@@ -30,13 +32,14 @@ from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, ParamI
 from reshard.core.dtypes import is_floating
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
-from reshard.formats.dcp import metadata as md
+from reshard.formats.dcp import metadata as md, torchtitan
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
+from reshard.formats.framework.files import Framework
 from reshard.formats.protocol import NoOptions
 from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.storage import files as fs
 
-OPTIM_PREFIXES = ("optim.", "optimizer.")
+OPTIM_PREFIXES = ("optim.", "optimizer.", "optimizer_0.")     # get_state_dict, Accelerate, Lightning
 FORMAT = "dcp"
 OPTIONS = NoOptions       # one directory is one checkpoint: no tag
 IN_FRAMEWORK_FOLDERS = False
@@ -44,14 +47,19 @@ IN_FRAMEWORK_FOLDERS = False
 
 @dataclass(frozen=True)
 class DcpNotes:
-    """What a DCP directory holds that no writer carries: the keys neither model nor optimizer."""
+    """What a DCP directory holds beside model and optimizer: the keys no writer carries, and a torchtitan
+    folder's own entries (torchtitan.OwnEntry), which its writer carries."""
     other_keys: tuple = ()
+    own: tuple = ()
 
     def param_details(self, name: str) -> dict:
         return {}
 
     def scalars(self) -> dict:
-        return {}       # other_keys are names: their values are not read
+        return {e.key: e.value for e in self.own}       # other_keys are names: their values are not read
+
+    def own_entries(self) -> list[dict]:
+        return [e.to_dict() for e in self.own]
 
     def layout_scalar(self, key: str, value) -> bool:
         return False
@@ -88,11 +96,13 @@ def build(catalog: CatalogBuilder, meta, chunks: Chunks) -> Catalog:
             optim[key] = entry
         else:
             model[key] = entry
+    titan = torchtitan.is_torchtitan(meta.state_dict_metadata)
+    own = _own(values, planner, chunks) if titan else ()
     model_names = _model_names(model, planner)
     carried = _carried(values, chunks)
     other = [k for k in meta.state_dict_metadata if k not in model_names and k not in optim
              and not k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))
-             and k not in {f"{CARRIED_PREFIX}.{c}" for c in carried}]
+             and k not in {f"{CARRIED_PREFIX}.{c}" for c in carried} and not (titan and torchtitan.owns(k))]
     model = {k: v for k, v in model.items() if k in model_names}
     groups = _param_groups(planner, values, chunks)
     group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
@@ -135,9 +145,29 @@ def build(catalog: CatalogBuilder, meta, chunks: Chunks) -> Catalog:
         else:
             chunks.tensor(key, entry, fqn, state)
     catalog.files = chunks.files()
+    if titan:
+        step = next((e.value for e in own if e.key == torchtitan.STEP), None)
+        if isinstance(step, int) and not isinstance(step, bool):
+            carried = {**carried, "global_steps": step}
+        catalog.framework = Framework(torchtitan.NAME, catalog.root, (), (), world=world, backend=torchtitan.BACKEND)
     _finish(catalog, world, carried)
-    catalog.notes = DcpNotes(tuple(other))
+    catalog.notes = DcpNotes(tuple(other), own)
     return catalog.freeze()
+
+
+def _own(values: dict, planner: dict, chunks) -> tuple:
+    """A torchtitan folder's own entries (torchtitan.OwnEntry), in the order saved."""
+    out = []
+    for key in values:
+        if not torchtitan.owns(key):
+            continue
+        blob, value = chunks.blob(key), chunks.value(key)
+        if blob is MISSING or value is MISSING:
+            continue
+        path = planner.get(key)
+        out.append(torchtitan.OwnEntry(key, tuple(path) if isinstance(path, (tuple, list)) else tuple(key.split(".")),
+                                       blob, value))
+    return tuple(out)
 
 
 def _ties(model: dict, names: dict, group_of: dict, chunks) -> dict:

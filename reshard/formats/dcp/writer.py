@@ -73,6 +73,7 @@ def file_name(rank: int) -> str:
 
 PLACES_EXPERTS = False     # experts go in as one model's params only: convert --names (reshard.module_names)
 RESUMED_BY_FRAMEWORKS = False
+SAVES_OWN_NAMES = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     check_target(target)
@@ -85,9 +86,11 @@ def check_target(target: Layout) -> None:
         raise ReshardError(f"target {target.topology()}: DCP output is written for data-parallel ranks only")
 
 
-def folder_files(catalog: Catalog, dp: int, tag: str, folder: str, tensors: list, values: list) -> list:
+def folder_files(catalog: Catalog, dp: int, tag: str, folder: str, tensors: list, values: list,
+                 blobs: tuple | list = ()) -> list:
     """The files of one DCP folder (`folder` under the output; "": the output itself) at `dp` ranks holding
-    `tensors` ([(keys.TensorEntry, its planner_data path)]) and `values` (keys.ValueEntry), under their keys."""
+    `tensors` ([(keys.TensorEntry, its planner_data path)]), `values` (keys.ValueEntry) and `blobs` ([(key, planner
+    path, a value item's bytes as a source saved it)], copied as they are), under their keys."""
     files = [DistcpFile(os.path.join(folder, file_name(r))) for r in range(dp)]
     out = MetadataBuilder()
     # source (name, state) -> its chunks' locations, for a tied name to share
@@ -116,7 +119,14 @@ def folder_files(catalog: Catalog, dp: int, tag: str, folder: str, tensors: list
                                                 "(not supported yet)")
         offset, length = files[0].add_value(entry.value)
         out.value(entry.key, entry.path, file_name(0), offset, length)
+    for key, path, blob in blobs:
+        offset, length = files[0].add_blob(blob)
+        out.value(key, path, file_name(0), offset, length)
     return [f for f in files if f.items] + [TextFile(os.path.join(folder, METADATA), md.dumps(out.build(tag)))]
+
+
+def output_tag(catalog, tag: str) -> str:
+    return tag
 
 
 def describe(target: Layout, tag: str) -> Output:

@@ -92,7 +92,7 @@ def _compose(catalog: Catalog, placed: dict, mp_rank: int = 0) -> RankParams:
         params.append(RankParam(name, tuple(shape), info.kind, info.group,
                                 module.dtype if module is not None else None, shard))
     groups = tuple(tuple(group["params"]) for group in catalog.param_groups)
-    return RankParams(tuple(params), tuple(catalog.order), tuple(catalog.aliases.items()), groups, mp_rank)
+    return RankParams(tuple(params), tuple(catalog.tensor_order()), tuple(catalog.aliases.items()), groups, mp_rank)
 
 
 def _shard_shape(name: str, split, rank: int) -> tuple:

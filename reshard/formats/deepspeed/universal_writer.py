@@ -58,6 +58,7 @@ _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partiti
 # every --to key has a place in a universal tree (ep: in its model states; the zero/ tree serves every ep)
 PLACES_EXPERTS = True      # AutoEP; deepspeed.moe is refused (_check_target)
 RESUMED_BY_FRAMEWORKS = False
+SAVES_OWN_NAMES = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_target(catalog, target)
@@ -73,6 +74,10 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         out = _zero12_flavour(ZeroTarget(catalog, target), rank_params.whole(catalog), tag)
     out.append(TextFile(uc.LATEST_UNIVERSAL, tag))   # ds_to_universal writes the bare tag
     return out
+
+
+def output_tag(catalog, tag: str) -> str:
+    return tag
 
 
 def describe(target: Layout, tag: str) -> Output:

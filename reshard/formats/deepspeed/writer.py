@@ -18,6 +18,7 @@ from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_fi
 
 PLACES_EXPERTS = True     # expert_writer
 RESUMED_BY_FRAMEWORKS = True
+SAVES_OWN_NAMES = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_convertible(catalog, target)
@@ -50,6 +51,10 @@ def _check_convertible(catalog: Catalog, target: Layout) -> None:
         raise ReshardError.at(catalog.root, f"{unsure[0]} (and {len(unsure) - 1} more) is a frozen parameter or a "
                                             "floating-point buffer, the source does not say which, and ZeRO-3 "
                                             "stores the two differently; convert to zero=1 or zero=2")
+
+
+def output_tag(catalog, tag: str) -> str:
+    return tag
 
 
 def describe(target: Layout, tag: str) -> Output:

@@ -96,7 +96,9 @@ class ZeroTarget:
             # global_steps x train_batch_size (engine.py _load_checkpoint), and inspect says unknown, not 0
             del tail["global_samples"]
         tail.update({k: v for k, v in extra.items() if k != "shared_params"})
-        tail.update(state.client_state)
+        # a DeepSpeed source's client state; else what the framework around another backend kept (Lightning's meta.pt)
+        frame = self.catalog.framework
+        tail.update(state.client_state or (frame.state if frame is not None and frame.state else {}))
         return tail
 
 

@@ -36,14 +36,15 @@ def framework_of(catalog: Catalog) -> Framework | None:
 
 def detect(path: str) -> Framework | None:
     """The framework whose folder `path` is, or None (a plain DeepSpeed save dir, any other format). Lightning
-    leaves no files of its own: the DeepSpeed reader finds it in the client state (lightning.py)."""
+    around DeepSpeed leaves no files of its own: the DeepSpeed reader finds it in the client state (lightning.py);
+    around FSDP, its meta.pt beside the DCP files."""
     # imported here, not at the top: they import other formats' modules, which import the catalog, which imports
     # reshard.formats (this package's parent) as it starts
-    from reshard.formats.framework import accelerate, hf_trainer
+    from reshard.formats.framework import accelerate, hf_trainer, lightning
     if not fs.isdir(path):
         return None
     for module in (hf_trainer, accelerate):
         found = module.detect(fs.abspath(path))
         if found is not None:
             return found
-    return None
+    return lightning.detect_folder(fs.abspath(path))

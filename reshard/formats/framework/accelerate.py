@@ -7,6 +7,12 @@ the RNG states and the accelerator's step, and a process without one keeps its s
 scheduler Accelerate steps, not DeepSpeed), custom_checkpoint_I.pkl (objects registered for checkpointing),
 and, when the dataloaders have them, sampler.bin (a seedable sampler: its seed and epoch) and dl_state_dict.bin
 (a stateful dataloader's position, written once, by process 0's dataloader: per process in meaning).
+
+With an FSDP plugin and SHARDED_STATE_DICT (observed, accelerate 1.16, FSDP2, torch 2.13, 2 processes;
+tools/fixture_accelerate_fsdp.py) the same files of Accelerate's stand beside FSDP's pytorch_model_fsdp_0/ and
+optimizer_0/ (framework/fsdp.py) instead of DeepSpeed's `latest` and tag folder; load_state reads each by the
+distributed type of the Accelerator that loads, so a folder of the other kind fails there. (FSDP1 through
+Accelerate does not run on CPU: "Inconsistent compute device and device_id: cpu vs cpu:0"; not observed.)
 """
 from __future__ import annotations
 
@@ -14,10 +20,14 @@ import os
 import re
 
 from reshard.formats.deepspeed import files as deepspeed_files
+from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
 from reshard.storage import files as fs
 
 NAME = "Accelerate"
+SCHEDULER = "scheduler.bin"     # the first LR scheduler's (scheduler_I.bin the I-th's)
+# DeepSpeed's tag under Accelerate: save_state's ckpt_id for the first model (MODEL_NAME), which load_state asks for
+DEEPSPEED_TAG = "pytorch_model"
 RANDOM_STATES = PerRank("RNG states and the accelerator's step", "random_states_{rank}.pkl",
                         fresh="load_state finds none: the process keeps its seed's RNG streams and its "
                               "accelerator's step starts at 0")
@@ -33,13 +43,20 @@ BATCH = ("Accelerate takes them from the DeepSpeed plugin's config and Accelerat
          "its LR scheduler steps once per process each step, so the schedule advances by the world size")
 
 
+FSDP_BATCH = ("Accelerate takes them from the DataLoader's batch_size and Accelerator(gradient_accumulation_steps=); "
+              "its LR scheduler steps once per process each step, so the schedule advances by the world size")
+
+
 def detect(folder: str) -> Framework | None:
-    """A DeepSpeed save dir (`latest`) with Accelerate's random_states_K.pkl beside it."""
-    if not fs.isfile(os.path.join(folder, deepspeed_files.LATEST)) or \
+    """A DeepSpeed save dir (`latest`), or FSDP's sharded folders (framework/fsdp.py), with Accelerate's
+    random_states_K.pkl beside it."""
+    deepspeed = fs.isfile(os.path.join(folder, deepspeed_files.LATEST))
+    if not (deepspeed or fsdp.is_sharded(folder)) or \
             not any(RANDOM_STATES.rank_of(n) is not None for n in fs.listdir(folder)):
         return None
     return Framework(NAME, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
-                     batch_note=BATCH)
+                     batch_note=BATCH if deepspeed else FSDP_BATCH, backend="" if deepspeed else fsdp.SHARDED,
+                     deepspeed_tag=DEEPSPEED_TAG)
 
 
 def _what(name: str) -> str:

@@ -100,6 +100,10 @@ class Framework:
     world: int = 1               # processes that saved it: the checkpoint's world size, once read
     batch_note: str = ""         # where the framework sets the batch size, for plan's advice
     backend: str = ""            # what saved the model and optimizer beside its files, when not DeepSpeed
+    deepspeed_tag: str = ""      # the tag it gives DeepSpeed's save (Accelerate: pytorch_model); "": global_stepN
+    # the framework's own non-tensor state where its backend keeps it (Lightning's checkpoint dict less model and
+    # optimizer: DeepSpeed's client state, FSDPStrategy's meta.pt), for a writer of the other backend to carry
+    state: dict | None = None
 
     def title(self, layout) -> str:
         """e.g. "HF Trainer + DeepSpeed ZeRO-2, dp=2" (tp and pp named when not 1), "HF Trainer + FSDP (sharded

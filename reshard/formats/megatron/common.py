@@ -27,7 +27,7 @@ def finish(catalog: CatalogBuilder, degrees: tuple[int, int, int], sharding: str
         format_topology=MegatronTopology(sharding, iteration if isinstance(iteration, int) else None,
                                          float(version) if isinstance(version, (int, float)) else None,
                                          layout, backend,
-                                         catalog.experts.ep if catalog.experts is not None else None))
+                                         ep=catalog.experts.ep if catalog.experts is not None else None))
     samples = args.get("consumed_train_samples")
     catalog.training = TrainingState(global_steps=iteration if isinstance(iteration, int) else None,
                                      global_samples=samples if isinstance(samples, int) else None,

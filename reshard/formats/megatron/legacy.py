@@ -110,14 +110,24 @@ def extra_states(folder: str) -> dict[str, object]:
             if value is not None:
                 raise CheckpointError(path, f"{name} holds a {type(value).__name__}: only empty extra states (the "
                                       "local layer spec's) are written to torch_dist")
-            where = rules.layer_of(name)
-            if where is not None:
-                key = f"{rules.layer_prefix}{where[1]}/shard_{where[0] + p * (layers // pp)}_{layers}"
+            key = extra_state_key(rules, name, p * (layers // pp), layers, path)
+            if key is not None:
                 out[key] = value
-            elif name not in EMPTY_DROPPED:
-                raise CheckpointError(path, f"{name}: an extra state outside the layer stack, which a torch_dist "
-                                      "save is not known to keep")
     return out
+
+
+def extra_state_key(rules: param_order.ParamOrder, name: str, first_layer: int, layers: int,
+                    path: str) -> str | None:
+    """The torch_dist key of an empty `_extra_state` of a module state dict whose layers start at global layer
+    `first_layer` (None: one GPTModel's sharded state dict leaves out); another outside the layer stack is refused,
+    naming `path`."""
+    where = rules.layer_of(name)
+    if where is not None:
+        return f"{rules.layer_prefix}{where[1]}/shard_{where[0] + first_layer}_{layers}"
+    if name not in EMPTY_DROPPED:
+        raise CheckpointError(path, f"{name}: an extra state outside the layer stack, which a torch_dist save is not "
+                              "known to keep")
+    return None
 
 
 class _LegacyReader:

@@ -41,6 +41,7 @@ class ParamOrder:
     expert_prefix: str | None = None     # "mlp.experts.experts.": saved with an expert axis after the layer axis
     expert_params: tuple[str, ...] = ()  # an expert's params (relative to it), in registration order
     expert_cuts: tuple[tuple[str, TpCut], ...] = ()   # how an expert's params are cut (SwiGLU's fc1: two parts)
+    extra_states: tuple[str, ...] = ()   # layer modules (relative to a layer) that save an empty `_extra_state`
 
     def expert_of(self, name: str) -> tuple[int, int, str] | None:
         """(layer, expert, name within the expert) of one expert's param, or None."""
@@ -83,6 +84,12 @@ class ParamOrder:
         """(layer index, name within the layer) of a per-layer name, or None."""
         found = re.fullmatch(re.escape(self.layer_prefix) + r"(\d+)\.(.+)", name)
         return (int(found.group(1)), found.group(2)) if found else None
+
+    def places(self, name: str) -> bool:
+        """Is `name` a parameter this order places (a torch_dist key of the model it describes)?"""
+        where = self.layer_of(name)
+        return (where is not None and where[1] in self.layer) or name in self.before_layers or \
+            name in self.after_layers
 
     def ordered(self, names: Sequence[str]) -> list[str]:
         """`names` in registration order; a ReshardError naming the rule file for one it does not place."""
@@ -128,6 +135,7 @@ def load(given: str | None = None) -> ParamOrder:
                           tuple(no_decay.get("suffixes", ())), cuts,
                           tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()),
                           experts.get("prefix"), tuple(experts.get("params", ())),
-                          cuts_of(experts.get("tensor_parallel", {})))
+                          cuts_of(experts.get("tensor_parallel", {})),
+                          tuple(data.get("extra_states", {}).get("modules", ())))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

@@ -173,7 +173,7 @@ class _Reader:
                                   "saves are read")
         if not fs.isfile(self.meta_path):
             raise CheckpointError(self.meta_path, "missing: DCP writes .metadata last, so the save did not finish")
-        meta = md.read(self.meta_path, METADATA_ALLOWED)
+        meta = source_metadata(self.meta_path)
         self.meta = meta
         # tp and pp come from the common state's args: the layout is set once they are known
         catalog = CatalogBuilder(folder, FORMAT, Layout.of(1, 1, 1), tag=self.name, save_dir=self.save_dir or folder)
@@ -690,6 +690,20 @@ class _Reader:
         return ExpertParallel(ep, max(1, self.dp * self.tp // ep), tuple(layers))
 
 
+_last_read: tuple[tuple[str, int, int], md.Metadata] | None = None
+
+
+def source_metadata(path: str) -> md.Metadata:
+    """The DCP `.metadata` at `path`, through Megatron's allow-list. The last one read is kept, by path, size and
+    modification time: a conversion reads it to open the source and again to copy the source's objects, and a
+    large save's takes a while (18,000 entries: about 0.3 s)."""
+    global _last_read
+    stamp = (path, fs.getsize(path), fs.mtime_ns(path))
+    if _last_read is None or _last_read[0] != stamp:
+        _last_read = stamp, md.read(path, METADATA_ALLOWED)
+    return _last_read[1]
+
+
 def common_state(folder: str) -> tuple[dict, str]:
     """(the common state, where it is) of iteration folder `folder`, whichever layout keeps it: common.pt (0.15,
     0.16), the DCP object common_state (0.19), or a legacy save's first rank file (legacy.common_state). What a
@@ -699,7 +713,7 @@ def common_state(folder: str) -> tuple[dict, str]:
     config = _config(os.path.join(folder, CONFIG))
 
     def chunks() -> Chunks:     # (only where there is no common.pt: a large save's .metadata takes a while to read)
-        meta = md.read(os.path.join(folder, METADATA), METADATA_ALLOWED)
+        meta = source_metadata(os.path.join(folder, METADATA))
         return Chunks(folder, meta, CatalogBuilder(folder, FORMAT, Layout.of(1, 1, 1)))
     common, path, _ = _common(folder, config if isinstance(config, dict) else {}, chunks)
     return common, path

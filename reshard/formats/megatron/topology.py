@@ -27,6 +27,9 @@ class MegatronTopology:
     checkpoint_version: float | None = None
     layout: str = ""          # which megatron-core layout the files follow ("0.16": common.pt beside DCP's files)
     backend: str = "torch_dist"
+    # a target's Megatron-LM arguments file (args=FILE: megatron/run_args.py), for a source without Megatron's
+    # common state (DeepSpeed, universal, DCP)
+    run_args: str | None = None
     ep: int | None = None     # a mixture of experts' expert-parallel degree (None: no experts)
 
     def terms(self, brief: bool = False) -> tuple[tuple[str, object], ...]:
@@ -72,10 +75,18 @@ def _sharding(text: str) -> str:
     return text
 
 
+def _args_file(text: str) -> str:
+    if not text:
+        raise UsageError("args is a JSON file of Megatron-LM's arguments (args=FILE)")
+    return text
+
+
 SPEC_KEYS = (SpecKey("sharding", "|".join(SHARDINGS), "Megatron's optimizer state: the distributed optimizer's "
                      "sharding type (dp_reshardable, Megatron-LM's default; fully_reshardable), or plain: the "
                      "non-distributed optimizer (default: the source's, dp_reshardable for a distributed one)",
                      text=_sharding),
+             SpecKey("args", "FILE", "a JSON file of the run's Megatron-LM arguments and scheduler state, for a "
+                     "source that holds none (DeepSpeed, universal, DCP): docs/formats/megatron.md", text=_args_file),
              SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts save, dividing dp and each layer's "
                      "experts (default: the source's)", minimum=1))
 
@@ -86,16 +97,20 @@ def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
     own = source.format_topology if isinstance(source.format_topology, MegatronTopology) else None
     default = PLAIN if own is not None and own.sharding == PLAIN else DP_RESHARDABLE
     sharding = str(given.get("sharding", default))
+    run_args = given.get("args")
     ep = given.get("ep", own.ep if own else None)
     return MegatronTopology(sharding, own.iteration if own else None, own.checkpoint_version if own else None,
-                            LAYOUT_016, ep=int(ep) if isinstance(ep, int) else None)
+                            LAYOUT_016, run_args=str(run_args) if run_args is not None else None,
+                            ep=int(ep) if isinstance(ep, int) else None)
 
 
 def from_descriptor(source: FormatTopology | None, data: Mapping[str, object]) -> MegatronTopology:
     """A descriptor file's `sharding` (the source's or dp_reshardable where it names none)."""
     own = source if isinstance(source, MegatronTopology) else None
     sharding = data.get("sharding", own.sharding if own else DP_RESHARDABLE)
-    return MegatronTopology(_sharding(str(sharding)), layout=LAYOUT_016)
+    run_args = data.get("args")
+    return MegatronTopology(_sharding(str(sharding)), layout=LAYOUT_016,
+                            run_args=_args_file(str(run_args)) if run_args is not None else None)
 
 
-TARGET_KEYS = TargetKeys(SPEC_KEYS, target, from_descriptor, ("sharding",))
+TARGET_KEYS = TargetKeys(SPEC_KEYS, target, from_descriptor, ("sharding", "args"))

@@ -15,8 +15,11 @@ layer axis (global layer numbers), one chunk per (layer, tensor-parallel box: tp
 optimizer.state.param.*) or, dp_reshardable, in flat per-bucket buffers laid out for the target's tp, pp and dp by
 buckets.lay_out (the layout the reader checks against real saves), each data-parallel rank's part a chunk.
 
-Only a Megatron source has the common state Megatron needs (args, scheduler): another format is refused. Any
-layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
+A Megatron source has the common state Megatron needs (args, scheduler); a source of another format (a DeepSpeed
+checkpoint of megatron-core's GPTModel, under torch_dist's names by `--names megatron-core-modules` undone) gets it
+from the user's Megatron-LM arguments, `--to ...,args=FILE` (run_args: checked against its tensors, the param groups
+megatron-core's defaults), and is refused without them; its layers' extra states are the local spec's empty ones.
+Any layout the reader reads is a source (0.15, 0.16, 0.19 torch_dist, the legacy torch format): its common state comes
 from reader.common_state. Objects a torch_dist source saved that do not depend on the topology (layers'
 `_extra_state`) are copied as their bytes lie; a legacy source's extra-state values are written as torch_dist's
 objects (legacy.extra_states). The RNG state is copied where tp and pp are kept and the source is torch_dist, and
@@ -40,9 +43,18 @@ from reshard.errors import CheckpointError, ReshardError, UsageError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
-from reshard.formats.megatron import buckets, legacy, order as param_order, tp_boxes
-from reshard.formats.megatron.pickles import METADATA_ALLOWED, Namespace
-from reshard.formats.megatron.reader import BUCKET, COMMON, CONFIG, ITERATION, RELEASE, TRACKER, common_state
+from reshard.formats.megatron import buckets, legacy, order as param_order, run_args, tp_boxes
+from reshard.formats.megatron.pickles import Namespace
+from reshard.formats.megatron.reader import (
+    BUCKET,
+    COMMON,
+    CONFIG,
+    ITERATION,
+    RELEASE,
+    TRACKER,
+    common_state,
+    source_metadata,
+)
 from reshard.formats.megatron.topology import DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN, MegatronTopology
 from reshard.formats.torchsave_read import DType
 from reshard.formats.torchsave_write import TorchFile
@@ -50,6 +62,7 @@ from reshard.formats.torchsave_write import TorchFile
 FORMAT = "megatron"
 PLACES_EXPERTS = True      # a mixture of experts' save, at any ep dividing dp and the experts (tp=1, pp=1)
 RESUMED_BY_FRAMEWORKS = False
+SAVES_OWN_NAMES = True    # torch_dist keys: megatron-core-modules undone
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
@@ -102,6 +115,15 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     return _Writer(catalog, target, tag).files()
 
 
+def output_tag(catalog: Catalog, tag: str) -> str:
+    """A source of another format (a DeepSpeed tag global_step3) is written in Megatron's folder of its step
+    (iter_0000003) where it records one."""
+    step = catalog.training.global_steps
+    if catalog.format == FORMAT or ITERATION.match(tag) or tag == RELEASE or step is None:
+        return tag
+    return f"iter_{step:07d}"
+
+
 def describe(target: Layout, tag: str) -> Output:
     return Output(FORMAT, target.topology(), tag)
 
@@ -115,34 +137,73 @@ def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
 
 class _Writer:
     def __init__(self, catalog: Catalog, target: Layout, tag: str):
-        if catalog.format != FORMAT:
-            raise ReshardError.at(catalog.root, f"Megatron output needs a Megatron source: its common state (args, "
-                                  f"scheduler) is not in a {catalog.format} checkpoint")
+        topology = target.format_topology
+        given = topology.run_args if isinstance(topology, MegatronTopology) else None
+        self.foreign = catalog.format != FORMAT     # a source without Megatron's common state: args=FILE gives it
+        if self.foreign and given is None:
+            raise UsageError.at(catalog.root, "Megatron output needs Megatron's common state (args, scheduler), which "
+                                f"a {catalog.format} checkpoint does not hold: give the run's Megatron-LM arguments, "
+                                "--to ...,args=FILE (docs/formats/megatron.md)")
+        if not self.foreign and given is not None:
+            raise UsageError(f"--to args={given}: a Megatron source has its own arguments (args= is for a source "
+                             "that holds none)")
         if tag != RELEASE and not ITERATION.match(tag):
             raise UsageError(f"--tag-out {tag!r}: Megatron-LM loads iteration folders named iter_NNNNNNN (or release)")
-        topology = target.format_topology
         self.sharding = topology.sharding if isinstance(topology, MegatronTopology) else DP_RESHARDABLE
         self.catalog, self.tag = catalog, tag
         self.grid = Grid(target.tp, target.pp, target.dp)
         self.source = catalog.layout
         own = self.source.format_topology
         self.legacy = isinstance(own, MegatronTopology) and own.backend != "torch_dist"
-        self.common, common_path = common_state(catalog.root)
-        args = self.common.get("args")
-        if not isinstance(args, Namespace):
-            raise CheckpointError(common_path, "holds no args namespace to write at the target")
-        self.args: dict[str, Any] = dict(vars(args))
         self.rules = param_order.load()
+        # the parameters (a DeepSpeed module state dict's order also names its layers' extra states)
+        self.names = [n for n in catalog.order if n in catalog.params] if self.foreign else list(catalog.order)
+        self.common, self.args, self.groups = self._given_state(given) if given is not None else \
+            self._source_state()
         self._check()
-        # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files)
-        self.source_meta = None if self.legacy else md.read(os.path.join(catalog.root, METADATA), METADATA_ALLOWED)
+        # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files; another format,
+        # none but its layers' empty extra states)
+        self.source_meta = None if self.legacy or self.foreign else \
+            source_metadata(os.path.join(catalog.root, METADATA))
         self.source_chunks: Chunks | None = None     # where the source's objects lie, when one is copied
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
         self.params = self._params()
         self.ep, self.experts = self._experts(target)
 
+    # -- the common state: the source's, or the user's arguments (args=FILE) for a source of another format
+
+    def _source_state(self) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+        """(common state, args, param groups less their params) of a Megatron source."""
+        common, common_path = common_state(self.catalog.root)
+        args = common.get("args")
+        if not isinstance(args, Namespace):
+            raise CheckpointError(common_path, "holds no args namespace to write at the target")
+        return common, dict(vars(args)), [{k: v for k, v in g.items() if k != "params"}
+                                          for g in self.catalog.param_groups]
+
+    def _given_state(self, path: str) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+        """The same from the arguments file at `path`, checked against the source (run_args.load); the output's
+        iteration folder must be the run's."""
+        self._refuse_unplaced()
+        run = run_args.load(path, self.catalog, self.rules)
+        if ITERATION.match(self.tag) and int(self.tag[len("iter_"):]) != run.iteration:
+            raise UsageError(f"--tag-out {self.tag}: the run's iteration is {run.iteration}")
+        common = {"checkpoint_version": run_args.CHECKPOINT_VERSION, "iteration": run.iteration,
+                  "opt_param_scheduler": dict(run.scheduler)}
+        return common, dict(run.args), [dict(g) for g in run.param_groups]
+
     # -- what the target can be
+
+    def _refuse_unplaced(self) -> None:
+        """A source of another format under names that are not torch_dist's keys (a DeepSpeed save holds the
+        module's own: a layer's input_layernorm) is refused, naming the rule file that brings them back."""
+        for name in self.names:
+            if not self.rules.places(name):
+                raise ReshardError.at(self.catalog.root, f"{name}: not a parameter of megatron-core's torch_dist "
+                                      f"save ({self.rules.path}); a {self.catalog.format} checkpoint of its GPTModel "
+                                      "holds the modules' own names: --names megatron-core-modules brings them "
+                                      "back")
 
     def _check(self) -> None:
         args, grid = self.args, self.grid
@@ -162,24 +223,43 @@ class _Writer:
             count = args.get(key)
             if isinstance(count, int) and count % grid.tp:
                 raise ReshardError(f"target tp={grid.tp}: args.{key} = {count} is not a multiple of it")
+        self._check_vocabulary_padding()
         if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True):
             raise ReshardError("a tied embedding at pp > 1 (the last stage's copy, a bucket of its own) is not "
                                "written yet")
-        dtypes = {self.catalog.tensors[TensorKey(n, MODULE)].dtype for n in self.catalog.order}
+        dtypes = {self.catalog.tensors[TensorKey(n, MODULE)].dtype for n in self.names}
         if len(dtypes) != 1:
             raise ReshardError(f"parameters of several dtypes ({', '.join(sorted(dtypes))}): megatron-core keeps a "
                                "grad buffer per dtype, not written yet")
         self.model_dtype = dtypes.pop()
-        states = {TensorKey(n, s) in self.catalog.tensors for n in self.catalog.order
+        states = {TensorKey(n, s) in self.catalog.tensors for n in self.names
                   for s in (MASTER, "exp_avg", "exp_avg_sq")}
         if states != {True}:
             raise ReshardError.at(self.catalog.root, "Megatron's optimizer state needs every parameter's fp32 master "
                                   "and both Adam moments; this checkpoint lacks some")
 
+    def _check_vocabulary_padding(self) -> None:
+        """Megatron-LM pads the tokenizer's vocabulary up to a multiple of make_vocab_size_divisible_by x tp when it
+        builds the model: where that is another size at the target's tp than the saved embedding's, its load fails
+        on the shape. Re-padding the embedding's rows is not written yet, so such a target is refused. (Without
+        args.vocab_size, the tokenizer's own size, a saved padding that is a multiple at the target is taken as
+        the size Megatron-LM will pad to.)"""
+        padded, multiple = self.args.get("padded_vocab_size"), self.args.get("make_vocab_size_divisible_by")
+        if not isinstance(padded, int) or not isinstance(multiple, int):
+            return
+        multiple *= self.grid.tp
+        vocab = self.args.get("vocab_size")
+        target = -(-vocab // multiple) * multiple if isinstance(vocab, int) else None
+        if (target or padded) != padded or padded % multiple:
+            raise ReshardError(f"target tp={self.grid.tp}: Megatron-LM pads the vocabulary to a multiple of "
+                               f"make_vocab_size_divisible_by x tp = {multiple},{f' {target} rows,' if target else ''} "
+                               f"not the {padded} saved; re-padding the "
+                               "embedding is not written yet")
+
     def _params(self) -> list[Param]:
         notes = self.catalog.notes
         out = []
-        for name in self.rules.ordered(list(self.catalog.order)):
+        for name in self.rules.ordered(self.names):
             detail = notes.param_details(name) if notes is not None else {}
             key, layer = detail.get("saved_as"), detail.get("layer")
             where = self.rules.layer_of(name)
@@ -411,8 +491,8 @@ class _Writer:
         params'). megatron-core groups the params alike whatever the ep, apart from is_expert_parallel, which it sets
         on the experts' at ep > 1 (a group of its own for each grouping that holds experts) and on none at ep=1 (the
         experts then in the dense params' groups)."""
-        if expert is None:
-            return self._groups_of(self.catalog.param_groups, with_step)
+        if expert is None:      # (the source's groups, or those of the arguments given for another format)
+            return self._groups_of(self.groups, with_step)
         merged: dict[tuple, dict] = {}
         for group in self.catalog.param_groups:
             experts = [n for n in group.get("params", ()) if self.rules.expert_of(n) is not None]
@@ -437,6 +517,21 @@ class _Writer:
 
     # -- objects and the common state
 
+    def _empty_extra_states(self) -> list[str]:
+        """The `_extra_state` names of a source of another format: those its module state dict names (a DeepSpeed
+        save's), or, where it names none (a universal or DCP checkpoint), one for each module the rule file says
+        saves one, in each layer holding a param of that module."""
+        named = [n for n in self.catalog.order if n.endswith(legacy.EXTRA_STATE) and n not in self.catalog.params]
+        if named:
+            return named
+        modules = []
+        for param in self.params:
+            where = self.rules.layer_of(param.name)
+            module = param.name.rsplit(".", 1)[0]
+            if where is not None and where[1].rsplit(".", 1)[0] in self.rules.extra_states and module not in modules:
+                modules.append(module)
+        return [f"{module}{legacy.EXTRA_STATE}" for module in modules]
+
     def _objects(self) -> None:
         """The layers' `_extra_state` objects: a torch_dist source's as their bytes lie, a legacy source's values as
         megatron-core's torch_dist save writes them ([value]: the empty ones of the local spec); the source's RNG state
@@ -453,6 +548,14 @@ class _Writer:
                 return None
             stage = int(extra.group(1)) // per_stage if int(extra.group(2)) == layers else 0
             return self.grid.rank(0, 0, stage)
+        if self.foreign:        # its layers' extra states, empty in the local spec (transformer_impl: _check)
+            for name in self._empty_extra_states():
+                key = legacy.extra_state_key(self.rules, name, 0, layers, self.catalog.root)
+                rank = None if key is None else owner(key)
+                if key is not None and rank is not None:
+                    self._value(rank, key, None)
+            self.rng = False
+            return
         if self.source_meta is None:
             for key, value in legacy.extra_states(self.catalog.root).items():
                 rank = owner(key)
