@@ -59,6 +59,7 @@ MOE_BACK = ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=2,ep=1", "tp=1,pp=
 MOE_WIDE = [("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=4,ep=4"),
             ("mcore_moe_dp_reshardable_ep2_dp2", "tp=1,pp=1,dp=4,ep=2")]
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
+MOE_CHANGED = "decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight"
 
 
 def _ids():
@@ -100,6 +101,11 @@ def megatron_load_jobs(out):
     jobs.append({"label": "megatron itself", "save": str(ROOT / name / "save"), "tp": 1, "pp": 1,
                  "truth": str(ROOT / name / "truth.safetensors")})
     moe = MOE_BACK[0]
+    changed = out / "moe-changed" / "save"     # one expert's element, in the dense buffer at ep=1
+    _convert(moe, MOE_BACK[1], changed)
+    change_one_element(changed, MOE_CHANGED)
+    jobs.append({"label": "moe changed", "save": str(changed), "tp": 1, "pp": 1,
+                 "truth": str(ROOT / moe / "truth.safetensors"), **_experts(moe, degrees(MOE_BACK[1]))})
     jobs.append({"label": "megatron itself at another ep", "save": str(ROOT / moe / "save"), "tp": 1, "pp": 1,
                  "truth": str(ROOT / moe / "truth.safetensors"), "ep": 1, "experts": 4})
     wide = []
@@ -127,6 +133,12 @@ def test_megatron_loads_the_conversion_as_the_truth_and_trains_on(name, to, load
     assert result["step"] == step and result["group_step"] == ([] if plain else step)
     assert result["losses"] and all(math.isfinite(x) for x in result["losses"])
     assert result["moved"] and result["step_after"] == [step[0] + 1]
+
+
+@pytest.mark.engine
+def test_a_changed_expert_element_is_found_in_what_megatron_loaded(loaded):
+    result = loaded["moe changed"]
+    assert result["loaded"] and result["problems"] == [f"exp_avg/{MOE_CHANGED}: differs from the truth"], result
 
 
 @pytest.mark.engine

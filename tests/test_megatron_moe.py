@@ -180,9 +180,10 @@ def test_a_round_trip_through_ep1_writes_megatrons_own_keys_and_chunks(tmp_path)
 
 
 def test_what_is_not_written_for_experts_is_refused_in_one_line(tmp_path):
-    for to, words in (("dp=2,ep=3", "ep=3 must divide"), ("dp=1,tp=2,ep=1", "tp=1, pp=1"),
-                      ("dp=2,ep=2,sharding=plain", "sharding=plain")):
-        proc = run_cli("convert", _save(MOE[0]), tmp_path / "out", "--to", to)
+    for to, words, *fmt in (("dp=2,ep=3", "ep=3 must divide"), ("dp=1,tp=2,ep=1", "tp=1, pp=1"),
+                            ("dp=2,ep=2,sharding=plain", "sharding=plain"),
+                            ("dp=2,zero=1,ep=2", "not written as DeepSpeed's expert files", "--format", "deepspeed")):
+        proc = run_cli("convert", _save(MOE[0]), tmp_path / "out", "--to", to, *fmt)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode != 0 and len(lines) == 1 and words in lines[0], (to, proc.stderr)
         assert not (tmp_path / "out").exists()
@@ -222,3 +223,20 @@ def test_mixtral_export_gives_megatrons_logits(swapped, tmp_path):
         assert (logits - forward["logits"]).abs().max() > 1e-3
     else:
         torch.testing.assert_close(logits, forward["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")   # (unpickling args imports megatron)
+def test_per_expert_keys_are_refused_in_one_line(tmp_path):
+    """A save whose content_metadata says singleton_local_shards (experts under per-expert keys, not read yet) is
+    refused in one line naming common.pt, not read as something else."""
+    import torch
+    save = tmp_path / "save"
+    shutil.copytree(_save(MOE[0]), save)
+    path = save / "iter_0000003" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["content_metadata"]["singleton_local_shards"] = True
+    torch.save(common, path)
+    proc = run_cli("inspect", save)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "common.pt" in lines[0], proc.stderr
+    assert "singleton_local_shards" in lines[0]

@@ -141,6 +141,10 @@ def _experts(catalog: Catalog) -> ExpertParallel:
 def _check(catalog: Catalog, target: Layout) -> None:
     """What cannot be written is refused (one line each)."""
     where = catalog.root
+    if catalog.format == "megatron":    # (its experts are megatron-core's SequentialMLP, not DeepSpeed's modules)
+        raise ReshardError.at(where, "a Megatron mixture of experts is not written as DeepSpeed's expert files (they "
+                                     "hold deepspeed.moe or AutoEP modules); convert it to Megatron at another ep, "
+                                     "or export it")
     zero = topology.of(target).zero
     if zero not in (1, 2, 3):
         raise ReshardError.at(where, f"target ZeRO stage {zero}: mixture-of-experts checkpoints are written for "

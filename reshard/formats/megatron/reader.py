@@ -246,6 +246,9 @@ class _Reader:
         if self.flattened:
             layout = LAYOUT_015
         catalog.experts = self._experts(ordered)
+        if catalog.experts is not None and self.content.get("singleton_local_shards"):
+            raise CheckpointError(self.common_path, "singleton_local_shards: experts saved under per-expert keys are "
+                                  "not read yet (Megatron-LM's default saves them on an expert axis)")
         catalog.files = self._files(chunks)
         common_fields.finish(catalog, (dp, tp, pp), sharding, common, self.args, layout, self.notes)
         return catalog.freeze()

@@ -309,6 +309,9 @@ class _Writer:
         if not count or count % ep or self.grid.dp % ep:
             raise ReshardError(f"ep={ep} must divide dp={self.grid.dp} and each layer's experts "
                                f"({', '.join(str(layer.num_experts) for layer in experts.layers)})")
+        if self.args.get("overlap_grad_reduce"):
+            raise ReshardError.at(self.catalog.root, "overlapped grad reduction: the experts' bucket sizes are not "
+                                  "written yet")
         if (self.grid.tp, self.grid.pp) != (1, 1) or self.sharding == PLAIN:
             raise ReshardError("a mixture of experts is written at tp=1, pp=1 with the distributed optimizer only "
                                f"(asked: tp={self.grid.tp}, pp={self.grid.pp}, sharding={self.sharding})")
