@@ -65,11 +65,102 @@ def test_validate_deep_finds_model_and_optimizer_complete():
         assert catalog.scalars_of_param(name)["step"].value == 3.0
 
 
-def test_a_fused_qkv_save_is_refused_naming_the_fused_parameter():
+def test_a_fused_qkv_save_without_a_config_is_refused_naming_what_to_give():
     proc = run_cli("validate", FUSED)
     assert proc.returncode != 0
-    assert "the optimizer names layers.0.attention.qkv_linear.wqkv.weight, which the model state dict lacks" \
+    assert "the optimizer names layers.0.attention.qkv_linear.wqkv.weight, which the model state dict lacks " \
+        "(torchtitan's fused q, k and v: --config, the model's config.json, gives its key-value head count)" \
         in proc.stdout + proc.stderr
+
+
+def _fused_config(tmp_path, kv_heads: int | None = None) -> str:
+    """The fixture's Hugging Face config.json, its key-value head count `kv_heads` where given (a wrong one)."""
+    config = _hf_config(tmp_path / f"config-{kv_heads}")
+    if kv_heads is not None:
+        values = json.loads(open(config).read())
+        values["num_key_value_heads"] = kv_heads
+        open(config, "w").write(json.dumps(values))
+    return config
+
+
+def test_a_fused_qkv_save_with_its_config_validates_deep_complete(tmp_path):
+    config = _fused_config(tmp_path)
+    assert run_cli("validate", "--deep", FUSED, "--config", config, check=0).stdout.startswith("complete;")
+    catalog = reshard.open_checkpoint(str(FUSED), config=config)
+    assert set(catalog.params) == set(reshard.open_checkpoint(str(SOURCE)).params)    # wq, wk, wv; no wqkv
+    for name in catalog.params:
+        assert {TensorKey(name, s) for s in ("exp_avg", "exp_avg_sq")} <= set(catalog.tensors)
+        assert catalog.scalars_of_param(name)["step"].value == 3.0
+    # no byte copied: wq's moments are row boxes of the stored wqkv chunks
+    fragments = catalog.tensors[TensorKey("layers.0.attention.qkv_linear.wq.weight", "exp_avg")].fragments
+    assert {f.shard.shape for f in fragments} == {(16, 16)} and all(len(f.shard.blocks) == 1 for f in fragments)
+
+
+def _torchtitans_own_split(state: dict, kv_heads: int) -> dict:
+    """{wq/wk/wv name: tensor} of each fused `wqkv` tensor of `state` (an optimizer state read by torch's
+    dcp_to_torch_save), split by torchtitan's own save hook (FusedQKVLinear._split_qkv_on_save) as it splits the
+    model's, for a module of the fixture's shape (truth.json) with `kv_heads` key-value heads."""
+    from types import SimpleNamespace
+
+    import torchtitan_cpu
+    torchtitan_cpu.install()
+    from torchtitan.models.common.attention import FusedQKVLinear
+    m = json.loads((ROOT / "torchtitan_llama_fused_fsdp2" / "truth.json").read_text())["model"]
+    module = SimpleNamespace(head_dim=m["dim"] // m["n_heads"], heads_per_kv=m["n_heads"] // kv_heads,
+                             r_dim=m["n_heads"] // kv_heads + 2)
+    out = {}
+    for key, tensor in state.items():
+        prefix, fused, param = key.rpartition("wqkv.")
+        if fused:
+            split = {f"{prefix}wqkv.{param}": tensor}
+            FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
+            out.update(split)
+    return out
+
+
+def test_a_fused_qkv_export_with_optimizer_is_torchtitans_own_split(tmp_path):
+    """Both moments of wq, wk, wv as torchtitan's own hook splits the fused state torch's dcp_to_torch_save reads;
+    the other tensors as torch reads them. The control: a config with one key-value head (the shapes still cut) gives
+    other moments, and one with 3 is refused in one line."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(FUSED, tmp_path / "truth.pt")
+    truth = torch.load(tmp_path / "truth.pt", weights_only=False)
+    for kv_heads, equal in ((None, True), (1, False)):
+        out = tmp_path / f"out-{kv_heads}"
+        run_cli("export", FUSED, out, "--with-optimizer", "--config", _fused_config(tmp_path, kv_heads), "--quiet",
+                check=0)
+        for state in ("exp_avg", "exp_avg_sq"):
+            got = load_file(out / f"optimizer-{state}.safetensors")
+            moments = {k[len("state."):-len(f".{state}")]: v for k, v in truth["optimizer"].items()
+                       if k.endswith(f".{state}")}
+            expected = {**{k: v for k, v in moments.items() if "wqkv" not in k}, **_torchtitans_own_split(moments, 2)}
+            assert set(got) == set(expected) == set(load_file(out / "model.safetensors")), state
+            same = [torch.equal(got[k], expected[k]) for k in expected]
+            assert all(same) if equal else not all(same), (kv_heads, state)
+    proc = run_cli("validate", FUSED, "--config", _fused_config(tmp_path, 3))
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and \
+        "3 key-value heads do not cut k's 8 rows and q's 16 into whole heads of one size" in proc.stderr, proc.stderr
+
+
+def test_the_fused_save_equals_its_unfused_twin_of_the_same_run(tmp_path):
+    """The two fixtures are one run (same seeds, same losses: truth.json), fused or not: equal up to the fused
+    matmul's rounding (atol 1e-6); with a wrong key-value head count the moments of q, k and v differ."""
+    truths = [json.loads((ROOT / n / "truth.json").read_text()) for n in ("torchtitan_llama_fsdp2",
+                                                                          "torchtitan_llama_fused_fsdp2")]
+    assert truths[0]["losses"] == truths[1]["losses"] and [t["fuse_qkv"] for t in truths] == [False, True]
+    out = run_cli("diff", FUSED, SOURCE, "--config", _fused_config(tmp_path), "--atol", "1e-6", check=0).stdout
+    assert "no difference (atol 1e-06): 63 tensors" in out, out
+    proc = run_cli("diff", FUSED, SOURCE, "--config", _fused_config(tmp_path, 1), "--atol", "1e-6", check=1)
+    assert "layers.1.attention.qkv_linear.wq.weight (exp_avg_sq)" in proc.stdout, proc.stdout
+
+
+def test_a_fused_qkv_save_to_torchtitan_is_refused_in_one_line(tmp_path):
+    proc = run_cli("convert", FUSED, tmp_path / "out", "--format", "torchtitan", "--config", _fused_config(tmp_path))
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert "torchtitan's fused q/k/v (2 wqkv parameters) is not written back to torchtitan yet" in proc.stderr and \
+        len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def _hf_config(folder) -> str:

@@ -10,7 +10,7 @@ from dataclasses import replace
 from reshard.core.catalog import Catalog
 from reshard.formats.dcp import reader as dcp_reader
 from reshard.formats.framework.lightning import is_fsdp_sharded, load_meta
-from reshard.formats.protocol import NoOptions
+from reshard.formats.protocol import ConfigOption, NoOptions
 
 FORMAT = "fsdp"      # written back by the fsdp writer, in the layout of the framework around it
 OPTIONS = NoOptions
@@ -22,7 +22,7 @@ def sniff(path: str, tag: str | None) -> bool:
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    catalog = dcp_reader.read(path, options)
+    catalog = dcp_reader.read(path, ConfigOption())
     return replace(catalog, format=FORMAT, training=replace(catalog.training, **counters(catalog.root)))
 
 
