@@ -20,6 +20,7 @@ from reshard.formats.dcp.torchtitan import OPTIMIZER
 
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = False
+SAVES_OWN_NAMES = False        # it saves under the model's own FQNs
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
