@@ -2,9 +2,13 @@
 ranks: tools/fixture_torchtitan.py) read whole, and converted to another world size and resumed by torchtitan itself.
 
 Reading: `inspect` names torchtitan, its step and dp, and lists its own entries (lr_scheduler, dataloader,
-train_state); `validate --deep` finds model and optimizer complete, every optimizer state on a model parameter; a
-fused-QKV save (every llama3 flavor's default) is refused naming the fused parameter: its optimizer state cannot be
-placed on the model's wq/wk/wv without the key-value head count, which the save does not record.
+train_state); `validate --deep` finds model and optimizer complete, every optimizer state on a model parameter.
+A fused-QKV save (every llama3 flavor's default) reads whole with `--config` (its key-value head count): the moments
+of wq, wk, wv, exported or converted to DCP, are torchtitan's own save hook's split of the fused state torch's
+dcp_to_torch_save reads, its weights give torchtitan's own logits in transformers, and it equals its unfused twin of
+the same run (atol 1e-6); without `--config` it is refused naming what to give, a count that does not cut the rows is
+refused in one line, and a wrong count that does (1) gives moments that differ from the truth (the controls);
+`convert --format torchtitan` of it is refused in one line.
 
 Export: `export --names torchtitan-llama --config config.json` writes a folder transformers' LlamaForCausalLM
 loads, whose logits on the fixture's fixed batch equal torchtitan's own forward of the saved weights (the fixture's
@@ -75,7 +79,7 @@ def test_a_fused_qkv_save_without_a_config_is_refused_naming_what_to_give():
 
 def _fused_config(tmp_path, kv_heads: int | None = None) -> str:
     """The fixture's Hugging Face config.json, its key-value head count `kv_heads` where given (a wrong one)."""
-    config = _hf_config(tmp_path / f"config-{kv_heads}")
+    config = hf_config(tmp_path / f"config-{kv_heads}")
     if kv_heads is not None:
         values = json.loads(open(config).read())
         values["num_key_value_heads"] = kv_heads
@@ -144,6 +148,16 @@ def test_a_fused_qkv_export_with_optimizer_is_torchtitans_own_split(tmp_path):
         "3 key-value heads do not cut k's 8 rows and q's 16 into whole heads of one size" in proc.stderr, proc.stderr
 
 
+def test_a_fused_qkv_export_loads_in_transformers_with_torchtitans_own_logits(tmp_path):
+    """The fused run's weights (saved split by its hook) under Hugging Face's names: LlamaForCausalLM gives the logits
+    torchtitan's own forward of the fused model gave (the fixture's truth_forward)."""
+    import torch
+    run_cli("export", FUSED, tmp_path / "hf", "--names", "torchtitan-llama", "--config", _fused_config(tmp_path),
+            "--quiet", check=0)
+    logits, truth = _logits(tmp_path / "hf", "torchtitan_llama_fused_fsdp2")
+    torch.testing.assert_close(logits, truth, rtol=1e-5, atol=1e-5)
+
+
 def test_the_fused_save_equals_its_unfused_twin_of_the_same_run(tmp_path):
     """The two fixtures are one run (same seeds, same losses: truth.json), fused or not: equal up to the fused
     matmul's rounding (atol 1e-6); with a wrong key-value head count the moments of q, k and v differ."""
@@ -156,6 +170,25 @@ def test_the_fused_save_equals_its_unfused_twin_of_the_same_run(tmp_path):
     assert "layers.1.attention.qkv_linear.wq.weight (exp_avg_sq)" in proc.stdout, proc.stdout
 
 
+def test_a_fused_qkv_save_converted_to_dcp_holds_torchtitans_own_split_as_torch_reads_it(tmp_path):
+    """convert --format dcp at 3 ranks writes wq, wk, wv with their moments and steps: torch's dcp_to_torch_save of the
+    output holds torchtitan's own hook's split of the source's fused state (as torch reads it), the rest as saved."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    run_cli("convert", FUSED, tmp_path / "dcp", "--format", "dcp", "--to", "dp=3", "--config", _fused_config(tmp_path),
+            "--quiet", check=0)
+    dcp_to_torch_save(FUSED, tmp_path / "truth.pt")
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "out.pt")
+    truth, out = (torch.load(tmp_path / n, weights_only=False) for n in ("truth.pt", "out.pt"))
+    for state in ("exp_avg", "exp_avg_sq"):
+        moments = {k[len("state."):-len(f".{state}")]: v for k, v in truth["optimizer"].items()
+                   if k.endswith(f".{state}")}
+        expected = {**{k: v for k, v in moments.items() if "wqkv" not in k}, **_torchtitans_own_split(moments, 2)}
+        assert set(out["optim"]["state"]) == set(expected) == set(out["model"])
+        assert all(torch.equal(out["optim"]["state"][k][state], v) for k, v in expected.items()), state
+    assert {float(s["step"]) for s in out["optim"]["state"].values()} == {3.0}
+
+
 def test_a_fused_qkv_save_to_torchtitan_is_refused_in_one_line(tmp_path):
     proc = run_cli("convert", FUSED, tmp_path / "out", "--format", "torchtitan", "--config", _fused_config(tmp_path))
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
@@ -163,7 +196,7 @@ def test_a_fused_qkv_save_to_torchtitan_is_refused_in_one_line(tmp_path):
         len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def _hf_config(folder) -> str:
+def hf_config(folder) -> str:
     """The Hugging Face config.json of the fixture's model (what a torchtitan run's hf_assets_path holds)."""
     from transformers import LlamaConfig
     m = json.loads((ROOT / "torchtitan_llama_fsdp2" / "truth.json").read_text())["model"]
@@ -175,11 +208,11 @@ def _hf_config(folder) -> str:
     return str(folder / "config.json")
 
 
-def _logits(folder):
+def _logits(folder, fixture: str = "torchtitan_llama_fsdp2"):
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
-    truth = load_file(ROOT / "torchtitan_llama_fsdp2" / "truth_forward.safetensors")
+    truth = load_file(ROOT / fixture / "truth_forward.safetensors")
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(truth["tokens"]).logits, truth["logits"]
@@ -187,7 +220,7 @@ def _logits(folder):
 
 def test_export_loads_in_transformers_with_torchtitans_own_logits(tmp_path):
     import torch
-    config = _hf_config(tmp_path / "assets")
+    config = hf_config(tmp_path / "assets")
     run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", config, "--quiet",
             check=0)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(open(config).read())
@@ -214,7 +247,7 @@ def test_export_holds_what_torchtitans_own_hf_adapter_gives(tmp_path):
     import torchtitan_cpu
     torchtitan_cpu.install()
     from torchtitan.models.llama3 import Llama3StateDictAdapter
-    run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", _hf_config(tmp_path / "a"),
+    run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", hf_config(tmp_path / "a"),
             "--quiet", check=0)
     dcp_to_torch_save(SOURCE, tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=False)
