@@ -77,12 +77,15 @@ def test_a_fused_qkv_save_without_a_config_is_refused_naming_what_to_give():
         in proc.stdout + proc.stderr
 
 
-def _fused_config(tmp_path, kv_heads: int | None = None) -> str:
-    """The fixture's Hugging Face config.json, its key-value head count `kv_heads` where given (a wrong one)."""
-    config = hf_config(tmp_path / f"config-{kv_heads}")
+def _fused_config(tmp_path, kv_heads: int | None = None, head_dim: bool = False) -> str:
+    """The fixture's Hugging Face config.json; where `kv_heads` is given (a wrong count), with it and without its
+    head_dim (which would refuse it) unless `head_dim`."""
+    config = hf_config(tmp_path / f"config-{kv_heads}-{head_dim}")
     if kv_heads is not None:
         values = json.loads(open(config).read())
         values["num_key_value_heads"] = kv_heads
+        if not head_dim:
+            del values["head_dim"]
         open(config, "w").write(json.dumps(values))
     return config
 
@@ -125,7 +128,8 @@ def _torchtitans_own_split(state: dict, kv_heads: int) -> dict:
 def test_a_fused_qkv_export_with_optimizer_is_torchtitans_own_split(tmp_path):
     """Both moments of wq, wk, wv as torchtitan's own hook splits the fused state torch's dcp_to_torch_save reads;
     the other tensors as torch reads them. The control: a config with one key-value head (the shapes still cut) gives
-    other moments, and one with 3 is refused in one line."""
+    other moments (without a head_dim; with the config's head_dim it is refused), and one with 3 is refused in one
+    line."""
     import torch
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -143,9 +147,13 @@ def test_a_fused_qkv_export_with_optimizer_is_torchtitans_own_split(tmp_path):
             assert set(got) == set(expected) == set(load_file(out / "model.safetensors")), state
             same = [torch.equal(got[k], expected[k]) for k in expected]
             assert all(same) if equal else not all(same), (kv_heads, state)
-    proc = run_cli("validate", FUSED, "--config", _fused_config(tmp_path, 3))
-    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and \
-        "3 key-value heads do not cut k's 8 rows and q's 16 into whole heads of one size" in proc.stderr, proc.stderr
+    for config, message in ((_fused_config(tmp_path, 3), "3 key-value heads do not cut k's 8 rows and q's 16 into "
+                             "whole heads of one size"),
+                            (_fused_config(tmp_path, 1, head_dim=True), "1 key-value heads make k's 8 rows heads of "
+                             "8, not the config's head_dim 4")):
+        proc = run_cli("validate", FUSED, "--config", config)
+        assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, \
+            proc.stderr
 
 
 def test_a_fused_qkv_export_loads_in_transformers_with_torchtitans_own_logits(tmp_path):

@@ -193,7 +193,7 @@ def _fused(groups: list, model: dict, names: dict, config: str | None) -> dict:
             if name in shapes or not parts or not all(p in shapes for p in parts) or config is None:
                 continue
             found = torchtitan.fused_parts(_fused_shape(name, model, names), {p: shapes[p] for p in parts},
-                                           torchtitan.kv_heads(config))
+                                           torchtitan.heads_of(config))
             if isinstance(found, str):
                 raise CheckpointError(config, f"{name}: {found}")
             fused[name] = found

@@ -81,24 +81,32 @@ def part_names(name: str) -> tuple[str, ...]:
     return tuple(f"{m['module']}{p}.{m['param']}" for p in PARTS) if m else ()
 
 
-def kv_heads(config: str) -> int:
-    """The key-value head count of a Hugging Face model config (its `num_key_value_heads`, else
-    `num_attention_heads`, as transformers' Llama defaults it); a one-line error naming the file otherwise."""
+def heads_of(config: str) -> tuple[int, int | None]:
+    """(key-value head count, head_dim or None) of a Hugging Face model config: its `num_key_value_heads`, else
+    `num_attention_heads` (as transformers' Llama defaults it), and its `head_dim` where it gives one; a one-line error
+    naming the file otherwise."""
     try:
         with fs.open(config, "rb") as f:
             values = json.loads(f.read())
     except (OSError, ValueError) as e:
         raise UsageError.at(config, f"not a readable JSON model config ({e})") from None
-    heads = values.get("num_key_value_heads") or values.get("num_attention_heads") if isinstance(values, dict) \
-        else None
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+    if not isinstance(values, dict):
+        raise UsageError.at(config, "a model config is a JSON object")
+    heads = _count(values.get("num_key_value_heads") or values.get("num_attention_heads"))
+    if heads is None:
         raise UsageError.at(config, "gives no key-value head count (num_key_value_heads or num_attention_heads)")
-    return heads
+    return heads, _count(values.get("head_dim"))
 
 
-def fused_parts(fused: tuple, shapes: dict, n_kv: int) -> tuple[Part, ...] | str:
-    """wq, wk, wv (their `shapes` as the model saved them) inside the fused parameter of shape `fused`, n_kv key-value
-    heads; a reason where these shapes cannot be that layout at that head count."""
+def _count(value) -> int | None:
+    """`value` where it is a count (a whole number >= 1), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def fused_parts(fused: tuple, shapes: dict, heads: tuple[int, int | None]) -> tuple[Part, ...] | str:
+    """wq, wk, wv (their `shapes` as the model saved them) inside the fused parameter of shape `fused`, `heads` the
+    config's (key-value head count, head_dim or None); a reason where these shapes cannot be that layout."""
+    n_kv, given_head_dim = heads
     (rows_q, *tail), (rows_k, *_), (rows_v, *_) = (tuple(s) for s in shapes.values())
     if rows_k != rows_v or fused[0] != rows_q + 2 * rows_k or \
             any(tuple(s[1:]) != tuple(fused[1:]) for s in shapes.values()):
@@ -106,6 +114,9 @@ def fused_parts(fused: tuple, shapes: dict, n_kv: int) -> tuple[Part, ...] | str
     if rows_k % n_kv or rows_q % rows_k:
         return (f"{n_kv} key-value heads do not cut k's {rows_k} rows and q's {rows_q} into whole heads of one size")
     head_dim, per_kv = rows_k // n_kv, rows_q // rows_k
+    if given_head_dim is not None and given_head_dim != head_dim:
+        return f"{n_kv} key-value heads make k's {rows_k} rows heads of {head_dim}, not the config's head_dim " \
+               f"{given_head_dim}"
     group, zeros = (per_kv + 2) * head_dim, (0,) * len(tail)
     offsets = (0, per_kv * head_dim, (per_kv + 1) * head_dim)          # q, k, v rows within a group
     sizes = (per_kv * head_dim, head_dim, head_dim)
