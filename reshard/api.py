@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
-                    layout_rules: str | None = None) -> Catalog:
+                    layout_rules: str | None = None, config: str | None = None) -> Catalog:
     """Read a checkpoint's metadata into a Catalog; nothing in it is executed, no tensor byte is read.
 
     Args:
@@ -45,6 +45,8 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
         tag: the tag folder to read (default: the one named in `latest`).
         layout_rules: how tensor parallelism cut the tensors, for a checkpoint that does not say: a rule file's
             path, or the name of one shipped with reshard ("megatron-gpt", "llama-autotp").
+        config: the model's config.json, for a checkpoint that does not record what it gives (a torchtitan save with
+            fused q/k/v: the key-value head count that places the optimizer's state on wq, wk and wv).
 
     Returns:
         The Catalog (reshard.core.catalog): every logical tensor, where its bytes lie, the non-tensor state.
@@ -56,19 +58,19 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
         ('deepspeed', 2)
     """
     try:
-        return read(os.fspath(path), tag, layout_rules)
+        return read(os.fspath(path), tag, layout_rules, config)
     except UnknownFormatError as e:
         raise _run_directory_hint(os.fspath(path)) or e from None
 
 
 def inspect(source: str | os.PathLike[str] | Catalog, params: bool = False, *, tag: str | None = None,
-            layout_rules: str | None = None) -> Inspection:
+            layout_rules: str | None = None, config: str | None = None) -> Inspection:
     """What a checkpoint holds, as `reshard inspect` shows it.
 
     Args:
         source: a checkpoint's path, or its Catalog.
         params: also a table of the parameters (`parameter_table`).
-        tag, layout_rules: as for open_checkpoint, when `source` is a path.
+        tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
 
     Returns:
         An Inspection: topology, dtypes, optimizer, step, parameters, files; `to_dict()` is what
@@ -79,11 +81,12 @@ def inspect(source: str | os.PathLike[str] | Catalog, params: bool = False, *, t
         >>> info.topology, info.zero_stage, info.optimizer
         ({'dp': 2, 'tp': 1, 'pp': 1, 'world_size': 2}, 2, 'AdamW')
     """
-    return inspect_catalog(_catalog(source, tag, layout_rules), params=params)
+    return inspect_catalog(_catalog(source, tag, layout_rules, config), params=params)
 
 
 def validate(source: str | os.PathLike[str] | Catalog, deep: bool = False, checksums: bool = False,
-             progress: bool = False, *, tag: str | None = None, layout_rules: str | None = None) -> ValidationReport:
+             progress: bool = False, *, tag: str | None = None, layout_rules: str | None = None,
+             config: str | None = None) -> ValidationReport:
     """Prove every element of every tensor present exactly once, as `reshard validate` does.
 
     Args:
@@ -91,7 +94,7 @@ def validate(source: str | os.PathLike[str] | Catalog, deep: bool = False, check
         deep: also read every byte: NaN/Inf, and zip members whose CRC-32 does not match.
         checksums: verify every file's sha256 against the reshard manifest (convert and export write one).
         progress: bars of the bytes read on stderr, where it is a terminal.
-        tag, layout_rules: as for open_checkpoint, when `source` is a path.
+        tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
 
     Returns:
         A ValidationReport: `ok`, `problems` (each a Problem: file, tensor, kind, message) and what was counted;
@@ -102,16 +105,17 @@ def validate(source: str | os.PathLike[str] | Catalog, deep: bool = False, check
         >>> report.ok, report.problems, report.missing_elements
         (True, (), 0)
     """
-    return validate_catalog(_catalog(source, tag, layout_rules), deep=deep, checksums=checksums, progress=progress)
+    return validate_catalog(_catalog(source, tag, layout_rules, config), deep=deep, checksums=checksums,
+                            progress=progress)
 
 
 def prove_complete(source: str | os.PathLike[str] | Catalog, *, tag: str | None = None,
-                   layout_rules: str | None = None) -> Complete:
+                   layout_rules: str | None = None, config: str | None = None) -> Complete:
     """The proof that a checkpoint is whole, which plan, convert and export take.
 
     Args:
         source: a checkpoint's path, or its Catalog.
-        tag, layout_rules: as for open_checkpoint, when `source` is a path.
+        tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
 
     Returns:
         A Complete: the catalog and the report that proved it. A checkpoint with problems raises a ReshardError
@@ -122,12 +126,12 @@ def prove_complete(source: str | os.PathLike[str] | Catalog, *, tag: str | None 
         >>> complete.report.ok
         True
     """
-    return prove_catalog_complete(_catalog(source, tag, layout_rules))
+    return prove_catalog_complete(_catalog(source, tag, layout_rules, config))
 
 
 def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, tag: str | None = None,
-         layout_rules: str | None = None, tag_out: str | None = None, fmt: str | None = None,
-         new_rank_state: str = FRESH, dst: str | os.PathLike[str] | None = None,
+         layout_rules: str | None = None, config: str | None = None, tag_out: str | None = None,
+         fmt: str | None = None, new_rank_state: str = FRESH, dst: str | os.PathLike[str] | None = None,
          memory_budget: int | None = None, workers: int = 1, names: str | None = None) -> PlanSummary:
     """What a conversion would read and write, without writing, as `reshard plan` shows it.
 
@@ -135,7 +139,7 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         source: a checkpoint's path, its Catalog, or the Complete proof of it.
         to: the target topology: KEY=VALUE pairs ("dp=4,zero=3"; keys left out keep the source's) or a layout
             descriptor file (a path, or the name of one shipped with reshard: "dp4-zero3").
-        tag, layout_rules: as for open_checkpoint, when `source` is a path.
+        tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
         tag_out: the output's tag (default: the source's).
         fmt: the output's format (deepspeed, dcp, universal; default: the source's).
         new_rank_state: a training framework's per-process files for processes the source lacked: "fresh",
@@ -156,22 +160,23 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         ('dp=4,tp=1,pp=1,zero=2', 8, True)
     """
     from reshard.plan_summary import summarize
-    complete = _complete(source, tag, layout_rules)
+    complete = _complete(source, tag, layout_rules, config)
     made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     return summarize(complete.catalog, made, fmt=fmt, new_rank_state=new_rank_state,
                      dst=None if dst is None else os.fspath(dst), memory_budget=memory_budget, workers=workers)
 
 
 def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.PathLike[str], to: str = "", *,
-            tag: str | None = None, layout_rules: str | None = None, tag_out: str | None = None,
-            fmt: str | None = None, new_rank_state: str = FRESH, workers: int = 1,
+            tag: str | None = None, layout_rules: str | None = None, config: str | None = None,
+            tag_out: str | None = None, fmt: str | None = None, new_rank_state: str = FRESH, workers: int = 1,
             memory_budget: int | None = None, overwrite: bool = False, resume: bool = False,
             progress: bool = False, names: str | None = None) -> Written | None:
     """Write the checkpoint for another topology (or format), as `reshard convert` does; the framework resumes
     from the output with its own load call. Under torchrun the ranks share the files.
 
     Args:
-        source, to, tag, layout_rules, tag_out, fmt, new_rank_state, workers, memory_budget, names: as for plan.
+        source, to, tag, layout_rules, config, tag_out, fmt, new_rank_state, workers, memory_budget, names: as for
+            plan.
         dst: the new save dir (created; it must be empty, or `overwrite`).
         overwrite: replace a non-empty `dst`.
         resume: after an interrupted run, keep the files it finished (checked by sha256).
@@ -187,7 +192,7 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
         >>> written.output.topology, reshard.validate("new/").ok
         ('dp=4,tp=1,pp=1,zero=2', True)
     """
-    complete = _complete(source, tag, layout_rules)
+    complete = _complete(source, tag, layout_rules, config)
     made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     written = _execute(made, dst, overwrite=overwrite, memory_budget=memory_budget, workers=workers,
                        progress=progress, resume=resume)
@@ -216,7 +221,7 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
         weights: "master" (the fp32 master copy) or "module" (the saved 16-bit copy, where there is one).
         names: an export-names rule file (a path, or a name shipped with reshard) renaming and cutting weights.
         config: the model's config.json for a checkpoint without one (torchtitan's): written beside the weights,
-            its values answering the rules' counts by name.
+            its values answering the rules' counts by name; the reader's too where its format takes one.
         memory_budget, overwrite, resume, progress: as for convert.
 
     Returns:
@@ -228,7 +233,10 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
         >>> written.output.format, [os.path.basename(f.path) for f in written.files]
         ('safetensors', ['model.safetensors'])
     """
-    complete = _complete(source, tag, layout_rules)
+    # the config is also the reader's where its format takes one (torchtitan's fused q/k/v)
+    read_config = config if config and not isinstance(source, Catalog | Complete) and \
+        takes(os.fspath(source), tag, "config") else None
+    complete = _complete(source, tag, layout_rules, read_config)
     made, single_file = export_plan(complete, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
                                               with_optimizer=with_optimizer, fmt=fmt, weights=weights, names=names,
                                               config=config)
@@ -237,7 +245,7 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
 
 
 def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalog, *, tag_a: str | None = None,
-         tag_b: str | None = None, layout_rules: str | None = None, atol: float = 0.0,
+         tag_b: str | None = None, layout_rules: str | None = None, config: str | None = None, atol: float = 0.0,
          progress: bool = False) -> DiffReport:
     """Compare two checkpoints of any formats and topologies, tensor by tensor, as `reshard diff` does.
 
@@ -245,6 +253,7 @@ def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalo
         a, b: two checkpoints' paths, or their Catalogs.
         tag_a, tag_b: the tags to read, for DeepSpeed save dirs.
         layout_rules: as for open_checkpoint; it goes to whichever side's format takes it.
+        config: as for open_checkpoint; it goes to each side whose format takes it.
         atol: the largest absolute difference still equal.
         progress: a bar of the bytes read on stderr, where it is a terminal.
 
@@ -265,16 +274,22 @@ def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalo
              takes(os.fspath(side), side_tag, "layout_rules") else None for side, side_tag in sides]
     if layout_rules and not any(rules):
         rules[0] = layout_rules
-    catalog_a, catalog_b = (_catalog(side, side_tag, r) for (side, side_tag), r in zip(sides, rules, strict=True))
+    configs = [config if config and not isinstance(side, Catalog) and takes(os.fspath(side), side_tag, "config")
+               else None for side, side_tag in sides]
+    if config and not any(configs):
+        configs[0] = config
+    catalog_a, catalog_b = (_catalog(side, side_tag, r, c) for (side, side_tag), r, c
+                            in zip(sides, rules, configs, strict=True))
     return compare(catalog_a, catalog_b, atol=atol, progress=progress)
 
 
-def _catalog(source, tag: str | None, layout_rules: str | None) -> Catalog:
-    return source if isinstance(source, Catalog) else open_checkpoint(source, tag, layout_rules)
+def _catalog(source, tag: str | None, layout_rules: str | None, config: str | None = None) -> Catalog:
+    return source if isinstance(source, Catalog) else open_checkpoint(source, tag, layout_rules, config)
 
 
-def _complete(source, tag: str | None, layout_rules: str | None) -> Complete:
-    return source if isinstance(source, Complete) else prove_catalog_complete(_catalog(source, tag, layout_rules))
+def _complete(source, tag: str | None, layout_rules: str | None, config: str | None = None) -> Complete:
+    return source if isinstance(source, Complete) else \
+        prove_catalog_complete(_catalog(source, tag, layout_rules, config))
 
 
 def _execute(made, dst, memory_budget: int | None, **options) -> Written | None:

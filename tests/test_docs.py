@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ import lifecycle_runs
 from conftest import REPO, fixture_dir
 from doc_blocks import SETUP_REASON, Block, DocBlockError, blocks, commands, is_setup, run_block
 from test_framework_files import hf_folder
+from test_torchtitan import hf_config
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 BLOCKS = [b for page in PAGES for b in blocks(page)]
@@ -69,8 +71,13 @@ def evals_csv(root):
     return path
 
 
+def torchtitan_config(root):
+    """The Hugging Face config.json of the torchtitan fixtures' model (what a torchtitan run's hf_assets_path holds)."""
+    return Path(hf_config(root))
+
+
 MAKERS = {"deepspeed-run": deepspeed_run, "trainer-run": trainer_run, "hf-trainer-deepspeed": hf_trainer_deepspeed,
-          "accelerate-deepspeed": accelerate_deepspeed, "evals-csv": evals_csv}
+          "accelerate-deepspeed": accelerate_deepspeed, "evals-csv": evals_csv, "torchtitan-config": torchtitan_config}
 
 
 @pytest.fixture(scope="session")

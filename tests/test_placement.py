@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from reshard.core.catalog import Fragment, TensorDraft
 from reshard.core.locate import Locator
-from reshard.core.placement import Block, Shard, flat_boxes, full_index, regions, tiles
+from reshard.core.placement import Block, Shard, flat_boxes, full_index, regions, through, tiles
 from reshard.core.storage_ref import StorageRef
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
@@ -80,3 +80,18 @@ def test_full_index_maps_a_shard_element_to_the_tensor():
     assert full_index(shard, (8, 8), 4) == 5 * 8 + 3
     assert full_index(Shard((2, 3), ()), (8, 8), 4) is None
     assert Shard.box((0, 0), (3, 4)) == Shard.whole((3, 4))
+
+
+def test_a_shard_seen_through_a_view_places_the_rows_the_view_takes():
+    """T (12 rows of 3) holds U's 6 rows as two groups of 3 rows at T's rows 1-3 and 7-9 (a fused q/k/v's q): each
+    chunk of T's rows, seen through that view, places exactly the elements numpy's indexing says, and no others."""
+    t_shape, u_shape = (12, 3), (6, 3)
+    view = (Block((0, 0), (1, 0), (3, 3)), Block((3, 0), (7, 0), (3, 3)))
+    t_of_u = np.concatenate([np.arange(12 * 3).reshape(t_shape)[1:4], np.arange(12 * 3).reshape(t_shape)[7:10]])
+    for a, b in itertools.combinations(range(13), 2):
+        shard = through(Shard.box((a, 0), (b - a, 3)), view)
+        assert shard.shape == (b - a, 3)
+        for i in range(shard.numel):
+            t_index = a * 3 + i
+            hit = np.flatnonzero(t_of_u.reshape(-1) == t_index)
+            assert full_index(shard, u_shape, i) == (int(hit[0]) if hit.size else None), (a, b, i)

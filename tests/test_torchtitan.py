@@ -2,9 +2,13 @@
 ranks: tools/fixture_torchtitan.py) read whole, and converted to another world size and resumed by torchtitan itself.
 
 Reading: `inspect` names torchtitan, its step and dp, and lists its own entries (lr_scheduler, dataloader,
-train_state); `validate --deep` finds model and optimizer complete, every optimizer state on a model parameter; a
-fused-QKV save (every llama3 flavor's default) is refused naming the fused parameter: its optimizer state cannot be
-placed on the model's wq/wk/wv without the key-value head count, which the save does not record.
+train_state); `validate --deep` finds model and optimizer complete, every optimizer state on a model parameter.
+A fused-QKV save (every llama3 flavor's default) reads whole with `--config` (its key-value head count): the moments
+of wq, wk, wv, exported or converted to DCP, are torchtitan's own save hook's split of the fused state torch's
+dcp_to_torch_save reads, its weights give torchtitan's own logits in transformers, and it equals its unfused twin of
+the same run (atol 1e-6); without `--config` it is refused naming what to give, a count that does not cut the rows is
+refused in one line, and a wrong count that does (1) gives moments that differ from the truth (the controls);
+`convert --format torchtitan` of it is refused in one line.
 
 Export: `export --names torchtitan-llama --config config.json` writes a folder transformers' LlamaForCausalLM
 loads, whose logits on the fixture's fixed batch equal torchtitan's own forward of the saved weights (the fixture's
@@ -65,14 +69,142 @@ def test_validate_deep_finds_model_and_optimizer_complete():
         assert catalog.scalars_of_param(name)["step"].value == 3.0
 
 
-def test_a_fused_qkv_save_is_refused_naming_the_fused_parameter():
+def test_a_fused_qkv_save_without_a_config_is_refused_naming_what_to_give():
     proc = run_cli("validate", FUSED)
     assert proc.returncode != 0
-    assert "the optimizer names layers.0.attention.qkv_linear.wqkv.weight, which the model state dict lacks" \
+    assert "the optimizer names layers.0.attention.qkv_linear.wqkv.weight, which the model state dict lacks " \
+        "(torchtitan's fused q, k and v: --config, the model's config.json, gives its key-value head count)" \
         in proc.stdout + proc.stderr
 
 
-def _hf_config(folder) -> str:
+def _fused_config(tmp_path, kv_heads: int | None = None, head_dim: bool = False) -> str:
+    """The fixture's Hugging Face config.json; where `kv_heads` is given (a wrong count), with it and without its
+    head_dim (which would refuse it) unless `head_dim`."""
+    config = hf_config(tmp_path / f"config-{kv_heads}-{head_dim}")
+    if kv_heads is not None:
+        values = json.loads(open(config).read())
+        values["num_key_value_heads"] = kv_heads
+        if not head_dim:
+            del values["head_dim"]
+        open(config, "w").write(json.dumps(values))
+    return config
+
+
+def test_a_fused_qkv_save_with_its_config_validates_deep_complete(tmp_path):
+    config = _fused_config(tmp_path)
+    assert run_cli("validate", "--deep", FUSED, "--config", config, check=0).stdout.startswith("complete;")
+    catalog = reshard.open_checkpoint(str(FUSED), config=config)
+    assert set(catalog.params) == set(reshard.open_checkpoint(str(SOURCE)).params)    # wq, wk, wv; no wqkv
+    for name in catalog.params:
+        assert {TensorKey(name, s) for s in ("exp_avg", "exp_avg_sq")} <= set(catalog.tensors)
+        assert catalog.scalars_of_param(name)["step"].value == 3.0
+    # no byte copied: wq's moments are row boxes of the stored wqkv chunks
+    fragments = catalog.tensors[TensorKey("layers.0.attention.qkv_linear.wq.weight", "exp_avg")].fragments
+    assert {f.shard.shape for f in fragments} == {(16, 16)} and all(len(f.shard.blocks) == 1 for f in fragments)
+
+
+def _torchtitans_own_split(state: dict, kv_heads: int) -> dict:
+    """{wq/wk/wv name: tensor} of each fused `wqkv` tensor of `state` (an optimizer state read by torch's
+    dcp_to_torch_save), split by torchtitan's own save hook (FusedQKVLinear._split_qkv_on_save) as it splits the
+    model's, for a module of the fixture's shape (truth.json) with `kv_heads` key-value heads."""
+    from types import SimpleNamespace
+
+    import torchtitan_cpu
+    torchtitan_cpu.install()
+    from torchtitan.models.common.attention import FusedQKVLinear
+    m = json.loads((ROOT / "torchtitan_llama_fused_fsdp2" / "truth.json").read_text())["model"]
+    module = SimpleNamespace(head_dim=m["dim"] // m["n_heads"], heads_per_kv=m["n_heads"] // kv_heads,
+                             r_dim=m["n_heads"] // kv_heads + 2)
+    out = {}
+    for key, tensor in state.items():
+        prefix, fused, param = key.rpartition("wqkv.")
+        if fused:
+            split = {f"{prefix}wqkv.{param}": tensor}
+            FusedQKVLinear._split_qkv_on_save(module, split, prefix, None)
+            out.update(split)
+    return out
+
+
+def test_a_fused_qkv_export_with_optimizer_is_torchtitans_own_split(tmp_path):
+    """Both moments of wq, wk, wv as torchtitan's own hook splits the fused state torch's dcp_to_torch_save reads;
+    the other tensors as torch reads them. The control: a config with one key-value head (the shapes still cut) gives
+    other moments (without a head_dim; with the config's head_dim it is refused), and one with 3 is refused in one
+    line."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(FUSED, tmp_path / "truth.pt")
+    truth = torch.load(tmp_path / "truth.pt", weights_only=False)
+    for kv_heads, equal in ((None, True), (1, False)):
+        out = tmp_path / f"out-{kv_heads}"
+        run_cli("export", FUSED, out, "--with-optimizer", "--config", _fused_config(tmp_path, kv_heads), "--quiet",
+                check=0)
+        for state in ("exp_avg", "exp_avg_sq"):
+            got = load_file(out / f"optimizer-{state}.safetensors")
+            moments = {k[len("state."):-len(f".{state}")]: v for k, v in truth["optimizer"].items()
+                       if k.endswith(f".{state}")}
+            expected = {**{k: v for k, v in moments.items() if "wqkv" not in k}, **_torchtitans_own_split(moments, 2)}
+            assert set(got) == set(expected) == set(load_file(out / "model.safetensors")), state
+            same = [torch.equal(got[k], expected[k]) for k in expected]
+            assert all(same) if equal else not all(same), (kv_heads, state)
+    for config, message in ((_fused_config(tmp_path, 3), "3 key-value heads do not cut k's 8 rows and q's 16 into "
+                             "whole heads of one size"),
+                            (_fused_config(tmp_path, 1, head_dim=True), "1 key-value heads make k's 8 rows heads of "
+                             "8, not the config's head_dim 4")):
+        proc = run_cli("validate", FUSED, "--config", config)
+        assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, \
+            proc.stderr
+
+
+def test_a_fused_qkv_export_loads_in_transformers_with_torchtitans_own_logits(tmp_path):
+    """The fused run's weights (saved split by its hook) under Hugging Face's names: LlamaForCausalLM gives the logits
+    torchtitan's own forward of the fused model gave (the fixture's truth_forward)."""
+    import torch
+    run_cli("export", FUSED, tmp_path / "hf", "--names", "torchtitan-llama", "--config", _fused_config(tmp_path),
+            "--quiet", check=0)
+    logits, truth = _logits(tmp_path / "hf", "torchtitan_llama_fused_fsdp2")
+    torch.testing.assert_close(logits, truth, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_save_equals_its_unfused_twin_of_the_same_run(tmp_path):
+    """The two fixtures are one run (same seeds, same losses: truth.json), fused or not: equal up to the fused
+    matmul's rounding (atol 1e-6); with a wrong key-value head count the moments of q, k and v differ."""
+    truths = [json.loads((ROOT / n / "truth.json").read_text()) for n in ("torchtitan_llama_fsdp2",
+                                                                          "torchtitan_llama_fused_fsdp2")]
+    assert truths[0]["losses"] == truths[1]["losses"] and [t["fuse_qkv"] for t in truths] == [False, True]
+    out = run_cli("diff", FUSED, SOURCE, "--config", _fused_config(tmp_path), "--atol", "1e-6", check=0).stdout
+    assert "no difference (atol 1e-06): 63 tensors" in out, out
+    proc = run_cli("diff", FUSED, SOURCE, "--config", _fused_config(tmp_path, 1), "--atol", "1e-6", check=1)
+    assert "layers.1.attention.qkv_linear.wq.weight (exp_avg_sq)" in proc.stdout, proc.stdout
+
+
+def test_a_fused_qkv_save_converted_to_dcp_holds_torchtitans_own_split_as_torch_reads_it(tmp_path):
+    """convert --format dcp at 3 ranks writes wq, wk, wv with their moments and steps: torch's dcp_to_torch_save of the
+    output holds torchtitan's own hook's split of the source's fused state (as torch reads it), the rest as saved."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    run_cli("convert", FUSED, tmp_path / "dcp", "--format", "dcp", "--to", "dp=3", "--config", _fused_config(tmp_path),
+            "--quiet", check=0)
+    dcp_to_torch_save(FUSED, tmp_path / "truth.pt")
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "out.pt")
+    truth, out = (torch.load(tmp_path / n, weights_only=False) for n in ("truth.pt", "out.pt"))
+    for state in ("exp_avg", "exp_avg_sq"):
+        moments = {k[len("state."):-len(f".{state}")]: v for k, v in truth["optimizer"].items()
+                   if k.endswith(f".{state}")}
+        expected = {**{k: v for k, v in moments.items() if "wqkv" not in k}, **_torchtitans_own_split(moments, 2)}
+        assert set(out["optim"]["state"]) == set(expected) == set(out["model"])
+        assert all(torch.equal(out["optim"]["state"][k][state], v) for k, v in expected.items()), state
+    assert {float(s["step"]) for s in out["optim"]["state"].values()} == {3.0}
+
+
+def test_a_fused_qkv_save_to_torchtitan_is_refused_in_one_line(tmp_path):
+    proc = run_cli("convert", FUSED, tmp_path / "out", "--format", "torchtitan", "--config", _fused_config(tmp_path))
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert "torchtitan's fused q/k/v (2 wqkv parameters) is not written back to torchtitan yet" in proc.stderr and \
+        len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def hf_config(folder) -> str:
     """The Hugging Face config.json of the fixture's model (what a torchtitan run's hf_assets_path holds)."""
     from transformers import LlamaConfig
     m = json.loads((ROOT / "torchtitan_llama_fsdp2" / "truth.json").read_text())["model"]
@@ -84,11 +216,11 @@ def _hf_config(folder) -> str:
     return str(folder / "config.json")
 
 
-def _logits(folder):
+def _logits(folder, fixture: str = "torchtitan_llama_fsdp2"):
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
-    truth = load_file(ROOT / "torchtitan_llama_fsdp2" / "truth_forward.safetensors")
+    truth = load_file(ROOT / fixture / "truth_forward.safetensors")
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(truth["tokens"]).logits, truth["logits"]
@@ -96,7 +228,7 @@ def _logits(folder):
 
 def test_export_loads_in_transformers_with_torchtitans_own_logits(tmp_path):
     import torch
-    config = _hf_config(tmp_path / "assets")
+    config = hf_config(tmp_path / "assets")
     run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", config, "--quiet",
             check=0)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(open(config).read())
@@ -123,7 +255,7 @@ def test_export_holds_what_torchtitans_own_hf_adapter_gives(tmp_path):
     import torchtitan_cpu
     torchtitan_cpu.install()
     from torchtitan.models.llama3 import Llama3StateDictAdapter
-    run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", _hf_config(tmp_path / "a"),
+    run_cli("export", SOURCE, tmp_path / "hf", "--names", "torchtitan-llama", "--config", hf_config(tmp_path / "a"),
             "--quiet", check=0)
     dcp_to_torch_save(SOURCE, tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=False)

@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--tag-out", metavar="TAG", help="tag of the converted checkpoint (default: the source's)")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
+    _config_arg(p)
     p.add_argument("--format", dest="fmt", metavar=f"{{{','.join(WRITERS)}}}", help=TARGET_FORMAT_HELP)
     _module_names_arg(p)
     _new_rank_state_arg(p)
@@ -191,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE",
                    help="the model's config.json (Hugging Face's) for a checkpoint that holds none (torchtitan's: the "
                         "one in the run's hf_assets_path): written beside the weights, its values answering the "
-                        "--names rules' counts by name (head_dim)")
+                        "--names rules' counts by name (head_dim); and the reader's (a torchtitan save with fused "
+                        "q/k/v: its key-value head count)")
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--resume", action="store_true",
@@ -212,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag-a", metavar="TAG", help="tag of A, for a DeepSpeed save dir")
     p.add_argument("--tag-b", metavar="TAG", help="tag of B, for a DeepSpeed save dir")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
+    _config_arg(p)
     p.add_argument("--atol", type=_tolerance, default=0.0, metavar="X",
                    help="largest absolute difference still equal (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -384,7 +387,16 @@ def _source_args(p):
     p.add_argument("path", metavar="PATH", help=SOURCE_HELP)
     p.add_argument("--tag", help="the tag folder to read (default: the one named in 'latest')")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
+    _config_arg(p)
     _quiet_arg(p)
+
+
+CONFIG_HELP = ("the model's config.json (Hugging Face's) where the checkpoint does not record what it gives: a "
+               "torchtitan save with fused q/k/v (every llama3 flavor's default) needs its key-value head count")
+
+
+def _config_arg(p) -> None:
+    p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
 
 
 def _module_names_arg(p) -> None:

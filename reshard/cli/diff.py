@@ -7,7 +7,7 @@ from reshard.cli.output import dump
 
 def run(args) -> int:
     report = reshard.diff(args.a, args.b, tag_a=args.tag_a, tag_b=args.tag_b, layout_rules=args.layout_rules,
-                          atol=args.atol, progress=not args.quiet)
+                          config=args.config, atol=args.atol, progress=not args.quiet)
     if args.json:
         dump(report.to_dict())
     else:

@@ -6,7 +6,7 @@ from reshard.cli.output import print_written
 
 
 def run(args) -> int:
-    written = reshard.export(reshard.open_checkpoint(args.path, args.tag, args.layout_rules), args.out,
+    written = reshard.export(args.path, args.out, tag=args.tag, layout_rules=args.layout_rules,
                              dtype=args.dtype, max_shard_size=args.max_shard_size, with_optimizer=args.with_optimizer,
                              fmt=args.format, weights=args.weights, names=args.names, config=args.config,
                              memory_budget=args.memory_budget, overwrite=args.overwrite, resume=args.resume,

@@ -10,7 +10,7 @@ from reshard.text import counted
 
 
 def run(args) -> int:
-    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules)
+    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config)
     info = reshard.inspect(catalog, params=args.params)
     if args.json:
         dump(info.to_dict())

@@ -6,8 +6,8 @@ from reshard.cli.output import dump
 
 
 def run(args) -> int:
-    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules), deep=args.deep,
-                              checksums=args.checksums, progress=not args.quiet)
+    report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config),
+                              deep=args.deep, checksums=args.checksums, progress=not args.quiet)
     if args.json:
         dump(report.to_dict())
     else:

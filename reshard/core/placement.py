@@ -176,3 +176,20 @@ def full_index(shard: Shard, full_shape: Sequence[int], index: int) -> int | Non
             at = [a + i - lo for a, i, lo in zip(block.at, local, block.local, strict=True)]
             return offset(at, strides(full_shape))
     return None
+
+
+def through(shard: Shard, view: Iterable[Block]) -> Shard:
+    """`shard` of a tensor T seen as a shard of another tensor U whose boxes sit in T as `view` says (each
+    Block: `at` in U, `local` in T): the same stored elements, each block of the result a box of U. What `view`
+    does not place in T (another tensor's rows, fused beside U's) is not placed. Closed form: a block meets a view
+    box in at most one box."""
+    out: list[Block] = []
+    for block in shard.blocks:
+        for box in view:
+            hit = intersect(block.at, block.shape, box.local, box.shape)
+            if hit is None:
+                continue
+            at, shape = hit
+            out.append(Block(tuple(v + a - loc for v, a, loc in zip(box.at, at, box.local, strict=True)),
+                             tuple(b + a - t for b, a, t in zip(block.local, at, block.at, strict=True)), shape))
+    return Shard(shard.shape, tuple(out))

@@ -54,15 +54,16 @@ WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topol
             "torchtitan": WriterEntry("reshard.formats.dcp.torchtitan_writer", MESH_ONLY)}
 
 
-def read(path: str, tag: str | None = None, layout_rules: str | None = None):
+def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how
-    their tensors were cut. A training framework's folder around a DeepSpeed save (HF Trainer's checkpoint-N/,
-    Accelerate's save_state dir, Lightning's *.ckpt/) is read as that save, with the framework's own files in
-    catalog.framework and any of them missing in catalog.problems."""
+    their tensors were cut. `config`: the model's config.json, for a checkpoint that does not record what it gives
+    (a torchtitan save's fused q/k/v: the key-value head count). A training framework's folder around a DeepSpeed
+    save (HF Trainer's checkpoint-N/, Accelerate's save_state dir, Lightning's *.ckpt/) is read as that save, with
+    the framework's own files in catalog.framework and any of them missing in catalog.problems."""
     reader = reader_for(path, tag)
     rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
-    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules)))
+    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules, config)))
     catalog.check_dtypes()
     around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)

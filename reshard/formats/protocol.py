@@ -45,6 +45,9 @@ class ReadRequest:
     layout_rules: str | None = field(default=None, metadata={
         "flag": "--layout-rules", "use": "layout rules say how tensor parallelism cut a DeepSpeed checkpoint "
                                          "that does not record it"})
+    config: str | None = field(default=None, metadata={
+        "flag": "--config", "use": "a model's config.json gives what a torchtitan save with fused q/k/v does not "
+                                   "record: its key-value head count"})
 
     def given(self) -> dict:
         """{field name: value} of the options given."""
@@ -65,6 +68,12 @@ class NoOptions:
 class TagOption:
     """The OPTIONS of a format whose save dir holds tag folders."""
     tag: str | None = None
+
+
+@dataclass(frozen=True)
+class ConfigOption:
+    """The OPTIONS of a format whose saves may lack the model's shape: the model's config.json (a path)."""
+    config: str | None = None
 
 
 @runtime_checkable

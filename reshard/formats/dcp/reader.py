@@ -25,24 +25,25 @@ A tied name looks like a frozen param.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, ParamInfo, TensorDraft, TrainingState
 from reshard.core.dtypes import is_floating
 from reshard.core.layout import Layout
+from reshard.core.placement import Shard, through
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as md, torchtitan
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.formats.framework.files import Framework
-from reshard.formats.protocol import NoOptions
+from reshard.formats.protocol import ConfigOption
 from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.storage import files as fs
 
 MODEL_KEYS = ("model", "state_dict")     # the model's top-level key: get_state_dict's, Lightning's ModelParallel
 OPTIM_PREFIXES = ("optim.", "optimizer.", "optimizer_0.")     # get_state_dict, Accelerate, Lightning
 FORMAT = "dcp"
-OPTIONS = NoOptions       # one directory is one checkpoint: no tag
+OPTIONS = ConfigOption    # one directory is one checkpoint: no tag; a model config for torchtitan's fused q/k/v
 IN_FRAMEWORK_FOLDERS = False
 
 
@@ -52,6 +53,7 @@ class DcpNotes:
     folder's own entries (torchtitan.OwnEntry), which its writer carries."""
     other_keys: tuple = ()
     own: tuple = ()
+    fused: tuple = ()       # the fused parameters (torchtitan.Part lists) whose optimizer state was read as parts
 
     def param_details(self, name: str) -> dict:
         return {}
@@ -74,20 +76,21 @@ def sniff(path: str, tag: str | None) -> bool:
     return any(RANK_FILE.search(n) for n in fs.listdir(path))
 
 
-def read(path: str, options: NoOptions) -> Catalog:
+def read(path: str, options: ConfigOption) -> Catalog:
     root = fs.abspath(path)
     meta_path = os.path.join(root, METADATA)
     if not fs.isfile(meta_path):
         raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")
     meta = md.read(meta_path)
     catalog = CatalogBuilder(root, "dcp", Layout.of(1), save_dir=root)
-    return build(catalog, meta, Chunks(root, meta, catalog))
+    return build(catalog, meta, Chunks(root, meta, catalog), options.config)
 
 
-def build(catalog: CatalogBuilder, meta, chunks: Chunks) -> Catalog:
+def build(catalog: CatalogBuilder, meta, chunks: Chunks, config: str | None = None) -> Catalog:
     """The catalog of the DCP items `meta` names (one folder's `.metadata`, or several joined: chunks.joined),
     located by `chunks`. Where planner_data records an item's path in the nested state dict, the parameter's name
-    is taken from it, never split out of the flat key (a name may hold dots)."""
+    is taken from it, never split out of the flat key (a name may hold dots). `config`: the model's config.json,
+    which places a torchtitan save's fused q/k/v optimizer state on the model's parameters."""
     planner = meta.planner_data if isinstance(getattr(meta, "planner_data", None), dict) else {}
     values, model, optim = {}, {}, {}
     for key, entry in meta.state_dict_metadata.items():     # types checked by md.read
@@ -106,6 +109,7 @@ def build(catalog: CatalogBuilder, meta, chunks: Chunks) -> Catalog:
              and k not in {f"{CARRIED_PREFIX}.{c}" for c in carried} and not (titan and torchtitan.owns(k))]
     model = {k: v for k, v in model.items() if k in model_names}
     groups = _param_groups(planner, values, chunks)
+    fused = _fused(groups, model, model_names, config) if titan else {}
     group_of = {name: g for g, group in enumerate(groups) for name in group["params"]}
     catalog.param_groups = groups
     world = chunks.world()
@@ -131,18 +135,24 @@ def build(catalog: CatalogBuilder, meta, chunks: Chunks) -> Catalog:
     groups_key = next((k for k in values if k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))), "")
     for name in group_of:
         if name not in catalog.params:
+            hint = (" (torchtitan's fused q, k and v: --config, the model's config.json, gives its key-value head "
+                    "count)") if titan and torchtitan.part_names(name) and config is None else ""
             catalog.problem(chunks.meta_of(groups_key), f"the optimizer names {name}, which the model state dict "
-                                                        "lacks")
+                                                        f"lacks{hint}")
     catalog.group_scalars = [{} for _ in groups]
     for key, entry in optim.items():
         fqn, state = _state_of(key, planner)
-        if fqn not in group_of:
+        parts = fused.get(fqn)
+        if fqn not in group_of and not parts:
             catalog.problem(chunks.meta_of(key), f"{key}: optimizer state of a parameter no param group holds")
             continue
         if state == "step" and not entry.size:
             step = chunks.scalar(key, entry)
             if step is not None:      # Adam counts steps per param: FSDP's get_state_dict saves each its own
-                catalog.record_param_scalar(group_of[fqn], fqn, state, step, chunks.meta_of(key))
+                for name in [p.name for p in parts] if parts else [fqn]:
+                    catalog.record_param_scalar(group_of[name], name, state, step, chunks.meta_of(key))
+        elif parts:
+            _add_parts(catalog, chunks.tensor(key, entry, fqn, state), parts)
         else:
             chunks.tensor(key, entry, fqn, state)
     catalog.files = chunks.files()
@@ -152,7 +162,7 @@ def build(catalog: CatalogBuilder, meta, chunks: Chunks) -> Catalog:
             carried = {**carried, "global_steps": step}
         catalog.framework = Framework(torchtitan.NAME, catalog.root, (), (), world=world, backend=torchtitan.BACKEND)
     _finish(catalog, world, carried)
-    catalog.notes = DcpNotes(tuple(other), own)
+    catalog.notes = DcpNotes(tuple(other), own, tuple(fused.values()))
     return catalog.freeze()
 
 
@@ -169,6 +179,51 @@ def _own(values: dict, planner: dict, chunks) -> tuple:
         out.append(torchtitan.OwnEntry(key, tuple(path) if isinstance(path, (tuple, list)) else tuple(key.split(".")),
                                        blob, value))
     return tuple(out)
+
+
+def _fused(groups: list, model: dict, names: dict, config: str | None) -> dict:
+    """{fused parameter: its torchtitan.Part list} for each parameter the optimizer names whose parts the model
+    saved (torchtitan's wqkv as wq, wk, wv), each group naming the parts in its place; {} without a `config`
+    (the parameter is then reported as one the model lacks), and a one-line refusal where the config's head count
+    does not cut the shapes."""
+    shapes = {names[k]: tuple(int(d) for d in entry.size) for k, entry in model.items() if k in names}
+    fused = {}
+    for group in groups:
+        for name in group["params"]:
+            parts = torchtitan.part_names(name)
+            if name in shapes or not parts or not all(p in shapes for p in parts) or config is None:
+                continue
+            found = torchtitan.fused_parts(_fused_shape(name, model, names), {p: shapes[p] for p in parts},
+                                           torchtitan.heads_of(config))
+            if isinstance(found, str):
+                raise CheckpointError(config, f"{name}: {found}")
+            fused[name] = found
+        group["params"] = [p for name in group["params"]
+                           for p in ([part.name for part in fused[name]] if name in fused else [name])]
+    return fused
+
+
+def _fused_shape(name: str, model: dict, names: dict) -> tuple:
+    """The fused parameter's shape: its parts' rows summed (the optimizer's state has it too, but a parameter
+    without a state yet must still be placed)."""
+    shapes = [tuple(int(d) for d in model[k].size) for k in names if names[k] in torchtitan.part_names(name)]
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def _add_parts(catalog: CatalogBuilder, whole: TensorDraft, parts: tuple) -> None:
+    """The fused state `whole` (just read) replaced by each part's: the same fragments, each shard's blocks seen
+    through the part's rows (placement.through); a fragment holding none of a part's rows is not the part's."""
+    del catalog.tensors[whole.key]
+    if whole.shape[0] != sum(p.shape[0] for p in parts):
+        raise CheckpointError(catalog.root, f"{whole.name} ({whole.state}): {list(whole.shape)}, not its "
+                                            "parameter's shape")
+    for part in parts:
+        fragments = []
+        for fragment in whole.fragments:
+            shard = through(fragment.shard or Shard.whole(whole.shape), part.view)
+            if shard.blocks:
+                fragments.append(replace(fragment, shard=shard))
+        catalog.add(TensorDraft(part.name, whole.state, part.shape, whole.dtype, fragments))
 
 
 def _ties(model: dict, names: dict, group_of: dict, chunks) -> dict:

@@ -13,17 +13,23 @@ from dataclasses import replace
 from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output
+from reshard.errors import ReshardError
 from reshard.formats.dcp import keys, writer as dcp_writer
 from reshard.formats.dcp.reader import DcpNotes
 from reshard.formats.dcp.torchtitan import OPTIMIZER
 
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = False
-SAVES_OWN_NAMES = False
+SAVES_OWN_NAMES = False        # it saves under the model's own FQNs
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     dcp_writer.check_target(target)
+    fused = catalog.notes.fused if isinstance(catalog.notes, DcpNotes) else ()
+    if fused:       # its optimizer keys the fused parameter: q, k and v would have to be interleaved back
+        raise ReshardError.at(catalog.root, f"torchtitan's fused q/k/v ({len(fused)} wqkv parameters) is not written "
+                                            "back to torchtitan yet: its optimizer keeps wqkv's state, not wq's, wk's "
+                                            "and wv's (--format dcp writes the three)")
     tensors: list[tuple] = []
     for entry in keys.tensor_entries(catalog):
         if entry.key.startswith(f"{keys.MODEL}."):
