@@ -35,7 +35,9 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 import torchrun_jobs  # noqa: E402
 
 STEPS = 3
-FOLDERS = {"fsdp": "accelerate_fsdp_sharded_dp2", "deepspeed": "accelerate_deepspeed_z2_dp2"}
+# FSDP's first: Accelerate's state, reset between jobs, takes an FSDP plugin after a DeepSpeed job no more
+FOLDERS = {"fsdp": "accelerate_fsdp_sharded_dp2", "fsdp_full": "accelerate_fsdp_full_dp2",
+           "deepspeed": "accelerate_deepspeed_z2_dp2"}
 
 
 def main() -> int:
@@ -43,8 +45,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(REPO, "fixtures"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        jobs = [{"mode": "save", "strategy": strategy, "dir": os.path.join(work, strategy, "state"), "steps": STEPS,
-                 "truth": os.path.join(work, strategy, "truth.safetensors") if strategy == "deepspeed" else None}
+        jobs = [{"mode": "save", "strategy": strategy.removesuffix("_full"),
+                 "dir": os.path.join(work, strategy, "state"), "steps": STEPS,
+                 "truth": os.path.join(work, strategy, "truth.safetensors") if strategy == "deepspeed" else None,
+                 "state_dict_type": "FULL_STATE_DICT" if strategy.endswith("_full") else "SHARDED_STATE_DICT"}
                 for strategy in FOLDERS]
         with open(os.path.join(work, "jobs.json"), "w") as f:
             json.dump(jobs, f)
@@ -56,7 +60,8 @@ def main() -> int:
             return 1
         with open(os.path.join(work, "results.json")) as f:
             done = json.load(f)
-        assert [r["distributed_type"] for r in done] == ["DistributedType.FSDP", "DistributedType.DEEPSPEED"], done
+        assert [r["distributed_type"] for r in done] == ["DistributedType.FSDP", "DistributedType.FSDP",
+                                                         "DistributedType.DEEPSPEED"], done
         assert all(r["problems"] == [] and r["counter"] == STEPS for r in done), done
         for strategy, folder in FOLDERS.items():
             target = os.path.join(args.out, folder)
