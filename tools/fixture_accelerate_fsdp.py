@@ -1,5 +1,5 @@
-"""Make fixtures/accelerate_{fsdp_sharded,deepspeed_z2}_dp2: what the real Accelerate save_state writes at 2 processes
-with FSDP2 (sharded state dict) and with DeepSpeed ZeRO-2, for the same run.
+"""Make fixtures/accelerate_{fsdp_sharded,fsdp_full,deepspeed_z2}_dp2: what the real Accelerate save_state writes at 2
+processes with FSDP2 (sharded and full state dict) and with DeepSpeed ZeRO-2, for the same run.
 
     python tools/fixture_accelerate_fsdp.py [--out fixtures]
 
@@ -12,13 +12,16 @@ AcceleratorState); every file is Accelerate's, DeepSpeed's and torch's own:
     accelerate_fsdp_sharded_dp2/state       FullyShardedDataParallelPlugin(fsdp_version=2, SHARDED_STATE_DICT):
                                             pytorch_model_fsdp_0/, optimizer_0/ (DCP), scheduler.bin,
                                             random_states_{0,1}.pkl, custom_checkpoint_0.pkl
+    accelerate_fsdp_full_dp2/state          the same with FULL_STATE_DICT: pytorch_model_fsdp.bin (the gathered model
+                                            state dict) and optimizer.bin (FSDP's full optimizer state dict, keyed by
+                                            FQN), torch.save'd by process 0, beside Accelerate's same four files
     accelerate_deepspeed_z2_dp2/state       DeepSpeedPlugin(ZeRO-2): latest, pytorch_model/ (DeepSpeed's tag),
                                             zero_to_fp32.py, zero_to_torch.py and Accelerate's same four files
     accelerate_deepspeed_z2_dp2/truth.safetensors   the live engine's fp32 params and Adam moments right after
                                             the save (engine_state.engine_tensors): a ZeRO-2 folder's flat
                                             partitions have no reader of torch's own to take the truth from
 
-The FSDP folder's truth is read by the tests with torch's dcp_to_torch_save, independently of reshard.
+The FSDP folders' truth is read by the tests with torch's dcp_to_torch_save and torch.load, independently of reshard.
 Versions: accelerate 1.16.0, transformers 5.21.0, torch 2.13.0, DeepSpeed 0.19.8.
 """
 from __future__ import annotations
