@@ -2,6 +2,7 @@
 processes with FSDP2 (sharded and full state dict) and with DeepSpeed ZeRO-2, for the same run.
 
     python tools/fixture_accelerate_fsdp.py [--out fixtures]
+    python tools/fixture_accelerate_fsdp.py --bench DIR     # only docs/performance.md's FSDP sharded save, DIR/state
 
 One torchrun launch (2 processes, CPU, gloo) of tests/accelerate_strategies.py: the tiny random Llama of
 tests/hf_trainer_fsdp.py (vocab 64, hidden 16, 2 layers), AdamW in two param groups and a linear-warmup scheduler,
@@ -36,6 +37,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import torchrun_jobs  # noqa: E402
+from fixture_hf_fsdp import BENCH  # noqa: E402
 
 STEPS = 3
 # FSDP's first: Accelerate's state, reset between jobs, takes an FSDP plugin after a DeepSpeed job no more
@@ -46,23 +48,22 @@ FOLDERS = {"fsdp": "accelerate_fsdp_sharded_dp2", "fsdp_full": "accelerate_fsdp_
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(REPO, "fixtures"))
+    parser.add_argument("--bench", help="write only the benchmark's FSDP sharded save (the 60M Llama of "
+                                        "tools/fixture_hf_fsdp.py, one step), DIR/state")
     args = parser.parse_args()
+    if args.bench:
+        os.makedirs(args.bench, exist_ok=True)
+        return 0 if launch([{"mode": "save", "strategy": "fsdp", "dir": os.path.join(args.bench, "state"), "steps": 1,
+                             "config": BENCH}], args.bench) else 1
     with tempfile.TemporaryDirectory() as work:
         jobs = [{"mode": "save", "strategy": strategy.removesuffix("_full"),
                  "dir": os.path.join(work, strategy, "state"), "steps": STEPS,
                  "truth": os.path.join(work, strategy, "truth.safetensors") if strategy == "deepspeed" else None,
                  "state_dict_type": "FULL_STATE_DICT" if strategy.endswith("_full") else "SHARDED_STATE_DICT"}
                 for strategy in FOLDERS]
-        with open(os.path.join(work, "jobs.json"), "w") as f:
-            json.dump(jobs, f)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "accelerate_strategies.py"),
-                                        os.path.join(work, "jobs.json"), os.path.join(work, "results.json")], env)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        done = launch(jobs, work)
+        if done is None:
             return 1
-        with open(os.path.join(work, "results.json")) as f:
-            done = json.load(f)
         assert [r["distributed_type"] for r in done] == ["DistributedType.FSDP", "DistributedType.FSDP",
                                                          "DistributedType.DEEPSPEED"], done
         assert all(r["problems"] == [] and r["counter"] == STEPS for r in done), done
@@ -72,6 +73,21 @@ def main() -> int:
             shutil.copytree(os.path.join(work, strategy), target)
             print("wrote", target)
     return 0
+
+
+def launch(jobs: list, work: str) -> list | None:
+    """One torchrun launch of tests/accelerate_strategies.py at 2 processes doing `jobs`: their results (None: it
+    failed, its output's end on stderr)."""
+    with open(os.path.join(work, "jobs.json"), "w") as f:
+        json.dump(jobs, f)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "accelerate_strategies.py"),
+                                    os.path.join(work, "jobs.json"), os.path.join(work, "results.json")], env)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return None
+    with open(os.path.join(work, "results.json")) as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":
