@@ -7,9 +7,11 @@ strategy's, converted by reshard).
 JOBS.json lists jobs run in order in one process (Accelerate's state reset between them), each {"mode": "save" |
 "load", "strategy": "deepspeed" | "fsdp", "dir": the save_state folder, "steps": N, "truth": file (save: written
 when given; load: compared), "negative": file (load), "scheduler": the source's scheduler.bin (load), "fails": true
-where the job must end in an error (its result)}. Both strategies train the same model on the same data with the
-same AdamW (lr 1e-2, weight decay 0.01 on the matrices only, two param groups) and linear-warmup scheduler, so a save
-of either loads under the other.
+where the job must end in an error (its result), "state_dict_type": FSDP's (default "SHARDED_STATE_DICT";
+"FULL_STATE_DICT": save_state writes pytorch_model_fsdp.bin and optimizer.bin), "config": LlamaConfig fields
+over the tiny model's (a benchmark's larger model)}. Both strategies train the same
+model on the same data with the same AdamW (lr 1e-2, weight decay 0.01 on the matrices only, two param groups) and
+linear-warmup scheduler, so a save of either loads under the other.
 save: N steps, a registered custom object counting them, accelerator.save_state(dir); with `truth`, the live state
       ({"fp32/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"}: DeepSpeed's engine_state.engine_tensors, FSDP's full
       state dicts) taken right after and written by rank 0.
@@ -77,7 +79,8 @@ def run(job) -> dict:
     if fsdp:
         from cpu_fsdp import fsdp_on_cpu
         fsdp_on_cpu()
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT",
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2,
+                                                state_dict_type=job.get("state_dict_type", "SHARDED_STATE_DICT"),
                                                 auto_wrap_policy="transformer_based_wrap",
                                                 transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
@@ -88,8 +91,9 @@ def run(job) -> dict:
                                                "steps_per_print": 10**9, "zero_optimization": {"stage": 2}})
         accelerator = Accelerator(deepspeed_plugin=plugin)
     torch.manual_seed(0 if job["mode"] == "save" else 1234)     # load: everything must come from the checkpoint
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(**{"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32,
+                            **job.get("config", {})})
     model = LlamaForCausalLM(config)
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]

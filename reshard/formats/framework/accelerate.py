@@ -11,7 +11,10 @@ and, when the dataloaders have them, sampler.bin (a seedable sampler: its seed a
 With an FSDP plugin and SHARDED_STATE_DICT (observed, accelerate 1.16, FSDP2, torch 2.13, 2 processes;
 tools/fixture_accelerate_fsdp.py) the same files of Accelerate's stand beside FSDP's pytorch_model_fsdp_0/ and
 optimizer_0/ (framework/fsdp.py) instead of DeepSpeed's `latest` and tag folder; load_state reads each by the
-distributed type of the Accelerator that loads, so a folder of the other kind fails there. (FSDP1 through
+distributed type of the Accelerator that loads, so a folder of the other kind fails there. With FULL_STATE_DICT
+(observed, the same versions and run) they stand beside pytorch_model_fsdp.bin (the gathered model state dict) and
+optimizer.bin (FSDP's full optimizer state dict, keyed by parameter FQN), both torch.save'd by process 0 and read by
+the single-process reader (single/hf_trainer.py); load_state has every process read them whole. (FSDP1 through
 Accelerate does not run on CPU: "Inconsistent compute device and device_id: cpu vs cpu:0"; not observed.)
 """
 from __future__ import annotations
@@ -48,12 +51,18 @@ FSDP_BATCH = ("Accelerate takes them from the DataLoader's batch_size and Accele
 
 
 def detect(folder: str) -> Framework | None:
-    """A DeepSpeed save dir (`latest`), or FSDP's sharded folders (framework/fsdp.py), with Accelerate's
-    random_states_K.pkl beside it."""
+    """A DeepSpeed save dir (`latest`), FSDP's sharded folders (framework/fsdp.py) or its full state dict's
+    pytorch_model_fsdp.bin, with Accelerate's random_states_K.pkl beside it."""
     deepspeed = fs.isfile(os.path.join(folder, deepspeed_files.LATEST))
-    if not (deepspeed or fsdp.is_sharded(folder)) or \
+    full = fs.isfile(os.path.join(folder, fsdp.FULL_MODEL))
+    if not (deepspeed or full or fsdp.is_sharded(folder)) or \
             not any(RANDOM_STATES.rank_of(n) is not None for n in fs.listdir(folder)):
         return None
+    if full and not deepspeed:      # its two files are the checkpoint, the rest Accelerate's
+        files = tuple(f for f in framework_files(folder, (RANDOM_STATES,), _what)
+                      if f.name not in (fsdp.FULL_MODEL, fsdp.FULL_OPTIMIZER))
+        return Framework(NAME, folder, files, (RANDOM_STATES,), batch_note=FSDP_BATCH, backend=fsdp.FULL,
+                         deepspeed_tag=DEEPSPEED_TAG)
     return Framework(NAME, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
                      batch_note=BATCH if deepspeed else FSDP_BATCH, backend="" if deepspeed else fsdp.SHARDED,
                      deepspeed_tag=DEEPSPEED_TAG)

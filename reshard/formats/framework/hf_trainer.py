@@ -23,7 +23,6 @@ from reshard.formats.single.hf_trainer import ARGS, FSDP_MODEL, FSDP_OPTIMIZER, 
 from reshard.storage import files as fs
 
 NAME = "HF Trainer"
-FSDP_FULL = "FSDP (full state dict)"
 RNG = PerRank("RNG states", "rng_state_{rank}.pth", "rng_state.pth",
               "the Trainer finds none and keeps the RNG streams of its seed (TrainingArguments.seed)")
 WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
@@ -47,7 +46,7 @@ def detect(folder: str) -> Framework | None:
         files = tuple(f for f in framework_files(folder, (RNG,), _what)
                       if f.name not in (FSDP_MODEL, FSDP_OPTIMIZER) and not WEIGHTS.match(f.name))
         return Framework(NAME, folder, files, (RNG,), model_files=hf_files.present(folder), batch_note=FSDP_BATCH,
-                         backend=FSDP_FULL)
+                         backend=fsdp.FULL)
     deepspeed = fs.isfile(os.path.join(folder, deepspeed_files.LATEST))
     if not ((deepspeed or fsdp.is_sharded(folder)) and fs.isfile(os.path.join(folder, TRAINER_STATE))):
         return None

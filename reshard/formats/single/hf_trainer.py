@@ -1,4 +1,5 @@
-"""A Hugging Face Trainer `checkpoint-N/` folder (also a save_pretrained folder of pytorch_model.bin).
+"""A Hugging Face Trainer `checkpoint-N/` folder (also a save_pretrained folder of pytorch_model.bin, and Accelerate's
+save_state folder with FSDP's FULL_STATE_DICT: the same torch.save files under Accelerate's names).
 
 Holds: the weights (see hf_weights), optimizer.pt (torch.optim state dict), scheduler.pt (the LR
 scheduler's state dict), rng_state*.pth (RNG states: numpy's is a pickled numpy object, so they are
@@ -18,6 +19,7 @@ from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
+from reshard.formats.framework import accelerate, fsdp
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
@@ -29,8 +31,11 @@ TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt"
 # With FSDP's FULL_STATE_DICT (accelerate's save_fsdp_model / save_fsdp_optimizer, observed with transformers 5.21,
 # accelerate 1.16) the Trainer writes pytorch_model_fsdp.bin (the gathered module state dict, the same weights as
 # model.safetensors) and optimizer.bin: FSDP's optim_state_dict, its params and state keyed by parameter FQN
-FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
-RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
+# Accelerate's save_state with FSDP's FULL_STATE_DICT writes the same two files (observed, accelerate 1.16, FSDP2,
+# torch 2.13) beside its scheduler.bin and random_states_K.pkl, and no other weights
+FSDP_MODEL, FSDP_OPTIMIZER = fsdp.FULL_MODEL, fsdp.FULL_OPTIMIZER
+# per-process RNG files: the Trainer's rng_state_K.pth, Accelerate's random_states_K.pkl
+RNG = re.compile(r"^(?:rng_state(?:_(\d+))?\.pth|random_states_(\d+)\.pkl)$")
 OPAQUE = (ARGS, *hf_files.CONFIGS)
 FORMAT = "hf-trainer"
 OPTIONS = NoOptions
@@ -40,7 +45,8 @@ IN_FRAMEWORK_FOLDERS = True
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    """A folder of HF weights with a trainer state or an optimizer; or of pytorch_model.bin weights
+    """A folder of HF weights with a trainer state or an optimizer; or of pytorch_model.bin (or FSDP's full
+    pytorch_model_fsdp.bin) weights
     (save_pretrained folders of safetensors alone are safetensors_reader's)."""
     if not fs.isdir(path):
         return False
@@ -48,7 +54,7 @@ def sniff(path: str, tag: str | None) -> bool:
     return weights is not None and (fs.isfile(os.path.join(path, TRAINER_STATE)) or
                                     fs.isfile(os.path.join(path, OPTIMIZER)) or
                                     fs.isfile(os.path.join(path, FSDP_OPTIMIZER)) or
-                                    weights in (hf_weights.BIN, hf_weights.BIN_INDEX))
+                                    weights in (hf_weights.BIN, hf_weights.BIN_INDEX, hf_weights.FSDP_BIN))
 
 
 def read(path: str, options: NoOptions) -> Catalog:
@@ -56,8 +62,10 @@ def read(path: str, options: NoOptions) -> Catalog:
     has_state = fs.isfile(os.path.join(folder, TRAINER_STATE))
     safe = hf_weights.present(folder) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
     weights_format = "safetensors" if safe else "torch"
-    # the run's world size is what its per-process files say: the Trainer saves one rng_state_K.pth per process
-    processes = max(1, sum(1 for name in fs.listdir(folder) if RNG.match(name)))
+    # the run's world size is what its per-process files say: one RNG file per process, numbered from 0 (the
+    # highest number, so that a lost file is a hole the framework's files report, not a smaller run)
+    processes = 1 + max((int(m.group(1) or m.group(2) or 0) for m in map(RNG.match, fs.listdir(folder)) if m),
+                        default=0)
     catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,
                              layout=Layout.of(processes, format_topology=UNPARTITIONED))
     fsdp_full = fs.isfile(os.path.join(folder, FSDP_MODEL))
@@ -109,10 +117,12 @@ def _training_state(catalog: CatalogBuilder, folder: str) -> None:
     global_steps = global_step(trainer_state)
     if trainer_state is not None:
         model.add_file(catalog, os.path.join(folder, TRAINER_STATE), "trainer_state")
-    scheduler = os.path.join(folder, SCHEDULER)
-    if fs.isfile(scheduler):
-        model.add_file(catalog, scheduler, "scheduler")
-        lr_scheduler = torchsave_read.load(scheduler)
+    for name in (SCHEDULER, accelerate.SCHEDULER):      # the Trainer's scheduler.pt, Accelerate's scheduler.bin
+        scheduler = os.path.join(folder, name)
+        if fs.isfile(scheduler):
+            model.add_file(catalog, scheduler, "scheduler")
+            lr_scheduler = torchsave_read.load(scheduler)
+            break
     opaque = []
     for name in sorted(fs.listdir(folder)):
         if RNG.match(name) or name in OPAQUE:

@@ -1,8 +1,10 @@
 """The model weights of a Hugging Face folder (save_pretrained, Trainer checkpoint-N/).
 
 Tried in order: model.safetensors.index.json (shards), model.safetensors, pytorch_model.bin.index.json,
-pytorch_model.bin. safetensors lose the model's key order and the tied keys; hf_model recovers them
-from config.json. pytorch_model.bin keeps both (torch.save keeps the order and the shared storage).
+pytorch_model.bin, and last pytorch_model_fsdp.bin (Accelerate's FSDP FULL_STATE_DICT save, the gathered module state
+dict by torch.save; the HF Trainer's folder has model.safetensors beside it, Accelerate's save_state only it).
+safetensors lose the model's key order and the tied keys; hf_model recovers them from config.json. pytorch_model.bin
+keeps both (torch.save keeps the order and the shared storage).
 """
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import os
 
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
+from reshard.formats.framework import fsdp
 from reshard.formats.single import hf_model, safetensors_header
 from reshard.formats.single.torchsave_checkpoint import is_state_dict
 from reshard.storage import files as fs
 
 SAFE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-NAMES = (SAFE_INDEX, SAFE, BIN_INDEX, BIN)
+FSDP_BIN = fsdp.FULL_MODEL
+NAMES = (SAFE_INDEX, SAFE, BIN_INDEX, BIN, FSDP_BIN)
 
 
 def present(folder: str) -> str | None:
