@@ -68,7 +68,7 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
     aliases = dict(catalog.aliases)
     rules = export_names.load(names) if names else None
     facts = catalog.notes.hyperparameters() if isinstance(catalog.notes, export_names.ModelFacts) else None
-    given = _model_config(config) if config else None
+    given = hf.model_config(config) if config else None
     if given is not None:
         facts = {**given, **(facts or {})}      # the save's own record first
     if rules is not None:
@@ -104,18 +104,6 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_
 
 
 MODEL_CONFIG = "config.json"       # what from_pretrained reads beside the weights
-
-
-def _model_config(path: str) -> dict:
-    """The values of a model config file (a JSON object: Hugging Face's config.json); a one-line error otherwise."""
-    try:
-        with fs.open(path, "rb") as f:
-            values = json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise UsageError.at(path, f"not a readable JSON model config ({e})") from None
-    if not isinstance(values, dict):
-        raise UsageError.at(path, "a model config is a JSON object")
-    return values
 
 
 def export_format(out: str, fmt: str | None) -> str:

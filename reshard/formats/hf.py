@@ -1,4 +1,5 @@
-"""Hugging Face's sharded-checkpoint convention (huggingface_hub.split_state_dict_into_shards_factory).
+"""Hugging Face's sharded-checkpoint convention (huggingface_hub.split_state_dict_into_shards_factory), and its
+model config file read as plain values (`model_config`).
 
 Tensors are packed greedily in key order into shards of at most `max_shard_size` bytes (decimal
 units: 5GB = 5e9); a tensor larger than that gets a shard of its own, placed where it was met.
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
+from reshard.storage import files as fs
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
@@ -58,3 +60,15 @@ def shard_names(stem: str, extension: str, count: int) -> list:
 
 def index(total_size: int, weight_map: dict) -> str:
     return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
+
+
+def model_config(path: str) -> dict:
+    """The values of a model config file (a JSON object: Hugging Face's config.json); a one-line error otherwise."""
+    try:
+        with fs.open(path, "rb") as f:
+            values = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise UsageError.at(path, f"not a readable JSON model config ({e})") from None
+    if not isinstance(values, dict):
+        raise UsageError.at(path, "a model config is a JSON object")
+    return values

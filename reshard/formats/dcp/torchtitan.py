@@ -21,13 +21,12 @@ of wq, wk, wv is then a set of row boxes of wqkv's stored chunks (placement.thro
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
 from reshard.core.placement import Block
 from reshard.errors import UsageError
-from reshard.storage import files as fs
+from reshard.formats import hf
 
 OWN = ("lr_scheduler", "dataloader", "train_state")     # CheckpointManager's top-level entries beside model, optimizer
 OPTIMIZER = "optimizer"
@@ -85,13 +84,7 @@ def heads_of(config: str) -> tuple[int, int | None]:
     """(key-value head count, head_dim or None) of a Hugging Face model config: its `num_key_value_heads`, else
     `num_attention_heads` (as transformers' Llama defaults it), and its `head_dim` where it gives one; a one-line error
     naming the file otherwise."""
-    try:
-        with fs.open(config, "rb") as f:
-            values = json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise UsageError.at(config, f"not a readable JSON model config ({e})") from None
-    if not isinstance(values, dict):
-        raise UsageError.at(config, "a model config is a JSON object")
+    values = hf.model_config(config)
     heads = _count(values.get("num_key_value_heads") or values.get("num_attention_heads"))
     if heads is None:
         raise UsageError.at(config, "gives no key-value head count (num_key_value_heads or num_attention_heads)")

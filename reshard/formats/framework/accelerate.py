@@ -25,10 +25,11 @@ import re
 from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
+from reshard.formats.single import hf_files
 from reshard.storage import files as fs
 
 NAME = "Accelerate"
-SCHEDULER = "scheduler.bin"     # the first LR scheduler's (scheduler_I.bin the I-th's)
+SCHEDULER = hf_files.ACCELERATE_SCHEDULER     # the first LR scheduler's (scheduler_I.bin the I-th's)
 # DeepSpeed's tag under Accelerate: save_state's ckpt_id for the first model (MODEL_NAME), which load_state asks for
 DEEPSPEED_TAG = "pytorch_model"
 RANDOM_STATES = PerRank("RNG states and the accelerator's step", "random_states_{rank}.pkl",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from reshard.formats.single import hf_files
 from reshard.storage import files as fs
 
 MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"
@@ -21,7 +22,7 @@ SHARDED = "FSDP (sharded state dict)"
 FULL = "FSDP (full state dict)"
 # FULL_STATE_DICT's two files, torch.save'd by process 0 (read by single/hf_trainer.py): the gathered model state dict
 # (accelerate's FSDP_MODEL_NAME, the first model's) and FSDP's full optimizer state dict keyed by parameter FQN
-FULL_MODEL, FULL_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
+FULL_MODEL, FULL_OPTIMIZER = hf_files.FSDP_FULL_MODEL, hf_files.FSDP_FULL_OPTIMIZER
 
 
 def is_sharded(folder: str) -> bool:

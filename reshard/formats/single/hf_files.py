@@ -15,6 +15,10 @@ TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
              "video_preprocessor_config.json")
 NAMES = CONFIGS + TOKENIZER
+# FSDP's full state dict as HF Trainer and Accelerate save it: the gathered module and optimizer state dicts; and
+# Accelerate's first LR scheduler (the single-process reader reads these; the framework modules name them too)
+FSDP_FULL_MODEL, FSDP_FULL_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
+ACCELERATE_SCHEDULER = "scheduler.bin"
 
 
 def present(folder: str) -> tuple:

@@ -19,7 +19,6 @@ from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.framework import accelerate, fsdp
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
@@ -33,7 +32,7 @@ TRAINER_STATE, OPTIMIZER, SCHEDULER, ARGS = "trainer_state.json", "optimizer.pt"
 # model.safetensors) and optimizer.bin: FSDP's optim_state_dict, its params and state keyed by parameter FQN
 # Accelerate's save_state with FSDP's FULL_STATE_DICT writes the same two files (observed, accelerate 1.16, FSDP2,
 # torch 2.13) beside its scheduler.bin and random_states_K.pkl, and no other weights
-FSDP_MODEL, FSDP_OPTIMIZER = fsdp.FULL_MODEL, fsdp.FULL_OPTIMIZER
+FSDP_MODEL, FSDP_OPTIMIZER = hf_files.FSDP_FULL_MODEL, hf_files.FSDP_FULL_OPTIMIZER
 # per-process RNG files: the Trainer's rng_state_K.pth, Accelerate's random_states_K.pkl
 RNG = re.compile(r"^(?:rng_state(?:_(\d+))?\.pth|random_states_(\d+)\.pkl)$")
 OPAQUE = (ARGS, *hf_files.CONFIGS)
@@ -117,7 +116,7 @@ def _training_state(catalog: CatalogBuilder, folder: str) -> None:
     global_steps = global_step(trainer_state)
     if trainer_state is not None:
         model.add_file(catalog, os.path.join(folder, TRAINER_STATE), "trainer_state")
-    for name in (SCHEDULER, accelerate.SCHEDULER):      # the Trainer's scheduler.pt, Accelerate's scheduler.bin
+    for name in (SCHEDULER, hf_files.ACCELERATE_SCHEDULER):     # the Trainer's scheduler.pt, Accelerate's
         scheduler = os.path.join(folder, name)
         if fs.isfile(scheduler):
             model.add_file(catalog, scheduler, "scheduler")

@@ -13,14 +13,13 @@ import os
 
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.framework import fsdp
-from reshard.formats.single import hf_model, safetensors_header
+from reshard.formats.single import hf_files, hf_model, safetensors_header
 from reshard.formats.single.torchsave_checkpoint import is_state_dict
 from reshard.storage import files as fs
 
 SAFE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-FSDP_BIN = fsdp.FULL_MODEL
+FSDP_BIN = hf_files.FSDP_FULL_MODEL
 NAMES = (SAFE_INDEX, SAFE, BIN_INDEX, BIN, FSDP_BIN)
 
 
