@@ -77,7 +77,8 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None, con
 
 def framework_dispositions(catalog, format_name: str, world: int, policy: str) -> tuple:
     """What becomes of each of the framework's files (framework.Disposition) in an output of `format_name` at
-    `world` processes: the framework resumes only from DeepSpeed's files, so another format carries none."""
+    `world` processes: the framework resumes only from its own layout (DeepSpeed's files, or FSDP's as it writes
+    them), so another format carries none."""
     frame = catalog.framework
     if frame is None:
         return ()
@@ -87,8 +88,9 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
                                            f"{format_name} output's client state, where DeepSpeedStrategy reads it")
                      for f in frame.files)
     if not _resumed_by_frameworks(format_name):
-        return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from a DeepSpeed "
-                                           f"save, not from {format_name}") for f in frame.files)
+        resumed = " or ".join(name for name in WRITERS if _resumed_by_frameworks(name))
+        return tuple(framework.Disposition(framework.DROPPED, f.name, None, f"{frame.name} resumes from its own "
+                                           f"layout (--format {resumed}), not from {format_name}") for f in frame.files)
     return frame.dispositions(world, policy)
 
 
