@@ -78,8 +78,6 @@ import torchrun_jobs  # noqa: E402
 
 STEPS = 3
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ, MICRO = 64, 16, 4, 2, 32, 2, 8, 2
-if os.environ.get("MCORE_FIXTURE_DIMS"):    # a larger model of the same shape, for tools/bench_megatron.py
-    VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS = (int(v) for v in os.environ["MCORE_FIXTURE_DIMS"].split(","))
 NORM_EPS, ROPE_BASE = 1e-5, 10000
 FORWARD_SEED = 99          # the fixed token batch whose logits truth_forward.safetensors holds
 
