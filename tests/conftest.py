@@ -266,6 +266,31 @@ def write_in_zip(path, offset: int, data: bytes) -> None:
             at += 46 + name_len + extra_len + comment_len
 
 
+def change_dcp_element(folder, name: str, allowed: dict | None = None) -> None:
+    """One element of `name`'s exp_avg changed in the DCP files under `folder` (its zip member's CRC-32 made to
+    match, as a save of another value would have written it); `allowed`: the allow-list its `.metadata` needs
+    (Megatron's), None for DCP's own."""
+    import reshard
+    from reshard.core.catalog import TensorKey
+    from reshard.formats.dcp import metadata as dcp_metadata
+    catalog = reshard.open_checkpoint(str(folder))
+    fragment = catalog.tensors[TensorKey(name, "exp_avg")].fragments[0]
+    path = fragment.storage.file
+    meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"), allowed)
+    at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)
+    start, length = next((info.offset, info.length) for info in meta.storage_data.values()
+                         if info.relative_path == os.path.basename(path) and info.offset <= at < info.offset
+                         + info.length)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    item = Path(folder).parent / "item.zip"
+    item.write_bytes(bytes(data[start:start + length]))
+    write_in_zip(item, at - start, bytes(b ^ 0x40 for b in data[at:at + 4]))
+    data[start:start + length] = item.read_bytes()
+    item.unlink()
+    with open(path, "wb") as f:
+        f.write(data)
+
 def mutated(data, raw: bytes) -> bytes:
     """`raw` with 1-8 random flips, cuts, insertions and zeroed runs drawn from hypothesis `data`."""
     from hypothesis import strategies as st

@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from engine_state import differences
 from lightning_deepspeed import data, lit_module, scheduler_state
 from torchrun_jobs import run_rank
 
@@ -88,17 +89,6 @@ def live_state(trainer) -> dict:
         out.update({f"{s}/{fqn}": states[s].detach().clone() for s in STATES if s in states})
     return out
 
-
-def differences(got: dict, truth: dict) -> list:
-    import torch
-    out = []
-    for key, expected in truth.items():
-        value = got.get(key)
-        if value is None:
-            out.append(f"{key}: not in the resumed model or optimizer")
-        elif value.shape != expected.shape or value.dtype != expected.dtype or not torch.equal(value, expected):
-            out.append(f"{key}: differs after resume")
-    return out
 
 
 def resume(job):

@@ -1,12 +1,10 @@
 """Megatron torch_dist saves as the tests of its output look at them: a `--to`'s degrees, one element of a written
-save changed (the negative control), the objects a save holds."""
+save changed (the negative control), the objects a save holds, where a DCP item lies and an edit of its archive."""
 from __future__ import annotations
 
 import os
 
-import reshard
-from conftest import write_in_zip
-from reshard.core.catalog import TensorKey
+from conftest import change_dcp_element
 from reshard.formats.dcp import metadata as dcp_metadata
 from reshard.formats.megatron.pickles import METADATA_ALLOWED
 
@@ -18,23 +16,7 @@ def degrees(to: str) -> dict:
 def change_one_element(save, name: str) -> None:
     """One element of `name`'s exp_avg in the written files changed (its zip member's CRC-32 made to match, as a
     writer that saved another value would have written it)."""
-    catalog = reshard.open_checkpoint(str(save))
-    fragment = catalog.tensors[TensorKey(name, "exp_avg")].fragments[0]
-    path = fragment.storage.file
-    meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"), METADATA_ALLOWED)
-    at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)
-    start, length = next((info.offset, info.length) for info in meta.storage_data.values()
-                         if info.relative_path == os.path.basename(path) and info.offset <= at < info.offset
-                         + info.length)
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    item = save.parent / "item.zip"
-    item.write_bytes(bytes(data[start:start + length]))
-    value = bytes(b ^ 0x40 for b in data[at:at + 4])
-    write_in_zip(item, at - start, value)
-    data[start:start + length] = item.read_bytes()
-    with open(path, "wb") as f:
-        f.write(data)
+    change_dcp_element(save, name, METADATA_ALLOWED)
 
 
 def objects(save) -> dict:
@@ -52,3 +34,26 @@ def objects(save) -> dict:
     return {key: torch.load(io.BytesIO(chunks.blob(key)), weights_only=False)
             for key, entry in meta.state_dict_metadata.items()
             if not isinstance(entry, dcp_metadata.TensorStorageMetadata)}
+
+
+def chunk_span(save, key_start: str, at: tuple[int, ...] | None = None):
+    """(file, offset, length) of the first DCP item whose key starts with `key_start` (the chunk at offsets `at`,
+    where given) in the save's iteration folder."""
+    folder = next(p for p in save.iterdir() if p.name.startswith("iter_"))
+    meta = dcp_metadata.read(str(folder / ".metadata"), METADATA_ALLOWED)
+    for index, info in meta.storage_data.items():
+        if index.fqn.startswith(key_start) and (at is None or tuple(index.offset) == at):
+            return folder / info.relative_path, info.offset, info.length
+    raise AssertionError(key_start)
+
+
+def rewrite_in_span(path, offset, length, edit):
+    """Apply `edit(zip path)` to the torch.save archive at [offset, offset + length) of `path`, its size kept."""
+    blob = path.read_bytes()
+    part = path.with_suffix(".part")
+    part.write_bytes(blob[offset:offset + length])
+    edit(part)
+    new = part.read_bytes()
+    assert len(new) == length
+    path.write_bytes(blob[:offset] + new + blob[offset + length:])
+    part.unlink()

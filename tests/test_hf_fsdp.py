@@ -137,25 +137,35 @@ def test_per_parameter_steps_and_param_groups_are_carried_or_refused(truth, tmp_
     """One parameter's Adam step behind the others (torch's own torch_save_to_dcp rewrites optimizer_0/): the FSDP
     layout at 3 processes carries every parameter's own step and the param groups exactly (read back with
     dcp_to_torch_save); DeepSpeed, which keeps one step per group, refuses in one line naming the file."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
     source = tmp_path / "checkpoint-3"
     shutil.copytree(SHARDED, source)
-    optim = {k: v for k, v in truth[1].items()}
-    optim["state"] = {name: dict(states) for name, states in truth[1]["state"].items()}
-    optim["state"]["lm_head.weight"]["step"] = torch.tensor(2.0)
+    one_step_behind_is_carried_or_refused(
+        source, truth[1], "lm_head.weight", "param group 0: optimizer step differs between parameters (3 at "
+        "model.embed_tokens.weight vs 2 at lm_head.weight); a DeepSpeed checkpoint keeps one per group, so it is not "
+        "written", tmp_path)
+
+
+def one_step_behind_is_carried_or_refused(source, optimizer: dict, behind: str, refusal: str, tmp_path):
+    """`behind`'s Adam step set one behind the others in the FSDP folder `source` (torch's own torch_save_to_dcp
+    rewrites optimizer_0/ from `optimizer`, its consolidated truth): DeepSpeed output is refused with the one line
+    `refusal` naming optimizer_0/.metadata, nothing written; the FSDP layout at 3 processes carries every
+    parameter's own step, the param groups and both moments exactly (read back with dcp_to_torch_save). Returns that
+    output's folder."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    optim = dict(optimizer)
+    optim["state"] = {name: dict(states) for name, states in optimizer["state"].items()}
+    optim["state"][behind]["step"] = torch.tensor(2.0)
     torch.save({"optimizer": optim}, tmp_path / "behind.pt")
     shutil.rmtree(source / "optimizer_0")
     torch_save_to_dcp(tmp_path / "behind.pt", source / "optimizer_0")
     proc = run_cli("convert", source, tmp_path / "ds", "--format", "deepspeed", "--to", "dp=2,zero=2")
     assert proc.returncode == 1 and not (tmp_path / "ds").exists()
-    assert proc.stderr.strip().splitlines() == [
-        f"reshard: {source / 'optimizer_0' / '.metadata'}: param group 0: optimizer step differs between parameters "
-        "(3 at model.embed_tokens.weight vs 2 at lm_head.weight); a DeepSpeed checkpoint keeps one per group, so it "
-        "is not written"]
+    assert proc.stderr.strip().splitlines() == [f"reshard: {source / 'optimizer_0' / '.metadata'}: {refusal}"]
     run_cli("convert", source, tmp_path / "fsdp3", "--format", "fsdp", "--to", "dp=3", "--quiet", check=0)
     dcp_to_torch_save(tmp_path / "fsdp3" / "optimizer_0", tmp_path / "carried.pt")
     carried = torch.load(tmp_path / "carried.pt")["optimizer"]
     assert {n: float(s["step"]) for n, s in carried["state"].items()} == \
-        {n: 2.0 if n == "lm_head.weight" else 3.0 for n in truth[1]["state"]}
-    assert carried["param_groups"] == truth[1]["param_groups"]
-    assert all(torch.equal(carried["state"][n][s], truth[1]["state"][n][s]) for n in carried["state"] for s in STATES)
+        {n: 2.0 if n == behind else 3.0 for n in optimizer["state"]}
+    assert carried["param_groups"] == optimizer["param_groups"]
+    assert all(torch.equal(carried["state"][n][s], optimizer["state"][n][s]) for n in carried["state"] for s in STATES)
+    return tmp_path / "fsdp3"

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 import reshard
 from conftest import FIXTURES, run_cli, write_in_zip
+from megatron_saves import chunk_span, rewrite_in_span
 from reshard.errors import ReshardError, UnsafeCheckpointError
 
 ROOT = FIXTURES / "megatron_core"
@@ -162,34 +163,12 @@ def test_a_metadata_rewritten_since_it_was_read_is_read_again(tmp_path):
         reshard.validate(str(save))
 
 
-def _chunk_span(save, key_start: str):
-    """(file, offset, length) of the first DCP item whose key starts with `key_start`."""
-    catalog_dir = next(p for p in save.iterdir() if p.name.startswith("iter_"))
-    from reshard.formats.dcp import metadata as md
-    from reshard.formats.megatron.pickles import METADATA_ALLOWED
-    meta = md.read(str(catalog_dir / ".metadata"), METADATA_ALLOWED)
-    for index, info in meta.storage_data.items():
-        if index.fqn.startswith(key_start):
-            return catalog_dir / info.relative_path, info.offset, info.length
-    raise AssertionError(key_start)
-
-
-def _rewrite_in_span(path, offset, length, edit):
-    """Apply `edit(zip path)` to the torch.save archive at [offset, offset + length) of `path`, its size kept."""
-    blob = path.read_bytes()
-    part = path.with_suffix(".part")
-    part.write_bytes(blob[offset:offset + length])
-    edit(part)
-    new = part.read_bytes()
-    assert len(new) == length
-    path.write_bytes(blob[:offset] + new + blob[offset + length:])
-    part.unlink()
 
 
 def test_a_changed_element_is_found_by_diff(tmp_path):
     name = NAMES[0]
     save = _copy(name, tmp_path)
-    path, offset, length = _chunk_span(save, "decoder.layers.mlp.linear_fc2.weight")
+    path, offset, length = chunk_span(save, "decoder.layers.mlp.linear_fc2.weight")
 
     def flip(part):
         with zipfile.ZipFile(part) as zf:
@@ -198,7 +177,7 @@ def test_a_changed_element_is_found_by_diff(tmp_path):
         start = member.header_offset + 30 + sum(struct.unpack_from("<HH", header, 26))
         value = part.read_bytes()[start:start + 2]
         write_in_zip(part, start, bytes([value[0] ^ 1, value[1]]))
-    _rewrite_in_span(path, offset, length, flip)
+    rewrite_in_span(path, offset, length, flip)
     same = reshard.diff(str(_save(name)), str(_save(name)))
     assert same.equal
     changed = reshard.diff(str(_save(name)), str(save))
@@ -209,7 +188,7 @@ def test_a_changed_element_is_found_by_diff(tmp_path):
 def test_wrong_per_bucket_numel_is_refused_in_one_line(tmp_path):
     name = DP_RESHARDABLE[0]
     save = _copy(name, tmp_path)
-    path, offset, length = _chunk_span(save, "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded")
+    path, offset, length = chunk_span(save, "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded")
 
     def bump(part):
         with zipfile.ZipFile(part) as zf:
@@ -221,7 +200,7 @@ def test_wrong_per_bucket_numel_is_refused_in_one_line(tmp_path):
         width = 2 if pickled[at:at + 1] == b"M" else 4
         value = int.from_bytes(pickled[at + 1:at + 1 + width], "little")
         write_in_zip(part, start + at + 1, (value + 64).to_bytes(width, "little"))
-    _rewrite_in_span(path, offset, length, bump)
+    rewrite_in_span(path, offset, length, bump)
     with pytest.raises(ReshardError) as caught:
         reshard.open_checkpoint(str(save))
     message = str(caught.value)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import reshard
 from conftest import FIXTURES, run_cli, write_in_zip
+from megatron_saves import chunk_span, rewrite_in_span
 from reshard.core.catalog import MASTER, TensorKey
 
 ROOT = FIXTURES / "megatron_core"
@@ -77,7 +78,7 @@ def test_a_changed_expert_element_is_found(tmp_path):
     names that expert; the fixture against itself is equal (the control)."""
     save = tmp_path / "save"
     shutil.copytree(_save(MOE[0]), save)
-    path, offset, length = _chunk_span(save, "decoder.layers.mlp.experts.experts.linear_fc2.weight", (1, 3, 0, 0))
+    path, offset, length = chunk_span(save, "decoder.layers.mlp.experts.experts.linear_fc2.weight", (1, 3, 0, 0))
 
     def flip(part):
         with zipfile.ZipFile(part) as zf:
@@ -86,7 +87,7 @@ def test_a_changed_expert_element_is_found(tmp_path):
         start = member.header_offset + 30 + sum(struct.unpack_from("<HH", header, 26))
         value = part.read_bytes()[start:start + 2]
         write_in_zip(part, start, bytes([value[0] ^ 1, value[1]]))
-    _rewrite_in_span(path, offset, length, flip)
+    rewrite_in_span(path, offset, length, flip)
     assert reshard.diff(str(_save(MOE[0])), str(_save(MOE[0]))).equal
     changed = reshard.diff(str(_save(MOE[0])), str(save))
     assert not changed.equal and [d.name for d in changed.differences] == [EXPERT], changed.differences
@@ -98,7 +99,7 @@ def test_wrong_expert_bucket_counts_are_refused_in_one_line(tmp_path):
     save = tmp_path / "save"
     shutil.copytree(_save(MOE[0]), save)
     key = "chained_1.optimizer.distributed.dp_group_idx_1.per_bucket_numel_unpadded"
-    path, offset, length = _chunk_span(save, key)
+    path, offset, length = chunk_span(save, key)
 
     def bump(part):
         with zipfile.ZipFile(part) as zf:
@@ -110,7 +111,7 @@ def test_wrong_expert_bucket_counts_are_refused_in_one_line(tmp_path):
         width = 2 if pickled[at:at + 1] == b"M" else 4
         value = int.from_bytes(pickled[at + 1:at + 1 + width], "little")
         write_in_zip(part, start + at + 1, (value + 64).to_bytes(width, "little"))
-    _rewrite_in_span(path, offset, length, bump)
+    rewrite_in_span(path, offset, length, bump)
     proc = run_cli("validate", save)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
@@ -118,28 +119,6 @@ def test_wrong_expert_bucket_counts_are_refused_in_one_line(tmp_path):
     assert "chained_1.per_bucket_numel_unpadded of model-parallel group 1" in lines[0], lines[0]
 
 
-def _chunk_span(save, key: str, at: tuple[int, ...] | None = None):
-    """(file, offset, length) of DCP item `key` (the chunk at offsets `at`, else its first)."""
-    from reshard.formats.dcp import metadata as md
-    from reshard.formats.megatron.pickles import METADATA_ALLOWED
-    folder = save / "iter_0000003"
-    meta = md.read(str(folder / ".metadata"), METADATA_ALLOWED)
-    for index, info in meta.storage_data.items():
-        if index.fqn.startswith(key) and (at is None or tuple(index.offset) == at):
-            return folder / info.relative_path, info.offset, info.length
-    raise AssertionError(key)
-
-
-def _rewrite_in_span(path, offset, length, edit):
-    """Apply `edit(zip path)` to the torch.save archive at [offset, offset + length) of `path`, its size kept."""
-    blob = path.read_bytes()
-    part = path.with_suffix(".part")
-    part.write_bytes(blob[offset:offset + length])
-    edit(part)
-    new = part.read_bytes()
-    assert len(new) == length
-    path.write_bytes(blob[:offset] + new + blob[offset + length:])
-    part.unlink()
 
 
 def test_a_missing_rank_file_is_named(tmp_path):

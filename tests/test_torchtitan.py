@@ -34,10 +34,9 @@ import shutil
 import pytest
 
 import reshard
-from conftest import FIXTURES, run_cli, write_in_zip
+from conftest import FIXTURES, change_dcp_element, run_cli
 from engine_launches import shares
 from reshard.core.catalog import TensorKey
-from reshard.formats.dcp import metadata as dcp_metadata
 
 ROOT = FIXTURES / "torchtitan"
 SOURCE = ROOT / "torchtitan_llama_fsdp2" / "checkpoint" / "step-3"
@@ -291,27 +290,6 @@ def _convert(dst, source=SOURCE, dp: int = 3) -> None:
     run_cli("convert", source, dst, "--format", "torchtitan", "--to", f"dp={dp}", "--quiet", check=0)
 
 
-def _change_one_element(folder, name: str) -> None:
-    """One element of `name`'s exp_avg changed in the folder's files (its zip member's CRC-32 made to match, as a
-    save of another value would have written it)."""
-    catalog = reshard.open_checkpoint(str(folder))
-    fragment = catalog.tensors[TensorKey(name, "exp_avg")].fragments[0]
-    path = fragment.storage.file
-    meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"))
-    at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)
-    start, length = next((info.offset, info.length) for info in meta.storage_data.values()
-                         if info.relative_path == os.path.basename(path) and info.offset <= at < info.offset
-                         + info.length)
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    item = folder.parent / "item.zip"
-    item.write_bytes(bytes(data[start:start + length]))
-    write_in_zip(item, at - start, bytes(b ^ 0x40 for b in data[at:at + 4]))
-    data[start:start + length] = item.read_bytes()
-    item.unlink()
-    with open(path, "wb") as f:
-        f.write(data)
-
 
 def test_diff_finds_the_conversion_equal_and_a_changed_element(tmp_path):
     _convert(tmp_path / "three" / "step-3")
@@ -321,7 +299,7 @@ def test_diff_finds_the_conversion_equal_and_a_changed_element(tmp_path):
     assert "no difference: 63 tensors" in out and "6 scalars only in A, not compared: train_state.step" in out, out
     changed = tmp_path / "changed" / "step-3"
     shutil.copytree(tmp_path / "three" / "step-3", changed)
-    _change_one_element(changed, CHANGED)
+    change_dcp_element(changed, CHANGED)
     proc = run_cli("diff", SOURCE, changed, check=1)
     assert f"{CHANGED}" in proc.stdout and "exp_avg" in proc.stdout, proc.stdout
 
@@ -337,12 +315,12 @@ def torchtitan_load_jobs(out):
     element changed: 3 ranks."""
     wrong = out / "wrong-truth" / "step-3"
     shutil.copytree(SOURCE, wrong)
-    _change_one_element(wrong, CHANGED)
+    change_dcp_element(wrong, CHANGED)
     jobs = []
     for label in ("converted", "changed"):
         _convert(out / label / "step-3")
         if label == "changed":
-            _change_one_element(out / label / "step-3", CHANGED)
+            change_dcp_element(out / label / "step-3", CHANGED)
         jobs.append({"label": label, "folder": str(out / label), "step": 3, "exclude": ["dataloader"],
                      "truths": {"source": str(SOURCE), "wrong": str(wrong)}})
     _convert(out / "same-size" / "step-3", dp=2)      # the data loaders too: torchtitan loads them only at 2

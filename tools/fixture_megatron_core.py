@@ -122,14 +122,8 @@ def main() -> int:
         stage = Path(tempfile.mkdtemp(prefix=f"{name}."))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
         print(f"{name}: {world} processes", flush=True)
-        proc = torchrun_jobs.launch(world, [__file__, "--worker", name, "--out", stage], env, timeout=args.timeout)
-        if proc.returncode != 0:
-            print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
-            raise SystemExit(f"{name}: the ranks failed (exit {proc.returncode})")
-        if final.exists():
-            shutil.rmtree(final)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(stage / name), str(final))
+        torchrun_jobs.make_fixture(name, world, [__file__, "--worker", name, "--out", stage], env, args.timeout,
+                                   stage / name, final)
         shutil.rmtree(stage, ignore_errors=True)
     return 0
 

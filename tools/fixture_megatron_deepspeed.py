@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -69,14 +68,8 @@ def main() -> int:
         torchrun_jobs.run_rank(worker, Path(args.worker), args.zero)
     stage = Path(tempfile.mkdtemp(prefix=f"{NAME}."))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO / "tools")}
-    proc = torchrun_jobs.launch(2, [__file__, "--worker", stage, "--zero", args.zero], env, timeout=args.timeout)
-    if proc.returncode != 0:
-        print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
-        raise SystemExit(f"{NAME}: the ranks failed (exit {proc.returncode})")
-    final = Path(args.out) / NAME.replace("_z1_", f"_z{args.zero}_")
-    if final.exists():
-        shutil.rmtree(final)
-    shutil.move(str(stage), str(final))
+    torchrun_jobs.make_fixture(NAME, 2, [__file__, "--worker", stage, "--zero", args.zero], env, args.timeout, stage,
+                               Path(args.out) / NAME.replace("_z1_", f"_z{args.zero}_"))
     return 0
 
 

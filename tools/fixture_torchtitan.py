@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -55,14 +54,8 @@ def main() -> int:
         final = Path(args.out) / name
         stage = Path(tempfile.mkdtemp(prefix=f"{name}."))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-        proc = torchrun_jobs.launch(WORLD, [__file__, "--worker", stage, "--name", name], env, timeout=args.timeout)
-        if proc.returncode != 0:
-            print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
-            raise SystemExit(f"{name}: the ranks failed (exit {proc.returncode})")
-        if final.exists():
-            shutil.rmtree(final)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(stage), str(final))
+        torchrun_jobs.make_fixture(name, WORLD, [__file__, "--worker", stage, "--name", name], env, args.timeout,
+                                   stage, final)
     return 0
 
 

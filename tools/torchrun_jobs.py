@@ -3,6 +3,7 @@
 - `launch(world, args, env)`: torchrun on a free port, once more on another if that port was taken
   between `free_port` closing it and torchrun's store binding it (the reason is logged); with `forked`, the
   ranks forked from a server that imported torch and the frameworks once (tools/forked_ranks.py) instead.
+- `make_fixture(...)`: a fixture tool's launch, failing in one line, its staged output moved into place.
 - `build_deepspeed_ops(env)`: DeepSpeed's JIT-built CPU op (`deepspeed_shm_comm`, built by every rank's
   `deepspeed.init_distributed`) built and loaded once in one process, so ranks only load it.
 - `run_rank(main, *args)`: how every script run under torchrun calls its main: the process group is
@@ -55,6 +56,19 @@ def launch(world: int, args, env: dict, timeout: float = 1800, log=None, cwd=Non
         proc = run(free_port())
     return proc
 
+
+def make_fixture(name: str, world: int, args, env: dict, timeout: float, staged, final) -> None:
+    """A fixture tool's launch: `launch` the ranks that write `staged`, the output and a one-line exit where they
+    fail, else `staged` moved to `final` (what was there before replaced)."""
+    import shutil
+    proc = launch(world, args, env, timeout=timeout)
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
+        raise SystemExit(f"{name}: the ranks failed (exit {proc.returncode})")
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+    shutil.move(str(staged), str(final))
 
 def _run_alone(command: list, env: dict, timeout: float, cwd) -> subprocess.CompletedProcess:
     """`command` in a session of its own, its output through files: done when it exits, even where a process it

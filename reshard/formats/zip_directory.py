@@ -30,7 +30,6 @@ class Member:
     filename: str
     header_offset: int      # where its local header starts, from the archive's first byte
     file_size: int
-    compress_size: int
     CRC: int
     compress_type: int
 
@@ -102,7 +101,7 @@ def _entries(tail: bytes, at: int, count: int, end: int) -> list[Member] | None:
         if sizes is None:
             return None
         size, csize, offset = sizes
-        out.append(Member(name, offset, size, csize, crc, method))
+        out.append(Member(name, offset, size, crc, method))
     return out if at == end else None
 
 
