@@ -3,8 +3,10 @@ save changed (the negative control), the objects a save holds, where a DCP item 
 from __future__ import annotations
 
 import os
+import struct
+import zipfile
 
-from conftest import change_dcp_element
+from conftest import change_dcp_element, write_in_zip
 from reshard.formats.dcp import metadata as dcp_metadata
 from reshard.formats.megatron.pickles import METADATA_ALLOWED
 
@@ -57,3 +59,17 @@ def rewrite_in_span(path, offset, length, edit):
     assert len(new) == length
     path.write_bytes(blob[:offset] + new + blob[offset + length:])
     part.unlink()
+
+
+def bump_last_count(part) -> None:
+    """The last integer the pickle of the torch.save archive `part` holds (a per_bucket_numel count, BININT2 or
+    BININT) raised by 64, its CRC-32 made to match: a save that recorded another bucket size."""
+    with zipfile.ZipFile(part) as zf:
+        member = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+        pickled = zf.read(member)
+    header = part.read_bytes()[member.header_offset:member.header_offset + 30]
+    start = member.header_offset + 30 + sum(struct.unpack_from("<HH", header, 26))
+    at = max(pickled.rfind(b"M"), pickled.rfind(b"J"))       # the last count: BININT2 or BININT
+    width = 2 if pickled[at:at + 1] == b"M" else 4
+    value = int.from_bytes(pickled[at + 1:at + 1 + width], "little")
+    write_in_zip(part, start + at + 1, (value + 64).to_bytes(width, "little"))
