@@ -160,7 +160,9 @@ def test_arguments_that_contradict_the_checkpoint_are_refused_in_one_line(tmp_pa
 def test_without_the_names_or_the_arguments_it_is_refused_in_one_line(tmp_path):
     source = SOURCE / "checkpoint"
     for extra, words, status in ((["--to", f"tp=2,args={ARGS}"], "--names megatron-core-modules brings them back", 1),
-                                 (["--names", NAMES, "--to", "tp=2"], "args=FILE", 2)):
+                                 (["--names", NAMES, "--to", "tp=2"], "args=FILE", 2),
+                                 (["--names", NAMES, "--to", f"tp=2,args={tmp_path / 'none.json'}"], "cannot be read",
+                                  2)):
         refused = run_cli("convert", source, tmp_path / "x", "--format", "megatron", *extra, check=None)
         assert refused.returncode == status and words in refused.stderr, refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.core.catalog import Catalog
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.formats.megatron.order import ParamOrder
+from reshard.storage import files as fs
 
 # what megatron-core's load and the next step read from args, which no tensor says
 REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
@@ -52,15 +53,16 @@ class RunArgs:
 
 def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
     """The file at `path` read and checked against `catalog` (see the module's doc)."""
+    # (a file the user gives that cannot be read as one is a usage error, exit 2, as a bad --config is)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with fs.open(path, "rb") as f:
+            data = json.loads(f.read())
     except OSError as e:
-        raise ReshardError.at(path, f"cannot be read ({e.strerror or e})") from None
+        raise UsageError.at(path, f"cannot be read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReshardError.at(path, f"not JSON ({e})") from None
+        raise UsageError.at(path, f"not JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("args"), dict):
-        raise ReshardError.at(path, 'needs {"args": {Megatron-LM\'s arguments}, "opt_param_scheduler": {...}}')
+        raise UsageError.at(path, 'needs {"args": {Megatron-LM\'s arguments}, "opt_param_scheduler": {...}}')
     unknown = sorted(set(data) - {"args", "opt_param_scheduler", "iteration"})
     if unknown:
         raise ReshardError.at(path, f"unknown key {unknown[0]!r} (args, opt_param_scheduler, iteration)")
