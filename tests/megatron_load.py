@@ -3,16 +3,19 @@
     torchrun --nproc_per_node 2 tests/megatron_load.py JOBS.json RESULTS.json
 
 JOBS.json lists {"label", "save": a Megatron-LM save dir, "tp", "pp", "truth": a truth.safetensors, "step": the
-optimizer step it holds; a mixture of experts' "ep" and "experts"}. For each job every rank makes the model parallel
-groups at tp, pp, ep (dp: what the ranks leave), builds the fixtures' GPTModel with Megatron's optimizer as
-tools/fixture_megatron_core.py does (the
-distributed optimizer where the save's content_metadata names a sharding type), and loads the save as Megatron-LM's
-load_checkpoint does at torch_dist: the common state's args must name this tp and pp; the model's and optimizer's
-sharded state dicts built with the save's content_metadata, the RNG state asked for unless args.no_save_rng, then
-`dist_checkpointing.load`, `load_state_dict` of model, optimizer and scheduler. The live model and optimizer (the
-distributed optimizer asked for its model-space form) are then gathered and compared with the truth bit for bit, and
-one more training step runs. Rank 0 writes {"label", "loaded", "error", "problems": [...], "step", "losses",
-"moved"} per job: `error` is the first line of what Megatron raised where the load failed.
+optimizer step it holds; a mixture of experts' "ep" and "experts"; a run made with Megatron-LM's defaults its
+"vocab" (the embedding's rows Megatron-LM pads its tokenizer's vocabulary to at this tp) and "fp32"}. For each job
+every rank makes the model parallel groups at tp, pp, ep (dp: what the ranks leave), builds the fixtures' GPTModel
+with Megatron's optimizer as tools/fixture_megatron_core.py does (the distributed optimizer where the save's
+content_metadata names a sharding type), and loads the save as Megatron-LM's load_checkpoint does at torch_dist: the
+common state's args must name this tp and pp; the model's and optimizer's sharded state dicts built with the save's
+content_metadata, the RNG state asked for unless args.no_save_rng, then `dist_checkpointing.load`, `load_state_dict`
+of model, optimizer and scheduler. The live model and optimizer (the distributed optimizer asked for its model-space
+form) are then gathered and compared with the truth bit for bit (where the vocabulary is padded to other rows than
+the truth's, the truth padded as Megatron-LM's tools/checkpoint pads it: rows cut, or its last row replicated, in
+every state; an fp32 run's params are its masters), and one more training step runs. Rank 0 writes {"label",
+"loaded", "error", "problems": [...], "step", "losses", "moved"} per job: `error` is the first line of what Megatron
+raised where the load failed.
 """
 import json
 import os
@@ -68,7 +71,8 @@ def _job(job, fixture) -> dict:
     content = dist_checkpointing.load_content_metadata(folder) or {}
     distributed = "distrib_optim_sharding_type" in content
     config, model, ddp, optimizer, scheduler = fixture.build(job["tp"], job["pp"], distributed, job.get("ep", 1),
-                                                             job.get("experts"))
+                                                             job.get("experts"), vocab=job.get("vocab", fixture.VOCAB),
+                                                             fp32=job.get("fp32", False))
     _zero_state(optimizer)
     sd_metadata = {**content, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
     state_dict = {"model": model.sharded_state_dict(metadata=sd_metadata)}
@@ -76,10 +80,10 @@ def _job(job, fixture) -> dict:
     if not getattr(args, "no_save_rng", False):
         state_dict["rng_state"] = fixture.rng_state(mpu, tensor_parallel)
     try:
-        with torch.no_grad():
+        with torch.no_grad():       # (an fp32 distributed optimizer's params are views of its buffer: copied in place)
             loaded = dist_checkpointing.load(state_dict, folder)
-        model.load_state_dict(loaded["model"], strict=False)
-        optimizer.load_state_dict(loaded["optimizer"])
+            model.load_state_dict(loaded["model"], strict=False)
+            optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     # the negative control's expected failure (DCP raises CheckpointException, a BaseException)
     except (Exception, CheckpointException) as e:
@@ -109,8 +113,8 @@ def _job(job, fixture) -> dict:
     dist.all_gather_object(steps, _steps(optimizer))
     out["step"] = sorted({s for rank in steps for s in rank})
     if dist.get_rank() == 0:
-        got = fixture.assemble(gathered)
-        truth = load_file(job["truth"])
+        got = _params_as_masters(fixture.assemble(gathered))
+        truth = {k: _padded(k, v, job.get("vocab")) for k, v in load_file(job["truth"]).items()}
         for key in sorted(set(truth) | set(got)):
             if key not in got or key not in truth:
                 out["problems"].append(f"{key}: {'not loaded' if key not in got else 'not in the truth'}")
@@ -125,6 +129,28 @@ def _job(job, fixture) -> dict:
     dist.all_gather_object(steps, _steps(optimizer))
     out["step_after"] = sorted({s for rank in steps for s in rank})
     return out
+
+
+VOCABULARY = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _padded(key, tensor, rows):
+    """A vocabulary-sized truth tensor at `rows` rows as Megatron-LM's tools/checkpoint re-pads one (saver_base's
+    pad_weight: cut, or the last row replicated)."""
+    import torch
+    if rows is None or not key.endswith(VOCABULARY) or tensor.shape[0] == rows:
+        return tensor
+    if tensor.shape[0] > rows:
+        return tensor[:rows].clone()
+    return torch.cat((tensor, tensor[-1].unsqueeze(0).expand(rows - tensor.shape[0], -1)))
+
+
+def _params_as_masters(got):
+    """An fp32 run's params are its masters: the plain FP32Optimizer keeps no copy, the truth names the param."""
+    import torch
+    masters = {f"fp32/{k[len('module/'):]}": v for k, v in got.items()
+               if k.startswith("module/") and v.dtype == torch.float32}
+    return {**masters, **got}
 
 
 def _inners(optimizer):

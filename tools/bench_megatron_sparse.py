@@ -6,7 +6,7 @@ Usage::
     python tools/bench_megatron_sparse.py DIR [--tp 8] [--pp 4] [--dp 4] [--layers 80]
 
 The model is megatron-core's GPTModel of the local layer spec configured as Llama-2-70B (hidden 8192, SwiGLU 28672,
-64 query heads in 8 query groups of head size 128, 80 layers, vocabulary padded to 32768, untied output layer,
+64 query heads in 8 query groups of head size 128, 80 layers, a vocabulary of 32768 tokens, untied output layer,
 RMSNorm, no biases), trained with bf16 weights, fp32 grad reduction, overlapped grad reduction (buckets of 40M
 elements on the first pipeline stage) and Adam. reshard's own Megatron writer (reshard/formats/megatron/writer.py)
 lays out every file for tp x pp x dp, from a catalog of the model's shapes at tp=1: `metadata.json`, `common.pt`
@@ -63,7 +63,7 @@ def run_args(tp: int, pp: int, dp: int, layers: int) -> Namespace:
     args.__dict__.update(
         num_layers=layers, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, group_query_attention=True, kv_channels=HEAD_DIM, seq_length=4096,
-        max_position_embeddings=4096, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128,
+        max_position_embeddings=4096, padded_vocab_size=VOCAB, vocab_size=VOCAB, make_vocab_size_divisible_by=128,
         normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         data_parallel_size=dp, world_size=tp * pp * dp, bf16=True, fp16=False, params_dtype=DType("bfloat16"),

@@ -97,7 +97,38 @@ CONFIGS = {
     "mcore_moe_dp_reshardable_ep2_dp2": dict(tp=1, pp=1, dp=2, ep=2, distributed=True, sharding="dp_reshardable"),
     "mcore_moe_fully_reshardable_ep2_dp2": dict(tp=1, pp=1, dp=2, ep=2, distributed=True,
                                                 sharding="fully_reshardable"),
+    # Megatron-LM's own defaults (mlm): the args its validate_args leaves (bf16 with fp32 gradient reduction,
+    # accumulate_allreduce_grads_in_fp32; the tokenizer's MLM_VOCAB padded to make_vocab_size_divisible_by (128) x tp,
+    # which another tp pads otherwise; the tokenizer's own size not in args), and fp32 runs
+    "mcore_mlm_bf16_dp_reshardable_tp2": dict(tp=2, pp=1, dp=1, distributed=True, sharding="dp_reshardable",
+                                              mlm=True),
+    "mcore_mlm_bf16_dp_reshardable_dp2": dict(tp=1, pp=1, dp=2, distributed=True, sharding="dp_reshardable",
+                                              mlm=True),
+    "mcore_mlm_bf16_fully_reshardable_tp2": dict(tp=2, pp=1, dp=1, distributed=True, sharding="fully_reshardable",
+                                                 mlm=True),
+    "mcore_mlm_fp32_plain_tp2": dict(tp=2, pp=1, dp=1, distributed=False, sharding=None, mlm=True, fp32=True),
+    "mcore_mlm_fp32_fully_reshardable_pp2": dict(tp=1, pp=2, dp=1, distributed=True, sharding="fully_reshardable",
+                                                 mlm=True, fp32=True),
+    "mcore_mlm_fp32_dp_reshardable_dp2": dict(tp=1, pp=1, dp=2, distributed=True, sharding="dp_reshardable",
+                                              mlm=True, fp32=True),
+    "mcore_mlm_legacy_fp32_plain_tp2": dict(tp=2, pp=1, dp=1, distributed=False, sharding=None, format="torch",
+                                            mlm=True, fp32=True),
+    "mcore_mlm_legacy_fp32_distributed_dp2": dict(tp=1, pp=1, dp=2, distributed=True,
+                                                  sharding="dp_zero_gather_scatter", format="torch", mlm=True,
+                                                  fp32=True),
 }
+MLM_VOCAB = 100         # the tokenizer's vocabulary of the mlm configurations (tokens are drawn below it)
+VOCAB_DIVISOR = 128     # Megatron-LM's --make-vocab-size-divisible-by default
+
+
+def padded_vocab(cfg: dict, tp: int) -> int:
+    """The embedding's rows of configuration `cfg` at tensor-parallel degree `tp`: an mlm configuration's tokenizer
+    vocabulary padded as Megatron-LM's build_tokenizer pads it (up to a multiple of make_vocab_size_divisible_by x
+    tp); the others' VOCAB."""
+    if not cfg.get("mlm"):
+        return VOCAB
+    multiple = VOCAB_DIVISOR * tp
+    return -(-MLM_VOCAB // multiple) * multiple
 EXPERTS, TOPK, EXPERT_FFN = 4, 2, 16     # the MoE configurations' experts, router top-k and each expert's width
 
 
@@ -142,8 +173,9 @@ def worker(name: str, out: Path) -> None:
                          f"{megatron.core.__version__}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    config, model, ddp, optimizer, scheduler = build(cfg["tp"], cfg["pp"], cfg["distributed"], cfg.get("ep", 1))
-    train(config, ddp, optimizer, scheduler, STEPS, seed=7)
+    config, model, ddp, optimizer, scheduler = build(cfg["tp"], cfg["pp"], cfg["distributed"], cfg.get("ep", 1),
+                                                     vocab=padded_vocab(cfg, cfg["tp"]), fp32=cfg.get("fp32", False))
+    train(config, ddp, optimizer, scheduler, STEPS, seed=7, vocab=MLM_VOCAB if cfg.get("mlm") else VOCAB)
     iteration = STEPS
 
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -182,18 +214,21 @@ def worker(name: str, out: Path) -> None:
     if rank == 0:
         _write_truth(out / name, cfg, name, gathered, layouts, optimizer, iteration)
     dist.barrier()
-    _forward(out / name, config, gathered, rank)
+    if not cfg.get("mlm"):      # (export's truth: the Llama-configured fixtures')
+        _forward(out / name, config, gathered, rank)
     dist.barrier()
     dist.destroy_process_group()
     end_helpers()
 
 
-def build(tp: int, pp: int, distributed: bool, ep: int = 1, experts: int | None = None):
+def build(tp: int, pp: int, distributed: bool, ep: int = 1, experts: int | None = None, vocab: int = VOCAB,
+          fp32: bool = False):
     """(config, model, ddp, optimizer, scheduler): the fixtures' Llama-configured GPTModel (local layer spec) at tp, pp
-    (the model parallel groups made here; dp is what the world leaves), its MLPs mixtures of `experts` (EXPERTS where
-    ep > 1) expert-parallel over ep ranks, wrapped as Megatron-LM wraps it (Float16Module,
-    DistributedDataParallel), with Megatron's Adam (the distributed optimizer where `distributed`) and scheduler.
-    The ranks' process group must exist."""
+    (the model parallel groups made here; dp is what the world leaves) with `vocab` embedding rows, its MLPs mixtures
+    of `experts` (EXPERTS where ep > 1) expert-parallel over ep ranks, wrapped as Megatron-LM wraps it (bf16:
+    Float16Module, and gradients reduced in fp32 as Megatron-LM's accumulate_allreduce_grads_in_fp32 does for every
+    bf16 run; `fp32`: neither), DistributedDataParallel, with Megatron's Adam (the distributed optimizer where
+    `distributed`) and scheduler. The ranks' process group must exist."""
     import torch
     from megatron.core import parallel_state as mpu, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -204,15 +239,15 @@ def build(tp: int, pp: int, distributed: bool, ep: int = 1, experts: int | None 
     mpu.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    config = transformer_config(tp, pp, ep, experts if experts is not None else (EXPERTS if ep > 1 else None))
-    model = gpt_model(config)
+    config = transformer_config(tp, pp, ep, experts if experts is not None else (EXPERTS if ep > 1 else None), fp32)
+    model = gpt_model(config, vocab)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
-                                               grad_reduce_in_fp32=True)
-    ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, model))
+                                               grad_reduce_in_fp32=not fp32)
+    ddp = DistributedDataParallel(config, ddp_config, model if fp32 else Float16Module(config, model))
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9,
-                                 adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=True,
+                                 adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=not fp32,
                                  use_distributed_optimizer=distributed)
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
@@ -221,8 +256,9 @@ def build(tp: int, pp: int, distributed: bool, ep: int = 1, experts: int | None 
     return config, model, ddp, optimizer, scheduler
 
 
-def transformer_config(tp: int, pp: int, ep: int = 1, experts: int | None = None):
-    """The fixtures' TransformerConfig (Llama-configured, bf16) at tp, pp; with `experts`, each layer's MLP a mixture
+def transformer_config(tp: int, pp: int, ep: int = 1, experts: int | None = None, fp32: bool = False):
+    """The fixtures' TransformerConfig (Llama-configured, bf16; `fp32`: fp32) at tp, pp; with `experts`, each layer's
+    MLP a mixture
     of them (SequentialMLP: one MLP module per expert, top-TOPK softmax router, no load-balancing loss, the
     all-to-all token dispatcher) expert-parallel over ep ranks."""
     import torch
@@ -237,29 +273,31 @@ def transformer_config(tp: int, pp: int, ep: int = 1, experts: int | None = None
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
         bias_activation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, sequence_parallel=False, gradient_accumulation_fusion=False,
+        pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=not fp32,
+        params_dtype=torch.float32 if fp32 else torch.bfloat16,
+        pipeline_dtype=torch.float32 if fp32 else torch.bfloat16, sequence_parallel=False,
+        gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         init_method_std=0.02, layernorm_epsilon=NORM_EPS)
 
 
-def gpt_model(config):
-    """The fixtures' GPTModel (local layer spec, RMSNorm, RoPE, untied output layer) of this stage of `config`'s
-    pipeline (the model parallel groups made)."""
+def gpt_model(config, vocab: int = VOCAB):
+    """The fixtures' GPTModel (local layer spec, RMSNorm, RoPE, untied output layer, `vocab` embedding rows) of this
+    stage of `config`'s pipeline (the model parallel groups made)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     normalization="RMSNorm")
-    return GPTModel(config, spec, vocab_size=VOCAB,
+    return GPTModel(config, spec, vocab_size=vocab,
                     max_sequence_length=SEQ, pre_process=mpu.is_pipeline_first_stage(),
                     post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                     position_embedding_type="rope", rotary_base=ROPE_BASE)
 
 
-def train(config, ddp, optimizer, scheduler, steps: int, seed: int) -> list:
-    """`steps` Adam steps on deterministic tokens (per data-parallel rank) through Megatron's forward-backward
-    schedule; the losses the last pipeline stage saw (empty elsewhere)."""
+def train(config, ddp, optimizer, scheduler, steps: int, seed: int, vocab: int = VOCAB) -> list:
+    """`steps` Adam steps on deterministic tokens below `vocab` (per data-parallel rank) through Megatron's
+    forward-backward schedule; the losses the last pipeline stage saw (empty elsewhere)."""
     import torch
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -268,7 +306,7 @@ def train(config, ddp, optimizer, scheduler, steps: int, seed: int) -> list:
 
     def batches():
         while True:
-            tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator)
+            tokens = torch.randint(0, vocab, (MICRO, SEQ + 1), generator=generator)
             yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 
     def forward_step(data_iterator, module):
@@ -420,7 +458,7 @@ def _megatron_args(cfg, iteration):
         num_experts=EXPERTS, expert_tensor_parallel_size=cfg["tp"], moe_router_topk=TOPK,
         moe_ffn_hidden_size=EXPERT_FFN, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
-    return argparse.Namespace(
+    args = dict(
         **moe, num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, group_query_attention=True, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
         max_position_embeddings=SEQ, padded_vocab_size=VOCAB, normalization="RMSNorm", swiglu=True,
@@ -439,6 +477,25 @@ def _megatron_args(cfg, iteration):
         attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, decoder_first_pipeline_num_layers=None,
         decoder_last_pipeline_num_layers=None,
         account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+    if cfg.get("mlm"):
+        del args["grad_reduce_in_fp32"]
+        args.update(_megatron_lm_defaults(cfg))
+    return argparse.Namespace(**args)
+
+
+def _megatron_lm_defaults(cfg) -> dict:
+    """What Megatron-LM's parse_args and validate_args leave in args for a run of `cfg` that takes their defaults,
+    where the arguments above say otherwise: its own name for the gradient reduction's dtype
+    (accumulate_allreduce_grads_in_fp32, which validate_args turns on for bf16; DDP's grad_reduce_in_fp32 is set from
+    it and is no argument), the vocabulary padded by build_tokenizer to make_vocab_size_divisible_by x tp (the
+    tokenizer's own size is not kept: vocab_size is the --vocab-size argument, None with a tokenizer file), and the
+    dtype of an fp32 run."""
+    import torch
+    fp32 = cfg.get("fp32", False)
+    return dict(accumulate_allreduce_grads_in_fp32=not fp32, grad_reduce_in_bf16=False,
+                main_grads_dtype=torch.float32, make_vocab_size_divisible_by=VOCAB_DIVISOR, vocab_size=None,
+                padded_vocab_size=padded_vocab(cfg, cfg["tp"]), tokenizer_type="HuggingFaceTokenizer",
+                bf16=not fp32, params_dtype=torch.float32 if fp32 else torch.bfloat16)
 
 
 def _save_legacy(checkpoint: Path, cfg, run_args, iteration, model, optimizer, scheduler, mpu, tensor_parallel):
@@ -522,7 +579,11 @@ def _write_truth(folder: Path, cfg, name, gathered, layouts, optimizer, iteratio
     import megatron.core
     import torch
     from safetensors.torch import save_file
-    save_file(assemble(gathered), str(folder / "truth.safetensors"))
+    truth = assemble(gathered)
+    if cfg.get("fp32"):     # an fp32 run's params are its masters (the plain FP32Optimizer keeps no copy of them)
+        truth.update({f"fp32/{k[len('module/'):]}": v.clone() for k, v in truth.items()
+                      if k.startswith("module/") and f"fp32/{k[len('module/'):]}" not in truth})
+    save_file(truth, str(folder / "truth.safetensors"))
     groups = []
     steps = set()
     for group in optimizer.param_groups:
@@ -537,11 +598,14 @@ def _write_truth(folder: Path, cfg, name, gathered, layouts, optimizer, iteratio
     info = {"kind": "megatron-core", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
             "tp": cfg["tp"], "pp": cfg["pp"], "dp": cfg["dp"],
             "optimizer": "distributed" if cfg["distributed"] else "plain", "sharding_type": cfg["sharding"],
-            "iteration": iteration, "step": sorted(steps), "param_groups": groups, "model_dtype": "bfloat16",
-            "layers": LAYERS, "vocab": VOCAB, "hidden": HIDDEN, "heads": HEADS, "query_groups": GROUPS,
-            "ffn": FFN}
+            "iteration": iteration, "step": sorted(steps), "param_groups": groups,
+            "model_dtype": "float32" if cfg.get("fp32") else "bfloat16",
+            "layers": LAYERS, "vocab": padded_vocab(cfg, cfg["tp"]), "hidden": HIDDEN, "heads": HEADS,
+            "query_groups": GROUPS, "ffn": FFN}
     if cfg.get("ep", 1) > 1:
         info.update(ep=cfg["ep"], experts=EXPERTS, topk=TOPK, expert_ffn=EXPERT_FFN)
+    if cfg.get("mlm"):      # (the padded rows are `vocab`; the tokenizer's size is not in the save)
+        info.update(tokenizer_vocab=MLM_VOCAB, make_vocab_size_divisible_by=VOCAB_DIVISOR)
     if cfg["distributed"]:
         # (with experts each rank's: the expert buffers differ between expert-parallel ranks)
         info["buffer_layout"] = [{"tp_rank": t, "pp_rank": p, "dp_rank": d, "buffers": layout}

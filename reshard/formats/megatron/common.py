@@ -2,10 +2,10 @@
 catalog the same way whichever layout holds it (torch_dist's common state, a legacy rank file)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from reshard.core.catalog import MASTER, MODULE, CatalogBuilder, TrainingState
+from reshard.core.catalog import MASTER, MODULE, CatalogBuilder, TensorDraft, TensorKey, TrainingState
 from reshard.core.layout import Layout
 from reshard.formats.megatron.topology import MegatronNotes, MegatronTopology
 
@@ -14,9 +14,10 @@ COUNTERS = ("iteration", "checkpoint_version", "num_floating_point_operations_so
 
 def finish(catalog: CatalogBuilder, degrees: tuple[int, int, int], sharding: str, common: Mapping[str, Any],
            args: Mapping[str, Any], layout: str, notes: dict[str, dict[str, Any]],
-           backend: str = "torch_dist") -> None:
+           backend: str = "torch_dist", grad_buffers: tuple[tuple[str, str], ...] = ()) -> None:
     """The catalog's layout ((dp, tp, pp), dtypes, `sharding`, which `layout` of files, `backend`), training state
-    and notes, from the save's `common` state and `args`."""
+    and notes, from the save's `common` state and `args` (and the (param, grad) dtypes of its saved grad
+    buffers)."""
     dp, tp, pp = degrees
     model_dtypes = {t.dtype for k, t in catalog.tensors.items() if k.state == MODULE}
     masters = {t.dtype for k, t in catalog.tensors.items() if k.state == MASTER}
@@ -35,7 +36,18 @@ def finish(catalog: CatalogBuilder, degrees: tuple[int, int, int], sharding: str
                                      optimizer=optimizer_name(args.get("optimizer")))
     counters = {k: common[k] for k in COUNTERS if isinstance(common.get(k), (int, float))}
     plain = tuple((k, v) for k, v in sorted(args.items()) if v is None or isinstance(v, (bool, int, float, str)))
-    catalog.notes = MegatronNotes(notes, counters, plain)
+    catalog.notes = MegatronNotes(notes, counters, plain, grad_buffers)
+
+
+def params_as_masters(catalog: CatalogBuilder, trainable: Iterable[str]) -> None:
+    """An fp32 run's params are its masters: megatron-core's plain FP32Optimizer keeps no copy of them (no
+    optimizer.state.fp32_param), and its load takes each param itself as what Adam updates. Each trainable fp32 param
+    saved without a master is given itself as one, so the catalog holds the same states whatever the optimizer
+    sharding (the distributed optimizer saves a copy: optimizer.state.param, the buckets' `param`)."""
+    for name in trainable:
+        module = catalog.tensors.get(TensorKey(name, MODULE))
+        if module is not None and module.dtype == "float32" and TensorKey(name, MASTER) not in catalog.tensors:
+            catalog.add(TensorDraft(name, MASTER, module.shape, module.dtype, list(module.fragments)))
 
 
 def optimizer_name(name) -> str:

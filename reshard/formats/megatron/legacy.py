@@ -137,6 +137,7 @@ class _LegacyReader:
         self.rules = param_order.load()
         self.notes: dict[str, dict[str, Any]] = {}
         self.steps: set[int] = set()        # the plain optimizer's per-param steps
+        self.grad_buffers: set[tuple[str, str]] = set()     # distrib_optim.pt's (param dtype, grad dtype) keys
 
     def read(self):
         catalog = self.catalog
@@ -168,10 +169,12 @@ class _LegacyReader:
         shards = self._model(local)
         sharding = self._optimizer(ranks, states, local, shards)
         groups, step = self._param_groups(head)
+        common_fields.params_as_masters(catalog, sorted({k.name for k in catalog.tensors if k.state != MODULE}))
         self._params(groups)
         catalog.group_scalars = [({"step": step} if step is not None else {}) for _ in groups]
         catalog.files = self._files(ranks)
-        common_fields.finish(catalog, (dp, tp, pp), sharding, head, self.args, LAYOUT, self.notes, backend="torch")
+        common_fields.finish(catalog, (dp, tp, pp), sharding, head, self.args, LAYOUT, self.notes, backend="torch",
+                             grad_buffers=tuple(sorted(self.grad_buffers)))
         return catalog.freeze()
 
     # -- files
@@ -292,10 +295,15 @@ class _LegacyReader:
                 for g in groups]
 
     def _plain(self, key, path, state, params, shards) -> None:
-        """Megatron's Float16 optimizer: fp32_from_fp16_params[g][i] and state[index] of param_groups[g]'s i-th."""
+        """Megatron's Float16 optimizer: fp32_from_fp16_params[g][i] and state[index] of param_groups[g]'s i-th;
+        its FP32Optimizer (an fp32 run) saves its torch optimizer's state dict itself, the params its masters."""
         optimizer = state.get("optimizer")
         inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
         masters = optimizer.get("fp32_from_fp16_params") if isinstance(optimizer, dict) else None
+        if isinstance(optimizer, dict) and inner is None and masters is None and "param_groups" in optimizer:
+            inner = optimizer
+            masters = [[None] * len(g.get("params", ())) if isinstance(g, dict) else [] for g in
+                       optimizer["param_groups"]]
         if not isinstance(inner, dict) or not isinstance(masters, list):
             self.catalog.problem(path, "no optimizer state (fp32_from_fp16_params) in it")
             return
@@ -310,7 +318,8 @@ class _LegacyReader:
                 moments = saved.get(index, {})
                 for state_name, ref in ((MASTER, master), ("exp_avg", moments.get("exp_avg")),
                                         ("exp_avg_sq", moments.get("exp_avg_sq"))):
-                    self._state(path, name, state_name, ref, params[name], key, shards)
+                    if ref is not None or state_name != MASTER:     # (FP32Optimizer: no master copy)
+                        self._state(path, name, state_name, ref, params[name], key, shards)
                 step = moments.get("step")
                 if isinstance(step, TensorRef) and step.numel == 1:
                     self.steps.add(int(read_scalar(step)))
@@ -335,7 +344,9 @@ class _LegacyReader:
         if list(buffers) != [0] or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
             raise CheckpointError(path, "one grad buffer of one dtype is read (bf16 or fp16 params, fp32 grads); "
                                   f"this file holds {len(buffers)} buffers")
-        flat = next(iter(buffers[0].values()))
+        dtypes, flat = next(iter(buffers[0].items()))
+        if isinstance(dtypes, tuple) and len(dtypes) == 2:
+            self.grad_buffers.add((str(dtypes[0]), str(dtypes[1])))
         laid = buckets.lay_out([(n, ref.numel) for n, ref in params.items()],
                                int(self.args.get("data_parallel_size") or 1), self._bucket_size(),
                                high_busbw=bool(self.args.get("ddp_pad_buckets_for_high_nccl_busbw")))
@@ -364,7 +375,7 @@ class _LegacyReader:
 
     def _param_groups(self, head: Mapping[str, Any]) -> tuple[list[dict], int | None]:
         optimizer = head.get("optimizer")
-        inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+        inner = optimizer.get("optimizer", optimizer) if isinstance(optimizer, dict) else None    # (FP32Optimizer's)
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             self.catalog.problem(self.folder, "no optimizer param groups found")

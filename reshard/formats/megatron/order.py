@@ -42,6 +42,7 @@ class ParamOrder:
     expert_params: tuple[str, ...] = ()  # an expert's params (relative to it), in registration order
     expert_cuts: tuple[tuple[str, TpCut], ...] = ()   # how an expert's params are cut (SwiGLU's fc1: two parts)
     extra_states: tuple[str, ...] = ()   # layer modules (relative to a layer) that save an empty `_extra_state`
+    vocabulary: tuple[str, ...] = ()     # params with a row per token of the padded vocabulary
 
     def expert_of(self, name: str) -> tuple[int, int, str] | None:
         """(layer, expert, name within the expert) of one expert's param, or None."""
@@ -136,6 +137,7 @@ def load(given: str | None = None) -> ParamOrder:
                           tuple((str(k), str(v)) for k, v in data.get("state_dict_keys_map", {}).items()),
                           experts.get("prefix"), tuple(experts.get("params", ())),
                           cuts_of(experts.get("tensor_parallel", {})),
-                          tuple(data.get("extra_states", {}).get("modules", ())))
+                          tuple(data.get("extra_states", {}).get("modules", ())),
+                          tuple(data.get("padded_vocabulary", {}).get("params", ())))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

@@ -160,6 +160,7 @@ class _Reader:
         self.boxes: dict[str, list[tuple]] = {}     # model param name -> (at, size) of each chunk of it
         self.notes: dict[str, dict[str, Any]] = {}
         self.flattened = False      # a 0.15 save: states stored as flat ranges of blocks (_reformulated)
+        self.grad_buffers: set[tuple[str, str]] = set()     # dp_reshardable: each buffer's (param, grad) dtypes
 
     def read(self) -> Catalog:
         folder = self.folder
@@ -229,6 +230,7 @@ class _Reader:
                 raise CheckpointError(self.common_path, f"content_metadata says {sharding}, but the save holds the "
                                       "distributed optimizer's dp_reshardable buckets")
             states |= self._buckets(distributed, names)
+        common_fields.params_as_masters(catalog, [n for n in names if n in states])
         ordered = self._ordered(names)
         groups, step = self._param_groups()
         group_of = self._group_of(ordered, groups)
@@ -250,7 +252,8 @@ class _Reader:
             raise CheckpointError(self.common_path, "singleton_local_shards: experts saved under per-expert keys are "
                                   "not read yet (Megatron-LM's default saves them on an expert axis)")
         catalog.files = self._files(chunks)
-        common_fields.finish(catalog, (dp, tp, pp), sharding, common, self.args, layout, self.notes)
+        common_fields.finish(catalog, (dp, tp, pp), sharding, common, self.args, layout, self.notes,
+                             grad_buffers=tuple(sorted(self.grad_buffers)))
         return catalog.freeze()
 
     # -- degrees and files
@@ -429,6 +432,10 @@ class _Reader:
             found = BUCKET.match(key)
             assert found is not None
             chained, group, gbuf, dtypes, bucket, state = found.groups()
+            pair = tuple(d.strip() for d in dtypes.strip("()").split(","))
+            if len(pair) != 2:
+                raise CheckpointError(self.meta_path, f"{key}: {dtypes} names no (param dtype, grad dtype)")
+            self.grad_buffers.add((pair[0], pair[1]))
             if state not in STATES:
                 self.catalog.problem(self.meta_path, f"{key}: an optimizer state reshard does not know")
                 continue

@@ -11,6 +11,7 @@ from reshard.formats.protocol import TargetKeys
 
 PLAIN = "plain"       # the non-distributed optimizer: model-shaped states (optimizer.state.fp32_param.<key>)
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"    # the distributed optimizer's
+FULLY_SHARDED_MODEL_SPACE = "fully_sharded_model_space"     # 0.15's default: model-space states, flattened blocks
 SHARDINGS = (DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN)
 # What inspect says of the version: a 0.16 save records none; its files are laid out as 0.16 lays them
 LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no version)"
@@ -31,6 +32,9 @@ class MegatronTopology:
     # common state (DeepSpeed, universal, DCP)
     run_args: str | None = None
     ep: int | None = None     # a mixture of experts' expert-parallel degree (None: no experts)
+    # a target's tokenizer vocabulary (vocab=N), where the padded embedding's rows at the target's tp do not follow
+    # from the saved ones
+    vocab: int | None = None
 
     def terms(self, brief: bool = False) -> tuple[tuple[str, object], ...]:
         experts = (("ep", self.ep),) if self.ep is not None else ()
@@ -54,6 +58,9 @@ class MegatronNotes:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)
     args: tuple[tuple[str, Any], ...] = ()
+    # the distributed optimizer's grad buffers as saved: (param dtype, grad dtype) of each, torch's names
+    # ("torch.bfloat16", "torch.float32"); empty where the save does not say (model-shaped optimizer states)
+    grad_buffers: tuple[tuple[str, str], ...] = ()
 
     def hyperparameters(self) -> dict[str, Any]:
         return dict(self.args)
@@ -83,34 +90,50 @@ def _args_file(text: str) -> str:
 
 SPEC_KEYS = (SpecKey("sharding", "|".join(SHARDINGS), "Megatron's optimizer state: the distributed optimizer's "
                      "sharding type (dp_reshardable, Megatron-LM's default; fully_reshardable), or plain: the "
-                     "non-distributed optimizer (default: the source's, dp_reshardable for a distributed one)",
+                     "non-distributed optimizer (default: the source's own; dp_reshardable for a source of another "
+                     "format, a legacy distributed save's, fully_reshardable for 0.15's model space)",
                      text=_sharding),
              SpecKey("args", "FILE", "a JSON file of the run's Megatron-LM arguments and scheduler state, for a "
                      "source that holds none (DeepSpeed, universal, DCP): docs/formats/megatron.md", text=_args_file),
              SpecKey("ep", "E", "expert-parallel degree of a mixture-of-experts save, dividing dp and each layer's "
-                     "experts (default: the source's)", minimum=1))
+                     "experts (default: the source's)", minimum=1),
+             SpecKey("vocab", "N", "the tokenizer's vocabulary size (Megatron-LM's --true-vocab-size), where a tp "
+                     "change re-pads the embedding and output layer to make_vocab_size_divisible_by x tp and the "
+                     "saved padding does not tell the size (default: args.vocab_size)", minimum=1))
+
+
+def kept_sharding(sharding: str) -> str:
+    """The torch_dist sharding that keeps what a source's optimizer sharding is: its own, or for 0.15's model-space
+    states (fully_sharded_model_space) the model-space one megatron-core 0.16 writes and reshards itself
+    (fully_reshardable), and for any other distributed save (a legacy distrib_optim.pt) Megatron-LM's default."""
+    if sharding in SHARDINGS:
+        return sharding
+    return FULLY_RESHARDABLE if sharding == FULLY_SHARDED_MODEL_SPACE else DP_RESHARDABLE
 
 
 def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
-    """The target's optimizer sharding: the one `sharding=` names; else a plain source stays plain and the
-    distributed optimizer is written as Megatron-LM writes it by default (dp_reshardable)."""
+    """The target's optimizer sharding: the one `sharding=` names; else the source's kept (kept_sharding), and a
+    source of another format written as Megatron-LM writes by default (dp_reshardable)."""
     own = source.format_topology if isinstance(source.format_topology, MegatronTopology) else None
-    default = PLAIN if own is not None and own.sharding == PLAIN else DP_RESHARDABLE
-    sharding = str(given.get("sharding", default))
+    sharding = str(given.get("sharding", kept_sharding(own.sharding) if own else DP_RESHARDABLE))
     run_args = given.get("args")
     ep = given.get("ep", own.ep if own else None)
+    vocab = given.get("vocab")
     return MegatronTopology(sharding, own.iteration if own else None, own.checkpoint_version if own else None,
                             LAYOUT_016, run_args=str(run_args) if run_args is not None else None,
-                            ep=int(ep) if isinstance(ep, int) else None)
+                            ep=int(ep) if isinstance(ep, int) else None,
+                            vocab=int(vocab) if isinstance(vocab, int) else None)
 
 
 def from_descriptor(source: FormatTopology | None, data: Mapping[str, object]) -> MegatronTopology:
     """A descriptor file's `sharding` (the source's or dp_reshardable where it names none)."""
     own = source if isinstance(source, MegatronTopology) else None
-    sharding = data.get("sharding", own.sharding if own else DP_RESHARDABLE)
-    run_args = data.get("args")
+    sharding = data.get("sharding", kept_sharding(own.sharding) if own else DP_RESHARDABLE)
+    run_args, vocab = data.get("args"), data.get("vocab")
+    if vocab is not None and (type(vocab) is not int or vocab < 1):
+        raise UsageError(f"vocab is the tokenizer's vocabulary size, a whole number, not {vocab!r}")
     return MegatronTopology(_sharding(str(sharding)), layout=LAYOUT_016,
-                            run_args=_args_file(str(run_args)) if run_args is not None else None)
+                            run_args=_args_file(str(run_args)) if run_args is not None else None, vocab=vocab)
 
 
-TARGET_KEYS = TargetKeys(SPEC_KEYS, target, from_descriptor, ("sharding", "args"))
+TARGET_KEYS = TargetKeys(SPEC_KEYS, target, from_descriptor, ("sharding", "args", "vocab"))

@@ -43,7 +43,7 @@ from reshard.errors import CheckpointError, ReshardError, UsageError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
-from reshard.formats.megatron import buckets, legacy, order as param_order, run_args, tp_boxes
+from reshard.formats.megatron import buckets, legacy, order as param_order, run_args, run_config, tp_boxes
 from reshard.formats.megatron.pickles import Namespace
 from reshard.formats.megatron.reader import (
     BUCKET,
@@ -55,7 +55,13 @@ from reshard.formats.megatron.reader import (
     common_state,
     source_metadata,
 )
-from reshard.formats.megatron.topology import DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN, MegatronTopology
+from reshard.formats.megatron.topology import (
+    DP_RESHARDABLE,
+    FULLY_RESHARDABLE,
+    PLAIN,
+    MegatronNotes,
+    MegatronTopology,
+)
 from reshard.formats.torchsave_read import DType
 from reshard.formats.torchsave_write import TorchFile
 
@@ -81,7 +87,6 @@ RNG = "rng_state/shard_{}.{}_{}.{}"
 # what Megatron-LM's save (_build_sharded_state_dict_metadata) records in content_metadata beside the optimizer's
 # sharding, as every torch_dist fixture (0.15, 0.16, 0.19) holds it: for a legacy source, which records none
 SAVE_CONTENT = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-TORCH_DTYPES = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32"}
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ class Grid:
 
 @dataclass(frozen=True)
 class Param:
-    """A parameter as the target saves it: its logical name, stacked key and layer (None outside a stack)."""
+    """A parameter as the target saves it: its logical name, stacked key and layer (None outside a stack), its
+    shape there and as the source saved it (another where the target pads the vocabulary otherwise)."""
     name: str
     key: str
     layer: int | None
@@ -109,6 +115,14 @@ class Param:
     cut: param_order.TpCut | None
     parts: int
     expert: int | None = None     # an expert's param: its global expert number (saved on an expert axis)
+    saved: tuple[int, ...] = ()
+
+    def pieces(self, state: str, shard: Shard, start: int, count: int) -> list[Piece]:
+        """Elements [start, start + count) of `shard` (a shard of the target's tensor) of `state`, from the
+        source's."""
+        if self.saved != self.shape:
+            return run_config.repadded_pieces((self.name, state), self.saved, shard, start, count)
+        return [Piece(count, (self.name, state), start, shard=None if shard == Shard.whole(self.shape) else shard)]
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -150,6 +164,7 @@ class _Writer:
         if tag != RELEASE and not ITERATION.match(tag):
             raise UsageError(f"--tag-out {tag!r}: Megatron-LM loads iteration folders named iter_NNNNNNN (or release)")
         self.sharding = topology.sharding if isinstance(topology, MegatronTopology) else DP_RESHARDABLE
+        self.given_vocab = topology.vocab if isinstance(topology, MegatronTopology) else None
         self.catalog, self.tag = catalog, tag
         self.grid = Grid(target.tp, target.pp, target.dp)
         self.source = catalog.layout
@@ -169,6 +184,7 @@ class _Writer:
         self.files_by_rank: dict[int, DistcpFile] = {}
         self.meta = MetadataBuilder(planner=False)
         self.params = self._params()
+        self.by_name = {p.name: p for p in self.params}
         self.ep, self.experts = self._experts(target)
 
     # -- the common state: the source's, or the user's arguments (args=FILE) for a source of another format
@@ -223,7 +239,7 @@ class _Writer:
             count = args.get(key)
             if isinstance(count, int) and count % grid.tp:
                 raise ReshardError(f"target tp={grid.tp}: args.{key} = {count} is not a multiple of it")
-        self._check_vocabulary_padding()
+        self.vocab = self._vocabulary()
         if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True):
             raise ReshardError("a tied embedding at pp > 1 (the last stage's copy, a bucket of its own) is not "
                                "written yet")
@@ -238,23 +254,17 @@ class _Writer:
             raise ReshardError.at(self.catalog.root, "Megatron's optimizer state needs every parameter's fp32 master "
                                   "and both Adam moments; this checkpoint lacks some")
 
-    def _check_vocabulary_padding(self) -> None:
-        """Megatron-LM pads the tokenizer's vocabulary up to a multiple of make_vocab_size_divisible_by x tp when it
-        builds the model: where that is another size at the target's tp than the saved embedding's, its load fails
-        on the shape. Re-padding the embedding's rows is not written yet, so such a target is refused. (Without
-        args.vocab_size, the tokenizer's own size, a saved padding that is a multiple at the target is taken as
-        the size Megatron-LM will pad to.)"""
-        padded, multiple = self.args.get("padded_vocab_size"), self.args.get("make_vocab_size_divisible_by")
-        if not isinstance(padded, int) or not isinstance(multiple, int):
-            return
-        multiple *= self.grid.tp
-        vocab = self.args.get("vocab_size")
-        target = -(-vocab // multiple) * multiple if isinstance(vocab, int) else None
-        if (target or padded) != padded or padded % multiple:
-            raise ReshardError(f"target tp={self.grid.tp}: Megatron-LM pads the vocabulary to a multiple of "
-                               f"make_vocab_size_divisible_by x tp = {multiple},{f' {target} rows,' if target else ''} "
-                               f"not the {padded} saved; re-padding the "
-                               "embedding is not written yet")
+    def _vocabulary(self) -> run_config.Vocabulary | None:
+        """The rows of the vocabulary-sized params (the rule file's padded_vocabulary) at the target, as Megatron-LM
+        pads its tokenizer's vocabulary there (run_config.vocabulary); None for a model without them."""
+        saved = {self.catalog.tensors[TensorKey(n, MODULE)].shape[0] for n in self.names if n in self.rules.vocabulary}
+        if not saved:
+            return None
+        if len(saved) != 1:
+            raise ReshardError.at(self.catalog.root, f"vocabulary-sized params of {sorted(saved)} rows: one "
+                                  "padded vocabulary was expected")
+        return run_config.vocabulary(self.args, saved.pop(), self.source.tp, self.grid.tp, self.given_vocab,
+                                     self.catalog.root)
 
     def _params(self) -> list[Param]:
         notes = self.catalog.notes
@@ -266,13 +276,14 @@ class _Writer:
             if key is None and where is not None:     # (a legacy save keeps each layer's own: stacked by the rules)
                 key, layer = f"{self.rules.layer_prefix}{where[1]}", where[0]
             key = key or name
-            shape = tuple(self.catalog.tensors[TensorKey(name, MODULE)].shape)
+            saved = tuple(self.catalog.tensors[TensorKey(name, MODULE)].shape)
+            shape = (self.vocab.rows, *saved[1:]) if self.vocab and name in self.rules.vocabulary else saved
             cut = self.rules.tp_cut(name)
             parts = 1
             if cut is not None:
                 parts = cut.parts if cut.parts_when is None or self.args.get(cut.parts_when) else 1
             expert = detail.get("expert") if self.rules.expert_of(name) is not None else None
-            param = Param(name, key, layer, shape, cut, parts, expert)
+            param = Param(name, key, layer, shape, cut, parts, expert, saved)
             self._check_cut(param)
             out.append(param)
         return out
@@ -282,12 +293,12 @@ class _Writer:
         not describe is refused, not written with its tensors cut wrongly."""
         tp = self.source.tp
         ruled = {(tuple(at), tuple(size)) for rank in range(tp)
-                 for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, tp, rank)}
+                 for at, size in tp_boxes.rank_boxes(param.name, param.saved, param.cut, param.parts, tp, rank)}
         saved = set()
         for fragment in self.catalog.tensors[TensorKey(param.name, MODULE)].fragments:
-            shard = fragment.shard or Shard.whole(param.shape)
+            shard = fragment.shard or Shard.whole(param.saved)
             saved |= {(tuple(b.at), tuple(b.shape)) for b in shard.blocks}
-        whole = {((0,) * len(param.shape), param.shape)}
+        whole = {((0,) * len(param.saved), param.saved)}
         # (a tensor saved whole says nothing of its cut, nor does a catalog of shapes alone: bench_megatron_sparse)
         if saved and ruled != saved and saved != whole:
             raise ReshardError.at(self.rules.path, f"{param.name}: the source saved it in boxes "
@@ -357,7 +368,10 @@ class _Writer:
     def files(self) -> list:
         self._model_shaped({MODULE: ""})
         if self.sharding in STATE_PREFIX:
-            self._model_shaped(STATE_PREFIX[self.sharding])
+            prefixes = STATE_PREFIX[self.sharding]
+            if self.sharding == PLAIN and self.model_dtype == "float32":    # FP32Optimizer: the params are the masters
+                prefixes = {k: v for k, v in prefixes.items() if k != MASTER}
+            self._model_shaped(prefixes)
         else:
             self._buckets()
         self._objects()
@@ -392,9 +406,7 @@ class _Writer:
                 for tp_rank in ranks:
                     for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts,
                                                         self.grid.tp, tp_rank):
-                        whole = tuple(size) == param.shape
-                        pieces = [Piece(math.prod(size), (param.name, state), 0,
-                                        shard=None if whole else Shard.box(at, size))]
+                        pieces = param.pieces(state, Shard.box(at, size), 0, math.prod(size))
                         offsets, sizes = (at, size) if param.layer is None else \
                             ((param.layer, *at), (1, *size))
                         self._chunk(self.grid.rank(tp_rank, 0, stage), key, global_shape, tensor.dtype,
@@ -406,8 +418,7 @@ class _Writer:
         assert param.expert is not None and param.layer is not None
         layers = int(self.args["num_layers"])
         for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, 1, 0):
-            whole = tuple(size) == param.shape
-            pieces = [Piece(math.prod(size), (param.name, state), 0, shard=None if whole else Shard.box(at, size))]
+            pieces = param.pieces(state, Shard.box(at, size), 0, math.prod(size))
             self._chunk(self._expert_rank(param.expert), key, (layers, self.experts, *param.shape), dtype,
                         (param.layer, param.expert, *at), (1, 1, *size), pieces)
 
@@ -416,10 +427,12 @@ class _Writer:
         lays them (buckets.lay_out over the params of its stage, each its local tensor-parallel part); per bucket
         and state one flat tensor of the unpadded bucket, each data-parallel rank's part of each param a chunk (and
         each gap, zeros), with per_bucket_numel(_unpadded)."""
-        grid, args = self.grid, self.args
-        grad = "float32" if args.get("grad_reduce_in_fp32") else self.model_dtype
-        dtypes = f"({TORCH_DTYPES[self.model_dtype]}, {TORCH_DTYPES[grad]})"
-        pair = (DType(TORCH_DTYPES[self.model_dtype].split(".")[1]), DType(TORCH_DTYPES[grad].split(".")[1]))
+        grid = self.grid
+        notes = self.catalog.notes
+        saved = notes.grad_buffers if isinstance(notes, MegatronNotes) else ()
+        kept = run_config.grad_buffer(self.args, self.model_dtype, saved, self.catalog.root)
+        dtypes = f"({kept[0]}, {kept[1]})"
+        pair = (DType(kept[0].removeprefix("torch.")), DType(kept[1].removeprefix("torch.")))
         master = self.catalog.tensors[TensorKey(self.params[0].name, MASTER)].dtype
         for pp_rank in range(grid.pp):
             for tp_rank in range(grid.tp):
@@ -466,9 +479,7 @@ class _Writer:
                     if name is None:
                         pieces = [Piece.zeros(size)]
                     else:
-                        whole = shards[name].shape == self.catalog.tensors[TensorKey(name, MODULE)].shape
-                        pieces = [Piece(size, (name, state), start - starts[name],
-                                        shard=None if whole else shards[name])]
+                        pieces = self.by_name[name].pieces(state, shards[name], start - starts[name], size)
                     self._chunk(rank_of(dp_rank), key, (bucket.numel_unpadded,), master, (start,), (size,), pieces)
         counts = {"per_bucket_numel": [{pair: [b.numel for b in laid]}],
                   "per_bucket_numel_unpadded": [{pair: [b.numel_unpadded for b in laid]}]}
@@ -590,6 +601,10 @@ class _Writer:
                 "dist_ckpt_optim_fully_reshardable": sharding == FULLY_RESHARDABLE}
         if self.experts:
             args["expert_model_parallel_size"] = self.ep
+        if self.vocab is not None and "padded_vocab_size" in args:
+            args["padded_vocab_size"] = self.vocab.rows
+            if self.vocab.tokens is not None:       # (carried: a later change of tp re-pads without asking)
+                args["vocab_size"] = self.vocab.tokens
         if not self.rng:
             args["no_save_rng"] = True
         if "ckpt_format" in args:       # (a legacy source's "torch": the output is torch_dist)
@@ -601,8 +616,9 @@ class _Writer:
         file = TorchFile(f"{self.tag}/{COMMON}", archive="common")
         if sharding == PLAIN:
             step = file.slot("float32", (), [Piece(1, None, value=self._step())])
-            optimizer: dict = {"optimizer": {"param_groups": self._param_groups(with_step=False),
-                                             "state": {"common_step": step}}}
+            inner = {"param_groups": self._param_groups(with_step=False), "state": {"common_step": step}}
+            # (Float16Optimizer's state dict holds its torch optimizer's under "optimizer"; FP32Optimizer's is it)
+            optimizer: dict = inner if self.model_dtype == "float32" else {"optimizer": inner}
         elif sharding == FULLY_RESHARDABLE:
             content.update(distrib_optim_sharding_type=sharding, distrib_optim_fully_reshardable_mem_efficient=False)
             optimizer = {"optimizer": {"param_groups": self._param_groups(with_step=True,

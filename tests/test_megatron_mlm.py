@@ -1,0 +1,189 @@
+"""Megatron saves made with Megatron-LM's own defaults (fixtures/megatron_core/mcore_mlm_*: bf16 with gradients
+reduced in fp32 — accumulate_allreduce_grads_in_fp32, which Megatron-LM's validate_args sets for every bf16 run —, the
+tokenizer's 100 tokens padded to make_vocab_size_divisible_by (128) x tp, the tokenizer's size not in args; and fp32
+runs under every optimizer sharding), converted and proven by megatron-core 0.16.1 itself: `dist_checkpointing.load`
+at the target (tests/megatron_load.py: the model built as Megatron-LM builds it there, its vocabulary padded for that
+tp), every weight, master and moment equal to the truth of the live run (the vocabulary-sized ones as Megatron-LM's
+tools/checkpoint re-pads them), the step kept, one more training step.
+
+Negative controls: Megatron's own load of the bf16 save at another tp fails; a conversion with one element changed
+loads and the comparison names that tensor; the grad buffers keyed as a run reducing in bf16 would key them
+(args.accumulate_allreduce_grads_in_fp32 = False in a source that records no buffers) do not load in a run reducing
+in fp32, with the KeyError every bf16 conversion gave before the buffers' dtypes were derived.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+import reshard
+from conftest import FIXTURES, run_cli
+from engine_launches import shares
+from megatron_saves import change_one_element, degrees
+from reshard.convert import make_plan
+from reshard.errors import ReshardError, UsageError
+from reshard.executor import execute
+
+ROOT = FIXTURES / "megatron_core"
+# (fixture, --to): tp, pp and dp changed from each Megatron-LM default; the sharding kept unless asked
+CONVERSIONS = [
+    ("mcore_mlm_bf16_dp_reshardable_tp2", "tp=1,pp=1,dp=2,vocab=100"),       # bf16 dp_reshardable; 256 -> 128 rows
+    ("mcore_mlm_bf16_dp_reshardable_dp2", "tp=2,pp=1,dp=1"),                 # 128 -> 256 rows, derived
+    ("mcore_mlm_bf16_fully_reshardable_tp2", "tp=1,pp=2,dp=1,vocab=100"),    # fully_reshardable kept, pp 1 -> 2
+    ("mcore_mlm_fp32_plain_tp2", "tp=1,pp=1,dp=2,vocab=100"),                # fp32, plain kept (no master copy)
+    ("mcore_mlm_fp32_plain_tp2", "tp=1,pp=2,dp=1,sharding=dp_reshardable,vocab=100"),   # the params as masters
+    ("mcore_mlm_fp32_fully_reshardable_pp2", "tp=2,pp=1,dp=1"),              # fp32 fully_reshardable kept
+    ("mcore_mlm_fp32_dp_reshardable_dp2", "tp=2,pp=1,dp=1"),                 # fp32 dp_reshardable
+    ("mcore_mlm_fp32_dp_reshardable_dp2", "tp=1,pp=2,dp=1,sharding=plain"),  # -> the plain FP32Optimizer
+    ("mcore_mlm_legacy_fp32_plain_tp2", "tp=1,pp=1,dp=2,vocab=100"),         # legacy torch format, fp32 plain
+    ("mcore_mlm_legacy_fp32_distributed_dp2", "tp=2,pp=1,dp=1"),             # legacy distrib_optim.pt, fp32
+]
+CHANGED = "output_layer.weight"       # the element the negative control changes (its exp_avg)
+FP32_GRADS_OFF = "mcore_mlm_bf16_fully_reshardable_tp2"     # records no buffers: args alone decide their dtypes
+
+
+def _info(name: str) -> dict:
+    return json.loads((ROOT / name / "truth.json").read_text())
+
+
+def _sharding(name: str, to: str) -> str:
+    own = _info(name)["sharding_type"]
+    asked = dict(item.split("=") for item in to.split(",")).get("sharding")
+    return asked or {None: "plain", "dp_zero_gather_scatter": "dp_reshardable"}.get(own, own)
+
+
+def _rows(to: str) -> int:
+    """The embedding's rows Megatron-LM builds at the target's tp: 100 tokens padded to a multiple of 128 x tp."""
+    multiple = 128 * degrees(to)["tp"]
+    return -(-100 // multiple) * multiple
+
+
+def _job(label: str, name: str, to: str, save) -> dict:
+    cut = degrees(to)
+    return {"label": label, "save": str(save), "tp": cut["tp"], "pp": cut["pp"], "vocab": _rows(to),
+            "fp32": _info(name)["model_dtype"] == "float32", "truth": str(ROOT / name / "truth.safetensors")}
+
+
+def _convert(name: str, to: str, dst) -> None:
+    execute(make_plan(reshard.open_checkpoint(str(ROOT / name / "save")), to), str(dst), progress=False)
+
+
+@shares("megatron_load.py")
+def megatron_load_jobs(out):
+    """Every conversion, a changed one, one whose grad buffers say bf16 reduction, and Megatron's own load of the
+    bf16 dp_reshardable save at another tp: 2 ranks."""
+    jobs = []
+    for index, (name, to) in enumerate(CONVERSIONS):
+        _convert(name, to, out / f"conversion-{index}")
+        jobs.append(_job(f"{name}:{to}", name, to, out / f"conversion-{index}"))
+    name, to = CONVERSIONS[1]
+    _convert(name, to, out / "changed")
+    change_one_element(out / "changed", CHANGED)
+    jobs.append(_job("changed", name, to, out / "changed"))
+    source = shutil.copytree(ROOT / FP32_GRADS_OFF / "save", out / "bf16-grads")
+    common = torch.load(source / "iter_0000003" / "common.pt", weights_only=False)
+    common["args"].accumulate_allreduce_grads_in_fp32 = False
+    torch.save(common, source / "iter_0000003" / "common.pt")
+    to = "tp=2,pp=1,dp=1,sharding=dp_reshardable"
+    execute(make_plan(reshard.open_checkpoint(str(source)), to), str(out / "bf16-grads-out"), progress=False)
+    jobs.append(_job("bf16 grads", FP32_GRADS_OFF, to, out / "bf16-grads-out"))
+    name = CONVERSIONS[0][0]
+    jobs.append(_job("megatron itself", name, "tp=1,pp=1,dp=2", ROOT / name / "save"))
+    return [(2, None, job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def loaded(engine_launches):
+    return {r["label"]: r for r in engine_launches.results(megatron_load_jobs)}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", CONVERSIONS, ids=[f"{n.removeprefix('mcore_mlm_')}-{t}" for n, t in CONVERSIONS])
+def test_megatron_loads_the_conversion_of_a_default_run_as_the_truth(name, to, loaded):
+    result = loaded[f"{name}:{to}"]
+    assert result["loaded"] and result["error"] is None, result
+    assert result["problems"] == [], result["problems"]      # every weight, master and moment, re-padded rows too
+    step = _info(name)["step"]
+    assert result["step"] == step and result["group_step"] == ([] if _sharding(name, to) == "plain" else step)
+    assert result["losses"] and all(math.isfinite(x) for x in result["losses"])
+    assert result["moved"] and result["step_after"] == [step[0] + 1]
+
+
+@pytest.mark.engine
+def test_megatron_itself_cannot_load_the_default_run_at_another_tp(loaded):
+    result = loaded["megatron itself"]
+    assert not result["loaded"] and "mismatch" in result["error"], result["error"]
+
+
+@pytest.mark.engine
+def test_a_changed_element_of_a_repadded_tensor_is_found(loaded):
+    result = loaded["changed"]
+    assert result["loaded"] and result["problems"] == [f"exp_avg/{CHANGED}: differs from the truth"], result
+
+
+@pytest.mark.engine
+def test_buffers_keyed_for_bf16_reduction_do_not_load_in_a_run_reducing_in_fp32(loaded):
+    """What every bf16 conversion wrote before the grad buffers' dtypes were derived: Megatron's KeyError."""
+    result = loaded["bf16 grads"]
+    assert not result["loaded"] and "KeyError" in result["error"], result["error"]
+    assert "dtype_(torch.bfloat16, torch.float32).bucket_idx_0.param" in result["error"], result["error"]
+
+
+# -- what reshard itself writes and refuses (no engine)
+
+@pytest.mark.parametrize("name, to", CONVERSIONS[:3] + CONVERSIONS[5:7])
+def test_the_sharding_grad_buffers_and_padded_vocabulary_are_the_target_runs(name, to, tmp_path):
+    _convert(name, to, tmp_path / "out")
+    catalog = reshard.open_checkpoint(str(tmp_path / "out"))
+    assert catalog.layout.format_topology.sharding == _sharding(name, to)
+    assert catalog.tensors[("embedding.word_embeddings.weight", "exp_avg")].shape == (_rows(to), 16)
+    common = torch.load(tmp_path / "out" / "iter_0000003" / "common.pt", weights_only=False)
+    assert common["args"].padded_vocab_size == _rows(to)
+    assert common["args"].vocab_size == (100 if "vocab=100" in to else None)
+    fp32 = _info(name)["model_dtype"] == "float32"
+    if _sharding(name, to) == "dp_reshardable":
+        assert catalog.notes.grad_buffers == (("torch.float32",) * 2 if fp32 else ("torch.bfloat16", "torch.float32"),)
+    assert reshard.validate(str(tmp_path / "out"), deep=True).ok
+
+
+def test_an_fp32_plain_save_is_complete_and_its_params_are_its_masters(tmp_path):
+    """megatron-core's FP32Optimizer saves no optimizer.state.fp32_param: the params are the masters. validate says
+    complete, export's masters are the params, and written back as plain it holds no copy either."""
+    save = str(ROOT / "mcore_mlm_fp32_plain_tp2" / "save")
+    report = reshard.validate(save, deep=True)
+    assert report.ok and not report.problems
+    info = reshard.inspect(reshard.open_checkpoint(save))
+    assert (info.dtype, info.master_dtype) == ("float32", "float32")
+    _convert("mcore_mlm_fp32_plain_tp2", "tp=1,pp=1,dp=2,vocab=100", tmp_path / "out")
+    keys = run_cli("inspect", tmp_path / "out", "--params").stdout
+    assert "fp32_param" not in keys
+    assert reshard.diff(save, str(tmp_path / "out")).differences      # (re-padded: 256 -> 128 rows)
+    _convert("mcore_mlm_fp32_plain_tp2", "tp=2,pp=1,dp=1", tmp_path / "same")
+    assert reshard.diff(save, str(tmp_path / "same")).equal
+
+
+def test_what_the_target_cannot_take_is_refused_in_one_line(tmp_path):
+    # a smaller tp whose padding the saved rows do not tell: the tokenizer's size is asked for
+    save = reshard.open_checkpoint(str(ROOT / "mcore_mlm_bf16_dp_reshardable_tp2" / "save"))
+    with pytest.raises(ReshardError, match=r"give it, --to \.\.\.,vocab=N") as refused:
+        make_plan(save, "tp=1,dp=2")
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ReshardError, match="does not fit the 256 embedding rows"):
+        make_plan(save, "tp=1,dp=2,vocab=300")
+    # the source's grad buffers (bf16 params, fp32 gradients) and args saying bf16 reduction disagree
+    source = shutil.copytree(ROOT / "mcore_mlm_bf16_dp_reshardable_dp2" / "save", tmp_path / "save")
+    common = torch.load(source / "iter_0000003" / "common.pt", weights_only=False)
+    common["args"].accumulate_allreduce_grads_in_fp32 = False
+    torch.save(common, source / "iter_0000003" / "common.pt")
+    refused = run_cli("convert", source, tmp_path / "out", "--to", "tp=2,dp=1")
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "args.accumulate_allreduce_grads_in_fp32 = False" in refused.stderr and "disagree" in refused.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UsageError, match="args.vocab_size is 100"):
+        common["args"].accumulate_allreduce_grads_in_fp32, common["args"].vocab_size = True, 100
+        torch.save(common, source / "iter_0000003" / "common.pt")
+        make_plan(reshard.open_checkpoint(str(source)), "tp=2,dp=1,vocab=99")
