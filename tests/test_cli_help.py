@@ -73,7 +73,7 @@ def test_every_command_and_option_is_described(which):
 def test_every_spec_key_is_accepted_and_listed_whole():
     source = reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")).layout
     samples = {"dp": "2", "tp": "1", "pp": "1", "zero": "3", "partition": "type:Block", "layer_types": "Embed/Block",
-               "kv_heads": "2", "ep": "2", "sharding": "fully_reshardable", "args": "run.json"}
+               "kv_heads": "2", "ep": "2", "sharding": "fully_reshardable", "args": "run.json", "vocab": "50257"}
     names = [k.name for k in every_spec_key()]
     assert set(names) == set(samples)           # a key added to the mesh or a writer's declaration needs a sample here
     for key in names:

@@ -38,7 +38,7 @@ ROOT = FIXTURES / "megatron_core"
 CONVERSIONS = [
     ("mcore_dp_reshardable_tp2_dp2", "tp=1,pp=2,dp=1"),                          # dp_reshardable, tp 2->1, pp 1->2
     ("mcore_dp_reshardable_tp2_pp2_dp2", "tp=1,pp=1,dp=2"),                      # tp and pp to 1
-    ("mcore_fully_reshardable_tp2_dp2", "tp=1,pp=2,dp=1"),                       # -> dp_reshardable (the default)
+    ("mcore_fully_reshardable_tp2_dp2", "tp=1,pp=2,dp=1"),                       # fully_reshardable kept
     ("mcore_plain_tp2_pp2", "tp=1,pp=1,dp=2,sharding=dp_reshardable"),           # plain -> distributed, dp 1->2
     ("mcore_dp_reshardable_tp2_dp2", "tp=2,pp=1,dp=1,sharding=plain"),           # distributed -> plain, RNG kept
     ("mcore_dp_reshardable_tp2_pp2_dp2", "tp=1,pp=2,dp=1,sharding=fully_reshardable"),
