@@ -226,15 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _lifecycle_commands(sub) -> None:
     """`list` and `prune`: the checkpoints of a run directory, and retention."""
-    p = _command(sub, "list", "every checkpoint of a run directory: step, time, size, format, topology, complete "
-                 "or not, metrics",
-                 ("reshard list out/", "reshard list out/ --json", "reshard list out/ --metrics evals.csv"),
+    p = _command(sub, "list", "every checkpoint of a run directory: step, time, size by kind, format, topology, "
+                 "complete or not, metrics",
+                 ("reshard list out/", "reshard list out/ --json", "reshard list out/ --metrics evals.csv",
+                  "reshard list out/ --price 0.023"),
                  " Metadata only: each checkpoint is proven whole by the coverage proof of `reshard validate` "
-                 "(no tensor byte read); a save still being written is shown in progress and not opened.")
+                 "(no tensor byte read); a save still being written is shown in progress and not opened. Sizes are "
+                 "the files' bytes (apparent size), a complete checkpoint's split into weights (one copy of the "
+                 "model in the dtype it holds), optimizer state (moments, fp32 masters beside a 16-bit copy) and "
+                 "other (RNG, scheduler, config, headers, padding).")
     p.add_argument("path", metavar="DIR", help="a run directory (DeepSpeed save dir, Hugging Face output dir, "
                    "Lightning checkpoint dir, DCP step dirs, or one holding several)")
     _run_dir_args(p)
     p.add_argument("--metric", metavar="NAME", help="the name of the values of a bare {step: value} metrics file")
+    p.add_argument("--price", type=_non_negative_float, metavar="USD_PER_GB_MONTH",
+                   help="storage price in USD per GB (10^9 bytes) and month: adds what each checkpoint, each kind "
+                        "and the run cost a month")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep (a dry run without --yes)",
