@@ -174,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory for Hugging Face shards + index")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
-                   help="dtype of floating tensors (auto: the training precision); integer buffers keep theirs")
+    p.add_argument("--dtype", default="auto", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="dtype of floating tensors (default auto: the training dtype, what save_pretrained writes: "
+                        "a bf16 run exports bf16, an fp32 run fp32; fp32 for fp32 whatever the run); integer buffers "
+                        "keep theirs")
     p.add_argument("--max-shard-size", type=_shard_size_arg, metavar="SIZE",
                    help="shard limit in huggingface_hub's units (5GB = 5e9 bytes; default 5GB in a directory)")
     p.add_argument("--with-optimizer", action="store_true",
