@@ -230,7 +230,8 @@ def _lifecycle_commands(sub) -> None:
     """`list` and `prune`: the checkpoints of a run directory, and retention."""
     p = _command(sub, "list", "every checkpoint of a run directory: step, time, size by kind, format, topology, "
                  "complete or not, metrics",
-                 ("reshard list out/", "reshard list out/ --json --price 0.023", "reshard list out/ --metrics evals.csv"),
+                 ("reshard list out/", "reshard list out/ --json --price 0.023",
+                  "reshard list out/ --metrics evals.csv"),
                  " Metadata only: each checkpoint is proven whole by the coverage proof of `reshard validate` "
                  "(no tensor byte read); a save still being written is shown in progress and not opened. Sizes are "
                  "the files' bytes (apparent size), a complete checkpoint's split into weights (one copy of the "

@@ -55,8 +55,9 @@ def print_listing(listing, price: float | None = None) -> None:
         if r.metrics:
             extra.append(_metrics_words(r.metrics))
         cost = f"{_usd(r.bytes / GB * price):>11}  " if price is not None else ""
-        print(f"  {step:>8}  {_when(r.mtime):<19}  {human_bytes(r.bytes):>10}  {_kinds(r)}  {cost}{r.format or '?':<12} "
-              f"{r.topology or '-':<16} {status:<12} {r.name:<{width}} {'  '.join(extra)}".rstrip())
+        print(f"  {step:>8}  {_when(r.mtime):<19}  {human_bytes(r.bytes):>10}  {_kinds(r)}  {cost}"
+              f"{r.format or '?':<12} {r.topology or '-':<16} {status:<12} {r.name:<{width}} "
+              f"{'  '.join(extra)}".rstrip())
         if r.why:
             print(f"  {'':>8}  {r.why}")
     print_total(listing.total_bytes_by_kind(), len(rows), price)

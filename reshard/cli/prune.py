@@ -34,6 +34,5 @@ def print_prune(plan, quiet: bool) -> None:
             print(f"finished an interrupted prune: removed {counted(len(plan.trash), 'renamed checkpoint')}")
         print(f"deleted {counted(len(plan.removed), 'checkpoint')}, freed {human_bytes(plan.bytes_freed)}")
     else:
-        print(f"dry run: would delete {counted(count, 'checkpoint')}, freeing {human_bytes(plan.bytes_freed)} (the files' "
-              "bytes)"
-              + ("" if quiet else "; --yes deletes them"))
+        print(f"dry run: would delete {counted(count, 'checkpoint')}, freeing {human_bytes(plan.bytes_freed)} "
+              "(the files' bytes)" + ("" if quiet else "; --yes deletes them"))
