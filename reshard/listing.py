@@ -56,13 +56,14 @@ class Checkpoint:
         return os.path.dirname(self.name)
 
     def to_dict(self, price: float | None = None) -> dict:
+        kinds = self.bytes_by_kind.to_dict() if self.bytes_by_kind is not None else None
         out = {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime,
                "bytes": self.bytes, "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
                "topology": self.topology, "unit": self.unit, "status": self.status, "why": self.why or None,
                "pinned": list(self.pinned), "metrics": self.metrics,
-               "bytes_by_kind": self.bytes_by_kind.to_dict() if self.bytes_by_kind is not None else None}
-        if price is not None:
-            out["cost_per_month"] = cost_per_month(out["bytes_by_kind"] or {"total": self.bytes}, price)
+               "bytes_by_kind": kinds}
+        if price is not None:       # kinds unknown: the total only
+            out["cost_per_month"] = cost_per_month(kinds or {"total": self.bytes}, price)
         return out
 
 
@@ -80,11 +81,13 @@ class RunListing:
         return added_up((c.bytes, c.bytes_by_kind) for c in self.checkpoints)
 
     def to_dict(self, price: float | None = None) -> dict:
-        out = {"root": self.root, "check": self.check, "checkpoints": [c.to_dict(price) for c in self.checkpoints],
-               "trash": self.trash, "notes": self.notes, "total_bytes_by_kind": self.total_bytes_by_kind().to_dict()}
+        total = self.total_bytes_by_kind().to_dict()
+        rows = [c.to_dict(price) for c in self.checkpoints]
+        out: dict = {"root": self.root, "check": self.check, "checkpoints": rows, "trash": self.trash,
+                     "notes": self.notes, "total_bytes_by_kind": total}
         if price is not None:
             out["price_usd_per_gb_month"] = price
-            out["cost_per_month"] = cost_per_month(out["total_bytes_by_kind"], price)
+            out["cost_per_month"] = cost_per_month(total, price)
         return out
 
 
