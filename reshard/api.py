@@ -203,7 +203,7 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
 
 
 def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.PathLike[str], *,
-           tag: str | None = None, layout_rules: str | None = None, dtype: str = "fp32",
+           tag: str | None = None, layout_rules: str | None = None, dtype: str = "auto",
            max_shard_size: str | None = None, with_optimizer: bool = False, fmt: str | None = None,
            weights: str = "master", names: str | None = None, config: str | None = None,
            memory_budget: int | None = None,
@@ -214,7 +214,8 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
     Args:
         source, tag, layout_rules: as for plan.
         out: a .safetensors (or .bin/.pt with fmt="torch") file, or a directory for shards and their index.
-        dtype: of floating tensors: "fp32", "bf16", "fp16" or "auto" (the training precision).
+        dtype: of floating tensors: "auto" (the default: the training precision, what the model holds and
+            `save_pretrained` writes — a bf16 run's weights in bf16, an fp32 run's in fp32), "fp32", "bf16", "fp16".
         max_shard_size: a shard limit in huggingface_hub's units ("5GB" = 5e9 bytes; default 5GB in a directory).
         with_optimizer: also every optimizer state (one safetensors set per state) and optimizer.json.
         fmt: "safetensors" or "torch" (default: torch for a .bin/.pt/.pth `out`, else safetensors).

@@ -2,7 +2,9 @@
 
 An export is a conversion to a single rank in another container: the same planner and executor
 move the bytes. Weights come from the fp32 master copy (or the saved 16-bit copy with
-`weights="module"`), cast to the chosen dtype; frozen params and persistent buffers are included
+`weights="module"`), cast to the chosen dtype — by default ("auto") the training precision, what the model
+holds and `save_pretrained` writes (the 16-bit copy of a mixed-precision run is its master rounded to nearest
+even, so the cast master is that copy bit for bit); frozen params and persistent buffers are included
 (integer buffers keep their dtype); a tied weight is written once and recorded. Large outputs
 follow Hugging Face's sharded convention.
 """
@@ -41,7 +43,7 @@ class Entry(NewTensor):
     shard: Shard | None = None
 
 
-def export_plan(complete: Complete, out: str, *, dtype: str = "fp32", max_shard_size=None,
+def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_size=None,
                 with_optimizer: bool = False, fmt: str | None = None, weights: str = "master",
                 names: str | None = None, config: str | None = None):
     """(Plan, single_file): the files of the export; single_file when OUT names one file. `fmt`:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from reshard.errors import ReshardError, UnsafeCheckpointError
 from reshard.formats import read as read_catalog, run_layout, run_metrics, units
+from reshard.sizes import BytesByKind, RunBytes, added_up, cost_per_month, split
 from reshard.storage import files as fs
 from reshard.validate import validate
 
@@ -33,8 +34,8 @@ class Checkpoint:
     name: str                   # relative to the run directory
     step: int | None
     mtime: float                # newest modification time of its files
-    bytes: int                  # apparent size
-    disk_bytes: int             # allocated on disk (what deleting it frees)
+    bytes: int                  # the files' bytes (apparent size): the size `list`, `prune` and `watch` show
+    disk_bytes: int             # allocated on disk (varies with the file system; for noticing a change only)
     files: int
     format: str | None
     topology: str | None
@@ -43,6 +44,7 @@ class Checkpoint:
     pinned: tuple = ()          # why something names it (`latest`, best_model_checkpoint, a link)
     metrics: dict = field(default_factory=dict)
     unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
+    bytes_by_kind: BytesByKind | None = None    # complete ones: `bytes` as weights, optimizer, other (reshard.sizes)
 
     @property
     def complete(self) -> bool:
@@ -53,11 +55,16 @@ class Checkpoint:
         """The folder holding it (relative to the run): the checkpoints of one save loop, ranked together."""
         return os.path.dirname(self.name)
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime,
-                "bytes": self.bytes, "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
-                "topology": self.topology, "unit": self.unit, "status": self.status, "why": self.why or None,
-                "pinned": list(self.pinned), "metrics": self.metrics}
+    def to_dict(self, price: float | None = None) -> dict:
+        kinds = self.bytes_by_kind.to_dict() if self.bytes_by_kind is not None else None
+        out = {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime,
+               "bytes": self.bytes, "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
+               "topology": self.topology, "unit": self.unit, "status": self.status, "why": self.why or None,
+               "pinned": list(self.pinned), "metrics": self.metrics,
+               "bytes_by_kind": kinds}
+        if price is not None:       # kinds unknown: the total only
+            out["cost_per_month"] = cost_per_month(kinds or {"total": self.bytes}, price)
+        return out
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,19 @@ class RunListing:
     check: str = CHECK
     pointers: dict = field(default_factory=dict)    # {checkpoint path: why something names it} (`latest`)
 
-    def to_dict(self) -> dict:
-        return {"root": self.root, "check": self.check, "checkpoints": [c.to_dict() for c in self.checkpoints],
-                "trash": self.trash, "notes": self.notes}
+    def total_bytes_by_kind(self) -> RunBytes:
+        """Every row's bytes added up (reshard.sizes.RunBytes: those whose kinds are not known under `unknown`)."""
+        return added_up((c.bytes, c.bytes_by_kind) for c in self.checkpoints)
+
+    def to_dict(self, price: float | None = None) -> dict:
+        total = self.total_bytes_by_kind().to_dict()
+        rows = [c.to_dict(price) for c in self.checkpoints]
+        out: dict = {"root": self.root, "check": self.check, "checkpoints": rows, "trash": self.trash,
+                     "notes": self.notes, "total_bytes_by_kind": total}
+        if price is not None:
+            out["price_usd_per_gb_month"] = price
+            out["cost_per_month"] = cost_per_month(total, price)
+        return out
 
 
 @dataclass(frozen=True)
@@ -171,8 +188,9 @@ def _checked(entry, files: Files) -> tuple:
         recorded = run_metrics.recorded(entry.path, entry.step if entry.step is not None else step, catalog)
     except ReshardError as e:
         return _row(entry, files, INCOMPLETE, str(e), catalog, step), run_metrics.Recorded()
-    if report.ok:
-        return _row(entry, files, COMPLETE, "", catalog, step), recorded
+    if report.ok:     # read whole: its bytes by kind (an incomplete one's are not known)
+        kinds = split(catalog, files.bytes, entry.path)
+        return replace(_row(entry, files, COMPLETE, "", catalog, step), bytes_by_kind=kinds), recorded
     return _row(entry, files, INCOMPLETE, problem_line(report), catalog, step), recorded
 
 

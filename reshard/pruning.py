@@ -36,16 +36,17 @@ class PrunePlan:
 
     @property
     def bytes_freed(self) -> int:
-        """On disk, by the deletions planned (or, once executed, done)."""
+        """The files' bytes (apparent size, as `list` shows them) of the deletions planned (or, once executed, done)."""
         done = set(self.removed) if self.executed else None
-        return sum(d.checkpoint.disk_bytes for d in self.deleting() if done is None or d.checkpoint.path in done)
+        return sum(d.checkpoint.bytes for d in self.deleting() if done is None or d.checkpoint.path in done)
 
     def to_dict(self) -> dict:
         return {"root": self.root, "executed": self.executed, "bytes_freed": self.bytes_freed,
                 "trash": self.trash, "removed": self.removed, "changed": self.changed,
                 "decisions": [{"name": d.checkpoint.name, "step": d.checkpoint.step, "action": d.action,
                                "reasons": list(d.reasons), "status": d.checkpoint.status,
-                               "disk_bytes": d.checkpoint.disk_bytes} for d in self.decisions]}
+                               "bytes": d.checkpoint.bytes, "disk_bytes": d.checkpoint.disk_bytes}
+                              for d in self.decisions]}
 
 
 def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None, recent: float = RECENT_SECONDS,

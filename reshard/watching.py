@@ -339,7 +339,7 @@ class Watcher:
                 names.append(r.name)
                 step = f" (step {r.step})" if r.step is not None else ""
                 reasons = within("; ".join(d.reasons), self.root)
-                self.say(f"deleted {r.name}{step}, {human_bytes(r.disk_bytes)}: {reasons}", False)
+                self.say(f"deleted {r.name}{step}, {human_bytes(r.bytes)}: {reasons}", False)
         return names, []
 
     def _problem(self, text: str) -> str:

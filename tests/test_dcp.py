@@ -62,7 +62,9 @@ def _dcp_to_torch_save(src, tmp_path):
 
 def _exported(src, out, with_optimizer=True):
     from safetensors.torch import load_file
-    run_cli("export", src, out, *(["--with-optimizer"] if with_optimizer else []), "--quiet", check=0)
+    # fp32: what the DCP output's model holds, whatever the run's training dtype
+    optimizer = ["--with-optimizer"] if with_optimizer else []
+    run_cli("export", src, out, *optimizer, "--dtype", "fp32", "--quiet", check=0)
     if not with_optimizer:
         return load_file(str(out / "model.safetensors")), {}, {}
     info = json.loads((out / "optimizer.json").read_text())

@@ -33,7 +33,7 @@ def _zero_to_fp32(save_dir, out):
 
 def test_fp32_export_equals_zero_to_fp32_and_keeps_what_it_drops(fixture_name, tmp_path):
     meta = truth_json(fixture_name)
-    _export(fixture_dir(fixture_name), tmp_path / "ours.safetensors")
+    _export(fixture_dir(fixture_name), tmp_path / "ours.safetensors", "--dtype", "fp32")    # zero_to_fp32's dtype
     ours = load_file(str(tmp_path / "ours.safetensors"))
     theirs, error = _zero_to_fp32(fixture_dir(fixture_name), tmp_path / "z2f")
     truth = truth_tensors(fixture_name)
@@ -54,6 +54,25 @@ def test_fp32_export_equals_zero_to_fp32_and_keeps_what_it_drops(fixture_name, t
         expected = truth[f"fp32/{name}"] if name in meta["trainable"] else truth[f"module/{name}"]
         assert torch.equal(value, expected.float() if value.is_floating_point() else expected), name
     assert set(ours) == set(meta["trainable"]) | set(meta["frozen"]) | set(meta["buffers"])
+
+
+@pytest.mark.parametrize("name", ["z1_bf16_dp2", "z3_bf16_dp2", "z2_fp16_dp2", "z2_fp32_dp2", "z3_fp32_dp2"])
+def test_the_default_dtype_is_what_the_model_holds(name, tmp_path):
+    """No --dtype: the training dtype, what save_pretrained writes — a 16-bit run's weights are its module copy bit
+    for bit (ZeRO-3 saves none: its master rounded as DeepSpeed rounds it), an fp32 run's its fp32 weights."""
+    meta, truth = truth_json(name), truth_tensors(name)
+    _export(fixture_dir(name), tmp_path / "default.safetensors")
+    _export(fixture_dir(name), tmp_path / "fp32.safetensors", "--dtype", "fp32")
+    default, fp32 = load_file(str(tmp_path / "default.safetensors")), load_file(str(tmp_path / "fp32.safetensors"))
+    for param in meta["trainable"]:
+        held = truth[f"module/{param}"]
+        assert default[param].dtype == held.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                      "fp32": torch.float32}[meta["dtype"]], param
+        assert torch.equal(default[param], held), param
+        assert torch.equal(fp32[param], truth[f"fp32/{param}"]), param       # --dtype fp32: the old output
+    # the control: a 16-bit run's default file is half the fp32 one's weights, an fp32 run's the same
+    weights = sum(default[p].numel() * default[p].element_size() for p in meta["trainable"])
+    assert weights * (2 if meta["dtype"] != "fp32" else 1) == sum(fp32[p].numel() * 4 for p in meta["trainable"])
 
 
 @pytest.mark.parametrize("dtype, expected", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("auto", None)])

@@ -98,13 +98,16 @@ def test_every_element_is_present_once(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_export_is_the_truth(name, tmp_path):
     truth = _truth(name)
-    reshard.export(str(_save(name)), str(tmp_path / "master.safetensors"))
+    reshard.export(str(_save(name)), str(tmp_path / "master.safetensors"), dtype="fp32")
     reshard.export(str(_save(name)), str(tmp_path / "module.safetensors"), weights="module", dtype="auto")
+    reshard.export(str(_save(name)), str(tmp_path / "default.safetensors"))     # the training dtype
     master, module = load_file(str(tmp_path / "master.safetensors")), load_file(str(tmp_path / "module.safetensors"))
-    assert set(master) == set(module) == {k[len("fp32/"):] for k in truth if k.startswith("fp32/")}
+    default = load_file(str(tmp_path / "default.safetensors"))
+    assert set(master) == set(module) == set(default) == {k[len("fp32/"):] for k in truth if k.startswith("fp32/")}
     for key, value in master.items():
         assert value.dtype == torch.float32 and torch.equal(value, truth[f"fp32/{key}"]), key
         assert module[key].dtype == truth[f"module/{key}"].dtype and torch.equal(module[key], truth[f"module/{key}"])
+        assert default[key].dtype == truth[f"module/{key}"].dtype and torch.equal(default[key], truth[f"module/{key}"])
     reshard.export(str(_save(name)), str(tmp_path / "with-optimizer"), with_optimizer=True)
     for state in ("exp_avg", "exp_avg_sq"):
         saved = load_file(str(tmp_path / "with-optimizer" / f"optimizer-{state}.safetensors"))
@@ -119,7 +122,7 @@ def test_the_two_distributed_shardings_of_one_run_are_equal(tmp_path):
     export of either (another format) is equal to both. The control: the pp=2 run's moments differ."""
     buckets, shaped = (str(_save(f"mcore_{s}_tp2_dp2")) for s in ("dp_reshardable", "fully_reshardable"))
     assert reshard.diff(buckets, shaped).equal
-    reshard.export(shaped, str(tmp_path / "shaped.safetensors"))
+    reshard.export(shaped, str(tmp_path / "shaped.safetensors"), dtype="fp32")     # the masters, as diff compares
     assert reshard.diff(buckets, str(tmp_path / "shaped.safetensors")).equal
     other = reshard.diff(buckets, str(_save("mcore_dp_reshardable_tp2_pp2_dp2")))
     assert not other.equal and any("exp_avg" in str(d) for d in other.differences)
@@ -364,7 +367,7 @@ def _rule(spec, what):
 def test_llama_export_gives_megatrons_logits(name, tmp_path):
     """`export --names megatron-core-llama` into a folder: LlamaForCausalLM.from_pretrained loads it (weights and the
     config.json built from the save's args), and its logits of the fixture's tokens are Megatron's own, in fp32."""
-    run_cli("export", str(_save(name)), str(tmp_path / "hf"), "--names", LLAMA, "--quiet", check=0)
+    run_cli("export", str(_save(name)), str(tmp_path / "hf"), "--names", LLAMA, "--dtype", "fp32", "--quiet", check=0)
     info = _info(name)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
@@ -380,7 +383,7 @@ def test_llama_export_cuts_qkv_by_query_group_and_fc1_into_gate_and_up(tmp_path)
     gate and up the halves of linear_fc1; everything else renamed whole."""
     name = NAMES[0]
     info, truth = _info(name), _truth(name)
-    reshard.export(str(_save(name)), str(tmp_path / "hf.safetensors"), names=LLAMA)
+    reshard.export(str(_save(name)), str(tmp_path / "hf.safetensors"), names=LLAMA, dtype="fp32")
     hf = load_file(str(tmp_path / "hf.safetensors"))
     head = info["hidden"] // info["heads"]
     per_group = info["heads"] // info["query_groups"]
@@ -416,7 +419,8 @@ def test_llama_export_with_wrong_geometry_gives_other_logits(wrong, tmp_path):
         else:
             parts = _rule(spec, "linear_fc1\\.weight")["rows"]["parts"]
             parts.reverse()
-    run_cli("export", str(_save(name)), str(tmp_path / "hf"), "--names", _rules(tmp_path, change), "--quiet", check=0)
+    run_cli("export", str(_save(name)), str(tmp_path / "hf"), "--names", _rules(tmp_path, change), "--dtype", "fp32",
+            "--quiet", check=0)
     forward = _forward(name)
     logits = _llama_logits(tmp_path / "hf", forward["tokens"])
     assert (logits - forward["logits"]).abs().max() > 1e-3

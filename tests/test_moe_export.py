@@ -21,7 +21,7 @@ AUTOEP = ["autoep2_z1_fp32", "autoep2_z2_fp32_dp2", "autoep2_z2_bf16", "autoep2_
 
 def _pretrained(name, out, *names):
     from transformers import MixtralForCausalLM
-    run_cli("export", fixture_dir(name), out, *names, "--quiet", check=0)
+    run_cli("export", fixture_dir(name), out, *names, "--dtype", "fp32", "--quiet", check=0)     # the fp32 masters
     mixtral_config().save_pretrained(out)       # (the checkpoint holds no config.json)
     return MixtralForCausalLM.from_pretrained(out)
 

@@ -139,7 +139,7 @@ def test_inspect_and_validate_commands(name):
 def test_export_is_the_truth_bit_for_bit(name, tmp_path):
     from safetensors.torch import load_file
     out = tmp_path / "model.safetensors"
-    run_cli("export", fixture_dir(name), out, "--quiet", *_rules_args(name), check=0)
+    run_cli("export", fixture_dir(name), out, "--quiet", "--dtype", "fp32", *_rules_args(name), check=0)
     exported = load_file(str(out))
     truth = truth_tensors(name)
     catalog = _open(name)

@@ -112,7 +112,8 @@ def _commands(args, src, work) -> dict:
         commands[f"plan {spec}"] = plan(spec)
     others = not args.reshard_only
     if args.export:
-        commands["export fp32"] = lambda dst: reshard + ["export", src, dst + ".safetensors", "--quiet", *rules]
+        commands["export fp32"] = lambda dst: reshard + ["export", src, dst + ".safetensors", "--dtype", "fp32",
+                                                         "--quiet", *rules]
         script = os.path.join(src, "zero_to_fp32.py")
         if others and os.path.exists(script):
             commands["zero_to_fp32"] = lambda dst: [sys.executable, script, src, dst, "--safe_serialization"]

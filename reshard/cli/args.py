@@ -174,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory for Hugging Face shards + index")
     p.add_argument("--tag", help="the source tag (default: the one named in 'latest')")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
-                   help="dtype of floating tensors (auto: the training precision); integer buffers keep theirs")
+    p.add_argument("--dtype", default="auto", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="dtype of floating tensors (default auto: the training dtype, what save_pretrained writes: "
+                        "a bf16 run exports bf16, an fp32 run fp32; fp32 for fp32 whatever the run); integer buffers "
+                        "keep theirs")
     p.add_argument("--max-shard-size", type=_shard_size_arg, metavar="SIZE",
                    help="shard limit in huggingface_hub's units (5GB = 5e9 bytes; default 5GB in a directory)")
     p.add_argument("--with-optimizer", action="store_true",
@@ -226,15 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _lifecycle_commands(sub) -> None:
     """`list` and `prune`: the checkpoints of a run directory, and retention."""
-    p = _command(sub, "list", "every checkpoint of a run directory: step, time, size, format, topology, complete "
-                 "or not, metrics",
-                 ("reshard list out/", "reshard list out/ --json", "reshard list out/ --metrics evals.csv"),
+    p = _command(sub, "list", "every checkpoint of a run directory: step, time, size by kind, format, topology, "
+                 "complete or not, metrics",
+                 ("reshard list out/", "reshard list out/ --json --price 0.023",
+                  "reshard list out/ --metrics evals.csv"),
                  " Metadata only: each checkpoint is proven whole by the coverage proof of `reshard validate` "
-                 "(no tensor byte read); a save still being written is shown in progress and not opened.")
+                 "(no tensor byte read); a save still being written is shown in progress and not opened. Sizes are "
+                 "the files' bytes (apparent size), a complete checkpoint's split into weights (one copy of the "
+                 "model in the dtype it holds), optimizer state (moments, fp32 masters beside a 16-bit copy) and "
+                 "other (RNG, scheduler, config, headers, padding).")
     p.add_argument("path", metavar="DIR", help="a run directory (DeepSpeed save dir, Hugging Face output dir, "
                    "Lightning checkpoint dir, DCP step dirs, or one holding several)")
     _run_dir_args(p)
     p.add_argument("--metric", metavar="NAME", help="the name of the values of a bare {step: value} metrics file")
+    p.add_argument("--price", type=_non_negative_float, metavar="USD_PER_GB_MONTH",
+                   help="storage price in USD per GB (10^9 bytes) and month: adds what each checkpoint, each kind "
+                        "and the run cost a month")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep (a dry run without --yes)",

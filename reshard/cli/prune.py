@@ -25,7 +25,7 @@ def print_prune(plan, quiet: bool) -> None:
     for d in plan.decisions:
         r = d.checkpoint
         step = "" if r.step is None else f"step {r.step}"
-        print(f"{d.action:<9} {r.name}  {step}  {human_bytes(r.disk_bytes)}: {'; '.join(d.reasons)}")
+        print(f"{d.action:<9} {r.name}  {step}  {human_bytes(r.bytes)}: {'; '.join(d.reasons)}")
     count = len(plan.deleting())
     if plan.executed:
         for path in plan.changed:
@@ -34,5 +34,5 @@ def print_prune(plan, quiet: bool) -> None:
             print(f"finished an interrupted prune: removed {counted(len(plan.trash), 'renamed checkpoint')}")
         print(f"deleted {counted(len(plan.removed), 'checkpoint')}, freed {human_bytes(plan.bytes_freed)}")
     else:
-        print(f"dry run: would delete {counted(count, 'checkpoint')}, freeing {human_bytes(plan.bytes_freed)} on disk"
-              + ("" if quiet else "; --yes deletes them"))
+        print(f"dry run: would delete {counted(count, 'checkpoint')}, freeing {human_bytes(plan.bytes_freed)} "
+              "(the files' bytes)" + ("" if quiet else "; --yes deletes them"))
