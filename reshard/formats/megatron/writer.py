@@ -112,10 +112,10 @@ class Param:
     key: str
     layer: int | None
     shape: tuple[int, ...]
+    saved: tuple[int, ...]
     cut: param_order.TpCut | None
     parts: int
     expert: int | None = None     # an expert's param: its global expert number (saved on an expert axis)
-    saved: tuple[int, ...] = ()
 
     def pieces(self, state: str, shard: Shard, start: int, count: int) -> list[Piece]:
         """Elements [start, start + count) of `shard` (a shard of the target's tensor) of `state`, from the
@@ -283,7 +283,7 @@ class _Writer:
             if cut is not None:
                 parts = cut.parts if cut.parts_when is None or self.args.get(cut.parts_when) else 1
             expert = detail.get("expert") if self.rules.expert_of(name) is not None else None
-            param = Param(name, key, layer, shape, cut, parts, expert, saved)
+            param = Param(name, key, layer, shape, saved, cut, parts, expert)
             self._check_cut(param)
             out.append(param)
         return out
