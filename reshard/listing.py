@@ -5,8 +5,9 @@ format registry and proven whole by reshard.validate's coverage proof (metadata 
 and its metrics gathered from what the framework recorded (reshard.formats.run_metrics) or a user's file.
 A save still being written — a staging name, a DCP folder without `.metadata`, a file modified within the last
 `recent` seconds or growing during `settle` — is "in progress", and is never opened. A checkpoint recognised whole
-whose contents reshard cannot read yet (FSDP, Megatron; a pickle asking for a class off the allow-list) is
-"unverifiable", and one no framework's layout accounts for "unknown": neither is ever complete, nor deleted.
+that no reader of the format registry reads, or of whose files the reader leaves one unread (Accelerate's plain
+save_state: its optimizer.bin), or a pickle asking for a class off the allow-list, is "unverifiable", and one no
+framework's layout accounts for "unknown": neither is ever complete, nor deleted.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from reshard.errors import ReshardError, UnsafeCheckpointError
-from reshard.formats import read as read_catalog, run_layout, run_metrics, units
+from reshard.formats import read as read_catalog, run_layout, run_metrics, units, unread_files
 from reshard.storage import files as fs
 from reshard.validate import validate
 
@@ -165,8 +166,12 @@ def _checked(entry, files: Files) -> tuple:
         return _row(entry, files, UNVERIFIABLE, f"{e}; never deleted"), run_metrics.Recorded()
     except ReshardError as e:
         return _row(entry, files, INCOMPLETE, str(e)), run_metrics.Recorded()
-    report = validate(catalog)
     step = catalog.contents().step if catalog.training.global_steps is None else catalog.training.global_steps
+    unread = unread_files(catalog, entry.path)
+    if unread:      # a proof on the files read says nothing of these: not proven whole, so never deleted
+        return _row(entry, files, UNVERIFIABLE, _unread_line(unread, entry.path, catalog.format), catalog, step), \
+            run_metrics.Recorded()
+    report = validate(catalog)
     try:
         recorded = run_metrics.recorded(entry.path, entry.step if entry.step is not None else step, catalog)
     except ReshardError as e:
@@ -174,6 +179,12 @@ def _checked(entry, files: Files) -> tuple:
     if report.ok:
         return _row(entry, files, COMPLETE, "", catalog, step), recorded
     return _row(entry, files, INCOMPLETE, problem_line(report), catalog, step), recorded
+
+
+def _unread_line(unread: tuple, path: str, fmt: str) -> str:
+    first = os.path.relpath(unread[0], path) if unread[0] != path else os.path.basename(path)
+    more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+    return f"{first}{more}: not read by reshard's {fmt} reader, so the checkpoint is not proven whole; never deleted"
 
 
 def problem_line(report) -> str:

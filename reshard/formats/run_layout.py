@@ -16,11 +16,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from reshard import manifest, paths
+from reshard import manifest
 from reshard.errors import ReshardError
-from reshard.formats import reader_for, units
+from reshard.formats import POINTERS, pointed as pointed_by, reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
-from reshard.formats.deepspeed import files as ds_files, universal as uc
 from reshard.storage import files as fs
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
@@ -136,20 +135,16 @@ def _walk(root: str, folder: str, depth: int, found: Scan) -> int:
 
 
 def _pointed(folder: str, names: list, found: Scan) -> bool:
-    """Record the tag `latest` (and `latest_universal`) names; is `folder` a DeepSpeed save dir?"""
+    """Record what the registry's pointer files in `folder` name (DeepSpeed's `latest`, Megatron-LM's tracker);
+    is `folder` a save dir?"""
     pointed = False
-    for pointer in (ds_files.LATEST, uc.LATEST_UNIVERSAL):
-        path = os.path.join(folder, pointer)
-        if pointer in names and fs.isfile(path) and not fs.islink(path):
+    for pointer in POINTERS:
+        path = os.path.join(folder, pointer.file)
+        if pointer.file in names and fs.isfile(path) and not fs.islink(path):
             pointed = True
-            try:
-                with fs.open(path) as f:
-                    tag = f.read().strip()
-            except (OSError, UnicodeDecodeError):
-                continue
-            if not paths.escape(tag, folder, single=True):
-                named_by = os.path.join(os.path.basename(folder), pointer)
-                found.pointers[os.path.join(folder, tag)] = f"named by {named_by}"
+            named = pointed_by(folder, pointer)
+            if named is not None:
+                found.pointers[named] = f"named by {os.path.join(os.path.basename(folder), pointer.file)}"
     return pointed
 
 
@@ -163,7 +158,7 @@ def _folder(root: str, path: str, rel: str, name: str, depth: int, save_dir: boo
     if unit is not None:
         found.entries.append(Entry(path, rel, step_of(name), None, None, unit))
         return
-    holds_tags = any(p in listing.files for p in (ds_files.LATEST, uc.LATEST_UNIVERSAL))
+    holds_tags = any(p.file in listing.files for p in POINTERS)
     if not (holds_tags or units.holds_units(listing)):
         entry = _format_entry(path, rel, name, listing, save_dir)
         if entry is not None:
