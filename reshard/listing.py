@@ -44,6 +44,7 @@ class Checkpoint:
     pinned: tuple = ()          # why something names it (`latest`, best_model_checkpoint, a link)
     metrics: dict = field(default_factory=dict)
     unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
+    member: bool = True         # of its folder's series (False: named unlike the save loop beside it, ranked alone)
 
     @property
     def complete(self) -> bool:
@@ -51,8 +52,9 @@ class Checkpoint:
 
     @property
     def series(self) -> str:
-        """The folder holding it (relative to the run): the checkpoints of one save loop, ranked together."""
-        return os.path.dirname(self.name)
+        """The folder holding it (relative to the run): the checkpoints of one save loop, ranked together. One
+        named unlike the loop's checkpoints beside it (a `checkpoint-1-weights/` export) is a series of its own."""
+        return os.path.dirname(self.name) if self.member else self.name
 
     def to_dict(self) -> dict:
         return {"name": self.name, "path": self.path, "series": self.series, "step": self.step, "mtime": self.mtime,
@@ -155,7 +157,7 @@ def _row(entry, files: Files, status: str, why: str = "", catalog=None, step=Non
     return Checkpoint(entry.path, entry.name, entry.step if entry.step is not None else step, files.mtime, files.bytes,
                       files.disk_bytes, files.count, fmt,
                       catalog.layout.topology(brief=True) if catalog is not None else None,
-                      status, why, unit=entry.unit.what if entry.unit is not None else None)
+                      status, why, unit=entry.unit.what if entry.unit is not None else None, member=entry.member)
 
 
 def _checked(entry, files: Files) -> tuple:

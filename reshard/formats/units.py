@@ -57,6 +57,9 @@ MEMBERS = (RNG, RANDOM_STATES, FSDP_MODEL, re.compile(r"^(optimizer|scheduler|sc
 DATA_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".safetensors", ".distcp", ".ckpt", ".npy", ".npz", ".msgpack")
 # A folder holding folders named so is a folder of checkpoints (an output dir), whatever it holds besides.
 UNIT_NAMES = (HF_CHECKPOINT, HF_STAGING, ACCELERATE_CHECKPOINT, MEGATRON_ITER, TORCHTITAN_STEP)
+# The names a save loop gives its checkpoints, whole: beside them, any other name is no member of the series
+# (a weights export `checkpoint-1-weights/` kept in the output dir is not step 1's save)
+SERIES_NAMES = (*UNIT_NAMES, re.compile(r"^global_step(\d+)$"))
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,12 @@ class Listing:
         paths = {n: os.path.join(folder, n) for n in names}
         dirs = {n for n, p in paths.items() if fs.isdir(p) and not fs.islink(p)}
         return cls(frozenset(set(names) - dirs), frozenset(dirs))
+
+
+def in_series(name: str) -> bool:
+    """Is `name` (reshard's `.X.reshard-tmp` staging of X included) one a save loop gives its checkpoints?"""
+    staged = re.fullmatch(r"\.(.+)\.reshard-tmp", name)
+    return any(p.match(staged.group(1) if staged else name) for p in SERIES_NAMES)
 
 
 def is_member(name: str) -> bool:
