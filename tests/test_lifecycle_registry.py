@@ -134,8 +134,8 @@ def test_watch_says_what_it_validated_per_checkpoint(run):
 
 def test_accelerate_plain_save_state_stays_unverifiable_its_optimizer_unread(tmp_path):
     """Accelerate's plain save_state: the registry's readers read its weights, never its optimizer.bin, so it is
-    not proven whole: unverifiable, never deleted. The control: the same folder without optimizer.bin (nothing
-    left unread) is complete."""
+    not proven whole: unverifiable, never deleted. No name is special: without its optimizer.bin the files left
+    unread are the next ones named (the safetensors reader then takes the folder, reading its weights alone)."""
     from test_lifecycle_units import accelerate_run
     project = accelerate_run(tmp_path)
     rows = reshard.list_checkpoints(project).checkpoints
@@ -146,7 +146,9 @@ def test_accelerate_plain_save_state_stays_unverifiable_its_optimizer_unread(tmp
     assert lr.snapshot(project) == before
     (project / "checkpoints" / "checkpoint_0" / "optimizer.bin").unlink()
     lr.age(project)
-    assert reshard.list_checkpoints(project).checkpoints[0].status == COMPLETE
+    first = reshard.list_checkpoints(project).checkpoints[0]
+    assert first.status == UNVERIFIABLE and first.why.startswith("random_states_0.pkl (and 1 more): not read by "
+                                                                 "reshard's safetensors reader"), first.why
 
 
 def test_a_folder_named_unlike_its_series_is_no_member(tmp_path):
