@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from reshard.errors import ReshardError, UnsafeCheckpointError
-from reshard.formats import read as read_catalog, run_layout, run_metrics, units, unread_files
+from reshard.formats import read as read_catalog, run_layout, run_metrics, units
 from reshard.storage import files as fs
 from reshard.validate import validate
 
@@ -169,7 +169,7 @@ def _checked(entry, files: Files) -> tuple:
     except ReshardError as e:
         return _row(entry, files, INCOMPLETE, str(e)), run_metrics.Recorded()
     step = catalog.contents().step if catalog.training.global_steps is None else catalog.training.global_steps
-    unread = unread_files(catalog, entry.path)
+    unread = units.unread(catalog, entry.path) if entry.unit is not None and entry.unit.claimed else ()
     if unread:      # a proof on the files read says nothing of these: not proven whole, so never deleted
         return _row(entry, files, UNVERIFIABLE, _unread_line(unread, entry.path, catalog.format), catalog, step), \
             run_metrics.Recorded()

@@ -172,20 +172,6 @@ def pointed(save_dir: str, pointer: Pointer) -> str | None:
     return None if paths.escape(tag, save_dir, single=True) else os.path.join(save_dir, tag)
 
 
-def unread_files(catalog, path: str) -> tuple[str, ...]:
-    """The files of the checkpoint at `path` (a file, or every file under a folder) that neither its reader read
-    (or expected) nor the training framework around it claims as its own. The lifecycle deletes a checkpoint only
-    when this is empty: a proof on the files read says nothing of the files not read (Accelerate's plain
-    save_state keeps the optimizer in an `optimizer.bin` the weights' reader never opens)."""
-    base = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)
-    known = {fs.normpath(os.path.join(base, f.path)) for f in catalog.files}
-    frame = catalog.framework
-    if frame is not None:
-        known |= {fs.normpath(os.path.join(frame.folder, f.name)) for f in frame.files if not f.folder}
-    found = [fs.normpath(p) for p, _, _ in fs.tree(path).files_under(path)]
-    return tuple(p for p in sorted(found) if p not in known)
-
-
 def reader_options(reader: Reader, path: str, request: ReadRequest):
     """`request` as the reader's OPTIONS; an option the reader does not take is a usage error."""
     given = request.given()

@@ -17,7 +17,7 @@ would be counted, judged and deleted apart from the rest. So a folder is recogni
   (`latest`), universal trees.
 
 Whether reshard reads a unit is the format registry's to say (reshard.formats.reader_for): a unit one of its
-readers takes is READ, and `reshard list` then proves it whole (every file read: formats.unread_files) and
+readers takes is READ, and `reshard list` then proves it whole (every data file read: unread) and
 complete; one none takes is OPAQUE, listed as one row naming framework and backend, never deleted. A folder with
 checkpoint files that matches no framework whole is UNKNOWN: listed, never deleted.
 """
@@ -70,6 +70,9 @@ class Unit:
     reading: str
     why: str = ""
     backend: str = ""   # "with FSDP (sharded state dict)", "(DDP or one process)"
+    # recognised by a framework's markers: its files sit beside what a reader reads, so `list` proves every data
+    # file read or the framework's own (unread) before it calls the unit complete
+    claimed: bool = False
 
     @property
     def what(self) -> str:
@@ -151,7 +154,7 @@ def _engine(listing: Listing) -> str | None:
 def registered(framework: str, backend: str, folder: str) -> Unit:
     """A framework's unit as the format registry takes it: READ when one of its readers reads `folder`, OPAQUE
     (never deleted) when none does."""
-    unit = Unit(framework, READ, "", backend)
+    unit = Unit(framework, READ, "", backend, claimed=True)
     try:
         reader_for(folder)
     except ReshardError:
@@ -206,6 +209,20 @@ def _megatron(listing: Listing, folder: str) -> Unit:
     if any(d.startswith("mp_rank_") for d in listing.dirs):
         return registered("Megatron-LM", "(torch, legacy)", folder)
     return unknown("Megatron-LM", "an iter_N folder of neither torch_dist's nor the legacy torch format's files")
+
+
+def unread(catalog, path: str) -> tuple[str, ...]:
+    """The data files (tensors, pickles) of the framework's unit at `path` that neither its reader read (or
+    expected) nor the framework around it claims as its own. A unit is proven whole only when there is none: a
+    proof on the files read says nothing of the files not read (Accelerate's plain save_state keeps its optimizer
+    in an `optimizer.bin` the weights' reader never opens). Scripts, JSON and pointer files hold no state."""
+    base = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)
+    known = {fs.normpath(os.path.join(base, f.path)) for f in catalog.files}
+    frame = catalog.framework
+    if frame is not None:
+        known |= {fs.normpath(os.path.join(frame.folder, f.name)) for f in frame.files if not f.folder}
+    found = [fs.normpath(p) for p, _, _ in fs.tree(path).files_under(path)]
+    return tuple(p for p in sorted(found) if p not in known and p.endswith(DATA_SUFFIXES))
 
 
 def format_unit(name: str, reader: str) -> Unit:
