@@ -221,8 +221,12 @@ def unread(catalog, path: str) -> tuple[str, ...]:
     frame = catalog.framework
     if frame is not None:
         known |= {fs.normpath(os.path.join(frame.folder, f.name)) for f in frame.files if not f.folder}
+    # beside what was read: its folder's top and the folders read from (another tag folder that `latest` does
+    # not name is an older save of the engine's, not a part of this one)
+    read_in = {fs.normpath(path), *(os.path.dirname(k) for k in known)}
     found = [fs.normpath(p) for p, _, _ in fs.tree(path).files_under(path)]
-    return tuple(p for p in sorted(found) if p not in known and p.endswith(DATA_SUFFIXES))
+    return tuple(p for p in sorted(found)
+                 if p not in known and p.endswith(DATA_SUFFIXES) and os.path.dirname(p) in read_in)
 
 
 def format_unit(name: str, reader: str) -> Unit:
