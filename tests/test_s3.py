@@ -353,6 +353,23 @@ def test_a_sparse_gather_from_a_bucket_reads_in_bounded_slabs(s3, monkeypatch):
     assert reads == [(63 * 512 + 32) * 4]       # the control: the span whole
 
 
+def test_a_prefix_emptied_by_a_delete_is_no_folder(s3):
+    """The server keeps the folder of a deleted object's prefix (SeaweedFS's filer, as some stores do) and lists it
+    among the common prefixes; reshard lists only prefixes holding objects, as isdir and isfile find them, so a
+    pruned `epoch=0-step=2.ckpt/` is not then taken for a file."""
+    from reshard.storage import files as fs
+    prefix = "emptied"
+    for key in ("kept.ckpt/a", "gone.ckpt/a", "gone.ckpt/sub/b", "top"):
+        servers.put(s3, f"{prefix}/{key}", b"x")
+    for key in ("gone.ckpt/a", "gone.ckpt/sub/b"):
+        servers.delete(s3, f"{prefix}/{key}")
+    url = s3.url(prefix)
+    assert sorted(fs.listdir(url)) == ["kept.ckpt", "top"]
+    assert not fs.exists(f"{url}/gone.ckpt") and fs.isdir(f"{url}/kept.ckpt")
+    with pytest.raises(FileNotFoundError):
+        fs.listdir(f"{url}/gone.ckpt")
+
+
 # -- a run prefix: list and prune ----------------------------------------------------------------------------------
 
 @pytest.fixture
