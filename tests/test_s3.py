@@ -380,7 +380,10 @@ def run_prefix(s3, request):
 
 
 def _listed(where) -> list:
-    rows = json.loads(run_cli("list", where, "--recent", "0", "--json", check=0).stdout)["checkpoints"]
+    listed = run_cli("list", where, "--recent", "0", "--json")
+    rows = json.loads(listed.stdout)["checkpoints"]
+    # exit 1 exactly when an incomplete checkpoint is shown (--json unchanged)
+    assert listed.returncode == int(any(r["status"] == "incomplete" for r in rows)), listed.stderr
     return [(r["name"], r["step"], r["status"], r["files"], r["bytes"]) for r in rows]
 
 
@@ -436,17 +439,19 @@ def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_t
     what is there again."""
     from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
     prefix, url = run_prefix
+    done = "{}: validated {} ({} complete, 0 incomplete), kept 0 unverifiable or unknown unread, left 0 in " \
+           "progress, deleted {}"
     first = run_cli("watch", url, "--once", "--recent", "0", "--keep-last", "1", "--settle", "0", check=0)
     assert "global_step2" in first.stdout and "global_step3" in first.stdout, first.stdout
-    assert "2 checkpoints newly validated" in first.stdout
+    assert first.stdout.splitlines()[-1] == done.format(url, "2 checkpoints", 2, 1), first.stdout
     keys = servers.keys(s3, prefix + "/")
     assert f"{prefix}/{WATCH_STATE}" in keys and f"{prefix}/{WATCH_LOCK}" not in keys
     assert not [k for k in keys if "/global_step2/" in k] and [k for k in keys if "/global_step3/" in k]
     again = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
-    assert "0 checkpoints newly validated" in again.stdout, again.stdout
+    assert again.stdout.splitlines()[-1] == done.format(url, "0 checkpoints", 0, 0), again.stdout
     servers.delete(s3, f"{prefix}/{WATCH_STATE}")
     control = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
-    assert "1 checkpoint newly validated" in control.stdout, control.stdout
+    assert control.stdout.splitlines()[-1] == done.format(url, "1 checkpoint", 1, 0), control.stdout
 
 
 def test_torchrun_ranks_share_a_bucket_to_bucket_convert(s3, source, reference, tmp_path):
