@@ -5,8 +5,9 @@ format registry and proven whole by reshard.validate's coverage proof (metadata 
 and its metrics gathered from what the framework recorded (reshard.formats.run_metrics) or a user's file.
 A save still being written — a staging name, a DCP folder without `.metadata`, a file modified within the last
 `recent` seconds or growing during `settle` — is "in progress", and is never opened. A checkpoint recognised whole
-whose contents reshard cannot read yet (FSDP, Megatron; a pickle asking for a class off the allow-list) is
-"unverifiable", and one no framework's layout accounts for "unknown": neither is ever complete, nor deleted.
+that no reader of the format registry reads, or of whose files the reader leaves one unread (Accelerate's plain
+save_state: its optimizer.bin), or a pickle asking for a class off the allow-list, is "unverifiable", and one no
+framework's layout accounts for "unknown": neither is ever complete, nor deleted.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Checkpoint:
     metrics: dict = field(default_factory=dict)
     unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
     bytes_by_kind: BytesByKind | None = None    # complete ones: `bytes` as weights, optimizer, other (reshard.sizes)
+    member: bool = True         # of its folder's series (False: named unlike the save loop beside it, ranked alone)
 
     @property
     def complete(self) -> bool:
@@ -52,8 +54,9 @@ class Checkpoint:
 
     @property
     def series(self) -> str:
-        """The folder holding it (relative to the run): the checkpoints of one save loop, ranked together."""
-        return os.path.dirname(self.name)
+        """The folder holding it (relative to the run): the checkpoints of one save loop, ranked together. One
+        named unlike the loop's checkpoints beside it (a `checkpoint-1-weights/` export) is a series of its own."""
+        return os.path.dirname(self.name) if self.member else self.name
 
     def to_dict(self, price: float | None = None) -> dict:
         kinds = self.bytes_by_kind.to_dict() if self.bytes_by_kind is not None else None
@@ -171,7 +174,7 @@ def _row(entry, files: Files, status: str, why: str = "", catalog=None, step=Non
     return Checkpoint(entry.path, entry.name, entry.step if entry.step is not None else step, files.mtime, files.bytes,
                       files.disk_bytes, files.count, fmt,
                       catalog.layout.topology(brief=True) if catalog is not None else None,
-                      status, why, unit=entry.unit.what if entry.unit is not None else None)
+                      status, why, unit=entry.unit.what if entry.unit is not None else None, member=entry.member)
 
 
 def _checked(entry, files: Files) -> tuple:
@@ -182,8 +185,12 @@ def _checked(entry, files: Files) -> tuple:
         return _row(entry, files, UNVERIFIABLE, f"{e}; never deleted"), run_metrics.Recorded()
     except ReshardError as e:
         return _row(entry, files, INCOMPLETE, str(e)), run_metrics.Recorded()
-    report = validate(catalog)
     step = catalog.contents().step if catalog.training.global_steps is None else catalog.training.global_steps
+    unread = units.unread(catalog, entry.path) if entry.unit is not None and entry.unit.claimed else ()
+    if unread:      # a proof on the files read says nothing of these: not proven whole, so never deleted
+        return _row(entry, files, UNVERIFIABLE, _unread_line(unread, entry.path, catalog.format), catalog, step), \
+            run_metrics.Recorded()
+    report = validate(catalog)
     try:
         recorded = run_metrics.recorded(entry.path, entry.step if entry.step is not None else step, catalog)
     except ReshardError as e:
@@ -192,6 +199,12 @@ def _checked(entry, files: Files) -> tuple:
         kinds = split(catalog, files.bytes, entry.path)
         return replace(_row(entry, files, COMPLETE, "", catalog, step), bytes_by_kind=kinds), recorded
     return _row(entry, files, INCOMPLETE, problem_line(report), catalog, step), recorded
+
+
+def _unread_line(unread: tuple, path: str, fmt: str) -> str:
+    first = os.path.relpath(unread[0], path) if unread[0] != path else os.path.basename(path)
+    more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+    return f"{first}{more}: not read by reshard's {fmt} reader, so the checkpoint is not proven whole; never deleted"
 
 
 def problem_line(report) -> str:

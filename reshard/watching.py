@@ -49,7 +49,8 @@ EXPORT_SUFFIX = ".safetensors"          # one file: the export replaces it with 
 
 @dataclass(frozen=True)
 class Event:
-    """A checkpoint the watcher validated: one line of `reshard watch`."""
+    """A checkpoint the watcher judged: validated (complete, incomplete) or, unread, kept (unverifiable, unknown);
+    one line of `reshard watch`."""
     name: str
     path: str
     step: int | None
@@ -82,7 +83,7 @@ class Event:
 @dataclass(frozen=True)
 class Pass:
     """What one pass of the watcher did."""
-    reported: tuple = ()        # (Event), in the order validated
+    reported: tuple = ()        # (Event), in the order judged: validated, or kept unread (unverifiable, unknown)
     waiting: tuple = ()         # (reshard.listing.Checkpoint) still being written, or changed while validated
     removed: tuple = ()         # names the policy deleted
     exported: str | None = None     # the name newly exported as the best
@@ -107,8 +108,8 @@ class Watcher:
             list_checkpoints.
 
     Returns:
-        `poll()` returns a Pass: the checkpoints newly validated (`reported`), those still being written, those
-        deleted, the problems.
+        `poll()` returns a Pass: the checkpoints newly judged (`reported`: validated, or kept unread as
+        unverifiable or unknown), those still being written, those deleted, the problems.
 
     Example:
         >>> with reshard.Watcher("ckpt/", settle=0) as watcher:

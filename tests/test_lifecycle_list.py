@@ -61,15 +61,16 @@ def test_the_same_tags_whole_are_complete(tmp_path):
     lr.age(tmp_path)
     rows = reshard.list_checkpoints(tmp_path).checkpoints
     assert [(r.name, r.status) for r in rows] == [("ds/global_step4", COMPLETE), ("ds/global_step5", COMPLETE)]
+    run_cli("list", tmp_path, check=0)      # none incomplete: exit 0
 
 
 def test_cli_list_text_and_json(ds_run):
-    text = run_cli("list", ds_run, check=0).stdout
+    text = run_cli("list", ds_run, check=1).stdout        # exit 1: it shows incomplete checkpoints
     assert "coverage proof" in text
     line = next(ln for ln in text.splitlines() if ln.rstrip().endswith("ds/global_step4"))
     assert "INCOMPLETE" in line and "dp=4,zero=3" in line
     assert "named by ds/latest" in next(ln for ln in text.splitlines() if "ds/global_step8" in ln)
-    data = json.loads(run_cli("list", ds_run, "--json", check=0).stdout)
+    data = json.loads(run_cli("list", ds_run, "--json", check=1).stdout)
     assert data["check"] == "coverage"
     assert [(c["name"], c["status"]) for c in data["checkpoints"]] == \
         [(c.name, c.status) for c in reshard.list_checkpoints(ds_run).checkpoints]

@@ -94,16 +94,15 @@ def test_trainer_writes_the_gpu_layouts(trainer_runs):
 
 @pytest.mark.engine
 @pytest.mark.parametrize("name", ["sharded", "full"])
-def test_list_shows_each_fsdp_checkpoint_as_one_kept_row(trainer_runs, name, capsys):
+def test_list_reads_each_fsdp_checkpoint_whole_as_one_row(trainer_runs, name, capsys):
+    """FSDP's checkpoints, read by the format registry's readers and proven whole (every data file read or the
+    Trainer's own), complete: before, "contents not verifiable by reshard yet"."""
     rows = reshard.list_checkpoints(trainer_runs[name]).checkpoints
     assert [(r.name, r.step, r.status, r.unit) for r in rows] == \
-        [(f"checkpoint-{s}", s, UNVERIFIABLE, UNITS[name]) for s in STEPS]
-    assert all("contents not verifiable by reshard yet" in r.why and r.format == "hf-trainer" for r in rows)
+        [(f"checkpoint-{s}", s, COMPLETE, UNITS[name]) for s in STEPS]
     assert rows[0].files == len(LAYOUTS[name])      # the whole folder is the row: sub-folders and RNG files in it
     code, out, _ = cli_out(capsys, "list", trainer_runs[name])
-    assert code == 0 and f": {len(STEPS)} checkpoints (" in out.splitlines()[0]
-    assert [line.split()[-1] for line in out.splitlines() if "unverifiable" in line] == \
-        [f"checkpoint-{s}" for s in STEPS]
+    assert code == 0 and f": {len(STEPS)} checkpoints (" in out.splitlines()[0] and "unverifiable" not in out
 
 
 @pytest.mark.engine
@@ -124,24 +123,18 @@ COMMANDS = {"prune": ("prune", "{run}", "--keep-last", "1", "--delete-incomplete
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("name", sorted(TRAINER_RUNS))
 def test_retention_deletes_only_whole_checkpoints(trainer_runs, tmp_path, capsys, name, command):
-    """FSDP: nothing deleted, every file of every checkpoint byte-identical, each kept in one line saying why.
-    DDP: `--keep-last 1` deletes checkpoint-1 and -2 whole, checkpoint-3 byte-identical with both RNG files."""
+    """Every backend alike: `--keep-last 1` deletes checkpoint-1 and -2 whole, checkpoint-3 byte-identical with
+    both RNG files; the cron line (no --keep rule) deletes nothing; a second watch pass validates nothing again."""
     run = run_copy(trainer_runs[name], tmp_path)
     before = files_of(run)
     code, out, err = cli_out(capsys, *(a.format(run=run) for a in COMMANDS[command]))
     assert code == 0, out + err
-    deleted = {"checkpoint-1", "checkpoint-2"} if name == "ddp" and command != "cron" else set()
+    deleted = {"checkpoint-1", "checkpoint-2"} if command != "cron" else set()
     assert_whole_or_gone(before, files_of(run), deleted)
-    if name == "ddp":
-        return
-    kept = [line for line in out.splitlines() if "contents not verifiable by reshard yet" in line]
-    assert len(kept) == len(STEPS) and all(UNITS[name] in line for line in kept), out
-    assert not [line for line in out.splitlines() if line.startswith("deleted ") and line != "deleted 0 checkpoints, "
-                "freed 0 B"], out      # prune's summary line, and no watch line of a deletion
-    if command != "prune":      # the next pass reports nothing again and still deletes nothing
+    if command != "prune":      # the next pass reports nothing again and deletes nothing more
         code, out, err = cli_out(capsys, *(a.format(run=run) for a in COMMANDS[command]))
-        assert code == 0 and "0 checkpoints newly validated" in out, out + err
-        assert_whole_or_gone(before, files_of(run), set())
+        assert code == 0 and "validated 0 checkpoints" in out, out + err
+        assert_whole_or_gone(before, files_of(run), deleted)
 
 
 def accelerate_run(root: Path, steps: int = 3) -> Path:
@@ -192,25 +185,18 @@ def dcp_save(folder: Path) -> None:
 
 
 def documented_layouts(root: Path) -> Path:
-    """A run directory of checkpoints laid out as Megatron-LM (torch_dist and the legacy torch format) and torchtitan
-    write them (as observed of megatron-core 0.16 and read in the others' sources), each around a real DCP save,
+    """A run directory of checkpoints as Megatron-LM writes them (real megatron-core 0.16 saves, torch_dist and the
+    legacy torch format, copied per iteration), torchtitan's laid out around a real DCP save,
     Lightning's FSDPStrategy folder (the real one, fixtures/lightning_fsdp_dp2), and folders no framework's layout
     accounts for whole."""
     import torch
     run = root / "run"
-    megatron = run / "megatron"
-    for it in (100, 200):
-        folder = megatron / f"iter_{it:07d}"
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        dcp_save(folder)
-        (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
-                                                          "sharded_backend_version": 1, "common_backend": "torch"}))
-        torch.save({"iteration": it, "checkpoint_version": 3.0}, folder / "common.pt")
-    (megatron / "latest_checkpointed_iteration.txt").write_text("200")
-    legacy = run / "megatron_legacy" / "iter_0000050" / "mp_rank_00"
-    legacy.mkdir(parents=True)
-    torch.save({"iteration": 50, "model": {"w": torch.zeros(2)}}, legacy / "model_optim_rng.pt")
-    (run / "megatron_legacy" / "latest_checkpointed_iteration.txt").write_text("50")
+    saves = Path(REPO) / "fixtures" / "megatron_core"      # real megatron-core 0.16 saves, copied per iteration
+    for folder, source, its in (("megatron", "mcore_dp_reshardable_tp2_dp2", (100, 200)),
+                                ("megatron_legacy", "mcore_legacy_plain_tp2_pp2", (50,))):
+        for it in its:
+            shutil.copytree(saves / source / "save" / "iter_0000003", run / folder / f"iter_{it:07d}")
+        (run / folder / "latest_checkpointed_iteration.txt").write_text(str(its[-1]))
     (run / "torchtitan").mkdir()
     for step in (10, 20):
         dcp_save(run / "torchtitan" / f"step-{step}")
@@ -238,9 +224,9 @@ def documented_layouts(root: Path) -> Path:
 EXPECTED = {    # name: (status, unit)
     "hf/checkpoint-7": (UNKNOWN, "HF Trainer"),
     "lightning/epoch=0-step=5.ckpt": (COMPLETE, "Lightning with FSDP (sharded)"),     # read whole
-    "megatron/iter_0000100": (UNVERIFIABLE, "Megatron-LM (torch_dist)"),
-    "megatron/iter_0000200": (UNVERIFIABLE, "Megatron-LM (torch_dist)"),
-    "megatron_legacy/iter_0000050": (UNVERIFIABLE, "Megatron-LM (torch, legacy)"),
+    "megatron/iter_0000100": (COMPLETE, "Megatron-LM (torch_dist)"),      # read whole by the registry's reader
+    "megatron/iter_0000200": (COMPLETE, "Megatron-LM (torch_dist)"),
+    "megatron_legacy/iter_0000050": (COMPLETE, "Megatron-LM (torch, legacy)"),
     "misc": (UNKNOWN, "unknown"),
     "stray": (UNKNOWN, "unknown"),
     "torchtitan/step-10": (COMPLETE, "torchtitan (DCP)"),
@@ -263,14 +249,15 @@ def test_documented_layouts_are_one_row_each_and_unknown_folders_are_shown(layou
 
 
 def test_prune_delete_incomplete_deletes_only_a_whole_unit_proven_complete(layouts, tmp_path, capsys):
-    """`--keep-last 1 --delete-incomplete --yes`: torchtitan's step-10 goes, whole; every file of everything
-    else — the opaque Megatron and Lightning units, the unknown folders and the stray RNG pickle — stays."""
+    """`--keep-last 1 --delete-incomplete --yes`: torchtitan's step-10 and Megatron-LM's iteration 100 go, whole
+    (iteration 200 is the newest, and its tracker names it); every file of everything else — the unknown folders
+    and the stray RNG pickle — stays."""
     run = run_copy(layouts, tmp_path)
     before = lr.snapshot(run)
     code, out, _ = cli_out(capsys, "prune", run, "--keep-last", "1", "--delete-incomplete", "--yes")
-    assert code == 0 and "deleted 1 checkpoint" in out, out
+    assert code == 0 and "deleted 2 checkpoints" in out, out
     after = lr.snapshot(run)
-    gone = {f for f in before if f.startswith("torchtitan/step-10/")}
+    gone = {f for f in before if f.startswith(("torchtitan/step-10/", "megatron/iter_0000100/"))}
     assert gone and set(after) == set(before) - gone
     assert all(after[f] == before[f] for f in after)
     for name, (status, _) in EXPECTED.items():

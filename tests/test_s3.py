@@ -353,6 +353,23 @@ def test_a_sparse_gather_from_a_bucket_reads_in_bounded_slabs(s3, monkeypatch):
     assert reads == [(63 * 512 + 32) * 4]       # the control: the span whole
 
 
+def test_a_prefix_emptied_by_a_delete_is_no_folder(s3):
+    """The server keeps the folder of a deleted object's prefix (SeaweedFS's filer, as some stores do) and lists it
+    among the common prefixes; reshard lists only prefixes holding objects, as isdir and isfile find them, so a
+    pruned `epoch=0-step=2.ckpt/` is not then taken for a file."""
+    from reshard.storage import files as fs
+    prefix = "emptied"
+    for key in ("kept.ckpt/a", "gone.ckpt/a", "gone.ckpt/sub/b", "top"):
+        servers.put(s3, f"{prefix}/{key}", b"x")
+    for key in ("gone.ckpt/a", "gone.ckpt/sub/b"):
+        servers.delete(s3, f"{prefix}/{key}")
+    url = s3.url(prefix)
+    assert sorted(fs.listdir(url)) == ["kept.ckpt", "top"]
+    assert not fs.exists(f"{url}/gone.ckpt") and fs.isdir(f"{url}/kept.ckpt")
+    with pytest.raises(FileNotFoundError):
+        fs.listdir(f"{url}/gone.ckpt")
+
+
 # -- a run prefix: list and prune ----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -363,7 +380,10 @@ def run_prefix(s3, request):
 
 
 def _listed(where) -> list:
-    rows = json.loads(run_cli("list", where, "--recent", "0", "--json", check=0).stdout)["checkpoints"]
+    listed = run_cli("list", where, "--recent", "0", "--json")
+    rows = json.loads(listed.stdout)["checkpoints"]
+    # exit 1 exactly when an incomplete checkpoint is shown (--json unchanged)
+    assert listed.returncode == int(any(r["status"] == "incomplete" for r in rows)), listed.stderr
     return [(r["name"], r["step"], r["status"], r["files"], r["bytes"]) for r in rows]
 
 
@@ -419,17 +439,19 @@ def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_t
     what is there again."""
     from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
     prefix, url = run_prefix
+    done = "{}: validated {} ({} complete, 0 incomplete), kept 0 unverifiable or unknown unread, left 0 in " \
+           "progress, deleted {}"
     first = run_cli("watch", url, "--once", "--recent", "0", "--keep-last", "1", "--settle", "0", check=0)
     assert "global_step2" in first.stdout and "global_step3" in first.stdout, first.stdout
-    assert "2 checkpoints newly validated" in first.stdout
+    assert first.stdout.splitlines()[-1] == done.format(url, "2 checkpoints", 2, 1), first.stdout
     keys = servers.keys(s3, prefix + "/")
     assert f"{prefix}/{WATCH_STATE}" in keys and f"{prefix}/{WATCH_LOCK}" not in keys
     assert not [k for k in keys if "/global_step2/" in k] and [k for k in keys if "/global_step3/" in k]
     again = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
-    assert "0 checkpoints newly validated" in again.stdout, again.stdout
+    assert again.stdout.splitlines()[-1] == done.format(url, "0 checkpoints", 0, 0), again.stdout
     servers.delete(s3, f"{prefix}/{WATCH_STATE}")
     control = run_cli("watch", url, "--once", "--recent", "0", "--settle", "0", check=0)
-    assert "1 checkpoint newly validated" in control.stdout, control.stdout
+    assert control.stdout.splitlines()[-1] == done.format(url, "1 checkpoint", 1, 0), control.stdout
 
 
 def test_torchrun_ranks_share_a_bucket_to_bucket_convert(s3, source, reference, tmp_path):

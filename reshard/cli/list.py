@@ -1,9 +1,10 @@
-"""`reshard list`: every checkpoint of a run directory, complete or not."""
+"""`reshard list`: every checkpoint of a run directory, complete or not; exit 1 when one shown is incomplete."""
 from __future__ import annotations
 
 import reshard
 from reshard.cli.output import dump
 from reshard.inspection import human_bytes
+from reshard.listing import INCOMPLETE
 from reshard.sizes import GB, cost_per_month
 from reshard.text import counted
 
@@ -15,7 +16,8 @@ def run(args) -> int:
         dump(listing.to_dict(args.price))
     else:
         print_listing(listing, args.price)
-    return 0
+    # a cron job's test: a broken checkpoint shown is a failure, without parsing --json
+    return 1 if any(r.status == INCOMPLETE for r in listing.checkpoints) else 0
 
 
 def _when(mtime: float) -> str:

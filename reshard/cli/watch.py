@@ -7,7 +7,7 @@ import sys
 import reshard
 from reshard import watch_state
 from reshard.cli.args import policy as policy_of
-from reshard.listing import INCOMPLETE
+from reshard.listing import COMPLETE, INCOMPLETE
 from reshard.text import counted
 from reshard.watching import label
 
@@ -45,6 +45,15 @@ def print_watch_pass(root: str, done) -> None:
     """`reshard watch --once`, after the lines of the pass: what is still being written, and a summary."""
     for row in done.waiting:
         print(f"{label(row)}: in progress — {row.why} ({row.name})")
-    broken = sum(e.status == INCOMPLETE for e in done.reported)
-    print(f"{root}: {counted(len(done.reported), 'checkpoint')} newly validated ({broken} broken), "
-          f"{len(done.waiting)} in progress, {len(done.removed)} deleted")
+    print(f"{root}: {summary(done)}")
+
+
+def summary(done) -> str:
+    """What the pass did, each count of something done: checkpoints validated (complete, incomplete), those it
+    could not verify and kept unread, those left in progress, those deleted."""
+    validated = [e for e in done.reported if e.status in (COMPLETE, INCOMPLETE)]
+    broken = sum(e.status == INCOMPLETE for e in validated)
+    unread = len(done.reported) - len(validated)
+    return (f"validated {counted(len(validated), 'checkpoint')} ({len(validated) - broken} complete, {broken} "
+            f"incomplete), kept {unread} unverifiable or unknown unread, left {len(done.waiting)} in progress, "
+            f"deleted {len(done.removed)}")

@@ -11,11 +11,11 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
-from reshard import manifest, rule_files
+from reshard import manifest, paths, rule_files
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
 from reshard.formats import framework
-from reshard.formats.deepspeed import files as ds_files, topology as ds_topology
+from reshard.formats.deepspeed import files as ds_files, topology as ds_topology, universal as ds_universal
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY, lightning as lightning_framework  # noqa: F401  (for cli, convert)
 from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
@@ -139,6 +139,37 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
                                 "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
                                 "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process), "
                                 "Accelerate save_state folders (DeepSpeed, FSDP), safetensors)")
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A file a framework writes beside its checkpoints once a save is done, naming the one it resumes from: the
+    lifecycle (list, prune, watch) never deletes what it names, and holds back what is newer as still written."""
+    file: str               # its name in the save dir
+    reader: str             # the reader module whose format writes it
+    how: str                # "tag": its text is the checkpoint's folder name; "resolve": the reader's resolve()
+
+
+# How a run directory's checkpoints are named by the frameworks that save them (reshard.formats.run_layout reads
+# these; reshard.formats.units says what a checkpoint folder is whole): DeepSpeed's `latest` and `latest_universal`
+# name tag folders, Megatron-LM's tracker an iteration ("200" is iter_0000200/, as its reader resolves it).
+POINTERS = (Pointer(ds_files.LATEST, "reshard.formats.deepspeed.reader", "tag"),
+            Pointer(ds_universal.LATEST_UNIVERSAL, "reshard.formats.deepspeed.universal_reader", "tag"),
+            Pointer("latest_checkpointed_iteration.txt", "reshard.formats.megatron.reader", "resolve"))
+
+
+def pointed(save_dir: str, pointer: Pointer) -> str | None:
+    """The checkpoint `pointer` (a file in `save_dir`) names, as a path; None when it is unreadable, names nothing
+    that exists, or a path leaving `save_dir`."""
+    try:
+        if pointer.how == "resolve":
+            folder, _, _ = importlib.import_module(pointer.reader).resolve(save_dir, None)
+            return folder
+        with fs.open(os.path.join(save_dir, pointer.file)) as f:
+            tag = f.read(4096).strip()
+    except (OSError, UnicodeDecodeError, ReshardError):
+        return None
+    return None if paths.escape(tag, save_dir, single=True) else os.path.join(save_dir, tag)
 
 
 def reader_options(reader: Reader, path: str, request: ReadRequest):

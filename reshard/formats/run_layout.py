@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from reshard import manifest, paths
+from reshard import manifest
 from reshard.errors import ReshardError
-from reshard.formats import reader_for, units
+from reshard.formats import POINTERS, pointed as pointed_by, reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
-from reshard.formats.deepspeed import files as ds_files, universal as uc
 from reshard.storage import files as fs
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
@@ -30,10 +29,13 @@ WATCH_STATE = ".reshard-watch.json"     # reshard watch's memory in the run dire
 WATCH_LOCK = ".reshard-watch.lock"      # held while a watcher runs: one watcher per run directory
 # a conversion written in place (object storage has no rename: reshard.staging) before its manifest is there
 IN_PLACE = f"reshard is writing it in place ({manifest.UNFINISHED}, no {manifest.NAME} yet)"
-HF_STAGING, HF_CHECKPOINT = units.HF_STAGING, units.HF_CHECKPOINT
-STEP_IN_NAME = re.compile(r"(?:global_step|step)[=_-]?(\d+)")
-LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
-EPOCH_ONLY = re.compile(r"^epoch=\d+(\.ckpt)?$")
+HF_STAGING = units.HF_STAGING
+# A step is the number that ends a name (its extension and Lightning's `-vN` version aside): `checkpoint-1-weights`
+# carries none, it is no save of step 1
+STEP_IN_NAME = re.compile(r"(?:global_step|step)[=_-]?(\d+)(?:-v\d+)?$")
+LAST_NUMBER = re.compile(r"(?<![0-9])(\d+)(?:-v\d+)?$")
+EPOCH_ONLY = re.compile(r"^epoch=\d+(-v\d+)?$")
+STEM_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 TORCH_FILES = (".pt", ".pth", ".bin")
 LIGHTNING_SUFFIX = units.LIGHTNING_SUFFIX
 
@@ -48,6 +50,7 @@ class Entry:
     unfinished: str | None = None
     reader: str | None = None   # the format that sniffs it (None: none does)
     unit: units.Unit | None = None      # what it is whole (None: a staging folder, judged by its name)
+    member: bool = True     # of its folder's series; False: named otherwise than the save loop beside it names its own
 
 
 @dataclass(frozen=True)
@@ -74,14 +77,16 @@ def trash_path(path: str) -> str:
 
 def step_of(name: str) -> int | None:
     """The training step a checkpoint's name carries: `global_step300`, `checkpoint-300`, `epoch=2-step=300.ckpt`,
-    `step-300`, `ckpt_300.pt`; None for a name without one (`last.ckpt`) or with an epoch only (`epoch=2.ckpt`)."""
+    `step-300`, `ckpt_300.pt`; None for a name without one (`last.ckpt`), with an epoch only (`epoch=2.ckpt`), or
+    whose number does not end it (`checkpoint-1-weights`)."""
     base = os.path.basename(name)
-    found = STEP_IN_NAME.search(base) or HF_CHECKPOINT.match(base)
+    stem = next((base[:-len(s)] for s in STEM_SUFFIXES if base.endswith(s)), base)
+    found = STEP_IN_NAME.search(stem)
     if found:
         return int(found.group(1))
-    if EPOCH_ONLY.match(base):
+    if EPOCH_ONLY.match(stem):
         return None
-    found = LAST_NUMBER.search(base)
+    found = LAST_NUMBER.search(stem)
     return int(found.group(1)) if found else None
 
 
@@ -100,7 +105,16 @@ def scan(root: str) -> Scan:
         found.entries.append(Entry(root, os.path.basename(root), step_of(os.path.basename(root)), IN_PLACE))
         return found
     _walk(root, root, 0, found)
-    return found
+    return replace(found, entries=_members(found.entries))
+
+
+def _members(entries: list) -> list:
+    """The entries, each outside its folder's series where that folder holds a save loop's checkpoints
+    (`checkpoint-N/`, `global_stepN/`, `iter_N/`) and its own name is not one of them: no rule of the series
+    ranks or deletes a weights export or a copy kept beside them."""
+    looped = {os.path.dirname(e.name) for e in entries if units.in_series(os.path.basename(e.name))}
+    return [e if units.in_series(os.path.basename(e.name)) or os.path.dirname(e.name) not in looped
+            else replace(e, member=False) for e in entries]
 
 
 def _walk(root: str, folder: str, depth: int, found: Scan) -> int:
@@ -136,20 +150,16 @@ def _walk(root: str, folder: str, depth: int, found: Scan) -> int:
 
 
 def _pointed(folder: str, names: list, found: Scan) -> bool:
-    """Record the tag `latest` (and `latest_universal`) names; is `folder` a DeepSpeed save dir?"""
+    """Record what the registry's pointer files in `folder` name (DeepSpeed's `latest`, Megatron-LM's tracker);
+    is `folder` a save dir?"""
     pointed = False
-    for pointer in (ds_files.LATEST, uc.LATEST_UNIVERSAL):
-        path = os.path.join(folder, pointer)
-        if pointer in names and fs.isfile(path) and not fs.islink(path):
+    for pointer in POINTERS:
+        path = os.path.join(folder, pointer.file)
+        if pointer.file in names and fs.isfile(path) and not fs.islink(path):
             pointed = True
-            try:
-                with fs.open(path) as f:
-                    tag = f.read().strip()
-            except (OSError, UnicodeDecodeError):
-                continue
-            if not paths.escape(tag, folder, single=True):
-                named_by = os.path.join(os.path.basename(folder), pointer)
-                found.pointers[os.path.join(folder, tag)] = f"named by {named_by}"
+            named = pointed_by(folder, pointer)
+            if named is not None:
+                found.pointers[named] = f"named by {os.path.join(os.path.basename(folder), pointer.file)}"
     return pointed
 
 
@@ -163,7 +173,7 @@ def _folder(root: str, path: str, rel: str, name: str, depth: int, save_dir: boo
     if unit is not None:
         found.entries.append(Entry(path, rel, step_of(name), None, None, unit))
         return
-    holds_tags = any(p in listing.files for p in (ds_files.LATEST, uc.LATEST_UNIVERSAL))
+    holds_tags = any(p.file in listing.files for p in POINTERS)
     if not (holds_tags or units.holds_units(listing)):
         entry = _format_entry(path, rel, name, listing, save_dir)
         if entry is not None:

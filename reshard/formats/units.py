@@ -6,18 +6,20 @@ under DeepSpeed, RNG pickles for every process). Those parts are no checkpoints 
 would be counted, judged and deleted apart from the rest. So a folder is recognised by its framework's markers
 (names in a directory listing; no file is opened) as one Unit, never looked into by the run scan:
 
-- HF Trainer: `checkpoint-N/` (or any folder with `trainer_state.json`) with DeepSpeed (`latest` + a tag folder:
-  read), FSDP sharded (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP folders), FSDP full (`pytorch_model_fsdp.bin`,
-  `optimizer.bin`), or DDP / one process (`model.safetensors` or `pytorch_model.bin`, `optimizer.pt`: read);
-- Accelerate: save_state's `checkpoint_N/` (`random_states_K.pkl`) with DeepSpeed (read), FSDP, or neither
+- HF Trainer: `checkpoint-N/` (or any folder with `trainer_state.json`) with DeepSpeed (`latest` + a tag folder),
+  FSDP sharded (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP folders), FSDP full (`pytorch_model_fsdp.bin`,
+  `optimizer.bin`), or DDP / one process (`model.safetensors` or `pytorch_model.bin`, `optimizer.pt`);
+- Accelerate: save_state's `checkpoint_N/` (`random_states_K.pkl`) with DeepSpeed, FSDP, or neither
   (`model.safetensors`, `optimizer.bin`, `scheduler.bin`);
-- Lightning: `*.ckpt` files (read) and `*.ckpt/` folders with DeepSpeed (read) or FSDP (DCP + `meta.pt`: read);
+- Lightning: `*.ckpt` files and `*.ckpt/` folders with DeepSpeed or FSDP (DCP + `meta.pt`);
 - Megatron-LM: `iter_NNNNNNN/`, torch_dist (DCP + `metadata.json`) or the legacy torch format (`mp_rank_*/`);
 - torchtitan `step-N/` and any other DCP folder (`.metadata`, `*.distcp`), DeepSpeed tag folders of a save dir
-  (`latest`), universal trees: read by the format registry.
+  (`latest`), universal trees.
 
-A unit reshard cannot read whole yet is OPAQUE: listed as one row naming framework and backend, never deleted.
-A folder with checkpoint files that matches no framework whole is UNKNOWN: listed, never deleted.
+Whether reshard reads a unit is the format registry's to say (reshard.formats.reader_for): a unit one of its
+readers takes is READ, and `reshard list` then proves it whole (every data file read: unread) and
+complete; one none takes is OPAQUE, listed as one row naming framework and backend, never deleted. A folder with
+checkpoint files that matches no framework whole is UNKNOWN: listed, never deleted.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import os
 import re
 from dataclasses import dataclass, replace
 
+from reshard.errors import ReshardError
+from reshard.formats import reader_for
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import lightning
@@ -33,7 +37,7 @@ from reshard.formats.single.hf_trainer import OPTIMIZER, RNG, SCHEDULER, TRAINER
 from reshard.storage import files as fs
 
 READ, OPAQUE, UNKNOWN = "read", "opaque", "unknown"
-NOT_YET = "contents not verifiable by reshard yet"
+NOT_READ = "no reader of reshard's format registry reads it"
 
 HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 HF_STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")
@@ -53,16 +57,22 @@ MEMBERS = (RNG, RANDOM_STATES, FSDP_MODEL, re.compile(r"^(optimizer|scheduler|sc
 DATA_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".safetensors", ".distcp", ".ckpt", ".npy", ".npz", ".msgpack")
 # A folder holding folders named so is a folder of checkpoints (an output dir), whatever it holds besides.
 UNIT_NAMES = (HF_CHECKPOINT, HF_STAGING, ACCELERATE_CHECKPOINT, MEGATRON_ITER, TORCHTITAN_STEP)
+# The names a save loop gives its checkpoints, whole: beside them, any other name is no member of the series
+# (a weights export `checkpoint-1-weights/` kept in the output dir is not step 1's save)
+SERIES_NAMES = (*UNIT_NAMES, re.compile(r"^global_step(\d+)$"))
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One checkpoint as its framework wrote it. `reading`: READ (the format registry reads it whole and may
-    prove it complete), OPAQUE (recognised; reshard cannot read it whole yet: `why`), UNKNOWN (`why`)."""
+    """One checkpoint as its framework wrote it. `reading`: READ (a reader of the format registry reads it; `list`
+    proves it whole and complete), OPAQUE (recognised; no reader reads it: `why`), UNKNOWN (`why`)."""
     framework: str      # "HF Trainer", "DCP", "unknown"
     reading: str
     why: str = ""
     backend: str = ""   # "with FSDP (sharded state dict)", "(DDP or one process)"
+    # recognised by a framework's markers: its files sit beside what a reader reads, so `list` proves every data
+    # file read or the framework's own (unread) before it calls the unit complete
+    claimed: bool = False
 
     @property
     def what(self) -> str:
@@ -91,6 +101,12 @@ class Listing:
         return cls(frozenset(set(names) - dirs), frozenset(dirs))
 
 
+def in_series(name: str) -> bool:
+    """Is `name` (reshard's `.X.reshard-tmp` staging of X included) one a save loop gives its checkpoints?"""
+    staged = re.fullmatch(r"\.(.+)\.reshard-tmp", name)
+    return any(p.match(staged.group(1) if staged else name) for p in SERIES_NAMES)
+
+
 def is_member(name: str) -> bool:
     """A file name only ever found inside a checkpoint (an RNG pickle, a rank file, an optimizer's state)."""
     return any(p.match(name) for p in MEMBERS)
@@ -113,13 +129,13 @@ def framework_unit(name: str, listing: Listing, folder: str) -> Unit | None:
     if holds_units(listing):
         return None
     if name.endswith(LIGHTNING_SUFFIX):
-        return _lightning(listing)
+        return _lightning(listing, folder)
     if TRAINER_STATE in listing.files or HF_CHECKPOINT.match(name):
         return _hf_trainer(listing, folder)
     if any(RANDOM_STATES.match(n) for n in listing.files) or ACCELERATE_CHECKPOINT.match(name):
         return _accelerate(listing, folder)
     if MEGATRON_ITER.match(name):
-        return _megatron(listing)
+        return _megatron(listing, folder)
     return None
 
 
@@ -135,9 +151,15 @@ def _engine(listing: Listing) -> str | None:
     return None
 
 
-def _opaque(framework: str, backend: str, later: str) -> Unit:
-    unit = Unit(framework, OPAQUE, "", backend)
-    return replace(unit, why=f"{unit.what}: {NOT_YET} ({later}); never deleted")
+def registered(framework: str, backend: str, folder: str) -> Unit:
+    """A framework's unit as the format registry takes it: READ when one of its readers reads `folder`, OPAQUE
+    (never deleted) when none does."""
+    unit = Unit(framework, READ, "", backend, claimed=True)
+    try:
+        reader_for(folder)
+    except ReshardError:
+        return replace(unit, reading=OPAQUE, why=f"{unit.what}: {NOT_READ}; never deleted")
+    return unit
 
 
 def unknown(framework: str, missing: str) -> Unit:
@@ -146,53 +168,65 @@ def unknown(framework: str, missing: str) -> Unit:
     return Unit(framework, UNKNOWN, f"not recognised as {whole} ({missing}); never deleted")
 
 
-def _around_engine(framework: str, listing: Listing) -> Unit | None:
-    """A framework's folder around an engine's files: DeepSpeed's are read whole, FSDP's not yet; None: no engine."""
+def _around_engine(framework: str, listing: Listing, folder: str) -> Unit | None:
+    """A framework's folder around an engine's files (DeepSpeed, FSDP), as the registry reads it; None: no engine."""
     engine = _engine(listing)
-    if engine == "DeepSpeed":
-        return Unit(framework, READ, backend="with DeepSpeed")
-    if engine:
-        return _opaque(framework, f"with {engine}", "reading FSDP checkpoints whole is a later issue")
-    return None
+    return registered(framework, f"with {engine}", folder) if engine else None
 
 
 def _hf_trainer(listing: Listing, folder: str) -> Unit:
-    around = _around_engine("HF Trainer", listing)
+    around = _around_engine("HF Trainer", listing, folder)
     if around is not None:
         return around
     if hf_weights.present(folder) and OPTIMIZER in listing.files:
-        return Unit("HF Trainer", READ, backend="(DDP or one process)")
+        return registered("HF Trainer", "(DDP or one process)", folder)
     if hf_weights.present(folder) and SCHEDULER not in listing.files:
-        return Unit("HF Trainer", READ, backend="(weights only)")     # save_only_model: nothing else to read
+        return registered("HF Trainer", "(weights only)", folder)     # save_only_model: nothing else to read
     return unknown("HF Trainer", "no DeepSpeed, FSDP or model and optimizer.pt files the Trainer writes")
 
 
 def _accelerate(listing: Listing, folder: str) -> Unit:
-    around = _around_engine("Accelerate", listing)
+    around = _around_engine("Accelerate", listing, folder)
     if around is not None:
         return around
     if hf_weights.present(folder) or any(n.startswith(("model", "pytorch_model")) for n in listing.files):
-        return _opaque("Accelerate", "save_state (DDP or one process)",
-                       f"its {ACCELERATE_OPTIMIZER}, scheduler and random_states pickles are not read by reshard")
+        return registered("Accelerate", "save_state (DDP or one process)", folder)
     return unknown("Accelerate", "no DeepSpeed, FSDP or model files save_state writes")
 
 
-def _lightning(listing: Listing) -> Unit:
+def _lightning(listing: Listing, folder: str) -> Unit:
     if ds_files.LATEST in listing.files:
-        return Unit("Lightning", READ, backend="with DeepSpeed")
+        return registered("Lightning", "with DeepSpeed", folder)
     if METADATA in listing.files and lightning.FSDP_META in listing.files:
-        return Unit("Lightning", READ, backend="with FSDP (sharded)")
-    if METADATA in listing.files or any(RANK_FILE.search(n) for n in listing.files):
-        return _opaque("Lightning", "with FSDP (sharded)", "reading FSDP checkpoints whole is a later issue")
-    return unknown("Lightning", "a .ckpt folder of neither DeepSpeed's nor FSDP's files")
+        return registered("Lightning", "with FSDP (sharded)", folder)
+    # without its meta.pt, FSDP's DCP files are no Lightning checkpoint whole (the trainer's state is gone)
+    return unknown("Lightning", f"a .ckpt folder of neither DeepSpeed's files nor FSDP's with {lightning.FSDP_META}")
 
 
-def _megatron(listing: Listing) -> Unit:
+def _megatron(listing: Listing, folder: str) -> Unit:
     if MEGATRON_META in listing.files or METADATA in listing.files:
-        return _opaque("Megatron-LM", "(torch_dist)", "list and prune leave Megatron saves to `reshard validate`")
+        return registered("Megatron-LM", "(torch_dist)", folder)
     if any(d.startswith("mp_rank_") for d in listing.dirs):
-        return _opaque("Megatron-LM", "(torch, legacy)", "reshard does not read Megatron checkpoints")
+        return registered("Megatron-LM", "(torch, legacy)", folder)
     return unknown("Megatron-LM", "an iter_N folder of neither torch_dist's nor the legacy torch format's files")
+
+
+def unread(catalog, path: str) -> tuple[str, ...]:
+    """The data files (tensors, pickles) of the framework's unit at `path` that neither its reader read (or
+    expected) nor the framework around it claims as its own. A unit is proven whole only when there is none: a
+    proof on the files read says nothing of the files not read (Accelerate's plain save_state keeps its optimizer
+    in an `optimizer.bin` the weights' reader never opens). Scripts, JSON and pointer files hold no state."""
+    base = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)
+    known = {fs.normpath(os.path.join(base, f.path)) for f in catalog.files}
+    frame = catalog.framework
+    if frame is not None:
+        known |= {fs.normpath(os.path.join(frame.folder, f.name)) for f in frame.files if not f.folder}
+    # beside what was read: its folder's top and the folders read from (another tag folder that `latest` does
+    # not name is an older save of the engine's, not a part of this one)
+    read_in = {fs.normpath(path), *(os.path.dirname(k) for k in known)}
+    found = [fs.normpath(p) for p, _, _ in fs.tree(path).files_under(path)]
+    return tuple(p for p in sorted(found)
+                 if p not in known and p.endswith(DATA_SUFFIXES) and os.path.dirname(p) in read_in)
 
 
 def format_unit(name: str, reader: str) -> Unit:

@@ -149,8 +149,7 @@ class ObjectTree:
             if not key:
                 client().head_bucket(Bucket=bucket)
                 return True
-            found = client().list_objects_v2(Bucket=bucket, Prefix=key + "/", MaxKeys=1)
-        return bool(found.get("KeyCount"))
+        return self._holds_objects(bucket, key + "/", path)
 
     def exists(self, path: str) -> bool:
         return self.isfile(path) or self.isdir(path)
@@ -161,15 +160,24 @@ class ObjectTree:
     def listdir(self, path: str) -> list[str]:
         bucket, key = split(path)
         prefix = key + "/" if key else ""
-        names = []
+        folders, files = [], []
         with errors(path):
             pages = client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
             for page in pages:
-                names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", ())]
-                names += [o["Key"][len(prefix):] for o in page.get("Contents", ())]
+                folders += [p["Prefix"] for p in page.get("CommonPrefixes", ())]
+                files += [o["Key"][len(prefix):] for o in page.get("Contents", ())]
+        # a folder is a prefix holding objects: a store that keeps a prefix emptied by a delete (SeaweedFS's filer
+        # keeps the directory) lists it, as nothing isdir or isfile finds, so `list` after a `prune` would take a
+        # deleted `epoch=0-step=2.ckpt/` for a file
+        names = [p[len(prefix):].rstrip("/") for p in folders if self._holds_objects(bucket, p, path)] + files
         if not names and key and not self.isfile(path):
             raise FileNotFoundError(errno.ENOENT, "no such folder", path)
         return [n for n in names if n]
+
+    @staticmethod
+    def _holds_objects(bucket: str, prefix: str, path: str) -> bool:
+        with errors(path):
+            return bool(client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount"))
 
     def keys(self, path: str) -> list[dict]:
         """Every object under the prefix `path` (recursively): S3's listing entries (Key, Size, LastModified)."""

@@ -32,7 +32,7 @@ def sniff(path: str, tag: str | None) -> bool:
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    root = os.path.abspath(path)
+    root = fs.abspath(path)
     parts = []
     for folder in (MODEL_DIR, OPTIM_DIR):
         meta_path = os.path.join(root, folder, METADATA)

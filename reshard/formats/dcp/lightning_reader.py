@@ -16,6 +16,7 @@ from reshard.formats.dcp import metadata as md, reader as dcp_reader
 from reshard.formats.dcp.chunks import METADATA, Chunks
 from reshard.formats.framework import lightning
 from reshard.formats.protocol import NoOptions
+from reshard.storage import files as fs
 
 FORMAT = "fsdp"      # written back by the fsdp writer, in the layout of the framework around it
 OPTIONS = NoOptions
@@ -27,7 +28,7 @@ def sniff(path: str, tag: str | None) -> bool:
 
 
 def read(path: str, options: NoOptions) -> Catalog:
-    root = os.path.abspath(path)
+    root = fs.abspath(path)
     meta = md.read(os.path.join(root, METADATA))
     builder = CatalogBuilder(root, FORMAT, Layout.of(1), save_dir=root)
     catalog = dcp_reader.build(builder, meta, Chunks(root, meta, builder))

@@ -77,6 +77,8 @@ def read(path: str, options: NoOptions) -> Catalog:
     weights = hf_weights.read(folder)
     for file, role in weights.files:
         model.add_file(catalog, file, role)
+    if fsdp_full and hf_weights.present(folder) != hf_weights.FSDP_BIN:
+        _check_fsdp_copy(catalog, os.path.join(folder, FSDP_MODEL), weights.tensors)
     if optimizer is not None:
         model.add_file(catalog, optim_path, "optimizer")
         if weights.order is None:
@@ -91,6 +93,17 @@ def read(path: str, options: NoOptions) -> Catalog:
         catalog.training = replace(catalog.training, global_steps=step)
     catalog.model_files = hf_files.present(folder)
     return catalog.freeze()
+
+
+def _check_fsdp_copy(catalog: CatalogBuilder, path: str, tensors: dict) -> None:
+    """The Trainer's folder with FSDP's full state dict holds the weights twice: model.safetensors (read) and
+    pytorch_model_fsdp.bin, the file its resume loads. That one is checked as a metadata-only load too, the same
+    keys and shapes, so a truncated or foreign copy is a problem of this checkpoint, not a file nobody opened."""
+    copy = torchsave_read.load(path)
+    if not isinstance(copy, dict) or {k: tuple(getattr(v, "shape", ())) for k, v in copy.items()} != \
+            {k: tuple(v.shape) for k, v in tensors.items()}:
+        raise CheckpointError(path, "not the same weights as the model's safetensors (keys or shapes differ)")
+    model.add_file(catalog, path, "weights (FSDP copy)")
 
 
 def read_trainer_state(folder: str):
