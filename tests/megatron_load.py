@@ -4,9 +4,10 @@
 
 JOBS.json lists {"label", "save": a Megatron-LM save dir, "tp", "pp", "truth": a truth.safetensors, "step": the
 optimizer step it holds; a mixture of experts' "ep" and "experts"; a run made with Megatron-LM's defaults its
-"vocab" (the embedding's rows Megatron-LM pads its tokenizer's vocabulary to at this tp) and "fp32"}. For each job
-every rank makes the model parallel groups at tp, pp, ep (dp: what the ranks leave), builds the fixtures' GPTModel
-with Megatron's optimizer as tools/fixture_megatron_core.py does (the distributed optimizer where the save's
+"vocab" (the embedding's rows Megatron-LM pads its tokenizer's vocabulary to at this tp) and "fp32"; "weights_only":
+the model alone loaded, as Megatron-LM's --no-load-optim --no-load-rng loads it, and compared}. For each job every
+rank makes the model parallel groups at tp, pp, ep (dp: what the ranks leave), builds the fixtures' GPTModel with
+Megatron's optimizer as tools/fixture_megatron_core.py does (the distributed optimizer where the save's
 content_metadata names a sharding type), and loads the save as Megatron-LM's load_checkpoint does at torch_dist: the
 common state's args must name this tp and pp; the model's and optimizer's sharded state dicts built with the save's
 content_metadata, the RNG state asked for unless args.no_save_rng, then `dist_checkpointing.load`, `load_state_dict`
@@ -76,15 +77,21 @@ def _job(job, fixture) -> dict:
     _zero_state(optimizer)
     sd_metadata = {**content, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
     state_dict = {"model": model.sharded_state_dict(metadata=sd_metadata)}
-    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=True, metadata=sd_metadata)
-    if not getattr(args, "no_save_rng", False):
+    weights_only = job.get("weights_only", False)       # Megatron-LM's --no-load-optim --no-load-rng
+    if not weights_only:
+        state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=True, metadata=sd_metadata)
+    if not getattr(args, "no_save_rng", False) and not weights_only:
         state_dict["rng_state"] = fixture.rng_state(mpu, tensor_parallel)
     try:
         with torch.no_grad():       # (an fp32 distributed optimizer's params are views of its buffer: copied in place)
             loaded = dist_checkpointing.load(state_dict, folder)
             model.load_state_dict(loaded["model"], strict=False)
-            optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            if weights_only:        # (as load_checkpoint does without the optimizer: its masters from the weights)
+                optimizer.reload_model_params()
+            else:
+                optimizer.load_state_dict(loaded["optimizer"])
+        if not weights_only:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
     # the negative control's expected failure (DCP raises CheckpointException, a BaseException)
     except (Exception, CheckpointException) as e:
         lines = [line.strip() for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
@@ -114,7 +121,10 @@ def _job(job, fixture) -> dict:
     out["step"] = sorted({s for rank in steps for s in rank})
     if dist.get_rank() == 0:
         got = _params_as_masters(fixture.assemble(gathered))
-        truth = {k: _padded(k, v, job.get("vocab")) for k, v in load_file(job["truth"]).items()}
+        truth = {k: _padded(k, v, job.get("vocab")) for k, v in load_file(job["truth"]).items()
+                 if not weights_only or k.startswith("module/")}
+        if weights_only:
+            got = {k: v for k, v in got.items() if k.startswith("module/")}
         for key in sorted(set(truth) | set(got)):
             if key not in got or key not in truth:
                 out["problems"].append(f"{key}: {'not loaded' if key not in got else 'not in the truth'}")

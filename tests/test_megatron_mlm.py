@@ -41,7 +41,12 @@ CONVERSIONS = [
     ("mcore_mlm_fp32_dp_reshardable_dp2", "tp=1,pp=2,dp=1,sharding=plain"),  # -> the plain FP32Optimizer
     ("mcore_mlm_legacy_fp32_plain_tp2", "tp=1,pp=1,dp=2,vocab=100"),         # legacy torch format, fp32 plain
     ("mcore_mlm_legacy_fp32_distributed_dp2", "tp=2,pp=1,dp=1"),             # legacy distrib_optim.pt, fp32
+    ("mcore_mlm_fp32_fully_sharded_model_space_dp2_v015", "tp=2,pp=1,dp=1"),   # 0.15's model space, fp32
 ]
+# the model alone (sharding=none: what Megatron-LM's --no-save-optim --no-save-rng writes), loaded as its
+# --no-load-optim --no-load-rng loads it: the weights-only form `reshard thin` keeps of a Megatron save
+WEIGHTS_ONLY = [("mcore_mlm_bf16_dp_reshardable_tp2", "tp=2,pp=1,dp=1,sharding=none"),
+                ("mcore_mlm_fp32_plain_tp2", "tp=1,pp=1,dp=2,sharding=none,vocab=100")]
 CHANGED = "output_layer.weight"       # the element the negative control changes (its exp_avg)
 FP32_GRADS_OFF = "mcore_mlm_bf16_fully_reshardable_tp2"     # records no buffers: args alone decide their dtypes
 
@@ -65,7 +70,8 @@ def _rows(to: str) -> int:
 def _job(label: str, name: str, to: str, save) -> dict:
     cut = degrees(to)
     return {"label": label, "save": str(save), "tp": cut["tp"], "pp": cut["pp"], "vocab": _rows(to),
-            "fp32": _info(name)["model_dtype"] == "float32", "truth": str(ROOT / name / "truth.safetensors")}
+            "fp32": _info(name)["model_dtype"] == "float32", "truth": str(ROOT / name / "truth.safetensors"),
+            "weights_only": "sharding=none" in to}
 
 
 def _convert(name: str, to: str, dst) -> None:
@@ -93,6 +99,11 @@ def megatron_load_jobs(out):
     jobs.append(_job("bf16 grads", FP32_GRADS_OFF, to, out / "bf16-grads-out"))
     name = CONVERSIONS[0][0]
     jobs.append(_job("megatron itself", name, "tp=1,pp=1,dp=2", ROOT / name / "save"))
+    for index, (name, to) in enumerate(WEIGHTS_ONLY):
+        _convert(name, to, out / f"weights-{index}")
+        jobs.append(_job(f"{name}:{to}", name, to, out / f"weights-{index}"))
+    name, to = WEIGHTS_ONLY[0]        # the control: a full load (the optimizer asked for) of the model alone fails
+    jobs.append({**_job("weights only, optimizer asked", name, to, out / "weights-0"), "weights_only": False})
     return [(2, None, job) for job in jobs]
 
 
@@ -131,6 +142,21 @@ def test_buffers_keyed_for_bf16_reduction_do_not_load_in_a_run_reducing_in_fp32(
     result = loaded["bf16 grads"]
     assert not result["loaded"] and "KeyError" in result["error"], result["error"]
     assert "dtype_(torch.bfloat16, torch.float32).bucket_idx_0.param" in result["error"], result["error"]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, to", WEIGHTS_ONLY, ids=[f"{n.removeprefix('mcore_mlm_')}-{t}" for n, t in WEIGHTS_ONLY])
+def test_megatron_loads_the_model_alone_without_its_optimizer(name, to, loaded):
+    result = loaded[f"{name}:{to}"]
+    assert result["loaded"] and result["error"] is None and result["problems"] == [], result
+    # a fresh optimizer takes its first step (the fixture's schedule warms up from lr 0: nothing moves yet)
+    assert result["step_after"] == [1.0] and result["losses"] and all(math.isfinite(x) for x in result["losses"])
+
+
+@pytest.mark.engine
+def test_the_model_alone_is_not_a_full_checkpoint_to_megatron(loaded):
+    result = loaded["weights only, optimizer asked"]
+    assert not result["loaded"] and "optimizer" in result["error"], result["error"]
 
 
 # -- what reshard itself writes and refuses (no engine)
@@ -187,3 +213,23 @@ def test_what_the_target_cannot_take_is_refused_in_one_line(tmp_path):
         common["args"].accumulate_allreduce_grads_in_fp32, common["args"].vocab_size = True, 100
         torch.save(common, source / "iter_0000003" / "common.pt")
         make_plan(reshard.open_checkpoint(str(source)), "tp=2,dp=1,vocab=99")
+
+
+def test_the_model_alone_reads_as_weights_only_and_converts_only_to_weights(tmp_path):
+    """sharding=none: no optimizer key, no scheduler, args.no_save_optim and no_save_rng (Megatron-LM's
+    --no-save-optim --no-save-rng); read back every param frozen, complete; a target that needs optimizer state is
+    refused in one line, another model-only one is written."""
+    name, to = WEIGHTS_ONLY[0]
+    _convert(name, to, tmp_path / "model")
+    common = torch.load(tmp_path / "model" / "iter_0000003" / "common.pt", weights_only=False)
+    assert "optimizer" not in common and "opt_param_scheduler" not in common
+    assert common["args"].no_save_optim and common["args"].no_save_rng
+    info = reshard.inspect(reshard.open_checkpoint(str(tmp_path / "model")))
+    assert info.options["sharding"] == "none" and info.trainable == 0 and info.problems == 0
+    assert reshard.validate(str(tmp_path / "model"), deep=True).ok
+    with pytest.raises(ReshardError, match="lacks some") as refused:
+        make_plan(reshard.open_checkpoint(str(tmp_path / "model")), "tp=1,dp=2,vocab=100,sharding=dp_reshardable")
+    assert "\n" not in str(refused.value)
+    execute(make_plan(reshard.open_checkpoint(str(tmp_path / "model")), "tp=1,dp=2,vocab=100"), str(tmp_path / "tp1"),
+            progress=False)
+    assert reshard.open_checkpoint(str(tmp_path / "tp1")).tensors[("output_layer.weight", "module")].shape == (128, 16)

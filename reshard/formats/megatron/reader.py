@@ -64,6 +64,7 @@ from reshard.formats.megatron.topology import (
     LAYOUT_016,
     LAYOUT_019,
     PLAIN,
+    WEIGHTS_ONLY,
 )
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import DType, TensorRef, load as load_pickle
@@ -207,7 +208,9 @@ class _Reader:
             self._add(key, entry, key, MODULE, model_tensor=True)
         names = [n for n in self.boxes]
         sharding = self.content.get(SHARDING_KEY)
-        if sharding is None:
+        if not optimizer and not distributed and "optimizer" not in common:
+            sharding = WEIGHTS_ONLY     # the model alone (--no-save-optim): every param frozen to the catalog
+        elif sharding is None:
             sharding = PLAIN if optimizer or not distributed else DP_RESHARDABLE
         states: set[str] = set()
         for key, entry in optimizer.items():
@@ -232,7 +235,7 @@ class _Reader:
             states |= self._buckets(distributed, names)
         common_fields.params_as_masters(catalog, [n for n in names if n in states])
         ordered = self._ordered(names)
-        groups, step = self._param_groups()
+        groups, step = self._param_groups() if sharding != WEIGHTS_ONLY else ([], None)
         group_of = self._group_of(ordered, groups)
         for name in ordered:
             tensor = catalog.tensors[TensorKey(name, MODULE)]

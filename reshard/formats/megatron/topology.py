@@ -12,7 +12,10 @@ from reshard.formats.protocol import TargetKeys
 PLAIN = "plain"       # the non-distributed optimizer: model-shaped states (optimizer.state.fp32_param.<key>)
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"    # the distributed optimizer's
 FULLY_SHARDED_MODEL_SPACE = "fully_sharded_model_space"     # 0.15's default: model-space states, flattened blocks
-SHARDINGS = (DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN)
+# no optimizer state: the model alone, as Megatron-LM's --no-save-optim --no-save-rng saves it (its weights-only form,
+# loaded with --no-load-optim --no-load-rng)
+WEIGHTS_ONLY = "none"
+SHARDINGS = (DP_RESHARDABLE, FULLY_RESHARDABLE, PLAIN, WEIGHTS_ONLY)
 # What inspect says of the version: a 0.16 save records none; its files are laid out as 0.16 lays them
 LAYOUT_016 = "0.16 layout (common.pt beside the DCP files; the save records no version)"
 LAYOUT_015 = "0.15 layout (common.pt beside the DCP files; optimizer states as flat ranges of their blocks)"
@@ -44,7 +47,8 @@ class MegatronTopology:
         return {"optimizer": self.sharding, "options": self.options()}
 
     def options(self) -> dict[str, object]:
-        return {"optimizer": "plain" if self.sharding == PLAIN else "distributed", "sharding": self.sharding,
+        optimizer = {PLAIN: "plain", WEIGHTS_ONLY: "none"}.get(self.sharding, "distributed")
+        return {"optimizer": optimizer, "sharding": self.sharding,
                 "iteration": self.iteration, "checkpoint_version": self.checkpoint_version,
                 "backend": self.backend, "megatron_core": self.layout}
 
@@ -89,9 +93,10 @@ def _args_file(text: str) -> str:
 
 
 SPEC_KEYS = (SpecKey("sharding", "|".join(SHARDINGS), "Megatron's optimizer state: the distributed optimizer's "
-                     "sharding type (dp_reshardable, Megatron-LM's default; fully_reshardable), or plain: the "
-                     "non-distributed optimizer (default: the source's own; dp_reshardable for a source of another "
-                     "format, a legacy distributed save's, fully_reshardable for 0.15's model space)",
+                     "sharding type (dp_reshardable, Megatron-LM's default; fully_reshardable), plain: the "
+                     "non-distributed optimizer, or none: the model alone, as --no-save-optim --no-save-rng saves it "
+                     "(default: the source's own; dp_reshardable for a source of another format, a legacy "
+                     "distributed save's, fully_reshardable for 0.15's model space)",
                      text=_sharding),
              SpecKey("args", "FILE", "a JSON file of the run's Megatron-LM arguments and scheduler state, for a "
                      "source that holds none (DeepSpeed, universal, DCP): docs/formats/megatron.md", text=_args_file),

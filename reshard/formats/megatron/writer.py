@@ -59,6 +59,7 @@ from reshard.formats.megatron.topology import (
     DP_RESHARDABLE,
     FULLY_RESHARDABLE,
     PLAIN,
+    WEIGHTS_ONLY,
     MegatronNotes,
     MegatronTopology,
 )
@@ -250,7 +251,7 @@ class _Writer:
         self.model_dtype = dtypes.pop()
         states = {TensorKey(n, s) in self.catalog.tensors for n in self.names
                   for s in (MASTER, "exp_avg", "exp_avg_sq")}
-        if states != {True}:
+        if states != {True} and self.sharding != WEIGHTS_ONLY:
             raise ReshardError.at(self.catalog.root, "Megatron's optimizer state needs every parameter's fp32 master "
                                   "and both Adam moments; this checkpoint lacks some")
 
@@ -367,7 +368,9 @@ class _Writer:
 
     def files(self) -> list:
         self._model_shaped({MODULE: ""})
-        if self.sharding in STATE_PREFIX:
+        if self.sharding == WEIGHTS_ONLY:
+            pass        # the model alone
+        elif self.sharding in STATE_PREFIX:
             prefixes = STATE_PREFIX[self.sharding]
             if self.sharding == PLAIN and self.model_dtype == "float32":    # FP32Optimizer: the params are the masters
                 prefixes = {k: v for k, v in prefixes.items() if k != MASTER}
@@ -576,7 +579,8 @@ class _Writer:
             self.rng = False    # (its RNG lists hold tensors: not re-serialized into value items yet)
             return
         saved = self.source_meta.state_dict_metadata
-        keep_rng = (self.grid.tp, self.grid.pp) == (self.source.tp, self.source.pp) and not (
+        same_grid = (self.grid.tp, self.grid.pp) == (self.source.tp, self.source.pp)
+        keep_rng = self.sharding != WEIGHTS_ONLY and same_grid and not (
             self.args.get("data_parallel_random_init") and self.grid.dp != self.source.dp) and all(
             RNG.format(p, t, self.grid.pp, self.grid.tp) in saved for p in range(self.grid.pp)
             for t in range(self.grid.tp))
@@ -597,8 +601,10 @@ class _Writer:
         grid, sharding = self.grid, self.sharding
         args = {**self.args, "tensor_model_parallel_size": grid.tp, "pipeline_model_parallel_size": grid.pp,
                 "data_parallel_size": grid.dp, "world_size": grid.tp * grid.pp * grid.dp,
-                "use_distributed_optimizer": sharding != PLAIN,
+                "use_distributed_optimizer": sharding not in (PLAIN, WEIGHTS_ONLY),
                 "dist_ckpt_optim_fully_reshardable": sharding == FULLY_RESHARDABLE}
+        if sharding == WEIGHTS_ONLY:        # what Megatron-LM's --no-save-optim --no-save-rng records
+            args.update(no_save_optim=True, no_save_rng=True)
         if self.experts:
             args["expert_model_parallel_size"] = self.ep
         if self.vocab is not None and "padded_vocab_size" in args:
@@ -614,6 +620,11 @@ class _Writer:
         content = {k: v for k, v in (self.common.get("content_metadata") or SAVE_CONTENT).items()
                    if not k.startswith("distrib_optim_")}
         file = TorchFile(f"{self.tag}/{COMMON}", archive="common")
+        if sharding == WEIGHTS_ONLY:      # (generate_state_dict leaves out the optimizer and the scheduler)
+            common = {k: v for k, v in self.common.items() if k != "opt_param_scheduler"}
+            file.tree = {**common, "args": namespace, "content_metadata": content}
+            file.tree.pop("optimizer", None)
+            return file
         if sharding == PLAIN:
             step = file.slot("float32", (), [Piece(1, None, value=self._step())])
             inner = {"param_groups": self._param_groups(with_step=False), "state": {"common_step": step}}
