@@ -9,8 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
 from reshard.formats import weights_only
 from reshard.formats.framework import framework_of
-from reshard.storage import files as fs
 from reshard.formats.torchsave_read import DType, TensorRef
+from reshard.storage import files as fs
 
 
 @runtime_checkable
