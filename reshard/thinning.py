@@ -216,6 +216,10 @@ def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> No
         if n != manifest.NAME:
             os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
     os.utime(os.path.join(names.staged, weights_only.PROVENANCE), (newest, newest))
+    for folder, _, _ in sorted(os.walk(names.staged), reverse=True):     # its folders' too, deepest first
+        source = os.path.join(path, os.path.relpath(folder, names.staged))
+        when = os.stat(source).st_mtime if os.path.isdir(source) else newest
+        os.utime(folder, (when, when))
 
 
 def _prove(staged: str, path: str) -> None:
