@@ -269,7 +269,7 @@ def _thin_command(sub) -> None:
     p = _command(sub, "thin", "replace a full checkpoint by its framework's weights-only form, in place (a dry run "
                  "without --yes)",
                  ("reshard thin out/global_step2              # what would be dropped, bytes before -> after",
-                  "reshard thin out/checkpoint-200 --yes       # HF Trainer: what save_only_model writes",
+                  "reshard thin ckpt/global_step2 --yes        # (an HF Trainer run: out/checkpoint-200)",
                   "reshard thin out/global_step2 --yes --json"),
                  " The weights-only form is what the framework itself writes with its model-only option and loads "
                  "with its weights-only load: a DeepSpeed ZeRO-1/2 tag folder less its *_optim_states.pt "
