@@ -34,6 +34,7 @@ from reshard.core.planner import plan as plan_files
 from reshard.core.write_requests import CopiedFile, Output, TextFile
 from reshard.errors import ReshardError
 from reshard.formats import read as read_catalog, units, weights_only, weights_only_form
+from reshard.formats.framework import framework_of
 from reshard.formats.run_layout import THIN_SUFFIX, ThinNames, thin_journals, thin_names
 from reshard.listing import COMPLETE, list_checkpoints, order, problem_line
 from reshard.staging import fsync
@@ -111,7 +112,7 @@ def thinned_bytes(catalog_or_path: Catalog | str | os.PathLike[str], keep_master
     record), for a dry run; raises a ReshardError where its format has no weights-only form reshard writes."""
     if isinstance(catalog_or_path, Catalog):
         catalog = catalog_or_path
-        frame = catalog.framework
+        frame = framework_of(catalog)
         path = frame.folder if frame is not None else catalog.root
     else:
         path = fs.realpath(os.fspath(catalog_or_path))

@@ -24,12 +24,12 @@ from reshard.errors import ReshardError
 
 
 def ds_run(root, fixture: str):
-    """A save dir of `fixture`'s step 3 copied as global_step1, 2 and 3; `latest` names global_step3."""
+    """A save dir of `fixture`'s step 3 copied as global_step1 and 2 beside it; `latest` names global_step3."""
     save = root / fixture
     shutil.copytree(fixture_dir(fixture), save)
-    for step in (1, 2):
-        if not (save / f"global_step{step}").exists():
-            copy_tag(fixture, "global_step3", save, f"global_step{step}")
+    for step in (1, 2):     # (a fixture's own global_step2 is another step's: the truth is step 3's)
+        shutil.rmtree(save / f"global_step{step}", ignore_errors=True)
+        copy_tag(fixture, "global_step3", save, f"global_step{step}")
     age(save)
     return save
 
