@@ -242,8 +242,9 @@ def _pairs(a: Catalog, b: Catalog, report: _Found) -> list:
     masters_one_side = ""
     for name in names:
         key_a, key_b = _weight_key(a, name), _weight_key(b, name)
-        if key_a and key_b and {key_a[1], key_b[1]} == {MASTER, MODULE}:
-            # one side weights only (thinned): its weights are the 16-bit copy the other keeps beside its master
+        if key_a and key_b and {key_a[1], key_b[1]} == {MASTER, MODULE} and a.format == b.format:
+            # one side the format's weights-only form (thinned): its weights are the 16-bit copy the other keeps
+            # beside its master (an export in another format is compared with the master, as it was made from it)
             full, thin = (a, b) if key_a[1] == MASTER else (b, a)
             full_name, thin_name = (key_a[0], key_b[0]) if full is a else (key_b[0], key_a[0])
             module = full.tensors.get(TensorKey(full_name, MODULE))
