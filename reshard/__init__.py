@@ -12,6 +12,7 @@ The Python API mirrors the CLI, one function per command, each returning a typed
     weight = reshard.full_tensor(catalog, "l1.weight", "fp32")   # a torch tensor, bit-exact
     run = reshard.list_checkpoints("out/")               # every checkpoint of a run, complete or not
     plan = reshard.prune("out/", reshard.Policy(keep_last=3), yes=False)   # the plan; yes=True deletes
+    result = reshard.thin("out/global_step2", yes=True)   # ThinResult: a full checkpoint replaced by its weights
     watcher = reshard.Watcher("out/", reshard.Policy(keep_last=3))   # watcher.poll(): one pass; .run(): until .stop()
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from reshard.listing import RECENT_SECONDS, list_checkpoints
 from reshard.pruning import prune
 from reshard.retention import Policy
 from reshard.source_bytes import full_tensor
+from reshard.thinning import ThinResult, thin
 from reshard.validate import Complete, ValidationReport
 from reshard.version import __version__
 from reshard.watching import Watcher
@@ -45,6 +47,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["open_checkpoint", "inspect", "validate", "prove_complete", "plan", "convert", "export", "diff",
-           "full_tensor", "list_checkpoints", "prune", "Policy", "Watcher", "RECENT_SECONDS",
+           "full_tensor", "list_checkpoints", "prune", "thin", "ThinResult", "Policy", "Watcher", "RECENT_SECONDS",
            "Catalog", "Inspection", "ValidationReport", "Problem", "Complete", "PlanSummary", "Written", "DiffReport",
            "ReshardError", "CheckpointError", "UnknownFormatError", "UsageError", "__version__"]

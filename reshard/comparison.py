@@ -239,8 +239,23 @@ def _pairs(a: Catalog, b: Catalog, report: _Found) -> list:
     pairs = []
     names = [n for n in a.params if n not in a.aliases] + \
         [n for n in b.params if n not in b.aliases and n not in a.params]
+    masters_one_side = ""
     for name in names:
-        pairs.append(((name, "weight"), _weight_key(a, name), _weight_key(b, name)))
+        key_a, key_b = _weight_key(a, name), _weight_key(b, name)
+        if key_a and key_b and {key_a[1], key_b[1]} == {MASTER, MODULE} and a.format == b.format:
+            # one side the format's weights-only form (thinned): its weights are the 16-bit copy the other keeps
+            # beside its master (an export in another format is compared with the master, as it was made from it)
+            full, thin = (a, b) if key_a[1] == MASTER else (b, a)
+            full_name, thin_name = (key_a[0], key_b[0]) if full is a else (key_b[0], key_a[0])
+            module = full.tensors.get(TensorKey(full_name, MODULE))
+            if module is not None and module.dtype == thin.tensors[TensorKey(thin_name, MODULE)].dtype != \
+                    full.tensors[TensorKey(full_name, MASTER)].dtype:
+                key_a, key_b = (key_a[0], MODULE), (key_b[0], MODULE)
+                masters_one_side = "A" if full is a else "B"
+        pairs.append(((name, "weight"), key_a, key_b))
+    if masters_one_side:
+        report.notes.append(f"only {masters_one_side} holds fp32 masters beside its 16-bit weights (optimizer "
+                            "state); the 16-bit weights compared")
     for name in names:       # the 16-bit copy, where both sides keep it beside a master (its bytes or a cast)
         if all((name, MASTER) in c.tensors and (name, MODULE) in c.tensors and
                _not_the_master(c.tensors[TensorKey(name, MODULE)], c.tensors[TensorKey(name, MASTER)]) for c in (a, b)):

@@ -131,7 +131,9 @@ def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
             continue
         p = catalog.params[key]
         if p.kind == "trainable":
-            use_module = weights == "module" and (key, MODULE) in catalog.tensors
+            # (a weights-only checkpoint, `reshard thin`'s, has no master: its module copy is the weights)
+            use_module = (weights == "module" and (key, MODULE) in catalog.tensors) or \
+                (key, MASTER) not in catalog.tensors
             source = (key, MODULE) if use_module else (key, MASTER)
         else:
             source = (key, MODULE)

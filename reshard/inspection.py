@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
+from reshard.formats import weights_only
 from reshard.formats.framework import framework_of
 from reshard.formats.torchsave_read import DType, TensorRef
+from reshard.storage import files as fs
 
 
 @runtime_checkable
@@ -51,6 +54,16 @@ class Inspection:
     problems: int                   # how many problems the reader found (`validate` says which)
     parameter_table: list | None = None     # with params=True: one row per parameter
     entries: list | None = None     # the framework's own state saved inside the checkpoint: {key, what, value}
+    # a weights-only form `reshard thin` wrote: when, from what, what it dropped, bytes before/after; None: not one
+    thinned: dict | None = None
+
+    def weights_only_line(self) -> str | None:
+        """e.g. "weights-only (thinned from a full deepspeed checkpoint on 2026-05-01; dropped the optimizer ...)"."""
+        t = self.thinned
+        if t is None:
+            return None
+        return f"weights-only (thinned from {t.get('from', 'a full checkpoint')} on {t.get('thinned_on', '?')}; " \
+               f"dropped {t.get('dropped', '?')})"
 
     def to_dict(self) -> dict:
         """Plain data: what `reshard inspect --json` prints."""
@@ -78,7 +91,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         experts=catalog.experts.describe() if catalog.experts is not None else None,
         zero_stage=own.get("zero") or None,      # None: the format has no ZeRO partitioning (DCP, single files)
         dtype=layout.dtype or None,
-        master_dtype=layout.master_dtype or None,
+        master_dtype=(layout.master_dtype or None) if MASTER in catalog.states() else None,
         optimizer=contents.optimizer or None,
         optimizer_states=contents.states,
         options=own.get("options") or {},
@@ -103,6 +116,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         problems=len(catalog.problems),
         parameter_table=[_param_row(catalog, p) for p in catalog.params.values()] if params else None,
         entries=catalog.notes.own_entries() if isinstance(catalog.notes, OwnEntries) else None,
+        thinned=weights_only.provenance(catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)),
     )
 
 

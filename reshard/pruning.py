@@ -20,6 +20,7 @@ from reshard.retention import DELETE, Policy, decide
 from reshard.staging import fsync
 from reshard.storage import files as fs
 from reshard.storage.routing import output_for
+from reshard.thinning import recover
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
         ([('global_step2', 'delete'), ('global_step3', 'keep')], False)
     """
     policy.check()
+    if yes:     # a `reshard thin` a kill interrupted: finished or rolled back before anything is judged
+        recover(run_dir)
     listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
     return carry_out(listing, decide(listing.checkpoints, policy), yes)
 

@@ -213,6 +213,8 @@ def _ranges(ranges) -> str:
 
 
 def _check_states_present(catalog, report):
+    if not catalog.param_groups:        # weights only (a thinned checkpoint): no optimizer, nothing to require
+        return
     wanted = [MASTER] + catalog.optimizer_states()
     for p in catalog.params.values():
         if p.kind != "trainable":

@@ -38,6 +38,7 @@ from reshard.listing import (
 from reshard.pruning import carry_out
 from reshard.retention import Policy, PolicyError, decide, metric_of, ranked
 from reshard.storage import files as fs
+from reshard.thinning import recover
 from reshard.validate import validate
 
 SETTLE_SECONDS = 1.0        # the second look of each pass: sizes equal twice this far apart
@@ -181,6 +182,7 @@ class Watcher:
             return Pass()
 
     def _pass(self) -> Pass:
+        recover(self.root)      # a `reshard thin` a kill interrupted: finished or rolled back first
         listing = list_checkpoints(self.root, self.metrics, self.metric, self.recent, self.settle)
         rows = _held_for_pointers(listing)
         reported, waiting, problems = [], [], []

@@ -79,6 +79,15 @@ def main(jobs_path, results_path):
                 del engine, model
                 gc.collect()
                 continue
+        elif job.get("module_only"):     # a thinned checkpoint (reshard thin): DeepSpeed's weights-only load
+            load_path, _ = engine.load_checkpoint(job["checkpoint"], job.get("tag"), load_module_only=True,
+                                                  load_optimizer_states=False, load_lr_scheduler_states=False)
+            if rank == 0:
+                results.append({**job, "world": world, "problems": module_problems(engine, job, load_path, torch)})
+            dist.barrier()
+            del engine, model
+            gc.collect()
+            continue
         else:
             load_path, client_state = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
@@ -114,6 +123,25 @@ def main(jobs_path, results_path):
     if rank == 0:
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def module_problems(engine, job, load_path, torch):
+    """The live module's weights, in the dtype it trains in, against the fixture's truth of its module."""
+    from safetensors.torch import load_file
+    if load_path is None:
+        return ["load_checkpoint found nothing to load"]
+    truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
+    live = engine.module.state_dict()
+    problems = []
+    for key, expected in truth.items():
+        if not key.startswith("module/"):
+            continue
+        got = live.get(key[len("module/"):])
+        if got is None:
+            problems.append(f"{key}: not in the loaded module")
+        elif got.dtype != expected.dtype or not torch.equal(got, expected):
+            problems.append(f"{key}: differs from the full checkpoint's weights")
+    return problems
 
 
 def compare(tensors, truth, info, meta, client_state, torch):

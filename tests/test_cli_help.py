@@ -18,7 +18,7 @@ from reshard.core.layout import Layout
 from reshard.errors import ReshardError
 from reshard.formats import every_spec_key, target_layout
 
-COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune", "watch")
+COMMANDS = ("inspect", "validate", "plan", "convert", "export", "diff", "list", "prune", "thin", "watch")
 # Examples name these sources; the test puts a copy of a real checkpoint of that kind there.
 EXAMPLE_SOURCES = {"ckpt": "z2_fp32_dp2", "pipe": "pipe2_z1_fp32_dp2", "out": "z2_fp32_dp2"}
 
@@ -108,7 +108,7 @@ def test_every_command_ends_with_examples_that_run(tmp_path):
     (tmp_path / "evals.csv").write_text("step,eval_loss\n2,1.5\n3,1.25\n")     # list/prune --metrics
     examples = []
     # writers first: the others' examples read what they wrote (new/, model.safetensors)
-    for command in ("convert", "export", "inspect", "validate", "plan", "diff", "list", "prune", "watch", None):
+    for command in ("convert", "export", "inspect", "validate", "plan", "diff", "list", "prune", "thin", "watch", None):
         for line in _examples(_help(*([command] if command else []))):
             if line not in examples:
                 examples.append(line)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from reshard.cli import convert, diff, export, inspect, list as list_command, plan, prune, validate, watch
+from reshard.cli import convert, diff, export, inspect, list as list_command, plan, prune, thin, validate, watch
 from reshard.cli.args import build_parser
 from reshard.cli.output import error
 from reshard.errors import ReshardError, UsageError
@@ -15,7 +15,8 @@ from reshard.errors import ReshardError, UsageError
 EXIT_STDOUT_CLOSED = 141
 
 COMMANDS = {"inspect": inspect.run, "validate": validate.run, "plan": plan.run, "convert": convert.run,
-            "export": export.run, "diff": diff.run, "list": list_command.run, "prune": prune.run, "watch": watch.run}
+            "export": export.run, "diff": diff.run, "list": list_command.run, "prune": prune.run, "thin": thin.run,
+            "watch": watch.run}
 
 
 def main(argv=None) -> int:

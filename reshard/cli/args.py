@@ -261,7 +261,32 @@ def _lifecycle_commands(sub) -> None:
     _run_dir_args(p)
     p.add_argument("--json", action="store_true", help="print the plan (and what was deleted) as JSON")
     _quiet_arg(p)
+    _thin_command(sub)
     _watch_command(sub)
+
+
+def _thin_command(sub) -> None:
+    p = _command(sub, "thin", "replace a full checkpoint by its framework's weights-only form, in place (a dry run "
+                 "without --yes)",
+                 ("reshard thin out/global_step2              # what would be dropped, bytes before -> after",
+                  "reshard thin ckpt/global_step2 --yes        # (an HF Trainer run: out/checkpoint-200)",
+                  "reshard thin out/global_step2 --yes --json"),
+                 " The weights-only form is what the framework itself writes with its model-only option and loads "
+                 "with its weights-only load: a DeepSpeed ZeRO-1/2 tag folder less its *_optim_states.pt "
+                 "(load_checkpoint(..., load_module_only=True)); an HF Trainer checkpoint-N/ less optimizer.pt or "
+                 "the DeepSpeed engine's save (save_only_model=True; from_pretrained). Trainer state, client state, "
+                 "config, tokenizer, scheduler and RNG files stay, with a record of the thinning. Never thinned: "
+                 "the newest complete checkpoint of its series, one `latest`, the framework's best or a link "
+                 "names, a save in progress, an incomplete or unverifiable checkpoint, a ZeRO-3 save (its module "
+                 "files hold no weights). The thinned form is written beside the checkpoint, proven whole (every "
+                 "CRC-32 read), then swapped in under a journal: a kill leaves one of the two whole, and the next "
+                 "thin, prune --yes or watch finishes or rolls back the swap.")
+    p.add_argument("path", metavar="CKPT", help="one checkpoint of a run directory, as `reshard list` shows it")
+    p.add_argument("--yes", action="store_true", help="thin it (default: print what would be dropped and the "
+                   "bytes before -> after)")
+    p.add_argument("--keep-masters", action="store_true", help="keep the exact fp32 masters instead of the 16-bit "
+                   "weights where the run has them (refused where the format's weights-only form cannot hold them)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _watch_command(sub) -> None:

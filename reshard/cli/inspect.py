@@ -30,6 +30,8 @@ def print_inspect(info: Inspection) -> None:
     framework = info.framework
     tag = f" (tag {info.tag})" if info.tag else ""     # only formats with tag folders have one
     print(f"  format        {framework['title'] if framework else info.format}{tag}")
+    if info.weights_only_line():
+        print(f"  tier          {info.weights_only_line()}")
     zero = f", ZeRO stage {info.zero_stage}" if info.zero_stage else ""
     print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}){zero}")
     if info.experts:

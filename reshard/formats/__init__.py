@@ -54,6 +54,26 @@ WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topol
             "torchtitan": WriterEntry("reshard.formats.dcp.torchtitan_writer", MESH_ONLY)}
 
 
+# Each format's weights-only form (reshard.formats.weights_only.Form), what its framework writes with its model-only
+# option and loads with its weights-only load: by catalog format, or by the training framework whose folder is
+# the checkpoint (HF Trainer's checkpoint-N/ around a DeepSpeed save). `reshard thin` writes it.
+WEIGHTS_ONLY = {"deepspeed": "reshard.formats.deepspeed.weights_only",
+                "hf-trainer": "reshard.formats.single.trainer_weights",
+                "HF Trainer": "reshard.formats.single.trainer_weights"}
+
+
+def weights_only_form(catalog, path: str, keep_masters: bool = False):
+    """The weights-only form (weights_only.Form) of the full checkpoint at `path` (`catalog` read from it); a
+    ReshardError in one line where its format has none reshard writes."""
+    frame = framework.framework_of(catalog)
+    at_frame = frame is not None and fs.normpath(frame.folder) == fs.normpath(fs.abspath(path))
+    name = frame.name if at_frame and frame is not None else catalog.format
+    if name not in WEIGHTS_ONLY:
+        raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: DeepSpeed "
+                                    "ZeRO-1/2 tag folders, HF Trainer checkpoint-N/ with DeepSpeed or DDP)")
+    return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
+
+
 def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None):
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how

@@ -25,6 +25,9 @@ from reshard.storage import files as fs
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
 TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard prune), finished by a rerun
 STAGING_SUFFIX = ".reshard-tmp"     # reshard convert/export's staging folder
+# reshard thin's names beside a checkpoint X (reshard.thinning): `.X.reshard-thin` its thinned form being written and
+# proven, `.X.reshard-thin-journal` the swap's journal, `.X.reshard-thinned-from` the full checkpoint once swapped out
+THIN_SUFFIX, THIN_JOURNAL_SUFFIX, THIN_TRASH_SUFFIX = ".reshard-thin", ".reshard-thin-journal", ".reshard-thinned-from"
 WATCH_STATE = ".reshard-watch.json"     # reshard watch's memory in the run directory: hidden, so never an entry
 WATCH_LOCK = ".reshard-watch.lock"      # held while a watcher runs: one watcher per run directory
 # a conversion written in place (object storage has no rename: reshard.staging) before its manifest is there
@@ -73,6 +76,32 @@ def trash_path(path: str) -> str:
     """The hidden name a checkpoint is renamed to before it is removed: same folder, so the rename is atomic."""
     folder, name = os.path.split(path)
     return os.path.join(folder, f".{name}{TRASH_SUFFIX}")
+
+
+@dataclass(frozen=True)
+class ThinNames:
+    """Where `reshard thin` works beside checkpoint `path`: hidden siblings in its folder, so renames are atomic."""
+    path: str
+    staged: str
+    journal: str
+    trash: str
+
+
+def thin_names(path: str) -> ThinNames:
+    folder, name = os.path.split(path.rstrip("/"))
+    return ThinNames(os.path.join(folder, name), *(os.path.join(folder, f".{name}{suffix}") for suffix in
+                                                   (THIN_SUFFIX, THIN_JOURNAL_SUFFIX, THIN_TRASH_SUFFIX)))
+
+
+def thin_journals(root: str) -> list[str]:
+    """The journals of `reshard thin` swaps under run directory `root` (folders MAX_DEPTH deep, links not
+    followed, hidden folders not entered)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        depth = os.path.relpath(folder, root).count(os.sep) + (folder != root)
+        dirs[:] = [] if depth >= MAX_DEPTH else [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(folder, n) for n in files if n.startswith(".") and n.endswith(THIN_JOURNAL_SUFFIX)]
+    return sorted(found)
 
 
 def step_of(name: str) -> int | None:
@@ -188,6 +217,8 @@ def _folder(root: str, path: str, rel: str, name: str, depth: int, save_dir: boo
 
 
 def _staging(path: str, rel: str, name: str) -> Entry | None:
+    if name.endswith(THIN_SUFFIX + STAGING_SUFFIX):     # reshard thin's (hidden): the full checkpoint is still there
+        return None
     if name.startswith(".") and name.endswith(STAGING_SUFFIX):
         return Entry(path, rel, step_of(name[1:-len(STAGING_SUFFIX)]),
                      f"reshard's staging folder of {name[1:-len(STAGING_SUFFIX)]} (renamed when written)")

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, replace
 
 from reshard.errors import ReshardError
-from reshard.formats import reader_for
+from reshard.formats import reader_for, weights_only
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import lightning
@@ -180,8 +180,9 @@ def _hf_trainer(listing: Listing, folder: str) -> Unit:
         return around
     if hf_weights.present(folder) and OPTIMIZER in listing.files:
         return registered("HF Trainer", "(DDP or one process)", folder)
-    if hf_weights.present(folder) and SCHEDULER not in listing.files:
-        return registered("HF Trainer", "(weights only)", folder)     # save_only_model: nothing else to read
+    if hf_weights.present(folder) and (SCHEDULER not in listing.files or weights_only.PROVENANCE in listing.files):
+        # save_only_model, or `reshard thin` (which keeps the scheduler): nothing else to read
+        return registered("HF Trainer", "(weights only)", folder)
     return unknown("HF Trainer", "no DeepSpeed, FSDP or model and optimizer.pt files the Trainer writes")
 
 

@@ -17,7 +17,7 @@ from reshard.core.catalog import MODULE, CatalogBuilder, FileInfo, Fragment, Par
 from reshard.core.dtypes import is_floating
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats import torchsave_read
+from reshard.formats import torchsave_read, weights_only
 from reshard.formats.deepspeed import (
     experts as expert_placement,
     files as names,
@@ -54,6 +54,8 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     dp = int(model0.get("dp_world_size") or 1)
     catalog = CatalogBuilder(root=tag_dir, format="deepspeed", layout=Layout.of(dp), tag=tag)
     bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
+    if not any(names.OPTIM_STATES.match(n) for n in listing) and weights_only.is_thinned(tag_dir):
+        return _read_weights_only(catalog, tag_dir, model0_name, model0)
     optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp)
     if not any(names.OPTIM_STATES.match(n) for n in listing):
         raise ReshardError.at(tag_dir, "no *_optim_states.pt files; ZeRO stage 0 checkpoints are not supported")
@@ -97,6 +99,22 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
         expert_placement.read_module(catalog, tag_dir, experts, load_or_raise)
     _check_steps_agree(catalog, models)
     fill_state(catalog, model0, first_optim, experts)
+    fill_layout(catalog, model0)
+    return catalog
+
+
+def _read_weights_only(catalog, tag_dir: str, model0_name: str, model0: dict) -> CatalogBuilder:
+    """A tag folder `reshard thin` left (weights_only.PROVENANCE, no optimizer files): the module files alone,
+    the weights in the training dtype, as DeepSpeed's module-only load takes them (ZeRO-1/2)."""
+    stage = int(((model0.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 1))
+    if stage not in (1, 2):
+        raise ReshardError.at(tag_dir, f"a weights-only tag folder of a ZeRO-{stage} save: only ZeRO-1/2 module "
+                                       "files hold the weights")
+    catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, {}, False, stage))
+    catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
+    read_model(catalog, model0, {0: model0}, stage)
+    fill_state(catalog, model0, {})
+    catalog.training = replace(catalog.training, optimizer="")     # (its config names one; none is saved)
     fill_layout(catalog, model0)
     return catalog
 

@@ -1,0 +1,23 @@
+"""`reshard thin`: a full checkpoint replaced by its framework's weights-only form, in place, with --yes."""
+from __future__ import annotations
+
+import reshard
+from reshard.cli.output import dump
+from reshard.inspection import human_bytes
+
+
+def run(args) -> int:
+    result = reshard.thin(args.path, yes=args.yes, keep_masters=args.keep_masters)
+    if args.json:
+        dump(result.to_dict())
+        return 0
+    for path in result.recovered:
+        print(f"finished an interrupted thin of {path}")
+    sizes = f"{human_bytes(result.bytes_before)} -> {human_bytes(result.bytes_after)} (the files' bytes)"
+    if result.executed:
+        print(f"thinned {result.path}: dropped {result.what}; {sizes}; loads with {result.load}")
+    else:
+        for name in result.dropped:
+            print(f"drop  {name}")
+        print(f"dry run: {result.path} would drop {result.what}; {sizes}; --yes thins it")
+    return 0

@@ -1,0 +1,45 @@
+"""The Hugging Face Trainer's weights-only form: what `save_only_model=True` writes in `checkpoint-N/`.
+
+Its `_save_checkpoint` (transformers 5.21) saves the model (save_pretrained: `model.safetensors` or its shards,
+config.json, the tokenizer) and trainer_state.json, and skips `_save_optimizer_and_scheduler`: no `optimizer.pt`,
+and with DeepSpeed no engine save (`latest`, the tag folder, `zero_to_fp32.py`). `from_pretrained` loads the
+folder. The small files that are no optimizer state stay (scheduler.pt, rng_state*.pth, training_args.bin).
+"""
+from __future__ import annotations
+
+import os
+
+from reshard.core.catalog import Catalog
+from reshard.errors import ReshardError
+from reshard.formats.deepspeed import files as ds_files, topology, weights_only as ds_weights_only, zero_target
+from reshard.formats.single import hf_weights
+from reshard.formats.single.hf_trainer import OPTIMIZER
+from reshard.formats.weights_only import Form
+from reshard.storage import files as fs
+
+LOAD = "AutoModelForCausalLM.from_pretrained(checkpoint)"
+ENGINE_FILES = (ds_files.LATEST, *zero_target.SCRIPTS)
+
+
+def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
+    folder = fs.abspath(path)
+    weights = hf_weights.present(folder)
+    if weights not in (hf_weights.SAFE, hf_weights.SAFE_INDEX, hf_weights.BIN, hf_weights.BIN_INDEX):
+        raise ReshardError.at(path, "no model.safetensors or pytorch_model.bin the Trainer saved with the model: "
+                                    "its weights-only form would hold no weights")
+    if catalog.format == "deepspeed" and topology.of(catalog.layout).zero == 3:     # (model.safetensors: placeholders)
+        raise ReshardError.at(path, ds_weights_only.ZERO3)
+    model, master = catalog.weight_dtypes()
+    if keep_masters and master and model != master:
+        raise ReshardError.at(path, f"--keep-masters: the Trainer's model files hold the {model} weights of this "
+                                    "run; writing its fp32 masters there is not built (thin without --keep-masters "
+                                    "keeps the weights it trains with)")
+    found = sorted(os.path.relpath(p, folder) for p, _, _ in fs.tree(folder).files_under(folder))
+    engine = bool(ds_files.LATEST in found)
+    dropped = tuple(n for n in found if n == OPTIMIZER or (engine and (os.sep in n or n in ENGINE_FILES)))
+    if not dropped:
+        raise ReshardError.at(path, f"no {OPTIMIZER} or DeepSpeed save in it: nothing to thin")
+    kept = tuple(n for n in found if n not in dropped)
+    what = "the DeepSpeed engine's save (its tag folder: optimizer state and module copy)" if engine else \
+        f"the optimizer state ({OPTIMIZER})"
+    return Form(kept, dropped, what, LOAD)

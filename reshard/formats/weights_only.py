@@ -1,0 +1,52 @@
+"""A checkpoint's weights-only form, as its framework writes it with its model-only option, and the record a
+thinned checkpoint keeps of where it came from (`reshard thin`, reshard.thinning).
+
+Each format's module (the registry's WEIGHTS_ONLY) says, from a full checkpoint's catalog and its file names,
+which of its files the weights-only form keeps unchanged and which it drops: a Form. The thinned checkpoint holds
+the kept files and PROVENANCE, a small JSON file naming when it was thinned, what was dropped and the bytes before
+and after; readers take a checkpoint holding it as weights-only.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from reshard.storage import files as fs
+
+PROVENANCE = "reshard-thinned.json"
+KIND = "reshard.thinned"
+
+
+@dataclass(frozen=True)
+class Form:
+    """The weights-only form of one checkpoint: files relative to its folder (or the file itself, "")."""
+    kept: tuple[str, ...]           # taken over unchanged
+    dropped: tuple[str, ...]        # not written (the optimizer's state, the engine's)
+    what: str                       # what is dropped, in words: "the optimizer state (2 *_optim_states.pt files)"
+    load: str                       # the framework's weights-only load that takes it
+
+
+def provenance_record(thinned_on: str, what: str, dropped: tuple[str, ...], bytes_before: int, bytes_after: int,
+                      source_format: str, keep_masters: bool) -> str:
+    """PROVENANCE's text."""
+    return json.dumps({"kind": KIND, "thinned_on": thinned_on, "from": f"a full {source_format} checkpoint",
+                       "dropped": what, "dropped_files": list(dropped), "bytes_before": bytes_before,
+                       "bytes_after": bytes_after, "keep_masters": keep_masters}, indent=1) + "\n"
+
+
+def provenance(folder: str) -> dict | None:
+    """The record in a thinned checkpoint's folder, or None (not thinned, or not readable as one)."""
+    path = os.path.join(folder, PROVENANCE)
+    if not fs.isfile(path):
+        return None
+    try:
+        with fs.open(path) as f:
+            data = json.loads(f.read(1 << 16))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) and data.get("kind") == KIND else None
+
+
+def is_thinned(folder: str) -> bool:
+    return fs.isfile(os.path.join(folder, PROVENANCE))

@@ -1,0 +1,313 @@
+"""`reshard thin`, `reshard.thin`: a full training checkpoint replaced in place by its own framework's weights-only
+form, never losing data.
+
+Only a checkpoint `reshard list` proves complete is thinned, and never the newest complete one of its series, one
+something names (`latest`, Megatron-LM's tracker, `best_model_checkpoint`, `best_model_path`, a link), a save in
+progress, nor one already thinned. Its format says what its weights-only form keeps (reshard.formats
+.weights_only_form); the kept files and a provenance record (weights_only.PROVENANCE) are written beside it through
+the planner and executor into a hidden sibling `.X.reshard-thin`, which is proven complete with every checksum read
+(validate deep) before anything is touched. Then the swap, under a journal `.X.reshard-thin-journal`:
+
+  1. write the journal (its intent), fsync the folder;
+  2. exchange `.X.reshard-thin` and `X` (renameat2 RENAME_EXCHANGE: one atomic step; where the file system lacks
+     it, X is renamed to `.X.reshard-thinned-from` and the thinned form to X), fsync;
+  3. rename the full checkpoint to `.X.reshard-thinned-from`, fsync;
+  4. remove it, fsync;
+  5. remove the journal.
+
+A SIGKILL anywhere leaves X whole, full or thinned, and `recover` (run first by the next thin, `prune --yes` and
+`watch`) finishes the swap or rolls it back: before step 2 the thinned copy is removed, after it the full one.
+RESHARD_FAULT_AT=<step> kills the process at a step (for the tests: STEPS).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, replace
+
+from reshard import manifest
+from reshard.core.catalog import Catalog
+from reshard.core.planner import plan as plan_files
+from reshard.core.write_requests import CopiedFile, Output, TextFile
+from reshard.errors import ReshardError
+from reshard.formats import read as read_catalog, units, weights_only, weights_only_form
+from reshard.formats.framework import framework_of
+from reshard.formats.run_layout import THIN_SUFFIX, ThinNames, thin_journals, thin_names
+from reshard.listing import COMPLETE, list_checkpoints, order, problem_line
+from reshard.staging import fsync
+from reshard.storage import files as fs
+from reshard.validate import validate
+
+FAULT_AT = "RESHARD_FAULT_AT"
+STEPS = ("written", "proven", "journal", "swapped", "trashed", "removed")
+RENAME_EXCHANGE = 2
+AT_FDCWD = -100
+
+
+@dataclass(frozen=True)
+class ThinResult:
+    """What `reshard thin` did or would do to one checkpoint."""
+    path: str
+    format: str
+    executed: bool
+    bytes_before: int               # the checkpoint's files' bytes
+    bytes_after: int                # its weights-only form's (with the provenance record)
+    dropped: tuple[str, ...]        # files not kept, relative to the checkpoint
+    what: str                       # what was dropped, in words
+    load: str                       # the framework's weights-only load that takes the thinned form
+    recovered: tuple[str, ...] = ()     # interrupted thins of the folder finished or rolled back first
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "format": self.format, "executed": self.executed,
+                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "bytes_saved": self.bytes_saved,
+                "dropped": list(self.dropped), "what": self.what, "load": self.load,
+                "recovered": list(self.recovered)}
+
+
+def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = False) -> ThinResult:
+    """Replace a full checkpoint by its framework's weights-only form, as `reshard thin` does.
+
+    Args:
+        path: one checkpoint of a run directory, as `reshard list` shows it (a DeepSpeed tag folder, an HF Trainer
+            `checkpoint-N/`).
+        yes: act (default: what would be dropped, and the bytes before and after).
+        keep_masters: keep the exact fp32 masters instead of the 16-bit weights where the run has them.
+
+    Returns:
+        A ThinResult: bytes before and after, what is dropped, the load that takes the result; `to_dict()` is what
+        `reshard thin --json` prints. A checkpoint that is not to be thinned raises a ReshardError (one line).
+
+    Example:
+        >>> result = reshard.thin("run/global_step2")
+        >>> result.executed, result.bytes_after < result.bytes_before
+        (False, True)
+    """
+    path = fs.realpath(os.fspath(path))
+    recovered = tuple(recover(os.path.dirname(path))) if yes and not fs.is_url(path) else ()
+    catalog, form, before = _eligible(path, keep_masters)
+    text = _provenance(catalog, form, path, before, keep_masters)
+    after = _kept_bytes(path, form) + len(text.encode())
+    result = ThinResult(path, catalog.format, False, before, after, form.dropped, form.what, form.load, recovered)
+    if not yes:
+        return result
+    names = thin_names(path)
+    _check_free(path, after)
+    _write(catalog, form, path, names, text)
+    _fault("written")
+    _prove(names.staged, path)
+    _fault("proven")
+    _swap(names)
+    return ThinResult(path, catalog.format, True, before, _size(path), form.dropped, form.what, form.load, recovered)
+
+
+def thinned_bytes(catalog_or_path: Catalog | str | os.PathLike[str], keep_masters: bool = False) -> int:
+    """The bytes a checkpoint's files will add up to once thinned (its weights-only form and the provenance
+    record), for a dry run; raises a ReshardError where its format has no weights-only form reshard writes."""
+    if isinstance(catalog_or_path, Catalog):
+        catalog = catalog_or_path
+        frame = framework_of(catalog)
+        path = frame.folder if frame is not None else catalog.root
+    else:
+        path = fs.realpath(os.fspath(catalog_or_path))
+        catalog = read_catalog(path)
+    form = weights_only_form(catalog, path, keep_masters)
+    text = _provenance(catalog, form, path, _size(path), keep_masters)
+    return _kept_bytes(path, form) + len(text.encode())
+
+
+def recover(run_dir: str | os.PathLike[str]) -> list[str]:
+    """Finish or roll back every `reshard thin` a kill interrupted under `run_dir`; the checkpoints' paths.
+    Before its swap a thinned copy is removed (the full checkpoint stays); after it, the full one."""
+    root = fs.realpath(os.fspath(run_dir))
+    if fs.is_url(root) or not fs.isdir(root):
+        return []
+    done = []
+    for journal in thin_journals(root):
+        folder, name = os.path.split(journal)
+        names = thin_names(os.path.join(folder, name[1:-len(".reshard-thin-journal")]))
+        _settle(names)
+        done.append(names.path)
+    for folder, dirs, _ in os.walk(root):     # a thinned copy written or proven, killed before its journal
+        for d in [d for d in dirs if d.startswith(".") and d.endswith(THIN_SUFFIX)]:
+            names = thin_names(os.path.join(folder, d[1:-len(THIN_SUFFIX)]))
+            if not fs.exists(names.journal):
+                _remove(names.staged)
+                done.append(names.path)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+    return sorted(set(done))
+
+
+def _eligible(path: str, keep_masters: bool):
+    """(catalog, form, bytes) of a checkpoint that may be thinned; else a ReshardError saying why not."""
+    if fs.is_url(path):
+        raise ReshardError.at(path, "thinning in object storage is not built (a local checkpoint only)")
+    if not fs.isdir(path):
+        raise ReshardError.at(path, "no such checkpoint folder" if not fs.exists(path) else
+                                    "a checkpoint file: thinning one is not built (checkpoint folders only)")
+    done = weights_only.provenance(path)
+    if done is not None or weights_only.is_thinned(path):
+        raise ReshardError.at(path, f"already weights-only (thinned on {(done or {}).get('thinned_on', '?')})")
+    run = list_checkpoints(os.path.dirname(path))
+    row = next((r for r in run.checkpoints if fs.normpath(r.path) == fs.normpath(path)), None)
+    if row is None:
+        raise ReshardError.at(path, f"not a checkpoint `reshard list {os.path.dirname(path)}` shows")
+    if row.status != COMPLETE:
+        raise ReshardError.at(path, f"{row.status} ({row.why}): only a complete checkpoint is thinned")
+    if row.pinned:
+        raise ReshardError.at(path, f"{'; '.join(row.pinned)}: kept full")
+    series = sorted((r for r in run.checkpoints if r.complete and r.series == row.series), key=order)
+    if series[-1].path == row.path:
+        raise ReshardError.at(path, "the newest complete checkpoint of its series: kept full")
+    catalog = read_catalog(path)
+    report = validate(catalog)
+    if not report.ok:
+        raise ReshardError.at(path, f"incomplete: {problem_line(report)}")
+    return catalog, weights_only_form(catalog, path, keep_masters), row.bytes
+
+
+def _provenance(catalog: Catalog, form, path: str, before: int, keep_masters: bool) -> str:
+    """The record's text, its own size included in the bytes after."""
+    kept = _kept_bytes(path, form)
+    on = time.strftime("%Y-%m-%d", time.gmtime())
+    text = ""
+    for _ in range(3):      # the number's digits are part of the size it states
+        text = weights_only.provenance_record(on, form.what, form.dropped, before, kept + len(text.encode()),
+                                              catalog.format, keep_masters)
+    return text
+
+
+def _kept_bytes(path: str, form) -> int:
+    return sum(fs.getsize(os.path.join(path, n)) for n in form.kept if n != manifest.NAME)
+
+
+def _size(path: str) -> int:
+    return sum(size for _, size, _ in fs.tree(path).files_under(path))
+
+
+def _check_free(path: str, needed: int) -> None:
+    free = shutil.disk_usage(os.path.dirname(path)).free
+    if free < needed:
+        raise ReshardError.at(path, f"{needed} bytes needed beside it for the thinned form, {free} free; "
+                                    "nothing written")
+
+
+def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
+    """The kept files and the record, copied through the planner and executor into the hidden sibling."""
+    from reshard.executor import execute
+    _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
+    targets: list[CopiedFile | TextFile] = [CopiedFile(n, os.path.join(path, n), fs.getsize(os.path.join(path, n)))
+                                            for n in form.kept if n != manifest.NAME]
+    targets.append(TextFile(weights_only.PROVENANCE, text))
+    made = plan_files(catalog, catalog.layout, targets, catalog.tag, Output(catalog.format))
+    # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
+    made = replace(made, source=path, save_dir=path)
+    execute(made, names.staged, progress=False)
+    os.unlink(os.path.join(names.staged, manifest.NAME))     # the form is the framework's files and the record
+    newest = 0.0
+    for n in form.kept:         # the save's times, which `list` and time-based retention read, kept
+        st = os.stat(os.path.join(path, n))
+        newest = max(newest, st.st_mtime)
+        if n != manifest.NAME:
+            os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(os.path.join(names.staged, weights_only.PROVENANCE), (newest, newest))
+    for folder, _, _ in sorted(os.walk(names.staged), reverse=True):     # its folders' too, deepest first
+        source = os.path.join(path, os.path.relpath(folder, names.staged))
+        when = os.stat(source).st_mtime if os.path.isdir(source) else newest
+        os.utime(folder, (when, when))
+
+
+def _prove(staged: str, path: str) -> None:
+    """The thinned copy is whole, every checksum read, and the unit `list` will take for a complete checkpoint."""
+    try:
+        report = validate(read_catalog(staged), deep=True)
+        unit = units.framework_unit(os.path.basename(path), units.Listing.of(staged), staged)
+    except ReshardError as e:
+        _remove(staged)
+        raise ReshardError.at(path, f"its thinned form does not read back ({e}); nothing changed") from None
+    if not report.ok or (unit is not None and unit.reading != units.READ):
+        _remove(staged)
+        why = problem_line(report) if not report.ok else unit.why if unit is not None else ""
+        raise ReshardError.at(path, f"its thinned form is not proven whole ({why}); nothing changed")
+
+
+def _swap(names: ThinNames) -> None:
+    folder = os.path.dirname(names.path)
+    with open(names.journal, "w") as f:
+        f.write(f"reshard thin: {os.path.basename(names.staged)} replaces {os.path.basename(names.path)}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    fsync(folder)
+    _fault("journal")
+    if not _exchange(names.staged, names.path):
+        os.rename(names.path, names.trash)      # (a file system without RENAME_EXCHANGE: recover covers the gap)
+        fsync(folder)
+        os.rename(names.staged, names.path)
+        fsync(folder)
+        _fault("swapped")
+        _fault("trashed")
+    else:
+        fsync(folder)
+        _fault("swapped")
+        os.rename(names.staged, names.trash)
+        fsync(folder)
+        _fault("trashed")
+    _remove(names.trash)
+    _fault("removed")
+    os.unlink(names.journal)
+    fsync(folder)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if call(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    errno = ctypes.get_errno()
+    if errno in (22, 38, 95):      # EINVAL, ENOSYS, EOPNOTSUPP: not on this file system
+        return False
+    raise OSError(errno, os.strerror(errno), a)
+
+
+def _settle(names: ThinNames) -> None:
+    """One journal's swap finished (the thinned form in place) or rolled back (the full one)."""
+    folder = os.path.dirname(names.path)
+    here, staged, trash = (fs.exists(p) for p in (names.path, names.staged, names.trash))
+    if here and staged:     # before the exchange (the thinned copy, never swapped in) or after it (the full one)
+        _remove(names.staged)
+    elif not here and staged:   # between the two renames of the fallback: finish
+        os.rename(names.staged, names.path)
+        fsync(folder)
+    elif not here and trash:     # nothing in place: the full one back
+        os.rename(names.trash, names.path)
+        fsync(folder)
+        trash = False
+    if trash:
+        _remove(names.trash)
+    os.unlink(names.journal)
+    fsync(folder)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+    else:
+        return
+    fsync(os.path.dirname(path))
+
+
+def _fault(step: str) -> None:
+    if os.environ.get(FAULT_AT) == step:
+        os.kill(os.getpid(), signal.SIGKILL)

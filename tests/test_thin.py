@@ -1,0 +1,202 @@
+"""`reshard thin`: a full checkpoint replaced in place by its framework's weights-only form (issue 39, 3).
+
+Runs are copies of the shipped fixtures laid out as DeepSpeed save dirs (tests/lifecycle_runs.py), and a real
+transformers.Trainer run. The DeepSpeed engine loads the thinned tag folder with its own module-only load
+(tests/engine_resume.py, shared launch); transformers' from_pretrained loads the thinned Trainer checkpoint. Every
+proof has its negative control: a thinned file altered in one element.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import reshard
+from conftest import FIXTURES, REPO, fixture_dir, run_cli, write_in_zip
+from engine_launches import shares
+from lifecycle_runs import age, copy_tag, hf_run
+from reshard import thinning
+from reshard.core.catalog import TensorKey
+from reshard.errors import ReshardError
+
+
+def ds_run(root, fixture: str):
+    """A save dir of `fixture`'s step 3 copied as global_step1 and 2 beside it; `latest` names global_step3."""
+    save = root / fixture
+    shutil.copytree(fixture_dir(fixture), save)
+    for step in (1, 2):     # (a fixture's own global_step2 is another step's: the truth is step 3's)
+        shutil.rmtree(save / f"global_step{step}", ignore_errors=True)
+        copy_tag(fixture, "global_step3", save, f"global_step{step}")
+    age(save)
+    return save
+
+
+def rows(save):
+    return {r["name"]: r for r in json.loads(run_cli("list", save, "--json").stdout)["checkpoints"]}
+
+
+@pytest.mark.parametrize("fixture", ["z1_bf16_dp2", "z2_fp32_dp2"])
+def test_thin_deepspeed_tag_folder(tmp_path, fixture):
+    save = ds_run(tmp_path, fixture)
+    full = tmp_path / "copy" / "full"
+    shutil.copytree(save / "global_step2", full)
+    dry = run_cli("thin", save / "global_step2", check=0).stdout
+    assert "dry run" in dry and "optim_states.pt" in dry
+    assert sorted(os.listdir(save / "global_step2")) == sorted(os.listdir(full))     # nothing touched
+    before = rows(save)["global_step2"]["bytes"]
+    expected = thinning.thinned_bytes(str(save / "global_step2"))
+    result = json.loads(run_cli("thin", save / "global_step2", "--yes", "--json", check=0).stdout)
+    assert result["executed"] and result["bytes_before"] == before and result["bytes_after"] == expected
+    thinned = save / "global_step2"
+    assert sorted(os.listdir(thinned)) == ["mp_rank_00_model_states.pt", "reshard-thinned.json"]
+    assert [n for n in os.listdir(save) if n.startswith(".")] == []         # no working names left
+    listed = rows(save)
+    assert listed["global_step2"]["status"] == "complete" and listed["global_step2"]["bytes"] == expected
+    assert "weights-only (thinned from a full deepspeed checkpoint on " in run_cli("inspect", thinned).stdout
+    run_cli("validate", thinned, "--deep", check=0)
+    # export: bit for bit what the full checkpoint exported (default dtype auto)
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    run_cli("export", full, exports / "full.safetensors", check=0)
+    run_cli("export", thinned, exports / "thin.safetensors", check=0)
+    assert (exports / "full.safetensors").read_bytes() == (exports / "thin.safetensors").read_bytes()
+    report = reshard.diff(str(full), str(thinned))
+    assert report.equal and any("only A holds optimizer state" in n for n in report.notes)
+    refused = run_cli("convert", thinned, exports / "out", "--to", "dp=1", check=1)
+    assert "no optimizer state (weights only)" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert not (exports / "out").exists()
+
+
+def test_refusals_are_one_line(tmp_path):
+    save = ds_run(tmp_path, "z1_bf16_dp2")
+    for name, why in (("global_step3", "named by"), ):
+        proc = run_cli("thin", save / name, "--yes", check=1)
+        assert why in proc.stderr and len(proc.stderr.splitlines()) == 1
+    (save / "latest").write_text("global_step1")        # global_step3 now the newest one nothing names
+    assert "newest complete checkpoint" in run_cli("thin", save / "global_step3", check=1).stderr
+    (save / "latest").write_text("global_step3")
+    with open(save / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "r+b") as f:
+        f.truncate(100)
+    age(save)
+    assert "only a complete checkpoint is thinned" in run_cli("thin", save / "global_step2", check=1).stderr
+    z3 = ds_run(tmp_path / "z3", "z3_bf16_dp2")
+    assert "ZeRO-3" in run_cli("thin", z3 / "global_step2", check=1).stderr
+    assert "--keep-masters" in run_cli("thin", save / "global_step1", "--keep-masters", check=1).stderr
+    run_cli("thin", save / "global_step1", "--yes", check=0)
+    assert "already weights-only" in run_cli("thin", save / "global_step1", check=1).stderr
+    fp32 = ds_run(tmp_path / "fp32", "z2_fp32_dp2")     # fp32: the module files hold the masters themselves
+    run_cli("thin", fp32 / "global_step1", "--keep-masters", "--yes", check=0)
+
+
+def test_an_altered_element_is_caught(tmp_path):
+    """Negative controls: one element of the thinned module file changed, its zip CRC left stale (validate --deep
+    reports it) or made to match (the comparison with the full checkpoint's weights reports it)."""
+    save = ds_run(tmp_path, "z1_bf16_dp2")
+    reshard.thin(str(save / "global_step2"), yes=True)
+    catalog = reshard.open_checkpoint(str(save / "global_step2"))
+    fragment = catalog.tensors[TensorKey("l1.weight", "module")].fragments[0]
+    at = fragment.storage.offset + fragment.elem_offset * 2
+    path = fragment.storage.file
+    original = open(path, "rb").read()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes(b ^ 0x40 for b in original[at:at + 2]))
+    assert "CRC" in run_cli("validate", save / "global_step2", "--deep", check=1).stdout
+    open(path, "wb").write(original)
+    write_in_zip(path, at, bytes(b ^ 0x40 for b in original[at:at + 2]))
+    run_cli("validate", save / "global_step2", "--deep", check=0)
+    assert not reshard.diff(str(save / "global_step1"), str(save / "global_step2")).equal
+
+
+@shares("engine_resume.py")
+def thin_jobs(out):
+    """DeepSpeed's module-only load of thinned tag folders, and of one with an element altered (the control)."""
+    jobs = []
+    for fixture in ("z1_bf16_dp2", "z2_fp32_dp2"):
+        save = ds_run(out, fixture)
+        reshard.thin(str(save / "global_step2"), yes=True)
+        stage = json.loads((FIXTURES / fixture / "truth.json").read_text())["zero_stage"]
+        jobs.append((2, None, {"fixture": fixture, "checkpoint": str(save), "tag": "global_step2", "stage": stage,
+                               "fixtures": str(FIXTURES), "module_only": True}))
+    control = out / "control"
+    shutil.copytree(out / "z1_bf16_dp2", control)
+    catalog = reshard.open_checkpoint(str(control / "global_step2"))
+    fragment = catalog.tensors[TensorKey("l1.weight", "module")].fragments[0]
+    at = fragment.storage.offset + fragment.elem_offset * 2
+    data = open(fragment.storage.file, "rb").read()[at:at + 2]
+    write_in_zip(fragment.storage.file, at, bytes(b ^ 0x40 for b in data))
+    jobs.append((2, None, {"fixture": "z1_bf16_dp2", "checkpoint": str(control), "tag": "global_step2", "stage": 1,
+                           "fixtures": str(FIXTURES), "module_only": True, "control": True}))
+    return jobs
+
+
+@pytest.mark.engine
+def test_deepspeed_module_only_load_of_thinned(engine_launches):
+    results = list(engine_launches.results(thin_jobs))
+    assert len(results) == 3
+    for result in results:
+        if result.get("control"):
+            assert any("l1.weight" in p for p in result["problems"]), result
+        else:
+            assert result["problems"] == [], result
+
+
+def test_hf_trainer_thin_loads_with_from_pretrained(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2LMHeadModel
+    out, state = hf_run(tmp_path)
+    best = os.path.basename(state.best_model_checkpoint)
+    target = next(f"checkpoint-{s}" for s in (2, 4, 6) if f"checkpoint-{s}" != best)
+    full = tmp_path / "full"
+    shutil.copytree(out / target, full)
+    assert "named by" in run_cli("thin", out / best, "--yes", check=1).stderr
+    run_cli("thin", out / target, "--yes", check=0)
+    thinned = out / target
+    assert "optimizer.pt" not in os.listdir(thinned)
+    assert {"trainer_state.json", "scheduler.pt", "config.json"} <= set(os.listdir(thinned))
+    assert rows(out)[target]["status"] == "complete"
+    a, b = (GPT2LMHeadModel.from_pretrained(p).state_dict() for p in (full, thinned))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    weights = load_file(thinned / "model.safetensors")      # the control: one element changed is seen
+    name = next(iter(weights))
+    weights[name].view(-1)[0] += 1
+    save_file(weights, thinned / "model.safetensors", metadata={"format": "pt"})
+    c = GPT2LMHeadModel.from_pretrained(thinned).state_dict()
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize("step", thinning.STEPS)
+def test_sigkill_at_every_journal_step(tmp_path, step):
+    """A kill at each step leaves the checkpoint whole (full or thinned, never missing, never incomplete); the
+    next thin or prune --yes finishes or rolls back, and no working name is left."""
+    save = ds_run(tmp_path, "z1_bf16_dp2")
+    proc = subprocess.run([sys.executable, "-m", "reshard", "thin", str(save / "global_step2"), "--yes"],
+                          capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), thinning.FAULT_AT: step})
+    assert proc.returncode == -9, proc.stderr
+    listed = rows(save)
+    assert listed["global_step2"]["status"] == "complete", listed["global_step2"]
+    age(save)
+    if step in ("written", "proven"):       # before the journal: the next thin starts over
+        run_cli("thin", save / "global_step2", "--yes", check=0)
+    else:
+        run_cli("prune", save, "--keep-last", "3", "--yes", check=0)
+    assert sorted(n for n in os.listdir(save) if n.startswith(".")) == []
+    assert reshard.validate(str(save / "global_step2"), deep=True).ok
+    assert rows(save)["global_step2"]["status"] == "complete"
+    names = sorted(os.listdir(save / "global_step2"))
+    assert names in (["mp_rank_00_model_states.pt", "reshard-thinned.json"],
+                     sorted(os.listdir(save / "global_step1")))
+
+
+def test_recover_before_the_swap_keeps_the_full_checkpoint(tmp_path):
+    save = ds_run(tmp_path, "z1_bf16_dp2")
+    subprocess.run([sys.executable, "-m", "reshard", "thin", str(save / "global_step2"), "--yes"], cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": str(REPO), thinning.FAULT_AT: "journal"}, capture_output=True)
+    assert thinning.recover(str(save)) == [str(save / "global_step2")]
+    assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in os.listdir(save / "global_step2")
+    with pytest.raises(ReshardError):
+        reshard.thin(str(save / "global_step3"))
