@@ -27,6 +27,9 @@ TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard
 STAGING_SUFFIX = ".reshard-tmp"     # reshard convert/export's staging folder
 WATCH_STATE = ".reshard-watch.json"     # reshard watch's memory in the run directory: hidden, so never an entry
 WATCH_LOCK = ".reshard-watch.lock"      # held while a watcher runs: one watcher per run directory
+# `reshard thin`'s provenance, written into the checkpoint it thinned: what was dropped, when. Its presence is what
+# makes a row weights-only (reshard.listing.thinned); the name is the thinning module's to keep equal to this one.
+THIN_PROVENANCE = "reshard-thinned.json"
 # a conversion written in place (object storage has no rename: reshard.staging) before its manifest is there
 IN_PLACE = f"reshard is writing it in place ({manifest.UNFINISHED}, no {manifest.NAME} yet)"
 HF_STAGING = units.HF_STAGING
