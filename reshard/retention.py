@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, UsageError
-from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, order
+from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint, order
 from reshard.text import counted
 
 KEEP, THIN, DELETE, UNTOUCHED = "keep", "thin", "delete", "untouched"
@@ -74,7 +74,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class Decision:
-    checkpoint: object          # a reshard.listing.Checkpoint
+    checkpoint: Checkpoint
     action: str                 # KEEP, THIN, DELETE, UNTOUCHED
     reasons: tuple = field(default_factory=tuple)
     tier: str | None = None     # a complete one kept or thinned: what it is afterwards (FULL, WEIGHTS)
