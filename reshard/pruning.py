@@ -169,7 +169,7 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
     """
     policy.check()
     listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
-    return carry_out(listing, decide(listing.checkpoints, policy), yes)
+    return carry_out(listing, decide(listing.checkpoints, policy), yes, thinner)
 
 
 def carry_out(listing: RunListing, decisions: list, yes: bool, thinner: Thinner | None = None) -> PrunePlan:

@@ -53,9 +53,6 @@ class Policy:
 
     def check(self) -> None:
         """Refuse (UsageError) a policy that says nothing or contradicts itself."""
-        if not (self.keeps_by_rule() or self.delete_incomplete):
-            raise UsageError("no retention rule given (--keep-last, --keep-best, --keep-every, --keep-steps, "
-                             "--keep-interval, --delete-incomplete)")
         for name in ("keep_last", "keep_best", "keep_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -66,6 +63,9 @@ class Policy:
             tier = getattr(self, f"{name}_tier")
             if tier not in TIERS:
                 raise UsageError(f"--{name.replace('_', '-')}'s tier is {' or '.join(TIERS)} (got {tier!r})")
+        if not (self.keeps_by_rule() or self.delete_incomplete):
+            raise UsageError("no retention rule given (--keep-last, --keep-best, --keep-every, --keep-steps, "
+                             "--keep-interval, --delete-incomplete)")
         if self.keep_best and not self.metric:
             raise UsageError("--keep-best needs --metric NAME")
         if self.mode not in ("min", "max"):

@@ -409,4 +409,4 @@ def test_watch_thins_as_saves_land(run):
                          thinner=failing) as watcher:
         again = watcher.poll()
     assert again.thinned == ("ds/global_step6",) and again.removed == ()
-    assert again.problems == (f"{step2}: cannot be thinned: test double (left full)",) and os.path.isdir(step2)
+    assert again.problems == ("ds/global_step2: cannot be thinned: test double (left full)",) and os.path.isdir(step2)
