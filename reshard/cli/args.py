@@ -250,7 +250,6 @@ def _lifecycle_commands(sub) -> None:
     p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep, thin to their weights those "
                  "it keeps at the weights tier only (a dry run without --yes)",
                  ("reshard prune out/ --keep-last 3                       # prints the plan",
-                  "reshard prune out/ --keep-last 1 --keep-best 1 --metric eval_loss --metrics evals.csv",
                   "reshard prune out/ --keep-every 1000 --keep-steps 2 --delete-incomplete --yes",
                   "reshard prune out/ --keep-last 3 --keep-every 10:weights --keep-interval 1d:weights --price 0.023"),
                  " Each rule keeps at a tier, full (the default) or weights (`:weights`: the checkpoint is thinned to "
@@ -303,22 +302,22 @@ def _watch_command(sub) -> None:
 
 
 def _policy_args(p) -> None:
-    tier = "; :weights keeps them as their weights only (thinned, as by `reshard thin`), :full (the default) whole"
-    p.add_argument("--keep-last", type=_tiered(_positive_int), metavar="K[:TIER]",
+    tier = "; K:weights keeps them as their weights only (thinned, as by `reshard thin`), K:full (the default) whole"
+    p.add_argument("--keep-last", type=_tiered(_positive_int), metavar="K",
                    help=f"keep the K newest complete checkpoints{tier}")
-    p.add_argument("--keep-best", type=_tiered(_positive_int), metavar="M[:TIER]",
-                   help="keep the M best complete checkpoints by --metric (:weights or :full, as for --keep-last)")
+    p.add_argument("--keep-best", type=_tiered(_positive_int), metavar="M",
+                   help="keep the M best complete checkpoints by --metric (M:weights or M:full, as for --keep-last)")
     p.add_argument("--metric", metavar="NAME",
                    help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
     p.add_argument("--mode", choices=["min", "max"], default="min", help="min: lower is better (default), max: higher")
-    p.add_argument("--keep-every", type=_tiered(_positive_int), metavar="N[:TIER]",
-                   help="keep checkpoints whose step is a multiple of N (:weights or :full)")
-    p.add_argument("--keep-steps", type=_tiered(_steps_arg), metavar="S,S,...[:TIER]",
-                   help="keep these steps (:weights or :full)")
-    p.add_argument("--keep-interval", type=_tiered(_duration_arg), metavar="DURATION[:TIER]",
+    p.add_argument("--keep-every", type=_tiered(_positive_int), metavar="N",
+                   help="keep checkpoints whose step is a multiple of N (N:weights or N:full)")
+    p.add_argument("--keep-steps", type=_tiered(_steps_arg), metavar="S,S,...",
+                   help="keep these steps (S,S:weights or S,S:full)")
+    p.add_argument("--keep-interval", type=_tiered(_duration_arg), metavar="DURATION",
                    help="keep one checkpoint per DURATION of save time (30m, 6h, 2d, 1w): oldest first by the time "
                         "of its newest file, one whenever DURATION has passed since the last this rule kept "
-                        "(:weights or :full)")
+                        "(DURATION:weights or DURATION:full)")
     p.add_argument("--delete-incomplete", action="store_true", help="also delete incomplete checkpoints nothing names")
 
 
