@@ -6,8 +6,10 @@ import sys
 
 import reshard
 from reshard.cli.args import policy
+from reshard.cli.list import usd
 from reshard.cli.output import dump
 from reshard.inspection import human_bytes
+from reshard.retention import DELETE
 from reshard.text import counted
 
 
@@ -27,7 +29,7 @@ def print_prune(plan, quiet: bool, price: float | None = None) -> None:
     for d in plan.decisions:
         r = d.checkpoint
         step = "" if r.step is None else f"step {r.step}"
-        tier = d.tier or "as is"
+        tier = d.tier or ("-" if d.action == DELETE else "as is")
         print(f"{d.action:<9} {r.name}  {step}  {tier}  {sizes(plan, d)}: {'; '.join(d.reasons)}")
     if plan.executed:
         for path in plan.changed:
@@ -46,8 +48,8 @@ def print_prune(plan, quiet: bool, price: float | None = None) -> None:
               + ("" if quiet else "; --yes does it"))
     if price is not None:
         cost = plan.to_dict(price)["cost_per_month"]
-        print(f"cost: ${cost['before']:,.2f} a month before, ${cost['after']:,.2f} after (at ${price:g} per GB "
-              "and month)")
+        print(f"cost: {usd(cost['before'])} a month before, {usd(cost['after'])} after (at ${price:g} per GB "
+              "(10^9 bytes) and month)")
 
 
 def sizes(plan, d) -> str:
