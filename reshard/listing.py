@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from reshard.errors import ReshardError, UnsafeCheckpointError
-from reshard.formats import read as read_catalog, run_layout, run_metrics, units
+from reshard.formats import read as read_catalog, run_layout, run_metrics, units, weights_only
 from reshard.sizes import BytesByKind, RunBytes, added_up, cost_per_month, split
 from reshard.storage import files as fs
 from reshard.validate import validate
@@ -47,6 +47,7 @@ class Checkpoint:
     unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
     bytes_by_kind: BytesByKind | None = None    # complete ones: `bytes` as weights, optimizer, other (reshard.sizes)
     member: bool = True         # of its folder's series (False: named unlike the save loop beside it, ranked alone)
+    weights_only: bool = False  # complete and thinned by `reshard thin` (its provenance is there): the weights tier
 
     @property
     def complete(self) -> bool:
@@ -64,7 +65,7 @@ class Checkpoint:
                "bytes": self.bytes, "disk_bytes": self.disk_bytes, "files": self.files, "format": self.format,
                "topology": self.topology, "unit": self.unit, "status": self.status, "why": self.why or None,
                "pinned": list(self.pinned), "metrics": self.metrics,
-               "bytes_by_kind": kinds}
+               "bytes_by_kind": kinds, "weights_only": self.weights_only}
         if price is not None:       # kinds unknown: the total only
             out["cost_per_month"] = cost_per_month(kinds or {"total": self.bytes}, price)
         return out
@@ -197,8 +198,15 @@ def _checked(entry, files: Files) -> tuple:
         return _row(entry, files, INCOMPLETE, str(e), catalog, step), run_metrics.Recorded()
     if report.ok:     # read whole: its bytes by kind (an incomplete one's are not known)
         kinds = split(catalog, files.bytes, entry.path)
-        return replace(_row(entry, files, COMPLETE, "", catalog, step), bytes_by_kind=kinds), recorded
+        row = _row(entry, files, COMPLETE, "", catalog, step)
+        return replace(row, bytes_by_kind=kinds, weights_only=thinned(entry.path)), recorded
     return _row(entry, files, INCOMPLETE, problem_line(report), catalog, step), recorded
+
+
+def thinned(path: str) -> bool:
+    """Is the checkpoint at `path` a weights-only one `reshard thin` left (its provenance file inside)? A file
+    checkpoint has no inside: never."""
+    return fs.isdir(path) and weights_only.is_thinned(path)
 
 
 def _unread_line(unread: tuple, path: str, fmt: str) -> str:

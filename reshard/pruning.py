@@ -1,26 +1,76 @@
-"""`reshard prune`, `reshard.prune`: delete what a retention policy does not keep, crash-safely.
+"""`reshard prune`, `reshard.prune`: delete what a retention policy does not keep, thin what it keeps at the weights
+tier only, crash-safely.
 
-The plan comes from reshard.retention on a fresh listing; without `yes` it is only returned (the dry run).
-With `yes` each checkpoint to delete is first renamed to a hidden trash name in its own folder (one atomic
-rename: from then on no reader sees it as a checkpoint), the folder fsynced, then the trash removed. A prune
-killed at any point leaves every kept checkpoint as it was and at most some trash, which the next `prune --yes`
-removes before anything else. A checkpoint whose files changed since the listing is left alone (a save
-reusing its name). Links are never followed: a link inside a deleted folder is removed, not its target.
+The plan comes from reshard.retention on a fresh listing; without `yes` it is only returned (the dry run). With
+`yes` the deletions come first (they free the space a thin writes its weights-only form into), then the thins,
+oldest first, each by a Thinner (reshard.thinning, which journals its own swap); a checkpoint that cannot be
+thinned is left full and said, never deleted instead, and the rest go on. Each checkpoint to delete is first
+renamed to a hidden trash name in its own folder (one atomic rename: from then on no reader sees it as a
+checkpoint), the folder fsynced, then the trash removed. A prune killed at any point leaves every kept checkpoint
+as it was and at most some trash, which the next `prune --yes` removes before anything else. A checkpoint whose
+files changed since the listing is left alone (a save reusing its name). Links are never followed: a link inside a
+deleted folder is removed, not its target.
 """
 from __future__ import annotations
 
 import os
 import shutil
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from reshard.errors import ReshardError
 from reshard.formats.run_layout import trash_path
 from reshard.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
-from reshard.retention import DELETE, Policy, decide
+from reshard.retention import DELETE, THIN, Policy, decide
+from reshard.sizes import cost_per_month
 from reshard.staging import fsync
 from reshard.storage import files as fs
 from reshard.storage.routing import output_for
 from reshard.thinning import recover
+
+
+class ThinOutcome(Protocol):
+    """What thinning one checkpoint did (reshard.thinning.thin's result, frozen: read-only here too)."""
+    @property
+    def bytes_before(self) -> int: ...
+    @property
+    def bytes_after(self) -> int: ...
+    @property
+    def executed(self) -> bool: ...
+
+
+class Thinner(Protocol):
+    """Replaces a complete checkpoint by its weights-only form in place; raises ReshardError (one line) when it
+    cannot, leaving the checkpoint full."""
+
+    def thin(self, path: str) -> ThinOutcome: ...
+
+
+class LibraryThinner:
+    """`reshard thin CKPT --yes`, as reshard.thinning does it. Imported when built, not before: the listing and
+    planning never need it, and a build without it refuses a plan with thins before anything is done."""
+
+    def __init__(self):
+        from reshard import thinning  # (it imports the executor: only a plan that thins needs it)
+        self.thinning = thinning
+
+    def thin(self, path: str) -> ThinOutcome:
+        return self.thinning.thin(path, yes=True)
+
+
+@dataclass(frozen=True)
+class Thinned:
+    """A checkpoint thinned to its weights-only form: its files' bytes before and after."""
+    path: str
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass(frozen=True)
+class NotThinned:
+    """A checkpoint planned for a thin and left full: why, one line."""
+    path: str
+    why: str
 
 
 @dataclass(frozen=True)
@@ -30,40 +80,85 @@ class PrunePlan:
     trash: list                 # left by an interrupted prune (removed by `yes`)
     executed: bool = False
     removed: list = field(default_factory=list)     # paths deleted (with `yes`)
-    changed: list = field(default_factory=list)     # planned for deletion, but their files changed: left alone
+    changed: list = field(default_factory=list)     # planned for deletion or a thin, but their files changed: left
+    thinned: list = field(default_factory=list)     # [Thinned] (with `yes`)
+    not_thinned: list = field(default_factory=list)     # [NotThinned]: a thin refused; left full
 
     def deleting(self) -> list:
         return [d for d in self.decisions if d.action == DELETE]
 
+    def thinning(self) -> list:
+        return [d for d in self.decisions if d.action == THIN]
+
+    def after(self, d) -> int:
+        """A decision's files' bytes after the plan: planned (a thin's an estimate) or, once executed, done."""
+        if not self.executed:
+            return d.bytes_after
+        done = {t.path: t.bytes_after for t in self.thinned}
+        if d.action == DELETE and d.checkpoint.path in self.removed:
+            return 0
+        return done.get(d.checkpoint.path, d.checkpoint.bytes)
+
+    def estimated(self, d) -> bool:
+        """Is after(d) an estimate (a thin planned, not done)?"""
+        return d.estimate and not self.executed
+
+    @property
+    def bytes_before(self) -> int:
+        """The files' bytes of every checkpoint listed (apparent size, as `list` shows them)."""
+        return sum(d.checkpoint.bytes for d in self.decisions)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(self.after(d) for d in self.decisions)
+
     @property
     def bytes_freed(self) -> int:
-        """The files' bytes (apparent size, as `list` shows them) of the deletions planned (or, once executed, done)."""
-        done = set(self.removed) if self.executed else None
-        return sum(d.checkpoint.bytes for d in self.deleting() if done is None or d.checkpoint.path in done)
+        """What the deletions and thins planned (or, once executed, done) free of the files' bytes."""
+        return self.bytes_before - self.bytes_after
 
-    def to_dict(self) -> dict:
-        return {"root": self.root, "executed": self.executed, "bytes_freed": self.bytes_freed,
-                "trash": self.trash, "removed": self.removed, "changed": self.changed,
-                "decisions": [{"name": d.checkpoint.name, "step": d.checkpoint.step, "action": d.action,
-                               "reasons": list(d.reasons), "status": d.checkpoint.status,
-                               "bytes": d.checkpoint.bytes, "disk_bytes": d.checkpoint.disk_bytes}
-                              for d in self.decisions]}
+    def to_dict(self, price: float | None = None) -> dict:
+        out = {"root": self.root, "executed": self.executed, "bytes_before": self.bytes_before,
+               "bytes_after": self.bytes_after, "bytes_freed": self.bytes_freed,
+               "estimate": any(self.estimated(d) for d in self.decisions),
+               "trash": self.trash, "removed": self.removed, "changed": self.changed,
+               "thinned": [{"path": t.path, "bytes_before": t.bytes_before, "bytes_after": t.bytes_after}
+                           for t in self.thinned],
+               "not_thinned": [{"path": n.path, "why": n.why} for n in self.not_thinned],
+               "decisions": [self._decision(d, price) for d in self.decisions]}
+        if price is not None:
+            out["price_usd_per_gb_month"] = price
+            out["cost_per_month"] = cost_per_month({"before": self.bytes_before, "after": self.bytes_after}, price)
+        return out
+
+    def _decision(self, d, price: float | None) -> dict:
+        r = d.checkpoint
+        out = {"name": r.name, "step": r.step, "action": d.action, "tier": d.tier, "reasons": list(d.reasons),
+               "status": r.status, "bytes": r.bytes, "disk_bytes": r.disk_bytes, "bytes_after": self.after(d),
+               "estimate": self.estimated(d)}
+        if price is not None:
+            out["cost_per_month"] = cost_per_month({"before": r.bytes, "after": self.after(d)}, price)
+        return out
 
 
 def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None, recent: float = RECENT_SECONDS,
-          settle: float = 0.0) -> PrunePlan:
-    """The checkpoints a retention policy does not keep, as `reshard prune` plans them; deleted with `yes`.
+          settle: float = 0.0, thinner: Thinner | None = None) -> PrunePlan:
+    """The checkpoints a retention policy does not keep, and those it keeps at the weights tier only, as `reshard
+    prune` plans them; deleted and thinned with `yes`.
 
     Args:
         run_dir: a run directory, as for list_checkpoints.
-        policy: a Policy (keep_last, keep_best by metric, keep_every, keep_steps, delete_incomplete). Always
-            kept: the newest complete checkpoint, and any one `latest`, the framework's best or a link names.
-        yes: delete (default: the plan only).
+        policy: a Policy (keep_last, keep_best by metric, keep_every, keep_steps, keep_interval, each at a tier,
+            full or weights; delete_incomplete). Always kept full: the newest complete checkpoint, and any one
+            `latest`, the framework's best or a link names.
+        yes: delete and thin (default: the plan only).
         metrics, recent, settle: as for list_checkpoints.
+        thinner: what thins (default: reshard.thinning, as `reshard thin --yes`).
 
     Returns:
-        A PrunePlan: `decisions` (keep / delete / untouched, and why), `bytes_freed`, and once executed what was
-        removed; `to_dict()` is what `reshard prune --json` prints. Raises PolicyError (nothing deleted) when
+        A PrunePlan: `decisions` (keep / thin / delete / untouched, the tier, why, bytes after), `bytes_before`,
+        `bytes_after`, `bytes_freed`, and once executed what was removed and thinned; `to_dict(price)` is what
+        `reshard prune --json` prints. Raises PolicyError (nothing deleted) when
         the policy cannot be evaluated, UsageError when it says nothing.
 
     Example:
@@ -75,15 +170,17 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
     if yes:     # a `reshard thin` a kill interrupted: finished or rolled back before anything is judged
         recover(run_dir)
     listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
-    return carry_out(listing, decide(listing.checkpoints, policy), yes)
+    return carry_out(listing, decide(listing.checkpoints, policy), yes, thinner)
 
 
-def carry_out(listing: RunListing, decisions: list, yes: bool) -> PrunePlan:
+def carry_out(listing: RunListing, decisions: list, yes: bool, thinner: Thinner | None = None) -> PrunePlan:
     """The plan of `decisions` (reshard.retention.decide on `listing`'s rows, or rows a caller judged itself);
-    with `yes`, carried out: an interrupted prune's trash removed first, then each deletion unless its files
-    changed since the listing."""
+    with `yes`, carried out: an interrupted prune's trash removed first, then each deletion, then each thin (by
+    `thinner`, default LibraryThinner), each unless its files changed since the listing."""
     if not yes:
         return PrunePlan(listing.root, decisions, listing.trash)
+    if thinner is None and any(d.action == THIN for d in decisions):
+        thinner = LibraryThinner()      # before anything is done: a build that cannot thin changes nothing
     for leftover in listing.trash:      # an interrupted prune's renamed checkpoints: finish it first
         _remove(leftover)
     removed, changed = [], []
@@ -96,7 +193,30 @@ def carry_out(listing: RunListing, decisions: list, yes: bool) -> PrunePlan:
             continue
         _delete(row.path)
         removed.append(row.path)
-    return PrunePlan(listing.root, decisions, listing.trash, True, removed, changed)
+    thinned, refused = _thin_all([d for d in decisions if d.action == THIN], listing.root, thinner, changed)
+    return PrunePlan(listing.root, decisions, listing.trash, True, removed, changed, thinned, refused)
+
+
+def _thin_all(thins: list, root: str, thinner: Thinner | None, changed: list) -> tuple:
+    """([Thinned], [NotThinned]): each planned thin, oldest first. One that fails is left full (the thinner swaps
+    in the weights-only form only once it is whole) and the others go on: a thin is never a deletion."""
+    thinned, refused = [], []
+    for d in thins:
+        row = d.checkpoint
+        if not unchanged(row, root):
+            changed.append(row.path)
+            continue
+        assert thinner is not None      # (carry_out builds one when a thin is planned)
+        try:
+            outcome = thinner.thin(row.path)
+        except ReshardError as e:
+            refused.append(NotThinned(row.path, str(e)))
+            continue
+        if not outcome.executed:
+            refused.append(NotThinned(row.path, f"{row.path}: the thin was not carried out; left full"))
+            continue
+        thinned.append(Thinned(row.path, outcome.bytes_before, outcome.bytes_after))
+    return thinned, refused
 
 
 def _delete(path: str) -> None:

@@ -35,8 +35,8 @@ from reshard.listing import (
     problem_line,
     unchanged,
 )
-from reshard.pruning import carry_out
-from reshard.retention import Policy, PolicyError, decide, metric_of, ranked
+from reshard.pruning import LibraryThinner, Thinner, carry_out
+from reshard.retention import THIN, Policy, decide, metric_of, ranked
 from reshard.storage import files as fs
 from reshard.thinning import recover
 from reshard.validate import validate
@@ -88,7 +88,8 @@ class Pass:
     waiting: tuple = ()         # (reshard.listing.Checkpoint) still being written, or changed while validated
     removed: tuple = ()         # names the policy deleted
     exported: str | None = None     # the name newly exported as the best
-    problems: tuple = ()        # lines: a policy that cannot be evaluated, a failed --exec or export
+    problems: tuple = ()        # lines: a policy that cannot be evaluated, a failed --exec, export or thin
+    thinned: tuple = ()         # names the policy thinned to their weights
 
     @property
     def broken(self) -> bool:
@@ -101,7 +102,8 @@ class Watcher:
     `policy`: retention applied after validation (None: delete nothing); `metric`/`mode` rank `export_best` (a
     .safetensors file outside the run) and name the metric each line shows (default: the policy's); `exec_cmd`:
     a shell command run for each good checkpoint, its path in $RESHARD_CHECKPOINT and in place of `{}`;
-    `say(text, error)`: where lines go (default: nowhere).
+    `say(text, error)`: where lines go (default: nowhere); `thinner`: what thins a checkpoint the policy keeps at
+    the weights tier only (default: reshard.thinning).
 
     Args:
         run_dir: a run directory, as for list_checkpoints; its state is kept in a file there.
@@ -122,7 +124,8 @@ class Watcher:
     def __init__(self, run_dir, policy: Policy | None = None, *, checksums: bool = False,
                  export_best: str | None = None, metric: str | None = None, mode: str | None = None,
                  exec_cmd: str | None = None, metrics: str | None = None, recent: float = RECENT_SECONDS,
-                 settle: float = SETTLE_SECONDS, say: Callable[[str, bool], None] | None = None):
+                 settle: float = SETTLE_SECONDS, say: Callable[[str, bool], None] | None = None,
+                 thinner: Thinner | None = None):
         self._lock = None       # first: close() (and __del__) may run however far __init__ got
         self.root = fs.realpath(str(run_dir))
         if not fs.isdir(self.root):
@@ -138,6 +141,7 @@ class Watcher:
         self.checksums, self.exec_cmd, self.metrics = checksums, exec_cmd, metrics
         self.recent, self.settle = recent, settle
         self.say = say or (lambda text, error: None)
+        self.thinner = thinner
         self._lock = watch_state.lock(self.root)
         try:
             self.state = watch_state.load(self.root)
@@ -210,12 +214,13 @@ class Watcher:
             return Pass(tuple(reported), tuple(waiting), (), None, tuple(problems))
         verdicts = self._verdicts(rows)
         exported, failed = self._export(verdicts)
-        removed, refused = self._prune(listing, verdicts)
+        removed, thinned, refused = self._prune(listing, verdicts)
         kept = self.state.only({r.name for r in rows} - set(removed))
         if kept != self.state:      # a quiet pass writes nothing: no fsync every few seconds for nothing
             self.state = kept
             watch_state.save(self.root, self.state)
-        return Pass(tuple(reported), tuple(waiting), tuple(removed), exported, tuple(problems + failed + refused))
+        return Pass(tuple(reported), tuple(waiting), tuple(removed), exported, tuple(problems + failed + refused),
+                    tuple(thinned))
 
     def _judged(self, row: Checkpoint) -> tuple:
         """(the verdict on a finished row, whether sha256 sums were verified): the listing's coverage proof, and
@@ -323,27 +328,38 @@ class Watcher:
         return row.name, []
 
     def _prune(self, listing, verdicts: list) -> tuple:
-        """(names removed, problems): the policy on the watcher's verdicts, carried out."""
+        """(names removed, names thinned, problems): the policy on the watcher's verdicts, carried out. A thinned
+        checkpoint's files are new, so the next pass validates it again, as weights-only."""
         if self.policy is None:
-            return [], []
+            return [], [], []
         # A series with no validated complete checkpoint yet (a run's first saves still landing) waits: there
         # is nothing for its rules to rank, and decide would call that a policy it cannot evaluate.
         ready = {r.series for r in verdicts if r.status == COMPLETE}
         try:
             decisions = decide([r for r in verdicts if r.series in ready], self.policy)
-        except PolicyError as e:
-            return [], [self._problem(str(e))]
-        plan = carry_out(listing, decisions, yes=True)
+            thinner = self.thinner or (LibraryThinner() if any(d.action == THIN for d in decisions) else None)
+        except ReshardError as e:       # a policy it cannot evaluate, or a build that cannot thin: nothing done
+            return [], [], [self._problem(str(e))]
+        plan = carry_out(listing, decisions, yes=True, thinner=thinner)
         removed = set(plan.removed)
         names = []
         for d in plan.deleting():
             r = d.checkpoint
             if r.path in removed:
                 names.append(r.name)
-                step = f" (step {r.step})" if r.step is not None else ""
-                reasons = within("; ".join(d.reasons), self.root)
-                self.say(f"deleted {r.name}{step}, {human_bytes(r.bytes)}: {reasons}", False)
-        return names, []
+                self.say(f"deleted {r.name}{_step(r)}, {human_bytes(r.bytes)}: {self._reasons(d)}", False)
+        rows = {d.checkpoint.path: d for d in plan.thinning()}
+        thinned = []
+        for done in plan.thinned:
+            d = rows[done.path]
+            thinned.append(d.checkpoint.name)
+            self.say(f"thinned {d.checkpoint.name}{_step(d.checkpoint)} to its weights, "
+                     f"{human_bytes(done.bytes_before)} → {human_bytes(done.bytes_after)}: {self._reasons(d)}", False)
+        problems = [self._problem(f"{within(n.why, self.root)} (left full)") for n in plan.not_thinned]
+        return names, thinned, problems
+
+    def _reasons(self, d) -> str:
+        return within("; ".join(d.reasons), self.root)
 
     def _problem(self, text: str) -> str:
         if text not in self._said:
@@ -355,6 +371,10 @@ class Watcher:
 def label(row) -> str:
     """How a line names a checkpoint (a row or an Event): by its step, or its name when it carries none."""
     return f"step {row.step}" if row.step is not None else row.name
+
+
+def _step(row) -> str:
+    return f" (step {row.step})" if row.step is not None else ""
 
 
 def within(text: str, root: str) -> str:

@@ -137,3 +137,14 @@ def lightning_run(root: Path, epochs: int = 4):
 def snapshot(path: Path) -> dict:
     """{relative path: bytes} of every file under `path`: what must not change."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def ds_run(root, fixture: str):
+    """A save dir of `fixture`'s step 3 copied as global_step1 and 2 beside it; `latest` names global_step3."""
+    save = root / fixture
+    shutil.copytree(fixture_dir(fixture), save)
+    for step in (1, 2):     # (a fixture's own global_step2 is another step's: the truth is step 3's)
+        shutil.rmtree(save / f"global_step{step}", ignore_errors=True)
+        copy_tag(fixture, "global_step3", save, f"global_step{step}")
+    age(save)
+    return save

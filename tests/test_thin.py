@@ -15,23 +15,12 @@ import pytest
 import torch
 
 import reshard
-from conftest import FIXTURES, REPO, fixture_dir, run_cli, write_in_zip
+from conftest import FIXTURES, REPO, run_cli, write_in_zip
 from engine_launches import shares
-from lifecycle_runs import age, copy_tag, hf_run
+from lifecycle_runs import age, ds_run, hf_run
 from reshard import thinning
 from reshard.core.catalog import TensorKey
 from reshard.errors import ReshardError
-
-
-def ds_run(root, fixture: str):
-    """A save dir of `fixture`'s step 3 copied as global_step1 and 2 beside it; `latest` names global_step3."""
-    save = root / fixture
-    shutil.copytree(fixture_dir(fixture), save)
-    for step in (1, 2):     # (a fixture's own global_step2 is another step's: the truth is step 3's)
-        shutil.rmtree(save / f"global_step{step}", ignore_errors=True)
-        copy_tag(fixture, "global_step3", save, f"global_step{step}")
-    age(save)
-    return save
 
 
 def rows(save):

@@ -11,9 +11,10 @@ import textwrap
 
 import reshard
 from reshard import rule_files, watching
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking
 from reshard.formats.run_layout import WATCH_STATE
+from reshard.retention import FULL, TIERS, parse_duration
 
 
 class _Parser(argparse.ArgumentParser):
@@ -246,20 +247,27 @@ def _lifecycle_commands(sub) -> None:
                         "and the run cost a month")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep (a dry run without --yes)",
+    p = _command(sub, "prune", "delete the checkpoints a retention policy does not keep, thin to their weights those "
+                 "it keeps at the weights tier only (a dry run without --yes)",
                  ("reshard prune out/ --keep-last 3                       # prints the plan",
-                  "reshard prune out/ --keep-last 1 --keep-best 1 --metric eval_loss --metrics evals.csv",
-                  "reshard prune out/ --keep-every 1000 --keep-steps 2 --delete-incomplete --yes"),
-                 " A checkpoint kept by any rule stays. Always kept: the newest complete checkpoint and any one "
+                  "reshard prune out/ --keep-every 1000 --keep-steps 2 --delete-incomplete --yes",
+                  "reshard prune out/ --keep-last 3 --keep-every 10:weights --keep-interval 1d:weights --price 0.023"),
+                 " Each rule keeps at a tier, full (the default) or weights (`:weights`: the checkpoint is thinned to "
+                 "its weights-only form, as by `reshard thin`); a checkpoint kept by several rules gets the richest "
+                 "tier, one kept by none is deleted. Always kept full: the newest complete checkpoint and any one "
                  "`latest`, the framework's best (best_model_checkpoint, best_model_path) or a link names; an "
                  "incomplete checkpoint never counts toward --keep-last and is deleted only with "
-                 "--delete-incomplete; a save in progress is never touched. Deletion renames first, so a rerun "
-                 "finishes an interrupted prune.")
+                 "--delete-incomplete; a save in progress is never touched; one already weights-only stays so. "
+                 "Deletion renames first, so a rerun finishes an interrupted prune; deletions come before thins, and "
+                 "a checkpoint that cannot be thinned is left full.")
     p.add_argument("path", metavar="DIR", help="a run directory, as for `reshard list`")
     _policy_args(p)
-    p.add_argument("--yes", action="store_true", help="delete (default: print the plan only)")
+    p.add_argument("--yes", action="store_true", help="delete and thin (default: print the plan only)")
     _run_dir_args(p)
-    p.add_argument("--json", action="store_true", help="print the plan (and what was deleted) as JSON")
+    p.add_argument("--price", type=_non_negative_float, metavar="USD_PER_GB_MONTH",
+                   help="storage price in USD per GB (10^9 bytes) and month: adds what each checkpoint and the run "
+                        "cost a month before and after")
+    p.add_argument("--json", action="store_true", help="print the plan (and what was deleted and thinned) as JSON")
     _quiet_arg(p)
     _thin_command(sub)
     _watch_command(sub)
@@ -299,7 +307,8 @@ def _watch_command(sub) -> None:
                  " A checkpoint is taken once its save has finished (sizes equal at two looks --settle apart, no "
                  "file newer than --recent, DCP's .metadata written, `latest` moved past it) and validated as by "
                  "`reshard validate`; one line each (INCOMPLETE and why for a broken save). The policy (as for "
-                 "`prune`, always executed) deletes only checkpoints the watcher validated. State: DIR/"
+                 "`prune`, its rules at their tiers, always executed) deletes or thins only checkpoints the watcher "
+                 "validated. State: DIR/"
                  f"{WATCH_STATE} (a restarted watcher does not report a checkpoint again).")
     p.add_argument("path", metavar="DIR", help="a run directory, as for `reshard list`")
     _policy_args(p)
@@ -318,23 +327,51 @@ def _watch_command(sub) -> None:
 
 
 def _policy_args(p) -> None:
-    p.add_argument("--keep-last", type=_positive_int, metavar="K", help="keep the K newest complete checkpoints")
-    p.add_argument("--keep-best", type=_positive_int, metavar="M", help="keep the M best complete checkpoints by "
-                   "--metric")
+    tier = "; K:weights keeps them as their weights only (thinned, as by `reshard thin`), K:full (the default) whole"
+    p.add_argument("--keep-last", type=_tiered(_positive_int), metavar="K",
+                   help=f"keep the K newest complete checkpoints{tier}")
+    p.add_argument("--keep-best", type=_tiered(_positive_int), metavar="M",
+                   help="keep the M best complete checkpoints by --metric (M:weights or M:full, as for --keep-last)")
     p.add_argument("--metric", metavar="NAME",
                    help="the metric --keep-best ranks by (eval_loss; HF's eval_ prefix may be left out)")
     p.add_argument("--mode", choices=["min", "max"], default="min", help="min: lower is better (default), max: higher")
-    p.add_argument("--keep-every", type=_positive_int, metavar="N", help="keep checkpoints whose step is a multiple "
-                   "of N")
-    p.add_argument("--keep-steps", type=_steps_arg, default=(), metavar="S,S,...", help="keep these steps")
+    p.add_argument("--keep-every", type=_tiered(_positive_int), metavar="N",
+                   help="keep checkpoints whose step is a multiple of N (N:weights or N:full)")
+    p.add_argument("--keep-steps", type=_tiered(_steps_arg), metavar="S,S,...",
+                   help="keep these steps (S,S:weights or S,S:full)")
+    p.add_argument("--keep-interval", type=_tiered(_duration_arg), metavar="DURATION",
+                   help="keep one checkpoint per DURATION of save time (30m, 6h, 2d, 1w): oldest first by the time "
+                        "of its newest file, one whenever DURATION has passed since the last this rule kept "
+                        "(DURATION:weights or DURATION:full)")
     p.add_argument("--delete-incomplete", action="store_true", help="also delete incomplete checkpoints nothing names")
 
 
 def policy(args) -> reshard.Policy:
-    """The retention policy of prune's and watch's options."""
-    return reshard.Policy(keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
-                          keep_every=args.keep_every, keep_steps=args.keep_steps,
-                          delete_incomplete=args.delete_incomplete)
+    """The retention policy of prune's and watch's options, each rule at its tier."""
+    last, best, every, steps, interval = (getattr(args, name) or (None, FULL) for name in
+                                          ("keep_last", "keep_best", "keep_every", "keep_steps", "keep_interval"))
+    return reshard.Policy(keep_last=last[0], keep_best=best[0], metric=args.metric, mode=args.mode,
+                          keep_every=every[0], keep_steps=steps[0] or (), keep_interval=interval[0],
+                          delete_incomplete=args.delete_incomplete, keep_last_tier=last[1], keep_best_tier=best[1],
+                          keep_every_tier=every[1], keep_steps_tier=steps[1], keep_interval_tier=interval[1])
+
+
+def _tiered(parse):
+    """An argparse type for `VALUE[:TIER]`: (parse(VALUE), TIER), the tier full where none is named."""
+    def tiered(text: str) -> tuple:
+        value, tier = text.rsplit(":", 1) if ":" in text else (text, FULL)
+        if tier not in TIERS:
+            raise argparse.ArgumentTypeError(f"not a tier: {tier!r} in {text!r} ({' or '.join(TIERS)}, e.g. "
+                                             "3:weights)")
+        return parse(value), tier
+    return tiered
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run_dir_args(p, settle: float = 0.0) -> None:

@@ -36,7 +36,7 @@ def _kinds(r) -> str:
     return "  ".join(f"{v:>10}" for v in values)
 
 
-def _usd(amount: float) -> str:
+def usd(amount: float) -> str:
     """Dollars and cents (what `--json`'s `cost_per_month` holds exactly)."""
     return f"${amount:,.2f}" if amount >= 0.005 or amount == 0 else "<$0.01"
 
@@ -56,7 +56,7 @@ def print_listing(listing, price: float | None = None) -> None:
         extra = [f"<- {', '.join(r.pinned)}"] if r.pinned else []
         if r.metrics:
             extra.append(_metrics_words(r.metrics))
-        cost = f"{_usd(r.bytes / GB * price):>11}  " if price is not None else ""
+        cost = f"{usd(r.bytes / GB * price):>11}  " if price is not None else ""
         print(f"  {step:>8}  {_when(r.mtime):<19}  {human_bytes(r.bytes):>10}  {_kinds(r)}  {cost}"
               f"{r.format or '?':<12} {r.topology or '-':<16} {status:<12} {r.name:<{width}} "
               f"{'  '.join(extra)}".rstrip())
@@ -79,7 +79,7 @@ def print_total(total, count: int, price: float | None) -> None:
     print(f"total: {human_bytes(total.total)} in {counted(count, 'checkpoint')}: {', '.join(parts)}")
     if price is not None:
         costs = cost_per_month(total.to_dict(), price)
-        words = [f"{kind} {_usd(costs[kind])}" for kind in ("weights", "optimizer", "other")]
+        words = [f"{kind} {usd(costs[kind])}" for kind in ("weights", "optimizer", "other")]
         if total.unknown:
-            words.append(f"unknown {_usd(costs['unknown'])}")
-        print(f"cost: {_usd(costs['total'])} a month at ${price:g} per GB (10^9 bytes) a month: {', '.join(words)}")
+            words.append(f"unknown {usd(costs['unknown'])}")
+        print(f"cost: {usd(costs['total'])} a month at ${price:g} per GB (10^9 bytes) a month: {', '.join(words)}")

@@ -50,10 +50,10 @@ def print_watch_pass(root: str, done) -> None:
 
 def summary(done) -> str:
     """What the pass did, each count of something done: checkpoints validated (complete, incomplete), those it
-    could not verify and kept unread, those left in progress, those deleted."""
+    could not verify and kept unread, those left in progress, those deleted, and those thinned where there were."""
     validated = [e for e in done.reported if e.status in (COMPLETE, INCOMPLETE)]
     broken = sum(e.status == INCOMPLETE for e in validated)
     unread = len(done.reported) - len(validated)
     return (f"validated {counted(len(validated), 'checkpoint')} ({len(validated) - broken} complete, {broken} "
             f"incomplete), kept {unread} unverifiable or unknown unread, left {len(done.waiting)} in progress, "
-            f"deleted {len(done.removed)}")
+            f"deleted {len(done.removed)}" + (f", thinned {len(done.thinned)}" if done.thinned else ""))
