@@ -93,7 +93,7 @@ def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = F
     recovered = tuple(recover(os.path.dirname(path))) if yes and not fs.is_url(path) else ()
     catalog, form, before = _eligible(path, keep_masters)
     text = _provenance(catalog, form, path, before, keep_masters)
-    after = _kept_bytes(path, form) + len(text.encode())
+    after = _form_bytes(catalog, form, path) + len(text.encode())
     result = ThinResult(path, catalog.format, False, before, after, form.dropped, form.what, form.load, recovered)
     if not yes:
         return result
@@ -119,7 +119,7 @@ def thinned_bytes(catalog_or_path: Catalog | str | os.PathLike[str], keep_master
         catalog = read_catalog(path)
     form = weights_only_form(catalog, path, keep_masters)
     text = _provenance(catalog, form, path, _size(path), keep_masters)
-    return _kept_bytes(path, form) + len(text.encode())
+    return _form_bytes(catalog, form, path) + len(text.encode())
 
 
 def recover(run_dir: str | os.PathLike[str]) -> list[str]:
@@ -174,7 +174,7 @@ def _eligible(path: str, keep_masters: bool):
 
 def _provenance(catalog: Catalog, form, path: str, before: int, keep_masters: bool) -> str:
     """The record's text, its own size included in the bytes after."""
-    kept = _kept_bytes(path, form)
+    kept = _form_bytes(catalog, form, path)
     on = time.strftime("%Y-%m-%d", time.gmtime())
     text = ""
     for _ in range(3):      # the number's digits are part of the size it states
@@ -183,8 +183,21 @@ def _provenance(catalog: Catalog, form, path: str, before: int, keep_masters: bo
     return text
 
 
-def _kept_bytes(path: str, form) -> int:
-    return sum(fs.getsize(os.path.join(path, n)) for n in form.kept if n != manifest.NAME)
+def _targets(catalog: Catalog, form, path: str, text: str | None = None):
+    """The plan writing the form (its kept files copied, its written ones from the checkpoint's tensors, and the
+    record where `text` is given), its output beside the checkpoint, in its folder."""
+    targets: list = [CopiedFile(n, os.path.join(path, n), fs.getsize(os.path.join(path, n)))
+                     for n in form.kept if n != manifest.NAME]
+    targets += list(form.written)
+    if text is not None:
+        targets.append(TextFile(weights_only.PROVENANCE, text))
+    made = plan_files(catalog, catalog.layout, targets, catalog.tag, Output(catalog.format))
+    return replace(made, source=path, save_dir=path)
+
+
+def _form_bytes(catalog: Catalog, form, path: str) -> int:
+    """The form's bytes, the record aside."""
+    return _targets(catalog, form, path).bytes_written
 
 
 def _size(path: str) -> int:
@@ -199,24 +212,22 @@ def _check_free(path: str, needed: int) -> None:
 
 
 def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
-    """The kept files and the record, copied through the planner and executor into the hidden sibling."""
+    """The kept files, the written ones and the record, through the planner and executor into the hidden
+    sibling."""
     from reshard.executor import execute
     _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
-    targets: list[CopiedFile | TextFile] = [CopiedFile(n, os.path.join(path, n), fs.getsize(os.path.join(path, n)))
-                                            for n in form.kept if n != manifest.NAME]
-    targets.append(TextFile(weights_only.PROVENANCE, text))
-    made = plan_files(catalog, catalog.layout, targets, catalog.tag, Output(catalog.format))
     # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
-    made = replace(made, source=path, save_dir=path)
-    execute(made, names.staged, progress=False)
+    execute(_targets(catalog, form, path, text), names.staged, progress=False)
     os.unlink(os.path.join(names.staged, manifest.NAME))     # the form is the framework's files and the record
-    newest = 0.0
-    for n in form.kept:         # the save's times, which `list` and time-based retention read, kept
-        st = os.stat(os.path.join(path, n))
-        newest = max(newest, st.st_mtime)
+    # the save's times, which `list` and time-based retention read, kept: a kept file's own, a file written anew
+    # and the record the save's (its newest file's)
+    newest = max((mtime for _, _, mtime in fs.tree(path).files_under(path)), default=0.0)
+    for n in form.kept:
         if n != manifest.NAME:
+            st = os.stat(os.path.join(path, n))
             os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
-    os.utime(os.path.join(names.staged, weights_only.PROVENANCE), (newest, newest))
+    for n in [f.path for f in form.written] + [weights_only.PROVENANCE]:
+        os.utime(os.path.join(names.staged, n), (newest, newest))
     for folder, _, _ in sorted(os.walk(names.staged), reverse=True):     # its folders' too, deepest first
         source = os.path.join(path, os.path.relpath(folder, names.staged))
         when = os.stat(source).st_mtime if os.path.isdir(source) else newest

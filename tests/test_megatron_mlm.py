@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -104,6 +105,16 @@ def megatron_load_jobs(out):
         jobs.append(_job(f"{name}:{to}", name, to, out / f"weights-{index}"))
     name, to = WEIGHTS_ONLY[0]        # the control: a full load (the optimizer asked for) of the model alone fails
     jobs.append({**_job("weights only, optimizer asked", name, to, out / "weights-0"), "weights_only": False})
+    # `reshard thin` of an iteration folder of a run, loaded as --no-load-optim loads it; and with one changed element
+    name = THINNED
+    save = thinned_run(out / "thin-run")
+    for label, changed in (("thinned", False), ("thinned, changed", True)):
+        loaded_save = out / label.replace(", ", "-") / "save"
+        shutil.copytree(save / "iter_0000001", loaded_save / "iter_0000001")
+        (loaded_save / "latest_checkpointed_iteration.txt").write_text("1")
+        if changed:
+            change_module_element(loaded_save / "iter_0000001", CHANGED, fix_crc=True)
+        jobs.append({**_job(label, name, "tp=2,pp=1,dp=1", loaded_save), "weights_only": True})
     return [(2, None, job) for job in jobs]
 
 
@@ -157,6 +168,78 @@ def test_megatron_loads_the_model_alone_without_its_optimizer(name, to, loaded):
 def test_the_model_alone_is_not_a_full_checkpoint_to_megatron(loaded):
     result = loaded["weights only, optimizer asked"]
     assert not result["loaded"] and "optimizer" in result["error"], result["error"]
+
+
+THINNED = "mcore_mlm_bf16_dp_reshardable_tp2"
+
+
+def thinned_run(root):
+    """A Megatron-LM save dir of THINNED's iteration three times (1, 2, 3; the tracker naming 3), saved an hour
+    ago, its iter_0000001 thinned by `reshard thin --yes`."""
+    import time
+    save = root / "save"
+    for iteration in (1, 2, 3):
+        shutil.copytree(ROOT / THINNED / "save" / "iter_0000003", save / f"iter_{iteration:07d}")
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    hour_ago = time.time() - 3600
+    for path in save.rglob("*"):
+        os.utime(path, (hour_ago, hour_ago))
+    reshard.thin(str(save / "iter_0000001"), yes=True)
+    return save
+
+
+def change_module_element(folder, name: str, fix_crc: bool) -> None:
+    """One bf16 element of `name`'s weights flipped in place (its zip member's CRC-32 made to match, or left)."""
+    from reshard.core.catalog import TensorKey
+    fragment = reshard.open_checkpoint(str(folder)).tensors[TensorKey(name, "module")].fragments[0]
+    at = fragment.storage.offset + fragment.elem_offset * 2
+    data = bytearray(open(fragment.storage.file, "rb").read())
+    if fix_crc:
+        from conftest import write_in_zip
+        from reshard.formats.dcp import metadata as dcp_metadata
+        from reshard.formats.megatron.pickles import METADATA_ALLOWED
+        meta = dcp_metadata.read(os.path.join(folder, ".metadata"), METADATA_ALLOWED)
+        start, length = next((i.offset, i.length) for i in meta.storage_data.values()
+                             if i.relative_path == os.path.basename(fragment.storage.file)
+                             and i.offset <= at < i.offset + i.length)
+        item = folder.parent / "item.zip"
+        item.write_bytes(bytes(data[start:start + length]))
+        write_in_zip(item, at - start, bytes(b ^ 0x40 for b in data[at:at + 2]))
+        data[start:start + length] = item.read_bytes()
+        item.unlink()
+    else:
+        data[at:at + 2] = bytes(b ^ 0x40 for b in data[at:at + 2])
+    open(fragment.storage.file, "wb").write(bytes(data))
+
+
+@pytest.mark.engine
+def test_megatron_loads_a_thinned_iteration_without_its_optimizer(loaded):
+    result = loaded["thinned"]
+    assert result["loaded"] and result["error"] is None and result["problems"] == [], result
+    changed = loaded["thinned, changed"]
+    assert changed["loaded"] and changed["problems"] == [f"module/{CHANGED}: differs from the truth"], changed
+
+
+def test_reshard_thin_of_a_megatron_iteration_keeps_the_model_alone(tmp_path):
+    """`reshard thin` of an iteration folder: the model's torch_dist written alone beside it, proven, swapped in;
+    `list` calls it complete and weights-only, its export is the full one's bit for bit, `convert` to a target that
+    needs optimizer state is refused in one line; one flipped byte of it is caught by `validate --deep`."""
+    save = thinned_run(tmp_path / "run")
+    rows = {r["name"]: r for r in json.loads(run_cli("list", save, "--json").stdout)["checkpoints"]}
+    assert rows["iter_0000001"]["status"] == "complete" and rows["iter_0000001"]["weights_only"]
+    assert rows["iter_0000001"]["bytes"] < rows["iter_0000002"]["bytes"] / 5
+    assert rows["iter_0000001"]["mtime"] == rows["iter_0000002"]["mtime"]       # the save's time kept
+    assert "weights-only (thinned from a full megatron checkpoint" in run_cli("inspect", save / "iter_0000001").stdout
+    assert reshard.validate(str(save / "iter_0000001"), deep=True).ok
+    run_cli("export", save / "iter_0000002", tmp_path / "full.safetensors", check=0)
+    run_cli("export", save / "iter_0000001", tmp_path / "thin.safetensors", check=0)
+    assert (tmp_path / "full.safetensors").read_bytes() == (tmp_path / "thin.safetensors").read_bytes()
+    refused = run_cli("convert", save / "iter_0000001", tmp_path / "out", "--to", "dp=2,tp=1,vocab=100,"
+                      "sharding=dp_reshardable", check=1)
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    flipped = shutil.copytree(save / "iter_0000001", tmp_path / "flipped" / "iter_0000001")
+    change_module_element(flipped, CHANGED, fix_crc=False)
+    assert not reshard.validate(str(flipped), deep=True).ok
 
 
 # -- what reshard itself writes and refuses (no engine)

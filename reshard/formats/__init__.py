@@ -58,6 +58,7 @@ WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topol
 # option and loads with its weights-only load: by catalog format, or by the training framework whose folder is
 # the checkpoint (HF Trainer's checkpoint-N/ around a DeepSpeed save). `reshard thin` writes it.
 WEIGHTS_ONLY = {"deepspeed": "reshard.formats.deepspeed.weights_only",
+                "megatron": "reshard.formats.megatron.weights_only",
                 "hf-trainer": "reshard.formats.single.trainer_weights",
                 "HF Trainer": "reshard.formats.single.trainer_weights"}
 
@@ -70,7 +71,8 @@ def weights_only_form(catalog, path: str, keep_masters: bool = False):
     name = frame.name if at_frame and frame is not None else catalog.format
     if name not in WEIGHTS_ONLY:
         raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: DeepSpeed "
-                                    "ZeRO-1/2 tag folders, HF Trainer checkpoint-N/ with DeepSpeed or DDP)")
+                                    "ZeRO-1/2 tag folders, HF Trainer checkpoint-N/ with DeepSpeed or DDP, Megatron-LM "
+                                    "iteration folders)")
     return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from reshard.storage import files as fs
 
@@ -22,9 +23,12 @@ KIND = "reshard.thinned"
 class Form:
     """The weights-only form of one checkpoint: files relative to its folder (or the file itself, "")."""
     kept: tuple[str, ...]           # taken over unchanged
-    dropped: tuple[str, ...]        # not written (the optimizer's state, the engine's)
+    dropped: tuple[str, ...]        # not written (the optimizer's state, the engine's), or written again
     what: str                       # what is dropped, in words: "the optimizer state (2 *_optim_states.pt files)"
     load: str                       # the framework's weights-only load that takes it
+    # files written anew from the checkpoint's tensors (write requests: reshard.core.write_requests, paths relative
+    # to its folder), where the form is no subset of its files (Megatron's .distcp files hold model and optimizer)
+    written: tuple[Any, ...] = ()
 
 
 def provenance_record(thinned_on: str, what: str, dropped: tuple[str, ...], bytes_before: int, bytes_after: int,
