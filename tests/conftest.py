@@ -266,15 +266,15 @@ def write_in_zip(path, offset: int, data: bytes) -> None:
             at += 46 + name_len + extra_len + comment_len
 
 
-def change_dcp_element(folder, name: str, allowed: dict | None = None) -> None:
-    """One element of `name`'s exp_avg changed in the DCP files under `folder` (its zip member's CRC-32 made to
+def change_dcp_element(folder, name: str, allowed: dict | None = None, state: str = "exp_avg") -> None:
+    """One element of `name`'s exp_avg (or fp32 `state`: "module", its weights) changed in the DCP files under `folder` (its zip member's CRC-32 made to
     match, as a save of another value would have written it); `allowed`: the allow-list its `.metadata` needs
     (Megatron's), None for DCP's own."""
     import reshard
     from reshard.core.catalog import TensorKey
     from reshard.formats.dcp import metadata as dcp_metadata
     catalog = reshard.open_checkpoint(str(folder))
-    fragment = catalog.tensors[TensorKey(name, "exp_avg")].fragments[0]
+    fragment = catalog.tensors[TensorKey(name, state)].fragments[0]
     path = fragment.storage.file
     meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"), allowed)
     at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)

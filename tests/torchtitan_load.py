@@ -66,6 +66,8 @@ def _problems(job, folder, weights, optim, lr_schedulers, train_state, dataloade
 
 def _job(job: dict) -> dict:
     import torch.distributed as dist
+    if job.get("model_only"):
+        return _model_only(job)
 
     import torchtitan_cpu
     result = {"label": job["label"], "loaded": False, "error": None, "problems": {}, "losses": []}
@@ -88,6 +90,34 @@ def _job(job: dict) -> dict:
                                                       train_state, 1)
         result["step_after"] = sorted({float(v) for k, v in optimizers.state_dict().items() if k.endswith(".step")})
     checkpointer.close()
+    dist.barrier()
+    return result
+
+
+def _model_only(job: dict) -> dict:
+    """{"label", "model_only": true, "load": a model-only step-N folder, "truth": a full step-N folder}: a fresh
+    run whose CheckpointManager (its own folder empty) loads `load` with checkpoint.initial_load_path, the model alone
+    (initial_load_model_only); every weight must equal the truth's as dcp_to_torch_save reads it."""
+    import torch
+    import torch.distributed as dist
+
+    import torchtitan_cpu
+    result = {"label": job["label"], "loaded": False, "error": None, "problems": []}
+    with tempfile.TemporaryDirectory() as empty:
+        model, _, _, _, _, checkpointer = torchtitan_cpu.components(
+            os.path.join(empty, "checkpoint"), fuse_qkv=False, initial_load_path=job["load"])
+        try:
+            result["loaded"] = bool(checkpointer.load())
+        except Exception as e:
+            result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if result["loaded"]:
+            weights = {name: param.full_tensor() for name, param in model.named_parameters()}
+            if dist.get_rank() == 0:
+                truth = _truth(job["truth"])
+                result["compared"] = len(weights)
+                result["problems"] = [f"{name}: differs from the truth" for name, live in weights.items()
+                                      if not torch.equal(live, truth[name])]
+        checkpointer.close()
     dist.barrier()
     return result
 

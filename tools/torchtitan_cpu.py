@@ -109,9 +109,11 @@ class TrainState:
         self.ntokens_seen = state_dict["ntokens_seen"]
 
 
-def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=()):
+def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=(), initial_load_path: str | None = None):
     """(model, optimizers, lr_schedulers, dataloader, train_state, checkpointer) at this process group's world size,
-    the checkpoint manager saving to and loading from `folder`/step-N."""
+    the checkpoint manager saving to and loading from `folder`/step-N; with `initial_load_path` (a step-N folder) and
+    no step in `folder`, its load() loads that folder's model alone (checkpoint.initial_load_model_only, its
+    default)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -134,7 +136,7 @@ def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=()):
     dataloader = ParallelAwareDataloader(dataset, dp_rank=rank, dp_world_size=world, batch_size=BATCH)
     train_state = TrainState()
     checkpointer = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0,
-                                            last_save_model_only=False,
+                                            last_save_model_only=False, initial_load_path=initial_load_path,
                                             exclude_from_loading=list(exclude_from_loading)).build(
         dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
         states={"train_state": train_state}, sd_adapter=None)

@@ -60,7 +60,9 @@ WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topol
 WEIGHTS_ONLY = {"deepspeed": "reshard.formats.deepspeed.weights_only",
                 "megatron": "reshard.formats.megatron.weights_only",
                 "hf-trainer": "reshard.formats.single.trainer_weights",
-                "HF Trainer": "reshard.formats.single.trainer_weights"}
+                "HF Trainer": "reshard.formats.single.trainer_weights",
+                "torchtitan": "reshard.formats.dcp.torchtitan_weights",
+                "dcp": "reshard.formats.dcp.weights_only"}
 
 
 def weights_only_form(catalog, path: str, keep_masters: bool = False):
