@@ -62,6 +62,7 @@ WEIGHTS_ONLY = {"deepspeed": "reshard.formats.deepspeed.weights_only",
                 "hf-trainer": "reshard.formats.single.trainer_weights",
                 "HF Trainer": "reshard.formats.single.trainer_weights",
                 "torchtitan": "reshard.formats.dcp.torchtitan_weights",
+                "Lightning": "reshard.formats.dcp.lightning_weights",
                 "dcp": "reshard.formats.dcp.weights_only"}
 
 

@@ -4,6 +4,12 @@ Its `_save_checkpoint` (transformers 5.21) saves the model (save_pretrained: `mo
 config.json, the tokenizer) and trainer_state.json, and skips `_save_optimizer_and_scheduler`: no `optimizer.pt`,
 and with DeepSpeed no engine save (`latest`, the tag folder, `zero_to_fp32.py`). `from_pretrained` loads the
 folder. The small files that are no optimizer state stay (scheduler.pt, rng_state*.pth, training_args.bin).
+
+With FSDP's FULL_STATE_DICT, `save_model` writes model.safetensors from the gathered state dict and
+`_save_optimizer_and_scheduler` (skipped) Accelerate's `pytorch_model_fsdp.bin` and `optimizer.bin` (save_fsdp_model,
+save_fsdp_optimizer): both are dropped. With SHARDED_STATE_DICT the Trainer refuses `save_only_model` (its
+create_accelerator_and_postprocess: "save_only_model option is not compatible with FSDP state dict type
+'SHARDED_STATE_DICT'") and `save_model` writes no weights: it has no weights-only form, and the folder is not thinned.
 """
 from __future__ import annotations
 
@@ -12,17 +18,22 @@ import os
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import files as ds_files, topology, weights_only as ds_weights_only, zero_target
-from reshard.formats.single import hf_weights
+from reshard.formats.single import hf_files, hf_weights
 from reshard.formats.single.hf_trainer import OPTIMIZER
 from reshard.formats.weights_only import Form
 from reshard.storage import files as fs
 
 LOAD = "AutoModelForCausalLM.from_pretrained(checkpoint)"
+FSDP_FILES = (hf_files.FSDP_FULL_MODEL, hf_files.FSDP_FULL_OPTIMIZER)     # save_fsdp_model's, save_fsdp_optimizer's
+SHARDED = ("the Trainer refuses save_only_model with FSDP's SHARDED_STATE_DICT and saves no weights beside it, so "
+           "it has no weights-only form of this folder: not thinned (reshard export writes its weights)")
 ENGINE_FILES = (ds_files.LATEST, *zero_target.SCRIPTS)
 
 
 def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
     folder = fs.abspath(path)
+    if catalog.format == "fsdp":        # (fsdp_reader: pytorch_model_fsdp_0/ and optimizer_0/)
+        raise ReshardError.at(path, SHARDED)
     weights = hf_weights.present(folder)
     if weights not in (hf_weights.SAFE, hf_weights.SAFE_INDEX, hf_weights.BIN, hf_weights.BIN_INDEX):
         raise ReshardError.at(path, "no model.safetensors or pytorch_model.bin the Trainer saved with the model: "
@@ -36,10 +47,11 @@ def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
                                     "keeps the weights it trains with)")
     found = sorted(os.path.relpath(p, folder) for p, _, _ in fs.tree(folder).files_under(folder))
     engine = bool(ds_files.LATEST in found)
-    dropped = tuple(n for n in found if n == OPTIMIZER or (engine and (os.sep in n or n in ENGINE_FILES)))
+    dropped = tuple(n for n in found if n in (OPTIMIZER, *FSDP_FILES) or (engine and (os.sep in n or n in ENGINE_FILES)))
     if not dropped:
-        raise ReshardError.at(path, f"no {OPTIMIZER} or DeepSpeed save in it: nothing to thin")
+        raise ReshardError.at(path, f"no {OPTIMIZER}, FSDP optimizer or DeepSpeed save in it: nothing to thin")
     kept = tuple(n for n in found if n not in dropped)
+    fsdp = " and ".join(n for n in FSDP_FILES if n in dropped)
     what = "the DeepSpeed engine's save (its tag folder: optimizer state and module copy)" if engine else \
-        f"the optimizer state ({OPTIMIZER})"
+        f"FSDP's full optimizer state and model copy ({fsdp})" if fsdp else f"the optimizer state ({OPTIMIZER})"
     return Form(kept, dropped, what, LOAD)
