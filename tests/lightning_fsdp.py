@@ -14,6 +14,9 @@ JOBS.json is a list of jobs, run in order in one process:
       {"tensors": {...}, "global_step", "scheduler"}) and with another run's T2 (which must differ), the trainer's
       step, epoch and lr scheduler recorded; then one more step runs.
   {"mode": "fail", ...as resume}: the same fit; the error it ends with is recorded (None: it resumed).
+  {"mode": "weights", "ckpt": C, "truth": T, "control": T2}: `trainer.validate(model, ckpt_path=C)` (the strategy's
+      load without the optimizer: a weights-only checkpoint's); at on_validation_start the gathered model weights
+      are compared with T's "model/" tensors and with T2's (which must differ); "problems", "control_problems".
 
 The CPU shim is tests/cpu_fsdp.py's; the model, data and scheduler are tests/lightning_deepspeed.py's. The ranks
 cannot import reshard (pickles.block_reshard).
@@ -119,6 +122,36 @@ def resume(job):
     return {"mode": "resume", "ckpt": job["ckpt"], "world": int(os.environ["WORLD_SIZE"]), **seen}
 
 
+def weights(job):
+    """The strategy's load of a checkpoint's model alone (trainer.validate), compared with a truth's weights."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    truth, control = torch.load(job["truth"]), torch.load(job["control"])
+    seen = {}
+
+    class Check(pl.Callback):
+        def on_validation_start(self, trainer, module):       # after the strategy loaded the checkpoint
+            model = get_model_state_dict(trainer.strategy.model,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+            state = {f"model/{k}": v.detach().clone() for k, v in model.items()}
+            wanted = {k: v for k, v in truth["tensors"].items() if k.startswith("model/")}
+            seen.update(problems=differences(state, wanted), compared=len(wanted),
+                        control_problems=differences(state, {k: v for k, v in control["tensors"].items()
+                                                             if k.startswith("model/")}))
+
+    torch.manual_seed(4321)
+    plain = type(module_for(job, note="another init"))
+
+    class Validated(plain):
+        def validation_step(self, batch, batch_idx):
+            return self.training_step(batch, batch_idx)
+
+    trainer = trainer_for({**job, "dir": os.path.dirname(job["ckpt"]), "steps": 1}, [Check()], 1)
+    trainer.validate(Validated("another init"), data(), ckpt_path=job["ckpt"])
+    return {"mode": "weights", "ckpt": job["ckpt"], **seen}
+
+
 def fail(job):
     """The resume of a checkpoint Lightning cannot take here: the error it raises (None: it resumed)."""
     try:
@@ -128,7 +161,7 @@ def fail(job):
     return {"mode": "fail", "ckpt": job["ckpt"], "error": None, "resumed": got}
 
 
-RUN = {"save": save, "resume": resume, "fail": fail}
+RUN = {"save": save, "resume": resume, "fail": fail, "weights": weights}
 
 
 def main(jobs_path, results_path):
