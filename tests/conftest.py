@@ -267,7 +267,8 @@ def write_in_zip(path, offset: int, data: bytes) -> None:
 
 
 def change_dcp_element(folder, name: str, allowed: dict | None = None, state: str = "exp_avg") -> None:
-    """One element of `name`'s exp_avg (or fp32 `state`: "module", its weights) changed in the DCP files under `folder` (its zip member's CRC-32 made to
+    """One element of `name`'s exp_avg (or fp32 `state`: "module", its weights) changed in the DCP files under
+    `folder` (its zip member's CRC-32 made to
     match, as a save of another value would have written it); `allowed`: the allow-list its `.metadata` needs
     (Megatron's), None for DCP's own."""
     import reshard

@@ -21,7 +21,6 @@ a weight is found by `validate --deep`, and the newest of its series is not thin
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 

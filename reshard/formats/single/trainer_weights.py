@@ -47,7 +47,8 @@ def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
                                     "keeps the weights it trains with)")
     found = sorted(os.path.relpath(p, folder) for p, _, _ in fs.tree(folder).files_under(folder))
     engine = bool(ds_files.LATEST in found)
-    dropped = tuple(n for n in found if n in (OPTIMIZER, *FSDP_FILES) or (engine and (os.sep in n or n in ENGINE_FILES)))
+    dropped = tuple(n for n in found
+                    if n in (OPTIMIZER, *FSDP_FILES) or (engine and (os.sep in n or n in ENGINE_FILES)))
     if not dropped:
         raise ReshardError.at(path, f"no {OPTIMIZER}, FSDP optimizer or DeepSpeed save in it: nothing to thin")
     kept = tuple(n for n in found if n not in dropped)
