@@ -68,7 +68,7 @@ REPO = os.path.dirname(HERE)
 def make(args):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [__file__, "worker", args.dir, "--params", str(args.params), "--stage", str(args.stage),
-           "--dtype", args.dtype]
+           "--dtype", args.dtype, "--saves", str(getattr(args, "saves", 1))]
     start = time.perf_counter()
     proc = torchrun_jobs.launch(args.dp, cmd, env, timeout=None, log=print)
     if proc.returncode != 0:
@@ -107,10 +107,11 @@ def _train_and_save(args):
         model = nn.Sequential(*[nn.Linear(hidden, hidden, bias=False) for _ in range(layers)])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     x = torch.randn(1, hidden, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    loss = engine(x).float().pow(2).mean()
-    engine.backward(loss)
-    engine.step()
-    engine.save_checkpoint(args.dir)
+    for _ in range(args.saves or 1):        # one step, one save (a run of several: `thin` takes an older one)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(args.dir)
 
 
 def _torchrun(world, args, what):
@@ -288,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel ranks (default 8; 2 with --sparse)")
         m.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
         m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="training precision (default bf16)")
+        if name == "make":
+            m.add_argument("--saves", type=int, default=1, help="steps, each saved (default 1; `thin` needs 2)")
     m.add_argument("--sparse", action="store_true",
                    help="a Llama-70B-shaped Megatron-DeepSpeed GPTModelPipe (tp x pp, ZeRO-1, bf16) as sparse files: "
                         "headers real, tensor bytes holes (~1 TB apparent, a few MB on disk); --params, --stage and "
@@ -325,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--params", type=float, help="as for make")
     w.add_argument("--stage", type=int, help="as for make")
     w.add_argument("--dtype", help="as for make")
+    w.add_argument("--saves", type=int, help="as for make")
     what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
     r = command("run", what)
     r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
