@@ -20,6 +20,10 @@
     python tools/bench.py make-dcp DIR [--ranks 2] [--tensors 4]
         4096x11008 fp32 weights column-sharded (Shard(1)) over the ranks, with one Adam step's state,
         saved by torch's dcp.save (2.2 GB). Both run tools/bench_checkpoints.py under torchrun.
+    python tools/bench.py thin SAVE_DIR [--tag global_step1] [--repeat 3] [--json out.json]
+        `reshard thin --yes` of one checkpoint of a run (`make ... --saves 2`) against `cp` of the files it
+        keeps + sync, caches dropped before each run when permitted, medians; peak RSS of each process tree
+        (tools/bench_thin.py).
     python tools/bench.py compare REAL SYNTHETIC
         Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
@@ -57,6 +61,7 @@ import sys
 import tempfile
 import time
 
+import bench_thin
 import torchrun_jobs
 from bench_run import du, run
 
@@ -329,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--stage", type=int, help="as for make")
     w.add_argument("--dtype", help="as for make")
     w.add_argument("--saves", type=int, help="as for make")
+    bench_thin.add_parser(command)
     what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
     r = command("run", what)
     r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
@@ -369,7 +375,8 @@ def main():
         timed = args.to or args.inspect or args.validate or args.plan or args.export or args.universal or args.dcp
         args.to = args.to or ([] if timed else ["dp=4"])
     sys.exit({"make": make, "make-tp": make_tp, "make-dcp": make_dcp, "make-moe": make_moe,
-              "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run}[args.cmd](args))
+              "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run,
+              "thin": bench_thin.run_thin}[args.cmd](args))
 
 
 if __name__ == "__main__":
