@@ -4,9 +4,10 @@ form, never losing data.
 Only a checkpoint `reshard list` proves complete is thinned, and never the newest complete one of its series, one
 something names (`latest`, Megatron-LM's tracker, `best_model_checkpoint`, `best_model_path`, a link), a save in
 progress, nor one already thinned. Its format says what its weights-only form keeps (reshard.formats
-.weights_only_form); the kept files and a provenance record (weights_only.PROVENANCE) are written beside it through
-the planner and executor into a hidden sibling `.X.reshard-thin`, which is proven complete with every checksum read
-(validate deep) before anything is touched. Then the swap, under a journal `.X.reshard-thin-journal`:
+.weights_only_form); the files written anew and a provenance record (weights_only.PROVENANCE) are written beside it
+through the planner and executor into a hidden sibling `.X.reshard-thin`, the files it keeps unchanged (the weights)
+hard-linked there (copied where the file system has no links: otherwise no byte of them is written), and the whole
+is proven complete with every checksum read (validate deep) before anything is touched. Then the swap, under a journal `.X.reshard-thin-journal`:
 
   1. write the journal (its intent), fsync the folder;
   2. exchange `.X.reshard-thin` and `X` (renameat2 RENAME_EXCHANGE: one atomic step; where the file system lacks
@@ -183,16 +184,20 @@ def _provenance(catalog: Catalog, form, path: str, before: int, keep_masters: bo
     return text
 
 
-def _targets(catalog: Catalog, form, path: str, text: str | None = None):
-    """The plan writing the form (its kept files copied, its written ones from the checkpoint's tensors, and the
-    record where `text` is given), its output beside the checkpoint, in its folder."""
+def _targets(catalog: Catalog, form, path: str, text: str | None = None, kept: bool = True):
+    """The plan writing the form (its kept files copied unless `kept` is False, its written ones from the
+    checkpoint's tensors, and the record where `text` is given), its output beside the checkpoint, in its folder."""
     targets: list = [CopiedFile(n, os.path.join(path, n), fs.getsize(os.path.join(path, n)))
-                     for n in form.kept if n != manifest.NAME]
+                     for n in _kept(form)] if kept else []
     targets += list(form.written)
     if text is not None:
         targets.append(TextFile(weights_only.PROVENANCE, text))
     made = plan_files(catalog, catalog.layout, targets, catalog.tag, Output(catalog.format))
     return replace(made, source=path, save_dir=path)
+
+
+def _kept(form) -> list[str]:
+    return [n for n in form.kept if n != manifest.NAME]
 
 
 def _form_bytes(catalog: Catalog, form, path: str) -> int:
@@ -212,26 +217,42 @@ def _check_free(path: str, needed: int) -> None:
 
 
 def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
-    """The kept files, the written ones and the record, through the planner and executor into the hidden
-    sibling."""
+    """The written files and the record through the planner and executor into the hidden sibling, the kept ones
+    linked there (_place)."""
     from reshard.executor import execute
     _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
     # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
-    execute(_targets(catalog, form, path, text), names.staged, progress=False)
+    execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
     os.unlink(os.path.join(names.staged, manifest.NAME))     # the form is the framework's files and the record
+    folders = {names.staged}
+    for n in _kept(form):
+        _place(os.path.join(path, n), os.path.join(names.staged, n))
+        folders.add(os.path.dirname(os.path.join(names.staged, n)))
+    for folder in sorted(folders, reverse=True):
+        fsync(folder)
     # the save's times, which `list` and time-based retention read, kept: a kept file's own, a file written anew
     # and the record the save's (its newest file's)
     newest = max((mtime for _, _, mtime in fs.tree(path).files_under(path)), default=0.0)
-    for n in form.kept:
-        if n != manifest.NAME:
-            st = os.stat(os.path.join(path, n))
-            os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
+    for n in _kept(form):
+        st = os.stat(os.path.join(path, n))
+        os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
     for n in [f.path for f in form.written] + [weights_only.PROVENANCE]:
         os.utime(os.path.join(names.staged, n), (newest, newest))
     for folder, _, _ in sorted(os.walk(names.staged), reverse=True):     # its folders' too, deepest first
         source = os.path.join(path, os.path.relpath(folder, names.staged))
         when = os.stat(source).st_mtime if os.path.isdir(source) else newest
         os.utime(folder, (when, when))
+
+
+def _place(source: str, target: str) -> None:
+    """A kept file in the thinned form: a hard link to the checkpoint's (the same bytes, none written; the swap
+    then removes only the checkpoint's name of it), or a durable copy where the file system has no links."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+        fsync(target)
 
 
 def _prove(staged: str, path: str) -> None:
