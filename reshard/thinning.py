@@ -7,7 +7,8 @@ progress, nor one already thinned. Its format says what its weights-only form ke
 .weights_only_form); the files written anew and a provenance record (weights_only.PROVENANCE) are written beside it
 through the planner and executor into a hidden sibling `.X.reshard-thin`, the files it keeps unchanged (the weights)
 hard-linked there (copied where the file system has no links: otherwise no byte of them is written), and the whole
-is proven complete with every checksum read (validate deep) before anything is touched. Then the swap, under a journal `.X.reshard-thin-journal`:
+is proven complete with every checksum read (validate deep) before anything is touched. Then the swap, under a
+journal `.X.reshard-thin-journal`:
 
   1. write the journal (its intent), fsync the folder;
   2. exchange `.X.reshard-thin` and `X` (renameat2 RENAME_EXCHANGE: one atomic step; where the file system lacks

@@ -2,8 +2,9 @@
 
 Each repeat lays the run out afresh as hard links of SAVE_DIR (`cp -al`: nothing is copied, and thinning the
 copy's tag folder removes only its links), its mtimes an hour back (a save long finished), drops the caches when
-permitted, then alternates `reshard thin RUN/TAG --yes` and the baseline: `cp` of the files the thinned form keeps
-(its weights) into a new folder, then `sync`. Medians of the wall times, block I/O and the peak RSS of each
+permitted, then alternates the baseline, `cp` of the files the thinned form keeps (its weights) into a new folder then
+`sync`, `reshard thin RUN/TAG` (the dry run: start-up, listing the run, reading the checkpoint's structure) and
+`reshard thin RUN/TAG --yes`. Medians of the wall times, block I/O and the peak RSS of each
 command's whole process tree (bench_run.measure). Nothing is asserted: it prints figures for people.
 """
 import json
@@ -49,17 +50,19 @@ def run_thin(args) -> None:
     before = du(os.path.join(src, args.tag))
     thin = [sys.executable, "-P", "-m", "reshard", "thin", target, "--yes"]
     direct = ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"/ && sync', copy, *[os.path.join(target, n) for n in kept]]
-    samples: dict[str, list] = {"copy of the kept files + sync": [], "reshard thin --yes": []}
+    dry = thin[:-1]
+    order = (("copy of the kept files + sync", direct), ("reshard thin (dry run)", dry), ("reshard thin --yes", thin))
+    samples: dict[str, list] = {name: [] for name, _ in order}
     cold = True
     after = None
     try:
         for _ in range(args.repeat):
-            for name, cmd in (("copy of the kept files + sync", direct), ("reshard thin --yes", thin)):
+            for name, cmd in order:
                 _fresh_run(src, run)
                 shutil.rmtree(copy, ignore_errors=True)
                 cold = drop_caches() and cold
                 samples[name].append(measure(cmd))
-                if name.startswith("reshard"):
+                if name == "reshard thin --yes":
                     after = du(target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
