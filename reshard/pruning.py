@@ -50,12 +50,13 @@ class LibraryThinner:
     """`reshard thin CKPT --yes`, as reshard.thinning does it. Imported when built, not before: the listing and
     planning never need it, and a build without it refuses a plan with thins before anything is done."""
 
-    def __init__(self):
+    def __init__(self, recent: float = RECENT_SECONDS):
         from reshard import thinning  # (it imports the executor: only a plan that thins needs it)
         self.thinning = thinning
+        self.recent = recent
 
     def thin(self, path: str) -> ThinOutcome:
-        return self.thinning.thin(path, yes=True)
+        return self.thinning.thin(path, yes=True, recent=self.recent)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,10 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
     if yes:     # a `reshard thin` a kill interrupted: finished or rolled back before anything is judged
         recover(run_dir)
     listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
-    return carry_out(listing, decide(listing.checkpoints, policy), yes, thinner)
+    decisions = decide(listing.checkpoints, policy)
+    if yes and thinner is None and any(d.action == THIN for d in decisions):
+        thinner = LibraryThinner(recent)    # a thin looks at the run again: as recent as this listing
+    return carry_out(listing, decisions, yes, thinner)
 
 
 def carry_out(listing: RunListing, decisions: list, yes: bool, thinner: Thinner | None = None) -> PrunePlan:

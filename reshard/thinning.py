@@ -4,9 +4,11 @@ form, never losing data.
 Only a checkpoint `reshard list` proves complete is thinned, and never the newest complete one of its series, one
 something names (`latest`, Megatron-LM's tracker, `best_model_checkpoint`, `best_model_path`, a link), a save in
 progress, nor one already thinned. Its format says what its weights-only form keeps (reshard.formats
-.weights_only_form); the kept files and a provenance record (weights_only.PROVENANCE) are written beside it through
-the planner and executor into a hidden sibling `.X.reshard-thin`, which is proven complete with every checksum read
-(validate deep) before anything is touched. Then the swap, under a journal `.X.reshard-thin-journal`:
+.weights_only_form); the files written anew and a provenance record (weights_only.PROVENANCE) are written beside it
+through the planner and executor into a hidden sibling `.X.reshard-thin`, the files it keeps unchanged (the weights)
+hard-linked there (copied where the file system has no links: otherwise no byte of them is written), and the whole
+is proven complete with every checksum read (validate deep) before anything is touched. Then the swap, under a
+journal `.X.reshard-thin-journal`:
 
   1. write the journal (its intent), fsync the folder;
   2. exchange `.X.reshard-thin` and `X` (renameat2 RENAME_EXCHANGE: one atomic step; where the file system lacks
@@ -17,7 +19,9 @@ the planner and executor into a hidden sibling `.X.reshard-thin`, which is prove
 
 A SIGKILL anywhere leaves X whole, full or thinned, and `recover` (run first by the next thin, `prune --yes` and
 `watch`) finishes the swap or rolls it back: before step 2 the thinned copy is removed, after it the full one.
-RESHARD_FAULT_AT=<step> kills the process at a step (for the tests: STEPS).
+RESHARD_FAULT_AT=<step> kills the process at a step (for the tests: STEPS). In object storage, which has no rename,
+the thinned form is written the same way under the hidden sibling prefix (its kept objects copied server-side) and
+put in place as reshard.thin_objects says.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import signal
 import time
 from dataclasses import dataclass, replace
 
-from reshard import manifest
+from reshard import manifest, thin_objects
 from reshard.core.catalog import Catalog
 from reshard.core.planner import plan as plan_files
 from reshard.core.write_requests import CopiedFile, Output, TextFile
@@ -36,7 +40,7 @@ from reshard.errors import ReshardError
 from reshard.formats import read as read_catalog, units, weights_only, weights_only_form
 from reshard.formats.framework import framework_of
 from reshard.formats.run_layout import THIN_SUFFIX, ThinNames, thin_journals, thin_names
-from reshard.listing import COMPLETE, list_checkpoints, order, problem_line
+from reshard.listing import COMPLETE, RECENT_SECONDS, list_checkpoints, order, problem_line
 from reshard.staging import fsync
 from reshard.storage import files as fs
 from reshard.validate import validate
@@ -71,7 +75,8 @@ class ThinResult:
                 "recovered": list(self.recovered)}
 
 
-def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = False) -> ThinResult:
+def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = False,
+         recent: float = RECENT_SECONDS) -> ThinResult:
     """Replace a full checkpoint by its framework's weights-only form, as `reshard thin` does.
 
     Args:
@@ -79,6 +84,7 @@ def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = F
             `checkpoint-N/`).
         yes: act (default: what would be dropped, and the bytes before and after).
         keep_masters: keep the exact fp32 masters instead of the 16-bit weights where the run has them.
+        recent: a file of the run modified less than this many seconds ago marks its save in progress.
 
     Returns:
         A ThinResult: bytes before and after, what is dropped, the load that takes the result; `to_dict()` is what
@@ -90,20 +96,27 @@ def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = F
         (False, True)
     """
     path = fs.realpath(os.fspath(path))
-    recovered = tuple(recover(os.path.dirname(path))) if yes and not fs.is_url(path) else ()
-    catalog, form, before = _eligible(path, keep_masters)
+    recovered = tuple(recover(os.path.dirname(path))) if yes else ()
+    catalog, form, before = _eligible(path, keep_masters, recent)
     text = _provenance(catalog, form, path, before, keep_masters)
     after = _form_bytes(catalog, form, path) + len(text.encode())
     result = ThinResult(path, catalog.format, False, before, after, form.dropped, form.what, form.load, recovered)
     if not yes:
         return result
     names = thin_names(path)
-    _check_free(path, after)
-    _write(catalog, form, path, names, text)
+    if fs.is_url(path):
+        _write_objects(catalog, form, path, names, text)
+    else:
+        _check_free(path, after)
+        _write(catalog, form, path, names, text)
     _fault("written")
     _prove(names.staged, path)
     _fault("proven")
-    _swap(names)
+    if fs.is_url(path):
+        placed = [f.path for f in form.written] + [weights_only.PROVENANCE]
+        thin_objects.swap(names, thin_objects.Swap(form.dropped, tuple(placed)))
+    else:
+        _swap(names)
     return ThinResult(path, catalog.format, True, before, _size(path), form.dropped, form.what, form.load, recovered)
 
 
@@ -126,7 +139,9 @@ def recover(run_dir: str | os.PathLike[str]) -> list[str]:
     """Finish or roll back every `reshard thin` a kill interrupted under `run_dir`; the checkpoints' paths.
     Before its swap a thinned copy is removed (the full checkpoint stays); after it, the full one."""
     root = fs.realpath(os.fspath(run_dir))
-    if fs.is_url(root) or not fs.isdir(root):
+    if fs.is_url(root):
+        return thin_objects.recover(root)
+    if not fs.isdir(root):
         return []
     done = []
     for journal in thin_journals(root):
@@ -144,17 +159,15 @@ def recover(run_dir: str | os.PathLike[str]) -> list[str]:
     return sorted(set(done))
 
 
-def _eligible(path: str, keep_masters: bool):
+def _eligible(path: str, keep_masters: bool, recent: float):
     """(catalog, form, bytes) of a checkpoint that may be thinned; else a ReshardError saying why not."""
-    if fs.is_url(path):
-        raise ReshardError.at(path, "thinning in object storage is not built (a local checkpoint only)")
     if not fs.isdir(path):
         raise ReshardError.at(path, "no such checkpoint folder" if not fs.exists(path) else
                                     "a checkpoint file: thinning one is not built (checkpoint folders only)")
     done = weights_only.provenance(path)
     if done is not None or weights_only.is_thinned(path):
         raise ReshardError.at(path, f"already weights-only (thinned on {(done or {}).get('thinned_on', '?')})")
-    run = list_checkpoints(os.path.dirname(path))
+    run = list_checkpoints(os.path.dirname(path), recent=recent)
     row = next((r for r in run.checkpoints if fs.normpath(r.path) == fs.normpath(path)), None)
     if row is None:
         raise ReshardError.at(path, f"not a checkpoint `reshard list {os.path.dirname(path)}` shows")
@@ -183,16 +196,20 @@ def _provenance(catalog: Catalog, form, path: str, before: int, keep_masters: bo
     return text
 
 
-def _targets(catalog: Catalog, form, path: str, text: str | None = None):
-    """The plan writing the form (its kept files copied, its written ones from the checkpoint's tensors, and the
-    record where `text` is given), its output beside the checkpoint, in its folder."""
+def _targets(catalog: Catalog, form, path: str, text: str | None = None, kept: bool = True):
+    """The plan writing the form (its kept files copied unless `kept` is False, its written ones from the
+    checkpoint's tensors, and the record where `text` is given), its output beside the checkpoint, in its folder."""
     targets: list = [CopiedFile(n, os.path.join(path, n), fs.getsize(os.path.join(path, n)))
-                     for n in form.kept if n != manifest.NAME]
+                     for n in _kept(form)] if kept else []
     targets += list(form.written)
     if text is not None:
         targets.append(TextFile(weights_only.PROVENANCE, text))
     made = plan_files(catalog, catalog.layout, targets, catalog.tag, Output(catalog.format))
     return replace(made, source=path, save_dir=path)
+
+
+def _kept(form) -> list[str]:
+    return [n for n in form.kept if n != manifest.NAME]
 
 
 def _form_bytes(catalog: Catalog, form, path: str) -> int:
@@ -212,26 +229,55 @@ def _check_free(path: str, needed: int) -> None:
 
 
 def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
-    """The kept files, the written ones and the record, through the planner and executor into the hidden
-    sibling."""
+    """The written files and the record through the planner and executor into the hidden sibling, the kept ones
+    linked there (_place)."""
     from reshard.executor import execute
     _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
     # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
-    execute(_targets(catalog, form, path, text), names.staged, progress=False)
+    execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
     os.unlink(os.path.join(names.staged, manifest.NAME))     # the form is the framework's files and the record
+    folders = {names.staged}
+    for n in _kept(form):
+        _place(os.path.join(path, n), os.path.join(names.staged, n))
+        folders.add(os.path.dirname(os.path.join(names.staged, n)))
+    for folder in sorted(folders, reverse=True):
+        fsync(folder)
     # the save's times, which `list` and time-based retention read, kept: a kept file's own, a file written anew
     # and the record the save's (its newest file's)
     newest = max((mtime for _, _, mtime in fs.tree(path).files_under(path)), default=0.0)
-    for n in form.kept:
-        if n != manifest.NAME:
-            st = os.stat(os.path.join(path, n))
-            os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
+    for n in _kept(form):
+        st = os.stat(os.path.join(path, n))
+        os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
     for n in [f.path for f in form.written] + [weights_only.PROVENANCE]:
         os.utime(os.path.join(names.staged, n), (newest, newest))
     for folder, _, _ in sorted(os.walk(names.staged), reverse=True):     # its folders' too, deepest first
         source = os.path.join(path, os.path.relpath(folder, names.staged))
         when = os.stat(source).st_mtime if os.path.isdir(source) else newest
         os.utime(folder, (when, when))
+
+
+def _write_objects(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
+    """In object storage: the written files and the record through the planner and executor under the hidden
+    sibling prefix (committed by its manifest, which is then deleted), the kept objects copied there server-side."""
+    from reshard.executor import execute
+    from reshard.storage.s3 import ObjectOutput
+    out = ObjectOutput()
+    out.delete(names.staged)        # (what a killed run left before its journal: recover removes it too)
+    execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
+    out.delete(os.path.join(names.staged, manifest.NAME))
+    for n in _kept(form):
+        out.copy(os.path.join(path, n), os.path.join(names.staged, n))
+
+
+def _place(source: str, target: str) -> None:
+    """A kept file in the thinned form: a hard link to the checkpoint's (the same bytes, none written; the swap
+    then removes only the checkpoint's name of it), or a durable copy where the file system has no links."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+        fsync(target)
 
 
 def _prove(staged: str, path: str) -> None:
@@ -310,6 +356,10 @@ def _settle(names: ThinNames) -> None:
 
 
 def _remove(path: str) -> None:
+    if fs.is_url(path):
+        from reshard.storage.s3 import ObjectOutput
+        ObjectOutput().delete(path)
+        return
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):

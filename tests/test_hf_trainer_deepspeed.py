@@ -180,3 +180,48 @@ def test_export_writes_a_folder_from_pretrained_loads(source, tmp_path):
     assert names and all(torch.equal(state[n], truth[f"fp32/{n}"]) for n in names)
     assert not all(torch.equal(state[n], other[f"fp32/{n}"]) for n in names)      # negative control
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()   # re-tied on load
+
+
+def test_thinned_checkpoint_loads_with_from_pretrained(source, tmp_path):
+    """(issue 39) `reshard thin --yes` of the real run's checkpoint-3 (a copy of the run: checkpoint-6 is the
+    newest, kept full). ZeRO-2: the engine's save (`latest`, global_step3/, the scripts) is dropped, the Trainer's
+    files stay, and from_pretrained of the thinned folder gives the full one's weights bit for bit in the training
+    dtype (fp32 here), which are the live engine's module weights at the save. Controls: the same comparison
+    with step 6's truth fails, and one element changed in the thinned model.safetensors is seen. ZeRO-3 (whose
+    Trainer saves no model.safetensors) is refused in one line, nothing touched."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2LMHeadModel
+
+    from lifecycle_runs import age
+    run = tmp_path / "run"
+    shutil.copytree(source / "run", run)
+    age(run)
+    folder, full = run / f"checkpoint-{SAVE}", tmp_path / "full"
+    shutil.copytree(folder, full)
+    if source.stage == 3:
+        refused = run_cli("thin", folder, "--yes", check=1).stderr
+        assert len(refused.splitlines()) == 1 and "no model.safetensors" in refused, refused
+        assert sorted(os.listdir(folder)) == sorted(os.listdir(full))
+        return
+    result = json.loads(run_cli("thin", folder, "--yes", "--json", check=0).stdout)
+    assert result["executed"] and result["bytes_after"] < result["bytes_before"] / 2, result
+    assert set(os.listdir(folder)) == TRAINER_FILES | WEIGHTS[2] | {"reshard-thinned.json"}
+    assert [n for n in os.listdir(run) if n.startswith(".")] == []
+    listed = json.loads(run_cli("list", run, "--json").stdout)["checkpoints"]
+    assert {r["name"]: r["status"] for r in listed} == {f"checkpoint-{SAVE}": "complete",
+                                                         f"checkpoint-{STEPS}": "complete"}
+    a, b = (GPT2LMHeadModel.from_pretrained(p).state_dict() for p in (full, folder))
+    assert a.keys() == b.keys() and all(a[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)
+    truth, later = (load_file(str(source / f"truth-{s}.safetensors")) for s in (SAVE, STEPS))
+    names = [k.partition("/")[2] for k in truth if k.startswith("module/")]
+    assert names and all(torch.equal(b[n], truth[f"module/{n}"]) for n in names)
+    assert not all(torch.equal(b[n], later[f"module/{n}"]) for n in names)      # control: another step's weights
+    weights = load_file(folder / "model.safetensors")      # control: one element changed is seen
+    name = next(iter(weights))
+    weights[name].view(-1)[0] += 1
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    c = GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    assert not all(torch.equal(a[k], c[k]) for k in a)

@@ -114,6 +114,19 @@ def test_deep_finds_nan(tmp_path):
     assert any(str(victim) in p and "NaN/Inf" in p for p in problems), problems
 
 
+def test_deep_counts_bf16_nan_and_inf(tmp_path):
+    """bf16 has no numpy dtype: its NaN and Inf are found by their exponent bits (a negative Inf, a NaN)."""
+    save = copy_fixture("z1_bf16_dp2", tmp_path)
+    victim = tag_dir(save) / "mp_rank_00_model_states.pt"
+    sd = torch.load(victim, weights_only=False)
+    name, weight = next((k, v) for k, v in sd["module"].items() if v.dtype == torch.bfloat16)
+    weight.view(-1)[1] = float("nan")
+    weight.view(-1)[-1] = float("-inf")
+    torch.save(sd, victim)
+    problems, _ = _problems(save, deep=True)
+    assert any(str(victim) in p and name in p and "2 NaN/Inf" in p for p in problems), problems
+
+
 def test_json_and_usage_errors(tmp_path):
     proc = run_cli("validate", fixture_dir("z2_fp32_dp2"), "--json", check=0)
     data = json.loads(proc.stdout)

@@ -20,6 +20,10 @@
     python tools/bench.py make-dcp DIR [--ranks 2] [--tensors 4]
         4096x11008 fp32 weights column-sharded (Shard(1)) over the ranks, with one Adam step's state,
         saved by torch's dcp.save (2.2 GB). Both run tools/bench_checkpoints.py under torchrun.
+    python tools/bench.py thin SAVE_DIR [--tag global_step1] [--repeat 3] [--json out.json]
+        `reshard thin --yes` of one checkpoint of a run (`make ... --saves 2`) against `cp` of the files it
+        keeps + sync, caches dropped before each run when permitted, medians; peak RSS of each process tree
+        (tools/bench_thin.py).
     python tools/bench.py compare REAL SYNTHETIC
         Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
@@ -57,6 +61,7 @@ import sys
 import tempfile
 import time
 
+import bench_thin
 import torchrun_jobs
 from bench_run import du, run
 
@@ -68,7 +73,7 @@ REPO = os.path.dirname(HERE)
 def make(args):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [__file__, "worker", args.dir, "--params", str(args.params), "--stage", str(args.stage),
-           "--dtype", args.dtype]
+           "--dtype", args.dtype, "--saves", str(getattr(args, "saves", 1))]
     start = time.perf_counter()
     proc = torchrun_jobs.launch(args.dp, cmd, env, timeout=None, log=print)
     if proc.returncode != 0:
@@ -107,10 +112,11 @@ def _train_and_save(args):
         model = nn.Sequential(*[nn.Linear(hidden, hidden, bias=False) for _ in range(layers)])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     x = torch.randn(1, hidden, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    loss = engine(x).float().pow(2).mean()
-    engine.backward(loss)
-    engine.step()
-    engine.save_checkpoint(args.dir)
+    for _ in range(args.saves or 1):        # one step, one save (a run of several: `thin` takes an older one)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(args.dir)
 
 
 def _torchrun(world, args, what):
@@ -288,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel ranks (default 8; 2 with --sparse)")
         m.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
         m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="training precision (default bf16)")
+        if name == "make":
+            m.add_argument("--saves", type=int, default=1, help="steps, each saved (default 1; `thin` needs 2)")
     m.add_argument("--sparse", action="store_true",
                    help="a Llama-70B-shaped Megatron-DeepSpeed GPTModelPipe (tp x pp, ZeRO-1, bf16) as sparse files: "
                         "headers real, tensor bytes holes (~1 TB apparent, a few MB on disk); --params, --stage and "
@@ -325,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--params", type=float, help="as for make")
     w.add_argument("--stage", type=int, help="as for make")
     w.add_argument("--dtype", help="as for make")
+    w.add_argument("--saves", type=int, help="as for make")
+    bench_thin.add_parser(command)
     what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
     r = command("run", what)
     r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
@@ -365,7 +375,8 @@ def main():
         timed = args.to or args.inspect or args.validate or args.plan or args.export or args.universal or args.dcp
         args.to = args.to or ([] if timed else ["dp=4"])
     sys.exit({"make": make, "make-tp": make_tp, "make-dcp": make_dcp, "make-moe": make_moe,
-              "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run}[args.cmd](args))
+              "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run,
+              "thin": bench_thin.run_thin}[args.cmd](args))
 
 
 if __name__ == "__main__":

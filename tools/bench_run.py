@@ -48,7 +48,7 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def _measure(cmd, max_rss=None, timeout=None):
+def measure(cmd, max_rss=None, timeout=None):
     """Wall seconds, peak RSS of the process tree (sampled), block I/O bytes read and written. A command whose
     tree passes max_rss bytes or runs past timeout seconds is killed (its figures are then lower bounds, and
     "stopped" says why): a baseline that needs more than a shared machine has must not take it from the others."""
@@ -156,7 +156,7 @@ def run(args):
                     continue            # it would only be stopped again
                 dst = os.path.join(work, "out")
                 cold = drop_caches() and cold
-                samples[name].append(_measure(make_cmd(dst), args.max_rss and args.max_rss * 2**20, args.timeout))
+                samples[name].append(measure(make_cmd(dst), args.max_rss and args.max_rss * 2**20, args.timeout))
                 for leftover in (dst, dst + ".safetensors", dst + ".pt"):
                     if os.path.isdir(leftover):
                         shutil.rmtree(leftover)

@@ -288,12 +288,16 @@ def _thin_command(sub) -> None:
                  "names, a save in progress, an incomplete or unverifiable checkpoint, a ZeRO-3 save (its module "
                  "files hold no weights). The thinned form is written beside the checkpoint, proven whole (every "
                  "CRC-32 read), then swapped in under a journal: a kill leaves one of the two whole, and the next "
-                 "thin, prune --yes or watch finishes or rolls back the swap.")
+                 "thin, prune --yes or watch finishes or rolls back the swap. In an S3 bucket the same, the thinned "
+                 "form put in place by server-side copies, its record last.")
     p.add_argument("path", metavar="CKPT", help="one checkpoint of a run directory, as `reshard list` shows it")
     p.add_argument("--yes", action="store_true", help="thin it (default: print what would be dropped and the "
                    "bytes before -> after)")
     p.add_argument("--keep-masters", action="store_true", help="keep the exact fp32 masters instead of the 16-bit "
                    "weights where the run has them (refused where the format's weights-only form cannot hold them)")
+    p.add_argument("--recent", type=_non_negative_float, default=reshard.RECENT_SECONDS, metavar="S",
+                   help=f"a file of the run modified less than S seconds ago marks its save in progress (default "
+                        f"{reshard.RECENT_SECONDS:g})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

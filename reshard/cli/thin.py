@@ -7,7 +7,7 @@ from reshard.inspection import human_bytes
 
 
 def run(args) -> int:
-    result = reshard.thin(args.path, yes=args.yes, keep_masters=args.keep_masters)
+    result = reshard.thin(args.path, yes=args.yes, keep_masters=args.keep_masters, recent=args.recent)
     if args.json:
         dump(result.to_dict())
         return 0
