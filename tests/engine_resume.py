@@ -81,9 +81,11 @@ def main(jobs_path, results_path):
                 continue
         elif job.get("module_only"):     # a thinned checkpoint (reshard thin): DeepSpeed's weights-only load
             load_path, _ = engine.load_checkpoint(job["checkpoint"], job.get("tag"), load_module_only=True,
-                                                  load_optimizer_states=False, load_lr_scheduler_states=False)
+                                                  load_optimizer_states=job.get("load_optimizer_states", False),
+                                                  load_lr_scheduler_states=False)
+            live = module_weights(engine, deepspeed)
             if rank == 0:
-                results.append({**job, "world": world, "problems": module_problems(engine, job, load_path, torch)})
+                results.append({**job, "world": world, "problems": module_problems(live, job, load_path, torch)})
             dist.barrier()
             del engine, model
             gc.collect()
@@ -125,13 +127,18 @@ def main(jobs_path, results_path):
             json.dump(results, f, indent=1)
 
 
-def module_problems(engine, job, load_path, torch):
+def module_weights(engine, deepspeed) -> dict:
+    """The live module's state dict, its ZeRO-3 partitions gathered whole (a collective: every rank calls it)."""
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def module_problems(live, job, load_path, torch):
     """The live module's weights, in the dtype it trains in, against the fixture's truth of its module."""
     from safetensors.torch import load_file
     if load_path is None:
         return ["load_checkpoint found nothing to load"]
     truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
-    live = engine.module.state_dict()
     problems = []
     for key, expected in truth.items():
         if not key.startswith("module/"):
