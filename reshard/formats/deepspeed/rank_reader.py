@@ -66,7 +66,10 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
                                        f"(expected {expected})")
 
     stage = _zero_stage(first_optim)
-    catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, first_optim, bf16_prefix, stage))
+    # a ZeRO-3 weights-only form (`reshard thin`): the fp32 partitions without the torch optimizer's state dict
+    weights_only = stage == 3 and "optimizer_state_dict" not in first_optim
+    catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, first_optim, bf16_prefix, stage,
+                                                                             weights_only))
     partitioned = stage == 3 and zero3_experts.is_partitioned(model0)      # AutoEP under ZeRO-3
     experts = zero3_experts.read(tag_dir, listing, model0) if partitioned else \
         expert_placement.read(tag_dir, listing, model0, first_optim)
@@ -99,6 +102,8 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
         expert_placement.read_module(catalog, tag_dir, experts, load_or_raise)
     _check_steps_agree(catalog, models)
     fill_state(catalog, model0, first_optim, experts)
+    if weights_only:
+        catalog.training = replace(catalog.training, optimizer="")     # (its config names one; none is saved)
     fill_layout(catalog, model0)
     return catalog
 
@@ -110,7 +115,7 @@ def _read_weights_only(catalog, tag_dir: str, model0_name: str, model0: dict) ->
     if stage not in (1, 2):
         raise ReshardError.at(tag_dir, f"a weights-only tag folder of a ZeRO-{stage} save: only ZeRO-1/2 module "
                                        "files hold the weights")
-    catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, {}, False, stage))
+    catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, {}, False, stage, True))
     catalog.files.append(FileInfo(model0_name, "model_states", None, file_size(os.path.join(tag_dir, model0_name))))
     read_model(catalog, model0, {0: model0}, stage)
     fill_state(catalog, model0, {})
@@ -288,10 +293,11 @@ def _unregistered(catalog, model0) -> tuple:
     return tuple(n for n in frozen if n in aliases)
 
 
-def format_topology(model0, optim0, bf16_prefix, stage) -> DeepSpeedTopology:
+def format_topology(model0, optim0, bf16_prefix, stage, weights_only=False) -> DeepSpeedTopology:
     """The ZeRO stage, and how DeepSpeed cut this checkpoint's partitions where it has variants."""
     zero_cfg = (model0.get("ds_config") or {}).get("zero_optimization") or {}
     return DeepSpeedTopology(zero=stage, bf16_optimizer=bool(bf16_prefix and "zero_stage" not in optim0),
+                             weights_only=weights_only,
                              elastic=isinstance(optim0.get("base_optimizer_state"), list),
                              round_robin_gradients=bool(zero_cfg.get("round_robin_gradients")),
                              parameter_alignment=bool(zero_cfg.get("parameter_alignment")),

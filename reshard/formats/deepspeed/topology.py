@@ -28,6 +28,8 @@ class DeepSpeedTopology:
     round_robin_gradients: bool = False
     parameter_alignment: bool = False
     sub_group_size: int | None = None
+    # the weights alone (`reshard thin`): ZeRO-1/2 module files, or ZeRO-3 fp32 partitions without the moments
+    weights_only: bool = False
     ep: int | None = None                   # a mixture of experts' expert-parallel degree
     partition_method: str | None = None     # PipelineModule's, for the target's stages (None: the source's cut)
     layer_types: tuple[str, ...] | None = None      # the pipeline layers' class names, for partition=type:REGEX

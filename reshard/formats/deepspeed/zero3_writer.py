@@ -81,6 +81,9 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
 
 
 def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str) -> TorchFile:
+    """A rank's fp32 partitions and its optimizer's state; a weights-only target's without the torch optimizer's
+    state dict (the moments, the param groups), as zero_to_fp32, which DeepSpeed's ZeRO-3 module-only load calls,
+    drops it before reading the partitions."""
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
     file = TorchFile(f"{tag}/{name}", archive=name[:-3])
     states, flat_groups = {}, []
@@ -89,15 +92,17 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         length = sum(ceil_div(params.by_name[n].numel, zt.dp) for n in members)
         pieces = {s: [p for n in members for p in part_pieces(params.by_name[n], s, zt.dp, rank)]
                   for s in [MASTER, *zt.states]}
-        states[i] = state_dict_entry(zt, file, g, {s: (length, pieces[s]) for s in zt.states})
+        if not zt.weights_only:
+            states[i] = state_dict_entry(zt, file, g, {s: (length, pieces[s]) for s in zt.states})
         flat_groups.append(file.slot("float32", (length,), pieces[MASTER]))
         group_members[g].append(i)
-    param_groups = [{**zt.hyper_params(g), "params": members} for g, members in enumerate(group_members)]
     scaler = zt.loss_scaler_state()
     inner = {"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
              "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
-             "partition_count": zt.dp,
-             "optimizer_state_dict": {"state": states, "param_groups": param_groups},
-             "fp32_flat_groups": flat_groups}
+             "partition_count": zt.dp}
+    if not zt.weights_only:
+        param_groups = [{**zt.hyper_params(g), "params": members} for g, members in enumerate(group_members)]
+        inner["optimizer_state_dict"] = {"state": states, "param_groups": param_groups}
+    inner["fp32_flat_groups"] = flat_groups
     file.tree = {"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version}
     return file

@@ -51,7 +51,9 @@ class ZeroTarget:
         self.param_alignment = bool(zero_cfg.get("parameter_alignment", ds.parameter_alignment))
         sub_group_size = DEFAULT_SUB_GROUP_SIZE if ds.sub_group_size is None else ds.sub_group_size
         self.sub_group_size = int(zero_cfg.get("sub_group_size", sub_group_size))
-        self.states = catalog.optimizer_states()
+        # a weights-only target (`reshard thin` of a ZeRO-3 save) keeps the fp32 partitions and no moment
+        self.weights_only = ds.weights_only
+        self.states = () if ds.weights_only else catalog.optimizer_states()
         # A source not saved by DeepSpeed names no version; DeepSpeed asserts one and refuses ZeRO-1
         # files older than 0.3.17, so say the version whose layout this writer follows.
         self.ds_version = notes.of(catalog).ds_version or WRITES_DS_VERSION
