@@ -21,7 +21,7 @@ from typing import Protocol
 from reshard.errors import ReshardError
 from reshard.formats.run_layout import trash_path
 from reshard.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
-from reshard.retention import DELETE, THIN, Policy, decide
+from reshard.retention import DELETE, FULL, KEEP, THIN, Decision, Policy, decide
 from reshard.sizes import cost_per_month
 from reshard.staging import fsync
 from reshard.storage import files as fs
@@ -45,6 +45,11 @@ class Thinner(Protocol):
 
     def thin(self, path: str) -> ThinOutcome: ...
 
+    def refusal(self, path: str) -> str | None:
+        """Why the checkpoint at `path` has no weights-only form, as its catalog says before anything is written
+        (one line); None where it has one."""
+        ...
+
 
 class LibraryThinner:
     """`reshard thin CKPT --yes`, as reshard.thinning does it. Imported when built, not before: the listing and
@@ -57,6 +62,9 @@ class LibraryThinner:
 
     def thin(self, path: str) -> ThinOutcome:
         return self.thinning.thin(path, yes=True, recent=self.recent)
+
+    def refusal(self, path: str) -> str | None:
+        return self.thinning.refusal(path)
 
 
 @dataclass(frozen=True)
@@ -172,9 +180,20 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
         recover(run_dir)
     listing = list_checkpoints(run_dir, metrics, policy.metric, recent, settle)
     decisions = decide(listing.checkpoints, policy)
-    if yes and thinner is None and any(d.action == THIN for d in decisions):
+    if thinner is None and any(d.action == THIN for d in decisions):
         thinner = LibraryThinner(recent)    # a thin looks at the run again: as recent as this listing
-    return carry_out(listing, decisions, yes, thinner)
+    return carry_out(listing, known_refusals(decisions, thinner), yes, thinner)
+
+
+def known_refusals(decisions: list, thinner: Thinner | None) -> list:
+    """The decisions, each planned thin of a checkpoint with no weights-only form (its catalog says so) made a
+    keep at the full tier with the reason: the dry run says ahead what --yes would leave full."""
+    out = []
+    for d in decisions:
+        why = thinner.refusal(d.checkpoint.path) if d.action == THIN and thinner is not None else None
+        out.append(d if why is None else
+                   Decision(d.checkpoint, KEEP, (*d.reasons, f"kept full, not thinned: {why}"), FULL, d.checkpoint.bytes))
+    return out
 
 
 def carry_out(listing: RunListing, decisions: list, yes: bool, thinner: Thinner | None = None) -> PrunePlan:

@@ -135,6 +135,19 @@ def thinned_bytes(catalog_or_path: Catalog | str | os.PathLike[str], keep_master
     return _form_bytes(catalog, form, path) + len(text.encode())
 
 
+def refusal(path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint at `path` has no weights-only form reshard writes, its catalog read (one line, as
+    `thin` would say it, less the path); None where it has one. What `thin` refuses from the run (newest, named, incomplete) is
+    the listing's to say."""
+    path = fs.realpath(os.fspath(path))
+    try:
+        weights_only_form(read_catalog(path), path)
+    except ReshardError as e:
+        said = str(e)
+        return said[len(f"{e.file}: "):] if e.file is not None and said.startswith(f"{e.file}: ") else said
+    return None
+
+
 def recover(run_dir: str | os.PathLike[str]) -> list[str]:
     """Finish or roll back every `reshard thin` a kill interrupted under `run_dir`; the checkpoints' paths.
     Before its swap a thinned copy is removed (the full checkpoint stays); after it, the full one."""

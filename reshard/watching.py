@@ -35,7 +35,7 @@ from reshard.listing import (
     problem_line,
     unchanged,
 )
-from reshard.pruning import LibraryThinner, Thinner, carry_out
+from reshard.pruning import LibraryThinner, Thinner, carry_out, known_refusals
 from reshard.retention import THIN, Policy, decide, metric_of, ranked
 from reshard.storage import files as fs
 from reshard.thinning import recover
@@ -340,7 +340,7 @@ class Watcher:
             thinner = self.thinner or (LibraryThinner() if any(d.action == THIN for d in decisions) else None)
         except ReshardError as e:       # a policy it cannot evaluate, or a build that cannot thin: nothing done
             return [], [], [self._problem(str(e))]
-        plan = carry_out(listing, decisions, yes=True, thinner=thinner)
+        plan = carry_out(listing, known_refusals(decisions, thinner), yes=True, thinner=thinner)
         removed = set(plan.removed)
         names = []
         for d in plan.deleting():
