@@ -27,7 +27,15 @@ def rows(save):
     return {r["name"]: r for r in json.loads(run_cli("list", save, "--json").stdout)["checkpoints"]}
 
 
-@pytest.mark.parametrize("fixture", ["z1_bf16_dp2", "z2_fp32_dp2"])
+def thinned_listing(full, fixture):
+    """The files of a thinned tag folder: ZeRO-1/2 its module files alone, ZeRO-3 every file (the optimizer's
+    written again with the fp32 partitions alone); and the record."""
+    zero3 = json.loads((FIXTURES / fixture / "truth.json").read_text())["zero_stage"] == 3
+    return sorted([n for n in os.listdir(full) if zero3 or "optim_states" not in n] + ["reshard-thinned.json"])
+
+
+@pytest.mark.parametrize("fixture", ["z1_bf16_dp2", "z2_fp32_dp2", "z3_bf16_dp2", "z3_fp32_dp2",
+                                     "z3_fp32_frozen_tied_dp2", "z3_fp32_subgroup_dp2"])
 def test_thin_deepspeed_tag_folder(tmp_path, fixture):
     save = ds_run(tmp_path, fixture)
     full = tmp_path / "copy" / "full"
@@ -40,10 +48,12 @@ def test_thin_deepspeed_tag_folder(tmp_path, fixture):
     result = json.loads(run_cli("thin", save / "global_step2", "--yes", "--json", check=0).stdout)
     assert result["executed"] and result["bytes_before"] == before and result["bytes_after"] == expected
     thinned = save / "global_step2"
-    assert sorted(os.listdir(thinned)) == ["mp_rank_00_model_states.pt", "reshard-thinned.json"]
+    assert sorted(os.listdir(thinned)) == thinned_listing(full, fixture)
     assert [n for n in os.listdir(save) if n.startswith(".")] == []         # no working names left
     listed = rows(save)
     assert listed["global_step2"]["status"] == "complete" and listed["global_step2"]["bytes"] == expected
+    assert listed["global_step2"]["bytes_by_kind"]["optimizer"] == 0 < listed["global_step3"]["bytes_by_kind"][
+        "optimizer"]
     assert "weights-only (thinned from a full deepspeed checkpoint on " in run_cli("inspect", thinned).stdout
     run_cli("validate", thinned, "--deep", check=0)
     # export: bit for bit what the full checkpoint exported (default dtype auto)
@@ -71,8 +81,9 @@ def test_refusals_are_one_line(tmp_path):
         f.truncate(100)
     age(save)
     assert "only a complete checkpoint is thinned" in run_cli("thin", save / "global_step2", check=1).stderr
-    z3 = ds_run(tmp_path / "z3", "z3_bf16_dp2")
-    assert "ZeRO-3" in run_cli("thin", z3 / "global_step2", check=1).stderr
+    moe = ds_run(tmp_path / "z3", "autoep2_z3_fp32_dp2")     # a ZeRO-3 mixture of experts: no form built
+    refused = run_cli("thin", moe / "global_step2", check=1).stderr
+    assert "ZeRO-3 mixture-of-experts" in refused and len(refused.splitlines()) == 1
     assert "--keep-masters" in run_cli("thin", save / "global_step1", "--keep-masters", check=1).stderr
     run_cli("thin", save / "global_step1", "--yes", check=0)
     assert "already weights-only" in run_cli("thin", save / "global_step1", check=1).stderr
@@ -80,24 +91,41 @@ def test_refusals_are_one_line(tmp_path):
     run_cli("thin", fp32 / "global_step1", "--keep-masters", "--yes", check=0)
 
 
-def test_an_altered_element_is_caught(tmp_path):
-    """Negative controls: one element of the thinned module file changed, its zip CRC left stale (validate --deep
-    reports it) or made to match (the comparison with the full checkpoint's weights reports it)."""
-    save = ds_run(tmp_path, "z1_bf16_dp2")
-    reshard.thin(str(save / "global_step2"), yes=True)
-    catalog = reshard.open_checkpoint(str(save / "global_step2"))
-    fragment = catalog.tensors[TensorKey("l1.weight", "module")].fragments[0]
-    at = fragment.storage.offset + fragment.elem_offset * 2
+def alter_weight(tag_dir, state: str, size: int, crc: bool = True) -> None:
+    """One element of l1.weight's `state` (the module's 16-bit copy, or ZeRO-3's fp32 partition) in the thinned
+    tag folder flipped, the zip member's CRC-32 made to match (a file saved with another value) unless `crc` is
+    False (a corrupt file)."""
+    catalog = reshard.open_checkpoint(str(tag_dir))
+    fragment = catalog.tensors[TensorKey("l1.weight", state)].fragments[0]
+    at = fragment.storage.offset + fragment.elem_offset * size
     path = fragment.storage.file
-    original = open(path, "rb").read()
+    original = open(path, "rb").read(at + size)[at:]
+    flipped = bytes(b ^ 0x40 for b in original)
+    if crc:
+        write_in_zip(path, at, flipped)
+        return
     with open(path, "r+b") as f:
         f.seek(at)
-        f.write(bytes(b ^ 0x40 for b in original[at:at + 2]))
+        f.write(flipped)
+
+
+@pytest.mark.parametrize("fixture, state, size", [("z1_bf16_dp2", "module", 2), ("z3_bf16_dp2", "fp32", 4)])
+def test_an_altered_element_is_caught(tmp_path, fixture, state, size):
+    """Negative controls: one element of the thinned weights file (ZeRO-1/2: the module file; ZeRO-3: an optimizer
+    file's fp32 partition) changed, its zip CRC left stale (validate --deep reports it) or made to match (the
+    comparison with the full checkpoint's weights reports it)."""
+    save = ds_run(tmp_path, fixture)
+    reshard.thin(str(save / "global_step2"), yes=True)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(save / "global_step2", pristine)
+    alter_weight(save / "global_step2", state, size, crc=False)
     assert "CRC" in run_cli("validate", save / "global_step2", "--deep", check=1).stdout
-    open(path, "wb").write(original)
-    write_in_zip(path, at, bytes(b ^ 0x40 for b in original[at:at + 2]))
+    shutil.rmtree(save / "global_step2")
+    shutil.copytree(pristine, save / "global_step2")
+    alter_weight(save / "global_step2", state, size)
     run_cli("validate", save / "global_step2", "--deep", check=0)
-    assert not reshard.diff(str(save / "global_step1"), str(save / "global_step2")).equal
+    report = reshard.diff(str(save / "global_step1"), str(save / "global_step2"))
+    assert not report.equal and "l1.weight" in str(report.to_dict()), report.to_dict()
 
 
 @shares("engine_resume.py")

@@ -67,9 +67,9 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
 
     stage = _zero_stage(first_optim)
     # a ZeRO-3 weights-only form (`reshard thin`): the fp32 partitions without the torch optimizer's state dict
-    weights_only = stage == 3 and "optimizer_state_dict" not in first_optim
+    moments_dropped = stage == 3 and "optimizer_state_dict" not in first_optim
     catalog.layout = replace(catalog.layout, format_topology=format_topology(model0, first_optim, bf16_prefix, stage,
-                                                                             weights_only))
+                                                                             moments_dropped))
     partitioned = stage == 3 and zero3_experts.is_partitioned(model0)      # AutoEP under ZeRO-3
     experts = zero3_experts.read(tag_dir, listing, model0) if partitioned else \
         expert_placement.read(tag_dir, listing, model0, first_optim)
@@ -102,7 +102,7 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
         expert_placement.read_module(catalog, tag_dir, experts, load_or_raise)
     _check_steps_agree(catalog, models)
     fill_state(catalog, model0, first_optim, experts)
-    if weights_only:
+    if moments_dropped:
         catalog.training = replace(catalog.training, optimizer="")     # (its config names one; none is saved)
     fill_layout(catalog, model0)
     return catalog
