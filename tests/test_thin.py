@@ -150,6 +150,40 @@ def thin_jobs(out):
     return jobs
 
 
+def zero3_load_dir(out, fixture, name):
+    """A ZeRO-3 save dir holding its thinned global_step2 alone, `latest` naming it: DeepSpeed 0.19.8's ZeRO-3
+    module-only load reads the weights of the tag `latest` names (zero_to_fp32), whatever tag it is given."""
+    save = ds_run(out / name, fixture)
+    reshard.thin(str(save / "global_step2"), yes=True)
+    for other in ("global_step1", "global_step3"):
+        shutil.rmtree(save / other)
+    (save / "latest").write_text("global_step2")
+    return save
+
+
+@shares("engine_resume.py")
+def zero3_thin_jobs(out):
+    """DeepSpeed's module-only load of thinned ZeRO-3 tag folders (bf16, fp32), and its controls: an element of the
+    thinned fp32 partitions altered; the thinned tag asked for while `latest` names another step's weights (a copy
+    with one element altered); and the load with load_optimizer_states=True, which takes no ZeRO-3 weights."""
+    jobs = []
+    for fixture in ("z3_bf16_dp2", "z3_fp32_dp2"):
+        save = zero3_load_dir(out, fixture, "thinned")
+        job = {"fixture": fixture, "checkpoint": str(save), "tag": "global_step2", "stage": 3,
+               "fixtures": str(FIXTURES), "module_only": True}
+        jobs.append((2, None, job))
+    altered = zero3_load_dir(out, "z3_bf16_dp2", "altered")
+    alter_weight(altered / "global_step2", "fp32", 4)
+    jobs.append((2, None, {**jobs[0][2], "checkpoint": str(altered), "control": "altered"}))
+    other = zero3_load_dir(out, "z3_bf16_dp2", "other")
+    shutil.copytree(other / "global_step2", other / "global_step3")
+    alter_weight(other / "global_step3", "fp32", 4)
+    (other / "latest").write_text("global_step3")
+    jobs.append((2, None, {**jobs[0][2], "checkpoint": str(other), "control": "latest names another"}))
+    jobs.append((2, None, {**jobs[0][2], "load_optimizer_states": True, "control": "load_optimizer_states"}))
+    return jobs
+
+
 @pytest.mark.engine
 def test_deepspeed_module_only_load_of_thinned(engine_launches):
     results = list(engine_launches.results(thin_jobs))
@@ -159,6 +193,22 @@ def test_deepspeed_module_only_load_of_thinned(engine_launches):
             assert any("l1.weight" in p for p in result["problems"]), result
         else:
             assert result["problems"] == [], result
+
+
+@pytest.mark.engine
+def test_deepspeed_module_only_load_of_thinned_zero3(engine_launches):
+    """Every weight of the thinned ZeRO-3 save (bf16 and fp32, dp=2) loaded by the engine's module-only load is the
+    full checkpoint's, bit for bit in the training dtype; each control differs in the altered weight alone, or, where
+    the load takes nothing from the checkpoint, in every weight."""
+    results = list(engine_launches.results(zero3_thin_jobs))
+    assert [r.get("control") for r in results] == [None, None, "altered", "latest names another",
+                                                   "load_optimizer_states"]
+    for result in results[:2]:
+        assert result["problems"] == [], result
+    for result in results[2:4]:
+        assert result["problems"] == ["module/l1.weight: differs from the full checkpoint's weights"], result
+    trained = json.loads((FIXTURES / "z3_bf16_dp2" / "truth.json").read_text())["trainable"]
+    assert len(results[4]["problems"]) == len(trained), results[4]
 
 
 def test_hf_trainer_thin_loads_with_from_pretrained(tmp_path):
