@@ -241,11 +241,15 @@ class Outcome:
 
 class ThinnerDouble:
     """Records the paths it is asked to thin, and what was gone at each call; fails (ReshardError) on `fail`,
-    says "not carried out" on `skip`. It changes no file: what a thin does to files is reshard.thinning's."""
+    says "not carried out" on `skip`, has no weights-only form of `refuse` (its catalog would say so). It changes
+    no file: what a thin does to files is reshard.thinning's."""
 
-    def __init__(self, watch=(), fail=(), skip=()):
+    def __init__(self, watch=(), fail=(), skip=(), refuse=()):
         self.calls, self.gone_at_call = [], []
-        self.watch, self.fail, self.skip = list(watch), set(fail), set(skip)
+        self.watch, self.fail, self.skip, self.refuse = list(watch), set(fail), set(skip), set(refuse)
+
+    def refusal(self, path: str) -> str | None:
+        return "no weights-only form: test double" if path in self.refuse else None
 
     def thin(self, path: str) -> Outcome:
         self.calls.append(path)
@@ -317,7 +321,8 @@ def test_prune_with_tiers_thins_with_the_real_thinner(tmp_path):
     """`prune --keep-last 1 --keep-steps 1:weights` on a DeepSpeed save dir of three steps, with reshard.thinning
     itself: step 3 (the newest, named by latest) stays full, step 1 is thinned to its module files (weights-only,
     complete, its export the full one's bit for bit; the engine's module-only load of that form: tests/test_thin.py),
-    step 2 is deleted. The control: the same rules at the full tier keep step 1 whole."""
+    step 2 is deleted; on a ZeRO-3 save the same, step 1 thinned to its fp32 partitions. The control: the same rules
+    at the full tier keep step 1 whole."""
     save = lr.ds_run(tmp_path, "z1_bf16_dp2")
     rules = ["--keep-last", "1", "--keep-steps", "1:weights"]
     planned = json.loads(run_cli("prune", save, *rules, "--json", check=0).stdout)
@@ -337,13 +342,48 @@ def test_prune_with_tiers_thins_with_the_real_thinner(tmp_path):
     again = lr.ds_run(tmp_path / "again", "z1_bf16_dp2")
     run_cli("prune", again, "--keep-last", "1", "--keep-steps", "1", "--yes", "--quiet", check=0)
     assert "reshard-thinned.json" not in os.listdir(again / "global_step1")
-    # a checkpoint its format has no smaller weights-only form of (ZeRO-3) is left full, said in one line, exit 1
+    # ZeRO-3: step 1 thinned to its fp32 partitions (the engine's module-only load of it: tests/test_thin.py)
     (tmp_path / "z3").mkdir()
     zero3 = lr.ds_run(tmp_path / "z3", "z3_bf16_dp2")
-    refused = run_cli("prune", zero3, *rules, "--yes", "--quiet", check=1)
-    assert "ZeRO-3" in refused.stderr and "(left full)" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    run_cli("export", zero3 / "global_step3", tmp_path / "z3-full.safetensors", check=0)
+    run_cli("prune", zero3, *rules, "--yes", "--quiet", check=0)
     assert sorted(n for n in os.listdir(zero3) if n.startswith("global_step")) == ["global_step1", "global_step3"]
-    assert "reshard-thinned.json" not in os.listdir(zero3 / "global_step1")
+    record = json.loads((zero3 / "global_step1" / "reshard-thinned.json").read_text())
+    assert record["bytes_after"] < record["bytes_before"]
+    run_cli("export", zero3 / "global_step1", tmp_path / "z3-thin.safetensors", check=0)
+    assert (tmp_path / "z3-thin.safetensors").read_bytes() == (tmp_path / "z3-full.safetensors").read_bytes()
+
+
+def test_the_plan_says_ahead_which_thins_its_format_refuses(tmp_path):
+    """A checkpoint kept at the weights tier whose format has no weights-only form reshard writes (a ZeRO-3
+    mixture of experts) is kept full in the dry run already, the reason said; --yes leaves it full and exits 0.
+    The control: a ZeRO-3 save without experts is planned as a thin."""
+    rules = ["--keep-last", "1", "--keep-steps", "1:weights"]
+    moe = lr.ds_run(tmp_path, "autoep2_z3_fp32_dp2")
+    planned = {d["name"]: d for d in json.loads(run_cli("prune", moe, *rules, "--json", check=0).stdout)["decisions"]}
+    step1 = planned["global_step1"]
+    assert (step1["action"], step1["tier"]) == ("keep", "full") and step1["bytes_after"] == step1["bytes"]
+    assert any(r.startswith("kept full, not thinned: a ZeRO-3 mixture-of-experts save") for r in step1["reasons"])
+    done = run_cli("prune", moe, *rules, "--yes", check=0)
+    assert "kept full, not thinned" in done.stdout and done.stderr == ""
+    assert "reshard-thinned.json" not in os.listdir(moe / "global_step1")
+    (tmp_path / "z3").mkdir()
+    zero3 = lr.ds_run(tmp_path / "z3", "z3_bf16_dp2")
+    planned = json.loads(run_cli("prune", zero3, *rules, "--json", check=0).stdout)["decisions"]
+    assert [d["action"] for d in planned] == ["thin", "delete", "keep"]
+
+
+def test_a_thin_refused_ahead_is_never_asked_for(run):
+    """With the double: the checkpoint it has no form of is kept full in the plan and never handed to it."""
+    step2 = str(run / "ds" / "global_step2")
+    policy = Policy(keep_last=1, keep_every=2, keep_every_tier=WEIGHTS)
+    dry = reshard.prune(run, policy, thinner=ThinnerDouble(refuse={step2}))
+    by_name = {os.path.basename(d.checkpoint.path): d for d in dry.decisions}
+    assert (by_name["global_step2"].action, by_name["global_step2"].tier) == (KEEP, FULL)
+    assert by_name["global_step6"].action == THIN
+    double = ThinnerDouble(refuse={step2})
+    plan = reshard.prune(run, policy, yes=True, thinner=double)
+    assert [os.path.basename(p) for p in double.calls] == ["global_step6"] and plan.not_thinned == []
 
 
 # --- on a real run: lifecycle_runs.deepspeed_run (1-3, 6-8 whole, 4 and 5 broken, latest names 8) ---
