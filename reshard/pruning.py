@@ -191,8 +191,8 @@ def known_refusals(decisions: list, thinner: Thinner | None) -> list:
     out = []
     for d in decisions:
         why = thinner.refusal(d.checkpoint.path) if d.action == THIN and thinner is not None else None
-        out.append(d if why is None else
-                   Decision(d.checkpoint, KEEP, (*d.reasons, f"kept full, not thinned: {why}"), FULL, d.checkpoint.bytes))
+        kept = (*d.reasons, f"kept full, not thinned: {why}")
+        out.append(d if why is None else Decision(d.checkpoint, KEEP, kept, FULL, d.checkpoint.bytes))
     return out
 
 

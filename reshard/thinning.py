@@ -136,9 +136,9 @@ def thinned_bytes(catalog_or_path: Catalog | str | os.PathLike[str], keep_master
 
 
 def refusal(path: str | os.PathLike[str]) -> str | None:
-    """Why the checkpoint at `path` has no weights-only form reshard writes, its catalog read (one line, as
-    `thin` would say it, less the path); None where it has one. What `thin` refuses from the run (newest, named, incomplete) is
-    the listing's to say."""
+    """Why the checkpoint at `path` has no weights-only form reshard writes, its catalog read (one line, as `thin`
+    would say it, less the path); None where it has one. What `thin` refuses from the run (the newest, a named one,
+    an incomplete one) is the listing's to say."""
     path = fs.realpath(os.fspath(path))
     try:
         weights_only_form(read_catalog(path), path)

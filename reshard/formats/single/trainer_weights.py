@@ -17,7 +17,7 @@ import os
 
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed import files as ds_files, topology, weights_only as ds_weights_only, zero_target
+from reshard.formats.deepspeed import files as ds_files, topology, zero_target
 from reshard.formats.single import hf_files, hf_weights
 from reshard.formats.single.hf_trainer import OPTIMIZER
 from reshard.formats.weights_only import Form
@@ -28,6 +28,9 @@ FSDP_FILES = (hf_files.FSDP_FULL_MODEL, hf_files.FSDP_FULL_OPTIMIZER)     # save
 SHARDED = ("the Trainer refuses save_only_model with FSDP's SHARDED_STATE_DICT and saves no weights beside it, so "
            "it has no weights-only form of this folder: not thinned (reshard export writes its weights)")
 ENGINE_FILES = (ds_files.LATEST, *zero_target.SCRIPTS)
+ZERO3 = ("the Trainer's model files of a ZeRO-3 run hold no weights (placeholders, unless DeepSpeed gathers them with "
+         "stage3_gather_16bit_weights_on_model_save), so its save_only_model form loads none: not thinned (reshard "
+         "export writes its weights)")
 
 
 def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
@@ -39,7 +42,7 @@ def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
         raise ReshardError.at(path, "no model.safetensors or pytorch_model.bin the Trainer saved with the model: "
                                     "its weights-only form would hold no weights")
     if catalog.format == "deepspeed" and topology.of(catalog.layout).zero == 3:     # (model.safetensors: placeholders)
-        raise ReshardError.at(path, ds_weights_only.ZERO3)
+        raise ReshardError.at(path, ZERO3)
     model, master = catalog.weight_dtypes()
     if keep_masters and master and model != master:
         raise ReshardError.at(path, f"--keep-masters: the Trainer's model files hold the {model} weights of this "
