@@ -279,17 +279,17 @@ def _thin_command(sub) -> None:
                  ("reshard thin out/global_step2              # what would be dropped, bytes before -> after",
                   "reshard thin ckpt/global_step2 --yes        # (an HF Trainer run: out/checkpoint-200)",
                   "reshard thin out/global_step2 --yes --json"),
-                 " The weights-only form is what the framework itself writes with its model-only option and loads "
-                 "with its weights-only load: a DeepSpeed ZeRO-1/2 tag folder less its *_optim_states.pt "
-                 "(load_checkpoint(..., load_module_only=True)); an HF Trainer checkpoint-N/ less optimizer.pt or "
-                 "the DeepSpeed engine's save (save_only_model=True; from_pretrained). Trainer state, client state, "
-                 "config, tokenizer, scheduler and RNG files stay, with a record of the thinning. Never thinned: "
-                 "the newest complete checkpoint of its series, one `latest`, the framework's best or a link "
-                 "names, a save in progress, an incomplete or unverifiable checkpoint, a ZeRO-3 save (its module "
-                 "files hold no weights). The thinned form is written beside the checkpoint, proven whole (every "
-                 "CRC-32 read), then swapped in under a journal: a kill leaves one of the two whole, and the next "
-                 "thin, prune --yes or watch finishes or rolls back the swap. In an S3 bucket the same, the thinned "
-                 "form put in place by server-side copies, its record last.")
+                 " The weights-only form is what the framework itself writes with its model-only option and loads with "
+                 "its weights-only load: a DeepSpeed ZeRO-1/2 tag folder less its *_optim_states.pt, a ZeRO-3 one with "
+                 "them written again without the moments (load_checkpoint(..., load_module_only=True, "
+                 "load_optimizer_states=False)); an HF Trainer checkpoint-N/ less optimizer.pt or the DeepSpeed "
+                 "engine's save (save_only_model=True; from_pretrained). Trainer state, client state, config, "
+                 "tokenizer, scheduler and RNG files stay, with a record of the thinning. Never thinned: the newest "
+                 "complete checkpoint of its series, one `latest`, the framework's best or a link names, a save in "
+                 "progress, an incomplete or unverifiable checkpoint. The thinned form is written beside the "
+                 "checkpoint, proven whole (every CRC-32 read), then swapped in under a journal: a kill leaves one of "
+                 "the two whole, and the next thin, prune --yes or watch finishes or rolls back the swap. In an S3 "
+                 "bucket the same, the thinned form put in place by server-side copies, its record last.")
     p.add_argument("path", metavar="CKPT", help="one checkpoint of a run directory, as `reshard list` shows it")
     p.add_argument("--yes", action="store_true", help="thin it (default: print what would be dropped and the "
                    "bytes before -> after)")

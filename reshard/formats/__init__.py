@@ -74,9 +74,9 @@ def weights_only_form(catalog, path: str, keep_masters: bool = False):
     name = frame.name if at_frame and frame is not None else catalog.format
     if name not in WEIGHTS_ONLY:
         raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: DeepSpeed "
-                                    "ZeRO-1/2 tag folders, HF Trainer checkpoint-N/ with DeepSpeed, DDP or FSDP's full "
-                                    "state dict, Megatron-LM iteration folders, torchtitan step-N/, Lightning "
-                                    "FSDPStrategy *.ckpt/, plain DCP folders)")
+                                    "ZeRO-1/2/3 tag folders, HF Trainer checkpoint-N/ with DeepSpeed ZeRO-1/2, DDP or "
+                                    "FSDP's full state dict, Megatron-LM iteration folders, torchtitan step-N/, "
+                                    "Lightning FSDPStrategy *.ckpt/, plain DCP folders)")
     return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
 
 
