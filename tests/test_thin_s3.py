@@ -37,9 +37,9 @@ def hidden(server, prefix) -> list:
     return [k for k in servers.keys(server, prefix + "/") if "/." in k]
 
 
-def uploaded(server, tmp_path, prefix):
+def uploaded(server, tmp_path, prefix, fixture="z1_bf16_dp2"):
     import s3_server as servers
-    save = ds_run(tmp_path, "z1_bf16_dp2")
+    save = ds_run(tmp_path, fixture)
     return save, servers.upload(server, str(save), prefix)
 
 
@@ -73,6 +73,24 @@ def test_thin_in_a_bucket_as_on_disk(s3, tmp_path):
     data[at:at + 2] = bytes(b ^ 0x40 for b in data[at:at + 2])
     client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
     assert "CRC" in run_cli("validate", target, "--deep", check=1).stdout
+
+
+def test_thin_zero3_in_a_bucket(s3, tmp_path):
+    """A ZeRO-3 tag folder: its optimizer objects replaced by the ones written without the moments (same names),
+    its model objects kept; export bit for bit, validate --deep; control: its neighbour keeps its moments."""
+    save, url = uploaded(s3, tmp_path, "thin3/run", "z3_bf16_dp2")
+    full = names(s3, "thin3/run/global_step2")
+    result = json.loads(run_cli("thin", f"{url}/global_step2", "--yes", "--recent", "0", "--json", check=0).stdout)
+    assert result["executed"] and result["bytes_after"] < result["bytes_before"]
+    assert names(s3, "thin3/run/global_step2") == sorted([*full, "reshard-thinned.json"])
+    assert hidden(s3, "thin3/run") == []
+    listed = rows(url)
+    assert listed["global_step2"]["bytes_by_kind"]["optimizer"] == 0 < listed["global_step1"]["bytes_by_kind"][
+        "optimizer"]
+    run_cli("validate", f"{url}/global_step2", "--deep", check=0)
+    run_cli("export", save / "global_step2", tmp_path / "full.safetensors", check=0)
+    run_cli("export", f"{url}/global_step2", tmp_path / "thin.safetensors", check=0)
+    assert (tmp_path / "full.safetensors").read_bytes() == (tmp_path / "thin.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("step", thin_objects.STEPS)
