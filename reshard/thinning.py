@@ -63,6 +63,7 @@ class ThinResult:
     what: str                       # what was dropped, in words
     load: str                       # the framework's weights-only load that takes the thinned form
     recovered: tuple[str, ...] = ()     # interrupted thins of the folder finished or rolled back first
+    written: tuple[str, ...] = ()       # files of the form written anew from its tensors (some under a dropped name)
 
     @property
     def bytes_saved(self) -> int:
@@ -72,7 +73,7 @@ class ThinResult:
         return {"path": self.path, "format": self.format, "executed": self.executed,
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "bytes_saved": self.bytes_saved,
                 "dropped": list(self.dropped), "what": self.what, "load": self.load,
-                "recovered": list(self.recovered)}
+                "recovered": list(self.recovered), "written": list(self.written)}
 
 
 def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = False,
@@ -100,7 +101,9 @@ def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = F
     catalog, form, before = _eligible(path, keep_masters, recent)
     text = _provenance(catalog, form, path, before, keep_masters)
     after = _form_bytes(catalog, form, path) + len(text.encode())
-    result = ThinResult(path, catalog.format, False, before, after, form.dropped, form.what, form.load, recovered)
+    written = tuple(f.path for f in form.written)
+    result = ThinResult(path, catalog.format, False, before, after, form.dropped, form.what, form.load, recovered,
+                        written)
     if not yes:
         return result
     names = thin_names(path)
@@ -117,7 +120,8 @@ def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = F
         thin_objects.swap(names, thin_objects.Swap(form.dropped, tuple(placed)))
     else:
         _swap(names)
-    return ThinResult(path, catalog.format, True, before, _size(path), form.dropped, form.what, form.load, recovered)
+    return ThinResult(path, catalog.format, True, before, _size(path), form.dropped, form.what, form.load, recovered,
+                      written)
 
 
 def thinned_bytes(catalog_or_path: Catalog | str | os.PathLike[str], keep_masters: bool = False) -> int:

@@ -18,6 +18,9 @@ def run(args) -> int:
         print(f"thinned {result.path}: dropped {result.what}; {sizes}; loads with {result.load}")
     else:
         for name in result.dropped:
-            print(f"drop  {name}")
+            print(f"{'write again' if name in result.written else 'drop'}  {name}")
+        for name in result.written:
+            if name not in result.dropped:
+                print(f"write  {name}")
         print(f"dry run: {result.path} would drop {result.what}; {sizes}; --yes thins it")
     return 0
