@@ -5,8 +5,9 @@ strategy's, converted by reshard).
     torchrun --nproc_per_node W tests/accelerate_strategies.py JOBS.json RESULTS.json
 
 JOBS.json lists jobs run in one process (Accelerate's state reset between them; the FSDP jobs first: Accelerate's
-state, reset after a DeepSpeed job, takes an FSDP plugin no more), each {"mode": "save" | "load" | "weights", "strategy": "deepspeed" | "fsdp", "dir": the save_state folder, "steps": N, "truth": file (save: written
-when given; load: compared), "negative": file (load), "scheduler": the source's scheduler.bin (load), "fails": true
+state, reset after a DeepSpeed job, takes an FSDP plugin no more), each {"mode": "save" | "load" | "weights",
+"strategy": "deepspeed" | "fsdp", "dir": the save_state folder, "steps": N, "truth": file (save: written when
+given; load: compared), "negative": file (load), "scheduler": the source's scheduler.bin (load), "fails": true
 where the job must end in an error (its result), "state_dict_type": FSDP's (default "SHARDED_STATE_DICT";
 "FULL_STATE_DICT": save_state writes pytorch_model_fsdp.bin and optimizer.bin), "config": LlamaConfig fields
 over the tiny model's (a benchmark's larger model)}. Both strategies train the same

@@ -2,10 +2,11 @@
 framework's own load of the model alone, its weights bit for bit the full checkpoint's.
 
 - HF Trainer with FSDP's SHARDED_STATE_DICT (fixtures/hf_fsdp_sharded_dp2/checkpoint-3, the real Trainer at 2
-  processes): less `optimizer_0/`. The Trainer's resume (`train(resume_from_checkpoint=)`; tests/hf_trainer_strategies.py
-  "weights" at 3 processes, in the launch of tests/test_hf_fsdp_deepspeed.py's resumes) loads `pytorch_model_fsdp_0/`
-  (`_load_from_checkpoint`) and, finding no optimizer folder, neither optimizer nor scheduler: every weight equals
-  torch's own dcp_to_torch_save of the full folder, the global step is the checkpoint's.
+  processes): less `optimizer_0/`. The Trainer's resume (`train(resume_from_checkpoint=)`;
+  tests/hf_trainer_strategies.py "weights" at 3 processes, in the launch of tests/test_hf_fsdp_deepspeed.py's
+  resumes) loads `pytorch_model_fsdp_0/` (`_load_from_checkpoint`) and, finding no optimizer folder, neither
+  optimizer nor scheduler: every weight equals torch's own dcp_to_torch_save of the full folder, the global step
+  is the checkpoint's.
 - Accelerate's save_state with FSDP2 (fixtures/accelerate_fsdp_{sharded,full}_dp2/state, real at 2 processes): less
   `optimizer_0/`, or less `optimizer.bin` with FULL_STATE_DICT. `accelerator.load_state(dir)` with the model alone
   prepared (tests/accelerate_strategies.py "weights" at 3 processes, in tests/test_accelerate_fsdp_deepspeed.py's
@@ -157,7 +158,8 @@ def test_the_trainers_resume_loads_the_thinned_folder_as_the_full_one(trainer_lo
 def accelerate_weights_jobs(out):
     """load_state of each thinned folder and of a copy with CHANGED altered, the model alone prepared, at 3
     processes (the FSDP loads' launch): (3, None, job)."""
-    truths = {"accelerate-sharded": out / "sharded-truth.safetensors", "accelerate-full": out / "full-truth.safetensors"}
+    truths = {"accelerate-sharded": out / "sharded-truth.safetensors",
+              "accelerate-full": out / "full-truth.safetensors"}
     accelerate_truth(truths["accelerate-sharded"])
     accelerate_full_truth(truths["accelerate-full"])
     jobs = []
