@@ -21,6 +21,7 @@ TIER weights; `inspect` weights-only; `export` the full one's byte for byte; `di
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -118,6 +119,27 @@ def test_a_save_stopped_before_its_optimizer_is_not_weights_only(tmp_path):
     assert rows["checkpoint-2"]["status"] == "complete"
     refused = run_cli("thin", run / "checkpoint-1", check=1)
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_prune_with_tiers_thins_an_fsdp_folder(tmp_path):
+    """`prune --keep-last 1 --keep-steps 1:weights` on three copies of the Trainer's sharded save: checkpoint-1
+    thinned (complete, weights-only, less optimizer_0/), checkpoint-2 deleted, checkpoint-3 full. The control: at the
+    full tier checkpoint-1 stays whole."""
+    names = ("checkpoint-1", "checkpoint-2", "checkpoint-3")
+    rules = ["--keep-last", "1", "--keep-steps", "1:weights"]
+    run = series(HF_SHARDED, tmp_path / "hf", names)
+    planned = json.loads(run_cli("prune", run, *rules, "--json", check=0).stdout)
+    assert {d["name"]: d["action"] for d in planned["decisions"]} == \
+        {"checkpoint-1": "thin", "checkpoint-2": "delete", "checkpoint-3": "keep"}
+    run_cli("prune", run, *rules, "--yes", "--quiet", check=0)
+    assert sorted(os.listdir(run)) == ["checkpoint-1", "checkpoint-3"]
+    assert not (run / "checkpoint-1" / "optimizer_0").exists()
+    rows = {r["name"]: r for r in json.loads(run_cli("list", run, "--json", check=0).stdout)["checkpoints"]}
+    assert rows["checkpoint-1"]["status"] == "complete" and rows["checkpoint-1"]["weights_only"]
+    assert not rows["checkpoint-3"]["weights_only"]
+    again = series(HF_SHARDED, tmp_path / "again", names)
+    run_cli("prune", again, "--keep-last", "1", "--keep-steps", "1", "--yes", "--quiet", check=0)
+    assert (again / "checkpoint-1" / "optimizer_0").is_dir()
 
 
 # -- the frameworks' own loads
