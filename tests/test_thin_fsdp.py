@@ -142,6 +142,24 @@ def test_prune_with_tiers_thins_an_fsdp_folder(tmp_path):
     assert (again / "checkpoint-1" / "optimizer_0").is_dir()
 
 
+def test_thin_in_a_bucket_drops_the_optimizer_folder(s3, tmp_path):
+    """The same form in the S3 server the tests start: checkpoint-1's optimizer_0/ objects deleted, every other
+    object of it and its neighbour's kept; listed complete and weights-only; its export the full one's."""
+    import s3_server as servers
+    run = series(HF_SHARDED, tmp_path / "hf", ("checkpoint-1", "checkpoint-2"))
+    url = servers.upload(s3, str(run), "thin-fsdp/run")
+    before = sorted(servers.keys(s3, "thin-fsdp/run/"))
+    run_cli("thin", f"{url}/checkpoint-1", "--yes", "--recent", "0", check=0)
+    after = sorted(servers.keys(s3, "thin-fsdp/run/"))
+    assert after == sorted([k for k in before if "checkpoint-1/optimizer_0/" not in k]
+                           + ["thin-fsdp/run/checkpoint-1/reshard-thinned.json"])
+    listed = {r["name"]: r for r in json.loads(run_cli("list", url, "--recent", "0", "--json").stdout)["checkpoints"]}
+    assert listed["checkpoint-1"]["status"] == "complete" and listed["checkpoint-1"]["weights_only"]
+    run_cli("export", run / "checkpoint-1", tmp_path / "full.safetensors", check=0)
+    run_cli("export", f"{url}/checkpoint-1", tmp_path / "thin.safetensors", check=0)
+    assert (tmp_path / "full.safetensors").read_bytes() == (tmp_path / "thin.safetensors").read_bytes()
+
+
 # -- the frameworks' own loads
 
 @shares("hf_trainer_strategies.py", after=(deepspeed_saves,))
