@@ -27,8 +27,9 @@ FULL_MODEL, FULL_OPTIMIZER = hf_files.FSDP_FULL_MODEL, hf_files.FSDP_FULL_OPTIMI
 
 
 def is_sharded(folder: str) -> bool:
-    """Does `folder` hold the model's and the optimizer's sharded DCP folders, or the model's alone where `reshard
-    thin` dropped the optimizer's (its weights-only form: without the record, a save that stopped between them)?"""
+    """Does `folder` hold the model's and the optimizer's sharded DCP folders, or the model's alone with `reshard
+    thin`'s record (its weights-only form)? Without the record, a model's folder alone is a save that stopped
+    between the two: no sharded save read."""
     if not fs.isdir(os.path.join(folder, MODEL_DIR)):
         return False
     return fs.isdir(os.path.join(folder, OPTIM_DIR)) or is_model_only(folder)
