@@ -4,9 +4,10 @@ strategy's, converted by reshard).
 
     torchrun --nproc_per_node W tests/accelerate_strategies.py JOBS.json RESULTS.json
 
-JOBS.json lists jobs run in order in one process (Accelerate's state reset between them), each {"mode": "save" |
-"load", "strategy": "deepspeed" | "fsdp", "dir": the save_state folder, "steps": N, "truth": file (save: written
-when given; load: compared), "negative": file (load), "scheduler": the source's scheduler.bin (load), "fails": true
+JOBS.json lists jobs run in one process (Accelerate's state reset between them; the FSDP jobs first: Accelerate's
+state, reset after a DeepSpeed job, takes an FSDP plugin no more), each {"mode": "save" | "load" | "weights",
+"strategy": "deepspeed" | "fsdp", "dir": the save_state folder, "steps": N, "truth": file (save: written when
+given; load: compared), "negative": file (load), "scheduler": the source's scheduler.bin (load), "fails": true
 where the job must end in an error (its result), "state_dict_type": FSDP's (default "SHARDED_STATE_DICT";
 "FULL_STATE_DICT": save_state writes pytorch_model_fsdp.bin and optimizer.bin), "config": LlamaConfig fields
 over the tiny model's (a benchmark's larger model)}. Both strategies train the same
@@ -19,6 +20,10 @@ load: everything built from another seed, accelerator.load_state(dir); the full 
       compared with `truth` bit for bit and with `negative` (must differ); every parameter's optimizer step, the
       param groups' weight decay and lr, the scheduler's state_dict (against torch.load of `scheduler`), the custom
       object and the accelerator's step are reported; then one more step runs.
+weights (FSDP): the model alone prepared (and the custom object registered), from another seed, then
+      accelerator.load_state(dir), its weights-only load: the full model state dict gathered and compared with
+      `truth`'s "fp32/" tensors bit for bit, and with `negative`'s (must differ); the custom object and the
+      accelerator's step are reported.
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import math
@@ -36,21 +41,23 @@ SAMPLES = 32
 
 def main(jobs_path, results_path):
     from hf_trainer_deepspeed import run_jobs
-    run_jobs(jobs_path, results_path, run)
+    run_jobs(jobs_path, results_path, run, first=lambda job: job["strategy"] == "fsdp")
+
+
+def fsdp_weights(model) -> dict:
+    """{"fp32/<name>"} of an FSDP2 model, full (a collective: every rank calls it; offloaded to the CPU, rank 0
+    alone gets them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {f"fp32/{name}": value.detach().clone().contiguous() for name, value in weights.items()}
 
 
 def fsdp_state(model, optimizer) -> tuple:
     """({"fp32/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"}, {name: step}) of an FSDP2 model, full (collectives:
     every rank calls it; offloaded to the CPU, rank 0 alone gets them)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    optim = get_optimizer_state_dict(model, optimizer, options=options)
-    out = {f"fp32/{name}": value.detach().clone().contiguous() for name, value in weights.items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    out = fsdp_weights(model)
+    optim = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for name, states in optim.get("state", {}).items():
         out.update({f"{state}/{name}": states[state].detach().clone().contiguous() for state in STATES})
     return out, {name: float(states["step"]) for name, states in optim.get("state", {}).items()}
@@ -95,6 +102,8 @@ def run(job) -> dict:
                             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32,
                             **job.get("config", {})})
     model = LlamaForCausalLM(config)
+    if job["mode"] == "weights":
+        return weights_only(job, accelerator, model, differences)
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -160,6 +169,28 @@ def run(job) -> dict:
     else:
         from hf_trainer_deepspeed import release
         release(model)
+    return {"problems": problems, **report}
+
+
+def weights_only(job, accelerator, model, differences) -> dict:
+    """The "weights" job: load_state of a folder with the model alone prepared, its weights against the truth's."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from accelerate_deepspeed import Counter
+    model = accelerator.prepare(model)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    accelerator.load_state(job["dir"])
+    loaded = fsdp_weights(model)
+    report: dict = {"counter": counter.count, "accelerator_step": accelerator.step}
+    problems: list = []
+    if accelerator.is_main_process:
+        truth = {k: v for k, v in load_file(job["truth"]).items() if k.startswith("fp32/")}
+        negative = {k: v for k, v in load_file(job["negative"]).items() if k.startswith("fp32/")}
+        problems = differences(loaded, truth)
+        report.update(compared=len(truth), negative_differences=len(differences(loaded, negative)))
+    dist.barrier()
     return {"problems": problems, **report}
 
 

@@ -277,7 +277,7 @@ def change_dcp_element(folder, name: str, allowed: dict | None = None, state: st
     catalog = reshard.open_checkpoint(str(folder))
     fragment = catalog.tensors[TensorKey(name, state)].fragments[0]
     path = fragment.storage.file
-    meta = dcp_metadata.read(os.path.join(catalog.root, ".metadata"), allowed)
+    meta = dcp_metadata.read(os.path.join(os.path.dirname(path), ".metadata"), allowed)    # (the rank file's folder's)
     at = fragment.storage.offset + fragment.elem_offset * 4       # (an fp32 moment)
     start, length = next((info.offset, info.length) for info in meta.storage_data.values()
                          if info.relative_path == os.path.basename(path) and info.offset <= at < info.offset

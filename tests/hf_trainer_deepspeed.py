@@ -49,9 +49,10 @@ def main(jobs_path, results_path):
     run_jobs(jobs_path, results_path, run)
 
 
-def run_jobs(jobs_path, results_path, run_one) -> None:
+def run_jobs(jobs_path, results_path, run_one, first=None) -> None:
     """`run_one(job)` for each job, each in a fresh Accelerate and transformers DeepSpeed state; rank 0 writes
-    the results. A job with "fails" must raise: its error is its result."""
+    the results, in the jobs' order. A job with "fails" must raise: its error is its result. `first(job)`: true
+    for the jobs run before the others (whichever test module gave them)."""
     import gc
 
     import torch.distributed as dist
@@ -60,14 +61,15 @@ def run_jobs(jobs_path, results_path, run_one) -> None:
 
     with open(jobs_path) as f:
         jobs = json.load(f)
-    results = []
-    for job in jobs:
+    results: list = [None] * len(jobs)
+    for index in sorted(range(len(jobs)), key=lambda i: first is None or not first(jobs[i])):
+        job = jobs[index]
         try:
-            results.append({**job, **run_one(job)})
+            results[index] = {**job, **run_one(job)}
         except Exception as error:      # DeepSpeed's refusal, raised on every rank as it loads: no rank waits
             if not job.get("fails"):
                 raise
-            results.append({**job, "error": f"{type(error).__name__}: {error}"})
+            results[index] = {**job, "error": f"{type(error).__name__}: {error}"}
             gc.collect()
         AcceleratorState._reset_state(reset_partial_state=False)    # the next job's plugin is its own
         GradientState._reset_state()

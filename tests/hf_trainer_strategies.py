@@ -3,7 +3,7 @@ gloo): save, or resume from a checkpoint-N/ (the other strategy's, converted by 
 
     torchrun --nproc_per_node W tests/hf_trainer_strategies.py JOBS.json RESULTS.json
 
-JOBS.json lists jobs run in order in one process, each {"mode": "save" | "resume", "strategy": "deepspeed" |
+JOBS.json lists jobs run in order in one process, each {"mode": "save" | "resume" | "weights", "strategy": "deepspeed" |
 "fsdp", "stage": S (deepspeed), "out": dir, "max_steps": N, "save_steps": K, "truth": file, "checkpoint": dir
 (resume), "negative": file (resume), "scheduler": the source's scheduler.pt (resume), "fails": true where the run
 must end in an error (its result)}. The Trainer's arguments are tests/hf_trainer_fsdp.py's (lr 1e-2, linear schedule,
@@ -15,6 +15,8 @@ resume: the model starts from another seed; right after the load (on_train_begin
       `truth` ({"fp32/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"}) bit for bit, and with `negative`, which
       must differ; every parameter's optimizer step, the global step and the scheduler's state_dict (against
       torch.load of `scheduler`) are reported; then one more step runs.
+weights: a resume from a weights-only folder (FSDP's less optimizer_0/, which the Trainer loads as the model alone:
+      no optimizer, no scheduler), compared the same way on the truth's "fp32/" tensors only.
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import os
@@ -87,22 +89,26 @@ def run(job) -> dict:
                 report["saved_global_step"] = state.global_step
 
         def on_train_begin(self, args, state, control, **kwargs):
-            if job["mode"] != "resume":
+            if job["mode"] == "save":
                 return
             tensors, steps = self.gathered()
             if dist.get_rank() != 0:
                 return
             from safetensors.torch import load_file
-            truth = load_file(job["truth"])
+            weights = job["mode"] == "weights"      # (the optimizer and the scheduler start afresh)
+
+            def wanted(path):
+                return {k: v for k, v in load_file(path).items() if not weights or k.startswith("fp32/")}
+            truth = wanted(job["truth"])
             problems.extend(differences(tensors, truth))
-            saved = torch.load(job["scheduler"], weights_only=True)
-            if self.trainer.lr_scheduler.state_dict() != saved:
+            saved = None if weights else torch.load(job["scheduler"], weights_only=True)
+            if saved is not None and self.trainer.lr_scheduler.state_dict() != saved:
                 problems.append(f"scheduler {self.trainer.lr_scheduler.state_dict()} != saved {saved}")
             report.update(resumed_global_step=state.global_step, compared=len(truth), steps=sorted(set(steps.values())),
-                          negative_differences=len(differences(tensors, load_file(job["negative"]))))
+                          negative_differences=len(differences(tensors, wanted(job["negative"]))))
 
         def on_step_end(self, args, state, control, **kwargs):
-            if job["mode"] == "resume":
+            if job["mode"] != "save":
                 report.update(next_global_step=state.global_step)
                 control.should_training_stop = True      # one more step is all a resume must show
 
@@ -110,7 +116,7 @@ def run(job) -> dict:
         fsdp_on_cpu()
     else:
         cpu_deepspeed_backend()
-    torch.manual_seed(1234 if job["mode"] == "resume" else 0)   # resume: everything must come from the checkpoint
+    torch.manual_seed(0 if job["mode"] == "save" else 1234)     # resume: everything must come from the checkpoint
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     model = LlamaForCausalLM(config)
@@ -138,7 +144,7 @@ def run(job) -> dict:
         lines = str(error).splitlines()      # each rank's traceback: the first rank's error line says why
         raise RuntimeError("CheckpointException: " + next((line for line in lines if "Error:" in line), lines[0])) \
             from None
-    if job["mode"] == "resume":     # (the loss of the one step: its log follows the source's logging_steps)
+    if job["mode"] != "save":     # (the loss of the one step: its log follows the source's logging_steps)
         report["next_loss"] = output.training_loss
         if not torch.isfinite(torch.tensor(output.training_loss)):
             problems.append(f"one more step: loss {output.training_loss}")

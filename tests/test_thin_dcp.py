@@ -11,8 +11,7 @@ loaded by the framework's own weights-only load, its weights bit for bit the ful
   step off, and a changed element is named.
 - HF Trainer FSDP FULL_STATE_DICT (fixtures/hf_fsdp_full_dp2): pytorch_model_fsdp.bin and optimizer.bin dropped
   (save_only_model), `from_pretrained` of it equal to the full save's pytorch_model_fsdp.bin; a changed element in
-  model.safetensors is named. Its SHARDED_STATE_DICT folder is refused in one line (the Trainer refuses
-  save_only_model there).
+  model.safetensors is named. (Its SHARDED_STATE_DICT folder, and Accelerate's: tests/test_thin_fsdp.py.)
 - a plain DCP save loop (real dcp.save of {"model", "optim"}): `{"model": ...}` alone, loaded by dcp.load into
   get_model_state_dict, equal to the full step's model as dcp_to_torch_save read it before; a changed element named.
 Each: `list` shows it complete and weights-only, `export` of it is the full one's byte for byte, a flipped byte of
@@ -39,7 +38,6 @@ TITAN_CHANGED = "layers.1.feed_forward.w2.weight"
 LIGHTNING = FIXTURES / "lightning_fsdp_dp2" / "step=3.ckpt"
 LIGHTNING_CHANGED = "net.mix.weight"     # (not net.emb.weight: the live model ties net.head.weight to it)
 HF_FULL = FIXTURES / "hf_fsdp_full_dp2" / "checkpoint-3"
-HF_SHARDED = FIXTURES / "hf_fsdp_sharded_dp2" / "checkpoint-3"
 
 
 def series(source: Path, folder: Path, names) -> Path:
@@ -195,14 +193,6 @@ def test_hf_trainer_fsdp_full_thinned_as_save_only_model_writes_it(tmp_path):
     data[-1] ^= 0x40
     (tmp_path / "changed" / "model.safetensors").write_bytes(bytes(data))
     assert not reshard.validate(str(tmp_path / "changed"), deep=True).ok
-
-
-def test_hf_trainer_fsdp_sharded_is_refused_in_one_line(tmp_path):
-    run = series(HF_SHARDED, tmp_path / "hf", ("checkpoint-1", "checkpoint-2"))
-    before = sorted(p.name for p in (run / "checkpoint-1").rglob("*"))
-    proc = run_cli("thin", "--yes", run / "checkpoint-1", check=1)
-    assert len(proc.stderr.strip().splitlines()) == 1 and "SHARDED_STATE_DICT" in proc.stderr, proc.stderr
-    assert sorted(p.name for p in (run / "checkpoint-1").rglob("*")) == before
 
 
 # -- a plain DCP save loop

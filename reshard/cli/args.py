@@ -237,7 +237,8 @@ def _lifecycle_commands(sub) -> None:
                  "(no tensor byte read); a save still being written is shown in progress and not opened. Sizes are "
                  "the files' bytes (apparent size), a complete checkpoint's split into weights (one copy of the "
                  "model in the dtype it holds), optimizer state (moments, fp32 masters beside a 16-bit copy) and "
-                 "other (RNG, scheduler, config, headers, padding).")
+                 "other (RNG, scheduler, config, headers, padding). TIER: full, or weights for the weights-only "
+                 "form `reshard thin` left.")
     p.add_argument("path", metavar="DIR", help="a run directory (DeepSpeed save dir, Hugging Face output dir, "
                    "Lightning checkpoint dir, DCP step dirs, or one holding several)")
     _run_dir_args(p)
@@ -279,17 +280,19 @@ def _thin_command(sub) -> None:
                  ("reshard thin out/global_step2              # what would be dropped, bytes before -> after",
                   "reshard thin ckpt/global_step2 --yes        # (an HF Trainer run: out/checkpoint-200)",
                   "reshard thin out/global_step2 --yes --json"),
-                 " The weights-only form is what the framework itself writes with its model-only option and loads with "
-                 "its weights-only load: a DeepSpeed ZeRO-1/2 tag folder less its *_optim_states.pt, a ZeRO-3 one with "
-                 "them written again without the moments (load_checkpoint(..., load_module_only=True, "
+                 " The weights-only form is what the framework itself writes with its model-only option and loads "
+                 "with its weights-only load: a DeepSpeed ZeRO-1/2 tag folder less its *_optim_states.pt, a ZeRO-3 "
+                 "one with them written again without the moments (load_checkpoint(..., load_module_only=True, "
                  "load_optimizer_states=False)); an HF Trainer checkpoint-N/ less optimizer.pt or the DeepSpeed "
-                 "engine's save (save_only_model=True; from_pretrained). Trainer state, client state, config, "
-                 "tokenizer, scheduler and RNG files stay, with a record of the thinning. Never thinned: the newest "
-                 "complete checkpoint of its series, one `latest`, the framework's best or a link names, a save in "
-                 "progress, an incomplete or unverifiable checkpoint. The thinned form is written beside the "
-                 "checkpoint, proven whole (every CRC-32 read), then swapped in under a journal: a kill leaves one of "
-                 "the two whole, and the next thin, prune --yes or watch finishes or rolls back the swap. In an S3 "
-                 "bucket the same, the thinned form put in place by server-side copies, its record last.")
+                 "engine's save (save_only_model=True; from_pretrained); a Trainer or Accelerate folder with FSDP "
+                 "less optimizer_0/ or optimizer.bin (the Trainer's resume, load_state with the model alone "
+                 "prepared). Trainer state, client state, config, tokenizer, scheduler and RNG files stay, with a "
+                 "record of the thinning. Never thinned: the newest complete checkpoint of its series, one `latest`, "
+                 "the framework's best or a link names, a save in progress, an incomplete or unverifiable "
+                 "checkpoint. The thinned form is written beside the checkpoint, proven whole (every CRC-32 read), "
+                 "then swapped in under a journal: a kill leaves one of the two whole, and the next thin, prune "
+                 "--yes or watch finishes or rolls back the swap. In an S3 bucket the same, the thinned form put in "
+                 "place by server-side copies, its record last.")
     p.add_argument("path", metavar="CKPT", help="one checkpoint of a run directory, as `reshard list` shows it")
     p.add_argument("--yes", action="store_true", help="thin it (default: print what would be dropped and the "
                    "bytes before -> after)")

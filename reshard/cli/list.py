@@ -4,7 +4,7 @@ from __future__ import annotations
 import reshard
 from reshard.cli.output import dump
 from reshard.inspection import human_bytes
-from reshard.listing import INCOMPLETE
+from reshard.listing import COMPLETE, INCOMPLETE
 from reshard.sizes import GB, cost_per_month
 from reshard.text import counted
 
@@ -36,6 +36,14 @@ def _kinds(r) -> str:
     return "  ".join(f"{v:>10}" for v in values)
 
 
+def _tier(r) -> str:
+    """TIER: `full`, or `weights` (weights-only: thinned by `reshard thin`); `-` where the checkpoint is not proven
+    complete (what it holds is not known)."""
+    if r.status != COMPLETE:
+        return "-"
+    return "weights" if r.weights_only else "full"
+
+
 def usd(amount: float) -> str:
     """Dollars and cents (what `--json`'s `cost_per_month` holds exactly)."""
     return f"${amount:,.2f}" if amount >= 0.005 or amount == 0 else "<$0.01"
@@ -49,7 +57,7 @@ def print_listing(listing, price: float | None = None) -> None:
     width = max([len(r.name) for r in rows] + [4])
     cost = f"{'COST/MONTH':>11}  " if price is not None else ""
     print(f"  {'STEP':>8}  {'SAVED':<19}  {'SIZE':>10}  {'WEIGHTS':>10}  {'OPTIMIZER':>10}  {'OTHER':>10}  {cost}"
-          f"{'FORMAT':<12} {'TOPOLOGY':<16} {'STATUS':<12} NAME")
+          f"{'FORMAT':<12} {'TOPOLOGY':<16} {'STATUS':<12} {'TIER':<7} NAME")
     for r in rows:
         step = "-" if r.step is None else str(r.step)
         status = "INCOMPLETE" if r.status == "incomplete" else r.status
@@ -58,7 +66,7 @@ def print_listing(listing, price: float | None = None) -> None:
             extra.append(_metrics_words(r.metrics))
         cost = f"{usd(r.bytes / GB * price):>11}  " if price is not None else ""
         print(f"  {step:>8}  {_when(r.mtime):<19}  {human_bytes(r.bytes):>10}  {_kinds(r)}  {cost}"
-              f"{r.format or '?':<12} {r.topology or '-':<16} {status:<12} {r.name:<{width}} "
+              f"{r.format or '?':<12} {r.topology or '-':<16} {status:<12} {_tier(r):<7} {r.name:<{width}} "
               f"{'  '.join(extra)}".rstrip())
         if r.why:
             print(f"  {'':>8}  {r.why}")

@@ -61,6 +61,7 @@ WEIGHTS_ONLY = {"deepspeed": "reshard.formats.deepspeed.weights_only",
                 "megatron": "reshard.formats.megatron.weights_only",
                 "hf-trainer": "reshard.formats.single.trainer_weights",
                 "HF Trainer": "reshard.formats.single.trainer_weights",
+                "Accelerate": "reshard.formats.single.accelerate_weights",
                 "torchtitan": "reshard.formats.dcp.torchtitan_weights",
                 "Lightning": "reshard.formats.dcp.lightning_weights",
                 "dcp": "reshard.formats.dcp.weights_only"}
@@ -75,8 +76,9 @@ def weights_only_form(catalog, path: str, keep_masters: bool = False):
     if name not in WEIGHTS_ONLY:
         raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: DeepSpeed "
                                     "ZeRO-1/2/3 tag folders, HF Trainer checkpoint-N/ with DeepSpeed ZeRO-1/2, DDP or "
-                                    "FSDP's full state dict, Megatron-LM iteration folders, torchtitan step-N/, "
-                                    "Lightning FSDPStrategy *.ckpt/, plain DCP folders)")
+                                    "FSDP (sharded or full state dict), Accelerate save_state folders with FSDP "
+                                    "(sharded or full), Megatron-LM iteration folders, torchtitan step-N/, Lightning "
+                                    "FSDPStrategy *.ckpt/, plain DCP folders)")
     return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
 
 

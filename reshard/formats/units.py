@@ -7,8 +7,9 @@ would be counted, judged and deleted apart from the rest. So a folder is recogni
 (names in a directory listing; no file is opened) as one Unit, never looked into by the run scan:
 
 - HF Trainer: `checkpoint-N/` (or any folder with `trainer_state.json`) with DeepSpeed (`latest` + a tag folder),
-  FSDP sharded (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP folders), FSDP full (`pytorch_model_fsdp.bin`,
-  `optimizer.bin`), or DDP / one process (`model.safetensors` or `pytorch_model.bin`, `optimizer.pt`);
+  FSDP sharded (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP folders; the first alone where `reshard thin` left
+  its record), FSDP full (`pytorch_model_fsdp.bin`, `optimizer.bin`), or DDP / one process (`model.safetensors` or
+  `pytorch_model.bin`, `optimizer.pt`);
 - Accelerate: save_state's `checkpoint_N/` (`random_states_K.pkl`) with DeepSpeed, FSDP, or neither
   (`model.safetensors`, `optimizer.bin`, `scheduler.bin`);
 - Lightning: `*.ckpt` files and `*.ckpt/` folders with DeepSpeed or FSDP (DCP + `meta.pt`);

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from reshard.errors import ReshardError
 from reshard.storage import files as fs
 
 PROVENANCE = "reshard-thinned.json"
@@ -54,3 +55,11 @@ def provenance(folder: str) -> dict | None:
 
 def is_thinned(folder: str) -> bool:
     return fs.isfile(os.path.join(folder, PROVENANCE))
+
+
+def needs_optimizer(catalog, output: str) -> None:
+    """A writer whose `output` resumes training refuses a source without optimizer state (a weights-only
+    checkpoint), in one line naming it."""
+    if not catalog.param_groups:
+        raise ReshardError.at(catalog.root, f"no optimizer state (weights only); {output} resumes training and needs "
+                                            "the optimizer's state, so it is not written")

@@ -3,7 +3,8 @@ save_state dir) -> one Catalog: the model's DCP folder and the optimizer's (fram
 checkpoint, each item where its own `.metadata` puts it, with the Trainer's step and the LR scheduler (the Trainer's
 or Accelerate's) where it saved them. The optimizer's keys (`optimizer.state.<fqn>.<state>`) meet the model's
 (`model.<fqn>`) through planner_data's paths, the parameter's FQN in both. The framework's own files (trainer state,
-scheduler, per-process RNG) are the registry's (formats.framework.detect).
+scheduler, per-process RNG) are the registry's (formats.framework.detect). A folder `reshard thin` left (its record,
+no `optimizer_0/`: fsdp.is_model_only) is the model's DCP folder alone, its weights-only form.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from reshard.formats import torchsave_read
 from reshard.formats.dcp import metadata as md, reader as dcp_reader
 from reshard.formats.dcp.chunks import METADATA, Chunks, joined
 from reshard.formats.framework import accelerate
-from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR, is_sharded
+from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR, is_model_only, is_sharded
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single.hf_trainer import SCHEDULER, global_step, read_trainer_state
 from reshard.storage import files as fs
@@ -34,7 +35,7 @@ def sniff(path: str, tag: str | None) -> bool:
 def read(path: str, options: NoOptions) -> Catalog:
     root = fs.abspath(path)
     parts = []
-    for folder in (MODEL_DIR, OPTIM_DIR):
+    for folder in (MODEL_DIR,) if is_model_only(root) else (MODEL_DIR, OPTIM_DIR):
         meta_path = os.path.join(root, folder, METADATA)
         if not fs.isfile(meta_path):
             raise CheckpointError(meta_path, "missing: DCP writes .metadata last, so the save did not finish")

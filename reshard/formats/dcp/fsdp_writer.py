@@ -19,6 +19,7 @@ from dataclasses import replace
 from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output
+from reshard.formats import weights_only
 from reshard.formats.dcp import keys, writer as dcp_writer
 from reshard.formats.framework import framework_of, lightning
 from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR
@@ -32,6 +33,7 @@ SAVES_OWN_NAMES = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     dcp_writer.check_target(target)
+    weights_only.needs_optimizer(catalog, "a framework's FSDP folder")
     frame = framework_of(catalog)
     if frame is not None and frame.name == lightning.NAME:
         model, optim, values = _entries(catalog, lightning.model_key(frame), lightning.FSDP_OPTIMIZER)

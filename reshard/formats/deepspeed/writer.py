@@ -12,6 +12,7 @@ from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output
 from reshard.errors import ReshardError, UsageError
+from reshard.formats import weights_only
 from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, topology, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
@@ -42,9 +43,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
 
 def _check_convertible(catalog: Catalog, target: Layout) -> None:
     """What a source must hold for DeepSpeed to resume from it, whatever the topology."""
-    if not catalog.param_groups:
-        raise ReshardError.at(catalog.root, "no optimizer state (weights only); a DeepSpeed checkpoint resumes "
-                                            "training and needs the optimizer's state, so it is not written")
+    weights_only.needs_optimizer(catalog, "a DeepSpeed checkpoint")
     catalog.scalars_of_groups(TARGET)      # refuses params of a group whose steps differ
     unsure = catalog.maybe_buffers
     if topology.of(target).zero == 3 and unsure:

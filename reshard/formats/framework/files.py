@@ -20,6 +20,7 @@ from reshard import manifest
 from reshard.core.problems import READER, Problem
 from reshard.core.write_requests import CopiedFile
 from reshard.errors import ReshardError
+from reshard.formats import weights_only
 from reshard.formats.deepspeed import topology
 from reshard.formats.framework import fsdp
 from reshard.storage import files as fs
@@ -212,6 +213,7 @@ def deepspeed_own(folder: str, name: str) -> bool:
     from reshard.formats.deepspeed import files as deepspeed_files
     from reshard.formats.deepspeed.zero_target import SCRIPTS
     path = os.path.join(folder, name)
-    # reshard's manifest of a folder it wrote describes that folder: every output gets its own
-    return name == deepspeed_files.LATEST or name in SCRIPTS or name == manifest.NAME or \
+    # reshard's manifest of a folder it wrote, and its record of a thinning, describe that folder: every output
+    # gets its own
+    return name == deepspeed_files.LATEST or name in SCRIPTS or name in (manifest.NAME, weights_only.PROVENANCE) or \
         (fs.isdir(path) and (fsdp.own(name) or deepspeed_files.is_deepspeed_dir(path)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from reshard.formats import weights_only
 from reshard.formats.single import hf_files
 from reshard.storage import files as fs
 
@@ -26,8 +27,17 @@ FULL_MODEL, FULL_OPTIMIZER = hf_files.FSDP_FULL_MODEL, hf_files.FSDP_FULL_OPTIMI
 
 
 def is_sharded(folder: str) -> bool:
-    """Does `folder` hold the model's and the optimizer's sharded DCP folders?"""
-    return all(fs.isdir(os.path.join(folder, d)) for d in (MODEL_DIR, OPTIM_DIR))
+    """Does `folder` hold the model's and the optimizer's sharded DCP folders, or the model's alone with `reshard
+    thin`'s record (its weights-only form)? Without the record, a model's folder alone is a save that stopped
+    between the two: no sharded save read."""
+    if not fs.isdir(os.path.join(folder, MODEL_DIR)):
+        return False
+    return fs.isdir(os.path.join(folder, OPTIM_DIR)) or is_model_only(folder)
+
+
+def is_model_only(folder: str) -> bool:
+    """Is `folder` FSDP's sharded save thinned to its model's DCP folder (weights_only.PROVENANCE, no optimizer's)?"""
+    return not fs.isdir(os.path.join(folder, OPTIM_DIR)) and weights_only.is_thinned(folder)
 
 
 def own(name: str) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import replace
 from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
-from reshard.formats import torchsave_read
+from reshard.formats import torchsave_read, weights_only
 from reshard.formats.protocol import NoOptions
 from reshard.formats.single import hf_files, hf_weights, model
 from reshard.formats.single.notes import SingleNotes
@@ -88,9 +88,11 @@ def read(path: str, options: NoOptions) -> Catalog:
     model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order,
                 weights.buffers)
     _training_state(catalog, folder)
-    step = catalog.training.global_steps or catalog.freeze().contents().step or 0
-    if catalog.training.global_steps is None:
-        catalog.training = replace(catalog.training, global_steps=step)
+    step = catalog.training.global_steps or catalog.freeze().contents().step
+    # a folder `reshard thin` left without the optimizer's step and no trainer state (Accelerate's FSDP full state
+    # dict) records none: unknown, not 0
+    if catalog.training.global_steps is None and (step is not None or not weights_only.is_thinned(folder)):
+        catalog.training = replace(catalog.training, global_steps=step or 0)
     catalog.model_files = hf_files.present(folder)
     return catalog.freeze()
 

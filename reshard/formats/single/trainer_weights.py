@@ -9,7 +9,8 @@ With FSDP's FULL_STATE_DICT, `save_model` writes model.safetensors from the gath
 `_save_optimizer_and_scheduler` (skipped) Accelerate's `pytorch_model_fsdp.bin` and `optimizer.bin` (save_fsdp_model,
 save_fsdp_optimizer): both are dropped. With SHARDED_STATE_DICT the Trainer refuses `save_only_model` (its
 create_accelerator_and_postprocess: "save_only_model option is not compatible with FSDP state dict type
-'SHARDED_STATE_DICT'") and `save_model` writes no weights: it has no weights-only form, and the folder is not thinned.
+'SHARDED_STATE_DICT'") and `save_model` writes no weights; its resume loads the folder less `optimizer_0/` as the
+model alone (dcp/fsdp_weights.py), which is that folder's form.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
+from reshard.formats.dcp import fsdp_weights
 from reshard.formats.deepspeed import files as ds_files, topology, zero_target
 from reshard.formats.single import hf_files, hf_weights
 from reshard.formats.single.hf_trainer import OPTIMIZER
@@ -24,9 +26,9 @@ from reshard.formats.weights_only import Form
 from reshard.storage import files as fs
 
 LOAD = "AutoModelForCausalLM.from_pretrained(checkpoint)"
+SHARDED_LOAD = ("Trainer.train(resume_from_checkpoint=checkpoint) with FSDP's SHARDED_STATE_DICT (the model alone: "
+                "without optimizer_0/ it loads neither optimizer nor scheduler)")
 FSDP_FILES = (hf_files.FSDP_FULL_MODEL, hf_files.FSDP_FULL_OPTIMIZER)     # save_fsdp_model's, save_fsdp_optimizer's
-SHARDED = ("the Trainer refuses save_only_model with FSDP's SHARDED_STATE_DICT and saves no weights beside it, so "
-           "it has no weights-only form of this folder: not thinned (reshard export writes its weights)")
 ENGINE_FILES = (ds_files.LATEST, *zero_target.SCRIPTS)
 ZERO3 = ("the Trainer's model files of a ZeRO-3 run hold no weights (placeholders, unless DeepSpeed gathers them with "
          "stage3_gather_16bit_weights_on_model_save), so its save_only_model form loads none: not thinned (reshard "
@@ -36,7 +38,7 @@ ZERO3 = ("the Trainer's model files of a ZeRO-3 run hold no weights (placeholder
 def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
     folder = fs.abspath(path)
     if catalog.format == "fsdp":        # (fsdp_reader: pytorch_model_fsdp_0/ and optimizer_0/)
-        raise ReshardError.at(path, SHARDED)
+        return fsdp_weights.form(catalog, path, SHARDED_LOAD)
     weights = hf_weights.present(folder)
     if weights not in (hf_weights.SAFE, hf_weights.SAFE_INDEX, hf_weights.BIN, hf_weights.BIN_INDEX):
         raise ReshardError.at(path, "no model.safetensors or pytorch_model.bin the Trainer saved with the model: "
