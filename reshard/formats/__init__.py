@@ -14,56 +14,18 @@ from dataclasses import dataclass, fields, replace
 from reshard import manifest, paths, rule_files
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
-from reshard.formats import framework
-from reshard.formats.deepspeed import files as ds_files, topology as ds_topology, universal as ds_universal
+from reshard.formats import framework, registry
+from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY, lightning as lightning_framework  # noqa: F401  (for cli, convert)
-from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
+from reshard.formats.registry import Pointer, WriterEntry  # noqa: F401  (the registry's types, for callers)
 from reshard.storage import files as fs
 
-# Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iteration.txt, iter_NNNNNNN/ (torch_dist)
-           "reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
-           "reshard.formats.deepspeed.reader",
-           "reshard.formats.dcp.lightning_reader",       # .metadata + meta.pt (Lightning's FSDPStrategy, sharded)
-           "reshard.formats.dcp.reader",                 # .metadata + *.distcp
-           "reshard.formats.dcp.fsdp_reader",            # pytorch_model_fsdp_0/ + optimizer_0/ (Accelerate's FSDP)
-           "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
-           "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
-           "reshard.formats.single.lightning",           # *.ckpt
-           "reshard.formats.single.torchsave_checkpoint"]           # *.pt, *.pth, *.bin
-
-
-@dataclass(frozen=True)
-class WriterEntry:
-    module: str             # satisfies protocol.Writer; imported when its format is written
-    keys: TargetKeys        # what its output takes of a target topology (read by --help without importing it)
-
-
-# Target formats of `convert --format`. Every key of `--to` has a place in DeepSpeed's files; a DCP directory is one
-# file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO stage. A Megatron-LM save dir
-# (torch_dist) at any tp, pp and dp, its optimizer in the sharding `sharding=` names.
-WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
-           "universal": WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
-           "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY),
-            "megatron": WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
-            # the folder a framework (HF Trainer, Accelerate) resumes from with FSDP's sharded state dict, its own
-            # files carried beside it as for DeepSpeed
-            "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY),
-            # torchtitan's step-N folder (its CheckpointManager's flat keys), its own entries carried
-            "torchtitan": WriterEntry("reshard.formats.dcp.torchtitan_writer", MESH_ONLY)}
-
-
-# Each format's weights-only form (reshard.formats.weights_only.Form), what its framework writes with its model-only
-# option and loads with its weights-only load: by catalog format, or by the training framework whose folder is
-# the checkpoint (HF Trainer's checkpoint-N/ around a DeepSpeed save). `reshard thin` writes it.
-WEIGHTS_ONLY = {"deepspeed": "reshard.formats.deepspeed.weights_only",
-                "megatron": "reshard.formats.megatron.weights_only",
-                "hf-trainer": "reshard.formats.single.trainer_weights",
-                "HF Trainer": "reshard.formats.single.trainer_weights",
-                "torchtitan": "reshard.formats.dcp.torchtitan_weights",
-                "Lightning": "reshard.formats.dcp.lightning_weights",
-                "dcp": "reshard.formats.dcp.weights_only"}
+# Derived from the registry (reshard.formats.registry), the one place a format is described: the reader modules in
+# the order they are tried, the writers of `convert --format`, the weights-only forms by catalog format or framework.
+READERS = registry.readers()
+WRITERS = registry.writers()
+WEIGHTS_ONLY = {by: form.module for by, form in registry.thin_forms().items()}
 
 
 def weights_only_form(catalog, path: str, keep_masters: bool = False):
@@ -73,10 +35,8 @@ def weights_only_form(catalog, path: str, keep_masters: bool = False):
     at_frame = frame is not None and fs.normpath(frame.folder) == fs.normpath(fs.abspath(path))
     name = frame.name if at_frame and frame is not None else catalog.format
     if name not in WEIGHTS_ONLY:
-        raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: DeepSpeed "
-                                    "ZeRO-1/2 tag folders, HF Trainer checkpoint-N/ with DeepSpeed, DDP or FSDP's full "
-                                    "state dict, Megatron-LM iteration folders, torchtitan step-N/, Lightning "
-                                    "FSDPStrategy *.ckpt/, plain DCP folders)")
+        raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: "
+                                    f"{registry.thinnable()})")
     return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
 
 
@@ -160,35 +120,20 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
             return module
     if tag is not None and not fs.isdir(os.path.join(path, tag)):
         raise ReshardError.at(os.path.join(path, tag), "tag folder does not exist")
-    raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: Megatron-core torch_dist, "
-                                "DeepSpeed ZeRO, universal and "
-                                "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
-                                "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process), "
-                                "Accelerate save_state folders (DeepSpeed, FSDP), safetensors)")
+    raise UnknownFormatError.at(path, f"not a checkpoint reshard can read (supported: {registry.supported()})")
 
 
-@dataclass(frozen=True)
-class Pointer:
-    """A file a framework writes beside its checkpoints once a save is done, naming the one it resumes from: the
-    lifecycle (list, prune, watch) never deletes what it names, and holds back what is newer as still written."""
-    file: str               # its name in the save dir
-    reader: str             # the reader module whose format writes it
-    how: str                # "tag": its text is the checkpoint's folder name; "resolve": the reader's resolve()
-
-
-# How a run directory's checkpoints are named by the frameworks that save them (reshard.formats.run_layout reads
-# these; reshard.formats.units says what a checkpoint folder is whole): DeepSpeed's `latest` and `latest_universal`
-# name tag folders, Megatron-LM's tracker an iteration ("200" is iter_0000200/, as its reader resolves it).
-POINTERS = (Pointer(ds_files.LATEST, "reshard.formats.deepspeed.reader", "tag"),
-            Pointer(ds_universal.LATEST_UNIVERSAL, "reshard.formats.deepspeed.universal_reader", "tag"),
-            Pointer("latest_checkpointed_iteration.txt", "reshard.formats.megatron.reader", "resolve"))
+# The pointer files of a run directory (reshard.formats.run_layout reads them; reshard.formats.units says what a
+# checkpoint folder is whole): DeepSpeed's `latest` and `latest_universal` name tag folders, Megatron-LM's tracker an
+# iteration ("200" is iter_0000200/, as its reader resolves it).
+POINTERS = registry.pointers()
 
 
 def pointed(save_dir: str, pointer: Pointer) -> str | None:
     """The checkpoint `pointer` (a file in `save_dir`) names, as a path; None when it is unreadable, names nothing
     that exists, or a path leaving `save_dir`."""
     try:
-        if pointer.how == "resolve":
+        if pointer.how == registry.RESOLVE:
             folder, _, _ = importlib.import_module(pointer.reader).resolve(save_dir, None)
             return folder
         with fs.open(os.path.join(save_dir, pointer.file)) as f:
