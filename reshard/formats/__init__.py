@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 from reshard import manifest, paths, rule_files
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec

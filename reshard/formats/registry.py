@@ -85,7 +85,8 @@ FORMATS = (
                      pointer_how=RESOLVE),
            readers=("reshard.formats.megatron.reader",),
            writer=WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
-           writes="a Megatron-LM save dir (torch_dist) at any tp, pp and dp, its optimizer in the sharding sharding= names",
+           writes="a Megatron-LM save dir (torch_dist) at any tp, pp and dp, its optimizer in the sharding "
+                  "sharding= names",
            thin=(ThinForm("reshard.formats.megatron.weights_only", "Megatron-LM iteration folders", "megatron"),)),
     Format("universal", "DeepSpeed universal", "universal.md", "DeepSpeed universal checkpoints",
            RunLayout("universal", pointer=ds_universal.LATEST_UNIVERSAL),
