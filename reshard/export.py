@@ -33,7 +33,7 @@ OPTIMIZER_JSON = "optimizer.json"
 WITH_OPTIMIZER = "the optimizer state (--with-optimizer)"    # optimizer.json keeps one step per param group
 
 
-@dataclass
+@dataclass(frozen=True)
 class Entry(NewTensor):
     """A tensor of the export: its name (the key), dtype and shape, and the logical tensor it copies, from its
     flat element `start` (a slab of it, where export names split a tensor), or the `shard` of it (boxes of it, where
