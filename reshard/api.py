@@ -79,7 +79,7 @@ def inspect(source: str | os.PathLike[str] | Catalog, params: bool = False, *, t
     Example:
         >>> info = reshard.inspect("ckpt/")
         >>> info.topology, info.zero_stage, info.optimizer
-        ({'dp': 2, 'tp': 1, 'pp': 1, 'world_size': 2}, 2, 'AdamW')
+        (Mesh(dp=2, tp=1, pp=1, world_size=2), 2, 'AdamW')
     """
     return inspect_catalog(_catalog(source, tag, layout_rules, config), params=params)
 

@@ -59,7 +59,7 @@ def test_an_inspection_is_typed_and_its_plain_data_is_the_json(capsys):
     from conftest import run_cli
     from reshard.inspection import Inspection
     info = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")), params=True)
-    assert isinstance(info, Inspection) and info.topology["dp"] == 2 and info.zero_stage == 2
+    assert isinstance(info, Inspection) and info.topology.dp == 2 and info.zero_stage == 2
     assert json.loads(run_cli("inspect", fixture_dir("z2_fp32_dp2"), "--params", "--json").stdout) == info.to_dict()
     # negative control: without the table, its key is absent from the data, as from the JSON
     plain = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")))
