@@ -19,7 +19,7 @@ from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKe
 from reshard.core.dtypes import SHORT, is_floating
 from reshard.core.layout import Layout
 from reshard.core.placement import Shard
-from reshard.core.planner import plan
+from reshard.core.planner import Plan, plan
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, TensorFile, TextFile
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
@@ -43,10 +43,17 @@ class Entry(NewTensor):
     shard: Shard | None = None
 
 
-def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_size=None,
+@dataclass(frozen=True)
+class ExportPlan:
+    """An export's plan, and whether it writes OUT as one file (else a folder of them)."""
+    plan: Plan
+    single_file: bool
+
+
+def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_size: str | None = None,
                 with_optimizer: bool = False, fmt: str | None = None, weights: str = "master",
-                names: str | None = None, config: str | None = None):
-    """(Plan, single_file): the files of the export; single_file when OUT names one file. `fmt`:
+                names: str | None = None, config: str | None = None) -> ExportPlan:
+    """The files of the export; single_file when OUT names one file. `fmt`:
     safetensors or torch; by default the one OUT's suffix names (safetensors for a directory). `names`: an
     export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights. `config`: the
     model's config.json (Hugging Face's), for a checkpoint that holds none (torchtitan's): written beside the weights
@@ -102,7 +109,7 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_
                 raise ReshardError.at(rules.path, f"the checkpoint has its own {rules.config.file}")
             targets.append(TextFile(rules.config.file, rules.config_text(facts)))
     target = Layout.of(1, dtype=entries[0].dtype if entries else "float32")
-    return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
+    return ExportPlan(plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file)
 
 
 MODEL_CONFIG = "config.json"       # what from_pretrained reads beside the weights

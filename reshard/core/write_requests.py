@@ -145,3 +145,7 @@ class StageCut:
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "stages": [list(r) for r in self.stages], "ambiguous": self.ambiguous}
+
+
+# What a writer's target_files lists: the output's files, and for a pipeline target how its stages are cut
+WriteRequest = TensorFile | TextFile | CopiedFile | StageCut

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 from reshard import manifest, paths, rule_files
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
@@ -21,6 +22,12 @@ from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys,
 from reshard.formats.registry import Pointer, WriterEntry  # noqa: F401  (the registry's types, for callers)
 from reshard.storage import files as fs
 
+if TYPE_CHECKING:
+    from reshard.core.catalog import Catalog
+    from reshard.core.container import Container
+    from reshard.core.write_requests import WriteRequest
+    from reshard.formats.weights_only import Form
+
 # Derived from the registry (reshard.formats.registry), the one place a format is described: the reader modules in
 # the order they are tried, the writers of `convert --format`, the weights-only forms by catalog format or framework.
 READERS = registry.readers()
@@ -28,7 +35,7 @@ WRITERS = registry.writers()
 WEIGHTS_ONLY = {by: form.module for by, form in registry.thin_forms().items()}
 
 
-def weights_only_form(catalog, path: str, keep_masters: bool = False):
+def weights_only_form(catalog: Catalog, path: str, keep_masters: bool = False) -> Form:
     """The weights-only form (weights_only.Form) of the full checkpoint at `path` (`catalog` read from it); a
     ReshardError in one line where its format has none reshard writes."""
     frame = framework.framework_of(catalog)
@@ -40,7 +47,7 @@ def weights_only_form(catalog, path: str, keep_masters: bool = False):
     return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
 
 
-def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None):
+def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None) -> Catalog:
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how
     their tensors were cut. `config`: the model's config.json, for a checkpoint that does not record what it gives
@@ -61,11 +68,12 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None, con
     return catalog
 
 
-def framework_dispositions(catalog, format_name: str, world: int, policy: str) -> tuple:
+def framework_dispositions(catalog: Catalog, format_name: str, world: int,
+                           policy: str) -> tuple[framework.Disposition, ...]:
     """What becomes of each of the framework's files (framework.Disposition) in an output of `format_name` at
     `world` processes: the framework resumes only from its own layout (DeepSpeed's files, or FSDP's as it writes
     them), so another format carries none."""
-    frame = catalog.framework
+    frame = framework.framework_of(catalog)
     if frame is None:
         return ()
     if _resumed_by_frameworks(format_name) and lightning_framework.crosses(frame, format_name):
@@ -80,13 +88,14 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     return frame.dispositions(world, policy)
 
 
-def with_framework(catalog, format_name: str, world: int, policy: str, targets: list) -> list:
+def with_framework(catalog: Catalog, format_name: str, world: int, policy: str,
+                   targets: list[WriteRequest]) -> list[WriteRequest]:
     """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
     whole folder the framework writes at `world` processes."""
-    frame = catalog.framework
+    frame = framework.framework_of(catalog)
     if frame is None or not _resumed_by_frameworks(format_name) or lightning_framework.crosses(frame, format_name):
         return targets
-    return targets + frame.target_files(world, policy)
+    return [*targets, *frame.target_files(world, policy)]
 
 
 
@@ -94,7 +103,7 @@ def _resumed_by_frameworks(format_name: str) -> bool:
     return format_name in WRITERS and writer(format_name).RESUMED_BY_FRAMEWORKS
 
 
-def default_tag(catalog) -> str:
+def default_tag(catalog: Catalog) -> str:
     """The output's tag for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name DeepSpeed's
     own save gives its step, or the one the framework around it gives DeepSpeed (Accelerate's pytorch_model), which
     its resume asks for."""
@@ -143,7 +152,7 @@ def pointed(save_dir: str, pointer: Pointer) -> str | None:
     return None if paths.escape(tag, save_dir, single=True) else os.path.join(save_dir, tag)
 
 
-def reader_options(reader: Reader, path: str, request: ReadRequest):
+def reader_options(reader: Reader, path: str, request: ReadRequest) -> object:
     """`request` as the reader's OPTIONS; an option the reader does not take is a usage error."""
     given = request.given()
     for name in given:
@@ -158,7 +167,7 @@ def takes(path: str, tag: str | None, option: str) -> bool:
     return option in _taken(reader_for(path, tag))
 
 
-def _taken(reader: Reader) -> set:
+def _taken(reader: Reader) -> set[str]:
     return {f.name for f in fields(reader.OPTIONS)}
 
 
@@ -172,7 +181,7 @@ def spec_keys_of(format_name: str) -> tuple[str, ...]:
     return tuple(k.name for k in (*MESH_KEYS, *_target_keys(format_name).keys))
 
 
-def formats_taking(keys: Iterable[str]) -> list:
+def formats_taking(keys: Iterable[str]) -> list[str]:
     """The output formats whose writers take every one of these `--to` keys (every_spec_key)."""
     return [name for name in WRITERS if set(keys) <= set(spec_keys_of(name))]
 
@@ -207,7 +216,7 @@ def writer(format_name: str) -> Writer:
     return importlib.import_module(WRITERS[format_name].module)
 
 
-def container_loader(container):
+def container_loader(container: Container) -> Callable[..., object]:
     """For a container (reshard.core.container.Container) whose files a live process loads in memory
     (reshard.materialize): the function (header, storage_of) -> the object loading the written file would give."""
     from reshard.formats.containers import CONTAINERS
