@@ -37,7 +37,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         lines = []
         for line in text.splitlines():
             row = re.match(r"\s+\S+\s\s+|\s*", line)
-            lines += textwrap.wrap(line, width, subsequent_indent=" " * row.end(), break_long_words=False,
+            indent = row.end() if row else 0      # (the pattern matches the empty string: always a match)
+            lines += textwrap.wrap(line, width, subsequent_indent=" " * indent, break_long_words=False,
                                    break_on_hyphens=False) or [""]
         return lines
 

@@ -254,7 +254,8 @@ def ds_moe_local(name: str, per_rank: int) -> tuple:
 
 def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
     """deepspeed.moe: rank 0's local expert params, named `<layer>.deepspeed_moe.experts.deepspeed_experts.i.*`."""
-    by_layer = {}             # layer prefix -> {local index: [(name, what follows the index, shape)]}
+    # layer prefix -> {local index: [(name, what follows the index, shape)]}
+    by_layer: dict[str, dict[int, list[tuple[str, str, tuple[int, ...]]]]] = {}
     for g in sorted(expert_groups):
         for name, shape in param_shapes[g].items():
             m = DS_MOE_EXPERT.match(name)
@@ -267,6 +268,7 @@ def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
         if sorted(experts) != list(range(per_rank)):
             raise ReshardError.at(tag_dir, f"{prefix}: local experts {sorted(experts)} are not numbered from 0")
         num_experts = ep * per_rank
+        keys_of: dict[int, list[tuple[str, str, int, int, tuple[int, ...]]]]
         keys_of = {e: [] for e in range(num_experts)}
         for r in range(ep):
             for i, params in sorted(experts.items()):
