@@ -137,3 +137,28 @@ def test_a_checkpoint_none_reads_is_refused_naming_every_format(command, tmp_pat
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
     assert unnamed_in(proc.stderr, "the refusal", registry.FORMATS, lambda f: f.reads) == []
     assert "not a checkpoint reshard can read" in proc.stderr and str(path) in proc.stderr
+
+
+def _sniff_order_kept(readers: tuple[str, ...], formats: tuple[registry.Format, ...]) -> bool:
+    """Is every format's reader tried before the readers of the formats it says would take its checkpoints too?"""
+    at = {module: i for i, module in enumerate(readers)}
+    by_name = {f.name: f for f in formats}
+    return all(at[mine] < at[theirs] for f in formats for other in f.tried_before for mine in f.readers
+               for theirs in by_name[other].readers)
+
+
+def test_a_format_whose_checkpoints_another_reader_takes_is_tried_first(monkeypatch):
+    """A Megatron-LM iteration folder is a DCP folder too, Lightning's FSDPStrategy *.ckpt/ one as well: their
+    readers are tried before DCP's, though the registry (and --format's list) names dcp first."""
+    assert _sniff_order_kept(registry.readers(), registry.FORMATS)
+    at = registry.readers().index
+    assert at("reshard.formats.megatron.reader") < at("reshard.formats.dcp.reader")
+    assert at("reshard.formats.dcp.lightning_reader") < at("reshard.formats.dcp.reader")
+    # negative control: fsdp's entry without its tried_before is tried in the registry's order, after dcp's (a
+    # Lightning FSDP folder would be read as a plain DCP folder), and the check sees what the real entry declares
+    declared = registry.FORMATS
+    loose = tuple(dataclasses.replace(f, tried_before=()) if f.name == "fsdp" else f for f in declared)
+    monkeypatch.setattr(registry, "FORMATS", loose)
+    at = registry.readers().index
+    assert at("reshard.formats.dcp.lightning_reader") > at("reshard.formats.dcp.reader")
+    assert not _sniff_order_kept(registry.readers(), declared)

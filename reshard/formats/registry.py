@@ -70,6 +70,9 @@ class Format:
     run: RunLayout
     readers: tuple[str, ...] = ()   # modules satisfying protocol.Reader: tried in the registry's order
     read_as: str = ""               # no reader of its own: the format whose reader reads it (catalog.format)
+    # formats whose readers would take its checkpoints too (a Megatron-LM iteration folder is a DCP folder): its
+    # readers are tried before theirs
+    tried_before: tuple[str, ...] = ()
     writer: WriterEntry | None = None
     writes: str = ""                # what `convert --format NAME` writes, in words (--help)
     thin: tuple[ThinForm, ...] = ()
@@ -79,36 +82,18 @@ _TRAINER_WEIGHTS = ("reshard.formats.single.trainer_weights",
                     "HF Trainer checkpoint-N/ with DeepSpeed, DDP or FSDP's full state dict")
 
 FORMATS = (
-    Format("megatron", "Megatron-core", "megatron.md",
-           "Megatron-LM save dirs (megatron-core torch_dist, the legacy torch format)",
-           RunLayout("megatron", checkpoints=r"^iter_(\d+)$", pointer="latest_checkpointed_iteration.txt",
-                     pointer_how=RESOLVE),
-           readers=("reshard.formats.megatron.reader",),
-           writer=WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
-           writes="a Megatron-LM save dir (torch_dist) at any tp, pp and dp, its optimizer in the sharding "
-                  "sharding= names",
-           thin=(ThinForm("reshard.formats.megatron.weights_only", "Megatron-LM iteration folders", "megatron"),)),
-    Format("universal", "DeepSpeed universal", "universal.md", "DeepSpeed universal checkpoints",
-           RunLayout("universal", pointer=ds_universal.LATEST_UNIVERSAL),
-           readers=("reshard.formats.deepspeed.universal_reader",),
-           writer=WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
-           writes="DeepSpeed's universal checkpoint"),
     Format("deepspeed", "DeepSpeed ZeRO", "deepspeed.md", "DeepSpeed ZeRO save dirs and tag folders",
            RunLayout("deepspeed", tags=r"^global_step(\d+)$", pointer=ds_files.LATEST),
            readers=("reshard.formats.deepspeed.reader",),
            writer=WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
            writes="DeepSpeed's save dir at any dp, ZeRO stage, tp, pp and ep; the default for a DeepSpeed source",
            thin=(ThinForm("reshard.formats.deepspeed.weights_only", "DeepSpeed ZeRO-1/2 tag folders", "deepspeed"),)),
-    # Lightning's FSDPStrategy *.ckpt/ (a DCP folder + meta.pt) is tried before any DCP folder is taken as plain
-    Format("fsdp", "FSDP", "frameworks.md",
-           "FSDP's sharded state dict as HF Trainer, Accelerate and Lightning save it",
-           RunLayout("fsdp"),
-           readers=("reshard.formats.dcp.lightning_reader", "reshard.formats.dcp.fsdp_reader"),
-           # the framework's own files carried beside it as for DeepSpeed
-           writer=WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY),
-           writes="the folders HF Trainer and Accelerate save with FSDP's sharded state dict: pytorch_model_fsdp_0/, "
-           "optimizer_0/",
-           thin=(ThinForm("reshard.formats.dcp.lightning_weights", "Lightning FSDPStrategy *.ckpt/", "Lightning"),)),
+    Format("universal", "DeepSpeed universal", "universal.md", "DeepSpeed universal checkpoints",
+           RunLayout("universal", pointer=ds_universal.LATEST_UNIVERSAL),
+           # a universal save dir may keep DeepSpeed's `latest` beside `latest_universal`
+           readers=("reshard.formats.deepspeed.universal_reader",), tried_before=("deepspeed",),
+           writer=WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
+           writes="DeepSpeed's universal checkpoint"),
     # one file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), no ZeRO stage
     Format("dcp", "PyTorch DCP", "dcp.md", "PyTorch DCP directories",
            RunLayout("DCP"),
@@ -116,6 +101,26 @@ FORMATS = (
            writer=WriterEntry("reshard.formats.dcp.writer", MESH_ONLY),
            writes="a PyTorch distributed checkpoint (dcp.load, FSDP2)",
            thin=(ThinForm("reshard.formats.dcp.weights_only", "plain DCP folders", "dcp"),)),
+    Format("megatron", "Megatron-core", "megatron.md",
+           "Megatron-LM save dirs (megatron-core torch_dist, the legacy torch format)",
+           RunLayout("megatron", checkpoints=r"^iter_(\d+)$", pointer="latest_checkpointed_iteration.txt",
+                     pointer_how=RESOLVE),
+           # an iteration folder holds DCP's files (torch_dist); Megatron-DeepSpeed save dirs DeepSpeed's too
+           readers=("reshard.formats.megatron.reader",), tried_before=("universal", "deepspeed", "dcp"),
+           writer=WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
+           writes="a Megatron-LM save dir (torch_dist) at any tp, pp and dp, its optimizer in the sharding "
+                  "sharding= names",
+           thin=(ThinForm("reshard.formats.megatron.weights_only", "Megatron-LM iteration folders", "megatron"),)),
+    Format("fsdp", "FSDP", "frameworks.md",
+           "FSDP's sharded state dict as HF Trainer, Accelerate and Lightning save it",
+           RunLayout("fsdp"),
+           # Lightning's FSDPStrategy *.ckpt/ is a DCP folder (+ meta.pt)
+           readers=("reshard.formats.dcp.lightning_reader", "reshard.formats.dcp.fsdp_reader"), tried_before=("dcp",),
+           # the framework's own files carried beside it as for DeepSpeed
+           writer=WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY),
+           writes="the folders HF Trainer and Accelerate save with FSDP's sharded state dict: "
+                  "pytorch_model_fsdp_0/, optimizer_0/",
+           thin=(ThinForm("reshard.formats.dcp.lightning_weights", "Lightning FSDPStrategy *.ckpt/", "Lightning"),)),
     # a DCP folder: read by the DCP reader, which finds torchtitan's own entries (dcp.torchtitan)
     Format("torchtitan", "torchtitan", "torchtitan.md", "torchtitan step-N/ folders",
            RunLayout("torchtitan", backend="(DCP)", checkpoints=r"^step-(\d+)$"),
@@ -153,8 +158,14 @@ def entry(name: str) -> Format:
 
 
 def readers() -> tuple[str, ...]:
-    """Every reader module, in the order they are tried: the first whose sniff() accepts a path reads it."""
-    return tuple(module for f in FORMATS for module in f.readers)
+    """Every reader module, in the order they are tried: the first whose sniff() accepts a path reads it. The
+    registry's order, but a format's readers before those of every format it is tried before."""
+    waiting, ordered = list(FORMATS), []
+    while waiting:
+        ready = next(f for f in waiting if not any(f.name in other.tried_before for other in waiting))
+        ordered.append(ready)
+        waiting.remove(ready)
+    return tuple(module for f in ordered for module in f.readers)
 
 
 def writers() -> dict[str, WriterEntry]:
