@@ -76,16 +76,24 @@ def missing_from_table(page: Path, formats: tuple[registry.Format, ...]) -> list
             if not any(f.title in first and f.page in linked for first, linked in rows)]
 
 
+def unthinnable(help_text: str, formats: tuple[registry.Format, ...]) -> list[str]:
+    return [f"thin --help does not name {form.what!r}" for f in formats for form in f.thin
+            if _words(form.what) not in _words(help_text)]
+
+
 def problems(root: Path, formats: tuple[registry.Format, ...], help_text: str) -> list[str]:
+    """`help_text`: `convert --help` and `thin --help`."""
     return (unregistered(root, formats) + unplaced(formats)
             + unnamed_in(help_text, "convert --help", formats, lambda f: f.reads)
             + unnamed_in(help_text, "convert --help", formats, lambda f: f.writes)
+            + unthinnable(help_text, formats)
             + missing_from_table(TABLE, formats)
             + unnamed_in(INDEX.read_text(), "docs/index.md", formats, lambda f: f.title))
 
 
 def convert_help() -> str:
-    return run_cli("convert", "--help", check=0).stdout
+    """`convert --help` and `thin --help`: what the command line says of formats and of weights-only forms."""
+    return run_cli("convert", "--help", check=0).stdout + run_cli("thin", "--help", check=0).stdout
 
 
 def test_every_reader_is_registered_and_named_by_the_lifecycle_help_and_docs():
@@ -108,12 +116,15 @@ def test_a_reader_module_nobody_registered_is_caught(tmp_path):
 def test_an_entry_the_docs_and_an_older_help_do_not_name_is_caught(monkeypatch):
     """An entry added after --help was built (so not in it) and named in no docs table: each place says so."""
     new = registry.Format("newfmt", "NewFormat", "newfmt.md", "NewFormat folders", registry.RunLayout("newfmt"),
-                          readers=("reshard.formats.dcp.reader",), writes="a NewFormat folder")
+                          readers=("reshard.formats.dcp.reader",), writes="a NewFormat folder",
+                          thin=(registry.ThinForm("reshard.formats.dcp.weights_only", "NewFormat step folders",
+                                                  "newfmt"),))
     help_text = convert_help()
     found = problems(REPO / "reshard", (*registry.FORMATS, new), help_text)
     assert found == [
         "convert --help does not name newfmt ('NewFormat folders')",
         "convert --help does not name newfmt ('a NewFormat folder')",
+        "thin --help does not name 'NewFormat step folders'",
         "index.md: no row names 'NewFormat' linking newfmt.md",
         "docs/index.md does not name newfmt ('NewFormat')"]
     monkeypatch.setattr(registry, "FORMATS", (*registry.FORMATS, new))

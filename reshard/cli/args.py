@@ -288,7 +288,8 @@ def _thin_command(sub) -> None:
                  "files hold no weights). The thinned form is written beside the checkpoint, proven whole (every "
                  "CRC-32 read), then swapped in under a journal: a kill leaves one of the two whole, and the next "
                  "thin, prune --yes or watch finishes or rolls back the swap. In an S3 bucket the same, the thinned "
-                 "form put in place by server-side copies, its record last.")
+                 "form put in place by server-side copies, its record last."
+                 f" The checkpoints that have a weights-only form: {registry.thinnable()}.")
     p.add_argument("path", metavar="CKPT", help="one checkpoint of a run directory, as `reshard list` shows it")
     p.add_argument("--yes", action="store_true", help="thin it (default: print what would be dropped and the "
                    "bytes before -> after)")
