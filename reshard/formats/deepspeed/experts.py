@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from reshard.core.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, TensorDraft
 from reshard.core.placement import Shard
@@ -60,8 +62,8 @@ class Experts:
     topology: ExpertParallel
     groups: frozenset         # the optimizer param groups of expert params
     data_first: bool          # ds_config's use_data_before_expert_parallelism: how ranks form the groups
-    local: dict               # (ep rank, name in param_shapes) -> LocalExpert
-    shapes: dict              # logical expert tensor -> its full shape, in model order
+    local: Mapping[tuple[int, str], LocalExpert]    # (ep rank, name in param_shapes) -> LocalExpert
+    shapes: Mapping[str, tuple[int, ...]]          # logical expert tensor -> its full shape, in model order
     files: tuple              # ExpertFile
 
     def ranks(self, rank: int) -> tuple:
@@ -87,7 +89,7 @@ def expert_ranks(rank: int, ep: int, expert_dp: int, data_first: bool) -> tuple:
     return (rank // expert_dp, rank % expert_dp) if data_first else (rank % ep, rank // ep)
 
 
-def data_before_experts(config: dict | None) -> bool:
+def data_before_experts(config: Mapping[str, Any] | None) -> bool:
     """ds_config's use_data_before_expert_parallelism: how the ranks form the expert groups."""
     return bool((config or {}).get("use_data_before_expert_parallelism"))
 
