@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from reshard import export_names
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKey
@@ -155,14 +156,14 @@ def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
     return out
 
 
-def optimizer_sets(catalog: Catalog, entries) -> list:
+def optimizer_sets(catalog: Catalog, entries: list[Entry]) -> list[str]:
     """State names exported with --with-optimizer; the fp32 master too unless the weights are it."""
     masters_exported = all(e.source[1] == MASTER and e.dtype == "float32"
                            for e in entries if catalog.params[e.key].kind == "trainable")
     return ([] if masters_exported else [MASTER]) + catalog.optimizer_states()
 
 
-def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
+def optimizer_summary(catalog: Catalog, entries: list[Entry], fmt: str) -> dict[str, Any]:
     extension = FORMATS[fmt].EXTENSION
     groups = []
     per_group = catalog.scalars_of_groups(WITH_OPTIMIZER)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, ParamInfo, PerParamScalar, ScalarTensor, TensorKey
 from reshard.formats import weights_only
 from reshard.formats.framework import framework_of
 from reshard.formats.torchsave_read import DType, TensorRef
@@ -188,14 +188,14 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     )
 
 
-def _first(scalar):
+def _first(scalar: object) -> object:
     """A group's scalar as one value: the first param's where each param has its own."""
     return scalar.first()[1] if isinstance(scalar, PerParamScalar) else scalar
 
 
-def _param_row(catalog, p) -> dict:
+def _param_row(catalog: Catalog, p: ParamInfo) -> dict[str, Any]:
     states = [s for s in catalog.states() if (p.name, s) in catalog.tensors]
-    dtypes = {s: catalog.tensors[(p.name, s)].dtype for s in states}
+    dtypes = {s: catalog.tensors[TensorKey(p.name, s)].dtype for s in states}
     row = {"name": p.name, "shape": list(p.shape), "kind": p.kind, "group": p.group,
            "dtype": dtypes.get(MODULE) or dtypes.get(MASTER), "states": states,
            "tied_to_it": sorted(a for a, src in catalog.aliases.items() if src == p.name)}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MUTABLE = {"list", "dict", "set"}
+GENERIC = {"list", "dict", "set", "tuple", "frozenset", "Callable", "Mapping", "Sequence", "Iterable"}
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Census:
     partly_annotated: int       # some annotation missing
     unannotated: int            # none at all
     any_uses: int
+    bare_generics: int          # annotations naming list/dict/set/tuple/Callable with no element types: Any unsaid
     frozen_mutable_fields: int  # list/dict/set fields of frozen dataclasses
     frozen_bare_fields: int     # of those, unparameterized (`list`, `dict`)
 
@@ -53,10 +55,33 @@ def _container(annotation: ast.expr) -> tuple[bool, bool]:
     return False, False
 
 
+def _annotations(tree: ast.Module) -> list[ast.expr]:
+    out: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            out += [p.annotation for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                    if p is not None and p.annotation is not None]
+            out += [node.returns] if node.returns is not None else []
+        elif isinstance(node, ast.AnnAssign):
+            out.append(node.annotation)
+    return out
+
+
+def _bare(annotation: ast.expr) -> int:
+    """Generic names used without element types inside one annotation."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        annotation = ast.parse(annotation.value, mode="eval").body
+    subscripted = {id(n.value) for n in ast.walk(annotation) if isinstance(n, ast.Subscript)}
+    return sum(1 for n in ast.walk(annotation) if isinstance(n, ast.Name) and n.id in GENERIC
+               and id(n) not in subscripted)
+
+
 def census(root: Path) -> Census:
-    functions = partly = none = anys = mutable = bare = 0
+    functions = partly = none = anys = mutable = bare = generics = 0
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
+        generics += sum(_bare(a) for a in _annotations(tree))
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 missing, possible = _missing(node)
@@ -75,7 +100,7 @@ def census(root: Path) -> Census:
                         bare += is_bare
     anys -= sum(1 for p in root.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
                 if isinstance(n, ast.ImportFrom) for a in n.names if a.name == "Any")
-    return Census(functions, partly, none, anys, mutable, bare)
+    return Census(functions, partly, none, anys, generics, mutable, bare)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`reshard inspect`: what a checkpoint holds, as text or JSON."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 import reshard
@@ -9,7 +10,7 @@ from reshard.inspection import Inspection, human_bytes
 from reshard.text import counted
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config)
     info = reshard.inspect(catalog, params=args.params)
     if args.json:
@@ -87,7 +88,7 @@ def print_inspect(info: Inspection) -> None:
               f"{','.join(row['states'])} {tied} {where}".rstrip())
 
 
-def hyper_parameter(value) -> str:
+def hyper_parameter(value: object) -> str:
     """A saved hyper-parameter for people: a float to the 12 significant digits it was configured with (an lr a
     scheduler computed, 0.0028000000000000004, is 0.0028: the float's last bits are arithmetic, not intent; --json
     keeps every bit)."""

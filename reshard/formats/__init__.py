@@ -1,7 +1,8 @@
 """File formats. Only this package knows file names, keys and byte layouts.
 
 Every reader module satisfies reshard.formats.protocol.Reader, every writer module (`convert --format`)
-reshard.formats.protocol.Writer; the protocol module says in which order they are called. The rest of
+reshard.formats.protocol.Writer; the protocol module says in which order they are called. Which modules those are,
+and everything else said of a format, is its entry in the registry (reshard.formats.registry). The rest of
 reshard reaches them only through the functions here.
 """
 from __future__ import annotations

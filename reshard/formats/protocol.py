@@ -1,7 +1,7 @@
 """What a format implements: a Reader turns a checkpoint's files into a Catalog, a Writer turns a Catalog
-and a target Layout into the files of a checkpoint. Each is a module registered in reshard.formats
-(READERS, WRITERS) that satisfies the Protocol below; the rest of reshard calls formats only through
-that registry, so nothing outside reshard/formats/ imports a format module.
+and a target Layout into the files of a checkpoint. Each is a module named by its format's entry in the registry
+(reshard.formats.registry) that satisfies the Protocol below; the rest of reshard calls formats only through
+reshard.formats, so nothing outside reshard/formats/ imports a format module.
 
 A Reader should expect this sequence of calls by `reshard.formats.read`:
 
@@ -14,7 +14,7 @@ A Reader should expect this sequence of calls by `reshard.formats.read`:
      (Catalog.check_dtypes), so no reader repeats that check.
 
 A Writer declares what it takes of a target topology beyond the mesh's degrees (its `--to` keys, parsed into a
-FormatTopology of its format's own) as a TargetKeys beside its module in reshard.formats.WRITERS: --help, the spec
+FormatTopology of its format's own) as a TargetKeys beside its module in its registry entry: --help, the spec
 parser and the refusal of a key it has no place for read that, without importing it. It should expect this
 sequence of calls by `reshard.convert`, with `target` built so:
 
@@ -98,7 +98,7 @@ class Reader(Protocol):
 class TargetKeys:
     """What a writer's output takes of a target topology beyond the mesh's degrees (dp, tp, pp): its `--to` keys,
     parsed into its own FormatTopology, and their keys in a layout descriptor file. Declared in a module of the
-    format that --help can read without importing the writer (reshard.formats.WRITERS)."""
+    format that --help can read without importing the writer (its registry entry: registry.WriterEntry)."""
     keys: tuple[SpecKey, ...]
     # (the source's layout, {key: value} of its keys a spec gives) -> the target's FormatTopology
     target: Callable[[Layout, Mapping[str, object]], FormatTopology | None]
