@@ -79,7 +79,7 @@ def inspect(source: str | os.PathLike[str] | Catalog, params: bool = False, *, t
     Example:
         >>> info = reshard.inspect("ckpt/")
         >>> info.topology, info.zero_stage, info.optimizer
-        ({'dp': 2, 'tp': 1, 'pp': 1, 'world_size': 2}, 2, 'AdamW')
+        (Mesh(dp=2, tp=1, pp=1, world_size=2), 2, 'AdamW')
     """
     return inspect_catalog(_catalog(source, tag, layout_rules, config), params=params)
 
@@ -238,11 +238,10 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
     read_config = config if config and not isinstance(source, Catalog | Complete) and \
         takes(os.fspath(source), tag, "config") else None
     complete = _complete(source, tag, layout_rules, read_config)
-    made, single_file = export_plan(complete, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
-                                              with_optimizer=with_optimizer, fmt=fmt, weights=weights, names=names,
-                                              config=config)
-    return _execute(made, out, overwrite=overwrite, memory_budget=memory_budget, progress=progress,
-                    single_file=single_file, resume=resume)
+    made = export_plan(complete, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
+                       with_optimizer=with_optimizer, fmt=fmt, weights=weights, names=names, config=config)
+    return _execute(made.plan, out, overwrite=overwrite, memory_budget=memory_budget, progress=progress,
+                    single_file=made.single_file, resume=resume)
 
 
 def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalog, *, tag_a: str | None = None,

@@ -16,6 +16,7 @@ every member of the catalog's tensors).
 from __future__ import annotations
 
 import bisect
+from typing import BinaryIO
 
 from reshard.errors import CheckpointError
 from reshard.storage import files as fs
@@ -139,7 +140,7 @@ class Tally:
     def problems(self):
         """A CheckpointError for each member whose bytes do not have the CRC-32 its archive stores (or cannot be
         read to be checked)."""
-        fds = {}
+        fds: dict[str, BinaryIO] = {}     # source file -> its open handle, shared by its members
         try:
             for key in sorted(self._pieces):
                 storage = self._members[key]

@@ -113,7 +113,7 @@ def _placer(map_location):
     if isinstance(map_location, dict):     # torch.load's {saved location: new one}; every storage here is "cpu"
         map_location = map_location.get("cpu", "cpu")
     device = torch.device(map_location) if isinstance(map_location, (str, torch.device)) else None
-    if map_location is None or device.type == "cpu":
+    if device is None or device.type == "cpu":
         return None
     return lambda storage: storage.to(device=device)
 

@@ -20,9 +20,9 @@ import os
 import signal
 import threading
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 from reshard import checksums, manifest, paths
 from reshard.checksums import Tally
@@ -374,7 +374,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
 
 
 def _read_ahead(pool, tasks):
-    pending = deque()
+    pending: deque[Future[Any]] = deque()
     try:
         for task in tasks:
             pending.append(pool.submit(task))

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from reshard import export_names
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKey
 from reshard.core.dtypes import SHORT, is_floating
 from reshard.core.layout import Layout
 from reshard.core.placement import Shard
-from reshard.core.planner import plan
+from reshard.core.planner import Plan, plan
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, TensorFile, TextFile
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
@@ -33,7 +34,7 @@ OPTIMIZER_JSON = "optimizer.json"
 WITH_OPTIMIZER = "the optimizer state (--with-optimizer)"    # optimizer.json keeps one step per param group
 
 
-@dataclass
+@dataclass(frozen=True)
 class Entry(NewTensor):
     """A tensor of the export: its name (the key), dtype and shape, and the logical tensor it copies, from its
     flat element `start` (a slab of it, where export names split a tensor), or the `shard` of it (boxes of it, where
@@ -43,10 +44,17 @@ class Entry(NewTensor):
     shard: Shard | None = None
 
 
-def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_size=None,
+@dataclass(frozen=True)
+class ExportPlan:
+    """An export's plan, and whether it writes OUT as one file (else a folder of them)."""
+    plan: Plan
+    single_file: bool
+
+
+def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_size: str | None = None,
                 with_optimizer: bool = False, fmt: str | None = None, weights: str = "master",
-                names: str | None = None, config: str | None = None):
-    """(Plan, single_file): the files of the export; single_file when OUT names one file. `fmt`:
+                names: str | None = None, config: str | None = None) -> ExportPlan:
+    """The files of the export; single_file when OUT names one file. `fmt`:
     safetensors or torch; by default the one OUT's suffix names (safetensors for a directory). `names`: an
     export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights. `config`: the
     model's config.json (Hugging Face's), for a checkpoint that holds none (torchtitan's): written beside the weights
@@ -102,7 +110,7 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_
                 raise ReshardError.at(rules.path, f"the checkpoint has its own {rules.config.file}")
             targets.append(TextFile(rules.config.file, rules.config_text(facts)))
     target = Layout.of(1, dtype=entries[0].dtype if entries else "float32")
-    return plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file
+    return ExportPlan(plan(catalog, target, targets, catalog.tag, Output(fmt)), single_file)
 
 
 MODEL_CONFIG = "config.json"       # what from_pretrained reads beside the weights
@@ -148,14 +156,14 @@ def weight_entries(catalog: Catalog, dtype: str | None, weights: str) -> list:
     return out
 
 
-def optimizer_sets(catalog: Catalog, entries) -> list:
+def optimizer_sets(catalog: Catalog, entries: list[Entry]) -> list[str]:
     """State names exported with --with-optimizer; the fp32 master too unless the weights are it."""
     masters_exported = all(e.source[1] == MASTER and e.dtype == "float32"
                            for e in entries if catalog.params[e.key].kind == "trainable")
     return ([] if masters_exported else [MASTER]) + catalog.optimizer_states()
 
 
-def optimizer_summary(catalog: Catalog, entries, fmt) -> dict:
+def optimizer_summary(catalog: Catalog, entries: list[Entry], fmt: str) -> dict[str, Any]:
     extension = FORMATS[fmt].EXTENSION
     groups = []
     per_group = catalog.scalars_of_groups(WITH_OPTIMIZER)

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from reshard.core.catalog import MASTER, MODULE, Catalog, PerParamScalar, ScalarTensor
+from reshard.core.catalog import MASTER, MODULE, Catalog, ParamInfo, PerParamScalar, ScalarTensor, TensorKey
 from reshard.formats import weights_only
 from reshard.formats.framework import framework_of
 from reshard.formats.torchsave_read import DType, TensorRef
 from reshard.storage import files as fs
+
+# Plain data as JSON holds it (jsonable): the free-form parts (a framework's files, a parameter's row, a thinning's
+# record) whose keys the JSON output, not a type, fixes
+JsonObject = Mapping[str, Any]
 
 
 @runtime_checkable
@@ -18,26 +23,73 @@ class OwnEntries(Protocol):
     """A reader's notes that hold a framework's own state inside the checkpoint (torchtitan's lr_scheduler,
     dataloader and train_state DCP entries)."""
 
-    def own_entries(self) -> list[dict]:
+    def own_entries(self) -> list[dict[str, Any]]:
         """[{key, what, value}]"""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The checkpoint's parallel degrees."""
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class FormatPart:
+    """What the checkpoint's format adds to the mesh, in its layout descriptor's words (FormatTopology.descriptor):
+    DeepSpeed's ZeRO stage and partitioning options, Megatron-LM's optimizer sharding; empty for a format that
+    partitions nothing (DCP, single files)."""
+    descriptor: JsonObject
+
+    @property
+    def options(self) -> JsonObject:
+        """Its settings beside the degrees (DeepSpeed's sub_group_size, Megatron-LM's sharding and iteration)."""
+        options = self.descriptor.get("options")
+        return options if isinstance(options, dict) else {}
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed's ZeRO stage; None for every other format (none has ZeRO partitioning)."""
+        stage = self.descriptor.get("zero")
+        return stage if isinstance(stage, int) and stage else None
+
+
+@dataclass(frozen=True)
+class FileRow:
+    """One file the reader read: its path relative to the checkpoint, its role, the rank that wrote it."""
+    path: str
+    role: str
+    rank: int | None
+    bytes: int
+
+
+@dataclass(frozen=True)
+class SplitScalar:
+    """An optimizer scalar of a param group that differs between its params: its value at `param`."""
+    group: int
+    key: str
+    param: str
+    value: Any     # plain data (jsonable)
 
 
 @dataclass(frozen=True)
 class Inspection:
     """What a checkpoint holds: its topology, dtypes, optimizer, training counters, parameters and files. The
-    nested parts are plain data as `reshard inspect --json` prints them; None where the checkpoint does not tell."""
+    nested parts are typed, or plain data as `reshard inspect --json` prints them; None where the checkpoint does
+    not tell. What one format alone has is in `own` (FormatPart)."""
     path: str
     format: str
-    framework: dict | None          # the training framework's folder around the save, and its own files
+    framework: JsonObject | None    # the training framework's folder around the save, and its own files
     tag: str | None                 # only formats with tag folders have one
-    topology: dict                  # dp, tp, pp, world_size
-    experts: dict | None            # a mixture-of-experts save: ep, expert-dp, per MoE layer its experts' placement
-    zero_stage: int | None          # None: the format has no ZeRO partitioning (DCP, single files)
+    topology: Mesh
+    experts: JsonObject | None      # a mixture-of-experts save: ep, expert-dp, per MoE layer its experts' placement
+    own: FormatPart
     dtype: str | None               # None: unknown (mixed, or no master copy)
     master_dtype: str | None
     optimizer: str | None           # None: the checkpoint does not tell
-    optimizer_states: list
-    options: dict
+    optimizer_states: tuple[str, ...]
     step: int | None
     global_steps: int | None
     global_samples: int | None
@@ -46,16 +98,25 @@ class Inspection:
     trainable: int
     frozen: int
     buffers: int
-    aliases: dict                   # {tied name: the name it is tied to}
-    param_groups: list              # per group: its hyper-parameters and how many params it holds
-    split_scalars: list             # optimizer scalars that differ between a group's params
-    bytes_per_state: dict
-    files: list                     # {path, role, rank, bytes}
+    aliases: Mapping[str, str]      # {tied name: the name it is tied to}
+    param_groups: tuple[JsonObject, ...]    # per group: its hyper-parameters and how many params it holds
+    split_scalars: tuple[SplitScalar, ...]
+    bytes_per_state: Mapping[str, int]
+    files: tuple[FileRow, ...]
     problems: int                   # how many problems the reader found (`validate` says which)
-    parameter_table: list | None = None     # with params=True: one row per parameter
-    entries: list | None = None     # the framework's own state saved inside the checkpoint: {key, what, value}
+    parameter_table: tuple[JsonObject, ...] | None = None     # with params=True: one row per parameter
+    entries: tuple[JsonObject, ...] | None = None   # the framework's own state saved inside the checkpoint
     # a weights-only form `reshard thin` wrote: when, from what, what it dropped, bytes before/after; None: not one
-    thinned: dict | None = None
+    thinned: JsonObject | None = None
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed's ZeRO stage (own.zero_stage), kept at the top for the scripts and the JSON that read it."""
+        return self.own.zero_stage
+
+    @property
+    def options(self) -> JsonObject:
+        return self.own.options
 
     def weights_only_line(self) -> str | None:
         """e.g. "weights-only (thinned from a full deepspeed checkpoint on 2026-05-01; dropped the optimizer ...)"."""
@@ -65,21 +126,29 @@ class Inspection:
         return f"weights-only (thinned from {t.get('from', 'a full checkpoint')} on {t.get('thinned_on', '?')}; " \
                f"dropped {t.get('dropped', '?')})"
 
-    def to_dict(self) -> dict:
-        """Plain data: what `reshard inspect --json` prints."""
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.parameter_table is None:
-            del data["parameter_table"]
-        if self.entries is None:
-            del data["entries"]
-        return jsonable(data)
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: what `reshard inspect --json` prints. `zero_stage` is DeepSpeed's alone, and stays a key of
+        its own (None for other formats) for the scripts that read it; `options` is the format's own part."""
+        data: dict[str, object] = {
+            "path": self.path, "format": self.format, "framework": self.framework, "tag": self.tag,
+            "topology": self.topology, "experts": self.experts, "zero_stage": self.zero_stage, "dtype": self.dtype,
+            "master_dtype": self.master_dtype, "optimizer": self.optimizer, "optimizer_states": self.optimizer_states,
+            "options": self.options, "step": self.step, "global_steps": self.global_steps,
+            "global_samples": self.global_samples, "parameters": self.parameters, "elements": self.elements,
+            "trainable": self.trainable, "frozen": self.frozen, "buffers": self.buffers, "aliases": self.aliases,
+            "param_groups": self.param_groups, "split_scalars": self.split_scalars,
+            "bytes_per_state": self.bytes_per_state, "files": self.files, "problems": self.problems}
+        if self.parameter_table is not None:
+            data["parameter_table"] = self.parameter_table
+        if self.entries is not None:
+            data["entries"] = self.entries
+        data["thinned"] = self.thinned
+        return {k: jsonable(v) for k, v in data.items()}
 
 
 def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     layout, contents = catalog.layout, catalog.contents()
-    # what the format adds to the mesh (a DeepSpeed save: its ZeRO stage and partitioning options), in the
-    # descriptor's words: none for a format that partitions nothing (DCP, single files)
-    own: dict[str, Any] = layout.format_topology.descriptor() if layout.format_topology is not None else {}
+    own = layout.format_topology.descriptor() if layout.format_topology is not None else {}
     kinds = [p.kind for p in catalog.params.values()]
     frame = framework_of(catalog)
     return Inspection(
@@ -87,14 +156,13 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         format=catalog.format,
         framework=frame.to_dict(layout) if frame is not None else None,
         tag=catalog.tag or None,
-        topology={"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
+        topology=Mesh(layout.dp, layout.tp, layout.pp, layout.world_size),
         experts=catalog.experts.describe() if catalog.experts is not None else None,
-        zero_stage=own.get("zero") or None,      # None: the format has no ZeRO partitioning (DCP, single files)
+        own=FormatPart({k: jsonable(v) for k, v in own.items()}),
         dtype=layout.dtype or None,
         master_dtype=(layout.master_dtype or None) if MASTER in catalog.states() else None,
         optimizer=contents.optimizer or None,
-        optimizer_states=contents.states,
-        options=own.get("options") or {},
+        optimizer_states=tuple(contents.states),
         step=contents.step,
         global_steps=catalog.training.global_steps,
         global_samples=catalog.training.global_samples,
@@ -104,30 +172,30 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         frozen=kinds.count("frozen"),
         buffers=kinds.count("buffer"),
         aliases=dict(catalog.aliases),
-        param_groups=[{**{k: jsonable(v) for k, v in g.items() if k != "params"},
-                       "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
-                      for g, scalars in zip(catalog.param_groups, catalog.group_scalars, strict=True)],
+        param_groups=tuple({**{k: jsonable(v) for k, v in g.items() if k != "params"},
+                            "params": len(g["params"]), **{k: jsonable(_first(v)) for k, v in scalars.items()}}
+                           for g, scalars in zip(catalog.param_groups, catalog.group_scalars, strict=True)),
         # (the first param's value is in param_groups)
-        split_scalars=[{"group": g, "key": key, "param": name, "value": jsonable(value)}
-                       for g, scalars in enumerate(catalog.group_scalars) for key, per_param in scalars.items()
-                       if isinstance(per_param, PerParamScalar) for name, value in per_param.differing()],
+        split_scalars=tuple(SplitScalar(g, key, name, jsonable(value))
+                            for g, scalars in enumerate(catalog.group_scalars) for key, per_param in scalars.items()
+                            if isinstance(per_param, PerParamScalar) for name, value in per_param.differing()),
         bytes_per_state=catalog.bytes_per_state(),
-        files=[{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in catalog.files],
+        files=tuple(FileRow(f.path, f.role, f.rank, f.size) for f in catalog.files),
         problems=len(catalog.problems),
-        parameter_table=[_param_row(catalog, p) for p in catalog.params.values()] if params else None,
-        entries=catalog.notes.own_entries() if isinstance(catalog.notes, OwnEntries) else None,
+        parameter_table=tuple(_param_row(catalog, p) for p in catalog.params.values()) if params else None,
+        entries=tuple(catalog.notes.own_entries()) if isinstance(catalog.notes, OwnEntries) else None,
         thinned=weights_only.provenance(catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)),
     )
 
 
-def _first(scalar):
+def _first(scalar: object) -> object:
     """A group's scalar as one value: the first param's where each param has its own."""
     return scalar.first()[1] if isinstance(scalar, PerParamScalar) else scalar
 
 
-def _param_row(catalog, p) -> dict:
+def _param_row(catalog: Catalog, p: ParamInfo) -> dict[str, Any]:
     states = [s for s in catalog.states() if (p.name, s) in catalog.tensors]
-    dtypes = {s: catalog.tensors[(p.name, s)].dtype for s in states}
+    dtypes = {s: catalog.tensors[TensorKey(p.name, s)].dtype for s in states}
     row = {"name": p.name, "shape": list(p.shape), "kind": p.kind, "group": p.group,
            "dtype": dtypes.get(MODULE) or dtypes.get(MASTER), "states": states,
            "tied_to_it": sorted(a for a, src in catalog.aliases.items() if src == p.name)}
@@ -136,7 +204,7 @@ def _param_row(catalog, p) -> dict:
     return row
 
 
-def jsonable(value):
+def jsonable(value: object) -> Any:
     """Plain JSON data for anything a checkpoint's non-tensor state can hold."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value.value if isinstance(value, enum.Enum) else value
@@ -154,7 +222,7 @@ def jsonable(value):
         return repr(value)
     if isinstance(value, bytes):
         return f"<{len(value)} bytes>"
-    if is_dataclass(value):
+    if is_dataclass(value) and not isinstance(value, type):
         return jsonable(asdict(value))
     if hasattr(value, "__dict__"):
         return {"class": type(value).__name__, **jsonable(vars(value))}

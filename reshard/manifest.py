@@ -10,11 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
 from reshard import paths
 from reshard.progress import bar as progress_bar
 from reshard.storage import files as fs
 from reshard.version import __version__
+
+if TYPE_CHECKING:
+    from reshard.core.planner import Plan
 
 NAME = "reshard-manifest.json"
 KIND = "reshard.manifest"
@@ -24,16 +28,16 @@ KIND = "reshard.manifest"
 UNFINISHED = ".reshard-unfinished"
 
 
-def build(plan, digests: dict) -> dict:
+def build(plan: Plan, digests: dict[str, tuple[int, str]]) -> dict[str, Any]:
     source_files = sorted({op.src_file for f in plan.files for s in f.storages for op in s.ops
                            if hasattr(op, "src_file")})
     summary = plan.summary()
     return {
         "kind": KIND, "version": 1, "reshard_version": __version__,
-        "source": {"path": plan.source, "topology": summary["source_topology"],
+        "source": {"path": plan.source, "topology": summary.source_topology,
                    "files": [_identity(p) for p in source_files]},
-        "target": {"format": summary["format"], "topology": summary["target_topology"], "tag": summary["tag"]},
-        "bytes_read": summary["bytes_read"], "bytes_written": summary["bytes_written"],
+        "target": {"format": summary.format, "topology": summary.target_topology, "tag": summary.tag},
+        "bytes_read": summary.bytes_read, "bytes_written": summary.bytes_written,
         "files": {path: {"size": size, "sha256": sha} for path, (size, sha) in sorted(digests.items())},
     }
 

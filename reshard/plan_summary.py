@@ -4,37 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from reshard.convert import batch_size_advice, framework_files
 from reshard.core.catalog import Catalog
-from reshard.core.planner import Plan
-from reshard.core.write_requests import StageCut
+from reshard.core.planner import Plan, PlanOutline
 from reshard.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
 from reshard.formats import FRESH, REPRODUCIBILITY
 from reshard.formats.framework import framework_of
 from reshard.storage import files as fs
 from reshard.storage.posix import PosixOutput
 from reshard.storage.routing import output_for
-
-
-@dataclass(frozen=True)
-class PlannedFile:
-    """One file the conversion writes: a tensor file (with its tensors and copy operations), a small text file, or
-    a file copied whole from the source (`copied_from`)."""
-    path: str
-    bytes: int
-    tensors: int | None = None
-    copies: int | None = None
-    copied_from: str | None = None
-
-    def to_dict(self) -> dict:
-        data: dict = {"path": self.path, "bytes": self.bytes}
-        if self.tensors is not None:
-            data.update(tensors=self.tensors, copies=self.copies)
-        if self.copied_from is not None:
-            data["copied_from"] = self.copied_from
-        return data
 
 
 @dataclass(frozen=True)
@@ -52,19 +32,11 @@ class FrameworkPlan:
 
 
 @dataclass(frozen=True)
-class PlanSummary:
-    """A conversion's plan as `reshard plan` shows it; `plan` is the Plan itself, which `execute` runs."""
+class PlanSummary(PlanOutline):
+    """A conversion's plan as `reshard plan` shows it: the plan's own outline (Plan.summary()) and what the machine
+    and the training framework add; `plan` is the Plan itself, which `execute` runs."""
     plan: Plan
-    source: str
-    source_topology: str
     target: str                 # the output in its format's words (Output.words)
-    format: str
-    target_topology: str | None
-    tag: str | None
-    files: tuple[PlannedFile, ...]
-    bytes_read: int
-    bytes_written: int
-    stage_cut: StageCut | None  # a pipeline target's stage boundaries
     framework: FrameworkPlan | None
     memory_budget: int
     workers: int
@@ -108,12 +80,8 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
         where = os.path.dirname(where)
     streams = output_for(dst).STREAM_BUFFER_BYTES if dst else PosixOutput.STREAM_BUFFER_BYTES
     return PlanSummary(
-        plan=plan, source=plan.source, source_topology=summary["source_topology"],
-        target=plan.output.words() if plan.output else summary["format"], format=summary["format"],
-        target_topology=summary["target_topology"], tag=summary["tag"],
-        files=tuple(PlannedFile(f["path"], f["bytes"], f.get("tensors"), f.get("copies"), f.get("copied_from"))
-                    for f in summary["files"]),
-        bytes_read=summary["bytes_read"], bytes_written=summary["bytes_written"], stage_cut=plan.stage_cut,
+        **{f.name: getattr(summary, f.name) for f in fields(summary)}, plan=plan,
+        target=plan.output.words() if plan.output else summary.format,
         framework=framework, memory_budget=memory_budget, workers=workers,
         estimated_peak_buffer_bytes=buffer_bytes(memory_budget, workers, streams),
         free_disk_bytes=None if remote else shutil.disk_usage(where).free, free_disk_at=where,

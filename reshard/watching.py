@@ -415,5 +415,5 @@ def _export_file(source: str, out: str) -> None:
     from reshard.executor import execute
     from reshard.export import export_plan
     from reshard.validate import prove_complete
-    plan, single_file = export_plan(prove_complete(read_catalog(source)), out)
-    execute(plan, out, overwrite=True, progress=False, single_file=single_file)
+    made = export_plan(prove_complete(read_catalog(source)), out)
+    execute(made.plan, out, overwrite=True, progress=False, single_file=made.single_file)

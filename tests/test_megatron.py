@@ -70,7 +70,7 @@ def test_the_fixtures_are_small_and_cover_every_sharding():
 def test_inspect_says_what_megatron_saved(name):
     info, truth = reshard.inspect(reshard.open_checkpoint(str(_save(name)))), _info(name)
     assert info.format == "megatron" and info.tag == f"iter_{truth['iteration']:07d}"
-    assert (info.topology["tp"], info.topology["pp"], info.topology["dp"]) == (truth["tp"], truth["pp"], truth["dp"])
+    assert (info.topology.tp, info.topology.pp, info.topology.dp) == (truth["tp"], truth["pp"], truth["dp"])
     assert info.options["sharding"] == (truth["sharding_type"] or "plain")
     assert info.options["optimizer"] == truth["optimizer"]
     assert info.options["iteration"] == truth["iteration"] == info.global_steps
@@ -78,7 +78,7 @@ def test_inspect_says_what_megatron_saved(name):
     assert [info.step] == truth["step"]
     # (an fp32 run's params are its masters: float32 both, whether its optimizer keeps a copy or not)
     assert (info.dtype, info.master_dtype, info.optimizer) == (truth["model_dtype"], "float32", "AdamW")
-    assert info.optimizer_states == ["exp_avg", "exp_avg_sq"]
+    assert info.optimizer_states == ("exp_avg", "exp_avg_sq")
     names = {k.split("/", 1)[1] for k in _truth(name)}
     assert info.parameters == len(names) and info.trainable == len(names) and info.problems == 0
     assert sum(len(g["params"]) if isinstance(g["params"], list) else g["params"] for g in info.param_groups) \

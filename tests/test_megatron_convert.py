@@ -214,7 +214,7 @@ def test_the_output_reads_back_equal_and_names_the_target(tmp_path):
     name, to = CONVERSIONS[3]
     _convert(name, to, tmp_path / "out")
     info = reshard.inspect(reshard.open_checkpoint(str(tmp_path / "out")))
-    assert (info.topology["tp"], info.topology["pp"], info.topology["dp"]) == (1, 1, 2)
+    assert (info.topology.tp, info.topology.pp, info.topology.dp) == (1, 1, 2)
     assert info.options["sharding"] == "dp_reshardable" and info.tag == "iter_0000003" and info.problems == 0
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "3"
     diff = run_cli("diff", ROOT / name / "save", tmp_path / "out", check=0)
@@ -281,7 +281,7 @@ def test_the_sparse_scale_simulation_reads_as_what_it_lays_out(tmp_path):
     report = reshard.validate(reshard.open_checkpoint(str(tmp_path / "save")))
     assert not report.problems and report.missing_elements == 0 and report.duplicate_elements == 0
     info = reshard.inspect(reshard.open_checkpoint(str(tmp_path / "save")))
-    assert (info.topology["tp"], info.topology["pp"], info.topology["dp"]) == (2, 2, 2)
+    assert (info.topology.tp, info.topology.pp, info.topology.dp) == (2, 2, 2)
     assert info.options["sharding"] == "dp_reshardable" and info.parameters == 4 * 6 + 3
     plan = make_plan(reshard.open_checkpoint(str(tmp_path / "save")), "tp=1,pp=4,dp=2")
     assert plan.output is not None and plan.output.topology.startswith("dp=2,tp=1,pp=4")

@@ -59,7 +59,7 @@ def test_an_inspection_is_typed_and_its_plain_data_is_the_json(capsys):
     from conftest import run_cli
     from reshard.inspection import Inspection
     info = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")), params=True)
-    assert isinstance(info, Inspection) and info.topology["dp"] == 2 and info.zero_stage == 2
+    assert isinstance(info, Inspection) and info.topology.dp == 2 and info.zero_stage == 2
     assert json.loads(run_cli("inspect", fixture_dir("z2_fp32_dp2"), "--params", "--json").stdout) == info.to_dict()
     # negative control: without the table, its key is absent from the data, as from the JSON
     plain = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")))
@@ -88,3 +88,33 @@ def test_written_lists_the_framework_files_only_where_there_are_some(tmp_path):
             return {"path": "trainer_state.json", "action": "copied"}
     assert dataclasses.replace(written, framework_files=(Kept(),)).to_dict()["framework_files"] == \
         [{"path": "trainer_state.json", "action": "copied"}]
+
+
+def test_a_plan_outlines_itself_in_a_frozen_summary_that_the_manifest_and_plan_read(tmp_path):
+    """Plan.summary() is a frozen PlanOutline (no dict picked apart by key); PlanSummary extends it, and the
+    manifest of the conversion states the same totals and target; the control: another target's totals differ."""
+    import json
+
+    from reshard.core.planner import PlanOutline
+    from reshard.manifest import NAME
+    summary = reshard.plan(fixture_dir("z2_fp32_dp2"), "dp=3")
+    outline = summary.plan.summary()
+    assert isinstance(outline, PlanOutline) and isinstance(summary, PlanOutline)
+    assert (outline.files, outline.bytes_written, outline.tag) == (summary.files, summary.bytes_written, summary.tag)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        outline.bytes_read = 0
+    reshard.convert(fixture_dir("z2_fp32_dp2"), tmp_path / "dp3", "dp=3")
+    manifest = json.loads((tmp_path / "dp3" / NAME).read_text())
+    assert (manifest["bytes_written"], manifest["target"]) == \
+        (outline.bytes_written, {"format": outline.format, "topology": outline.target_topology, "tag": outline.tag})
+    assert reshard.plan(fixture_dir("z2_fp32_dp2"), "dp=1").plan.summary().target_topology != outline.target_topology
+
+
+def test_write_requests_are_frozen_but_the_tensor_file_a_writer_builds_slot_by_slot():
+    from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, StageCut, TensorFile, TextFile
+    for request in (NewTensor, TextFile, CopiedFile, Output, StageCut, Piece):
+        assert request.__dataclass_params__.frozen, request
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TextFile("latest", "global_step2").text = "global_step3"
+    # the control: TensorFile is mutable on purpose (slot() appends, a writer sets its tree after its slots)
+    assert not TensorFile.__dataclass_params__.frozen

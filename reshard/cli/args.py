@@ -12,7 +12,7 @@ import textwrap
 import reshard
 from reshard import rule_files, watching
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking
+from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking, registry
 from reshard.formats.run_layout import WATCH_STATE
 from reshard.retention import FULL, TIERS, parse_duration
 
@@ -37,7 +37,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         lines = []
         for line in text.splitlines():
             row = re.match(r"\s+\S+\s\s+|\s*", line)
-            lines += textwrap.wrap(line, width, subsequent_indent=" " * row.end(), break_long_words=False,
+            indent = row.end() if row else 0      # (the pattern matches the empty string: always a match)
+            lines += textwrap.wrap(line, width, subsequent_indent=" " * indent, break_long_words=False,
                                    break_on_hyphens=False) or [""]
         return lines
 
@@ -81,21 +82,19 @@ def _spec_help() -> str:
 
 # Progress bars show only where stderr is a terminal; --quiet takes them away there too.
 QUIET_HELP = "no progress bar and no notes (errors and the requested output still print)"
-SOURCE_HELP = ("a checkpoint: DeepSpeed save dir or tag folder, universal or DCP directory, .pt/.pth/.bin, .ckpt, "
-               "HF checkpoint folder (DeepSpeed, FSDP or one process), safetensors file or folder")
+SOURCE_HELP = f"a checkpoint: {registry.supported()}"
 RULES_HELP = ("how tensor parallelism cut each tensor, for a TP checkpoint that does not say: a rule file's path, or "
               f"the name of one shipped with reshard ({rule_files.names(rule_files.TP_RULES)})")
-TARGET_FORMAT_HELP = ("target format: deepspeed (default for a DeepSpeed source), dcp (PyTorch distributed "
-                      "checkpoint), universal (DeepSpeed's universal checkpoint), fsdp (the folders HF Trainer and "
-                      "Accelerate save with FSDP's sharded state dict: pytorch_model_fsdp_0/, optimizer_0/)")
+TARGET_FORMAT_HELP = "target format (default: the source's own, where it is one of these): " + "; ".join(
+    f"{f.name}: {f.writes}" for f in registry.FORMATS if f.writer is not None)
 MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
 WORKERS_HELP = "local processes writing files (default 1)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="reshard", description=(
-        "Convert, export, inspect, validate and compare training checkpoints (DeepSpeed ZeRO, "
-        "universal, PyTorch DCP, torch.save, Lightning, Hugging Face) without executing code from them. "
+        "Convert, export, inspect, validate and compare training checkpoints "
+        f"({', '.join(f.title for f in registry.FORMATS)}) without executing code from them. "
         "`reshard COMMAND --help` describes each command, with examples."), **_examples(
         "reshard inspect ckpt/",
         "reshard convert ckpt/ new/ --to dp=4,zero=3",
@@ -292,7 +291,8 @@ def _thin_command(sub) -> None:
                  "checkpoint. The thinned form is written beside the checkpoint, proven whole (every CRC-32 read), "
                  "then swapped in under a journal: a kill leaves one of the two whole, and the next thin, prune "
                  "--yes or watch finishes or rolls back the swap. In an S3 bucket the same, the thinned form put in "
-                 "place by server-side copies, its record last.")
+                 "place by server-side copies, its record last."
+                 f" The checkpoints that have a weights-only form: {registry.thinnable()}.")
     p.add_argument("path", metavar="CKPT", help="one checkpoint of a run directory, as `reshard list` shows it")
     p.add_argument("--yes", action="store_true", help="thin it (default: print what would be dropped and the "
                    "bytes before -> after)")

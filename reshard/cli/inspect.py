@@ -1,6 +1,7 @@
 """`reshard inspect`: what a checkpoint holds, as text or JSON."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 import reshard
@@ -9,7 +10,7 @@ from reshard.inspection import Inspection, human_bytes
 from reshard.text import counted
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config)
     info = reshard.inspect(catalog, params=args.params)
     if args.json:
@@ -33,7 +34,7 @@ def print_inspect(info: Inspection) -> None:
     if info.weights_only_line():
         print(f"  tier          {info.weights_only_line()}")
     zero = f", ZeRO stage {info.zero_stage}" if info.zero_stage else ""
-    print(f"  topology      dp={t['dp']} tp={t['tp']} pp={t['pp']} (world size {t['world_size']}){zero}")
+    print(f"  topology      dp={t.dp} tp={t.tp} pp={t.pp} (world size {t.world_size}){zero}")
     if info.experts:
         e = info.experts
         print(f"  experts       ep={e['ep']} expert-dp={e['expert_dp']}; " + "; ".join(
@@ -54,15 +55,15 @@ def print_inspect(info: Inspection) -> None:
     for g, group in enumerate(info.param_groups):
         hyper = ", ".join(f"{k}={hyper_parameter(v)}" for k, v in group.items() if k != "params")
         print(f"  group {g:<7} {counted(group['params'], 'param')}; {hyper}")
-        split = [s for s in info.split_scalars if s["group"] == g]
-        for key in dict.fromkeys(s["key"] for s in split):
+        split = [s for s in info.split_scalars if s.group == g]
+        for key in dict.fromkeys(s.key for s in split):
             print(f"  {'':<13} {key} differs per parameter: " +
-                  ", ".join(f"{s['value']} at {s['param']}" for s in split if s["key"] == key))
+                  ", ".join(f"{s.value} at {s.param}" for s in split if s.key == key))
     for state, n in info.bytes_per_state.items():
         print(f"  {state:<13} {human_bytes(n)}")
-    print(f"  files         {len(info.files)}, {human_bytes(sum(f['bytes'] for f in info.files))}")
+    print(f"  files         {len(info.files)}, {human_bytes(sum(f.bytes for f in info.files))}")
     for f in info.files:
-        print(f"    {f['path']:<48} {human_bytes(f['bytes']):>10}")
+        print(f"    {f.path:<48} {human_bytes(f.bytes):>10}")
     if framework and framework["files"]:
         print(f"  {framework['name']} {counted(len(framework['files']), 'file')} beside the "
               f"{framework['backend']} save, {human_bytes(sum(f['bytes'] for f in framework['files']))}")
@@ -78,16 +79,16 @@ def print_inspect(info: Inspection) -> None:
         print(f"  problems      {info.problems} (run `reshard validate`)")
     for row in info.parameter_table or []:
         shape = "x".join(map(str, row["shape"])) or "scalar"
-        group = "" if row["group"] is None else f"group {row['group']}"
+        in_group = "" if row["group"] is None else f"group {row['group']}"
         tied = f"tied: {', '.join(row['tied_to_it'])}" if row["tied_to_it"] else ""
         where = f"tp {row['tensor_parallel']}" if "tensor_parallel" in row else ""
         if len(row.get("stages", [])) > 1:
             where = f"stages {','.join(map(str, row['stages']))}"
-        print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {group:<8} "
+        print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {in_group:<8} "
               f"{','.join(row['states'])} {tied} {where}".rstrip())
 
 
-def hyper_parameter(value) -> str:
+def hyper_parameter(value: object) -> str:
     """A saved hyper-parameter for people: a float to the 12 significant digits it was configured with (an lr a
     scheduler computed, 0.0028000000000000004, is 0.0028: the float's last bits are arithmetic, not intent; --json
     keeps every bit)."""

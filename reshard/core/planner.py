@@ -163,16 +163,48 @@ class Plan:
                 out[path] = twice
         return out
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> PlanOutline:
+        """What the plan writes and reads, in the writer's own terms (Output), for `plan` and the manifest."""
         output = self.output or Output("", self.target.topology(), self.tag)
-        return {"source": self.source, "source_topology": self.source_layout.topology(),
-                "format": output.format, "target_topology": output.topology, "tag": output.tag,
-                "files": [{"path": f.path, "bytes": f.size, "tensors": len(f.storages),
-                           "copies": sum(1 for s in f.storages for _ in _reads(s.ops))}
-                          for f in self.files] + [{"path": t.path, "bytes": t.size} for t in self.texts]
-                + [{"path": c.path, "bytes": c.size, "copied_from": c.source} for c in self.copied],
-                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "partition": self.stage_cut.to_dict() if self.stage_cut else None}
+        files = (*(PlannedFile(f.path, f.size, len(f.storages), sum(1 for s in f.storages for _ in _reads(s.ops)))
+                   for f in self.files),
+                 *(PlannedFile(t.path, t.size) for t in self.texts),
+                 *(PlannedFile(c.path, c.size, copied_from=c.source) for c in self.copied))
+        return PlanOutline(self.source, self.source_layout.topology(), output.format, output.topology, output.tag,
+                           files, self.bytes_read, self.bytes_written, self.stage_cut)
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One file the conversion writes: a tensor file (with its tensors and copy operations), a small text file, or
+    a file copied whole from the source (`copied_from`)."""
+    path: str
+    bytes: int
+    tensors: int | None = None
+    copies: int | None = None
+    copied_from: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"path": self.path, "bytes": self.bytes}
+        if self.tensors is not None:
+            data.update(tensors=self.tensors, copies=self.copies)
+        if self.copied_from is not None:
+            data["copied_from"] = self.copied_from
+        return data
+
+
+@dataclass(frozen=True)
+class PlanOutline:
+    """A plan's files and totals, its output in the writer's own terms (Output: format, topology, tag)."""
+    source: str
+    source_topology: str
+    format: str
+    target_topology: str | None
+    tag: str | None
+    files: tuple[PlannedFile, ...]
+    bytes_read: int
+    bytes_written: int
+    stage_cut: StageCut | None
 
 
 def _spans(op: Op) -> Iterator[tuple[str, int, int]]:

@@ -19,7 +19,7 @@ from reshard.core.placement import Index, Shard
 from reshard.core.storage_ref import StorageRef
 
 
-@dataclass
+@dataclass(frozen=True)
 class NewTensor:
     """A tensor to be written: its storage `key` inside the file, element type and shape."""
     key: str
@@ -63,6 +63,8 @@ class RawPiece:
 AnyPiece = Piece | RawPiece
 
 
+# Not frozen, unlike the other requests: a writer builds it slot by slot (slot()), then sets the `tree` that holds
+# those slots; once handed to the planner it is only read.
 @dataclass
 class TensorFile:
     """A file of tensors: a format-specific header, then each slot's bytes, filled from its pieces.
@@ -92,7 +94,7 @@ class TensorFile:
         return tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class TextFile:
     """A small file written whole after every tensor file (a commit marker: `latest`, DCP's
     `.metadata`); `text` is str, or bytes for a binary one."""
@@ -105,7 +107,7 @@ class TextFile:
         return len(self.text.encode() if isinstance(self.text, str) else self.text)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CopiedFile:
     """A file taken over unchanged (DeepSpeed's zero_to_fp32.py script)."""
     path: str
@@ -143,3 +145,7 @@ class StageCut:
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "stages": [list(r) for r in self.stages], "ambiguous": self.ambiguous}
+
+
+# What a writer's target_files lists: the output's files, and for a pipeline target how its stages are cut
+WriteRequest = TensorFile | TextFile | CopiedFile | StageCut

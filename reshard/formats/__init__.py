@@ -1,88 +1,54 @@
 """File formats. Only this package knows file names, keys and byte layouts.
 
 Every reader module satisfies reshard.formats.protocol.Reader, every writer module (`convert --format`)
-reshard.formats.protocol.Writer; the protocol module says in which order they are called. The rest of
+reshard.formats.protocol.Writer; the protocol module says in which order they are called. Which modules those are,
+and everything else said of a format, is its entry in the registry (reshard.formats.registry). The rest of
 reshard reaches them only through the functions here.
 """
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterable
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 from reshard import manifest, paths, rule_files
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
-from reshard.formats import framework
-from reshard.formats.deepspeed import files as ds_files, topology as ds_topology, universal as ds_universal
+from reshard.formats import framework, registry
+from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY, lightning as lightning_framework  # noqa: F401  (for cli, convert)
-from reshard.formats.megatron import topology as megatron_topology
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
+from reshard.formats.registry import Pointer, WriterEntry  # noqa: F401  (the registry's types, for callers)
 from reshard.storage import files as fs
 
-# Tried in order; the first whose sniff() accepts the path reads it.
-READERS = ["reshard.formats.megatron.reader",      # latest_checkpointed_iteration.txt, iter_NNNNNNN/ (torch_dist)
-           "reshard.formats.deepspeed.universal_reader",   # latest_universal, zero/ trees
-           "reshard.formats.deepspeed.reader",
-           "reshard.formats.dcp.lightning_reader",       # .metadata + meta.pt (Lightning's FSDPStrategy, sharded)
-           "reshard.formats.dcp.reader",                 # .metadata + *.distcp
-           "reshard.formats.dcp.fsdp_reader",            # pytorch_model_fsdp_0/ + optimizer_0/ (Accelerate's FSDP)
-           "reshard.formats.single.hf_trainer",          # checkpoint-N/ with trainer_state.json
-           "reshard.formats.single.safetensors_reader",  # *.safetensors, index, save_pretrained folders
-           "reshard.formats.single.lightning",           # *.ckpt
-           "reshard.formats.single.torchsave_checkpoint"]           # *.pt, *.pth, *.bin
+if TYPE_CHECKING:
+    from reshard.core.catalog import Catalog
+    from reshard.core.container import Container
+    from reshard.core.write_requests import WriteRequest
+    from reshard.formats.weights_only import Form
+
+# Derived from the registry (reshard.formats.registry), the one place a format is described: the reader modules in
+# the order they are tried, the writers of `convert --format`, the weights-only forms by catalog format or framework.
+READERS = registry.readers()
+WRITERS = registry.writers()
+WEIGHTS_ONLY = {by: form.module for by, form in registry.thin_forms().items()}
 
 
-@dataclass(frozen=True)
-class WriterEntry:
-    module: str             # satisfies protocol.Writer; imported when its format is written
-    keys: TargetKeys        # what its output takes of a target topology (read by --help without importing it)
-
-
-# Target formats of `convert --format`. Every key of `--to` has a place in DeepSpeed's files; a DCP directory is one
-# file per data-parallel rank (tp=1 and pp=1 gather a model-parallel source), with no ZeRO stage. A Megatron-LM save dir
-# (torch_dist) at any tp, pp and dp, its optimizer in the sharding `sharding=` names.
-WRITERS = {"deepspeed": WriterEntry("reshard.formats.deepspeed.writer", ds_topology.TARGET_KEYS),
-           "universal": WriterEntry("reshard.formats.deepspeed.universal_writer", ds_topology.TARGET_KEYS),
-           "dcp": WriterEntry("reshard.formats.dcp.writer", MESH_ONLY),
-            "megatron": WriterEntry("reshard.formats.megatron.writer", megatron_topology.TARGET_KEYS),
-            # the folder a framework (HF Trainer, Accelerate) resumes from with FSDP's sharded state dict, its own
-            # files carried beside it as for DeepSpeed
-            "fsdp": WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY),
-            # torchtitan's step-N folder (its CheckpointManager's flat keys), its own entries carried
-            "torchtitan": WriterEntry("reshard.formats.dcp.torchtitan_writer", MESH_ONLY)}
-
-
-# Each format's weights-only form (reshard.formats.weights_only.Form), what its framework writes with its model-only
-# option and loads with its weights-only load: by catalog format, or by the training framework whose folder is
-# the checkpoint (HF Trainer's checkpoint-N/ around a DeepSpeed save). `reshard thin` writes it.
-WEIGHTS_ONLY = {"deepspeed": "reshard.formats.deepspeed.weights_only",
-                "megatron": "reshard.formats.megatron.weights_only",
-                "hf-trainer": "reshard.formats.single.trainer_weights",
-                "HF Trainer": "reshard.formats.single.trainer_weights",
-                "Accelerate": "reshard.formats.single.accelerate_weights",
-                "torchtitan": "reshard.formats.dcp.torchtitan_weights",
-                "Lightning": "reshard.formats.dcp.lightning_weights",
-                "dcp": "reshard.formats.dcp.weights_only"}
-
-
-def weights_only_form(catalog, path: str, keep_masters: bool = False):
+def weights_only_form(catalog: Catalog, path: str, keep_masters: bool = False) -> Form:
     """The weights-only form (weights_only.Form) of the full checkpoint at `path` (`catalog` read from it); a
     ReshardError in one line where its format has none reshard writes."""
     frame = framework.framework_of(catalog)
     at_frame = frame is not None and fs.normpath(frame.folder) == fs.normpath(fs.abspath(path))
     name = frame.name if at_frame and frame is not None else catalog.format
     if name not in WEIGHTS_ONLY:
-        raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: DeepSpeed "
-                                    "ZeRO-1/2/3 tag folders, HF Trainer checkpoint-N/ with DeepSpeed ZeRO-1/2, DDP or "
-                                    "FSDP (sharded or full state dict), Accelerate save_state folders with FSDP "
-                                    "(sharded or full), Megatron-LM iteration folders, torchtitan step-N/, Lightning "
-                                    "FSDPStrategy *.ckpt/, plain DCP folders)")
+        raise ReshardError.at(path, f"thinning {name} checkpoints is not built (weights-only forms: "
+                                    f"{registry.thinnable()})")
     return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
 
 
-def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None):
+def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None) -> Catalog:
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how
     their tensors were cut. `config`: the model's config.json, for a checkpoint that does not record what it gives
@@ -103,11 +69,12 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None, con
     return catalog
 
 
-def framework_dispositions(catalog, format_name: str, world: int, policy: str) -> tuple:
+def framework_dispositions(catalog: Catalog, format_name: str, world: int,
+                           policy: str) -> tuple[framework.Disposition, ...]:
     """What becomes of each of the framework's files (framework.Disposition) in an output of `format_name` at
     `world` processes: the framework resumes only from its own layout (DeepSpeed's files, or FSDP's as it writes
     them), so another format carries none."""
-    frame = catalog.framework
+    frame = framework.framework_of(catalog)
     if frame is None:
         return ()
     if _resumed_by_frameworks(format_name) and lightning_framework.crosses(frame, format_name):
@@ -122,13 +89,14 @@ def framework_dispositions(catalog, format_name: str, world: int, policy: str) -
     return frame.dispositions(world, policy)
 
 
-def with_framework(catalog, format_name: str, world: int, policy: str, targets: list) -> list:
+def with_framework(catalog: Catalog, format_name: str, world: int, policy: str,
+                   targets: list[WriteRequest]) -> list[WriteRequest]:
     """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the
     whole folder the framework writes at `world` processes."""
-    frame = catalog.framework
+    frame = framework.framework_of(catalog)
     if frame is None or not _resumed_by_frameworks(format_name) or lightning_framework.crosses(frame, format_name):
         return targets
-    return targets + frame.target_files(world, policy)
+    return [*targets, *frame.target_files(world, policy)]
 
 
 
@@ -136,7 +104,7 @@ def _resumed_by_frameworks(format_name: str) -> bool:
     return format_name in WRITERS and writer(format_name).RESUMED_BY_FRAMEWORKS
 
 
-def default_tag(catalog) -> str:
+def default_tag(catalog: Catalog) -> str:
     """The output's tag for a source whose format has no tags (DCP, torch.save, HF, Lightning): the name DeepSpeed's
     own save gives its step, or the one the framework around it gives DeepSpeed (Accelerate's pytorch_model), which
     its resume asks for."""
@@ -162,35 +130,20 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
             return module
     if tag is not None and not fs.isdir(os.path.join(path, tag)):
         raise ReshardError.at(os.path.join(path, tag), "tag folder does not exist")
-    raise UnknownFormatError.at(path, "not a checkpoint reshard can read (supported: Megatron-core torch_dist, "
-                                "DeepSpeed ZeRO, universal and "
-                                "tag folders, PyTorch DCP directories, torch.save .pt/.pth/.bin, Lightning .ckpt, "
-                                "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process), "
-                                "Accelerate save_state folders (DeepSpeed, FSDP), safetensors)")
+    raise UnknownFormatError.at(path, f"not a checkpoint reshard can read (supported: {registry.supported()})")
 
 
-@dataclass(frozen=True)
-class Pointer:
-    """A file a framework writes beside its checkpoints once a save is done, naming the one it resumes from: the
-    lifecycle (list, prune, watch) never deletes what it names, and holds back what is newer as still written."""
-    file: str               # its name in the save dir
-    reader: str             # the reader module whose format writes it
-    how: str                # "tag": its text is the checkpoint's folder name; "resolve": the reader's resolve()
-
-
-# How a run directory's checkpoints are named by the frameworks that save them (reshard.formats.run_layout reads
-# these; reshard.formats.units says what a checkpoint folder is whole): DeepSpeed's `latest` and `latest_universal`
-# name tag folders, Megatron-LM's tracker an iteration ("200" is iter_0000200/, as its reader resolves it).
-POINTERS = (Pointer(ds_files.LATEST, "reshard.formats.deepspeed.reader", "tag"),
-            Pointer(ds_universal.LATEST_UNIVERSAL, "reshard.formats.deepspeed.universal_reader", "tag"),
-            Pointer("latest_checkpointed_iteration.txt", "reshard.formats.megatron.reader", "resolve"))
+# The pointer files of a run directory (reshard.formats.run_layout reads them; reshard.formats.units says what a
+# checkpoint folder is whole): DeepSpeed's `latest` and `latest_universal` name tag folders, Megatron-LM's tracker an
+# iteration ("200" is iter_0000200/, as its reader resolves it).
+POINTERS = registry.pointers()
 
 
 def pointed(save_dir: str, pointer: Pointer) -> str | None:
     """The checkpoint `pointer` (a file in `save_dir`) names, as a path; None when it is unreadable, names nothing
     that exists, or a path leaving `save_dir`."""
     try:
-        if pointer.how == "resolve":
+        if pointer.how == registry.RESOLVE:
             folder, _, _ = importlib.import_module(pointer.reader).resolve(save_dir, None)
             return folder
         with fs.open(os.path.join(save_dir, pointer.file)) as f:
@@ -200,7 +153,7 @@ def pointed(save_dir: str, pointer: Pointer) -> str | None:
     return None if paths.escape(tag, save_dir, single=True) else os.path.join(save_dir, tag)
 
 
-def reader_options(reader: Reader, path: str, request: ReadRequest):
+def reader_options(reader: Reader, path: str, request: ReadRequest) -> object:
     """`request` as the reader's OPTIONS; an option the reader does not take is a usage error."""
     given = request.given()
     for name in given:
@@ -215,7 +168,7 @@ def takes(path: str, tag: str | None, option: str) -> bool:
     return option in _taken(reader_for(path, tag))
 
 
-def _taken(reader: Reader) -> set:
+def _taken(reader: Reader) -> set[str]:
     return {f.name for f in fields(reader.OPTIONS)}
 
 
@@ -229,7 +182,7 @@ def spec_keys_of(format_name: str) -> tuple[str, ...]:
     return tuple(k.name for k in (*MESH_KEYS, *_target_keys(format_name).keys))
 
 
-def formats_taking(keys: Iterable[str]) -> list:
+def formats_taking(keys: Iterable[str]) -> list[str]:
     """The output formats whose writers take every one of these `--to` keys (every_spec_key)."""
     return [name for name in WRITERS if set(keys) <= set(spec_keys_of(name))]
 
@@ -264,7 +217,7 @@ def writer(format_name: str) -> Writer:
     return importlib.import_module(WRITERS[format_name].module)
 
 
-def container_loader(container):
+def container_loader(container: Container) -> Callable[..., object]:
     """For a container (reshard.core.container.Container) whose files a live process loads in memory
     (reshard.materialize): the function (header, storage_of) -> the object loading the written file would give."""
     from reshard.formats.containers import CONTAINERS

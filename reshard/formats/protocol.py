@@ -1,7 +1,7 @@
 """What a format implements: a Reader turns a checkpoint's files into a Catalog, a Writer turns a Catalog
-and a target Layout into the files of a checkpoint. Each is a module registered in reshard.formats
-(READERS, WRITERS) that satisfies the Protocol below; the rest of reshard calls formats only through
-that registry, so nothing outside reshard/formats/ imports a format module.
+and a target Layout into the files of a checkpoint. Each is a module named by its format's entry in the registry
+(reshard.formats.registry) that satisfies the Protocol below; the rest of reshard calls formats only through
+reshard.formats, so nothing outside reshard/formats/ imports a format module.
 
 A Reader should expect this sequence of calls by `reshard.formats.read`:
 
@@ -14,7 +14,7 @@ A Reader should expect this sequence of calls by `reshard.formats.read`:
      (Catalog.check_dtypes), so no reader repeats that check.
 
 A Writer declares what it takes of a target topology beyond the mesh's degrees (its `--to` keys, parsed into a
-FormatTopology of its format's own) as a TargetKeys beside its module in reshard.formats.WRITERS: --help, the spec
+FormatTopology of its format's own) as a TargetKeys beside its module in its registry entry: --help, the spec
 parser and the refusal of a key it has no place for read that, without importing it. It should expect this
 sequence of calls by `reshard.convert`, with `target` built so:
 
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reshard.core.layout import DescriptorKeys, FormatTopology, Layout, SpecKey
 
 if TYPE_CHECKING:
     from reshard.core.catalog import Catalog
-    from reshard.core.write_requests import Output
+    from reshard.core.write_requests import Output, WriteRequest
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ReadRequest:
         "flag": "--config", "use": "a model's config.json gives what a torchtitan save with fused q/k/v does not "
                                    "record: its key-value head count"})
 
-    def given(self) -> dict:
+    def given(self) -> dict[str, str]:
         """{field name: value} of the options given."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
@@ -88,7 +88,8 @@ class Reader(Protocol):
         """Is the checkpoint at `path` (with tag folder `tag`, when given) in this format? From names and magic
         bytes only: cheap, and never an error (a damaged file of this format is still this format's)."""
 
-    def read(self, path: str, options) -> Catalog:
+    # `options`: an instance of its own OPTIONS (each reader names its class; no one type is common to them)
+    def read(self, path: str, options: Any) -> Catalog:
         """The Catalog of the checkpoint at `path`, from metadata alone, with `options` (an OPTIONS); what
         is wrong but readable goes to catalog.problems, what is unreadable raises a ReshardError."""
 
@@ -97,7 +98,7 @@ class Reader(Protocol):
 class TargetKeys:
     """What a writer's output takes of a target topology beyond the mesh's degrees (dp, tp, pp): its `--to` keys,
     parsed into its own FormatTopology, and their keys in a layout descriptor file. Declared in a module of the
-    format that --help can read without importing the writer (reshard.formats.WRITERS)."""
+    format that --help can read without importing the writer (its registry entry: registry.WriterEntry)."""
     keys: tuple[SpecKey, ...]
     # (the source's layout, {key: value} of its keys a spec gives) -> the target's FormatTopology
     target: Callable[[Layout, Mapping[str, object]], FormatTopology | None]
@@ -128,7 +129,7 @@ class Writer(Protocol):
     SAVES_OWN_NAMES: bool
 
     def target_files(self, catalog: Catalog, target: Layout, tag: str,
-                     source_save_dir: str | None = None) -> list:
+                     source_save_dir: str | None = None) -> list[WriteRequest]:
         """Every file of `catalog` written at `target` (reshard.core.write_requests: TensorFile, TextFile, CopiedFile),
         named relative to the output directory; `tag` names the output's tag, `source_save_dir` is where
         files copied as they are (scripts) come from (None: none)."""

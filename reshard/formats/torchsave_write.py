@@ -21,8 +21,9 @@ import os
 import pickle
 import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import BinaryIO, ClassVar
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
@@ -112,9 +113,30 @@ class _StorageId:
     numel: int
 
 
-class TreePickler(pickle._Pickler):
+# copyreg's reconstructor of an object made by cls.__new__, which pickle writes as NEWOBJ (typeshed omits it)
+NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]
+
+if TYPE_CHECKING:
+    class PurePickler(pickle._Pickler):
+        """pickle._Pickler's internals the picklers here extend, which typeshed does not declare."""
+        dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]]  # type: ignore[assignment]
+        memo: dict[int, tuple[int, object]]
+
+        def write(self, data: bytes) -> None: ...
+        def save(self, obj: object, save_persistent_id: bool = True) -> None: ...
+        def save_global(self, obj: object, name: str | None = None) -> None: ...
+        def save_reduce(self, func: object, args: tuple[Any, ...], state: object = None, listitems: object = None,
+                        dictitems: object = None, state_setter: object = None, *, obj: object = None) -> None: ...
+        def memoize(self, obj: object) -> None: ...
+        def put(self, idx: int) -> bytes: ...
+        def get(self, i: int) -> bytes: ...
+else:
+    PurePickler = pickle._Pickler
+
+
+class TreePickler(PurePickler):
     """Pure-Python pickler (metadata is small) whose globals are written by name, never imported."""
-    dispatch = pickle._Pickler.dispatch.copy()
+    dispatch = PurePickler.dispatch.copy()
 
     def __init__(self, file, protocol=2, carry=None):
         super().__init__(file, protocol=protocol)
@@ -131,7 +153,8 @@ class TreePickler(pickle._Pickler):
             for s in reversed(obj.shape):
                 stride.append(step)
                 step *= s
-            args = (_StorageId(obj.key, obj.dtype, obj.numel), 0, tuple(obj.shape), tuple(reversed(stride)),
+            args: tuple[object, ...] = (_StorageId(obj.key, obj.dtype, obj.numel), 0, tuple(obj.shape),
+                                        tuple(reversed(stride)),
                     False, collections.OrderedDict())
             return (_REBUILD, args)
         if isinstance(obj, TensorRef):
@@ -143,7 +166,7 @@ class TreePickler(pickle._Pickler):
         if isinstance(obj, enum.Enum) and type(obj) in standins.GLOBAL_NAMES:
             return (type(obj), (int(obj.value),))
         if type(obj) in standins.GLOBAL_NAMES:
-            return (copyreg.__newobj__, (type(obj),), dict(vars(obj)))
+            return (NEWOBJ, (type(obj),), dict(vars(obj)))
         pickled_as = getattr(type(obj), "pickled_as", None)
         if callable(pickled_as):     # a format's stand-in (PickledAs) for an object of the framework that saved it
             spelled = pickled_as(obj)
@@ -186,8 +209,7 @@ class TreePickler(pickle._Pickler):
         self._write_global(glob)
         self.memoize(glob)
 
-    # typeshed gives pickle's dispatch table Unpickler methods; it holds the Pickler's (pickle._Pickler.dispatch)
-    dispatch[GlobalName] = _save_named_global  # type: ignore[assignment]
+    dispatch[GlobalName] = _save_named_global
 
 
 def pickle_tree(tree, carry=None) -> bytes:

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, replace
 
 from reshard.errors import ReshardError
-from reshard.formats import reader_for, weights_only
+from reshard.formats import reader_for, registry, weights_only
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import lightning
@@ -40,14 +40,13 @@ from reshard.storage import files as fs
 READ, OPAQUE, UNKNOWN = "read", "opaque", "unknown"
 NOT_READ = "no reader of reshard's format registry reads it"
 
-HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-HF_STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")
-ACCELERATE_CHECKPOINT = re.compile(r"^checkpoint_(\d+)$")       # save_state with automatic_checkpoint_naming
+_TRAINER, _ACCELERATE = registry.entry("hf-trainer").run, registry.entry("accelerate").run
+HF_CHECKPOINT, HF_STAGING = re.compile(_TRAINER.checkpoints), re.compile(_TRAINER.staging)
+ACCELERATE_CHECKPOINT = re.compile(_ACCELERATE.checkpoints)     # save_state with automatic_checkpoint_naming
 RANDOM_STATES = re.compile(r"^random_states_\d+\.pkl$")         # Accelerate's, one per process
-MEGATRON_ITER = re.compile(r"^iter_(\d+)$")
+MEGATRON_ITER = re.compile(registry.entry("megatron").run.checkpoints)
 MEGATRON_META = "metadata.json"
-TORCHTITAN_STEP = re.compile(r"^step-(\d+)$")
-LIGHTNING_SUFFIX = ".ckpt"
+LIGHTNING_SUFFIX = registry.entry("lightning").run.suffix
 FSDP_MODEL = re.compile(r"^pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?$")    # accelerate's FSDP_MODEL_NAME
 FSDP_OPTIMIZER_DIR = re.compile(r"^optimizer_\d+$")                          # sharded: a DCP folder
 ACCELERATE_OPTIMIZER = "optimizer.bin"     # save_state's (and FSDP full state dict's) torch.save of the optimizer
@@ -56,12 +55,12 @@ MEMBERS = (RNG, RANDOM_STATES, FSDP_MODEL, re.compile(r"^(optimizer|scheduler|sc
            ds_files.MODEL_STATES, ds_files.ZERO3_MODEL_STATES, ds_files.OPTIM_STATES, ds_files.LAYER_STATES,
            re.compile(r"^(model_optim_rng|distrib_optim|common)\.pt$"), RANK_FILE)
 DATA_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".safetensors", ".distcp", ".ckpt", ".npy", ".npz", ".msgpack")
-# A folder holding folders named so is a folder of checkpoints (an output dir), whatever it holds besides.
-UNIT_NAMES = (HF_CHECKPOINT, HF_STAGING, ACCELERATE_CHECKPOINT, MEGATRON_ITER, TORCHTITAN_STEP)
+# A folder holding folders named so is a folder of checkpoints (an output dir), whatever it holds besides: the
+# registry's checkpoint and staging folder names of every format.
+UNIT_NAMES = registry.run_patterns("checkpoints") + registry.run_patterns("staging")
 # The names a save loop gives its checkpoints, whole: beside them, any other name is no member of the series
-# (a weights export `checkpoint-1-weights/` kept in the output dir is not step 1's save)
-SERIES_NAMES = (*UNIT_NAMES, re.compile(r"^global_step(\d+)$"))
-
+# (a weights export `checkpoint-1-weights/` kept in the output dir is not step 1's save); a save dir's tag folders too
+SERIES_NAMES = (*UNIT_NAMES, *registry.run_patterns("tags"))
 
 @dataclass(frozen=True)
 class Unit:
@@ -232,10 +231,14 @@ def unread(catalog, path: str) -> tuple[str, ...]:
 
 
 def format_unit(name: str, reader: str) -> Unit:
-    """The unit of a folder the format registry reads (`reader` sniffs it): DeepSpeed tags, DCP, universal."""
-    if reader == "dcp":
-        return Unit("torchtitan", READ, backend="(DCP)") if TORCHTITAN_STEP.match(name) else Unit("DCP", READ)
-    return Unit(reader, READ)
+    """The unit of a folder the format registry reads (`reader`, the format that sniffs it: DeepSpeed tags, DCP,
+    universal), as the registry's run layouts name it: a format read by another's reader (torchtitan's step-N/, a
+    DCP folder) by the name its save loop gives the folder."""
+    for f in registry.FORMATS:
+        if f.read_as == reader and f.run.checkpoints and re.match(f.run.checkpoints, name):
+            return Unit(f.run.unit, READ, backend=f.run.backend)
+    run = registry.entry(reader).run
+    return Unit(run.unit, READ, backend=run.backend)
 
 
 def file_unit(name: str) -> bool:

@@ -10,7 +10,6 @@ without reshard importing torch.distributed.checkpoint.
 from __future__ import annotations
 
 import collections
-import copyreg
 import enum
 import io
 import pickle
@@ -18,7 +17,7 @@ from typing import Any, TypeGuard
 
 from reshard.errors import CheckpointError
 from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED, AllowListUnpickler, DType, Size
-from reshard.formats.torchsave_write import GlobalName, TreePickler
+from reshard.formats.torchsave_write import NEWOBJ, GlobalName, TreePickler
 from reshard.storage import files as fs
 
 _MD = "torch.distributed.checkpoint.metadata"
@@ -63,6 +62,9 @@ class Metadata(_Record):
 
 class TensorStorageMetadata(_Record):
     FIELDS = ("properties", "size", "chunks")
+    properties: TensorProperties
+    size: Size
+    chunks: list[ChunkStorageMetadata]
 
 
 class BytesStorageMetadata(_Record):
@@ -252,7 +254,7 @@ class MetadataPickler(TreePickler):
             self.dispatch[t](self, obj)
             return
         if t in _RECORDS:
-            self.save_reduce(copyreg.__newobj__, (t,), obj.__getstate__(), obj=obj)
+            self.save_reduce(NEWOBJ, (t,), obj.__getstate__(), obj=obj)
             return
         if self.persistent_id(obj) is None:
             rv = self.reducer_override(obj)
@@ -275,7 +277,7 @@ class MetadataPickler(TreePickler):
         if isinstance(obj, MemFormat):
             return (MemFormat, (obj.value,))
         if type(obj) in GLOBAL_NAMES:
-            return (copyreg.__newobj__, (type(obj),), obj.__getstate__())
+            return (NEWOBJ, (type(obj),), obj.__getstate__())
         return super().reducer_override(obj)
 
     def save_global(self, obj, name=None):
@@ -291,7 +293,7 @@ def dumps(md: Metadata) -> bytes:
     buf = io.BytesIO()
     pickler = MetadataPickler(buf, protocol=2)     # memo on: each class name is spelled once
     # (protocol 2 writes no frames: the framer would only pass each write on; typeshed omits the attribute)
-    pickler.write = buf.write  # type: ignore[attr-defined]
+    pickler.write = buf.write  # type: ignore[method-assign,assignment]
     pickler.dump(md)
     return buf.getvalue()
 

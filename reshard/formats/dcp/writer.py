@@ -149,7 +149,7 @@ def _row_blocks(key, shape, dtype, source, dp):
     if row * itemsize(dtype) * per_rank > CHUNK_LIMIT:
         raise ReshardError(f"{key}: a shard of {row * per_rank * itemsize(dtype)} bytes is larger than "
                            f"{CHUNK_LIMIT} bytes (ZIP64 chunks are not written yet); use more ranks")
-    out = []
+    out: list[tuple[int, list[Piece] | None, tuple[int, ...] | None]] = []
     for rank in range(dp):
         first, last = min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank)
         if last <= first:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from reshard.core.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, TensorDraft
 from reshard.core.placement import Shard
@@ -60,8 +62,8 @@ class Experts:
     topology: ExpertParallel
     groups: frozenset         # the optimizer param groups of expert params
     data_first: bool          # ds_config's use_data_before_expert_parallelism: how ranks form the groups
-    local: dict               # (ep rank, name in param_shapes) -> LocalExpert
-    shapes: dict              # logical expert tensor -> its full shape, in model order
+    local: Mapping[tuple[int, str], LocalExpert]    # (ep rank, name in param_shapes) -> LocalExpert
+    shapes: Mapping[str, tuple[int, ...]]          # logical expert tensor -> its full shape, in model order
     files: tuple              # ExpertFile
 
     def ranks(self, rank: int) -> tuple:
@@ -87,7 +89,7 @@ def expert_ranks(rank: int, ep: int, expert_dp: int, data_first: bool) -> tuple:
     return (rank // expert_dp, rank % expert_dp) if data_first else (rank % ep, rank // ep)
 
 
-def data_before_experts(config: dict | None) -> bool:
+def data_before_experts(config: Mapping[str, Any] | None) -> bool:
     """ds_config's use_data_before_expert_parallelism: how the ranks form the expert groups."""
     return bool((config or {}).get("use_data_before_expert_parallelism"))
 
@@ -254,7 +256,8 @@ def ds_moe_local(name: str, per_rank: int) -> tuple:
 
 def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
     """deepspeed.moe: rank 0's local expert params, named `<layer>.deepspeed_moe.experts.deepspeed_experts.i.*`."""
-    by_layer = {}             # layer prefix -> {local index: [(name, what follows the index, shape)]}
+    # layer prefix -> {local index: [(name, what follows the index, shape)]}
+    by_layer: dict[str, dict[int, list[tuple[str, str, tuple[int, ...]]]]] = {}
     for g in sorted(expert_groups):
         for name, shape in param_shapes[g].items():
             m = DS_MOE_EXPERT.match(name)
@@ -267,6 +270,7 @@ def _ds_moe(tag_dir, param_shapes, expert_groups, ep):
         if sorted(experts) != list(range(per_rank)):
             raise ReshardError.at(tag_dir, f"{prefix}: local experts {sorted(experts)} are not numbered from 0")
         num_experts = ep * per_rank
+        keys_of: dict[int, list[tuple[str, str, int, int, tuple[int, ...]]]]
         keys_of = {e: [] for e in range(num_experts)}
         for r in range(ep):
             for i, params in sorted(experts.items()):

@@ -7,7 +7,9 @@ gives empty notes for a source of another format (DCP, torch.save): then every f
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from reshard.core.catalog import Catalog, CatalogBuilder
 
@@ -16,11 +18,11 @@ EXPERT_GROUP = "ep_size_"       # AutoEP names its expert param group by its ep 
 
 @dataclass(frozen=True)
 class DeepSpeedNotes:
-    ds_config: dict | None = None      # the engine's config as saved
+    ds_config: Mapping[str, Any] | None = None      # the engine's config as saved
     ds_version: str | None = None
     data_sampler: object = None
     random_ltd: object = None
-    client_state: dict = field(default_factory=dict)    # what the caller of save_checkpoint added
+    client_state: Mapping[str, Any] = field(default_factory=dict)    # what the caller of save_checkpoint added
     # the ZeRO optimizer's global scalars (defaults: what DeepSpeed starts with)
     loss_scaler: object = None
     dynamic_loss_scale: object = False
@@ -29,15 +31,18 @@ class DeepSpeedNotes:
     saved_scalars: tuple = ()          # which of those four the optimizer file holds (ZeRO-3 keeps no clip_grad)
     tp_rules: str | None = None        # --layout-rules: how AutoTP/Megatron cut each parameter (tp_recut)
     # Model-parallel saves: per mp rank, what its model states add (universal_checkpoint_info, shared_params)
-    mp_rank_extra: dict = field(default_factory=dict)
-    tp_splits: dict = field(default_factory=dict)        # name -> tp_geometry.Split (boxes each TP rank holds)
-    stages: dict = field(default_factory=dict)           # name -> pipeline stages whose optimizer trains it
-    layers: dict = field(default_factory=dict)           # name -> (layer index, key in its layer file)
+    mp_rank_extra: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    # name -> tp_geometry.Split (boxes each TP rank holds)
+    tp_splits: Mapping[str, Any] = field(default_factory=dict)
+    # name -> pipeline stages whose optimizer trains it
+    stages: Mapping[str, Any] = field(default_factory=dict)
+    # name -> (layer index, key in its layer file)
+    layers: Mapping[str, tuple[int, str]] = field(default_factory=dict)
     # a PipelineModule save: layer index -> [(key, full name or None when not a tensor)], in file order
-    pipe_layer_files: dict = field(default_factory=dict)
+    pipe_layer_files: Mapping[int, Any] = field(default_factory=dict)
     # A mixture-of-experts save: the model states' expert keys as saved (num_experts, ds_autoep_layers,
     # universal_checkpoint_info), in file order, which its writer re-derives for the target's expert parallelism
-    expert_keys: dict = field(default_factory=dict)
+    expert_keys: Mapping[str, Any] = field(default_factory=dict)
     expert_files: tuple = ()        # experts.ExpertFile: every layer_L_expert_E file and what each key holds
     # module tensors that are no parameter of their own (a second name of a registered one, as AutoEP's router
     # alias `gate.gate`), saved as their own copy: ZeRO-2 lists them in no frozen_param_shapes

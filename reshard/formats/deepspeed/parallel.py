@@ -79,7 +79,10 @@ def read(tag_dir: str, tag: str, listing: list, model0: dict, layout_rules: str 
 def _read_ranks(tag_dir, tag, listing, mp, model0):
     """(mp rank -> its local Catalog, None when its model-states file is missing or unreadable; mp rank -> that
     file's state dict, for the ranks read)."""
-    locals_, models, problems, files = {}, {}, [], []
+    locals_: dict[int, CatalogBuilder | None] = {}
+    models: dict[int, dict[str, Any]] = {}
+    problems: list[Problem] = []
+    files: list[FileInfo] = []
     for rank in range(mp):
         name = names.model_states_name(rank)
         path = os.path.join(tag_dir, name)
@@ -137,7 +140,8 @@ def _gather_files_and_problems(catalog, locals_):
 def _check_scalars(catalog, locals_, what):
     """The group scalars the model-parallel ranks agree on; a rank holding another value than most is named by
     its model-states file (group_scalars.agreed: with no value held by most, every rank is)."""
-    held = {}       # (group, key) -> [(the rank's model-states file, its value)]
+    # (group, key) -> [(the rank's model-states file, its value)]
+    held: dict[tuple[int, str], list[tuple[str, object]]] = {}
     for rank, local in sorted(locals_.items()):
         if local is None:
             continue
@@ -235,7 +239,7 @@ def _add_replicas(catalog, locals_, full, split, shards, files):
     """Blocks held by several TP ranks: each other holder's copy becomes a Replica of `full`; the small
     ones are compared now (a norm weight, a bias), the others by `validate --deep`."""
     name, state = full.name, full.state
-    known = {}          # full's elements read for the first copy, compared with every other
+    known: dict[Any, Any] = {}          # full's elements read for the first copy, compared with every other
     for rank, local in sorted(locals_.items()):
         tensor = local.tensors.get((name, state)) if local is not None else None
         if tensor is None:

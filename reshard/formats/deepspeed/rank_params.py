@@ -14,8 +14,10 @@ None: the whole tensor). It is built by composing, outermost first:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from reshard.core.catalog import MODULE, Catalog, TensorKey
 from reshard.core.placement import Shard
@@ -71,7 +73,7 @@ def whole(catalog: Catalog) -> RankParams:
     return _compose(catalog, {name: (info.shape, None) for name, info in catalog.params.items()})
 
 
-def tp_rank(catalog: Catalog, rank: int, splits: dict) -> RankParams:
+def tp_rank(catalog: Catalog, rank: int, splits: Mapping[str, Any]) -> RankParams:
     """Tensor-parallel rank `rank`'s shards at the degree `splits` (name -> tp_geometry.Split) cut; its mp rank
     is `rank` (without pipeline stages)."""
     placed = {}

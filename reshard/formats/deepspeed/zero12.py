@@ -78,7 +78,7 @@ def _optimizer_order(present, g, flat_order, layout):
     """
     if not topology.of(layout).round_robin_gradients:
         return flat_order
-    order = []
+    order: list[str] = []
     for _rank, (_path, sd) in sorted(present.items()):
         mappings = sd.get("param_slice_mappings") or []
         if g < len(mappings):

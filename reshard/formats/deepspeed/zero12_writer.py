@@ -95,7 +95,7 @@ def flat_groups(zt: ZeroTarget, params: RankParams) -> list:
 
 def _round_robin(names_in_order, dp):
     """DeepSpeed's _round_robin_reorder: param i goes to bucket i % dp, buckets concatenated."""
-    buckets = OrderedDict()
+    buckets: OrderedDict[int, list[str]] = OrderedDict()
     for i, name in enumerate(names_in_order):
         buckets.setdefault(i % dp, []).append(name)
     return [name for bucket in buckets.values() for name in bucket]

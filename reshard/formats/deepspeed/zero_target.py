@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 from collections import OrderedDict
+from typing import Any
 
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, ScalarValue
 from reshard.core.layout import Layout
@@ -35,7 +36,7 @@ class ZeroTarget:
         self.stage = ds.zero
         # the target's own DeepSpeed config when it is known (a live engine's: reshard.deepspeed_engine),
         # else the source's
-        self.config = copy.deepcopy(ds.ds_config or notes.of(catalog).ds_config or {})
+        self.config: dict[str, Any] = copy.deepcopy(dict(ds.ds_config or notes.of(catalog).ds_config or {}))
         if self.config:
             self.config.setdefault("zero_optimization", {})["stage"] = ds.zero
             if "tensor_parallel" in self.config:     # AutoTP (a Megatron-style model cuts itself: no key)

@@ -131,7 +131,7 @@ class Framework:
                                        f"missing ({kind.what} of process {rank} of a {self.world}-process run)"))
         return out
 
-    def dispositions(self, world: int, policy: str = FRESH) -> tuple:
+    def dispositions(self, world: int, policy: str = FRESH) -> tuple[Disposition, ...]:
         """What becomes of every file at `world` processes; raises for policy FAIL when a process would have none."""
         if policy not in NEW_RANK_POLICIES:
             raise ReshardError(f"unknown --new-rank-state {policy!r} ({', '.join(NEW_RANK_POLICIES)})")
@@ -166,7 +166,7 @@ class Framework:
                     out.append(Disposition(NONE, None, name, f"a new process, no file: {kind.fresh}"))
         return tuple(out)
 
-    def target_files(self, world: int, policy: str = FRESH) -> list:
+    def target_files(self, world: int, policy: str = FRESH) -> list[CopiedFile]:
         """CopiedFiles of every framework file the output holds at `world` processes."""
         sizes = {f.name: f.size for f in self.files}
         return [CopiedFile(d.target, os.path.join(self.folder, d.source), sizes[d.source])

@@ -17,6 +17,8 @@ ModelParallelStrategy (FSDP2) writes the same folder, its model under `state_dic
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
@@ -31,7 +33,7 @@ VERSION_KEY = "pytorch-lightning_version"
 BATCH = "Lightning takes them from Trainer(accumulate_grad_batches=) and the DataLoader's batch_size"
 
 
-def detect(folder: str, client_state: dict) -> Framework | None:
+def detect(folder: str, client_state: Mapping[str, Any]) -> Framework | None:
     """Lightning, when the DeepSpeed save's client state is its checkpoint dict."""
     if VERSION_KEY not in client_state:
         return None

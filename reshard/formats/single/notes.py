@@ -2,16 +2,21 @@
 plain data no writer carries, for whoever inspects the Catalog through the Python API (catalog.FormatNotes)."""
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class SingleNotes:
-    extra: dict = field(default_factory=dict)           # a torch.save dict's keys besides model and optimizer
-    lr_schedulers: list = field(default_factory=list)   # Lightning: every scheduler's state_dict
-    lightning: dict = field(default_factory=dict)       # Lightning: epoch, global_step, callbacks, loops, ...
+    # a torch.save dict's keys besides model and optimizer
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    lr_schedulers: Sequence[Any] = field(default_factory=list)   # Lightning: every scheduler's state_dict
+    # Lightning: epoch, global_step, callbacks, loops, ...
+    lightning: Mapping[str, Any] = field(default_factory=dict)
     trainer_state: object = None                        # Hugging Face: trainer_state.json
-    opaque_files: list = field(default_factory=list)    # Hugging Face: present, not read (pickled objects, RNG)
+    # Hugging Face: present, not read (pickled objects, RNG)
+    opaque_files: Sequence[str] = field(default_factory=list)
 
     def param_details(self, name: str) -> dict:
         return {}
