@@ -216,17 +216,24 @@ def test_workers_descriptor_and_tag_out(tmp_path):
     assert run_cli("convert", src, tmp_path / "x", "--to", "dp=2", "--memory-budget", "lots").returncode == 2
 
 
-def test_manifest_records_every_file_and_validate_checks_it(tmp_path):
+@pytest.mark.parametrize("digest", ["blake3", "sha256"])
+def test_manifest_records_every_file_and_validate_checks_it(tmp_path, digest):
+    """Every file's size and digest, BLAKE3 by default, sha256 with --digest sha256 (what sha256sum prints), each
+    checked by validate --checksums; the controls: a flipped byte and a longer file caught."""
     import hashlib
     import json
+
+    import blake3
     out = tmp_path / "out"
-    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", check=0)
+    chosen = () if digest == "blake3" else ("--digest", digest)
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", *chosen, check=0)
     manifest = json.loads((out / "reshard-manifest.json").read_text())
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"reshard-manifest.json"}
     assert set(manifest["files"]) == files
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[digest]
     for rel, entry in manifest["files"].items():
         data = (out / rel).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"size": len(data), digest: reference(data).hexdigest()}
     assert manifest["source"]["topology"] == "dp=2,tp=1,pp=1,zero=2" and manifest["reshard_version"]
     assert "files checked against" in run_cli("validate", out, "--checksums", check=0).stdout
 
@@ -235,7 +242,7 @@ def test_manifest_records_every_file_and_validate_checks_it(tmp_path):
     data[-200] ^= 0xFF          # same size, one flipped byte in the zip's central directory
     victim.write_bytes(bytes(data))
     proc = run_cli("validate", out, "--checksums", check=1)
-    assert any(str(victim) in line and "sha256" in line for line in proc.stdout.splitlines()), proc.stdout
+    assert any(str(victim) in line and digest in line for line in proc.stdout.splitlines()), proc.stdout
     victim.write_bytes(bytes(data) + b"x")
     proc = run_cli("validate", out, check=1)    # sizes are checked even without --checksums
     assert any(str(victim) in line and "manifest says" in line for line in proc.stdout.splitlines())

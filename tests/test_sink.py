@@ -1,10 +1,11 @@
-"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its sha256 is theirs, whatever the
-sizes of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
+"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its digest (BLAKE3 or sha256) is
+theirs, whatever the sizes of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
 import errno
 import hashlib
 import itertools
 import os
 
+import blake3
 import numpy as np
 import pytest
 
@@ -12,12 +13,12 @@ from reshard.storage import posix_sink as sink
 from reshard.storage.posix_sink import BLOCK, HashingSink
 
 
-def _write(path, pieces, reserve=0):
-    with HashingSink(str(path), reserve) as out:
+def _write(path, pieces, reserve=0, algorithm="sha256"):
+    with HashingSink(str(path), reserve, algorithm) as out:
         for piece in pieces:
             assert out.write(piece) == memoryview(piece).nbytes
-        size, sha = out.size, out.sha256
-    return size, sha
+        size, digest = out.size, out.digest
+    return size, digest
 
 
 def _pieces():
@@ -31,11 +32,14 @@ def _pieces():
 
 
 @pytest.mark.parametrize("reserve", [0, 3 * BLOCK])
-def test_bytes_and_digest(tmp_path, reserve):
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_bytes_and_digest(tmp_path, reserve, algorithm):
     pieces, data = _pieces()
-    size, sha = _write(tmp_path / "f", pieces, reserve)
+    size, digest = _write(tmp_path / "f", pieces, reserve, algorithm)
     assert (tmp_path / "f").read_bytes() == data
-    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[algorithm]
+    assert (size, digest) == (len(data), reference(data).hexdigest())
+    assert digest != reference(data[:-1]).hexdigest()      # the control: one byte less, another digest
 
 
 def test_small_and_empty_files(tmp_path):
