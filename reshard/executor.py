@@ -36,7 +36,7 @@ from reshard.storage import files as fs
 from reshard.storage.posix import PosixOutput
 from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import output_for
-from reshard.target_bytes import SourceFiles, storage_blocks
+from reshard.target_bytes import BlockRing, SourceFiles, storage_blocks
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
@@ -356,13 +356,15 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
     sources.will_read(plan.source_reads())
+    ring = BlockRing(chunk, BUFFERS_PER_WORKER)
     try:
         # (a WriteStream is written as a binary file: the containers' zip and header writers take it as one)
         with ThreadPoolExecutor(max_workers=1) as reader, storage_out.stream(path, plan.size, algorithm) as stream, \
                 plan.container.writer(cast(BinaryIO, stream), plan.header, plan.storages) as zw:
             for storage in plan.storages:
+                produce = storage_blocks(storage, chunk, sources, ring)
                 with zw.storage(storage.key, storage.nbytes) as out, \
-                        contextlib.closing(_read_ahead(reader, storage_blocks(storage, chunk, sources))) as blocks:
+                        contextlib.closing(_read_ahead(reader, produce)) as blocks:
                     for block in blocks:
                         INTERRUPTS.check()
                         out.write(block)
