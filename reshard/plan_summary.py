@@ -10,6 +10,7 @@ from reshard.convert import batch_size_advice, framework_files
 from reshard.core.catalog import Catalog
 from reshard.core.planner import Plan
 from reshard.core.write_requests import StageCut
+from reshard.distributed import loads
 from reshard.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
 from reshard.formats import FRESH, REPRODUCIBILITY
 from reshard.formats.framework import framework_of
@@ -68,11 +69,19 @@ class PlanSummary:
     framework: FrameworkPlan | None
     memory_budget: int
     workers: int
+    worker_bytes: tuple[int, ...]   # the tensor bytes each worker copies (largest file first to the least loaded)
     estimated_peak_buffer_bytes: int
     free_disk_bytes: int | None     # None: the output goes to object storage (no local disk, and none to check)
     free_disk_at: str           # the folder the free space was measured at: DST's, or the nearest that exists (or
                                 # the object store's URL)
     advice: str | None          # what happens to the global batch size, and how to keep it
+
+    @property
+    def worker_balance(self) -> float:
+        """The most loaded worker's bytes over an even split's: 1.0 is perfect, 2.0 one worker waiting on the other
+        for as long as it worked (the wall time of K workers is about this times the bytes / K's)."""
+        total = sum(self.worker_bytes)
+        return max(self.worker_bytes) * len(self.worker_bytes) / total if total else 1.0
 
     @property
     def disk_ok(self) -> bool:
@@ -86,7 +95,8 @@ class PlanSummary:
                 "partition": self.stage_cut.to_dict() if self.stage_cut else None}
         if self.framework is not None:
             data["framework"] = self.framework.to_dict()
-        return {**data, "estimated_peak_buffer_bytes": self.estimated_peak_buffer_bytes,
+        return {**data, "workers": self.workers, "worker_bytes": list(self.worker_bytes),
+                "estimated_peak_buffer_bytes": self.estimated_peak_buffer_bytes,
                 "free_disk_bytes": self.free_disk_bytes, "free_disk_at": self.free_disk_at, "disk_ok": self.disk_ok,
                 "advice": self.advice}
 
@@ -115,6 +125,7 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
                     for f in summary["files"]),
         bytes_read=summary["bytes_read"], bytes_written=summary["bytes_written"], stage_cut=plan.stage_cut,
         framework=framework, memory_budget=memory_budget, workers=workers,
+        worker_bytes=loads(list(plan.files), workers),
         estimated_peak_buffer_bytes=buffer_bytes(memory_budget, workers, streams),
         free_disk_bytes=None if remote else shutil.disk_usage(where).free, free_disk_at=where,
         advice=batch_size_advice(catalog, plan.target, fmt))
