@@ -81,7 +81,8 @@ def measure(cmd, max_rss=None, timeout=None):
     too_big = code == 1 and "plan" in cmd and b"free, the conversion writes" in stderr
     if code != 0 and not too_big and not stopped[0]:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{stderr.decode()[-2000:]}")
-    return {"seconds": wall, "peak_rss": max(peak[0], usage.ru_maxrss * 1024),
+    # CPU: user + system of the process and of every child it waited for (worker processes, cp's)
+    return {"seconds": wall, "cpu": usage.ru_utime + usage.ru_stime, "peak_rss": max(peak[0], usage.ru_maxrss * 1024),
             "read": usage.ru_inblock * 512, "written": usage.ru_oublock * 512, "stopped": stopped[0]}
 
 
