@@ -26,8 +26,8 @@
         (tools/bench_thin.py).
     python tools/bench.py fast SRC [--to dp=4] [--workers 2] [--repeat 3] [--workdir /dev/shm] [--json out.json]
         On tmpfs (fast storage: the CPU is the limit): `cp -r`, a direct copy, `reshard convert` with 1 and N
-        workers and with --digest sha256, `export`, `validate --deep`; wall, x cp, CPU seconds and per GB, peak
-        RSS of each process tree, the load beside them (tools/bench_fast.py).
+        workers (and with --digest sha256: --sha256), `export`, `validate --deep`; wall, x cp, CPU seconds and per
+        GB, peak RSS of each process tree, the load beside them (tools/bench_fast.py).
     python tools/bench.py compare REAL SYNTHETIC
         Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]

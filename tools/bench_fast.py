@@ -7,8 +7,14 @@ then the commands alternate, REPEAT times, each writing into the work folder:
 - `cp -r SRC DST && sync`: the copy limit (coreutils' kernel copy: the bytes never reach a user buffer);
 - a direct copy: every file read into one buffer and written from it by one Python process (the least a program
   that sees every byte does: one read, one write, no check);
-- `reshard convert --to SPEC` with 1 worker and with N (`--workers N`), and once with `--digest sha256`;
-- `reshard export --dtype fp32`; `reshard validate --deep`.
+- `reshard convert --to SPEC` with 1 worker and with N (`--workers N`), and with `--sha256` once with
+  `--digest sha256`;
+- `reshard export --dtype fp32`; `reshard validate --deep`;
+- with `--before CHECKOUT` (another version's tree, e.g. `git worktree add /tmp/before COMMIT`), the same reshard
+  commands run by that version too, in the same alternation: before and after measured under the same load.
+
+Every reshard tree timed is byte-compiled first (an installed package is): a run under PYTHONDONTWRITEBYTECODE
+would otherwise compile its modules again each time (0.2-0.4 CPU seconds).
 
 Per command: the median wall time and its ratio to `cp -r`'s, the median CPU seconds (user + system of the process
 and every child it waited for: reshard's worker processes, cp's) and per GB (of what it writes for cp, the copy and
@@ -24,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench_run import du, measure
+from bench_run import REPO, du, measure
 
 BLOCK = 16 << 20        # the direct copy's buffer
 
@@ -80,16 +86,25 @@ def run_fast(args) -> None:
             "direct copy": [sys.executable, os.path.abspath(__file__), src, "{dst}"],
             f"convert {args.to}": convert,
             f"convert {args.to} --workers {args.workers}": convert + ["--workers", str(args.workers)],
-            f"convert {args.to} --digest sha256": convert + ["--digest", "sha256"],
             "export fp32": reshard + ["export", src, "{dst}.safetensors", "--dtype", "fp32", "--quiet"],
             "validate --deep": reshard + ["validate", src, "--deep"],
         }
+        if args.sha256:     # (what the manifest's digest cost before BLAKE3 was its default)
+            commands[f"convert {args.to} --digest sha256"] = convert + ["--digest", "sha256"]
+            commands = {name: commands[name] for name in sorted(commands, key=lambda n: n.startswith(("export",
+                                                                                                        "validate")))}
+        trees = {name: REPO for name in commands}
+        if args.before:
+            for name in [n for n in commands if n.startswith(("convert", "export", "validate")) and "sha256" not in n]:
+                commands[f"before: {name}"], trees[f"before: {name}"] = commands[name], os.path.abspath(args.before)
+        for tree in set(trees.values()):
+            subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(tree, "reshard")], check=True)
         samples: dict[str, list] = {name: [] for name in commands}
         load_before = _load()
         for _ in range(args.repeat):
             for name, cmd in commands.items():     # alternating: the machine's load drifts between runs
                 dst = os.path.join(work, "out")
-                sample = measure([part.replace("{dst}", dst) for part in cmd])
+                sample = measure([part.replace("{dst}", dst) for part in cmd], repo=trees[name])
                 recorded = _manifest(dst) or _manifest(f"{dst}.safetensors")
                 sample["gb"] = (recorded.get("bytes_read") if name.startswith("export") else
                                 recorded.get("bytes_written") if name.startswith("convert") else
@@ -135,6 +150,10 @@ def add_parser(command) -> None:
     t.add_argument("--workers", type=int, default=2, help="the N of `convert --workers N` (default 2)")
     t.add_argument("--repeat", type=int, default=3, help="alternating runs of each; the median is shown (default 3)")
     t.add_argument("--workdir", help="a tmpfs folder for the outputs (default /dev/shm)")
+    t.add_argument("--sha256", action="store_true", help="also `convert --digest sha256` (the manifest's digest "
+                   "before BLAKE3)")
+    t.add_argument("--before", metavar="CHECKOUT", help="also time the reshard commands of another version's tree "
+                   "(git worktree add /tmp/before COMMIT), alternating with this one's")
     t.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
 
 

@@ -48,13 +48,14 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def measure(cmd, max_rss=None, timeout=None):
-    """Wall seconds, peak RSS of the process tree (sampled), block I/O bytes read and written. A command whose
-    tree passes max_rss bytes or runs past timeout seconds is killed (its figures are then lower bounds, and
-    "stopped" says why): a baseline that needs more than a shared machine has must not take it from the others."""
+def measure(cmd, max_rss=None, timeout=None, repo=REPO):
+    """Wall seconds, CPU seconds, peak RSS of the process tree (sampled), block I/O bytes read and written. A command
+    whose tree passes max_rss bytes or runs past timeout seconds is killed (its figures are then lower bounds, and
+    "stopped" says why): a baseline that needs more than a shared machine has must not take it from the others.
+    `repo`: the checkout whose reshard is measured (default this one)."""
     start = time.perf_counter()
-    # the reshard measured is this repository's, whichever one is installed
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    # the reshard measured is this repository's (or `repo`'s), whichever one is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     peak, stopped = [0], [None]
     stop = threading.Event()
