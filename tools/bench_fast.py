@@ -106,8 +106,9 @@ def run_fast(args) -> None:
                 dst = os.path.join(work, "out")
                 sample = measure([part.replace("{dst}", dst) for part in cmd], repo=trees[name])
                 recorded = _manifest(dst) or _manifest(f"{dst}.safetensors")
-                sample["gb"] = (recorded.get("bytes_read") if name.startswith("export") else
-                                recorded.get("bytes_written") if name.startswith("convert") else
+                command = name.removeprefix("before: ")
+                sample["gb"] = (recorded["bytes_read"] if command.startswith("export") else
+                                recorded["bytes_written"] if command.startswith("convert") else
                                 du(dst) if os.path.isdir(dst) else size) / 1e9
                 samples[name].append(sample)
                 for leftover in (dst, f"{dst}.safetensors", f"{dst}.safetensors.reshard-manifest.json"):
