@@ -1,5 +1,8 @@
 """convert without the engine: complete outputs, N -> M -> N identity, the CLI's promises."""
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,6 +198,44 @@ def test_source_is_never_modified(tmp_path):
 
 def _tree_bytes(root):
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_files_in_memory_are_written_from_the_blocks_and_are_the_same_bytes(tmp_path, monkeypatch, workers):
+    """A file in memory (tmpfs) is written straight from the blocks read, without the copy into the sink's ring, and
+    not reserved (reshard.storage.posix_sink): a conversion written so (the sink told its files are in memory, its
+    block cut to 256 bytes so these small tensors take that path; into /dev/shm too where there is one) is byte for byte
+    the one written through the ring to disk, and validate --checksums passes on it; the control: a byte of it
+    changed, validate --checksums fails naming the file."""
+    from reshard.storage import posix_sink
+    src = fixture_dir("z3_fp32_frozen_tied_dp2")
+    reshard.convert(src, tmp_path / "ring", "dp=3,zero=2")
+    through = []
+    write_through = posix_sink.HashingSink._write_through
+
+    def noted(sink, view):
+        through.append(len(view))
+        write_through(sink, view)
+    monkeypatch.setattr(posix_sink, "BLOCK", 256)
+    monkeypatch.setattr(posix_sink, "in_memory", lambda fd: True)
+    monkeypatch.setattr(posix_sink.HashingSink, "_write_through", noted)
+    places = [tmp_path / "memory"] + ([Path(tempfile.mkdtemp(dir="/dev/shm")) / "out"]
+                                      if os.path.isdir("/dev/shm") else [])
+    try:
+        for out in places:
+            reshard.convert(src, out, "dp=3,zero=2", workers=workers)
+            assert _tree_bytes(out) == _tree_bytes(tmp_path / "ring")
+            assert reshard.validate(out, checksums=True).ok
+        assert through or workers > 1       # (worker processes append to their own copy of the list)
+        victim = max((p for p in places[0].rglob("*.pt")), key=lambda p: p.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 1
+        victim.write_bytes(bytes(data))
+        report = reshard.validate(places[0], checksums=True)
+        assert not report.ok and any(str(victim) in str(problem) for problem in report.problems)
+    finally:
+        for out in places[1:]:
+            shutil.rmtree(out.parent, ignore_errors=True)
 
 
 def test_workers_descriptor_and_tag_out(tmp_path):
