@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from reshard.convert import framework_files, make_plan
 from reshard.core.catalog import Catalog
+from reshard.digests import DEFAULT as DEFAULT_DIGEST
 from reshard.errors import ReshardError, UnknownFormatError
 from reshard.export import export_plan
 from reshard.formats import FRESH, read, takes
@@ -92,7 +93,8 @@ def validate(source: str | os.PathLike[str] | Catalog, deep: bool = False, check
     Args:
         source: a checkpoint's path, or its Catalog.
         deep: also read every byte: NaN/Inf, and zip members whose CRC-32 does not match.
-        checksums: verify every file's sha256 against the reshard manifest (convert and export write one).
+        checksums: verify every file's digest (BLAKE3 or sha256) against the reshard manifest (convert and export
+            write one).
         progress: bars of the bytes read on stderr, where it is a terminal.
         tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
 
@@ -170,7 +172,7 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
             tag: str | None = None, layout_rules: str | None = None, config: str | None = None,
             tag_out: str | None = None, fmt: str | None = None, new_rank_state: str = FRESH, workers: int = 1,
             memory_budget: int | None = None, overwrite: bool = False, resume: bool = False,
-            progress: bool = False, names: str | None = None) -> Written | None:
+            progress: bool = False, names: str | None = None, digest: str = DEFAULT_DIGEST) -> Written | None:
     """Write the checkpoint for another topology (or format), as `reshard convert` does; the framework resumes
     from the output with its own load call. Under torchrun the ranks share the files.
 
@@ -179,8 +181,10 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
             plan.
         dst: the new save dir (created; it must be empty, or `overwrite`).
         overwrite: replace a non-empty `dst`.
-        resume: after an interrupted run, keep the files it finished (checked by sha256).
+        resume: after an interrupted run, keep the files it finished (checked by their digest).
         progress: a bar of the bytes written on stderr, where it is a terminal.
+        digest: the manifest's digest of every file: "blake3" (the default: a third of sha256's CPU) or "sha256"
+            (for `sha256sum`); `validate(checksums=True)` verifies either.
 
     Returns:
         Written: every file on disk with its size, the manifest, the stage cut of a pipeline target and what
@@ -195,7 +199,7 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
     complete = _complete(source, tag, layout_rules, config)
     made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     written = _execute(made, dst, overwrite=overwrite, memory_budget=memory_budget, workers=workers,
-                       progress=progress, resume=resume)
+                       progress=progress, resume=resume, digest=digest)
     if written is None:
         return None
     return replace(written, stage_cut=made.stage_cut,
@@ -206,8 +210,8 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
            tag: str | None = None, layout_rules: str | None = None, dtype: str = "auto",
            max_shard_size: str | None = None, with_optimizer: bool = False, fmt: str | None = None,
            weights: str = "master", names: str | None = None, config: str | None = None,
-           memory_budget: int | None = None,
-           overwrite: bool = False, resume: bool = False, progress: bool = False) -> Written | None:
+           memory_budget: int | None = None, overwrite: bool = False, resume: bool = False, progress: bool = False,
+           digest: str = DEFAULT_DIGEST) -> Written | None:
     """One consolidated state dict, as `reshard export` writes it: safetensors (or Hugging Face shards with an
     index), or one torch.save file.
 
@@ -223,7 +227,7 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
         names: an export-names rule file (a path, or a name shipped with reshard) renaming and cutting weights.
         config: the model's config.json for a checkpoint without one (torchtitan's): written beside the weights,
             its values answering the rules' counts by name; the reader's too where its format takes one.
-        memory_budget, overwrite, resume, progress: as for convert.
+        memory_budget, overwrite, resume, progress, digest: as for convert.
 
     Returns:
         Written (as for convert); `to_dict()` is what `reshard export --json` prints. None on torchrun ranks
@@ -241,7 +245,7 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
     made = export_plan(complete, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
                        with_optimizer=with_optimizer, fmt=fmt, weights=weights, names=names, config=config)
     return _execute(made.plan, out, overwrite=overwrite, memory_budget=memory_budget, progress=progress,
-                    single_file=made.single_file, resume=resume)
+                    single_file=made.single_file, resume=resume, digest=digest)
 
 
 def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalog, *, tag_a: str | None = None,

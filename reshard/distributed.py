@@ -63,13 +63,26 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def share(files: list, rank: int, world: int) -> list:
-    """This rank's files: largest first, each to the least loaded rank (the same answer on every rank)."""
+def placement(files: list, world: int) -> list:
+    """(file, rank) for every file (with `nbytes`): largest first, each to the least loaded rank (the same answer
+    on every rank; what a pool of `world` processes taking the largest file left does where bytes take time)."""
     loads = [0] * world
-    mine = []
+    placed = []
     for _index, f in sorted(enumerate(files), key=lambda item: (-item[1].nbytes, item[0])):
         owner = min(range(world), key=lambda r: (loads[r], r))
         loads[owner] += f.nbytes
-        if owner == rank:
-            mine.append(f)
-    return mine
+        placed.append((f, owner))
+    return placed
+
+
+def share(files: list, rank: int, world: int) -> list:
+    """This rank's files (placement), largest first."""
+    return [f for f, owner in placement(files, world) if owner == rank]
+
+
+def loads(files: list, world: int) -> tuple[int, ...]:
+    """The bytes each of `world` ranks (or worker processes) writes, as placement gives them the files."""
+    out = [0] * world
+    for f, owner in placement(files, world):
+        out[owner] += f.nbytes
+    return tuple(out)

@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, Thr
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
-from reshard import checksums, manifest, paths
+from reshard import checksums, digests, manifest, paths
 from reshard.checksums import Tally
 from reshard.core.planner import FilePlan, Plan
 from reshard.core.write_requests import Output, StageCut
@@ -36,7 +36,7 @@ from reshard.storage import files as fs
 from reshard.storage.posix import PosixOutput
 from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import output_for
-from reshard.target_bytes import SourceFiles, storage_blocks
+from reshard.target_bytes import BlockRing, SourceFiles, storage_blocks
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
@@ -94,7 +94,7 @@ class StagedFile:
     manifest record of it, and the CRC-32s of the source blocks its copies read (checksums.Tally.pieces)."""
     path: str       # relative to the destination
     size: int
-    sha256: str
+    digest: str     # hex, of the run's algorithm (reshard.digests)
     pieces: dict
 
 
@@ -165,23 +165,24 @@ def check_destination(plan: Plan, staging: Staging, overwrite: bool, single_file
 
 def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int = DEFAULT_MEMORY_BUDGET,
             workers: int = 1, progress: bool = True, single_file: bool = False, resume: bool = False,
-            group=None, storage: OutputStorage | None = None) -> Written | None:
+            group=None, storage: OutputStorage | None = None, digest: str = digests.DEFAULT) -> Written | None:
     """Write the plan's files under directory `dst` (or, with single_file, its one file as `dst`);
     returns what was written (None on ranks other than 0, which do not commit).
 
     Output is built in a temporary sibling (`.DST.reshard-tmp`) under a lock; each finished file
-    is journaled with its sha256, so after a crash `resume=True` keeps the files that are whole.
+    is journaled with its digest, so after a crash `resume=True` keeps the files that are whole.
     With a `group` (reshard.distributed) every rank writes its share; rank 0 commits once all
     ranks report success. Any failure but a hard kill removes the temporary sibling. `storage`: where the output
-    is written (reshard.storage; by default the local filesystem).
+    is written (reshard.storage; by default the local filesystem). `digest`: the algorithm of every file's digest in
+    the manifest (reshard.digests: BLAKE3 by default, or sha256).
     """
     with INTERRUPTS:
         return _execute(plan, Staging(dst, storage), overwrite, memory_budget, workers, progress, single_file,
-                        resume, group or Solo())
+                        resume, group or Solo(), digest)
 
 
 def _execute(plan, staging, overwrite, memory_budget, workers, progress, single_file, resume,
-             group) -> Written | None:
+             group, algorithm) -> Written | None:
     problem = None
     if group.rank == 0:
         try:
@@ -197,17 +198,17 @@ def _execute(plan, staging, overwrite, memory_budget, workers, progress, single_
     if problem is not None:
         raise problem
     staging.use(in_place)
-    error, digests, tally = None, {}, Tally()
+    error, written, tally = None, {}, Tally()
     try:
         mine = share(plan.files, group.rank, group.world)
         chunk = chunk_bytes(memory_budget, workers, staging.storage.STREAM_BUFFER_BYTES)
-        digests = _write_files(mine, staging, chunk, workers, resume,
+        written = _write_files(mine, staging, chunk, workers, resume,
                                progress_bar(sum(f.nbytes for f in mine), "writing", progress and group.rank == 0),
-                               plan.reread(), _by_file(plan.checked), tally)
+                               plan.reread(), _by_file(plan.checked), tally, algorithm)
     except BaseException as e:      # report to the others first, then re-raise
         error = e
     everyone_ok = group.all_ok(error is None)
-    digests = group.gather_dicts(digests)
+    written = group.gather_dicts(written)
     read = group.gather_dicts({group.rank: tally.pieces()})
     if group.rank != 0:
         if error is not None:
@@ -220,9 +221,9 @@ def _execute(plan, staging, overwrite, memory_budget, workers, progress, single_
             raise error or ReshardError.at(staging.dst, "another rank failed; nothing was written")
         _verify_sources(plan, read.values())
         try:
-            digests.update(_write_small_files(plan, staging.tmp, staging.storage))
+            written.update(_write_small_files(plan, staging.tmp, staging.storage, algorithm))
             INTERRUPTS.check()
-            manifest_path = staging.commit(plan, digests, single_file)
+            manifest_path = staging.commit(plan, written, single_file, algorithm)
         except OSError as e:
             raise ReshardError.at(e.filename or staging.dst, f"write failed: {e.strerror or e}") from None
     except BaseException:
@@ -231,7 +232,7 @@ def _execute(plan, staging, overwrite, memory_budget, workers, progress, single_
     finally:
         staging.release()
     order = [f.path for f in plan.files] + [c.path for c in plan.copied] + [t.path for t in plan.texts]
-    files = tuple(WrittenFile(staging.dst if single_file else os.path.join(staging.dst, path), digests[path][0])
+    files = tuple(WrittenFile(staging.dst if single_file else os.path.join(staging.dst, path), written[path][0])
                   for path in order)
     return Written(staging.dst, plan.output, files, manifest_path)
 
@@ -261,16 +262,18 @@ def _by_file(storages) -> dict:
 
 
 def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, reread: dict, checked: dict,
-                 tally: Tally) -> dict:
-    """Write the files (keeping whole ones from an interrupted run); returns {path: (size, sha256)}.
+                 tally: Tally, algorithm: str) -> dict:
+    """Write the files (keeping whole ones from an interrupted run); returns {path: (size, hex digest)}.
     `reread`: Plan.reread(), the source ranges read more than once; `checked`: the checksummed source storages
-    by path, whose blocks read are noted in `tally`."""
-    digests, todo = {}, []
+    by path, whose blocks read are noted in `tally`; `algorithm`: the digest's (reshard.digests)."""
+    written, todo = {}, []
     done = staging.finished() if resume else {}
     for f in files:
         path = staging.place(f.path)
-        if f.path in done and fs.isfile(path) and manifest.file_digest(path) == done[f.path]:
-            digests[f.path] = done[f.path]
+        size, journaled, digest = done.get(f.path, (None, None, None))
+        # kept only with the run's algorithm (one per manifest), and only if it still has what the journal says
+        if journaled == algorithm and fs.isfile(path) and manifest.file_digest(path, algorithm) == (size, digest):
+            written[f.path] = (size, digest)
             bar.update(f.nbytes)
         else:
             todo.append(f)
@@ -281,14 +284,14 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
             with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_started,
                                      initargs=(stop,)) as pool:
                 jobs = {pool.submit(write_file, f, staging.tmp, chunk, None, reread, _members(f, checked),
-                                    staging.storage): f
+                                    staging.storage, algorithm): f
                         for f in _balanced(todo)}
                 try:
                     running = set(jobs)
                     while running:
                         done, running = wait(running, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
                         for job in done:
-                            _staged(job.result(), staging, digests, tally)
+                            _staged(job.result(), staging, written, tally, algorithm)
                             bar.update(jobs[job].nbytes)
                         INTERRUPTS.check()
                 except BaseException:
@@ -298,31 +301,31 @@ def _write_files(files, staging, chunk: int, workers: int, resume: bool, bar, re
                     raise
         else:
             for f in todo:
-                _staged(write_file(f, staging.tmp, chunk, bar.update, reread, _members(f, checked), staging.storage),
-                        staging, digests, tally)
+                _staged(write_file(f, staging.tmp, chunk, bar.update, reread, _members(f, checked), staging.storage,
+                                   algorithm), staging, written, tally, algorithm)
     finally:
         bar.close()
-    return digests
+    return written
 
 
-def _staged(done: StagedFile, staging: Staging, digests: dict, tally: Tally) -> None:
+def _staged(done: StagedFile, staging: Staging, written: dict, tally: Tally, algorithm: str) -> None:
     """A file finished: journaled (for --resume), its digest kept for the manifest, its source reads tallied."""
     tally.merge(done.pieces)
-    staging.record(done.path, done.size, done.sha256)
-    digests[done.path] = (done.size, done.sha256)
+    staging.record(done.path, done.size, algorithm, done.digest)
+    written[done.path] = (done.size, done.digest)
 
 
-def _write_small_files(plan: Plan, root: str, storage: OutputStorage) -> dict:
-    digests = {}
+def _write_small_files(plan: Plan, root: str, storage: OutputStorage, algorithm: str) -> dict:
+    written = {}
     for copied in plan.copied:
         path = output_path(root, copied.path)
         storage.copy(copied.source, path)
-        digests[copied.path] = manifest.file_digest(path)
+        written[copied.path] = manifest.file_digest(path, algorithm)
     for text in plan.texts:     # `latest` last: it names the tag only once the tag is whole
         path = output_path(root, text.path)
         storage.put(path, text.text.encode() if isinstance(text.text, str) else text.text)
-        digests[text.path] = manifest.file_digest(path)
-    return digests
+        written[text.path] = manifest.file_digest(path, algorithm)
+    return written
 
 
 def _balanced(files):
@@ -340,7 +343,7 @@ def _members(file: FilePlan, checked: dict) -> list:
 
 
 def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict | None = None,
-               members=(), output: OutputStorage | None = None) -> StagedFile:
+               members=(), output: OutputStorage | None = None, algorithm: str = digests.DEFAULT) -> StagedFile:
     """Write one target file; returns what was written, with the CRC-32s of the blocks read from `members`.
     Runs in worker processes too. `reread`: source byte ranges other reads need again (Plan.reread), kept in the
     page cache. `output`: where the file is written (by default the local filesystem).
@@ -353,13 +356,15 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
     sources.will_read(plan.source_reads())
+    ring = BlockRing(chunk, BUFFERS_PER_WORKER)
     try:
         # (a WriteStream is written as a binary file: the containers' zip and header writers take it as one)
-        with ThreadPoolExecutor(max_workers=1) as reader, storage_out.stream(path, plan.size) as stream, \
+        with ThreadPoolExecutor(max_workers=1) as reader, storage_out.stream(path, plan.size, algorithm) as stream, \
                 plan.container.writer(cast(BinaryIO, stream), plan.header, plan.storages) as zw:
             for storage in plan.storages:
+                produce = storage_blocks(storage, chunk, sources, ring)
                 with zw.storage(storage.key, storage.nbytes) as out, \
-                        contextlib.closing(_read_ahead(reader, storage_blocks(storage, chunk, sources))) as blocks:
+                        contextlib.closing(_read_ahead(reader, produce)) as blocks:
                     for block in blocks:
                         INTERRUPTS.check()
                         out.write(block)
@@ -370,7 +375,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     finally:
         sources.close()
     storage_out.sync(path)
-    return StagedFile(plan.path, stream.size, stream.sha256, sources.tally.pieces())
+    return StagedFile(plan.path, stream.size, stream.digest, sources.tally.pieces())
 
 
 def _read_ahead(pool, tasks):

@@ -1,18 +1,17 @@
 """The integrity manifest every convert and export writes, and its verification.
 
-`reshard-manifest.json` at the top of the output lists each file's size and sha256 (computed as
-the bytes were written), the reshard version, where the data came from (the source's files with
-their sizes and modification times) and a summary of the plan. `verify` re-reads the files:
-sizes always, hashes when asked (`reshard validate --checksums`).
+`reshard-manifest.json` at the top of the output lists each file's size and digest (computed as the bytes were
+written; reshard.digests: BLAKE3 by default, or sha256, the entry's key naming which), the reshard version, where
+the data came from (the source's files with their sizes and modification times) and a summary of the plan. `verify`
+re-reads the files: sizes always, digests when asked (`reshard validate --checksums`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from reshard import paths
+from reshard import digests, paths
 from reshard.progress import bar as progress_bar
 from reshard.storage import files as fs
 from reshard.version import __version__
@@ -28,7 +27,8 @@ KIND = "reshard.manifest"
 UNFINISHED = ".reshard-unfinished"
 
 
-def build(plan: Plan, digests: dict[str, tuple[int, str]]) -> dict[str, Any]:
+def build(plan: Plan, written: dict[str, tuple[int, str]], algorithm: str = digests.DEFAULT) -> dict[str, Any]:
+    """The manifest of a run: `written` is {path: (size, hex digest of `algorithm`)}."""
     source_files = sorted({op.src_file for f in plan.files for s in f.storages for op in s.ops
                            if hasattr(op, "src_file")})
     summary = plan.summary()
@@ -38,7 +38,7 @@ def build(plan: Plan, digests: dict[str, tuple[int, str]]) -> dict[str, Any]:
                    "files": [_identity(p) for p in source_files]},
         "target": {"format": summary.format, "topology": summary.target_topology, "tag": summary.tag},
         "bytes_read": summary.bytes_read, "bytes_written": summary.bytes_written,
-        "files": {path: {"size": size, "sha256": sha} for path, (size, sha) in sorted(digests.items())},
+        "files": {path: {"size": size, algorithm: digest} for path, (size, digest) in sorted(written.items())},
     }
 
 
@@ -46,17 +46,10 @@ def _identity(path: str) -> dict:
     return {"path": path, "size": fs.getsize(path), "mtime_ns": fs.mtime_ns(path)}
 
 
-def file_digest(path: str, report=None) -> tuple:
-    """(size, sha256 hex) of a file; `report(n)` is told of every block read."""
-    sha = hashlib.sha256()
-    size = 0
-    with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            sha.update(block)
-            size += len(block)
-            if report:
-                report(len(block))
-    return size, sha.hexdigest()
+def file_digest(path: str, algorithm: str = digests.DEFAULT, report=None) -> tuple:
+    """(size, hex digest of `algorithm`) of a file; `report(n)` is told of every block read."""
+    with fs.open(path, "rb", buffering=0) as f:
+        return digests.of_stream(f.read, algorithm, report)
 
 
 def find(root: str) -> str | None:
@@ -84,7 +77,8 @@ def places(root: str) -> list:
 
 
 def verify(path: str, checksums: bool, within: str | None = None, progress: bool = False) -> list:
-    """Problems, one line each: unreadable manifest, missing files, size or sha256 mismatches.
+    """Problems, one line each: unreadable manifest, missing files, size or digest mismatches (each entry's own
+    algorithm: a manifest written with sha256 verifies as one written with BLAKE3).
 
     `within` limits the check to the files under one folder (the tag being validated: a save dir
     that training later adds tags to, and rewrites `latest` in, is still whole for this tag).
@@ -114,9 +108,13 @@ def verify(path: str, checksums: bool, within: str | None = None, progress: bool
         if size != entry.get("size"):
             problems.append(f"{target}: {size} bytes, the manifest says {entry.get('size')}")
         elif checksums:
-            to_hash.append((target, entry.get("sha256"), size))
+            recorded = digests.of_entry(entry)
+            if recorded is None:
+                problems.append(f"{path}: no digest for {rel} (one of {', '.join(digests.ALGORITHMS)})")
+                continue
+            to_hash.append((target, recorded, size))
     with progress_bar(sum(size for _, _, size in to_hash), "hashing", progress) as bar:
-        for target, sha, _ in to_hash:
-            if file_digest(target, bar.update)[1] != sha:
-                problems.append(f"{target}: sha256 differs from the manifest (changed after it was written)")
+        for target, (algorithm, digest), _ in to_hash:
+            if file_digest(target, algorithm, bar.update)[1] != digest:
+                problems.append(f"{target}: {algorithm} differs from the manifest (changed after it was written)")
     return problems

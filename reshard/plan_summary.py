@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from reshard.convert import batch_size_advice, framework_files
 from reshard.core.catalog import Catalog
 from reshard.core.planner import Plan, PlanOutline
+from reshard.distributed import loads
 from reshard.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
 from reshard.formats import FRESH, REPRODUCIBILITY
 from reshard.formats.framework import framework_of
@@ -40,11 +41,19 @@ class PlanSummary(PlanOutline):
     framework: FrameworkPlan | None
     memory_budget: int
     workers: int
+    worker_bytes: tuple[int, ...]   # the tensor bytes each worker copies (largest file first to the least loaded)
     estimated_peak_buffer_bytes: int
     free_disk_bytes: int | None     # None: the output goes to object storage (no local disk, and none to check)
     free_disk_at: str           # the folder the free space was measured at: DST's, or the nearest that exists (or
                                 # the object store's URL)
     advice: str | None          # what happens to the global batch size, and how to keep it
+
+    @property
+    def worker_balance(self) -> float:
+        """The most loaded worker's bytes over an even split's: 1.0 is perfect, 2.0 one worker waiting on the other
+        for as long as it worked (the wall time of K workers is about this times the bytes / K's)."""
+        total = sum(self.worker_bytes)
+        return max(self.worker_bytes) * len(self.worker_bytes) / total if total else 1.0
 
     @property
     def disk_ok(self) -> bool:
@@ -58,7 +67,8 @@ class PlanSummary(PlanOutline):
                 "partition": self.stage_cut.to_dict() if self.stage_cut else None}
         if self.framework is not None:
             data["framework"] = self.framework.to_dict()
-        return {**data, "estimated_peak_buffer_bytes": self.estimated_peak_buffer_bytes,
+        return {**data, "workers": self.workers, "worker_bytes": list(self.worker_bytes),
+                "estimated_peak_buffer_bytes": self.estimated_peak_buffer_bytes,
                 "free_disk_bytes": self.free_disk_bytes, "free_disk_at": self.free_disk_at, "disk_ok": self.disk_ok,
                 "advice": self.advice}
 
@@ -83,6 +93,7 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
         **{f.name: getattr(summary, f.name) for f in fields(summary)}, plan=plan,
         target=plan.output.words() if plan.output else summary.format,
         framework=framework, memory_budget=memory_budget, workers=workers,
+        worker_bytes=loads(list(plan.files), workers),
         estimated_peak_buffer_bytes=buffer_bytes(memory_budget, workers, streams),
         free_disk_bytes=None if remote else shutil.disk_usage(where).free, free_disk_at=where,
         advice=batch_size_advice(catalog, plan.target, fmt))

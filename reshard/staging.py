@@ -1,8 +1,8 @@
 """Where output is built before it is committed: a hidden sibling of the destination, or the destination itself.
 
 `.DST.reshard-tmp` holds the files being written; `.DST.reshard-lock` keeps a second writer out; a journal lists
-each finished file with its sha256, so a run killed half way can be resumed keeping what is whole. Committing
-writes the manifest and has the storage move the sibling into place (reshard.storage.protocol.OutputStorage
+each finished file with its digest (reshard.digests), so a run killed half way can be resumed keeping what is whole.
+Committing writes the manifest and has the storage move the sibling into place (reshard.storage.protocol.OutputStorage
 .commit), so the destination appears complete or not at all.
 
 A store with no rename (object storage: OutputStorage.IN_PLACE) would have to copy every object to commit, so a
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 
-from reshard import manifest, paths
+from reshard import digests, manifest, paths
 from reshard.errors import ReshardError, UsageError
 from reshard.storage import files as fs
 from reshard.storage.posix import PosixOutput, fsync, write_text  # noqa: F401  (fsync, write_text: for callers)
@@ -96,8 +96,8 @@ class Staging:
             self.storage.make_folder(self.place(directory))
 
     def finished(self) -> dict:
-        """Files a previous run completed: {path: (size, sha256)}, from the journal."""
-        done: dict[str, tuple[int, str]] = {}
+        """Files a previous run completed: {path: (size, algorithm, hex digest)}, from the journal."""
+        done: dict[str, tuple[int, str, str]] = {}
         try:
             lines = self.storage.get(self.place(self.JOURNAL)).decode().splitlines()
         except OSError:
@@ -105,22 +105,24 @@ class Staging:
         for line in lines:
             try:
                 entry = json.loads(line)
-                done[entry["path"]] = (entry["size"], entry["sha256"])
-            except (ValueError, KeyError, TypeError):
+                algorithm, digest = digests.of_entry(entry) or ("", "")
+                done[entry["path"]] = (entry["size"], algorithm, digest)
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue    # a line cut short by the crash
         return done
 
     def reusable_bytes(self) -> int:
-        return sum(size for size, _ in self.finished().values())
+        return sum(size for size, _, _ in self.finished().values())
 
-    def record(self, path: str, size: int, sha256: str) -> None:
-        line = json.dumps({"path": path, "size": size, "sha256": sha256}) + "\n"
+    def record(self, path: str, size: int, algorithm: str, digest: str) -> None:
+        line = json.dumps({"path": path, "size": size, algorithm: digest}) + "\n"
         self.storage.append(self.place(self.JOURNAL), line.encode())
 
-    def commit(self, plan, digests: dict, single_file: bool) -> str:
-        """Write the manifest and move the output into place; returns the manifest's path."""
+    def commit(self, plan, written: dict, single_file: bool, algorithm: str = digests.DEFAULT) -> str:
+        """Write the manifest (`written`: {path: (size, hex digest of `algorithm`)}) and move the output into place;
+        returns the manifest's path."""
         self.storage.delete(self.place(self.JOURNAL))
-        record = manifest.build(plan, digests)
+        record = manifest.build(plan, written, algorithm)
         if single_file:
             (only,) = plan.files
             record["files"] = {os.path.basename(self.dst): record["files"][only.path]}

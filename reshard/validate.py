@@ -38,8 +38,8 @@ class ValidationReport:
     files: int = 0
     deep: bool = False
     manifest: str | None = None     # the manifest checked, if any
-    checksums: bool = False         # whether its sha256 sums were verified (sizes always are)
-    # sha256 sums asked for but not verifiable: the manifest that is not there (every training save has none).
+    checksums: bool = False         # whether its digests were verified (sizes always are)
+    # digests asked for but not verifiable: the manifest that is not there (every training save has none).
     # It says nothing about the checkpoint's coverage, which stands: not a problem.
     unverified: str | None = None
     crc_members: int = 0            # --deep: zip members whose CRC-32 was verified
@@ -69,7 +69,7 @@ class ValidationReport:
             text += (f"; {counted(len(self.no_checksum), 'file')} ({names}{more}) carry no checksum: "
                      "corruption in them cannot be detected")
         if self.manifest:
-            what = "sizes and sha256" if self.checksums else "sizes (sha256 with --checksums)"
+            what = "sizes and digests" if self.checksums else "sizes (digests with --checksums)"
             text += f"; files checked against {os.path.basename(self.manifest)}: {what}"
         return text
 
@@ -124,7 +124,7 @@ class Complete:
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False,
              progress: bool = False) -> ValidationReport:
-    """`deep` reads every byte for NaN/Inf; `checksums` verifies the sha256 of every file against the
+    """`deep` reads every byte for NaN/Inf; `checksums` verifies the digest (BLAKE3 or sha256) of every file against the
     reshard manifest (sizes are checked whenever a manifest is there). `progress`: bars of the bytes read
     and hashed on stderr, when it is a terminal."""
     report = _Found(problems=list(catalog.problems),

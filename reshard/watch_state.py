@@ -1,7 +1,7 @@
 """What `reshard watch` remembers between passes and across restarts: a small JSON file in the run directory.
 
 For each checkpoint it reported: the fingerprint of its files when it was validated (count, bytes, blocks,
-newest mtime — a save reusing the name changes it, and is then new), the verdict, whether the sha256 sums were
+newest mtime — a save reusing the name changes it, and is then new), the verdict, whether the digests were
 checked and whether the action on it (`--exec`) ran; and which checkpoint the `--export-best` file holds, with
 its score and the file's identity as written (so a restarted watcher replaces it only with a better one). It is
 written whole to a hidden sibling and renamed over the old one, so a watcher killed at any point leaves the old

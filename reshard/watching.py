@@ -4,7 +4,7 @@ Each pass lists the run directory (reshard.listing, with its `settle` second loo
 changed between the two looks, or were modified in the last `recent` seconds, is still being written; a DCP
 folder is finished only with its `.metadata`). A tag folder newer than the one `latest` names is held back too:
 DeepSpeed moves `latest` only when the save is done. Each newly finished checkpoint is then judged — the
-listing's coverage proof, and with `checksums` the sha256 sums of a manifest where it has one — and looked at
+listing's coverage proof, and with `checksums` the digests of a manifest where it has one — and looked at
 once more: if its files changed while it was judged it is retried next pass, never reported broken. Then it is
 reported (one line), remembered (reshard.watch_state), acted on (`exec`), the best exported, and last the
 retention policy applied to the checkpoints the watcher validated, all others counting as in progress: nothing
@@ -59,7 +59,7 @@ class Event:
     why: str
     bytes: int
     metrics: dict = field(default_factory=dict)
-    checksums: bool = False     # its manifest's sha256 sums were verified
+    checksums: bool = False     # its manifest's digests were verified
 
     @property
     def complete(self) -> bool:
@@ -72,7 +72,7 @@ class Event:
             return f"{head}: INCOMPLETE — {within(self.why, root)} ({self.name})"
         if not self.complete:
             return f"{head}: {self.status}, kept — {within(self.why, root)} ({self.name})"
-        words = [f"complete{' (sha256 checked)' if self.checksums else ''}", human_bytes(self.bytes)]
+        words = [f"complete{' (digests checked)' if self.checksums else ''}", human_bytes(self.bytes)]
         value = metric_of(self, metric) if metric else None
         if value is not None:
             words.append(f"{metric} {value:g}")
@@ -223,7 +223,7 @@ class Watcher:
                     tuple(thinned))
 
     def _judged(self, row: Checkpoint) -> tuple:
-        """(the verdict on a finished row, whether sha256 sums were verified): the listing's coverage proof, and
+        """(the verdict on a finished row, whether digests were verified): the listing's coverage proof, and
         the sums where asked and a manifest is there; (None, False) when its files changed meanwhile (a writer
         still at work: retried)."""
         status, why, summed = row.status, row.why, False

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import reshard
 from conftest import REPO, fixture_dir, run_cli, truth_json, truth_tensors
 
 SRC = fixture_dir("z2_fp32_dp2")
@@ -272,6 +273,25 @@ def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
         assert planned["tag"] is None and planned["target_topology"] == "dp=3"
     else:
         assert f"{spec},tp=1,pp=1,zero=2, tag global_step3" in line and planned["tag"] == "global_step3"
+
+
+def test_plan_shows_the_bytes_each_worker_writes():
+    """--workers K: the tensor bytes each worker copies, the largest file first to the least loaded one (as the
+    pool's workers take them), summing to the plan's; the control: one worker, no such line."""
+    from reshard.inspection import human_bytes
+    planned = json.loads(run_cli("plan", SRC, "--to", "dp=3", "--workers", "2", "--json", check=0).stdout)
+    sizes = sorted((f.nbytes for f in reshard.plan(SRC, "dp=3").plan.files), reverse=True)
+    expected = [0, 0]
+    for size in sizes:
+        expected[expected.index(min(expected))] += size
+    assert len(sizes) > 2 and planned["workers"] == 2 and planned["worker_bytes"] == expected
+    lines = run_cli("plan", SRC, "--to", "dp=3", "--workers", "2", check=0).stdout.splitlines()
+    balance = max(expected) * 2 / sum(expected)
+    assert [line for line in lines if line.startswith("workers")] == [
+        f"workers  2 copying {human_bytes(expected[0])} | {human_bytes(expected[1])} of tensors (the largest "
+        f"{balance:.2f}× an even split; a worker takes the largest file left)"]
+    alone = run_cli("plan", SRC, "--to", "dp=3", check=0).stdout.splitlines()
+    assert not [line for line in alone if line.startswith("workers")] and any("1 worker)" in line for line in alone)
 
 
 def test_export_summary_matches_the_disk(tmp_path):

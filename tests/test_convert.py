@@ -1,5 +1,8 @@
 """convert without the engine: complete outputs, N -> M -> N identity, the CLI's promises."""
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,6 +200,44 @@ def _tree_bytes(root):
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_files_in_memory_are_written_from_the_blocks_and_are_the_same_bytes(tmp_path, monkeypatch, workers):
+    """A file in memory (tmpfs) is written straight from the blocks read, without the copy into the sink's ring, and
+    not reserved (reshard.storage.posix_sink): a conversion written so (the sink told its files are in memory, its
+    block cut to 256 bytes so these small tensors take that path; into /dev/shm too where there is one) is byte for byte
+    the one written through the ring to disk, and validate --checksums passes on it; the control: a byte of it
+    changed, validate --checksums fails naming the file."""
+    from reshard.storage import posix_sink
+    src = fixture_dir("z3_fp32_frozen_tied_dp2")
+    reshard.convert(src, tmp_path / "ring", "dp=3,zero=2")
+    through = []
+    write_through = posix_sink.HashingSink._write_through
+
+    def noted(sink, view):
+        through.append(len(view))
+        write_through(sink, view)
+    monkeypatch.setattr(posix_sink, "BLOCK", 256)
+    monkeypatch.setattr(posix_sink, "in_memory", lambda fd: True)
+    monkeypatch.setattr(posix_sink.HashingSink, "_write_through", noted)
+    places = [tmp_path / "memory"] + ([Path(tempfile.mkdtemp(dir="/dev/shm")) / "out"]
+                                      if os.path.isdir("/dev/shm") else [])
+    try:
+        for out in places:
+            reshard.convert(src, out, "dp=3,zero=2", workers=workers)
+            assert _tree_bytes(out) == _tree_bytes(tmp_path / "ring")
+            assert reshard.validate(out, checksums=True).ok
+        assert through or workers > 1       # (worker processes append to their own copy of the list)
+        victim = max((p for p in places[0].rglob("*.pt")), key=lambda p: p.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 1
+        victim.write_bytes(bytes(data))
+        report = reshard.validate(places[0], checksums=True)
+        assert not report.ok and any(str(victim) in str(problem) for problem in report.problems)
+    finally:
+        for out in places[1:]:
+            shutil.rmtree(out.parent, ignore_errors=True)
+
+
 def test_workers_descriptor_and_tag_out(tmp_path):
     """--workers K writes the same bytes as one process; a layout file works as SPEC; --tag-out names the tag."""
     src = fixture_dir("z3_fp32_frozen_tied_dp2")
@@ -216,17 +257,24 @@ def test_workers_descriptor_and_tag_out(tmp_path):
     assert run_cli("convert", src, tmp_path / "x", "--to", "dp=2", "--memory-budget", "lots").returncode == 2
 
 
-def test_manifest_records_every_file_and_validate_checks_it(tmp_path):
+@pytest.mark.parametrize("digest", ["blake3", "sha256"])
+def test_manifest_records_every_file_and_validate_checks_it(tmp_path, digest):
+    """Every file's size and digest, BLAKE3 by default, sha256 with --digest sha256 (what sha256sum prints), each
+    checked by validate --checksums; the controls: a flipped byte and a longer file caught."""
     import hashlib
     import json
+
+    import blake3
     out = tmp_path / "out"
-    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", check=0)
+    chosen = () if digest == "blake3" else ("--digest", digest)
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", *chosen, check=0)
     manifest = json.loads((out / "reshard-manifest.json").read_text())
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"reshard-manifest.json"}
     assert set(manifest["files"]) == files
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[digest]
     for rel, entry in manifest["files"].items():
         data = (out / rel).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"size": len(data), digest: reference(data).hexdigest()}
     assert manifest["source"]["topology"] == "dp=2,tp=1,pp=1,zero=2" and manifest["reshard_version"]
     assert "files checked against" in run_cli("validate", out, "--checksums", check=0).stdout
 
@@ -235,7 +283,7 @@ def test_manifest_records_every_file_and_validate_checks_it(tmp_path):
     data[-200] ^= 0xFF          # same size, one flipped byte in the zip's central directory
     victim.write_bytes(bytes(data))
     proc = run_cli("validate", out, "--checksums", check=1)
-    assert any(str(victim) in line and "sha256" in line for line in proc.stdout.splitlines()), proc.stdout
+    assert any(str(victim) in line and digest in line for line in proc.stdout.splitlines()), proc.stdout
     victim.write_bytes(bytes(data) + b"x")
     proc = run_cli("validate", out, check=1)    # sizes are checked even without --checksums
     assert any(str(victim) in line and "manifest says" in line for line in proc.stdout.splitlines())

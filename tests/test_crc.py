@@ -392,3 +392,24 @@ def test_a_member_its_blocks_tile_is_verified_without_reading_it_again(tmp_path,
     whole.verify()
     with pytest.raises(CheckpointError, match="cannot read"):
         gap.verify()
+
+
+def test_every_member_written_carries_zlibs_crc(tmp_path):
+    """zipfile takes the CRC-32 of each member reshard writes with ISA-L's function (reshard.formats.torchsave_write):
+    every member of a converted checkpoint's archives stores zlib's own CRC-32 of its bytes, read back by offset
+    (not through zipfile); the control: a byte of a member changed, zlib's CRC of it differs from the stored one."""
+    out = tmp_path / "out"
+    reshard.convert(fixture_dir("z2_fp32_dp2"), out, "dp=3")
+    archives = sorted(out.rglob("*.pt"))
+    members = []
+    for path in archives:
+        raw = path.read_bytes()
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+                start = info.header_offset + 30 + name_len + extra_len
+                members.append((raw[start:start + info.file_size], info.CRC))
+    assert len(archives) == 4 and len(members) > 6 * len(archives)
+    assert all(zlib.crc32(data) == stored for data, stored in members)
+    data, stored = max(members, key=lambda member: len(member[0]))
+    assert zlib.crc32(bytes([data[0] ^ 1]) + data[1:]) != stored

@@ -73,7 +73,7 @@ def test_sigkill_leaves_no_destination_and_resume_completes_identically(at, tmp_
     inodes = {line.split('"path": "')[1].split('"')[0]: None for line in journaled}
     for rel in inodes:
         inodes[rel] = os.stat(staging / rel).st_ino
-    # without --resume a rerun starts afresh; with it, finished files are kept (checked by sha256)
+    # without --resume a rerun starts afresh; with it, finished files are kept (checked by their digest)
     run_cli("convert", SRC, dst, *ARGS, "--resume", check=0)
     assert _tree(dst) == reference
     for rel, inode in inodes.items():

@@ -136,7 +136,7 @@ def test_restart_from_the_state_file_validates_nothing_again(run, monkeypatch):
     again = {e.name: e for e in reshard.Watcher(run, checksums=True).poll().reported}
     assert sorted(again) == sorted(["ds/global_step2", converted.name]) and len(calls) == 2
     assert again["ds/global_step2"].complete and not again[converted.name].complete
-    assert "sha256" in again[converted.name].why
+    assert "blake3 differs" in again[converted.name].why
     # the negative control: the coverage proof alone (what `list` runs) does not see a flipped byte
     assert {r.name: r.status for r in reshard.list_checkpoints(run).checkpoints}[converted.name] == "complete"
 

@@ -1,10 +1,14 @@
-"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its sha256 is theirs, whatever the
-sizes of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
+"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its digest (BLAKE3 or sha256) is
+theirs, whatever the sizes of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
 import errno
 import hashlib
 import itertools
 import os
+import pathlib
+import subprocess
+import tempfile
 
+import blake3
 import numpy as np
 import pytest
 
@@ -12,12 +16,12 @@ from reshard.storage import posix_sink as sink
 from reshard.storage.posix_sink import BLOCK, HashingSink
 
 
-def _write(path, pieces, reserve=0):
-    with HashingSink(str(path), reserve) as out:
+def _write(path, pieces, reserve=0, algorithm="sha256"):
+    with HashingSink(str(path), reserve, algorithm) as out:
         for piece in pieces:
             assert out.write(piece) == memoryview(piece).nbytes
-        size, sha = out.size, out.sha256
-    return size, sha
+        size, digest = out.size, out.digest
+    return size, digest
 
 
 def _pieces():
@@ -31,11 +35,14 @@ def _pieces():
 
 
 @pytest.mark.parametrize("reserve", [0, 3 * BLOCK])
-def test_bytes_and_digest(tmp_path, reserve):
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_bytes_and_digest(tmp_path, reserve, algorithm):
     pieces, data = _pieces()
-    size, sha = _write(tmp_path / "f", pieces, reserve)
+    size, digest = _write(tmp_path / "f", pieces, reserve, algorithm)
     assert (tmp_path / "f").read_bytes() == data
-    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[algorithm]
+    assert (size, digest) == (len(data), reference(data).hexdigest())
+    assert digest != reference(data[:-1]).hexdigest()      # the control: one byte less, another digest
 
 
 def test_small_and_empty_files(tmp_path):
@@ -83,3 +90,50 @@ def test_a_failed_write_reaches_the_writer(tmp_path, monkeypatch):
         out.close()
     with pytest.raises(ValueError, match="write after close"):
         out.write(b"y")
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_a_file_in_memory_is_written_from_the_callers_memory(tmp_path, monkeypatch, algorithm):
+    """On tmpfs (here: the file system said to be one, and /dev/shm itself where there is one) blocks of a BLOCK
+    or more go to the file straight from the caller's buffer, hashed meanwhile, after the short ring block before
+    them; with no reservation (a reservation there zero-fills pages the write fills again): the same bytes, the
+    same digest, whatever the cuts. The caller's buffer is reused at once after each write (as the executor's
+    block ring does): what is on disk is what was written then, not what the buffer held later."""
+    pieces, data = _pieces()
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[algorithm]
+    buffer = bytearray(2 * BLOCK)
+    folders = [tmp_path] + ([pathlib.Path("/dev/shm")] if os.path.isdir("/dev/shm") else [])
+    monkeypatch.setattr(sink, "in_memory", lambda fd: True)
+    reserved = []
+    monkeypatch.setattr(sink.os, "posix_fallocate", lambda *args: reserved.append(args))
+    for folder in folders:
+        path = folder / f"reshard-sink-test-{os.getpid()}"
+        try:
+            with HashingSink(str(path), len(data), algorithm) as out:
+                for piece in pieces:
+                    view = memoryview(piece).cast("B")
+                    buffer[:len(view)] = view
+                    out.write(memoryview(buffer)[:len(view)])
+                    buffer[:len(view)] = b"\xff" * len(view)      # reused: the bytes written must not change
+                digest = out.digest
+            assert path.read_bytes() == data and digest == reference(data).hexdigest() and not reserved
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def test_in_memory_tells_tmpfs_from_a_disk(tmp_path):
+    """The file system type, from fstatfs: /dev/shm is tmpfs where there is one; the test's folder on disk is not."""
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
+    try:
+        on_disk = sink.in_memory(fd)
+    finally:
+        os.close(fd)
+    if os.path.isdir("/dev/shm"):
+        fd, name = tempfile.mkstemp(dir="/dev/shm")
+        try:
+            assert sink.in_memory(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    assert on_disk is (kind in ("tmpfs", "ramfs"))

@@ -143,7 +143,7 @@ def test_json_and_usage_errors(tmp_path):
 def test_checksums_without_a_manifest_are_unverified_not_a_problem(tmp_path):
     """A training save has no manifest: `--checksums` says the sums could not be verified, and the coverage
     verdict stands (complete: exit 0; a missing rank file: exit 1, for that). The negative control: a manifest
-    with one wrong sha256 fails, exit 1, naming the file."""
+    with one wrong digest fails, exit 1, naming the file."""
     save = copy_fixture("z2_fp32_dp2", tmp_path)
     places = f"{tag_dir(save)}/reshard-manifest.json or {save}/reshard-manifest.json"
     proc = run_cli("validate", save, "--checksums", check=0)
@@ -160,14 +160,40 @@ def test_checksums_without_a_manifest_are_unverified_not_a_problem(tmp_path):
     out = tmp_path / "converted"
     run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", check=0)
     proc = run_cli("validate", out, "--checksums", check=0)
-    assert "not verified" not in proc.stdout and "sizes and sha256" in proc.stdout
+    assert "not verified" not in proc.stdout and "sizes and digests" in proc.stdout
     manifest = json.loads((out / "reshard-manifest.json").read_text())
     victim = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    manifest["files"][victim]["sha256"] = "0" * 64
+    manifest["files"][victim]["blake3"] = "0" * 64
     (out / "reshard-manifest.json").write_text(json.dumps(manifest))
     *problems, summary = run_cli("validate", out, "--checksums", check=1).stdout.splitlines()
     assert summary.startswith("NOT complete: 1 problem") and "not verified" not in "".join(problems)
-    assert [p for p in problems if victim in p and "sha256" in p] == problems
+    assert [p for p in problems if victim in p and "blake3" in p] == problems
+
+
+def test_a_manifest_written_with_sha256_still_verifies(tmp_path):
+    """A checkpoint converted before BLAKE3 was the default: its manifest's entries are {"size", "sha256"} (the
+    manifest of a conversion rewritten so, each sum computed by hashlib): validate --checksums verifies it by
+    sha256; the control, one sum wrong, fails naming the file; an entry naming no digest is a problem too."""
+    import hashlib
+    out = tmp_path / "converted"
+    run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", check=0)
+    path = out / "reshard-manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"] = {rel: {"size": entry["size"], "sha256": hashlib.sha256((out / rel).read_bytes()).hexdigest()}
+                         for rel, entry in manifest["files"].items()}
+    path.write_text(json.dumps(manifest))
+    proc = run_cli("validate", out, "--checksums", check=0)
+    assert "sizes and digests" in proc.stdout and proc.stdout.splitlines()[-1].startswith("complete")
+    victim = "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    manifest["files"][victim]["sha256"] = hashlib.sha256(b"another file").hexdigest()
+    path.write_text(json.dumps(manifest))
+    *problems, summary = run_cli("validate", out, "--checksums", check=1).stdout.splitlines()
+    assert summary.startswith("NOT complete: 1 problem")
+    assert [p for p in problems if victim in p and "sha256 differs" in p] == problems
+    del manifest["files"][victim]["sha256"]
+    path.write_text(json.dumps(manifest))
+    *problems, summary = run_cli("validate", out, "--checksums", check=1).stdout.splitlines()
+    assert any(f"no digest for {victim}" in p for p in problems)
 
 
 def set_step(path, value: float) -> None:

@@ -24,6 +24,10 @@
         `reshard thin --yes` of one checkpoint of a run (`make ... --saves 2`) against `cp` of the files it
         keeps + sync, caches dropped before each run when permitted, medians; peak RSS of each process tree
         (tools/bench_thin.py).
+    python tools/bench.py fast SRC [--to dp=4] [--workers 2] [--repeat 3] [--workdir /dev/shm] [--json out.json]
+        On tmpfs (fast storage: the CPU is the limit): `cp -r`, a direct copy, `reshard convert` with 1 and N
+        workers (and with --digest sha256: --sha256), `export`, `validate --deep`; wall, x cp, CPU seconds and per
+        GB, peak RSS of each process tree, the load beside them (tools/bench_fast.py).
     python tools/bench.py compare REAL SYNTHETIC
         Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
@@ -61,6 +65,7 @@ import sys
 import tempfile
 import time
 
+import bench_fast
 import bench_thin
 import torchrun_jobs
 from bench_run import du, run
@@ -335,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", help="as for make")
     w.add_argument("--saves", type=int, help="as for make")
     bench_thin.add_parser(command)
+    bench_fast.add_parser(command)
     what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
     r = command("run", what)
     r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
@@ -376,7 +382,7 @@ def main():
         args.to = args.to or ([] if timed else ["dp=4"])
     sys.exit({"make": make, "make-tp": make_tp, "make-dcp": make_dcp, "make-moe": make_moe,
               "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run,
-              "thin": bench_thin.run_thin}[args.cmd](args))
+              "thin": bench_thin.run_thin, "fast": bench_fast.run_fast}[args.cmd](args))
 
 
 if __name__ == "__main__":

@@ -48,13 +48,14 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def measure(cmd, max_rss=None, timeout=None):
-    """Wall seconds, peak RSS of the process tree (sampled), block I/O bytes read and written. A command whose
-    tree passes max_rss bytes or runs past timeout seconds is killed (its figures are then lower bounds, and
-    "stopped" says why): a baseline that needs more than a shared machine has must not take it from the others."""
+def measure(cmd, max_rss=None, timeout=None, repo=REPO):
+    """Wall seconds, CPU seconds, peak RSS of the process tree (sampled), block I/O bytes read and written. A command
+    whose tree passes max_rss bytes or runs past timeout seconds is killed (its figures are then lower bounds, and
+    "stopped" says why): a baseline that needs more than a shared machine has must not take it from the others.
+    `repo`: the checkout whose reshard is measured (default this one)."""
     start = time.perf_counter()
-    # the reshard measured is this repository's, whichever one is installed
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    # the reshard measured is this repository's (or `repo`'s), whichever one is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     peak, stopped = [0], [None]
     stop = threading.Event()
@@ -81,7 +82,8 @@ def measure(cmd, max_rss=None, timeout=None):
     too_big = code == 1 and "plan" in cmd and b"free, the conversion writes" in stderr
     if code != 0 and not too_big and not stopped[0]:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{stderr.decode()[-2000:]}")
-    return {"seconds": wall, "peak_rss": max(peak[0], usage.ru_maxrss * 1024),
+    # CPU: user + system of the process and of every child it waited for (worker processes, cp's)
+    return {"seconds": wall, "cpu": usage.ru_utime + usage.ru_stime, "peak_rss": max(peak[0], usage.ru_maxrss * 1024),
             "read": usage.ru_inblock * 512, "written": usage.ru_oublock * 512, "stopped": stopped[0]}
 
 

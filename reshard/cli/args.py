@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import reshard
-from reshard import rule_files, watching
+from reshard import digests, rule_files, watching
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking, registry
 from reshard.formats.run_layout import WATCH_STATE
@@ -89,6 +89,8 @@ TARGET_FORMAT_HELP = "target format (default: the source's own, where it is one 
     f"{f.name}: {f.writes}" for f in registry.FORMATS if f.writer is not None)
 MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
 WORKERS_HELP = "local processes writing files (default 1)"
+DIGEST_HELP = (f"the manifest's digest of every file: {digests.BLAKE3} (the default: a third of sha256's CPU; b3sum "
+               f"checks it) or {digests.SHA256} (for sha256sum); validate --checksums verifies either")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,14 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "validate", "prove every element of every tensor is present exactly once "
                  "(exit 0 complete, 1 not, 2 usage)",
                  ("reshard validate ckpt/",
-                  "reshard validate new/ --deep --checksums    # also NaN/Inf, CRC-32s, the manifest's sha256",
+                  "reshard validate new/ --deep --checksums    # also NaN/Inf, CRC-32s, the manifest's digests",
                   "reshard validate ckpt/ --json"))
     _source_args(p)
     p.add_argument("--deep", action="store_true",
                    help="also read the bytes and report NaN/Inf and zip members whose CRC-32 does not match")
     p.add_argument("--checksums", action="store_true",
-                   help="verify every file's sha256 against the reshard manifest (convert/export write one; "
-                   "without one: a line says they are not verified, the verdict stands)")
+                   help="verify every file's digest (BLAKE3 or sha256) against the reshard manifest (convert/export "
+                   "write one; without one: a line says they are not verified, the verdict stands)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = _command(sub, "plan", "what a conversion would read and write, without writing",
@@ -160,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--resume", action="store_true",
-                   help="after an interrupted run, keep the files it finished (checked by sha256)")
+                   help="after an interrupted run, keep the files it finished (checked by their digest)")
+    p.add_argument("--digest", default=digests.DEFAULT, choices=digests.ALGORITHMS, help=DIGEST_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.add_argument("--json", action="store_true", help="print what was written (files, bytes, topology, manifest) "
                    "as JSON")
@@ -199,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default="512MiB", type=_size_arg, metavar="SIZE", help=MEMORY_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--resume", action="store_true",
-                   help="after an interrupted run, keep the files it finished (checked by sha256)")
+                   help="after an interrupted run, keep the files it finished (checked by their digest)")
+    p.add_argument("--digest", default=digests.DEFAULT, choices=digests.ALGORITHMS, help=DIGEST_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar and no 'wrote' line (errors still print)")
     p.add_argument("--json", action="store_true", help="print what was written (files, bytes, manifest) as JSON")
 
@@ -319,7 +323,7 @@ def _watch_command(sub) -> None:
                  f"{WATCH_STATE} (a restarted watcher does not report a checkpoint again).")
     p.add_argument("path", metavar="DIR", help="a run directory, as for `reshard list`")
     _policy_args(p)
-    p.add_argument("--checksums", action="store_true", help="also verify every file's sha256 against the "
+    p.add_argument("--checksums", action="store_true", help="also verify every file's digest against the "
                    "checkpoint's reshard manifest, where it has one (training saves have none)")
     p.add_argument("--export-best", metavar="OUT", help="keep OUT (a .safetensors file outside DIR) the export of "
                    "the best validated checkpoint by --metric, replaced by a rename when the best changes")

@@ -16,8 +16,7 @@ def run(args) -> int:
     written = reshard.convert(catalog, args.dst, args.to, tag_out=args.tag_out, fmt=args.fmt,
                               new_rank_state=args.new_rank_state, workers=args.workers,
                               memory_budget=args.memory_budget, overwrite=args.overwrite, resume=args.resume,
-                              progress=not args.quiet,
-                              names=args.names)
+                              progress=not args.quiet, names=args.names, digest=args.digest)
     if written is not None and written.stage_cut and not args.quiet:
         # which layers each stage holds; the note when the source could not tell
         if not args.json:

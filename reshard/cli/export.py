@@ -10,6 +10,6 @@ def run(args) -> int:
                              dtype=args.dtype, max_shard_size=args.max_shard_size, with_optimizer=args.with_optimizer,
                              fmt=args.format, weights=args.weights, names=args.names, config=args.config,
                              memory_budget=args.memory_budget, overwrite=args.overwrite, resume=args.resume,
-                             progress=not args.quiet)
+                             progress=not args.quiet, digest=args.digest)
     print_written(args, args.out, written)
     return 0

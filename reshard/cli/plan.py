@@ -54,6 +54,10 @@ def print_plan(summary: PlanSummary) -> None:
     print(f"write    {human_bytes(summary.bytes_written)}")
     print(f"memory   copy buffers at most {human_bytes(summary.estimated_peak_buffer_bytes)} "
           f"(--memory-budget {human_bytes(summary.memory_budget)}, {counted(summary.workers, 'worker')})")
+    if summary.workers > 1:
+        shares = " | ".join(human_bytes(n) for n in summary.worker_bytes)
+        print(f"workers  {summary.workers} copying {shares} of tensors (the largest {summary.worker_balance:.2f}× "
+              "an even split; a worker takes the largest file left)")
     if summary.free_disk_bytes is None:
         print(f"disk     none needed: the output goes to object storage at {summary.free_disk_at}, streamed up "
               "(no local copy; an object store states no free space to check)")

@@ -13,6 +13,7 @@ import mmap
 import os
 import shutil
 
+from reshard import digests
 from reshard.errors import CheckpointError
 from reshard.storage import files, posix_sink
 from reshard.storage.protocol import LockHeld
@@ -134,8 +135,8 @@ class PosixOutput:
     def make_folder(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
-    def stream(self, path: str, reserve: int = 0) -> posix_sink.HashingSink:
-        return posix_sink.HashingSink(path, reserve)
+    def stream(self, path: str, reserve: int = 0, algorithm: str = digests.DEFAULT) -> posix_sink.HashingSink:
+        return posix_sink.HashingSink(path, reserve, algorithm)
 
     def sync(self, path: str) -> None:
         fsync(path)

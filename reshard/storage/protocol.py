@@ -41,6 +41,8 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import IO, Any, Protocol
 
+from reshard.digests import DEFAULT as DEFAULT_DIGEST
+
 
 class FileTree(Protocol):
     """Files by path, as the readers see them (reshard.storage.files dispatches a path to one): what os.path
@@ -86,8 +88,8 @@ class SourceStorage(Protocol):
 
 
 class WriteStream(Protocol):
-    """A file written strictly front to back (never seeked), hashed as it goes: `size` bytes so far, `sha256`
-    once closed."""
+    """A file written strictly front to back (never seeked), hashed as it goes: `size` bytes so far, `digest` (hex,
+    of the algorithm it was opened with: reshard.digests) once closed."""
     size: int
 
     def write(self, data) -> int: ...
@@ -102,7 +104,7 @@ class WriteStream(Protocol):
                  traceback: TracebackType | None) -> object: ...
 
     @property
-    def sha256(self) -> str: ...
+    def digest(self) -> str: ...
 
 
 class LockHeld(Exception):
@@ -121,7 +123,7 @@ class OutputStorage(Protocol):
 
     def make_folder(self, path: str) -> None: ...
 
-    def stream(self, path: str, reserve: int = 0) -> WriteStream: ...
+    def stream(self, path: str, reserve: int = 0, algorithm: str = DEFAULT_DIGEST) -> WriteStream: ...
 
     def sync(self, path: str) -> None: ...
 

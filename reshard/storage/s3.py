@@ -29,6 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from reshard import digests
 from reshard.errors import ReshardError
 from reshard.storage.protocol import LockHeld
 
@@ -381,16 +382,16 @@ class ObjectSource:
 
 
 class UploadStream(io.RawIOBase):
-    """An object written front to back as a multipart upload, hashed (sha256) as it goes: PART_BYTES parts,
+    """An object written front to back as a multipart upload, hashed (reshard.digests) as it goes: PART_BYTES parts,
     UPLOADS_IN_FLIGHT being sent while the next fills. Closed normally, the upload is completed (the object
     appears whole, at once); left on an exception, it is aborted (no object, no parts kept)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, algorithm: str = digests.DEFAULT):
         super().__init__()
         self.name = url
         self.bucket, self.key = split(url)
         self.size = 0
-        self._sha = hashlib.sha256()
+        self._hasher = digests.new(algorithm)
         self._part = bytearray()
         self._sent: list[Future] = []
         self._pool = ThreadPoolExecutor(max_workers=UPLOADS_IN_FLIGHT, thread_name_prefix="s3-put")
@@ -411,7 +412,7 @@ class UploadStream(io.RawIOBase):
         if self._finished:
             raise ValueError(f"{self.name}: write after close")
         view = memoryview(data).cast("B")
-        self._sha.update(view)
+        self._hasher.update(view)
         self.size += len(view)
         done = 0
         while done < len(view):
@@ -470,11 +471,11 @@ class UploadStream(io.RawIOBase):
             raise
         self._finished = True
         self._pool.shutdown(wait=True)
-        self._digest = self._sha.hexdigest()
+        self._digest = self._hasher.hexdigest()
         self._part = bytearray()
 
     @property
-    def sha256(self) -> str:
+    def digest(self) -> str:
         self._finish()
         return self._digest
 
@@ -553,8 +554,8 @@ class ObjectOutput:
     def make_folder(self, path: str) -> None:
         pass
 
-    def stream(self, path: str, reserve: int = 0) -> UploadStream:
-        return UploadStream(path)
+    def stream(self, path: str, reserve: int = 0, algorithm: str = digests.DEFAULT) -> UploadStream:
+        return UploadStream(path, algorithm)
 
     def sync(self, path: str) -> None:
         pass
