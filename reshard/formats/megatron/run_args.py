@@ -76,7 +76,7 @@ def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
         lacking = next(k for k in SCHEDULER if not isinstance(scheduler, dict) or k not in scheduler)
         raise ReshardError.at(path, f"opt_param_scheduler.{lacking} is not given: Megatron-LM's load_checkpoint "
                                     "restores the scheduler's state, which the checkpoint does not hold")
-    _check_shapes(path, args, catalog, rules)
+    check_shapes(path, args, catalog, rules)
     for key, arg in (("max_lr", "lr"), ("min_lr", "min_lr")):
         if scheduler[key] != args[arg]:
             raise ReshardError.at(path, f"opt_param_scheduler.{key} = {scheduler[key]} is not args.{arg} = "
@@ -105,7 +105,7 @@ def _counter(path: str, given: object, source: int | None, what: str, says: str)
     return int(value)
 
 
-def _check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> None:
+def check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> None:
     """Each model-shape argument against the shapes the checkpoint holds."""
     shapes = {name: tuple(info.shape) for name, info in catalog.params.items()}
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",

@@ -120,7 +120,9 @@ def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
     """The target's optimizer sharding: the one `sharding=` names; else the source's kept (kept_sharding), and a
     source of another format written as Megatron-LM writes by default (dp_reshardable)."""
     own = source.format_topology if isinstance(source.format_topology, MegatronTopology) else None
-    sharding = str(given.get("sharding", kept_sharding(own.sharding) if own else DP_RESHARDABLE))
+    # (a source of another format without optimizer state, a model alone, is written alone)
+    default = kept_sharding(own.sharding) if own else DP_RESHARDABLE if source.master_dtype else WEIGHTS_ONLY
+    sharding = str(given.get("sharding", default))
     run_args = given.get("args")
     ep = given.get("ep", own.ep if own else None)
     vocab = given.get("vocab")
