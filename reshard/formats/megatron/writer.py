@@ -262,7 +262,9 @@ class _Writer:
             if isinstance(count, int) and count % grid.tp:
                 raise ReshardError(f"target tp={grid.tp}: args.{key} = {count} is not a multiple of it")
         self.vocab = self._vocabulary()
-        if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True):
+        # (the model alone holds the tied embedding once: the last stage's output layer loads it as a replica)
+        if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True) and \
+                self.sharding != WEIGHTS_ONLY:
             raise ReshardError("a tied embedding at pp > 1 (the last stage's copy, a bucket of its own) is not "
                                "written yet")
         dtypes = {self.catalog.tensors[TensorKey(n, MODULE)].dtype for n in self.names}
