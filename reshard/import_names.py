@@ -72,9 +72,10 @@ def _read(rules: ExportNames, config: Config, given: Mapping[str, Any], prefix: 
         value = given.get(key, MISSING)
         where = f"{prefix}{key}"
         if isinstance(wanted, Config):
-            if value is not MISSING and not isinstance(value, Mapping):
+            nested = {} if value is MISSING else value
+            if not isinstance(nested, Mapping):
                 raise ReshardError.at(path, f"{where} = {value!r}: an object was expected")
-            _read(rules, wanted, value if value is not MISSING else {}, f"{where}.", path, found, defaults)
+            _read(rules, wanted, nested, f"{where}.", path, found, defaults)
         elif isinstance(wanted, From):
             name = wanted.names[0]
             if value is MISSING or value is None:

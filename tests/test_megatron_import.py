@@ -165,7 +165,7 @@ def test_q_k_v_concatenated_or_gate_up_swapped_load_and_give_other_logits(contro
     result = loaded[control]
     assert result["loaded"] and result["error"] is None, result      # the shapes fit: only the logits tell
     got = load_file(result["logits_file"])["logits"]
-    assert float((got - reference_logits(sources / "fp32")).abs().max()) > 1e-2
+    assert float((got - reference_logits(sources / "fp32")).abs().max()) > BF16_BOUND     # (beyond bf16's bound too)
 
 
 @pytest.mark.parametrize("name", list(SOURCES))

@@ -40,10 +40,10 @@ from reshard.core.layout import Layout
 from reshard.core.placement import Shard
 from reshard.core.write_requests import Output, Piece, TextFile
 from reshard.errors import CheckpointError, ReshardError, UsageError
+from reshard.export_names import ModelFacts
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
-from reshard.export_names import ModelFacts
 from reshard.formats.megatron import buckets, legacy, model_args, order as param_order, run_args, run_config, tp_boxes
 from reshard.formats.megatron.pickles import Namespace
 from reshard.formats.megatron.reader import (
