@@ -227,3 +227,16 @@ def test_a_config_that_contradicts_the_rules_or_the_tensors_is_refused(key, valu
     assert not (tmp_path / "out").exists()
     with pytest.raises(ReshardError):
         convert(source, tmp_path / "out2", "tp=1")
+
+
+def test_an_arguments_file_overrides_what_config_json_gives_and_is_checked(sources, tmp_path):
+    given = tmp_path / "args.json"
+    given.write_text(json.dumps({"args": {"make_vocab_size_divisible_by": 64, "seq_length": 4}}))
+    convert(sources / "fp32-tied-63", tmp_path / "save", f"tp=2,pp=1,args={given}")
+    args = vars(common_state(str(tmp_path / "save" / "release"))[0]["args"])
+    assert (args["vocab_size"], args["padded_vocab_size"], args["seq_length"]) == (63, 128, 4)   # 64 x tp rows
+    given.write_text(json.dumps({"args": {"hidden_size": 32}}))
+    proc = run_cli("convert", sources / "fp32", tmp_path / "out", "--format", "megatron", "--names", NAMES, "--to",
+                   f"tp=2,args={given}")
+    assert proc.returncode == 1 and "args.padded_vocab_size, args.hidden_size" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -11,7 +11,6 @@ the arguments file asks for make_vocab_size_divisible_by.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +18,6 @@ from reshard.core.catalog import MODULE, Catalog
 from reshard.errors import ReshardError, UsageError
 from reshard.formats.megatron import run_args
 from reshard.formats.megatron.order import ParamOrder
-from reshard.storage import files as fs
 
 # the hyperparameters the model's config must give (under Megatron-LM's names, as the rule file maps them)
 SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
@@ -62,13 +60,7 @@ def derive(facts: Mapping[str, Any], catalog: Catalog, rules: ParamOrder, given:
 
 def _overrides(path: str) -> dict[str, Any]:
     """The arguments file's args: {"args": {...}} and nothing else (a model alone has no scheduler)."""
-    try:
-        with fs.open(path, "rb") as f:
-            data = json.loads(f.read())
-    except OSError as e:
-        raise UsageError.at(path, f"cannot be read ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError.at(path, f"not JSON ({e})") from None
+    data = run_args.read(path)
     if not isinstance(data, dict) or not isinstance(data.get("args"), dict) or set(data) - {"args"}:
         raise UsageError.at(path, 'a model\'s arguments file is {"args": {Megatron-LM\'s arguments}} (the model '
                                   "is written alone: no scheduler, no iteration)")

@@ -53,14 +53,7 @@ class RunArgs:
 
 def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
     """The file at `path` read and checked against `catalog` (see the module's doc)."""
-    # (a file the user gives that cannot be read as one is a usage error, exit 2, as a bad --config is)
-    try:
-        with fs.open(path, "rb") as f:
-            data = json.loads(f.read())
-    except OSError as e:
-        raise UsageError.at(path, f"cannot be read ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError.at(path, f"not JSON ({e})") from None
+    data = read(path)
     if not isinstance(data, dict) or not isinstance(data.get("args"), dict):
         raise UsageError.at(path, 'needs {"args": {Megatron-LM\'s arguments}, "opt_param_scheduler": {...}}')
     unknown = sorted(set(data) - {"args", "opt_param_scheduler", "iteration"})
@@ -91,6 +84,18 @@ def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
     args.setdefault("kv_channels", args["hidden_size"] // args["num_attention_heads"])   # (Megatron-LM's default)
     args["ckpt_format"] = "torch_dist"     # (the output's; the degrees and the optimizer's sharding: the writer's)
     return RunArgs(args, iteration, scheduler, _param_groups(path, args, catalog, rules))
+
+
+def read(path: str) -> object:
+    """The JSON value of the arguments file at `path`."""
+    # (a file the user gives that cannot be read as one is a usage error, exit 2, as a bad --config is)
+    try:
+        with fs.open(path, "rb") as f:
+            return json.loads(f.read())
+    except OSError as e:
+        raise UsageError.at(path, f"cannot be read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError.at(path, f"not JSON ({e})") from None
 
 
 def _counter(path: str, given: object, source: int | None, what: str, says: str) -> int:
