@@ -39,7 +39,8 @@
 
     python tools/bench.py make-hf DIR [--layers 12] [--hidden 1536] [--vocab 32000] [--dtype bf16]
         A random Hugging Face Llama made by transformers (save_pretrained, sharded with an index; 1.04 GB at the
-        defaults), the source of `run DIR --format megatron --names megatron-core-llama --to tp=2,pp=2`.
+        defaults), the source of `run DIR --format megatron --names megatron-core-llama --to tp=2,pp=2`; with
+        --sparse, Llama 3 70B's shape as sparse files (~141 GB apparent), for `run DIR --no-cp --plan tp=8,pp=4`.
 
     Issue #13's benchmarks:
         bench.py make-tp /work/bench/tp2
@@ -159,6 +160,12 @@ def make_hf(args):
                                       vocab_size=args.vocab, max_position_embeddings=4096, tie_word_embeddings=False)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     start = time.perf_counter()
+    if args.sparse:
+        import bench_hf_sparse
+        total = bench_hf_sparse.make(args.dir)
+        blocks = sum(os.stat(os.path.join(args.dir, f)).st_blocks * 512 for f in os.listdir(args.dir))
+        print(f"{args.dir}: {total / 1e9:.1f} GB apparent, {blocks / 1e6:.1f} MB on disk")
+        return
     model = transformers.LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(args.dir, max_shard_size=args.shard)
     print(f"{args.dir}: {du(args.dir) / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s")
@@ -340,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights' dtype (default bf16)")
     m.add_argument("--shard", default="400MB", help="save_pretrained's max_shard_size (default 400MB: an index)")
+    m.add_argument("--sparse", action="store_true", help="Llama 3 70B's shape as sparse files (tools/"
+                   "bench_hf_sparse.py: real headers, the tensors' bytes holes; ~141 GB apparent); the other "
+                   "options do not apply")
     what = "save column-sharded (Shard(1)) 4096x11008 fp32 DTensors with Adam state by torch's dcp.save"
     m = command("make-dcp", what)
     m.add_argument("dir", help="the DCP dir to create")
