@@ -240,3 +240,9 @@ def test_an_arguments_file_overrides_what_config_json_gives_and_is_checked(sourc
                    f"tp=2,args={given}")
     assert proc.returncode == 1 and "args.padded_vocab_size, args.hidden_size" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_without_the_names_the_import_is_refused_naming_them(sources, tmp_path):
+    proc = run_cli("convert", sources / "fp32", tmp_path / "out", "--format", "megatron", "--to", "tp=2")
+    assert proc.returncode == 2 and "--names megatron-core-llama" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -162,9 +162,12 @@ class _Writer:
         # export-names file read backwards): its args derived from them, args=FILE overriding
         self.model = self.foreign and isinstance(catalog.notes, ModelFacts) and not catalog.layout.master_dtype
         if self.foreign and given is None and not self.model:
+            alone = "" if catalog.layout.master_dtype else \
+                "; a model alone takes them from its config.json with --names megatron-core-llama (export names " \
+                "read backwards)"
             raise UsageError.at(catalog.root, "Megatron output needs Megatron's common state (args, scheduler), which "
                                 f"a {catalog.format} checkpoint does not hold: give the run's Megatron-LM arguments, "
-                                "--to ...,args=FILE (docs/formats/megatron.md)")
+                                f"--to ...,args=FILE (docs/formats/megatron.md){alone}")
         if not self.foreign and given is not None:
             raise UsageError(f"--to args={given}: a Megatron source has its own arguments (args= is for a source "
                              "that holds none)")
