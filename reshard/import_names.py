@@ -28,6 +28,7 @@ from reshard.export_names import Config, ExportNames, From, NameRule
 from reshard.formats import hf
 
 MISSING = object()
+REFERENCE = re.compile(r"\\(?:(\d+)|g<(\d+)>)")     # a template's reference to a numbered group: \1, \g<1>
 
 
 @dataclass(frozen=True)
@@ -113,31 +114,22 @@ def _joins(rules: ExportNames, i: int, rule: NameRule, facts: Mapping[str, Any])
     groups = rules.count(rule.rows.groups, facts, rule.pattern.pattern, "groups")
     backs = [module_names.inverse(rules.path, i, module_names.ModuleRule(rule.pattern, part.name))
              for part in rule.rows.parts]
-    # every part named from the first part's groups: the templates read the same groups by the same numbers
-    joined = tuple(_as_template(back.pattern.pattern) for back in backs)
+    # each undone pattern names the match's groups g<N> (N: the rule's own numbers), so the parts' templates, their
+    # references renamed so, name every part from whichever part matched, where all parts refer to the same groups
+    references = [set(REFERENCE.findall(part.name)) for part in rule.rows.parts]
+    if any(r != references[0] for r in references):
+        raise ReshardError.at(rules.path, f"rule {i}: its parts refer to different groups of its match: they "
+                                          "cannot be joined back")
+    joined = tuple(REFERENCE.sub(lambda m: f"\\g<g{m.group(1) or m.group(2)}>", part.name)
+                   for part in rule.rows.parts)
     return [module_names.ModuleRule(back.pattern, back.name, joined, 0, groups) for back in backs]
 
-
-def _as_template(pattern: str) -> str:
-    """An undone pattern (literal text around named groups `(?P<gN>...)` and back-references) as the template
-    that writes the name it matches, each group by its number."""
-    out, at = [], 0
-    for found in re.finditer(r"\(\?P<g(\d+)>(?:[^()]|\([^()]*\))*\)|\(\?P=g(\d+)\)", pattern):
-        out.append(_unescaped(pattern[at:found.start()]))
-        out.append(f"\\g<g{found.group(1) or found.group(2)}>")
-        at = found.end()
-    out.append(_unescaped(pattern[at:]))
-    return "".join(out)
-
-
-def _unescaped(text: str) -> str:
-    return re.sub(r"\\(.)", r"\1", text).replace("\\", "\\\\")
 
 
 @dataclass(frozen=True)
 class RefusingNames(module_names.ModuleNames):
-    """Undone rules, with the rule file's refusals: a param no undone rule names and a refusal matches (in its
-    undone name: the refusal names what the consumer would not load) is refused naming it."""
+    """Undone rules, with the rule file's refusals: a param that no undone rule names and a refusal matches is
+    refused, naming it and the refusal's reason (a bias, a QK norm: what the checkpoint's model does not hold)."""
     refusals: tuple[NameRule, ...] = ()
 
     def apply(self, catalog: Catalog) -> Catalog:
