@@ -44,12 +44,19 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
     module-names rule file (reshard.module_names) putting the params under the names and shapes of the model that
     loads the output (an AutoEP Mixtral's experts as transformers' Mixtral holds them), or, for output in a format
     that saves under names of its own (Megatron's torch_dist keys) from a source of another, undone: the module's
-    names the source holds brought back to that format's."""
+    names the source holds brought back to that format's; or an export-names rule file (reshard.import_names), read
+    backwards: a model published under its consumer's names (a Hugging Face Llama) under the checkpoint's the rule
+    file exports from, its hyperparameters from the model's config."""
     complete = source if isinstance(source, Complete) else prove_complete(source)
-    if names:
+    own_names = fmt is not None and fmt != complete.catalog.format and _writer(complete.catalog, fmt).SAVES_OWN_NAMES
+    if names and own_names and rule_files.kind_of(names, (rule_files.MODULE_NAMES, rule_files.EXPORT_NAMES)) == \
+            rule_files.EXPORT_NAMES:      # a model under its consumer's names, brought back to the checkpoint's
+        from reshard import import_names
+        complete = prove_complete(import_names.load(names, complete.catalog))
+    elif names:
         from reshard import module_names
         rules = module_names.load(names)
-        if fmt is not None and fmt != complete.catalog.format and _writer(complete.catalog, fmt).SAVES_OWN_NAMES:
+        if own_names:
             rules = module_names.inverted(rules)
         complete = prove_complete(rules.apply(complete.catalog))
     catalog = complete.catalog

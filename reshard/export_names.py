@@ -86,14 +86,15 @@ class NameRule:
 @dataclass(frozen=True)
 class Config:
     file: str               # written beside the weights (config.json)
-    values: tuple[tuple[str, Any], ...]     # (key, a literal, or From)
+    values: tuple[tuple[str, Any], ...]     # (key, a literal, a From, or a nested Config of values, file "")
 
 
 @dataclass(frozen=True)
 class From:
     names: tuple[str, ...]  # the hyperparameters, the first recorded and not null taken
-    default: Any = None
+    default: Any = None     # the config's value where the hyperparameter is not recorded
     has_default: bool = False
+    negated: bool = False   # the config's value is the hyperparameter's negation (a boolean)
 
 
 @dataclass(frozen=True)
@@ -115,16 +116,21 @@ class ExportNames:
     def config_text(self, facts: Mapping[str, Any] | None) -> str:
         """The config file's JSON, its values taken from the save's hyperparameters where the rules say."""
         assert self.config is not None
+        return json.dumps(self._config_values(self.config, facts), indent=2) + "\n"
+
+    def _config_values(self, config: Config, facts: Mapping[str, Any] | None) -> dict[str, Any]:
         out = {}
-        for key, value in self.config.values:
-            if isinstance(value, From):
+        for key, value in config.values:
+            if isinstance(value, Config):
+                value = self._config_values(value, facts)
+            elif isinstance(value, From):
                 found = _lookup(facts, value.names)
                 if found is None and not value.has_default:
                     raise ReshardError.at(self.path, f"config {key}: the checkpoint records none of "
                                                      f"{', '.join(value.names)}")
-                value = value.default if found is None else found
+                value = value.default if found is None else (not found) if value.negated else found
             out[key] = value
-        return json.dumps(out, indent=2) + "\n"
+        return out
 
     def apply(self, entries: list, aliases: dict, facts: Mapping[str, Any] | None = None) -> tuple:
         """(entries, aliases) under the rules: entries (export.Entry) renamed, split, cut into parts or dropped; a
@@ -195,11 +201,11 @@ class ExportNames:
         """The parts of a "rows" cut, each a shard of the entry's tensor: one box per block of dim 0."""
         if not entry.shape or entry.start or getattr(entry, "shard", None) is not None:
             raise ReshardError.at(self.path, f"{entry.key}: a rows cut takes a whole tensor with a dim 0")
-        groups = self._count(rows.groups, facts, entry.key, "groups")
+        groups = self.count(rows.groups, facts, entry.key, "groups")
         if groups <= 0 or entry.shape[0] % groups:
             raise ReshardError.at(self.path, f"{entry.key}: {entry.shape[0]} rows are not {groups} equal groups")
         block = entry.shape[0] // groups
-        sized = [None if p.rows is None else self._count(p.rows, facts, entry.key, "rows") for p in rows.parts]
+        sized = [None if p.rows is None else self.count(p.rows, facts, entry.key, "rows") for p in rows.parts]
         free = sum(n is None for n in sized)
         left = block - sum(n for n in sized if n is not None)
         if left < 0 or (free and left % free) or (not free and left):
@@ -219,7 +225,7 @@ class ExportNames:
         """The entry under `key`, its dim 0 reordered within blocks: a shard of the tensor, one box per row."""
         if not entry.shape or entry.start or getattr(entry, "shard", None) is not None:
             raise ReshardError.at(self.path, f"{entry.key}: a strided rule takes a whole tensor with a dim 0")
-        block, step, rows = self._count(strided.block, facts, entry.key, "block"), strided.stride, entry.shape[0]
+        block, step, rows = self.count(strided.block, facts, entry.key, "block"), strided.stride, entry.shape[0]
         if block <= 0 or rows % block or block % step:
             raise ReshardError.at(self.path, f"{entry.key}: {rows} rows are not blocks of {block} rows whose rows "
                                              f"go by {step}")
@@ -229,7 +235,8 @@ class ExportNames:
                       for b in range(rows // block) for j in range(step) for i in range(per))
         return replace(entry, key=key, shard=Shard(tuple(entry.shape), boxes))
 
-    def _count(self, count: Count, facts, name: str, what: str) -> int:
+    def count(self, count: Count, facts, name: str, what: str) -> int:
+        """A rule's count: a whole number, or the first of its hyperparameters `facts` records."""
         if isinstance(count, int):
             return count
         names = (count,) if isinstance(count, str) else count
@@ -272,14 +279,22 @@ def _config(path: str, config) -> Config | None:
     if (not isinstance(config, dict) or not isinstance(config.get("file"), str) or not config["file"]
             or "/" in config["file"] or not isinstance(config.get("values"), dict) or set(config) - {"file", "values"}):
         raise ReshardError.at(path, '"config" must be {"file": NAME, "values": {KEY: VALUE}}')
-    values = []
-    for key, value in config["values"].items():
+    return Config(config["file"], _config_entries(path, config["values"]))
+
+
+def _config_entries(path: str, values: dict) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for key, value in values.items():
         if isinstance(value, dict) and "from" in value:
-            if set(value) - {"from", "default"}:
-                raise ReshardError.at(path, f'config {key}: {{"from": NAME, "default": VALUE}} takes nothing else')
-            value = From(_names(path, f"config {key}", value["from"]), value.get("default"), "default" in value)
-        values.append((key, value))
-    return Config(config["file"], tuple(values))
+            if set(value) - {"from", "default", "negated"} or not isinstance(value.get("negated", False), bool):
+                raise ReshardError.at(path, f'config {key}: {{"from": NAME, "default": VALUE, "negated": BOOLEAN}} '
+                                            "takes nothing else")
+            value = From(_names(path, f"config {key}", value["from"]), value.get("default"), "default" in value,
+                         value.get("negated", False))
+        elif isinstance(value, dict):       # a nested object of the config (transformers' rope_parameters)
+            value = Config("", _config_entries(path, value))
+        out.append((key, value))
+    return tuple(out)
 
 
 def _names(path: str, where: str, given) -> tuple[str, ...]:

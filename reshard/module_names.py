@@ -41,6 +41,9 @@ class ModuleRule:
     name: str | None                # the template; None: drop
     join: tuple[str, ...] = ()      # templates of the params joined, in order
     dim: int = 0
+    # the joined param's `dim` is this many equal blocks, each holding every part's share of it in order (a fused
+    # QKV laid out per query group [q; k; v]); 1: the parts end to end
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Target:
     offsets: tuple[int, ...]
     dim: int
     shape: tuple[int, ...]
+    groups: int = 1         # blocks along `dim`, each part's share in each (offsets: within a block)
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ class ModuleNames:
                 raise ReshardError.at(self.path, f"{name}: joins {', '.join(parts)}, but "
                                                  f"{', '.join(missing) or name + ' is not one of them'}")
             targets.append(_join(renamed[name], parts, [tuple(catalog.params[p].shape) for p in parts], rule.dim,
-                                 self.path))
+                                 self.path, rule.groups))
             for part in parts:
                 renamed[part] = renamed[name]
                 joined.add(part)
@@ -154,7 +158,7 @@ def inverted(rules: ModuleNames) -> ModuleNames:
     for i, rule in enumerate(rules.rules):
         if rule.name is None or rule.join:
             raise ReshardError.at(rules.path, f"rule {i}: only renames can be undone, not a join or a drop")
-        out.append(_inverse(rules.path, i, rule))
+        out.append(inverse(rules.path, i, rule))
     return InvertedNames(rules.path, tuple(out), rules)
 
 
@@ -226,7 +230,7 @@ def _groups(pattern: str, path: str, i: int) -> list[tuple[str, str]]:
     return parts
 
 
-def _inverse(path: str, i: int, rule: ModuleRule) -> ModuleRule:
+def inverse(path: str, i: int, rule: ModuleRule) -> ModuleRule:
     """The rename undone: the template as a pattern (each reference its group's pattern, named g<n>), the match as
     a template (each group a reference to it)."""
     assert rule.name is not None
@@ -256,18 +260,23 @@ def _inverse(path: str, i: int, rule: ModuleRule) -> ModuleRule:
     return ModuleRule(re.compile("".join(pattern)), "".join(back))
 
 
-def _join(name: str, parts: tuple[str, ...], shapes: list[tuple[int, ...]], dim: int, path: str) -> Target:
-    """The target of `parts` of `shapes` end to end along `dim`: the same size on every other dim."""
+def _join(name: str, parts: tuple[str, ...], shapes: list[tuple[int, ...]], dim: int, path: str,
+          groups: int = 1) -> Target:
+    """The target of `parts` of `shapes` end to end along `dim` (the same size on every other dim), or, in `groups`
+    blocks, each part's share of each block after the shares of the parts before it (every part's size along `dim`
+    a multiple of `groups`)."""
     first = shapes[0]
+    joined = ", ".join(f"{p}{list(s)}" for p, s in zip(parts, shapes, strict=True))
     if not 0 <= dim < len(first) or any(len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:]
                                         for s in shapes):
-        joined = ", ".join(f"{p}{list(s)}" for p, s in zip(parts, shapes, strict=True))
         raise ReshardError.at(path, f"{name}: cannot join {joined} along dim {dim}")
+    if groups < 1 or any(s[dim] % groups for s in shapes):
+        raise ReshardError.at(path, f"{name}: cannot join {joined} in {groups} equal groups along dim {dim}")
     offsets, at = [], 0
     for shape in shapes:
         offsets.append(at)
-        at += shape[dim]
-    return Target(name, parts, tuple(offsets), dim, first[:dim] + (at,) + first[dim + 1:])
+        at += shape[dim] // groups
+    return Target(name, parts, tuple(offsets), dim, first[:dim] + (at * groups,) + first[dim + 1:], groups)
 
 
 def _joined(catalog: Catalog, target: Target, state: str, path: str) -> LogicalTensor:
@@ -277,18 +286,31 @@ def _joined(catalog: Catalog, target: Target, state: str, path: str) -> LogicalT
         raise ReshardError.at(path, f"{target.name} ({state}): its parts are of different dtypes")
     if len(tensors) == 1:
         return replace(tensors[0], name=target.name)
-    fragments = [_shifted(fragment, tensor.shape, target.dim, offset)
+    block = target.shape[target.dim] // target.groups
+    fragments = [_shifted(fragment, tensor.shape, target.dim, offset, target.groups, block)
                  for tensor, offset in zip(tensors, target.offsets, strict=True) for fragment in tensor.fragments]
     return LogicalTensor(target.name, state, target.shape, tensors[0].dtype, tuple(fragments), tensors[0].cast_from)
 
 
-def _shifted(fragment: Fragment, shape: tuple[int, ...], dim: int, offset: int) -> Fragment:
+def _shifted(fragment: Fragment, shape: tuple[int, ...], dim: int, offset: int, groups: int = 1,
+             block: int = 0) -> Fragment:
     """`fragment` of a part of `shape`, as a fragment of the joined tensor where the part starts at `offset`
-    along `dim`."""
+    along `dim`; in `groups` blocks of `block` along `dim`: its g-th share (shape[dim] / groups) at `offset` in the
+    g-th block. Each of the fragment's boxes is cut where it crosses a share: still boxes, still byte copies."""
     shard = fragment.shard or Shard.whole(shape)
-    blocks = tuple(Block(tuple(a + offset if d == dim else a for d, a in enumerate(b.at)), b.local, b.shape)
-                   for b in shard.blocks)
-    return replace(fragment, shard=Shard(shard.shape, blocks))
+    share = shape[dim] // groups
+    blocks = []
+    for b in shard.blocks:
+        first, stop = b.at[dim], b.at[dim] + b.shape[dim]
+        while first < stop:
+            group = first // share
+            end = min(stop, (group + 1) * share)
+            at = tuple(group * block + offset + first - group * share if d == dim else a for d, a in enumerate(b.at))
+            local = tuple(x + first - b.at[dim] if d == dim else x for d, x in enumerate(b.local))
+            size = tuple(end - first if d == dim else n for d, n in enumerate(b.shape))
+            blocks.append(Block(at, local, size))
+            first = end
+    return replace(fragment, shard=Shard(shard.shape, tuple(blocks)))
 
 
 def _renamed_scalar(value, targets: list[Target], path: str):

@@ -50,6 +50,19 @@ def find(given: str, kind: str) -> str:
     raise UsageError.at(given, f"no such file, nor a {WHAT[kind]} shipped with reshard ({', '.join(found)})")
 
 
+def kind_of(given: str, kinds: tuple[str, ...]) -> str:
+    """Which of `kinds` the rule file `given` is: a path's own "kind" (the first of `kinds` where it names none of
+    them, for its reader to refuse), or the kind a shipped file of that name is."""
+    if os.path.exists(given) or os.sep in given or given.endswith(SUFFIX):
+        try:
+            with open(given) as f:
+                kind = json.load(f).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        return kind if kind in kinds else kinds[0]
+    return next((kind for kind in kinds if given in shipped(kind)), kinds[0])
+
+
 def load(given: str, kind: str) -> tuple[str, dict]:
     """(the path `given` names, as find; its JSON object), checked to be a version 1 file of `kind`: a file that
     cannot be read or is not one is a one-line error naming it."""

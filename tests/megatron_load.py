@@ -16,7 +16,8 @@ form) are then gathered and compared with the truth bit for bit (where the vocab
 the truth's, the truth padded as Megatron-LM's tools/checkpoint pads it: rows cut, or its last row replicated, in
 every state; an fp32 run's params are its masters), and one more training step runs. Rank 0 writes {"label",
 "loaded", "error", "problems": [...], "step", "losses", "moved"} per job: `error` is the first line of what Megatron
-raised where the load failed.
+raised where the load failed. A job with "import" is a Hugging Face model imported as the model alone, loaded and
+run by tests/megatron_import.py.
 """
 import json
 import os
@@ -24,6 +25,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+sys.path.insert(0, HERE)
 from torchrun_jobs import run_rank  # noqa: E402
 
 
@@ -35,12 +37,14 @@ def main(jobs_path, results_path):
     from megatron.core import parallel_state as mpu
 
     import fixture_megatron_core as fixture
+    import megatron_import
 
     dist.init_process_group("gloo")
     try:
         results = []
         for job in json.loads(open(jobs_path).read()):
-            results.append(_job(job, fixture))
+            # (a Hugging Face model imported as the model alone: megatron_import's job)
+            results.append(megatron_import.run(job, fixture) if job.get("import") else _job(job, fixture))
             mpu.destroy_model_parallel()
             dist.barrier()
         if dist.get_rank() == 0:

@@ -15,6 +15,7 @@ import lifecycle_runs
 from conftest import REPO, fixture_dir
 from doc_blocks import SETUP_REASON, Block, DocBlockError, blocks, commands, is_setup, run_block
 from test_framework_files import hf_folder
+from test_megatron_import import make_source
 from test_torchtitan import hf_config
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -22,7 +23,7 @@ BLOCKS = [b for page in PAGES for b in blocks(page)]
 RUN = [b for b in BLOCKS if b.not_run is None]
 # What the documentation shows but no test here runs: torchrun jobs, benchmarks, a sidecar that runs until killed,
 # the test suite itself, and the set-up commands of the README (a venv, pip install). Change it with the docs.
-NOT_RUN = 19
+NOT_RUN = 21
 
 
 def not_run() -> list[tuple[str, str, str]]:
@@ -71,13 +72,20 @@ def evals_csv(root):
     return path
 
 
+def hf_llama(root):
+    """A Hugging Face Llama folder made by transformers with random weights (tests/test_megatron_import.py's fp32)."""
+    make_source(root / "hf-llama", "fp32")
+    return root / "hf-llama"
+
+
 def torchtitan_config(root):
     """The Hugging Face config.json of the torchtitan fixtures' model (what a torchtitan run's hf_assets_path holds)."""
     return Path(hf_config(root))
 
 
 MAKERS = {"deepspeed-run": deepspeed_run, "trainer-run": trainer_run, "hf-trainer-deepspeed": hf_trainer_deepspeed,
-          "accelerate-deepspeed": accelerate_deepspeed, "evals-csv": evals_csv, "torchtitan-config": torchtitan_config}
+          "accelerate-deepspeed": accelerate_deepspeed, "evals-csv": evals_csv, "torchtitan-config": torchtitan_config,
+          "hf-llama": hf_llama}
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,11 @@
         --plan SPEC time those; --no-cp drops the copy (a sparse source); --reshard-only leaves out the
         other tools (tools/bench_run.py).
 
+    python tools/bench.py make-hf DIR [--layers 12] [--hidden 1536] [--vocab 32000] [--dtype bf16]
+        A random Hugging Face Llama made by transformers (save_pretrained, sharded with an index; 1.04 GB at the
+        defaults), the source of `run DIR --format megatron --names megatron-core-llama --to tp=2,pp=2`; with
+        --sparse, Llama 3 70B's shape as sparse files (~141 GB apparent), for `run DIR --no-cp --plan tp=8,pp=4`.
+
     Issue #13's benchmarks:
         bench.py make-tp /work/bench/tp2
         bench.py run /work/bench/tp2/checkpoint --to tp=1,dp=2 --to tp=2,dp=2 --to tp=8,dp=2,kv_heads=8 \
@@ -148,6 +153,27 @@ def make_moe(args):
     seconds = _torchrun(args.ep, ["moe", args.dir, args.ep, args.stage], "make-moe")
     print(f"made {args.dir} (AutoEP Mixtral, ep={args.ep}, ZeRO-{args.stage} fp32) in {seconds:.0f} s: "
           f"{du(args.dir) / 1e9:.2f} GB")
+
+
+def make_hf(args):
+    """A LlamaForCausalLM of random weights (transformers' own initialization), saved by
+    save_pretrained: the source of `convert --format megatron --names megatron-core-llama` (issue 42)."""
+    import torch
+    import transformers
+    config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                                      num_hidden_layers=args.layers, num_attention_heads=12, num_key_value_heads=4,
+                                      vocab_size=args.vocab, max_position_embeddings=4096, tie_word_embeddings=False)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    start = time.perf_counter()
+    if args.sparse:
+        import bench_hf_sparse
+        total = bench_hf_sparse.make(args.dir)
+        blocks = sum(os.stat(os.path.join(args.dir, f)).st_blocks * 512 for f in os.listdir(args.dir))
+        print(f"{args.dir}: {total / 1e9:.1f} GB apparent, {blocks / 1e6:.1f} MB on disk")
+        return
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(args.dir, max_shard_size=args.shard)
+    print(f"{args.dir}: {du(args.dir) / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s")
 
 
 def make_dcp(args):
@@ -318,6 +344,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096: 3.2 GB at one layer)")
     m.add_argument("--intermediate", type=int, default=11008,
                    help="MLP width (default 11008; 512 gives a narrow model: many short rows per row-parallel shard)")
+    what = "save a random Hugging Face Llama with transformers' save_pretrained (no engine, no download)"
+    m = command("make-hf", what)
+    m.add_argument("dir", help="the model folder to create")
+    m.add_argument("--layers", type=int, default=12, help="decoder layers (default 12: 1.04 GB in bf16)")
+    m.add_argument("--hidden", type=int, default=1536, help="hidden size (default 1536; MLP 4x, 12/4 heads)")
+    m.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
+    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights' dtype (default bf16)")
+    m.add_argument("--shard", default="400MB", help="save_pretrained's max_shard_size (default 400MB: an index)")
+    m.add_argument("--sparse", action="store_true", help="Llama 3 70B's shape as sparse files (tools/"
+                   "bench_hf_sparse.py: real headers, the tensors' bytes holes; ~141 GB apparent); the other "
+                   "options do not apply")
     what = "save column-sharded (Shard(1)) 4096x11008 fp32 DTensors with Adam state by torch's dcp.save"
     m = command("make-dcp", what)
     m.add_argument("dir", help="the DCP dir to create")
@@ -357,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time `convert --format dcp`, and `reshard export` of that DCP against torch's "
                         "dcp_to_torch")
     r.add_argument("--format", help="the target format of the --to conversions (e.g. deepspeed, from a DCP source)")
+    r.add_argument("--names", metavar="RULES", help="passed to the --to conversions (a Hugging Face model into "
+                   "Megatron: --format megatron --names megatron-core-llama)")
     r.add_argument("--layout-rules", metavar="FILE", help="passed to every reshard command (a tensor-parallel re-cut "
                    "needs --layout-rules llama-autotp and kv_heads=K in its --to)")
     r.add_argument("--inspect", action="store_true", help="also time `reshard inspect`")
@@ -380,7 +419,7 @@ def main():
     if args.cmd == "run":
         timed = args.to or args.inspect or args.validate or args.plan or args.export or args.universal or args.dcp
         args.to = args.to or ([] if timed else ["dp=4"])
-    sys.exit({"make": make, "make-tp": make_tp, "make-dcp": make_dcp, "make-moe": make_moe,
+    sys.exit({"make": make, "make-tp": make_tp, "make-hf": make_hf, "make-dcp": make_dcp, "make-moe": make_moe,
               "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run,
               "thin": bench_thin.run_thin, "fast": bench_fast.run_fast}[args.cmd](args))
 

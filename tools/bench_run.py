@@ -96,12 +96,13 @@ def _commands(args, src, work) -> dict:
     # the copy limit: cp -r, then sync, since reshard fsyncs what it writes
     commands = {} if args.no_cp else {"cp -r": lambda dst: ["sh", "-c", 'cp -r "$0" "$1" && sync', src, dst]}
     fmt = ["--format", args.format] if args.format else []
+    names = ["--names", args.names] if getattr(args, "names", None) else []
 
     def convert(spec):
-        return lambda dst: reshard + ["convert", src, dst, "--to", spec, "--quiet", *fmt, *rules]
+        return lambda dst: reshard + ["convert", src, dst, "--to", spec, "--quiet", *fmt, *rules, *names]
 
     def plan(spec):
-        return lambda dst: reshard + ["plan", src, "--to", spec, "--quiet", *rules]
+        return lambda dst: reshard + ["plan", src, "--to", spec, "--quiet", *fmt, *rules, *names]
 
     for spec in args.to:
         commands[f"convert {spec}"] = convert(spec)

@@ -482,11 +482,14 @@ def _config_arg(p) -> None:
 
 
 def _module_names_arg(p) -> None:
-    """plan's and convert's --names (a module-names rule file)."""
+    """plan's and convert's --names (a module-names rule file, or an export-names one read backwards)."""
     p.add_argument("--names", metavar="FILE",
                    help="the names and shapes of the model that loads the output: a module-names rule file, a path "
                         f"or the name of one shipped with reshard ({rule_files.names(rule_files.MODULE_NAMES)}; "
-                        "mixtral-autoep-fsdp: an AutoEP Mixtral as transformers' MixtralForCausalLM, for --format dcp)")
+                        "mixtral-autoep-fsdp: an AutoEP Mixtral as transformers' MixtralForCausalLM, for --format "
+                        "dcp); or an export-names file read backwards, for a model published under its consumer's "
+                        "names (megatron-core-llama: a Hugging Face Llama folder, --format megatron, its args from "
+                        "config.json)")
 
 
 def _new_rank_state_arg(p):

@@ -53,14 +53,7 @@ class RunArgs:
 
 def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
     """The file at `path` read and checked against `catalog` (see the module's doc)."""
-    # (a file the user gives that cannot be read as one is a usage error, exit 2, as a bad --config is)
-    try:
-        with fs.open(path, "rb") as f:
-            data = json.loads(f.read())
-    except OSError as e:
-        raise UsageError.at(path, f"cannot be read ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError.at(path, f"not JSON ({e})") from None
+    data = read(path)
     if not isinstance(data, dict) or not isinstance(data.get("args"), dict):
         raise UsageError.at(path, 'needs {"args": {Megatron-LM\'s arguments}, "opt_param_scheduler": {...}}')
     unknown = sorted(set(data) - {"args", "opt_param_scheduler", "iteration"})
@@ -76,7 +69,7 @@ def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
         lacking = next(k for k in SCHEDULER if not isinstance(scheduler, dict) or k not in scheduler)
         raise ReshardError.at(path, f"opt_param_scheduler.{lacking} is not given: Megatron-LM's load_checkpoint "
                                     "restores the scheduler's state, which the checkpoint does not hold")
-    _check_shapes(path, args, catalog, rules)
+    check_shapes(path, args, catalog, rules)
     for key, arg in (("max_lr", "lr"), ("min_lr", "min_lr")):
         if scheduler[key] != args[arg]:
             raise ReshardError.at(path, f"opt_param_scheduler.{key} = {scheduler[key]} is not args.{arg} = "
@@ -93,6 +86,18 @@ def load(path: str, catalog: Catalog, rules: ParamOrder) -> RunArgs:
     return RunArgs(args, iteration, scheduler, _param_groups(path, args, catalog, rules))
 
 
+def read(path: str) -> object:
+    """The JSON value of the arguments file at `path`."""
+    # (a file the user gives that cannot be read as one is a usage error, exit 2, as a bad --config is)
+    try:
+        with fs.open(path, "rb") as f:
+            return json.loads(f.read())
+    except OSError as e:
+        raise UsageError.at(path, f"cannot be read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError.at(path, f"not JSON ({e})") from None
+
+
 def _counter(path: str, given: object, source: int | None, what: str, says: str) -> int:
     """A count the source records (DeepSpeed's global steps or samples): the file may repeat it only."""
     if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
@@ -105,7 +110,7 @@ def _counter(path: str, given: object, source: int | None, what: str, says: str)
     return int(value)
 
 
-def _check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> None:
+def check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> None:
     """Each model-shape argument against the shapes the checkpoint holds."""
     shapes = {name: tuple(info.shape) for name, info in catalog.params.items()}
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",

@@ -95,7 +95,8 @@ def _args_file(text: str) -> str:
 SPEC_KEYS = (SpecKey("sharding", "|".join(SHARDINGS), "Megatron's optimizer state: the distributed optimizer's "
                      "sharding type (dp_reshardable, Megatron-LM's default; fully_reshardable), plain: the "
                      "non-distributed optimizer, or none: the model alone, as --no-save-optim --no-save-rng saves it "
-                     "(default: the source's own; dp_reshardable for a source of another format, a legacy "
+                     "(default: the source's own; dp_reshardable for a source of another format, none for a model "
+                     "without optimizer state, a legacy "
                      "distributed save's, fully_reshardable for 0.15's model space)",
                      text=_sharding),
              SpecKey("args", "FILE", "a JSON file of the run's Megatron-LM arguments and scheduler state, for a "
@@ -117,10 +118,13 @@ def kept_sharding(sharding: str) -> str:
 
 
 def target(source: Layout, given: Mapping[str, object]) -> MegatronTopology:
-    """The target's optimizer sharding: the one `sharding=` names; else the source's kept (kept_sharding), and a
-    source of another format written as Megatron-LM writes by default (dp_reshardable)."""
+    """The target's optimizer sharding: the one `sharding=` names; else the source's kept (kept_sharding), a
+    source of another format written as Megatron-LM writes by default (dp_reshardable), and a model alone (no
+    optimizer state: a Hugging Face model) as the model alone (none)."""
     own = source.format_topology if isinstance(source.format_topology, MegatronTopology) else None
-    sharding = str(given.get("sharding", kept_sharding(own.sharding) if own else DP_RESHARDABLE))
+    # (a source of another format without optimizer state, a model alone, is written alone)
+    default = kept_sharding(own.sharding) if own else DP_RESHARDABLE if source.master_dtype else WEIGHTS_ONLY
+    sharding = str(given.get("sharding", default))
     run_args = given.get("args")
     ep = given.get("ep", own.ep if own else None)
     vocab = given.get("vocab")

@@ -40,10 +40,11 @@ from reshard.core.layout import Layout
 from reshard.core.placement import Shard
 from reshard.core.write_requests import Output, Piece, TextFile
 from reshard.errors import CheckpointError, ReshardError, UsageError
+from reshard.export_names import ModelFacts
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
-from reshard.formats.megatron import buckets, legacy, order as param_order, run_args, run_config, tp_boxes
+from reshard.formats.megatron import buckets, legacy, model_args, order as param_order, run_args, run_config, tp_boxes
 from reshard.formats.megatron.pickles import Namespace
 from reshard.formats.megatron.reader import (
     BUCKET,
@@ -134,8 +135,10 @@ def output_tag(catalog: Catalog, tag: str) -> str:
     """A source of another format (a DeepSpeed tag global_step3) is written in Megatron's folder of its step
     (iter_0000003) where it records one."""
     step = catalog.training.global_steps
-    if catalog.format == FORMAT or ITERATION.match(tag) or tag == RELEASE or step is None:
+    if catalog.format == FORMAT or ITERATION.match(tag) or tag == RELEASE:
         return tag
+    if step is None:    # a model alone (no step, no optimizer state): the folder a fine-tune starts from
+        return RELEASE if not catalog.layout.master_dtype else tag
     return f"iter_{step:07d}"
 
 
@@ -155,10 +158,16 @@ class _Writer:
         topology = target.format_topology
         given = topology.run_args if isinstance(topology, MegatronTopology) else None
         self.foreign = catalog.format != FORMAT     # a source without Megatron's common state: args=FILE gives it
-        if self.foreign and given is None:
+        # a model without optimizer state whose hyperparameters are known (a Hugging Face model imported with an
+        # export-names file read backwards): its args derived from them, args=FILE overriding
+        self.model = self.foreign and isinstance(catalog.notes, ModelFacts) and not catalog.layout.master_dtype
+        if self.foreign and given is None and not self.model:
+            alone = "" if catalog.layout.master_dtype else \
+                "; a model alone takes them from its config.json with --names megatron-core-llama (export names " \
+                "read backwards)"
             raise UsageError.at(catalog.root, "Megatron output needs Megatron's common state (args, scheduler), which "
                                 f"a {catalog.format} checkpoint does not hold: give the run's Megatron-LM arguments, "
-                                "--to ...,args=FILE (docs/formats/megatron.md)")
+                                f"--to ...,args=FILE (docs/formats/megatron.md){alone}")
         if not self.foreign and given is not None:
             raise UsageError(f"--to args={given}: a Megatron source has its own arguments (args= is for a source "
                              "that holds none)")
@@ -174,8 +183,12 @@ class _Writer:
         self.rules = param_order.load()
         # the parameters (a DeepSpeed module state dict's order also names its layers' extra states)
         self.names = [n for n in catalog.order if n in catalog.params] if self.foreign else list(catalog.order)
-        self.common, self.args, self.groups = self._given_state(given) if given is not None else \
-            self._source_state()
+        if self.model:
+            self.common, self.args, self.groups = self._model_state(given)
+        elif given is not None:
+            self.common, self.args, self.groups = self._given_state(given)
+        else:
+            self.common, self.args, self.groups = self._source_state()
         self._check()
         # where a torch_dist source keeps its objects (a legacy save keeps them in its rank files; another format,
         # none but its layers' empty extra states)
@@ -210,6 +223,17 @@ class _Writer:
                   "opt_param_scheduler": dict(run.scheduler)}
         return common, dict(run.args), [dict(g) for g in run.param_groups]
 
+    def _model_state(self, path: str | None) -> tuple[dict[str, Any], dict[str, Any], list[dict]]:
+        """The same for a model alone (model_args: derived from its hyperparameters, the file at `path` over them):
+        written without optimizer state, as the iteration a fine-tune starts from."""
+        self._refuse_unplaced()
+        if self.sharding != WEIGHTS_ONLY:
+            raise ReshardError.at(self.catalog.root, f"sharding={self.sharding}: a model without optimizer state is "
+                                  "written alone (sharding=none)")
+        assert isinstance(self.catalog.notes, ModelFacts)
+        args = model_args.derive(self.catalog.notes.hyperparameters(), self.catalog, self.rules, path)
+        return {"checkpoint_version": run_args.CHECKPOINT_VERSION, "iteration": 0}, args, []
+
     # -- what the target can be
 
     def _refuse_unplaced(self) -> None:
@@ -241,7 +265,9 @@ class _Writer:
             if isinstance(count, int) and count % grid.tp:
                 raise ReshardError(f"target tp={grid.tp}: args.{key} = {count} is not a multiple of it")
         self.vocab = self._vocabulary()
-        if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True):
+        # (the model alone holds the tied embedding once: the last stage's output layer loads it as a replica)
+        if grid.pp > 1 and not args.get("untie_embeddings_and_output_weights", True) and \
+                self.sharding != WEIGHTS_ONLY:
             raise ReshardError("a tied embedding at pp > 1 (the last stage's copy, a bucket of its own) is not "
                                "written yet")
         dtypes = {self.catalog.tensors[TensorKey(n, MODULE)].dtype for n in self.names}
@@ -293,6 +319,8 @@ class _Writer:
         """The rule file's cut of `param` at the source's tp must be the boxes the source saved: a model the rules do
         not describe is refused, not written with its tensors cut wrongly."""
         tp = self.source.tp
+        if tp == 1:     # (no tensor parallelism: its boxes are how its files hold it, a fused QKV's q, k, v parts)
+            return
         ruled = {(tuple(at), tuple(size)) for rank in range(tp)
                  for at, size in tp_boxes.rank_boxes(param.name, param.saved, param.cut, param.parts, tp, rank)}
         saved = set()

@@ -47,4 +47,5 @@ def read(path: str, options: NoOptions) -> Catalog:
                 weights.buffers)
     if fs.isdir(path):     # a save_pretrained folder: its config and tokenizer go with the weights
         catalog.model_files = hf_files.present(path)
+        catalog.save_dir = folder       # (the folder is the whole save: output beside it does not overlap it)
     return catalog.freeze()
