@@ -13,15 +13,12 @@ import os
 
 from reshard import paths
 from reshard.progress import bar as progress_bar
-from reshard.storage import files as fs
+from reshard.storage import files as fs, names
 from reshard.version import __version__
 
-NAME = "reshard-manifest.json"
+NAME = names.MANIFEST
 KIND = "reshard.manifest"
-# An output written in place (object storage has no rename: reshard.staging) holds this object from before its first
-# file until after its manifest: a folder holding it and no manifest is a conversion not finished (in progress, or
-# killed), never a checkpoint
-UNFINISHED = ".reshard-unfinished"
+UNFINISHED = names.UNFINISHED      # an output written in place and not finished (reshard.storage.names)
 
 
 def build(plan, digests: dict) -> dict:

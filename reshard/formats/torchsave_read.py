@@ -207,11 +207,9 @@ def load(path: str, span: tuple | None = None, allowed: dict | None = None) -> o
     if size == 0:
         raise CheckpointError(path, "file is empty (0 bytes)")
     try:
-        with fs.open(path, "rb") as raw:
-            # no read-ahead past the few headers read here: the metadata of a checkpoint (inspect, validate,
-            # a plan) is a few KiB per file, and the kernel would read up to read_ahead_kb (8 MiB) of each
-            if hasattr(os, "posix_fadvise") and not fs.is_url(path):     # (not on macOS; no pages of an object)
-                os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        # no read-ahead past the few headers read here: the metadata of a checkpoint (inspect, validate, a plan) is
+        # a few KiB per file, and the kernel would read up to read_ahead_kb (8 MiB) of each
+        with fs.open(path, "rb", random_access=True) as raw:
             f = _Span(raw, base, size)
             infos = zip_directory.members(f.tail, size)
             if infos is None or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
