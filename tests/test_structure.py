@@ -259,8 +259,8 @@ def test_the_check_finds_raw_filesystem_calls_outside_storage(tmp_path):
                     "    return os.path.isdir(p) or os.path.join(p, 'x')\n",
         "pkg/b.py": "from os import unlink as gone\nfrom os.path import exists, join\n\ndef g(p):\n"
                     "    gone(join(p, 'x'))\n    return exists(p)\n",
-        "pkg/c.py": "from pkg.storage import files as fs\n\ndef h(p):\n    if fs.is_url(p):\n        return fs.open(p)\n"
-                    "    with open(p) as f:\n        return f.read()\n",
+        "pkg/c.py": "from pkg.storage import files as fs\n\ndef h(p):\n    if fs.is_url(p):\n"
+                    "        return fs.open(p)\n    with open(p) as f:\n        return f.read()\n",
         "pkg/d.py": "import tempfile\nfrom pathlib import Path\n\ndef k(p):\n    Path(p).write_text('x')\n"
                     "    return tempfile.mkdtemp()\n",
         "pkg/fine.py": "import os\nfrom pkg.storage import files as fs\n\ndef m(p):\n"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError, UnsafeCheckpointError
-from reshard.formats import standins, zip_directory
+from reshard.formats import zip_directory
 from reshard.storage import files as fs
 
 
@@ -121,6 +121,8 @@ def _size(dims=()):
     return Size(dims)
 
 
+# torch's own globals: what any torch.save file may name. A format whose pickles name more (DeepSpeed's classes,
+# Megatron's args) reads with its own superset (formats/deepspeed/pickles.py, formats/megatron/pickles.py)
 ALLOWED = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
@@ -141,7 +143,6 @@ ALLOWED.update({("torch", dt): DType(dt) for dt in set(STORAGE_DTYPES.values())}
 ALLOWED.update({("torch", alias): DType(dt) for alias, dt in
                 {"float": "float32", "half": "float16", "double": "float64", "long": "int64",
                  "int": "int32", "short": "int16"}.items()})
-ALLOWED.update(standins.BY_GLOBAL)
 
 
 class AllowListUnpickler(pickle.Unpickler):

@@ -22,6 +22,7 @@ from reshard.formats.deepspeed import (
     experts as expert_placement,
     files as names,
     group_scalars,
+    pickles,
     topology,
     zero3,
     zero3_experts,
@@ -129,7 +130,7 @@ def first_model_states(tag_dir, listing) -> str:
 
 
 def load_or_raise(path):
-    obj = torchsave_read.load(path)
+    obj = torchsave_read.load(path, allowed=pickles.ALLOWED)
     if not isinstance(obj, dict):
         raise CheckpointError(path, f"expected a dict at the top level, found {type(obj).__name__}")
     return obj
