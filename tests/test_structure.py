@@ -8,7 +8,8 @@
 - no private name (`_x`) taken from another module: `from a import _x`, or `a._x` on a module the importer names;
 - the storage layer is the one way to the filesystem: outside reshard/storage/ no raw filesystem call (`open`,
   the file operations of `os`, `os.path`'s questions to the disk, `shutil`, `tempfile`, pathlib's reads and writes)
-  and no `is_url` branch on where a path lies, but for an explicit allow-list, each entry saying why.
+  and no `is_url` branch on where a path lies, but for an explicit allow-list, each entry saying why; and of
+  reshard.storage only its seams (files, names, protocol, routing) are imported from outside it.
 
 Each rule is run on a small synthetic package that breaks it (the negative controls), and the few violations that
 other work removes are listed exactly, so the test fails both when one is fixed and when a new one appears.
@@ -271,6 +272,41 @@ def test_the_check_finds_raw_filesystem_calls_outside_storage(tmp_path):
         ("pkg.b", "os.unlink"), ("pkg.b", "os.path.exists"),
         ("pkg.c", "is_url"), ("pkg.c", "open"),
         ("pkg.d", ".write_text"), ("pkg.d", "tempfile.mkdtemp")}
+
+
+# What the rest of the package may import of reshard.storage: the interface and the ways to it. The implementations
+# (posix, posix_sink, s3) are reached through routing and files, by path, never named from outside.
+STORAGE_SEAMS = {"files", "names", "protocol", "routing"}
+
+
+def storage_layer_breaches(package: str, storage: str, found: list[Import]) -> set[tuple[str, str]]:
+    """{(module outside `storage`, the storage module it imports that is not a seam)}, lazy imports alike."""
+    seams = {f"{storage}.{name}" for name in STORAGE_SEAMS} | {storage}
+    return {(imp.module, imp.target) for imp in found
+            if (imp.module + ".").startswith(package + ".") and not (imp.module + ".").startswith(storage + ".")
+            and (imp.target + ".").startswith(storage + ".") and imp.target not in seams}
+
+
+def test_only_the_storage_seams_are_imported_from_outside_storage():
+    _, found, _ = imports(REPO / "reshard")
+    assert storage_layer_breaches("reshard", "reshard.storage", found) == set()
+
+
+def test_the_check_finds_a_storage_implementation_imported_from_outside(tmp_path):
+    """Negative control: a module-level and a lazy import of an implementation found; the seams and the storage's
+    own imports of its implementations not."""
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/storage/__init__.py": "", "pkg/storage/posix.py": "", "pkg/storage/s3.py": "",
+        "pkg/storage/routing.py": "from pkg.storage import posix\n\ndef f():\n    from pkg.storage import s3\n",
+        "pkg/storage/files.py": "", "pkg/storage/protocol.py": "",
+        "pkg/a.py": "from pkg.storage.posix import X\n",
+        "pkg/b.py": "def g():\n    from pkg.storage import s3\n",
+        "pkg/fine.py": "from pkg.storage import files, routing\nfrom pkg.storage.protocol import P\n",
+    })
+    _, found, _ = imports(pkg)
+    assert storage_layer_breaches("pkg", "pkg.storage", found) == {("pkg.a", "pkg.storage.posix"),
+                                                                   ("pkg.b", "pkg.storage.s3")}
 
 
 def test_the_core_imports_no_format():
