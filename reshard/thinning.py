@@ -229,7 +229,7 @@ def _check_free(path: str, needed: int) -> None:
 
 def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str, disk: Renaming) -> None:
     """The written files and the record through the planner and executor into the hidden sibling, the kept ones
-    linked there (_place)."""
+    linked there (Renaming.link_or_copy)."""
     from reshard.executor import execute
     _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
     # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
