@@ -546,3 +546,23 @@ def test_descriptor_and_rule_files_in_a_bucket_are_read_as_on_disk(s3, tmp_path)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and missing in lines[0], proc.stderr
         assert not (tmp_path / "never").exists()
+
+
+def test_a_prefix_walks_and_measures_as_its_local_copy_and_a_new_put_changes_its_identity(s3, source):
+    """files.walk and files.found_under of the uploaded fixture: the folders and files os.walk and the sizes
+    os.stat give for the local copy; files.identity of an object changes when it is put again (the control: the
+    same object asked twice is the same)."""
+    from reshard.storage import files
+    local = fixture_dir(FIXTURE)
+    walked = {os.path.relpath(folder, source): (sorted(dirs), sorted(names)) for folder, dirs, names in
+              files.walk(source)}
+    assert walked == {os.path.relpath(folder, local): (sorted(dirs), sorted(names)) for folder, dirs, names in
+                      os.walk(local)}
+    sizes = {os.path.relpath(f.path, source): f.size for f in files.found_under(source)}
+    assert sizes == {os.path.relpath(os.path.join(folder, n), local): os.path.getsize(os.path.join(folder, n))
+                     for folder, _, names in os.walk(local) for n in names}
+    servers.put(s3, "ident/x", b"one")
+    first = files.identity(s3.url("ident/x"))
+    assert first == files.identity(s3.url("ident/x")) and first[1] == 3
+    servers.put(s3, "ident/x", b"two!")
+    assert files.identity(s3.url("ident/x")) != first and files.identity(s3.url("ident/nothere")) == ()
