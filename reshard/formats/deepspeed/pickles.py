@@ -4,7 +4,12 @@ take it; every other format's unpickler refuses a DeepSpeed class as it refuses 
 """
 from __future__ import annotations
 
-from reshard.formats import standins
-from reshard.formats.torchsave_read import ALLOWED as TORCH_ALLOWED
+from reshard.formats import standins, torchsave_read
 
-ALLOWED: dict = {**TORCH_ALLOWED, **standins.BY_GLOBAL}
+ALLOWED: dict = {**torchsave_read.ALLOWED, **standins.BY_GLOBAL}
+
+
+def load(path: str) -> object:
+    """A DeepSpeed file (a rank's model or optimizer states, a layer file, a universal state) unpickled through
+    DeepSpeed's allow-list (torchsave_read.load: its tensors TensorRefs, nothing run)."""
+    return torchsave_read.load(path, allowed=ALLOWED)
