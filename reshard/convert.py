@@ -18,6 +18,7 @@ from reshard.formats import (
     with_framework,
 )
 from reshard.formats.framework import framework_of
+from reshard.storage import files as fs
 from reshard.validate import Complete, prove_complete
 
 
@@ -26,11 +27,11 @@ def target_layout(catalog: Catalog, to: str, fmt: str | None = None) -> Layout:
     "dp4-zero3"), read for an output of format `fmt` (default: the source's); degrees either leaves out keep the
     source's."""
     source, format_name = catalog.layout, fmt or catalog.format
-    if os.path.isfile(to):
+    if fs.isfile(to):
         return descriptor_layout(source, to, format_name)
     if to and "=" not in to:     # every key of a spec is key=value: this names a file
         descriptor = rule_files.find(to, rule_files.LAYOUT)
-        if not os.path.isfile(descriptor):
+        if not fs.isfile(descriptor):
             raise UsageError.at(to, "no such layout descriptor file (a topology spec is key=value, e.g. dp=4,zero=3)")
         return descriptor_layout(source, descriptor, format_name)
     return spec_layout(source, to, format_name)
@@ -61,7 +62,7 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
         complete = prove_complete(rules.apply(complete.catalog))
     catalog = complete.catalog
     target = target_layout(catalog, to, fmt)    # (a bad spec is refused here)
-    if "=" in to and not os.path.isfile(to):     # a spec (a descriptor file says only what it means)
+    if "=" in to and not fs.isfile(to):     # a spec (a descriptor file says only what it means)
         _refuse_keys_without_meaning(catalog, to, fmt)
     return plan_for(complete, target, tag_out, fmt, new_rank_state)
 

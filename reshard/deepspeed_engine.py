@@ -13,9 +13,8 @@ raises the same one-line ReshardError on every rank before DeepSpeed's first col
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
-import tempfile
 
 from reshard import checksums, formats
 from reshard.checksums import Tally
@@ -25,7 +24,9 @@ from reshard.distributed import TorchGroup
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed.live import LIVE_FORMAT, engine_layout
 from reshard.materialize import materialize
-from reshard.staging import output_path, write_text
+from reshard.staging import output_path
+from reshard.storage import files as fs
+from reshard.storage.routing import output_for
 from reshard.target_bytes import SourceFiles
 from reshard.validate import prove_complete
 
@@ -76,7 +77,8 @@ def load_checkpoint(engine, src, tag: str | None = None, layout_rules: str | Non
     finally:
         group.all_ok(True)          # every rank has loaded what it needs
         if group.rank == 0:
-            shutil.rmtree(where, ignore_errors=True)
+            with contextlib.suppress(OSError):      # (a scratch folder: what cannot be removed is left)
+                output_for(where).delete(where)
 
 
 class ServedFiles:
@@ -120,12 +122,13 @@ def _placer(map_location):
 
 def _name_files(plan: Plan, out: str) -> ReshardError | None:
     """The planned tree, each tensor file empty and each small text whole; the error saying why not."""
+    local = output_for(out)     # (a scratch folder on local disk: fs.scratch_parent)
     try:
         for f in plan.files:        # placed as the executor places them: inside `out`, or refused
-            os.makedirs(os.path.dirname(output_path(out, f.path)), exist_ok=True)
-            open(output_path(out, f.path), "wb").close()
+            local.make_folder(os.path.dirname(output_path(out, f.path)))
+            local.put(output_path(out, f.path), b"")
         for text in plan.texts:
-            write_text(output_path(out, text.path), text.text)
+            local.put(output_path(out, text.path), text.text.encode() if isinstance(text.text, str) else text.text)
     except OSError as e:
         return ReshardError.at(e.filename or out, f"cannot make the staging folder: {e.strerror or e}")
     except ReshardError as e:
@@ -135,8 +138,8 @@ def _name_files(plan: Plan, out: str) -> ReshardError | None:
 
 def _staging_folder(given: str | None):
     """A new private folder for the files DeepSpeed reads, or the ReshardError saying why there is none."""
-    parent = given or (STAGING if os.path.isdir(STAGING) and os.access(STAGING, os.W_OK) else tempfile.gettempdir())
+    parent = given or fs.scratch_parent(STAGING)
     try:
-        return tempfile.mkdtemp(prefix="reshard-load-", dir=parent)
+        return fs.make_scratch("reshard-load-", parent)
     except OSError as e:
         return ReshardError.at(parent, f"cannot make a staging folder: {e.strerror or e}")

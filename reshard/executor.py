@@ -33,9 +33,8 @@ from reshard.errors import ReshardError
 from reshard.progress import bar as progress_bar
 from reshard.staging import Staging, output_path
 from reshard.storage import files as fs
-from reshard.storage.posix import PosixOutput
 from reshard.storage.protocol import OutputStorage
-from reshard.storage.routing import output_for
+from reshard.storage.routing import LOCAL_STREAM_BUFFER_BYTES, output_for
 from reshard.target_bytes import BlockRing, SourceFiles, storage_blocks
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -125,14 +124,14 @@ class Written:
         return data
 
 
-def chunk_bytes(memory_budget: int, workers: int, stream_bytes: int = PosixOutput.STREAM_BUFFER_BYTES) -> int:
+def chunk_bytes(memory_budget: int, workers: int, stream_bytes: int = LOCAL_STREAM_BUFFER_BYTES) -> int:
     """Bytes of one block read, the budget shared by the workers, each also holding one open stream's
     `stream_bytes` (the storage's STREAM_BUFFER_BYTES)."""
     per_worker = memory_budget // max(1, workers) - stream_bytes
     return max(1 << 16, min(MAX_CHUNK, per_worker // BUFFERS_PER_WORKER))
 
 
-def buffer_bytes(memory_budget: int, workers: int, stream_bytes: int = PosixOutput.STREAM_BUFFER_BYTES) -> int:
+def buffer_bytes(memory_budget: int, workers: int, stream_bytes: int = LOCAL_STREAM_BUFFER_BYTES) -> int:
     """The bytes of blocks alive at once while writing (reads ahead, the streams' buffers)."""
     return (BUFFERS_PER_WORKER * chunk_bytes(memory_budget, workers, stream_bytes) + stream_bytes) * max(1, workers)
 
@@ -248,7 +247,7 @@ def _verify_sources(plan: Plan, pieces) -> None:
 def check_free_space(plan: Plan, staging, resume: bool) -> None:
     need = plan.bytes_written - (staging.reusable_bytes() if resume else 0)
     free = staging.storage.free_bytes(os.path.dirname(staging.dst))
-    if need > free:
+    if free is not None and need > free:     # (None: a store stating no free space refuses a write itself)
         raise ReshardError.at(staging.dst, f"needs {need / 2**30:.2f} GiB to write, "
                                            f"{os.path.dirname(staging.dst)} has {free / 2**30:.2f} GiB free")
 

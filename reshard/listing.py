@@ -285,27 +285,14 @@ def unchanged(row: Checkpoint, root: str) -> bool:
 def measure(path: str, root: str) -> Files:
     """Sizes and newest time of a checkpoint's files, links not followed (one leaving the run is named). In an
     object store: its objects, as one listing gives them (no links; what they take is what they hold)."""
-    if fs.is_url(path):
-        found = fs.tree(path).files_under(path)
-        total = sum(size for _, size, _ in found)
-        return Files(len(found), total, total, max((mtime for _, _, mtime in found), default=0.0), None)
     count = size = disk = 0
     newest, outside = 0.0, None
-    walk = [(path, os.lstat(path))]
-    while walk:
-        p, st = walk.pop()
-        if os.path.islink(p):
-            target = os.path.realpath(p)
-            if not (target == root or target.startswith(root + os.sep)):
-                outside = outside or p
+    for found in fs.found_under(path):
+        if found.link is not None:
+            if not (found.link == root or found.link.startswith(root + os.sep)):
+                outside = outside or found.path
             continue
-        newest = max(newest, st.st_mtime)
-        if os.path.isdir(p):
-            try:
-                names = os.listdir(p)
-            except OSError:
-                continue
-            walk += [(os.path.join(p, n), os.lstat(os.path.join(p, n))) for n in names]
-        else:
-            count, size, disk = count + 1, size + st.st_size, disk + st.st_blocks * 512
+        newest = max(newest, found.mtime)
+        if not found.folder:
+            count, size, disk = count + 1, size + found.size, disk + found.disk_bytes
     return Files(count, size, disk, newest, outside)

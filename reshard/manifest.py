@@ -13,18 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 from reshard import digests, paths
 from reshard.progress import bar as progress_bar
-from reshard.storage import files as fs
+from reshard.storage import files as fs, names
 from reshard.version import __version__
 
 if TYPE_CHECKING:
     from reshard.core.planner import Plan
 
-NAME = "reshard-manifest.json"
+NAME = names.MANIFEST
 KIND = "reshard.manifest"
-# An output written in place (object storage has no rename: reshard.staging) holds this object from before its first
-# file until after its manifest: a folder holding it and no manifest is a conversion not finished (in progress, or
-# killed), never a checkpoint
-UNFINISHED = ".reshard-unfinished"
+UNFINISHED = names.UNFINISHED      # an output written in place and not finished (reshard.storage.names)
 
 
 def build(plan: Plan, written: dict[str, tuple[int, str]], algorithm: str = digests.DEFAULT) -> dict[str, Any]:

@@ -3,7 +3,6 @@ memory its copy buffers take, whether the disk has room, and what becomes of the
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, fields
 
 from reshard.convert import batch_size_advice, framework_files
@@ -14,8 +13,7 @@ from reshard.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
 from reshard.formats import FRESH, REPRODUCIBILITY
 from reshard.formats.framework import framework_of
 from reshard.storage import files as fs
-from reshard.storage.posix import PosixOutput
-from reshard.storage.routing import output_for
+from reshard.storage.routing import output_for, stream_buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -84,16 +82,16 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
     if frame is not None and (frame.files or frame.kinds):    # (torchtitan keeps its state inside the checkpoint)
         framework = FrameworkPlan(frame.name, new_rank_state, frame.policy_line(new_rank_state), len(frame.files),
                                   tuple(framework_files(catalog, plan.target, fmt, new_rank_state)))
-    remote = dst is not None and fs.is_url(dst)
     where = fs.abspath(dst) if dst else os.getcwd()
-    while not remote and not os.path.exists(where):
+    free = output_for(where).free_bytes(where)     # None: an object store, which states none
+    while free is not None and not fs.exists(where):    # the folder it was measured at
         where = os.path.dirname(where)
-    streams = output_for(dst).STREAM_BUFFER_BYTES if dst else PosixOutput.STREAM_BUFFER_BYTES
+    streams = stream_buffer_bytes(dst)
     return PlanSummary(
         **{f.name: getattr(summary, f.name) for f in fields(summary)}, plan=plan,
         target=plan.output.words() if plan.output else summary.format,
         framework=framework, memory_budget=memory_budget, workers=workers,
         worker_bytes=loads(list(plan.files), workers),
         estimated_peak_buffer_bytes=buffer_bytes(memory_budget, workers, streams),
-        free_disk_bytes=None if remote else shutil.disk_usage(where).free, free_disk_at=where,
+        free_disk_bytes=free, free_disk_at=where,
         advice=batch_size_advice(catalog, plan.target, fmt))

@@ -14,7 +14,6 @@ deleted folder is removed, not its target.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,8 +22,7 @@ from reshard.formats.run_layout import trash_path
 from reshard.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
 from reshard.retention import DELETE, FULL, KEEP, THIN, Decision, Policy, decide
 from reshard.sizes import cost_per_month
-from reshard.staging import fsync
-from reshard.storage import files as fs
+from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import output_for
 from reshard.thinning import recover
 
@@ -243,28 +241,21 @@ def _thin_all(thins: list, root: str, thinner: Thinner | None, changed: list) ->
 
 
 def _delete(path: str) -> None:
-    if fs.is_url(path):     # no rename in an object store: its objects go in batched deletes
-        try:
-            output_for(path).delete(path)
-        except OSError as e:
-            raise ReshardError.at(path, f"cannot delete ({e.strerror or e}); a rerun of prune --yes finishes it") \
-                from None
-        return
-    trash = trash_path(path)
+    """Set aside in one step (on disk: renamed to its trash name), then removed (in an object store, which has no
+    rename, its objects go in batched deletes, its manifest first)."""
+    storage = output_for(path)
     try:
-        os.rename(path, trash)
-        fsync(os.path.dirname(path))
+        gone = storage.set_aside(path, trash_path(path))
     except OSError as e:
         raise ReshardError.at(path, f"cannot rename for deletion ({e.strerror}); nothing of it deleted") from None
-    _remove(trash)
+    _remove(gone, storage)
 
 
-def _remove(trash: str) -> None:
+def _remove(trash: str, storage: OutputStorage | None = None) -> None:
+    storage = storage or output_for(trash)
     try:
-        if os.path.isdir(trash) and not os.path.islink(trash):
-            shutil.rmtree(trash)
-        else:
-            os.unlink(trash)
-        fsync(os.path.dirname(trash))
+        storage.delete(trash)
+        storage.sync(os.path.dirname(trash))
     except OSError as e:
-        raise ReshardError.at(trash, f"cannot remove ({e.strerror}); a rerun of prune --yes finishes it") from None
+        raise ReshardError.at(trash, f"cannot remove ({e.strerror or e}); a rerun of prune --yes finishes it") \
+            from None

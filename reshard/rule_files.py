@@ -1,7 +1,8 @@
 """The rule files that ship with reshard (reshard/layouts/, package data: a pip-installed reshard has them), found by
 name: `--layout-rules megatron-gpt` is the shipped megatron-gpt.json, `--names mixtral-autoep-hf` an export-names
 file, `--to dp4-zero3` a topology descriptor. A path (anything that exists, holds a separator or ends in .json) is
-taken as given, and its reader says what is wrong with it. A file's kind is its own "kind" field, not its folder.
+taken as given, and its reader says what is wrong with it; it is read through reshard.storage, so a file in object
+storage (`--to s3://bucket/dp4.json`) is read as one on disk. A file's kind is its own "kind" field, not its folder.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 
 from reshard.errors import ReshardError, UsageError
+from reshard.storage import files as fs
 
 TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "reshard.core.layout"
 MEGATRON_BUFFERS, MODULE_NAMES = "reshard.megatron-buffers", "reshard.module-names"
@@ -42,7 +44,7 @@ def names(kind: str, flag: str | None = None) -> str:
 def find(given: str, kind: str) -> str:
     """The path `given` names: itself when it is a path, else the shipped file of `kind` of that name; an unknown
     name is a usage error listing the shipped ones."""
-    if os.path.exists(given) or os.sep in given or given.endswith(SUFFIX):
+    if fs.exists(given) or os.sep in given or given.endswith(SUFFIX):
         return given
     found = shipped(kind)
     if given in found:
@@ -68,7 +70,7 @@ def load(given: str, kind: str) -> tuple[str, dict]:
     cannot be read or is not one is a one-line error naming it."""
     path = find(given, kind)
     try:
-        with open(path) as f:
+        with fs.open(path) as f:
             spec = json.load(f)
     except OSError as e:
         raise ReshardError.at(path, f"cannot read: {e.strerror}") from None

@@ -19,8 +19,7 @@ import os
 
 from reshard import digests, manifest, paths
 from reshard.errors import ReshardError, UsageError
-from reshard.storage import files as fs
-from reshard.storage.posix import PosixOutput, fsync, write_text  # noqa: F401  (fsync, write_text: for callers)
+from reshard.storage import files as fs, names
 from reshard.storage.protocol import Lock, LockHeld, OutputStorage
 from reshard.storage.routing import output_for
 
@@ -28,20 +27,20 @@ from reshard.storage.routing import output_for
 class Staging:
     """The temporary sibling where output is built, its lock, and the journal of finished files, in `storage`."""
 
-    JOURNAL = ".reshard-journal"
+    JOURNAL = names.JOURNAL
 
     def __init__(self, dst: str, storage: OutputStorage | None = None):
         self.dst = fs.abspath(dst)
-        if fs.is_url(self.dst) and "/" not in self.dst.split("://", 1)[1]:
+        if fs.is_store_root(self.dst):
             raise UsageError.at(self.dst, "a bucket itself cannot be the destination: name a prefix in it "
                                           f"({self.dst}/NAME)")
         self.storage = storage or output_for(self.dst)
         parent, name = os.path.split(self.dst)
-        self.staged = os.path.join(parent, f".{name}.reshard-tmp")
+        self.staged = os.path.join(parent, f".{name}{names.STAGING_SUFFIX}")
         self.tmp = self.staged       # where the files are built: `staged`, or `dst` itself once use(in_place=True)
         self.in_place = False
         self.marker = os.path.join(self.dst, manifest.UNFINISHED)
-        self.lock_path = os.path.join(parent, f".{name}.reshard-lock")
+        self.lock_path = os.path.join(parent, f".{name}{names.LOCK_SUFFIX}")
         self._lock: Lock | None = None
 
     def leftover(self) -> bool:
@@ -70,7 +69,7 @@ class Staging:
         storage's commit), and a single file's manifest beside it."""
         placed = [self.place(rel) for rel in _plan_paths(plan)]
         sidecar = [f"{self.dst}.{manifest.NAME}"] if single_file else []
-        return [self.dst, self.staged, self.lock_path, f"{self.staged}.old", *sidecar, *placed]
+        return [self.dst, self.staged, self.lock_path, f"{self.staged}{names.REPLACED_SUFFIX}", *sidecar, *placed]
 
     def acquire(self) -> None:
         self.storage.make_folder(os.path.dirname(self.dst))

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 from reshard.errors import ReshardError
 from reshard.formats.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_names
-from reshard.storage.s3 import TREE, ObjectOutput, delete_keys, split
+from reshard.storage import files as fs
+from reshard.storage.protocol import OutputStorage
+from reshard.storage.routing import output_for
 
 FAULT_AT = "RESHARD_FAULT_AT"
 STEPS = ("written", "proven", "journal", "emptying", "emptied", "placed", "removed")
@@ -56,7 +58,7 @@ class Swap:
 
 def swap(names: ThinNames, plan: Swap) -> None:
     """The thinned form at names.staged (whole, proven) put in the checkpoint's place, steps 1-5."""
-    out = ObjectOutput()
+    out = output_for(names.path)
     out.put(names.journal, plan.to_json().encode())
     _fault("journal")
     _finish(out, names, plan)
@@ -65,9 +67,9 @@ def swap(names: ThinNames, plan: Swap) -> None:
 def recover(root: str) -> list[str]:
     """Every swap a kill interrupted under the run prefix `root` finished, every thinned form no journal names
     removed; the checkpoints' URLs."""
-    out = ObjectOutput()
+    out = output_for(root)
     done = []
-    keys = [u for u, _, _ in TREE.files_under(root)] if TREE.isdir(root) else []
+    keys = [u for u, _, _ in fs.tree(root).files_under(root)] if fs.isdir(root) else []
     journals = sorted(u for u in keys if posixpath.basename(u).startswith(".")
                       and u.endswith(THIN_JOURNAL_SUFFIX))
     for journal in journals:
@@ -79,40 +81,34 @@ def recover(root: str) -> list[str]:
     for prefix in sorted(staged):     # written or proven, killed before its journal: X was never touched
         folder, name = posixpath.split(prefix)
         names = thin_names(posixpath.join(folder, name[1:-len(THIN_SUFFIX)]))
-        if not TREE.exists(names.journal):
+        if not fs.exists(names.journal):
             out.delete(names.staged)
             done.append(names.path)
     return sorted(set(done))
 
 
-def _finish(out: ObjectOutput, names: ThinNames, plan: Swap) -> None:
+def _finish(out: OutputStorage, names: ThinNames, plan: Swap) -> None:
     """Steps 2-5, each skipped where it was done: what is still in X of the dropped files deleted, the files to
     place copied from the thinned form while it holds them (a kill in step 4 left them in X already)."""
     for i, name in enumerate(plan.dropped):
         target = posixpath.join(names.path, name)
-        if TREE.isfile(target):
-            _delete(target)
+        if fs.isfile(target):
+            out.delete_file(target)     # (delete() would take every object under the prefix `target` too)
         if i == 0:
             _fault("emptying")
     _fault("emptied")
     for name in plan.placed:
         source, target = posixpath.join(names.staged, name), posixpath.join(names.path, name)
-        if TREE.isfile(source):
+        if fs.isfile(source):
             out.copy(source, target)
-        elif not TREE.isfile(target):
+        elif not fs.isfile(target):
             raise ReshardError.at(names.path, f"{name}: in neither the thinned form nor the checkpoint; the journal "
                                               f"{os.path.basename(names.journal)} is left for a person to look at")
     _fault("placed")
-    if TREE.isdir(names.staged):
+    if fs.isdir(names.staged):
         out.delete(names.staged)
     _fault("removed")
     out.delete(names.journal)
-
-
-def _delete(url: str) -> None:
-    """One object (ObjectOutput.delete would take every object under the prefix `url` too)."""
-    bucket, key = split(url)
-    delete_keys(url, bucket, [key])
 
 
 def _fault(step: str) -> None:

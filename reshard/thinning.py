@@ -25,9 +25,7 @@ put in place as reshard.thin_objects says.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -39,16 +37,15 @@ from reshard.core.write_requests import CopiedFile, Output, TextFile
 from reshard.errors import ReshardError
 from reshard.formats import read as read_catalog, units, weights_only, weights_only_form
 from reshard.formats.framework import framework_of
-from reshard.formats.run_layout import THIN_SUFFIX, ThinNames, thin_journals, thin_names
+from reshard.formats.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_journals, thin_names
 from reshard.listing import COMPLETE, RECENT_SECONDS, list_checkpoints, order, problem_line
-from reshard.staging import fsync
 from reshard.storage import files as fs
+from reshard.storage.protocol import Renaming
+from reshard.storage.routing import output_for, renaming
 from reshard.validate import validate
 
 FAULT_AT = "RESHARD_FAULT_AT"
 STEPS = ("written", "proven", "journal", "swapped", "trashed", "removed")
-RENAME_EXCHANGE = 2
-AT_FDCWD = -100
 
 
 @dataclass(frozen=True)
@@ -107,19 +104,20 @@ def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = F
     if not yes:
         return result
     names = thin_names(path)
-    if fs.is_url(path):
+    disk = renaming(path)       # None: object storage, no rename (reshard.thin_objects)
+    if disk is None:
         _write_objects(catalog, form, path, names, text)
     else:
         _check_free(path, after)
-        _write(catalog, form, path, names, text)
+        _write(catalog, form, path, names, text, disk)
     _fault("written")
     _prove(names.staged, path)
     _fault("proven")
-    if fs.is_url(path):
+    if disk is None:
         placed = [f.path for f in form.written] + [weights_only.PROVENANCE]
         thin_objects.swap(names, thin_objects.Swap(form.dropped, tuple(placed)))
     else:
-        _swap(names)
+        _swap(names, disk)
     return ThinResult(path, catalog.format, True, before, _size(path), form.dropped, form.what, form.load, recovered,
                       written)
 
@@ -156,17 +154,18 @@ def recover(run_dir: str | os.PathLike[str]) -> list[str]:
     """Finish or roll back every `reshard thin` a kill interrupted under `run_dir`; the checkpoints' paths.
     Before its swap a thinned copy is removed (the full checkpoint stays); after it, the full one."""
     root = fs.realpath(os.fspath(run_dir))
-    if fs.is_url(root):
+    disk = renaming(root)
+    if disk is None:
         return thin_objects.recover(root)
     if not fs.isdir(root):
         return []
     done = []
     for journal in thin_journals(root):
         folder, name = os.path.split(journal)
-        names = thin_names(os.path.join(folder, name[1:-len(".reshard-thin-journal")]))
-        _settle(names)
+        names = thin_names(os.path.join(folder, name[1:-len(THIN_JOURNAL_SUFFIX)]))
+        _settle(names, disk)
         done.append(names.path)
-    for folder, dirs, _ in os.walk(root):     # a thinned copy written or proven, killed before its journal
+    for folder, dirs, _ in fs.walk(root):     # a thinned copy written or proven, killed before its journal
         for d in [d for d in dirs if d.startswith(".") and d.endswith(THIN_SUFFIX)]:
             names = thin_names(os.path.join(folder, d[1:-len(THIN_SUFFIX)]))
             if not fs.exists(names.journal):
@@ -239,62 +238,51 @@ def _size(path: str) -> int:
 
 
 def _check_free(path: str, needed: int) -> None:
-    free = shutil.disk_usage(os.path.dirname(path)).free
-    if free < needed:
+    free = output_for(path).free_bytes(os.path.dirname(path))
+    if free is not None and free < needed:
         raise ReshardError.at(path, f"{needed} bytes needed beside it for the thinned form, {free} free; "
                                     "nothing written")
 
 
-def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
+def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str, disk: Renaming) -> None:
     """The written files and the record through the planner and executor into the hidden sibling, the kept ones
-    linked there (_place)."""
+    linked there (Renaming.link_or_copy)."""
     from reshard.executor import execute
     _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
     # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
     execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
-    os.unlink(os.path.join(names.staged, manifest.NAME))     # the form is the framework's files and the record
+    disk.delete_file(os.path.join(names.staged, manifest.NAME))     # the form is the framework's files and the record
     folders = {names.staged}
     for n in _kept(form):
-        _place(os.path.join(path, n), os.path.join(names.staged, n))
+        # a hard link (the same bytes, none written; the swap then removes only the checkpoint's name of it), or a
+        # durable copy where the file system has no links: either keeps the file's own times
+        disk.link_or_copy(os.path.join(path, n), os.path.join(names.staged, n))
         folders.add(os.path.dirname(os.path.join(names.staged, n)))
     for folder in sorted(folders, reverse=True):
-        fsync(folder)
+        disk.sync(folder)
     # the save's times, which `list` and time-based retention read, kept: a kept file's own, a file written anew
     # and the record the save's (its newest file's)
     newest = max((mtime for _, _, mtime in fs.tree(path).files_under(path)), default=0.0)
-    for n in _kept(form):
-        st = os.stat(os.path.join(path, n))
-        os.utime(os.path.join(names.staged, n), ns=(st.st_atime_ns, st.st_mtime_ns))
     for n in [f.path for f in form.written] + [weights_only.PROVENANCE]:
-        os.utime(os.path.join(names.staged, n), (newest, newest))
-    for folder, _, _ in sorted(os.walk(names.staged), reverse=True):     # its folders' too, deepest first
+        disk.set_mtime(os.path.join(names.staged, n), newest)
+    for folder, _, _ in sorted(fs.walk(names.staged), reverse=True):     # its folders' too, deepest first
         source = os.path.join(path, os.path.relpath(folder, names.staged))
-        when = os.stat(source).st_mtime if os.path.isdir(source) else newest
-        os.utime(folder, (when, when))
+        if fs.isdir(source):
+            disk.copy_times(source, folder)
+        else:
+            disk.set_mtime(folder, newest)
 
 
 def _write_objects(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
     """In object storage: the written files and the record through the planner and executor under the hidden
     sibling prefix (committed by its manifest, which is then deleted), the kept objects copied there server-side."""
     from reshard.executor import execute
-    from reshard.storage.s3 import ObjectOutput
-    out = ObjectOutput()
+    out = output_for(path)
     out.delete(names.staged)        # (what a killed run left before its journal: recover removes it too)
     execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
     out.delete(os.path.join(names.staged, manifest.NAME))
     for n in _kept(form):
         out.copy(os.path.join(path, n), os.path.join(names.staged, n))
-
-
-def _place(source: str, target: str) -> None:
-    """A kept file in the thinned form: a hard link to the checkpoint's (the same bytes, none written; the swap
-    then removes only the checkpoint's name of it), or a durable copy where the file system has no links."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
-        fsync(target)
 
 
 def _prove(staged: str, path: str) -> None:
@@ -311,79 +299,55 @@ def _prove(staged: str, path: str) -> None:
         raise ReshardError.at(path, f"its thinned form is not proven whole ({why}); nothing changed")
 
 
-def _swap(names: ThinNames) -> None:
+def _swap(names: ThinNames, disk: Renaming) -> None:
     folder = os.path.dirname(names.path)
-    with open(names.journal, "w") as f:
-        f.write(f"reshard thin: {os.path.basename(names.staged)} replaces {os.path.basename(names.path)}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fsync(folder)
+    line = f"reshard thin: {os.path.basename(names.staged)} replaces {os.path.basename(names.path)}\n"
+    disk.put(names.journal, line.encode())      # (durable on return)
+    disk.sync(folder)
     _fault("journal")
-    if not _exchange(names.staged, names.path):
-        os.rename(names.path, names.trash)      # (a file system without RENAME_EXCHANGE: recover covers the gap)
-        fsync(folder)
-        os.rename(names.staged, names.path)
-        fsync(folder)
+    if not disk.exchange(names.staged, names.path):
+        disk.rename(names.path, names.trash)    # (a file system without RENAME_EXCHANGE: recover covers the gap)
+        disk.sync(folder)
+        disk.rename(names.staged, names.path)
+        disk.sync(folder)
         _fault("swapped")
         _fault("trashed")
     else:
-        fsync(folder)
+        disk.sync(folder)
         _fault("swapped")
-        os.rename(names.staged, names.trash)
-        fsync(folder)
+        disk.rename(names.staged, names.trash)
+        disk.sync(folder)
         _fault("trashed")
     _remove(names.trash)
     _fault("removed")
-    os.unlink(names.journal)
-    fsync(folder)
+    disk.delete_file(names.journal)
+    disk.sync(folder)
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths in one atomic step (Linux renameat2); False where the system cannot."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    if call(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-        return True
-    errno = ctypes.get_errno()
-    if errno in (22, 38, 95):      # EINVAL, ENOSYS, EOPNOTSUPP: not on this file system
-        return False
-    raise OSError(errno, os.strerror(errno), a)
-
-
-def _settle(names: ThinNames) -> None:
+def _settle(names: ThinNames, disk: Renaming) -> None:
     """One journal's swap finished (the thinned form in place) or rolled back (the full one)."""
     folder = os.path.dirname(names.path)
     here, staged, trash = (fs.exists(p) for p in (names.path, names.staged, names.trash))
     if here and staged:     # before the exchange (the thinned copy, never swapped in) or after it (the full one)
         _remove(names.staged)
     elif not here and staged:   # between the two renames of the fallback: finish
-        os.rename(names.staged, names.path)
-        fsync(folder)
+        disk.rename(names.staged, names.path)
+        disk.sync(folder)
     elif not here and trash:     # nothing in place: the full one back
-        os.rename(names.trash, names.path)
-        fsync(folder)
+        disk.rename(names.trash, names.path)
+        disk.sync(folder)
         trash = False
     if trash:
         _remove(names.trash)
-    os.unlink(names.journal)
-    fsync(folder)
+    disk.delete_file(names.journal)
+    disk.sync(folder)
 
 
 def _remove(path: str) -> None:
-    if fs.is_url(path):
-        from reshard.storage.s3 import ObjectOutput
-        ObjectOutput().delete(path)
-        return
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.unlink(path)
-    else:
-        return
-    fsync(os.path.dirname(path))
+    """The file or folder at `path` removed (links not followed), its folder's names made durable."""
+    out = output_for(path)
+    out.delete(path)
+    out.sync(os.path.dirname(path))
 
 
 def _fault(step: str) -> None:

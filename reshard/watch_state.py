@@ -6,7 +6,7 @@ checked and whether the action on it (`--exec`) ran; and which checkpoint the `-
 its score and the file's identity as written (so a restarted watcher replaces it only with a better one). It is
 written whole to a hidden sibling and renamed over the old one, so a watcher killed at any point leaves the old
 state or the new, never half of one. A lock file beside it keeps a second watcher out. The names are hidden
-(run_layout.WATCH_STATE, WATCH_LOCK): `list` and `prune` skip them.
+(reshard.storage.names.WATCH_STATE, WATCH_LOCK): `list` and `prune` skip them.
 """
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from reshard.errors import ReshardError
-from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
-from reshard.staging import fsync, write_text
 from reshard.storage import files as fs
+from reshard.storage.names import WATCH_LOCK, WATCH_STATE
 from reshard.storage.protocol import Lock, LockHeld
 from reshard.storage.routing import output_for
 
@@ -60,13 +59,9 @@ class Best:
 
 
 def identity(path: str) -> tuple:
-    """(inode, size, mtime in ns) of the file at `path`; () when there is none. The export is replaced by a
-    rename, so a new file there, or an edit, changes it."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return ()
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+    """What the file at `path` is (on disk: inode, size, mtime in ns; reshard.storage.files.identity); () when
+    there is none. The export is replaced by a rename, so a new file there, or an edit, changes it."""
+    return fs.identity(path)
 
 
 @dataclass(frozen=True)
@@ -106,19 +101,13 @@ def load(root: str) -> WatchState:
 
 
 def save(root: str, state: WatchState) -> None:
-    """Write the state atomically: a hidden sibling, fsynced, renamed over the old file."""
+    """Write the state atomically (on disk: a hidden sibling, fsynced, renamed over the old file)."""
     path = path_in(root)
-    tmp = f"{path}.tmp"
     data = {"version": VERSION, "seen": {n: asdict(s) for n, s in state.seen.items()},
             "best": asdict(state.best) if state.best else None}
     text = json.dumps(data, indent=1) + "\n"
     try:
-        if fs.is_url(root):
-            output_for(root).put(path, text.encode())   # an object appears whole: no sibling to rename
-            return
-        write_text(tmp, text)
-        os.replace(tmp, path)
-        fsync(root)
+        output_for(root).put_atomic(path, text.encode())
     except OSError as e:
         raise ReshardError.at(path, f"cannot write the watch state ({e.strerror or e})") from None
 

@@ -292,7 +292,7 @@ class Watcher:
             return None, []
         pick, note, worse = best[0] if best else None, "", False
         if held is not None and lost:
-            was = f"{'changed' if os.path.exists(self.export_best) else 'removed'} since {label(held)} " \
+            was = f"{'changed' if fs.exists(self.export_best) else 'removed'} since {label(held)} " \
                   f"({self.metric} {held.value:g}) was exported to it"
             source = [r for r in complete if (r.name, fingerprint(r)) == (held.name, held.fingerprint)]
             if better:
@@ -404,7 +404,7 @@ def _check_export(out: str, root: str, metric: str | None) -> None:
         raise UsageError("--export-best needs --metric NAME (the best by what?)")
     if not out.endswith(EXPORT_SUFFIX):
         raise UsageError.at(out, f"--export-best writes one {EXPORT_SUFFIX} file (replaced by a single rename)")
-    real = os.path.realpath(out)
+    real = fs.realpath(out)
     if real == root or real.startswith(root + os.sep):
         raise UsageError.at(out, f"--export-best must be outside the watched directory {root}")
 

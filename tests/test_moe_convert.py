@@ -16,8 +16,7 @@ from reshard.convert import make_plan
 from reshard.core.catalog import MASTER
 from reshard.core.placement import Shard
 from reshard.executor import execute
-from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import topology as ds
+from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from reshard.formats.deepspeed.experts import expert_ranks
 from test_convert import _assert_same_tree, _covered_elements
 from test_moe import PACKED, _differences, _set_element
@@ -76,7 +75,7 @@ def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
     assert _experts_held(out) == {
         d: tuple(range(expert_ranks(d, ep, dp // ep, data_first)[0] * local,
                        (expert_ranks(d, ep, dp // ep, data_first)[0] + 1) * local)) for d in range(dp)}
-    model = torchsave_read.load(tag_dir(tmp_path / "out") / "mp_rank_00_model_states.pt")
+    model = deepspeed_pickles.load(tag_dir(tmp_path / "out") / "mp_rank_00_model_states.pt")
     assert model["dp_world_size"] == dp and model["ds_config"]["expert_parallel"]["autoep_size"] == ep
     for entry in model["ds_autoep_layers"]:
         assert (entry["ep_size"], entry["num_local_experts"], entry["expert_data_parallel_world_size"]) == \
@@ -87,7 +86,7 @@ def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
     assert all(tuple(shape)[0] == local for shape in model["param_shapes"][1].values())
     for f in out.files:
         if f.role == "optim_states":
-            optim = torchsave_read.load(tag_dir(tmp_path / "out") / f.path)["optimizer_state_dict"]
+            optim = deepspeed_pickles.load(tag_dir(tmp_path / "out") / f.path)["optimizer_state_dict"]
             assert optim["partition_count"] == [dp, dp // ep], f.path
 
 
@@ -96,7 +95,7 @@ def _assert_deepspeeds_own_files(fixture, out):
     assert sorted(os.listdir(original)) == sorted(os.listdir(ours))
     covered = _covered_elements(reshard.open_checkpoint(fixture_dir(fixture)))
     for name in sorted(os.listdir(original)):
-        _assert_same_tree(torchsave_read.load(original / name), torchsave_read.load(ours / name), name, covered)
+        _assert_same_tree(deepspeed_pickles.load(original / name), deepspeed_pickles.load(ours / name), name, covered)
 
 
 @pytest.mark.parametrize("name", MOE_FIXTURES)
@@ -168,7 +167,7 @@ def test_the_router_alias_is_a_child_holding_exactly_the_routers_tensors():
     tensor names, dtypes and shapes. Negative control: a child differing in one shape is no alias (it would be a
     frozen param, which a ZeRO-2 output must list)."""
     from reshard.formats.deepspeed.experts import router_aliases
-    model0 = torchsave_read.load(tag_dir(fixture_dir("autoep2_z1_fp32")) / "mp_rank_00_model_states.pt")
+    model0 = deepspeed_pickles.load(tag_dir(fixture_dir("autoep2_z1_fp32")) / "mp_rank_00_model_states.pt")
     assert router_aliases(model0) == ("model.layers.0.mlp.gate.gate.weight", "model.layers.1.mlp.gate.gate.weight")
     alias = model0["module"]["model.layers.1.mlp.gate.gate.weight"]
     model0["module"]["model.layers.1.mlp.gate.gate.weight"] = replace(alias, shape=(alias.shape[1], alias.shape[0]))
@@ -193,7 +192,7 @@ def test_a_deepspeed_moe_conversion_read_back_is_the_truth(to, tmp_path):
     for e in range(4):     # (each file holds its part of its expert-parallel rank's flat vector)
         ranks = {f.rank for f in out.tensors[(DS_MOE_EXPERT.format(e), MASTER)].fragments}
         assert ranks and {expert_ranks(d, ep, dp // ep, False)[0] for d in ranks} == {e // local}, e
-    model = torchsave_read.load(tag_dir(tmp_path / "out") / "mp_rank_00_model_states.pt")
+    model = deepspeed_pickles.load(tag_dir(tmp_path / "out") / "mp_rank_00_model_states.pt")
     assert list(model["param_shapes"][1]) == [DS_MOE_EXPERT.format(i).replace(".0.weight", rest)
                                               for i in range(local) for rest in (".0.weight", ".0.bias", ".2.weight",
                                                                                  ".2.bias")]

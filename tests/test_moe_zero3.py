@@ -13,8 +13,7 @@ import pytest
 import reshard
 from conftest import fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
 from reshard.core.catalog import MASTER
-from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import topology as ds
+from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from reshard.formats.deepspeed.experts import expert_ranks
 from test_moe import PACKED, _differences, _problem_lines, _set_element
 from test_moe_convert import _assert_deepspeeds_own_files, _convert, _experts_held
@@ -32,14 +31,14 @@ def test_a_zero3_save_has_no_expert_layer_files_and_every_rank_its_model_states(
     assert files == sorted([f"zero_pp_rank_{d}_mp_rank_00_{kind}_states.pt" for d in range(world)
                             for kind in ("model", "optim")])
     for d in range(world):
-        model = torchsave_read.load(tag_dir(fixture_dir(name)) / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
+        model = deepspeed_pickles.load(tag_dir(fixture_dir(name)) / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
         ep_rank, edp_rank = expert_ranks(d, 2, world // 2, False)
         for entry in model["ds_autoep_layers"]:
             assert (entry["checkpoint_format"], entry["checkpoint_format_version"]) == ("zero3_partitioned", 1)
             assert (entry["ep_rank"], entry["expert_data_parallel_rank"]) == (ep_rank, edp_rank)
             assert (entry["global_expert_start"], entry["global_expert_end"]) == (2 * ep_rank, 2 * ep_rank + 2)
         assert not any(k.endswith(("experts.w1", "experts.w2", "experts.w3")) for k in model["module"])
-        optim = torchsave_read.load(tag_dir(fixture_dir(name)) / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
+        optim = deepspeed_pickles.load(tag_dir(fixture_dir(name)) / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
         groups = optim["optimizer_state_dict"]["ds_zero_partition_groups"]
         assert [(g["partition_count"], g["partition_rank"], g["families"]) for g in groups] == \
             [(world, d, ["replicated"]), (world // 2, edp_rank, ["autoep_expert"])]

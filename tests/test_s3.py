@@ -501,3 +501,68 @@ def test_reads_cut_off_or_throttled_are_fetched_again(s3, source, monkeypatch):
             body.read()
     finally:
         relay.close()
+
+
+def _written(folder: Path) -> dict:
+    """{file: sha256} of what a conversion wrote, from its manifest (computed as the bytes were written)."""
+    manifest = json.loads((folder / "reshard-manifest.json").read_text())
+    return {path: entry["sha256"] for path, entry in manifest["files"].items()}
+
+
+def test_descriptor_and_rule_files_in_a_bucket_are_read_as_on_disk(s3, tmp_path):
+    """`--to s3://…/dp3.json` (written to the bucket by Layout.save itself), `--layout-rules s3://…` and `--names
+    s3://…` read through the storage: the same output as the same files on disk, byte for byte. The negative
+    controls: a missing object named in one line, exit 2 for --to, nothing written."""
+    from reshard.formats import read
+    source = fixture_dir(FIXTURE)
+    layout = read(str(source)).layout.with_degrees({"dp": 3})
+    remote, local = s3.url("rules/dp3.json"), tmp_path / "dp3.json"
+    layout.save(remote)
+    layout.save(local)
+    assert servers.keys(s3, "rules/dp3.json") == ["rules/dp3.json"]
+    for where, to in (("remote", remote), ("local", local)):
+        run_cli("convert", source, tmp_path / where, "--to", to, "--quiet", check=0)
+    assert _written(tmp_path / "remote") == _written(tmp_path / "local")
+    assert any("mp_rank" in name for name in _written(tmp_path / "remote"))
+    assert "dp=3" in run_cli("inspect", tmp_path / "remote", check=0).stdout
+
+    megatron = fixture_dir("megatron_tp2_z1_fp32_dp2")       # refused without rules: it carries no TP layout
+    servers.put(s3, "rules/megatron-gpt.json", (REPO / "reshard/layouts/megatron-gpt.json").read_bytes())
+    shipped = run_cli("inspect", megatron, "--layout-rules", "megatron-gpt", check=0).stdout
+    assert run_cli("inspect", megatron, "--layout-rules", s3.url("rules/megatron-gpt.json"), check=0).stdout == shipped
+    assert "tp=2" in shipped
+
+    servers.put(s3, "rules/names.json", (REPO / "reshard/layouts/mixtral-autoep-hf.json").read_bytes())
+    for where, names in (("hf-remote", s3.url("rules/names.json")), ("hf-local", "mixtral-autoep-hf")):
+        run_cli("export", fixture_dir("autoep2_z1_fp32"), tmp_path / where, "--names", names, "--quiet", check=0)
+    assert _written(tmp_path / "hf-remote") == _written(tmp_path / "hf-local")
+    assert any("experts" in key for key in load_file(next((tmp_path / "hf-remote").glob("*.safetensors"))))
+
+    missing = s3.url("rules/nothere.json")
+    for args, status in ((("convert", source, tmp_path / "never", "--to", missing), 2),
+                         (("inspect", megatron, "--layout-rules", missing), 1),
+                         (("export", fixture_dir("autoep2_z1_fp32"), tmp_path / "never", "--names", missing), 1)):
+        proc = run_cli(*args, check=status)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and missing in lines[0], proc.stderr
+        assert not (tmp_path / "never").exists()
+
+
+def test_a_prefix_walks_and_measures_as_its_local_copy_and_a_new_put_changes_its_identity(s3, source):
+    """files.walk and files.found_under of the uploaded fixture: the folders and files os.walk and the sizes
+    os.stat give for the local copy; files.identity of an object changes when it is put again (the control: the
+    same object asked twice is the same)."""
+    from reshard.storage import files
+    local = fixture_dir(FIXTURE)
+    walked = {os.path.relpath(folder, source): (sorted(dirs), sorted(names)) for folder, dirs, names in
+              files.walk(source)}
+    assert walked == {os.path.relpath(folder, local): (sorted(dirs), sorted(names)) for folder, dirs, names in
+                      os.walk(local)}
+    sizes = {os.path.relpath(f.path, source): f.size for f in files.found_under(source)}
+    assert sizes == {os.path.relpath(os.path.join(folder, n), local): os.path.getsize(os.path.join(folder, n))
+                     for folder, _, names in os.walk(local) for n in names}
+    servers.put(s3, "ident/x", b"one")
+    first = files.identity(s3.url("ident/x"))
+    assert first == files.identity(s3.url("ident/x")) and first[1] == 3
+    servers.put(s3, "ident/x", b"two!")
+    assert files.identity(s3.url("ident/x")) != first and files.identity(s3.url("ident/nothere")) == ()

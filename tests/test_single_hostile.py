@@ -3,13 +3,14 @@ import json
 import os
 import shutil
 import struct
+import zipfile
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 import single_models as sm
-from conftest import run_cli
+from conftest import fixture_dir, run_cli, tag_dir
 from reshard.errors import CheckpointError
 from reshard.formats.single import optim_map
 
@@ -261,3 +262,27 @@ def test_batchnorm_running_stats_make_the_mapping_ambiguous(tmp_path):
     weights = tmp_path / "weights.pt"       # without the optimizer there is nothing to map
     torch.save(model.state_dict(), weights)
     assert run_cli("export", weights, tmp_path / "w.safetensors", "--quiet").returncode == 0
+
+
+def test_a_deepspeed_class_is_refused_outside_a_deepspeed_checkpoint(tmp_path):
+    """Each format's unpickler takes what its format holds: DeepSpeed's classes (formats/deepspeed/pickles.py) in
+    DeepSpeed's files only. A single-process torch.save file or Lightning .ckpt holding DeepSpeed's real
+    LossScaler is refused in one line naming the global, nothing written; the controls: the same files without it
+    read, and a DeepSpeed checkpoint whose optimizer file pickles DeepSpeed's classes reads."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    model, opt = _trained(tmp_path)
+    pt, ckpt = tmp_path / "plain.pt", tmp_path / "plain.ckpt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+    torch.save({"state_dict": model.state_dict(), "epoch": 1}, ckpt)
+    for path in (pt, ckpt):
+        assert run_cli("inspect", path).returncode == 0, path
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "loss_scaler": LossScaler(2.0)}, pt)
+    torch.save({"state_dict": model.state_dict(), "epoch": 1, "loss_scaler": LossScaler(2.0)}, ckpt)
+    for path in (pt, ckpt):
+        refused(path, tmp_path, "refusing to unpickle global deepspeed.runtime.fp16.loss_scaler.LossScaler")
+    deepspeed_save = tag_dir(fixture_dir("z2_fp16_dp2"))
+    optim = next(deepspeed_save.glob("*optim_states.pt"))
+    with zipfile.ZipFile(optim) as zf:
+        pickled = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    assert b"deepspeed.runtime" in pickled          # (it does name DeepSpeed's classes)
+    assert run_cli("inspect", deepspeed_save).returncode == 0

@@ -154,3 +154,33 @@ def test_positioned_reads_stop_short_only_at_the_end(tmp_path):
                 pass
     finally:
         source.close()
+
+
+def test_the_lifecycle_operations_replace_swap_link_and_set_aside_as_said(tmp_path):
+    """What prune, watch and thin ask of a local disk (reshard.storage.protocol Renaming): put_atomic replaces a file
+    whole and leaves no sibling; exchange swaps two folders in one step; link_or_copy gives the same inode (no byte
+    written) with the source's times; set_aside moves a folder out of sight; found_under names a link that leads
+    out and never enters it. Each checked against the state before (the controls: what changed is what was asked)."""
+    from reshard.storage import files
+    storage = PosixOutput()
+    state = tmp_path / "state.json"
+    storage.put_atomic(str(state), b"old")
+    storage.put_atomic(str(state), b"new")
+    assert state.read_bytes() == b"new" and sorted(os.listdir(tmp_path)) == ["state.json"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    _stage(storage, str(a), {"x": b"from a"})
+    _stage(storage, str(b), {"x": b"from b"})
+    assert storage.exchange(str(a), str(b)) is True     # (Linux: renameat2 on this file system)
+    assert (a / "x").read_bytes() == b"from b" and (b / "x").read_bytes() == b"from a"
+    os.utime(a / "x", ns=(1_000_000_000, 2_000_000_000))
+    storage.link_or_copy(str(a / "x"), str(tmp_path / "kept" / "x"))
+    kept, source = os.stat(tmp_path / "kept" / "x"), os.stat(a / "x")
+    assert (kept.st_ino, kept.st_mtime_ns) == (source.st_ino, 2_000_000_000)
+    os.symlink(tmp_path / "b", a / "out")
+    found = {f.path: f for f in files.found_under(str(a))}
+    assert found[str(a / "out")].link == str(b) and str(a / "out" / "x") not in found
+    assert found[str(a / "x")].size == len(b"from b") and found[str(a)].folder
+    trash = storage.set_aside(str(a), str(tmp_path / ".a.trash"))
+    assert not a.exists() and (tmp_path / ".a.trash" / "x").read_bytes() == b"from b"
+    storage.delete(trash)
+    assert not os.path.lexists(trash) and (b / "x").read_bytes() == b"from a"     # the link's target untouched

@@ -5,7 +5,11 @@
 - no import cycle among reshard's modules, counting package `__init__`s: importing `a.b.c` runs `a/__init__` and
   `a/b/__init__` first, so an import reaches every package above its module that is not above the importer too
   (those already run). Imports inside functions count as well: a lazy import is still a cycle, only a later one;
-- no private name (`_x`) taken from another module: `from a import _x`, or `a._x` on a module the importer names.
+- no private name (`_x`) taken from another module: `from a import _x`, or `a._x` on a module the importer names;
+- the storage layer is the one way to the filesystem: outside reshard/storage/ no raw filesystem call (`open`,
+  the file operations of `os`, `os.path`'s questions to the disk, `shutil`, `tempfile`, pathlib's reads and writes)
+  and no `is_url` branch on where a path lies, but for an explicit allow-list, each entry saying why; and of
+  reshard.storage only its seams (files, names, protocol, routing) are imported from outside it.
 
 Each rule is run on a small synthetic package that breaks it (the negative controls), and the few violations that
 other work removes are listed exactly, so the test fails both when one is fixed and when a new one appears.
@@ -178,6 +182,131 @@ def format_imports_in(package: str, formats: str, found: list[Import]) -> set[tu
     return {(imp.module, imp.target) for imp in found
             if (imp.module + ".").startswith(package + ".")
             and (imp.target + ".").startswith(formats + ".")}
+
+
+# os's calls that touch the filesystem (the path arithmetic of os.path, os.fspath, os.getpid... do not)
+OS_FILE_CALLS = {"stat", "lstat", "listdir", "scandir", "walk", "fwalk", "rename", "renames", "replace", "unlink",
+                 "remove", "rmdir", "removedirs", "makedirs", "mkdir", "fsync", "fdatasync", "open", "link", "symlink",
+                 "readlink", "utime", "truncate", "chmod", "chown", "access", "statvfs", "posix_fadvise", "pread",
+                 "preadv", "pwrite", "pwritev", "sendfile", "copy_file_range"}
+OS_PATH_FILE_CALLS = {"exists", "lexists", "isdir", "isfile", "islink", "ismount", "getsize", "getmtime", "getatime",
+                      "getctime", "realpath", "samefile"}
+WHOLE_MODULES = {"shutil", "tempfile"}      # every call of theirs touches the filesystem
+PATH_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "iterdir", "touch", "rmdir", "symlink_to"}
+# Raw calls outside reshard/storage/ that stay, each for its reason: {(module, call): why}
+RAW_ALLOWED = {
+    ("reshard.cli", "os.open"): "a broken pipe: stdout pointed at os.devnull, the process's own stream, no file "
+                                "of a checkpoint",
+    ("reshard.rule_files", ".iterdir"): "the rule files shipped in the package (importlib.resources: package data, "
+                                        "wherever the package is installed), not a checkpoint's",
+    ("reshard.rule_files", ".read_text"): "as .iterdir: a shipped rule file's kind, read from the package",
+}
+
+
+def raw_filesystem_calls(root: Path, storage: str) -> set[tuple[str, str]]:
+    """{(module, call)} of every raw filesystem call and every `is_url` named in the package at root outside its
+    package `storage`: `open(...)`, `os.X(...)` / `os.path.X(...)` for the X above (also imported by name),
+    any `shutil.` or `tempfile.` call, a pathlib read or write method, `is_url` as a name or an attribute."""
+    found: set[tuple[str, str]] = set()
+    for module, path in _modules(root).items():
+        if (module + ".").startswith(storage + "."):
+            continue
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}        # a local name bound to a raw call: `from os import rename as r`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("os", "os.path", *WHOLE_MODULES):
+                allowed = {"os": OS_FILE_CALLS, "os.path": OS_PATH_FILE_CALLS}.get(node.module)
+                for a in node.names:
+                    if allowed is None or a.name in allowed:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "is_url" or \
+                    isinstance(node, ast.Attribute) and node.attr == "is_url":
+                found.add((module, "is_url"))
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name):
+                if func.id == "open":
+                    found.add((module, "open"))
+                elif func.id in aliases:
+                    found.add((module, aliases[func.id]))
+            elif isinstance(func, ast.Attribute):
+                owner = ast.unparse(func.value)
+                if owner == "os" and func.attr in OS_FILE_CALLS or \
+                        owner == "os.path" and func.attr in OS_PATH_FILE_CALLS or \
+                        owner in WHOLE_MODULES or owner in ("builtins", "io") and func.attr == "open":
+                    found.add((module, f"{owner}.{func.attr}"))
+                elif func.attr in PATH_METHODS:
+                    found.add((module, f".{func.attr}"))
+    return found
+
+
+def test_nothing_outside_storage_touches_the_filesystem_itself():
+    """Every read, write, listing and rename of a file goes through reshard.storage (what a path holds:
+    storage.files; writing: an OutputStorage), so a checkpoint in an object store is served as one on disk; the
+    few raw calls left are listed, each with its reason (RAW_ALLOWED)."""
+    assert raw_filesystem_calls(REPO / "reshard", "reshard.storage") == set(RAW_ALLOWED)
+
+
+def test_the_check_finds_raw_filesystem_calls_outside_storage(tmp_path):
+    """Negative control: each kind of raw call, imported by name too, and an is_url branch, found outside the
+    storage package and not inside it; path arithmetic and the storage's own calls are not."""
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/storage/__init__.py": "", "pkg/storage/files.py": "import os\n\ndef is_url(p):\n    return open(p)\n"
+                                                                  "os.rename('a', 'b')\n",
+        "pkg/a.py": "import os\nimport shutil\n\ndef f(p):\n    os.rename(p, p + '~')\n    shutil.rmtree(p)\n"
+                    "    return os.path.isdir(p) or os.path.join(p, 'x')\n",
+        "pkg/b.py": "from os import unlink as gone\nfrom os.path import exists, join\n\ndef g(p):\n"
+                    "    gone(join(p, 'x'))\n    return exists(p)\n",
+        "pkg/c.py": "from pkg.storage import files as fs\n\ndef h(p):\n    if fs.is_url(p):\n"
+                    "        return fs.open(p)\n    with open(p) as f:\n        return f.read()\n",
+        "pkg/d.py": "import tempfile\nfrom pathlib import Path\n\ndef k(p):\n    Path(p).write_text('x')\n"
+                    "    return tempfile.mkdtemp()\n",
+        "pkg/fine.py": "import os\nfrom pkg.storage import files as fs\n\ndef m(p):\n"
+                       "    return fs.exists(os.path.join(p, 'x')), os.getpid(), os.fspath(p)\n",
+    })
+    assert raw_filesystem_calls(pkg, "pkg.storage") == {
+        ("pkg.a", "os.rename"), ("pkg.a", "shutil.rmtree"), ("pkg.a", "os.path.isdir"),
+        ("pkg.b", "os.unlink"), ("pkg.b", "os.path.exists"),
+        ("pkg.c", "is_url"), ("pkg.c", "open"),
+        ("pkg.d", ".write_text"), ("pkg.d", "tempfile.mkdtemp")}
+
+
+# What the rest of the package may import of reshard.storage: the interface and the ways to it. The implementations
+# (posix, posix_sink, s3) are reached through routing and files, by path, never named from outside.
+STORAGE_SEAMS = {"files", "names", "protocol", "routing"}
+
+
+def storage_layer_breaches(package: str, storage: str, found: list[Import]) -> set[tuple[str, str]]:
+    """{(module outside `storage`, the storage module it imports that is not a seam)}, lazy imports alike."""
+    seams = {f"{storage}.{name}" for name in STORAGE_SEAMS} | {storage}
+    return {(imp.module, imp.target) for imp in found
+            if (imp.module + ".").startswith(package + ".") and not (imp.module + ".").startswith(storage + ".")
+            and (imp.target + ".").startswith(storage + ".") and imp.target not in seams}
+
+
+def test_only_the_storage_seams_are_imported_from_outside_storage():
+    _, found, _ = imports(REPO / "reshard")
+    assert storage_layer_breaches("reshard", "reshard.storage", found) == set()
+
+
+def test_the_check_finds_a_storage_implementation_imported_from_outside(tmp_path):
+    """Negative control: a module-level and a lazy import of an implementation found; the seams and the storage's
+    own imports of its implementations not."""
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/storage/__init__.py": "", "pkg/storage/posix.py": "", "pkg/storage/s3.py": "",
+        "pkg/storage/routing.py": "from pkg.storage import posix\n\ndef f():\n    from pkg.storage import s3\n",
+        "pkg/storage/files.py": "", "pkg/storage/protocol.py": "",
+        "pkg/a.py": "from pkg.storage.posix import X\n",
+        "pkg/b.py": "def g():\n    from pkg.storage import s3\n",
+        "pkg/fine.py": "from pkg.storage import files, routing\nfrom pkg.storage.protocol import P\n",
+    })
+    _, found, _ = imports(pkg)
+    assert storage_layer_breaches("pkg", "pkg.storage", found) == {("pkg.a", "pkg.storage.posix"),
+                                                                   ("pkg.b", "pkg.storage.s3")}
 
 
 def test_the_core_imports_no_format():

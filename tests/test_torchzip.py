@@ -8,8 +8,9 @@ import torch
 
 from conftest import FIXTURE_NAMES, copy_fixture, run_cli, tag_dir
 from reshard.core.catalog import Fragment
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, UnsafeCheckpointError
 from reshard.formats import torchsave_read
+from reshard.formats.deepspeed import pickles as deepspeed_pickles
 from reshard.formats.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import MappedFiles, read_scalar
@@ -93,6 +94,7 @@ def test_hostile_payload_inside_a_real_checkpoint_through_the_cli(tmp_path):
 
 
 def test_deepspeed_classes_become_inert_standins(tmp_path):
+    """Through DeepSpeed's allow-list; torch's own (any other format's base) refuses the first (the control)."""
     # Pickle objects under DeepSpeed's global names without DeepSpeed: write the bytes by hand.
     import pickle
     import zipfile
@@ -103,10 +105,12 @@ def test_deepspeed_classes_become_inert_standins(tmp_path):
     path = tmp_path / "ds.pt"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("ds/data.pkl", payload)
-    loaded = torchsave_read.load(path)
+    loaded = deepspeed_pickles.load(path)
     assert loaded["stage"] == 3 and isinstance(loaded["stage"], ZeroStageEnum)
     assert isinstance(loaded["scaler"], DynamicLossScaler)
     assert loaded["addr"] == fragment_address(5, 7)
+    with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle global deepspeed.runtime.zero.config"):
+        torchsave_read.load(path)
 
 
 def test_legacy_format_is_refused_clearly(tmp_path):

@@ -22,8 +22,8 @@ from engine_launches import shares
 from reshard.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.executor import execute
-from reshard.formats import target_layout, torchsave_read
-from reshard.formats.deepspeed import topology as ds
+from reshard.formats import target_layout
+from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from test_convert import _assert_same_tree, _covered_elements
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_bf16_tied_dp2", "autotp2_z2_fp32_tied_dp2", "autotp2_z1_fp32_uneven_dp2"]
@@ -51,7 +51,7 @@ def _assert_same_tensors(a, b):
 def _assert_same_files(original, back, covered):
     assert sorted(os.listdir(original)) == sorted(os.listdir(back))
     for name in sorted(os.listdir(original)):
-        _assert_same_tree(torchsave_read.load(original / name), torchsave_read.load(back / name), name, covered)
+        _assert_same_tree(deepspeed_pickles.load(original / name), deepspeed_pickles.load(back / name), name, covered)
 
 
 @pytest.mark.parametrize("to", TARGETS)
@@ -67,7 +67,7 @@ def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
     assert out.training.global_steps == source.training.global_steps
     first = "zero_pp_rank_0_mp_rank_00_model_states.pt" if ds.of(target).zero == 3 else "mp_rank_00_model_states.pt"
-    model0 = torchsave_read.load(tag_dir(tmp_path / "out") / first)
+    model0 = deepspeed_pickles.load(tag_dir(tmp_path / "out") / first)
     assert model0["mp_world_size"] == target.tp
     assert model0["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": target.tp}
     assert model0["ds_config"]["tensor_parallel"]["autotp_size"] == target.tp
@@ -140,7 +140,7 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     tag = tag_dir(tmp_path / "out")
     assert sorted(n for n in os.listdir(tag) if n.startswith("layer_")) == \
         [f"layer_{i:02d}-model_states.pt" for i in range(5)]
-    assert all(torchsave_read.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None
+    assert all(deepspeed_pickles.load(tag / f"mp_rank_{s:02d}_model_states.pt")["module"] is None
                for s in range(target.pp))
 
 
@@ -307,7 +307,7 @@ def test_every_stage_using_the_tied_head_trains_the_tied_weight(pp, tmp_path):
         stage = next(s for s in range(pp) if parts[s] <= layer < parts[s + 1])
         assert out.notes.stages[f"{layer}.fc.weight" if layer < 5 else "5.weight"] == [stage]
     counts = _tied_head_counts()
-    last = torchsave_read.load(tag_dir(tmp_path / "out") / f"zero_pp_rank_0_mp_rank_{pp - 1:02d}_optim_states.pt")
+    last = deepspeed_pickles.load(tag_dir(tmp_path / "out") / f"zero_pp_rank_0_mp_rank_{pp - 1:02d}_optim_states.pt")
     flat = last["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
     assert tuple(flat.shape) == (sum(counts[parts[-2]:]),)      # its layers, the head's tied weight included
 
@@ -416,7 +416,7 @@ def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
     covered = _covered_elements(reshard.open_checkpoint(result["checkpoint"]))
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
-        _assert_same_tree(torchsave_read.load(ours / n), torchsave_read.load(theirs / n), n, covered)
+        _assert_same_tree(deepspeed_pickles.load(ours / n), deepspeed_pickles.load(theirs / n), n, covered)
 
 
 @pytest.mark.engine
@@ -501,7 +501,7 @@ def test_uneven_tp2_recut_to_tp3_cuts_one_kv_head_per_rank(tmp_path):
     source = reshard.open_checkpoint(fixture_dir("autotp2_z1_fp32_uneven_dp2"))
     _assert_same_tensors(source, out)
     for rank in range(3):
-        model = torchsave_read.load(tag_dir(dst) / f"mp_rank_{rank:02d}_model_states.pt")
+        model = deepspeed_pickles.load(tag_dir(dst) / f"mp_rank_{rank:02d}_model_states.pt")
         assert model["module"]["model.layers.0.self_attn.k_proj.weight"].shape == (4, 24)    # 1 head of 4
         assert model["module"]["model.layers.0.self_attn.o_proj.weight"].shape == (24, 8)
         assert model["module"]["lm_head.weight"].shape == (16, 24)
@@ -557,7 +557,7 @@ def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, engine
     covered = _covered_elements(reshard.open_checkpoint(dst))
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
-        _assert_same_tree(torchsave_read.load(ours / n), torchsave_read.load(theirs / n), n, covered)
+        _assert_same_tree(deepspeed_pickles.load(ours / n), deepspeed_pickles.load(theirs / n), n, covered)
 
 
 @pytest.mark.engine

@@ -273,7 +273,7 @@ def make_sparse(args):
 
 def compare(args):
     """Same files, same pickled trees (keys, values, tensor dtypes and shapes) as a real checkpoint."""
-    from reshard.formats import torchsave_read
+    from reshard.formats.deepspeed import pickles as deepspeed_pickles
     from reshard.formats.deepspeed.files import resolve_tag_dir
 
     real, synthetic = resolve_tag_dir(args.real)[0], resolve_tag_dir(args.synthetic)[0]
@@ -282,8 +282,8 @@ def compare(args):
     problems = [] if names == theirs else [f"files differ: {names} vs {theirs}"]
     for name in names:
         if os.path.exists(os.path.join(synthetic, name)):
-            _same_tree(torchsave_read.load(os.path.join(real, name)),
-                       torchsave_read.load(os.path.join(synthetic, name)), name, problems)
+            _same_tree(deepspeed_pickles.load(os.path.join(real, name)),
+                       deepspeed_pickles.load(os.path.join(synthetic, name)), name, problems)
     print("\n".join(problems) if problems else f"same structure: {len(names)} files, every key, dtype and shape")
     return 1 if problems else 0
 

@@ -17,6 +17,8 @@ from typing import Protocol, TypeVar
 
 from reshard import rule_files
 from reshard.errors import ReshardError, UsageError
+from reshard.storage import files as fs
+from reshard.storage.routing import output_for
 
 DESCRIPTOR_KIND = rule_files.LAYOUT
 DESCRIPTOR_VERSION = 1
@@ -204,9 +206,8 @@ class Layout:
         return base._merged(data, own, known, source)
 
     def save(self, path: Path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        """Its descriptor file written at `path` (a local path or an object store's URL: reshard.storage)."""
+        output_for(os.fspath(path)).put(os.fspath(path), (json.dumps(self.to_dict(), indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, path: Path, own: DescriptorKeys, known: tuple[str, ...] = ()) -> Layout:
@@ -266,9 +267,10 @@ def _once(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 def read_descriptor(path: Path) -> dict[str, object]:
-    """A layout descriptor file's JSON, its kind and version checked."""
+    """A layout descriptor file's JSON (on disk or in object storage: reshard.storage), its kind and version
+    checked."""
     try:
-        with open(path) as f:
+        with fs.open(path) as f:
             data = json.load(f, object_pairs_hook=_once)
     except OSError as e:
         raise UsageError.at(path, f"cannot read layout descriptor: {e.strerror}") from None

@@ -20,16 +20,15 @@ from reshard import manifest
 from reshard.errors import ReshardError
 from reshard.formats import POINTERS, pointed as pointed_by, reader_for, units
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
-from reshard.storage import files as fs
+from reshard.storage import files as fs, names
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
-TRASH_SUFFIX = ".reshard-trash"     # a checkpoint renamed for deletion (reshard prune), finished by a rerun
-STAGING_SUFFIX = ".reshard-tmp"     # reshard convert/export's staging folder
-# reshard thin's names beside a checkpoint X (reshard.thinning): `.X.reshard-thin` its thinned form being written and
-# proven, `.X.reshard-thin-journal` the swap's journal, `.X.reshard-thinned-from` the full checkpoint once swapped out
-THIN_SUFFIX, THIN_JOURNAL_SUFFIX, THIN_TRASH_SUFFIX = ".reshard-thin", ".reshard-thin-journal", ".reshard-thinned-from"
-WATCH_STATE = ".reshard-watch.json"     # reshard watch's memory in the run directory: hidden, so never an entry
-WATCH_LOCK = ".reshard-watch.lock"      # held while a watcher runs: one watcher per run directory
+# reshard's own names in a run (reshard.storage.names): a prune's trash, a conversion's staging, thin's hidden siblings
+# and journal, watch's state and lock
+TRASH_SUFFIX, STAGING_SUFFIX = names.TRASH_SUFFIX, names.STAGING_SUFFIX
+THIN_SUFFIX, THIN_JOURNAL_SUFFIX = names.THIN_SUFFIX, names.THIN_JOURNAL_SUFFIX
+THIN_TRASH_SUFFIX = names.THIN_TRASH_SUFFIX
+WATCH_STATE, WATCH_LOCK = names.WATCH_STATE, names.WATCH_LOCK
 # a conversion written in place (object storage has no rename: reshard.staging) before its manifest is there
 IN_PLACE = f"reshard is writing it in place ({manifest.UNFINISHED}, no {manifest.NAME} yet)"
 HF_STAGING = units.HF_STAGING
@@ -97,7 +96,7 @@ def thin_journals(root: str) -> list[str]:
     """The journals of `reshard thin` swaps under run directory `root` (folders MAX_DEPTH deep, links not
     followed, hidden folders not entered)."""
     found = []
-    for folder, dirs, files in os.walk(root):
+    for folder, dirs, files in fs.walk(root):
         depth = os.path.relpath(folder, root).count(os.sep) + (folder != root)
         dirs[:] = [] if depth >= MAX_DEPTH else [d for d in dirs if not d.startswith(".")]
         found += [os.path.join(folder, n) for n in files if n.startswith(".") and n.endswith(THIN_JOURNAL_SUFFIX)]

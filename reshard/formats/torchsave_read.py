@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError, UnsafeCheckpointError
-from reshard.formats import standins, zip_directory
+from reshard.formats import zip_directory
 from reshard.storage import files as fs
 
 
@@ -121,6 +121,8 @@ def _size(dims=()):
     return Size(dims)
 
 
+# torch's own globals: what any torch.save file may name. A format whose pickles name more (DeepSpeed's classes,
+# Megatron's args) reads with its own superset (formats/deepspeed/pickles.py, formats/megatron/pickles.py)
 ALLOWED = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
@@ -141,7 +143,6 @@ ALLOWED.update({("torch", dt): DType(dt) for dt in set(STORAGE_DTYPES.values())}
 ALLOWED.update({("torch", alias): DType(dt) for alias, dt in
                 {"float": "float32", "half": "float16", "double": "float64", "long": "int64",
                  "int": "int32", "short": "int16"}.items()})
-ALLOWED.update(standins.BY_GLOBAL)
 
 
 class AllowListUnpickler(pickle.Unpickler):
@@ -207,11 +208,9 @@ def load(path: str, span: tuple | None = None, allowed: dict | None = None) -> o
     if size == 0:
         raise CheckpointError(path, "file is empty (0 bytes)")
     try:
-        with fs.open(path, "rb") as raw:
-            # no read-ahead past the few headers read here: the metadata of a checkpoint (inspect, validate,
-            # a plan) is a few KiB per file, and the kernel would read up to read_ahead_kb (8 MiB) of each
-            if hasattr(os, "posix_fadvise") and not fs.is_url(path):     # (not on macOS; no pages of an object)
-                os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        # no read-ahead past the few headers read here: the metadata of a checkpoint (inspect, validate, a plan) is
+        # a few KiB per file, and the kernel would read up to read_ahead_kb (8 MiB) of each
+        with fs.open(path, "rb", random_access=True) as raw:
             f = _Span(raw, base, size)
             infos = zip_directory.members(f.tail, size)
             if infos is None or any(i.compress_type != zipfile.ZIP_STORED for i in infos):

@@ -36,6 +36,7 @@ from reshard.formats.framework import lightning
 from reshard.formats.single import hf_weights
 from reshard.formats.single.hf_trainer import OPTIMIZER, RNG, SCHEDULER, TRAINER_STATE
 from reshard.storage import files as fs
+from reshard.storage.names import STAGING_SUFFIX
 
 READ, OPAQUE, UNKNOWN = "read", "opaque", "unknown"
 NOT_READ = "no reader of reshard's format registry reads it"
@@ -103,7 +104,7 @@ class Listing:
 
 def in_series(name: str) -> bool:
     """Is `name` (reshard's `.X.reshard-tmp` staging of X included) one a save loop gives its checkpoints?"""
-    staged = re.fullmatch(r"\.(.+)\.reshard-tmp", name)
+    staged = re.fullmatch(rf"\.(.+){re.escape(STAGING_SUFFIX)}", name)
     return any(p.match(staged.group(1) if staged else name) for p in SERIES_NAMES)
 
 

@@ -8,6 +8,7 @@ tree and renames it into place, so the destination appears whole or not at all.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -16,7 +17,11 @@ import shutil
 from reshard import digests
 from reshard.errors import CheckpointError
 from reshard.storage import files, posix_sink
+from reshard.storage.names import ATOMIC_SUFFIX, REPLACED_SUFFIX
 from reshard.storage.protocol import LockHeld
+
+RENAME_EXCHANGE = 2     # renameat2's flag (linux/fs.h)
+AT_FDCWD = -100         # renameat2's "relative to the working directory"
 
 
 class PosixSource:
@@ -194,7 +199,7 @@ class PosixOutput:
         for folder, _, _ in os.walk(staged):
             fsync(folder)
         if os.path.exists(final):
-            trash = f"{staged}.old"
+            trash = f"{staged}{REPLACED_SUFFIX}"
             os.rename(final, trash)
             os.rename(staged, final)
             shutil.rmtree(trash)
@@ -207,7 +212,60 @@ class PosixOutput:
         fsync(os.path.dirname(final))
 
     def free_bytes(self, folder: str) -> int:
+        """The free bytes of the device `folder` is on, or will be once made (its nearest folder that exists)."""
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
         return shutil.disk_usage(folder).free
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Written whole to a sibling, fsynced, renamed over `path`, the folder fsynced: the old file or the new."""
+        staged = f"{path}{ATOMIC_SUFFIX}"
+        write_text(staged, data)
+        os.replace(staged, path)
+        fsync(os.path.dirname(path))
+
+    def set_aside(self, path: str, trash: str) -> str:
+        """`path` renamed to `trash` (in its folder: one atomic step), the folder fsynced."""
+        os.rename(path, trash)
+        fsync(os.path.dirname(path))
+        return trash
+
+    def delete_file(self, path: str) -> None:
+        os.unlink(path)
+
+    def rename(self, source: str, target: str) -> None:
+        os.rename(source, target)
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap two paths in one atomic step (Linux renameat2); False where the system cannot."""
+        try:
+            call = ctypes.CDLL(None, use_errno=True).renameat2
+        except (OSError, AttributeError):
+            return False
+        if call(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+            return True
+        errno = ctypes.get_errno()
+        if errno in (22, 38, 95):      # EINVAL, ENOSYS, EOPNOTSUPP: not on this file system
+            return False
+        raise OSError(errno, os.strerror(errno), a)
+
+    def link_or_copy(self, source: str, target: str) -> None:
+        """A hard link to `source` at `target` (the same bytes, none written, its times its own), or a durable
+        copy with `source`'s times where the file system has no links; `target`'s folder made first."""
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copyfile(source, target)
+            fsync(target)
+            self.copy_times(source, target)
+
+    def copy_times(self, source: str, target: str) -> None:
+        st = os.stat(source)
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    def set_mtime(self, path: str, seconds: float) -> None:
+        os.utime(path, (seconds, seconds))
 
 
 def write_text(path: str, text: str | bytes) -> None:

@@ -34,14 +34,36 @@ Writing an output (OutputStorage), in this order:
   marks it unfinished until its manifest, the last object put, and 5 is skipped); its delete() then removes a
   folder's manifest first and the unfinished marker last, so what is left part way never reads as a checkpoint.
   list(folder), exists(path), get(path), free_bytes(folder) may be asked at any point.
+
+Beyond an output's own writing, what the lifecycle (prune, watch, thin) does to checkpoints already there:
+  put_atomic(path, data)        a small file replaced whole: a reader sees the old bytes or the new, never a part
+  set_aside(path, trash)        a checkpoint about to be deleted moved out of sight in one step where the storage
+                                can (a rename to `trash`); returns where it now is, for delete()
+  delete_file(path)             one file (delete() takes a folder's tree, or a prefix's objects, too)
+A storage that renames (Renaming: a local filesystem) also gives what thin's swap needs: rename, exchange (two
+paths swapped in one step), link_or_copy (a kept file in a new tree without writing its bytes again) and the
+files' times kept. An object store has none of these; reshard.thin_objects does its swap another way.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, Protocol
 
 from reshard.digests import DEFAULT as DEFAULT_DIGEST
+
+
+@dataclass(frozen=True)
+class Found:
+    """One name at or under a path, as a walk that follows no link finds it."""
+    path: str
+    size: int               # the bytes it holds
+    disk_bytes: int         # the bytes it takes on its device (an object: its size)
+    mtime: float
+    folder: bool
+    link: str | None = None     # a symbolic link: where it leads, resolved (never entered); None: not a link
 
 
 class FileTree(Protocol):
@@ -64,7 +86,14 @@ class FileTree(Protocol):
 
     def files_under(self, path: str) -> list[tuple[str, int, float]]: ...    # (path, bytes, mtime) of each file
 
-    def open(self, path: str, mode: str = "r", newline: str | None = None, buffering: int = -1) -> IO[Any]: ...
+    def found_under(self, path: str) -> list[Found]: ...    # `path` and every name under it, links not entered
+
+    def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]: ...    # as os.walk, links not entered
+
+    def identity(self, path: str) -> tuple: ...     # what changes when the file is replaced or edited; () if none
+
+    def open(self, path: str, mode: str = "r", newline: str | None = None, buffering: int = -1,
+             random_access: bool = False) -> IO[Any]: ...
 
 
 class SourceStorage(Protocol):
@@ -147,5 +176,26 @@ class OutputStorage(Protocol):
 
     def commit_file(self, staged: str, final: str) -> None: ...
 
-    def free_bytes(self, folder: str) -> int: ...
+    def free_bytes(self, folder: str) -> int | None: ...     # None: the store states no free space
+
+    def put_atomic(self, path: str, data: bytes) -> None: ...
+
+    def set_aside(self, path: str, trash: str) -> str: ...
+
+    def delete_file(self, path: str) -> None: ...
+
+
+class Renaming(OutputStorage, Protocol):
+    """An output storage with renames (a local filesystem): what thin's swap does with them. Each call is one step;
+    `sync(folder)` makes the folder's names durable."""
+
+    def rename(self, source: str, target: str) -> None: ...
+
+    def exchange(self, a: str, b: str) -> bool: ...     # swapped in one atomic step; False where it cannot be
+
+    def link_or_copy(self, source: str, target: str) -> None: ...   # `source`'s bytes and times at `target`
+
+    def copy_times(self, source: str, target: str) -> None: ...
+
+    def set_mtime(self, path: str, seconds: float) -> None: ...
 

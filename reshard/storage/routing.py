@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from reshard.storage import files
 from reshard.storage.posix import PosixOutput, PosixSource
-from reshard.storage.protocol import OutputStorage, SourceStorage
+from reshard.storage.protocol import OutputStorage, Renaming, SourceStorage
+
+# The memory one open output stream holds on a local disk: the executor's and a plan's buffer arithmetic where no
+# destination is named (an object store's, for an s3:// destination: stream_buffer_bytes)
+LOCAL_STREAM_BUFFER_BYTES = PosixOutput.STREAM_BUFFER_BYTES
 
 
 class Sources:
@@ -64,3 +68,14 @@ def output_for(dst: str) -> OutputStorage:
         from reshard.storage import s3
         return s3.ObjectOutput()
     return PosixOutput()
+
+
+def stream_buffer_bytes(dst: str | None = None) -> int:
+    """The memory one open output stream holds where `dst` is written (None: a local disk)."""
+    return output_for(dst).STREAM_BUFFER_BYTES if dst else LOCAL_STREAM_BUFFER_BYTES
+
+
+def renaming(path: str) -> Renaming | None:
+    """The storage holding `path` where it renames (a local filesystem), for a swap made of renames; None where
+    it has no rename (object storage)."""
+    return None if files.is_url(path) else PosixOutput()

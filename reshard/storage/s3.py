@@ -27,11 +27,13 @@ import posixpath
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from reshard import digests
 from reshard.errors import ReshardError
-from reshard.storage.protocol import LockHeld
+from reshard.storage.names import MANIFEST, UNFINISHED
+from reshard.storage.protocol import Found, LockHeld
 
 PART_BYTES = 8 << 20        # a ranged GET's and an upload part's size (S3's smallest part is 5 MiB)
 IN_FLIGHT = 8               # GETs at once per reader
@@ -40,8 +42,6 @@ RUNS_KEPT = 4               # joined runs of small reads held per reader (at mos
 UPLOADS_IN_FLIGHT = 2       # parts being uploaded at once per stream (and the buffers they hold)
 RETRIES = 8                 # attempts per request (botocore's own backoff), and per body read (ours)
 DELETE_BATCH = 1000         # keys per DeleteObjects request (S3's limit)
-MANIFEST = "reshard-manifest.json"      # (reshard.manifest.NAME: the object a commit copies last)
-UNFINISHED = ".reshard-unfinished"      # (reshard.manifest.UNFINISHED: an output written in place, until its manifest)
 
 
 def split(url: str) -> tuple[str, str]:
@@ -201,6 +201,26 @@ class ObjectTree:
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return [(path, int(head["ContentLength"]), head["LastModified"].timestamp())]
 
+    def found_under(self, path: str) -> list[Found]:
+        """Every object at or under `path` (no links; what an object takes is what it holds; no folders)."""
+        return [Found(url, size, size, mtime, False) for url, size, mtime in self.files_under(path)]
+
+    def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        """As os.walk, top first, from the listings: `folders` pruned in place is not entered."""
+        names = self.listdir(path)
+        folders = [n for n in names if self.isdir(posixpath.join(path, n))]
+        files = [n for n in names if n not in folders]
+        yield path, folders, files
+        for name in folders:
+            yield from self.walk(posixpath.join(path, name))
+
+    def identity(self, path: str) -> tuple:
+        """(ETag, size, upload time in ns): a new PUT changes it; () when there is no such object."""
+        head = self._head(path)
+        if head is None:
+            return ()
+        return (head.get("ETag", ""), int(head["ContentLength"]), int(head["LastModified"].timestamp() * 1e9))
+
     def getsize(self, path: str) -> int:
         head = self._head(path)
         if head is None:
@@ -213,7 +233,8 @@ class ObjectTree:
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return int(head["LastModified"].timestamp() * 1e9)
 
-    def open(self, path: str, mode: str = "rb", newline: str | None = None, buffering: int = -1):
+    def open(self, path: str, mode: str = "rb", newline: str | None = None, buffering: int = -1,
+             random_access: bool = False):
         raw = ObjectReader(path, self.getsize(path))
         return raw if buffering == 0 else io.BufferedReader(raw, buffer_size=1 << 16)
 
@@ -573,7 +594,7 @@ class ObjectOutput:
 
     def copy(self, source: str, path: str) -> None:
         """A file of the source copied: server-side from the same store, else streamed up from disk."""
-        if source.startswith("s3://"):
+        if source.startswith("s3://"):     # (this module's own scheme)
             self._copy_object(source, path)
             return
         with open(source, "rb") as f, self.stream(path) as out:
@@ -656,8 +677,21 @@ class ObjectOutput:
         self._copy_object(staged, final)
         self.delete(staged)
 
-    def free_bytes(self, folder: str) -> int:
-        return 1 << 62      # an object store states no free space; a full one refuses the PUT
+    def free_bytes(self, folder: str) -> None:
+        return None         # an object store states no free space; a full one refuses the PUT
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        self.put(path, data)    # an object appears whole: no sibling to rename
+
+    def set_aside(self, path: str, trash: str) -> str:
+        """Nothing moved (no rename): delete() removes a folder's manifest first, so what a kill leaves of it never
+        reads as a checkpoint."""
+        return path
+
+    def delete_file(self, path: str) -> None:
+        """The one object `path` (delete() takes every object under the prefix `path` too)."""
+        bucket, key = split(path)
+        delete_keys(path, bucket, [key])
 
 
 def delete_keys(url: str, bucket: str, keys: list) -> None:

@@ -33,8 +33,7 @@ from reshard.core.catalog import (
 from reshard.core.dtypes import itemsize
 from reshard.core.problems import READER, Problem
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats import torchsave_read
-from reshard.formats.deepspeed import files as names, group_scalars, notes, rank_reader
+from reshard.formats.deepspeed import files as names, group_scalars, notes, pickles, rank_reader
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchsave_read import TensorRef
 from reshard.source_bytes import MappedFiles, file_size, replica_problem
@@ -379,7 +378,7 @@ def _read_layers(catalog, tag_dir, listing, models, files, model=None) -> tuple:
         path = os.path.join(tag_dir, layers[index])
         catalog.files.append(FileInfo(layers[index], "layer_states", None, file_size(path)))
         try:
-            sd = torchsave_read.load(path)
+            sd = pickles.load(path)
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:

@@ -17,11 +17,12 @@ from reshard.core.catalog import MODULE, CatalogBuilder, FileInfo, Fragment, Par
 from reshard.core.dtypes import is_floating
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats import torchsave_read, weights_only
+from reshard.formats import weights_only
 from reshard.formats.deepspeed import (
     experts as expert_placement,
     files as names,
     group_scalars,
+    pickles,
     topology,
     zero3,
     zero3_experts,
@@ -134,7 +135,7 @@ def first_model_states(tag_dir, listing) -> str:
 
 
 def load_or_raise(path):
-    obj = torchsave_read.load(path)
+    obj = pickles.load(path)
     if not isinstance(obj, dict):
         raise CheckpointError(path, f"expected a dict at the top level, found {type(obj).__name__}")
     return obj

@@ -23,11 +23,11 @@ from dataclasses import replace
 from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, FileInfo, Fragment, TensorDraft
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import (
     experts as expert_placement,
     files as names,
     group_scalars,
+    pickles,
     rank_reader,
     universal as uc,
 )
@@ -87,7 +87,7 @@ def _resolve_tag_dir(path, tag) -> tuple:
 def _load_dict(path):
     if not fs.isfile(path):
         raise CheckpointError(path, "missing")
-    obj = torchsave_read.load(path)
+    obj = pickles.load(path)
     if not isinstance(obj, dict):
         raise CheckpointError(path, f"expected a dict at the top level, found {type(obj).__name__}")
     return obj
@@ -199,7 +199,7 @@ def _read_param(catalog, name, g, num_experts) -> set:
         path = os.path.join(folder, state + ".pt")
         catalog.files.append(FileInfo(os.path.relpath(path, catalog.root), "universal_state", None, file_size(path)))
         try:
-            obj = torchsave_read.load(path)
+            obj = pickles.load(path)
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:
