@@ -55,9 +55,9 @@ def find(given: str, kind: str) -> str:
 def kind_of(given: str, kinds: tuple[str, ...]) -> str:
     """Which of `kinds` the rule file `given` is: a path's own "kind" (the first of `kinds` where it names none of
     them, for its reader to refuse), or the kind a shipped file of that name is."""
-    if os.path.exists(given) or os.sep in given or given.endswith(SUFFIX):
+    if fs.exists(given) or os.sep in given or given.endswith(SUFFIX):
         try:
-            with open(given) as f:
+            with fs.open(given) as f:
                 kind = json.load(f).get("kind")
         except (OSError, ValueError, AttributeError):
             kind = None
