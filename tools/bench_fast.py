@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench_run import REPO, du, measure
+from bench_run import REPO, byte_compile, du, measure
 
 BLOCK = 16 << 20        # the direct copy's buffer
 
@@ -98,7 +98,7 @@ def run_fast(args) -> None:
             for name in [n for n in commands if n.startswith(("convert", "export", "validate")) and "sha256" not in n]:
                 commands[f"before: {name}"], trees[f"before: {name}"] = commands[name], os.path.abspath(args.before)
         for tree in set(trees.values()):
-            subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(tree, "reshard")], check=True)
+            byte_compile(tree)
         samples: dict[str, list] = {name: [] for name in commands}
         load_before = _load()
         for _ in range(args.repeat):

@@ -4,8 +4,9 @@ Each repeat lays the run out afresh as hard links of SAVE_DIR (`cp -al`: nothing
 copy's tag folder removes only its links), its mtimes an hour back (a save long finished), drops the caches when
 permitted, then alternates the baseline, `cp` of the files the thinned form keeps (its weights) into a new folder then
 `sync`, `reshard thin RUN/TAG` (the dry run: start-up, listing the run, reading the checkpoint's structure) and
-`reshard thin RUN/TAG --yes`. Medians of the wall times, block I/O and the peak RSS of each
-command's whole process tree (bench_run.measure). Nothing is asserted: it prints figures for people.
+`reshard thin RUN/TAG --yes`, reshard byte-compiled first (as an installed package is). Medians of the wall times,
+block I/O and the peak RSS of each command's whole process tree (bench_run.measure). Nothing is asserted: it prints
+figures for people.
 """
 import json
 import os
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from bench_run import drop_caches, du, measure
+from bench_run import byte_compile, drop_caches, du, measure
 
 
 def kept_files(folder: str) -> list[str]:
@@ -53,6 +54,7 @@ def run_thin(args) -> None:
     dry = thin[:-1]
     order = (("copy of the kept files + sync", direct), ("reshard thin (dry run)", dry), ("reshard thin --yes", thin))
     samples: dict[str, list] = {name: [] for name, _ in order}
+    byte_compile()
     cold = True
     after = None
     try:
