@@ -504,9 +504,10 @@ def test_reads_cut_off_or_throttled_are_fetched_again(s3, source, monkeypatch):
 
 
 def _written(folder: Path) -> dict:
-    """{file: sha256} of what a conversion wrote, from its manifest (computed as the bytes were written)."""
+    """{file: its entry (size and digest)} of what a conversion wrote, from its manifest (computed as the bytes were
+    written)."""
     manifest = json.loads((folder / "reshard-manifest.json").read_text())
-    return {path: entry["sha256"] for path, entry in manifest["files"].items()}
+    return manifest["files"]
 
 
 def test_descriptor_and_rule_files_in_a_bucket_are_read_as_on_disk(s3, tmp_path):
