@@ -197,9 +197,9 @@ PATH_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "iterdir
 RAW_ALLOWED = {
     ("reshard.cli", "os.open"): "a broken pipe: stdout pointed at os.devnull, the process's own stream, no file "
                                 "of a checkpoint",
-    ("reshard.rule_files", ".iterdir"): "the rule files shipped in the package (importlib.resources: package data, "
+    ("reshard.rules.files", ".iterdir"): "the rule files shipped in the package (importlib.resources: package data, "
                                         "wherever the package is installed), not a checkpoint's",
-    ("reshard.rule_files", ".read_text"): "as .iterdir: a shipped rule file's kind, read from the package",
+    ("reshard.rules.files", ".read_text"): "as .iterdir: a shipped rule file's kind, read from the package",
 }
 
 
