@@ -17,6 +17,7 @@ The Python API mirrors the CLI, one function per command, each returning a typed
 """
 from __future__ import annotations
 
+from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
 from reshard.commands.inspect import Inspection
 from reshard.commands.validate import Complete, ValidationReport
 from reshard.core.catalog import Catalog
@@ -29,10 +30,6 @@ from reshard.lifecycle.retention import Policy
 from reshard.lifecycle.thinning import ThinResult, thin
 from reshard.lifecycle.watching import Watcher
 from reshard.version import __version__
-
-# isort: split
-# last: these functions take the names of the modules reshard.convert, reshard.export and reshard.validate
-from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
 
 # the results of writing and comparing, from the modules that do it, loaded when first asked for: `import reshard`
 # (and every reader under it) stays light
