@@ -111,3 +111,14 @@ def test_the_examples_of_docs_api_md_run(tmp_path, monkeypatch):
     result = doctest.testfile(str(REPO / "docs" / "api.md"), module_relative=False,
                               globs={"reshard": reshard, "os": os}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 20 and result.failed == 0
+
+
+def test_the_public_paths_of_earlier_versions_still_import():
+    """v0.3's documented `reshard.dcp_reader.Reader` and `reshard.deepspeed_engine.load_checkpoint`, and v0.2's
+    `reshard.dcp.Reader` (which v0.3 had removed), are the objects the rooms hold now."""
+    from reshard.dcp import Reader as v02_reader
+    from reshard.dcp_reader import Reader as v03_reader
+    from reshard.deepspeed_engine import load_checkpoint
+    from reshard.live import deepspeed_engine, storage_reader
+    assert v02_reader is v03_reader is storage_reader.Reader
+    assert load_checkpoint is deepspeed_engine.load_checkpoint
