@@ -378,13 +378,15 @@ def test_the_check_finds_a_private_import(tmp_path):
 
 # The rooms in the order data flows through them (docs/architecture.md): a module imports only its own room and
 # those before it. Ranked by the longest prefix that names the module.
-ROOMS = (("reshard.errors", "reshard.text", "reshard.version"),
+ROOMS = (("reshard.errors", "reshard.text", "reshard.version", "reshard.digests"),
          ("reshard.storage",),
          ("reshard.paths",),
          ("reshard.rules", "reshard.rules.files"),          # finding a rule file by name: the core's descriptors too
          ("reshard.core",),
          ("reshard.rules.module_names", "reshard.rules.export_names"),
          ("reshard.formats",),
+         ("reshard.rules.import_names",),                   # reads a Hugging Face folder's config.json
+
          ("reshard.execution",),
          ("reshard.commands",),
          ("reshard.live", "reshard.lifecycle"),
@@ -392,8 +394,10 @@ ROOMS = (("reshard.errors", "reshard.text", "reshard.version"),
           "reshard.deepspeed_engine"))
 # Imports against the flow that later work removes, listed exactly (the test fails when one goes or another comes):
 # readers take the manifest's file name from execution, and read scalars and sizes of source files through
-# execution.source_bytes, which belongs under the formats as the reading half of it.
-AGAINST_THE_FLOW = {("reshard.formats", "reshard.execution"), ("reshard.formats", "reshard.execution.manifest"),
+# execution.source_bytes, which belongs under the formats as the reading half of it; the torch.save writer takes the
+# CRC-32 function of execution.checksums.
+AGAINST_THE_FLOW = {("reshard.formats.torchsave_write", "reshard.execution.checksums"),
+                    ("reshard.formats", "reshard.execution"), ("reshard.formats", "reshard.execution.manifest"),
                     ("reshard.formats.framework.files", "reshard.execution"),
                     ("reshard.formats.framework.files", "reshard.execution.manifest"),
                     *(("reshard.formats." + reader, "reshard.execution.source_bytes") for reader in (
