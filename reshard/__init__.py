@@ -17,26 +17,24 @@ The Python API mirrors the CLI, one function per command, each returning a typed
 """
 from __future__ import annotations
 
+from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
+from reshard.commands.inspect import Inspection
+from reshard.commands.validate import Complete, ValidationReport
 from reshard.core.catalog import Catalog
 from reshard.core.problems import Problem
 from reshard.errors import CheckpointError, ReshardError, UnknownFormatError, UsageError
-from reshard.inspection import Inspection
-from reshard.listing import RECENT_SECONDS, list_checkpoints
-from reshard.pruning import prune
-from reshard.retention import Policy
-from reshard.source_bytes import full_tensor
-from reshard.thinning import ThinResult, thin
-from reshard.validate import Complete, ValidationReport
+from reshard.execution.source_bytes import full_tensor
+from reshard.lifecycle.listing import RECENT_SECONDS, list_checkpoints
+from reshard.lifecycle.pruning import prune
+from reshard.lifecycle.retention import Policy
+from reshard.lifecycle.thinning import ThinResult, thin
+from reshard.lifecycle.watching import Watcher
 from reshard.version import __version__
-from reshard.watching import Watcher
-
-# isort: split
-# last: these functions take the names of the modules reshard.convert, reshard.export and reshard.validate
-from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
 
 # the results of writing and comparing, from the modules that do it, loaded when first asked for: `import reshard`
 # (and every reader under it) stays light
-_LATER = {"PlanSummary": "reshard.plan_summary", "Written": "reshard.executor", "DiffReport": "reshard.comparison"}
+_LATER = {"PlanSummary": "reshard.commands.plan", "Written": "reshard.execution.executor",
+          "DiffReport": "reshard.commands.diff"}
 
 
 def __getattr__(name: str):

@@ -12,28 +12,28 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from reshard.convert import framework_files, make_plan
-from reshard.core.catalog import Catalog
-from reshard.digests import DEFAULT as DEFAULT_DIGEST
-from reshard.errors import ReshardError, UnknownFormatError
-from reshard.export import export_plan
-from reshard.formats import FRESH, read, takes
-from reshard.formats.run_layout import scan
-from reshard.inspection import Inspection, inspect as inspect_catalog
-from reshard.storage import files as fs
-from reshard.validate import (
+from reshard.commands.convert import framework_files, make_plan
+from reshard.commands.export import export_plan
+from reshard.commands.inspect import Inspection, inspect as inspect_catalog
+from reshard.commands.validate import (
     Complete,
     ValidationReport,
     prove_complete as prove_catalog_complete,
     validate as validate_catalog,
 )
+from reshard.core.catalog import Catalog
+from reshard.digests import DEFAULT as DEFAULT_DIGEST
+from reshard.errors import ReshardError, UnknownFormatError
+from reshard.formats import FRESH, read, takes
+from reshard.lifecycle.run_layout import scan
+from reshard.storage import files as fs
 
 # The modules that write and compare bytes load when a call needs them: `import reshard`, and opening a checkpoint,
 # stay light (no multiprocessing, no comparison).
 if TYPE_CHECKING:
-    from reshard.comparison import DiffReport
-    from reshard.executor import Written
-    from reshard.plan_summary import PlanSummary
+    from reshard.commands.diff import DiffReport
+    from reshard.commands.plan import PlanSummary
+    from reshard.execution.executor import Written
 
 
 def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
@@ -147,10 +147,10 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         new_rank_state: a training framework's per-process files for processes the source lacked: "fresh",
             "copy-rank0" or "fail".
         dst: where the output would go, for the free-disk check (default: the working directory).
-        memory_budget: bound on the copy buffers, in bytes (default: 512 MiB, reshard.executor's);
+        memory_budget: bound on the copy buffers, in bytes (default: 512 MiB, reshard.execution.executor's);
             workers: local processes writing files.
         names: a module-names rule file (a path, or a name shipped with reshard: "mixtral-autoep-fsdp") putting the
-            params under the names and shapes of the model that loads the output (reshard.module_names).
+            params under the names and shapes of the model that loads the output (reshard.rules.module_names).
 
     Returns:
         A PlanSummary: the files, bytes read and written, buffers, free disk (`disk_ok`), advice; `plan` is the
@@ -161,7 +161,7 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         >>> summary.target_topology, len(summary.files), summary.disk_ok
         ('dp=4,tp=1,pp=1,zero=2', 8, True)
     """
-    from reshard.plan_summary import summarize
+    from reshard.commands.plan import summarize
     complete = _complete(source, tag, layout_rules, config)
     made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     return summarize(complete.catalog, made, fmt=fmt, new_rank_state=new_rank_state,
@@ -270,7 +270,7 @@ def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalo
         >>> report.equal, report.compared > 0
         (True, True)
     """
-    from reshard.comparison import diff as compare
+    from reshard.commands.diff import diff as compare
     sides = [(a, tag_a), (b, tag_b)]
     # --layout-rules go to whichever side's format takes them (a tensor-parallel save compared with its export);
     # refused, as by any reader, only when neither takes them: A's reader says so in one line
@@ -298,8 +298,8 @@ def _complete(source, tag: str | None, layout_rules: str | None, config: str | N
 
 def _execute(made, dst, memory_budget: int | None, **options) -> Written | None:
     """Under torchrun the ranks share the files of one plan; otherwise this process writes them all."""
-    from reshard.distributed import Solo, TorchGroup, launched_by_torchrun
-    from reshard.executor import DEFAULT_MEMORY_BUDGET, execute
+    from reshard.execution.distributed import Solo, TorchGroup, launched_by_torchrun
+    from reshard.execution.executor import DEFAULT_MEMORY_BUDGET, execute
     group = TorchGroup() if launched_by_torchrun() else Solo()
     try:
         return execute(made, os.fspath(dst), group=group, memory_budget=memory_budget or DEFAULT_MEMORY_BUDGET,

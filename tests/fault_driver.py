@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 from reshard.cli import main
-from reshard.staging import Staging
+from reshard.execution.staging import Staging
 from reshard.storage import posix_sink as sink
 
 mode, n = "", 0

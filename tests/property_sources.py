@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 import reshard
-from reshard.convert import make_plan
-from reshard.executor import execute
+from reshard.commands.convert import make_plan
+from reshard.execution.executor import execute
 
 LP = ("float32", "bfloat16", "float16")
 BITS = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16, "int64": np.int64}

@@ -92,13 +92,15 @@ def test_plan_takes_the_proof_validate_gives(tmp_path):
 
 
 def test_the_api_names_are_the_functions_not_the_modules():
-    """reshard.convert, .export, .validate are functions although modules of those names exist (imported first,
-    in reshard.api); a late import of those modules leaves the names alone."""
+    """reshard.convert, .export, .validate are the API's functions, and no module of reshard hides behind them: the
+    commands live in reshard.commands, whose import leaves the names alone."""
     import importlib
-    for name in ("convert", "export", "validate", "plan_summary", "comparison"):
-        importlib.import_module(f"reshard.{name}")
-    assert callable(reshard.convert) and callable(reshard.export) and callable(reshard.validate)
-    assert reshard.convert.__module__ == reshard.export.__module__ == "reshard.api"
+    for name in ("convert", "export", "validate", "plan", "diff", "inspect"):
+        importlib.import_module(f"reshard.commands.{name}")
+        assert callable(getattr(reshard, name)) and getattr(reshard, name).__module__ == "reshard.api"
+    for name in ("convert", "export", "validate"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"reshard.{name}")
 
 
 def test_the_examples_of_docs_api_md_run(tmp_path, monkeypatch):
@@ -109,3 +111,14 @@ def test_the_examples_of_docs_api_md_run(tmp_path, monkeypatch):
     result = doctest.testfile(str(REPO / "docs" / "api.md"), module_relative=False,
                               globs={"reshard": reshard, "os": os}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 20 and result.failed == 0
+
+
+def test_the_public_paths_of_earlier_versions_still_import():
+    """v0.3's documented `reshard.dcp_reader.Reader` and `reshard.deepspeed_engine.load_checkpoint`, and v0.2's
+    `reshard.dcp.Reader` (which v0.3 had removed), are the objects the rooms hold now."""
+    from reshard.dcp import Reader as v02_reader
+    from reshard.dcp_reader import Reader as v03_reader
+    from reshard.deepspeed_engine import load_checkpoint
+    from reshard.live import deepspeed_engine, storage_reader
+    assert v02_reader is v03_reader is storage_reader.Reader
+    assert load_checkpoint is deepspeed_engine.load_checkpoint

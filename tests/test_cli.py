@@ -262,7 +262,7 @@ def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
     assert planned["bytes_written"] == sum(disk[p] for p in listed) and all(f["bytes"] > 0 for f in planned["files"])
     # convert: count and bytes of those files, in the target format's own terms; the checkpoint files counted as
     # validate counts them, the others (pointers, scripts) named
-    from reshard.inspection import human_bytes
+    from reshard.commands.inspect import human_bytes
     counts = re.search(r": (\d+) checkpoint files(?: and (\d+) others? \(([^)]*)\))?, (.*)$", line)
     held, others, named = int(counts[1]), int(counts[2] or 0), (counts[3] or "").split(", ")
     assert held + others == len(listed) and counts[4] == human_bytes(sum(disk[p] for p in listed)), line
@@ -278,7 +278,7 @@ def test_plan_and_convert_summaries_match_the_disk(fmt, spec, tmp_path):
 def test_plan_shows_the_bytes_each_worker_writes():
     """--workers K: the tensor bytes each worker copies, the largest file first to the least loaded one (as the
     pool's workers take them), summing to the plan's; the control: one worker, no such line."""
-    from reshard.inspection import human_bytes
+    from reshard.commands.inspect import human_bytes
     planned = json.loads(run_cli("plan", SRC, "--to", "dp=3", "--workers", "2", "--json", check=0).stdout)
     sizes = sorted((f.nbytes for f in reshard.plan(SRC, "dp=3").plan.files), reverse=True)
     expected = [0, 0]
@@ -296,7 +296,7 @@ def test_plan_shows_the_bytes_each_worker_writes():
 
 def test_export_summary_matches_the_disk(tmp_path):
     line = run_cli("export", SRC, tmp_path / "m.safetensors", check=0).stdout.strip()
-    from reshard.inspection import human_bytes
+    from reshard.commands.inspect import human_bytes
     assert line.endswith(f": 1 checkpoint file, {human_bytes(os.path.getsize(tmp_path / 'm.safetensors'))}"), line
     line = run_cli("export", SRC, tmp_path / "hf", "--max-shard-size", "2KB", check=0).stdout.strip()
     listed = json.loads((tmp_path / "hf" / "reshard-manifest.json").read_text())["files"]

@@ -119,7 +119,7 @@ def test_options_are_typed_frozen_and_travel_to_worker_processes(name):
 
 
 def test_export_writes_the_registered_containers():
-    from reshard.export import FORMATS
+    from reshard.commands.export import FORMATS
     assert FORMATS is containers.EXPORTS
     assert {name: containers.CONTAINERS[name].exported_as for name in FORMATS} == FORMATS
     assert all(type(kind.from_entries("x", [], {}, {}).container()).name == name

@@ -10,9 +10,9 @@ import torch
 
 import reshard
 from conftest import copy_fixture, fixture_dir, run_cli, tag_dir, truth_json
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.core.dtypes import itemsize, numpy_carrier
-from reshard.executor import execute
+from reshard.execution.executor import execute
 from reshard.formats import target_layout
 from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from reshard.formats.torchsave_read import TensorRef

@@ -230,8 +230,8 @@ def test_metadata_is_pickled_as_pythons_own_pickler_pickles_it(tmp_path):
     import pickle
 
     import bench_megatron_sparse  # (tools/ is on the path: conftest)
-    from reshard.convert import make_plan
-    from reshard.executor import execute
+    from reshard.commands.convert import make_plan
+    from reshard.execution.executor import execute
     from reshard.formats.dcp import metadata as md
     from reshard.formats.megatron.pickles import METADATA_ALLOWED
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import reshard
-import reshard.comparison
+import reshard.commands.diff
 from conftest import fixture_dir, run_cli, write_in_zip
 from reshard.core.catalog import MASTER
 from reshard.core.dtypes import itemsize
@@ -41,15 +41,15 @@ def _flip_element(catalog, name, state, element, delta):
     write_in_zip(frag.storage.file, offset, np.float32(value + delta).tobytes())
 
 
-@pytest.mark.parametrize("block", [reshard.comparison.BLOCK, 7])     # 7: values stream through in many small blocks
+@pytest.mark.parametrize("block", [reshard.commands.diff.BLOCK, 7])     # 7: values stream through in many small blocks
 def test_changed_element_is_pinpointed(tmp_path, monkeypatch, block):
-    monkeypatch.setattr(reshard.comparison, "BLOCK", block)
+    monkeypatch.setattr(reshard.commands.diff, "BLOCK", block)
     src = fixture_dir("z2_fp32_dp4")
     changed = tmp_path / "changed"
     shutil.copytree(src, changed)
     _flip_element(reshard.open_checkpoint(changed), "l1.weight", MASTER, 37, 0.25)
 
-    report = reshard.comparison.diff(reshard.open_checkpoint(src), reshard.open_checkpoint(changed))
+    report = reshard.commands.diff.diff(reshard.open_checkpoint(src), reshard.open_checkpoint(changed))
     assert not report.equal
     [d] = report.differences
     assert (d.name, d.kind) == ("l1.weight", "values")
@@ -65,21 +65,21 @@ def test_missing_extra_shape_and_state_differences():
     # The same model, but l2 frozen (no optimizer state) and head tied to emb in the second run.
     plain = reshard.open_checkpoint(fixture_dir("z2_fp32_dp2"))
     frozen_tied = reshard.open_checkpoint(fixture_dir("z2_fp32_frozen_tied_dp2"))
-    found = {(d.name, d.state, d.kind) for d in reshard.comparison.diff(plain, frozen_tied).differences}
+    found = {(d.name, d.state, d.kind) for d in reshard.commands.diff.diff(plain, frozen_tied).differences}
     assert {("l2.weight", "exp_avg", "missing"), ("l2.bias", "exp_avg_sq", "missing")} <= found
     assert ("head.weight", "weight", "values") in found      # compared through the tie, values differ
-    found = {(d.name, d.state, d.kind) for d in reshard.comparison.diff(frozen_tied, plain).differences}
+    found = {(d.name, d.state, d.kind) for d in reshard.commands.diff.diff(frozen_tied, plain).differences}
     assert ("l2.weight", "exp_avg", "extra") in found
 
     adam, sgd = (reshard.open_checkpoint(fixture_dir(n)) for n in ("z2_fp32_dp2", "z2_fp32_sgd_dp2"))
-    states = {d.state for d in reshard.comparison.diff(adam, sgd).differences if d.kind in ("missing", "extra")}
+    states = {d.state for d in reshard.commands.diff.diff(adam, sgd).differences if d.kind in ("missing", "extra")}
     assert {"exp_avg", "exp_avg_sq", "momentum_buffer"} <= states
 
     source = reshard.open_checkpoint(fixture_dir("z2_fp32_dp2"))    # a Catalog is frozen: a changed copy
     tensors = {key: t for key, t in source.tensors.items() if key != ("pos", "module")}
     tensors[("l1.bias", MASTER)] = replace(tensors[("l1.bias", MASTER)], shape=(1, 19))
     reshaped = replace(source, params={n: p for n, p in source.params.items() if n != "pos"}, tensors=tensors)
-    found = {(d.name, d.kind) for d in reshard.comparison.diff(plain, reshaped).differences}
+    found = {(d.name, d.kind) for d in reshard.commands.diff.diff(plain, reshaped).differences}
     assert {("pos", "missing"), ("l1.bias", "shape")} <= found
 
 
@@ -169,11 +169,11 @@ def test_complex_values_are_compared_whole(tmp_path):
     run_cli("diff", tmp_path / "a.pt", tmp_path / "a.pt", check=0)
 
 
-@pytest.mark.parametrize("block", [reshard.comparison.BLOCK, 7])
+@pytest.mark.parametrize("block", [reshard.commands.diff.BLOCK, 7])
 def test_nan_in_a_zero_checkpoint_is_located_and_survives_conversion(tmp_path, monkeypatch, block):
     """A NaN written at a known element of a real DeepSpeed save (offsets from reshard's catalog): found
     against the original at that element, and equal to itself across a change of topology."""
-    monkeypatch.setattr(reshard.comparison, "BLOCK", block)
+    monkeypatch.setattr(reshard.commands.diff, "BLOCK", block)
     src = fixture_dir("z2_fp32_dp4")
     nan = tmp_path / "nan"
     shutil.copytree(src, nan)
@@ -184,13 +184,13 @@ def test_nan_in_a_zero_checkpoint_is_located_and_survives_conversion(tmp_path, m
                  np.float32(np.nan).tobytes())
 
     with np.errstate(all="raise"):      # no numpy warning on the way
-        report = reshard.comparison.diff(reshard.open_checkpoint(src), reshard.open_checkpoint(nan))
+        report = reshard.commands.diff.diff(reshard.open_checkpoint(src), reshard.open_checkpoint(nan))
     [d] = report.differences
     assert (d.name, d.kind, d.nan_mismatches, d.first_nan_mismatch) == ("emb.weight", "values", 1, element)
     assert d.max_abs_diff == 0 and "max abs diff" not in d.detail
 
     run_cli("convert", nan, tmp_path / "dp3", "--to", "dp=3,zero=3", "--quiet", check=0)
-    assert reshard.comparison.diff(reshard.open_checkpoint(nan), reshard.open_checkpoint(tmp_path / "dp3")).equal
+    assert reshard.commands.diff.diff(reshard.open_checkpoint(nan), reshard.open_checkpoint(tmp_path / "dp3")).equal
     proc = run_cli("diff", src, tmp_path / "dp3", check=1)
     assert proc.stderr == "" and f"NaN on one side only at 1 element(s), first at element {element}" in proc.stdout
 

@@ -14,8 +14,8 @@ import pytest
 import reshard
 from conftest import FIXTURE_NAMES, FIXTURES, fixture_dir, truth_json
 from engine_launches import shares
-from reshard.convert import make_plan
-from reshard.executor import execute
+from reshard.commands.convert import make_plan
+from reshard.execution.executor import execute
 
 pytestmark = pytest.mark.engine
 TARGET_DPS = [1, 2, 3, 5]

@@ -157,10 +157,10 @@ def test_rows_rules_cut_interleaved_parts_as_boxes_and_refuse_what_does_not_fit(
     """A "rows" rule (export_names): each part is its rows of every group, a shard of boxes; counts by number or by a
     hyperparameter the checkpoint records. Controls: a count no checkpoint value gives, groups that do not divide the
     rows, and parts that do not fill a group are refused in one line naming the rule file."""
-    from reshard import export_names
+    from reshard.commands.export import Entry
     from reshard.core.placement import Block
     from reshard.errors import ReshardError
-    from reshard.export import Entry
+    from reshard.rules import export_names
 
     def rules(rows):
         path = tmp_path / "names.json"

@@ -41,7 +41,7 @@ def test_text_output_names_the_essentials():
 def test_inspect_reads_metadata_without_torch():
     """Opening and inspecting need no torch import (what made them slow) and no tensor bytes."""
     code = ("import sys; import reshard.formats as f; "
-            "c=f.read(sys.argv[1]); from reshard.inspection import inspect; inspect(c, params=True); "
+            "c=f.read(sys.argv[1]); from reshard.commands.inspect import inspect; inspect(c, params=True); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(fixture_dir("z3_fp32_dp4"))], capture_output=True,
                          text=True, cwd=REPO, check=True).stdout.split()

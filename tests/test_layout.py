@@ -128,7 +128,7 @@ def test_a_writer_s_declaration_is_what_help_and_the_parser_take(monkeypatch):
     """The registry tells --help, the parser and the refusals from the writers' declarations: a writer declaring
     a key makes it a --to key, listed and parsed into that writer's own topology, refused for the others."""
     from reshard.cli import args as cli
-    from reshard.convert import _refuse_keys_without_meaning
+    from reshard.commands.convert import _refuse_keys_without_meaning
     from reshard.core.layout import SpecKey
     from reshard.errors import UsageError
     from reshard.formats import WRITERS, WriterEntry, formats_taking

@@ -14,7 +14,7 @@ import lifecycle_runs as lr
 import reshard
 from conftest import fixture_dir, run_cli
 from engine_launches import shares
-from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE
+from reshard.lifecycle.listing import COMPLETE, IN_PROGRESS, INCOMPLETE
 
 
 def rows_by_name(listing) -> dict:

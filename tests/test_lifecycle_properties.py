@@ -1,8 +1,8 @@
 """The retention invariants over random histories (hypothesis), and SIGKILL during `prune --yes`.
 
 Pure: random rows (steps, completeness, saves in progress, metrics, what `latest` names) and random policies
-through reshard.retention.decide, against an oracle written from the issue's rules. On disk: random run dirs of
-real checkpoint copies (some broken, one in progress) pruned by random policies. Faults: `prune --yes` killed at
+through reshard.lifecycle.retention.decide, against an oracle written from the issue's rules. On disk: random run dirs
+of real checkpoint copies (some broken, one in progress) pruned by random policies. Faults: `prune --yes` killed at
 random renames/unlinks/rmdirs (tests/fault_driver.py, from outside): every kept checkpoint is intact and a rerun
 completes the prune.
 """
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import lifecycle_runs as lr
 import reshard
 from conftest import REPO, run_cli
-from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint
-from reshard.retention import DELETE, KEEP, UNTOUCHED, Policy, PolicyError, decide
+from reshard.lifecycle.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint
+from reshard.lifecycle.retention import DELETE, KEEP, UNTOUCHED, Policy, PolicyError, decide
 
 DRIVER = str(REPO / "tests" / "fault_driver.py")
 

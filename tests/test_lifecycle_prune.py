@@ -10,8 +10,8 @@ import pytest
 import lifecycle_runs as lr
 import reshard
 from conftest import fixture_dir, run_cli
-from reshard.formats.run_layout import trash_path
-from reshard.retention import PolicyError
+from reshard.lifecycle.retention import PolicyError
+from reshard.lifecycle.run_layout import trash_path
 
 
 @pytest.fixture

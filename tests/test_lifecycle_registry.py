@@ -15,7 +15,7 @@ import pytest
 import lifecycle_runs as lr
 import reshard
 from conftest import FIXTURES, run_cli
-from reshard.listing import COMPLETE, INCOMPLETE, UNVERIFIABLE
+from reshard.lifecycle.listing import COMPLETE, INCOMPLETE, UNVERIFIABLE
 
 MCORE = "megatron_core"
 # series folder: (the fixture's checkpoint, the names its copies take, the unit list shows)

@@ -1,4 +1,5 @@
-"""A checkpoint's bytes by kind (reshard.sizes, `reshard list`'s columns and `--json`), on the shipped fixtures.
+"""A checkpoint's bytes by kind (reshard.lifecycle.sizes, `reshard list`'s columns and `--json`), on the shipped
+fixtures.
 
 Every split is checked against what the test finds itself: the files' bytes from os.stat, and the weights as
 parameter count times the model dtype's item size from the fixture's truth file, torch.load of the module file or
@@ -19,7 +20,7 @@ import lifecycle_runs as lr
 import reshard
 from conftest import FIXTURES, run_cli, truth_json, truth_tensors
 from reshard.formats import read
-from reshard.sizes import GB, BytesByKind, split
+from reshard.lifecycle.sizes import GB, BytesByKind, split
 
 MIXED, FP32 = 3, 2      # fp32 words of optimizer state per parameter: master + two moments, or the moments alone
 
@@ -156,7 +157,7 @@ def test_torchtitan_run_listed_with_kinds_and_cost(tmp_path):
 def test_cli_text_columns_and_the_run_total(tmp_path):
     shutil.copytree(FIXTURES / "z1_bf16_dp2" / "checkpoint", tmp_path / "ds")
     lr.age(tmp_path)
-    from reshard.inspection import human_bytes
+    from reshard.commands.inspect import human_bytes
     kinds = reshard.list_checkpoints(tmp_path).checkpoints[0].bytes_by_kind
     out = run_cli("list", tmp_path, "--price", "100", check=0).stdout.splitlines()
     assert "sizes: the files' bytes" in out[0] and out[1].split()[2:6] == ["SIZE", "WEIGHTS", "OPTIMIZER", "OTHER"]

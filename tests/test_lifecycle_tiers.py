@@ -1,11 +1,12 @@
 """Tiered retention (issue 39, deliverable 4): every keep rule at a tier, full or weights, `--keep-interval`, THIN.
 
-Pure: reshard.retention.decide on synthetic rows (sizes and kinds, no files), each rule with its negative control;
-the worked example of docs/lifecycle.md (a 175B run's 100 saves) computed by the planner. Execution: carry_out with
-a thinner double (ThinnerDouble) for ordering and bookkeeping only — what is thinned, in which order, after the
-deletions, a failing thin left full while the rest go on; the real reshard.thinning is wired and proven end to end
-where it lands. On a real run: the dry run's lines and JSON, bad values in one line (exit 2), a build without
-reshard.thinning refusing `--yes` before it changes anything, and watch thinning as saves land (the double again).
+Pure: reshard.lifecycle.retention.decide on synthetic rows (sizes and kinds, no files), each rule with its negative
+control; the worked example of docs/lifecycle.md (a 175B run's 100 saves) computed by the planner. Execution: carry_out
+with a thinner double (ThinnerDouble) for ordering and bookkeeping only — what is thinned, in which order, after the
+deletions, a failing thin left full while the rest go on; the real reshard.lifecycle.thinning is wired and proven end to
+end where it lands. On a real run: the dry run's lines and JSON, bad values in one line (exit 2), a build without
+reshard.lifecycle.thinning refusing `--yes` before it changes anything, and watch thinning as saves land (the double
+again).
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import lifecycle_runs as lr
 import reshard
 from conftest import REPO, run_cli
 from reshard.errors import ReshardError, UsageError
-from reshard.listing import COMPLETE, INCOMPLETE, UNVERIFIABLE, Checkpoint, RunListing, measure
-from reshard.pruning import PrunePlan, carry_out
-from reshard.retention import (
+from reshard.lifecycle.listing import COMPLETE, INCOMPLETE, UNVERIFIABLE, Checkpoint, RunListing, measure
+from reshard.lifecycle.pruning import PrunePlan, carry_out
+from reshard.lifecycle.retention import (
     DELETE,
     FULL,
     KEEP,
@@ -34,7 +35,7 @@ from reshard.retention import (
     duration_text,
     parse_duration,
 )
-from reshard.sizes import BytesByKind
+from reshard.lifecycle.sizes import BytesByKind
 
 HOUR, DAY = 3600.0, 86400.0
 KINDS = BytesByKind(20, 70, 10)
@@ -242,7 +243,7 @@ class Outcome:
 class ThinnerDouble:
     """Records the paths it is asked to thin, and what was gone at each call; fails (ReshardError) on `fail`,
     says "not carried out" on `skip`, has no weights-only form of `refuse` (its catalog would say so). It changes
-    no file: what a thin does to files is reshard.thinning's."""
+    no file: what a thin does to files is reshard.lifecycle.thinning's."""
 
     def __init__(self, watch=(), fail=(), skip=(), refuse=()):
         self.calls, self.gone_at_call = [], []
@@ -318,8 +319,9 @@ def test_a_checkpoint_changed_since_the_listing_is_not_thinned(tmp_path):
 
 
 def test_prune_with_tiers_thins_with_the_real_thinner(tmp_path):
-    """`prune --keep-last 1 --keep-steps 1:weights` on a DeepSpeed save dir of three steps, with reshard.thinning
-    itself: step 3 (the newest, named by latest) stays full, step 1 is thinned to its module files (weights-only,
+    """`prune --keep-last 1 --keep-steps 1:weights` on a DeepSpeed save dir of three steps, with
+    reshard.lifecycle.thinning itself: step 3 (the newest, named by latest) stays full, step 1 is thinned to its
+    module files (weights-only,
     complete, its export the full one's bit for bit; the engine's module-only load of that form: tests/test_thin.py),
     step 2 is deleted; on a ZeRO-3 save the same, step 1 thinned to its fp32 partitions. The control: the same rules
     at the full tier keep step 1 whole."""

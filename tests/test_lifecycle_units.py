@@ -22,7 +22,7 @@ import lifecycle_runs as lr
 import reshard
 from conftest import REPO, fixture_dir, torchrun
 from reshard.cli import main as cli
-from reshard.listing import COMPLETE, UNKNOWN, UNVERIFIABLE
+from reshard.lifecycle.listing import COMPLETE, UNKNOWN, UNVERIFIABLE
 
 TRAINER_RUNS = {"ddp": None, "sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DICT"}
 STEPS = (1, 2, 3)

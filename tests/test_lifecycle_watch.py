@@ -15,8 +15,8 @@ import pytest
 import lifecycle_runs as lr
 import reshard
 from conftest import REPO, fixture_dir, run_cli
-from reshard import watching
-from reshard.formats.run_layout import WATCH_STATE
+from reshard.lifecycle import watching
+from reshard.lifecycle.run_layout import WATCH_STATE
 
 TIMEOUT = 600       # generous: the machine is shared; nothing here measures how fast
 
@@ -399,7 +399,7 @@ def test_lightning_run_export_best_is_the_callbacks_best(tmp_path):
                    check=0)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == len(scores) and all(" val_loss " in line for line in lines)
-    from reshard.formats.run_layout import step_of
+    from reshard.lifecycle.run_layout import step_of
     newest = max(scores, key=step_of)
     assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == \
         sorted({os.path.basename(best_path), os.path.basename(newest)})      # the best, and the newest complete

@@ -1,4 +1,4 @@
-"""reshard.materialize: a planned file built in memory is what torch.load of the written file gives.
+"""reshard.live.materialize: a planned file built in memory is what torch.load of the written file gives.
 
 reshard.deepspeed_engine.load_checkpoint hands DeepSpeed these objects instead of files, so for every fixture, at
 another topology, each planned file is written by the executor, loaded by torch.load, and compared with
@@ -10,10 +10,10 @@ import torch
 
 import reshard
 from conftest import ALL_FIXTURES, REPO, copy_fixture, fixture_dir
-from reshard.convert import make_plan
-from reshard.executor import execute
-from reshard.materialize import materialize
-from reshard.target_bytes import SourceFiles
+from reshard.commands.convert import make_plan
+from reshard.execution.executor import execute
+from reshard.execution.target_bytes import SourceFiles
+from reshard.live.materialize import materialize
 
 RULES = {name: str(REPO / "reshard" / "layouts" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}
 
@@ -103,7 +103,7 @@ def test_map_location_is_applied_to_each_storage(tmp_path):
 def test_a_map_location_dict_maps_the_storages_as_torch_load_does(map_location, tmp_path):
     """DeepSpeed's load passes what the user gave: torch.load's {saved location: new one}. On this CPU-only
     build, torch.load's own move to cuda:0 fails; ours must fail alike, and the others stay on the CPU."""
-    from reshard.deepspeed_engine import ServedFiles
+    from reshard.live.deepspeed_engine import ServedFiles
     src = fixture_dir("z1_fp32_dp2")
     plan = _plan(src, "z1_fp32_dp2", "dp=2")        # the same files: torch.load reads the source's own
     name = next(f.path for f in plan.files if f.path.endswith("model_states.pt"))

@@ -27,9 +27,9 @@ import reshard
 from conftest import FIXTURES, fixture_dir, run_cli
 from engine_launches import shares
 from megatron_saves import change_one_element, degrees, objects
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError, UsageError
-from reshard.executor import execute
+from reshard.execution.executor import execute
 from reshard.formats.dcp import metadata as dcp_metadata
 from reshard.formats.megatron.pickles import METADATA_ALLOWED
 

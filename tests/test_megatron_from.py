@@ -23,9 +23,9 @@ import reshard
 from conftest import FIXTURES, run_cli
 from engine_launches import shares
 from megatron_saves import change_one_element, degrees, objects
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
-from reshard.executor import execute
+from reshard.execution.executor import execute
 
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"      # the element the negative control changes (its exp_avg)
 
@@ -176,7 +176,7 @@ def test_without_the_names_or_the_arguments_it_is_refused_in_one_line(tmp_path):
     ({"match": "((a)b)\\.c", "name": "x.\\1"}, "a capturing group inside another"),
 ])
 def test_a_names_rule_that_cannot_be_undone_is_refused_in_one_line(tmp_path, rule, words):
-    from reshard import module_names
+    from reshard.rules import module_names
     path = tmp_path / "rules.json"
     path.write_text(json.dumps({"kind": "reshard.module-names", "version": 1, "description": "t", "rules": [rule]}))
     with pytest.raises(ReshardError) as refused:
@@ -185,7 +185,7 @@ def test_a_names_rule_that_cannot_be_undone_is_refused_in_one_line(tmp_path, rul
 
 
 def test_the_shipped_names_undone_give_torch_dist_keys_and_come_back():
-    from reshard import module_names
+    from reshard.rules import module_names
     forward = module_names.load(NAMES)
     back = module_names.inverted(forward)
     for name, key in (("decoder.layers.1.input_layernorm.weight", "decoder.layers.1.self_attention.linear_qkv."

@@ -26,12 +26,12 @@ import pytest
 import reshard
 from conftest import change_dcp_element, run_cli
 from engine_launches import shares
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
-from reshard.executor import execute
+from reshard.execution.executor import execute
 from reshard.formats.megatron.pickles import METADATA_ALLOWED
 from reshard.formats.megatron.reader import common_state
-from reshard.rule_files import shipped
+from reshard.rules.files import shipped
 
 NAMES = "megatron-core-llama"
 SEQ = 8             # tests/megatron_import.py trains with tools/fixture_megatron_core.py's sequence length

@@ -25,9 +25,9 @@ import reshard
 from conftest import FIXTURES, run_cli
 from engine_launches import shares
 from megatron_saves import change_one_element, degrees
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError, UsageError
-from reshard.executor import execute
+from reshard.execution.executor import execute
 
 ROOT = FIXTURES / "megatron_core"
 # (fixture, --to): tp, pp and dp changed from each Megatron-LM default; the sharding kept unless asked

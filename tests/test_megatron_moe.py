@@ -124,8 +124,8 @@ def test_a_round_trip_through_ep1_writes_megatrons_own_keys_and_chunks(tmp_path)
     """ep=2 -> ep=1 -> ep=2: every key, global shape and chunk box of megatron-core's own save (the expert stacks'
     per-expert chunks, both chained optimizers' buckets and their per-rank cuts, every object) and the same
     elements. At ep=1 the experts are dense params (no chained optimizer)."""
-    from reshard.convert import make_plan
-    from reshard.executor import execute
+    from reshard.commands.convert import make_plan
+    from reshard.execution.executor import execute
     from reshard.formats.dcp import metadata as md
     from reshard.formats.megatron.pickles import METADATA_ALLOWED
     source = _save(MOE[0])

@@ -14,8 +14,8 @@ from conftest import FIXTURES, MOE_FIXTURES, fixture_dir, run_cli, tag_dir, trut
 from reshard.core.catalog import MASTER, MODULE
 from reshard.core.dtypes import itemsize
 from reshard.core.placement import Shard, regions
+from reshard.execution.source_bytes import full_tensor
 from reshard.formats.deepspeed import topology as ds
-from reshard.source_bytes import full_tensor
 
 AUTOEP = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep" and truth_json(n)["zero_stage"] != 3]
 AUTOEP_Z3 = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep" and truth_json(n)["zero_stage"] == 3]

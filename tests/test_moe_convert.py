@@ -12,10 +12,10 @@ import torch
 
 import reshard
 from conftest import MOE_FIXTURES, fixture_dir, run_cli, tag_dir, truth_json, truth_tensors
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.core.catalog import MASTER
 from reshard.core.placement import Shard
-from reshard.executor import execute
+from reshard.execution.executor import execute
 from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from reshard.formats.deepspeed.experts import expert_ranks
 from test_convert import _assert_same_tree, _covered_elements

@@ -1,5 +1,5 @@
 """MoE export in the Hugging Face layout (issue #16): AutoEP's packed experts written as Mixtral's one tensor per
-expert by the rule file reshard/layouts/mixtral-autoep-hf.json (reshard/export_names.py), loaded by transformers'
+expert by the rule file reshard/layouts/mixtral-autoep-hf.json (reshard/rules/export_names.py), loaded by transformers'
 own from_pretrained: every weight is the engine's fp32 master bit for bit, and the probe's logits are the
 engine's. Without the rule file from_pretrained does not find the experts (the negative control).
 """

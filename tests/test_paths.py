@@ -15,10 +15,10 @@ import pytest
 import reshard
 from conftest import fixture_dir
 from reshard.cli import main
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.core.write_requests import TextFile
 from reshard.errors import UsageError
-from reshard.executor import execute
+from reshard.execution.executor import execute
 
 SOURCE = "z2_fp32_dp2"
 

@@ -16,7 +16,7 @@ import pytest
 
 import reshard
 import reshard.cli
-import reshard.comparison
+import reshard.commands.diff
 from conftest import fixture_dir, run_cli
 from reshard.core.dtypes import is_floating, itemsize
 
@@ -111,7 +111,7 @@ def test_quiet_keeps_errors_and_the_output(tmp_path):
 
 
 class _Recorder:
-    """Stands in for reshard.progress.bar: records the total announced and the bytes counted."""
+    """Stands in for reshard.execution.progress.bar: records the total announced and the bytes counted."""
 
     def __init__(self):
         self.totals, self.counted = [], 0
@@ -131,27 +131,28 @@ class _Recorder:
 
 
 def test_bars_count_the_bytes_read(monkeypatch):
-    import reshard.source_bytes
+    import reshard.execution.source_bytes
     a, b = reshard.open_checkpoint(SRC), reshard.open_checkpoint(OTHER)
     read = []
-    original_range = reshard.comparison.read_range
-    monkeypatch.setattr(reshard.comparison, "read_range", lambda *args: read.append(original_range(*args)) or read[-1])
+    original_range = reshard.commands.diff.read_range
+    monkeypatch.setattr(reshard.commands.diff, "read_range",
+                        lambda *args: read.append(original_range(*args)) or read[-1])
     recorder = _Recorder()
-    monkeypatch.setattr(reshard.comparison, "progress_bar", recorder)
-    report = reshard.comparison.diff(a, b, progress=True)
+    monkeypatch.setattr(reshard.commands.diff, "progress_bar", recorder)
+    report = reshard.commands.diff.diff(a, b, progress=True)
     assert report.compared > 0
     assert recorder.totals == [recorder.counted] and recorder.counted == sum(r.nbytes for r in read) > 0
 
     read.clear()
-    original_windows = reshard.source_bytes.MappedFiles.windows
+    original_windows = reshard.execution.source_bytes.MappedFiles.windows
 
     def windows(*args):         # validate --deep reads each fragment in windows
         for first, values in original_windows(*args):
             read.append(values)
             yield first, values
-    monkeypatch.setattr(reshard.source_bytes.MappedFiles, "windows", windows)
+    monkeypatch.setattr(reshard.execution.source_bytes.MappedFiles, "windows", windows)
     recorder = _Recorder()
-    monkeypatch.setattr(sys.modules["reshard.validate"], "progress_bar", recorder)
+    monkeypatch.setattr(sys.modules["reshard.commands.validate"], "progress_bar", recorder)
     assert reshard.validate(a, deep=True, progress=True).ok
     floating = sum(f.numel * itemsize(t.dtype) for t in a.tensors.values() if is_floating(t.dtype)
                    for f in t.fragments)

@@ -49,7 +49,7 @@ from property_oracle import (
     without_16bit_copy,
 )
 from property_sources import LP, MASTER, MODULE, Model, Param, convert, scratch, source_catalog, tree_bytes, truth
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
 from test_properties import models as dp_models
 

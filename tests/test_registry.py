@@ -17,7 +17,8 @@ import pytest
 
 from conftest import REPO, run_cli
 from reshard.cli import args
-from reshard.formats import READERS, WRITERS, registry, units
+from reshard.formats import READERS, WRITERS, registry
+from reshard.lifecycle import units
 
 TABLE = REPO / "docs" / "formats" / "index.md"
 INDEX = REPO / "docs" / "index.md"

@@ -6,9 +6,9 @@ import pytest
 
 import reshard
 from conftest import copy_fixture, fixture_dir, tag_dir
-from reshard.convert import make_plan, plan_for
+from reshard.commands.convert import make_plan, plan_for
+from reshard.commands.validate import Complete, ValidationReport, prove_complete
 from reshard.core.problems import MISSING, READER, Problem
-from reshard.validate import Complete, ValidationReport, prove_complete
 
 
 def test_a_problem_reads_as_the_line_it_was():
@@ -57,7 +57,7 @@ def test_an_inspection_is_typed_and_its_plain_data_is_the_json(capsys):
     import json
 
     from conftest import run_cli
-    from reshard.inspection import Inspection
+    from reshard.commands.inspect import Inspection
     info = reshard.inspect(reshard.open_checkpoint(fixture_dir("z2_fp32_dp2")), params=True)
     assert isinstance(info, Inspection) and info.topology.dp == 2 and info.zero_stage == 2
     assert json.loads(run_cli("inspect", fixture_dir("z2_fp32_dp2"), "--params", "--json").stdout) == info.to_dict()
@@ -96,7 +96,7 @@ def test_a_plan_outlines_itself_in_a_frozen_summary_that_the_manifest_and_plan_r
     import json
 
     from reshard.core.planner import PlanOutline
-    from reshard.manifest import NAME
+    from reshard.execution.manifest import NAME
     summary = reshard.plan(fixture_dir("z2_fp32_dp2"), "dp=3")
     outline = summary.plan.summary()
     assert isinstance(outline, PlanOutline) and isinstance(summary, PlanOutline)

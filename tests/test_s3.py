@@ -177,7 +177,7 @@ def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes
     prefix says it is in progress and `prune --delete-incomplete --yes` leaves it alone; --resume keeps the objects
     the journal lists whole and completes it byte for byte, leaving no marker, journal, staging object or open
     upload. The control: once finished, `list` says complete."""
-    from reshard.manifest import UNFINISHED
+    from reshard.execution.manifest import UNFINISHED
     run, dst = s3.url("killrun"), s3.url("killrun/ckpt-dp3")
     killed = _faulty("kill:3", "convert", source, dst, "--to", "dp=3", "--quiet")
     assert killed.returncode == -9, killed.stderr
@@ -270,8 +270,8 @@ def test_a_convert_fetches_each_source_byte_once_joining_adjacent_reads(s3, sour
     """The GETs a convert makes (counted on the client's own event hook): no two ranges of an object overlap,
     and reads side by side share a request (fewer GETs than reads; each range only what is read)."""
     import reshard
-    from reshard.convert import make_plan
-    from reshard.executor import execute
+    from reshard.commands.convert import make_plan
+    from reshard.execution.executor import execute
     from reshard.storage import s3 as objects
     plan = make_plan(reshard.open_checkpoint(source), "dp=3")
     reads = sum(len(r) for f in plan.files for r in f.source_reads().values())
@@ -314,7 +314,8 @@ def test_validate_deep_and_diff_read_a_bucket_in_bounded_windows(s3, source, mon
     """With the windows made 256 bytes, no read validate --deep or diff asks of the object store is bigger, and
     they say what they say of the local copy; the control, the default windows, reads bigger pieces (so the
     fixture's fragments are bigger than the window, and the bound is no accident)."""
-    from reshard import comparison, source_bytes
+    from reshard.commands import diff as comparison
+    from reshard.execution import source_bytes
     reads = _reads(monkeypatch)
     run_cli("validate", source, "--deep", check=0)
     assert max(reads) > 256, max(reads)
@@ -329,11 +330,11 @@ def test_validate_deep_and_diff_read_a_bucket_in_bounded_windows(s3, source, mon
 
 def test_a_sparse_gather_from_a_bucket_reads_in_bounded_slabs(s3, monkeypatch):
     """A column slice of a wide matrix (a sparse box: its span is 16 times its bytes), gathered from an object
-    by reshard.target_bytes.SourceFiles, is numpy's slice of it, read in slabs no bigger than the window; the
+    by reshard.execution.target_bytes.SourceFiles, is numpy's slice of it, read in slabs no bigger than the window; the
     control, a big window, reads the whole span at once."""
     import numpy as np
 
-    from reshard import target_bytes
+    from reshard.execution import target_bytes
     from reshard.storage.routing import sources
     matrix = np.arange(64 * 512, dtype=np.float32).reshape(64, 512)
     servers.put(s3, "sparse/matrix.bin", matrix.tobytes())
@@ -403,7 +404,7 @@ def test_a_staged_or_broken_checkpoint_in_a_bucket_is_never_complete(s3, run_pre
     servers.delete(s3, f"{prefix}/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
     # conversions written in place (their unfinished marker, no manifest), every file there: step 8 is later than
     # the newest complete checkpoint (in progress); step 1 is older (abandoned, as a staging folder is on disk)
-    from reshard.manifest import UNFINISHED
+    from reshard.execution.manifest import UNFINISHED
     for step in (1, 8):
         servers.put(s3, f"{prefix}/global_step{step}/{UNFINISHED}", b"{}")
         for name in (tag.iterdir()):
@@ -437,7 +438,7 @@ def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_t
     """One pass reports both checkpoints and prunes to the last one, its state an object in the run prefix (its
     lock gone after); a restarted watcher reports nothing again; without its state (the control) it reports
     what is there again."""
-    from reshard.formats.run_layout import WATCH_LOCK, WATCH_STATE
+    from reshard.lifecycle.run_layout import WATCH_LOCK, WATCH_STATE
     prefix, url = run_prefix
     done = "{}: validated {} ({} complete, 0 incomplete), kept 0 unverifiable or unknown unread, left 0 in " \
            "progress, deleted {}"

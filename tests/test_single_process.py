@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import reshard
 import single_models as sm
 from conftest import run_cli, run_torchrun
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 
 
 def run_engine(world, jobs, tmp):

@@ -197,9 +197,9 @@ PATH_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "iterdir
 RAW_ALLOWED = {
     ("reshard.cli", "os.open"): "a broken pipe: stdout pointed at os.devnull, the process's own stream, no file "
                                 "of a checkpoint",
-    ("reshard.rule_files", ".iterdir"): "the rule files shipped in the package (importlib.resources: package data, "
+    ("reshard.rules.files", ".iterdir"): "the rule files shipped in the package (importlib.resources: package data, "
                                         "wherever the package is installed), not a checkpoint's",
-    ("reshard.rule_files", ".read_text"): "as .iterdir: a shipped rule file's kind, read from the package",
+    ("reshard.rules.files", ".read_text"): "as .iterdir: a shipped rule file's kind, read from the package",
 }
 
 
@@ -374,3 +374,68 @@ def test_the_check_finds_a_private_import(tmp_path):
     })
     _, _, private = imports(pkg)
     assert private == {("pkg.a", "pkg.b", "_hidden"), ("pkg.c", "pkg.b", "_hidden"), ("pkg.d", "pkg.b", "_own")}
+
+
+# The rooms in the order data flows through them (docs/architecture.md): a module imports only its own room and
+# those before it. Ranked by the longest prefix that names the module.
+ROOMS = (("reshard.errors", "reshard.text", "reshard.version", "reshard.digests"),
+         ("reshard.storage",),
+         ("reshard.paths",),
+         ("reshard.rules", "reshard.rules.files"),          # finding a rule file by name: the core's descriptors too
+         ("reshard.core",),
+         ("reshard.rules.module_names", "reshard.rules.export_names"),
+         ("reshard.formats",),
+         ("reshard.rules.import_names",),                   # reads a Hugging Face folder's config.json
+
+         ("reshard.execution",),
+         ("reshard.commands",),
+         ("reshard.live", "reshard.lifecycle"),
+         ("reshard", "reshard.api", "reshard.cli", "reshard.__main__", "reshard.dcp", "reshard.dcp_reader",
+          "reshard.deepspeed_engine"))
+# Imports against the flow that later work removes, listed exactly (the test fails when one goes or another comes):
+# readers take the manifest's file name from execution, and read scalars and sizes of source files through
+# execution.source_bytes, which belongs under the formats as the reading half of it; the torch.save writer takes the
+# CRC-32 function of execution.checksums.
+AGAINST_THE_FLOW = {("reshard.formats.torchsave_write", "reshard.execution.checksums"),
+                    ("reshard.formats", "reshard.execution"), ("reshard.formats", "reshard.execution.manifest"),
+                    ("reshard.formats.framework.files", "reshard.execution"),
+                    ("reshard.formats.framework.files", "reshard.execution.manifest"),
+                    *(("reshard.formats." + reader, "reshard.execution.source_bytes") for reader in (
+                        "dcp.chunks", "deepspeed.experts", "deepspeed.group_scalars", "deepspeed.parallel",
+                        "deepspeed.rank_reader", "deepspeed.universal_reader", "megatron.legacy", "megatron.reader",
+                        "single.model"))}
+
+
+def rank(module: str, rooms: tuple[tuple[str, ...], ...]) -> int:
+    """The room of `module`: that of the longest room prefix naming it."""
+    best, at = "", -1
+    for i, prefixes in enumerate(rooms):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, at = prefix, i
+    return at
+
+
+def against_the_flow(found: list[Import], rooms: tuple[tuple[str, ...], ...], top: str) -> set[tuple[str, str]]:
+    """{(module, module of a later room it imports)}, lazy imports alike; the top package's __init__ (run by every
+    import) is no target."""
+    return {(imp.module, imp.target) for imp in found
+            if imp.target != top and rank(imp.target, rooms) > rank(imp.module, rooms)}
+
+
+def test_each_room_imports_only_the_rooms_before_it():
+    _, found, _ = imports(REPO / "reshard")
+    assert against_the_flow(found, ROOMS, "reshard") == AGAINST_THE_FLOW
+
+
+def test_the_check_finds_an_import_against_the_flow(tmp_path):
+    """Negative control: a low room importing a higher one, at module level and lazily; downward imports pass."""
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "from pkg.high import h\n", "pkg/low/__init__.py": "", "pkg/high/__init__.py": "",
+        "pkg/low/a.py": "from pkg.high import h\n", "pkg/low/b.py": "def f():\n    import pkg.high.h\n",
+        "pkg/high/h.py": "from pkg.low import a\n",
+    })
+    _, found, _ = imports(pkg)
+    rooms = (("pkg.low",), ("pkg", "pkg.high"))
+    assert against_the_flow(found, rooms, "pkg") == {("pkg.low.a", "pkg.high"), ("pkg.low.a", "pkg.high.h"),
+                                                     ("pkg.low.b", "pkg.high.h")}

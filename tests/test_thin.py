@@ -18,9 +18,9 @@ import reshard
 from conftest import FIXTURES, REPO, run_cli, write_in_zip
 from engine_launches import shares
 from lifecycle_runs import age, ds_run, hf_run
-from reshard import thinning
 from reshard.core.catalog import TensorKey
 from reshard.errors import ReshardError
+from reshard.lifecycle import thinning
 
 
 def rows(save):

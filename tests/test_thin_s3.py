@@ -1,6 +1,6 @@
 """`reshard thin` in an S3 bucket (issue 39, 3), in the SeaweedFS server the tests start: the same weights-only form
-as on disk, put in place without a rename (reshard.thin_objects), and a SIGKILL at each step of it leaves the full
-checkpoint or the thinned one whole, `list` calling the checkpoint complete only as the one or the other; the next
+as on disk, put in place without a rename (reshard.lifecycle.thin_objects), and a SIGKILL at each step of it leaves the
+full checkpoint or the thinned one whole, `list` calling the checkpoint complete only as the one or the other; the next
 `prune --yes` finishes the swap. Controls: the full checkpoint beside it keeps its objects; a thinned object
 altered in one element is caught by `validate --deep`.
 """
@@ -14,8 +14,8 @@ import pytest
 import reshard
 from conftest import REPO, run_cli
 from lifecycle_runs import ds_run
-from reshard import thin_objects
 from reshard.core.catalog import TensorKey
+from reshard.lifecycle import thin_objects
 
 FULL = ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "mp_rank_00_model_states.pt"]

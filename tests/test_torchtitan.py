@@ -372,8 +372,8 @@ def _rules(tmp_path, rule) -> str:
 
 
 def test_a_strided_rule_reorders_each_blocks_rows_by_their_stride(tmp_path):
-    from reshard import export_names
-    from reshard.export import Entry
+    from reshard.commands.export import Entry
+    from reshard.rules import export_names
     rules = export_names.load(_rules(tmp_path, {"match": "w", "name": "v", "strided": {"block": "head_dim",
                                                                                         "stride": 2}}))
     (entry,), _ = rules.apply([Entry("w", "float32", (8, 3), ("w", "fp32"))], {}, {"head_dim": 4})
@@ -390,9 +390,9 @@ def test_a_strided_rule_reorders_each_blocks_rows_by_their_stride(tmp_path):
     ({"block": 3, "stride": 2}, "8 rows are not blocks of 3 rows whose rows go by 2"),
 ])
 def test_a_bad_strided_rule_is_refused_naming_the_file(tmp_path, strided, message):
-    from reshard import export_names
+    from reshard.commands.export import Entry
     from reshard.errors import ReshardError
-    from reshard.export import Entry
+    from reshard.rules import export_names
     path = _rules(tmp_path, {"match": "w", "name": "v", "strided": strided})
     with pytest.raises(ReshardError, match=re.escape(message)) as caught:
         export_names.load(path).apply([Entry("w", "float32", (8, 3), ("w", "fp32"))], {}, {})

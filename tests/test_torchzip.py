@@ -9,11 +9,11 @@ import torch
 from conftest import FIXTURE_NAMES, copy_fixture, run_cli, tag_dir
 from reshard.core.catalog import Fragment
 from reshard.errors import CheckpointError, UnsafeCheckpointError
+from reshard.execution.source_bytes import MappedFiles, read_scalar
 from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import pickles as deepspeed_pickles
 from reshard.formats.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
 from reshard.formats.torchsave_read import TensorRef
-from reshard.source_bytes import MappedFiles, read_scalar
 
 
 def _bytes_of(ref: TensorRef) -> bytes:

@@ -14,9 +14,9 @@ import reshard
 from conftest import FIXTURES, PARALLEL_FIXTURES, REPO, fixture_dir, run_cli, truth_json, truth_tensors
 from reshard.core.placement import Shard, regions
 from reshard.errors import ReshardError
+from reshard.execution.source_bytes import full_tensor
 from reshard.formats.deepspeed import topology as ds
 from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, trim_rows
-from reshard.source_bytes import full_tensor
 
 AUTOTP = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "autotp"]
 PIPE = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "pipe"]

@@ -17,9 +17,9 @@ import torch
 import reshard
 from conftest import FIXTURES, REPO, fixture_dir, run_cli, tag_dir, truth_tensors
 from engine_launches import shares
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
-from reshard.executor import execute
+from reshard.execution.executor import execute
 from reshard.formats import target_layout
 from reshard.formats.deepspeed import topology as ds
 from test_convert import _covered_elements

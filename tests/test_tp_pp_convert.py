@@ -19,9 +19,9 @@ import torch
 import reshard
 from conftest import FIXTURES, REPO, fixture_dir, run_cli, run_torchrun, tag_dir
 from engine_launches import shares
-from reshard.convert import make_plan
+from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
-from reshard.executor import execute
+from reshard.execution.executor import execute
 from reshard.formats import target_layout
 from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from test_convert import _assert_same_tree, _covered_elements

@@ -211,7 +211,7 @@ def make_synthetic(args):
     from reshard.core.layout import Layout
     from reshard.core.planner import plan
     from reshard.core.storage_ref import StorageRef
-    from reshard.executor import execute
+    from reshard.execution.executor import execute
     from reshard.formats import standins, writer
     from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.formats.deepspeed.topology import DeepSpeedTopology

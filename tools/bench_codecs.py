@@ -4,8 +4,8 @@
     python tools/bench_codecs.py CKPT [--max-mb 64] [--repeat 3] [--json out.json]
 
 CKPT is any checkpoint reshard reads. Its tensors are found by reshard's own reader and split as `reshard list`
-splits them (reshard.sizes): the 16-bit weights (state `module`), the fp32 masters (`fp32`) and the optimizer's
-moments (`exp_avg`, `exp_avg_sq`); each kind's bytes, up to --max-mb of them, are read from the files and
+splits them (reshard.lifecycle.sizes): the 16-bit weights (state `module`), the fp32 masters (`fp32`) and the
+optimizer's moments (`exp_avg`, `exp_avg_sq`); each kind's bytes, up to --max-mb of them, are read from the files and
 compressed on one core by:
 
 - zstd: plain zstandard, level 3, one thread;
@@ -35,7 +35,7 @@ sys.path.insert(0, REPO)
 from reshard.core.catalog import MASTER, MODULE  # noqa: E402
 from reshard.core.dtypes import itemsize  # noqa: E402
 from reshard.formats import read  # noqa: E402
-from reshard.sizes import split  # noqa: E402
+from reshard.lifecycle.sizes import split  # noqa: E402
 
 KINDS = (("bf16 weights", (MODULE,), "bfloat16"), ("fp32 masters", (MASTER,), "float32"),
          ("Adam moments", ("exp_avg", "exp_avg_sq"), "float32"))

@@ -28,11 +28,11 @@ from reshard.core.catalog import (
 )
 from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, TensorFile, TextFile
+from reshard.execution.target_bytes import constant
 from reshard.formats import standins, writer
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_write import ALIGNMENT
-from reshard.target_bytes import constant
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 32000, 8192, 28672, 64, 8, 128
 RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reshard", "layouts",

@@ -10,11 +10,13 @@ import sys
 import textwrap
 
 import reshard
-from reshard import digests, rule_files, watching
+from reshard import digests
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking, registry
-from reshard.formats.run_layout import WATCH_STATE
-from reshard.retention import FULL, TIERS, parse_duration
+from reshard.lifecycle import watching
+from reshard.lifecycle.retention import FULL, TIERS, parse_duration
+from reshard.lifecycle.run_layout import WATCH_STATE
+from reshard.rules import files as rule_files
 
 
 class _Parser(argparse.ArgumentParser):

@@ -6,7 +6,7 @@ import sys
 
 import reshard
 from reshard.cli.output import dump
-from reshard.inspection import Inspection, human_bytes
+from reshard.commands.inspect import Inspection, human_bytes
 from reshard.text import counted
 
 

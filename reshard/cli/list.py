@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import reshard
 from reshard.cli.output import dump
-from reshard.inspection import human_bytes
-from reshard.listing import COMPLETE, INCOMPLETE
-from reshard.sizes import GB, cost_per_month
+from reshard.commands.inspect import human_bytes
+from reshard.lifecycle.listing import COMPLETE, INCOMPLETE
+from reshard.lifecycle.sizes import GB, cost_per_month
 from reshard.text import counted
 
 
@@ -79,7 +79,8 @@ def print_listing(listing, price: float | None = None) -> None:
 
 
 def print_total(total, count: int, price: float | None) -> None:
-    """The run's line: its files' bytes by kind (reshard.sizes.RunBytes), and what they cost a month at `price`."""
+    """The run's line: its files' bytes by kind (reshard.lifecycle.sizes.RunBytes), and what they cost a month at
+    `price`."""
     parts = [f"{kind} {human_bytes(n)}" for kind, n in (("weights", total.weights), ("optimizer", total.optimizer),
                                                          ("other", total.other))]
     if total.unknown:

@@ -6,9 +6,9 @@ import os
 import sys
 
 import reshard
+from reshard.commands.inspect import human_bytes
 from reshard.errors import ReshardError
-from reshard.executor import Written
-from reshard.inspection import human_bytes
+from reshard.execution.executor import Written
 from reshard.storage import files as fs
 from reshard.text import counted
 

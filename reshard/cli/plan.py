@@ -5,9 +5,9 @@ import sys
 
 import reshard
 from reshard.cli.output import dump
+from reshard.commands.inspect import human_bytes
+from reshard.commands.plan import PlanSummary
 from reshard.formats import REPRODUCIBILITY
-from reshard.inspection import human_bytes
-from reshard.plan_summary import PlanSummary
 from reshard.text import counted
 
 

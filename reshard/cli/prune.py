@@ -8,8 +8,8 @@ import reshard
 from reshard.cli.args import policy
 from reshard.cli.list import usd
 from reshard.cli.output import dump
-from reshard.inspection import human_bytes
-from reshard.retention import DELETE
+from reshard.commands.inspect import human_bytes
+from reshard.lifecycle.retention import DELETE
 from reshard.text import counted
 
 

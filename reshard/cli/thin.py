@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import reshard
 from reshard.cli.output import dump
-from reshard.inspection import human_bytes
+from reshard.commands.inspect import human_bytes
 
 
 def run(args) -> int:

@@ -5,11 +5,11 @@ import signal
 import sys
 
 import reshard
-from reshard import watch_state
 from reshard.cli.args import policy as policy_of
-from reshard.listing import COMPLETE, INCOMPLETE
+from reshard.lifecycle import watch_state
+from reshard.lifecycle.listing import COMPLETE, INCOMPLETE
+from reshard.lifecycle.watching import label
 from reshard.text import counted
-from reshard.watching import label
 
 
 def run(args) -> int:

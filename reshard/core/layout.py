@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
-from reshard import rule_files
 from reshard.errors import ReshardError, UsageError
+from reshard.rules import files as rule_files
 from reshard.storage import files as fs
 from reshard.storage.routing import output_for
 

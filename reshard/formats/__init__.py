@@ -13,14 +13,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
-from reshard import manifest, paths, rule_files
+from reshard import paths
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
+from reshard.execution import manifest
 from reshard.formats import framework, registry
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY, lightning as lightning_framework  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
 from reshard.formats.registry import Pointer, WriterEntry  # noqa: F401  (the registry's types, for callers)
+from reshard.rules import files as rule_files
 from reshard.storage import files as fs
 
 if TYPE_CHECKING:
@@ -133,7 +135,7 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
     raise UnknownFormatError.at(path, f"not a checkpoint reshard can read (supported: {registry.supported()})")
 
 
-# The pointer files of a run directory (reshard.formats.run_layout reads them; reshard.formats.units says what a
+# The pointer files of a run directory (reshard.lifecycle.run_layout reads them; reshard.lifecycle.units says what a
 # checkpoint folder is whole): DeepSpeed's `latest` and `latest_universal` name tag folders, Megatron-LM's tracker an
 # iteration ("200" is iter_0000200/, as its reader resolves it).
 POINTERS = registry.pointers()
@@ -219,7 +221,7 @@ def writer(format_name: str) -> Writer:
 
 def container_loader(container: Container) -> Callable[..., object]:
     """For a container (reshard.core.container.Container) whose files a live process loads in memory
-    (reshard.materialize): the function (header, storage_of) -> the object loading the written file would give."""
+    (reshard.live.materialize): the function (header, storage_of) -> the object loading the written file would give."""
     from reshard.formats.containers import CONTAINERS
     loader = CONTAINERS[container.name].loader
     if loader is None:

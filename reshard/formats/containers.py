@@ -20,7 +20,7 @@ class Registered:
     container: type[Container]          # the Container class
     # the TensorFile of a state dict export writes (reshard.export), if any
     exported_as: type[SafetensorsFile] | type[TorchFile] | None = None
-    loader: Callable | None = None      # (header, storage_of) -> what loading the file gives (reshard.materialize)
+    loader: Callable | None = None      # (header, storage_of) -> what loading the file gives (reshard.live.materialize)
 
 
 CONTAINERS = {c.container.name: c for c in (Registered(TorchZip, TorchFile, load_tree), Registered(Distcp),

@@ -124,7 +124,7 @@ class Writer(Protocol):
     PLACES_EXPERTS: bool   # writes a mixture-of-experts catalog with its expert placement (else it is refused)
     # A training framework (formats.framework) resumes from its files: the framework's own files go with them
     RESUMED_BY_FRAMEWORKS: bool
-    # It saves params under names of its own, which a module-names rule file (reshard.module_names) maps to a
+    # It saves params under names of its own, which a module-names rule file (reshard.rules.module_names) maps to a
     # module's: a source under the module's names is written under its own by those rules undone
     SAVES_OWN_NAMES: bool
 

@@ -1,6 +1,6 @@
 """The format registry: the one place a format is described. Everything else that names formats derives from it:
 the order readers are tried in (reshard.formats.reader_for), the writers of `convert --format`, the lifecycle's
-recognition of a run directory's checkpoints (reshard.formats.units, run_layout), the weights-only forms `reshard
+recognition of a run directory's checkpoints (reshard.lifecycle.units, run_layout), the weights-only forms `reshard
 thin` writes, the command line's help and every "supported:" message; tests/test_registry.py holds the docs'
 format table to it. Adding a format is a leaf: a folder under reshard/formats/ and one Format below.
 
@@ -36,7 +36,7 @@ class Pointer:
 @dataclass(frozen=True)
 class RunLayout:
     """How a training run's output directory holds this format's checkpoints, as list, prune and watch find them
-    (reshard.formats.units): names in a directory listing, no file opened. A pattern's group 1 is the step."""
+    (reshard.lifecycle.units): names in a directory listing, no file opened. A pattern's group 1 is the step."""
     unit: str                   # how `list` names one of its checkpoints a reader sniffs ("deepspeed", "DCP")
     backend: str = ""           # what `list` adds to `unit` ("(DCP)")
     checkpoints: str = ""       # the folder its save loop gives each checkpoint: a folder of them is an output dir

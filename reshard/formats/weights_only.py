@@ -1,5 +1,5 @@
 """A checkpoint's weights-only form, as its framework writes it with its model-only option, and the record a
-thinned checkpoint keeps of where it came from (`reshard thin`, reshard.thinning).
+thinned checkpoint keeps of where it came from (`reshard thin`, reshard.lifecycle.thinning).
 
 Each format's module (the registry's WEIGHTS_ONLY) says, from a full checkpoint's catalog and its file names,
 which of its files the weights-only form keeps unchanged and which it drops: a Form. The thinned checkpoint holds

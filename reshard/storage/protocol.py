@@ -30,10 +30,10 @@ Writing an output (OutputStorage), in this order:
      (replacing what was there); commit_file(staged_file, final) does the same for one file. Where a store has no
      atomic rename (object storage), the manifest, the last file it places, is the commit
   On any failure before 5: delete(staged), and `final` is untouched.
-  A store with IN_PLACE (no rename: object storage) is given a new destination as `staged` itself (reshard.staging
-  marks it unfinished until its manifest, the last object put, and 5 is skipped); its delete() then removes a
-  folder's manifest first and the unfinished marker last, so what is left part way never reads as a checkpoint.
-  list(folder), exists(path), get(path), free_bytes(folder) may be asked at any point.
+  A store with IN_PLACE (no rename: object storage) is given a new destination as `staged` itself
+  (reshard.execution.staging marks it unfinished until its manifest, the last object put, and 5 is skipped); its
+  delete() then removes a folder's manifest first and the unfinished marker last, so what is left part way never reads
+  as a checkpoint. list(folder), exists(path), get(path), free_bytes(folder) may be asked at any point.
 
 Beyond an output's own writing, what the lifecycle (prune, watch, thin) does to checkpoints already there:
   put_atomic(path, data)        a small file replaced whole: a reader sees the old bytes or the new, never a part
@@ -42,7 +42,7 @@ Beyond an output's own writing, what the lifecycle (prune, watch, thin) does to 
   delete_file(path)             one file (delete() takes a folder's tree, or a prefix's objects, too)
 A storage that renames (Renaming: a local filesystem) also gives what thin's swap needs: rename, exchange (two
 paths swapped in one step), link_or_copy (a kept file in a new tree without writing its bytes again) and the
-files' times kept. An object store has none of these; reshard.thin_objects does its swap another way.
+files' times kept. An object store has none of these; reshard.lifecycle.thin_objects does its swap another way.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Reads are ranged GETs of exactly the bytes asked for: a big read is cut into PAR
 IN_FLIGHT at a time, straight into the caller's memory. Writes are multipart uploads fed by the same front-to-back
 stream as a local file (no local copy), PART_BYTES parts, UPLOADS_IN_FLIGHT at once; a stream left on an error
 aborts its upload. An object store has no rename: a new destination is written in place, marked unfinished until
-its manifest (reshard.staging); replacing a checkpoint, a commit copies the staged objects to their place
+its manifest (reshard.execution.staging); replacing a checkpoint, a commit copies the staged objects to their place
 server-side, the manifest last, so until the manifest is there nothing at the destination claims to be a checkpoint.
 """
 from __future__ import annotations
@@ -535,7 +535,7 @@ class ObjectOutput:
     does nothing; a commit copies server-side (see the module's note)."""
 
     STREAM_BUFFER_BYTES = PART_BYTES * (UPLOADS_IN_FLIGHT + 1)
-    IN_PLACE = True         # no rename: a copy of every object would be the commit (reshard.staging)
+    IN_PLACE = True         # no rename: a copy of every object would be the commit (reshard.execution.staging)
 
     def lock(self, path: str) -> ObjectLock:
         """The lock object, made with If-None-Match (a second writer's PUT fails). A lock left by a process of

@@ -71,7 +71,7 @@ def file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-PLACES_EXPERTS = False     # experts go in as one model's params only: convert --names (reshard.module_names)
+PLACES_EXPERTS = False     # experts go in as one model's params only: convert --names (reshard.rules.module_names)
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = False
 

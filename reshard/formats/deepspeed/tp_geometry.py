@@ -17,10 +17,10 @@ import json
 import re
 from dataclasses import dataclass
 
-from reshard import rule_files
 from reshard.core.geometry import strides
 from reshard.core.placement import Block, Shard
 from reshard.errors import ReshardError, UsageError
+from reshard.rules import files as rule_files
 from reshard.storage import files as fs
 
 RULES_KIND = rule_files.TP_RULES

@@ -16,10 +16,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from reshard import manifest
 from reshard.core.problems import READER, Problem
 from reshard.core.write_requests import CopiedFile
 from reshard.errors import ReshardError
+from reshard.execution import manifest
 from reshard.formats import weights_only
 from reshard.formats.deepspeed import topology
 from reshard.formats.framework import fsdp

@@ -1,5 +1,5 @@
 """Megatron-LM's arguments for a model that comes without them (a Hugging Face model imported with the export-names
-rule file read backwards: reshard.import_names), derived from its hyperparameters, overridable by the user's
+rule file read backwards: reshard.rules.import_names), derived from its hyperparameters, overridable by the user's
 arguments file (`--to ...,args=FILE`: {"args": {...}}), and checked against its tensors (run_args.check_shapes: one
 line naming the argument that contradicts them).
 

@@ -9,8 +9,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reshard import rule_files
 from reshard.errors import ReshardError
+from reshard.rules import files as rule_files
 
 KIND = rule_files.MEGATRON_BUFFERS
 SHIPPED = "megatron-core-gpt"

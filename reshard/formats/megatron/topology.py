@@ -58,7 +58,7 @@ class MegatronNotes:
     """The save's own facts for `inspect --params` and `diff`: per parameter how it is stored (its stacked key,
     layer and tensor-parallel boxes), the counters Megatron-LM keeps, and the run's arguments that are plain values
     (`args` of common.pt: hidden_size, num_query_groups, norm_epsilon, ...), which export's rule files read as the
-    model's hyperparameters (reshard.export_names.ModelFacts)."""
+    model's hyperparameters (reshard.rules.export_names.ModelFacts)."""
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)
     args: tuple[tuple[str, Any], ...] = ()

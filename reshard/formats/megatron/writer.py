@@ -40,7 +40,6 @@ from reshard.core.layout import Layout
 from reshard.core.placement import Shard
 from reshard.core.write_requests import Output, Piece, TextFile
 from reshard.errors import CheckpointError, ReshardError, UsageError
-from reshard.export_names import ModelFacts
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
 from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
@@ -66,6 +65,7 @@ from reshard.formats.megatron.topology import (
 )
 from reshard.formats.torchsave_read import DType
 from reshard.formats.torchsave_write import TorchFile
+from reshard.rules.export_names import ModelFacts
 
 FORMAT = "megatron"
 PLACES_EXPERTS = True      # a mixture of experts' save, at any ep dividing dp and the experts (tp=1, pp=1)

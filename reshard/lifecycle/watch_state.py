@@ -27,8 +27,8 @@ READABLE = (1, 2)       # 1: a Best without its score (what it held is then beat
 @dataclass(frozen=True)
 class Seen:
     """A checkpoint the watcher validated and reported."""
-    fingerprint: tuple          # reshard.listing.fingerprint of its row when validated
-    status: str                 # reshard.listing COMPLETE or INCOMPLETE
+    fingerprint: tuple          # reshard.lifecycle.listing.fingerprint of its row when validated
+    status: str                 # reshard.lifecycle.listing COMPLETE or INCOMPLETE
     why: str = ""
     checksums: bool = False     # validated with `checksums` asked (the sums verified where it has a manifest)
     acted: bool = False         # `--exec` ran on it (a good one), or there was nothing to run

@@ -27,10 +27,10 @@ import re
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from reshard import rule_files
 from reshard.core.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, PerParamScalar, TensorKey
 from reshard.core.placement import Block, Shard
 from reshard.errors import ReshardError
+from reshard.rules import files as rule_files
 
 KIND = rule_files.MODULE_NAMES
 

@@ -1,5 +1,5 @@
 """Which checkpoints a retention policy keeps, and at which tier: pure, from the rows of a listing
-(reshard.listing), no I/O.
+(reshard.lifecycle.listing), no I/O.
 
 A policy is a set of rules, each keeping some complete checkpoints at a tier, full (as saved) or weights (the
 weights-only form `reshard thin` leaves): the last K, the best M by a metric, every N-th step, named steps, one per
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, UsageError
-from reshard.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint, order
+from reshard.lifecycle.listing import COMPLETE, IN_PROGRESS, INCOMPLETE, UNKNOWN, UNVERIFIABLE, Checkpoint, order
 from reshard.text import counted
 
 KEEP, THIN, DELETE, UNTOUCHED = "keep", "thin", "delete", "untouched"

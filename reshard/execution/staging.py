@@ -7,8 +7,8 @@ Committing writes the manifest and has the storage move the sibling into place (
 
 A store with no rename (object storage: OutputStorage.IN_PLACE) would have to copy every object to commit, so a
 new destination is written where it goes instead: its first object is the unfinished marker
-(reshard.manifest.UNFINISHED), its last the manifest, and the marker is deleted after. Until the manifest is there
-the marker says what the destination is — a conversion in progress, or killed — to `list`, `prune`, `watch` and
+(reshard.execution.manifest.UNFINISHED), its last the manifest, and the marker is deleted after. Until the manifest is
+there the marker says what the destination is — a conversion in progress, or killed — to `list`, `prune`, `watch` and
 every reader (reshard.formats.reader_for, run_layout). Replacing a checkpoint is still built beside it and copied
 in, so the old one stays whole until the new one is.
 """
@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 
-from reshard import digests, manifest, paths
+from reshard import digests, paths
 from reshard.errors import ReshardError, UsageError
+from reshard.execution import manifest
 from reshard.storage import files as fs, names
 from reshard.storage.protocol import Lock, LockHeld, OutputStorage
 from reshard.storage.routing import output_for

@@ -5,8 +5,8 @@ checksum: reshard.deepspeed_engine.load_checkpoint hands these to DeepSpeed's lo
 from __future__ import annotations
 
 from reshard.core.planner import FilePlan
+from reshard.execution.target_bytes import SourceFiles, fill
 from reshard.formats import container_loader
-from reshard.target_bytes import SourceFiles, fill
 
 
 def materialize(file: FilePlan, sources: SourceFiles, place=None):

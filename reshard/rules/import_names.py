@@ -1,5 +1,5 @@
 """Export names undone: a model published under its consumer's names (a Hugging Face Llama folder) brought back to
-the names and cuts of the checkpoint an export-names rule file (reshard.export_names) maps from, so the same rule
+the names and cuts of the checkpoint an export-names rule file (reshard.rules.export_names) maps from, so the same rule
 file that exports a Megatron save to Hugging Face imports a Hugging Face model into a Megatron save.
 
 Each rule is read backwards: a rename's template becomes the pattern and its match the template (module_names.inverse:
@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from reshard import export_names, module_names
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
-from reshard.export_names import Config, ExportNames, From, NameRule
 from reshard.formats import hf
+from reshard.rules import export_names, module_names
+from reshard.rules.export_names import Config, ExportNames, From, NameRule
 
 MISSING = object()
 REFERENCE = re.compile(r"\\(?:(\d+)|g<(\d+)>)")     # a template's reference to a numbered group: \1, \g<1>

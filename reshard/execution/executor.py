@@ -3,8 +3,8 @@
 Each target file is written front to back: its header, then every storage filled op by op from
 source byte ranges (positioned reads into bounded blocks, read ahead in a thread, cast if the dtypes differ)
 or constants. Bytes are read and written through the storage interface (reshard.storage). Files are built in a
-Staging area (reshard.staging) and committed only when all of them are complete and every source member read has the
-CRC-32 its zip stores (reshard.checksums); on any failure but a hard kill the staging area is removed.
+Staging area (reshard.execution.staging) and committed only when all of them are complete and every source member read
+has the CRC-32 its zip stores (reshard.execution.checksums); on any failure but a hard kill the staging area is removed.
 
 Ctrl-C is acted on only where nothing is half done (class Interrupts). Python raises KeyboardInterrupt
 wherever the main thread happens to be: inside a lock's `with` it leaves the lock held (a hang); inside
@@ -24,18 +24,19 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, Thr
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
-from reshard import checksums, digests, manifest, paths
-from reshard.checksums import Tally
+from reshard import digests, paths
 from reshard.core.planner import FilePlan, Plan
 from reshard.core.write_requests import Output, StageCut
-from reshard.distributed import Solo, share
 from reshard.errors import ReshardError
-from reshard.progress import bar as progress_bar
-from reshard.staging import Staging, output_path
+from reshard.execution import checksums, manifest
+from reshard.execution.checksums import Tally
+from reshard.execution.distributed import Solo, share
+from reshard.execution.progress import bar as progress_bar
+from reshard.execution.staging import Staging, output_path
+from reshard.execution.target_bytes import BlockRing, SourceFiles, storage_blocks
 from reshard.storage import files as fs
 from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import LOCAL_STREAM_BUFFER_BYTES, output_for
-from reshard.target_bytes import BlockRing, SourceFiles, storage_blocks
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
@@ -170,7 +171,7 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
 
     Output is built in a temporary sibling (`.DST.reshard-tmp`) under a lock; each finished file
     is journaled with its digest, so after a crash `resume=True` keeps the files that are whole.
-    With a `group` (reshard.distributed) every rank writes its share; rank 0 commits once all
+    With a `group` (reshard.execution.distributed) every rank writes its share; rank 0 commits once all
     ranks report success. Any failure but a hard kill removes the temporary sibling. `storage`: where the output
     is written (reshard.storage; by default the local filesystem). `digest`: the algorithm of every file's digest in
     the manifest (reshard.digests: BLAKE3 by default, or sha256).

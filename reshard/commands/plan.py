@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from reshard.convert import batch_size_advice, framework_files
+from reshard.commands.convert import batch_size_advice, framework_files
 from reshard.core.catalog import Catalog
 from reshard.core.planner import Plan, PlanOutline
-from reshard.distributed import loads
-from reshard.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
+from reshard.execution.distributed import loads
+from reshard.execution.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
 from reshard.formats import FRESH, REPRODUCIBILITY
 from reshard.formats.framework import framework_of
 from reshard.storage import files as fs

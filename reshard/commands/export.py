@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from reshard import export_names
+from reshard.commands.inspect import jsonable
+from reshard.commands.validate import Complete
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKey
 from reshard.core.dtypes import SHORT, is_floating
 from reshard.core.layout import Layout
@@ -25,9 +26,8 @@ from reshard.core.write_requests import CopiedFile, NewTensor, Output, TensorFil
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import hf
 from reshard.formats.containers import EXPORTS
-from reshard.inspection import jsonable
+from reshard.rules import export_names
 from reshard.storage import files as fs
-from reshard.validate import Complete
 
 FORMATS = EXPORTS     # container name -> its file type: from_entries, STEM, EXTENSION, SUFFIXES
 OPTIMIZER_JSON = "optimizer.json"
@@ -56,10 +56,10 @@ def export_plan(complete: Complete, out: str, *, dtype: str = "auto", max_shard_
                 names: str | None = None, config: str | None = None) -> ExportPlan:
     """The files of the export; single_file when OUT names one file. `fmt`:
     safetensors or torch; by default the one OUT's suffix names (safetensors for a directory). `names`: an
-    export-names rule file (reshard.export_names) saying how the consumer names and cuts the weights. `config`: the
-    model's config.json (Hugging Face's), for a checkpoint that holds none (torchtitan's): written beside the weights
-    in a folder, and its values answer the rules' counts by name (head_dim) where the save records none. `complete`:
-    the proof that the checkpoint is whole (reshard.validate.prove_complete)."""
+    export-names rule file (reshard.rules.export_names) saying how the consumer names and cuts the weights. `config`:
+    the model's config.json (Hugging Face's), for a checkpoint that holds none (torchtitan's): written beside the
+    weights in a folder, and its values answer the rules' counts by name (head_dim) where the save records none.
+    `complete`: the proof that the checkpoint is whole (reshard.commands.validate.prove_complete)."""
     catalog = complete.catalog
     fmt = export_format(out, fmt)
     if dtype not in ("auto", *SHORT):

@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from reshard import digests, paths
-from reshard.progress import bar as progress_bar
+from reshard.execution.progress import bar as progress_bar
 from reshard.storage import files as fs, names
 from reshard.version import __version__
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from reshard.core.planner import Plan
 
 NAME = names.MANIFEST
-KIND = "reshard.manifest"
+KIND = "reshard.execution.manifest"
 UNFINISHED = names.UNFINISHED      # an output written in place and not finished (reshard.storage.names)
 
 

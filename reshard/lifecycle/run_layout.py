@@ -4,7 +4,7 @@ A run directory holds checkpoints the way its framework saves them: DeepSpeed sa
 of the tag folders `global_stepN/`), Hugging Face Trainer output dirs (`checkpoint-N/` with any backend;
 `tmp-checkpoint-N/` while one is written), Accelerate's `checkpoint_N/`, Lightning ModelCheckpoint dirs (`*.ckpt`
 files or folders), Megatron-LM `iter_N/`, DCP step dirs (`step-N/` whose `.metadata` is written last), universal
-trees, and reshard's own `.X.reshard-tmp` staging. `scan` finds each checkpoint whole, as reshard.formats.units
+trees, and reshard's own `.X.reshard-tmp` staging. `scan` finds each checkpoint whole, as reshard.lifecycle.units
 recognises it by its framework's markers, and never looks inside one; a folder of checkpoint-like files that no
 layout accounts for is one unknown entry. No file is opened beyond a directory listing (and the pointer files);
 `pointers` says which ones something names (`latest`, a link). Nothing here follows
@@ -16,10 +16,11 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-from reshard import manifest
 from reshard.errors import ReshardError
-from reshard.formats import POINTERS, pointed as pointed_by, reader_for, units
+from reshard.execution import manifest
+from reshard.formats import POINTERS, pointed as pointed_by, reader_for
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
+from reshard.lifecycle import units
 from reshard.storage import files as fs, names
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
@@ -29,7 +30,7 @@ TRASH_SUFFIX, STAGING_SUFFIX = names.TRASH_SUFFIX, names.STAGING_SUFFIX
 THIN_SUFFIX, THIN_JOURNAL_SUFFIX = names.THIN_SUFFIX, names.THIN_JOURNAL_SUFFIX
 THIN_TRASH_SUFFIX = names.THIN_TRASH_SUFFIX
 WATCH_STATE, WATCH_LOCK = names.WATCH_STATE, names.WATCH_LOCK
-# a conversion written in place (object storage has no rename: reshard.staging) before its manifest is there
+# a conversion written in place (object storage has no rename: reshard.execution.staging) before its manifest is there
 IN_PLACE = f"reshard is writing it in place ({manifest.UNFINISHED}, no {manifest.NAME} yet)"
 HF_STAGING = units.HF_STAGING
 # A step is the number that ends a name (its extension and Lightning's `-vN` version aside): `checkpoint-1-weights`
@@ -119,7 +120,7 @@ def step_of(name: str) -> int | None:
 
 
 def scan(root: str) -> Scan:
-    """Every checkpoint under run directory `root`: each one whole, as its framework wrote it (reshard.formats.units);
+    """Every checkpoint under run directory `root`: each one whole, as its framework wrote it (reshard.lifecycle.units);
     a folder recognised as one checkpoint is never looked into."""
     root = fs.realpath(root)
     if not fs.isdir(root):

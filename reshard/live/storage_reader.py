@@ -21,21 +21,21 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from reshard import formats
+from reshard.commands.validate import prove_complete
 from reshard.core.catalog import ScalarTensor, TensorKey
 from reshard.core.dtypes import numpy_carrier, torch_dtype
 from reshard.core.placement import Shard
 from reshard.errors import ReshardError
+from reshard.execution.source_bytes import MappedFiles, read_shard
 from reshard.formats.dcp import keys
 from reshard.formats.torchsave_read import TensorRef
-from reshard.source_bytes import MappedFiles, read_shard
-from reshard.validate import prove_complete
 
 
 class Reader(StorageReader):
     """`dcp.load(state_dict, storage_reader=Reader("ckpt/"))` loads the checkpoint at `path`, whatever its
     format and topology. `tag` and `layout_rules` are reshard's reading options (a DeepSpeed tag folder, a
-    tensor-parallel rule file); `names`, a module-names rule file (reshard.module_names: "mixtral-autoep-fsdp" serves
-    an AutoEP Mixtral's experts as transformers' MixtralForCausalLM holds them)."""
+    tensor-parallel rule file); `names`, a module-names rule file (reshard.rules.module_names: "mixtral-autoep-fsdp"
+    serves an AutoEP Mixtral's experts as transformers' MixtralForCausalLM holds them)."""
 
     def __init__(self, path, tag: str | None = None, layout_rules: str | None = None, names: str | None = None):
         super().__init__()
@@ -49,7 +49,7 @@ class Reader(StorageReader):
             self.path = os.fspath(checkpoint_id)
             catalog = prove_complete(formats.read(self.path, self.tag, self.layout_rules)).catalog
             if self.names:
-                from reshard import module_names
+                from reshard.rules import module_names
                 catalog = prove_complete(module_names.load(self.names).apply(catalog)).catalog
             elif catalog.experts is not None:
                 raise ReshardError.at(self.path, "a mixture-of-experts checkpoint is served as one model only under "

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-from reshard import paths, rule_files
+from reshard import paths
+from reshard.commands.validate import Complete, prove_complete
 from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout, spec_keys
 from reshard.core.planner import Plan, plan
@@ -18,8 +19,8 @@ from reshard.formats import (
     with_framework,
 )
 from reshard.formats.framework import framework_of
+from reshard.rules import files as rule_files
 from reshard.storage import files as fs
-from reshard.validate import Complete, prove_complete
 
 
 def target_layout(catalog: Catalog, to: str, fmt: str | None = None) -> Layout:
@@ -42,20 +43,20 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
     """The plan writing the checkpoint at topology `to` in format `fmt` (default: the source's format); with a
     training framework's files around the source, those too (`new_rank_state`: what a process the source lacks
     gets). A Catalog is proven whole first (prove_complete); a Complete is that proof, made before. `names`: a
-    module-names rule file (reshard.module_names) putting the params under the names and shapes of the model that
+    module-names rule file (reshard.rules.module_names) putting the params under the names and shapes of the model that
     loads the output (an AutoEP Mixtral's experts as transformers' Mixtral holds them), or, for output in a format
     that saves under names of its own (Megatron's torch_dist keys) from a source of another, undone: the module's
-    names the source holds brought back to that format's; or an export-names rule file (reshard.import_names), read
-    backwards: a model published under its consumer's names (a Hugging Face Llama) under the checkpoint's the rule
+    names the source holds brought back to that format's; or an export-names rule file (reshard.rules.import_names),
+    read backwards: a model published under its consumer's names (a Hugging Face Llama) under the checkpoint's the rule
     file exports from, its hyperparameters from the model's config."""
     complete = source if isinstance(source, Complete) else prove_complete(source)
     own_names = fmt is not None and fmt != complete.catalog.format and _writer(complete.catalog, fmt).SAVES_OWN_NAMES
     if names and own_names and rule_files.kind_of(names, (rule_files.MODULE_NAMES, rule_files.EXPORT_NAMES)) == \
             rule_files.EXPORT_NAMES:      # a model under its consumer's names, brought back to the checkpoint's
-        from reshard import import_names
+        from reshard.rules import import_names
         complete = prove_complete(import_names.load(names, complete.catalog))
     elif names:
-        from reshard import module_names
+        from reshard.rules import module_names
         rules = module_names.load(names)
         if own_names:
             rules = module_names.inverted(rules)

@@ -1,14 +1,14 @@
 """`reshard watch`, `reshard.Watcher`: the sidecar beside training that validates each checkpoint as it lands.
 
-Each pass lists the run directory (reshard.listing, with its `settle` second look: a checkpoint whose files
+Each pass lists the run directory (reshard.lifecycle.listing, with its `settle` second look: a checkpoint whose files
 changed between the two looks, or were modified in the last `recent` seconds, is still being written; a DCP
 folder is finished only with its `.metadata`). A tag folder newer than the one `latest` names is held back too:
 DeepSpeed moves `latest` only when the save is done. Each newly finished checkpoint is then judged — the
 listing's coverage proof, and with `checksums` the digests of a manifest where it has one — and looked at
 once more: if its files changed while it was judged it is retried next pass, never reported broken. Then it is
-reported (one line), remembered (reshard.watch_state), acted on (`exec`), the best exported, and last the
+reported (one line), remembered (reshard.lifecycle.watch_state), acted on (`exec`), the best exported, and last the
 retention policy applied to the checkpoints the watcher validated, all others counting as in progress: nothing
-it has not validated is ever deleted, and prune's invariants hold (the same reshard.retention.decide).
+it has not validated is ever deleted, and prune's invariants hold (the same reshard.lifecycle.retention.decide).
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from reshard import watch_state
+from reshard.commands.inspect import human_bytes
+from reshard.commands.validate import validate
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import read as read_catalog
-from reshard.inspection import human_bytes
-from reshard.listing import (
+from reshard.lifecycle import watch_state
+from reshard.lifecycle.listing import (
     COMPLETE,
     IN_PROGRESS,
     INCOMPLETE,
@@ -35,11 +36,10 @@ from reshard.listing import (
     problem_line,
     unchanged,
 )
-from reshard.pruning import LibraryThinner, Thinner, carry_out, known_refusals
-from reshard.retention import THIN, Policy, decide, metric_of, ranked
+from reshard.lifecycle.pruning import LibraryThinner, Thinner, carry_out, known_refusals
+from reshard.lifecycle.retention import THIN, Policy, decide, metric_of, ranked
+from reshard.lifecycle.thinning import recover
 from reshard.storage import files as fs
-from reshard.thinning import recover
-from reshard.validate import validate
 
 SETTLE_SECONDS = 1.0        # the second look of each pass: sizes equal twice this far apart
 INTERVAL_SECONDS = 5.0
@@ -85,7 +85,7 @@ class Event:
 class Pass:
     """What one pass of the watcher did."""
     reported: tuple = ()        # (Event), in the order judged: validated, or kept unread (unverifiable, unknown)
-    waiting: tuple = ()         # (reshard.listing.Checkpoint) still being written, or changed while validated
+    waiting: tuple = ()         # (reshard.lifecycle.listing.Checkpoint) still being written, or changed while validated
     removed: tuple = ()         # names the policy deleted
     exported: str | None = None     # the name newly exported as the best
     problems: tuple = ()        # lines: a policy that cannot be evaluated, a failed --exec, export or thin
@@ -103,7 +103,7 @@ class Watcher:
     .safetensors file outside the run) and name the metric each line shows (default: the policy's); `exec_cmd`:
     a shell command run for each good checkpoint, its path in $RESHARD_CHECKPOINT and in place of `{}`;
     `say(text, error)`: where lines go (default: nowhere); `thinner`: what thins a checkpoint the policy keeps at
-    the weights tier only (default: reshard.thinning).
+    the weights tier only (default: reshard.lifecycle.thinning).
 
     Args:
         run_dir: a run directory, as for list_checkpoints; its state is kept in a file there.
@@ -412,8 +412,8 @@ def _check_export(out: str, root: str, metric: str | None) -> None:
 def _export_file(source: str, out: str) -> None:
     """The checkpoint at `source` exported to `out`: written beside it (`.OUT.reshard-tmp`) and renamed over
     it, so a reader of `out` sees the old best or the new, whole."""
-    from reshard.executor import execute
-    from reshard.export import export_plan
-    from reshard.validate import prove_complete
+    from reshard.commands.export import export_plan
+    from reshard.commands.validate import prove_complete
+    from reshard.execution.executor import execute
     made = export_plan(prove_complete(read_catalog(source)), out)
     execute(made.plan, out, overwrite=True, progress=False, single_file=made.single_file)

@@ -21,7 +21,7 @@ A SIGKILL anywhere leaves X whole, full or thinned, and `recover` (run first by 
 `watch`) finishes the swap or rolls it back: before step 2 the thinned copy is removed, after it the full one.
 RESHARD_FAULT_AT=<step> kills the process at a step (for the tests: STEPS). In object storage, which has no rename,
 the thinned form is written the same way under the hidden sibling prefix (its kept objects copied server-side) and
-put in place as reshard.thin_objects says.
+put in place as reshard.lifecycle.thin_objects says.
 """
 from __future__ import annotations
 
@@ -30,19 +30,20 @@ import signal
 import time
 from dataclasses import dataclass, replace
 
-from reshard import manifest, thin_objects
+from reshard.commands.validate import validate
 from reshard.core.catalog import Catalog
 from reshard.core.planner import plan as plan_files
 from reshard.core.write_requests import CopiedFile, Output, TextFile
 from reshard.errors import ReshardError
-from reshard.formats import read as read_catalog, units, weights_only, weights_only_form
+from reshard.execution import manifest
+from reshard.formats import read as read_catalog, weights_only, weights_only_form
 from reshard.formats.framework import framework_of
-from reshard.formats.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_journals, thin_names
-from reshard.listing import COMPLETE, RECENT_SECONDS, list_checkpoints, order, problem_line
+from reshard.lifecycle import thin_objects, units
+from reshard.lifecycle.listing import COMPLETE, RECENT_SECONDS, list_checkpoints, order, problem_line
+from reshard.lifecycle.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_journals, thin_names
 from reshard.storage import files as fs
 from reshard.storage.protocol import Renaming
 from reshard.storage.routing import output_for, renaming
-from reshard.validate import validate
 
 FAULT_AT = "RESHARD_FAULT_AT"
 STEPS = ("written", "proven", "journal", "swapped", "trashed", "removed")
@@ -104,7 +105,7 @@ def thin(path: str | os.PathLike[str], yes: bool = False, keep_masters: bool = F
     if not yes:
         return result
     names = thin_names(path)
-    disk = renaming(path)       # None: object storage, no rename (reshard.thin_objects)
+    disk = renaming(path)       # None: object storage, no rename (reshard.lifecycle.thin_objects)
     if disk is None:
         _write_objects(catalog, form, path, names, text)
     else:
@@ -247,7 +248,7 @@ def _check_free(path: str, needed: int) -> None:
 def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str, disk: Renaming) -> None:
     """The written files and the record through the planner and executor into the hidden sibling, the kept ones
     linked there (Renaming.link_or_copy)."""
-    from reshard.executor import execute
+    from reshard.execution.executor import execute
     _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
     # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
     execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
@@ -276,7 +277,7 @@ def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str, disk:
 def _write_objects(catalog: Catalog, form, path: str, names: ThinNames, text: str) -> None:
     """In object storage: the written files and the record through the planner and executor under the hidden
     sibling prefix (committed by its manifest, which is then deleted), the kept objects copied there server-side."""
-    from reshard.executor import execute
+    from reshard.execution.executor import execute
     out = output_for(path)
     out.delete(names.staged)        # (what a killed run left before its journal: recover removes it too)
     execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)

@@ -1,9 +1,9 @@
 """`reshard prune`, `reshard.prune`: delete what a retention policy does not keep, thin what it keeps at the weights
 tier only, crash-safely.
 
-The plan comes from reshard.retention on a fresh listing; without `yes` it is only returned (the dry run). With
-`yes` the deletions come first (they free the space a thin writes its weights-only form into), then the thins,
-oldest first, each by a Thinner (reshard.thinning, which journals its own swap); a checkpoint that cannot be
+The plan comes from reshard.lifecycle.retention on a fresh listing; without `yes` it is only returned (the dry run).
+With `yes` the deletions come first (they free the space a thin writes its weights-only form into), then the thins,
+oldest first, each by a Thinner (reshard.lifecycle.thinning, which journals its own swap); a checkpoint that cannot be
 thinned is left full and said, never deleted instead, and the rest go on. Each checkpoint to delete is first
 renamed to a hidden trash name in its own folder (one atomic rename: from then on no reader sees it as a
 checkpoint), the folder fsynced, then the trash removed. A prune killed at any point leaves every kept checkpoint
@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from reshard.errors import ReshardError
-from reshard.formats.run_layout import trash_path
-from reshard.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
-from reshard.retention import DELETE, FULL, KEEP, THIN, Decision, Policy, decide
-from reshard.sizes import cost_per_month
+from reshard.lifecycle.listing import RECENT_SECONDS, RunListing, list_checkpoints, unchanged
+from reshard.lifecycle.retention import DELETE, FULL, KEEP, THIN, Decision, Policy, decide
+from reshard.lifecycle.run_layout import trash_path
+from reshard.lifecycle.sizes import cost_per_month
+from reshard.lifecycle.thinning import recover
 from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import output_for
-from reshard.thinning import recover
 
 
 class ThinOutcome(Protocol):
-    """What thinning one checkpoint did (reshard.thinning.thin's result, frozen: read-only here too)."""
+    """What thinning one checkpoint did (reshard.lifecycle.thinning.thin's result, frozen: read-only here too)."""
     @property
     def bytes_before(self) -> int: ...
     @property
@@ -50,11 +50,11 @@ class Thinner(Protocol):
 
 
 class LibraryThinner:
-    """`reshard thin CKPT --yes`, as reshard.thinning does it. Imported when built, not before: the listing and
-    planning never need it, and a build without it refuses a plan with thins before anything is done."""
+    """`reshard thin CKPT --yes`, as reshard.lifecycle.thinning does it. Imported when built, not before: the listing
+    and planning never need it, and a build without it refuses a plan with thins before anything is done."""
 
     def __init__(self, recent: float = RECENT_SECONDS):
-        from reshard import thinning  # (it imports the executor: only a plan that thins needs it)
+        from reshard.lifecycle import thinning  # (it imports the executor: only a plan that thins needs it)
         self.thinning = thinning
         self.recent = recent
 
@@ -83,7 +83,7 @@ class NotThinned:
 @dataclass(frozen=True)
 class PrunePlan:
     root: str
-    decisions: list             # [reshard.retention.Decision], oldest first
+    decisions: list             # [reshard.lifecycle.retention.Decision], oldest first
     trash: list                 # left by an interrupted prune (removed by `yes`)
     executed: bool = False
     removed: list = field(default_factory=list)     # paths deleted (with `yes`)
@@ -160,7 +160,7 @@ def prune(run_dir, policy: Policy, yes: bool = False, metrics: str | None = None
             `latest`, the framework's best or a link names.
         yes: delete and thin (default: the plan only).
         metrics, recent, settle: as for list_checkpoints.
-        thinner: what thins (default: reshard.thinning, as `reshard thin --yes`).
+        thinner: what thins (default: reshard.lifecycle.thinning, as `reshard thin --yes`).
 
     Returns:
         A PrunePlan: `decisions` (keep / thin / delete / untouched, the tier, why, bytes after), `bytes_before`,
@@ -195,7 +195,7 @@ def known_refusals(decisions: list, thinner: Thinner | None) -> list:
 
 
 def carry_out(listing: RunListing, decisions: list, yes: bool, thinner: Thinner | None = None) -> PrunePlan:
-    """The plan of `decisions` (reshard.retention.decide on `listing`'s rows, or rows a caller judged itself);
+    """The plan of `decisions` (reshard.lifecycle.retention.decide on `listing`'s rows, or rows a caller judged itself);
     with `yes`, carried out: an interrupted prune's trash removed first, then each deletion, then each thin (by
     `thinner`, default LibraryThinner), each unless its files changed since the listing."""
     if not yes:

@@ -1,5 +1,5 @@
-"""The swap of `reshard thin` in object storage, which has no rename (reshard.thinning writes and proves the thinned
-form first, in the hidden sibling prefix `.X.reshard-thin/`, its kept objects copied server-side).
+"""The swap of `reshard thin` in object storage, which has no rename (reshard.lifecycle.thinning writes and proves the
+thinned form first, in the hidden sibling prefix `.X.reshard-thin/`, its kept objects copied server-side).
 
 Then, under a journal object `.X.reshard-thin-journal` naming what goes and what comes:
 
@@ -26,7 +26,7 @@ import signal
 from dataclasses import dataclass
 
 from reshard.errors import ReshardError
-from reshard.formats.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_names
+from reshard.lifecycle.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_names
 from reshard.storage import files as fs
 from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import output_for

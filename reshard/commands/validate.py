@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reshard import manifest
 from reshard.core.catalog import MASTER, Catalog
 from reshard.core.dtypes import is_floating, itemsize
 from reshard.core.geometry import coverage, total_length
 from reshard.core.placement import Shard, flat_runs, regions, tiles
 from reshard.core.problems import CHECKSUM, DUPLICATE, MISSING, NO_STATE, NON_FINITE, OUTSIDE, REPLICA, Problem
 from reshard.errors import ReshardError
-from reshard.progress import bar as progress_bar
+from reshard.execution import manifest
+from reshard.execution.progress import bar as progress_bar
 from reshard.storage import files as fs
 from reshard.text import counted
 
@@ -226,7 +226,7 @@ def _check_states_present(catalog, report):
 
 
 def _check_values(catalog, report, progress):
-    from reshard.source_bytes import MappedFiles, replica_problem
+    from reshard.execution.source_bytes import MappedFiles, replica_problem
 
     replicas = [r for r in catalog.replicas if not r.checked]   # second copies too big to compare at reading
     # a cast's bytes are those of the tensor it is cast from, checked there

@@ -1,8 +1,8 @@
 """The checkpoints of a training run: `reshard list`, `reshard.list_checkpoints`.
 
-A run directory is scanned by names (reshard.formats.run_layout), each checkpoint's metadata read by the
+A run directory is scanned by names (reshard.lifecycle.run_layout), each checkpoint's metadata read by the
 format registry and proven whole by reshard.validate's coverage proof (metadata only: no tensor byte is read),
-and its metrics gathered from what the framework recorded (reshard.formats.run_metrics) or a user's file.
+and its metrics gathered from what the framework recorded (reshard.lifecycle.run_metrics) or a user's file.
 A save still being written — a staging name, a DCP folder without `.metadata`, a file modified within the last
 `recent` seconds or growing during `settle` — is "in progress", and is never opened. A checkpoint recognised whole
 that no reader of the format registry reads, or of whose files the reader leaves one unread (Accelerate's plain
@@ -15,11 +15,12 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from reshard.commands.validate import validate
 from reshard.errors import ReshardError, UnsafeCheckpointError
-from reshard.formats import read as read_catalog, run_layout, run_metrics, units, weights_only
-from reshard.sizes import BytesByKind, RunBytes, added_up, cost_per_month, split
+from reshard.formats import read as read_catalog, weights_only
+from reshard.lifecycle import run_layout, run_metrics, units
+from reshard.lifecycle.sizes import BytesByKind, RunBytes, added_up, cost_per_month, split
 from reshard.storage import files as fs
-from reshard.validate import validate
 
 COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"
 UNVERIFIABLE, UNKNOWN = "unverifiable", "unknown"      # never complete, never deleted: kept with `why`
@@ -45,7 +46,7 @@ class Checkpoint:
     pinned: tuple = ()          # why something names it (`latest`, best_model_checkpoint, a link)
     metrics: dict = field(default_factory=dict)
     unit: str | None = None     # what it is whole: framework and backend ("HF Trainer with DeepSpeed")
-    bytes_by_kind: BytesByKind | None = None    # complete ones: `bytes` as weights, optimizer, other (reshard.sizes)
+    bytes_by_kind: BytesByKind | None = None    # complete ones: `bytes` as weights, optimizer, other (lifecycle.sizes)
     member: bool = True         # of its folder's series (False: named unlike the save loop beside it, ranked alone)
     weights_only: bool = False  # complete and thinned by `reshard thin` (its provenance is there): the weights tier
 
@@ -81,7 +82,7 @@ class RunListing:
     pointers: dict = field(default_factory=dict)    # {checkpoint path: why something names it} (`latest`)
 
     def total_bytes_by_kind(self) -> RunBytes:
-        """Every row's bytes added up (reshard.sizes.RunBytes: those whose kinds are not known under `unknown`)."""
+        """Every row's bytes added up (lifecycle.sizes.RunBytes: those whose kinds are not known under `unknown`)."""
         return added_up((c.bytes, c.bytes_by_kind) for c in self.checkpoints)
 
     def to_dict(self, price: float | None = None) -> dict:

@@ -37,9 +37,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
-from reshard import rule_files
 from reshard.core.placement import Block, Shard
 from reshard.errors import ReshardError
+from reshard.rules import files as rule_files
 
 KIND = rule_files.EXPORT_NAMES
 INDEX = "{index}"
