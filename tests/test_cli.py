@@ -18,7 +18,7 @@ import reshard
 from conftest import REPO, fixture_dir, run_cli, truth_json, truth_tensors
 
 SRC = fixture_dir("z2_fp32_dp2")
-RULES = REPO / "reshard" / "layouts" / "megatron-gpt.json"
+RULES = REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json"
 
 
 def _one_line(proc, *needles):

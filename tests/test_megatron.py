@@ -332,10 +332,10 @@ def test_a_dcp_conversion_loads_in_torch_as_the_truth(name, tmp_path):
     assert seen == {k for k in truth if not k.startswith("module/")}
 
 
-# -- export under Hugging Face Llama's names (reshard/layouts/megatron-core-llama.json) --
+# -- export under Hugging Face Llama's names (reshard/layouts/export-names/megatron-core-llama.json) --
 
 LLAMA = "megatron-core-llama"
-SHIPPED_LLAMA = os.path.join(os.path.dirname(reshard.__file__), "layouts", f"{LLAMA}.json")
+SHIPPED_LLAMA = os.path.join(os.path.dirname(reshard.__file__), "layouts", "export-names", f"{LLAMA}.json")
 
 
 def _forward(name):

@@ -175,7 +175,7 @@ def test_mixtral_export_gives_megatrons_logits(swapped, tmp_path):
     import os
 
     import torch
-    names = os.path.join(os.path.dirname(reshard.__file__), "layouts", "megatron-core-mixtral.json")
+    names = os.path.join(os.path.dirname(reshard.__file__), "layouts", "export-names", "megatron-core-mixtral.json")
     if swapped:
         spec = json.loads(open(names).read())
         next(r for r in spec["rules"] if "experts" in r["match"] and "rows" in r)["rows"]["parts"].reverse()

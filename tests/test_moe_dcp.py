@@ -101,7 +101,7 @@ def test_deepspeed_moe_goes_into_the_model_built_at_ep_1(tmp_path):
 
 def test_gate_and_up_in_the_other_order_are_caught(tmp_path):
     """Negative control of the layout: a rule file joining w3 before w1 loads, and every gate_up_proj differs."""
-    spec = json.loads((REPO / "reshard" / "layouts" / f"{MOE_NAMES}.json").read_text())
+    spec = json.loads((REPO / "reshard" / "layouts" / "module-names" / f"{MOE_NAMES}.json").read_text())
     for rule in spec["rules"]:
         if "join" in rule:
             rule["join"] = rule["join"][::-1]
@@ -147,7 +147,7 @@ def test_a_bad_rule_file_is_one_line_naming_it(rules, needle, tmp_path):
 
 
 def test_an_export_names_file_is_not_a_module_names_file(tmp_path):
-    shutil.copy(REPO / "reshard" / "layouts" / "mixtral-autoep-hf.json", tmp_path / "hf.json")
+    shutil.copy(REPO / "reshard" / "layouts" / "export-names" / "mixtral-autoep-hf.json", tmp_path / "hf.json")
     proc = run_cli("convert", fixture_dir("autoep2_z1_fp32"), tmp_path / "out", "--format", "dcp", "--names",
                    tmp_path / "hf.json", check=1)
     assert "not a module-names file" in proc.stderr

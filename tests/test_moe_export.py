@@ -1,5 +1,5 @@
 """MoE export in the Hugging Face layout (issue #16): AutoEP's packed experts written as Mixtral's one tensor per
-expert by the rule file reshard/layouts/mixtral-autoep-hf.json (reshard/rules/export_names.py), loaded by transformers'
+expert by the rule file reshard/layouts/export-names/mixtral-autoep-hf.json (reshard/rules/export_names.py), loaded by transformers'
 own from_pretrained: every weight is the engine's fp32 master bit for bit, and the probe's logits are the
 engine's. Without the rule file from_pretrained does not find the experts (the negative control).
 """
@@ -15,7 +15,7 @@ from conftest import REPO, fixture_dir, run_cli, truth_tensors
 sys.path.insert(0, str(REPO / "tools"))
 from fixture_moe import mixtral_config, probe
 
-NAMES = REPO / "reshard" / "layouts" / "mixtral-autoep-hf.json"
+NAMES = REPO / "reshard" / "layouts" / "export-names" / "mixtral-autoep-hf.json"
 AUTOEP = ["autoep2_z1_fp32", "autoep2_z2_fp32_dp2", "autoep2_z2_bf16", "autoep2_z3_fp32_dp2"]
 
 

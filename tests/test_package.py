@@ -29,8 +29,9 @@ def installed(tmp_path_factory):
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp / "wheel", source],
                    check=True, cwd=tmp)
     (wheel,) = (tmp / "wheel").iterdir()
-    shipped = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("reshard/layouts/")]
-    assert "reshard/layouts/megatron-gpt.json" in shipped and "reshard/layouts/topologies/dp4-zero3.json" in shipped
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("reshard/layouts/")}
+    in_tree = {p.relative_to(REPO).as_posix() for p in (REPO / "reshard" / "layouts").rglob("*") if p.is_file()}
+    assert "reshard/layouts/tp-rules/megatron-gpt.json" in shipped and in_tree == shipped, in_tree ^ shipped
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv], check=True)
     python = venv / "bin" / "python"

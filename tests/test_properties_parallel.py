@@ -12,11 +12,11 @@ tensor parallelism, ZeRO-2 in a pipeline), reshard refuses it with a ReshardErro
 
 Families:
 * AutoTP: a Llama with grouped-query attention (kv_heads <= heads, uneven head splits), tp 1-4, dp 1-5,
-  ZeRO 1/2 (and 3 at tp=1), tp_grain_size, cut by reshard/layouts/llama-autotp.json; B may be DeepSpeed, universal
+  ZeRO 1/2 (and 3 at tp=1), tp_grain_size, cut by reshard/layouts/tp-rules/llama-autotp.json; B may be DeepSpeed, universal
   or DCP, and the universal and DCP outputs are converted back to DeepSpeed and checked again (universal:
   where its reader reads it, tp=1 from a tp=1 source);
 * PipelineModule of Megatron layers (fused QKV, fused SwiGLU gate/up, row parallel), pp 1-4 x tp 1-4 x dp 1-5,
-  ZeRO-1, uniform or parameters partition, an own or a tied head, cut by reshard/layouts/megatron-gpt.json; and
+  ZeRO-1, uniform or parameters partition, an own or a tied head, cut by reshard/layouts/tp-rules/megatron-gpt.json; and
   vocabulary padding rows dropped when read with original_vocab_size;
 * a DCP directory saved by torch's own dcp.save as the source of DeepSpeed files at any dp and ZeRO stage.
 Known defects are xfail(strict=True) tests below, each with a minimal model; the oracle has negative controls.
@@ -56,8 +56,8 @@ from test_properties import models as dp_models
 SCALE = int(os.environ.get("RESHARD_PROPERTY_EXAMPLES", "1"))
 # dcp.load in one process says it assumes no process group, which is the intent
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-LLAMA_RULES = str(REPO / "reshard" / "layouts" / "llama-autotp.json")
-MEGATRON_RULES = str(REPO / "reshard" / "layouts" / "megatron-gpt.json")
+LLAMA_RULES = str(REPO / "reshard" / "layouts" / "tp-rules" / "llama-autotp.json")
+MEGATRON_RULES = str(REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json")
 
 
 def examples(n):

@@ -529,12 +529,12 @@ def test_descriptor_and_rule_files_in_a_bucket_are_read_as_on_disk(s3, tmp_path)
     assert "dp=3" in run_cli("inspect", tmp_path / "remote", check=0).stdout
 
     megatron = fixture_dir("megatron_tp2_z1_fp32_dp2")       # refused without rules: it carries no TP layout
-    servers.put(s3, "rules/megatron-gpt.json", (REPO / "reshard/layouts/megatron-gpt.json").read_bytes())
+    servers.put(s3, "rules/megatron-gpt.json", (REPO / "reshard/layouts/tp-rules/megatron-gpt.json").read_bytes())
     shipped = run_cli("inspect", megatron, "--layout-rules", "megatron-gpt", check=0).stdout
     assert run_cli("inspect", megatron, "--layout-rules", s3.url("rules/megatron-gpt.json"), check=0).stdout == shipped
     assert "tp=2" in shipped
 
-    servers.put(s3, "rules/names.json", (REPO / "reshard/layouts/mixtral-autoep-hf.json").read_bytes())
+    servers.put(s3, "rules/names.json", (REPO / "reshard/layouts/export-names/mixtral-autoep-hf.json").read_bytes())
     for where, names in (("hf-remote", s3.url("rules/names.json")), ("hf-local", "mixtral-autoep-hf")):
         run_cli("export", fixture_dir("autoep2_z1_fp32"), tmp_path / where, "--names", names, "--quiet", check=0)
     assert _written(tmp_path / "hf-remote") == _written(tmp_path / "hf-local")

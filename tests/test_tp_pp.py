@@ -23,7 +23,7 @@ PIPE = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "pipe"]
 MEGATRON = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "megatron"]
 # tensor AND pipeline parallel: Megatron-style TP layers in a PipelineModule (tools/fixture_megatron_pipe.py)
 MEGATRON_PIPE = [n for n in PARALLEL_FIXTURES if truth_json(n)["kind"] == "megatron_pipe"]
-LAYOUTS = REPO / "reshard" / "layouts"
+LAYOUTS = REPO / "reshard" / "layouts" / "tp-rules"
 # The Megatron-style (mpu) run publishes no universal_checkpoint_info: only a rule file says how it was cut.
 RULES = {name: LAYOUTS / "megatron-gpt.json" for name in MEGATRON + MEGATRON_PIPE}
 

@@ -1,5 +1,5 @@
 """Tensor AND pipeline parallel together: the real tp2 x pp2 x dp2 save of Megatron-style TP layers in a
-PipelineModule (tools/fixture_megatron_pipe.py, 8 ranks), read with reshard/layouts/megatron-gpt.json.
+PipelineModule (tools/fixture_megatron_pipe.py, 8 ranks), read with reshard/layouts/tp-rules/megatron-gpt.json.
 
 Without the engine: converted to tp1.pp2.dp2, tp2.pp1.dp2, tp1.pp1.dp4 every tensor equals the engine's truth,
 `validate --deep` finds nothing, and converting back to tp2.pp2.dp2 gives DeepSpeed's own files (tensor bytes
@@ -26,7 +26,7 @@ from test_convert import _covered_elements
 from test_tp_pp_convert import _assert_same_files
 
 NAME = "megatron_pipe_tp2_pp2_z1_fp32_dp2"
-RULES = REPO / "reshard" / "layouts" / "megatron-gpt.json"
+RULES = REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json"
 TARGETS = ["tp=1,pp=2,dp=2", "tp=2,pp=1,dp=2", "tp=1,pp=1,dp=4"]
 
 

@@ -101,7 +101,7 @@ def test_converted_checkpoint_exports_and_diffs_like_its_source(name, to, tmp_pa
 @pytest.mark.parametrize("via", ["tp=2,dp=1", "tp=2,dp=3,zero=2"])
 def test_megatron_style_save_round_trips_through_its_rule_file(via, tmp_path):
     """A TP save without universal_checkpoint_info: the rule file gives the geometry both ways."""
-    rules = str(REPO / "reshard" / "layouts" / "megatron-gpt.json")
+    rules = str(REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json")
     name = "megatron_tp2_z1_fp32_dp2"
     source = reshard.open_checkpoint(fixture_dir(name), layout_rules=rules)
     execute(make_plan(source, via), str(tmp_path / "m"), progress=False)
@@ -449,7 +449,7 @@ def test_engine_refuses_the_tied_head_model_cut_by_another_partition(resumed, tm
 
 # ------------------------------------------------------------------------------ re-cut to a new tp degree
 
-RULES = str(REPO / "reshard" / "layouts" / "llama-autotp.json")
+RULES = str(REPO / "reshard" / "layouts" / "tp-rules" / "llama-autotp.json")
 KV_HEADS = {name: json.loads((FIXTURES / name / "hf_config" / "config.json").read_text())["num_key_value_heads"]
             for name in ("autotp2_z1_fp32_dp2", "autotp2_z1_fp32_uneven_dp2")}     # 2 and 3
 
@@ -517,7 +517,7 @@ def test_recut_refusals_are_one_line(tmp_path):
             (uneven, "tp=3,kv_heads=6", "do not give the cut the source was saved with"),   # 6 heads: 12+12
             (uneven, "tp=4,kv_heads=3", "gives tensor-parallel rank 3 nothing"),
             (reshard.open_checkpoint(fixture_dir("autotp2_z1_bf16_tied_dp2"),
-                                     layout_rules=str(REPO / "reshard" / "layouts" / "llama-autotp-tied.json")),
+                                     layout_rules=str(REPO / "reshard" / "layouts" / "tp-rules" / "llama-autotp-tied.json")),
              "tp=4,kv_heads=2", "at another degree")]:
         with pytest.raises(ReshardError, match=words) as e:
             make_plan(catalog, to)

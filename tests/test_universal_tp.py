@@ -117,7 +117,7 @@ def test_megatron_style_tp_source_is_refused(tmp_path):
     """Without AutoTP's affine maps ds_to_universal writes cat_dim / sub-param keys a Megatron loader
     slices by; we do not write those, so such a source is refused in one line, nothing written."""
     proc = run_cli("convert", fixture_dir("megatron_tp2_z1_fp32_dp2"), tmp_path / "out", "--format", "universal",
-                   "--layout-rules", REPO / "reshard" / "layouts" / "megatron-gpt.json", check=1)
+                   "--layout-rules", REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json", check=1)
     assert proc.stderr.strip().endswith("no AutoTP affine map in its universal_checkpoint_info; universal "
                                         "checkpoints of tensor-parallel sources are written for AutoTP only")
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

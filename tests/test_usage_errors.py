@@ -182,7 +182,7 @@ def test_a_rule_file_count_that_cannot_describe_the_tensors_is_refused(tmp_path,
     24 rows (exit 1 before), `original_vocab_size` above the embedding's rows (silently ignored before: the tensor
     kept whole as if it described it). Exit 2, one line naming the rule file, nothing written."""
     src = fixture_dir("megatron_tp2_z1_fp32_dp2")
-    rules = json.loads((REPO / "reshard" / "layouts" / "megatron-gpt.json").read_text())
+    rules = json.loads((REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json").read_text())
     five = {**rules, "rules": [{**r, "sub_params": 5} if "sub_params" in r else r for r in rules["rules"]]}
     cases = {"sub5.json": (five, "24 rows along dim 0 do not split into 5 sub-params"),
              "vocab.json": ({**rules, "original_vocab_size": 41}, "original_vocab_size 41 cannot describe")}

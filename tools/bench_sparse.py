@@ -2,7 +2,7 @@
 
 The model is a Megatron-DeepSpeed GPTModelPipe of Llama-2-70B's shapes (hidden 8192, SwiGLU 28672, 64
 query / 8 key-value heads fused in query_key_value, 80 layers, vocabulary 32000, untied head, RMSNorm):
-a PipelineModule of Megatron-style TP layers, what reshard/layouts/megatron-gpt.json describes. reshard's own
+a PipelineModule of Megatron-style TP layers, what reshard/layouts/tp-rules/megatron-gpt.json describes. reshard's own
 DeepSpeed writer lays out every file (pickles, ZeRO-1 flat partitions, layer files, `latest`), from a
 catalog of that model at tp=1 re-cut to the target by Megatron's even cut; this module writes each file's
 zip framing and header for real and leaves every storage's bytes a hole (lseek past them), with the CRC32
@@ -35,7 +35,7 @@ from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_write import ALIGNMENT
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 32000, 8192, 28672, 64, 8, 128
-RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reshard", "layouts",
+RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reshard", "layouts", "tp-rules",
                      "megatron-gpt.json")
 STATES = ["exp_avg", "exp_avg_sq"]
 TAG = "global_step1"

@@ -1,8 +1,9 @@
-"""The rule files that ship with reshard (reshard/layouts/, package data: a pip-installed reshard has them), found by
-name: `--layout-rules megatron-gpt` is the shipped megatron-gpt.json, `--names mixtral-autoep-hf` an export-names
+"""The rule files that ship with reshard (reshard/layouts/<kind>/, package data: a pip-installed reshard has them), found
+by name: `--layout-rules megatron-gpt` is the shipped megatron-gpt.json, `--names mixtral-autoep-hf` an export-names
 file, `--to dp4-zero3` a topology descriptor. A path (anything that exists, holds a separator or ends in .json) is
 taken as given, and its reader says what is wrong with it; it is read through reshard.storage, so a file in object
-storage (`--to s3://bucket/dp4.json`) is read as one on disk. A file's kind is its own "kind" field, not its folder.
+storage (`--to s3://bucket/dp4.json`) is read as one on disk. A shipped file lies in the folder of its kind (FOLDER),
+and its own "kind" field must agree: load() checks every file, shipped or given, the same way.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "re
 MEGATRON_BUFFERS, MODULE_NAMES = "reshard.megatron-buffers", "reshard.module-names"
 WHAT = {TP_RULES: "tensor-parallel rule file", EXPORT_NAMES: "export-names file", LAYOUT: "topology descriptor",
         MEGATRON_BUFFERS: "Megatron parameter-order file", MODULE_NAMES: "module-names file"}
+# The folder under SHIPPED that holds the shipped files of each kind: a reader of the tree sees a file's kind in its path.
+FOLDER = {TP_RULES: "tp-rules", EXPORT_NAMES: "export-names", LAYOUT: "topologies",
+          MEGATRON_BUFFERS: "megatron-buffers", MODULE_NAMES: "module-names"}
 SUFFIX = ".json"
 # Installed as plain files (pip unpacks wheels), so the folder is a path the readers open like any other file.
 SHIPPED = importlib.resources.files("reshard") / "layouts"
@@ -26,12 +30,12 @@ SHIPPED = importlib.resources.files("reshard") / "layouts"
 def shipped(kind: str, flag: str | None = None) -> dict:
     """{name: path} of the shipped files of `kind`, by name; with `flag`, those whose JSON sets that key true (a
     module-names file's "experts": its rules place a mixture-of-experts model's experts)."""
+    folder = SHIPPED / FOLDER[kind]
     out = {}
-    for folder in (SHIPPED, SHIPPED / "topologies"):
-        for entry in folder.iterdir() if folder.is_dir() else ():
-            if entry.name.endswith(SUFFIX) and _kind(entry, flag) == kind:
-                # an installed package's files() is a pathlib.Path; typeshed's Traversable is not os.PathLike
-                out[entry.name[:-len(SUFFIX)]] = os.fspath(entry)  # type: ignore[call-overload]
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        if entry.name.endswith(SUFFIX) and (flag is None or _flag_set(entry, flag)):
+            # an installed package's files() is a pathlib.Path; typeshed's Traversable is not os.PathLike
+            out[entry.name[:-len(SUFFIX)]] = os.fspath(entry)  # type: ignore[call-overload]
     return dict(sorted(out.items()))
 
 
@@ -98,12 +102,10 @@ def rule_pattern(path: str, i: int, rule, keys: set[str]) -> re.Pattern:
     return pattern
 
 
-def _kind(entry, flag: str | None = None) -> str | None:
-    """The file's kind (None: not a rule file, or `flag` given and not set true in it)."""
+def _flag_set(entry, flag: str) -> bool:
+    """Does the shipped file set `flag` true? (One that cannot be read sets nothing; load() names what is wrong.)"""
     try:
         data = json.loads(entry.read_text())
     except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or (flag is not None and data.get(flag) is not True):
-        return None
-    return data.get("kind")
+        return False
+    return isinstance(data, dict) and data.get(flag) is True

@@ -6,7 +6,7 @@ The geometry comes, in this order, from
    full tensor ("source") and in the shard ("dest"), with the ranks holding each block);
 2. its pattern lists (replicated, row parallel, vocabulary, fused sub-params; anything else is cut
    along dim 0, which is what those lists mean to DeepSpeed's own converter);
-3. a rule file (`--layout-rules`: a path, or one shipped with reshard, reshard/layouts/*.json, by name), whose
+3. a rule file (`--layout-rules`: a path, or one shipped with reshard, reshard/layouts/tp-rules/*.json, by name), whose
    format is documented in reshard/layouts/README.md.
 Name patterns live only in those inputs; they are turned into `Split`s (geometry) here and nothing
 else looks at a name. A parameter no source describes is refused, never guessed.
