@@ -23,7 +23,8 @@ sys.path.insert(0, HERE)
 from torchrun_jobs import run_rank  # noqa: E402
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# the torch_dist names of a layer's norms -> the local spec's modules (reshard/layouts/module-names/megatron-core-modules.json)
+# the torch_dist names of a layer's norms -> the local spec's modules
+# (reshard/layouts/module-names/megatron-core-modules.json)
 RENAMES = ((re.compile(r"(.*\.layers\.\d+)\.self_attention\.linear_qkv\.layer_norm_(weight|bias)"),
             r"\1.input_layernorm.\2"),
            (re.compile(r"(.*\.layers\.\d+)\.mlp\.linear_fc1\.layer_norm_(weight|bias)"), r"\1.pre_mlp_layernorm.\2"))

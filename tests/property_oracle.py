@@ -4,8 +4,9 @@ with numpy indexing and DeepSpeed's own rules, and compared to the files read ba
 
 What it knows, each rule in one small function:
 * tensor parallelism: AutoTP's cut (DeepSpeed's own tp_shard.get_shard_size_list, by key-value heads or
-  evenly in grains) of the Llama names reshard/layouts/tp-rules/llama-autotp.json describes; Megatron's even cut of the names
-  reshard/layouts/tp-rules/megatron-gpt.json describes (fused QKV, SwiGLU gate/up halves each cut, row parallel by columns);
+  evenly in grains) of the Llama names reshard/layouts/tp-rules/llama-autotp.json describes; Megatron's even cut
+  of the names reshard/layouts/tp-rules/megatron-gpt.json describes (fused QKV, SwiGLU gate/up halves each cut,
+  row parallel by columns);
 * pipeline stages: DeepSpeed's partition_uniform / partition_balanced over the layers' trainable elements;
 * ZeRO-1/2: a param group flattened (round-robin order, per-param alignment when configured), padded to a
   multiple of 2*dp and cut in dp equal parts; ZeRO-3: each param in ceil(n/dp) parts, grouped in sub-groups;

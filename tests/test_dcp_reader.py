@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO / "tools"))
 from fixture_model import build_model, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-RULES = {name: str(REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}
+RULES = {name: str(REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json")
+         for name in ALL_FIXTURES if "megatron" in name}
 # Elastic ZeRO-2 files hold no optimizer hyper-parameters (DeepSpeed takes them from the config).
 ELASTIC = "z2_fp32_elastic_dp2"
 

@@ -15,7 +15,8 @@ from reshard.execution.executor import execute
 from reshard.execution.target_bytes import SourceFiles
 from reshard.live.materialize import materialize
 
-RULES = {name: str(REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}
+RULES = {name: str(REPO / "reshard" / "layouts" / "tp-rules" / "megatron-gpt.json")
+         for name in ALL_FIXTURES if "megatron" in name}
 
 
 def _plan(src, name, to):

@@ -1,7 +1,7 @@
 """MoE export in the Hugging Face layout (issue #16): AutoEP's packed experts written as Mixtral's one tensor per
-expert by the rule file reshard/layouts/export-names/mixtral-autoep-hf.json (reshard/rules/export_names.py), loaded by transformers'
-own from_pretrained: every weight is the engine's fp32 master bit for bit, and the probe's logits are the
-engine's. Without the rule file from_pretrained does not find the experts (the negative control).
+expert by the rule file reshard/layouts/export-names/mixtral-autoep-hf.json (reshard/rules/export_names.py), loaded
+by transformers' own from_pretrained: every weight is the engine's fp32 master bit for bit, and the probe's logits are
+the engine's. Without the rule file from_pretrained does not find the experts (the negative control).
 """
 import json
 import sys

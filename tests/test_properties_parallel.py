@@ -12,8 +12,8 @@ tensor parallelism, ZeRO-2 in a pipeline), reshard refuses it with a ReshardErro
 
 Families:
 * AutoTP: a Llama with grouped-query attention (kv_heads <= heads, uneven head splits), tp 1-4, dp 1-5,
-  ZeRO 1/2 (and 3 at tp=1), tp_grain_size, cut by reshard/layouts/tp-rules/llama-autotp.json; B may be DeepSpeed, universal
-  or DCP, and the universal and DCP outputs are converted back to DeepSpeed and checked again (universal:
+  ZeRO 1/2 (and 3 at tp=1), tp_grain_size, cut by reshard/layouts/tp-rules/llama-autotp.json; B may be DeepSpeed,
+  universal or DCP, and the universal and DCP outputs are converted back to DeepSpeed and checked again (universal:
   where its reader reads it, tp=1 from a tp=1 source);
 * PipelineModule of Megatron layers (fused QKV, fused SwiGLU gate/up, row parallel), pp 1-4 x tp 1-4 x dp 1-5,
   ZeRO-1, uniform or parameters partition, an own or a tied head, cut by reshard/layouts/tp-rules/megatron-gpt.json; and

@@ -517,7 +517,8 @@ def test_recut_refusals_are_one_line(tmp_path):
             (uneven, "tp=3,kv_heads=6", "do not give the cut the source was saved with"),   # 6 heads: 12+12
             (uneven, "tp=4,kv_heads=3", "gives tensor-parallel rank 3 nothing"),
             (reshard.open_checkpoint(fixture_dir("autotp2_z1_bf16_tied_dp2"),
-                                     layout_rules=str(REPO / "reshard" / "layouts" / "tp-rules" / "llama-autotp-tied.json")),
+                                     layout_rules=str(REPO / "reshard" / "layouts" / "tp-rules"
+                                                      / "llama-autotp-tied.json")),
              "tp=4,kv_heads=2", "at another degree")]:
         with pytest.raises(ReshardError, match=words) as e:
             make_plan(catalog, to)

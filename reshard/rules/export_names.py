@@ -1,7 +1,7 @@
 """Export names: how an exported state dict names and cuts the checkpoint's tensors, for a consumer that
 names them otherwise (Hugging Face's Mixtral takes one tensor per expert where DeepSpeed AutoEP packs them
-into one; Hugging Face's Llama takes q, k and v where Megatron fuses them). A rule file (reshard/layouts/export-names/ ships
-some, found by name: rule_files):
+into one; Hugging Face's Llama takes q, k and v where Megatron fuses them). A rule file
+(reshard/layouts/export-names/ ships some, found by name: rule_files):
 
     {"kind": "reshard.export-names", "version": 1, "description": "...",
      "requires": {HYPERPARAMETER: VALUE},                        the save must record these values

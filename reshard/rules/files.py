@@ -1,6 +1,6 @@
-"""The rule files that ship with reshard (reshard/layouts/<kind>/, package data: a pip-installed reshard has them), found
-by name: `--layout-rules megatron-gpt` is the shipped megatron-gpt.json, `--names mixtral-autoep-hf` an export-names
-file, `--to dp4-zero3` a topology descriptor. A path (anything that exists, holds a separator or ends in .json) is
+"""The rule files that ship with reshard (reshard/layouts/<kind>/, package data: a pip-installed reshard has them),
+found by name: `--layout-rules megatron-gpt` is the shipped tp-rules/megatron-gpt.json, `--names mixtral-autoep-hf`
+an export-names file, `--to dp4-zero3` a topology descriptor. A path (anything that exists, holds a separator or ends in .json) is
 taken as given, and its reader says what is wrong with it; it is read through reshard.storage, so a file in object
 storage (`--to s3://bucket/dp4.json`) is read as one on disk. A shipped file lies in the folder of its kind (FOLDER),
 and its own "kind" field must agree: load() checks every file, shipped or given, the same way.
@@ -19,7 +19,7 @@ TP_RULES, EXPORT_NAMES, LAYOUT = "reshard.tp-rules", "reshard.export-names", "re
 MEGATRON_BUFFERS, MODULE_NAMES = "reshard.megatron-buffers", "reshard.module-names"
 WHAT = {TP_RULES: "tensor-parallel rule file", EXPORT_NAMES: "export-names file", LAYOUT: "topology descriptor",
         MEGATRON_BUFFERS: "Megatron parameter-order file", MODULE_NAMES: "module-names file"}
-# The folder under SHIPPED that holds the shipped files of each kind: a reader of the tree sees a file's kind in its path.
+# The folder under SHIPPED holding the shipped files of each kind: a reader of the tree sees a file's kind in its path.
 FOLDER = {TP_RULES: "tp-rules", EXPORT_NAMES: "export-names", LAYOUT: "topologies",
           MEGATRON_BUFFERS: "megatron-buffers", MODULE_NAMES: "module-names"}
 SUFFIX = ".json"

@@ -1,8 +1,8 @@
 """Module names: a checkpoint's params under the names and shapes of the model a training script holds, for output
 that loads into that model as it is (`convert --format dcp --names mixtral-autoep-fsdp`, `dcp_reader.Reader(...,
 names=)`). DeepSpeed AutoEP packs a Mixtral layer's experts as `experts.w1/w2/w3`, where transformers 5.x's Mixtral
-holds `experts.gate_up_proj` (w1 and w3 joined along dim 1) and `experts.down_proj`. A rule file (reshard/layouts/module-names/
-ships some, found by name: rule_files):
+holds `experts.gate_up_proj` (w1 and w3 joined along dim 1) and `experts.down_proj`. A rule file
+(reshard/layouts/module-names/ ships some, found by name: rule_files):
 
     {"kind": "reshard.module-names", "version": 1, "description": "...",
      "rules": [{"match": REGEX, "name": TEMPLATE},                      renamed (re's expand: \\1, \\g<x>)

@@ -1,8 +1,8 @@
 """The order in which a Megatron model registers its parameters, which pipeline stage holds each, which take no
 weight decay and how tensor parallelism cuts each: a rule file
-(reshard/layouts/megatron-buffers/megatron-core-gpt.json, kind "reshard.megatron-buffers"), since a torch_dist save records none of
-them: the distributed optimizer's `dp_reshardable` buffers are laid out in that order (buckets.py), and the saved
-param groups name no params."""
+(reshard/layouts/megatron-buffers/megatron-core-gpt.json, kind "reshard.megatron-buffers"), since a torch_dist save
+records none of them: the distributed optimizer's `dp_reshardable` buffers are laid out in that order (buckets.py),
+and the saved param groups name no params."""
 from __future__ import annotations
 
 import re
