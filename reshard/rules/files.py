@@ -1,9 +1,9 @@
 """The rule files that ship with reshard (reshard/layouts/<kind>/, package data: a pip-installed reshard has them),
 found by name: `--layout-rules megatron-gpt` is the shipped tp-rules/megatron-gpt.json, `--names mixtral-autoep-hf`
-an export-names file, `--to dp4-zero3` a topology descriptor. A path (anything that exists, holds a separator or
-ends in .json) is taken as given, and its reader says what is wrong with it; it is read through reshard.storage, so a file in object
-storage (`--to s3://bucket/dp4.json`) is read as one on disk. A shipped file lies in the folder of its kind (FOLDER),
-and its own "kind" field must agree: load() checks every file, shipped or given, the same way.
+an export-names file, `--to dp4-zero3` a topology descriptor. A path (anything that exists, holds a separator or ends
+in .json) is taken as given, and its reader says what is wrong with it; it is read through reshard.storage, so a file
+in object storage (`--to s3://bucket/dp4.json`) is read as one on disk. A shipped file lies in the folder of its kind
+(FOLDER), and its own "kind" field must agree: load() checks every file, shipped or given, the same way.
 """
 from __future__ import annotations
 
