@@ -317,7 +317,8 @@ def test_torch_file_size_is_known_before_writing_also_with_zip64(tmp_path, monke
         if limit:
             monkeypatch.setattr(zipfile, "ZIP64_LIMIT", limit)
         file = TorchFile("x.pt")
-        file.tree = {f"t{i}": file.slot("float32", (n,), [Piece(n)]) for i, n in enumerate((3, 700, 1, 1500))}
+        file = file.with_tree({f"t{i}": file.slot("float32", (n,), [Piece(n)])
+                               for i, n in enumerate((3, 700, 1, 1500))})
         header = pickle_tree(file.tree)
         path = tmp_path / f"x{limit}.pt"
         with HashingSink(str(path)) as out, TorchZip().writer(out, header, file.slots) as writer:

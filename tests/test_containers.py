@@ -40,8 +40,7 @@ class Stream(io.RawIOBase):
 
 def _torch():
     file = TorchFile("x.pt", archive="x")
-    file.tree = {f"t{i}": file.slot("float32", (n,), [Piece(n)]) for i, n in enumerate(SIZES)}
-    return file
+    return file.with_tree({f"t{i}": file.slot("float32", (n,), [Piece(n)]) for i, n in enumerate(SIZES)})
 
 
 def _safetensors():
@@ -116,6 +115,21 @@ def test_options_are_typed_frozen_and_travel_to_worker_processes(name):
     if field is not None:
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(container, field.name, None)
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_the_write_request_is_frozen_and_with_tree_keeps_its_slots(name):
+    """A built TensorFile's fields cannot be set; with_tree gives a file sharing the slots made so far, which
+    lays out the same bytes (the control: the file it was made from, whose header is its own)."""
+    file = FILES[name]()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        file.tree = {}      # type: ignore[misc]
+    held = file.with_tree(file.tree)
+    assert held is not file and held.slots is file.slots and held.pieces is file.pieces
+    assert held.header() == file.header() and held.container() == file.container()
+    emptied = file.with_tree({"t0": file.slots[0]}) if name == "torch" else None
+    if emptied is not None:
+        assert emptied.header() != file.header()
 
 
 def test_export_writes_the_registered_containers():

@@ -7,10 +7,11 @@ planner turns pieces into byte copies; the executor performs them. Nothing here 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from reshard.core.catalog import TensorKey
 from reshard.core.container import Container
@@ -63,9 +64,9 @@ class RawPiece:
 AnyPiece = Piece | RawPiece
 
 
-# Not frozen, unlike the other requests: a writer builds it slot by slot (slot()), then sets the `tree` that holds
-# those slots; once handed to the planner it is only read.
-@dataclass
+# Frozen like the other requests, though built slot by slot: slot() appends to `slots` and `pieces` in place, and a
+# writer whose `tree` holds those slots gives it with dataclasses.replace(file, tree=...), which shares them.
+@dataclass(frozen=True)
 class TensorFile:
     """A file of tensors: a format-specific header, then each slot's bytes, filled from its pieces.
 
@@ -76,6 +77,10 @@ class TensorFile:
     tree: Any = None                             # what the header describes (a pickled tree, metadata)
     slots: list[NewTensor] = field(default_factory=list)    # in storage order
     pieces: dict[str, Sequence[AnyPiece]] = field(default_factory=dict)   # slot key -> its pieces
+
+    def with_tree(self, tree: Any) -> Self:
+        """This file with `tree`, which holds the slots made so far: they are shared, not copied."""
+        return dataclasses.replace(self, tree=tree)
 
     def header(self) -> bytes:
         raise NotImplementedError

@@ -27,7 +27,7 @@ def storage_order(slots) -> list:
     return sorted(slots, key=lambda t: (-itemsize(t.dtype), t.key))
 
 
-@dataclass
+@dataclass(frozen=True)
 class SafetensorsFile(TensorFile):
     """A safetensors file; `tree` is its string metadata, each slot's key is the tensor's name."""
     STEM, EXTENSION, SUFFIXES = "model", "safetensors", (".safetensors",)   # Hugging Face's names
@@ -46,7 +46,7 @@ class SafetensorsFile(TensorFile):
 
     def slot(self, dtype, shape, pieces, key=None):
         tensor = super().slot(dtype, shape, pieces, key)
-        self.slots = storage_order(self.slots)     # the storage order is the file's order
+        self.slots[:] = storage_order(self.slots)     # the storage order is the file's order
         return tensor
 
     def header(self) -> bytes:

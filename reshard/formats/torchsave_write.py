@@ -41,7 +41,7 @@ zipfile.crc32 = crc32     # type: ignore[attr-defined]
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)   # reproducible archives
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchFile(TensorFile):
     """A torch.save file: the pickled `tree` (with NewTensor slots) as data.pkl.
 
@@ -62,7 +62,7 @@ class TorchFile(TensorFile):
         for alias, source in aliases.items():
             if source in tree:
                 tree[alias] = tree[source]
-        file.tree = tree
+        file = file.with_tree(tree)
         return file
 
     def holds(self, name: str) -> bool:

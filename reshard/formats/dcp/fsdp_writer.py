@@ -41,7 +41,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         if lightning.crosses(frame, "fsdp") and frame.state:
             # from DeepSpeedStrategy: its client state is the dict FSDPStrategy saves as meta.pt (rank 0's)
             meta = TorchFile(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt"))
-            meta.tree = dict(frame.state)
+            meta = meta.with_tree(dict(frame.state))
             files.append(meta)
         return files
     model, optim, values = _entries(catalog, MODEL, OPTIMIZER)

@@ -35,7 +35,8 @@ def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
                                     "writing its fp32 masters there is not built")
     meta = TorchFile(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt"))
     # (the precision plugin's state is saved under its class name: a key holding "Precision")
-    meta.tree = {k: v for k, v in frame.state.items() if k not in NOT_WEIGHTS and "Precision" not in k}
+    meta = meta.with_tree({k: v for k, v in frame.state.items()
+                           if k not in NOT_WEIGHTS and "Precision" not in k})
     files = [*weights_only.model_files(catalog, lightning.model_key(frame)), meta]
     return Form((), (*weights_only.replaced(catalog), lightning.FSDP_META),
                 "the optimizer state (optimizer_0), its LR schedulers and callbacks' state: the model's state dict "

@@ -26,12 +26,12 @@ from reshard.formats.torchsave_read import Size, TensorRef
 from reshard.formats.torchsave_write import pickle_tree
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistcpFile(TensorFile):
     """A `.distcp` file: items (tensor chunks and pickled values) end to end, each a torch.save zip."""
     items: list = field(default_factory=list)    # chunkzip.Item
     fixed: list = field(default_factory=list)    # each item's fixed bytes
-    size: int = 0                                # bytes so far = the next item's offset
+    ends: list[int] = field(default_factory=list)    # where each item ends: the last is the next item's offset
 
     def add_chunk(self, dtype: str, shape: tuple, pieces: list) -> tuple:
         slot = self.slot(dtype, shape, pieces)
@@ -49,7 +49,8 @@ class DistcpFile(TensorFile):
     def _append(self, kind, key, fixed: bytes, length: int) -> tuple:
         self.items.append(Item(kind, key, len(fixed)))
         self.fixed.append(fixed)
-        offset, self.size = self.size, self.size + length
+        offset = self.ends[-1] if self.ends else 0
+        self.ends.append(offset + length)
         return offset, length
 
     def header(self) -> bytes:

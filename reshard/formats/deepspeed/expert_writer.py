@@ -271,7 +271,7 @@ def _layer_files(catalog: Catalog, tag: str, lp_dtype: str) -> list:
             module = catalog.tensors.get(TensorKey(name, MODULE))
             state, dtype = (MODULE, module.dtype) if module is not None else (MASTER, lp_dtype)
             tree[key] = file.slot(dtype, shape, [Piece(stop - start, (name, state), start)])
-        file.tree = tree
+        file = file.with_tree(tree)
         out.append(file)
     return out
 

@@ -295,5 +295,5 @@ def _layer_file(catalog: Catalog, params: RankParams, index: int, entries: list,
                                                 "are not supported")
         param = params.by_name[full_name]
         tree[key] = file.slot(param.module_dtype, param.shape, [param.piece(MODULE, 0, param.numel)])
-    file.tree = tree
+    file = file.with_tree(tree)
     return file

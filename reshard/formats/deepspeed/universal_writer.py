@@ -141,7 +141,7 @@ def _zero_folder(zt, params, tag, keys=None) -> list:
         step = zt.scalars(p.group).get(uc.STEP)
         if step is not None:
             file = TorchFile(uc.state_file(tag, p.name, uc.STEP), archive=uc.STEP)
-            file.tree = scalar_slot(file, step)
+            file = file.with_tree(scalar_slot(file, step))
             out.append(file)
     return out + _module_only_files(zt.catalog, tag)
 
@@ -150,9 +150,9 @@ def _shaped_file(path, shape, pieces, keys=None) -> TorchFile:
     """`keys`: the dict's other keys in ds_to_universal's order ({'cat_dim': 0} without TP); 'param' goes last
     unless `keys` names its place."""
     file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
-    file.tree = dict({uc.CAT_DIM: 0} if keys is None else keys)
-    file.tree[uc.PARAM] = file.slot("float32", shape, pieces)
-    return file
+    tree = dict({uc.CAT_DIM: 0} if keys is None else keys)
+    tree[uc.PARAM] = file.slot("float32", shape, pieces)
+    return file.with_tree(tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def _module_only_files(catalog, tag) -> list:
 
 def _paramless_file(path, shape, pieces) -> TorchFile:
     file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
-    file.tree = {uc.PARAM: file.slot("float32", shape, pieces)}
+    file = file.with_tree({uc.PARAM: file.slot("float32", shape, pieces)})
     return file
 
 
@@ -242,7 +242,7 @@ def _optimizer_state(optim0: TorchFile, tag) -> TorchFile:
     file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
     tree = {k: v for k, v in rank0.items() if k not in _SHARDED_KEYS}
     tree["param_groups"] = rank0["base_optimizer_state"]["param_groups"]
-    file.tree = tree
+    file = file.with_tree(tree)
     return file
 
 
@@ -257,7 +257,7 @@ def _zero3_flavour(zt, params, tag) -> list:
         for state in (MASTER, *zt.states):
             path = uc.state_file(tag, p.name, state)
             file = TorchFile(path, archive=state)
-            file.tree = file.slot("float32", (p.numel,), [p.piece(state, 0, p.numel)])
+            file = file.with_tree(file.slot("float32", (p.numel,), [p.piece(state, 0, p.numel)]))
             out.append(file)
     out.append(_zero3_optimizer_state(zt, sub_groups, tag))
     return out
@@ -277,8 +277,8 @@ def _zero3_optimizer_state(zt, sub_groups, tag) -> TorchFile:
         members[g].append(i)
     param_groups = [{**zt.hyper_params(g), "params": m} for g, m in enumerate(members)]
     scaler = zt.loss_scaler_state()
-    file.tree = {"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
-                 "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
-                 "partition_count": zt.dp, "optimizer_state_dict": {"state": state, "param_groups": param_groups},
-                 "param_groups": param_groups}
-    return file
+    return file.with_tree({"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
+                           "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
+                           "partition_count": zt.dp,
+                           "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+                           "param_groups": param_groups})

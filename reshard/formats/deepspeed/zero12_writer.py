@@ -120,7 +120,7 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
 
     def shape(n):
         return zt.saved_shape(params.by_name[n].shape)
-    file.tree = {
+    file = file.with_tree({
         "module": module,
         "buffer_names": buffer_names(params),
         "optimizer": None,
@@ -129,7 +129,7 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
         "shared_params": extra.get("shared_params", dict(params.aliases)),
         "frozen_param_fragments": OrderedDict((p.name, slots[p.name]) for p in frozen) if stage2 else None,
         **zt.model_states_tail(extra),
-    }
+    })
     return file
 
 
@@ -170,7 +170,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
                       "zero_stage": standins.ZeroStageEnum(zt.stage), "group_paddings": paddings,
                       "param_alignment_paddings": [list(group.paddings) for group in groups],
                       "partition_count": count, "ds_version": zt.ds_version, "param_slice_mappings": mappings})
-    file.tree = {"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version}
+    file = file.with_tree({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})
     return file
 
 

@@ -88,7 +88,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     for p in frozen:
         frozen_fragments[p.name] = file.slot(p.module_dtype, (ceil_div(p.numel, zt.dp),),
                                              part_pieces(p, "module", zt.dp, rank))
-    file.tree = {
+    file = file.with_tree({
         "module": module,
         "buffer_names": buffer_names(params),
         "optimizer": None,
@@ -98,7 +98,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         "shared_params": extra.get("shared_params", dict(params.aliases)) if rank == 0 else {},
         "frozen_param_fragments": frozen_fragments,
         **zt.model_states_tail(extra),
-    }
+    })
     return file
 
 
@@ -125,5 +125,5 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
              "partition_count": zt.dp, zero3_experts.PARTITION_GROUPS: partition_groups,
              "optimizer_state_dict": {"state": states, "param_groups": param_groups},
              "fp32_flat_groups": flat_groups}
-    file.tree = {"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version}
+    file = file.with_tree({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})
     return file

@@ -67,7 +67,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
 
     def shape(n):
         return Size(params.by_name[n].shape)
-    file.tree = {
+    file = file.with_tree({
         "module": module,
         "buffer_names": buffer_names(params),
         "optimizer": None,
@@ -76,7 +76,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         "shared_params": dict(params.aliases) if rank == 0 else {},
         "frozen_param_fragments": frozen_fragments,
         **zt.model_states_tail(extra),
-    }
+    })
     return file
 
 
@@ -104,5 +104,5 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         param_groups = [{**zt.hyper_params(g), "params": members} for g, members in enumerate(group_members)]
         inner["optimizer_state_dict"] = {"state": states, "param_groups": param_groups}
     inner["fp32_flat_groups"] = flat_groups
-    file.tree = {"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version}
+    file = file.with_tree({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})
     return file

@@ -649,10 +649,8 @@ class _Writer:
                    if not k.startswith("distrib_optim_")}
         file = TorchFile(f"{self.tag}/{COMMON}", archive="common")
         if sharding == WEIGHTS_ONLY:      # (generate_state_dict leaves out the optimizer and the scheduler)
-            common = {k: v for k, v in self.common.items() if k != "opt_param_scheduler"}
-            file.tree = {**common, "args": namespace, "content_metadata": content}
-            file.tree.pop("optimizer", None)
-            return file
+            common = {k: v for k, v in self.common.items() if k not in ("opt_param_scheduler", "optimizer")}
+            return file.with_tree({**common, "args": namespace, "content_metadata": content})
         if sharding == PLAIN:
             step = file.slot("float32", (), [Piece(1, None, value=self._step())])
             inner = {"param_groups": self._param_groups(with_step=False), "state": {"common_step": step}}
@@ -670,5 +668,4 @@ class _Writer:
             optimizer = {index: {**({"optimizer": {"param_groups": self._param_groups(True, expert)}}
                                     if sharding == FULLY_RESHARDABLE else {}), "param_state_sharding_type": sharding}
                          for index, expert in enumerate((False, True))}
-        file.tree = {**self.common, "args": namespace, "optimizer": optimizer, "content_metadata": content}
-        return file
+        return file.with_tree({**self.common, "args": namespace, "optimizer": optimizer, "content_metadata": content})
