@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 
 from reshard.cli import convert, diff, export, inspect, list as list_command, plan, prune, thin, validate, watch
 from reshard.cli.args import build_parser
@@ -19,7 +20,7 @@ COMMANDS = {"inspect": inspect.run, "validate": validate.run, "plan": plan.run, 
             "watch": watch.run}
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = _main(argv)
         sys.stdout.flush()      # output still buffered meets a closed pipe here, not at interpreter exit
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
         return 130
 
 
-def _main(argv) -> int:
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

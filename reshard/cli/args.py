@@ -8,6 +8,8 @@ import os
 import re
 import sys
 import textwrap
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import reshard
 from reshard import digests
@@ -18,12 +20,16 @@ from reshard.lifecycle.retention import FULL, TIERS, parse_duration
 from reshard.lifecycle.run_layout import WATCH_STATE
 from reshard.rules import files as rule_files
 
+T = TypeVar("T")
+# What add_subparsers returns: argparse names its class only privately, so the annotation is the one place it is said.
+Subcommands = argparse._SubParsersAction
+
 
 class _Parser(argparse.ArgumentParser):
     """A bad argument is one line, as every other usage error (exit 2), pointing at --help instead of printing the
     usage block; the subcommands' parsers are of this class too (add_subparsers makes its parsers so)."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         if os.environ.get("RANK", "0") == "0":
             command = self.prog.removeprefix("reshard").strip()
             print(f"reshard: {command + ': ' if command else ''}{message} "
@@ -35,7 +41,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Text wrapped at spaces only, never inside a `key=value` or a path; indented lines (the examples) as
     written; the rows of a table (a first word, two spaces, its meaning) wrapped under their meaning."""
 
-    def _split_lines(self, text, width):
+    def _split_lines(self, text: str, width: int) -> list[str]:
         lines = []
         for line in text.splitlines():
             row = re.match(r"\s+\S+\s\s+|\s*", line)
@@ -44,7 +50,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
                                    break_on_hyphens=False) or [""]
         return lines
 
-    def _fill_text(self, text, width, indent):
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n".join(indent + line if line.startswith(" ") else
                          textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent,
                                        break_long_words=False, break_on_hyphens=False)
@@ -56,7 +62,7 @@ def _examples(*lines: str) -> dict:
     return {"formatter_class": _Formatter, "epilog": "examples:\n" + "\n".join(f"  {line}" for line in lines)}
 
 
-def _command(sub, name: str, what: str, examples: tuple, more: str = ""):
+def _command(sub: Subcommands, name: str, what: str, examples: tuple, more: str = "") -> argparse.ArgumentParser:
     """A command's parser: `what` in the list of commands, and (with `more`) atop its help; then its examples."""
     return sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}.{more}", **_examples(*examples))
 
@@ -232,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _lifecycle_commands(sub) -> None:
+def _lifecycle_commands(sub: Subcommands) -> None:
     """`list` and `prune`: the checkpoints of a run directory, and retention."""
     p = _command(sub, "list", "every checkpoint of a run directory: step, time, size by kind, format, topology, "
                  "complete or not, metrics",
@@ -279,7 +285,7 @@ def _lifecycle_commands(sub) -> None:
     _watch_command(sub)
 
 
-def _thin_command(sub) -> None:
+def _thin_command(sub: Subcommands) -> None:
     p = _command(sub, "thin", "replace a full checkpoint by its framework's weights-only form, in place (a dry run "
                  "without --yes)",
                  ("reshard thin out/global_step2              # what would be dropped, bytes before -> after",
@@ -310,7 +316,7 @@ def _thin_command(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _watch_command(sub) -> None:
+def _watch_command(sub: Subcommands) -> None:
     p = _command(sub, "watch", "validate each checkpoint of a run as its save finishes, report it, apply a retention "
                  "policy (exit 0 when stopped by SIGINT/SIGTERM; with --once 0, or 1 if a checkpoint was broken)",
                  ("reshard watch out/ --once --keep-last 3     # one pass (cron); without --once, until SIGTERM",
@@ -339,7 +345,7 @@ def _watch_command(sub) -> None:
     _run_dir_args(p, settle=watching.SETTLE_SECONDS)
 
 
-def _policy_args(p) -> None:
+def _policy_args(p: argparse.ArgumentParser) -> None:
     tier = "; K:weights keeps them as their weights only (thinned, as by `reshard thin`), K:full (the default) whole"
     p.add_argument("--keep-last", type=_tiered(_positive_int), metavar="K",
                    help=f"keep the K newest complete checkpoints{tier}")
@@ -359,7 +365,7 @@ def _policy_args(p) -> None:
     p.add_argument("--delete-incomplete", action="store_true", help="also delete incomplete checkpoints nothing names")
 
 
-def policy(args) -> reshard.Policy:
+def policy(args: argparse.Namespace) -> reshard.Policy:
     """The retention policy of prune's and watch's options, each rule at its tier."""
     last, best, every, steps, interval = (getattr(args, name) or (None, FULL) for name in
                                           ("keep_last", "keep_best", "keep_every", "keep_steps", "keep_interval"))
@@ -369,9 +375,9 @@ def policy(args) -> reshard.Policy:
                           keep_every_tier=every[1], keep_steps_tier=steps[1], keep_interval_tier=interval[1])
 
 
-def _tiered(parse):
+def _tiered(parse: Callable[[str], T]) -> Callable[[str], tuple[T, str]]:
     """An argparse type for `VALUE[:TIER]`: (parse(VALUE), TIER), the tier full where none is named."""
-    def tiered(text: str) -> tuple:
+    def tiered(text: str) -> tuple[T, str]:
         value, tier = text.rsplit(":", 1) if ":" in text else (text, FULL)
         if tier not in TIERS:
             raise argparse.ArgumentTypeError(f"not a tier: {tier!r} in {text!r} ({' or '.join(TIERS)}, e.g. "
@@ -387,7 +393,7 @@ def _duration_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _run_dir_args(p, settle: float = 0.0) -> None:
+def _run_dir_args(p: argparse.ArgumentParser, settle: float = 0.0) -> None:
     p.add_argument("--metrics", metavar="FILE", help="metrics per step: JSON {step: value}, {name: {step: value}}, "
                    "[{step, name: value}] or CSV with a step column")
     p.add_argument("--recent", type=_non_negative_float, default=reshard.RECENT_SECONDS, metavar="S",
@@ -467,7 +473,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _source_args(p):
+def _source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="PATH", help=SOURCE_HELP)
     p.add_argument("--tag", help="the tag folder to read (default: the one named in 'latest')")
     p.add_argument("--layout-rules", metavar="FILE", help=RULES_HELP)
@@ -479,11 +485,11 @@ CONFIG_HELP = ("the model's config.json (Hugging Face's) where the checkpoint do
                "torchtitan save with fused q/k/v (every llama3 flavor's default) needs its key-value head count")
 
 
-def _config_arg(p) -> None:
+def _config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
 
 
-def _module_names_arg(p) -> None:
+def _module_names_arg(p: argparse.ArgumentParser) -> None:
     """plan's and convert's --names (a module-names rule file, or an export-names one read backwards)."""
     p.add_argument("--names", metavar="FILE",
                    help="the names and shapes of the model that loads the output: a module-names rule file, a path "
@@ -494,14 +500,14 @@ def _module_names_arg(p) -> None:
                         "config.json)")
 
 
-def _new_rank_state_arg(p):
+def _new_rank_state_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-rank-state", choices=NEW_RANK_POLICIES, default=FRESH,
                    help="a training framework's per-process files (HF Trainer's rng_state_K.pth) for processes the "
                         "source did not have: fresh (default: none, the framework seeds them), copy-rank0 (process "
                         "0's, whose random stream they repeat), fail (refuse)")
 
 
-def _quiet_arg(p):
+def _quiet_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
 

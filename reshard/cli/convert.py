@@ -1,6 +1,7 @@
 """`reshard convert`: write the checkpoint for another topology or format (or, with --dry-run, print the plan)."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 import reshard
@@ -8,7 +9,7 @@ from reshard.cli import plan
 from reshard.cli.output import print_written
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         plan.show(args, plan.summarize(args, args.dst))
         return 0

@@ -1,11 +1,13 @@
 """`reshard diff`: two checkpoints compared tensor by tensor; exit 0 equal, 1 different, 2 trouble."""
 from __future__ import annotations
 
+import argparse
+
 import reshard
 from reshard.cli.output import dump
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     report = reshard.diff(args.a, args.b, tag_a=args.tag_a, tag_b=args.tag_b, layout_rules=args.layout_rules,
                           config=args.config, atol=args.atol, progress=not args.quiet)
     if args.json:

@@ -1,15 +1,17 @@
 """`reshard list`: every checkpoint of a run directory, complete or not; exit 1 when one shown is incomplete."""
 from __future__ import annotations
 
+import argparse
+
 import reshard
 from reshard.cli.output import dump
 from reshard.commands.inspect import human_bytes
-from reshard.lifecycle.listing import COMPLETE, INCOMPLETE
-from reshard.lifecycle.sizes import GB, cost_per_month
+from reshard.lifecycle.listing import COMPLETE, INCOMPLETE, Checkpoint, RunListing
+from reshard.lifecycle.sizes import GB, RunBytes, cost_per_month
 from reshard.text import counted
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     listing = reshard.list_checkpoints(args.path, metrics=args.metrics, metric_name=args.metric, recent=args.recent,
                                        settle=args.settle)
     if args.json:
@@ -29,14 +31,14 @@ def _metrics_words(metrics: dict) -> str:
     return " ".join(f"{k}={v:g}" for k, v in sorted(metrics.items()))
 
 
-def _kinds(r) -> str:
+def _kinds(r: Checkpoint) -> str:
     """WEIGHTS, OPTIMIZER, OTHER columns: `?` where no reader read the checkpoint whole."""
     kinds = r.bytes_by_kind
     values = ["?"] * 3 if kinds is None else [human_bytes(n) for n in (kinds.weights, kinds.optimizer, kinds.other)]
     return "  ".join(f"{v:>10}" for v in values)
 
 
-def _tier(r) -> str:
+def _tier(r: Checkpoint) -> str:
     """TIER: `full`, or `weights` (weights-only: thinned by `reshard thin`); `-` where the checkpoint is not proven
     complete (what it holds is not known)."""
     if r.status != COMPLETE:
@@ -49,7 +51,7 @@ def usd(amount: float) -> str:
     return f"${amount:,.2f}" if amount >= 0.005 or amount == 0 else "<$0.01"
 
 
-def print_listing(listing, price: float | None = None) -> None:
+def print_listing(listing: RunListing, price: float | None = None) -> None:
     """`reshard list`: one row per checkpoint, oldest first, then the run's total (and cost, with a price)."""
     rows = listing.checkpoints
     print(f"{listing.root}: {len(rows)} checkpoint{'s' * (len(rows) != 1)} (complete: the {listing.check} proof "
@@ -78,7 +80,7 @@ def print_listing(listing, price: float | None = None) -> None:
               "`reshard prune DIR --yes` removes them")
 
 
-def print_total(total, count: int, price: float | None) -> None:
+def print_total(total: RunBytes, count: int, price: float | None) -> None:
     """The run's line: its files' bytes by kind (reshard.lifecycle.sizes.RunBytes), and what they cost a month at
     `price`."""
     parts = [f"{kind} {human_bytes(n)}" for kind, n in (("weights", total.weights), ("optimizer", total.optimizer),

@@ -1,6 +1,7 @@
 """What every command prints alike: errors in one line, JSON, and what a write left on disk."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -13,7 +14,7 @@ from reshard.storage import files as fs
 from reshard.text import counted
 
 
-def error(args, message: str, file) -> None:
+def error(args: argparse.Namespace, message: str, file: object) -> None:
     """One line on stderr; with --json also {"error", "file"} on stdout. Under torchrun, from rank 0 only."""
     if os.environ.get("RANK", "0") != "0":
         return
@@ -22,12 +23,12 @@ def error(args, message: str, file) -> None:
         dump({"error": message, "file": None if file is None else str(file)})
 
 
-def dump(data) -> None:
+def dump(data: object) -> None:
     json.dump(data, sys.stdout, indent=2)
     print()
 
 
-def print_written(args, dst, written: Written | None) -> None:
+def print_written(args: argparse.Namespace, dst: str, written: Written | None) -> None:
     """What is on disk now, as `validate --checksums` will find it (rank 0 only: the others have None), and what
     became of each file of the training framework around the source (Written.framework_files)."""
     if written is None:

@@ -1,6 +1,7 @@
 """`reshard plan`: what a conversion would read and write, without writing; exit 1 when the disk has no room."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 import reshard
@@ -11,7 +12,7 @@ from reshard.formats import REPRODUCIBILITY
 from reshard.text import counted
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     summary = summarize(args, args.dst)
     show(args, summary)
     if not summary.disk_ok:
@@ -21,7 +22,7 @@ def run(args) -> int:
     return 0
 
 
-def summarize(args, dst) -> PlanSummary:
+def summarize(args: argparse.Namespace, dst: str | None) -> PlanSummary:
     """The plan of plan's (and convert's) arguments, its free-disk check at `dst`."""
     catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config)
     return reshard.plan(catalog, args.to, tag_out=args.tag_out, fmt=args.fmt, new_rank_state=args.new_rank_state,
@@ -29,7 +30,7 @@ def summarize(args, dst) -> PlanSummary:
                         names=args.names)
 
 
-def show(args, summary: PlanSummary) -> None:
+def show(args: argparse.Namespace, summary: PlanSummary) -> None:
     """The plan as JSON or text."""
     if args.json:
         dump(summary.to_dict())

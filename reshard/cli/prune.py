@@ -2,6 +2,7 @@
 only, thinned, with --yes."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 import reshard
@@ -9,11 +10,12 @@ from reshard.cli.args import policy
 from reshard.cli.list import usd
 from reshard.cli.output import dump
 from reshard.commands.inspect import human_bytes
-from reshard.lifecycle.retention import DELETE
+from reshard.lifecycle.pruning import PrunePlan
+from reshard.lifecycle.retention import DELETE, Decision
 from reshard.text import counted
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     plan = reshard.prune(args.path, policy(args), yes=args.yes, metrics=args.metrics, recent=args.recent,
                          settle=args.settle)
     if args.json:
@@ -23,7 +25,7 @@ def run(args) -> int:
     return 1 if plan.not_thinned else 0
 
 
-def print_prune(plan, quiet: bool, price: float | None = None) -> None:
+def print_prune(plan: PrunePlan, quiet: bool, price: float | None = None) -> None:
     """`reshard prune`: the plan (keep / thin / delete / untouched, the tier, bytes before → after, why), then what
     it frees or freed, and what the run costs a month before and after."""
     for d in plan.decisions:
@@ -52,12 +54,12 @@ def print_prune(plan, quiet: bool, price: float | None = None) -> None:
               "(10^9 bytes) and month)")
 
 
-def sizes(plan, d) -> str:
+def sizes(plan: PrunePlan, d: Decision) -> str:
     """`2.5 TiB → 325.9 GiB (estimate)`: a checkpoint's files' bytes before and after the plan."""
     after = human_bytes(plan.after(d))
     return f"{human_bytes(d.checkpoint.bytes)} → {'~' if plan.estimated(d) else ''}{after}" + \
         (" (estimate)" if plan.estimated(d) else "")
 
 
-def totals(plan) -> str:
+def totals(plan: PrunePlan) -> str:
     return f"{human_bytes(plan.bytes_before)} → {human_bytes(plan.bytes_after)} in all"

@@ -1,12 +1,14 @@
 """`reshard thin`: a full checkpoint replaced by its framework's weights-only form, in place, with --yes."""
 from __future__ import annotations
 
+import argparse
+
 import reshard
 from reshard.cli.output import dump
 from reshard.commands.inspect import human_bytes
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     result = reshard.thin(args.path, yes=args.yes, keep_masters=args.keep_masters, recent=args.recent)
     if args.json:
         dump(result.to_dict())

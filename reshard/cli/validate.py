@@ -1,11 +1,13 @@
 """`reshard validate`: is every element of every tensor there exactly once? Exit 0 complete, 1 not."""
 from __future__ import annotations
 
+import argparse
+
 import reshard
 from reshard.cli.output import dump
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     report = reshard.validate(reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config),
                               deep=args.deep, checksums=args.checksums, progress=not args.quiet)
     if args.json:

@@ -1,18 +1,20 @@
 """`reshard watch`: validate each checkpoint of a run as its save finishes, report it, apply a retention policy."""
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
+from types import FrameType
 
 import reshard
 from reshard.cli.args import policy as policy_of
 from reshard.lifecycle import watch_state
 from reshard.lifecycle.listing import COMPLETE, INCOMPLETE
-from reshard.lifecycle.watching import label
+from reshard.lifecycle.watching import Pass, label
 from reshard.text import counted
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     policy = policy_of(args)
     watcher = reshard.Watcher(args.path, policy if policy.keeps_by_rule() or policy.delete_incomplete else None,
                               checksums=args.checksums, export_best=args.export_best, metric=args.metric,
@@ -24,7 +26,8 @@ def run(args) -> int:
         return 1 if done.broken or done.problems else 0
     stopped_by = []
 
-    def stop(signum, frame):    # only noted: the pass under way finishes its step, then the loop ends
+    # only noted: the pass under way finishes its step, then the loop ends
+    def stop(signum: int, frame: FrameType | None) -> None:
         stopped_by.append(signal.Signals(signum).name)
         watcher.stop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -41,14 +44,14 @@ def say(text: str, error: bool) -> None:
     print(text, file=sys.stderr if error else sys.stdout, flush=True)
 
 
-def print_watch_pass(root: str, done) -> None:
+def print_watch_pass(root: str, done: Pass) -> None:
     """`reshard watch --once`, after the lines of the pass: what is still being written, and a summary."""
     for row in done.waiting:
         print(f"{label(row)}: in progress — {row.why} ({row.name})")
     print(f"{root}: {summary(done)}")
 
 
-def summary(done) -> str:
+def summary(done: Pass) -> str:
     """What the pass did, each count of something done: checkpoints validated (complete, incomplete), those it
     could not verify and kept unread, those left in progress, those deleted, and those thinned where there were."""
     validated = [e for e in done.reported if e.status in (COMPLETE, INCOMPLETE)]
