@@ -12,7 +12,7 @@ from reshard.errors import CheckpointError, UnsafeCheckpointError
 from reshard.execution.source_bytes import MappedFiles, read_scalar
 from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import pickles as deepspeed_pickles
-from reshard.formats.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
+from reshard.formats.deepspeed.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
 from reshard.formats.torchsave_read import TensorRef
 
 
@@ -100,7 +100,7 @@ def test_deepspeed_classes_become_inert_standins(tmp_path):
     import zipfile
     payload = pickle.dumps(
         {"stage": ZeroStageEnum.weights, "scaler": DynamicLossScaler(), "addr": fragment_address(5, 7)}, protocol=2)
-    for cls, (module, name) in __import__("reshard.formats.standins", fromlist=["x"]).GLOBAL_NAMES.items():
+    for cls, (module, name) in __import__("reshard.formats.deepspeed.standins", fromlist=["x"]).GLOBAL_NAMES.items():
         payload = payload.replace(f"c{cls.__module__}\n{cls.__qualname__}\n".encode(), f"c{module}\n{name}\n".encode())
     path = tmp_path / "ds.pt"
     with zipfile.ZipFile(path, "w") as z:

@@ -212,7 +212,8 @@ def make_synthetic(args):
     from reshard.core.planner import plan
     from reshard.core.storage_ref import StorageRef
     from reshard.execution.executor import execute
-    from reshard.formats import standins, writer
+    from reshard.formats import writer
+    from reshard.formats.deepspeed import standins
     from reshard.formats.deepspeed.notes import DeepSpeedNotes
     from reshard.formats.deepspeed.topology import DeepSpeedTopology
 

@@ -29,7 +29,8 @@ from reshard.core.catalog import (
 from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, TensorFile, TextFile
 from reshard.execution.target_bytes import constant
-from reshard.formats import standins, writer
+from reshard.formats import writer
+from reshard.formats.deepspeed import standins
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_write import ALIGNMENT

@@ -426,7 +426,7 @@ def _size_arg(text: str) -> int:
 
 def _shard_size_arg(text: str) -> str:
     """A shard limit in huggingface_hub's units, checked here (as the export will read it), kept as given."""
-    from reshard.formats import hf
+    from reshard.formats.hf import sharding as hf
     try:
         size = hf.parse_size(text)
     except ReshardError:

@@ -24,8 +24,8 @@ from reshard.core.placement import Shard
 from reshard.core.planner import Plan, plan
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, TensorFile, TextFile
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import hf
 from reshard.formats.containers import EXPORTS
+from reshard.formats.hf import sharding as hf
 from reshard.rules import export_names
 from reshard.storage import files as fs
 

@@ -78,7 +78,7 @@ class Format:
     thin: tuple[ThinForm, ...] = ()
 
 
-_TRAINER_WEIGHTS = ("reshard.formats.single.trainer_weights",
+_TRAINER_WEIGHTS = ("reshard.formats.hf.trainer_weights",
                     "HF Trainer checkpoint-N/ with DeepSpeed ZeRO-1/2, DDP or FSDP (sharded or full state dict)")
 
 FORMATS = (
@@ -131,7 +131,7 @@ FORMATS = (
     Format("hf-trainer", "HF Trainer", "single-process.md",
            "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process)",
            RunLayout("hf-trainer", checkpoints=r"^checkpoint-(\d+)$", staging=r"^tmp-checkpoint-(\d+)$"),
-           readers=("reshard.formats.single.hf_trainer",),
+           readers=("reshard.formats.hf.trainer",),
            # by its one-process catalogs' format and by the framework around an engine's save
            thin=(ThinForm(*_TRAINER_WEIGHTS, "hf-trainer"), ThinForm(*_TRAINER_WEIGHTS, "HF Trainer"))),
     # no reader of its own: its folder is read as the engine's save inside it, its files around it (framework)
@@ -141,7 +141,7 @@ FORMATS = (
                           "Accelerate save_state folders with FSDP (sharded or full)", "Accelerate"),)),
     Format("safetensors", "safetensors", "single-process.md", "safetensors files and save_pretrained folders",
            RunLayout("safetensors"),
-           readers=("reshard.formats.single.safetensors_reader",)),
+           readers=("reshard.formats.hf.safetensors_reader",)),
     Format("lightning", "Lightning", "single-process.md", "Lightning .ckpt files and folders",
            RunLayout("lightning", suffix=".ckpt"),
            readers=("reshard.formats.single.lightning",)),

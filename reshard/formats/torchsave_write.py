@@ -29,7 +29,7 @@ from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
 from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
 from reshard.execution.checksums import crc32
-from reshard.formats import standins
+from reshard.formats.deepspeed import standins
 from reshard.formats.torchsave_read import DType, Size, TensorRef
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from reshard.core.catalog import ScalarTensor
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
-from reshard.formats.single.hf_trainer import TRAINER_STATE
+from reshard.formats.hf.trainer import TRAINER_STATE
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.torchsave_read import TensorRef
 from reshard.storage import files as fs

@@ -33,8 +33,8 @@ from reshard.formats import reader_for, registry, weights_only
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import lightning
-from reshard.formats.single import hf_weights
-from reshard.formats.single.hf_trainer import OPTIMIZER, RNG, SCHEDULER, TRAINER_STATE
+from reshard.formats.hf import weights as hf_weights
+from reshard.formats.hf.trainer import OPTIMIZER, RNG, SCHEDULER, TRAINER_STATE
 from reshard.storage import files as fs
 from reshard.storage.names import STAGING_SUFFIX
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
-from reshard.formats import hf
+from reshard.formats.hf import sharding as hf
 from reshard.rules import export_names, module_names
 from reshard.rules.export_names import Config, ExportNames, From, NameRule
 

@@ -19,8 +19,8 @@ from reshard.formats.dcp import metadata as md, reader as dcp_reader
 from reshard.formats.dcp.chunks import METADATA, Chunks, joined
 from reshard.formats.framework import accelerate
 from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR, is_model_only, is_sharded
+from reshard.formats.hf.trainer import SCHEDULER, global_step, read_trainer_state
 from reshard.formats.protocol import NoOptions
-from reshard.formats.single.hf_trainer import SCHEDULER, global_step, read_trainer_state
 from reshard.storage import files as fs
 
 FORMAT = "fsdp"

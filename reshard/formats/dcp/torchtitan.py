@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from reshard.core.placement import Block
 from reshard.errors import UsageError
-from reshard.formats import hf
+from reshard.formats.hf import sharding as hf
 
 OWN = ("lr_scheduler", "dataloader", "train_state")     # CheckpointManager's top-level entries beside model, optimizer
 OPTIMIZER = "optimizer"

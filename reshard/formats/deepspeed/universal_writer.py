@@ -35,12 +35,12 @@ from reshard.core.catalog import MASTER, MODULE, Catalog
 from reshard.core.layout import Layout
 from reshard.core.write_requests import Output, Piece, TextFile
 from reshard.errors import ReshardError, UsageError
-from reshard.formats import standins
 from reshard.formats.deepspeed import (
     expert_writer,
     files as names,
     notes,
     rank_params,
+    standins,
     topology,
     tp_writer,
     universal as uc,

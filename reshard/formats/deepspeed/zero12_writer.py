@@ -15,8 +15,7 @@ from reshard.core.catalog import MASTER, MODULE
 from reshard.core.dtypes import itemsize
 from reshard.core.geometry import ceil_div, intersect
 from reshard.core.write_requests import Piece
-from reshard.formats import standins
-from reshard.formats.deepspeed import files as names, notes
+from reshard.formats.deepspeed import files as names, notes, standins
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry, weight_source
 from reshard.formats.torchsave_write import TorchFile

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 from reshard.core.catalog import MASTER
 from reshard.core.geometry import ceil_div
-from reshard.formats import standins
-from reshard.formats.deepspeed import experts as expert_files, files as names, notes, zero3_experts
+from reshard.formats.deepspeed import experts as expert_files, files as names, notes, standins, zero3_experts
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero3_writer import part_pieces
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry

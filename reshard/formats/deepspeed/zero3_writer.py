@@ -10,8 +10,7 @@ from collections import OrderedDict
 from reshard.core.catalog import MASTER, MODULE
 from reshard.core.geometry import ceil_div
 from reshard.core.write_requests import Piece
-from reshard.formats import standins
-from reshard.formats.deepspeed import files as names
+from reshard.formats.deepspeed import files as names, standins
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry
 from reshard.formats.torchsave_read import Size

@@ -10,8 +10,7 @@ from typing import Any
 from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, ScalarValue
 from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, Piece, TextFile
-from reshard.formats import standins
-from reshard.formats.deepspeed import files as names, notes, topology
+from reshard.formats.deepspeed import files as names, notes, standins, topology
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.torchsave_read import Size
 from reshard.formats.torchsave_write import TorchFile

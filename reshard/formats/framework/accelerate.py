@@ -14,7 +14,7 @@ optimizer_0/ (framework/fsdp.py) instead of DeepSpeed's `latest` and tag folder;
 distributed type of the Accelerator that loads, so a folder of the other kind fails there. With FULL_STATE_DICT
 (observed, the same versions and run) they stand beside pytorch_model_fsdp.bin (the gathered model state dict) and
 optimizer.bin (FSDP's full optimizer state dict, keyed by parameter FQN), both torch.save'd by process 0 and read by
-the single-process reader (single/hf_trainer.py); load_state has every process read them whole. (FSDP1 through
+the single-process reader (hf/trainer.py); load_state has every process read them whole. (FSDP1 through
 Accelerate does not run on CPU: "Inconsistent compute device and device_id: cpu vs cpu:0"; not observed.)
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import re
 from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
-from reshard.formats.single import hf_files
+from reshard.formats.hf import files as hf_files
 from reshard.storage import files as fs
 
 NAME = "Accelerate"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from reshard.formats import weights_only
-from reshard.formats.single import hf_files
+from reshard.formats.hf import files as hf_files
 from reshard.storage import files as fs
 
 MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"

@@ -19,8 +19,9 @@ from reshard.core.catalog import Catalog, CatalogBuilder, TrainingState
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read, weights_only
+from reshard.formats.hf import files as hf_files, weights as hf_weights
 from reshard.formats.protocol import NoOptions
-from reshard.formats.single import hf_files, hf_weights, model
+from reshard.formats.single import model
 from reshard.formats.single.notes import SingleNotes
 from reshard.formats.single.torchsave_checkpoint import is_optimizer
 from reshard.formats.unpartitioned import UNPARTITIONED

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.core.layout import Layout
+from reshard.formats.hf import files as hf_files, weights as hf_weights
 from reshard.formats.protocol import NoOptions
-from reshard.formats.single import hf_files, hf_weights, model, safetensors_header
+from reshard.formats.single import model, safetensors_header
 from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.storage import files as fs
 

@@ -20,8 +20,8 @@ from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.dcp import fsdp_weights
 from reshard.formats.deepspeed import files as ds_files, topology, zero_target
-from reshard.formats.single import hf_files, hf_weights
-from reshard.formats.single.hf_trainer import OPTIMIZER
+from reshard.formats.hf import files as hf_files, weights as hf_weights
+from reshard.formats.hf.trainer import OPTIMIZER
 from reshard.formats.weights_only import Form
 from reshard.storage import files as fs
 

@@ -13,7 +13,8 @@ import os
 
 from reshard.errors import CheckpointError
 from reshard.formats import torchsave_read
-from reshard.formats.single import hf_files, hf_model, safetensors_header
+from reshard.formats.hf import files as hf_files, model as hf_model
+from reshard.formats.single import safetensors_header
 from reshard.formats.single.torchsave_checkpoint import is_state_dict
 from reshard.storage import files as fs
 

@@ -18,8 +18,8 @@ import re
 from reshard.formats.deepspeed import files as deepspeed_files
 from reshard.formats.framework import fsdp
 from reshard.formats.framework.files import UNKNOWN, Framework, PerRank, framework_files
-from reshard.formats.single import hf_files
-from reshard.formats.single.hf_trainer import ARGS, FSDP_MODEL, FSDP_OPTIMIZER, SCHEDULER, TRAINER_STATE
+from reshard.formats.hf import files as hf_files
+from reshard.formats.hf.trainer import ARGS, FSDP_MODEL, FSDP_OPTIMIZER, SCHEDULER, TRAINER_STATE
 from reshard.storage import files as fs
 
 NAME = "HF Trainer"
