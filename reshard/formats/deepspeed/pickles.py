@@ -1,5 +1,5 @@
 """The allow-list DeepSpeed's files are read with: torch's own globals and DeepSpeed's five classes, as the inert
-stand-ins of reshard.formats.deepspeed.standins. Only DeepSpeed's readers (its rank files, layer files and universal states)
+stand-ins of standins.py (beside this). Only DeepSpeed's readers (its rank files, layer files and universal states)
 take it; every other format's unpickler refuses a DeepSpeed class as it refuses any global off its list.
 """
 from __future__ import annotations
