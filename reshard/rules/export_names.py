@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from reshard.core.placement import Block, Shard
 from reshard.errors import ReshardError
-from reshard.rules import files as rule_files
+from reshard.rules import files as rule_files, name_rules
 
 KIND = rule_files.EXPORT_NAMES
 INDEX = "{index}"
@@ -259,13 +259,8 @@ def _lookup(facts: Mapping[str, Any] | None, names: tuple[str, ...]) -> Any:
 def load(path: str) -> ExportNames:
     """The rules of the file at `path` (or shipped with reshard under that name); a file that is not one is a
     one-line error naming it."""
-    path, spec = rule_files.load(path, KIND)
-    rules = spec.get("rules")
-    if not isinstance(rules, list):
-        raise ReshardError.at(path, '"rules" must be a list')
-    unknown = set(spec) - {"kind", "version", "description", "rules", "requires", "config", "note"}
-    if unknown:
-        raise ReshardError.at(path, f"unknown keys {', '.join(sorted(unknown))}")
+    path, spec, rules = name_rules.rules_of(path, KIND, {"kind", "version", "description", "rules", "requires",
+                                                         "config", "note"})
     requires = spec.get("requires", {})
     if not isinstance(requires, dict):
         raise ReshardError.at(path, '"requires" must be an object: {hyperparameter: value}')
@@ -313,7 +308,7 @@ def _count_spec(path: str, where: str, given) -> Count:
 
 def _rule(path: str, i: int, rule) -> NameRule:
     where = f"rule {i}"
-    pattern = rule_files.rule_pattern(path, i, rule, {"match", "name", "split", "drop", "rows", "refuse", "strided",
+    pattern = name_rules.pattern(path, i, rule, {"match", "name", "split", "drop", "rows", "refuse", "strided",
                                                       "note"})
     if "refuse" in rule:
         if not isinstance(rule["refuse"], str) or set(rule) - {"match", "refuse", "note"}:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
-import re
 
 from reshard.errors import ReshardError, UsageError
 from reshard.storage import files as fs
@@ -84,22 +83,6 @@ def load(given: str, kind: str) -> tuple[str, dict]:
         article = "an" if WHAT[kind][0] in "aeiou" else "a"
         raise ReshardError.at(path, f'not {article} {WHAT[kind]} (needs "kind": "{kind}", "version": 1)')
     return path, spec
-
-
-def rule_pattern(path: str, i: int, rule, keys: set[str]) -> re.Pattern:
-    """Rule `i` of the rule file at `path`: a JSON object of `keys` with "match", a regular expression, compiled;
-    anything else a one-line error naming the file and the rule."""
-    where = f"rule {i}"
-    if not isinstance(rule, dict) or not isinstance(rule.get("match"), str):
-        raise ReshardError.at(path, f'{where}: needs "match", a regular expression')
-    try:
-        pattern = re.compile(rule["match"])
-    except re.error as e:
-        raise ReshardError.at(path, f"{where}: bad regular expression: {e}") from None
-    unknown = set(rule) - keys
-    if unknown:
-        raise ReshardError.at(path, f"{where}: unknown keys {', '.join(sorted(unknown))}")
-    return pattern
 
 
 def _flag_set(entry, flag: str) -> bool:

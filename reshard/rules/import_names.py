@@ -16,7 +16,6 @@ joined param, their boxes cut where they cross a group, so reading and writing s
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,11 +23,10 @@ from typing import Any
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.hf import sharding as hf
-from reshard.rules import export_names, module_names
+from reshard.rules import export_names, module_names, name_rules
 from reshard.rules.export_names import Config, ExportNames, From, NameRule
 
 MISSING = object()
-REFERENCE = re.compile(r"\\(?:(\d+)|g<(\d+)>)")     # a template's reference to a numbered group: \1, \g<1>
 
 
 @dataclass(frozen=True)
@@ -116,11 +114,11 @@ def _joins(rules: ExportNames, i: int, rule: NameRule, facts: Mapping[str, Any])
              for part in rule.rows.parts]
     # each undone pattern names the match's groups g<N> (N: the rule's own numbers), so the parts' templates, their
     # references renamed so, name every part from whichever part matched, where all parts refer to the same groups
-    references = [set(REFERENCE.findall(part.name)) for part in rule.rows.parts]
+    references = [set(name_rules.REFERENCE.findall(part.name)) for part in rule.rows.parts]
     if any(r != references[0] for r in references):
         raise ReshardError.at(rules.path, f"rule {i}: its parts refer to different groups of its match: they "
                                           "cannot be joined back")
-    joined = tuple(REFERENCE.sub(lambda m: f"\\g<g{m.group(1) or m.group(2)}>", part.name)
+    joined = tuple(name_rules.REFERENCE.sub(lambda m: f"\\g<g{m.group(1) or m.group(2)}>", part.name)
                    for part in rule.rows.parts)
     return [module_names.ModuleRule(back.pattern, back.name, joined, 0, groups) for back in backs]
 

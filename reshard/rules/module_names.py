@@ -30,7 +30,7 @@ from types import MappingProxyType
 from reshard.core.catalog import Catalog, Fragment, LogicalTensor, ParamInfo, PerParamScalar, TensorKey
 from reshard.core.placement import Block, Shard
 from reshard.errors import ReshardError
-from reshard.rules import files as rule_files
+from reshard.rules import files as rule_files, name_rules
 
 KIND = rule_files.MODULE_NAMES
 
@@ -178,86 +178,10 @@ class InvertedNames(ModuleNames):
         return out
 
 
-def _literal(text: str, path: str, i: int) -> str:
-    """The text a run of a pattern outside its groups stands for: escaped or plain characters only."""
-    out, at = [], 0
-    while at < len(text):
-        char = text[at]
-        if char == "\\" and at + 1 < len(text) and not text[at + 1].isalnum():
-            out.append(text[at + 1])
-            at += 2
-        elif char in ".^$*+?{}[]|()\\":
-            raise ReshardError.at(path, f"rule {i}: its match has {text[at:at + 2]!r} outside a group: not a literal "
-                                        "text around groups, so it cannot be undone")
-        else:
-            out.append(char)
-            at += 1
-    return "".join(out)
-
-
-def _groups(pattern: str, path: str, i: int) -> list[tuple[str, str]]:
-    """[(literal text, ""), ("", group's own pattern), ...] of a match: its top-level capturing groups and the text
-    around them (a group holding another capturing group cannot be undone)."""
-    parts: list[tuple[str, str]] = []
-    depth, start, outside, at, in_class = 0, 0, 0, 0, False
-    while at < len(pattern):
-        char = pattern[at]
-        if char == "\\":
-            at += 2
-            continue
-        if in_class:
-            in_class = char != "]"
-        elif char == "[":
-            in_class = True
-        elif char == "(":
-            capturing = not pattern.startswith("(?", at) or pattern.startswith("(?P<", at)
-            if depth == 0:
-                if not capturing:
-                    raise ReshardError.at(path, f"rule {i}: a group that does not capture outside any other: it "
-                                                "cannot be undone")
-                parts.append((_literal(pattern[outside:at], path, i), ""))
-                start = at + 1 if not pattern.startswith("(?P<", at) else pattern.index(">", at) + 1
-            elif capturing:
-                raise ReshardError.at(path, f"rule {i}: a capturing group inside another: it cannot be undone")
-            depth += 1
-        elif char == ")":
-            depth -= 1
-            if depth == 0:
-                parts.append(("", pattern[start:at]))
-                outside = at + 1
-        at += 1
-    parts.append((_literal(pattern[outside:], path, i), ""))
-    return parts
-
-
 def inverse(path: str, i: int, rule: ModuleRule) -> ModuleRule:
-    """The rename undone: the template as a pattern (each reference its group's pattern, named g<n>), the match as
-    a template (each group a reference to it)."""
+    """The rename undone (name_rules.undone): the template as a pattern, the match as a template."""
     assert rule.name is not None
-    parts = _groups(rule.pattern.pattern, path, i)
-    groups = [g for text, g in parts if not text and g]
-    pattern, seen, at = [], set(), 0
-    template = rule.name
-    for found in re.finditer(r"\\(?:(\d+)|g<(\d+)>)", template):
-        pattern.append(re.escape(template[at:found.start()]))
-        number = int(found.group(1) or found.group(2))
-        if not 1 <= number <= len(groups):
-            raise ReshardError.at(path, f"rule {i}: its template refers to group {number}, which is not one of its "
-                                        "match's groups outside any other: it cannot be undone")
-        pattern.append(f"(?P=g{number})" if number in seen else f"(?P<g{number}>{groups[number - 1]})")
-        seen.add(number)
-        at = found.end()
-    pattern.append(re.escape(template[at:]))
-    if seen != set(range(1, len(groups) + 1)):
-        raise ReshardError.at(path, f"rule {i}: its template leaves out a group of its match: it cannot be undone")
-    back, number = [], 0
-    for text, group in parts:
-        if group:
-            number += 1
-            back.append(f"\\g<g{number}>")
-        else:
-            back.append(text.replace("\\", "\\\\"))
-    return ModuleRule(re.compile("".join(pattern)), "".join(back))
+    return ModuleRule(*name_rules.undone(path, i, rule.pattern, rule.name))
 
 
 def _join(name: str, parts: tuple[str, ...], shapes: list[tuple[int, ...]], dim: int, path: str,
@@ -335,16 +259,13 @@ def _renamed_scalar(value, targets: list[Target], path: str):
 def load(path: str) -> ModuleNames:
     """The rules of the file at `path` (or shipped with reshard under that name); a file that is not one is a
     one-line error naming it."""
-    path, spec = rule_files.load(path, KIND)
-    rules = spec.get("rules")
-    if not isinstance(rules, list):
-        raise ReshardError.at(path, '"rules" must be a list')
+    path, _, rules = name_rules.rules_of(path, KIND)
     return ModuleNames(path, tuple(_rule(path, i, r) for i, r in enumerate(rules)))
 
 
 def _rule(path: str, i: int, rule) -> ModuleRule:
     where = f"rule {i}"
-    pattern = rule_files.rule_pattern(path, i, rule, {"match", "name", "join", "dim", "drop", "note"})
+    pattern = name_rules.pattern(path, i, rule, {"match", "name", "join", "dim", "drop", "note"})
     if rule.get("drop") is True:
         if set(rule) - {"match", "drop", "note"}:
             raise ReshardError.at(path, f'{where}: "drop" goes alone')
