@@ -59,3 +59,38 @@ def test_a_file_in_another_kinds_folder_is_refused(moved):
         rule_files.find("megatron-gpt", rule_files.TP_RULES)
     assert "megatron-gpt" not in rule_files.shipped(rule_files.TP_RULES)
     assert rule_files.load("llama-autotp", rule_files.TP_RULES)[1]["kind"] == rule_files.TP_RULES
+
+
+@pytest.mark.parametrize("kind", [rule_files.MODULE_NAMES, rule_files.EXPORT_NAMES])
+def test_both_names_languages_are_read_by_one_parser(kind, tmp_path):
+    """module_names and export_names load through name_rules: the same one-line refusal of a file whose "rules" is
+    not a list, and of a rule whose match is no regular expression, naming the file (and the rule)."""
+    from reshard.rules import export_names, module_names
+    load = {rule_files.MODULE_NAMES: module_names.load, rule_files.EXPORT_NAMES: export_names.load}[kind]
+    path = tmp_path / "names.json"
+    path.write_text(json.dumps({"kind": kind, "version": 1, "rules": {}}))
+    with pytest.raises(ReshardError, match='"rules" must be a list') as caught:
+        load(str(path))
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+    path.write_text(json.dumps({"kind": kind, "version": 1, "rules": [{"match": "a(", "name": "b"}]}))
+    with pytest.raises(ReshardError, match="rule 0: bad regular expression"):
+        load(str(path))
+    path.write_text(json.dumps({"kind": kind, "version": 1, "rules": [{"match": r"a\.(\d+)", "name": r"b.\1"}]}))
+    loaded = load(str(path))
+    assert loaded.rules[0].pattern.fullmatch("a.7") and loaded.rules[0].name == r"b.\1"
+
+
+def test_a_rename_undone_gives_the_name_back_and_a_pattern_that_cannot_be_is_refused():
+    """name_rules.undone (import_names reads export-names files through it): the template becomes a pattern whose
+    match, through the undone template, is the original name. Negative control: a match with a bare "." outside its
+    groups is no literal text, and is refused in one line."""
+    import re
+
+    from reshard.rules import name_rules
+    match, template = re.compile(r"model\.layers\.(\d+)\.mlp\.(\w+)\.weight"), r"decoder.\1.\2.w"
+    back, back_template = name_rules.undone("rules.json", 3, match, template)
+    renamed = match.sub(template, "model.layers.12.mlp.up.weight")
+    assert renamed == "decoder.12.up.w"
+    assert back.fullmatch(renamed).expand(back_template) == "model.layers.12.mlp.up.weight"
+    with pytest.raises(ReshardError, match=r"rules\.json.*rule 3: .*cannot be undone"):
+        name_rules.undone("rules.json", 3, re.compile(r"model.layers\.(\d+)"), r"x.\1")
