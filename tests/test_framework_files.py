@@ -27,7 +27,7 @@ from reshard.formats.framework import (
     Framework,
     FrameworkFile,
 )
-from reshard.formats.hf.trainer_frame import RNG
+from reshard.formats.framework.hf_trainer import RNG
 
 
 class Hostile:

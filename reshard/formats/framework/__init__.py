@@ -40,8 +40,7 @@ def detect(path: str) -> Framework | None:
     around FSDP, the reader of its DCP folder (dcp/lightning_reader.py)."""
     # imported here, not at the top: they import other formats' modules, which import the catalog, which imports
     # reshard.formats (this package's parent) as it starts
-    from reshard.formats.framework import accelerate
-    from reshard.formats.hf import trainer_frame as hf_trainer
+    from reshard.formats.framework import accelerate, hf_trainer
     if not fs.isdir(path):
         return None
     for module in (hf_trainer, accelerate):
