@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 
 def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
-                    layout_rules: str | None = None, config: str | None = None) -> Catalog:
+                    layout_rules: str | None = None, config: str | None = None, *,
+                    model_order: bool = True) -> Catalog:
     """Read a checkpoint's metadata into a Catalog; nothing in it is executed, no tensor byte is read.
 
     Args:
@@ -48,6 +49,9 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
             path, or the name of one shipped with reshard ("megatron-gpt", "llama-autotp").
         config: the model's config.json, for a checkpoint that does not record what it gives (a torchtitan save with
             fused q/k/v: the key-value head count that places the optimizer's state on wq, wk and wv).
+        model_order: False where the caller names every param itself (a convert with an export-names rule file,
+            an import): a Hugging Face folder's safetensors are then not put in the model's order nor their ties
+            learnt, which builds the model class of config.json with the installed transformers (seconds).
 
     Returns:
         The Catalog (reshard.core.catalog): every logical tensor, where its bytes lie, the non-tensor state.
@@ -59,7 +63,7 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
         ('deepspeed', 2)
     """
     try:
-        return read(os.fspath(path), tag, layout_rules, config)
+        return read(os.fspath(path), tag, layout_rules, config, model_order)
     except UnknownFormatError as e:
         raise _run_directory_hint(os.fspath(path)) or e from None
 
