@@ -5,10 +5,8 @@ import sys
 
 import reshard
 from reshard.cli.output import dump
-from reshard.commands.convert import names_every_param
 from reshard.commands.inspect import human_bytes
 from reshard.commands.plan import PlanSummary
-from reshard.core.catalog import Catalog
 from reshard.formats import REPRODUCIBILITY
 from reshard.text import counted
 
@@ -25,16 +23,10 @@ def run(args) -> int:
 
 def summarize(args, dst) -> PlanSummary:
     """The plan of plan's (and convert's) arguments, its free-disk check at `dst`."""
-    return reshard.plan(source(args), args.to, tag_out=args.tag_out, fmt=args.fmt, new_rank_state=args.new_rank_state,
+    return reshard.plan(args.path, args.to, tag=args.tag, layout_rules=args.layout_rules, config=args.config,
+                        tag_out=args.tag_out, fmt=args.fmt, new_rank_state=args.new_rank_state,
                         dst=dst, memory_budget=args.memory_budget, workers=args.workers,
                         names=args.names)
-
-
-def source(args) -> Catalog:
-    """The catalog of the checkpoint plan's (and convert's) arguments name; without the model's own param order
-    where the names given put every param in place themselves (an import: the order is seconds of transformers)."""
-    return reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config,
-                                   model_order=not names_every_param(args.names))
 
 
 def show(args, summary: PlanSummary) -> None:
