@@ -159,7 +159,8 @@ def pointed(save_dir: str, pointer: Pointer) -> str | None:
 
 
 def reader_options(reader: Reader, path: str, request: ReadRequest) -> object:
-    """`request` as the reader's OPTIONS; an option the reader does not take is a usage error."""
+    """`request` as the reader's OPTIONS; an option the reader does not take is a usage error, a hint it does not
+    take (ReadRequest.model_order) left out."""
     given = request.given()
     for name in list(given):
         if name not in _taken(reader) and ReadRequest.option(name).get("hint"):
