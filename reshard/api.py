@@ -12,7 +12,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from reshard.commands.convert import framework_files, make_plan
+from reshard.commands.convert import framework_files, make_plan, names_every_param
 from reshard.commands.export import export_plan
 from reshard.commands.inspect import Inspection, inspect as inspect_catalog
 from reshard.commands.validate import (
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 
 def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
-                    layout_rules: str | None = None, config: str | None = None) -> Catalog:
+                    layout_rules: str | None = None, config: str | None = None, *,
+                    model_order: bool = True) -> Catalog:
     """Read a checkpoint's metadata into a Catalog; nothing in it is executed, no tensor byte is read.
 
     Args:
@@ -48,6 +49,9 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
             path, or the name of one shipped with reshard ("megatron-gpt", "llama-autotp").
         config: the model's config.json, for a checkpoint that does not record what it gives (a torchtitan save with
             fused q/k/v: the key-value head count that places the optimizer's state on wq, wk and wv).
+        model_order: False where the caller names every param itself (a convert with an export-names rule file,
+            an import): a Hugging Face folder's safetensors are then not put in the model's order nor their ties
+            learnt, which builds the model class of config.json with the installed transformers (seconds).
 
     Returns:
         The Catalog (reshard.core.catalog): every logical tensor, where its bytes lie, the non-tensor state.
@@ -59,7 +63,7 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None,
         ('deepspeed', 2)
     """
     try:
-        return read(os.fspath(path), tag, layout_rules, config)
+        return read(os.fspath(path), tag, layout_rules, config, model_order)
     except UnknownFormatError as e:
         raise _run_directory_hint(os.fspath(path)) or e from None
 
@@ -162,7 +166,7 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         ('dp=4,tp=1,pp=1,zero=2', 8, True)
     """
     from reshard.commands.plan import summarize
-    complete = _complete(source, tag, layout_rules, config)
+    complete = _complete(source, tag, layout_rules, config, names)
     made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     return summarize(complete.catalog, made, fmt=fmt, new_rank_state=new_rank_state,
                      dst=None if dst is None else os.fspath(dst), memory_budget=memory_budget, workers=workers)
@@ -196,7 +200,7 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
         >>> written.output.topology, reshard.validate("new/").ok
         ('dp=4,tp=1,pp=1,zero=2', True)
     """
-    complete = _complete(source, tag, layout_rules, config)
+    complete = _complete(source, tag, layout_rules, config, names)
     made = make_plan(complete, to, tag_out, fmt, new_rank_state, names)
     written = _execute(made, dst, overwrite=overwrite, memory_budget=memory_budget, workers=workers,
                        progress=progress, resume=resume, digest=digest)
@@ -287,13 +291,17 @@ def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalo
     return compare(catalog_a, catalog_b, atol=atol, progress=progress)
 
 
-def _catalog(source, tag: str | None, layout_rules: str | None, config: str | None = None) -> Catalog:
-    return source if isinstance(source, Catalog) else open_checkpoint(source, tag, layout_rules, config)
+def _catalog(source, tag: str | None, layout_rules: str | None, config: str | None = None,
+             model_order: bool = True) -> Catalog:
+    return source if isinstance(source, Catalog) else \
+        open_checkpoint(source, tag, layout_rules, config, model_order=model_order)
 
 
-def _complete(source, tag: str | None, layout_rules: str | None, config: str | None = None) -> Complete:
+def _complete(source, tag: str | None, layout_rules: str | None, config: str | None = None,
+              names: str | None = None) -> Complete:
+    """`source` proven whole; read without the model's own param order where `names` names every param itself."""
     return source if isinstance(source, Complete) else \
-        prove_catalog_complete(_catalog(source, tag, layout_rules, config))
+        prove_catalog_complete(_catalog(source, tag, layout_rules, config, not names_every_param(names)))
 
 
 def _execute(made, dst, memory_budget: int | None, **options) -> Written | None:

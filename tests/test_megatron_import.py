@@ -26,9 +26,11 @@ import pytest
 import reshard
 from conftest import change_dcp_element, run_cli
 from engine_launches import shares
+from property_sources import tree_bytes
 from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
 from reshard.execution.executor import execute
+from reshard.formats.hf import model as hf_model
 from reshard.formats.megatron.pickles import METADATA_ALLOWED
 from reshard.formats.megatron.reader import common_state
 from reshard.rules.files import shipped
@@ -71,8 +73,10 @@ def reference_logits(folder):
         return model(torch.tensor(TOKENS)).logits.float()
 
 
-def convert(source, dst, to: str, names: str = NAMES) -> None:
-    plan = make_plan(reshard.open_checkpoint(str(source)), to, fmt="megatron", names=names)
+def convert(source, dst, to: str, names: str = NAMES, model_order: bool = False) -> None:
+    """The import as `reshard convert` makes it: the source read without the model class's param order (the rule
+    file names every param), unless `model_order`."""
+    plan = make_plan(reshard.open_checkpoint(str(source), model_order=model_order), to, fmt="megatron", names=names)
     execute(plan, str(dst), progress=False)
 
 
@@ -198,6 +202,28 @@ def _tensors(folder) -> dict:
     for file in sorted(folder.glob("*.safetensors")):
         out.update(load_file(str(file)))
     return out
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_the_import_builds_no_model_and_writes_what_the_models_order_would(name, sources, tmp_path, monkeypatch):
+    """The CLI's import reads the folder without hf_model (transformers building the model class: seconds, the
+    import's fixed cost), and its files are those of the import from the source read in the model's order, byte for
+    byte. Negative controls: a plain read still asks hf_model (so the refusal below would be seen); a save with one
+    element changed is told apart by the same comparison."""
+    convert(sources / name, tmp_path / "ordered", "tp=2,pp=2", model_order=True)
+
+    def refused(folder):
+        raise AssertionError(f"the model class was built for {folder}")
+    monkeypatch.setattr(hf_model, "model_order", refused)
+    with pytest.raises(AssertionError, match="the model class was built"):
+        reshard.open_checkpoint(str(sources / name))
+    run_cli("convert", sources / name, tmp_path / "cli", "--format", "megatron", "--names", NAMES, "--to", "tp=2,pp=2",
+            "--quiet", check=0)
+    ordered, cli = tree_bytes(str(tmp_path / "ordered")), tree_bytes(str(tmp_path / "cli"))
+    assert sorted(ordered) == sorted(cli) and all(ordered[f] == cli[f] for f in ordered)
+    change_dcp_element(tmp_path / "cli" / "release", CHANGED[0], METADATA_ALLOWED, state="module")
+    changed = tree_bytes(str(tmp_path / "cli"))
+    assert [f for f in ordered if ordered[f] != changed[f]] != []
 
 
 def test_the_save_is_megatron_lms_release_folder_with_args_from_config(sources, tmp_path):

@@ -6,7 +6,8 @@ import inspect
 
 import pytest
 
-from reshard.formats import READERS, WRITERS
+from reshard.errors import UsageError
+from reshard.formats import READERS, WRITERS, reader_options
 from reshard.formats.protocol import Reader, ReadRequest, Writer
 
 
@@ -48,3 +49,15 @@ def test_the_protocol_check_sees_a_module_that_lacks_a_member():
     half = type(dcp_writer)("half")
     half.target_files, half.batch_size_advice = dcp_writer.target_files, dcp_writer.batch_size_advice
     assert not isinstance(half, Writer)
+
+
+def test_a_hint_reaches_the_readers_that_take_it_and_an_option_not_taken_is_still_refused():
+    """model_order is a hint: the safetensors reader gets it, a reader without a use for it (Megatron's) reads
+    without it. Negative control: --config, an option, given to that same reader is refused."""
+    safetensors = importlib.import_module("reshard.formats.single.safetensors_reader")
+    megatron = importlib.import_module("reshard.formats.megatron.reader")
+    assert reader_options(safetensors, "hf/", ReadRequest(model_order=False)) == safetensors.OPTIONS(model_order=False)
+    assert reader_options(megatron, "save/", ReadRequest(tag="release", model_order=False)) == \
+        megatron.OPTIONS(tag="release")
+    with pytest.raises(UsageError, match="--config"):
+        reader_options(megatron, "save/", ReadRequest(config="config.json", model_order=False))

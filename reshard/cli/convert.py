@@ -13,8 +13,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         plan.show(args, plan.summarize(args, args.dst))
         return 0
-    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config)
-    written = reshard.convert(catalog, args.dst, args.to, tag_out=args.tag_out, fmt=args.fmt,
+    written = reshard.convert(args.path, args.dst, args.to, tag=args.tag, layout_rules=args.layout_rules,
+                              config=args.config, tag_out=args.tag_out, fmt=args.fmt,
                               new_rank_state=args.new_rank_state, workers=args.workers,
                               memory_budget=args.memory_budget, overwrite=args.overwrite, resume=args.resume,
                               progress=not args.quiet, names=args.names, digest=args.digest)

@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize(args: argparse.Namespace, dst: str | None) -> PlanSummary:
     """The plan of plan's (and convert's) arguments, its free-disk check at `dst`."""
-    catalog = reshard.open_checkpoint(args.path, args.tag, args.layout_rules, args.config)
-    return reshard.plan(catalog, args.to, tag_out=args.tag_out, fmt=args.fmt, new_rank_state=args.new_rank_state,
+    return reshard.plan(args.path, args.to, tag=args.tag, layout_rules=args.layout_rules, config=args.config,
+                        tag_out=args.tag_out, fmt=args.fmt, new_rank_state=args.new_rank_state,
                         dst=dst, memory_budget=args.memory_budget, workers=args.workers,
                         names=args.names)
 

@@ -51,8 +51,8 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
     file exports from, its hyperparameters from the model's config."""
     complete = source if isinstance(source, Complete) else prove_complete(source)
     own_names = fmt is not None and fmt != complete.catalog.format and _writer(complete.catalog, fmt).SAVES_OWN_NAMES
-    if names and own_names and rule_files.kind_of(names, (rule_files.MODULE_NAMES, rule_files.EXPORT_NAMES)) == \
-            rule_files.EXPORT_NAMES:      # a model under its consumer's names, brought back to the checkpoint's
+    # a model under its consumer's names, brought back to the checkpoint's
+    if names and own_names and names_every_param(names):
         from reshard.rules import import_names
         complete = prove_complete(import_names.load(names, complete.catalog))
     elif names:
@@ -66,6 +66,14 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
     if "=" in to and not fs.isfile(to):     # a spec (a descriptor file says only what it means)
         _refuse_keys_without_meaning(catalog, to, fmt)
     return plan_for(complete, target, tag_out, fmt, new_rank_state)
+
+
+def names_every_param(names: str | None) -> bool:
+    """Is `names` an export-names rule file, which names every param of the output itself (its names, the writer's
+    order, a tie from the model's config), so a convert with it needs the source's own param order and ties not
+    (formats.read's model_order)?"""
+    return names is not None and rule_files.kind_of(names, (rule_files.MODULE_NAMES, rule_files.EXPORT_NAMES)) == \
+        rule_files.EXPORT_NAMES
 
 
 def _refuse_keys_without_meaning(catalog: Catalog, spec: str, fmt: str | None) -> None:

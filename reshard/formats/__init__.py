@@ -50,16 +50,19 @@ def weights_only_form(catalog: Catalog, path: str, keep_masters: bool = False) -
     return importlib.import_module(WEIGHTS_ONLY[name]).form(catalog, path, keep_masters)
 
 
-def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None) -> Catalog:
+def read(path: str, tag: str | None = None, layout_rules: str | None = None, config: str | None = None,
+         model_order: bool = True) -> Catalog:
     """The Catalog of the checkpoint at `path`, whatever its format. `layout_rules`: a tensor-parallel
     rule file (a path, or the name of one shipped with reshard: rule_files) for checkpoints that do not say how
     their tensors were cut. `config`: the model's config.json, for a checkpoint that does not record what it gives
-    (a torchtitan save's fused q/k/v: the key-value head count). A training framework's folder around a DeepSpeed
+    (a torchtitan save's fused q/k/v: the key-value head count). `model_order`: False where the caller names every
+    param itself (ReadRequest.model_order). A training framework's folder around a DeepSpeed
     save (HF Trainer's checkpoint-N/, Accelerate's save_state dir, Lightning's *.ckpt/) is read as that save, with
     the framework's own files in catalog.framework and any of them missing in catalog.problems."""
     reader = reader_for(path, tag)
     rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
-    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules, config)))
+    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules, config,
+                                                                        None if model_order else False)))
     catalog.check_dtypes()
     around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
     if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
@@ -156,10 +159,13 @@ def pointed(save_dir: str, pointer: Pointer) -> str | None:
 
 
 def reader_options(reader: Reader, path: str, request: ReadRequest) -> object:
-    """`request` as the reader's OPTIONS; an option the reader does not take is a usage error."""
+    """`request` as the reader's OPTIONS; an option the reader does not take is a usage error, a hint it does not
+    take (ReadRequest.model_order) left out."""
     given = request.given()
-    for name in given:
-        if name not in _taken(reader):
+    for name in list(given):
+        if name not in _taken(reader) and ReadRequest.option(name).get("hint"):
+            del given[name]     # (a hint a reader has no use for)
+        elif name not in _taken(reader):
             option = ReadRequest.option(name)
             raise UsageError.at(path, f"{reader.FORMAT} checkpoints take no {option['flag']} ({option['use']})")
     return reader.OPTIONS(**given)

@@ -48,8 +48,12 @@ class ReadRequest:
     config: str | None = field(default=None, metadata={
         "flag": "--config", "use": "a model's config.json gives what a torchtitan save with fused q/k/v does not "
                                    "record: its key-value head count"})
+    # a hint, not a flag: False where the caller names every param itself (an import brings a model to the names and
+    # order of a rule file), so a reader need not learn the model's own order and ties (a Hugging Face folder's:
+    # from its class, built by the installed transformers, seconds); a reader that has nothing to skip ignores it
+    model_order: bool | None = field(default=None, metadata={"hint": True})
 
-    def given(self) -> dict[str, str]:
+    def given(self) -> dict[str, Any]:
         """{field name: value} of the options given."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
@@ -74,6 +78,13 @@ class TagOption:
 class ConfigOption:
     """The OPTIONS of a format whose saves may lack the model's shape: the model's config.json (a path)."""
     config: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelOrderOption:
+    """The OPTIONS of a format whose files lose the model's parameter order and ties (safetensors), which the reader
+    learns elsewhere unless `model_order` is False (ReadRequest.model_order)."""
+    model_order: bool | None = None
 
 
 @runtime_checkable

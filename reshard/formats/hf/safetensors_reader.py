@@ -1,14 +1,15 @@
 """safetensors weights: one file, or a folder with model.safetensors / a shard index (save_pretrained).
 
 Weights only: there is no optimizer, so inspect, validate and export work and conversion to a
-training format is refused. A folder with config.json gets the model's order and ties (hf_model).
+training format is refused. A folder with config.json gets the model's order and ties (hf_model), unless the
+caller says it names every param itself (ModelOrderOption).
 """
 from __future__ import annotations
 
 from reshard.core.catalog import Catalog, CatalogBuilder
 from reshard.core.layout import Layout
 from reshard.formats.hf import files as hf_files, weights as hf_weights
-from reshard.formats.protocol import NoOptions
+from reshard.formats.protocol import ModelOrderOption
 from reshard.formats.single import model, safetensors_header
 from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.storage import files as fs
@@ -16,7 +17,7 @@ from reshard.storage import files as fs
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 FORMAT = "safetensors"
-OPTIONS = NoOptions
+OPTIONS = ModelOrderOption
 IN_FRAMEWORK_FOLDERS = False
 
 
@@ -26,11 +27,11 @@ def sniff(path: str, tag: str | None) -> bool:
     return fs.isdir(path) and hf_weights.present(path) in (hf_weights.SAFE, hf_weights.SAFE_INDEX)
 
 
-def read(path: str, options: NoOptions) -> Catalog:
+def read(path: str, options: ModelOrderOption) -> Catalog:
     path = fs.abspath(path)
     if fs.isdir(path):
         folder = path
-        weights = hf_weights.read(path)
+        weights = hf_weights.read(path, options.model_order is not False)
     else:
         folder = path      # a one-file source is its own root
         if path.endswith(INDEX_SUFFIX):

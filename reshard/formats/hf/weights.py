@@ -37,7 +37,9 @@ class Weights:
         self.buffers = buffers
 
 
-def read(folder: str) -> Weights:
+def read(folder: str, model_order: bool = True) -> Weights:
+    """The weights of the Hugging Face folder `folder`; without `model_order` safetensors stay in file order, their
+    ties unknown (hf_model not asked)."""
     name = present(folder)
     if name is None:
         raise CheckpointError(folder, f"no model weights ({', '.join(NAMES)})")
@@ -53,6 +55,8 @@ def read(folder: str) -> Weights:
             tied = tied_metadata(path, metadata)
             if tied:     # written by reshard export: the ties are in the metadata
                 return Weights(tensors, tied, list(tensors) + list(tied), files)
+        if not model_order:
+            return Weights(tensors, {}, None, files)
         tensors, aliases, order, buffers = hf_model.ordered(tensors, folder)
         return Weights(tensors, aliases, order, files, buffers)
     if name == BIN_INDEX:
