@@ -54,7 +54,7 @@ def test_the_protocol_check_sees_a_module_that_lacks_a_member():
 def test_a_hint_reaches_the_readers_that_take_it_and_an_option_not_taken_is_still_refused():
     """model_order is a hint: the safetensors reader gets it, a reader without a use for it (Megatron's) reads
     without it. Negative control: --config, an option, given to that same reader is refused."""
-    safetensors = importlib.import_module("reshard.formats.single.safetensors_reader")
+    safetensors = importlib.import_module("reshard.formats.hf.safetensors_reader")
     megatron = importlib.import_module("reshard.formats.megatron.reader")
     assert reader_options(safetensors, "hf/", ReadRequest(model_order=False)) == safetensors.OPTIONS(model_order=False)
     assert reader_options(megatron, "save/", ReadRequest(tag="release", model_order=False)) == \
