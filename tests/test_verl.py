@@ -1,0 +1,103 @@
+"""verl's FSDP actor checkpoints (fixtures/verl/, saved by verl 0.9.1's own FSDPCheckpointManager at 2 CPU ranks:
+tools/fixture_verl.py), as verl's own loader takes them.
+
+The fixtures: each holds ``global_step_3/`` with ``actor/`` (every rank's model, optimizer and extra-state file,
+``huggingface/``, ``fsdp_config.json``) and ``data.pt``, and ``latest_checkpointed_iteration.txt`` saying 3; verl's
+own ``FSDPCheckpointManager.load_checkpoint`` at 2 ranks (tests/verl_load.py) loads each into a differently seeded
+actor, whose sharded model and optimizer state and lr scheduler then equal the files as torch.load reads them, and
+one more training step runs. Negative controls: a copy with one weight element changed is loaded and found naming
+that weight; at 1 rank verl's loader refuses the fixture, naming the rank file a 1-rank run looks for.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import FIXTURES, REPO, torchrun
+
+ROOT = FIXTURES / "verl"
+FSDP = {1: ROOT / "verl_fsdp1_dp2", 2: ROOT / "verl_fsdp2_dp2"}
+CHANGED = "model.layers.1.mlp.down_proj.weight"     # the weight the negative control changes (rank 1's shard)
+
+
+def _actor(run):
+    return run / "global_step_3" / "actor"
+
+
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_fixture_is_verl_own_layout(fsdp):
+    run = FSDP[fsdp]
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (run / "global_step_3" / "data.pt").is_file()
+    actor = _actor(run)
+    assert json.loads((actor / "fsdp_config.json").read_text()) == {"FSDP_version": fsdp, "world_size": 2}
+    for kind in ("model", "optim", "extra_state"):
+        for rank in (0, 1):
+            assert (actor / f"{kind}_world_size_2_rank_{rank}.pt").is_file()
+    assert json.loads((actor / "huggingface" / "config.json").read_text())["model_type"] == "qwen2"
+    assert (actor / "huggingface" / "tokenizer.json").is_file()
+
+
+def _change_weight(actor, key):
+    """One element of `key`'s shard in rank 1's model file changed (torch.load/torch.save, no reshard)."""
+    import torch
+    path = actor / "model_world_size_2_rank_1.pt"
+    state = torch.load(path, weights_only=False)
+    state[key].to_local().view(-1)[0] += 1.0
+    torch.save(state, path)
+
+
+def _launches(out):
+    """(world, jobs) of each launch: each fixture at 2 ranks and at 1, and a changed copy of the FSDP2 one, each
+    wrapping in a process of its own (a second fully_shard of a fresh model in one process fails: "FSDPEmbedding
+    object layout differs")."""
+    import shutil
+    launches = []
+    for fsdp, run in FSDP.items():
+        for world, label in ((2, f"fsdp{fsdp}"), (1, f"fsdp{fsdp} at 1")):
+            launches.append((world, [{"label": label, "folder": str(_actor(run)), "fsdp": fsdp,
+                                      "truth": str(_actor(run))}]))
+    changed = out / "changed" / "global_step_3" / "actor"
+    shutil.copytree(_actor(FSDP[2]), changed)
+    _change_weight(changed, CHANGED)
+    launches.append((2, [{"label": "changed", "folder": str(changed), "fsdp": 2, "truth": str(_actor(FSDP[2]))}]))
+    return launches
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """verl's loader in fresh interpreters (torchrun itself, not ranks forked from the suite's preloading server,
+    where Lightning's import leaves FSDP2 unable to wrap transformers' nn.Embedding: "object layout differs")."""
+    out = tmp_path_factory.mktemp("verl")
+    results = {}
+    for index, (world, jobs) in enumerate(_launches(out)):
+        jobs_path, results_path = out / f"jobs-{index}.json", out / f"results-{index}.json"
+        jobs_path.write_text(json.dumps(jobs))
+        torchrun(world, REPO / "tests" / "verl_load.py", jobs_path, results_path, deepspeed=False, forked=False)
+        results.update({r["label"]: r for r in json.loads(results_path.read_text())})
+    return results
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_verl_loads_the_fixture_at_2_ranks_as_saved_and_trains_on(loaded, fsdp):
+    result = loaded[f"fsdp{fsdp}"]
+    assert result["loaded"] and result["error"] is None, result
+    assert result["problems"] == [], result      # weights, both Adam moments, steps, lr scheduler
+    assert result["last_epoch"] == 3
+    assert math.isfinite(result["loss"]) and result["step_after"] == [4.0], result
+
+
+@pytest.mark.engine
+def test_a_changed_weight_is_found_in_what_verl_loaded(loaded):
+    result = loaded["changed"]
+    assert result["loaded"] and result["problems"] == [f"model.{CHANGED}: differs from the truth"], result
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_verl_refuses_the_fixture_at_1_rank(loaded, fsdp):
+    result = loaded[f"fsdp{fsdp} at 1"]
+    assert not result["loaded"] and "model_world_size_1_rank_0.pt" in result["error"], result
