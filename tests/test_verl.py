@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
-from conftest import FIXTURES, REPO, torchrun
+from conftest import FIXTURES, REPO, run_cli, torchrun
 
 ROOT = FIXTURES / "verl"
 FSDP = {1: ROOT / "verl_fsdp1_dp2", 2: ROOT / "verl_fsdp2_dp2"}
@@ -53,12 +54,11 @@ def _launches(out):
     """(world, jobs) of each launch: each fixture at 2 ranks and at 1, and a changed copy of the FSDP2 one, each
     wrapping in a process of its own (a second fully_shard of a fresh model in one process fails: "FSDPEmbedding
     object layout differs")."""
-    import shutil
     launches = []
     for fsdp, run in FSDP.items():
         for world, label in ((2, f"fsdp{fsdp}"), (1, f"fsdp{fsdp} at 1")):
             launches.append((world, [{"label": label, "folder": str(_actor(run)), "fsdp": fsdp,
-                                      "truth": str(_actor(run))}]))
+                                      "truth": str(_actor(run)), "full": str(out / f"{label}.safetensors")}]))
     changed = out / "changed" / "global_step_3" / "actor"
     shutil.copytree(_actor(FSDP[2]), changed)
     _change_weight(changed, CHANGED)
@@ -76,7 +76,8 @@ def loaded(tmp_path_factory):
         jobs_path, results_path = out / f"jobs-{index}.json", out / f"results-{index}.json"
         jobs_path.write_text(json.dumps(jobs))
         torchrun(world, REPO / "tests" / "verl_load.py", jobs_path, results_path, deepspeed=False, forked=False)
-        results.update({r["label"]: r for r in json.loads(results_path.read_text())})
+        results.update({r["label"]: {**r, "full": jobs[0]["full"] if "full" in jobs[0] else None}
+                        for r in json.loads(results_path.read_text())})
     return results
 
 
@@ -101,3 +102,69 @@ def test_a_changed_weight_is_found_in_what_verl_loaded(loaded):
 def test_verl_refuses_the_fixture_at_1_rank(loaded, fsdp):
     result = loaded[f"fsdp{fsdp} at 1"]
     assert not result["loaded"] and "model_world_size_1_rank_0.pt" in result["error"], result
+
+
+# Reading: inspect, validate, diff, export (reshard.formats.verl)
+
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_inspect_names_verl_its_world_size_step_and_optimizer(fsdp):
+    out = run_cli("inspect", FSDP[fsdp] / "global_step_3", check=0).stdout
+    assert "format        verl (tag global_step_3)" in out and "world size 2" in out, out
+    assert "(global_steps 3," in out, out      # the step folder's number
+    data = json.loads(run_cli("inspect", _actor(FSDP[fsdp]), "--json", check=0).stdout)
+    assert data["format"] == "verl" and data["topology"]["dp"] == 2
+    if fsdp == 2:       # FSDP2's optimizer read with the weights
+        assert "optimizer     AdamW: states exp_avg, exp_avg_sq" in out and "27 trainable, 0 frozen" in out, out
+        assert "step          3 (global_steps 3" in out, out
+
+
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_validate_deep_finds_the_fixture_complete(fsdp):
+    out = run_cli("validate", "--deep", FSDP[fsdp] / "global_step_3", check=0).stdout
+    assert out.startswith("complete;"), out
+
+
+def test_a_missing_or_truncated_rank_file_is_named(tmp_path):
+    missing = tmp_path / "missing"
+    shutil.copytree(FSDP[2] / "global_step_3", missing)
+    (missing / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    proc = run_cli("validate", missing)
+    assert proc.returncode != 0 and "model_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+    truncated = tmp_path / "truncated"
+    shutil.copytree(FSDP[2] / "global_step_3", truncated)
+    rank1 = truncated / "actor" / "optim_world_size_2_rank_1.pt"
+    rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
+    proc = run_cli("validate", "--deep", truncated)
+    assert proc.returncode != 0 and "optim_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+
+
+def test_diff_finds_a_changed_weight_and_nothing_else(tmp_path):
+    changed = tmp_path / "changed"
+    shutil.copytree(FSDP[2] / "global_step_3", changed)
+    _change_weight(changed / "actor", CHANGED)
+    out = run_cli("diff", FSDP[2] / "global_step_3", changed, check=1).stdout
+    assert CHANGED in out, out
+    assert run_cli("diff", FSDP[2] / "global_step_3", FSDP[2] / "global_step_3", check=0).returncode == 0
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_export_is_loaded_by_from_pretrained_with_the_weights_verl_loaded(loaded, fsdp, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    run_cli("export", FSDP[fsdp] / "global_step_3", tmp_path / "hf", check=0)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("t1 t2")["input_ids"] == [1, 2]
+    live = load_file(loaded[f"fsdp{fsdp}"]["full"])
+    exported = model.state_dict()
+    assert set(live) == set(exported)
+    assert all(torch.equal(live[k], exported[k]) for k in live)
+    assert next(model.parameters()).dtype == torch.float32     # the training dtype
+    # negative control: an export of a copy with one weight element changed differs there, and only there
+    changed = tmp_path / "changed"
+    shutil.copytree(FSDP[fsdp] / "global_step_3", changed)
+    _change_weight(changed / "actor", CHANGED)
+    run_cli("export", changed, tmp_path / "hf-changed", check=0)
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-changed").state_dict()
+    assert [k for k in live if not torch.equal(live[k], other[k])] == [CHANGED]

@@ -3,7 +3,8 @@
 
     torchrun --nproc_per_node 2 tests/verl_load.py JOBS.json RESULTS.json
 
-JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder}.
+JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder,
+"full": where rank 0 writes the loaded weights whole (safetensors; optional)}.
 For each job every rank builds the actor tools/fixture_verl.py saved (tools/verl_cpu.actor: a fresh seed, so its
 weights differ from the saved ones until loaded) and calls `FSDPCheckpointManager.load_checkpoint(folder)`. The truth
 is the truth folder's files of this rank as torch.load reads them (no reshard): what verl's manager saves of the
@@ -44,7 +45,8 @@ def _differences(prefix: str, live, truth) -> list:
     if isinstance(truth, (list, tuple)):
         if len(live) != len(truth):
             return [f"{prefix}: lengths differ"]
-        return [p for i, (a, b) in enumerate(zip(live, truth, strict=True)) for p in _differences(f"{prefix}.{i}", a, b)]
+        return [p for i, (a, b) in enumerate(zip(live, truth, strict=True))
+                for p in _differences(f"{prefix}.{i}", a, b)]
     a, b = _local(live), _local(truth)
     if torch.is_tensor(b):
         same = torch.is_tensor(a) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
@@ -56,8 +58,9 @@ def _differences(prefix: str, live, truth) -> list:
 def _job(job) -> dict:
     import torch
     import torch.distributed as dist
-    import verl_cpu
     from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+    import verl_cpu
     verl_cpu.install()
     from verl.utils.fsdp_utils import get_fsdp_state_ctx
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,6 +85,12 @@ def _job(job) -> dict:
         problems += _differences(kind, live[kind], saved)
     saved_extra = torch.load(os.path.join(truth, f"extra_state_{name}"), weights_only=False)
     problems += _differences("lr_scheduler", scheduler.state_dict(), saved_extra["lr_scheduler"])
+    if job.get("full"):     # the live weights, whole: what an export must hold
+        from safetensors.torch import save_file
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().contiguous()
+                for k, v in live["model"].items()}
+        if rank == 0:
+            save_file(full, job["full"])
     gathered = [None] * world
     dist.all_gather_object(gathered, problems)
     result["problems"] = sorted({p for rank_problems in gathered for p in rank_problems})
