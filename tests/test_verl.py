@@ -155,14 +155,16 @@ def test_export_is_loaded_by_from_pretrained_with_the_weights_verl_loaded(loaded
     from transformers import AutoModelForCausalLM, AutoTokenizer
     run_cli("export", FSDP[fsdp] / "global_step_3", tmp_path / "hf", check=0)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("t1 t2")["input_ids"] == [1, 2]
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids(["t1", "t2"]) == [1, 2]
+    hf = _actor(FSDP[fsdp]) / "huggingface"
+    assert all((tmp_path / "hf" / f.name).read_bytes() == f.read_bytes() for f in hf.iterdir())
     live = load_file(loaded[f"fsdp{fsdp}"]["full"])
     exported = model.state_dict()
     assert set(live) == set(exported)
     assert all(torch.equal(live[k], exported[k]) for k in live)
     assert next(model.parameters()).dtype == torch.float32     # the training dtype
     # negative control: an export of a copy with one weight element changed differs there, and only there
-    changed = tmp_path / "changed"
+    changed = tmp_path / "run" / "global_step_3"
     shutil.copytree(FSDP[fsdp] / "global_step_3", changed)
     _change_weight(changed / "actor", CHANGED)
     run_cli("export", changed, tmp_path / "hf-changed", check=0)
