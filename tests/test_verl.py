@@ -170,3 +170,39 @@ def test_export_is_loaded_by_from_pretrained_with_the_weights_verl_loaded(loaded
     run_cli("export", changed, tmp_path / "hf-changed", check=0)
     other = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-changed").state_dict()
     assert [k for k in live if not torch.equal(live[k], other[k])] == [CHANGED]
+
+
+# Runs: list and prune see global_step_N/ as one checkpoint, its roles, data.pt and huggingface/ inside it
+
+def _run(tmp_path, steps=(1, 2, 3), tracker="2"):
+    import os
+    run = tmp_path / "run"
+    for step in steps:
+        shutil.copytree(FSDP[2] / "global_step_3", run / f"global_step_{step}")
+        shutil.copytree(_actor(FSDP[2]), run / f"global_step_{step}" / "critic")     # a second role
+    (run / "latest_checkpointed_iteration.txt").write_text(tracker)
+    for path in run.rglob("*"):      # saved a while ago: no save in progress
+        os.utime(path, (1e9, 1e9))
+    return run
+
+
+def test_list_sees_each_step_folder_as_one_checkpoint(tmp_path):
+    run = _run(tmp_path)
+    data = json.loads(run_cli("list", run, "--json", check=0).stdout)
+    rows = data["checkpoints"] if isinstance(data, dict) else data
+    assert sorted(r["name"] for r in rows) == ["global_step_1", "global_step_2", "global_step_3"], rows
+
+
+def test_prune_deletes_whole_step_folders_and_keeps_the_one_the_tracker_names(tmp_path):
+    run = _run(tmp_path)
+    out = run_cli("prune", run, "--keep-last", "1", "--recent", "0", "--settle", "0", "--yes", check=0).stdout
+    assert sorted(p.name for p in run.iterdir()) == ["global_step_2", "global_step_3",
+                                                     "latest_checkpointed_iteration.txt"], out
+    for step in (2, 3):     # every role of a kept step whole
+        kept = run / f"global_step_{step}"
+        assert sorted(p.name for p in kept.iterdir()) == ["actor", "critic", "data.pt"]
+        assert run_cli("validate", kept, check=0).returncode == 0
+    # negative control: the tracker naming the newest, step 2 is not kept
+    again = _run(tmp_path / "again", tracker="3")
+    run_cli("prune", again, "--keep-last", "1", "--recent", "0", "--settle", "0", "--yes", check=0)
+    assert sorted(p.name for p in again.iterdir()) == ["global_step_3", "latest_checkpointed_iteration.txt"]

@@ -40,6 +40,7 @@ IN_FRAMEWORK_FOLDERS = False
 ROLES = ("actor", "critic")
 FSDP_CONFIG = "fsdp_config.json"
 HF_FOLDER = "huggingface"
+TRACKER = "latest_checkpointed_iteration.txt"    # verl's trainer writes it beside the step folders, last
 _RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 _STEP = re.compile(r"^global_step_(\d+)$")
 
@@ -58,6 +59,25 @@ def role_folder(path: str) -> str | None:
 def _world(folder: str) -> int | None:
     sizes = {int(m.group(1)) for name in fs.listdir(folder) if (m := _RANK_FILE.match(name))}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
+    """(step folder, run dir or None, its name) of the checkpoint at `path`: a run dir's is the step its trainer's
+    tracker names ("3" is global_step_3/), the one it resumes from."""
+    path = fs.abspath(path)
+    if tag is not None:
+        return os.path.join(path, tag), path, tag
+    if _STEP.match(os.path.basename(path)):
+        return path, os.path.dirname(path), os.path.basename(path)
+    tracker = os.path.join(path, TRACKER)
+    with fs.open(tracker) as f:
+        text = f.read(64).strip()
+    if not re.fullmatch(r"[0-9]+", text):
+        raise CheckpointError(tracker, f"holds {text[:20]!r}, not a step number")
+    folder = os.path.join(path, f"global_step_{int(text)}")
+    if not fs.isdir(folder):
+        raise CheckpointError(folder, f"missing: {TRACKER} names step {text}")
+    return folder, path, os.path.basename(folder)
 
 
 def sniff(path: str, tag: str | None) -> bool:
