@@ -1,0 +1,219 @@
+"""Read verl's FSDP checkpoints: a role folder (``global_step_N/actor``) or the step folder holding it.
+
+verl's FSDPCheckpointManager saves each rank's sharded state dicts with torch.save: the model as DTensors (FSDP2, and
+FSDP1 under verl's device mesh), each a row block (Shard(0)) of its parameter; FSDP2's optimizer as DTensors of the
+same blocks, keyed by the parameter's index in model order. A parameter's rows are the ranks' blocks in rank order,
+so each rank's block is one fragment of the logical tensor. FSDP1's optimizer (flat-parameter slices keyed by flat
+index) is not mapped to parameters yet: its catalog holds the weights only, every parameter listed as frozen.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+from reshard.core.catalog import (
+    MASTER,
+    MODULE,
+    Catalog,
+    CatalogBuilder,
+    FileInfo,
+    Fragment,
+    ParamInfo,
+    ScalarTensor,
+    TensorDraft,
+    TrainingState,
+)
+from reshard.core.layout import Layout
+from reshard.errors import CheckpointError
+from reshard.execution.source_bytes import file_size, read_scalar
+from reshard.formats.protocol import NoOptions
+from reshard.formats.torchsave_read import TensorRef
+from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.formats.verl.pickles import ShardRef, load
+from reshard.storage import files as fs
+
+FORMAT = "verl"
+OPTIONS = NoOptions
+IN_FRAMEWORK_FOLDERS = False
+ROLES = ("actor", "critic")
+FSDP_CONFIG = "fsdp_config.json"
+HF_FOLDER = "huggingface"
+TRACKER = "latest_checkpointed_iteration.txt"    # verl's trainer writes it beside the step folders, last
+_RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+_STEP = re.compile(r"^global_step_(\d+)$")
+
+
+def role_folder(path: str) -> str | None:
+    """The role folder `path` is or holds (the actor's first), None: none."""
+    if fs.isdir(path) and fs.isfile(os.path.join(path, FSDP_CONFIG)) and _world(path):
+        return path
+    for role in ROLES:
+        inner = os.path.join(path, role)
+        if fs.isdir(inner) and fs.isfile(os.path.join(inner, FSDP_CONFIG)):
+            return inner
+    return None
+
+
+def _world(folder: str) -> int | None:
+    sizes = {int(m.group(1)) for name in fs.listdir(folder) if (m := _RANK_FILE.match(name))}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
+    """(step folder, run dir or None, its name) of the checkpoint at `path`: a run dir's is the step its trainer's
+    tracker names ("3" is global_step_3/), the one it resumes from."""
+    path = fs.abspath(path)
+    if tag is not None:
+        return os.path.join(path, tag), path, tag
+    if _STEP.match(os.path.basename(path)):
+        return path, os.path.dirname(path), os.path.basename(path)
+    tracker = os.path.join(path, TRACKER)
+    with fs.open(tracker) as f:
+        text = f.read(64).strip()
+    if not re.fullmatch(r"[0-9]+", text):
+        raise CheckpointError(tracker, f"holds {text[:20]!r}, not a step number")
+    folder = os.path.join(path, f"global_step_{int(text)}")
+    if not fs.isdir(folder):
+        raise CheckpointError(folder, f"missing: {TRACKER} names step {text}")
+    return folder, path, os.path.basename(folder)
+
+
+def sniff(path: str, tag: str | None) -> bool:
+    return fs.isdir(path) and role_folder(path) is not None
+
+
+def _config(folder: str) -> dict:
+    where = os.path.join(folder, FSDP_CONFIG)
+    try:
+        with fs.open(where) as f:
+            config = json.load(f)
+        return {"fsdp": int(config["FSDP_version"]), "world": int(config["world_size"])}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(where, f"not verl's fsdp_config.json (FSDP_version, world_size): {e}") from None
+
+
+def read(path: str, options: NoOptions) -> Catalog:
+    path = fs.abspath(path)
+    folder = role_folder(path)
+    if folder is None:
+        raise CheckpointError(path, "no verl role folder (actor/ or critic/ with fsdp_config.json)")
+    config = _config(folder)
+    world = config["world"]
+    catalog = CatalogBuilder(root=path, format=FORMAT, layout=Layout.of(world, format_topology=UNPARTITIONED))
+    step = _STEP.match(os.path.basename(os.path.dirname(folder)))
+    catalog.tag = os.path.basename(os.path.dirname(folder)) if step else ""
+    models = []
+    for rank in range(world):
+        file = os.path.join(folder, f"model_world_size_{world}_rank_{rank}.pt")
+        if not fs.isfile(file):
+            raise CheckpointError(file, f"missing: rank {rank} of world size {world} (fsdp_config.json)")
+        catalog.files.append(FileInfo(os.path.relpath(file, path), "model_states", rank, file_size(file)))
+        state = load(file)
+        if not isinstance(state, dict):
+            raise CheckpointError(file, f"holds a {type(state).__name__}, not a state dict")
+        models.append((file, state))
+    order = list(models[0][1])
+    names = [k for k, v in models[0][1].items() if isinstance(v, ShardRef)]
+    optimizers = _optimizers(catalog, folder, world, path) if config["fsdp"] == 2 else []
+    trained = _trained(names, optimizers)
+    for key in order:
+        shape = _shape(models[0][1][key])
+        kind = "trainable" if key in trained else "frozen" if key in names else "buffer"
+        catalog.params[key] = ParamInfo(key, shape, kind, 0 if kind == "trainable" else None)
+        states = (MODULE, MASTER) if kind == "trainable" else (MODULE,)
+        for state in states:
+            _add_blocks(catalog, key, state, [(file, s[key]) for file, s in models])
+    catalog.order = order
+    if optimizers:
+        _fill_optimizer(catalog, names, optimizers)
+    hf = os.path.join(folder, HF_FOLDER)
+    if fs.isdir(hf):    # the model's config, tokenizer and generation config: an export's folder loads with them
+        catalog.model_files = tuple(os.path.join(hf, n) for n in sorted(fs.listdir(hf))
+                                    if fs.isfile(os.path.join(hf, n)))
+    catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None,
+                                     lr_scheduler=_scheduler(folder, world))
+    return catalog.freeze()
+
+
+def _shape(value) -> tuple:
+    if isinstance(value, ShardRef | TensorRef):
+        return tuple(value.shape)
+    raise CheckpointError("", f"state dict entry of type {type(value).__name__} is not a tensor")
+
+
+def _add_blocks(catalog: CatalogBuilder, name: str, state: str, blocks: list) -> None:
+    """The logical tensor (name, state) from each rank's block of it, in rank order: a DTensor's local rows
+    follow the rows of the ranks before it; a plain tensor is whole on every rank (rank 0's is read)."""
+    first = blocks[0][1]
+    dtype = first.dtype
+    tensor = catalog.add(TensorDraft(name, state, tuple(first.shape), dtype), blocks[0][0])
+    if isinstance(first, TensorRef):
+        tensor.fragments.append(Fragment(0, first.numel, first.storage, first.storage_offset, 0))
+        return
+    start = 0
+    for rank, (file, ref) in enumerate(blocks):
+        local = ref.local
+        if not isinstance(local, TensorRef) or not local.is_contiguous():
+            raise CheckpointError(file, f"{name} ({state}): its local shard is not a contiguous tensor")
+        if any(getattr(p, "dim", 0) != 0 for p in ref.placements):
+            raise CheckpointError(file, f"{name} ({state}): sharded on a dim other than 0, not read")
+        if local.numel:
+            tensor.fragments.append(Fragment(start, start + local.numel, local.storage, local.storage_offset, rank))
+        start += local.numel
+    if start != math.prod(first.shape):
+        raise CheckpointError(blocks[-1][0], f"{name} ({state}): the ranks' blocks hold {start} elements, the "
+                              f"tensor {math.prod(first.shape)}")
+
+
+def _optimizers(catalog: CatalogBuilder, folder: str, world: int, root: str) -> list:
+    out = []
+    for rank in range(world):
+        file = os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt")
+        if not fs.isfile(file):
+            raise CheckpointError(file, f"missing: rank {rank}'s optimizer of world size {world}")
+        catalog.files.append(FileInfo(os.path.relpath(file, root), "optim_states", rank, file_size(file)))
+        state = load(file)
+        if not (isinstance(state, dict) and "state" in state and "param_groups" in state):
+            raise CheckpointError(file, "not a torch.optim state_dict (state, param_groups)")
+        out.append((file, state))
+    return out
+
+
+def _trained(names: list, optimizers: list) -> set:
+    if not optimizers:
+        return set()
+    indices = [i for g in optimizers[0][1]["param_groups"] for i in g["params"]]
+    return {names[i] for i in indices if isinstance(i, int) and i < len(names)}
+
+
+def _fill_optimizer(catalog: CatalogBuilder, names: list, optimizers: list) -> None:
+    """FSDP2's optimizer: entry i is the i-th parameter of the model's state dict, its moments DTensors of the
+    parameter's row blocks."""
+    file0, first = optimizers[0]
+    catalog.param_groups, catalog.group_scalars = [], [{} for _ in first["param_groups"]]
+    for g, group in enumerate(first["param_groups"]):
+        indices = list(group["params"])
+        if any(not isinstance(i, int) or i >= len(names) for i in indices):
+            raise CheckpointError(file0, f"param group {g} lists indices the model's {len(names)} parameters lack")
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        catalog.param_groups.append({**hyper, "params": [names[i] for i in indices]})
+        for i in indices:
+            entry = first["state"].get(i) or {}
+            for key, value in entry.items():
+                if isinstance(value, ShardRef):
+                    _add_blocks(catalog, names[i], key, [(f, o["state"][i][key]) for f, o in optimizers])
+                elif isinstance(value, TensorRef) and value.shape == ():
+                    catalog.record_param_scalar(g, names[i], key, ScalarTensor(read_scalar(value), value.dtype),
+                                                file0)
+                else:
+                    catalog.record_param_scalar(g, names[i], key, value, file0)
+
+
+def _scheduler(folder: str, world: int):
+    file = os.path.join(folder, f"extra_state_world_size_{world}_rank_0.pt")
+    if not fs.isfile(file):
+        return None
+    extra = load(file)
+    return extra.get("lr_scheduler") if isinstance(extra, dict) else None

@@ -1,0 +1,208 @@
+"""verl's FSDP actor checkpoints (fixtures/verl/, saved by verl 0.9.1's own FSDPCheckpointManager at 2 CPU ranks:
+tools/fixture_verl.py), as verl's own loader takes them.
+
+The fixtures: each holds ``global_step_3/`` with ``actor/`` (every rank's model, optimizer and extra-state file,
+``huggingface/``, ``fsdp_config.json``) and ``data.pt``, and ``latest_checkpointed_iteration.txt`` saying 3; verl's
+own ``FSDPCheckpointManager.load_checkpoint`` at 2 ranks (tests/verl_load.py) loads each into a differently seeded
+actor, whose sharded model and optimizer state and lr scheduler then equal the files as torch.load reads them, and
+one more training step runs. Negative controls: a copy with one weight element changed is loaded and found naming
+that weight; at 1 rank verl's loader refuses the fixture, naming the rank file a 1-rank run looks for.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from conftest import FIXTURES, REPO, run_cli, torchrun
+
+ROOT = FIXTURES / "verl"
+FSDP = {1: ROOT / "verl_fsdp1_dp2", 2: ROOT / "verl_fsdp2_dp2"}
+CHANGED = "model.layers.1.mlp.down_proj.weight"     # the weight the negative control changes (rank 1's shard)
+
+
+def _actor(run):
+    return run / "global_step_3" / "actor"
+
+
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_fixture_is_verl_own_layout(fsdp):
+    run = FSDP[fsdp]
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (run / "global_step_3" / "data.pt").is_file()
+    actor = _actor(run)
+    assert json.loads((actor / "fsdp_config.json").read_text()) == {"FSDP_version": fsdp, "world_size": 2}
+    for kind in ("model", "optim", "extra_state"):
+        for rank in (0, 1):
+            assert (actor / f"{kind}_world_size_2_rank_{rank}.pt").is_file()
+    assert json.loads((actor / "huggingface" / "config.json").read_text())["model_type"] == "qwen2"
+    assert (actor / "huggingface" / "tokenizer.json").is_file()
+
+
+def _change_weight(actor, key):
+    """One element of `key`'s shard in rank 1's model file changed (torch.load/torch.save, no reshard)."""
+    import torch
+    path = actor / "model_world_size_2_rank_1.pt"
+    state = torch.load(path, weights_only=False)
+    state[key].to_local().view(-1)[0] += 1.0
+    torch.save(state, path)
+
+
+def _launches(out):
+    """(world, jobs) of each launch: each fixture at 2 ranks and at 1, and a changed copy of the FSDP2 one, each
+    wrapping in a process of its own (a second fully_shard of a fresh model in one process fails: "FSDPEmbedding
+    object layout differs")."""
+    launches = []
+    for fsdp, run in FSDP.items():
+        for world, label in ((2, f"fsdp{fsdp}"), (1, f"fsdp{fsdp} at 1")):
+            launches.append((world, [{"label": label, "folder": str(_actor(run)), "fsdp": fsdp,
+                                      "truth": str(_actor(run)), "full": str(out / f"{label}.safetensors")}]))
+    changed = out / "changed" / "global_step_3" / "actor"
+    shutil.copytree(_actor(FSDP[2]), changed)
+    _change_weight(changed, CHANGED)
+    launches.append((2, [{"label": "changed", "folder": str(changed), "fsdp": 2, "truth": str(_actor(FSDP[2]))}]))
+    return launches
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """verl's loader in fresh interpreters (torchrun itself, not ranks forked from the suite's preloading server,
+    where Lightning's import leaves FSDP2 unable to wrap transformers' nn.Embedding: "object layout differs")."""
+    out = tmp_path_factory.mktemp("verl")
+    results = {}
+    for index, (world, jobs) in enumerate(_launches(out)):
+        jobs_path, results_path = out / f"jobs-{index}.json", out / f"results-{index}.json"
+        jobs_path.write_text(json.dumps(jobs))
+        torchrun(world, REPO / "tests" / "verl_load.py", jobs_path, results_path, deepspeed=False, forked=False)
+        results.update({r["label"]: {**r, "full": jobs[0]["full"] if "full" in jobs[0] else None}
+                        for r in json.loads(results_path.read_text())})
+    return results
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_verl_loads_the_fixture_at_2_ranks_as_saved_and_trains_on(loaded, fsdp):
+    result = loaded[f"fsdp{fsdp}"]
+    assert result["loaded"] and result["error"] is None, result
+    assert result["problems"] == [], result      # weights, both Adam moments, steps, lr scheduler
+    assert result["last_epoch"] == 3
+    assert math.isfinite(result["loss"]) and result["step_after"] == [4.0], result
+
+
+@pytest.mark.engine
+def test_a_changed_weight_is_found_in_what_verl_loaded(loaded):
+    result = loaded["changed"]
+    assert result["loaded"] and result["problems"] == [f"model.{CHANGED}: differs from the truth"], result
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_verl_refuses_the_fixture_at_1_rank(loaded, fsdp):
+    result = loaded[f"fsdp{fsdp} at 1"]
+    assert not result["loaded"] and "model_world_size_1_rank_0.pt" in result["error"], result
+
+
+# Reading: inspect, validate, diff, export (reshard.formats.verl)
+
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_inspect_names_verl_its_world_size_step_and_optimizer(fsdp):
+    out = run_cli("inspect", FSDP[fsdp] / "global_step_3", check=0).stdout
+    assert "format        verl (tag global_step_3)" in out and "world size 2" in out, out
+    assert "(global_steps 3," in out, out      # the step folder's number
+    data = json.loads(run_cli("inspect", _actor(FSDP[fsdp]), "--json", check=0).stdout)
+    assert data["format"] == "verl" and data["topology"]["dp"] == 2
+    if fsdp == 2:       # FSDP2's optimizer read with the weights
+        assert "optimizer     AdamW: states exp_avg, exp_avg_sq" in out and "27 trainable, 0 frozen" in out, out
+        assert "step          3 (global_steps 3" in out, out
+
+
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_validate_deep_finds_the_fixture_complete(fsdp):
+    out = run_cli("validate", "--deep", FSDP[fsdp] / "global_step_3", check=0).stdout
+    assert out.startswith("complete;"), out
+
+
+def test_a_missing_or_truncated_rank_file_is_named(tmp_path):
+    missing = tmp_path / "missing"
+    shutil.copytree(FSDP[2] / "global_step_3", missing)
+    (missing / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    proc = run_cli("validate", missing)
+    assert proc.returncode != 0 and "model_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+    truncated = tmp_path / "truncated"
+    shutil.copytree(FSDP[2] / "global_step_3", truncated)
+    rank1 = truncated / "actor" / "optim_world_size_2_rank_1.pt"
+    rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
+    proc = run_cli("validate", "--deep", truncated)
+    assert proc.returncode != 0 and "optim_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+
+
+def test_diff_finds_a_changed_weight_and_nothing_else(tmp_path):
+    changed = tmp_path / "changed"
+    shutil.copytree(FSDP[2] / "global_step_3", changed)
+    _change_weight(changed / "actor", CHANGED)
+    out = run_cli("diff", FSDP[2] / "global_step_3", changed, check=1).stdout
+    assert CHANGED in out, out
+    assert run_cli("diff", FSDP[2] / "global_step_3", FSDP[2] / "global_step_3", check=0).returncode == 0
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_export_is_loaded_by_from_pretrained_with_the_weights_verl_loaded(loaded, fsdp, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    run_cli("export", FSDP[fsdp] / "global_step_3", tmp_path / "hf", check=0)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids(["t1", "t2"]) == [1, 2]
+    hf = _actor(FSDP[fsdp]) / "huggingface"
+    assert all((tmp_path / "hf" / f.name).read_bytes() == f.read_bytes() for f in hf.iterdir())
+    live = load_file(loaded[f"fsdp{fsdp}"]["full"])
+    exported = model.state_dict()
+    assert set(live) == set(exported)
+    assert all(torch.equal(live[k], exported[k]) for k in live)
+    assert next(model.parameters()).dtype == torch.float32     # the training dtype
+    # negative control: an export of a copy with one weight element changed differs there, and only there
+    changed = tmp_path / "run" / "global_step_3"
+    shutil.copytree(FSDP[fsdp] / "global_step_3", changed)
+    _change_weight(changed / "actor", CHANGED)
+    run_cli("export", changed, tmp_path / "hf-changed", check=0)
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-changed").state_dict()
+    assert [k for k in live if not torch.equal(live[k], other[k])] == [CHANGED]
+
+
+# Runs: list and prune see global_step_N/ as one checkpoint, its roles, data.pt and huggingface/ inside it
+
+def _run(tmp_path, steps=(1, 2, 3), tracker="2"):
+    import os
+    run = tmp_path / "run"
+    for step in steps:
+        shutil.copytree(FSDP[2] / "global_step_3", run / f"global_step_{step}")
+        shutil.copytree(_actor(FSDP[2]), run / f"global_step_{step}" / "critic")     # a second role
+    (run / "latest_checkpointed_iteration.txt").write_text(tracker)
+    for path in run.rglob("*"):      # saved a while ago: no save in progress
+        os.utime(path, (1e9, 1e9))
+    return run
+
+
+def test_list_sees_each_step_folder_as_one_checkpoint(tmp_path):
+    run = _run(tmp_path)
+    data = json.loads(run_cli("list", run, "--json", check=0).stdout)
+    rows = data["checkpoints"] if isinstance(data, dict) else data
+    assert sorted(r["name"] for r in rows) == ["global_step_1", "global_step_2", "global_step_3"], rows
+
+
+def test_prune_deletes_whole_step_folders_and_keeps_the_one_the_tracker_names(tmp_path):
+    run = _run(tmp_path)
+    out = run_cli("prune", run, "--keep-last", "1", "--recent", "0", "--settle", "0", "--yes", check=0).stdout
+    assert sorted(p.name for p in run.iterdir()) == ["global_step_2", "global_step_3",
+                                                     "latest_checkpointed_iteration.txt"], out
+    for step in (2, 3):     # every role of a kept step whole
+        kept = run / f"global_step_{step}"
+        assert sorted(p.name for p in kept.iterdir()) == ["actor", "critic", "data.pt"]
+        assert run_cli("validate", kept, check=0).returncode == 0
+    # negative control: the tracker naming the newest, step 2 is not kept
+    again = _run(tmp_path / "again", tracker="3")
+    run_cli("prune", again, "--keep-last", "1", "--recent", "0", "--settle", "0", "--yes", check=0)
+    assert sorted(p.name for p in again.iterdir()) == ["global_step_3", "latest_checkpointed_iteration.txt"]

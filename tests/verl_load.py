@@ -1,0 +1,106 @@
+"""Load verl FSDP actor checkpoints with verl 0.9.1's own FSDPCheckpointManager at this launch's world size
+(torchrun, gloo, CPU).
+
+    torchrun --nproc_per_node 2 tests/verl_load.py JOBS.json RESULTS.json
+
+JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder,
+"full": where rank 0 writes the loaded weights whole (safetensors; optional)}.
+For each job every rank builds the actor tools/fixture_verl.py saved (tools/verl_cpu.actor: a fresh seed, so its
+weights differ from the saved ones until loaded) and calls `FSDPCheckpointManager.load_checkpoint(folder)`. The truth
+is the truth folder's files of this rank as torch.load reads them (no reshard): what verl's manager saves of the
+loaded actor (its sharded model and optimizer state dicts, the lr scheduler) must equal it exactly. Then one more
+training step runs. Rank 0 writes {"label", "loaded", "error", "problems", "last_epoch", "step_after", "loss"} per
+job, the problems of every rank gathered.
+"""
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+from torchrun_jobs import run_rank  # noqa: E402
+
+
+def main(jobs_path, results_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    results = [_job(job) for job in json.loads(open(jobs_path).read())]
+    if dist.get_rank() == 0:
+        with open(results_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+
+
+def _local(value):
+    """A saved value's tensor on this rank: a DTensor's local shard, else the value."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _differences(prefix: str, live, truth) -> list:
+    import torch
+    if isinstance(truth, dict):
+        if not isinstance(live, dict) or set(live) != set(truth):
+            return [f"{prefix}: keys differ"]
+        return [p for key in truth for p in _differences(f"{prefix}.{key}", live[key], truth[key])]
+    if isinstance(truth, (list, tuple)):
+        if len(live) != len(truth):
+            return [f"{prefix}: lengths differ"]
+        return [p for i, (a, b) in enumerate(zip(live, truth, strict=True))
+                for p in _differences(f"{prefix}.{i}", a, b)]
+    a, b = _local(live), _local(truth)
+    if torch.is_tensor(b):
+        same = torch.is_tensor(a) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    else:
+        same = a == b
+    return [] if same else [f"{prefix}: differs from the truth"]
+
+
+def _job(job) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+    import verl_cpu
+    verl_cpu.install()
+    from verl.utils.fsdp_utils import get_fsdp_state_ctx
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = {"label": job["label"], "loaded": False, "error": None, "problems": [], "last_epoch": None,
+              "step_after": None, "loss": None}
+    model, optimizer, scheduler, manager = verl_cpu.actor(job["fsdp"], seed=1)
+    try:
+        manager.load_checkpoint(job["folder"])
+    except Exception as error:   # the negative control's failure, reported for the test to judge
+        result["error"] = f"{type(error).__name__}: {error}"
+        dist.barrier()
+        return result
+    result["loaded"] = True
+    truth = job["truth"]
+    name = f"world_size_{world}_rank_{rank}.pt"
+    with get_fsdp_state_ctx(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                            ShardedOptimStateDictConfig()):
+        live = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    problems = []
+    for kind in ("model", "optim"):
+        saved = torch.load(os.path.join(truth, f"{kind}_{name}"), weights_only=False)
+        problems += _differences(kind, live[kind], saved)
+    saved_extra = torch.load(os.path.join(truth, f"extra_state_{name}"), weights_only=False)
+    problems += _differences("lr_scheduler", scheduler.state_dict(), saved_extra["lr_scheduler"])
+    if job.get("full"):     # the live weights, whole: what an export must hold
+        from safetensors.torch import save_file
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().contiguous()
+                for k, v in live["model"].items()}
+        if rank == 0:
+            save_file(full, job["full"])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, problems)
+    result["problems"] = sorted({p for rank_problems in gathered for p in rank_problems})
+    result["last_epoch"] = scheduler.last_epoch
+    result["loss"] = verl_cpu.train_step(model, optimizer, scheduler, 4, rank)
+    steps = {float(s["step"]) for s in optimizer.state_dict()["state"].values()}
+    result["step_after"] = sorted(steps)
+    dist.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    run_rank(main, *sys.argv[1:3])
