@@ -1,6 +1,5 @@
 """A Llama trained with DeepSpeed, exported by reshard, loads in transformers with the engine's logits."""
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +7,6 @@ import torch
 
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
-from tests.helpers.repo import REPO
 
 pytestmark = pytest.mark.engine
 CASES = [("2", "fp32"), ("3", "bf16")]
@@ -30,6 +28,7 @@ def trained(request, engine_launches):
 @pytest.mark.parametrize("shard", [None, "20KB"])
 def test_from_pretrained_gives_the_engine_logits(trained, shard, tmp_path):
     from transformers import LlamaForCausalLM
+
     from tests.scripts.engine_llama import probe
 
     out, dtype = trained
