@@ -21,8 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
-REPO = Path(__file__).resolve().parent.parent
-
+from tests.helpers.repo import REPO
 
 
 class Import(NamedTuple):
