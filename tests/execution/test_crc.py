@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import struct
-import sys
 import zipfile
 import zlib
 
@@ -32,7 +31,6 @@ from reshard.execution.checksums import Tally, crc32_combine
 from reshard.live.deepspeed_engine import ServedFiles
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import copy_fixture, fixture_dir, tag_dir
-from tests.helpers.repo import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 NAME = "z2_fp32_dp2"
@@ -260,7 +258,7 @@ def test_the_dcp_reader_raises(corrupt):
 def dcp_saved(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    sys.path.insert(0, str(REPO / "tools"))
+
     from fixture_model import build_model, make_batch, param_groups
 
     model = build_model()

@@ -1,21 +1,17 @@
 """Every hostile or broken checkpoint (tools/make_hostile.py), through every command: nothing runs,
 one line names the file and the problem, exit 1, nothing written, the source untouched."""
 import os
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import make_hostile
 import reshard
 from reshard.errors import ReshardError
 from reshard.formats.deepspeed import pickles as deepspeed_pickles
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import mutated
 from tests.helpers.fixtures import fixture_dir, tag_dir
-from tests.helpers.repo import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-import make_hostile
 
 COMMANDS = {
     "inspect": lambda src, out: ["inspect", src],

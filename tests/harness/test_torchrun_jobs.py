@@ -6,17 +6,14 @@ import json
 import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import torchrun_jobs
 from tests.helpers.repo import REPO
 from tests.helpers.torchrun import torchrun, torchrun_env
-
-sys.path.insert(0, str(REPO / "tools"))
-import torchrun_jobs
 
 # A rank of SCRIPT notes when it destroys its process group, and whether the interpreter's teardown ran.
 SCRIPT = """

@@ -438,3 +438,35 @@ def test_the_check_finds_an_import_against_the_flow(tmp_path):
     rooms = (("pkg.low",), ("pkg", "pkg.high"))
     assert against_the_flow(found, rooms, "pkg") == {("pkg.low.a", "pkg.high"), ("pkg.low.a", "pkg.high.h"),
                                                      ("pkg.low.b", "pkg.high.h")}
+
+
+def misplaced_test_modules(tests: Path) -> set[str]:
+    """What breaks tests/'s layout (folders mirroring the package): a module in a test folder that is not a test
+    (helpers belong in tests/helpers/, scripts in tests/scripts/), or a test module that changes sys.path (pyproject's
+    pytest `pythonpath` and the launchers' PYTHONPATH make tests/ and tools/ importable)."""
+    found = set()
+    for path in sorted(tests.rglob("*.py")):
+        where = path.relative_to(tests)
+        if where.parts[0] in ("helpers", "scripts"):
+            continue
+        if not (path.name.startswith("test_") or path.name in ("__init__.py", "conftest.py")):
+            found.add(f"{where.as_posix()}: not a test module")
+        elif path.name.startswith("test_"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and ast.unparse(node) in ("sys.path.insert", "sys.path.append"):
+                    found.add(f"{where.as_posix()}: patches sys.path")
+    return found
+
+
+def test_test_folders_hold_tests_only():
+    assert misplaced_test_modules(REPO / "tests") == set()
+
+
+def test_the_layout_check_finds_a_helper_and_a_path_patch(tmp_path):
+    """Negative control: a helper beside the tests and a test inserting into sys.path are named; the same helper
+    in helpers/ and a test that only reads sys.path pass."""
+    for name, text in {"core/helper.py": "X = 1\n", "core/test_a.py": "import sys\nsys.path.insert(0, 'x')\n",
+                       "helpers/ok.py": "X = 1\n", "core/test_b.py": "import sys\nprint(sys.path[0])\n"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert misplaced_test_modules(tmp_path) == {"core/helper.py: not a test module", "core/test_a.py: patches sys.path"}

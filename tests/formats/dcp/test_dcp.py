@@ -10,7 +10,6 @@ import math
 import os
 import pickle
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -18,16 +17,14 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reshard
+from make_hostile import Payload
 from reshard.errors import ReshardError
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import mutated
 from tests.helpers.engine_state import fsdp2_differences, saved_param_groups
 from tests.helpers.fixtures import FIXTURES, fixture_dir, tag_dir, truth_json, truth_tensors
-from tests.helpers.repo import REPO, SCRIPTS
+from tests.helpers.repo import SCRIPTS
 from tests.helpers.torchrun import run_torchrun, torchrun
-
-sys.path.insert(0, str(REPO / "tools"))
-from make_hostile import Payload
 
 # fp32 ZeRO-1/2/3, bf16 (ZeRO-3, ZeRO-1, BF16_Optimizer), SGD, two param groups with frozen and tied params
 # loaded through reshard.dcp_reader.Reader only: ZeRO-3 bf16 dp=4, ZeRO-2 round-robin; and the tensor- and pipeline-

@@ -8,7 +8,6 @@ one more step.
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 import torch
@@ -17,13 +16,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import reshard
 import reshard.dcp_reader
+from fixture_model import build_model, make_batch
 from reshard.errors import ReshardError
 from tests.helpers.damage import write_in_zip
 from tests.helpers.fixtures import ALL_FIXTURES, FIXTURES, copy_fixture, fixture_dir, tag_dir, truth_json, truth_tensors
 from tests.helpers.repo import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-from fixture_model import build_model, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RULES = {name: str(REPO / "reshard" / "layouts" / "megatron-gpt.json") for name in ALL_FIXTURES if "megatron" in name}

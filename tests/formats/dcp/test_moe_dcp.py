@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 
 import pytest
 import torch
@@ -16,14 +15,12 @@ import torch.distributed.checkpoint as dcp
 
 import reshard
 import reshard.dcp_reader
+from fixture_moe import MoENet, mixtral_config
 from reshard.errors import ReshardError
 from tests.formats.dcp.test_dcp import MOE_NAMES, _edit_metadata, _mixtral_truth
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import fixture_dir, truth_tensors
 from tests.helpers.repo import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-from fixture_moe import MoENet, mixtral_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 STATES = ("exp_avg", "exp_avg_sq")

@@ -4,18 +4,15 @@ own from_pretrained: every weight is the engine's fp32 master bit for bit, and t
 engine's. Without the rule file from_pretrained does not find the experts (the negative control).
 """
 import json
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from fixture_moe import mixtral_config, probe
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import fixture_dir, truth_tensors
 from tests.helpers.repo import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-from fixture_moe import mixtral_config, probe
 
 NAMES = REPO / "reshard" / "layouts" / "mixtral-autoep-hf.json"
 AUTOEP = ["autoep2_z1_fp32", "autoep2_z2_fp32_dp2", "autoep2_z2_bf16", "autoep2_z3_fp32_dp2"]

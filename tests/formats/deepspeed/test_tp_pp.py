@@ -409,8 +409,6 @@ def test_big_replicas_are_compared_by_validate_deep(tmp_path, monkeypatch):
                                          ("autotp2_z1_fp32_dp2", "mp_rank_01_model_states.pt"),
                                          ("megatron_pipe_tp2_pp2_z1_fp32_dp2", "layer_03-model_01-model_states.pt")])
 def test_a_hostile_pickle_in_a_layer_or_tp_rank_file_never_runs(name, victim, tmp_path):
-    import sys
-    sys.path.insert(0, str(REPO / "tools"))
     from make_hostile import Payload
     save, tag = _copy(name, tmp_path)
     canary = tmp_path / "canary"

@@ -276,11 +276,10 @@ def test_refusals_are_one_line(tmp_path):
 def _tied_head_counts():
     """DeepSpeed's own count of the tied-head model's trainable parameters per layer: PipelineModule's
     _count_layer_params, run unbound on tools/fixture_parallel.py's layer specs (it needs no process group)."""
-    import sys
     from types import SimpleNamespace
 
     from deepspeed.pipe import PipelineModule
-    sys.path.insert(0, str(REPO / "tools"))
+
     import fixture_parallel
     return PipelineModule._count_layer_params(SimpleNamespace(_layer_specs=fixture_parallel.tied_head_specs()))
 

@@ -16,13 +16,10 @@ import pytest
 import torch
 
 import reshard
+from make_hostile import Payload
 from reshard.core.catalog import MASTER
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import FIXTURE_NAMES, fixture_dir, tag_dir, truth_json, truth_tensors
-from tests.helpers.repo import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-from make_hostile import Payload
 
 # Fixtures DeepSpeed's ds_to_universal converts correctly (one per optimizer wrapper / stage / dtype family).
 DS_AGREES = ["z2_fp32_dp4", "z3_fp32_dp4", "bf16opt_z1_dp2", "z1_bf16_frozen_tied_dp2", "z2_fp16_dp2",
