@@ -96,13 +96,13 @@ def test_a_failed_op_build_is_logged_and_retried_once(tmp_path):
 
 
 def test_every_torchrun_script_leaves_its_group_and_no_port_is_fixed():
-    scripts = [p for p in (*REPO.glob("tests/*.py"), *REPO.glob("tools/*.py"))
+    scripts = [p for p in (*REPO.glob("tests/scripts/*.py"), *REPO.glob("tools/*.py"))
                if re.search(r"init_distributed\(|init_process_group\(", p.read_text())
                and p.name not in ("test_torchrun_jobs.py", "torchrun_jobs.py")]
     assert len(scripts) >= 8, scripts
     for path in scripts:
         assert "run_rank(" in path.read_text(), f"{path.name} can exit with its process group up"
-    for path in (*REPO.glob("tests/*.py"), *REPO.glob("tools/*.py")):
+    for path in (*REPO.glob("tests/scripts/*.py"), *REPO.glob("tools/*.py")):
         if path.name not in ("test_torchrun_jobs.py", "torchrun_jobs.py"):
             assert "--master_port" not in path.read_text(), f"{path.name} picks its own torchrun port"
 
