@@ -81,7 +81,8 @@ def launch(jobs: list, work: str) -> list | None:
     failed, its output's end on stderr)."""
     with open(os.path.join(work, "jobs.json"), "w") as f:
         json.dump(jobs, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tools")])}
     proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "scripts", "accelerate_strategies.py"),
                                     os.path.join(work, "jobs.json"), os.path.join(work, "results.json")], env)
     if proc.returncode != 0:

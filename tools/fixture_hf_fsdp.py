@@ -63,7 +63,7 @@ def run(runs: list, work: str) -> int:
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "job.json"), "w") as f:
         json.dump({"runs": runs}, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tools")])}
     proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "scripts", "hf_trainer_fsdp.py"),
                                     os.path.join(work, "job.json"),
                                     os.path.join(work, "result.json")], env)

@@ -33,7 +33,8 @@ def main() -> int:
         with open(jobs, "w") as f:
             json.dump([{"mode": "save", "dir": os.path.join(work, "run"), "seed": 0, "steps": STEPS}], f)
         proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "scripts", "lightning_fsdp.py"), jobs, results],
-                                    {**os.environ, "OMP_NUM_THREADS": "1"})
+                                    {**os.environ, "OMP_NUM_THREADS": "1",
+                                     "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tools")])})
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             return 1

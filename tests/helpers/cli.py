@@ -24,6 +24,8 @@ def run_cli(*args, check=None, process=False, cwd=REPO):
     if check is not None:
         assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
+
+
 def _in_process(argv: list, where) -> tuple:
     """(exit status, stdout, stderr) of reshard.cli.main(argv) run here, from the folder `where`."""
     from reshard import cli

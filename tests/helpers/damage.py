@@ -45,6 +45,8 @@ def write_in_zip(path, offset: int, data: bytes) -> None:
                 f.write(crc)
                 return
             at += 46 + name_len + extra_len + comment_len
+
+
 def change_dcp_element(folder, name: str, allowed: dict | None = None, state: str = "exp_avg") -> None:
     """One element of `name`'s exp_avg (or fp32 `state`: "module", its weights) changed in the DCP files under
     `folder` (its zip member's CRC-32 made to
@@ -70,6 +72,8 @@ def change_dcp_element(folder, name: str, allowed: dict | None = None, state: st
     item.unlink()
     with open(path, "wb") as f:
         f.write(data)
+
+
 def mutated(data, raw: bytes) -> bytes:
     """`raw` with 1-8 random flips, cuts, insertions and zeroed runs drawn from hypothesis `data`."""
     from hypothesis import strategies as st

@@ -15,17 +15,27 @@ MOE_FIXTURES = [n for n in ALL_FIXTURES if json.loads((FIXTURES / n / "truth.jso
 ALL_FIXTURES = [n for n in ALL_FIXTURES if n not in MOE_FIXTURES]
 FIXTURE_NAMES = [n for n in ALL_FIXTURES if "kind" not in json.loads((FIXTURES / n / "truth.json").read_text())]
 PARALLEL_FIXTURES = [n for n in ALL_FIXTURES if n not in FIXTURE_NAMES]
+
+
 def fixture_dir(name: str) -> Path:
     return FIXTURES / name / "checkpoint"
+
+
 def truth_json(name: str) -> dict:
     return json.loads((FIXTURES / name / "truth.json").read_text())
+
+
 def truth_tensors(name: str) -> dict:
     from safetensors.torch import load_file
     return load_file(str(FIXTURES / name / "truth.safetensors"))
+
+
 def copy_fixture(name: str, dest: Path) -> Path:
     """A writable copy of a fixture's save dir, for tests that break it."""
     target = dest / name
     shutil.copytree(fixture_dir(name), target)
     return target
+
+
 def tag_dir(save_dir: Path) -> Path:
     return save_dir / (save_dir / "latest").read_text().strip()

@@ -16,14 +16,8 @@ load: the same objects built from another seed, accelerator.load_state(dir); the
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from tests.helpers.rank_main import run_main
 
 SAMPLES = 48
 
@@ -116,4 +110,4 @@ def run(job) -> dict:
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

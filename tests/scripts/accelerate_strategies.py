@@ -27,14 +27,9 @@ weights (FSDP): the model alone prepared (and the custom object registered), fro
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank
+from tests.helpers.rank_main import run_main
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 STATES = ("exp_avg", "exp_avg_sq")
 SAMPLES = 32
 
@@ -195,4 +190,4 @@ def weights_only(job, accelerator, model, differences) -> dict:
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

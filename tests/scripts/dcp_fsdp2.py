@@ -24,21 +24,15 @@ on a 2-D (dp x tp) mesh loaded from that checkpoint through reshard.dcp_reader.R
 """
 import copy
 import json
-import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-sys.path.insert(0, HERE)
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-
-from fixture_model import build_model, make_batch, param_groups  # noqa: E402
-from torchrun_jobs import run_rank  # noqa: E402
+from fixture_model import build_model, make_batch, param_groups
+from tests.helpers.rank_main import run_main
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 
@@ -235,4 +229,4 @@ def main(command, *args):
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:])
+    run_main(main)

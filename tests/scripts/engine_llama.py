@@ -9,9 +9,8 @@ export. Rank 0 writes the jobs back as RESULTS.json, once every job is done.
 """
 import json
 import os
-import sys
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from tests.helpers.rank_main import run_main
 
 TOKENS = 64
 
@@ -79,6 +78,4 @@ def train_and_save(out, stage, dtype):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    from torchrun_jobs import run_rank
-    run_rank(main, *sys.argv[1:3])
+    run_main(main, 2)

@@ -21,13 +21,8 @@ import gc
 import json
 import math
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from tests.helpers.rank_main import run_main
 
 
 def main(jobs_path, results_path):
@@ -142,4 +137,4 @@ def make_fixtures_meta(job) -> dict:
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

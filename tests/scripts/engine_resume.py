@@ -21,14 +21,11 @@ import gc
 import json
 import math
 import os
-import sys
+
+from tests.helpers.rank_main import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOLS = os.path.join(os.path.dirname(HERE), "tools")
-sys.path.insert(0, TOOLS)
-from torchrun_jobs import run_rank  # noqa: E402
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def engine_config(job, make_fixtures):
@@ -177,4 +174,4 @@ def compare(tensors, truth, info, meta, client_state, torch):
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

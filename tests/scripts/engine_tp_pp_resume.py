@@ -18,14 +18,8 @@ import copy
 import json
 import math
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-sys.path.insert(0, HERE)
-from torchrun_jobs import run_rank  # noqa: E402
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from tests.helpers.rank_main import run_main
 
 
 def main(jobs_path, results_path):
@@ -123,4 +117,4 @@ def loaded_problems(engine, load_path, client_state, job, rank) -> list:
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

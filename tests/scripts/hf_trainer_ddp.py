@@ -5,11 +5,8 @@ tokenizer), and rank 0 the live model's state dict at the end as OUT/truth.safet
     torchrun --nproc_per_node 2 tests/scripts/hf_trainer_ddp.py OUT
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank
+from tests.helpers.rank_main import run_main
 
 
 def main(out):
@@ -29,4 +26,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:])
+    run_main(main)

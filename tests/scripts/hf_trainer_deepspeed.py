@@ -18,15 +18,9 @@ Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import json
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from tests.helpers.engine_state import differences, engine_tensors
-from torchrun_jobs import run_rank
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from tests.helpers.rank_main import run_main
 
 SAMPLES = 48        # one epoch holds every step of the runs the tests make
 
@@ -165,4 +159,4 @@ def release(engine) -> None:
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

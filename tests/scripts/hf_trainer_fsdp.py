@@ -13,12 +13,9 @@ max_steps and saved every save_steps, each checkpoint-N/ as the Trainer writes i
 """
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from tests.helpers.cpu_fsdp import fsdp_on_cpu
-from torchrun_jobs import run_rank
+from tests.helpers.rank_main import run_main
 
 
 def main(job_path, result_path):
@@ -62,4 +59,4 @@ def main(job_path, result_path):
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

@@ -20,16 +20,12 @@ weights: a resume from a weights-only folder (FSDP's less optimizer_0/, which th
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from tests.helpers.cpu_fsdp import fsdp_on_cpu
 from tests.helpers.engine_state import differences, engine_tensors
+from tests.helpers.rank_main import run_main
 from tests.scripts.hf_trainer_deepspeed import cpu_deepspeed_backend, release, run_jobs
-from torchrun_jobs import run_rank
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -156,4 +152,4 @@ def run(job) -> dict:
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

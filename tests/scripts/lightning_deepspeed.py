@@ -21,15 +21,11 @@ import reshard (pickles.block_reshard), as on a machine where it is not installe
 import json
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from tests.helpers.engine_state import differences, engine_tensors
 from tests.helpers.pickles import block_reshard
-from torchrun_jobs import run_rank
+from tests.helpers.rank_main import run_main
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 block_reshard()     # the training job runs where reshard is not installed: what it loads must not need it
 
 SAMPLES, BATCH = 64, 2          # enough batches that no size ends the epoch within these steps
@@ -200,4 +196,4 @@ def fail(job):
 RUN = {"save": save, "resume": resume, "fail": fail}
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

@@ -23,13 +23,10 @@ The ranks cannot import reshard (pickles.block_reshard).
 """
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from tests.helpers.engine_state import differences
+from tests.helpers.rank_main import run_main
 from tests.scripts.lightning_deepspeed import data, lit_module, scheduler_state
-from torchrun_jobs import run_rank
 
 STATES = ("exp_avg", "exp_avg_sq", "step")
 MODEL_PARALLEL = "model_parallel"
@@ -180,4 +177,4 @@ def main(jobs_path, results_path):
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

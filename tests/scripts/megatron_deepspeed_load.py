@@ -13,16 +13,10 @@ training step runs through the engine. Rank 0 writes {"label", "problems", "erro
 job: `error`, what load_checkpoint raised where it failed (its start, on one line).
 """
 import json
-import os
 import re
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-sys.path.insert(0, HERE)
-from torchrun_jobs import run_rank  # noqa: E402
+from tests.helpers.rank_main import run_main
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # the torch_dist names of a layer's norms -> the local spec's modules (reshard/layouts/megatron-core-modules.json)
 RENAMES = ((re.compile(r"(.*\.layers\.\d+)\.self_attention\.linear_qkv\.layer_norm_(weight|bias)"),
             r"\1.input_layernorm.\2"),
@@ -105,4 +99,4 @@ def main(jobs_path, results_path):
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:3])
+    run_main(main, 2)

@@ -21,12 +21,8 @@ run by tests/scripts/megatron_import.py.
 """
 import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-sys.path.insert(0, HERE)
-from torchrun_jobs import run_rank  # noqa: E402
+from tests.helpers.rank_main import run_main
 
 
 def main(jobs_path, results_path):
@@ -201,4 +197,4 @@ def _steps(optimizer) -> list:
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:3])
+    run_main(main, 2)

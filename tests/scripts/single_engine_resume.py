@@ -12,14 +12,8 @@ source's own optimizer state, named by parameter identity when it was saved), an
 """
 import json
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from torchrun_jobs import run_rank
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from tests.helpers.rank_main import run_main
 
 
 def build(kind):
@@ -138,4 +132,4 @@ def run(job, rank):
 
 
 if __name__ == "__main__":
-    run_rank(main, sys.argv[1], sys.argv[2])
+    run_main(main, 2)

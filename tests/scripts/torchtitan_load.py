@@ -16,12 +16,9 @@ loaded position must be the truth's. Then one more training step runs. Rank 0 wr
 """
 import json
 import os
-import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
+from tests.helpers.rank_main import run_main
 
 
 def main(jobs_path, results_path):
@@ -123,4 +120,4 @@ def _model_only(job: dict) -> dict:
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:3])
+    run_main(main, 2)
