@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import lifecycle_runs
 from tests.helpers.fixtures import FIXTURE_NAMES, FIXTURES
 from tests.helpers.repo import REPO
 from tests.helpers.torchrun import run_torchrun
@@ -16,7 +17,6 @@ from tests.helpers.torchrun import run_torchrun
 @pytest.fixture(scope="session")
 def lifecycle_template(tmp_path_factory):
     """The DeepSpeed run directory of lifecycle_runs.deepspeed_run, made once; tests take a copy each."""
-    from tests.helpers import lifecycle_runs  # here, not above: it imports this module
     root = tmp_path_factory.mktemp("template")
     lifecycle_runs.deepspeed_run(root)
     return root
