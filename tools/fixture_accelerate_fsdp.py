@@ -4,10 +4,10 @@ processes with FSDP2 (sharded and full state dict) and with DeepSpeed ZeRO-2, fo
     python tools/fixture_accelerate_fsdp.py [--out fixtures]
     python tools/fixture_accelerate_fsdp.py --bench DIR     # only docs/performance.md's FSDP sharded save, DIR/state
 
-One torchrun launch (2 processes, CPU, gloo) of tests/accelerate_strategies.py: the tiny random Llama of
-tests/hf_trainer_fsdp.py (vocab 64, hidden 16, 2 layers), AdamW in two param groups and a linear-warmup scheduler,
-trained 3 steps on the same data by an Accelerate loop with a registered custom object, then
-accelerator.save_state(dir). FSDP on CPU through the test-only shim tests/cpu_fsdp.py (the GPU branch of
+One torchrun launch (2 processes, CPU, gloo) of tests/scripts/accelerate_strategies.py: the tiny random Llama of
+tests/scripts/hf_trainer_fsdp.py (vocab 64, hidden 16, 2 layers), AdamW in two param groups and a linear-warmup
+scheduler, trained 3 steps on the same data by an Accelerate loop with a registered custom object, then
+accelerator.save_state(dir). FSDP on CPU through the test-only shim tests/helpers/cpu_fsdp.py (the GPU branch of
 AcceleratorState); every file is Accelerate's, DeepSpeed's and torch's own:
 
     accelerate_fsdp_sharded_dp2/state       FullyShardedDataParallelPlugin(fsdp_version=2, SHARDED_STATE_DICT):
@@ -76,12 +76,14 @@ def main() -> int:
 
 
 def launch(jobs: list, work: str) -> list | None:
-    """One torchrun launch of tests/accelerate_strategies.py at 2 processes doing `jobs`: their results (None: it
+    """One torchrun launch of tests/scripts/accelerate_strategies.py at 2 processes doing `jobs`: their results (None:
+    it
     failed, its output's end on stderr)."""
     with open(os.path.join(work, "jobs.json"), "w") as f:
         json.dump(jobs, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "accelerate_strategies.py"),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tools")])}
+    proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "scripts", "accelerate_strategies.py"),
                                     os.path.join(work, "jobs.json"), os.path.join(work, "results.json")], env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])

@@ -3,10 +3,10 @@
     python tools/fixture_hf_fsdp.py [--out fixtures]
     python tools/fixture_hf_fsdp.py --bench DIR     # DIR/checkpoint-1: a 60M-parameter Llama, sharded (benchmarks)
 
-One torchrun launch (2 processes, CPU, gloo) of tests/hf_trainer_fsdp.py: a tiny random Llama (vocab 64, hidden 16,
-2 layers) trained 3 steps by transformers.Trainer with `fsdp=True` and each of FSDP's state dict types, the tiny
-word-level tokenizer as its processing_class; Accelerate's FSDP on CPU through the test-only shim tests/cpu_fsdp.py
-(the GPU branch of AcceleratorState), so every file is the Trainer's and Accelerate's own:
+One torchrun launch (2 processes, CPU, gloo) of tests/scripts/hf_trainer_fsdp.py: a tiny random Llama (vocab 64, hidden
+16, 2 layers) trained 3 steps by transformers.Trainer with `fsdp=True` and each of FSDP's state dict types, the tiny
+word-level tokenizer as its processing_class; Accelerate's FSDP on CPU through the test-only shim
+tests/helpers/cpu_fsdp.py (the GPU branch of AcceleratorState), so every file is the Trainer's and Accelerate's own:
 
     hf_fsdp_sharded_dp2/checkpoint-3   SHARDED_STATE_DICT: pytorch_model_fsdp_0/, optimizer_0/ (DCP), scheduler.pt,
                                        rng_state_{0,1}.pth, trainer_state.json
@@ -59,12 +59,13 @@ def main() -> int:
 
 
 def run(runs: list, work: str) -> int:
-    """One torchrun launch of tests/hf_trainer_fsdp.py at 2 processes doing `runs`; 0 when each trained FSDP."""
+    """One torchrun launch of tests/scripts/hf_trainer_fsdp.py at 2 processes doing `runs`; 0 when each trained FSDP."""
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "job.json"), "w") as f:
         json.dump({"runs": runs}, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "hf_trainer_fsdp.py"), os.path.join(work, "job.json"),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tools")])}
+    proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "scripts", "hf_trainer_fsdp.py"),
+                                    os.path.join(work, "job.json"),
                                     os.path.join(work, "result.json")], env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])

@@ -3,10 +3,10 @@ processes (a DCP folder of `model.*` and `optimizer_0.*`, and Lightning's meta.p
 
     python tools/fixture_lightning_fsdp.py [--out fixtures]
 
-One torchrun launch (2 processes, CPU, gloo) of tests/lightning_fsdp.py's save job: the TinyLM LightningModule of
-tests/lightning_deepspeed.py trained 3 steps with AdamW and a per-step StepLR, saved by ModelCheckpoint; FSDP1 on
-CPU through the test-only shim in tests/cpu_fsdp.py, so every file is Lightning's and torch's own. Versions:
-lightning 2.6.6, torch 2.13.
+One torchrun launch (2 processes, CPU, gloo) of tests/scripts/lightning_fsdp.py's save job: the TinyLM LightningModule
+of tests/scripts/lightning_deepspeed.py trained 3 steps with AdamW and a per-step StepLR, saved by ModelCheckpoint;
+FSDP1 on CPU through the test-only shim in tests/helpers/cpu_fsdp.py, so every file is Lightning's and torch's own.
+Versions: lightning 2.6.6, torch 2.13.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def main() -> int:
         jobs, results = os.path.join(work, "jobs.json"), os.path.join(work, "results.json")
         with open(jobs, "w") as f:
             json.dump([{"mode": "save", "dir": os.path.join(work, "run"), "seed": 0, "steps": STEPS}], f)
-        proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "lightning_fsdp.py"), jobs, results],
-                                    {**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = torchrun_jobs.launch(2, [os.path.join(REPO, "tests", "scripts", "lightning_fsdp.py"), jobs, results],
+                                    {**os.environ, "OMP_NUM_THREADS": "1",
+                                     "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tools")])})
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             return 1

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A DeepSpeed checkpoint of megatron-core's GPTModel trained under DeepSpeed: the source of `convert --format
-megatron` from DeepSpeed, universal and DCP (tests/test_megatron_from.py).
+megatron` from DeepSpeed, universal and DCP (tests/formats/megatron/test_megatron_from.py).
 
 Usage::
 
@@ -9,7 +9,7 @@ Usage::
 Made with megatron-core 0.16.1, DeepSpeed 0.19.8 and torch 2.13.0+cpu (DS_ACCELERATOR=cpu, gloo, the CUDA shim of
 tools/megatron_cpu.py). ``torchrun --nproc_per_node 2 tools/fixture_megatron_deepspeed.py --worker`` builds the
 fixtures' Llama-configured GPTModel of tools/fixture_megatron_core.py (local layer spec, tp=1, pp=1) on each rank,
-hands it to ``deepspeed.initialize`` as tests/megatron_deepspeed_load.py does (bf16, ZeRO-1, torch's AdamW in
+hands it to ``deepspeed.initialize`` as tests/scripts/megatron_deepspeed_load.py does (bf16, ZeRO-1, torch's AdamW in
 megatron-core's two param groups: weight decay 0.01, and none for one-dimensional params), trains ``STEPS`` steps
 on deterministic tokens and saves with ``engine.save_checkpoint`` (tag ``global_step3``). The module keeps the
 local spec's own names (a layer's norms are ``input_layernorm`` and ``pre_mlp_layernorm``).
@@ -20,9 +20,9 @@ Beside it, in ``<out>/mcore_deepspeed_z1_dp2/``:
   ``--inject_missing_state`` it fails on the layers' empty extra states, "'NoneType' object has no attribute
   'float'"; the tests make the universal and DCP sources with reshard);
 * ``truth.safetensors``: the live engine's ``module/``, ``fp32/``, ``exp_avg/``, ``exp_avg_sq/`` tensors
-  (tests/engine_state.py) at save time, under the names megatron-core's torch_dist save gives them
+  (tests/helpers/engine_state.py) at save time, under the names megatron-core's torch_dist save gives them
   (``...self_attention.linear_qkv.layer_norm_weight`` for ``...input_layernorm.weight``: RENAMES below, written here
-  independently of reshard's rule file), what tests/megatron_load.py compares a loaded Megatron model with;
+  independently of reshard's rule file), what tests/scripts/megatron_load.py compares a loaded Megatron model with;
 * ``truth.json``: the step, the iteration (DeepSpeed's global_steps) and the param groups' hyper-parameters;
 * ``megatron_args.json``: the Megatron-LM arguments and scheduler state of this run, as a user converting it writes
   them (``--to ...,args=megatron_args.json``): the model's shape, the optimizer's hyper-parameters, the batch sizes.
@@ -84,8 +84,8 @@ def worker(out: Path, zero: int) -> None:
     from safetensors.torch import save_file
 
     import fixture_megatron_core as fixture
-    sys.path.insert(0, str(REPO / "tests"))
-    from engine_state import engine_tensors
+    sys.path.insert(0, str(REPO))    # tests.helpers, from the repository root
+    from tests.helpers.engine_state import engine_tensors
 
     deepspeed.init_distributed(dist_backend="gloo")
     mpu.initialize_model_parallel(1, 1)

@@ -36,7 +36,7 @@ import torchrun_jobs  # noqa: E402
 WORLD, SAVE_STEP, FORWARD_SEED = 2, 3, 99
 # name -> fuse_qkv: torchtitan's llama3 flavors fuse q, k and v into one `wqkv` parameter (FusedQKVLinear), whose
 # optimizer state reshard places on the model's wq/wk/wv given the key-value head count, which the save does not
-# record (`--config`, tests/test_torchtitan.py); `_build_llama3_layers(fuse_qkv=False)` holds them as three
+# record (`--config`, tests/formats/dcp/test_torchtitan.py); `_build_llama3_layers(fuse_qkv=False)` holds them as three
 # (QKVLinear), and the model and optimizer name the same parameters. Both are one run (same seeds and batches).
 CONFIGS = {"torchtitan_llama_fsdp2": False, "torchtitan_llama_fused_fsdp2": True}
 

@@ -268,7 +268,7 @@ def allow_cpu_fp16(spec):
 def engine_truth(engine, spec):
     """(tensors, info) read from a live engine: what the fixture's truth files hold.
 
-    A collective under ZeRO-3: every rank must call it. Also used by tests/engine_resume.py to read
+    A collective under ZeRO-3: every rank must call it. Also used by tests/scripts/engine_resume.py to read
     a resumed engine the same way.
     """
     import deepspeed

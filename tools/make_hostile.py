@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Hostile and broken checkpoints, made from the real fixtures, for tests/test_hostile.py.
+"""Hostile and broken checkpoints, made from the real fixtures, for tests/formats/test_hostile.py.
 
     python tools/make_hostile.py OUT CANARY
 

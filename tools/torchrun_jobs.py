@@ -9,7 +9,7 @@
 - `run_rank(main, *args)`: how every script run under torchrun calls its main: the process group is
   destroyed however main ends, and the rank exits without the interpreter teardown that gloo's worker
   threads race with (a SIGABRT, "terminate called without an active exception": 9 of 15 runs of a
-  3-rank gloo script that never destroys its group; 2 of 4 of tests/dcp_fsdp2.py, which does, beside
+  3-rank gloo script that never destroys its group; 2 of 4 of tests/scripts/dcp_fsdp2.py, which does, beside
   another job).
 """
 from __future__ import annotations
@@ -151,7 +151,7 @@ def run_rank(main, *args) -> None:
     (a DeviceMesh, an FSDP module, a DeepSpeed engine or its module globals). Such a thread that drops the
     last reference to a Python tensor once interpreter teardown has begun cannot take the GIL, is unwound
     through a noexcept frame and aborts the rank ("terminate called without an active exception",
-    SIGABRT; seen in a core of tests/dcp_fsdp2.py: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork ->
+    SIGABRT; seen in a core of tests/scripts/dcp_fsdp2.py: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork ->
     decref_pyobject -> take_gil -> pthread_exit). With the output flushed and the group destroyed,
     ending without that teardown leaves nothing to race with.
     """
