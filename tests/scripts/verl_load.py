@@ -1,7 +1,7 @@
 """Load verl FSDP actor checkpoints with verl 0.9.1's own FSDPCheckpointManager at this launch's world size
 (torchrun, gloo, CPU).
 
-    torchrun --nproc_per_node 2 tests/verl_load.py JOBS.json RESULTS.json
+    torchrun --nproc_per_node 2 tests/scripts/verl_load.py JOBS.json RESULTS.json
 
 JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder,
 "full": where rank 0 writes the loaded weights whole (safetensors; optional)}.
@@ -14,11 +14,8 @@ job, the problems of every rank gathered.
 """
 import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from torchrun_jobs import run_rank  # noqa: E402
+from tests.helpers.rank_main import run_main
 
 
 def main(jobs_path, results_path):
@@ -103,4 +100,4 @@ def _job(job) -> dict:
 
 
 if __name__ == "__main__":
-    run_rank(main, *sys.argv[1:3])
+    run_main(main, 2)

@@ -3,9 +3,9 @@ tools/fixture_verl.py), as verl's own loader takes them.
 
 The fixtures: each holds ``global_step_3/`` with ``actor/`` (every rank's model, optimizer and extra-state file,
 ``huggingface/``, ``fsdp_config.json``) and ``data.pt``, and ``latest_checkpointed_iteration.txt`` saying 3; verl's
-own ``FSDPCheckpointManager.load_checkpoint`` at 2 ranks (tests/verl_load.py) loads each into a differently seeded
-actor, whose sharded model and optimizer state and lr scheduler then equal the files as torch.load reads them, and
-one more training step runs. Negative controls: a copy with one weight element changed is loaded and found naming
+own ``FSDPCheckpointManager.load_checkpoint`` at 2 ranks (tests/scripts/verl_load.py) loads each into a differently
+seeded actor, whose sharded model and optimizer state and lr scheduler then equal the files as torch.load reads them,
+and one more training step runs. Negative controls: a copy with one weight element changed is loaded and found naming
 that weight; at 1 rank verl's loader refuses the fixture, naming the rank file a 1-rank run looks for.
 """
 from __future__ import annotations
@@ -16,7 +16,10 @@ import shutil
 
 import pytest
 
-from conftest import FIXTURES, REPO, run_cli, torchrun
+from tests.helpers.cli import run_cli
+from tests.helpers.fixtures import FIXTURES
+from tests.helpers.repo import SCRIPTS
+from tests.helpers.torchrun import torchrun
 
 ROOT = FIXTURES / "verl"
 FSDP = {1: ROOT / "verl_fsdp1_dp2", 2: ROOT / "verl_fsdp2_dp2"}
@@ -75,7 +78,7 @@ def loaded(tmp_path_factory):
     for index, (world, jobs) in enumerate(_launches(out)):
         jobs_path, results_path = out / f"jobs-{index}.json", out / f"results-{index}.json"
         jobs_path.write_text(json.dumps(jobs))
-        torchrun(world, REPO / "tests" / "verl_load.py", jobs_path, results_path, deepspeed=False, forked=False)
+        torchrun(world, SCRIPTS / "verl_load.py", jobs_path, results_path, deepspeed=False, forked=False)
         results.update({r["label"]: {**r, "full": jobs[0]["full"] if "full" in jobs[0] else None}
                         for r in json.loads(results_path.read_text())})
     return results

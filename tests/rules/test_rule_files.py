@@ -8,9 +8,10 @@ import shutil
 
 import pytest
 
-from conftest import REPO, run_cli
 from reshard.errors import ReshardError, UsageError
 from reshard.rules import files as rule_files
+from tests.helpers.cli import run_cli
+from tests.helpers.repo import REPO
 
 TREE = REPO / "reshard" / "layouts"
 
