@@ -108,7 +108,7 @@ def main(mode, src, out, *rest):
 def deepspeed_load(mode, src, out, ep=1):
     import deepspeed
 
-    import reshard.live.deepspeed_engine
+    import reshard.deepspeed_engine
 
     deepspeed.init_distributed(dist_backend="gloo")
     engine = _moe_engine(mode, int(ep)) if mode.startswith("moe-") else _stack_engine(mode, src)

@@ -53,7 +53,7 @@ def resume(checkpoint, stage, truth_path, control_path, loader) -> dict:
     model = build_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if loader == "reshard":
-        import reshard.live.deepspeed_engine
+        import reshard.deepspeed_engine
         load_path, _ = reshard.deepspeed_engine.load_checkpoint(engine, checkpoint, load_lr_scheduler_states=False)
     else:
         load_path, _ = engine.load_checkpoint(checkpoint, load_lr_scheduler_states=False)

@@ -85,7 +85,7 @@ def main(jobs_path, results_path):
             gc.collect()
             continue
         if job.get("direct"):       # no conversion step: reshard plans this engine's files and serves them
-            import reshard.live.deepspeed_engine
+            import reshard.deepspeed_engine
             load_path, _ = reshard.deepspeed_engine.load_checkpoint(engine, job["checkpoint"])
         else:
             load_path, _ = engine.load_checkpoint(job["checkpoint"])

@@ -65,7 +65,7 @@ def main(jobs_path, results_path):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
         problems = []
         if job.get("direct"):       # the source itself, at its own topology, through reshard (issue #15)
-            import reshard.live.deepspeed_engine
+            import reshard.deepspeed_engine
             from reshard.errors import ReshardError
             os.environ.update(job.get("env", {}))     # an s3:// checkpoint's endpoint and credentials
             try:

@@ -55,7 +55,7 @@ def resume(job, rank) -> dict:
     load_path, client_state = engine.load_checkpoint(job["checkpoint"])
     problems = loaded_problems(engine, load_path, client_state, job, rank)
     if job.get("source"):
-        import reshard.live.deepspeed_engine
+        import reshard.deepspeed_engine
         direct = reshard.deepspeed_engine.load_checkpoint(engine, job["source"], layout_rules=job["rules"])
         problems += [f"direct: {p}" for p in loaded_problems(engine, *direct, job, rank)]
     engine.save_checkpoint(job["resave"], tag=open(os.path.join(job["checkpoint"], "latest")).read().strip(),

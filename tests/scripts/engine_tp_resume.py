@@ -56,7 +56,7 @@ def main(jobs_path, results_path):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         problems = []
         if job.get("direct"):       # the source itself, saved at another topology, through reshard (issue #15)
-            import reshard.live.deepspeed_engine
+            import reshard.deepspeed_engine
             load_path, client_state = reshard.deepspeed_engine.load_checkpoint(engine, job["checkpoint"])
         else:
             load_path, client_state = engine.load_checkpoint(job["checkpoint"])
