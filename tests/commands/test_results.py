@@ -110,11 +110,15 @@ def test_a_plan_outlines_itself_in_a_frozen_summary_that_the_manifest_and_plan_r
     assert reshard.plan(fixture_dir("z2_fp32_dp2"), "dp=1").plan.summary().target_topology != outline.target_topology
 
 
-def test_write_requests_are_frozen_but_the_tensor_file_a_writer_builds_slot_by_slot():
+def test_write_requests_are_frozen():
+    """Every write request, TensorFile too (a writer gives its tree with with_tree: tests/core/test_containers.py)."""
     from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, StageCut, TensorFile, TextFile
-    for request in (NewTensor, TextFile, CopiedFile, Output, StageCut, Piece):
+    for request in (NewTensor, TextFile, CopiedFile, Output, StageCut, Piece, TensorFile):
         assert request.__dataclass_params__.frozen, request
     with pytest.raises(dataclasses.FrozenInstanceError):
         TextFile("latest", "global_step2").text = "global_step3"
-    # the control: TensorFile is mutable on purpose (slot() appends, a writer sets its tree after its slots)
-    assert not TensorFile.__dataclass_params__.frozen
+
+    @dataclasses.dataclass
+    class Unfrozen:         # the control: the check tells a mutable dataclass
+        path: str
+    assert not Unfrozen.__dataclass_params__.frozen
