@@ -17,8 +17,8 @@ from reshard.errors import ReshardError, UsageError
 from reshard.formats import FRESH, NEW_RANK_POLICIES, WRITERS, every_spec_key, formats_taking, registry
 from reshard.lifecycle import watching
 from reshard.lifecycle.retention import FULL, TIERS, parse_duration
-from reshard.lifecycle.run_layout import WATCH_STATE
 from reshard.rules import files as rule_files
+from reshard.storage.names import WATCH_STATE
 
 T = TypeVar("T")
 # What add_subparsers returns: argparse names its class only privately, so the annotation is the one place it is said.

@@ -21,15 +21,12 @@ from reshard.execution import manifest
 from reshard.formats import POINTERS, pointed as pointed_by, reader_for
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.lifecycle import units
-from reshard.storage import files as fs, names
+from reshard.storage import files as fs
+
+# reshard's own names in a run: a prune's trash, a conversion's staging, thin's hidden siblings and journal
+from reshard.storage.names import STAGING_SUFFIX, THIN_JOURNAL_SUFFIX, THIN_SUFFIX, THIN_TRASH_SUFFIX, TRASH_SUFFIX
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
-# reshard's own names in a run (reshard.storage.names): a prune's trash, a conversion's staging, thin's hidden siblings
-# and journal, watch's state and lock
-TRASH_SUFFIX, STAGING_SUFFIX = names.TRASH_SUFFIX, names.STAGING_SUFFIX
-THIN_SUFFIX, THIN_JOURNAL_SUFFIX = names.THIN_SUFFIX, names.THIN_JOURNAL_SUFFIX
-THIN_TRASH_SUFFIX = names.THIN_TRASH_SUFFIX
-WATCH_STATE, WATCH_LOCK = names.WATCH_STATE, names.WATCH_LOCK
 # a conversion written in place (object storage has no rename: reshard.execution.staging) before its manifest is there
 IN_PLACE = f"reshard is writing it in place ({manifest.UNFINISHED}, no {manifest.NAME} yet)"
 HF_STAGING = units.HF_STAGING

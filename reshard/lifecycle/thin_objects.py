@@ -26,8 +26,9 @@ import signal
 from dataclasses import dataclass
 
 from reshard.errors import ReshardError
-from reshard.lifecycle.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_names
+from reshard.lifecycle.run_layout import ThinNames, thin_names
 from reshard.storage import files as fs
+from reshard.storage.names import THIN_JOURNAL_SUFFIX, THIN_SUFFIX
 from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import output_for
 

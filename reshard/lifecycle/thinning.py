@@ -40,8 +40,9 @@ from reshard.formats import read as read_catalog, weights_only, weights_only_for
 from reshard.formats.framework import framework_of
 from reshard.lifecycle import thin_objects, units
 from reshard.lifecycle.listing import COMPLETE, RECENT_SECONDS, list_checkpoints, order, problem_line
-from reshard.lifecycle.run_layout import THIN_JOURNAL_SUFFIX, THIN_SUFFIX, ThinNames, thin_journals, thin_names
+from reshard.lifecycle.run_layout import ThinNames, thin_journals, thin_names
 from reshard.storage import files as fs
+from reshard.storage.names import THIN_JOURNAL_SUFFIX, THIN_SUFFIX
 from reshard.storage.protocol import Renaming
 from reshard.storage.routing import output_for, renaming
 

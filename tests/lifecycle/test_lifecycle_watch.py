@@ -14,7 +14,7 @@ import pytest
 
 import reshard
 from reshard.lifecycle import watching
-from reshard.lifecycle.run_layout import WATCH_STATE
+from reshard.storage.names import WATCH_STATE
 from tests.helpers import lifecycle_runs as lr
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import fixture_dir

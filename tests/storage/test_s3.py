@@ -440,7 +440,7 @@ def test_watch_of_a_run_prefix_reports_each_checkpoint_once_and_prunes_keeping_t
     """One pass reports both checkpoints and prunes to the last one, its state an object in the run prefix (its
     lock gone after); a restarted watcher reports nothing again; without its state (the control) it reports
     what is there again."""
-    from reshard.lifecycle.run_layout import WATCH_LOCK, WATCH_STATE
+    from reshard.storage.names import WATCH_LOCK, WATCH_STATE
     prefix, url = run_prefix
     done = "{}: validated {} ({} complete, 0 incomplete), kept 0 unverifiable or unknown unread, left 0 in " \
            "progress, deleted {}"

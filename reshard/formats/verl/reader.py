@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+from typing import Any
 
 from reshard.core.catalog import (
     MASTER,
@@ -104,16 +105,10 @@ def read(path: str, options: NoOptions) -> Catalog:
     catalog = CatalogBuilder(root=path, format=FORMAT, layout=Layout.of(world, format_topology=UNPARTITIONED))
     step = _STEP.match(os.path.basename(os.path.dirname(folder)))
     catalog.tag = os.path.basename(os.path.dirname(folder)) if step else ""
-    models = []
-    for rank in range(world):
-        file = os.path.join(folder, f"model_world_size_{world}_rank_{rank}.pt")
-        if not fs.isfile(file):
-            raise CheckpointError(file, f"missing: rank {rank} of world size {world} (fsdp_config.json)")
-        catalog.files.append(FileInfo(os.path.relpath(file, path), "model_states", rank, file_size(file)))
-        state = load(file)
+    models = _rank_files(catalog, folder, world, path, "model", "model_states")
+    for file, state in models:
         if not isinstance(state, dict):
             raise CheckpointError(file, f"holds a {type(state).__name__}, not a state dict")
-        models.append((file, state))
     order = list(models[0][1])
     names = [k for k, v in models[0][1].items() if isinstance(v, ShardRef)]
     optimizers = _optimizers(catalog, folder, world, path) if config["fsdp"] == 2 else []
@@ -167,17 +162,26 @@ def _add_blocks(catalog: CatalogBuilder, name: str, state: str, blocks: list) ->
                               f"tensor {math.prod(first.shape)}")
 
 
-def _optimizers(catalog: CatalogBuilder, folder: str, world: int, root: str) -> list:
+def _rank_files(catalog: CatalogBuilder, folder: str, world: int, root: str, prefix: str,
+                kind: str) -> list[tuple[str, Any]]:
+    """[(file, what it unpickles to)] of each rank's `{prefix}_world_size_W_rank_R.pt`, listed in the catalog; a
+    missing one is named."""
     out = []
     for rank in range(world):
-        file = os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt")
+        file = os.path.join(folder, f"{prefix}_world_size_{world}_rank_{rank}.pt")
         if not fs.isfile(file):
-            raise CheckpointError(file, f"missing: rank {rank}'s optimizer of world size {world}")
-        catalog.files.append(FileInfo(os.path.relpath(file, root), "optim_states", rank, file_size(file)))
-        state = load(file)
+            raise CheckpointError(file, f"missing: rank {rank}'s {prefix} file of world size {world} "
+                                        "(fsdp_config.json)")
+        catalog.files.append(FileInfo(os.path.relpath(file, root), kind, rank, file_size(file)))
+        out.append((file, load(file)))
+    return out
+
+
+def _optimizers(catalog: CatalogBuilder, folder: str, world: int, root: str) -> list:
+    out = _rank_files(catalog, folder, world, root, "optim", "optim_states")
+    for file, state in out:
         if not (isinstance(state, dict) and "state" in state and "param_groups" in state):
             raise CheckpointError(file, "not a torch.optim state_dict (state, param_groups)")
-        out.append((file, state))
     return out
 
 
