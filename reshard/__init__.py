@@ -23,12 +23,12 @@ from reshard.commands.validate import Complete, ValidationReport
 from reshard.core.catalog import Catalog
 from reshard.core.problems import Problem
 from reshard.errors import CheckpointError, ReshardError, UnknownFormatError, UsageError
-from reshard.execution.source_bytes import full_tensor
 from reshard.lifecycle.listing import RECENT_SECONDS, list_checkpoints
 from reshard.lifecycle.pruning import prune
 from reshard.lifecycle.retention import Policy
 from reshard.lifecycle.thinning import ThinResult, thin
 from reshard.lifecycle.watching import Watcher
+from reshard.reading.source_bytes import full_tensor
 from reshard.version import __version__
 
 # the results of writing and comparing, from the modules that do it, loaded when first asked for: `import reshard`

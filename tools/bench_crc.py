@@ -3,7 +3,7 @@
     python tools/bench_crc.py SRC --base DIR [--tree LABEL=DIR ...] [--to dp=3,zero=1] [--repeat 3]
 
 1. CRC-32 throughput on one core: zlib's (what reshard uses) and, where installed, python-isal's (ISA-L); the
-   combine of two blocks' CRCs (reshard.execution.checksums.crc32_combine).
+   combine of two blocks' CRCs (reshard.reading.checksums.crc32_combine).
 2. `reshard convert SRC --to ...` with this checkout (the check) and with the checkout at --base (a commit
    before it: no check), and any other checkout given by --tree (this one with zlib's CRC-32 forced), and
    `cp -r SRC` for the disk's own speed, alternated, caches dropped before each run when permitted; the
@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench_run import drop_caches  # noqa: E402  (tools/: the one cache drop of the benchmarks)
-from reshard.execution.checksums import crc32_combine  # noqa: E402
+from reshard.reading.checksums import crc32_combine  # noqa: E402
 
 
 def _throughput(crc, data: bytes, repeat: int = 5) -> float:

@@ -35,8 +35,8 @@ from reshard.core.catalog import MASTER, MODULE, Catalog, ScalarTensor, TensorKe
 from reshard.core.dtypes import is_floating, itemsize
 from reshard.core.locate import Locator
 from reshard.execution.progress import bar as progress_bar
-from reshard.execution.source_bytes import MappedFiles, read_range, read_scalar
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import MappedFiles, read_range, read_scalar
 from reshard.text import counted
 
 BLOCK = 1 << 22     # elements per comparison step

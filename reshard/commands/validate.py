@@ -21,6 +21,7 @@ from reshard.core.problems import CHECKSUM, DUPLICATE, MISSING, NO_STATE, NON_FI
 from reshard.errors import ReshardError
 from reshard.execution import manifest
 from reshard.execution.progress import bar as progress_bar
+from reshard.reading import commit_state
 from reshard.storage import files as fs
 from reshard.text import counted
 
@@ -149,13 +150,13 @@ def prove_complete(catalog: Catalog) -> Complete:
 
 
 def _check_manifest(catalog, report, checksums, progress):
-    found = manifest.find(catalog.root)
+    found = commit_state.find_manifest(catalog.root)
     if found:
         report.problems += [Problem.from_line(line, catalog.root, CHECKSUM)
                             for line in manifest.verify(found, checksums, within=catalog.root, progress=progress)]
         report.manifest, report.checksums = found, checksums
     elif checksums:
-        report.unverified = " or ".join(manifest.places(catalog.root))
+        report.unverified = " or ".join(commit_state.manifest_places(catalog.root))
 
 
 def _where(catalog, tensor) -> str:
@@ -226,7 +227,7 @@ def _check_states_present(catalog, report):
 
 
 def _check_values(catalog, report, progress):
-    from reshard.execution.source_bytes import MappedFiles, replica_problem
+    from reshard.reading.source_bytes import MappedFiles, replica_problem
 
     replicas = [r for r in catalog.replicas if not r.checked]   # second copies too big to compare at reading
     # a cast's bytes are those of the tensor it is cast from, checked there

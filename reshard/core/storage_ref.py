@@ -15,7 +15,7 @@ class StorageRef:
     nbytes: int
     dtype: str         # element type name, e.g. "float32", "bfloat16"
     member: str = ""   # the zip member it is, for messages ("archive/data/3")
-    crc: int | None = None     # the CRC-32 the archive stores for it (reshard.execution.checksums); None: no checksum
+    crc: int | None = None     # the CRC-32 the archive stores for it (reshard.reading.checksums); None: no checksum
 
     @property
     def numel(self) -> int:

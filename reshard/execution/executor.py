@@ -4,7 +4,7 @@ Each target file is written front to back: its header, then every storage filled
 source byte ranges (positioned reads into bounded blocks, read ahead in a thread, cast if the dtypes differ)
 or constants. Bytes are read and written through the storage interface (reshard.storage). Files are built in a
 Staging area (reshard.execution.staging) and committed only when all of them are complete and every source member read
-has the CRC-32 its zip stores (reshard.execution.checksums); on any failure but a hard kill the staging area is removed.
+has the CRC-32 its zip stores (reshard.reading.checksums); on any failure but a hard kill the staging area is removed.
 
 Ctrl-C is acted on only where nothing is half done (class Interrupts). Python raises KeyboardInterrupt
 wherever the main thread happens to be: inside a lock's `with` it leaves the lock held (a hang); inside
@@ -28,12 +28,13 @@ from reshard import digests, paths
 from reshard.core.planner import FilePlan, Plan
 from reshard.core.write_requests import Output, StageCut
 from reshard.errors import ReshardError
-from reshard.execution import checksums, manifest
-from reshard.execution.checksums import Tally
+from reshard.execution import manifest
 from reshard.execution.distributed import Solo, share
 from reshard.execution.progress import bar as progress_bar
 from reshard.execution.staging import Staging, output_path
 from reshard.execution.target_bytes import BlockRing, SourceFiles, storage_blocks
+from reshard.reading import checksums
+from reshard.reading.checksums import Tally
 from reshard.storage import files as fs
 from reshard.storage.protocol import OutputStorage
 from reshard.storage.routing import LOCAL_STREAM_BUFFER_BYTES, output_for

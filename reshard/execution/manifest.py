@@ -19,9 +19,7 @@ from reshard.version import __version__
 if TYPE_CHECKING:
     from reshard.core.planner import Plan
 
-NAME = names.MANIFEST
 KIND = "reshard.execution.manifest"
-UNFINISHED = names.UNFINISHED      # an output written in place and not finished (reshard.storage.names)
 
 
 def build(plan: Plan, written: dict[str, tuple[int, str]], algorithm: str = digests.DEFAULT) -> dict[str, Any]:
@@ -47,30 +45,6 @@ def file_digest(path: str, algorithm: str = digests.DEFAULT, report=None) -> tup
     """(size, hex digest of `algorithm`) of a file; `report(n)` is told of every block read."""
     with fs.open(path, "rb", buffering=0) as f:
         return digests.of_stream(f.read, algorithm, report)
-
-
-def find(root: str) -> str | None:
-    """The manifest governing a checkpoint directory (its own, or its save dir's for a tag folder)."""
-    for path in places(root):
-        if fs.isfile(path):
-            return path
-    return None
-
-
-def unfinished(root: str) -> str | None:
-    """The marker of an output written in place whose manifest is not there yet, in the folder `root` or the
-    folder holding it (a tag folder of such an output): the marker's path, or None."""
-    for path in places(root):
-        folder = os.path.dirname(path)
-        if fs.isfile(os.path.join(folder, UNFINISHED)) and not fs.isfile(path):
-            return os.path.join(folder, UNFINISHED)
-    return None
-
-
-def places(root: str) -> list:
-    """Where `find` looks for the manifest of the checkpoint at `root` (a folder, or a file: its folder's)."""
-    folders = [root, os.path.dirname(root)] if fs.isdir(root) else [os.path.dirname(root)]
-    return [os.path.join(folder, NAME) for folder in folders]
 
 
 def verify(path: str, checksums: bool, within: str | None = None, progress: bool = False) -> list:
@@ -99,7 +73,7 @@ def verify(path: str, checksums: bool, within: str | None = None, progress: bool
         if within and not target.startswith(fs.abspath(within) + os.sep):
             continue
         if not fs.isfile(target):
-            problems.append(f"{target}: missing (listed in {NAME})")
+            problems.append(f"{target}: missing (listed in {names.MANIFEST})")
             continue
         size = fs.getsize(target)
         if size != entry.get("size"):

@@ -7,7 +7,7 @@ Committing writes the manifest and has the storage move the sibling into place (
 
 A store with no rename (object storage: OutputStorage.IN_PLACE) would have to copy every object to commit, so a
 new destination is written where it goes instead: its first object is the unfinished marker
-(reshard.execution.manifest.UNFINISHED), its last the manifest, and the marker is deleted after. Until the manifest is
+(reshard.storage.names.UNFINISHED), its last the manifest, and the marker is deleted after. Until the manifest is
 there the marker says what the destination is — a conversion in progress, or killed — to `list`, `prune`, `watch` and
 every reader (reshard.formats.reader_for, run_layout). Replacing a checkpoint is still built beside it and copied
 in, so the old one stays whole until the new one is.
@@ -21,6 +21,7 @@ from reshard import digests, paths
 from reshard.errors import ReshardError, UsageError
 from reshard.execution import manifest
 from reshard.storage import files as fs, names
+from reshard.storage.names import MANIFEST, UNFINISHED
 from reshard.storage.protocol import Lock, LockHeld, OutputStorage
 from reshard.storage.routing import output_for
 
@@ -40,13 +41,13 @@ class Staging:
         self.staged = os.path.join(parent, f".{name}{names.STAGING_SUFFIX}")
         self.tmp = self.staged       # where the files are built: `staged`, or `dst` itself once use(in_place=True)
         self.in_place = False
-        self.marker = os.path.join(self.dst, manifest.UNFINISHED)
+        self.marker = os.path.join(self.dst, UNFINISHED)
         self.lock_path = os.path.join(parent, f".{name}{names.LOCK_SUFFIX}")
         self._lock: Lock | None = None
 
     def leftover(self) -> bool:
         """Is the destination what an in-place run left unfinished (its marker, no manifest)?"""
-        return fs.isfile(self.marker) and not fs.isfile(os.path.join(self.dst, manifest.NAME))
+        return fs.isfile(self.marker) and not fs.isfile(os.path.join(self.dst, MANIFEST))
 
     def choose(self, single_file: bool) -> bool:
         """Rank 0, holding the lock: build in place? Where the storage has no rename, for a folder output whose
@@ -69,7 +70,7 @@ class Staging:
         staging folder and each file in it, the lock, the old destination an overwrite moves aside (the
         storage's commit), and a single file's manifest beside it."""
         placed = [self.place(rel) for rel in _plan_paths(plan)]
-        sidecar = [f"{self.dst}.{manifest.NAME}"] if single_file else []
+        sidecar = [f"{self.dst}.{MANIFEST}"] if single_file else []
         return [self.dst, self.staged, self.lock_path, f"{self.staged}{names.REPLACED_SUFFIX}", *sidecar, *placed]
 
     def acquire(self) -> None:
@@ -126,17 +127,17 @@ class Staging:
         if single_file:
             (only,) = plan.files
             record["files"] = {os.path.basename(self.dst): record["files"][only.path]}
-            self.storage.put(self.place(manifest.NAME), (json.dumps(record, indent=1) + "\n").encode())
+            self.storage.put(self.place(MANIFEST), (json.dumps(record, indent=1) + "\n").encode())
             self.storage.commit_file(self.place(only.path), self.dst)
-            self.storage.commit_file(self.place(manifest.NAME), f"{self.dst}.{manifest.NAME}")
+            self.storage.commit_file(self.place(MANIFEST), f"{self.dst}.{MANIFEST}")
             self.storage.delete(self.tmp)
-            return f"{self.dst}.{manifest.NAME}"
-        self.storage.put(self.place(manifest.NAME), (json.dumps(record, indent=1) + "\n").encode())
+            return f"{self.dst}.{MANIFEST}"
+        self.storage.put(self.place(MANIFEST), (json.dumps(record, indent=1) + "\n").encode())
         if self.in_place:   # the manifest was the commit
             self.storage.delete(self.marker)
         else:
             self.storage.commit(self.tmp, self.dst)
-        return os.path.join(self.dst, manifest.NAME)
+        return os.path.join(self.dst, MANIFEST)
 
     def discard(self) -> None:
         try:

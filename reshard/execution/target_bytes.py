@@ -17,7 +17,7 @@ from reshard.core.geometry import strides
 from reshard.core.placement import flat_boxes, intersect
 from reshard.core.planner import Copy, Gather
 from reshard.errors import ReshardError
-from reshard.execution.checksums import Tally
+from reshard.reading.checksums import Tally
 from reshard.storage.protocol import SourceStorage
 from reshard.storage.routing import sources
 
@@ -138,7 +138,7 @@ def _assign(target: np.ndarray, values: np.ndarray, src: str, dst: str) -> None:
 class SourceFiles:
     """Source files by path, read from `storage` (by default the local filesystem): positioned reads into fresh
     buffers (no mapped pages kept). A big read is dropped from the page cache after it, unless it overlaps a
-    range `reread` says is read again. Every read is noted in `tally` (reshard.execution.checksums.Tally), which checks
+    range `reread` says is read again. Every read is noted in `tally` (reshard.reading.checksums.Tally), which checks
     the CRC-32 of the members it was made with."""
 
     def __init__(self, reread: dict, tally: Tally | None = None, storage: SourceStorage | None = None):

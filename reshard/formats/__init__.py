@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING
 from reshard import paths
 from reshard.core.layout import MESH_KEYS, Layout, SpecKey, parse_spec
 from reshard.errors import ReshardError, UnknownFormatError, UsageError
-from reshard.execution import manifest
 from reshard.formats import framework, registry
 from reshard.formats.deepspeed import files as ds_files
 from reshard.formats.framework import FRESH, NEW_RANK_POLICIES, REPRODUCIBILITY, lightning as lightning_framework  # noqa: F401  (for cli, convert)
 from reshard.formats.protocol import MESH_ONLY, Reader, ReadRequest, TargetKeys, Writer
 from reshard.formats.registry import Pointer, WriterEntry  # noqa: F401  (the registry's types, for callers)
+from reshard.reading import commit_state
 from reshard.rules import files as rule_files
 from reshard.storage import files as fs
+from reshard.storage.names import MANIFEST
 
 if TYPE_CHECKING:
     from reshard.core.catalog import Catalog
@@ -124,10 +125,10 @@ def reader_for(path: str, tag: str | None = None) -> Reader:
     """The reader module of the checkpoint at `path` (with tag folder `tag`)."""
     if not fs.exists(path):
         raise ReshardError.at(path, "no such file or directory")
-    marker = manifest.unfinished(path)
+    marker = commit_state.unfinished_marker(path)
     if marker is not None:      # before any reader: its files may all be there, but the commit is not
         raise ReshardError.at(path, f"a conversion written in place that has not finished ({marker} and no "
-                                    f"{manifest.NAME}): still being written, or killed (`reshard convert --resume` "
+                                    f"{MANIFEST}): still being written, or killed (`reshard convert --resume` "
                                     "finishes it)")
     for name in READERS:
         module = importlib.import_module(name)

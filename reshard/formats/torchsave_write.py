@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
 from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
-from reshard.execution.checksums import crc32
 from reshard.formats.deepspeed import standins
 from reshard.formats.torchsave_read import DType, Size, TensorRef
+from reshard.reading.checksums import crc32
 
 STORAGE_CLASS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 ALIGNMENT = 64            # torch.save's storage alignment (mmap-able)
 # zipfile takes the CRC-32 of every member written with its module's `crc32` (zlib's; not in its type stubs): 13% of a
-# conversion's CPU on tmpfs. ISA-L's (reshard.execution.checksums) gives the same values about 10 times as fast; with it
+# conversion's CPU on tmpfs. ISA-L's (reshard.reading.checksums) gives the same values about 10 times as fast; with it
 # zipfile's output is unchanged, for reshard's archives and any other this process writes (tests/test_crc.py).
 zipfile.crc32 = crc32     # type: ignore[attr-defined]
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)   # reproducible archives

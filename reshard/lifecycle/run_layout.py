@@ -17,18 +17,26 @@ import re
 from dataclasses import dataclass, replace
 
 from reshard.errors import ReshardError
-from reshard.execution import manifest
 from reshard.formats import POINTERS, pointed as pointed_by, reader_for
 from reshard.formats.dcp.chunks import METADATA, RANK_FILE
 from reshard.lifecycle import units
+from reshard.reading import commit_state
 from reshard.storage import files as fs
 
 # reshard's own names in a run: a prune's trash, a conversion's staging, thin's hidden siblings and journal
-from reshard.storage.names import STAGING_SUFFIX, THIN_JOURNAL_SUFFIX, THIN_SUFFIX, THIN_TRASH_SUFFIX, TRASH_SUFFIX
+from reshard.storage.names import (
+    MANIFEST,
+    STAGING_SUFFIX,
+    THIN_JOURNAL_SUFFIX,
+    THIN_SUFFIX,
+    THIN_TRASH_SUFFIX,
+    TRASH_SUFFIX,
+    UNFINISHED,
+)
 
 MAX_DEPTH = 4       # lightning_logs/version_0/checkpoints/epoch=1-step=10.ckpt is three folders down
 # a conversion written in place (object storage has no rename: reshard.execution.staging) before its manifest is there
-IN_PLACE = f"reshard is writing it in place ({manifest.UNFINISHED}, no {manifest.NAME} yet)"
+IN_PLACE = f"reshard is writing it in place ({UNFINISHED}, no {MANIFEST} yet)"
 HF_STAGING = units.HF_STAGING
 # A step is the number that ends a name (its extension and Lightning's `-vN` version aside): `checkpoint-1-weights`
 # carries none, it is no save of step 1
@@ -127,7 +135,7 @@ def scan(root: str) -> Scan:
         raise ReshardError.at(root, f"one checkpoint ({unit.what}), not a run directory: `reshard list` the folder "
                                     "holding it, `reshard inspect` it")
     found = Scan([], [], [], {})
-    if manifest.unfinished(root) is not None:   # the run prefix itself is a conversion written in place: one entry
+    if commit_state.unfinished_marker(root) is not None:   # the run prefix is itself written in place: one entry
         found.entries.append(Entry(root, os.path.basename(root), step_of(os.path.basename(root)), IN_PLACE))
         return found
     _walk(root, root, 0, found)
@@ -192,7 +200,7 @@ def _pointed(folder: str, names: list, found: Scan) -> bool:
 def _folder(root: str, path: str, rel: str, name: str, depth: int, save_dir: bool, found: Scan) -> None:
     """A sub-folder: a checkpoint (one row, not looked into), a folder of them (scanned), or something unknown."""
     listing = units.Listing.of(path)
-    if manifest.UNFINISHED in listing.files and manifest.NAME not in listing.files:
+    if UNFINISHED in listing.files and MANIFEST not in listing.files:
         found.entries.append(Entry(path, rel, step_of(name), IN_PLACE))
         return
     unit = units.framework_unit(name, listing, path)

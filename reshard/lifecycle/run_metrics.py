@@ -95,7 +95,7 @@ def _number(value) -> float | None:
     if isinstance(value, TensorRef):
         if value.numel != 1:
             return None
-        from reshard.execution.source_bytes import read_scalar
+        from reshard.reading.source_bytes import read_scalar
         try:
             value = read_scalar(value)
         except ReshardError:

@@ -35,14 +35,13 @@ from reshard.core.catalog import Catalog
 from reshard.core.planner import plan as plan_files
 from reshard.core.write_requests import CopiedFile, Output, TextFile
 from reshard.errors import ReshardError
-from reshard.execution import manifest
 from reshard.formats import read as read_catalog, weights_only, weights_only_form
 from reshard.formats.framework import framework_of
 from reshard.lifecycle import thin_objects, units
 from reshard.lifecycle.listing import COMPLETE, RECENT_SECONDS, list_checkpoints, order, problem_line
 from reshard.lifecycle.run_layout import ThinNames, thin_journals, thin_names
 from reshard.storage import files as fs
-from reshard.storage.names import THIN_JOURNAL_SUFFIX, THIN_SUFFIX
+from reshard.storage.names import MANIFEST, THIN_JOURNAL_SUFFIX, THIN_SUFFIX
 from reshard.storage.protocol import Renaming
 from reshard.storage.routing import output_for, renaming
 
@@ -227,7 +226,7 @@ def _targets(catalog: Catalog, form, path: str, text: str | None = None, kept: b
 
 
 def _kept(form) -> list[str]:
-    return [n for n in form.kept if n != manifest.NAME]
+    return [n for n in form.kept if n != MANIFEST]
 
 
 def _form_bytes(catalog: Catalog, form, path: str) -> int:
@@ -253,7 +252,7 @@ def _write(catalog: Catalog, form, path: str, names: ThinNames, text: str, disk:
     _remove(names.staged)       # (what a killed run left before its journal: recover removes it too)
     # the checkpoint is what must stay apart from the output: its copy goes beside it, in its folder
     execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
-    disk.delete_file(os.path.join(names.staged, manifest.NAME))     # the form is the framework's files and the record
+    disk.delete_file(os.path.join(names.staged, MANIFEST))     # the form is the framework's files and the record
     folders = {names.staged}
     for n in _kept(form):
         # a hard link (the same bytes, none written; the swap then removes only the checkpoint's name of it), or a
@@ -282,7 +281,7 @@ def _write_objects(catalog: Catalog, form, path: str, names: ThinNames, text: st
     out = output_for(path)
     out.delete(names.staged)        # (what a killed run left before its journal: recover removes it too)
     execute(_targets(catalog, form, path, text, kept=False), names.staged, progress=False)
-    out.delete(os.path.join(names.staged, manifest.NAME))
+    out.delete(os.path.join(names.staged, MANIFEST))
     for n in _kept(form):
         out.copy(os.path.join(path, n), os.path.join(names.staged, n))
 

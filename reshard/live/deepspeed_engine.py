@@ -21,13 +21,13 @@ from reshard.commands.convert import plan_for
 from reshard.commands.validate import prove_complete
 from reshard.core.planner import Plan
 from reshard.errors import ReshardError
-from reshard.execution import checksums
-from reshard.execution.checksums import Tally
 from reshard.execution.distributed import TorchGroup
 from reshard.execution.staging import output_path
 from reshard.execution.target_bytes import SourceFiles
 from reshard.formats.deepspeed.live import LIVE_FORMAT, engine_layout
 from reshard.live.materialize import materialize
+from reshard.reading import checksums
+from reshard.reading.checksums import Tally
 from reshard.storage import files as fs
 from reshard.storage.routing import output_for
 

@@ -26,9 +26,9 @@ from reshard.core.catalog import ScalarTensor, TensorKey
 from reshard.core.dtypes import numpy_carrier, torch_dtype
 from reshard.core.placement import Shard
 from reshard.errors import ReshardError
-from reshard.execution.source_bytes import MappedFiles, read_shard
 from reshard.formats.dcp import keys
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import MappedFiles, read_shard
 
 
 class Reader(StorageReader):

@@ -96,7 +96,7 @@ def test_a_plan_outlines_itself_in_a_frozen_summary_that_the_manifest_and_plan_r
     import json
 
     from reshard.core.planner import PlanOutline
-    from reshard.execution.manifest import NAME
+    from reshard.storage.names import MANIFEST
     summary = reshard.plan(fixture_dir("z2_fp32_dp2"), "dp=3")
     outline = summary.plan.summary()
     assert isinstance(outline, PlanOutline) and isinstance(summary, PlanOutline)
@@ -104,7 +104,7 @@ def test_a_plan_outlines_itself_in_a_frozen_summary_that_the_manifest_and_plan_r
     with pytest.raises(dataclasses.FrozenInstanceError):
         outline.bytes_read = 0
     reshard.convert(fixture_dir("z2_fp32_dp2"), tmp_path / "dp3", "dp=3")
-    manifest = json.loads((tmp_path / "dp3" / NAME).read_text())
+    manifest = json.loads((tmp_path / "dp3" / MANIFEST).read_text())
     assert (manifest["bytes_written"], manifest["target"]) == \
         (outline.bytes_written, {"format": outline.format, "topology": outline.target_topology, "tag": outline.tag})
     assert reshard.plan(fixture_dir("z2_fp32_dp2"), "dp=1").plan.summary().target_topology != outline.target_topology

@@ -22,13 +22,13 @@ from hypothesis import given, settings, strategies as st
 import reshard
 import reshard.cli
 import reshard.dcp_reader
-import reshard.execution.checksums
+import reshard.reading.checksums
 from reshard.commands.convert import make_plan
 from reshard.core.dtypes import itemsize
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
-from reshard.execution.checksums import Tally, crc32_combine
 from reshard.live.deepspeed_engine import ServedFiles
+from reshard.reading.checksums import Tally, crc32_combine
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import copy_fixture, fixture_dir, tag_dir
 
@@ -214,7 +214,7 @@ def _served(src):
     try:
         for f in plan.files:
             served.load(os.path.join("/served", f.path))
-        problem = next(reshard.execution.checksums.problems_of([served.read()]), None)
+        problem = next(reshard.reading.checksums.problems_of([served.read()]), None)
     finally:
         served.close()
     if problem is not None:
@@ -368,13 +368,13 @@ def test_the_live_engine_load_raises_on_every_rank(engine_launches):
     assert good["problems"] == [] and "error" not in good, good
 
 
-@pytest.mark.parametrize("crc", [reshard.execution.checksums.crc32, zlib.crc32], ids=["installed", "zlib"])
+@pytest.mark.parametrize("crc", [reshard.reading.checksums.crc32, zlib.crc32], ids=["installed", "zlib"])
 def test_a_member_its_blocks_tile_is_verified_without_reading_it_again(tmp_path, monkeypatch, crc):
     """Blocks read twice with other boundaries (overlapping in part), noted out of order: the blocks that tile the
     member are chained, and no byte is read from disk again (the file is gone before the check). The control: a
     member one byte of which no block covers is read for the check. With the CRC-32 reshard found installed
     (ISA-L's, where python-isal is) and with zlib's, its fallback."""
-    monkeypatch.setattr(reshard.execution.checksums, "crc32", crc)
+    monkeypatch.setattr(reshard.reading.checksums, "crc32", crc)
     blob = os.urandom(1000)
     path = tmp_path / "file"
     path.write_bytes(blob)

@@ -132,7 +132,7 @@ class _Recorder:
 
 
 def test_bars_count_the_bytes_read(monkeypatch):
-    import reshard.execution.source_bytes
+    import reshard.reading.source_bytes
     a, b = reshard.open_checkpoint(SRC), reshard.open_checkpoint(OTHER)
     read = []
     original_range = reshard.commands.diff.read_range
@@ -145,13 +145,13 @@ def test_bars_count_the_bytes_read(monkeypatch):
     assert recorder.totals == [recorder.counted] and recorder.counted == sum(r.nbytes for r in read) > 0
 
     read.clear()
-    original_windows = reshard.execution.source_bytes.MappedFiles.windows
+    original_windows = reshard.reading.source_bytes.MappedFiles.windows
 
     def windows(*args):         # validate --deep reads each fragment in windows
         for first, values in original_windows(*args):
             read.append(values)
             yield first, values
-    monkeypatch.setattr(reshard.execution.source_bytes.MappedFiles, "windows", windows)
+    monkeypatch.setattr(reshard.reading.source_bytes.MappedFiles, "windows", windows)
     recorder = _Recorder()
     monkeypatch.setattr(sys.modules["reshard.commands.validate"], "progress_bar", recorder)
     assert reshard.validate(a, deep=True, progress=True).ok

@@ -179,7 +179,7 @@ def test_a_convert_killed_mid_upload_leaves_nothing_complete_and_resume_finishes
     prefix says it is in progress and `prune --delete-incomplete --yes` leaves it alone; --resume keeps the objects
     the journal lists whole and completes it byte for byte, leaving no marker, journal, staging object or open
     upload. The control: once finished, `list` says complete."""
-    from reshard.execution.manifest import UNFINISHED
+    from reshard.storage.names import UNFINISHED
     run, dst = s3.url("killrun"), s3.url("killrun/ckpt-dp3")
     killed = _faulty("kill:3", "convert", source, dst, "--to", "dp=3", "--quiet")
     assert killed.returncode == -9, killed.stderr
@@ -317,7 +317,7 @@ def test_validate_deep_and_diff_read_a_bucket_in_bounded_windows(s3, source, mon
     they say what they say of the local copy; the control, the default windows, reads bigger pieces (so the
     fixture's fragments are bigger than the window, and the bound is no accident)."""
     from reshard.commands import diff as comparison
-    from reshard.execution import source_bytes
+    from reshard.reading import source_bytes
     reads = _reads(monkeypatch)
     run_cli("validate", source, "--deep", check=0)
     assert max(reads) > 256, max(reads)
@@ -406,7 +406,7 @@ def test_a_staged_or_broken_checkpoint_in_a_bucket_is_never_complete(s3, run_pre
     servers.delete(s3, f"{prefix}/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
     # conversions written in place (their unfinished marker, no manifest), every file there: step 8 is later than
     # the newest complete checkpoint (in progress); step 1 is older (abandoned, as a staging folder is on disk)
-    from reshard.execution.manifest import UNFINISHED
+    from reshard.storage.names import UNFINISHED
     for step in (1, 8):
         servers.put(s3, f"{prefix}/global_step{step}/{UNFINISHED}", b"{}")
         for name in (tag.iterdir()):

@@ -14,9 +14,9 @@ from reshard import paths
 from reshard.core.catalog import CatalogBuilder, FileInfo, Fragment, ScalarTensor, TensorDraft
 from reshard.core.placement import Shard
 from reshard.errors import CheckpointError
-from reshard.execution.source_bytes import read_scalar
 from reshard.formats import torchsave_read
 from reshard.formats.torchsave_read import DType, TensorRef
+from reshard.reading.source_bytes import read_scalar
 from reshard.storage import files as fs
 
 METADATA = ".metadata"

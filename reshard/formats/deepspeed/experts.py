@@ -26,10 +26,10 @@ from typing import Any
 from reshard.core.catalog import MODULE, ExpertLayer, ExpertParallel, FileInfo, Fragment, TensorDraft
 from reshard.core.placement import Shard
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.execution.source_bytes import file_size
 from reshard.formats.deepspeed import files as names
 from reshard.formats.deepspeed.tp_geometry import from_affine
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import file_size
 from reshard.storage import files as fs
 
 # Model-states keys of an AutoEP save: its layers' placement and affine maps, and the universal-checkpoint info

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from reshard.core.catalog import PerParamScalar, ScalarTensor
-from reshard.execution.source_bytes import read_scalar
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import read_scalar
 from reshard.text import counted
 
 

@@ -32,10 +32,10 @@ from reshard.core.catalog import (
 from reshard.core.dtypes import itemsize
 from reshard.core.problems import READER, Problem
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.execution.source_bytes import MappedFiles, file_size, replica_problem
 from reshard.formats.deepspeed import files as names, group_scalars, notes, pickles, rank_reader
 from reshard.formats.deepspeed.tp_geometry import Geometry, replicated
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import MappedFiles, file_size, replica_problem
 from reshard.rules import files as rule_files
 from reshard.storage import files as fs
 

@@ -17,7 +17,6 @@ from reshard.core.catalog import MODULE, CatalogBuilder, FileInfo, Fragment, Par
 from reshard.core.dtypes import is_floating
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.execution.source_bytes import file_size
 from reshard.formats import weights_only
 from reshard.formats.deepspeed import (
     experts as expert_placement,
@@ -32,6 +31,7 @@ from reshard.formats.deepspeed import (
 from reshard.formats.deepspeed.notes import DeepSpeedNotes
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import file_size
 from reshard.storage import files as fs
 
 # What a mixture-of-experts save's model states add (engine._save_moe_checkpoint), kept for its writer

@@ -23,7 +23,6 @@ from dataclasses import replace
 from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, FileInfo, Fragment, TensorDraft
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.execution.source_bytes import file_size
 from reshard.formats.deepspeed import (
     experts as expert_placement,
     files as names,
@@ -35,6 +34,7 @@ from reshard.formats.deepspeed import (
 from reshard.formats.deepspeed.topology import DeepSpeedTopology
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import file_size
 from reshard.storage import files as fs
 
 FORMAT = "universal"

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from reshard.core.problems import READER, Problem
 from reshard.core.write_requests import CopiedFile
 from reshard.errors import ReshardError
-from reshard.execution import manifest
 from reshard.formats import weights_only
 from reshard.formats.deepspeed import topology
 from reshard.formats.framework import fsdp
 from reshard.storage import files as fs
+from reshard.storage.names import MANIFEST
 
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
 NEW_RANK_POLICIES = (FRESH, COPY_RANK0, FAIL)
@@ -117,7 +117,7 @@ class Framework:
         """Per-process files missing for a process that saved, each a problem of that file. In a folder reshard
         wrote (its manifest is there) an absent one is what --new-rank-state decided, and a file the manifest
         lists but the folder lacks is the manifest check's to report."""
-        if fs.isfile(os.path.join(self.folder, manifest.NAME)):
+        if fs.isfile(os.path.join(self.folder, MANIFEST)):
             return []
         out = []
         for kind in self.kinds:
@@ -215,5 +215,5 @@ def deepspeed_own(folder: str, name: str) -> bool:
     path = os.path.join(folder, name)
     # reshard's manifest of a folder it wrote, and its record of a thinning, describe that folder: every output
     # gets its own
-    return name == deepspeed_files.LATEST or name in SCRIPTS or name in (manifest.NAME, weights_only.PROVENANCE) or \
+    return name == deepspeed_files.LATEST or name in SCRIPTS or name in (MANIFEST, weights_only.PROVENANCE) or \
         (fs.isdir(path) and (fsdp.own(name) or deepspeed_files.is_deepspeed_dir(path)))

@@ -38,10 +38,10 @@ from reshard.core.catalog import (
 from reshard.core.layout import Layout
 from reshard.core.placement import Shard
 from reshard.errors import CheckpointError, ReshardError
-from reshard.execution.source_bytes import read_scalar
 from reshard.formats.megatron import buckets, common as common_fields, order as param_order, pickles, tp_boxes
 from reshard.formats.megatron.topology import PLAIN
 from reshard.formats.torchsave_read import TensorRef, load as load_pickle
+from reshard.reading.source_bytes import read_scalar
 from reshard.storage import files as fs
 
 MODEL_FILE = "model_optim_rng.pt"

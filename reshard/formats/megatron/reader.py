@@ -54,7 +54,6 @@ from reshard.core.catalog import (
 from reshard.core.layout import Layout
 from reshard.core.placement import Block, Shard
 from reshard.errors import CheckpointError, ReshardError
-from reshard.execution.source_bytes import read_scalar
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks, dtype_of, rank_of
 from reshard.formats.megatron import buckets, common as common_fields, legacy, order as param_order
@@ -69,6 +68,7 @@ from reshard.formats.megatron.topology import (
 )
 from reshard.formats.protocol import TagOption
 from reshard.formats.torchsave_read import DType, TensorRef, load as load_pickle
+from reshard.reading.source_bytes import read_scalar
 from reshard.storage import files as fs
 
 FORMAT = "megatron"

@@ -32,9 +32,9 @@ from reshard.core.catalog import (
 )
 from reshard.core.dtypes import is_floating
 from reshard.errors import CheckpointError
-from reshard.execution.source_bytes import file_size, read_scalar
 from reshard.formats.single import optim_map
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import file_size, read_scalar
 from reshard.storage import files as fs
 
 STEP = "step"

@@ -28,11 +28,11 @@ from reshard.core.catalog import (
 )
 from reshard.core.layout import Layout
 from reshard.errors import CheckpointError
-from reshard.execution.source_bytes import file_size, read_scalar
 from reshard.formats.protocol import NoOptions
 from reshard.formats.torchsave_read import TensorRef
 from reshard.formats.unpartitioned import UNPARTITIONED
 from reshard.formats.verl.pickles import ShardRef, load
+from reshard.reading.source_bytes import file_size, read_scalar
 from reshard.storage import files as fs
 
 FORMAT = "verl"

@@ -13,8 +13,8 @@ import reshard
 from reshard.core.catalog import MASTER, MODULE
 from reshard.core.dtypes import itemsize
 from reshard.core.placement import Shard, regions
-from reshard.execution.source_bytes import full_tensor
 from reshard.formats.deepspeed import topology as ds
+from reshard.reading.source_bytes import full_tensor
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import write_in_zip
 from tests.helpers.fixtures import FIXTURES, MOE_FIXTURES, fixture_dir, tag_dir, truth_json, truth_tensors

@@ -13,9 +13,9 @@ import torch
 import reshard
 from reshard.core.placement import Shard, regions
 from reshard.errors import ReshardError
-from reshard.execution.source_bytes import full_tensor
 from reshard.formats.deepspeed import topology as ds
 from reshard.formats.deepspeed.tp_geometry import Geometry, Piece, Rule, Split, from_rule, trim_rows
+from reshard.reading.source_bytes import full_tensor
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import FIXTURES, PARALLEL_FIXTURES, fixture_dir, truth_json, truth_tensors
 from tests.helpers.repo import REPO

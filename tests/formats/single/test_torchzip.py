@@ -8,11 +8,11 @@ import torch
 
 from reshard.core.catalog import Fragment
 from reshard.errors import CheckpointError, UnsafeCheckpointError
-from reshard.execution.source_bytes import MappedFiles, read_scalar
 from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import pickles as deepspeed_pickles
 from reshard.formats.deepspeed.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
 from reshard.formats.torchsave_read import TensorRef
+from reshard.reading.source_bytes import MappedFiles, read_scalar
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import FIXTURE_NAMES, copy_fixture, tag_dir
 

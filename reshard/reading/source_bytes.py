@@ -19,7 +19,7 @@ from reshard.core.placement import Shard, full_index, regions
 from reshard.core.problems import REPLICA, Problem
 from reshard.core.storage_ref import StorageRef
 from reshard.errors import CheckpointError
-from reshard.execution.checksums import Tally
+from reshard.reading.checksums import Tally
 from reshard.storage import files as fs
 from reshard.storage.protocol import SourceStorage
 from reshard.storage.routing import sources
@@ -37,7 +37,7 @@ WINDOW_BYTES = 16 << 20
 class MappedFiles:
     """Checkpoint files viewed in place through `storage` (by default the local filesystem, mapped), one view per
     file, closed together; small reads are positioned reads. Every read is noted in `tally`
-    (reshard.execution.checksums.Tally): `verify()` checks the CRC-32 of each member read."""
+    (reshard.reading.checksums.Tally): `verify()` checks the CRC-32 of each member read."""
 
     def __init__(self, storage: SourceStorage | None = None):
         self._files = storage or sources()
