@@ -2,8 +2,8 @@
 
 A file is described as an object tree whose tensors are `NewTensor` slots. `pickle_tree` turns
 the tree into `data.pkl` bytes (protocol 2, as torch.save writes): slots become torch's
-`_rebuild_tensor_v2` over a persistent storage id, the DeepSpeed stand-ins are written under
-DeepSpeed's own global names, so DeepSpeed loads them as its own classes. A tensor the tree carries
+`_rebuild_tensor_v2` over a persistent storage id, a format's stand-ins (`StandIn`, `PickledAs`) are written
+under the global names of the framework they stand for, so it loads them as its own classes. A tensor the tree carries
 from a source pickle (a `TensorRef` in client state: Lightning's `ModelCheckpoint.kth_value`) is
 written as torch wrote it, over a storage of the new file holding a copy of the source storage; no
 global of reshard's own is ever written (the file must load where reshard is not installed).
@@ -23,12 +23,11 @@ import struct
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol
 
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
 from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
-from reshard.formats.deepspeed import standins
 from reshard.formats.torchsave_read import DType, Size, TensorRef
 from reshard.reading.checksums import crc32
 
@@ -104,6 +103,23 @@ class PickledAs:
     state: dict | None = None
 
 
+class StandIn(Protocol):
+    """A format's stand-in class for a class of the framework that saved a checkpoint (DeepSpeed's LossScaler, its
+    ZeroStageEnum): pickled back under the global it stands for, its instances as pickle writes that class's (an
+    enum member: the class called with its value; any other object: NEWOBJ, then its attributes), so the framework
+    loads them as its own. The format's writers put them in a tree; this module knows only the protocol."""
+
+    @classmethod
+    def stands_for(cls) -> GlobalName: ...
+
+
+def _stands_for(obj: object) -> GlobalName | None:
+    """The global a stand-in class (StandIn) is pickled as, or None for any other object."""
+    method = getattr(obj, "stands_for", None) if isinstance(obj, type) else None
+    glob = method() if callable(method) else None
+    return glob if isinstance(glob, GlobalName) else None
+
+
 _REBUILD = GlobalName("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_FROM_TYPE = GlobalName("torch._tensor", "_rebuild_from_type_v2")
 _REBUILD_PARAMETER = GlobalName("torch._utils", "_rebuild_parameter")
@@ -168,9 +184,9 @@ class TreePickler(PurePickler):
             return (_SIZE, (tuple(obj),))
         if isinstance(obj, DType):
             return obj.name                      # -> save_global(obj, name)
-        if isinstance(obj, enum.Enum) and type(obj) in standins.GLOBAL_NAMES:
-            return (type(obj), (int(obj.value),))
-        if type(obj) in standins.GLOBAL_NAMES:
+        if _stands_for(type(obj)) is not None:
+            if isinstance(obj, enum.Enum):
+                return (type(obj), (int(obj.value),))
             return (NEWOBJ, (type(obj),), dict(vars(obj)))
         pickled_as = getattr(type(obj), "pickled_as", None)
         if callable(pickled_as):     # a format's stand-in (PickledAs) for an object of the framework that saved it
@@ -195,14 +211,11 @@ class TreePickler(PurePickler):
         return (_REBUILD, args)
 
     def save_global(self, obj, name=None):
-        if isinstance(obj, DType):
-            glob = GlobalName("torch", obj.name)
-        elif isinstance(obj, type) and obj in standins.GLOBAL_NAMES:
-            glob = GlobalName(*standins.GLOBAL_NAMES[obj])
-        elif (getattr(obj, "__module__", None) or "").split(".")[0] == "reshard":
+        glob = GlobalName("torch", obj.name) if isinstance(obj, DType) else _stands_for(obj)
+        if glob is None and (getattr(obj, "__module__", None) or "").split(".")[0] == "reshard":
             # a reader's object left in a tree: the consumer would need reshard to load the file
             raise TypeError(f"refusing to pickle reshard's own {obj.__module__}.{obj.__qualname__}")
-        else:
+        if glob is None:
             return super().save_global(obj, name)
         self._write_global(glob)
         self.memoize(obj)

@@ -308,6 +308,54 @@ def test_the_check_finds_a_storage_implementation_imported_from_outside(tmp_path
                                                                    ("pkg.b", "pkg.storage.s3")}
 
 
+# The modules directly under reshard/formats/ that list the formats and so name their folders: the package (read,
+# reader_for), the registry, the Reader/Writer protocols and the containers. Every other module there is a leaf
+# the formats share (the torch.save reader and writer, safetensors, the zip directory...), and knows none of them.
+FORMAT_INDEXES = {"reshard.formats", "reshard.formats.registry", "reshard.formats.protocol",
+                  "reshard.formats.containers"}
+
+
+def shared_leaf_breaches(mods: dict[str, Path], found: list[Import], formats: str,
+                         indexes: set[str]) -> set[tuple[str, str]]:
+    """{(shared leaf, the format folder module it imports)}: a module directly under `formats` (not one of its
+    `indexes`) importing anything inside one of its sub-packages, lazily or not."""
+    depth = formats.count(".") + 1
+
+    def in_a_folder(target: str) -> bool:
+        parts = target.split(".")
+        folder = ".".join(parts[:depth + 1])
+        return target.startswith(formats + ".") and len(parts) > depth and folder in mods and \
+            _is_package(mods, folder)
+
+    return {(imp.module, imp.target) for imp in found
+            if imp.module.startswith(formats + ".") and imp.module.count(".") == depth
+            and not _is_package(mods, imp.module) and imp.module not in indexes and in_a_folder(imp.target)}
+
+
+def test_the_formats_shared_leaves_know_no_format():
+    """The torch.save writer pickles DeepSpeed's stand-ins through their own `stands_for` (torchsave_write.StandIn),
+    not by importing DeepSpeed's folder; no other shared leaf names a format either."""
+    mods, found, _ = imports(REPO / "reshard")
+    assert shared_leaf_breaches(mods, found, "reshard.formats", FORMAT_INDEXES) == set()
+
+
+def test_the_check_finds_a_shared_leaf_importing_a_format(tmp_path):
+    """Negative control: a shared leaf importing a format's module at module level and lazily, a relative import of
+    the folder itself; the registry, a format importing the leaf, and a leaf importing another leaf pass."""
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "", "pkg/formats/__init__.py": "from pkg.formats.ds import standins\n",
+        "pkg/formats/ds/__init__.py": "", "pkg/formats/ds/standins.py": "from pkg.formats import writer\n",
+        "pkg/formats/registry.py": "from pkg.formats.ds import standins\n",
+        "pkg/formats/writer.py": "from pkg.formats.ds import standins\nfrom pkg.formats import reader\n",
+        "pkg/formats/reader.py": "def f():\n    import pkg.formats.ds.standins\n",
+        "pkg/formats/zips.py": "from . import ds\n",
+    })
+    mods, found, _ = imports(pkg)
+    assert shared_leaf_breaches(mods, found, "pkg.formats", {"pkg.formats", "pkg.formats.registry"}) == {
+        ("pkg.formats.writer", "pkg.formats.ds"), ("pkg.formats.writer", "pkg.formats.ds.standins"),
+        ("pkg.formats.reader", "pkg.formats.ds.standins"), ("pkg.formats.zips", "pkg.formats.ds")}
+
+
 def test_the_core_imports_no_format():
     _, found, _ = imports(REPO / "reshard")
     assert format_imports_in("reshard.core", "reshard.formats", found) == set()

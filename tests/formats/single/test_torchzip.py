@@ -1,4 +1,5 @@
 """The safe torch.save reader: exact byte locations, and nothing executed."""
+import enum
 import os
 import subprocess
 
@@ -12,6 +13,7 @@ from reshard.formats import torchsave_read
 from reshard.formats.deepspeed import pickles as deepspeed_pickles
 from reshard.formats.deepspeed.standins import DynamicLossScaler, ZeroStageEnum, fragment_address
 from reshard.formats.torchsave_read import TensorRef
+from reshard.formats.torchsave_write import GlobalName, pickle_tree
 from reshard.reading.source_bytes import MappedFiles, read_scalar
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import FIXTURE_NAMES, copy_fixture, tag_dir
@@ -92,6 +94,43 @@ def test_hostile_payload_inside_a_real_checkpoint_through_the_cli(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and str(optim) in lines[0] and "system" in lines[0], proc.stderr
     assert not canary.exists()
+
+
+class _Bag:
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+class _NamespaceStandIn(_Bag):
+    """A stand-in no format of reshard's has: argparse.Namespace, through the StandIn protocol alone."""
+
+    @classmethod
+    def stands_for(cls) -> GlobalName:
+        return GlobalName("argparse", "Namespace")
+
+
+class _SignalStandIn(int, enum.Enum):
+    term = 15
+
+    @classmethod
+    def stands_for(cls) -> GlobalName:
+        return GlobalName("signal", "Signals")
+
+
+def test_a_stand_in_is_pickled_under_the_global_it_stands_for():
+    """The torch.save writer knows no format: any class saying what it stands for (torchsave_write.StandIn) is
+    written under that global, an object as NEWOBJ and its attributes, an enum member as its class called with its
+    value, and Python's own unpickler gives the real classes. The control: the same object without `stands_for` is
+    written under its own name, and loads as the stand-in class, not the framework's."""
+    import argparse
+    import pickle
+    import signal
+
+    loaded = pickle.loads(pickle_tree({"args": _NamespaceStandIn(lr=0.5, tp=2), "sig": _SignalStandIn.term}))
+    assert type(loaded["args"]) is argparse.Namespace and vars(loaded["args"]) == {"lr": 0.5, "tp": 2}
+    assert loaded["sig"] is signal.SIGTERM
+    control = pickle.loads(pickle_tree({"args": _Bag(lr=0.5, tp=2)}))
+    assert type(control["args"]) is _Bag
 
 
 def test_deepspeed_classes_become_inert_standins(tmp_path):
