@@ -15,10 +15,7 @@
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from torchrun_jobs import run_rank  # noqa: E402  (found through the sys.path insert above)
+from torchrun_jobs import run_rank
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 4096, 11008, 32, 8
 

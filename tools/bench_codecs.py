@@ -26,16 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from reshard.core.catalog import MASTER, MODULE  # noqa: E402
-from reshard.core.dtypes import itemsize  # noqa: E402
-from reshard.formats import read  # noqa: E402
-from reshard.lifecycle.sizes import split  # noqa: E402
+from reshard.core.catalog import MASTER, MODULE
+from reshard.core.dtypes import itemsize
+from reshard.formats import read
+from reshard.lifecycle.sizes import split
 
 KINDS = (("bf16 weights", (MODULE,), "bfloat16"), ("fp32 masters", (MASTER,), "float32"),
          ("Adam moments", ("exp_avg", "exp_avg_sq"), "float32"))

@@ -22,11 +22,10 @@ import tempfile
 import time
 import zlib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench_run import drop_caches
+from reshard.reading.checksums import crc32_combine
 
-from bench_run import drop_caches  # noqa: E402  (tools/: the one cache drop of the benchmarks)
-from reshard.reading.checksums import crc32_combine  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _throughput(crc, data: bytes, repeat: int = 5) -> float:

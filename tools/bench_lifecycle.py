@@ -27,7 +27,6 @@ KEEP_LAST = 3
 
 
 def make(args) -> None:
-    sys.path.insert(0, HERE)
     import bench_sparse
     one = os.path.join(args.dir, ".one")
     shutil.rmtree(args.dir, ignore_errors=True)

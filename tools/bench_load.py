@@ -25,21 +25,17 @@ tensors it loaded (its shards of params and optimizer states), its RSS before th
 states it loads into) and its peak RSS; rank 0 writes them to OUT.json.
 """
 import json
-import os
 import resource
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-
-from torchrun_jobs import run_rank  # noqa: E402
+from torchrun_jobs import run_rank
 
 
 def _read_bytes() -> int:

@@ -24,6 +24,7 @@ import tempfile
 import time
 import zlib
 
+from bench_sparse import HoleSink, crc32_of_zeros, write_sparse_torch_file
 from reshard.core.catalog import MASTER, MODULE, CatalogBuilder, ParamInfo, TensorDraft, TrainingState
 from reshard.core.layout import Layout
 from reshard.core.write_requests import TensorFile, TextFile
@@ -34,9 +35,6 @@ from reshard.formats.megatron.pickles import Namespace
 from reshard.formats.megatron.topology import DP_RESHARDABLE, LAYOUT_016, MegatronNotes, MegatronTopology
 from reshard.formats.torchsave_read import DType
 from reshard.formats.torchsave_write import pickle_tree
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse import HoleSink, crc32_of_zeros, write_sparse_torch_file
 
 VOCAB, HIDDEN, FFN, HEADS, GROUPS, HEAD_DIM = 32768, 8192, 28672, 64, 8, 128
 ITERATION = 1

@@ -21,8 +21,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import s3_server
 
 DOWNLOAD = """

@@ -12,11 +12,8 @@ import argparse
 import concurrent.futures
 import functools
 import os
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import s3_server
 

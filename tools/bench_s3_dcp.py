@@ -24,8 +24,6 @@ import sys
 import tempfile
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import s3_server
 
 LOAD = r"""

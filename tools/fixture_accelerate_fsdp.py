@@ -34,10 +34,10 @@ import shutil
 import sys
 import tempfile
 
+import torchrun_jobs
+from fixture_hf_fsdp import BENCH
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-import torchrun_jobs  # noqa: E402
-from fixture_hf_fsdp import BENCH  # noqa: E402
 
 STEPS = 3
 # FSDP's first: Accelerate's state, reset between jobs, takes an FSDP plugin after a DeepSpeed job no more

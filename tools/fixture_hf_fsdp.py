@@ -26,9 +26,9 @@ import shutil
 import sys
 import tempfile
 
+import torchrun_jobs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-import torchrun_jobs  # noqa: E402
 
 KINDS = {"sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DICT"}
 STEPS = 3

@@ -17,9 +17,9 @@ import shutil
 import sys
 import tempfile
 
+import torchrun_jobs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-import torchrun_jobs  # noqa: E402
 
 STEPS = 3
 

@@ -72,9 +72,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torchrun_jobs
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-import torchrun_jobs  # noqa: E402
 
 STEPS = 3
 VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ, MICRO = 64, 16, 4, 2, 32, 2, 8, 2

@@ -37,9 +37,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torchrun_jobs
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-import torchrun_jobs  # noqa: E402
 
 NAME = "mcore_deepspeed_z1_dp2"
 STEPS, TAG, LR, WEIGHT_DECAY = 3, "global_step3", 1e-2, 0.01
@@ -67,7 +67,9 @@ def main() -> int:
     if args.worker:
         torchrun_jobs.run_rank(worker, Path(args.worker), args.zero)
     stage = Path(tempfile.mkdtemp(prefix=f"{NAME}."))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO / "tools")}
+    # the worker imports tests.helpers (from the repository root) and its sibling tools
+    path = os.pathsep.join((str(REPO), str(REPO / "tools")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": path}
     torchrun_jobs.make_fixture(NAME, 2, [__file__, "--worker", stage, "--zero", args.zero], env, args.timeout, stage,
                                Path(args.out) / NAME.replace("_z1_", f"_z{args.zero}_"))
     return 0
@@ -84,7 +86,6 @@ def worker(out: Path, zero: int) -> None:
     from safetensors.torch import save_file
 
     import fixture_megatron_core as fixture
-    sys.path.insert(0, str(REPO))    # tests.helpers, from the repository root
     from tests.helpers.engine_state import engine_tensors
 
     deepspeed.init_distributed(dist_backend="gloo")

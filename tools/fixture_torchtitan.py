@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
+import torchrun_jobs
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-import torchrun_jobs  # noqa: E402
 
 WORLD, SAVE_STEP, FORWARD_SEED = 2, 3, 99
 # name -> fuse_qkv: torchtitan's llama3 flavors fuse q, k and v into one `wqkv` parameter (FusedQKVLinear), whose

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
+import torchrun_jobs
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-import torchrun_jobs  # noqa: E402
 
 WORLD, STEPS = 2, 3
 CONFIGS = {"verl_fsdp1_dp2": 1, "verl_fsdp2_dp2": 2}

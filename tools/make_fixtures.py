@@ -381,7 +381,6 @@ def worker(name, out_dir):
     from safetensors.torch import save_file
 
     sys.dont_write_bytecode = True  # keep tools/ free of __pycache__
-    sys.path.insert(0, HERE)
     from fixture_model import build_model, make_batch, param_groups
 
     spec = CONFIGS[name]

@@ -490,11 +490,22 @@ def misplaced_test_modules(tests: Path) -> set[str]:
             continue
         if not (path.name.startswith("test_") or path.name in ("__init__.py", "conftest.py")):
             found.add(f"{where.as_posix()}: not a test module")
-        elif path.name.startswith("test_"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Attribute) and ast.unparse(node) in ("sys.path.insert", "sys.path.append"):
-                    found.add(f"{where.as_posix()}: patches sys.path")
+        elif path.name.startswith("test_") and patches_sys_path(path):
+            found.add(f"{where.as_posix()}: patches sys.path")
     return found
+
+
+def patches_sys_path(path: Path) -> bool:
+    """Does the module insert into or append to sys.path (anywhere in it, a function included)?"""
+    return any(isinstance(node, ast.Attribute) and ast.unparse(node) in ("sys.path.insert", "sys.path.append")
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def tools_patching_sys_path(tools: Path) -> set[str]:
+    """The scripts of tools/ that change sys.path: run as `python tools/x.py` a script's own folder is first on the
+    path already (its sibling tools import as they are), the package is installed, and under pytest pyproject's
+    `pythonpath` holds the repository and tools/; a worker that needs more is launched with PYTHONPATH."""
+    return {path.name for path in sorted(tools.rglob("*.py")) if patches_sys_path(path)}
 
 
 def test_test_folders_hold_tests_only():
@@ -509,3 +520,17 @@ def test_the_layout_check_finds_a_helper_and_a_path_patch(tmp_path):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     assert misplaced_test_modules(tmp_path) == {"core/helper.py: not a test module", "core/test_a.py: patches sys.path"}
+
+
+def test_no_tool_patches_sys_path():
+    assert tools_patching_sys_path(REPO / "tools") == set()
+
+
+def test_the_tools_check_finds_a_path_patch(tmp_path):
+    """Negative control: an insert at module level and an append inside a function are named; a tool that only
+    reads sys.path, or sets the path of a process it launches, passes."""
+    for name, text in {"a.py": "import sys\nsys.path.insert(0, 'x')\n",
+                       "b.py": "import sys\n\ndef f():\n    sys.path.append('y')\n",
+                       "c.py": "import os, sys\nprint(sys.path[0])\nENV = {**os.environ, 'PYTHONPATH': 'z'}\n"}.items():
+        (tmp_path / name).write_text(text)
+    assert tools_patching_sys_path(tmp_path) == {"a.py", "b.py"}
