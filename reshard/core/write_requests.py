@@ -7,11 +7,11 @@ planner turns pieces into byte copies; the executor performs them. Nothing here 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Self
+from types import MappingProxyType
+from typing import Any
 
 from reshard.core.catalog import TensorKey
 from reshard.core.container import Container
@@ -64,29 +64,35 @@ class RawPiece:
 AnyPiece = Piece | RawPiece
 
 
-# Frozen like the other requests, though built slot by slot: slot() appends to `slots` and `pieces` in place, and a
-# writer whose `tree` holds those slots gives it with dataclasses.replace(file, tree=...), which shares them.
 @dataclass(frozen=True)
 class TensorFile:
     """A file of tensors: a format-specific header, then each slot's bytes, filled from its pieces.
 
     Formats subclass it (torchsave_write.TorchFile, safetensors_file.SafetensorsFile): `container()` gives
-    the container that lays the file out (reshard.core.container), `header()` the bytes before the storages.
+    the container that lays the file out (reshard.core.container), `header()` the bytes before the storages. A
+    writer makes the slots one by one on a TensorFileBuilder, whose `build` gives this record: its slots a tuple,
+    its pieces a read-only mapping, so nothing changes a file once the planner may have read it.
     """
     path: str                                    # relative to the target directory
     tree: Any = None                             # what the header describes (a pickled tree, metadata)
-    slots: list[NewTensor] = field(default_factory=list)    # in storage order
-    pieces: dict[str, Sequence[AnyPiece]] = field(default_factory=dict)   # slot key -> its pieces
-
-    def with_tree(self, tree: Any) -> Self:
-        """This file with `tree`, which holds the slots made so far: they are shared, not copied."""
-        return dataclasses.replace(self, tree=tree)
+    slots: tuple[NewTensor, ...] = ()            # in storage order
+    pieces: Mapping[str, tuple[AnyPiece, ...]] = field(default_factory=lambda: MappingProxyType({}))  # by slot key
 
     def header(self) -> bytes:
         raise NotImplementedError
 
     def container(self) -> Container:
         raise NotImplementedError
+
+
+class TensorFileBuilder:
+    """A tensor file's slots, made one by one as a writer walks its tensors (the writer's tree holds the slots it
+    gets back); a format's builder turns them into its frozen TensorFile (`build`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.slots: list[NewTensor] = []
+        self.pieces: dict[str, tuple[AnyPiece, ...]] = {}
 
     def slot(self, dtype: str, shape: Sequence[int], pieces: Sequence[AnyPiece], key: str | None = None) -> NewTensor:
         """A new tensor of this file filled from `pieces` (which must add up to its size)."""
@@ -95,8 +101,12 @@ class TensorFile:
         if total != tensor.numel:
             raise AssertionError(f"{self.path}: pieces hold {total} elements for a tensor of {tensor.numel}")
         self.slots.append(tensor)
-        self.pieces[tensor.key] = pieces
+        self.pieces[tensor.key] = tuple(pieces)
         return tensor
+
+    def frozen_pieces(self) -> Mapping[str, tuple[AnyPiece, ...]]:
+        """The pieces of the slots made so far, read-only (a copy: a later slot is not in it)."""
+        return MappingProxyType(dict(self.pieces))
 
 
 @dataclass(frozen=True)

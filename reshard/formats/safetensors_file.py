@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, ClassVar
 
 from reshard.core.dtypes import itemsize
-from reshard.core.write_requests import Piece, TensorFile
+from reshard.core.write_requests import Piece, TensorFile, TensorFileBuilder
 from reshard.errors import ReshardError
 
 DTYPE_CODES = {
@@ -36,18 +36,13 @@ class SafetensorsFile(TensorFile):
     def from_entries(cls, path, entries, aliases, metadata) -> SafetensorsFile:
         """A state dict file: one tensor per entry (NewTensor with a `source`); ties are listed in
         the metadata, never written twice (safetensors has no shared storage)."""
-        file = cls(path, dict(metadata))
+        file = SafetensorsFileBuilder(path)
         for e in entries:
             file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, e.start, shard=e.shard)], key=e.key)
-        return file
+        return file.build(dict(metadata))
 
     def holds(self, name: str) -> bool:
         return any(t.key == name for t in self.slots)
-
-    def slot(self, dtype, shape, pieces, key=None):
-        tensor = super().slot(dtype, shape, pieces, key)
-        self.slots[:] = storage_order(self.slots)     # the storage order is the file's order
-        return tensor
 
     def header(self) -> bytes:
         entries: dict[str, dict] = {}
@@ -66,6 +61,13 @@ class SafetensorsFile(TensorFile):
 
     def container(self) -> Safetensors:
         return Safetensors()
+
+
+class SafetensorsFileBuilder(TensorFileBuilder):
+    """A SafetensorsFile's tensors made one by one; `build(metadata)` lays them out in storage order."""
+
+    def build(self, metadata: dict | None = None) -> SafetensorsFile:
+        return SafetensorsFile(self.path, metadata, tuple(storage_order(self.slots)), self.frozen_pieces())
 
 
 @dataclass(frozen=True)

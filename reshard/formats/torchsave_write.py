@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol
 
 from reshard.core.dtypes import STORAGE_DTYPES
 from reshard.core.storage_ref import StorageRef
-from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile
+from reshard.core.write_requests import NewTensor, Piece, RawPiece, TensorFile, TensorFileBuilder
 from reshard.formats.torchsave_read import DType, Size, TensorRef
 from reshard.reading.checksums import crc32
 
@@ -42,33 +42,42 @@ _FIXED_TIME = (1980, 1, 1, 0, 0, 0)   # reproducible archives
 
 @dataclass(frozen=True)
 class TorchFile(TensorFile):
-    """A torch.save file: the pickled `tree` (with NewTensor slots) as data.pkl.
-
-    Source tensors in the tree (TensorRefs of carried state) get their storages when the header is made
-    (`carry`), before the planner lists the slots."""
+    """A torch.save file: the pickled `tree` (with NewTensor slots) as data.pkl, pickled when the file is built
+    (TorchFileBuilder.build), so the slots of source tensors it carries are made before the planner lists them."""
     archive: str = "archive"                     # the zip's top folder (torch uses the file stem)
-    carried: dict = field(default_factory=dict, repr=False)   # source StorageRef -> the slot copying it
+    data_pkl: bytes = field(default=b"", repr=False)
     STEM, EXTENSION, SUFFIXES = "pytorch_model", "bin", (".bin", ".pt", ".pth")   # Hugging Face's names
 
     @classmethod
     def from_entries(cls, path, entries, aliases, metadata=None) -> TorchFile:
         """A state dict file: one tensor per entry (NewTensor with a `source`); a tied name is the
         same tensor as its source, as in torch."""
-        file = cls(path, archive=os.path.splitext(os.path.basename(path))[0])
+        file = TorchFileBuilder(path, archive=os.path.splitext(os.path.basename(path))[0])
         tree = collections.OrderedDict()
         for e in entries:
             tree[e.key] = file.slot(e.dtype, e.shape, [Piece(e.numel, e.source, e.start, shard=e.shard)])
         for alias, source in aliases.items():
             if source in tree:
                 tree[alias] = tree[source]
-        file = file.with_tree(tree)
-        return file
+        return file.build(tree)
 
     def holds(self, name: str) -> bool:
         return name in self.tree
 
     def header(self) -> bytes:
-        return pickle_tree(self.tree, self.carry)
+        return self.data_pkl
+
+    def container(self) -> TorchZip:
+        return TorchZip(self.archive)
+
+
+class TorchFileBuilder(TensorFileBuilder):
+    """A TorchFile's slots made one by one; `build(tree)` pickles the tree that holds them."""
+
+    def __init__(self, path: str, archive: str = "archive") -> None:
+        super().__init__(path)
+        self.archive = archive
+        self.carried: dict[StorageRef, NewTensor] = {}    # source StorageRef -> the slot copying it
 
     def carry(self, storage: StorageRef) -> NewTensor:
         """The slot of this file holding a source storage's bytes, whole (views of it keep their offsets and
@@ -79,8 +88,11 @@ class TorchFile(TensorFile):
             slot = self.carried[storage] = self.slot(storage.dtype, (storage.numel,), pieces)
         return slot
 
-    def container(self) -> TorchZip:
-        return TorchZip(self.archive)
+    def build(self, tree: Any) -> TorchFile:
+        """The file whose data.pkl is `tree` pickled (source tensors in it carried into slots of their own)."""
+        data_pkl = pickle_tree(tree, self.carry)
+        return TorchFile(self.path, tree, tuple(self.slots), self.frozen_pieces(), archive=self.archive,
+                         data_pkl=data_pkl)
 
 
 @dataclass(frozen=True)
@@ -161,7 +173,7 @@ class TreePickler(PurePickler):
 
     def __init__(self, file, protocol=2, carry=None):
         super().__init__(file, protocol=protocol)
-        self._carry = carry         # source StorageRef -> NewTensor slot holding its bytes (TorchFile.carry)
+        self._carry = carry         # source StorageRef -> NewTensor slot holding its bytes (TorchFileBuilder.carry)
 
     def persistent_id(self, obj):
         if isinstance(obj, _StorageId):

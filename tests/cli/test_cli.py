@@ -312,15 +312,14 @@ def test_torch_file_size_is_known_before_writing_also_with_zip64(tmp_path, monke
     """The planned size of a torch.save archive is the written one, also where zipfile adds ZIP64 fields
     (a small limit stands in for the 2 GiB one); torch.load reads the archive."""
     from reshard.core.write_requests import Piece
-    from reshard.formats.torchsave_write import TorchFile, TorchZip, pickle_tree
+    from reshard.formats.torchsave_write import TorchFileBuilder, TorchZip, pickle_tree
     from reshard.storage.posix_sink import HashingSink
 
     for limit in (None, 3000, 300):
         if limit:
             monkeypatch.setattr(zipfile, "ZIP64_LIMIT", limit)
-        file = TorchFile("x.pt")
-        file = file.with_tree({f"t{i}": file.slot("float32", (n,), [Piece(n)])
-                               for i, n in enumerate((3, 700, 1, 1500))})
+        made = TorchFileBuilder("x.pt")
+        file = made.build({f"t{i}": made.slot("float32", (n,), [Piece(n)]) for i, n in enumerate((3, 700, 1, 1500))})
         header = pickle_tree(file.tree)
         path = tmp_path / f"x{limit}.pt"
         with HashingSink(str(path)) as out, TorchZip().writer(out, header, file.slots) as writer:

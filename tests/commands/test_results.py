@@ -111,7 +111,7 @@ def test_a_plan_outlines_itself_in_a_frozen_summary_that_the_manifest_and_plan_r
 
 
 def test_write_requests_are_frozen():
-    """Every write request, TensorFile too (a writer gives its tree with with_tree: tests/core/test_containers.py)."""
+    """Every write request, TensorFile too (built by its TensorFileBuilder: tests/core/test_containers.py)."""
     from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, StageCut, TensorFile, TextFile
     for request in (NewTensor, TextFile, CopiedFile, Output, StageCut, Piece, TensorFile):
         assert request.__dataclass_params__.frozen, request

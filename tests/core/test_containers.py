@@ -12,9 +12,9 @@ import torch
 
 from reshard.core.write_requests import NewTensor, Piece
 from reshard.formats import containers
-from reshard.formats.dcp.writer import DistcpFile
-from reshard.formats.safetensors_file import SafetensorsFile
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.dcp.writer import DistcpFileBuilder
+from reshard.formats.safetensors_file import SafetensorsFileBuilder
+from reshard.formats.torchsave_write import TorchFileBuilder
 from reshard.storage.posix_sink import HashingSink
 
 SIZES = (3, 700, 1, 1500)       # elements (float32) of each tensor
@@ -39,24 +39,24 @@ class Stream(io.RawIOBase):
 
 
 def _torch():
-    file = TorchFile("x.pt", archive="x")
-    return file.with_tree({f"t{i}": file.slot("float32", (n,), [Piece(n)]) for i, n in enumerate(SIZES)})
+    file = TorchFileBuilder("x.pt", archive="x")
+    return file.build({f"t{i}": file.slot("float32", (n,), [Piece(n)]) for i, n in enumerate(SIZES)})
 
 
 def _safetensors():
-    file = SafetensorsFile("x.safetensors", {"format": "pt"})
+    file = SafetensorsFileBuilder("x.safetensors")
     for i, n in enumerate(SIZES):
         file.slot("float32", (n,), [Piece(n)], key=f"t{i}")
-    return file
+    return file.build({"format": "pt"})
 
 
 def _distcp():
-    file = DistcpFile("__0_0.distcp")
+    file = DistcpFileBuilder("__0_0.distcp")
     file.add_value({"step": 3})
     for n in SIZES:
         file.add_chunk("float32", (n,), [Piece(n)])
     file.add_value([1, 2])
-    return file
+    return file.build()
 
 
 FILES = {"torch": _torch, "safetensors": _safetensors, "distcp": _distcp}
@@ -118,18 +118,25 @@ def test_options_are_typed_frozen_and_travel_to_worker_processes(name):
 
 
 @pytest.mark.parametrize("name", sorted(FILES))
-def test_the_write_request_is_frozen_and_with_tree_keeps_its_slots(name):
-    """A built TensorFile's fields cannot be set; with_tree gives a file sharing the slots made so far, which
-    lays out the same bytes (the control: the file it was made from, whose header is its own)."""
-    file = FILES[name]()
+def test_the_built_write_request_is_immutable(name):
+    """A built TensorFile changes no more: its fields cannot be set, its slots are a tuple and its pieces a
+    read-only mapping, and a slot made on its builder afterwards is not in it (its header and layout stay what the
+    planner read). The control: the builder itself takes the new slot."""
+    builder = {"torch": lambda: TorchFileBuilder("x.pt", archive="x"), "safetensors": lambda: SafetensorsFileBuilder(
+        "x.safetensors"), "distcp": lambda: DistcpFileBuilder("__0_0.distcp")}[name]()
+    builder.slot("float32", (4,), [Piece(4)], key="t0")
+    file = builder.build(**({"tree": {"t0": builder.slots[0]}} if name == "torch" else {}))
     with pytest.raises(dataclasses.FrozenInstanceError):
         file.tree = {}      # type: ignore[misc]
-    held = file.with_tree(file.tree)
-    assert held is not file and held.slots is file.slots and held.pieces is file.pieces
-    assert held.header() == file.header() and held.container() == file.container()
-    emptied = file.with_tree({"t0": file.slots[0]}) if name == "torch" else None
-    if emptied is not None:
-        assert emptied.header() != file.header()
+    with pytest.raises(AttributeError):
+        file.slots.append(NewTensor("t1", "float32", (2,)))     # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        file.pieces["t1"] = (Piece(2),)     # type: ignore[index]
+    header, size = file.header(), file.container().file_size(file.header(), file.slots)
+    builder.slot("float32", (2,), [Piece(2)], key="t1")
+    assert [s.key for s in file.slots] == ["t0"] and list(file.pieces) == ["t0"]
+    assert (file.header(), file.container().file_size(file.header(), file.slots)) == (header, size)
+    assert [s.key for s in builder.slots] == ["t0", "t1"] and list(builder.pieces) == ["t0", "t1"]
 
 
 def test_export_writes_the_registered_containers():

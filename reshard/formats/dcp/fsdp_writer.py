@@ -23,7 +23,7 @@ from reshard.formats import weights_only
 from reshard.formats.dcp import keys, writer as dcp_writer
 from reshard.formats.framework import framework_of, lightning
 from reshard.formats.framework.fsdp import MODEL_DIR, OPTIM_DIR
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFileBuilder
 
 MODEL, OPTIMIZER = "model", "optimizer"      # accelerate's save_fsdp_model / save_fsdp_optimizer top-level keys
 PLACES_EXPERTS = False
@@ -40,9 +40,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         files = dcp_writer.folder_files(catalog, target.dp, tag, "", model + optim, values)
         if lightning.crosses(frame, "fsdp") and frame.state:
             # from DeepSpeedStrategy: its client state is the dict FSDPStrategy saves as meta.pt (rank 0's)
-            meta = TorchFile(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt"))
-            meta = meta.with_tree(dict(frame.state))
-            files.append(meta)
+            meta = TorchFileBuilder(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt"))
+            files.append(meta.build(dict(frame.state)))
         return files
     model, optim, values = _entries(catalog, MODEL, OPTIMIZER)
     return [*dcp_writer.folder_files(catalog, target.dp, tag, MODEL_DIR, model, []),

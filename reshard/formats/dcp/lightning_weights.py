@@ -15,7 +15,7 @@ from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.dcp import weights_only
 from reshard.formats.framework import framework_of, lightning
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFileBuilder
 from reshard.formats.weights_only import Form
 
 LOAD = "trainer.validate(model, ckpt_path=<ckpt>) (or test, predict) with FSDPStrategy(state_dict_type=\"sharded\")"
@@ -33,10 +33,9 @@ def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
     if keep_masters and master and model != master:
         raise ReshardError.at(path, f"--keep-masters: the strategy saves the {model} weights its module holds; "
                                     "writing its fp32 masters there is not built")
-    meta = TorchFile(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt"))
     # (the precision plugin's state is saved under its class name: a key holding "Precision")
-    meta = meta.with_tree({k: v for k, v in frame.state.items()
-                           if k not in NOT_WEIGHTS and "Precision" not in k})
+    meta = TorchFileBuilder(lightning.FSDP_META, archive=lightning.FSDP_META.removesuffix(".pt")).build(
+        {k: v for k, v in frame.state.items() if k not in NOT_WEIGHTS and "Precision" not in k})
     files = [*weights_only.model_files(catalog, lightning.model_key(frame)), meta]
     return Form((), (*weights_only.replaced(catalog), lightning.FSDP_META),
                 "the optimizer state (optimizer_0), its LR schedulers and callbacks' state: the model's state dict "

@@ -11,13 +11,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from reshard.core.catalog import Catalog, ScalarTensor
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import Layout
-from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TextFile
+from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TensorFileBuilder, TextFile
 from reshard.errors import ReshardError
 from reshard.formats.dcp import keys, metadata as md
 from reshard.formats.dcp.chunks import METADATA
@@ -29,9 +29,25 @@ from reshard.formats.torchsave_write import pickle_tree
 @dataclass(frozen=True)
 class DistcpFile(TensorFile):
     """A `.distcp` file: items (tensor chunks and pickled values) end to end, each a torch.save zip."""
-    items: list = field(default_factory=list)    # chunkzip.Item
-    fixed: list = field(default_factory=list)    # each item's fixed bytes
-    ends: list[int] = field(default_factory=list)    # where each item ends: the last is the next item's offset
+    items: tuple[Item, ...] = ()
+    fixed: tuple[bytes, ...] = ()                # each item's fixed bytes
+
+    def header(self) -> bytes:
+        return b"".join(self.fixed)
+
+    def container(self) -> Distcp:
+        return Distcp(tuple(self.items))
+
+
+class DistcpFileBuilder(TensorFileBuilder):
+    """A `.distcp` file's items added one by one, each at the offset the previous ones end at; `build()` gives
+    the frozen DistcpFile."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.items: list[Item] = []
+        self.fixed: list[bytes] = []
+        self.end = 0                # where the last item ends: the next one's offset
 
     def add_chunk(self, dtype: str, shape: tuple, pieces: list) -> tuple:
         slot = self.slot(dtype, shape, pieces)
@@ -49,15 +65,12 @@ class DistcpFile(TensorFile):
     def _append(self, kind, key, fixed: bytes, length: int) -> tuple:
         self.items.append(Item(kind, key, len(fixed)))
         self.fixed.append(fixed)
-        offset = self.ends[-1] if self.ends else 0
-        self.ends.append(offset + length)
+        offset, self.end = self.end, self.end + length
         return offset, length
 
-    def header(self) -> bytes:
-        return b"".join(self.fixed)
-
-    def container(self) -> Distcp:
-        return Distcp(tuple(self.items))
+    def build(self) -> DistcpFile:
+        return DistcpFile(self.path, None, tuple(self.slots), self.frozen_pieces(), tuple(self.items),
+                          tuple(self.fixed))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -92,7 +105,7 @@ def folder_files(catalog: Catalog, dp: int, tag: str, folder: str, tensors: list
     """The files of one DCP folder (`folder` under the output; "": the output itself) at `dp` ranks holding
     `tensors` ([(keys.TensorEntry, its planner_data path)]), `values` (keys.ValueEntry) and `blobs` ([(key, planner
     path, a value item's bytes as a source saved it)], copied as they are), under their keys."""
-    files = [DistcpFile(os.path.join(folder, file_name(r))) for r in range(dp)]
+    files = [DistcpFileBuilder(os.path.join(folder, file_name(r))) for r in range(dp)]
     out = MetadataBuilder()
     # source (name, state) -> its chunks' locations, for a tied name to share
     written: dict[tuple[str, str], Any] = {}
@@ -123,7 +136,7 @@ def folder_files(catalog: Catalog, dp: int, tag: str, folder: str, tensors: list
     for key, path, blob in blobs:
         offset, length = files[0].add_blob(blob)
         out.value(key, path, file_name(0), offset, length)
-    return [f for f in files if f.items] + [TextFile(os.path.join(folder, METADATA), md.dumps(out.build(tag)))]
+    return [f.build() for f in files if f.items] + [TextFile(os.path.join(folder, METADATA), md.dumps(out.build(tag)))]
 
 
 def output_tag(catalog, tag: str) -> str:

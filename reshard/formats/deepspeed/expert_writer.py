@@ -38,7 +38,7 @@ from reshard.formats.deepspeed import (
 )
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 
 AUTOEP_LAYERS, UC_INFO = expert_files.AUTOEP_LAYERS, expert_files.UC_INFO
 
@@ -265,14 +265,13 @@ def _layer_files(catalog: Catalog, tag: str, lp_dtype: str) -> list:
     weight's slab of expert E, in w1, w2, w3 order), from the fp32 masters cast to the model's dtype."""
     out = []
     for ef in notes.of(catalog).expert_files or _autoep_layer_files(catalog):
-        file = TorchFile(f"{tag}/{ef.name}", archive=ef.name[:-3])
+        file = TorchFileBuilder(f"{tag}/{ef.name}", archive=ef.name[:-3])
         tree = {}
         for key, name, start, stop, shape in ef.keys:
             module = catalog.tensors.get(TensorKey(name, MODULE))
             state, dtype = (MODULE, module.dtype) if module is not None else (MASTER, lp_dtype)
             tree[key] = file.slot(dtype, shape, [Piece(stop - start, (name, state), start)])
-        file = file.with_tree(tree)
-        out.append(file)
+        out.append(file.build(tree))
     return out
 
 

@@ -54,7 +54,7 @@ from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.tp_geometry import Geometry
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 
 TIED = "tied_modules."
 
@@ -287,7 +287,7 @@ def _stage_params(params: RankParams, uses: tuple, indices) -> list:
 def _layer_file(catalog: Catalog, params: RankParams, index: int, entries: list, tag: str,
                 tp_rank: int | None = None) -> TorchFile:
     name = names.layer_states_name(index, tp_rank)
-    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    file = TorchFileBuilder(f"{tag}/{name}", archive=name[:-3])
     tree = OrderedDict()
     for key, full_name in entries:
         if full_name is None:
@@ -295,5 +295,4 @@ def _layer_file(catalog: Catalog, params: RankParams, index: int, entries: list,
                                                 "are not supported")
         param = params.by_name[full_name]
         tree[key] = file.slot(param.module_dtype, param.shape, [param.piece(MODULE, 0, param.numel)])
-    file = file.with_tree(tree)
-    return file
+    return file.build(tree)

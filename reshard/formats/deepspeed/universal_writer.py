@@ -49,7 +49,7 @@ from reshard.formats.deepspeed import (
     zero12_writer,
 )
 from reshard.formats.deepspeed.zero_target import ZeroTarget, scalar_slot
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 
 # Keys of a ZeRO-1/2 optimizer file that hold rank slices; ds_to_universal drops them from optimizer_state.pt.
 _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -140,19 +140,18 @@ def _zero_folder(zt, params, tag, keys=None) -> list:
                                     [p.piece(state, 0, p.numel)], (keys or {}).get(p.name)))
         step = zt.scalars(p.group).get(uc.STEP)
         if step is not None:
-            file = TorchFile(uc.state_file(tag, p.name, uc.STEP), archive=uc.STEP)
-            file = file.with_tree(scalar_slot(file, step))
-            out.append(file)
+            file = TorchFileBuilder(uc.state_file(tag, p.name, uc.STEP), archive=uc.STEP)
+            out.append(file.build(scalar_slot(file, step)))
     return out + _module_only_files(zt.catalog, tag)
 
 
 def _shaped_file(path, shape, pieces, keys=None) -> TorchFile:
     """`keys`: the dict's other keys in ds_to_universal's order ({'cat_dim': 0} without TP); 'param' goes last
     unless `keys` names its place."""
-    file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
+    file = TorchFileBuilder(path, archive=os.path.splitext(os.path.basename(path))[0])
     tree = dict({uc.CAT_DIM: 0} if keys is None else keys)
     tree[uc.PARAM] = file.slot("float32", shape, pieces)
-    return file.with_tree(tree)
+    return file.build(tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,19 +230,17 @@ def _module_only_files(catalog, tag) -> list:
 
 
 def _paramless_file(path, shape, pieces) -> TorchFile:
-    file = TorchFile(path, archive=os.path.splitext(os.path.basename(path))[0])
-    file = file.with_tree({uc.PARAM: file.slot("float32", shape, pieces)})
-    return file
+    file = TorchFileBuilder(path, archive=os.path.splitext(os.path.basename(path))[0])
+    return file.build({uc.PARAM: file.slot("float32", shape, pieces)})
 
 
 def _optimizer_state(optim0: TorchFile, tag) -> TorchFile:
     """Rank 0's optimizer file without its slices, plus the param groups (ds_to_universal's layout)."""
     rank0 = optim0.tree["optimizer_state_dict"]
-    file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
+    file = TorchFileBuilder(uc.optimizer_state_file(tag), archive="optimizer_state")
     tree = {k: v for k, v in rank0.items() if k not in _SHARDED_KEYS}
     tree["param_groups"] = rank0["base_optimizer_state"]["param_groups"]
-    file = file.with_tree(tree)
-    return file
+    return file.build(tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,9 +253,8 @@ def _zero3_flavour(zt, params, tag) -> list:
     for p in params.of_kind("trainable"):
         for state in (MASTER, *zt.states):
             path = uc.state_file(tag, p.name, state)
-            file = TorchFile(path, archive=state)
-            file = file.with_tree(file.slot("float32", (p.numel,), [p.piece(state, 0, p.numel)]))
-            out.append(file)
+            file = TorchFileBuilder(path, archive=state)
+            out.append(file.build(file.slot("float32", (p.numel,), [p.piece(state, 0, p.numel)])))
     out.append(_zero3_optimizer_state(zt, sub_groups, tag))
     return out
 
@@ -269,7 +265,7 @@ def _zero3_optimizer_state(zt, sub_groups, tag) -> TorchFile:
     ds_to_universal copies rank 0's whole optimizer file here, its fp32 and moment partitions
     included, which no loader reads; we leave those out.
     """
-    file = TorchFile(uc.optimizer_state_file(tag), archive="optimizer_state")
+    file = TorchFileBuilder(uc.optimizer_state_file(tag), archive="optimizer_state")
     state: dict[int, dict] = {}
     members: list[list[int]] = [[] for _ in zt.catalog.param_groups]
     for i, (g, _) in enumerate(sub_groups):
@@ -277,8 +273,8 @@ def _zero3_optimizer_state(zt, sub_groups, tag) -> TorchFile:
         members[g].append(i)
     param_groups = [{**zt.hyper_params(g), "params": m} for g, m in enumerate(members)]
     scaler = zt.loss_scaler_state()
-    return file.with_tree({"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
-                           "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
-                           "partition_count": zt.dp,
-                           "optimizer_state_dict": {"state": state, "param_groups": param_groups},
-                           "param_groups": param_groups})
+    return file.build({"zero_stage": standins.ZeroStageEnum.weights, "loss_scaler": scaler["loss_scaler"],
+                       "dynamic_loss_scale": scaler["dynamic_loss_scale"], "overflow": scaler["overflow"],
+                       "partition_count": zt.dp,
+                       "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+                       "param_groups": param_groups})

@@ -18,7 +18,7 @@ from reshard.core.write_requests import Piece
 from reshard.formats.deepspeed import files as names, notes, standins
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry, weight_source
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 
 
 class FlatGroup:
@@ -102,7 +102,7 @@ def _round_robin(names_in_order, dp):
 
 def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, extra: dict) -> TorchFile:
     name = names.model_states_name(params.mp_rank)
-    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    file = TorchFileBuilder(f"{tag}/{name}", archive=name[:-3])
 
     def full(p):    # ZeRO-1/2 save the whole 16-bit module: buffers, frozen and trainable weights
         dtype = p.module_dtype if p.kind == "buffer" else zt.lp_dtype
@@ -119,7 +119,7 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
 
     def shape(n):
         return zt.saved_shape(params.by_name[n].shape)
-    file = file.with_tree({
+    return file.build({
         "module": module,
         "buffer_names": buffer_names(params),
         "optimizer": None,
@@ -129,7 +129,6 @@ def model_states(zt: ZeroTarget, params: RankParams, groups: list, tag: str, ext
         "frozen_param_fragments": OrderedDict((p.name, slots[p.name]) for p in frozen) if stage2 else None,
         **zt.model_states_tail(extra),
     })
-    return file
 
 
 def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str,
@@ -137,7 +136,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     """Data-parallel rank `rank`'s file; `places`: per group, the file's place among the ranks the group is cut
     over (default: `rank`, every group cut over dp)."""
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
-    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    file = TorchFileBuilder(f"{tag}/{name}", archive=name[:-3])
     fp32_parts, paddings, states, lean_states, param_groups, mappings = [], [], {}, [], [], []
     for group, place in zip(groups, places or [rank] * len(groups), strict=True):
         lo = place * group.part
@@ -169,8 +168,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
                       "zero_stage": standins.ZeroStageEnum(zt.stage), "group_paddings": paddings,
                       "param_alignment_paddings": [list(group.paddings) for group in groups],
                       "partition_count": count, "ds_version": zt.ds_version, "param_slice_mappings": mappings})
-    file = file.with_tree({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})
-    return file
+    return file.build({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})
 
 
 def _elastic_step(zt: ZeroTarget) -> dict:

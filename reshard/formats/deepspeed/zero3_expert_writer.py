@@ -23,7 +23,7 @@ from reshard.formats.deepspeed import experts as expert_files, files as names, n
 from reshard.formats.deepspeed.rank_params import RankParams
 from reshard.formats.deepspeed.zero3_writer import part_pieces
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def sub_groups(zt, params: RankParams, rank: int, is_expert) -> list:
 
 def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str, extra: dict) -> TorchFile:
     name = names.model_states_name(params.mp_rank, rank)
-    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    file = TorchFileBuilder(f"{tag}/{name}", archive=name[:-3])
 
     def partitioned(p):     # ZeRO-3 params are partitioned: the module holds empty placeholders
         if p.kind != "buffer":
@@ -87,7 +87,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     for p in frozen:
         frozen_fragments[p.name] = file.slot(p.module_dtype, (ceil_div(p.numel, zt.dp),),
                                              part_pieces(p, "module", zt.dp, rank))
-    file = file.with_tree({
+    return file.build({
         "module": module,
         "buffer_names": buffer_names(params),
         "optimizer": None,
@@ -98,12 +98,11 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         "frozen_param_fragments": frozen_fragments,
         **zt.model_states_tail(extra),
     })
-    return file
 
 
 def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str) -> TorchFile:
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
-    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    file = TorchFileBuilder(f"{tag}/{name}", archive=name[:-3])
     states, flat_groups, partition_groups = {}, [], []
     group_members: list[list[int]] = [[] for _ in params.groups]
     for i, sg in enumerate(groups):
@@ -124,5 +123,4 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
              "partition_count": zt.dp, zero3_experts.PARTITION_GROUPS: partition_groups,
              "optimizer_state_dict": {"state": states, "param_groups": param_groups},
              "fp32_flat_groups": flat_groups}
-    file = file.with_tree({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})
-    return file
+    return file.build({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})

@@ -14,7 +14,7 @@ from reshard.formats.deepspeed import files as names, standins
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.deepspeed.zero_target import ZeroTarget, buffer_names, module_tree, state_dict_entry
 from reshard.formats.torchsave_read import Size
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 
 
 def sub_groups(zt: ZeroTarget, params: RankParams) -> list:
@@ -50,7 +50,7 @@ def part_pieces(param: RankParam, state: str, count: int, place: int) -> list:
 
 def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str, extra: dict) -> TorchFile:
     name = names.model_states_name(params.mp_rank, rank)
-    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    file = TorchFileBuilder(f"{tag}/{name}", archive=name[:-3])
 
     def partitioned(p):     # ZeRO-3 params are partitioned: the module holds empty placeholders
         if p.kind != "buffer":
@@ -66,7 +66,7 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
 
     def shape(n):
         return Size(params.by_name[n].shape)
-    file = file.with_tree({
+    return file.build({
         "module": module,
         "buffer_names": buffer_names(params),
         "optimizer": None,
@@ -76,7 +76,6 @@ def model_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         "frozen_param_fragments": frozen_fragments,
         **zt.model_states_tail(extra),
     })
-    return file
 
 
 def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, tag: str) -> TorchFile:
@@ -84,7 +83,7 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
     state dict (the moments, the param groups), as zero_to_fp32, which DeepSpeed's ZeRO-3 module-only load calls,
     drops it before reading the partitions."""
     name = names.optim_states_name(rank, params.mp_rank, zt.bf16_prefix)
-    file = TorchFile(f"{tag}/{name}", archive=name[:-3])
+    file = TorchFileBuilder(f"{tag}/{name}", archive=name[:-3])
     states, flat_groups = {}, []
     group_members: list[list[int]] = [[] for _ in params.groups]
     for i, (g, members) in enumerate(groups):
@@ -103,5 +102,4 @@ def optim_states(zt: ZeroTarget, params: RankParams, rank: int, groups: list, ta
         param_groups = [{**zt.hyper_params(g), "params": members} for g, members in enumerate(group_members)]
         inner["optimizer_state_dict"] = {"state": states, "param_groups": param_groups}
     inner["fp32_flat_groups"] = flat_groups
-    file = file.with_tree({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})
-    return file
+    return file.build({"optimizer_state_dict": inner, "ds_config": zt.config, "ds_version": zt.ds_version})

@@ -13,7 +13,7 @@ from reshard.core.write_requests import CopiedFile, Piece, TextFile
 from reshard.formats.deepspeed import files as names, notes, standins, topology
 from reshard.formats.deepspeed.rank_params import RankParam, RankParams
 from reshard.formats.torchsave_read import Size
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFileBuilder
 from reshard.storage import files as fs
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
@@ -109,14 +109,14 @@ def weight_source(param: RankParam) -> str:
     return MODULE if param.module_dtype is not None else MASTER
 
 
-def scalar_slot(file: TorchFile, value) -> object:
+def scalar_slot(file: TorchFileBuilder, value) -> object:
     """An optimizer scalar as saved: a one-element tensor of the file, or the plain value."""
     if isinstance(value, ScalarTensor):
         return file.slot(value.dtype, (), [Piece(1, value=value.value)])
     return value
 
 
-def state_dict_entry(zt: ZeroTarget, file: TorchFile, g: int, lengths_by_state: dict) -> dict:
+def state_dict_entry(zt: ZeroTarget, file: TorchFileBuilder, g: int, lengths_by_state: dict) -> dict:
     """One optimizer state entry: scalars (step) first, then per-element states as slots."""
     entry = {key: scalar_slot(file, value) for key, value in zt.scalars(g).items()}
     for state, (length, pieces) in lengths_by_state.items():

@@ -42,7 +42,7 @@ from reshard.core.write_requests import Output, Piece, TextFile
 from reshard.errors import CheckpointError, ReshardError, UsageError
 from reshard.formats.dcp import metadata as md
 from reshard.formats.dcp.chunks import METADATA, MISSING, Chunks
-from reshard.formats.dcp.writer import DistcpFile, MetadataBuilder
+from reshard.formats.dcp.writer import DistcpFileBuilder, MetadataBuilder
 from reshard.formats.megatron import buckets, legacy, model_args, order as param_order, run_args, run_config, tp_boxes
 from reshard.formats.megatron.pickles import Namespace
 from reshard.formats.megatron.reader import (
@@ -64,7 +64,7 @@ from reshard.formats.megatron.topology import (
     MegatronTopology,
 )
 from reshard.formats.torchsave_read import DType
-from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 from reshard.rules.export_names import ModelFacts
 
 FORMAT = "megatron"
@@ -195,7 +195,7 @@ class _Writer:
         self.source_meta = None if self.legacy or self.foreign else \
             source_metadata(os.path.join(catalog.root, METADATA))
         self.source_chunks: Chunks | None = None     # where the source's objects lie, when one is copied
-        self.files_by_rank: dict[int, DistcpFile] = {}
+        self.files_by_rank: dict[int, DistcpFileBuilder] = {}
         self.meta = MetadataBuilder(planner=False)
         self.params = self._params()
         self.by_name = {p.name: p for p in self.params}
@@ -366,9 +366,9 @@ class _Writer:
 
     # -- files
 
-    def _file(self, rank: int) -> DistcpFile:
+    def _file(self, rank: int) -> DistcpFileBuilder:
         if rank not in self.files_by_rank:
-            self.files_by_rank[rank] = DistcpFile(f"{self.tag}/__{rank}_0.distcp")
+            self.files_by_rank[rank] = DistcpFileBuilder(f"{self.tag}/__{rank}_0.distcp")
         return self.files_by_rank[rank]
 
     def _chunk(self, rank: int, key: str, global_shape: tuple, dtype: str, offsets: tuple, sizes: tuple,
@@ -409,7 +409,7 @@ class _Writer:
         folder = self.tag
         common = self._common()
         iteration = 0 if self.tag == RELEASE else int(self.tag[len("iter_"):])
-        tensor_files = [self.files_by_rank[r] for r in sorted(self.files_by_rank)]
+        tensor_files = [self.files_by_rank[r].build() for r in sorted(self.files_by_rank)]
         return [*tensor_files, common, TextFile(f"{folder}/{CONFIG}", json.dumps(BACKEND)),
                 TextFile(f"{folder}/{METADATA}", md.dumps(self.meta.build(self.tag))),
                 TextFile(TRACKER, RELEASE if self.tag == RELEASE else str(iteration))]
@@ -647,10 +647,10 @@ class _Writer:
         namespace.__dict__.update(args)
         content = {k: v for k, v in (self.common.get("content_metadata") or SAVE_CONTENT).items()
                    if not k.startswith("distrib_optim_")}
-        file = TorchFile(f"{self.tag}/{COMMON}", archive="common")
+        file = TorchFileBuilder(f"{self.tag}/{COMMON}", archive="common")
         if sharding == WEIGHTS_ONLY:      # (generate_state_dict leaves out the optimizer and the scheduler)
             common = {k: v for k, v in self.common.items() if k not in ("opt_param_scheduler", "optimizer")}
-            return file.with_tree({**common, "args": namespace, "content_metadata": content})
+            return file.build({**common, "args": namespace, "content_metadata": content})
         if sharding == PLAIN:
             step = file.slot("float32", (), [Piece(1, None, value=self._step())])
             inner = {"param_groups": self._param_groups(with_step=False), "state": {"common_step": step}}
@@ -668,4 +668,4 @@ class _Writer:
             optimizer = {index: {**({"optimizer": {"param_groups": self._param_groups(True, expert)}}
                                     if sharding == FULLY_RESHARDABLE else {}), "param_state_sharding_type": sharding}
                          for index, expert in enumerate((False, True))}
-        return file.with_tree({**self.common, "args": namespace, "optimizer": optimizer, "content_metadata": content})
+        return file.build({**self.common, "args": namespace, "optimizer": optimizer, "content_metadata": content})
