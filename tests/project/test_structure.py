@@ -9,10 +9,14 @@
 - the storage layer is the one way to the filesystem: outside reshard/storage/ no raw filesystem call (`open`,
   the file operations of `os`, `os.path`'s questions to the disk, `shutil`, `tempfile`, pathlib's reads and writes)
   and no `is_url` branch on where a path lies, but for an explicit allow-list, each entry saying why; and of
-  reshard.storage only its seams (files, names, protocol, routing) are imported from outside it.
+  reshard.storage only its seams (files, names, protocol, routing) are imported from outside it;
+- each room imports only itself and the rooms before it (ROOMS: the order data flows in), with no exception left;
+- the leaves the formats share (the torch.save reader and writer, safetensors...) import no format's folder;
+- no test module and no script of tools/ changes sys.path.
 
-Each rule is run on a small synthetic package that breaks it (the negative controls), and the few violations that
-other work removes are listed exactly, so the test fails both when one is fixed and when a new one appears.
+Each rule is run on a small synthetic package that breaks it (the negative controls), and the few violations left
+(RAW_ALLOWED, AGAINST_THE_FLOW) are listed exactly, so the test fails both when one is fixed and when a new one
+appears.
 """
 from __future__ import annotations
 
