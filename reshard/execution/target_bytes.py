@@ -74,7 +74,9 @@ def _op_blocks(op, dtype: str, chunk: int, sources, ring: BlockRing | None = Non
     elif isinstance(op, Gather):
         step = max(1, chunk // max([out_size] + [itemsize(box.src_dtype) for box in op.copies]))
         for first in range(0, op.count, step):
-            yield functools.partial(_gather_block, sources, op, first, min(step, op.count - first), dtype)
+            n = min(step, op.count - first)
+            into = ring.take(n * out_size) if ring is not None else None
+            yield functools.partial(_gather_block, sources, op, first, n, dtype, into)
     else:
         step = max(1, chunk // out_size)
         for first in range(0, op.count, step):
@@ -112,10 +114,10 @@ def _copy_block(sources, op, offset, nbytes, dtype, into: np.ndarray | None = No
     return into.data.cast("B")
 
 
-def _gather_block(sources, op, first: int, count: int, dtype: str) -> memoryview:
+def _gather_block(sources, op, first: int, count: int, dtype: str, into: np.ndarray | None = None) -> memoryview:
     """Elements [first, first + count) of a Gather: the boxes of that flat range of its shard, each copied
-    with strided views from one block read of its source."""
-    out = np.empty(count, dtype=numpy_carrier(dtype))
+    with strided views from one block read of its source, into `into` (a ring's buffer) where given."""
+    out = np.empty(count, dtype=numpy_carrier(dtype)) if into is None else into.view(numpy_carrier(dtype))
     lo = op.start + first
     shard_strides = strides(op.shape)
     byte_strides = tuple(s * out.itemsize for s in shard_strides)
