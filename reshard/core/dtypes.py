@@ -51,7 +51,7 @@ def numpy_carrier(dtype: str) -> np.dtype[Any]:
 # 16 MiB block through numpy's temporaries made and faulted in six fresh arrays of its size (0.7 CPU-s per GB cast,
 # against 0.2 in pieces)
 CAST_STEP = 1 << 17
-_NAN_BFLOAT16 = 0x7FC0      # torch's bfloat16 of any NaN
+_NAN_BFLOAT16 = 0x7FC0      # any NaN cast to bfloat16: its quiet NaN (a NaN to torch too)
 
 
 def cast_array(values: np.ndarray[Any, Any], src: str, dst: str) -> np.ndarray[Any, Any]:
@@ -69,8 +69,9 @@ def cast_into(values: np.ndarray[Any, Any], src: str, dst: str, out: np.ndarray[
     import numpy as np
     if values.size != out.size:
         raise ValueError(f"cast of {values.size} elements into {out.size}")
-    wide = None if "float32" in (src, dst) else np.empty(min(CAST_STEP, values.size), dtype="<f4")
-    scratch = np.empty(min(CAST_STEP, values.size), dtype="<u4") if dst == "bfloat16" != src else None
+    step = min(CAST_STEP, values.size)
+    wide = np.empty(0 if "float32" in (src, dst) else step, dtype="<f4")    # bfloat16 to or from another float
+    scratch = np.empty(step if dst == "bfloat16" != src else 0, dtype="<u4")
     for lo in range(0, values.size, CAST_STEP):
         part, into = values[lo:lo + CAST_STEP], out[lo:lo + CAST_STEP]
         if src == dst:
@@ -91,9 +92,10 @@ def cast_into(values: np.ndarray[Any, Any], src: str, dst: str, out: np.ndarray[
     return out
 
 
-def _round_to_bfloat16(values, out, scratch) -> None:
+def _round_to_bfloat16(values: np.ndarray[Any, Any], out: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]
+                       ) -> None:
     """float32 `values` to bfloat16 bits in `out`: the top half of each, rounded to nearest even (the lower half plus
-    0x7FFF, plus the kept half's lowest bit, carries into it past the halfway point); any NaN torch's 0x7FC0."""
+    0x7FFF, plus the kept half's lowest bit, carries into it past the halfway point); any NaN _NAN_BFLOAT16."""
     import numpy as np
     bits = values.view("<u4")
     np.right_shift(bits, 16, out=scratch)
