@@ -1,4 +1,4 @@
-"""Element casts without torch: bit for bit what torch's `Tensor.to` gives (a NaN: a NaN), in the pieces cast_into works in."""
+"""Element casts without torch: bit for bit what torch's `Tensor.to` gives (a NaN: a NaN), in cast_into's pieces."""
 import numpy as np
 import pytest
 import torch
