@@ -32,8 +32,9 @@ from reshard.execution.source_bytes import file_size, read_scalar
 from reshard.formats.protocol import NoOptions
 from reshard.formats.torchsave_read import TensorRef
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.formats.verl.notes import RANK_KINDS, VerlNotes, rank_file
 from reshard.formats.verl.pickles import ShardRef, load
-from reshard.storage import files as fs
+from reshard.storage import files as fs, names
 
 FORMAT = "verl"
 OPTIONS = NoOptions
@@ -43,6 +44,7 @@ FSDP_CONFIG = "fsdp_config.json"
 HF_FOLDER = "huggingface"
 TRACKER = "latest_checkpointed_iteration.txt"    # verl's trainer writes it beside the step folders, last
 _RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+_ANY_RANK_FILE = re.compile(r"^(" + "|".join(RANK_KINDS) + r")_world_size_\d+_rank_\d+\.pt$")
 _STEP = re.compile(r"^global_step_(\d+)$")
 
 
@@ -129,7 +131,34 @@ def read(path: str, options: NoOptions) -> Catalog:
                                     if fs.isfile(os.path.join(hf, n)))
     catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None,
                                      lr_scheduler=_scheduler(folder, world))
+    catalog.notes = _notes(path, folder, config, models[0][1][names[0]] if names else None)
     return catalog.freeze()
+
+
+def _notes(root: str, folder: str, config: dict, first: ShardRef | None) -> VerlNotes:
+    """The writer's facts: the mesh the ranks saved on (a 1-D mesh is all verl's FSDP workers build without HSDP),
+    and every file of the checkpoint that is no rank's."""
+    role = os.path.relpath(folder, root) if folder != root else ""
+    with fs.open(os.path.join(folder, FSDP_CONFIG)) as f:
+        saved = json.load(f)
+    carried = []
+    for top, _dirs, files in fs.walk(root):
+        for name in files:
+            rel = os.path.normpath(os.path.join(os.path.relpath(top, root), name))
+            rank_owned = top == folder and (_ANY_RANK_FILE.match(name) or name == FSDP_CONFIG)
+            # the role's own files and the step's (data.pt); another role's are its own, reshard's manifest is redone
+            if rank_owned or name == names.MANIFEST or not (_under(rel, role) or os.sep not in rel):
+                continue
+            carried.append((rel, fs.getsize(os.path.join(top, name))))
+    others = tuple(r for r in ROLES if role and r != role and fs.isdir(os.path.join(root, r)))
+    return VerlNotes(config["fsdp"], role, saved, tuple(first.mesh_dims) if first else (),
+                     first.device_type if first else "", tuple(first.mesh_groups) if first else (), tuple(
+                         os.path.relpath(os.path.join(folder, rank_file("extra_state", config["world"], r)), root)
+                         for r in range(config["world"])), tuple(sorted(carried)), others)
+
+
+def _under(rel: str, folder: str) -> bool:
+    return folder == "" or rel.startswith(folder + os.sep)
 
 
 def _shape(value) -> tuple:
