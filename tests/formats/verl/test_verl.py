@@ -24,6 +24,7 @@ from tests.helpers.torchrun import torchrun
 ROOT = FIXTURES / "verl"
 FSDP = {1: ROOT / "verl_fsdp1_dp2", 2: ROOT / "verl_fsdp2_dp2"}
 CHANGED = "model.layers.1.mlp.down_proj.weight"     # the weight the negative control changes (rank 1's shard)
+CONVERTED = (1, 4)      # the world sizes the FSDP2 fixture is converted to and loaded at
 
 
 def _actor(run):
@@ -44,43 +45,63 @@ def test_fixture_is_verl_own_layout(fsdp):
     assert (actor / "huggingface" / "tokenizer.json").is_file()
 
 
-def _change_weight(actor, key):
+def _change_weight(actor, key, world=2):
     """One element of `key`'s shard in rank 1's model file changed (torch.load/torch.save, no reshard)."""
     import torch
-    path = actor / "model_world_size_2_rank_1.pt"
+    path = actor / f"model_world_size_{world}_rank_1.pt"
     state = torch.load(path, weights_only=False)
     state[key].to_local().view(-1)[0] += 1.0
     torch.save(state, path)
 
 
+def _job(label, actor, fsdp, out=None, truth=None, optim=False):
+    job = {"label": label, "folder": str(actor), "fsdp": fsdp, "truth": str(truth) if truth else None}
+    if out is not None:
+        job["full"] = str(out / f"{label}.safetensors")
+        if optim:
+            job["full_optim"] = str(out / f"{label}-optim.safetensors")
+    return job
+
+
 def _launches(out):
-    """(world, jobs) of each launch: each fixture at 2 ranks and at 1, and a changed copy of the FSDP2 one, each
-    wrapping in a process of its own (a second fully_shard of a fresh model in one process fails: "FSDPEmbedding
-    object layout differs")."""
-    launches = []
-    for fsdp, run in FSDP.items():
-        for world, label in ((2, f"fsdp{fsdp}"), (1, f"fsdp{fsdp} at 1")):
-            launches.append((world, [{"label": label, "folder": str(_actor(run)), "fsdp": fsdp,
-                                      "truth": str(_actor(run)), "full": str(out / f"{label}.safetensors")}]))
+    """{world: its jobs}, one launch each: each fixture at 2 ranks (and a changed copy of the FSDP2 one), at 1 and at
+    4 (refused), and the FSDP2 fixture converted to 1 and 4 ranks, loaded there (and a changed copy of the 4)."""
+    for world in CONVERTED:
+        run_cli("convert", FSDP[2] / "global_step_3", _converted(out, world), "--to", f"dp={world}", check=0)
     changed = out / "changed" / "global_step_3" / "actor"
     shutil.copytree(_actor(FSDP[2]), changed)
     _change_weight(changed, CHANGED)
-    launches.append((2, [{"label": "changed", "folder": str(changed), "fsdp": 2, "truth": str(_actor(FSDP[2]))}]))
+    changed4 = out / "changed4" / "actor"
+    shutil.copytree(_converted(out, 4) / "actor", changed4)
+    _change_weight(changed4, CHANGED, world=4)
+    launches = {2: [_job(f"fsdp{f}", _actor(r), f, out, truth=_actor(r), optim=f == 2) for f, r in FSDP.items()],
+                1: [_job(f"fsdp{f} at 1", _actor(r), f) for f, r in FSDP.items()],
+                4: [_job("fsdp2 at 4", _actor(FSDP[2]), 2)]}
+    launches[2].append(_job("changed", changed, 2, truth=_actor(FSDP[2])))
+    for world in CONVERTED:
+        actor = _converted(out, world) / "actor"
+        launches[world].append(_job(f"dp{world}", actor, 2, out, truth=actor, optim=True))
+    launches[4].append(_job("changed at 4", changed4, 2, out))
     return launches
 
 
-@pytest.fixture(scope="module")
+def _converted(out, world):
+    return out / f"dp{world}" / "global_step_3"
+
+
+@pytest.fixture(scope="session")
 def loaded(tmp_path_factory):
-    """verl's loader in fresh interpreters (torchrun itself, not ranks forked from the suite's preloading server,
-    where Lightning's import leaves FSDP2 unable to wrap transformers' nn.Embedding: "object layout differs")."""
+    """verl's loader in fresh interpreters, one torchrun a world size running all of its jobs (torchrun itself, not
+    ranks forked from the suite's preloading server, where Lightning's import leaves FSDP2 unable to wrap
+    transformers' nn.Embedding: "object layout differs")."""
     out = tmp_path_factory.mktemp("verl")
     results = {}
-    for index, (world, jobs) in enumerate(_launches(out)):
-        jobs_path, results_path = out / f"jobs-{index}.json", out / f"results-{index}.json"
+    for world, jobs in _launches(out).items():
+        jobs_path, results_path = out / f"jobs-{world}.json", out / f"results-{world}.json"
         jobs_path.write_text(json.dumps(jobs))
         torchrun(world, SCRIPTS / "verl_load.py", jobs_path, results_path, deepspeed=False, forked=False)
-        results.update({r["label"]: {**r, "full": jobs[0]["full"] if "full" in jobs[0] else None}
-                        for r in json.loads(results_path.read_text())})
+        results.update({r["label"]: {**r, "full": job.get("full"), "full_optim": job.get("full_optim")}
+                        for r, job in zip(json.loads(results_path.read_text()), jobs, strict=True)})
     return results
 
 
@@ -105,6 +126,75 @@ def test_a_changed_weight_is_found_in_what_verl_loaded(loaded):
 def test_verl_refuses_the_fixture_at_1_rank(loaded, fsdp):
     result = loaded[f"fsdp{fsdp} at 1"]
     assert not result["loaded"] and "model_world_size_1_rank_0.pt" in result["error"], result
+
+
+# Convert: verl's FSDP2 checkpoint at another world size, loaded there by verl's own FSDPCheckpointManager
+
+def _differing(a_path, b_path):
+    """{key: elements that differ} of two safetensors files with the same keys."""
+    import torch
+    from safetensors.torch import load_file
+    a, b = load_file(a_path), load_file(b_path)
+    assert set(a) == set(b)
+    return {k: int((a[k] != b[k]).sum()) for k in a if not torch.equal(a[k], b[k])}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("world", sorted(CONVERTED))
+def test_verl_loads_the_conversion_at_its_world_size_bit_equal_and_trains_on(loaded, world):
+    result, source = loaded[f"dp{world}"], loaded["fsdp2"]
+    assert result["loaded"] and result["error"] is None and result["problems"] == [], result
+    # what verl loaded at `world` ranks is what it loaded at 2 from the source: weights, moments, steps, scheduler
+    assert _differing(result["full"], source["full"]) == {}
+    assert _differing(result["full_optim"], source["full_optim"]) == {}
+    assert result["scheduler"] == source["scheduler"] and result["last_epoch"] == 3, result
+    assert math.isfinite(result["loss"]) and result["step_after"] == [4.0], result
+
+
+@pytest.mark.engine
+def test_a_changed_element_of_the_conversion_is_found_in_what_verl_loaded(loaded):
+    result = loaded["changed at 4"]
+    assert result["loaded"], result
+    assert _differing(result["full"], loaded["fsdp2"]["full"]) == {CHANGED: 1}
+
+
+@pytest.mark.engine
+def test_verl_refuses_the_unconverted_fixture_at_4_ranks(loaded):
+    result = loaded["fsdp2 at 4"]
+    assert not result["loaded"] and "model_world_size_4_rank_0.pt" in result["error"], result
+
+
+def test_convert_writes_verl_files_and_carries_the_step(tmp_path):
+    import torch
+    dst = tmp_path / "dp3" / "global_step_3"
+    out = run_cli("convert", FSDP[2] / "global_step_3", dst, "--to", "dp=3", check=0).stdout
+    assert "(verl dp=3)" in out, out
+    actor, source = dst / "actor", _actor(FSDP[2])
+    assert json.loads((actor / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 3}
+    assert sorted(p.name for p in actor.glob("*_rank_*.pt")) == sorted(
+        f"{kind}_world_size_3_rank_{rank}.pt" for kind in ("model", "optim", "extra_state") for rank in range(3))
+    for path in [dst / "data.pt", *(actor / "huggingface").iterdir()]:     # carried as they are
+        assert path.read_bytes() == (FSDP[2] / "global_step_3" / path.relative_to(dst)).read_bytes()
+    # a rank the source had keeps its RNG states; a new one gets the scheduler alone (verl keeps its seed's streams)
+    assert (actor / "extra_state_world_size_3_rank_1.pt").read_bytes() == \
+        (source / "extra_state_world_size_2_rank_1.pt").read_bytes()
+    new = torch.load(actor / "extra_state_world_size_3_rank_2.pt", weights_only=False)
+    assert new == {"lr_scheduler": torch.load(source / "extra_state_world_size_2_rank_0.pt",
+                                              weights_only=False)["lr_scheduler"]}
+    # uneven blocks (16 rows over 3 ranks: 6, 6, 4) as torch.chunk cuts them, Shard(0) over a mesh of 3
+    model = torch.load(actor / "model_world_size_3_rank_2.pt", weights_only=False)
+    weight = model["model.norm.weight"]
+    assert weight.shape == (16,) and weight.to_local().shape == (4,) and weight.device_mesh.size() == 3
+    assert run_cli("validate", "--deep", dst, check=0).stdout.startswith("complete;")
+    # negative control: the source, read the same way, is a mesh of 2
+    assert torch.load(source / "model_world_size_2_rank_1.pt", weights_only=False)[
+        "model.norm.weight"].device_mesh.size() == 2
+
+
+def test_convert_refuses_fsdp1_in_one_line_and_writes_nothing(tmp_path):
+    proc = run_cli("convert", FSDP[1] / "global_step_3", tmp_path / "out", "--to", "dp=4")
+    assert proc.returncode == 1 and "FSDP1's optimizer" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc
+    assert not (tmp_path / "out").exists()
 
 
 # Reading: inspect, validate, diff, export (reshard.formats.verl)
