@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 
+from reshard.storage.names import WATCH_STATE
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import FIXTURES
 from tests.helpers.repo import SCRIPTS
@@ -299,3 +300,39 @@ def test_prune_deletes_whole_step_folders_and_keeps_the_one_the_tracker_names(tm
     again = _run(tmp_path / "again", tracker="3")
     run_cli("prune", again, "--keep-last", "1", "--recent", "0", "--settle", "0", "--yes", check=0)
     assert sorted(p.name for p in again.iterdir()) == ["global_step_3", "latest_checkpointed_iteration.txt"]
+
+
+def test_watch_validates_each_new_step_as_it_lands_and_applies_the_policy(tmp_path):
+    """A verl run watched while it saves: each global_step_N/ is validated once the tracker names it (a newer one is
+    a save in progress until then), reported in one line, and --keep-last 1 deletes the older steps whole; a step
+    that lands broken is reported INCOMPLETE naming its missing rank file, and the complete one before it is kept."""
+    from tests.helpers import lifecycle_runs as lr
+
+    def entries():
+        return sorted(p.name for p in run.iterdir() if p.name != WATCH_STATE)
+    run = _run(tmp_path, steps=(1, 2), tracker="2")
+    args = ("watch", run, "--once", "--keep-last", "1", "--settle", "0")
+    proc = run_cli(*args, check=0)
+    assert [line.split(",")[0] for line in proc.stdout.splitlines() if line.startswith("step ")] == \
+        ["step 1: complete", "step 2: complete"], proc.stdout
+    assert entries() == ["global_step_2", "latest_checkpointed_iteration.txt"]
+    # step 3 lands: in progress while the tracker still names 2, then validated and the policy applied
+    shutil.copytree(FSDP[2] / "global_step_3", run / "global_step_3")
+    lr.age(run / "global_step_3")
+    proc = run_cli(*args, check=0)
+    assert "step 3: in progress" in proc.stdout and (run / "global_step_2").is_dir(), proc.stdout
+    (run / "latest_checkpointed_iteration.txt").write_text("3")
+    lr.age(run / "latest_checkpointed_iteration.txt")
+    proc = run_cli(*args, check=0)
+    assert "step 3: complete" in proc.stdout, proc.stdout
+    assert entries() == ["global_step_3", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in (run / "global_step_3").iterdir()) == ["actor", "data.pt"]
+    # negative control: step 4 lands without rank 1's model file; it is flagged, and step 3 is not deleted for it
+    shutil.copytree(FSDP[2] / "global_step_3", run / "global_step_4")
+    (run / "global_step_4" / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    (run / "latest_checkpointed_iteration.txt").write_text("4")
+    lr.age(run)
+    proc = run_cli(*args, check=1)
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("step 4:")]
+    assert "INCOMPLETE" in line and "model_world_size_2_rank_1.pt" in line, proc.stdout
+    assert entries() == ["global_step_3", "global_step_4", "latest_checkpointed_iteration.txt"]
