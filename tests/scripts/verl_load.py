@@ -5,7 +5,8 @@
 
 JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder
 (optional), "full": where rank 0 writes the loaded weights whole (safetensors; optional), "full_optim": where it
-writes FSDP2's loaded optimizer state whole, `<index>.<state>` (optional)}.
+writes the loaded optimizer state whole, `<parameter>.<state>` (FSDP1's flat parameters split as FSDP's own
+metadata says; optional)}.
 For each job every rank builds the actor tools/fixture_verl.py saved (tools/verl_cpu.actor: a fresh seed, so its
 weights differ from the saved ones until loaded) and calls `FSDPCheckpointManager.load_checkpoint(folder)`. The truth
 is the truth folder's files of this rank as torch.load reads them (no reshard): what verl's manager saves of the
@@ -62,6 +63,33 @@ def _save_whole(tensors: dict, path: str, rank: int) -> None:
         save_file(whole, path)
 
 
+def _flat_states(model, optimizer, world: int) -> dict:
+    """FSDP1's optimizer state by parameter name: each flat parameter's state gathered whole from the ranks and split
+    as FSDP's own metadata of it says (its parameters' names and sizes, the padding entries skipped)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    out = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, FullyShardedDataParallel) or module._handle is None:
+            continue
+        prefix = path.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        flat = module._handle.flat_param
+        names = [f"{prefix}.{fqn}" if prefix else fqn for fqn in flat._fqns]
+        for key, value in optimizer.state[flat].items():
+            if value.dim() == 0:    # the step, one for the flat parameter
+                out.update({f"{name}.{key}": value for name in names})
+                continue
+            blocks = [torch.empty_like(value) for _ in range(world)]
+            dist.all_gather(blocks, value.contiguous())
+            whole, offset, held = torch.cat(blocks), 0, iter(names)
+            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+                if not padding:
+                    out[f"{next(held)}.{key}"] = whole[offset:offset + numel]
+                offset += numel
+    return out
+
+
 def _job(job) -> dict:
     import torch
     import torch.distributed as dist
@@ -95,9 +123,12 @@ def _job(job) -> dict:
         problems += _differences("lr_scheduler", scheduler.state_dict(), saved_extra["lr_scheduler"])
     if job.get("full"):     # the live weights, whole: what an export must hold
         _save_whole(live["model"], job["full"], rank)
-    if job.get("full_optim"):   # FSDP2's moments and steps, whole, by parameter index
-        _save_whole({f"{i}.{k}": v for i, state in live["optim"]["state"].items() for k, v in state.items()},
+    if job.get("full_optim") and job["fsdp"] == 2:      # FSDP2's moments and steps, whole, by parameter name
+        names = [k for k, v in live["model"].items() if hasattr(v, "full_tensor")]
+        _save_whole({f"{names[i]}.{k}": v for i, state in live["optim"]["state"].items() for k, v in state.items()},
                     job["full_optim"], rank)
+    elif job.get("full_optim"):
+        _save_whole(_flat_states(model, optimizer, world), job["full_optim"], rank)
     gathered = [None] * world
     dist.all_gather_object(gathered, problems)
     result["problems"] = sorted({p for rank_problems in gathered for p in rank_problems})

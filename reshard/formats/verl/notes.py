@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from reshard.formats.verl.flat_params import FlatParam
+
 RANK_KINDS = ("model", "optim", "extra_state")      # verl's per-rank files: f"{kind}_world_size_{W}_rank_{R}.pt"
 
 
@@ -24,6 +26,7 @@ class VerlNotes:
     extra_states: tuple[str, ...]           # each rank's extra-state file, relative to the root (rank order)
     carried: tuple[tuple[str, int], ...] = field(default=())   # (path relative to the root, size): no rank's files
     other_roles: tuple[str, ...] = ()       # the step's role folders beside `role` (critic/ beside actor/)
+    flat_params: tuple[FlatParam, ...] = ()  # FSDP1's, in the optimizer's index order (flat_params.py)
 
     def param_details(self, name: str) -> dict:
         return {}

@@ -3,8 +3,10 @@
 verl's FSDPCheckpointManager saves each rank's sharded state dicts with torch.save: the model as DTensors (FSDP2, and
 FSDP1 under verl's device mesh), each a row block (Shard(0)) of its parameter; FSDP2's optimizer as DTensors of the
 same blocks, keyed by the parameter's index in model order. A parameter's rows are the ranks' blocks in rank order,
-so each rank's block is one fragment of the logical tensor. FSDP1's optimizer (flat-parameter slices keyed by flat
-index) is not mapped to parameters yet: its catalog holds the weights only, every parameter listed as frozen.
+so each rank's block is one fragment of the logical tensor. FSDP1's optimizer (use_orig_params=False) keys each flat
+parameter by its index, each rank's file holding its block of it: which parameters a flat one holds is told from the
+sizes (flat_params.py), each parameter's state its runs of the ranks' blocks (flat_optim.py). A save without optimizer
+files (verl's save_contents without "optimizer") is read as weights, every parameter frozen.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from reshard.execution.source_bytes import file_size, read_scalar
 from reshard.formats.protocol import NoOptions
 from reshard.formats.torchsave_read import TensorRef
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.formats.verl import flat_optim
+from reshard.formats.verl.flat_params import FlatParam
 from reshard.formats.verl.notes import RANK_KINDS, VerlNotes, rank_file
 from reshard.formats.verl.pickles import ShardRef, load
 from reshard.storage import files as fs, names
@@ -113,17 +117,28 @@ def read(path: str, options: NoOptions) -> Catalog:
             raise CheckpointError(file, f"holds a {type(state).__name__}, not a state dict")
     order = list(models[0][1])
     names = [k for k, v in models[0][1].items() if isinstance(v, ShardRef)]
-    optimizers = _optimizers(catalog, folder, world, path) if config["fsdp"] == 2 else []
-    trained = _trained(names, optimizers)
+    saved_optimizer = fs.isfile(os.path.join(folder, rank_file("optim", world, 0)))
+    optimizers = _optimizers(catalog, folder, world, path) if saved_optimizer else []
+    first = optimizers[0][1] if optimizers else {"param_groups": []}
+    flat: tuple[FlatParam, ...] = ()
+    if config["fsdp"] == 1 and optimizers:     # each index a flat parameter, which its size tells
+        sizes = [(n, math.prod(_shape(models[0][1][n]))) for n in names]
+        flat = flat_optim.flat_params(sizes, optimizers, world)
+        group_of = {n: g for g, group in enumerate(first["param_groups"]) for i in group["params"]
+                    for n in flat[i].names}
+    else:
+        group_of = _groups(names, first)
     for key in order:
         shape = _shape(models[0][1][key])
-        kind = "trainable" if key in trained else "frozen" if key in names else "buffer"
-        catalog.params[key] = ParamInfo(key, shape, kind, 0 if kind == "trainable" else None)
+        kind = "trainable" if key in group_of else "frozen" if key in names else "buffer"
+        catalog.params[key] = ParamInfo(key, shape, kind, group_of.get(key))
         states = (MODULE, MASTER) if kind == "trainable" else (MODULE,)
         for state in states:
             _add_blocks(catalog, key, state, [(file, s[key]) for file, s in models])
     catalog.order = order
-    if optimizers:
+    if flat:
+        flat_optim.read(catalog, flat, optimizers, world)
+    elif optimizers:
         _fill_optimizer(catalog, names, optimizers)
     hf = os.path.join(folder, HF_FOLDER)
     if fs.isdir(hf):    # the model's config, tokenizer and generation config: an export's folder loads with them
@@ -131,11 +146,11 @@ def read(path: str, options: NoOptions) -> Catalog:
                                     if fs.isfile(os.path.join(hf, n)))
     catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None,
                                      lr_scheduler=_scheduler(folder, world))
-    catalog.notes = _notes(path, folder, config, models[0][1][names[0]] if names else None)
+    catalog.notes = _notes(path, folder, config, models[0][1][names[0]] if names else None, flat)
     return catalog.freeze()
 
 
-def _notes(root: str, folder: str, config: dict, first: ShardRef | None) -> VerlNotes:
+def _notes(root: str, folder: str, config: dict, first: ShardRef | None, flat: tuple) -> VerlNotes:
     """The writer's facts: the mesh the ranks saved on (a 1-D mesh is all verl's FSDP workers build without HSDP),
     and every file of the checkpoint that is no rank's."""
     role = os.path.relpath(folder, root) if folder != root else ""
@@ -154,7 +169,7 @@ def _notes(root: str, folder: str, config: dict, first: ShardRef | None) -> Verl
     return VerlNotes(config["fsdp"], role, saved, tuple(first.mesh_dims) if first else (),
                      first.device_type if first else "", tuple(first.mesh_groups) if first else (), tuple(
                          os.path.relpath(os.path.join(folder, rank_file("extra_state", config["world"], r)), root)
-                         for r in range(config["world"])), tuple(sorted(carried)), others)
+                         for r in range(config["world"])), tuple(sorted(carried)), others, flat)
 
 
 def _under(rel: str, folder: str) -> bool:
@@ -214,11 +229,10 @@ def _optimizers(catalog: CatalogBuilder, folder: str, world: int, root: str) -> 
     return out
 
 
-def _trained(names: list, optimizers: list) -> set:
-    if not optimizers:
-        return set()
-    indices = [i for g in optimizers[0][1]["param_groups"] for i in g["params"]]
-    return {names[i] for i in indices if isinstance(i, int) and i < len(names)}
+def _groups(names: list, optimizer: dict) -> dict:
+    """{name: its param group} of FSDP2's trained parameters: entry i is the i-th of the model's state dict."""
+    return {names[i]: g for g, group in enumerate(optimizer["param_groups"]) for i in group["params"]
+            if isinstance(i, int) and i < len(names)}
 
 
 def _fill_optimizer(catalog: CatalogBuilder, names: list, optimizers: list) -> None:

@@ -9,8 +9,8 @@ lr scheduler and that rank's RNG states); a rank the source lacked gets the lr s
 verl's loader leaves that process's random streams as its seed made them (a copy of another rank's would repeat its
 stream). The step's other files (`huggingface/`, `data.pt`) are carried.
 
-FSDP1's optimizer (use_orig_params=False) is each rank's slice of FSDP's flat parameters: the reader does not map it
-to parameters, so an FSDP1 checkpoint is refused rather than written without it.
+FSDP1's optimizer (use_orig_params=False) is each rank's block of FSDP's flat parameters: each block at W ranks is
+written from the parameters the flat one holds, in its order, then zeros up to the block's size (flat_optim.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, TextFile
 from reshard.errors import ReshardError
 from reshard.formats.torchsave_write import TorchFile
-from reshard.formats.verl import dtensors
+from reshard.formats.verl import dtensors, flat_optim
 from reshard.formats.verl.notes import VerlNotes, rank_file
 from reshard.storage import files as fs
 
@@ -42,7 +42,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     out: list = []
     for rank in range(world):
         out.append(_model_file(catalog, notes, world, rank))
-        if catalog.param_groups:
+        if catalog.param_groups and notes.flat_params:
+            out.append(_flat_optim_file(catalog, notes, world, rank))
+        elif catalog.param_groups:
             out.append(_optim_file(catalog, notes, world, rank, index))
         out.append(_extra_state(catalog, notes, world, rank))
     config = json.dumps({**notes.config, "world_size": world}, indent=4)    # as verl writes it
@@ -61,9 +63,6 @@ def _checked(catalog: Catalog, target: Layout) -> VerlNotes:
         raise ReshardError(f"target {target.topology()}: verl's FSDP checkpoints are written for dp ranks only")
     if notes.fsdp != 1 and notes.fsdp != 2:
         raise ReshardError.at(catalog.root, f"FSDP_version {notes.fsdp} is not one verl writes (1 or 2)")
-    if notes.fsdp == 1:
-        raise ReshardError.at(os.path.join(catalog.root, notes.extra_states[0]), "FSDP1's optimizer (flat-parameter "
-                              "slices) is not mapped to parameters yet: an FSDP1 checkpoint is not converted")
     if len(notes.mesh_dims) != 1:
         raise ReshardError.at(catalog.root, f"a device mesh of dims {notes.mesh_dims} (verl's HSDP) is not written; "
                                             "a 1-D fsdp mesh is")
@@ -130,6 +129,29 @@ def _optim_file(catalog: Catalog, notes: VerlNotes, world: int, rank: int, index
                     entry[key] = tensors.block(catalog, name, key)
             if entry:
                 state[index[name]] = entry
+    return file.with_tree({"state": state, "param_groups": groups})
+
+
+def _flat_optim_file(catalog: Catalog, notes: VerlNotes, world: int, rank: int) -> TorchFile:
+    """FSDP1's: torch.optim's state_dict() of this rank's blocks of the flat parameters (flat_optim.py)."""
+    file = _torch_file(notes, "optim", world, rank)
+    states = catalog.optimizer_states()
+    state: dict = {}
+    for i, unit in enumerate(notes.flat_params):
+        first = unit.names[0]
+        entry: dict[str, object] = {}
+        for key, value in catalog.scalars_of_param(first).items():
+            entry[key] = _scalar(file, value) if isinstance(value, ScalarTensor) else value
+        for key in states:
+            if (first, key) in catalog.tensors:
+                pieces = flat_optim.pieces(unit, key, world, rank)
+                entry[key] = file.slot(catalog.tensor(first, key).dtype, (sum(p.count for p in pieces),), pieces)
+        state[i] = entry
+    groups = []
+    for group in catalog.param_groups:
+        held = set(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [i for i, unit in enumerate(notes.flat_params) if unit.names[0] in held]})
     return file.with_tree({"state": state, "param_groups": groups})
 
 

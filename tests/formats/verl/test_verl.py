@@ -25,7 +25,7 @@ from tests.helpers.torchrun import torchrun
 ROOT = FIXTURES / "verl"
 FSDP = {1: ROOT / "verl_fsdp1_dp2", 2: ROOT / "verl_fsdp2_dp2"}
 CHANGED = "model.layers.1.mlp.down_proj.weight"     # the weight the negative control changes (rank 1's shard)
-CONVERTED = (1, 4)      # the world sizes the FSDP2 fixture is converted to and loaded at
+CONVERTED = (1, 3, 4)   # the world sizes each fixture is converted to and loaded at (3: uneven blocks, padded)
 
 
 def _actor(run):
@@ -66,28 +66,30 @@ def _job(label, actor, fsdp, out=None, truth=None, optim=False):
 
 def _launches(out):
     """{world: its jobs}, one launch each: each fixture at 2 ranks (and a changed copy of the FSDP2 one), at 1 and at
-    4 (refused), and the FSDP2 fixture converted to 1 and 4 ranks, loaded there (and a changed copy of the 4)."""
-    for world in CONVERTED:
-        run_cli("convert", FSDP[2] / "global_step_3", _converted(out, world), "--to", f"dp={world}", check=0)
+    4 (refused), and each converted to 1, 3 and 4 ranks, loaded there (and a changed copy of FSDP2's 4)."""
+    for fsdp, run in FSDP.items():
+        for world in CONVERTED:
+            run_cli("convert", run / "global_step_3", _converted(out, fsdp, world), "--to", f"dp={world}", check=0)
     changed = out / "changed" / "global_step_3" / "actor"
     shutil.copytree(_actor(FSDP[2]), changed)
     _change_weight(changed, CHANGED)
     changed4 = out / "changed4" / "actor"
-    shutil.copytree(_converted(out, 4) / "actor", changed4)
+    shutil.copytree(_converted(out, 2, 4) / "actor", changed4)
     _change_weight(changed4, CHANGED, world=4)
-    launches = {2: [_job(f"fsdp{f}", _actor(r), f, out, truth=_actor(r), optim=f == 2) for f, r in FSDP.items()],
+    launches = {2: [_job(f"fsdp{f}", _actor(r), f, out, truth=_actor(r), optim=True) for f, r in FSDP.items()],
                 1: [_job(f"fsdp{f} at 1", _actor(r), f) for f, r in FSDP.items()],
-                4: [_job("fsdp2 at 4", _actor(FSDP[2]), 2)]}
+                3: [], 4: [_job("fsdp2 at 4", _actor(FSDP[2]), 2)]}
     launches[2].append(_job("changed", changed, 2, truth=_actor(FSDP[2])))
-    for world in CONVERTED:
-        actor = _converted(out, world) / "actor"
-        launches[world].append(_job(f"dp{world}", actor, 2, out, truth=actor, optim=True))
+    for fsdp in FSDP:
+        for world in CONVERTED:
+            actor = _converted(out, fsdp, world) / "actor"
+            launches[world].append(_job(f"fsdp{fsdp} dp{world}", actor, fsdp, out, truth=actor, optim=True))
     launches[4].append(_job("changed at 4", changed4, 2, out))
     return launches
 
 
-def _converted(out, world):
-    return out / f"dp{world}" / "global_step_3"
+def _converted(out, fsdp, world):
+    return out / f"fsdp{fsdp}-dp{world}" / "global_step_3"
 
 
 @pytest.fixture(scope="session")
@@ -141,9 +143,10 @@ def _differing(a_path, b_path):
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
 @pytest.mark.parametrize("world", sorted(CONVERTED))
-def test_verl_loads_the_conversion_at_its_world_size_bit_equal_and_trains_on(loaded, world):
-    result, source = loaded[f"dp{world}"], loaded["fsdp2"]
+def test_verl_loads_the_conversion_at_its_world_size_bit_equal_and_trains_on(loaded, fsdp, world):
+    result, source = loaded[f"fsdp{fsdp} dp{world}"], loaded[f"fsdp{fsdp}"]
     assert result["loaded"] and result["error"] is None and result["problems"] == [], result
     # what verl loaded at `world` ranks is what it loaded at 2 from the source: weights, moments, steps, scheduler
     assert _differing(result["full"], source["full"]) == {}
@@ -192,10 +195,31 @@ def test_convert_writes_verl_files_and_carries_the_step(tmp_path):
         "model.norm.weight"].device_mesh.size() == 2
 
 
-def test_convert_refuses_fsdp1_in_one_line_and_writes_nothing(tmp_path):
-    proc = run_cli("convert", FSDP[1] / "global_step_3", tmp_path / "out", "--to", "dp=4")
-    assert proc.returncode == 1 and "FSDP1's optimizer" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc
-    assert not (tmp_path / "out").exists()
+def test_fsdp1_flat_parameters_are_told_from_their_sizes_or_refused(tmp_path):
+    """FSDP1's optimizer keys flat parameters: which parameters each holds is read from the sizes (the root's
+    embeddings, norm and head; one per layer). Negative control: a model whose order the sizes do not cut one way
+    (the flat parameters' blocks changed to sizes no run of parameters has) is refused in one line."""
+    from reshard.formats.verl.flat_params import cuts
+    data = json.loads(run_cli("inspect", FSDP[1] / "global_step_3", "--json", check=0).stdout)
+    assert (data["optimizer"], data["step"], data["trainable"]) == ("AdamW", 3, 27), data
+    params = [("embed", 384), ("a0", 256), ("b0", 256), ("a1", 256), ("b1", 256), ("norm", 16), ("head", 384)]
+    [cut] = cuts(params, [392, 256, 256], 2)
+    assert [u.names for u in cut] == [("embed", "norm", "head"), ("a0", "b0"), ("a1", "b1")]
+    assert cuts(params, [392, 300, 256], 2) == []      # no run of 599 or 600 elements where the layers begin
+    # not one way: an embedding as large as a layer could be the first nested unit, the root the layer after it
+    tied = [("embed", 512), *params[1:-1], ("head", 512)]
+    assert len(cuts(tied, [520, 256, 256], 2)) == 2
+    broken = tmp_path / "broken" / "global_step_3"
+    shutil.copytree(FSDP[1] / "global_step_3", broken)
+    import torch
+    for rank in (0, 1):
+        path = broken / "actor" / f"optim_world_size_2_rank_{rank}.pt"
+        state = torch.load(path, weights_only=False)
+        state["state"][1]["exp_avg"] = state["state"][1]["exp_avg"][:-1].clone()
+        torch.save(state, path)
+    proc = run_cli("convert", broken, tmp_path / "out", "--to", "dp=4")
+    assert proc.returncode == 1 and "FSDP1's flat parameters" in proc.stderr, proc
+    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 # Reading: inspect, validate, diff, export (reshard.formats.verl)
