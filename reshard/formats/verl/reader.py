@@ -117,6 +117,8 @@ def read(path: str, options: NoOptions) -> Catalog:
             raise CheckpointError(file, f"holds a {type(state).__name__}, not a state dict")
     order = list(models[0][1])
     names = [k for k, v in models[0][1].items() if isinstance(v, ShardRef)]
+    if config["fsdp"] == 1 and world == 1 and not names:     # NO_SHARD at one rank: every entry a plain tensor
+        names = order
     saved_optimizer = fs.isfile(os.path.join(folder, rank_file("optim", world, 0)))
     optimizers = _optimizers(catalog, folder, world, path) if saved_optimizer else []
     first = optimizers[0][1] if optimizers else {"param_groups": []}
@@ -144,13 +146,20 @@ def read(path: str, options: NoOptions) -> Catalog:
     if fs.isdir(hf):    # the model's config, tokenizer and generation config: an export's folder loads with them
         catalog.model_files = tuple(os.path.join(hf, n) for n in sorted(fs.listdir(hf))
                                     if fs.isfile(os.path.join(hf, n)))
-    catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None,
-                                     lr_scheduler=_scheduler(folder, world))
-    catalog.notes = _notes(path, folder, config, models[0][1][names[0]] if names else None, flat)
+    scheduler, accelerator = _extra_state(folder, world)
+    catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None, lr_scheduler=scheduler)
+    first_dtensor = next((v for v in models[0][1].values() if isinstance(v, ShardRef)), None)
+    catalog.notes = _notes(path, folder, config, first_dtensor or _mesh_of_one(accelerator), flat)
     return catalog.freeze()
 
 
-def _notes(root: str, folder: str, config: dict, first: ShardRef | None, flat: tuple) -> VerlNotes:
+def _mesh_of_one(accelerator: str | None) -> ShardRef:
+    """The mesh facts of a save with no DTensor (FSDP1 at one rank, NO_SHARD): verl's (a 1-D "fsdp" mesh over the
+    default process group) on the device whose RNG state it saved."""
+    return ShardRef(None, (), "", mesh_dims=("fsdp",), device_type=accelerator or "cpu", mesh_groups=("0",))
+
+
+def _notes(root: str, folder: str, config: dict, first: ShardRef, flat: tuple) -> VerlNotes:
     """The writer's facts: the mesh the ranks saved on (a 1-D mesh is all verl's FSDP workers build without HSDP),
     and every file of the checkpoint that is no rank's."""
     role = os.path.relpath(folder, root) if folder != root else ""
@@ -166,8 +175,8 @@ def _notes(root: str, folder: str, config: dict, first: ShardRef | None, flat: t
                 continue
             carried.append((rel, fs.getsize(os.path.join(top, name))))
     others = tuple(r for r in ROLES if role and r != role and fs.isdir(os.path.join(root, r)))
-    return VerlNotes(config["fsdp"], role, saved, tuple(first.mesh_dims) if first else (),
-                     first.device_type if first else "", tuple(first.mesh_groups) if first else (), tuple(
+    return VerlNotes(config["fsdp"], role, saved, tuple(first.mesh_dims), first.device_type,
+                     tuple(first.mesh_groups), tuple(
                          os.path.relpath(os.path.join(folder, rank_file("extra_state", config["world"], r)), root)
                          for r in range(config["world"])), tuple(sorted(carried)), others, flat)
 
@@ -258,9 +267,15 @@ def _fill_optimizer(catalog: CatalogBuilder, names: list, optimizers: list) -> N
                     catalog.record_param_scalar(g, names[i], key, value, file0)
 
 
-def _scheduler(folder: str, world: int):
+def _extra_state(folder: str, world: int) -> tuple[Any, str | None]:
+    """(the lr scheduler's state, the accelerator verl saved an RNG state of: "cuda", None for the CPU alone) of
+    rank 0's extra-state file."""
     file = os.path.join(folder, f"extra_state_world_size_{world}_rank_0.pt")
     if not fs.isfile(file):
-        return None
+        return None, None
     extra = load(file)
-    return extra.get("lr_scheduler") if isinstance(extra, dict) else None
+    if not isinstance(extra, dict):
+        return None, None
+    rng = extra.get("rng")
+    devices = [k for k in rng if k not in ("cpu", "numpy", "random")] if isinstance(rng, dict) else []
+    return extra.get("lr_scheduler"), devices[0] if devices else None

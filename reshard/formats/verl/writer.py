@@ -101,8 +101,10 @@ def _model_file(catalog: Catalog, notes: VerlNotes, world: int, rank: int) -> To
     file = _torch_file(notes, "model", world, rank)
     tensors = _RankTensors(file, notes, world, rank)
     tree: collections.OrderedDict = collections.OrderedDict()
+    # FSDP1 at one rank runs NO_SHARD (FSDP switches to it), whose state dict holds plain tensors, not DTensors
+    whole = notes.fsdp == 1 and world == 1
     for name in catalog.order:
-        if catalog.params[name].kind == "buffer":    # a plain tensor, whole on every rank
+        if whole or catalog.params[name].kind == "buffer":    # a plain tensor, whole on every rank
             tensor = catalog.tensor(name, MODULE)
             tree[name] = file.slot(tensor.dtype, tensor.shape, [Piece(tensor.numel, (name, MODULE))])
         else:
