@@ -133,8 +133,8 @@ FORMATS = (
                      pointer_how=RESOLVE),
            readers=("reshard.formats.verl.reader",),
            writer=WriterEntry("reshard.formats.verl.writer", MESH_ONLY),
-           writes="verl's FSDP step folder at any world size (FSDP2: weights, optimizer, lr scheduler), the "
-                  "default for a verl source"),
+           writes="verl's FSDP step folder at any world size (FSDP1 or FSDP2: weights, optimizer, lr scheduler), "
+                  "the default for a verl source"),
     Format("hf-trainer", "HF Trainer", "single-process.md",
            "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process)",
            RunLayout("hf-trainer", checkpoints=r"^checkpoint-(\d+)$", staging=r"^tmp-checkpoint-(\d+)$"),

@@ -1,12 +1,14 @@
 """verl's FSDP actor checkpoints (fixtures/verl/, saved by verl 0.9.1's own FSDPCheckpointManager at 2 CPU ranks:
-tools/fixture_verl.py), as verl's own loader takes them.
+tools/fixture_verl.py), as verl's own loader takes them, read and converted to other world sizes.
 
 The fixtures: each holds ``global_step_3/`` with ``actor/`` (every rank's model, optimizer and extra-state file,
 ``huggingface/``, ``fsdp_config.json``) and ``data.pt``, and ``latest_checkpointed_iteration.txt`` saying 3; verl's
-own ``FSDPCheckpointManager.load_checkpoint`` at 2 ranks (tests/scripts/verl_load.py) loads each into a differently
-seeded actor, whose sharded model and optimizer state and lr scheduler then equal the files as torch.load reads them,
-and one more training step runs. Negative controls: a copy with one weight element changed is loaded and found naming
-that weight; at 1 rank verl's loader refuses the fixture, naming the rank file a 1-rank run looks for.
+own ``FSDPCheckpointManager.load_checkpoint`` (tests/scripts/verl_load.py, one torchrun a world size running all of
+its jobs) loads each at 2 ranks into a differently seeded actor, whose sharded model and optimizer state and lr
+scheduler then equal the files as torch.load reads them, and one more training step runs; each converted to 1, 3 and
+4 ranks, loaded there, holds bit for bit what the 2-rank load of the source holds. Negative controls: a copy with one
+weight element changed is loaded and found naming that weight (in the source, and in a conversion); at 1 and at 4
+ranks verl's loader refuses the unconverted fixture, naming the rank file it looks for.
 """
 from __future__ import annotations
 
