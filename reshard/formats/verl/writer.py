@@ -68,7 +68,8 @@ def _checked(catalog: Catalog, target: Layout) -> VerlNotes:
                                             "a 1-D fsdp mesh is")
     if notes.other_roles:
         raise ReshardError.at(os.path.join(catalog.root, notes.other_roles[0]),
-                              f"a second role beside {notes.role}/ is not converted yet")
+                              f"a second role beside {notes.role}/ is not converted with it yet: convert each role "
+                              "folder on its own (STEP/actor DST/actor, STEP/critic DST/critic) and copy data.pt")
     return notes
 
 

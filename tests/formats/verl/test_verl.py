@@ -362,3 +362,19 @@ def test_watch_validates_each_new_step_as_it_lands_and_applies_the_policy(tmp_pa
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("step 4:")]
     assert "INCOMPLETE" in line and "model_world_size_2_rank_1.pt" in line, proc.stdout
     assert entries() == ["global_step_3", "global_step_4", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_step_with_a_critic_is_converted_role_by_role(tmp_path):
+    """A step folder holding actor/ and critic/ (the critic's files as verl's manager writes every role's: here the
+    actor's, copied) is refused in one line naming critic/, nothing written; each role folder converts on its own, and
+    reads back as its source does (diff: no difference)."""
+    step = tmp_path / "run" / "global_step_3"
+    shutil.copytree(FSDP[2] / "global_step_3", step)
+    shutil.copytree(step / "actor", step / "critic")
+    proc = run_cli("convert", step, tmp_path / "out", "--to", "dp=4")
+    assert proc.returncode == 1 and "critic" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc
+    assert not (tmp_path / "out").exists()
+    for role in ("actor", "critic"):
+        run_cli("convert", step / role, tmp_path / "dp4" / role, "--to", "dp=4", check=0)
+        assert run_cli("diff", step / role, tmp_path / "dp4" / role, check=0).returncode == 0
+    assert (tmp_path / "dp4" / "critic" / "optim_world_size_4_rank_3.pt").is_file()
