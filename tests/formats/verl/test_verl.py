@@ -378,3 +378,58 @@ def test_a_step_with_a_critic_is_converted_role_by_role(tmp_path):
         run_cli("convert", step / role, tmp_path / "dp4" / role, "--to", "dp=4", check=0)
         assert run_cli("diff", step / role, tmp_path / "dp4" / role, check=0).returncode == 0
     assert (tmp_path / "dp4" / "critic" / "optim_world_size_4_rank_3.pt").is_file()
+
+
+def _torch_differences(a_dir, b_dir, world):
+    """The entries of each rank's model and optimizer files that differ between two role folders (torch.load)."""
+    import torch
+    out = []
+    for kind in ("model", "optim"):
+        for rank in range(world):
+            name = f"{kind}_world_size_{world}_rank_{rank}.pt"
+            a, b = (torch.load(d / name, weights_only=False) for d in (a_dir, b_dir))
+            flat_a, flat_b = _leaves(a), _leaves(b)
+            assert set(flat_a) == set(flat_b), name
+            out += [f"{name}:{k}" for k in flat_a if not _same(flat_a[k], flat_b[k])]
+    return out
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _leaves(value, f"{prefix}{key}.").items()}
+    if isinstance(tree, list | tuple) and not all(isinstance(v, int | float | bool) for v in tree):
+        return {k: v for i, value in enumerate(tree) for k, v in _leaves(value, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def _same(a, b):
+    import torch
+    if not torch.is_tensor(a):
+        return a == b
+    if type(a) is not type(b) or getattr(a, "placements", None) != getattr(b, "placements", None):
+        return False
+    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_one_rank_and_back_gives_verl_own_files(tmp_path, fsdp):
+    """To 1 rank (FSDP1's NO_SHARD: plain tensors, whole flat parameters) and back to 2: every rank's model and
+    optimizer file holds what verl saved, DTensors with their placements, as torch.load reads them. Negative control:
+    one element changed in the 1-rank files shows in the 2-rank files, in that entry alone."""
+    import torch
+    one, back = tmp_path / "one" / "global_step_3", tmp_path / "back" / "global_step_3"
+    run_cli("convert", FSDP[fsdp] / "global_step_3", one, "--to", "dp=1", check=0)
+    whole = torch.load(one / "actor" / "model_world_size_1_rank_0.pt", weights_only=False)[CHANGED]
+    assert hasattr(whole, "placements") == (fsdp == 2), type(whole)     # FSDP1 at one rank: a plain tensor
+    run_cli("convert", one, back, "--to", "dp=2", check=0)
+    assert _torch_differences(_actor(FSDP[fsdp]), back / "actor", 2) == []
+    path = one / "actor" / "model_world_size_1_rank_0.pt"
+    state = torch.load(path, weights_only=False)
+    value = state[CHANGED].to_local() if fsdp == 2 else state[CHANGED]
+    value.view(-1)[-1] += 1.0
+    torch.save(state, path)
+    (one / "reshard-manifest.json").unlink()        # the files changed under it
+    run_cli("convert", one, tmp_path / "changed" / "global_step_3", "--to", "dp=2", check=0)
+    assert _torch_differences(_actor(FSDP[fsdp]), tmp_path / "changed" / "global_step_3" / "actor", 2) == \
+        [f"model_world_size_2_rank_1.pt:{CHANGED}"]
