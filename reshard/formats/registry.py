@@ -131,7 +131,10 @@ FORMATS = (
     Format("verl", "verl", "verl.md", "verl FSDP global_step_N/ folders (actor, critic)",
            RunLayout("verl", checkpoints=r"^global_step_(\d+)$", pointer="latest_checkpointed_iteration.txt",
                      pointer_how=RESOLVE),
-           readers=("reshard.formats.verl.reader",)),
+           readers=("reshard.formats.verl.reader",),
+           writer=WriterEntry("reshard.formats.verl.writer", MESH_ONLY),
+           writes="verl's FSDP step folder at any world size (FSDP1 or FSDP2: weights, optimizer, lr scheduler), "
+                  "the default for a verl source"),
     Format("hf-trainer", "HF Trainer", "single-process.md",
            "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process)",
            RunLayout("hf-trainer", checkpoints=r"^checkpoint-(\d+)$", staging=r"^tmp-checkpoint-(\d+)$"),
