@@ -49,6 +49,7 @@ KNOWN = [(re.compile(r"^scheduler(_\d+)?\.bin$"), "an LR scheduler's state_dict"
 PLAIN = "DDP or one process"
 PLAIN_MODELS = (hf_weights.SAFE, hf_weights.BIN)
 OPTIMIZER = hf_files.FSDP_FULL_OPTIMIZER     # optimizer.bin, the same name as FSDP's full optimizer state dict's
+OTHER_MODELS = re.compile(r"^(model|pytorch_model|optimizer)_\d+\.(safetensors|bin)$")     # the I-th's, I >= 1
 # Accelerate passes the plugin's config to DeepSpeed as it is; its scheduler steps once per process per step.
 BATCH = ("Accelerate takes them from the DeepSpeed plugin's config and Accelerator(gradient_accumulation_steps=); "
          "its LR scheduler steps once per process each step, so the schedule advances by the world size")
@@ -71,7 +72,10 @@ def detect(folder: str) -> Framework | None:
         return None
     if (full or plain) and not deepspeed:      # its model and optimizer files are the checkpoint, the rest Accelerate's
         ours = (fsdp.FULL_MODEL, fsdp.FULL_OPTIMIZER) if full else (plain, OPTIMIZER)
-        files = tuple(f for f in framework_files(folder, (RANDOM_STATES,), _what) if f.name not in ours)
+        # a second model's or optimizer's files are checkpoint data the reader does not read (the first's alone):
+        # not Accelerate's own, so the checkpoint is not proven whole while they are there
+        files = tuple(f for f in framework_files(folder, (RANDOM_STATES,), _what)
+                      if f.name not in ours and not OTHER_MODELS.match(f.name))
         return Framework(NAME, folder, files, (RANDOM_STATES,), batch_note=FSDP_BATCH,
                          backend=fsdp.FULL if full else PLAIN, deepspeed_tag=DEEPSPEED_TAG)
     return Framework(NAME, folder, framework_files(folder, (RANDOM_STATES,), _what), (RANDOM_STATES,),
