@@ -13,9 +13,11 @@ schedule (the last stage's logits, gathered over tensor parallelism), and one tr
 
 A mixture of experts is built as the MoE fixtures build it (tools/fixture_megatron_core.py): every layer's MLP
 SequentialMLP experts of width "ffn", a top-"topk" softmax router, the allgather dispatcher, expert-parallel over ep
-of the data-parallel ranks (expert tensor parallelism: tp, megatron-core's default; with tp > 1 sequence parallelism,
-which megatron-core asks for there).
-    result: {"label", "loaded", "error", "problems", "logits_file", "losses", "moved"}
+of the data-parallel ranks (expert tensor parallelism: tp, megatron-core's default). A job with "train": false runs
+the forward alone: megatron-core trains a mixture of experts at tp > 1 with sequence parallelism only, which the
+local spec's torch norms do not take (Transformer Engine's do: no CPU build).
+    result: {"label", "loaded", "error", "problems", "logits_file", "losses", "moved" (the last two where it
+             trains)}
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def run(job: dict, fixture) -> dict:
         from safetensors.torch import save_file
         found = next(g for g in gathered if g is not None)
         save_file({"logits": found.contiguous()}, job["logits"])
+    if not job.get("train", True):
+        return out
     before = [p.detach().clone() for p in model.parameters()]
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, fixture.train(config, ddp, optimizer, scheduler, 1, seed=11,
@@ -103,7 +107,7 @@ def _build(job: dict):
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
         bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=job["tp"],
         pipeline_model_parallel_size=job["pp"], use_cpu_initialization=True, bf16=not fp32, params_dtype=dtype,
-        pipeline_dtype=dtype, sequence_parallel=bool(experts) and job["tp"] > 1, gradient_accumulation_fusion=False,
+        pipeline_dtype=dtype, sequence_parallel=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, init_method_std=0.02,
         layernorm_epsilon=m["eps"])
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")

@@ -7,8 +7,9 @@ saved by save_pretrained under its per-expert names (w1, w2, w3), with router_au
 loss weight that becomes Megatron's moe_aux_loss_coeff. Each conversion is loaded by `dist_checkpointing.load` into
 megatron-core's GPTModel built as the MoE fixtures build it (SequentialMLP experts, allgather dispatcher) at the
 target tp, pp and ep (tests/scripts/megatron_import.py, in the launches tests/formats/megatron/test_megatron_convert.py
-shares), whose logits of fixed tokens equal transformers' forward of the source folder within 1e-5, and one training
-step with a fresh optimizer runs and moves the weights. The round trip HF -> Megatron (tp=2, pp=2, ep=2) -> `export
+shares), whose logits of fixed tokens equal transformers' forward of the source folder within 1e-5, and at tp=1 one
+training step with a fresh optimizer runs and moves the weights (megatron-core trains a mixture of experts at tp > 1
+with sequence parallelism only, which the local spec's torch norms refuse: Transformer Engine's are not on CPU). The round trip HF -> Megatron (tp=2, pp=2, ep=2) -> `export
 --names megatron-core-mixtral` gives the source's tensors bit for bit and its config's values.
 
 Negative controls: each expert's w1 and w3 swapped (the rule file's fc1 parts reversed), or two experts of a layer
@@ -90,7 +91,7 @@ def job(label, save, to, source) -> tuple:
              "experts": config.num_local_experts, "topk": config.num_experts_per_tok}
     return (cut["tp"] * cut["pp"] * cut["dp"], None,
             {"label": label, "import": True, "save": str(save), "tp": cut["tp"], "pp": cut["pp"], "ep": cut["ep"],
-             "fp32": True, "model": model, "tokens": TOKENS, "logits": str(save) + "-logits.safetensors"})
+             "train": cut["tp"] == 1, "fp32": True, "model": model, "tokens": TOKENS, "logits": str(save) + "-logits.safetensors"})
 
 
 @shares("megatron_load.py")
@@ -134,7 +135,8 @@ def test_megatron_loads_the_mixtral_import_at_ep2_and_its_logits_are_transformer
     delta = float((got - want).abs().max())
     record_property("max_abs_delta", delta)
     assert delta <= FP32_BOUND, delta
-    assert result["losses"] and all(math.isfinite(x) for x in result["losses"]) and result["moved"]
+    if degrees(to)["tp"] == 1:      # (megatron-core trains experts at tp > 1 with sequence parallelism only: not on CPU)
+        assert result["losses"] and all(math.isfinite(x) for x in result["losses"]) and result["moved"]
 
 
 @pytest.mark.engine
