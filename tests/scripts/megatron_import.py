@@ -108,8 +108,8 @@ def _build(job: dict):
         bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=job["tp"],
         pipeline_model_parallel_size=job["pp"], use_cpu_initialization=True, bf16=not fp32, params_dtype=dtype,
         pipeline_dtype=dtype, sequence_parallel=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, init_method_std=0.02,
-        layernorm_epsilon=m["eps"])
+        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        init_method_std=0.02, layernorm_epsilon=m["eps"])
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
     model = GPTModel(config, spec, vocab_size=m["rows"],
                      max_sequence_length=m["seq"], pre_process=mpu.is_pipeline_first_stage(),

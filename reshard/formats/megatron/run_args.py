@@ -126,8 +126,9 @@ def check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> 
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     kv = args.get("kv_channels") or hidden // heads
     ffn = args["ffn_hidden_size"]
-    expected = {"embedding.word_embeddings.weight": ((args["padded_vocab_size"], hidden),
-                                                      "args.padded_vocab_size, args.hidden_size")}
+    expected: dict[str, tuple[tuple[int, ...], str]] = {
+        "embedding.word_embeddings.weight": ((args["padded_vocab_size"], hidden), "args.padded_vocab_size, "
+                                                                                   "args.hidden_size")}
     if args["untie_embeddings_and_output_weights"]:
         expected["output_layer.weight"] = ((args["padded_vocab_size"], hidden), "args.padded_vocab_size")
     if args["position_embedding_type"] == "learned_absolute":
@@ -182,7 +183,8 @@ def _mlp_shapes(args: Mapping[str, Any], at: str, rules: ParamOrder, hidden: int
         return {at + "mlp.linear_fc1.weight": ((ffn * gated, hidden), "args.ffn_hidden_size, args.swiglu"),
                 at + "mlp.linear_fc2.weight": ((hidden, ffn), "args.ffn_hidden_size")}
     width = args.get("moe_ffn_hidden_size") or ffn
-    out = {at + "mlp.router.weight": ((experts, hidden), "args.num_experts, args.hidden_size")}
+    out: dict[str, tuple[tuple[int, ...], str]] = {
+        at + "mlp.router.weight": ((experts, hidden), "args.num_experts, args.hidden_size")}
     for expert in range(experts):
         within = f"{at}{rules.expert_prefix}{expert}."
         out[within + "linear_fc1.weight"] = ((width * gated, hidden), "args.moe_ffn_hidden_size, args.swiglu")

@@ -9,8 +9,9 @@ megatron-core's GPTModel built as the MoE fixtures build it (SequentialMLP exper
 target tp, pp and ep (tests/scripts/megatron_import.py, in the launches tests/formats/megatron/test_megatron_convert.py
 shares), whose logits of fixed tokens equal transformers' forward of the source folder within 1e-5, and at tp=1 one
 training step with a fresh optimizer runs and moves the weights (megatron-core trains a mixture of experts at tp > 1
-with sequence parallelism only, which the local spec's torch norms refuse: Transformer Engine's are not on CPU). The round trip HF -> Megatron (tp=2, pp=2, ep=2) -> `export
---names megatron-core-mixtral` gives the source's tensors bit for bit and its config's values.
+with sequence parallelism only, which the local spec's torch norms refuse: Transformer Engine's are not on CPU). The
+round trip HF -> Megatron (tp=2, pp=2, ep=2) -> `export --names megatron-core-mixtral` gives the source's tensors bit
+for bit and its config's values.
 
 Negative controls: each expert's w1 and w3 swapped (the rule file's fc1 parts reversed), or two experts of a layer
 swapped in the source (its router kept), convert and load, and their logits differ; the export of a save with one
@@ -40,7 +41,8 @@ SHAPE = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_atte
 CONVERSIONS = ["tp=1,pp=1,dp=2,ep=2", "tp=2,pp=1,dp=2,ep=2", "tp=1,pp=2,dp=2,ep=2"]
 CONTROL = "tp=1,pp=1,dp=2,ep=2"
 # (the element the round trip's negative control changes: Megatron's name, the exported name)
-CHANGED = ("decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight")
+CHANGED = ("decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight",
+           "model.layers.1.block_sparse_moe.experts.3.w2.weight")
 
 
 def make_source(folder) -> None:
@@ -91,7 +93,8 @@ def job(label, save, to, source) -> tuple:
              "experts": config.num_local_experts, "topk": config.num_experts_per_tok}
     return (cut["tp"] * cut["pp"] * cut["dp"], None,
             {"label": label, "import": True, "save": str(save), "tp": cut["tp"], "pp": cut["pp"], "ep": cut["ep"],
-             "train": cut["tp"] == 1, "fp32": True, "model": model, "tokens": TOKENS, "logits": str(save) + "-logits.safetensors"})
+             "train": cut["tp"] == 1, "fp32": True, "model": model, "tokens": TOKENS,
+             "logits": str(save) + "-logits.safetensors"})
 
 
 @shares("megatron_load.py")
@@ -135,7 +138,7 @@ def test_megatron_loads_the_mixtral_import_at_ep2_and_its_logits_are_transformer
     delta = float((got - want).abs().max())
     record_property("max_abs_delta", delta)
     assert delta <= FP32_BOUND, delta
-    if degrees(to)["tp"] == 1:      # (megatron-core trains experts at tp > 1 with sequence parallelism only: not on CPU)
+    if degrees(to)["tp"] == 1:      # (megatron-core trains experts at tp > 1 with sequence parallelism alone)
         assert result["losses"] and all(math.isfinite(x) for x in result["losses"]) and result["moved"]
 
 
