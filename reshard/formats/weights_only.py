@@ -40,6 +40,13 @@ def provenance_record(thinned_on: str, what: str, dropped: tuple[str, ...], byte
                        "bytes_after": bytes_after, "keep_masters": keep_masters}, indent=1) + "\n"
 
 
+def written_record(source: str, load: str) -> str:
+    """PROVENANCE's text for a weights-only form written from a source that holds no optimizer state (a model
+    imported for training): nothing was dropped."""
+    return json.dumps({"kind": KIND, "from": source, "dropped": "nothing: the source holds no optimizer state",
+                       "dropped_files": [], "load": load}, indent=1) + "\n"
+
+
 def provenance(folder: str) -> dict | None:
     """The record in a thinned checkpoint's folder, or None (not thinned, or not readable as one)."""
     path = os.path.join(folder, PROVENANCE)

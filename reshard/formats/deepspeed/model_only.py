@@ -1,0 +1,45 @@
+"""A model alone (weights without optimizer state: a Hugging Face folder, a safetensors file) as the weights-only
+DeepSpeed ZeRO-1/2 tag folder that `engine.load_checkpoint(dir, load_module_only=True)` starts a run from.
+
+DeepSpeed 0.19.8's module-only load of a ZeRO-1/2 save reads the model-states file alone: `module` (loaded strict
+into the engine's module), `dp_world_size`, and, for frozen params, `frozen_param_fragments`; the optimizer's fp32
+masters are then taken from the loaded weights (`refresh_fp32_params`, `_restore_from_bit16_weights`), so no
+`*_optim_states.pt` file is read and none is written. The model-states file is the one a DeepSpeed engine training
+every param in one param group writes (the weights in the model's dtype, `param_shapes` of that group, no frozen
+params: the training script decides what it trains and how it groups it), beside `latest`. The tag folder holds
+reshard's weights-only record (weights_only.PROVENANCE), by which it is read back as weights-only on purpose and
+not as a save whose optimizer files are missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from reshard.core.catalog import Catalog
+from reshard.core.layout import Layout
+from reshard.core.write_requests import TextFile
+from reshard.errors import ReshardError
+from reshard.formats import weights_only
+from reshard.formats.deepspeed import rank_params, topology, zero12_writer
+from reshard.formats.deepspeed.zero_target import ZeroTarget, closing_files
+
+LOAD = "engine.load_checkpoint(dir, load_module_only=True, load_optimizer_states=False)"
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str) -> list:
+    zero = topology.of(target).zero
+    if zero not in (1, 2):
+        raise ReshardError.at(catalog.root, f"no optimizer state (weights only): written as DeepSpeed's ZeRO-1/2 "
+                              f"module files, which {LOAD} starts from (asked: zero={zero}; ZeRO-3 keeps its "
+                              "weights in the optimizer's fp32 partitions)")
+    if (target.tp, target.pp) != (1, 1) or catalog.experts is not None:
+        raise ReshardError.at(catalog.root, "no optimizer state (weights only): written at tp=1, pp=1 without "
+                              f"expert parallelism only (asked: tp={target.tp}, pp={target.pp})")
+    whole = rank_params.whole(catalog)
+    trained = tuple(dataclasses.replace(p, kind="trainable", group=0) if p.kind != "buffer" else p
+                    for p in whole.params)
+    params = dataclasses.replace(whole, params=trained,
+                                 groups=(tuple(p.name for p in trained if p.kind == "trainable"),))
+    zt = ZeroTarget(catalog, target)
+    model = zero12_writer.model_states(zt, params, zero12_writer.flat_groups(zt, params), tag, {})
+    record = weights_only.written_record(f"a weights-only {catalog.format} checkpoint", LOAD)
+    return [model, TextFile(f"{tag}/{weights_only.PROVENANCE}", record), *closing_files(tag, None)]
