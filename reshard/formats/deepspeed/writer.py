@@ -22,7 +22,8 @@ RESUMED_BY_FRAMEWORKS = True
 SAVES_OWN_NAMES = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
-    if not catalog.param_groups and catalog.format != "deepspeed":    # a model alone: what a fine-tune starts from
+    # a model alone (never trained here: no optimizer state, not a thinned checkpoint), as a fine-tune starts from it
+    if not catalog.param_groups and not weights_only.is_thinned(catalog.root):
         return model_only.target_files(catalog, target, tag)
     _check_convertible(catalog, target)
     source = catalog.layout
