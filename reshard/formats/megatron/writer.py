@@ -353,8 +353,10 @@ class _Writer:
         ep = asked or saved_ep
         count = counts[0] if len(set(counts)) == 1 else 0
         if not count or count % ep or self.grid.dp % ep:
+            hint = f" (experts are parallel within the data-parallel ranks: give dp, e.g. dp={ep})" \
+                if count and not count % ep else ""
             raise ReshardError(f"ep={ep} must divide dp={self.grid.dp} and each layer's experts "
-                               f"({', '.join(str(c) for c in counts)})")
+                               f"({', '.join(str(c) for c in counts)}){hint}")
         if self.args.get("overlap_grad_reduce"):
             raise ReshardError.at(self.catalog.root, "overlapped grad reduction: the experts' bucket sizes are not "
                                   "written yet")

@@ -184,6 +184,7 @@ def test_the_save_holds_the_experts_args_and_megatrons_expert_stacks(source, tmp
 @pytest.mark.parametrize("change, to, says", [
     (("num_local_experts", 8), "tp=1,dp=2,ep=2", "args.num_experts"),
     (None, "tp=1,dp=3,ep=3", "ep=3 must divide"),
+    (None, "tp=1,ep=2", "give dp, e.g. dp=2"),
 ])
 def test_what_contradicts_the_experts_is_refused_in_one_line(change, to, says, source, tmp_path):
     given = tmp_path / "hf"
