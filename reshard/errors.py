@@ -39,3 +39,9 @@ class CheckpointError(ReshardError):
 
 class UnsafeCheckpointError(CheckpointError):
     """A file asks to run code (a global outside the allow-list). Always fatal, never skipped."""
+
+
+class UnprovenMappingError(CheckpointError):
+    """The files read, but which parameter an optimizer entry belongs to cannot be proven (entries and parameters of
+    equal shapes in a file that keeps no parameter order): no proof that anything is missing, only that reshard
+    cannot tell."""

@@ -28,6 +28,11 @@
         On tmpfs (fast storage: the CPU is the limit): `cp -r`, a direct copy, `reshard convert` with 1 and N
         workers (and with --digest sha256: --sha256), `export`, `validate --deep`; wall, x cp, CPU seconds and per
         GB, peak RSS of each process tree, the load beside them (tools/bench_fast.py).
+    python tools/bench.py verl-make DIR [--hidden 1024] [--layers 16] [--fsdp 2]
+    python tools/bench.py verl DIR [--repeat 3]
+        A Qwen2 actor saved by verl's own checkpoint manager on 2 CPU ranks; then `reshard export --dtype bf16` of it
+        against verl's `model_merger` and a copy of the weights' files, and the two outputs compared bit for bit
+        (tools/bench_verl.py).
     python tools/bench.py compare REAL SYNTHETIC
         Check that a `make-synthetic` checkpoint has the files, keys, dtypes and shapes of a real one.
     python tools/bench.py run SRC [--to dp=4 --to dp=3] [--export] [--universal] [--dcp] [--repeat 3] [--json out.json]
@@ -72,6 +77,7 @@ import time
 
 import bench_fast
 import bench_thin
+import bench_verl
 import torchrun_jobs
 from bench_run import du, run
 
@@ -379,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--saves", type=int, help="as for make")
     bench_thin.add_parser(command)
     bench_fast.add_parser(command)
+    bench_verl.add_parser(command)
     what = "time reshard against cp -r (and DeepSpeed's and torch's own tools) on one checkpoint"
     r = command("run", what)
     r.add_argument("src", help="the checkpoint (a DeepSpeed save dir)")
@@ -422,7 +429,7 @@ def main():
         args.to = args.to or ([] if timed else ["dp=4"])
     sys.exit({"make": make, "make-tp": make_tp, "make-hf": make_hf, "make-dcp": make_dcp, "make-moe": make_moe,
               "make-synthetic": make_synthetic, "compare": compare, "worker": worker, "run": run,
-              "thin": bench_thin.run_thin, "fast": bench_fast.run_fast}[args.cmd](args))
+              "thin": bench_thin.run_thin, "fast": bench_fast.run_fast, **bench_verl.COMMANDS}[args.cmd](args))
 
 
 if __name__ == "__main__":

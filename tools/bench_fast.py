@@ -9,7 +9,8 @@ then the commands alternate, REPEAT times, each writing into the work folder:
   that sees every byte does: one read, one write, no check);
 - `reshard convert --to SPEC` with 1 worker and with N (`--workers N`), and with `--sha256` once with
   `--digest sha256`;
-- `reshard export --dtype fp32`; `reshard validate --deep`;
+- `reshard export --dtype fp32` (no cast) and `--dtype bf16` (the training precision, a cast of every element);
+  `reshard validate --deep`;
 - with `--before CHECKOUT` (another version's tree, e.g. `git worktree add /tmp/before COMMIT`), the same reshard
   commands run by that version too, in the same alternation: before and after measured under the same load.
 
@@ -18,9 +19,10 @@ would otherwise compile its modules again each time (0.2-0.4 CPU seconds).
 
 Per command: the median wall time and its ratio to `cp -r`'s, the median CPU seconds (user + system of the process
 and every child it waited for: reshard's worker processes, cp's) and per GB (of what it writes for cp, the copy and
-convert; of what it reads for export, from its manifest's bytes_read; of the source for validate --deep), and the
-peak RSS of the whole process tree (bench_run.measure). `uptime`'s load before and after is printed beside them: on a
-shared machine the ratios within one run are what to read. Nothing is asserted: it prints figures for people.
+convert; of what it reads for export, from its manifest's bytes_read; of the source for validate --deep), the cores
+it kept busy (CPU seconds per second of wall time) and the peak RSS of the whole process tree (bench_run.measure).
+`uptime`'s load before and after is printed beside them: on a shared machine the ratios within one run are what to
+read. Nothing is asserted: it prints figures for people.
 """
 import json
 import os
@@ -87,6 +89,7 @@ def run_fast(args) -> None:
             f"convert {args.to}": convert,
             f"convert {args.to} --workers {args.workers}": convert + ["--workers", str(args.workers)],
             "export fp32": reshard + ["export", src, "{dst}.safetensors", "--dtype", "fp32", "--quiet"],
+            "export bf16": reshard + ["export", src, "{dst}.safetensors", "--dtype", "bf16", "--quiet"],
             "validate --deep": reshard + ["validate", src, "--deep"],
         }
         if args.sha256:     # (what the manifest's digest cost before BLAKE3 was its default)
@@ -126,14 +129,15 @@ def run_fast(args) -> None:
         gb = statistics.median(r["gb"] for r in runs)
         rows.append({"command": name, "median_seconds": seconds, "runs_seconds": [round(r["seconds"], 2) for r in runs],
                      "ratio_to_cp": seconds / base, "cpu_seconds": cpu, "gb": gb, "cpu_seconds_per_gb": cpu / gb,
-                     "runs_cpu_seconds": [round(r["cpu"], 2) for r in runs],
+                     "runs_cpu_seconds": [round(r["cpu"], 2) for r in runs], "cores": cpu / seconds,
                      "peak_rss_mib": max(r["peak_rss"] for r in runs) / 2**20})
     print(f"source {args.src}: {size / 1e9:.2f} GB, in {workdir}; {args.repeat} alternating runs; load average "
           f"{load_before} before, {load_after} after")
-    print(f"{'command':<40} {'median s':>9} {'x cp':>6} {'CPU s':>7} {'GB':>6} {'CPU s/GB':>9} {'peak RSS MiB':>13}")
+    print(f"{'command':<40} {'median s':>9} {'x cp':>6} {'CPU s':>7} {'GB':>6} {'CPU s/GB':>9} {'cores':>6} "
+          f"{'peak RSS MiB':>13}")
     for r in rows:
         print(f"{r['command']:<40} {r['median_seconds']:>9.2f} {r['ratio_to_cp']:>6.2f} {r['cpu_seconds']:>7.2f} "
-              f"{r['gb']:>6.2f} {r['cpu_seconds_per_gb']:>9.2f} {r['peak_rss_mib']:>13.0f}")
+              f"{r['gb']:>6.2f} {r['cpu_seconds_per_gb']:>9.2f} {r['cores']:>6.2f} {r['peak_rss_mib']:>13.0f}")
     one, many = (next(r for r in rows if r["command"] == f"convert {args.to}{tail}")
                  for tail in ("", f" --workers {args.workers}"))
     print(f"--workers {args.workers}: {one['median_seconds'] / many['median_seconds']:.2f}x the speed of 1 worker")

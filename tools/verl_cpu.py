@@ -57,8 +57,9 @@ def tokenizer():
                                    pad_token="t0")
 
 
-def actor(fsdp: int, seed: int = 0):
-    """(model, optimizer, lr_scheduler, checkpoint manager) of a verl FSDP actor at this process group's size."""
+def actor(fsdp: int, seed: int = 0, model_config=None):
+    """(model, optimizer, lr_scheduler, checkpoint manager) of a verl FSDP actor at this process group's size, of
+    `model_config` (default the fixtures' tiny Qwen2, `config()`)."""
     install()
     import torch
     import torch.distributed as dist
@@ -68,7 +69,7 @@ def actor(fsdp: int, seed: int = 0):
     from verl.utils.fsdp_utils import apply_fsdp2, get_fsdp_wrap_policy
     torch.manual_seed(seed)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    module = AutoModelForCausalLM.from_config(config(), dtype=torch.float32)
+    module = AutoModelForCausalLM.from_config(model_config or config(), dtype=torch.float32)
     if fsdp == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
         model = FullyShardedDataParallel(module, auto_wrap_policy=get_fsdp_wrap_policy(module, config=None),

@@ -48,8 +48,13 @@ def print_inspect(info: Inspection) -> None:
         print(f"  options       {', '.join(f'{k}={v}' for k, v in info.options.items())}")
     print(f"  step          {known['step']} (global_steps {known['global_steps']}, "
           f"global_samples {known['global_samples']})")
+    if info.trainable is None or info.frozen is None:
+        trained = "trainable and frozen not recorded (weights only)"
+    else:
+        trained = f"{info.trainable} trainable, {info.frozen} frozen" + \
+            (" before thinning (weights only)" if info.thinned is not None and not info.param_groups else "")
     print(f"  parameters    {info.parameters} ({info.elements:,} element{'s' * (info.elements != 1)}): "
-          f"{info.trainable} trainable, {info.frozen} frozen; {counted(info.buffers, 'buffer')}")
+          f"{trained}; {counted(info.buffers, 'buffer')}")
     for alias, source in info.aliases.items():
         print(f"  tied          {alias} -> {source}")
     for g, group in enumerate(info.param_groups):

@@ -44,9 +44,11 @@ def print_written(args: argparse.Namespace, dst: str, written: Written | None) -
 
 def files_words(written: Written) -> str:
     """`4 checkpoint files and 3 others (latest, ...)`: the checkpoint's files counted as `validate` counts them
-    (its reader, metadata only, on what was written), then the rest by name."""
+    (its reader, metadata only, on what was written), then the rest by name. The files are all it needs: a Hugging
+    Face folder is not put in its model's order (that builds the model class with transformers: seconds, and
+    hundreds of MiB for a large model)."""
     try:
-        catalog = reshard.open_checkpoint(written.path)
+        catalog = reshard.open_checkpoint(written.path, model_order=False)
     except ReshardError:    # an output no reader opens alone: every file counted
         return counted(len(written.files), "file")
     folder = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)

@@ -95,8 +95,9 @@ class Inspection:
     global_samples: int | None
     parameters: int
     elements: int
-    trainable: int
-    frozen: int
+    # None where the checkpoint does not say: a weights-only form `reshard thin` wrote before its record kept them
+    trainable: int | None
+    frozen: int | None
     buffers: int
     aliases: Mapping[str, str]      # {tied name: the name it is tied to}
     param_groups: tuple[JsonObject, ...]    # per group: its hyper-parameters and how many params it holds
@@ -153,6 +154,11 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     own = layout.format_topology.descriptor() if layout.format_topology is not None else {}
     kinds = [p.kind for p in catalog.params.values()]
     frame = framework_of(catalog)
+    thinned = weights_only.provenance(catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root))
+    trained: weights_only.Trained | None = weights_only.Trained(kinds.count("trainable"), kinds.count("frozen"))
+    if thinned is not None and not catalog.param_groups:
+        # the optimizer's groups, which said what was trained, were dropped: what the record kept of the source
+        trained = weights_only.trained(thinned)
     return Inspection(
         path=catalog.root,
         format=catalog.format,
@@ -170,8 +176,8 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         global_samples=catalog.training.global_samples,
         parameters=contents.params,
         elements=contents.elements,
-        trainable=kinds.count("trainable"),
-        frozen=kinds.count("frozen"),
+        trainable=trained.trainable if trained is not None else None,
+        frozen=trained.frozen if trained is not None else None,
         buffers=kinds.count("buffer"),
         aliases=dict(catalog.aliases),
         param_groups=tuple({**{k: jsonable(v) for k, v in g.items() if k != "params"},
@@ -186,7 +192,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         problems=len(catalog.problems),
         parameter_table=tuple(_param_row(catalog, p) for p in catalog.params.values()) if params else None,
         entries=tuple(catalog.notes.own_entries()) if isinstance(catalog.notes, OwnEntries) else None,
-        thinned=weights_only.provenance(catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)),
+        thinned=thinned,
     )
 
 

@@ -50,6 +50,13 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def chunks(rows: int, parts: int) -> list[Range]:
+    """[first, stop) of each of `parts` blocks of `rows` as torch.chunk cuts them (FSDP's dim-0 shards): blocks of
+    ceil(rows / parts), the last ones short or empty."""
+    per = ceil_div(rows, parts) if rows else 0
+    return [(min(rows, p * per), min(rows, (p + 1) * per)) for p in range(parts)]
+
+
 def strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides, in elements."""
     out, acc = [], 1

@@ -40,7 +40,10 @@ from reshard.storage.routing import LOCAL_STREAM_BUFFER_BYTES, output_for
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 READ_AHEAD = 2                  # blocks read ahead of the one being written
-BUFFERS_PER_WORKER = READ_AHEAD + 1     # blocks alive per worker, besides its file's stream (STREAM_BUFFER_BYTES)
+RING_BLOCKS = READ_AHEAD + 1            # blocks alive per worker: read ahead, and the one being written
+# the memory of blocks per worker, besides its file's stream (STREAM_BUFFER_BYTES): the ring's, and its scratch a
+# block to cast is read into (BlockRing.scratch)
+BUFFERS_PER_WORKER = RING_BLOCKS + 1
 MAX_CHUNK = 16 << 20            # larger blocks do not copy faster here, they only take memory
 POLL_SECONDS = 0.1              # how often a parent waiting for its workers looks for a Ctrl-C
 
@@ -356,7 +359,7 @@ def write_file(plan: FilePlan, root: str, chunk: int, report=None, reread: dict 
     INTERRUPTS.check()
     sources = SourceFiles(reread or {}, Tally(members))
     sources.will_read(plan.source_reads())
-    ring = BlockRing(chunk, BUFFERS_PER_WORKER)
+    ring = BlockRing(chunk, RING_BLOCKS)
     try:
         # (a WriteStream is written as a binary file: the containers' zip and header writers take it as one)
         with ThreadPoolExecutor(max_workers=1) as reader, storage_out.stream(path, plan.size, algorithm) as stream, \

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from reshard.core import geometry
-from reshard.core.dtypes import cast_array, itemsize, numpy_carrier
+from reshard.core.dtypes import cast_array, cast_into, itemsize, numpy_carrier
 from reshard.core.geometry import strides
 from reshard.core.placement import flat_boxes, intersect
 from reshard.core.planner import Copy, Gather
@@ -30,11 +30,21 @@ class BlockRing:
     """`count` buffers of `chunk` bytes each, handed out in turn: the source reads of a target are read into memory
     made once (a fresh 16 MiB buffer per block cost page faults: 7% of a conversion's CPU on tmpfs). A buffer is
     handed out again `count` blocks later: its consumer must be done with it by then (the executor holds
-    READ_AHEAD + 1 blocks at once, each written out before the next is asked for)."""
+    READ_AHEAD + 1 blocks at once, each written out before the next is asked for). A block that is cast is read into
+    `scratch` first, one more buffer, made when first needed: blocks are made one at a time (the executor's one
+    reader thread), each done with it before the next."""
 
     def __init__(self, chunk: int, count: int):
         self._buffers = [np.empty(chunk, dtype=np.uint8) for _ in range(count)]
         self._next = 0
+        self._chunk = chunk
+        self._scratch: np.ndarray | None = None
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """The first `nbytes` (at most `chunk`) of the buffer a block is read into before it is cast into its own."""
+        if self._scratch is None:
+            self._scratch = np.empty(self._chunk, dtype=np.uint8)
+        return self._scratch[:nbytes]
 
     def take(self, nbytes: int) -> np.ndarray:
         """The next buffer's first `nbytes` (at most `chunk`)."""
@@ -58,12 +68,15 @@ def _op_blocks(op, dtype: str, chunk: int, sources, ring: BlockRing | None = Non
         step = max(1, chunk // max(in_size, out_size))
         for first in range(0, op.count, step):
             n = min(step, op.count - first)
-            into = ring.take(n * in_size) if ring is not None else None
-            yield functools.partial(_copy_block, sources, op, first * in_size, n * in_size, dtype, into)
+            into = ring.take(n * out_size) if ring is not None else None
+            raw = (ring.scratch if op.src_dtype != dtype else None) if ring is not None else None
+            yield functools.partial(_copy_block, sources, op, first * in_size, n * in_size, dtype, into, raw)
     elif isinstance(op, Gather):
         step = max(1, chunk // max([out_size] + [itemsize(box.src_dtype) for box in op.copies]))
         for first in range(0, op.count, step):
-            yield functools.partial(_gather_block, sources, op, first, min(step, op.count - first), dtype)
+            n = min(step, op.count - first)
+            into = ring.take(n * out_size) if ring is not None else None
+            yield functools.partial(_gather_block, sources, op, first, n, dtype, into)
     else:
         step = max(1, chunk // out_size)
         for first in range(0, op.count, step):
@@ -86,19 +99,25 @@ def fill(storage, out: np.ndarray, sources, chunk: int = 8 << 20) -> None:
             at += data.size
 
 
-def _copy_block(sources, op, offset, nbytes, dtype, into: np.ndarray | None = None):
+def _copy_block(sources, op, offset, nbytes, dtype, into: np.ndarray | None = None, scratch=None):
+    """The block's bytes: read into `into` (a ring's buffer) where given, else into fresh memory; a block to cast
+    read into `scratch(nbytes)` and cast from there into `into` (no temporary array of the block's size)."""
     if into is None:
         raw = sources.read(op.src_file, op.src_offset + offset, nbytes)
-    else:
+        return raw if op.src_dtype == dtype else cast(raw, op.src_dtype, dtype)
+    if op.src_dtype == dtype:
         sources.read_into(op.src_file, op.src_offset + offset, into)
-        raw = into.data.cast("B")
-    return raw if op.src_dtype == dtype else cast(raw, op.src_dtype, dtype)
+        return into.data.cast("B")
+    raw = scratch(nbytes)
+    sources.read_into(op.src_file, op.src_offset + offset, raw)
+    cast_into(raw.view(numpy_carrier(op.src_dtype)), op.src_dtype, dtype, into.view(numpy_carrier(dtype)))
+    return into.data.cast("B")
 
 
-def _gather_block(sources, op, first: int, count: int, dtype: str) -> memoryview:
+def _gather_block(sources, op, first: int, count: int, dtype: str, into: np.ndarray | None = None) -> memoryview:
     """Elements [first, first + count) of a Gather: the boxes of that flat range of its shard, each copied
-    with strided views from one block read of its source."""
-    out = np.empty(count, dtype=numpy_carrier(dtype))
+    with strided views from one block read of its source, into `into` (a ring's buffer) where given."""
+    out = np.empty(count, dtype=numpy_carrier(dtype)) if into is None else into.view(numpy_carrier(dtype))
     lo = op.start + first
     shard_strides = strides(op.shape)
     byte_strides = tuple(s * out.itemsize for s in shard_strides)

@@ -98,10 +98,14 @@ class GlobalName:
 class PickledAs:
     """How a format's stand-in is pickled back (its class's `pickled_as(self)` gives this): a call of the global it
     stands for with `args`, then `state` set on the result (BUILD) unless None: argparse.Namespace() and its
-    attributes, an enum's class called with the member's value."""
+    attributes, an enum's class called with the member's value. With `new`, the global is a class made as pickle
+    makes an instance of it (NEWOBJ: `cls.__new__(cls, *args)`, no __init__ run), as a dataclass or NamedTuple of
+    the framework is written. A PickledAs in a tree is written as what it describes (a writer spelling a framework's
+    object it has no stand-in of: verl's DTensors)."""
     glob: GlobalName
     args: tuple = ()
-    state: dict | None = None
+    state: object = None
+    new: bool = False
 
 
 _REBUILD = GlobalName("torch._utils", "_rebuild_tensor_v2")
@@ -215,6 +219,16 @@ class TreePickler(PurePickler):
         self.memoize(glob)
 
     dispatch[GlobalName] = _save_named_global
+
+    def _save_pickled_as(self, obj: PickledAs) -> None:
+        self.save(obj.glob)
+        self.save(obj.args)
+        self.write(pickle.NEWOBJ if obj.new else pickle.REDUCE)
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    dispatch[PickledAs] = _save_pickled_as
 
 
 def pickle_tree(tree, carry=None) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from reshard.errors import ReshardError
 from reshard.storage import files as fs
@@ -32,12 +32,33 @@ class Form:
     written: tuple[Any, ...] = ()
 
 
+@dataclass(frozen=True)
+class Trained:
+    """How many of the full checkpoint's parameters its optimizer trained and how many it left frozen: the
+    optimizer's param groups said so, and the weights-only form drops them, so the record keeps the counts."""
+    trainable: int
+    frozen: int
+
+
 def provenance_record(thinned_on: str, what: str, dropped: tuple[str, ...], bytes_before: int, bytes_after: int,
-                      source_format: str, keep_masters: bool) -> str:
+                      source_format: str, keep_masters: bool, trained: Trained) -> str:
     """PROVENANCE's text."""
     return json.dumps({"kind": KIND, "thinned_on": thinned_on, "from": f"a full {source_format} checkpoint",
                        "dropped": what, "dropped_files": list(dropped), "bytes_before": bytes_before,
-                       "bytes_after": bytes_after, "keep_masters": keep_masters}, indent=1) + "\n"
+                       "bytes_after": bytes_after, "keep_masters": keep_masters,
+                       "trainable": trained.trainable, "frozen": trained.frozen}, indent=1) + "\n"
+
+
+def trained(record: dict) -> Trained | None:
+    """The counts a thinned checkpoint's record kept of its source (None: a record written before they were)."""
+    trainable, frozen = record.get("trainable"), record.get("frozen")
+    if _count(trainable) and _count(frozen):
+        return Trained(trainable, frozen)
+    return None
+
+
+def _count(n: object) -> TypeGuard[int]:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def written_record(source: str, load: str) -> str:

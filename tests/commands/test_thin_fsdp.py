@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import reshard
-from tests.commands.test_thin_dcp import flip_weight, series
+from tests.commands.test_thin_dcp import flip_weight, series, thinned_lightning, thinned_titan
 from tests.formats.framework.test_accelerate_fsdp_deepspeed import (
     fsdp_truth as accelerate_truth,
     full_truth as accelerate_full_truth,
@@ -232,3 +232,36 @@ def test_accelerate_load_state_loads_the_thinned_folder_as_the_full_one(accelera
     assert result["negative_differences"] > 0       # the DeepSpeed run's weights at the same step
     assert result["counter"] == 3       # the registered object's state, loaded beside the model
     assert changed["problems"] == [f"fp32/{CHANGED}: differs after resume"], changed
+
+
+def thinned_dcp_form(kind: str, root: Path) -> tuple[Path, Path]:
+    """(the thinned checkpoint, a full one of the same save) of a DCP-based form: torchtitan, Lightning's
+    FSDPStrategy, or one of SOURCES."""
+    if kind == "torchtitan":
+        run = thinned_titan(root)
+        return run / "step-1", run / "step-2"
+    if kind == "lightning":
+        run = thinned_lightning(root)
+        return run / "step=1.ckpt", run / "step=2.ckpt"
+    return thinned(kind, root)
+
+
+@pytest.mark.parametrize("kind", ["torchtitan", "lightning", "hf-sharded", "accelerate-sharded"])
+def test_inspect_of_a_thinned_dcp_form_says_what_the_source_trained(kind, tmp_path):
+    """Its optimizer's groups, which said what was trained, are dropped: `inspect` gives the source's counts the
+    record kept, said as such, never "0 trainable" (every parameter frozen). The control: a record without the
+    counts (written before they were kept) says they are not recorded, and JSON gives null."""
+    folder, full = thinned_dcp_form(kind, tmp_path)
+    source = json.loads(run_cli("inspect", full, "--json", check=0).stdout)
+    info = json.loads(run_cli("inspect", folder, "--json", check=0).stdout)
+    assert source["trainable"] > 0 and (info["trainable"], info["frozen"]) == (source["trainable"], source["frozen"])
+    assert info["param_groups"] == [] and info["thinned"]["trainable"] == source["trainable"]
+    line = next(t for t in run_cli("inspect", folder, check=0).stdout.splitlines() if "parameters" in t)
+    assert line.endswith(f"{source['trainable']} trainable, {source['frozen']} frozen before thinning (weights "
+                         f"only); {source['buffers']} buffer{'s' * (source['buffers'] != 1)}"), line
+    record = folder / "reshard-thinned.json"
+    older = {k: v for k, v in json.loads(record.read_text()).items() if k not in ("trainable", "frozen")}
+    record.write_text(json.dumps(older))
+    info = json.loads(run_cli("inspect", folder, "--json", check=0).stdout)
+    assert (info["trainable"], info["frozen"]) == (None, None)
+    assert "trainable and frozen not recorded (weights only)" in run_cli("inspect", folder, check=0).stdout

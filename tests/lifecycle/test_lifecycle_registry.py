@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import reshard
-from reshard.lifecycle.listing import COMPLETE, INCOMPLETE, UNVERIFIABLE
+from reshard.lifecycle.listing import COMPLETE, INCOMPLETE
 from tests.helpers import lifecycle_runs as lr
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import FIXTURES
@@ -131,25 +131,6 @@ def test_watch_says_what_it_validated_per_checkpoint(run):
     assert again.stdout.splitlines()[-1].endswith("validated 0 checkpoints (0 complete, 0 incomplete), kept 0 "
                                                  f"unverifiable or unknown unread, left {len(megatron)} in progress, "
                                                  "deleted 0")
-
-
-def test_accelerate_plain_save_state_stays_unverifiable_its_optimizer_unread(tmp_path):
-    """Accelerate's plain save_state: the registry's readers read its weights, never its optimizer.bin, so it is
-    not proven whole: unverifiable, never deleted. No name is special: without its optimizer.bin the files left
-    unread are the next ones named (the safetensors reader then takes the folder, reading its weights alone)."""
-    from tests.lifecycle.test_lifecycle_units import accelerate_run
-    project = accelerate_run(tmp_path)
-    rows = reshard.list_checkpoints(project).checkpoints
-    assert [r.status for r in rows] == [UNVERIFIABLE] * 3
-    assert all(r.why.startswith("optimizer.bin: not read by reshard's") and "never deleted" in r.why for r in rows)
-    before = lr.snapshot(project)
-    run_cli("prune", project, "--keep-last", "1", "--yes")
-    assert lr.snapshot(project) == before
-    (project / "checkpoints" / "checkpoint_0" / "optimizer.bin").unlink()
-    lr.age(project)
-    first = reshard.list_checkpoints(project).checkpoints[0]
-    assert first.status == UNVERIFIABLE and first.why.startswith("random_states_0.pkl (and 1 more): not read by "
-                                                                 "reshard's safetensors reader"), first.why
 
 
 def test_a_folder_named_unlike_its_series_is_no_member(tmp_path):

@@ -147,23 +147,27 @@ def accelerate_run(root: Path, steps: int = 3) -> Path:
     return project
 
 
-def test_accelerate_save_state_checkpoints_are_kept_units(tmp_path, capsys):
+def test_accelerate_save_state_checkpoints_are_units_read_whole(tmp_path, capsys):
     """Accelerate's checkpoint_N/ (model.safetensors, optimizer.bin, scheduler.bin, random_states_0.pkl): one row
-    each, kept, since reshard reads its weights but not its optimizer; before, its weights alone made it
-    "complete" and `--keep-last 1` deleted two of three."""
+    each, complete (its optimizer.bin read: tests/commands/test_thin_accelerate.py), so `--keep-last 1` deletes
+    the two older ones whole; the control: one holding a file reshard does not read (a second optimizer's) is
+    unverifiable and kept."""
     project = accelerate_run(tmp_path)
     run = project / "checkpoints"
     assert {name: set(files) for name, files in files_of(run).items()} == \
         {f"checkpoint_{i}": {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
          for i in range(3)}
+    shutil.copy(run / "checkpoint_1" / "optimizer.bin", run / "checkpoint_1" / "optimizer_1.bin")
+    lr.age(project)
     rows = reshard.list_checkpoints(project).checkpoints
     assert [(r.name, r.step, r.status) for r in rows] == \
-        [(f"checkpoints/checkpoint_{i}", i, UNVERIFIABLE) for i in range(3)]
-    assert all(r.unit == "Accelerate save_state (DDP or one process)" and "optimizer.bin" in r.why for r in rows)
+        [(f"checkpoints/checkpoint_{i}", i, UNVERIFIABLE if i == 1 else COMPLETE) for i in range(3)]
+    assert all(r.unit == "Accelerate save_state (DDP or one process)" for r in rows)
+    assert "optimizer_1.bin" in rows[1].why
     before = files_of(run)
     code, out, _ = cli_out(capsys, "prune", project, "--keep-last", "1", "--delete-incomplete", "--yes")
-    assert code == 0 and "deleted 0 checkpoints" in out
-    assert_whole_or_gone(before, files_of(run), set())
+    assert code == 0 and "deleted 1 checkpoint" in out, out
+    assert_whole_or_gone(before, files_of(run), {"checkpoint_0"})
     # With DeepSpeed, save_state's folder is a DeepSpeed save dir (tag `pytorch_model`, `latest`) with Accelerate's
     # files beside it (reshard/formats/framework/accelerate.py): one checkpoint, read whole, not a save dir whose
     # tag folder alone would be a checkpoint. Built by that layout around a real engine save and these RNG files.
@@ -171,7 +175,7 @@ def test_accelerate_save_state_checkpoints_are_kept_units(tmp_path, capsys):
     shutil.copytree(fixture_dir("z2_fp32_dp2") / "global_step3", ds / "pytorch_model")
     (ds / "latest").write_text("pytorch_model")
     for rank in (0, 1):
-        shutil.copy(run / "checkpoint_0" / "random_states_0.pkl", ds / f"random_states_{rank}.pkl")
+        shutil.copy(run / "checkpoint_2" / "random_states_0.pkl", ds / f"random_states_{rank}.pkl")
     lr.age(ds.parent.parent)
     [row] = reshard.list_checkpoints(ds.parent.parent).checkpoints
     assert (row.name, row.status, row.unit, row.format) == \

@@ -402,7 +402,7 @@ AGAINST_THE_FLOW = {("reshard.formats.torchsave_write", "reshard.execution.check
                     *(("reshard.formats." + reader, "reshard.execution.source_bytes") for reader in (
                         "dcp.chunks", "deepspeed.experts", "deepspeed.group_scalars", "deepspeed.parallel",
                         "deepspeed.rank_reader", "deepspeed.universal_reader", "megatron.legacy", "megatron.reader",
-                        "single.model", "verl.reader"))}
+                        "single.model", "verl.flat_optim", "verl.reader"))}
 
 
 def rank(module: str, rooms: tuple[tuple[str, ...], ...]) -> int:

@@ -1,16 +1,18 @@
 """Load verl FSDP actor checkpoints with verl 0.9.1's own FSDPCheckpointManager at this launch's world size
-(torchrun, gloo, CPU).
+(torchrun, gloo, CPU), every job of the launch in turn.
 
-    torchrun --nproc_per_node 2 tests/scripts/verl_load.py JOBS.json RESULTS.json
+    torchrun --nproc_per_node W tests/scripts/verl_load.py JOBS.json RESULTS.json
 
-JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder,
-"full": where rank 0 writes the loaded weights whole (safetensors; optional)}.
+JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder
+(optional), "full": where rank 0 writes the loaded weights whole (safetensors; optional), "full_optim": where it
+writes the loaded optimizer state whole, `<parameter>.<state>` (FSDP1's flat parameters split as FSDP's own
+metadata says; optional)}.
 For each job every rank builds the actor tools/fixture_verl.py saved (tools/verl_cpu.actor: a fresh seed, so its
 weights differ from the saved ones until loaded) and calls `FSDPCheckpointManager.load_checkpoint(folder)`. The truth
 is the truth folder's files of this rank as torch.load reads them (no reshard): what verl's manager saves of the
 loaded actor (its sharded model and optimizer state dicts, the lr scheduler) must equal it exactly. Then one more
-training step runs. Rank 0 writes {"label", "loaded", "error", "problems", "last_epoch", "step_after", "loss"} per
-job, the problems of every rank gathered.
+training step runs. Rank 0 writes {"label", "loaded", "error", "problems", "last_epoch", "scheduler", "step_after",
+"loss"} per job, the problems of every rank gathered.
 """
 import json
 import os
@@ -52,6 +54,42 @@ def _differences(prefix: str, live, truth) -> list:
     return [] if same else [f"{prefix}: differs from the truth"]
 
 
+def _save_whole(tensors: dict, path: str, rank: int) -> None:
+    """`tensors` gathered whole (a collective: every rank calls it) and written by rank 0 (safetensors)."""
+    from safetensors.torch import save_file
+    whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().contiguous()
+             for k, v in tensors.items()}
+    if rank == 0:
+        save_file(whole, path)
+
+
+def _flat_states(model, optimizer, world: int) -> dict:
+    """FSDP1's optimizer state by parameter name: each flat parameter's state gathered whole from the ranks and split
+    as FSDP's own metadata of it says (its parameters' names and sizes, the padding entries skipped)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    out = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, FullyShardedDataParallel) or module._handle is None:
+            continue
+        prefix = path.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        flat = module._handle.flat_param
+        names = [f"{prefix}.{fqn}" if prefix else fqn for fqn in flat._fqns]
+        for key, value in optimizer.state[flat].items():
+            if value.dim() == 0:    # the step, one for the flat parameter
+                out.update({f"{name}.{key}": value for name in names})
+                continue
+            blocks = [torch.empty_like(value) for _ in range(world)]
+            dist.all_gather(blocks, value.contiguous())
+            whole, offset, held = torch.cat(blocks), 0, iter(names)
+            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+                if not padding:
+                    out[f"{next(held)}.{key}"] = whole[offset:offset + numel]
+                offset += numel
+    return out
+
+
 def _job(job) -> dict:
     import torch
     import torch.distributed as dist
@@ -62,7 +100,7 @@ def _job(job) -> dict:
     from verl.utils.fsdp_utils import get_fsdp_state_ctx
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {"label": job["label"], "loaded": False, "error": None, "problems": [], "last_epoch": None,
-              "step_after": None, "loss": None}
+              "scheduler": None, "step_after": None, "loss": None}
     model, optimizer, scheduler, manager = verl_cpu.actor(job["fsdp"], seed=1)
     try:
         manager.load_checkpoint(job["folder"])
@@ -71,27 +109,31 @@ def _job(job) -> dict:
         dist.barrier()
         return result
     result["loaded"] = True
-    truth = job["truth"]
+    truth = job.get("truth")
     name = f"world_size_{world}_rank_{rank}.pt"
     with get_fsdp_state_ctx(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
                             ShardedOptimStateDictConfig()):
         live = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     problems = []
-    for kind in ("model", "optim"):
-        saved = torch.load(os.path.join(truth, f"{kind}_{name}"), weights_only=False)
-        problems += _differences(kind, live[kind], saved)
-    saved_extra = torch.load(os.path.join(truth, f"extra_state_{name}"), weights_only=False)
-    problems += _differences("lr_scheduler", scheduler.state_dict(), saved_extra["lr_scheduler"])
+    if truth:
+        for kind in ("model", "optim"):
+            saved = torch.load(os.path.join(truth, f"{kind}_{name}"), weights_only=False)
+            problems += _differences(kind, live[kind], saved)
+        saved_extra = torch.load(os.path.join(truth, f"extra_state_{name}"), weights_only=False)
+        problems += _differences("lr_scheduler", scheduler.state_dict(), saved_extra["lr_scheduler"])
     if job.get("full"):     # the live weights, whole: what an export must hold
-        from safetensors.torch import save_file
-        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().contiguous()
-                for k, v in live["model"].items()}
-        if rank == 0:
-            save_file(full, job["full"])
+        _save_whole(live["model"], job["full"], rank)
+    if job.get("full_optim") and job["fsdp"] == 2:      # FSDP2's moments and steps, whole, by parameter name
+        names = [k for k, v in live["model"].items() if hasattr(v, "full_tensor")]
+        _save_whole({f"{names[i]}.{k}": v for i, state in live["optim"]["state"].items() for k, v in state.items()},
+                    job["full_optim"], rank)
+    elif job.get("full_optim"):
+        _save_whole(_flat_states(model, optimizer, world), job["full_optim"], rank)
     gathered = [None] * world
     dist.all_gather_object(gathered, problems)
     result["problems"] = sorted({p for rank_problems in gathered for p in rank_problems})
     result["last_epoch"] = scheduler.last_epoch
+    result["scheduler"] = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     result["loss"] = verl_cpu.train_step(model, optimizer, scheduler, 4, rank)
     steps = {float(s["step"]) for s in optimizer.state_dict()["state"].values()}
     result["step_after"] = sorted(steps)

@@ -16,6 +16,7 @@ from typing import Any
 
 from reshard.core.catalog import Catalog, ScalarTensor
 from reshard.core.dtypes import itemsize
+from reshard.core.geometry import chunks
 from reshard.core.layout import Layout
 from reshard.core.write_requests import NewTensor, Output, Piece, TensorFile, TextFile
 from reshard.errors import ReshardError
@@ -146,13 +147,13 @@ def _row_blocks(key, shape, dtype, source, dp):
     if not shape:
         return [(0, [Piece(1, source, 0)], ())]
     rows, row = shape[0], math.prod(shape[1:])
-    per_rank = math.ceil(rows / dp) if rows else 0
+    blocks = chunks(rows, dp)
+    per_rank = blocks[0][1] - blocks[0][0]
     if row * itemsize(dtype) * per_rank > CHUNK_LIMIT:
         raise ReshardError(f"{key}: a shard of {row * per_rank * itemsize(dtype)} bytes is larger than "
                            f"{CHUNK_LIMIT} bytes (ZIP64 chunks are not written yet); use more ranks")
     out: list[tuple[int, list[Piece] | None, tuple[int, ...] | None]] = []
-    for rank in range(dp):
-        first, last = min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank)
+    for first, last in blocks:
         if last <= first:
             out.append((first, None, None))
             continue

@@ -45,16 +45,17 @@ IN_FRAMEWORK_FOLDERS = True
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    """A folder of HF weights with a trainer state or an optimizer; or of pytorch_model.bin (or FSDP's full
-    pytorch_model_fsdp.bin) weights
-    (save_pretrained folders of safetensors alone are safetensors_reader's)."""
+    """A folder of HF weights with a trainer state, an optimizer or the per-process RNG files of the Trainer or
+    Accelerate (a save_state thinned to its weights); or of pytorch_model.bin (or FSDP's full
+    pytorch_model_fsdp.bin) weights (save_pretrained folders of safetensors alone are safetensors_reader's)."""
     if not fs.isdir(path):
         return False
     weights = hf_weights.present(path)
     return weights is not None and (fs.isfile(os.path.join(path, TRAINER_STATE)) or
                                     fs.isfile(os.path.join(path, OPTIMIZER)) or
                                     fs.isfile(os.path.join(path, FSDP_OPTIMIZER)) or
-                                    weights in (hf_weights.BIN, hf_weights.BIN_INDEX, hf_weights.FSDP_BIN))
+                                    weights in (hf_weights.BIN, hf_weights.BIN_INDEX, hf_weights.FSDP_BIN) or
+                                    any(RNG.match(n) for n in fs.listdir(path)))
 
 
 def read(path: str, options: NoOptions) -> Catalog:
@@ -69,7 +70,11 @@ def read(path: str, options: NoOptions) -> Catalog:
     catalog = CatalogBuilder(root=folder, format="hf-trainer" if has_state else weights_format,
                              layout=Layout.of(processes, format_topology=UNPARTITIONED))
     fsdp_full = fs.isfile(os.path.join(folder, FSDP_MODEL))
-    optim_path = os.path.join(folder, FSDP_OPTIMIZER if fsdp_full else OPTIMIZER)
+    # the Trainer's optimizer.pt; Accelerate's optimizer.bin, FSDP's full optimizer state dict or (a plain
+    # save_state's) torch.optim's
+    names = (FSDP_OPTIMIZER,) if fsdp_full else (OPTIMIZER, FSDP_OPTIMIZER)
+    optim_path = next((p for p in (os.path.join(folder, n) for n in names) if fs.isfile(p)),
+                      os.path.join(folder, names[0]))
     optimizer = None
     if fs.isfile(optim_path):      # first: a hostile or foreign file fails before any other work
         optimizer = torchsave_read.load(optim_path)
@@ -82,12 +87,15 @@ def read(path: str, options: NoOptions) -> Catalog:
         _check_fsdp_copy(catalog, os.path.join(folder, FSDP_MODEL), weights.tensors)
     if optimizer is not None:
         model.add_file(catalog, optim_path, "optimizer")
-        if weights.order is None:
-            raise CheckpointError(optim_path, "cannot map the optimizer to parameter names: the weights do not keep "
-                                  "the model's parameter order and config.json names no architecture the installed "
-                                  "transformers can build")
+    elif fs.isfile(os.path.join(folder, hf_files.ACCELERATE_SCHEDULER)) and not weights_only.is_thinned(folder):
+        # save_state writes the optimizer before the scheduler that steps it: a save that stopped between them,
+        # or a file lost, unless `reshard thin` dropped it (its record)
+        catalog.problem(os.path.join(folder, FSDP_OPTIMIZER), "missing (save_state writes it with the "
+                        f"{hf_files.ACCELERATE_SCHEDULER} that is here; no record of `reshard thin` dropping it)")
+    # the weights keep no model order (safetensors, no config.json transformers can build): the optimizer's entries
+    # are told apart by their shapes alone, where that proves which is which (single/optim_map.by_shapes)
     model.build(catalog, weights.tensors, weights.files[-1][0], optimizer, optim_path, weights.aliases, weights.order,
-                weights.buffers)
+                weights.buffers, order_known=weights.order is not None)
     _training_state(catalog, folder)
     step = catalog.training.global_steps or catalog.freeze().contents().step
     # a folder `reshard thin` left without the optimizer's step and no trainer state (Accelerate's FSDP full state

@@ -1,11 +1,16 @@
-"""Accelerate's weights-only forms of its save_state folder with FSDP, each the folder less the optimizer's files,
-the model's kept as they are with Accelerate's own (scheduler, RNG states, registered objects: small):
-- SHARDED_STATE_DICT: less `optimizer_0/` (dcp/fsdp_weights.py);
-- FULL_STATE_DICT: less `optimizer.bin` (save_fsdp_optimizer's), `pytorch_model_fsdp.bin` (save_fsdp_model's) kept.
+"""Accelerate's weights-only forms of its save_state folder with FSDP or neither FSDP nor DeepSpeed, each the folder
+less the optimizer's files, the model's kept as they are with Accelerate's own (scheduler, RNG states, registered
+objects: small):
+- FSDP's SHARDED_STATE_DICT: less `optimizer_0/` (dcp/fsdp_weights.py);
+- FSDP's FULL_STATE_DICT: less `optimizer.bin` (save_fsdp_optimizer's), `pytorch_model_fsdp.bin` (save_fsdp_model's)
+  kept;
+- plain (DDP, one process): less `optimizer.bin` (torch.optim's state_dict), `model.safetensors` or
+  `pytorch_model.bin` kept.
 `accelerator.load_state(dir)` loads the optimizers and schedulers that were prepared: with the model alone prepared
-(and the custom objects registered, whose count it checks) it loads the model through load_fsdp_model, from
-`pytorch_model_fsdp_0/` or `pytorch_model_fsdp.bin` as the plugin's state dict type says, and no optimizer file
-(accelerate 1.16). With DeepSpeed the folder is the engine's save, loaded by the engine: not built here.
+(and the custom objects registered, whose count it checks) it loads the model (through load_fsdp_model, from
+`pytorch_model_fsdp_0/` or `pytorch_model_fsdp.bin` as the plugin's state dict type says; without FSDP from the model
+file) and no optimizer file (accelerate 1.16). With DeepSpeed the folder is the engine's save, loaded by the engine:
+not built here.
 """
 from __future__ import annotations
 
@@ -14,26 +19,29 @@ import os
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
 from reshard.formats.dcp import fsdp_weights
-from reshard.formats.framework import framework_of, fsdp
+from reshard.formats.framework import accelerate, framework_of, fsdp
 from reshard.formats.weights_only import Form
 from reshard.storage import files as fs
 
 LOAD = "accelerator.load_state(dir) with the model alone prepared (accelerate's load_fsdp_model)"
+PLAIN_LOAD = "accelerator.load_state(dir) with the model alone prepared"
+OPTIMIZER = accelerate.OPTIMIZER        # optimizer.bin, under FSDP's full state dict and without FSDP alike
+OPTIMIZER_FILE = {fsdp.FULL: "FSDP's full optimizer state dict", accelerate.PLAIN: "torch.optim's state_dict"}
 
 
 def form(catalog: Catalog, path: str, keep_masters: bool) -> Form:
-    """The save_state folder `path` less its optimizer's files (FSDP's weights are the parameters as the model
-    holds them: no separate masters, so `keep_masters` changes nothing)."""
+    """The save_state folder `path` less its optimizer's files (the weights are the parameters as the model holds
+    them: no separate masters, so `keep_masters` changes nothing)."""
     if catalog.format == "fsdp":
         return fsdp_weights.form(catalog, path, LOAD)
     frame = framework_of(catalog)
-    if frame is None or frame.backend != fsdp.FULL:
+    if frame is None or frame.backend not in OPTIMIZER_FILE:
         raise ReshardError.at(path, "thinning Accelerate's save_state is built for FSDP's sharded and full state "
-                                    "dict folders (not DeepSpeed's, nor a plain save_state)")
+                                    "dict folders and a plain save_state's (not DeepSpeed's)")
     folder = fs.normpath(fs.abspath(path))
     found = sorted(fs.listdir(folder))
-    if fsdp.FULL_OPTIMIZER not in found:
-        raise ReshardError.at(path, f"no {fsdp.FULL_OPTIMIZER}: nothing to thin")
-    kept = tuple(n for n in found if n != fsdp.FULL_OPTIMIZER and fs.isfile(os.path.join(folder, n)))
-    return Form(kept, (fsdp.FULL_OPTIMIZER,), f"the optimizer state ({fsdp.FULL_OPTIMIZER}: FSDP's full optimizer "
-                                              "state dict)", LOAD)
+    if OPTIMIZER not in found:
+        raise ReshardError.at(path, f"no {OPTIMIZER}: nothing to thin")
+    kept = tuple(n for n in found if n != OPTIMIZER and fs.isfile(os.path.join(folder, n)))
+    return Form(kept, (OPTIMIZER,), f"the optimizer state ({OPTIMIZER}: {OPTIMIZER_FILE[frame.backend]})",
+                LOAD if frame.backend == fsdp.FULL else PLAIN_LOAD)

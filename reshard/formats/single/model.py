@@ -47,10 +47,11 @@ def add_file(catalog: CatalogBuilder, path: str, role: str) -> None:
 
 
 def build(catalog: CatalogBuilder, module: dict, where: str, optimizer=None, optim_where: str = "", aliases=None,
-          order=None, buffers=None) -> None:
+          order=None, buffers=None, order_known: bool = True) -> None:
     """Fill `catalog` from `module` ({key: TensorRef}, model order) and a torch.optim state dict;
     `aliases` and `order` (all state-dict keys, aliases too) when the reader knows ties the files omit;
-    `buffers` when it knows which keys are buffers (else: see the module docstring)."""
+    `buffers` when it knows which keys are buffers (else: see the module docstring); `order_known` False where
+    `module` is not in the model's order (safetensors lose it): the optimizer's entries are then mapped by shape."""
     aliases = dict(aliases or {})
     tensors: dict[str, TensorRef] = {}
     views: dict[tuple, str] = {}        # (file, offset, storage offset, shape, stride) -> the first key
@@ -69,7 +70,7 @@ def build(catalog: CatalogBuilder, module: dict, where: str, optimizer=None, opt
     known = buffers is not None
     buffers = set(buffers or ())
     params = {k: r for k, r in tensors.items() if k not in buffers}
-    taken = _map_optimizer(catalog, params, optimizer, optim_where) if optimizer is not None else {}
+    taken = _map_optimizer(catalog, params, optimizer, optim_where, order_known) if optimizer is not None else {}
     guessed = []
     for key, ref in tensors.items():
         if key in taken:
@@ -123,7 +124,7 @@ def _element_states(entry) -> dict:
     return {k: v for k, v in (entry or {}).items() if isinstance(v, TensorRef) and v.shape != ()}
 
 
-def _map_optimizer(catalog, tensors, optimizer, where) -> dict:
+def _map_optimizer(catalog, tensors, optimizer, where, order_known: bool = True) -> dict:
     ids = _groups(optimizer, where)
     state = optimizer.get("state") or {}
     shapes = []
@@ -141,6 +142,8 @@ def _map_optimizer(catalog, tensors, optimizer, where) -> dict:
     if all(isinstance(n, list) and len(n) == len(i) for n, i in zip(named, ids, strict=True)):
         return _by_saved_names(where, tensors, catalog.aliases, named, shapes)
     candidates = [(k, tuple(r.shape)) for k, r in tensors.items() if is_floating(r.dtype)]
+    if not order_known:
+        return optim_map.by_shapes(where, candidates, shapes)
     return optim_map.assign(where, candidates, shapes)
 
 

@@ -12,10 +12,14 @@ So we look for the ways of reading the model's parameter order as an interleavin
 where every per-element state has its parameter's shape (a parameter without state matches any),
 and where the model entries no group takes are frozen params or buffers. Exactly one way: that is
 the mapping. None, or more than one: we refuse, naming why.
+
+Where the weights keep no model order (a safetensors file without a config.json transformers can build: Accelerate's
+plain save_state), `by_shapes` proves the mapping only when each entry's shape is held by exactly one floating-point
+tensor and by no other entry: then, whatever the order, that tensor is the entry's parameter.
 """
 from __future__ import annotations
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, UnprovenMappingError
 
 WILDCARD = None
 State = tuple[int, ...]                        # how far each group has got
@@ -55,16 +59,17 @@ def assign(path: str, candidates: list, groups: list) -> dict:
         layers.append(nxt)
         explored += len(nxt)
         if explored > MAX_STATES:
-            raise CheckpointError(path, f"cannot map the optimizer to the parameters: {len(groups)} param groups and "
-                                  f"{spare} entries outside them leave too many possible orders to check")
+            raise UnprovenMappingError(path, f"cannot map the optimizer to the parameters: {len(groups)} param "
+                                       f"groups and {spare} entries outside them leave too many possible orders to "
+                                       "check")
     end = tuple(len(g) for g in groups)
     if end not in layers[-1]:
         raise CheckpointError(path, "the optimizer state does not map to the parameters: its states' shapes do "
                               "not follow the model's parameter order")
     if layers[-1][end][0] > 1:
-        raise CheckpointError(path, "the optimizer state maps to the parameters in more than one way (entries it "
-                              "does not train, frozen params or buffers, have the shape of ones it trains, or params "
-                              "have no state yet); refusing to guess")
+        raise UnprovenMappingError(path, "the optimizer state maps to the parameters in more than one way "
+                                   "(entries it does not train, frozen params or buffers, have the shape of ones it "
+                                   "trains, or params have no state yet); refusing to guess")
     out: dict[str, tuple[int, int]] = {}
     state = end
     for i in range(len(candidates), 0, -1):
@@ -73,4 +78,34 @@ def assign(path: str, candidates: list, groups: list) -> dict:
         if choice is not None:
             out[candidates[i - 1][0]] = (choice, previous[choice])
         state = previous
+    return out
+
+
+def by_shapes(path: str, candidates: list, groups: list) -> dict:
+    """{name: (group, position)} for `candidates` = [(name, shape)] in no known order, each entry told by its
+    shape; raises one line where a shape does not prove which parameter an entry is."""
+    holders: dict = {}
+    for name, shape in candidates:
+        holders.setdefault(shape, []).append(name)
+    entries: dict = {}
+    for g, row in enumerate(groups):
+        for pos, shape in enumerate(row):
+            entries.setdefault(shape, []).append((g, pos))
+    unordered = "the weights do not keep the model's parameter order (safetensors, no config.json the installed " \
+                "transformers can build)"
+    if WILDCARD in entries:
+        raise UnprovenMappingError(path, f"cannot map the optimizer to parameter names: {unordered}, and "
+                                   f"{len(entries[WILDCARD])} of its entries hold no state to tell them by shape")
+    out = {}
+    for shape, at in entries.items():
+        names = holders.get(shape, [])
+        if len(at) > len(names):
+            raise CheckpointError(path, f"the optimizer state does not map to the parameters: {len(at)} of its "
+                                  f"entries have the shape {list(shape)}, {len(names)} parameters")
+        if len(names) > 1:
+            raise UnprovenMappingError(path, f"cannot map the optimizer to parameter names: {unordered}, and "
+                                       f"{len(names)} tensors have the shape {list(shape)} ({', '.join(names[:3])}"
+                                       f"{', ...' if len(names) > 3 else ''}); refusing to guess (pytorch_model.bin, "
+                                       "save_state(safe_serialization=False), keeps the order)")
+        out[names[0]] = at[0]
     return out

@@ -5,6 +5,7 @@ or verl is imported or run.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from reshard.formats import torchsave_read
@@ -45,11 +46,16 @@ class _DTensorClass:
 
 @dataclass
 class ShardRef:
-    """A pickled DTensor: this rank's `local` tensor of a tensor of `shape`, placed by `placements`."""
+    """A pickled DTensor: this rank's `local` tensor of a tensor of `shape`, placed by `placements` over a device
+    mesh of `mesh_shape` on `device_type` ranks, its dims named `mesh_dims`."""
     local: TensorRef | None
     shape: tuple
     dtype: str
     placements: tuple = ()
+    mesh_shape: tuple = ()
+    mesh_dims: tuple = ()
+    device_type: str = ""
+    mesh_groups: tuple = ()     # its process groups' names, one a dim
 
 
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad=False):
@@ -71,6 +77,12 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         made.local = state.get("_local_tensor")
         spec = state.get("_spec")
         made.placements = tuple(getattr(spec, "placements", ()) or ())
+        mesh = getattr(spec, "mesh", None)
+        axes = getattr(getattr(mesh, "_layout", None), "axes", ())
+        made.mesh_shape = tuple(math.prod(getattr(a, "shape", ())) for a in axes)
+        made.mesh_dims = tuple(getattr(mesh, "_mesh_dim_names", None) or ())
+        made.device_type = str(getattr(mesh, "_device_type", ""))
+        made.mesh_groups = tuple(getattr(mesh, "_dim_group_names", None) or ())
         return made
     if isinstance(made, TensorRef):     # a plain tensor subclass: its Python attributes kept, as torch's own list does
         made.attrs.update(_state(state))

@@ -3,8 +3,10 @@
 verl's FSDPCheckpointManager saves each rank's sharded state dicts with torch.save: the model as DTensors (FSDP2, and
 FSDP1 under verl's device mesh), each a row block (Shard(0)) of its parameter; FSDP2's optimizer as DTensors of the
 same blocks, keyed by the parameter's index in model order. A parameter's rows are the ranks' blocks in rank order,
-so each rank's block is one fragment of the logical tensor. FSDP1's optimizer (flat-parameter slices keyed by flat
-index) is not mapped to parameters yet: its catalog holds the weights only, every parameter listed as frozen.
+so each rank's block is one fragment of the logical tensor. FSDP1's optimizer (use_orig_params=False) keys each flat
+parameter by its index, each rank's file holding its block of it: which parameters a flat one holds is told from the
+sizes (flat_params.py), each parameter's state its runs of the ranks' blocks (flat_optim.py). A save without optimizer
+files (verl's save_contents without "optimizer") is read as weights, every parameter frozen.
 """
 from __future__ import annotations
 
@@ -32,8 +34,11 @@ from reshard.execution.source_bytes import file_size, read_scalar
 from reshard.formats.protocol import NoOptions
 from reshard.formats.torchsave_read import TensorRef
 from reshard.formats.unpartitioned import UNPARTITIONED
+from reshard.formats.verl import flat_optim
+from reshard.formats.verl.flat_params import FlatParam
+from reshard.formats.verl.notes import RANK_KINDS, VerlNotes, rank_file
 from reshard.formats.verl.pickles import ShardRef, load
-from reshard.storage import files as fs
+from reshard.storage import files as fs, names
 
 FORMAT = "verl"
 OPTIONS = NoOptions
@@ -43,6 +48,7 @@ FSDP_CONFIG = "fsdp_config.json"
 HF_FOLDER = "huggingface"
 TRACKER = "latest_checkpointed_iteration.txt"    # verl's trainer writes it beside the step folders, last
 _RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+_ANY_RANK_FILE = re.compile(r"^(" + "|".join(RANK_KINDS) + r")_world_size_\d+_rank_\d+\.pt$")
 _STEP = re.compile(r"^global_step_(\d+)$")
 
 
@@ -111,25 +117,72 @@ def read(path: str, options: NoOptions) -> Catalog:
             raise CheckpointError(file, f"holds a {type(state).__name__}, not a state dict")
     order = list(models[0][1])
     names = [k for k, v in models[0][1].items() if isinstance(v, ShardRef)]
-    optimizers = _optimizers(catalog, folder, world, path) if config["fsdp"] == 2 else []
-    trained = _trained(names, optimizers)
+    if config["fsdp"] == 1 and world == 1 and not names:     # NO_SHARD at one rank: every entry a plain tensor
+        names = order
+    saved_optimizer = fs.isfile(os.path.join(folder, rank_file("optim", world, 0)))
+    optimizers = _optimizers(catalog, folder, world, path) if saved_optimizer else []
+    first = optimizers[0][1] if optimizers else {"param_groups": []}
+    flat: tuple[FlatParam, ...] = ()
+    if config["fsdp"] == 1 and optimizers:     # each index a flat parameter, which its size tells
+        sizes = [(n, math.prod(_shape(models[0][1][n]))) for n in names]
+        flat = flat_optim.flat_params(sizes, optimizers, world)
+        group_of = {n: g for g, group in enumerate(first["param_groups"]) for i in group["params"]
+                    for n in flat[i].names}
+    else:
+        group_of = _groups(names, first)
     for key in order:
         shape = _shape(models[0][1][key])
-        kind = "trainable" if key in trained else "frozen" if key in names else "buffer"
-        catalog.params[key] = ParamInfo(key, shape, kind, 0 if kind == "trainable" else None)
+        kind = "trainable" if key in group_of else "frozen" if key in names else "buffer"
+        catalog.params[key] = ParamInfo(key, shape, kind, group_of.get(key))
         states = (MODULE, MASTER) if kind == "trainable" else (MODULE,)
         for state in states:
             _add_blocks(catalog, key, state, [(file, s[key]) for file, s in models])
     catalog.order = order
-    if optimizers:
+    if flat:
+        flat_optim.read(catalog, flat, optimizers, world)
+    elif optimizers:
         _fill_optimizer(catalog, names, optimizers)
     hf = os.path.join(folder, HF_FOLDER)
     if fs.isdir(hf):    # the model's config, tokenizer and generation config: an export's folder loads with them
         catalog.model_files = tuple(os.path.join(hf, n) for n in sorted(fs.listdir(hf))
                                     if fs.isfile(os.path.join(hf, n)))
-    catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None,
-                                     lr_scheduler=_scheduler(folder, world))
+    scheduler, accelerator = _extra_state(folder, world)
+    catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None, lr_scheduler=scheduler)
+    first_dtensor = next((v for v in models[0][1].values() if isinstance(v, ShardRef)), None)
+    catalog.notes = _notes(path, folder, config, first_dtensor or _mesh_of_one(accelerator), flat)
     return catalog.freeze()
+
+
+def _mesh_of_one(accelerator: str | None) -> ShardRef:
+    """The mesh facts of a save with no DTensor (FSDP1 at one rank, NO_SHARD): verl's (a 1-D "fsdp" mesh over the
+    default process group) on the device whose RNG state it saved."""
+    return ShardRef(None, (), "", mesh_dims=("fsdp",), device_type=accelerator or "cpu", mesh_groups=("0",))
+
+
+def _notes(root: str, folder: str, config: dict, first: ShardRef, flat: tuple) -> VerlNotes:
+    """The writer's facts: the mesh the ranks saved on (a 1-D mesh is all verl's FSDP workers build without HSDP),
+    and every file of the checkpoint that is no rank's."""
+    role = os.path.relpath(folder, root) if folder != root else ""
+    with fs.open(os.path.join(folder, FSDP_CONFIG)) as f:
+        saved = json.load(f)
+    carried = []
+    for top, _dirs, files in fs.walk(root):
+        for name in files:
+            rel = os.path.normpath(os.path.join(os.path.relpath(top, root), name))
+            rank_owned = top == folder and (_ANY_RANK_FILE.match(name) or name == FSDP_CONFIG)
+            # the role's own files and the step's (data.pt); another role's are its own, reshard's manifest is redone
+            if rank_owned or name == names.MANIFEST or not (_under(rel, role) or os.sep not in rel):
+                continue
+            carried.append((rel, fs.getsize(os.path.join(top, name))))
+    others = tuple(r for r in ROLES if role and r != role and fs.isdir(os.path.join(root, r)))
+    return VerlNotes(config["fsdp"], role, saved, tuple(first.mesh_dims), first.device_type,
+                     tuple(first.mesh_groups), tuple(
+                         os.path.relpath(os.path.join(folder, rank_file("extra_state", config["world"], r)), root)
+                         for r in range(config["world"])), tuple(sorted(carried)), others, flat)
+
+
+def _under(rel: str, folder: str) -> bool:
+    return folder == "" or rel.startswith(folder + os.sep)
 
 
 def _shape(value) -> tuple:
@@ -185,11 +238,10 @@ def _optimizers(catalog: CatalogBuilder, folder: str, world: int, root: str) -> 
     return out
 
 
-def _trained(names: list, optimizers: list) -> set:
-    if not optimizers:
-        return set()
-    indices = [i for g in optimizers[0][1]["param_groups"] for i in g["params"]]
-    return {names[i] for i in indices if isinstance(i, int) and i < len(names)}
+def _groups(names: list, optimizer: dict) -> dict:
+    """{name: its param group} of FSDP2's trained parameters: entry i is the i-th of the model's state dict."""
+    return {names[i]: g for g, group in enumerate(optimizer["param_groups"]) for i in group["params"]
+            if isinstance(i, int) and i < len(names)}
 
 
 def _fill_optimizer(catalog: CatalogBuilder, names: list, optimizers: list) -> None:
@@ -215,9 +267,15 @@ def _fill_optimizer(catalog: CatalogBuilder, names: list, optimizers: list) -> N
                     catalog.record_param_scalar(g, names[i], key, value, file0)
 
 
-def _scheduler(folder: str, world: int):
+def _extra_state(folder: str, world: int) -> tuple[Any, str | None]:
+    """(the lr scheduler's state, the accelerator verl saved an RNG state of: "cuda", None for the CPU alone) of
+    rank 0's extra-state file."""
     file = os.path.join(folder, f"extra_state_world_size_{world}_rank_0.pt")
     if not fs.isfile(file):
-        return None
+        return None, None
     extra = load(file)
-    return extra.get("lr_scheduler") if isinstance(extra, dict) else None
+    if not isinstance(extra, dict):
+        return None, None
+    rng = extra.get("rng")
+    devices = [k for k in rng if k not in ("cpu", "numpy", "random")] if isinstance(rng, dict) else []
+    return extra.get("lr_scheduler"), devices[0] if devices else None

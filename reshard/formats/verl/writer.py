@@ -1,0 +1,187 @@
+"""Catalog x target Layout -> verl's FSDP checkpoint at another world size, in the layout its FSDPCheckpointManager
+saves and loads (`<role>/{model,optim,extra_state}_world_size_W_rank_R.pt`, `fsdp_config.json` saying W).
+
+Each rank's model file is its sharded state dict as FSDP2 gives it (and FSDP1 under verl's device mesh): every
+parameter a DTensor of its torch.chunk row block over a 1-D mesh of W ranks (dtensors.py); its optimizer file is
+torch.optim's state_dict() of those blocks, each parameter keyed by its index in model order, the moments DTensors
+like the weights, `step` the parameter's own. The extra-state file of a rank the source had is carried as it is (the
+lr scheduler and that rank's RNG states); a rank the source lacked gets the lr scheduler without RNG states, so
+verl's loader leaves that process's random streams as its seed made them (a copy of another rank's would repeat its
+stream). The step's other files (`huggingface/`, `data.pt`) are carried.
+
+FSDP1's optimizer (use_orig_params=False) is each rank's block of FSDP's flat parameters: each block at W ranks is
+written from the parameters the flat one holds, in its order, then zeros up to the block's size (flat_optim.py).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+
+from reshard.core.catalog import MODULE, Catalog, ScalarTensor
+from reshard.core.geometry import chunks
+from reshard.core.layout import Layout
+from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, TextFile
+from reshard.errors import ReshardError
+from reshard.formats.torchsave_write import TorchFile
+from reshard.formats.verl import dtensors, flat_optim
+from reshard.formats.verl.notes import VerlNotes, rank_file
+from reshard.storage import files as fs
+
+PLACES_EXPERTS = False
+RESUMED_BY_FRAMEWORKS = False
+SAVES_OWN_NAMES = False        # it saves under the model's own state-dict names
+FSDP_CONFIG = "fsdp_config.json"
+
+
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    notes = _checked(catalog, target)
+    world = target.dp
+    index = {name: i for i, name in enumerate(n for n in catalog.order if catalog.params[n].kind != "buffer")}
+    out: list = []
+    for rank in range(world):
+        out.append(_model_file(catalog, notes, world, rank))
+        if catalog.param_groups and notes.flat_params:
+            out.append(_flat_optim_file(catalog, notes, world, rank))
+        elif catalog.param_groups:
+            out.append(_optim_file(catalog, notes, world, rank, index))
+        out.append(_extra_state(catalog, notes, world, rank))
+    config = json.dumps({**notes.config, "world_size": world}, indent=4)    # as verl writes it
+    out.append(TextFile(os.path.join(notes.role, FSDP_CONFIG), config))
+    out += [CopiedFile(path, os.path.join(catalog.root, path), size) for path, size in notes.carried]
+    return out
+
+
+def _checked(catalog: Catalog, target: Layout) -> VerlNotes:
+    """The source's notes, or the one line saying why this catalog is not written as verl's."""
+    notes = catalog.notes
+    if not isinstance(notes, VerlNotes):
+        raise ReshardError.at(catalog.root, f"a {catalog.format} checkpoint is not written as verl's (its mesh, "
+                                            "huggingface/ and extra state come from a verl source)")
+    if target.tp != 1 or target.pp != 1:
+        raise ReshardError(f"target {target.topology()}: verl's FSDP checkpoints are written for dp ranks only")
+    if notes.fsdp != 1 and notes.fsdp != 2:
+        raise ReshardError.at(catalog.root, f"FSDP_version {notes.fsdp} is not one verl writes (1 or 2)")
+    if len(notes.mesh_dims) != 1:
+        raise ReshardError.at(catalog.root, f"a device mesh of dims {notes.mesh_dims} (verl's HSDP) is not written; "
+                                            "a 1-D fsdp mesh is")
+    if notes.other_roles:
+        raise ReshardError.at(os.path.join(catalog.root, notes.other_roles[0]),
+                              f"a second role beside {notes.role}/ is not converted with it yet: convert each role "
+                              "folder on its own (STEP/actor DST/actor, STEP/critic DST/critic) and copy data.pt")
+    return notes
+
+
+def _torch_file(notes: VerlNotes, kind: str, world: int, rank: int) -> TorchFile:
+    name = rank_file(kind, world, rank)
+    return TorchFile(os.path.join(notes.role, name), archive=os.path.splitext(name)[0])   # torch.save's stem
+
+
+class _RankTensors:
+    """Rank `rank`'s DTensors of one file: each logical tensor's row block, on the file's one mesh."""
+
+    def __init__(self, file: TorchFile, notes: VerlNotes, world: int, rank: int):
+        self.file, self.world, self.rank = file, world, rank
+        ranks = file.slot("int32", (world,), [Piece(1, value=r) for r in range(world)])    # the mesh's rank map
+        self.mesh = dtensors.mesh(world, rank, notes.mesh_dims, notes.device_type, notes.mesh_groups, ranks)
+
+    def block(self, catalog: Catalog, name: str, state: str) -> object:
+        tensor = catalog.tensor(name, state)
+        if not tensor.shape:
+            raise ReshardError(f"{name} ({state}): a 0-dim tensor has no rows for FSDP to shard")
+        first, stop = chunks(tensor.shape[0], self.world)[self.rank]
+        row = math.prod(tensor.shape[1:])
+        count = (stop - first) * row
+        local = self.file.slot(tensor.dtype, (stop - first, *tensor.shape[1:]),
+                               [Piece(count, (name, state), first * row)] if count else [])
+        return dtensors.sharded(local, tensor.shape, tensor.dtype, self.mesh)
+
+
+def _model_file(catalog: Catalog, notes: VerlNotes, world: int, rank: int) -> TorchFile:
+    file = _torch_file(notes, "model", world, rank)
+    tensors = _RankTensors(file, notes, world, rank)
+    tree: collections.OrderedDict = collections.OrderedDict()
+    # FSDP1 at one rank runs NO_SHARD (FSDP switches to it), whose state dict holds plain tensors, not DTensors
+    whole = notes.fsdp == 1 and world == 1
+    for name in catalog.order:
+        if whole or catalog.params[name].kind == "buffer":    # a plain tensor, whole on every rank
+            tensor = catalog.tensor(name, MODULE)
+            tree[name] = file.slot(tensor.dtype, tensor.shape, [Piece(tensor.numel, (name, MODULE))])
+        else:
+            tree[name] = tensors.block(catalog, name, MODULE)
+    return file.with_tree(tree)
+
+
+def _optim_file(catalog: Catalog, notes: VerlNotes, world: int, rank: int, index: dict) -> TorchFile:
+    """torch.optim's state_dict() of this rank's blocks: {"state": {index: {...}}, "param_groups": [...]}."""
+    file = _torch_file(notes, "optim", world, rank)
+    tensors = _RankTensors(file, notes, world, rank)
+    states = catalog.optimizer_states()
+    state: dict = {}
+    groups = []
+    for group in catalog.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [index[name] for name in group["params"]]})
+        for name in group["params"]:
+            entry: dict[str, object] = {}
+            for key, value in catalog.scalars_of_param(name).items():
+                entry[key] = _scalar(file, value) if isinstance(value, ScalarTensor) else value
+            for key in states:
+                if (name, key) in catalog.tensors:
+                    entry[key] = tensors.block(catalog, name, key)
+            if entry:
+                state[index[name]] = entry
+    return file.with_tree({"state": state, "param_groups": groups})
+
+
+def _flat_optim_file(catalog: Catalog, notes: VerlNotes, world: int, rank: int) -> TorchFile:
+    """FSDP1's: torch.optim's state_dict() of this rank's blocks of the flat parameters (flat_optim.py)."""
+    file = _torch_file(notes, "optim", world, rank)
+    states = catalog.optimizer_states()
+    state: dict = {}
+    for i, unit in enumerate(notes.flat_params):
+        first = unit.names[0]
+        entry: dict[str, object] = {}
+        for key, value in catalog.scalars_of_param(first).items():
+            entry[key] = _scalar(file, value) if isinstance(value, ScalarTensor) else value
+        for key in states:
+            if (first, key) in catalog.tensors:
+                pieces = flat_optim.pieces(unit, key, world, rank)
+                entry[key] = file.slot(catalog.tensor(first, key).dtype, (sum(p.count for p in pieces),), pieces)
+        state[i] = entry
+    groups = []
+    for group in catalog.param_groups:
+        held = set(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [i for i, unit in enumerate(notes.flat_params) if unit.names[0] in held]})
+    return file.with_tree({"state": state, "param_groups": groups})
+
+
+def _scalar(file: TorchFile, value: ScalarTensor) -> NewTensor:
+    return file.slot(value.dtype, (), [Piece(1, value=value.value)])
+
+
+def _extra_state(catalog: Catalog, notes: VerlNotes, world: int, rank: int) -> CopiedFile | TorchFile:
+    """A rank the source had: its own file (the scheduler and its RNG states), renamed. A new rank: the scheduler."""
+    if rank < len(notes.extra_states):
+        source = os.path.join(catalog.root, notes.extra_states[rank])
+        return CopiedFile(os.path.join(notes.role, rank_file("extra_state", world, rank)), source, fs.getsize(source))
+    file = _torch_file(notes, "extra_state", world, rank)
+    return file.with_tree({"lr_scheduler": catalog.training.lr_scheduler})
+
+
+def output_tag(catalog: Catalog, tag: str) -> str:
+    return tag
+
+
+def describe(target: Layout, tag: str) -> Output:
+    """verl's FSDP checkpoint: one model, optimizer and extra-state file per rank; no tag."""
+    return Output("verl", f"dp={target.dp}")
+
+
+def batch_size_advice(catalog: Catalog, target: Layout) -> str | None:
+    if catalog.layout.dp == target.dp:
+        return None
+    return (f"verl's batch sizes (data.train_batch_size, ppo_mini_batch_size) are global: they stay, each rank's "
+            f"share follows the world size ({catalog.layout.dp} -> {target.dp}) and must divide them")
