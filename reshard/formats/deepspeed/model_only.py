@@ -50,7 +50,8 @@ def target_files(catalog: Catalog, target: Layout, tag: str) -> list:
                                  groups=(tuple(p.name for p in trained if p.kind == "trainable"),))
     zt = ZeroTarget(catalog, target)
     model = zero12_writer.model_states(zt, params, zero12_writer.flat_groups(zt, params), tag, {})
-    record = weights_only.written_record(f"a weights-only {catalog.format} checkpoint", LOAD)
+    record = weights_only.written_record(f"a weights-only {catalog.format} checkpoint", LOAD,
+                                         weights_only.Trained(len(params.groups[0]), 0))
     return [model, TextFile(f"{tag}/{weights_only.PROVENANCE}", record), *closing_files(tag, None)]
 
 
