@@ -124,6 +124,8 @@ class Inspection:
         t = self.thinned
         if t is None:
             return None
+        if "thinned_on" not in t and "load" in t:      # (written so from a model alone: weights_only.written_record)
+            return f"weights-only (written from {t.get('from', '?')}, for {t['load']})"
         return f"weights-only (thinned from {t.get('from', 'a full checkpoint')} on {t.get('thinned_on', '?')}; " \
                f"dropped {t.get('dropped', '?')})"
 

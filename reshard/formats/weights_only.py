@@ -61,6 +61,14 @@ def _count(n: object) -> TypeGuard[int]:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
+def written_record(source: str, load: str, trained: Trained) -> str:
+    """PROVENANCE's text for a weights-only form written from a source that holds no optimizer state (a model
+    imported for training): nothing was dropped; `trained`, what the form's one param group holds."""
+    return json.dumps({"kind": KIND, "from": source, "dropped": "nothing: the source holds no optimizer state",
+                       "dropped_files": [], "load": load, "trainable": trained.trainable,
+                       "frozen": trained.frozen}, indent=1) + "\n"
+
+
 def provenance(folder: str) -> dict | None:
     """The record in a thinned checkpoint's folder, or None (not thinned, or not readable as one)."""
     path = os.path.join(folder, PROVENANCE)

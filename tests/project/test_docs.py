@@ -15,6 +15,7 @@ import pytest
 from tests.formats.dcp.test_torchtitan import hf_config
 from tests.formats.framework.test_framework_files import hf_folder
 from tests.formats.megatron.test_megatron_import import make_source
+from tests.formats.megatron.test_megatron_import_moe import make_source as make_mixtral
 from tests.helpers import lifecycle_runs
 from tests.helpers.doc_blocks import SETUP_REASON, Block, DocBlockError, blocks, commands, is_setup, run_block
 from tests.helpers.fixtures import fixture_dir
@@ -81,6 +82,13 @@ def hf_llama(root):
     return root / "hf-llama"
 
 
+def hf_mixtral(root):
+    """A Hugging Face Mixtral folder made by transformers with random weights
+    (tests/formats/megatron/test_megatron_import_moe.py's)."""
+    make_mixtral(root / "hf-mixtral")
+    return root / "hf-mixtral"
+
+
 def torchtitan_config(root):
     """The Hugging Face config.json of the torchtitan fixtures' model (what a torchtitan run's hf_assets_path holds)."""
     return Path(hf_config(root))
@@ -88,7 +96,7 @@ def torchtitan_config(root):
 
 MAKERS = {"deepspeed-run": deepspeed_run, "trainer-run": trainer_run, "hf-trainer-deepspeed": hf_trainer_deepspeed,
           "accelerate-deepspeed": accelerate_deepspeed, "evals-csv": evals_csv, "torchtitan-config": torchtitan_config,
-          "hf-llama": hf_llama}
+          "hf-llama": hf_llama, "hf-mixtral": hf_mixtral}
 
 
 @pytest.fixture(scope="session")

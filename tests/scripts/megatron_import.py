@@ -7,9 +7,17 @@ masters taken from the loaded weights), runs Megatron's forward of the job's fix
 schedule (the last stage's logits, gathered over tensor parallelism), and one training step with that fresh optimizer.
 
     job: {"label", "save", "tp", "pp", "model": {"layers", "hidden", "heads", "groups", "ffn", "kv", "rows" (the
-          embedding's rows as padded here), "tokens" (the vocabulary), "seq", "eps", "rope_base", "tied"}, "fp32",
+          embedding's rows as padded here), "tokens" (the vocabulary), "seq", "eps", "rope_base", "tied"; a mixture
+          of experts' "experts", "topk"}, "ep" (with experts: the expert-parallel degree, 1 otherwise), "fp32",
           "tokens": [[...]], "logits": where rank 0 writes the logits (safetensors: "logits", the tokens' rows)}
-    result: {"label", "loaded", "error", "problems", "logits_file", "losses", "moved"}
+
+A mixture of experts is built as the MoE fixtures build it (tools/fixture_megatron_core.py): every layer's MLP
+SequentialMLP experts of width "ffn", a top-"topk" softmax router, the allgather dispatcher, expert-parallel over ep
+of the data-parallel ranks (expert tensor parallelism: tp, megatron-core's default). A job with "train": false runs
+the forward alone: megatron-core trains a mixture of experts at tp > 1 with sequence parallelism only, which the
+local spec's torch norms do not take (Transformer Engine's do: no CPU build).
+    result: {"label", "loaded", "error", "problems", "logits_file", "losses", "moved" (the last two where it
+             trains)}
 """
 from __future__ import annotations
 
@@ -54,6 +62,8 @@ def run(job: dict, fixture) -> dict:
         from safetensors.torch import save_file
         found = next(g for g in gathered if g is not None)
         save_file({"logits": found.contiguous()}, job["logits"])
+    if not job.get("train", True):
+        return out
     before = [p.detach().clone() for p in model.parameters()]
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, fixture.train(config, ddp, optimizer, scheduler, 1, seed=11,
@@ -80,20 +90,28 @@ def _build(job: dict):
     from megatron.core.transformer.module import Float16Module
 
     m, fp32 = job["model"], job["fp32"]
-    mpu.initialize_model_parallel(job["tp"], job["pp"])
+    ep = job.get("ep", 1)
+    mpu.initialize_model_parallel(job["tp"], job["pp"], expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     dtype = torch.float32 if fp32 else torch.bfloat16
+    experts = m.get("experts")
+    moe = {} if not experts else dict(
+        num_moe_experts=experts, moe_router_topk=m["topk"], moe_ffn_hidden_size=m["ffn"], moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=ep)
     config = TransformerConfig(
+        **moe,
         num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"], num_query_groups=m["groups"],
         ffn_hidden_size=m["ffn"], kv_channels=m["kv"], normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
         bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=job["tp"],
         pipeline_model_parallel_size=job["pp"], use_cpu_initialization=True, bf16=not fp32, params_dtype=dtype,
-        pipeline_dtype=dtype, sequence_parallel=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, init_method_std=0.02,
-        layernorm_epsilon=m["eps"])
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=m["rows"],
+        pipeline_dtype=dtype, sequence_parallel=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        init_method_std=0.02, layernorm_epsilon=m["eps"])
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=m["rows"],
                      max_sequence_length=m["seq"], pre_process=mpu.is_pipeline_first_stage(),
                      post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=m["tied"],
                      position_embedding_type="rope", rotary_base=m["rope_base"])

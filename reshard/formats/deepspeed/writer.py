@@ -13,7 +13,7 @@ from reshard.core.layout import Layout
 from reshard.core.write_requests import Output
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import weights_only
-from reshard.formats.deepspeed import expert_writer, notes, pipe_writer, rank_params, topology, tp_writer
+from reshard.formats.deepspeed import expert_writer, model_only, notes, pipe_writer, rank_params, topology, tp_writer
 from reshard.formats.deepspeed.zero_files import rank_files
 from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_files
 
@@ -22,6 +22,9 @@ RESUMED_BY_FRAMEWORKS = True
 SAVES_OWN_NAMES = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    # a model alone (never trained here: no optimizer state, not a thinned checkpoint), as a fine-tune starts from it
+    if not catalog.param_groups and not weights_only.is_thinned(catalog.root):
+        return model_only.target_files(catalog, target, tag)
     _check_convertible(catalog, target)
     source = catalog.layout
     zero = topology.of(target).zero

@@ -117,11 +117,14 @@ def extra_states(folder: str) -> dict[str, object]:
 
 
 def extra_state_key(rules: param_order.ParamOrder, name: str, first_layer: int, layers: int,
-                    path: str) -> str | None:
+                    path: str, experts: int = 0) -> str | None:
     """The torch_dist key of an empty `_extra_state` of a module state dict whose layers start at global layer
-    `first_layer` (None: one GPTModel's sharded state dict leaves out); another outside the layer stack is refused,
-    naming `path`."""
+    `first_layer` (None: one GPTModel's sharded state dict leaves out); an expert's (of `experts` per layer) is
+    sharded by (layer, expert); another outside the layer stack is refused, naming `path`."""
     where = rules.layer_of(name)
+    expert = rules.expert_of(name)
+    if expert is not None:
+        return f"{rules.stacked_key(name)}/shard_{expert[0] + first_layer}.{expert[1]}_{layers}.{experts}"
     if where is not None:
         return f"{rules.layer_prefix}{where[1]}/shard_{where[0] + first_layer}_{layers}"
     if name not in EMPTY_DROPPED:

@@ -25,6 +25,9 @@ SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", 
 # what the rule file's `requires` says of the architecture, and what a Llama-configured model is otherwise
 ARCHITECTURE = ("normalization", "swiglu", "add_bias_linear", "position_embedding_type",
                 "untie_embeddings_and_output_weights")
+# a mixture of experts' (what the rule file maps a Mixtral's config to), carried where the model's config gives them;
+# moe_aux_loss_coeff is the load-balancing loss's weight in training, which the model's outputs do not depend on
+EXPERTS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_grouped_gemm", "moe_aux_loss_coeff")
 PRECISION = {"bfloat16": {"bf16": True, "fp16": False}, "float16": {"bf16": False, "fp16": True},
              "float32": {"bf16": False, "fp16": False}}
 
@@ -33,6 +36,10 @@ def derive(facts: Mapping[str, Any], catalog: Catalog, rules: ParamOrder, given:
     """The args of the model alone (see the module's doc): from `facts`, the model's hyperparameters under
     Megatron-LM's names, then the arguments file `given` over them, checked against `catalog`'s tensors."""
     where = getattr(catalog.notes, "source", catalog.root)
+    if facts.get("ffn_hidden_size") is None and facts.get("num_experts"):
+        # (a model whose every MLP is a mixture of experts has no dense width: Megatron-LM's moe_ffn_hidden_size
+        # defaults to ffn_hidden_size, which Megatron-LM's Mixtral runs set to the experts' width)
+        facts = {**facts, "ffn_hidden_size": facts.get("moe_ffn_hidden_size")}
     lacking = next((k for k in (*SHAPE, *ARCHITECTURE) if facts.get(k) is None), None)
     if lacking is not None:
         raise ReshardError.at(where, f"gives no {lacking}: Megatron builds the model with it")
@@ -48,7 +55,7 @@ def derive(facts: Mapping[str, Any], catalog: Catalog, rules: ParamOrder, given:
         kv_channels=facts.get("kv_channels") or int(facts["hidden_size"]) // heads,
         seq_length=facts["max_position_embeddings"], vocab_size=facts["padded_vocab_size"],
         make_vocab_size_divisible_by=1, transformer_impl="local", **PRECISION[dtypes.pop()])
-    for key in ("norm_epsilon", "rotary_base"):
+    for key in ("norm_epsilon", "rotary_base", *EXPERTS):
         if facts.get(key) is not None:
             args[key] = facts[key]
     if given is not None:

@@ -42,6 +42,7 @@ class ParamOrder:
     expert_params: tuple[str, ...] = ()  # an expert's params (relative to it), in registration order
     expert_cuts: tuple[tuple[str, TpCut], ...] = ()   # how an expert's params are cut (SwiGLU's fc1: two parts)
     extra_states: tuple[str, ...] = ()   # layer modules (relative to a layer) that save an empty `_extra_state`
+    expert_extra_states: tuple[str, ...] = ()   # an expert's modules (relative to it) that save one
     vocabulary: tuple[str, ...] = ()     # params with a row per token of the padded vocabulary
 
     def expert_of(self, name: str) -> tuple[int, int, str] | None:
@@ -52,9 +53,27 @@ class ParamOrder:
         found = re.fullmatch(r"(\d+)\.(.+)", where[1][len(self.expert_prefix):])
         return (where[0], int(found.group(1)), found.group(2)) if found else None
 
+    def saves_extra_state(self, module: str) -> bool:
+        """Does the module `module` (a full name: decoder.layers.0.mlp.linear_fc1) save an empty `_extra_state`?"""
+        expert = self.expert_of(f"{module}.weight")
+        if expert is not None:
+            return expert[2].rsplit(".", 1)[0] in self.expert_extra_states
+        where = self.layer_of(module)
+        return where is not None and where[1] in self.extra_states
+
     def is_expert_stack(self, within_layer: str) -> bool:
         """Is a saved layer stack's key (relative to the layer) an expert stack (an expert axis after the layer's)?"""
         return self.expert_prefix is not None and within_layer.startswith(self.expert_prefix)
+
+    def stacked_key(self, name: str) -> str | None:
+        """The torch_dist key of the layer stack a per-layer name is saved in (the layer's number, and an expert's,
+        become the stack's leading axes), or None for a name outside the layers."""
+        where = self.layer_of(name)
+        if where is None:
+            return None
+        expert = self.expert_of(name)
+        within = where[1] if expert is None else f"{self.expert_prefix}{expert[2]}"
+        return f"{self.layer_prefix}{within}"
 
     def sharded_name(self, name: str) -> str:
         """A module state dict's name under the key megatron-core's sharded state dict gives it (a legacy save's
@@ -89,8 +108,9 @@ class ParamOrder:
     def places(self, name: str) -> bool:
         """Is `name` a parameter this order places (a torch_dist key of the model it describes)?"""
         where = self.layer_of(name)
+        expert = self.expert_of(name)
         return (where is not None and where[1] in self.layer) or name in self.before_layers or \
-            name in self.after_layers
+            name in self.after_layers or (expert is not None and expert[2] in self.expert_params)
 
     def ordered(self, names: Sequence[str]) -> list[str]:
         """`names` in registration order; a ReshardError naming the rule file for one it does not place."""
@@ -138,6 +158,7 @@ def load(given: str | None = None) -> ParamOrder:
                           experts.get("prefix"), tuple(experts.get("params", ())),
                           cuts_of(experts.get("tensor_parallel", {})),
                           tuple(data.get("extra_states", {}).get("modules", ())),
+                          tuple(experts.get("extra_states", {}).get("modules", ())),
                           tuple(data.get("padded_vocabulary", {}).get("params", ())))
     except (KeyError, TypeError) as e:
         raise ReshardError.at(path, f"malformed parameter-order file ({type(e).__name__}: {e})") from None

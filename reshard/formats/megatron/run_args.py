@@ -126,8 +126,9 @@ def check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> 
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     kv = args.get("kv_channels") or hidden // heads
     ffn = args["ffn_hidden_size"]
-    expected = {"embedding.word_embeddings.weight": ((args["padded_vocab_size"], hidden),
-                                                      "args.padded_vocab_size, args.hidden_size")}
+    expected: dict[str, tuple[tuple[int, ...], str]] = {
+        "embedding.word_embeddings.weight": ((args["padded_vocab_size"], hidden), "args.padded_vocab_size, "
+                                                                                   "args.hidden_size")}
     if args["untie_embeddings_and_output_weights"]:
         expected["output_layer.weight"] = ((args["padded_vocab_size"], hidden), "args.padded_vocab_size")
     if args["position_embedding_type"] == "learned_absolute":
@@ -139,9 +140,10 @@ def check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> 
             ((heads + 2 * int(groups or 0)) * kv, hidden),
             "args.num_attention_heads, num_query_groups, kv_channels")
         expected[at + "self_attention.linear_proj.weight"] = ((hidden, heads * kv), "args.num_attention_heads")
-        expected[at + "mlp.linear_fc1.weight"] = ((ffn * (2 if args["swiglu"] else 1), hidden),
-                                                  "args.ffn_hidden_size, args.swiglu")
-        expected[at + "mlp.linear_fc2.weight"] = ((hidden, ffn), "args.ffn_hidden_size")
+        expected.update(_mlp_shapes(args, at, rules, hidden, ffn))
+    extra = next((n for n in shapes if rules.expert_of(n) is not None and n not in expected), None)
+    if extra is not None:
+        raise ReshardError.at(path, f"args.num_experts = {args.get('num_experts')!r}, yet the checkpoint holds {extra}")
     for name, (shape, which) in expected.items():
         if shapes.get(name) != shape:
             held = f"holds {list(shapes[name])}" if name in shapes else "does not hold it"
@@ -169,6 +171,25 @@ def check_shapes(path: str, args: dict, catalog: Catalog, rules: ParamOrder) -> 
     if dtypes != {dtype}:
         raise ReshardError.at(path, f"args.bf16 = {args['bf16']}, args.fp16 = {args['fp16']}: the model is "
                                     f"{', '.join(sorted(dtypes))}")
+
+
+def _mlp_shapes(args: Mapping[str, Any], at: str, rules: ParamOrder, hidden: int,
+                ffn: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The shapes of one layer's MLP (`at`: the layer's prefix): a dense SwiGLU or plain MLP, or with
+    args.num_experts a router and that many experts of args.moe_ffn_hidden_size each."""
+    gated = 2 if args["swiglu"] else 1
+    experts = args.get("num_experts")
+    if not experts:
+        return {at + "mlp.linear_fc1.weight": ((ffn * gated, hidden), "args.ffn_hidden_size, args.swiglu"),
+                at + "mlp.linear_fc2.weight": ((hidden, ffn), "args.ffn_hidden_size")}
+    width = args.get("moe_ffn_hidden_size") or ffn
+    out: dict[str, tuple[tuple[int, ...], str]] = {
+        at + "mlp.router.weight": ((experts, hidden), "args.num_experts, args.hidden_size")}
+    for expert in range(experts):
+        within = f"{at}{rules.expert_prefix}{expert}."
+        out[within + "linear_fc1.weight"] = ((width * gated, hidden), "args.moe_ffn_hidden_size, args.swiglu")
+        out[within + "linear_fc2.weight"] = ((hidden, width), "args.moe_ffn_hidden_size, args.num_experts")
+    return out
 
 
 def _param_groups(path: str, args: Mapping[str, Any], catalog: Catalog, rules: ParamOrder) -> tuple:

@@ -300,8 +300,8 @@ class _Writer:
             detail = notes.param_details(name) if notes is not None else {}
             key, layer = detail.get("saved_as"), detail.get("layer")
             where = self.rules.layer_of(name)
-            if key is None and where is not None:     # (a legacy save keeps each layer's own: stacked by the rules)
-                key, layer = f"{self.rules.layer_prefix}{where[1]}", where[0]
+            if key is None and where is not None:     # (a legacy save or a model alone: stacked by the rules)
+                key, layer = self.rules.stacked_key(name), where[0]
             key = key or name
             saved = tuple(self.catalog.tensors[TensorKey(name, MODULE)].shape)
             shape = (self.vocab.rows, *saved[1:]) if self.vocab and name in self.rules.vocabulary else saved
@@ -309,7 +309,8 @@ class _Writer:
             parts = 1
             if cut is not None:
                 parts = cut.parts if cut.parts_when is None or self.args.get(cut.parts_when) else 1
-            expert = detail.get("expert") if self.rules.expert_of(name) is not None else None
+            own = self.rules.expert_of(name)
+            expert = None if own is None else detail.get("expert", own[1] if self.model else None)
             param = Param(name, key, layer, shape, saved, cut, parts, expert)
             self._check_cut(param)
             out.append(param)
@@ -339,30 +340,40 @@ class _Writer:
         is written (tp=1, pp=1; ep dividing dp and the experts; the distributed optimizer)."""
         experts = self.catalog.experts
         topology = target.format_topology
-        if experts is None:
-            if isinstance(topology, MegatronTopology) and topology.ep not in (None, 1):
-                raise ReshardError(f"ep={topology.ep}: this save has no experts")
+        asked = topology.ep if isinstance(topology, MegatronTopology) else None
+        if self.model and any(p.expert is not None for p in self.params):
+            # a model alone (its args from its config): each layer's experts as args.num_experts says
+            counts, saved_ep = [int(self.args["num_experts"])] * int(self.args["num_layers"]), 1
+        elif experts is None:
+            if asked not in (None, 1):
+                raise ReshardError(f"ep={asked}: this save has no experts")
             return 1, 0
-        counts = {layer.num_experts for layer in experts.layers}
-        ep = topology.ep if isinstance(topology, MegatronTopology) and topology.ep else experts.ep
-        count = counts.pop() if len(counts) == 1 else 0
+        else:
+            counts, saved_ep = [layer.num_experts for layer in experts.layers], experts.ep
+        ep = asked or saved_ep
+        count = counts[0] if len(set(counts)) == 1 else 0
         if not count or count % ep or self.grid.dp % ep:
+            hint = f" (experts are parallel within the data-parallel ranks: give dp, e.g. dp={ep})" \
+                if count and not count % ep else ""
             raise ReshardError(f"ep={ep} must divide dp={self.grid.dp} and each layer's experts "
-                               f"({', '.join(str(layer.num_experts) for layer in experts.layers)})")
+                               f"({', '.join(str(c) for c in counts)}){hint}")
         if self.args.get("overlap_grad_reduce"):
             raise ReshardError.at(self.catalog.root, "overlapped grad reduction: the experts' bucket sizes are not "
                                   "written yet")
-        if (self.grid.tp, self.grid.pp) != (1, 1) or self.sharding == PLAIN:
+        # (the model alone is written at any tp and pp: its experts cut as their expert-tensor-parallel ranks hold
+        # them, expert_tensor_parallel_size being tp, megatron-core's default)
+        if self.sharding != WEIGHTS_ONLY and ((self.grid.tp, self.grid.pp) != (1, 1) or self.sharding == PLAIN):
             raise ReshardError("a mixture of experts is written at tp=1, pp=1 with the distributed optimizer only "
                                f"(asked: tp={self.grid.tp}, pp={self.grid.pp}, sharding={self.sharding})")
         if any(p.expert is None for p in self.params if self.rules.expert_of(p.name) is not None):
             raise ReshardError.at(self.catalog.root, "its experts' params do not say which expert they are")
         return ep, count
 
-    def _expert_rank(self, expert: int, edp_rank: int = 0) -> int:
-        """The rank holding `expert` at expert-data-parallel rank `edp_rank` (tp=1, pp=1: the expert-parallel rank
-        runs fastest)."""
-        return expert // (self.experts // self.ep) + self.ep * edp_rank
+    def _expert_rank(self, expert: int, edp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> int:
+        """The rank holding `expert` at expert-data-parallel rank `edp_rank`, tensor-parallel rank `tp_rank` and stage
+        `pp_rank` (megatron-core's expert grid: tp fastest, then ep, then expert dp, then pp; the expert-parallel
+        rank runs fastest within the data-parallel ranks)."""
+        return self.grid.rank(tp_rank, expert // (self.experts // self.ep) + self.ep * edp_rank, pp_rank)
 
     # -- files
 
@@ -448,10 +459,16 @@ class _Writer:
         (layer, expert) of the expert stack, written by the expert-parallel rank holding it."""
         assert param.expert is not None and param.layer is not None
         layers = int(self.args["num_layers"])
-        for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, 1, 0):
-            pieces = param.pieces(state, Shard.box(at, size), 0, math.prod(size))
-            self._chunk(self._expert_rank(param.expert), key, (layers, self.experts, *param.shape), dtype,
-                        (param.layer, param.expert, *at), (1, 1, *size), pieces)
+        stage = self._stage(param)
+        for tp_rank in range(self.grid.tp):
+            for at, size in tp_boxes.rank_boxes(param.name, param.shape, param.cut, param.parts, self.grid.tp,
+                                                tp_rank):
+                pieces = param.pieces(state, Shard.box(at, size), 0, math.prod(size))
+                self._chunk(self._expert_rank(param.expert, 0, tp_rank, stage), key,
+                            (layers, self.experts, *param.shape), dtype, (param.layer, param.expert, *at),
+                            (1, 1, *size), pieces)
+            if param.cut is None:
+                break       # (a param every expert-tensor-parallel rank holds whole: saved once)
 
     def _buckets(self) -> None:
         """dp_reshardable: per model-parallel rank of the target its grad buffer's buckets laid out as megatron-core
@@ -568,9 +585,9 @@ class _Writer:
             return named
         modules = []
         for param in self.params:
-            where = self.rules.layer_of(param.name)
-            module = param.name.rsplit(".", 1)[0]
-            if where is not None and where[1].rsplit(".", 1)[0] in self.rules.extra_states and module not in modules:
+            # (a module is there where its weight is: an MoE layer's pre-MLP norm keeps linear_fc1's name, no fc1)
+            module = param.name.removesuffix(".weight")
+            if module != param.name and self.rules.saves_extra_state(module) and module not in modules:
                 modules.append(module)
         return [f"{module}{legacy.EXTRA_STATE}" for module in modules]
 
@@ -584,7 +601,7 @@ class _Writer:
         def owner(key: str) -> int | None:
             expert = EXPERT_EXTRA_STATE.match(key)
             if expert is not None and self.experts:
-                return self._expert_rank(int(expert.group(2)))
+                return self._expert_rank(int(expert.group(2)), 0, 0, int(expert.group(1)) // per_stage)
             extra = EXTRA_STATE.match(key)
             if extra is None:
                 return None
@@ -592,7 +609,7 @@ class _Writer:
             return self.grid.rank(0, 0, stage)
         if self.foreign:        # its layers' extra states, empty in the local spec (transformer_impl: _check)
             for name in self._empty_extra_states():
-                key = legacy.extra_state_key(self.rules, name, 0, layers, self.catalog.root)
+                key = legacy.extra_state_key(self.rules, name, 0, layers, self.catalog.root, self.experts)
                 rank = None if key is None else owner(key)
                 if key is not None and rank is not None:
                     self._value(rank, key, None)

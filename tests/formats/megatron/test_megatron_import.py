@@ -148,16 +148,22 @@ def sources(tmp_path_factory):
     return out
 
 
+def logits_delta(result: dict, want) -> float:
+    """The max |difference| of a loaded job's logits (Megatron's) from `want` (transformers'); the job must have
+    loaded (the shapes fit, whatever the values)."""
+    from safetensors.torch import load_file
+    assert result["loaded"] and result["error"] is None, result
+    got = load_file(result["logits_file"])["logits"]
+    assert got.shape == want.shape
+    return float((got - want).abs().max())
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("name, to", CONVERSIONS, ids=[f"{n}-{t}" for n, t in CONVERSIONS])
 def test_megatron_loads_the_import_and_its_logits_are_transformers(name, to, loaded, sources, record_property):
-    from safetensors.torch import load_file
     result = loaded[f"{name}:{to}"]
-    assert result["loaded"] and result["error"] is None and result["problems"] == [], result
-    got = load_file(result["logits_file"])["logits"]
-    want = reference_logits(sources / name)
-    assert got.shape == want.shape
-    delta = float((got - want).abs().max())
+    assert result["problems"] == [], result
+    delta = logits_delta(result, reference_logits(sources / name))
     record_property("max_abs_delta", delta)
     assert delta <= (FP32_BOUND if name.startswith("fp32") else BF16_BOUND), delta
     assert result["losses"] and all(math.isfinite(x) for x in result["losses"]) and result["moved"]
@@ -166,11 +172,8 @@ def test_megatron_loads_the_import_and_its_logits_are_transformers(name, to, loa
 @pytest.mark.engine
 @pytest.mark.parametrize("control", ["concatenated", "swapped"])
 def test_q_k_v_concatenated_or_gate_up_swapped_load_and_give_other_logits(control, loaded, sources):
-    from safetensors.torch import load_file
-    result = loaded[control]
-    assert result["loaded"] and result["error"] is None, result      # the shapes fit: only the logits tell
-    got = load_file(result["logits_file"])["logits"]
-    assert float((got - reference_logits(sources / "fp32")).abs().max()) > BF16_BOUND     # (beyond bf16's bound too)
+    # (the shapes fit: only the logits tell; beyond bf16's bound too)
+    assert logits_delta(loaded[control], reference_logits(sources / "fp32")) > BF16_BOUND
 
 
 @pytest.mark.parametrize("name", list(SOURCES))

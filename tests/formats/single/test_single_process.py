@@ -262,9 +262,9 @@ def test_safetensors_single_and_sharded_inspect_validate_export(tmp_path):
         assert reshard.validate(catalog).ok
         out = tmp_path / "out"     # not beside a source folder: that is its save dir, protected
         export_equals(src, out / f"export-{i}.safetensors", expected, tied)
-        with pytest.raises(reshard.ReshardError, match="no optimizer state"):
-            make_plan(catalog, "dp=2,zero=1", fmt="deepspeed")
-    refused = run_cli("convert", cases[0][0], out / "ds", "--to", "dp=2,zero=1", "--format", "deepspeed", check=1)
+        with pytest.raises(reshard.ReshardError, match="no optimizer state"):     # (ZeRO-1/2: the module files)
+            make_plan(catalog, "dp=2,zero=3", fmt="deepspeed")
+    refused = run_cli("convert", cases[0][0], out / "ds", "--to", "dp=2,zero=3", "--format", "deepspeed", check=1)
     assert "no optimizer state" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
     assert not (out / "ds").exists()
     # reshard's own export reads back with its ties
