@@ -51,7 +51,8 @@ ROPE_THETA, NORM_EPS, LR, WARMUP, STEPS = 10000.0, 1e-5, 1e-2, 2, 10
 SAMPLES = 64
 
 
-def model_config(fuse_qkv: bool):
+def model_config(fuse_qkv: bool, dim: int = DIM, heads: int = HEADS):
+    """The fixture's model config; `dim` and `heads` another width and head count (a head size other than 4)."""
     install()
     import torch
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -59,17 +60,17 @@ def model_config(fuse_qkv: bool):
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
     normal = {"weight": torch.nn.init.normal_}
     ones = {"weight": torch.nn.init.ones_}
-    layers = _build_llama3_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
-                                  rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=4 * SEQ, theta=ROPE_THETA,
+    layers = _build_llama3_layers(n_layers=LAYERS, dim=dim, n_heads=heads, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
+                                  rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=4 * SEQ, theta=ROPE_THETA,
                                                           scaling="none"),
                                   fuse_qkv=fuse_qkv, attn_backend="flex")
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=normal),
-        norm=RMSNorm.Config(normalized_shape=DIM, eps=NORM_EPS, param_init=ones),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
+        dim=dim, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=normal),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=NORM_EPS, param_init=ones),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
                               param_init={"weight": torch.nn.init.normal_, "bias": torch.nn.init.zeros_}),
         layers=layers)
 
@@ -109,11 +110,12 @@ class TrainState:
         self.ntokens_seen = state_dict["ntokens_seen"]
 
 
-def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=(), initial_load_path: str | None = None):
+def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=(), initial_load_path: str | None = None,
+               last_save_model_only: bool = False):
     """(model, optimizers, lr_schedulers, dataloader, train_state, checkpointer) at this process group's world size,
     the checkpoint manager saving to and loading from `folder`/step-N; with `initial_load_path` (a step-N folder) and
     no step in `folder`, its load() loads that folder's model alone (checkpoint.initial_load_model_only, its
-    default)."""
+    default); `last_save_model_only`: its save(step, last_step=True) writes the model's state dict alone."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -136,7 +138,7 @@ def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=(), initial_
     dataloader = ParallelAwareDataloader(dataset, dp_rank=rank, dp_world_size=world, batch_size=BATCH)
     train_state = TrainState()
     checkpointer = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0,
-                                            last_save_model_only=False, initial_load_path=initial_load_path,
+                                            last_save_model_only=last_save_model_only, initial_load_path=initial_load_path,
                                             exclude_from_loading=list(exclude_from_loading)).build(
         dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
         states={"train_state": train_state}, sd_adapter=None)

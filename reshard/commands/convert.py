@@ -50,9 +50,11 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
     read backwards: a model published under its consumer's names (a Hugging Face Llama) under the checkpoint's the rule
     file exports from, its hyperparameters from the model's config."""
     complete = source if isinstance(source, Complete) else prove_complete(source)
-    own_names = fmt is not None and fmt != complete.catalog.format and _writer(complete.catalog, fmt).SAVES_OWN_NAMES
-    # a model under its consumer's names, brought back to the checkpoint's
-    if names and own_names and names_every_param(names):
+    another = fmt is not None and fmt != complete.catalog.format
+    own_names = another and _writer(complete.catalog, fmt).SAVES_OWN_NAMES
+    # a model under its consumer's names, brought back to the checkpoint's (Megatron's torch_dist keys, torchtitan's
+    # FQNs: whatever the export-names file maps from)
+    if names and another and names_every_param(names):
         from reshard.rules import import_names
         complete = prove_complete(import_names.load(names, complete.catalog))
     elif names:

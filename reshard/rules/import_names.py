@@ -5,9 +5,11 @@ file that exports a Megatron save to Hugging Face imports a Hugging Face model i
 Each rule is read backwards: a rename's template becomes the pattern and its match the template (module_names.inverse:
 literal text around capturing groups, every group used); a "rows" cut becomes a join of its parts, in `groups`
 blocks when the rule gives groups (a fused QKV per query group: each group's q rows, then its k, then its v), the
-count answered by the hyperparameters; a name no rule's parts or template produce is refused by the rule file's
-"refuse" rule where it has one, else kept. The config section read backwards gives those hyperparameters from the
-model's config (config.json): each `{"from": NAME}` value found (nested objects too; a `negated` one negated) is
+count answered by the hyperparameters; a "strided" reordering becomes its inverse (module_names.ModuleRule.strided:
+torchtitan's interleaved rotary pairs of q and k put back from Hugging Face's halves); a split is refused; a name no
+rule's parts or template produce is refused by the rule file's "refuse" rule where it has one, else kept. The config section read backwards gives those hyperparameters from the
+model's config (config.json; a rule file without a config section, torchtitan's, reads the config's own values by
+name, as export's --config does): each `{"from": NAME}` value found (nested objects too; a `negated` one negated) is
 the hyperparameter NAME, `default` where the config says nothing, and each literal value the config gives must be
 the rule file's (an activation, a bias, a RoPE type it does not name is refused). `requires` is added as said.
 What results is a module_names.ModuleNames of renames and joins: each part's fragments become fragments of the
@@ -22,7 +24,7 @@ from typing import Any
 
 from reshard.core.catalog import Catalog
 from reshard.errors import ReshardError
-from reshard.formats.hf import sharding as hf
+from reshard.formats.hf import model as hf_model, sharding as hf
 from reshard.rules import export_names, module_names, name_rules
 from reshard.rules.export_names import Config, ExportNames, From, NameRule
 
@@ -54,8 +56,8 @@ def hyperparameters(rules: ExportNames, config: Mapping[str, Any], config_path: 
     """The hyperparameters the rule file's config section maps to `config`'s values, with its `requires`; a
     literal value `config` contradicts, or two values of one hyperparameter that disagree, are refused in one line
     naming the config file."""
-    if rules.config is None:
-        raise ReshardError.at(rules.path, "has no config section: the model's hyperparameters cannot be read back")
+    if rules.config is None:    # the config's own values answer the counts by name, as export --config's do
+        return {**config, **dict(rules.requires)}
     found: dict[str, tuple[str, Any]] = {}
     defaults: dict[str, tuple[str, Any]] = {}
     _read(rules, rules.config, config, "", config_path, found, defaults)
@@ -96,14 +98,30 @@ def undone(rules: ExportNames, facts: Mapping[str, Any]) -> module_names.ModuleN
     for i, rule in enumerate(rules.rules):
         if rule.refuse is not None or (rule.name is None and rule.rows is None):
             continue        # (a refusal or a drop names no tensor of the model)
-        if rule.split or rule.strided is not None:
-            raise ReshardError.at(rules.path, f"rule {i}: a split or strided rule is not undone yet")
+        if rule.split:
+            raise ReshardError.at(rules.path, f"rule {i}: a split rule is not undone yet")
+        if rule.strided is not None:
+            out.append(_unstrided(rules, i, rule, facts))
+            continue
         if rule.rows is None:
             out.append(module_names.inverse(rules.path, i, module_names.ModuleRule(rule.pattern, rule.name)))
             continue
         out += _joins(rules, i, rule, facts)
     refusals = [r for r in rules.rules if r.refuse is not None]
     return RefusingNames(rules.path, tuple(out), tuple(refusals))
+
+
+def _unstrided(rules: ExportNames, i: int, rule: NameRule, facts: Mapping[str, Any]) -> module_names.ModuleRule:
+    """A strided rule read backwards: the rename undone, each block's rows put back. The rule takes row i·S + j of
+    a block of N rows to row j·(N/S) + i; the same reordering by N/S takes it back, exactly, where S divides N (a
+    block it does not divide is refused in one line)."""
+    assert rule.strided is not None and rule.name is not None
+    block = rules.count(rule.strided.block, facts, rule.pattern.pattern, "block")
+    if block <= 0 or block % rule.strided.stride:
+        raise ReshardError.at(rules.path, f"rule {i}: blocks of {block} rows do not go by {rule.strided.stride}: "
+                                          "the reordering cannot be undone")
+    back = module_names.inverse(rules.path, i, module_names.ModuleRule(rule.pattern, rule.name))
+    return replace(back, strided=(block, block // rule.strided.stride))
 
 
 def _joins(rules: ExportNames, i: int, rule: NameRule, facts: Mapping[str, Any]) -> list[module_names.ModuleRule]:
@@ -152,9 +170,9 @@ def load(names: str, catalog: Catalog) -> Catalog:
     config the rule file's config section names, from the files beside the model's weights (a Hugging Face
     folder's config.json); refused in one line where there is none."""
     rules = export_names.load(names)
-    wanted = rules.config.file if rules.config is not None else None
+    wanted = rules.config.file if rules.config is not None else hf_model.CONFIG
     path = next((p for p in catalog.model_files if os.path.basename(p) == wanted), None)
     if path is None:
-        raise ReshardError.at(catalog.root, f"no {wanted or 'model config'} beside the weights: {rules.path} reads "
-                                            "the model's hyperparameters from it")
+        raise ReshardError.at(catalog.root, f"no {wanted} beside the weights: {rules.path} reads the model's "
+                                            "hyperparameters from it")
     return apply(rules, catalog, hf.model_config(path), path)

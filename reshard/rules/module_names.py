@@ -44,6 +44,9 @@ class ModuleRule:
     # the joined param's `dim` is this many equal blocks, each holding every part's share of it in order (a fused
     # QKV laid out per query group [q; k; v]); 1: the parts end to end
     groups: int = 1
+    # (block, stride): dim 0 viewed as blocks of `block` rows, each block's rows taken every `stride` from each
+    # offset in turn (export_names' "strided" rule; its inverse is the same reordering with block / stride)
+    strided: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Target:
     dim: int
     shape: tuple[int, ...]
     groups: int = 1         # blocks along `dim`, each part's share in each (offsets: within a block)
+    strided: tuple[int, int] | None = None     # a lone part's dim 0 reordered (ModuleRule.strided)
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,12 @@ class ModuleNames:
             if name not in catalog.params:
                 continue            # an alias: its holder's data
             if rule is None or not rule.join:
-                targets.append(Target(renamed[name], (name,), (0,), 0, tuple(catalog.params[name].shape)))
+                shape = tuple(catalog.params[name].shape)
+                strided = rule.strided if rule is not None else None
+                if strided is not None and (not shape or shape[0] % strided[0] or strided[0] % strided[1]):
+                    raise ReshardError.at(self.path, f"{name}: its {list(shape)} rows are not blocks of "
+                                                     f"{strided[0]} rows whose rows go by {strided[1]}")
+                targets.append(Target(renamed[name], (name,), (0,), 0, shape, strided=strided))
                 continue
             parts = tuple(match.expand(t) for t in rule.join) if match is not None else ()
             missing = [p for p in parts if p not in catalog.params]
@@ -208,6 +217,9 @@ def _joined(catalog: Catalog, target: Target, state: str, path: str) -> LogicalT
     tensors = [catalog.tensors[TensorKey(part, state)] for part in target.parts]
     if len({t.dtype for t in tensors}) > 1 or len({t.cast_from for t in tensors}) > 1:
         raise ReshardError.at(path, f"{target.name} ({state}): its parts are of different dtypes")
+    if len(tensors) == 1 and target.strided is not None:
+        fragments = tuple(_restrided(f, target.shape, *target.strided) for f in tensors[0].fragments)
+        return replace(tensors[0], name=target.name, fragments=fragments)
     if len(tensors) == 1:
         return replace(tensors[0], name=target.name)
     block = target.shape[target.dim] // target.groups
@@ -235,6 +247,21 @@ def _shifted(fragment: Fragment, shape: tuple[int, ...], dim: int, offset: int, 
             blocks.append(Block(at, local, size))
             first = end
     return replace(fragment, shard=Shard(shard.shape, tuple(blocks)))
+
+
+def _restrided(fragment: Fragment, shape: tuple[int, ...], block: int, stride: int) -> Fragment:
+    """`fragment` of a tensor of `shape` whose dim 0 is reordered within blocks of `block` rows: row i·stride + j of
+    a block goes to row j·(block / stride) + i of it. Each of the fragment's boxes is cut into its rows, each row a
+    box of its own: still byte copies."""
+    shard = fragment.shard or Shard.whole(shape)
+    per = block // stride
+    rows = []
+    for b in shard.blocks:
+        for r in range(b.shape[0]):
+            first, q = divmod(b.at[0] + r, block)
+            moved = first * block + (q % stride) * per + q // stride
+            rows.append(Block((moved, *b.at[1:]), (b.local[0] + r, *b.local[1:]), (1, *b.shape[1:])))
+    return replace(fragment, shard=Shard(shard.shape, tuple(rows)))
 
 
 def _renamed_scalar(value, targets: list[Target], path: str):

@@ -92,28 +92,40 @@ def _job(job: dict) -> dict:
 
 
 def _model_only(job: dict) -> dict:
-    """{"label", "model_only": true, "load": a model-only step-N folder, "truth": a full step-N folder}: a fresh
-    run whose CheckpointManager (its own folder empty) loads `load` with checkpoint.initial_load_path, the model alone
-    (initial_load_model_only); every weight must equal the truth's as dcp_to_torch_save reads it."""
+    """{"label", "model_only": true, "load": a model-only step-N folder, "truth": a full step-N folder, "tokens":
+    [[id, ...], ...], "save": a checkpoint folder}: a fresh run whose CheckpointManager (its own folder empty)
+    loads `load` with checkpoint.initial_load_path, the model alone (initial_load_model_only); every weight must
+    equal the truth's as dcp_to_torch_save reads it. Optional: with "tokens", torchtitan's forward of them
+    ("logits"); with "save", the loaded model saved by the same CheckpointManager as its last step, model only
+    (checkpoint.last_save_model_only), as `save`/step-1 ("saved": that folder)."""
     import torch
     import torch.distributed as dist
 
     import torchtitan_cpu
-    result = {"label": job["label"], "loaded": False, "error": None, "problems": []}
+    result = {"label": job["label"], "load": job["load"], "loaded": False, "error": None, "problems": []}
     with tempfile.TemporaryDirectory() as empty:
         model, _, _, _, _, checkpointer = torchtitan_cpu.components(
-            os.path.join(empty, "checkpoint"), fuse_qkv=False, initial_load_path=job["load"])
+            job.get("save") or os.path.join(empty, "checkpoint"), fuse_qkv=False, initial_load_path=job["load"],
+            last_save_model_only=True)
         try:
             result["loaded"] = bool(checkpointer.load())
         except Exception as e:
             result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         if result["loaded"]:
             weights = {name: param.full_tensor() for name, param in model.named_parameters()}
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0 and "truth" in job:
                 truth = _truth(job["truth"])
                 result["compared"] = len(weights)
                 result["problems"] = [f"{name}: differs from the truth" for name, live in weights.items()
                                       if not torch.equal(live, truth[name])]
+            if "tokens" in job:     # (FSDP2's forward gathers: every rank runs it)
+                with torch.no_grad():
+                    logits = torchtitan_cpu.forward(model, torch.tensor(job["tokens"]))
+                result["logits"] = logits.full_tensor().tolist() if hasattr(logits, "full_tensor") else \
+                    logits.tolist()
+            if job.get("save"):
+                checkpointer.save(curr_step=1, last_step=True)
+                result["saved"] = os.path.join(job["save"], "step-1")
         checkpointer.close()
     dist.barrier()
     return result
