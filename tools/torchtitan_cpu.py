@@ -138,7 +138,8 @@ def components(folder: str, *, fuse_qkv: bool, exclude_from_loading=(), initial_
     dataloader = ParallelAwareDataloader(dataset, dp_rank=rank, dp_world_size=world, batch_size=BATCH)
     train_state = TrainState()
     checkpointer = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0,
-                                            last_save_model_only=last_save_model_only, initial_load_path=initial_load_path,
+                                            last_save_model_only=last_save_model_only,
+                                            initial_load_path=initial_load_path,
                                             exclude_from_loading=list(exclude_from_loading)).build(
         dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
         states={"train_state": train_state}, sd_adapter=None)

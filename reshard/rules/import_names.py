@@ -7,13 +7,14 @@ literal text around capturing groups, every group used); a "rows" cut becomes a 
 blocks when the rule gives groups (a fused QKV per query group: each group's q rows, then its k, then its v), the
 count answered by the hyperparameters; a "strided" reordering becomes its inverse (module_names.ModuleRule.strided:
 torchtitan's interleaved rotary pairs of q and k put back from Hugging Face's halves); a split is refused; a name no
-rule's parts or template produce is refused by the rule file's "refuse" rule where it has one, else kept. The config section read backwards gives those hyperparameters from the
-model's config (config.json; a rule file without a config section, torchtitan's, reads the config's own values by
-name, as export's --config does): each `{"from": NAME}` value found (nested objects too; a `negated` one negated) is
-the hyperparameter NAME, `default` where the config says nothing, and each literal value the config gives must be
-the rule file's (an activation, a bias, a RoPE type it does not name is refused). `requires` is added as said.
-What results is a module_names.ModuleNames of renames and joins: each part's fragments become fragments of the
-joined param, their boxes cut where they cross a group, so reading and writing stay byte copies.
+rule's parts or template produce is refused by the rule file's "refuse" rule where it has one, else kept. The config
+section read backwards gives those hyperparameters from the model's config (config.json; a rule file without a config
+section, torchtitan's, reads the config's own values by name, as export's --config does): each `{"from": NAME}`
+value found (nested objects too; a `negated` one negated) is the hyperparameter NAME, `default` where the config says
+nothing, and each literal value the config gives must be the rule file's (an activation, a bias, a RoPE type it does
+not name is refused). `requires` is added as said. What results is a module_names.ModuleNames of renames, joins and
+reorderings: each part's fragments become fragments of the joined param, their boxes cut where they cross a group
+(a reordered param's: one box per row), so reading and writing stay byte copies.
 """
 from __future__ import annotations
 

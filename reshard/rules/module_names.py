@@ -218,8 +218,8 @@ def _joined(catalog: Catalog, target: Target, state: str, path: str) -> LogicalT
     if len({t.dtype for t in tensors}) > 1 or len({t.cast_from for t in tensors}) > 1:
         raise ReshardError.at(path, f"{target.name} ({state}): its parts are of different dtypes")
     if len(tensors) == 1 and target.strided is not None:
-        fragments = tuple(_restrided(f, target.shape, *target.strided) for f in tensors[0].fragments)
-        return replace(tensors[0], name=target.name, fragments=fragments)
+        reordered = tuple(_restrided(f, target.shape, *target.strided) for f in tensors[0].fragments)
+        return replace(tensors[0], name=target.name, fragments=reordered)
     if len(tensors) == 1:
         return replace(tensors[0], name=target.name)
     block = target.shape[target.dim] // target.groups
