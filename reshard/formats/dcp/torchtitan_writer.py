@@ -5,10 +5,17 @@ tensor cut along dim 0 over the target's dp ranks as FSDP2 shards it (dcp/writer
 entries (lr_scheduler, dataloader, train_state) copied as they were saved. A source that is not torchtitan's has
 none: torchtitan's load then needs them excluded (`checkpoint.exclude_from_loading`). What reshard's DCP output
 carries beyond (`reshard.*` counters) is left out: torchtitan keeps its counters in train_state.
+
+A model alone (a Hugging Face Llama folder brought to torchtitan's FQNs by `--names torchtitan-llama` read backwards,
+reshard.rules.import_names) has no optimizer and no entries of torchtitan's own: the folder is the model's state dict
+alone, in the model's dtype, which is what `checkpoint.last_save_model_only` writes and what torchtitan's model-only
+load (`checkpoint.initial_load_path`) starts a run from.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout
@@ -17,10 +24,12 @@ from reshard.errors import ReshardError
 from reshard.formats.dcp import keys, writer as dcp_writer
 from reshard.formats.dcp.reader import DcpNotes
 from reshard.formats.dcp.torchtitan import OPTIMIZER
+from reshard.rules.export_names import ModelFacts
 
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = False        # it saves under the model's own FQNs
+TIED = "tie_word_embeddings"   # a Hugging Face config's tie, which a model imported from one carries (import_names)
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
@@ -30,6 +39,10 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
         raise ReshardError.at(catalog.root, f"torchtitan's fused q/k/v ({len(fused)} wqkv parameters) is not written "
                                             "back to torchtitan yet: its optimizer keeps wqkv's state, not wq's, wk's "
                                             "and wv's (--format dcp writes the three)")
+    facts: Mapping[str, Any] = catalog.notes.hyperparameters() if isinstance(catalog.notes, ModelFacts) else {}
+    if facts.get(TIED):     # (the Hugging Face folder holds the embedding once; torchtitan's model both names)
+        raise ReshardError.at(catalog.root, f"{TIED}: a model whose output layer is its embedding is not written to "
+                                            "torchtitan yet (its lm_head.weight would be missing)")
     tensors: list[tuple] = []
     for entry in keys.tensor_entries(catalog):
         if entry.key.startswith(f"{keys.MODEL}."):

@@ -10,8 +10,8 @@ torchtitan saves what it loaded (its own last-step model-only save) and `export 
 save is the source folder bit for bit; at head size 8 (where the reordering is not its own inverse) the step folder
 holds what torchtitan's own Llama3StateDictAdapter.from_hf makes of the source. Negative controls: the rule file with
 its strided (rotary) rules dropped imports a model whose logits differ; one changed weight in the step folder comes
-back as exactly that tensor differing from the source; a split rule, and a block its stride does not divide, are
-refused in one line with nothing written.
+back as exactly that tensor differing from the source; a split rule, a block its stride does not divide, and a tied
+model (its lm_head not in the folder) are refused in one line with nothing written.
 """
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ CHANGED = "layers.1.attention.qkv_linear.wk.weight"      # the weight the negati
 TOKENS = [[3, 17, 42, 5, 9, 60, 11, 0], [1, 2, 63, 33, 8, 25, 47, 12]]
 
 
-def hf_llama(folder, dim: int | None = None, heads: int | None = None) -> str:
-    """transformers' Llama of torchtitan_cpu's shape (another width and head count where given), every weight drawn
-    at random (seed 0; norms too), saved by save_pretrained as fp32 safetensors: the folder."""
+def hf_llama(folder, dim: int | None = None, heads: int | None = None, tied: bool = False) -> str:
+    """transformers' Llama of torchtitan_cpu's shape (another width and head count where given; its output layer
+    its embedding where `tied`), every weight drawn at random (seed 0; norms too), saved by save_pretrained as fp32
+    safetensors: the folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,7 +43,7 @@ def hf_llama(folder, dim: int | None = None, heads: int | None = None) -> str:
     config = LlamaConfig(hidden_size=dim, intermediate_size=tt.HIDDEN, num_hidden_layers=tt.LAYERS,
                          num_attention_heads=heads, num_key_value_heads=tt.KV_HEADS, head_dim=dim // heads,
                          vocab_size=tt.VOCAB, rms_norm_eps=tt.NORM_EPS, rope_theta=tt.ROPE_THETA,
-                         max_position_embeddings=4 * tt.SEQ, tie_word_embeddings=False, attention_bias=False,
+                         max_position_embeddings=4 * tt.SEQ, tie_word_embeddings=tied, attention_bias=False,
                          mlp_bias=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -118,6 +119,15 @@ def test_a_rule_that_cannot_be_undone_is_refused_in_one_line_with_nothing_writte
                    "--to", "dp=2")
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_tied_model_is_refused_in_one_line_with_nothing_written(tmp_path):
+    source = hf_llama(tmp_path / "hf", tied=True)
+    proc = run_cli("convert", source, tmp_path / "out", "--format", "torchtitan", "--names", "torchtitan-llama",
+                   "--to", "dp=2")
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert "tie_word_embeddings: a model whose output layer is its embedding is not written to torchtitan yet" in \
+        proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @shares("torchtitan_load.py")
