@@ -498,7 +498,8 @@ def _module_names_arg(p: argparse.ArgumentParser) -> None:
                         "mixtral-autoep-fsdp: an AutoEP Mixtral as transformers' MixtralForCausalLM, for --format "
                         "dcp); or an export-names file read backwards, for a model published under its consumer's "
                         "names (megatron-core-llama: a Hugging Face Llama folder, --format megatron, its args from "
-                        "config.json)")
+                        "config.json; torchtitan-llama: the same folder, --format torchtitan, the weights-only step "
+                        "folder torchtitan's checkpoint.initial_load_path loads)")
 
 
 def _new_rank_state_arg(p: argparse.ArgumentParser) -> None:

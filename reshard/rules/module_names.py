@@ -15,10 +15,12 @@ undoes a file of renames, for output in a format that saves under the names the 
 megatron-core's GPTModel, under the module's names, written as a Megatron torch_dist save: megatron-core-modules):
 each rule's match must be literal text around capturing groups, every group used by its template, so the template
 read as a pattern and the match read as a template undo it; every name undone is renamed forward again and must
-come back, or the rule file is refused. The names only
-say which param goes where: where each part's elements lie in the joined param (its box: an offset along `dim` of
-the sizes of the parts before it) is computed from the shapes, and every fragment of a part becomes a fragment of the
-joined param shifted by that box, so reading and writing stay byte copies. The result is a dense model's catalog:
+come back, or the rule file is refused. A rule read backwards from an export-names file (reshard.rules.import_names)
+may also reorder a param's dim 0 within blocks (`strided`: torchtitan's interleaved rotary rows), each row of each
+fragment then a box of its own. The names only say which param goes where: where each part's elements lie in the
+joined param (its box: an offset along `dim` of the sizes of the parts before it) is computed from the shapes, and
+every fragment of a part becomes a fragment of the joined param shifted by that box, so reading and writing stay byte
+copies. The result is a dense model's catalog:
 every expert is already in its global place in the source's logical tensors, and no expert parallelism is left.
 """
 from __future__ import annotations
