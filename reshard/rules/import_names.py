@@ -117,7 +117,12 @@ def _unstrided(rules: ExportNames, i: int, rule: NameRule, facts: Mapping[str, A
     a block of N rows to row j·(N/S) + i; the same reordering by N/S takes it back, exactly, where S divides N (a
     block it does not divide is refused in one line)."""
     assert rule.strided is not None and rule.name is not None
-    block = rules.count(rule.strided.block, facts, rule.pattern.pattern, "block")
+    given = rule.strided.block
+    names = (given,) if isinstance(given, str) else () if isinstance(given, int) else given
+    if names and not any(isinstance(facts.get(n), int) and not isinstance(facts.get(n), bool) for n in names):
+        raise ReshardError.at(rules.path, f"rule {i}: its block is {'/'.join(names)}, which the model's config does "
+                                          "not give as a whole number")
+    block = rules.count(given, facts, rule.pattern.pattern, "block")
     if block <= 0 or block % rule.strided.stride:
         raise ReshardError.at(rules.path, f"rule {i}: blocks of {block} rows do not go by {rule.strided.stride}: "
                                           "the reordering cannot be undone")

@@ -10,8 +10,8 @@ torchtitan saves what it loaded (its own last-step model-only save) and `export 
 save is the source folder bit for bit; at head size 8 (where the reordering is not its own inverse) the step folder
 holds what torchtitan's own Llama3StateDictAdapter.from_hf makes of the source. Negative controls: the rule file with
 its strided (rotary) rules dropped imports a model whose logits differ; one changed weight in the step folder comes
-back as exactly that tensor differing from the source; a split rule, a block its stride does not divide, and a tied
-model (its lm_head not in the folder) are refused in one line with nothing written.
+back as exactly that tensor differing from the source; a split rule, a block its stride does not divide, a config
+without the head size, and a tied model (its lm_head not in the folder) are refused in one line with nothing written.
 """
 from __future__ import annotations
 
@@ -119,6 +119,18 @@ def test_a_rule_that_cannot_be_undone_is_refused_in_one_line_with_nothing_writte
                    "--to", "dp=2")
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_config_without_the_head_size_is_refused_in_one_line_with_nothing_written(tmp_path):
+    source = hf_llama(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del config["head_dim"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    proc = run_cli("convert", source, tmp_path / "out", "--format", "torchtitan", "--names", "torchtitan-llama",
+                   "--to", "dp=2")
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert "rule 1: its block is head_dim, which the model's config does not give as a whole number" in \
+        proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_a_tied_model_is_refused_in_one_line_with_nothing_written(tmp_path):
