@@ -8,7 +8,8 @@ The source is transformers' own LlamaForCausalLM of torchtitan_cpu's model shape
 torchtitan's forward of the loaded model on fixed tokens equals transformers' forward of the source (fp32, 1e-5);
 torchtitan saves what it loaded (its own last-step model-only save) and `export --names torchtitan-llama` of that
 save is the source folder bit for bit; at head size 8 (where the reordering is not its own inverse) the step folder
-holds what torchtitan's own Llama3StateDictAdapter.from_hf makes of the source. Negative controls: the rule file with
+holds what torchtitan's own Llama3StateDictAdapter.from_hf makes of the source; a sharded bf16 folder is written in
+bf16 and exports back as it was (reshard's diff). Negative controls: the rule file with
 its strided (rotary) rules dropped imports a model whose logits differ; one changed weight in the step folder comes
 back as exactly that tensor differing from the source; a split rule, a block its stride does not divide, a config
 without the head size, and a tied model (its lm_head not in the folder) are refused in one line with nothing written.
@@ -31,10 +32,10 @@ CHANGED = "layers.1.attention.qkv_linear.wk.weight"      # the weight the negati
 TOKENS = [[3, 17, 42, 5, 9, 60, 11, 0], [1, 2, 63, 33, 8, 25, 47, 12]]
 
 
-def hf_llama(folder, dim: int | None = None, heads: int | None = None, tied: bool = False) -> str:
+def hf_llama(folder, dim: int | None = None, heads: int | None = None, tied: bool = False, bf16: bool = False) -> str:
     """transformers' Llama of torchtitan_cpu's shape (another width and head count where given; its output layer
     its embedding where `tied`), every weight drawn at random (seed 0; norms too), saved by save_pretrained as fp32
-    safetensors: the folder."""
+    safetensors (bf16 in shards of 8KB where `bf16`): the folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,7 +51,10 @@ def hf_llama(folder, dim: int | None = None, heads: int | None = None, tied: boo
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.5)
-    model.save_pretrained(folder)
+    if bf16:
+        model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="8KB")
+    else:
+        model.save_pretrained(folder)
     return str(folder)
 
 
@@ -101,6 +105,23 @@ def test_the_step_folder_is_the_model_state_dict_alone_as_torchtitans_own_adapte
     plain = _state(tmp_path / "plain" / "step-0")
     differ = sorted(k for k in expected if not torch.equal(plain[k], expected[k]))
     assert differ == [f"layers.{i}.attention.qkv_linear.{w}.weight" for i in (0, 1) for w in ("wk", "wq")], differ
+
+
+def test_a_sharded_bf16_folder_is_written_in_bf16_and_exports_back_bit_for_bit(tmp_path):
+    import torch
+    source = hf_llama(tmp_path / "hf", bf16=True)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    _import(source, tmp_path / "run" / "step-0", dp=4)
+    state = _state(tmp_path / "run" / "step-0")
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    run_cli("export", tmp_path / "run" / "step-0", tmp_path / "back", "--names", "torchtitan-llama", "--config",
+            tmp_path / "hf" / "config.json", "--quiet", check=0)
+    assert run_cli("diff", source, tmp_path / "back", check=0).stdout.startswith("no difference")
+    # the control: a change in the step folder (damage's 4 bytes: two bf16 elements of layer 1's wk) is found
+    change_dcp_element(tmp_path / "run" / "step-0", CHANGED, state="module")
+    run_cli("export", tmp_path / "run" / "step-0", tmp_path / "changed", "--names", "torchtitan-llama", "--config",
+            tmp_path / "hf" / "config.json", "--quiet", check=0)
+    assert "model.layers.1.self_attn.k_proj.weight" in run_cli("diff", source, tmp_path / "changed", check=1).stdout
 
 
 @pytest.mark.parametrize("edit, message", [
