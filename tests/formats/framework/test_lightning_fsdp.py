@@ -362,7 +362,7 @@ def test_model_parallel_strategy_is_read_and_resumed_at_another_size(run):
     assert got["scheduler"] == {k: run.truth["scheduler"][k] for k in got["scheduler"]}
 
 
-def test_model_parallel_folder_thinned_loads_with_the_strategys_weights_only_load(run, engine_launches):
+def test_model_parallel_folder_thinned_loads_with_the_strategys_weights_only_load(run, engine_launches, tmp_path):
     """ModelParallelStrategy's folder thinned as save_weights_only writes it: `{"state_dict": ...}` alone by DCP and
     meta.pt less callbacks and schedulers; `list` calls it complete and weights-only, its export is the full one's,
     a flipped byte is caught by `validate --deep`; the strategy's own load in trainer.validate at 3 processes gives
@@ -373,7 +373,7 @@ def test_model_parallel_folder_thinned_loads_with_the_strategys_weights_only_loa
     assert set(full) - set(meta) == {"callbacks", "lr_schedulers"} and all(meta[k] == full[k] for k in meta)
     keys = dcp.FileSystemReader(str(thinned)).read_metadata().state_dict_metadata
     assert keys and all(k.startswith("state_dict.") for k in keys)
-    check_lifecycle(thinned.parent, "step=1.ckpt", "step=2.ckpt", saved.parent.parent / "mp-checks", MP_CHANGED)
+    check_lifecycle(thinned.parent, "step=1.ckpt", "step=2.ckpt", tmp_path, MP_CHANGED)
     loaded, changed = engine_launches.results(resumes)[5:]
     assert loaded["ckpt"] == str(thinned) and loaded["compared"] > 0 and loaded["problems"] == [], loaded
     assert len(loaded["control_problems"]) == loaded["compared"]
