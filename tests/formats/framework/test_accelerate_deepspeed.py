@@ -88,7 +88,7 @@ def thinned_run(source: Path) -> Path:
         for step in (1, 2):
             shutil.copytree(source / "state", run / f"checkpoint_{step}", dirs_exist_ok=True)
         age(run)
-        run_cli("thin", run / "checkpoint_1", "--yes", "--quiet", check=0)
+        run_cli("thin", run / "checkpoint_1", "--yes", check=0)
     return run
 
 

@@ -169,7 +169,7 @@ def thinned_model_parallel(saved: Path, tmp: Path) -> Path:
     run = tmp / "mp-run"
     if not run.exists():
         series(saved, run, ("step=1.ckpt", "step=2.ckpt"))
-        run_cli("thin", run / "step=1.ckpt", "--yes", "--quiet", check=0)
+        run_cli("thin", run / "step=1.ckpt", "--yes", check=0)
     return run / "step=1.ckpt"
 
 
