@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from reshard.formats.weights_only import PROVENANCE
+from tests.commands.test_thin_dcp import series
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import alter_weight
 from tests.helpers.engine_launches import shares
@@ -84,10 +85,8 @@ def loads(out, saved):
 def thinned_run(source: Path) -> Path:
     """A run of two copies of the save, `reshard thin --yes` run on the older: source/run/checkpoint_{1,2}."""
     run = source / "run"
-    if not (run / "checkpoint_1" / PROVENANCE).is_file():
-        for step in (1, 2):
-            shutil.copytree(source / "state", run / f"checkpoint_{step}", dirs_exist_ok=True)
-        age(run)
+    if not run.exists():
+        series(source / "state", run, ("checkpoint_1", "checkpoint_2"))
         run_cli("thin", run / "checkpoint_1", "--yes", check=0)
     return run
 
