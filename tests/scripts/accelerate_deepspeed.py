@@ -102,7 +102,7 @@ def run(job) -> dict:
                                    load_lr_scheduler_states=False)
         else:
             accelerator.load_state(job["dir"])
-        tensors = engine_tensors(engine)
+        tensors = engine_tensors(engine, optimizer=not module_only)
         if accelerator.is_main_process:
             truth, after = ({k: v for k, v in load_file(job[f]).items() if not module_only or k.startswith("module/")}
                             for f in ("truth", "after"))
