@@ -174,18 +174,25 @@ def test_thinned_folder_loads_with_accelerates_weights_only_load(source, engine_
     assert result["counter"] == STEPS and result["lr"] == source.saved["lr"]     # Accelerate's own files loaded
 
 
-def test_thinned_folder_altered_or_without_its_record_is_caught(source, tmp_path):
+def test_thinned_folder_altered_mixed_or_without_its_record_is_caught(source, tmp_path):
     """Controls: one weight element of the thinned folder changed (its zip CRC stale) fails `validate --deep`; the
-    thinned folder without thin's record is not listed complete."""
+    thinned folder with its first optimizer file put back from the full folder (a mix of the two forms) is not listed
+    complete; ZeRO-2's without thin's record (its module file alone) neither. (ZeRO-3's optimizer files without
+    moments say what they are: the form reads as weights-only without the record too.)"""
     run = thinned_run(source)
     altered = Path(shutil.copytree(run / "checkpoint_1", tmp_path / "altered"))
-    state, size = ("fp32", 4) if source.stage == 3 else ("module", 4)
-    alter_weight(altered / "pytorch_model", state, size, crc=False, name="transformer.h.0.attn.c_attn.weight")
+    state = "fp32" if source.stage == 3 else "module"
+    alter_weight(altered / "pytorch_model", state, 4, crc=False, name="transformer.h.0.attn.c_attn.weight")
     assert "CRC" in run_cli("validate", altered, "--deep", check=1).stdout
-    bare = tmp_path / "bare"
-    for step in (1, 2):
-        shutil.copytree(run / f"checkpoint_{step}", bare / f"checkpoint_{step}")
-    (bare / "checkpoint_1" / PROVENANCE).unlink()
-    age(bare)
-    listed = {r["name"]: r for r in json.loads(run_cli("list", bare, "--json", check=None).stdout)["checkpoints"]}
-    assert listed["checkpoint_1"]["status"] != "complete" and listed["checkpoint_2"]["status"] == "complete"
+    first = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    for damage in ("mixed", "bare") if source.stage == 2 else ("mixed",):
+        copy = series(run / "checkpoint_1", tmp_path / damage, ("checkpoint_1",))
+        shutil.copytree(run / "checkpoint_2", copy / "checkpoint_2")
+        if damage == "mixed":
+            shutil.copy(run / "checkpoint_2" / "pytorch_model" / first, copy / "checkpoint_1" / "pytorch_model")
+        else:
+            (copy / "checkpoint_1" / PROVENANCE).unlink()
+        age(copy)
+        listed = {r["name"]: r for r in json.loads(run_cli("list", copy, "--json", check=None).stdout)["checkpoints"]}
+        assert listed["checkpoint_1"]["status"] != "complete" and listed["checkpoint_2"]["status"] == "complete", \
+            (damage, listed)
