@@ -45,7 +45,7 @@ def job(source_out: Path, stage: int, mode: str, folder: Path) -> dict:
 
 STAGES = (2, 3)
 LOADS = (1, 3)      # the converted folder loaded at dp
-THIN_LOAD = 3       # the thinned folder loaded at dp (its module's weights are any dp's)
+THIN_LOAD = 1       # the thinned folder loaded at dp: ZeRO-3 module files are per rank, so not above the save's
 
 
 @shares(SCRIPT)
