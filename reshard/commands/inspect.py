@@ -155,6 +155,8 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     kinds = [p.kind for p in catalog.params.values()]
     frame = framework_of(catalog)
     thinned = weights_only.provenance(catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root))
+    if thinned is None and frame is not None:      # a framework's folder thinned whole (Accelerate's around DeepSpeed)
+        thinned = weights_only.provenance(frame.folder)
     trained: weights_only.Trained | None = weights_only.Trained(kinds.count("trainable"), kinds.count("frozen"))
     if thinned is not None and not catalog.param_groups:
         # the optimizer's groups, which said what was trained, were dropped: what the record kept of the source

@@ -120,7 +120,8 @@ FORMATS = (
            writer=WriterEntry("reshard.formats.dcp.fsdp_writer", MESH_ONLY),
            writes="the folders HF Trainer and Accelerate save with FSDP's sharded state dict: "
                   "pytorch_model_fsdp_0/, optimizer_0/",
-           thin=(ThinForm("reshard.formats.dcp.lightning_weights", "Lightning FSDPStrategy *.ckpt/", "Lightning"),)),
+           thin=(ThinForm("reshard.formats.dcp.lightning_weights",
+                          "Lightning FSDPStrategy (sharded) and ModelParallelStrategy *.ckpt/", "Lightning"),)),
     # a DCP folder: read by the DCP reader, which finds torchtitan's own entries (dcp.torchtitan)
     Format("torchtitan", "torchtitan", "torchtitan.md", "torchtitan step-N/ folders",
            RunLayout("torchtitan", backend="(DCP)", checkpoints=r"^step-(\d+)$"),
@@ -145,7 +146,8 @@ FORMATS = (
     Format("accelerate", "Accelerate", "frameworks.md", "Accelerate save_state folders (DeepSpeed, FSDP)",
            RunLayout("accelerate", checkpoints=r"^checkpoint_(\d+)$"),
            thin=(ThinForm("reshard.formats.single.accelerate_weights",
-                          "Accelerate save_state folders with FSDP (sharded or full) or neither FSDP nor DeepSpeed",
+                          "Accelerate save_state folders with DeepSpeed ZeRO-1/2/3, FSDP (sharded or full) or "
+                          "neither",
                           "Accelerate"),)),
     Format("safetensors", "safetensors", "single-process.md", "safetensors files and save_pretrained folders",
            RunLayout("safetensors"),

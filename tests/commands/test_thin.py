@@ -19,7 +19,7 @@ from reshard.core.catalog import TensorKey
 from reshard.errors import ReshardError
 from reshard.lifecycle import thinning
 from tests.helpers.cli import run_cli
-from tests.helpers.damage import write_in_zip
+from tests.helpers.damage import alter_weight, write_in_zip
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES
 from tests.helpers.lifecycle_runs import age, ds_run, hf_run
@@ -92,24 +92,6 @@ def test_refusals_are_one_line(tmp_path):
     assert "already weights-only" in run_cli("thin", save / "global_step1", check=1).stderr
     fp32 = ds_run(tmp_path / "fp32", "z2_fp32_dp2")     # fp32: the module files hold the masters themselves
     run_cli("thin", fp32 / "global_step1", "--keep-masters", "--yes", check=0)
-
-
-def alter_weight(tag_dir, state: str, size: int, crc: bool = True) -> None:
-    """One element of l1.weight's `state` (the module's 16-bit copy, or ZeRO-3's fp32 partition) in the thinned
-    tag folder flipped, the zip member's CRC-32 made to match (a file saved with another value) unless `crc` is
-    False (a corrupt file)."""
-    catalog = reshard.open_checkpoint(str(tag_dir))
-    fragment = catalog.tensors[TensorKey("l1.weight", state)].fragments[0]
-    at = fragment.storage.offset + fragment.elem_offset * size
-    path = fragment.storage.file
-    original = open(path, "rb").read(at + size)[at:]
-    flipped = bytes(b ^ 0x40 for b in original)
-    if crc:
-        write_in_zip(path, at, flipped)
-        return
-    with open(path, "r+b") as f:
-        f.seek(at)
-        f.write(flipped)
 
 
 @pytest.mark.parametrize("fixture, state, size", [("z1_bf16_dp2", "module", 2), ("z3_bf16_dp2", "fp32", 4)])

@@ -90,3 +90,23 @@ def mutated(data, raw: bytes) -> bytes:
         else:
             blob[at:at + 8] = bytes(min(8, len(blob) - at))
     return bytes(blob)
+
+
+def alter_weight(tag_dir, state: str, size: int, crc: bool = True, name: str = "l1.weight") -> None:
+    """One element of `name`'s `state` (the module's 16-bit copy, or ZeRO-3's fp32 partition) in the thinned
+    tag folder flipped, the zip member's CRC-32 made to match (a file saved with another value) unless `crc` is
+    False (a corrupt file)."""
+    from reshard import open_checkpoint
+    from reshard.core.catalog import TensorKey
+    catalog = open_checkpoint(str(tag_dir))
+    fragment = catalog.tensors[TensorKey(name, state)].fragments[0]
+    at = fragment.storage.offset + fragment.elem_offset * size
+    path = fragment.storage.file
+    original = open(path, "rb").read(at + size)[at:]
+    flipped = bytes(b ^ 0x40 for b in original)
+    if crc:
+        write_in_zip(path, at, flipped)
+        return
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(flipped)

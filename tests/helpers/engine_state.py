@@ -3,19 +3,19 @@
 STATES = ("exp_avg", "exp_avg_sq")
 
 
-def engine_tensors(engine, module=None) -> dict:
+def engine_tensors(engine, module=None, optimizer: bool = True) -> dict:
     """{"fp32/name", "exp_avg/name", "exp_avg_sq/name", "module/name": tensor} of the live engine (`module`: the
-    one whose names to use, default engine.module). Collectives under ZeRO-3: every rank calls this at the same
-    point."""
+    one whose names to use, default engine.module; `optimizer` False: the module's alone, as after a module-only
+    load, which leaves the optimizer no state). Collectives under ZeRO-3: every rank calls this at the same point."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     module = module or engine.module
-    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+    if optimizer and hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
         # DeepSpeed 0.19.8 links ZeRO-1/2 optimizer-state fragments lazily and never relinks (make_fixtures.py)
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
     out = {}
-    for name, p in module.named_parameters():
+    for name, p in module.named_parameters() if optimizer else ():
         out[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone().contiguous()
         for state in STATES:
             out[f"{state}/{name}"] = safe_get_full_optimizer_state(p, state).detach().clone().contiguous()

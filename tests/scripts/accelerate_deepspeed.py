@@ -12,7 +12,9 @@ save: a tiny random GPT-2 (from a config), torch AdamW and a linear-warmup LR sc
       more step and takes the truth again (`after`, the negative control) with the lr that step used.
 load: the same objects built from another seed, accelerator.load_state(dir); the engine's tensors are compared
       with `truth` bit for bit and with `after` (must differ); the engine's global steps, the scheduler's step
-      and the custom object reported; one more step runs and its lr is reported.
+      and the custom object reported; one more step runs and its lr is reported. With "module_only" (a folder
+      `reshard thin` left) Accelerate's weights-only load, load_state(dir, load_module_only=True,
+      load_optimizer_states=False, load_lr_scheduler_states=False), and the module's weights alone compared.
 Rank 0 writes each job with its {"problems": [...], ...} to RESULTS.json.
 """
 import math
@@ -94,12 +96,18 @@ def run(job) -> dict:
             save_file(truth, job["truth"])
             save_file(after, job["after"])
     else:
-        accelerator.load_state(job["dir"])
-        tensors = engine_tensors(engine)
+        module_only = job.get("module_only", False)
+        if module_only:
+            accelerator.load_state(job["dir"], load_module_only=True, load_optimizer_states=False,
+                                   load_lr_scheduler_states=False)
+        else:
+            accelerator.load_state(job["dir"])
+        tensors = engine_tensors(engine, optimizer=not module_only)
         if accelerator.is_main_process:
-            problems.extend(differences(tensors, load_file(job["truth"])))
-            report.update(compared=len(tensors),
-                          negative_differences=len(differences(tensors, load_file(job["after"]))))
+            truth, after = ({k: v for k, v in load_file(job[f]).items() if not module_only or k.startswith("module/")}
+                            for f in ("truth", "after"))
+            problems.extend(differences(tensors, truth))
+            report.update(compared=len(tensors), negative_differences=len(differences(tensors, after)))
         report.update(global_steps=engine.global_steps, lr=scheduler.get_last_lr()[0], counter=counter.count)
         loss = train_step()
         if not math.isfinite(loss):

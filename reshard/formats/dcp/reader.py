@@ -32,7 +32,7 @@ from reshard.core.catalog import MASTER, MODULE, Catalog, CatalogBuilder, ParamI
 from reshard.core.dtypes import is_floating
 from reshard.core.layout import Layout
 from reshard.core.placement import Shard, through
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, UnprovenMappingError
 from reshard.formats.dcp import metadata as md, torchtitan
 from reshard.formats.dcp.chunks import CARRIED, CARRIED_PREFIX, METADATA, MISSING, RANK_FILE, Chunks
 from reshard.formats.framework.files import Framework
@@ -135,10 +135,13 @@ def build(catalog: CatalogBuilder, meta, chunks: Chunks, config: str | None = No
     groups_key = next((k for k in values if k.startswith(tuple(p + "param_groups." for p in OPTIM_PREFIXES))), "")
     for name in group_of:
         if name not in catalog.params:
-            hint = (" (torchtitan's fused q, k and v: --config, the model's config.json, gives its key-value head "
-                    "count)") if titan and torchtitan.part_names(name) and config is None else ""
-            catalog.problem(chunks.meta_of(groups_key), f"the optimizer names {name}, which the model state dict "
-                                                        f"lacks{hint}")
+            lacks = f"the optimizer names {name}, which the model state dict lacks"
+            if titan and torchtitan.part_names(name) and config is None:
+                # nothing is missing: which rows are q, k and v is not known without the config, so the save is
+                # not proven whole, nor proven incomplete (`list` keeps it unverifiable, never deleted)
+                raise UnprovenMappingError(chunks.meta_of(groups_key), f"{lacks} (torchtitan's fused q, k and v: "
+                                           "--config, the model's config.json, gives its key-value head count)")
+            catalog.problem(chunks.meta_of(groups_key), lacks)
     catalog.group_scalars = [{} for _ in groups]
     for key, entry in optim.items():
         fqn, state = _state_of(key, planner)

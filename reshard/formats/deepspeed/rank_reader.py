@@ -55,7 +55,10 @@ def read_mp_rank(tag_dir: str, tag: str, listing: list, mp: int, model0_name: st
     dp = int(model0.get("dp_world_size") or 1)
     catalog = CatalogBuilder(root=tag_dir, format="deepspeed", layout=Layout.of(dp), tag=tag)
     bf16_prefix = any(n.startswith("bf16_") and names.OPTIM_STATES.match(n) for n in listing)
-    if not any(names.OPTIM_STATES.match(n) for n in listing) and weights_only.is_thinned(tag_dir):
+    # thin's record in the tag folder, or in the save dir around it where a framework's folder is the save dir
+    # (Accelerate's save_state: the record is the whole folder's)
+    thinned = weights_only.is_thinned(tag_dir) or weights_only.is_thinned(os.path.dirname(tag_dir))
+    if not any(names.OPTIM_STATES.match(n) for n in listing) and thinned:
         return _read_weights_only(catalog, tag_dir, model0_name, model0)
     optim = _load_rank_files(catalog, tag_dir, listing, dp, bf16_prefix, mp)
     if not any(names.OPTIM_STATES.match(n) for n in listing):

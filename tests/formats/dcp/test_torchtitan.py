@@ -78,6 +78,21 @@ def test_a_fused_qkv_save_without_a_config_is_refused_naming_what_to_give():
         in proc.stdout + proc.stderr
 
 
+def test_a_run_of_fused_qkv_saves_is_unverifiable_never_deleted_nor_thinned(tmp_path):
+    """`list` has no --config: a fused save is not proven whole there, nor incomplete, so `prune
+    --delete-incomplete --yes` keeps every one and `thin` refuses it in one line; the control: the same run of the
+    unfused save is complete, and the same prune deletes the older one."""
+    from tests.commands.test_thin_dcp import series
+    for source, kept in ((FUSED, ["step-1", "step-2"]), (SOURCE, ["step-2"])):
+        run = series(source, tmp_path / source.parent.parent.name / "checkpoint", ("step-1", "step-2"))
+        rows = json.loads(run_cli("list", run, "--json", check=0).stdout)["checkpoints"]
+        assert [r["status"] for r in rows] == ["unverifiable" if source == FUSED else "complete"] * 2, rows
+        run_cli("prune", run, "--keep-last", "1", "--delete-incomplete", "--yes", check=0)
+        assert sorted(os.listdir(run)) == kept
+    refused = run_cli("thin", tmp_path / FUSED.parent.parent.name / "checkpoint" / "step-1", check=1).stderr
+    assert "unverifiable" in refused and "--config" in refused and len(refused.strip().splitlines()) == 1
+
+
 def _fused_config(tmp_path, kv_heads: int | None = None, head_dim: bool = False) -> str:
     """The fixture's Hugging Face config.json; where `kv_heads` is given (a wrong count), with it and without its
     head_dim (which would refuse it) unless `head_dim`."""

@@ -6,13 +6,18 @@ scheduler and a registered custom object continue. Without reshard the same load
 """
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from reshard.formats.weights_only import PROVENANCE
+from tests.commands.test_thin_dcp import series
 from tests.helpers.cli import run_cli
+from tests.helpers.damage import alter_weight
 from tests.helpers.engine_launches import shares
+from tests.helpers.lifecycle_runs import age
 from tests.helpers.pickles import check_pickles
 
 pytestmark = pytest.mark.engine
@@ -40,6 +45,7 @@ def job(source_out: Path, stage: int, mode: str, folder: Path) -> dict:
 
 STAGES = (2, 3)
 LOADS = (1, 3)      # the converted folder loaded at dp
+THIN_LOAD = 1       # the thinned folder loaded at dp: ZeRO-3 module files are per rank, so not above the save's
 
 
 @shares(SCRIPT)
@@ -66,10 +72,31 @@ def loads(out, saved):
         for dp in LOADS:
             run_cli("convert", source / "state", source / f"dp{dp}", "--to", f"dp={dp}", "--quiet", check=0)
             jobs.append((dp, None, job(source, stage, "load", source / f"dp{dp}")))
+    for stage, result in zip(STAGES, saved, strict=True):     # Accelerate's weights-only load of the thinned folder
+        source = Path(result["dir"]).parent
+        jobs.append((THIN_LOAD, None, {**job(source, stage, "load", thinned_run(source) / "checkpoint_1"),
+                                       "module_only": True}))
     for stage, result in zip(STAGES, saved, strict=True):     # last: the same load of the unconverted folder must fail
         source = Path(result["dir"]).parent
         jobs.append((3, None, {**job(source, stage, "load", source / "state"), "fails": True}))
     return jobs
+
+
+def thinned_run(source: Path) -> Path:
+    """A run of two copies of the save, `reshard thin --yes` run on the older: source/run/checkpoint_{1,2}."""
+    run = source / "run"
+    if not run.exists():
+        series(source / "state", run, ("checkpoint_1", "checkpoint_2"))
+        run_cli("thin", run / "checkpoint_1", "--yes", check=0)
+    return run
+
+
+def result_of(engine_launches, kind: str, stage: int, dp: int | None = None) -> dict:
+    """The `loads` result of one job: "converted" at dp, "thinned", or "unconverted" (which must fail)."""
+    at = {"converted": len(LOADS) * STAGES.index(stage) + LOADS.index(dp or LOADS[0]),
+          "thinned": len(STAGES) * len(LOADS) + STAGES.index(stage),
+          "unconverted": len(STAGES) * (len(LOADS) + 1) + STAGES.index(stage)}[kind]
+    return engine_launches.results(loads)[at]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +129,7 @@ def test_accelerates_folder_is_recognised(source):
 @pytest.mark.parametrize("dp", LOADS)
 def test_load_state_resumes_the_converted_folder_exactly(source, converted, dp, engine_launches):
     assert {f"random_states_{k}.pkl" for k in range(min(dp, 2))} <= set(os.listdir(converted[dp]))
-    result = engine_launches.results(loads)[len(LOADS) * STAGES.index(source.stage) + LOADS.index(dp)]
+    result = result_of(engine_launches, "converted", source.stage, dp)
     assert result["dir"] == str(converted[dp])
     assert result["problems"] == [], result["problems"][:5]
     assert result["world_size"] == dp and result["compared"] > 0
@@ -113,7 +140,7 @@ def test_load_state_resumes_the_converted_folder_exactly(source, converted, dp, 
 
 
 def test_load_state_without_reshard_fails_with_deepspeeds_error(source, engine_launches):
-    result = engine_launches.results(loads)[len(STAGES) * len(LOADS) + STAGES.index(source.stage)]
+    result = result_of(engine_launches, "unconverted", source.stage)
     assert result["dir"] == str(source / "state") and "problems" not in result
     assert "Automatic adjustment of ZeRO's optimizer state partitioning" in result["error"], result
 
@@ -121,3 +148,51 @@ def test_load_state_without_reshard_fails_with_deepspeeds_error(source, engine_l
 def test_converted_pickles_load_where_reshard_is_not_installed(source, converted, tmp_path):
     for folder in converted.values():
         assert check_pickles(source / "state", folder, tmp_path) >= 4
+
+
+def test_thinned_folder_loads_with_accelerates_weights_only_load(source, engine_launches):
+    """`reshard thin` leaves the folder with its tag folder in DeepSpeed's weights-only form (ZeRO-2: the module file
+    alone; ZeRO-3: the optimizer files written again without the moments) and Accelerate's files kept; `list` calls
+    it complete at the weights tier; Accelerate's weights-only load gives the module weights of the live engine at
+    the save, bit for bit, and not those of one step later (the control)."""
+    run = thinned_run(source)
+    listed = {r["name"]: r for r in json.loads(run_cli("list", run, "--json").stdout)["checkpoints"]}
+    assert [(r["status"], r["weights_only"]) for r in listed.values()] == [("complete", True), ("complete", False)]
+    assert listed["checkpoint_1"]["bytes"] < listed["checkpoint_2"]["bytes"]
+    thinned = run / "checkpoint_1"
+    assert ACCELERATE_FILES | {PROVENANCE} <= set(os.listdir(thinned))
+    tag = sorted(os.listdir(thinned / "pytorch_model"))
+    assert tag == sorted(os.listdir(source / "state" / "pytorch_model")) if source.stage == 3 else \
+        tag == ["mp_rank_00_model_states.pt"]
+    assert "weights-only (thinned from a full deepspeed checkpoint" in run_cli("inspect", thinned).stdout
+    compared = run_cli("diff", run / "checkpoint_2", thinned).stdout
+    assert "only A holds optimizer state" in compared and "no difference" in compared, compared
+    result = result_of(engine_launches, "thinned", source.stage)
+    assert result["dir"] == str(thinned) and result["world_size"] == THIN_LOAD
+    assert result["problems"] == [], result["problems"][:5]
+    assert result["compared"] > 0 and result["negative_differences"] > 0
+    assert result["counter"] == STEPS and result["lr"] == source.saved["lr"]     # Accelerate's own files loaded
+
+
+def test_thinned_folder_altered_mixed_or_without_its_record_is_caught(source, tmp_path):
+    """Controls: one weight element of the thinned folder changed (its zip CRC stale) fails `validate --deep`; the
+    thinned folder with its first optimizer file put back from the full folder (a mix of the two forms) is not listed
+    complete; ZeRO-2's without thin's record (its module file alone) neither. (ZeRO-3's optimizer files without
+    moments say what they are: the form reads as weights-only without the record too.)"""
+    run = thinned_run(source)
+    altered = Path(shutil.copytree(run / "checkpoint_1", tmp_path / "altered"))
+    state = "fp32" if source.stage == 3 else "module"
+    alter_weight(altered / "pytorch_model", state, 4, crc=False, name="transformer.h.0.attn.c_attn.weight")
+    assert "CRC" in run_cli("validate", altered, "--deep", check=1).stdout
+    first = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    for damage in ("mixed", "bare") if source.stage == 2 else ("mixed",):
+        copy = series(run / "checkpoint_1", tmp_path / damage, ("checkpoint_1",))
+        shutil.copytree(run / "checkpoint_2", copy / "checkpoint_2")
+        if damage == "mixed":
+            shutil.copy(run / "checkpoint_2" / "pytorch_model" / first, copy / "checkpoint_1" / "pytorch_model")
+        else:
+            (copy / "checkpoint_1" / PROVENANCE).unlink()
+        age(copy)
+        listed = {r["name"]: r for r in json.loads(run_cli("list", copy, "--json", check=None).stdout)["checkpoints"]}
+        assert listed["checkpoint_1"]["status"] != "complete" and listed["checkpoint_2"]["status"] == "complete", \
+            (damage, listed)

@@ -8,17 +8,24 @@ load): recorded as such, not claimed as a failure reshard fixes.
 Between strategies: a DeepSpeedStrategy ZeRO-2 save at 2 (tests/scripts/lightning_deepspeed.py, sharing its launches)
 converted to FSDPStrategy's folder at 3 and resumed by FSDPStrategy, equal to the live engine at save time; the FSDP
 save converted to DeepSpeedStrategy's folder at 3 and resumed by DeepSpeedStrategy, equal to torch's reading of it.
-Neither unconverted folder resumes under the other strategy."""
+Neither unconverted folder resumes under the other strategy.
+
+Thinned: ModelParallelStrategy's save (FSDP2) thinned by `reshard thin` to what ModelCheckpoint(save_weights_only=True)
+writes, loaded by the strategy's own weights-only load (trainer.validate, "weights" jobs in the launch at 3)."""
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.commands.test_thin_dcp import check_lifecycle, series
 from tests.helpers.cli import run_cli
+from tests.helpers.damage import change_dcp_element
 from tests.helpers.engine_launches import shares
 
 pytestmark = pytest.mark.engine
@@ -29,6 +36,7 @@ MODEL_PARALLEL = "model_parallel"
 FSDP_REFUSES = "does not point to a valid checkpoint"         # FSDPStrategy.load_checkpoint, given DeepSpeed's folder
 STEPS = 3
 TARGET = 3
+MP_CHANGED = "net.mix.weight"     # (not net.emb.weight: the live model ties net.head.weight to it)
 MODEL_KEYS = 9          # 7 trainable, the tied head (FSDP1 saves it under its own name) and the buffer
 
 
@@ -139,13 +147,30 @@ def resumes(out, saved_runs, deepspeed_runs):
     parallel = Path(saved_runs[2]["ckpt"])
     run_cli("convert", parallel, _converted(tmp, "model-parallel-"), "--to", f"dp={TARGET}", check=0)
     sharded = {**job, "truth": str(truth_of(parallel, tmp / "model-parallel.pt")), "strategy": MODEL_PARALLEL}
+    thinned = thinned_model_parallel(parallel, tmp)
+    changed = shutil.copytree(thinned, tmp / "mp-changed" / thinned.name)
+    change_dcp_element(changed, MP_CHANGED, state="module")
+    weights = {"mode": "weights", "truth": sharded["truth"], "strategy": MODEL_PARALLEL,
+               "control": str(wrong_of(Path(sharded["truth"]), tmp / "model-parallel-wrong.pt"))}
     return [(TARGET, None, {**job, "mode": "fail", "ckpt": str(run), "dir": str(out / "unconverted")}),
             (TARGET, None, {**job, "mode": "resume", "ckpt": str(_converted(tmp)), "dir": str(out / "converted")}),
             (TARGET, None, {**crossed, "mode": "fail", "ckpt": str(deepspeed), "dir": str(out / "ds-unconverted")}),
             (TARGET, None, {**crossed, "mode": "resume", "ckpt": str(_converted(tmp, "from-deepspeed-")),
                             "dir": str(out / "ds-converted")}),
             (TARGET, None, {**sharded, "mode": "resume", "ckpt": str(_converted(tmp, "model-parallel-")),
-                            "dir": str(out / "mp-converted")})]
+                            "dir": str(out / "mp-converted")}),
+            # the strategy's weights-only load (trainer.validate) of the thinned folder, and of a changed copy
+            *((TARGET, None, {**weights, "ckpt": str(folder)}) for folder in (thinned, changed))]
+
+
+def thinned_model_parallel(saved: Path, tmp: Path) -> Path:
+    """ModelParallelStrategy's save copied as step=1.ckpt and step=2.ckpt of a run, `reshard thin --yes` run on the
+    first: the folder ModelCheckpoint(save_weights_only=True) writes."""
+    run = tmp / "mp-run"
+    if not run.exists():
+        series(saved, run, ("step=1.ckpt", "step=2.ckpt"))
+        run_cli("thin", run / "step=1.ckpt", "--yes", check=0)
+    return run / "step=1.ckpt"
 
 
 @shares(DEEPSPEED_SCRIPT, after=(saves,))
@@ -179,7 +204,7 @@ class Run:
 @pytest.fixture(scope="module")
 def run(engine_launches) -> Run:
     saved = engine_launches.results(saves)
-    unconverted, resumed, ds_unconverted, to_fsdp, mp_resumed = engine_launches.results(resumes)
+    unconverted, resumed, ds_unconverted, to_fsdp, mp_resumed = engine_launches.results(resumes)[:5]
     fsdp_unconverted, to_deepspeed = engine_launches.results(deepspeed_resumes)
     ckpt = Path(saved[0]["ckpt"])
     tmp = ckpt.parent.parent
@@ -335,3 +360,21 @@ def test_model_parallel_strategy_is_read_and_resumed_at_another_size(run):
                                                                  if k.startswith("exp_avg")}
     assert (got["global_step"], got["after_step"]) == (STEPS, STEPS + 1)
     assert got["scheduler"] == {k: run.truth["scheduler"][k] for k in got["scheduler"]}
+
+
+def test_model_parallel_folder_thinned_loads_with_the_strategys_weights_only_load(run, engine_launches, tmp_path):
+    """ModelParallelStrategy's folder thinned as save_weights_only writes it: `{"state_dict": ...}` alone by DCP and
+    meta.pt less callbacks and schedulers; `list` calls it complete and weights-only, its export is the full one's,
+    a flipped byte is caught by `validate --deep`; the strategy's own load in trainer.validate at 3 processes gives
+    the full folder's weights bit for bit, not those one step off, and names the one changed element of a copy."""
+    saved = run.model_parallel[0]
+    thinned = thinned_model_parallel(saved, saved.parent.parent)
+    meta, full = (torch.load(f / "meta.pt", weights_only=True) for f in (thinned, saved))
+    assert set(full) - set(meta) == {"callbacks", "lr_schedulers"} and all(meta[k] == full[k] for k in meta)
+    keys = dcp.FileSystemReader(str(thinned)).read_metadata().state_dict_metadata
+    assert keys and all(k.startswith("state_dict.") for k in keys)
+    check_lifecycle(thinned.parent, "step=1.ckpt", "step=2.ckpt", tmp_path, MP_CHANGED)
+    loaded, changed = engine_launches.results(resumes)[5:]
+    assert loaded["ckpt"] == str(thinned) and loaded["compared"] > 0 and loaded["problems"] == [], loaded
+    assert len(loaded["control_problems"]) == loaded["compared"]
+    assert changed["problems"] == [f"model/{MP_CHANGED}: differs after resume"], changed
