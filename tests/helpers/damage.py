@@ -90,3 +90,43 @@ def mutated(data, raw: bytes) -> bytes:
         else:
             blob[at:at + 8] = bytes(min(8, len(blob) - at))
     return bytes(blob)
+
+
+def _holder(tensor, element):
+    """(fragment, position in its shard) of the fragment holding flat element `element` of the logical tensor."""
+    import numpy as np
+
+    from reshard.core.placement import Shard, regions
+    coords = np.unravel_index(element, tensor.shape)
+    for frag in tensor.fragments:
+        shard = frag.shard or Shard.whole(tensor.shape)
+        for r in regions(shard, frag.start, frag.stop):
+            if all(a <= c < a + n for c, a, n in zip(coords, r.at, r.shape, strict=True)):
+                local = [c - a + lo for c, a, lo in zip(coords, r.at, r.local, strict=True)]
+                return frag, int(np.ravel_multi_index(local, shard.shape))
+    raise AssertionError(f"no fragment holds element {element}")
+
+
+def set_element(catalog, name, state, element, change) -> None:
+    """Replace one element x of the fp32 tensor (name, state) by change(x) in the file that holds it."""
+    import numpy as np
+
+    from reshard.core.dtypes import itemsize
+    tensor = catalog.tensor(name, state)
+    frag, position = _holder(tensor, element)
+    offset = frag.storage.offset + (frag.elem_offset + position - frag.start) * itemsize(tensor.dtype)
+    with open(frag.storage.file, "rb") as f:
+        f.seek(offset)
+        value = np.frombuffer(f.read(4), dtype="<f4")[0]
+    write_in_zip(frag.storage.file, offset, np.float32(change(value)).tobytes())
+
+
+def edit_dcp_metadata(path, edit) -> None:
+    """`edit` (a function of the unpickled Metadata) applied to a DCP folder's .metadata, written back in place."""
+    import pickle
+    meta_path = Path(path) / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
