@@ -130,3 +130,20 @@ def edit_dcp_metadata(path, edit) -> None:
     edit(meta)
     with open(meta_path, "wb") as f:
         pickle.dump(meta, f)
+
+
+def set_step(path, value: float) -> None:
+    """Rewrite one rank's optimizer file (ZeRO-1/2 or 3) with every step it holds a float32 `value`, as torch's
+    Adam saves it (what a file of another save, or a flipped bit, would hold)."""
+    import torch
+    sd = torch.load(path, weights_only=False)
+    inner = sd["optimizer_state_dict"]
+    state = inner["base_optimizer_state" if "base_optimizer_state" in inner else "optimizer_state_dict"]["state"]
+    for entry in state.values():
+        entry["step"] = torch.tensor(value, dtype=torch.float32)
+    torch.save(sd, path)
+
+
+# What validate says of a 4-rank save's file whose steps set_step made 3.0000002 among the others' 3
+ODD_STEP = ("param group 0: optimizer step is 3.000000238418579 here, 3.0 in the other 3 files "
+            "(a file from another save?)")

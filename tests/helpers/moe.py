@@ -13,7 +13,7 @@ from tests.helpers.fixtures import MOE_FIXTURES, truth_json, truth_tensors
 AUTOEP = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep" and truth_json(n)["zero_stage"] != 3]
 AUTOEP_Z3 = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep" and truth_json(n)["zero_stage"] == 3]
 PACKED = "model.layers.1.mlp.experts.w2"          # an AutoEP packed weight: (num_experts, hidden, intermediate)
-MIXTRAL_NAMES = "mixtral-autoep-fsdp"             # the rule file giving the AutoEP fixtures transformers' names
+MOE_NAMES = "mixtral-autoep-fsdp"             # the rule file giving the AutoEP fixtures transformers' names
 
 
 def truth_differences(catalog, truth) -> list:
