@@ -10,7 +10,7 @@ from fixture_model import build_model, make_batch
 from tests.helpers.fixtures import truth_json, truth_tensors
 
 
-def resume(name, reader, dtype=torch.float32):
+def resume_fixture_model(name, reader, dtype=torch.float32):
     """A fresh model and optimizer of the fixture's kind, loaded the way a training script resumes."""
     model = build_model(tied="tied" in name, frozen="frozen" in name, seed=99).to(dtype)
     named = dict(model.named_parameters())
