@@ -147,3 +147,14 @@ def set_step(path, value: float) -> None:
 # What validate says of a 4-rank save's file whose steps set_step made 3.0000002 among the others' 3
 ODD_STEP = ("param group 0: optimizer step is 3.000000238418579 here, 3.0 in the other 3 files "
             "(a file from another save?)")
+
+
+def flip_weight(folder: Path, name: str) -> None:
+    """One byte of `name`'s weights flipped in place, its zip member's CRC-32 left as it was."""
+    import reshard
+    from reshard.core.catalog import TensorKey
+    fragment = reshard.open_checkpoint(str(folder)).tensors[TensorKey(name, "module")].fragments[0]
+    at = fragment.storage.offset + fragment.elem_offset * 4
+    data = bytearray(open(fragment.storage.file, "rb").read())
+    data[at] ^= 0x40
+    open(fragment.storage.file, "wb").write(bytes(data))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.accelerate_schedule import scheduled_lr
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
 from tests.helpers.pickles import check_pickles
@@ -76,19 +77,6 @@ def loads(out, saved):
 def converted(source, engine_launches):
     engine_launches.results(loads)
     return {dp: source / f"dp{dp}" for dp in LOADS}
-
-
-def scheduled_lr(steps: int, training_steps: int = 10) -> float:
-    """The lr of the run's scheduler (linear over `training_steps`) after `steps` steps (Accelerate steps it once
-    per process per step)."""
-    import torch
-    from transformers import get_linear_schedule_with_warmup
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=training_steps)
-    for _ in range(steps):
-        optimizer.step()
-        scheduler.step()
-    return scheduler.get_last_lr()[0]
 
 
 def test_accelerates_folder_is_recognised(source):

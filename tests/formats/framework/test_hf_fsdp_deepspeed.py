@@ -23,6 +23,7 @@ import pytest
 
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
+from tests.helpers.fsdp_truths import full_truth, sharded_truth
 from tests.helpers.repo import REPO
 
 pytestmark = pytest.mark.engine
@@ -39,30 +40,6 @@ def saves(out):
                        "max_steps": SAVE, "save_steps": SAVE, "truth": str(out / "ds" / "truth.safetensors")})]
 
 
-def fsdp_truth(path: Path) -> None:
-    """The FSDP fixture as torch's dcp_to_torch_save reads it, under engine_state's keys (fp32/, exp_avg/, ...)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(FSDP_SOURCE / "pytorch_model_fsdp_0", path.with_suffix(".model.pt"))
-    dcp_to_torch_save(FSDP_SOURCE / "optimizer_0", path.with_suffix(".optim.pt"))
-    _save_truth(path, torch.load(path.with_suffix(".model.pt"))["model"],
-                torch.load(path.with_suffix(".optim.pt"))["optimizer"])
-
-
-def full_truth(path: Path) -> None:
-    """The full-state-dict fixture as torch.load reads its pytorch_model_fsdp.bin and optimizer.bin."""
-    import torch
-    _save_truth(path, torch.load(FULL_SOURCE / "pytorch_model_fsdp.bin"), torch.load(FULL_SOURCE / "optimizer.bin"))
-
-
-def _save_truth(path: Path, model: dict, optim: dict) -> None:
-    from safetensors.torch import save_file
-    truth = {f"fp32/{name}": value for name, value in model.items()}
-    for name, states in optim["state"].items():
-        truth.update({f"{state}/{name}": states[state] for state in ("exp_avg", "exp_avg_sq")})
-    save_file(truth, str(path))
-
-
 def _resume(out, strategy, checkpoint, truth, negative, scheduler, **more):
     return {"mode": "resume", "strategy": strategy, "stage": 2, "out": str(out), "max_steps": RESUMED_TO,
             "save_steps": 100, "checkpoint": str(checkpoint), "truth": str(truth), "negative": str(negative),
@@ -76,13 +53,13 @@ def resumes(out, saved):
     ds_run = Path(saved[0]["out"])
     ds_source, ds_truth = ds_run / f"checkpoint-{SAVE}", ds_run.parent / "truth.safetensors"
     truth = out / "fsdp-truth.safetensors"
-    fsdp_truth(truth)
+    sharded_truth(FSDP_SOURCE, truth)
     run_cli("convert", FSDP_SOURCE, out / "to-ds" / f"checkpoint-{SAVE}", "--format", "deepspeed", "--to",
             "dp=3,zero=2", "--quiet", check=0)
     run_cli("convert", ds_source, out / "to-fsdp" / f"checkpoint-{SAVE}", "--format", "fsdp", "--to", "dp=3",
             "--quiet", check=0)
     full = out / "full-truth.safetensors"
-    full_truth(full)
+    full_truth(FULL_SOURCE, full)
     run_cli("convert", FULL_SOURCE, out / "full-to-sharded" / f"checkpoint-{SAVE}", "--format", "fsdp", "--to",
             "dp=3", "--quiet", check=0)
     return [
