@@ -30,13 +30,13 @@ import pytest
 import torch
 
 import reshard
-from tests.formats.framework.test_hf_fsdp_deepspeed import saves as deepspeed_saves
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import change_dcp_element, flip_weight
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES
 from tests.helpers.fsdp_truths import full_truth, sharded_truth
 from tests.helpers.thin_runs import series, thinned_lightning, thinned_titan
+from tests.helpers.trainer_saves import deepspeed_trainer_saves
 
 HF_SHARDED = FIXTURES / "hf_fsdp_sharded_dp2" / "checkpoint-3"
 ACC_SHARDED = FIXTURES / "accelerate_fsdp_sharded_dp2" / "state"
@@ -165,7 +165,7 @@ def test_thin_in_a_bucket_drops_the_optimizer_folder(s3, tmp_path):
 
 # -- the frameworks' own loads
 
-@shares("hf_trainer_strategies.py", after=(deepspeed_saves,))
+@shares("hf_trainer_strategies.py", after=(deepspeed_trainer_saves,))
 def trainer_weights_jobs(out, saved):
     """The Trainer resuming from the thinned folder and from a copy with CHANGED altered, at 3 processes (the FSDP
     resumes' launch): (3, "fsdp", job)."""

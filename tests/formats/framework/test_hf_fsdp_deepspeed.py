@@ -25,19 +25,13 @@ from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
 from tests.helpers.fsdp_truths import full_truth, sharded_truth
 from tests.helpers.repo import REPO
+from tests.helpers.trainer_saves import SAVE, deepspeed_trainer_saves
 
 pytestmark = pytest.mark.engine
 SCRIPT = "hf_trainer_strategies.py"
 FSDP_SOURCE = REPO / "fixtures" / "hf_fsdp_sharded_dp2" / "checkpoint-3"
 FULL_SOURCE = REPO / "fixtures" / "hf_fsdp_full_dp2" / "checkpoint-3"
-SAVE, RESUMED_TO = 3, 4
-
-
-@shares(SCRIPT)
-def saves(out):
-    """The DeepSpeed ZeRO-2 run at 2 processes: (2, None, job)."""
-    return [(2, None, {"mode": "save", "strategy": "deepspeed", "stage": 2, "out": str(out / "ds" / "run"),
-                       "max_steps": SAVE, "save_steps": SAVE, "truth": str(out / "ds" / "truth.safetensors")})]
+RESUMED_TO = 4
 
 
 def _resume(out, strategy, checkpoint, truth, negative, scheduler, **more):
@@ -46,7 +40,7 @@ def _resume(out, strategy, checkpoint, truth, negative, scheduler, **more):
             "scheduler": str(scheduler), **more}
 
 
-@shares(SCRIPT, after=(saves,))
+@shares(SCRIPT, after=(deepspeed_trainer_saves,))
 def resumes(out, saved):
     """Each folder converted to the other strategy at 3 processes and resumed there; then each unconverted folder
     resumed under the other strategy (which must fail): (3, strategy, job)."""
