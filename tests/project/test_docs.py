@@ -75,14 +75,14 @@ def evals_csv(root):
 
 def hf_llama(root):
     """A Hugging Face Llama folder made by transformers with random weights
-    (tests/formats/megatron/test_megatron_import.py's fp32)."""
+    (tests/helpers/hf_sources.py's fp32, as tests/formats/megatron/test_megatron_import.py makes it)."""
     make_llama(root / "hf-llama", "fp32")
     return root / "hf-llama"
 
 
 def hf_mixtral(root):
     """A Hugging Face Mixtral folder made by transformers with random weights
-    (tests/formats/megatron/test_megatron_import_moe.py's)."""
+    (tests/helpers/hf_sources.py's, as tests/formats/megatron/test_megatron_import_moe.py makes it)."""
     make_mixtral(root / "hf-mixtral")
     return root / "hf-mixtral"
 
