@@ -4,27 +4,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import reshard
-from reshard.commands.convert import make_plan
-from reshard.core.dtypes import itemsize, numpy_carrier
-from reshard.execution.executor import execute
 from reshard.formats import target_layout
 from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
-from reshard.formats.torchsave_read import TensorRef
 from tests.helpers.cli import run_cli
+from tests.helpers.deepspeed_files import assert_same_tree, convert_and_open, covered_elements
 from tests.helpers.fixtures import copy_fixture, fixture_dir, tag_dir, truth_json
 
 TARGETS = [1, 2, 3, 5]
-
-
-def _convert(src, dst, to):
-    catalog = reshard.open_checkpoint(src)
-    execute(make_plan(catalog, to), str(dst), progress=False)
-    return reshard.open_checkpoint(dst)
 
 
 def _assert_same_tensors(a, b):
@@ -42,7 +32,7 @@ def converted(tmp_path_factory):
     def convert(name, spec):
         if (name, spec) not in made:
             made[name, spec] = root / f"{name}-{spec}"
-            _convert(fixture_dir(name), made[name, spec], spec)
+            convert_and_open(fixture_dir(name), made[name, spec], spec)
         return made[name, spec]
     return convert
 
@@ -59,58 +49,20 @@ def test_every_fixture_converts_to_a_complete_checkpoint(fixture_name, dp, conve
     assert out.param_groups == source.param_groups and out.aliases == source.aliases
 
 
-def _covered_elements(catalog):
-    """Storage (file, offset) -> element ranges holding real data; the rest is padding."""
-    covered = {}
-    for tensor in catalog.tensors.values():
-        for f in tensor.fragments:
-            covered.setdefault((f.storage.file, f.storage.offset), []).append((f.elem_offset, f.elem_offset + f.numel))
-    return covered
-
-
-def _assert_same_tree(a, b, where, covered):
-    if isinstance(a, TensorRef):
-        assert isinstance(b, TensorRef) and (a.dtype, a.shape) == (b.dtype, b.shape), where
-        x, y = _elements(a), _elements(b)
-        differ = np.flatnonzero(x != y)
-        if differ.size:
-            # only padding may differ (DeepSpeed leaves whatever was in memory there)
-            real = covered.get((a.storage.file, a.storage.offset), [])
-            positions = differ + a.storage_offset
-            assert not any(((positions >= lo) & (positions < hi)).any() for lo, hi in real), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), (where, list(a), list(b))
-        for k in a:
-            _assert_same_tree(a[k], b[k], f"{where}.{k}", covered)
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same_tree(x, y, f"{where}[{i}]", covered)
-    else:
-        assert type(a) is type(b) and a == b, (where, a, b)
-
-
-def _elements(ref):
-    size = itemsize(ref.dtype)
-    with open(ref.storage.file, "rb") as f:
-        f.seek(ref.storage.offset + ref.storage_offset * size)
-        return np.frombuffer(f.read(ref.numel * size), dtype=numpy_carrier(ref.dtype))
-
-
 @pytest.mark.parametrize("dp", [1, 3])
 def test_round_trip_gives_back_deepspeeds_own_files(fixture_name, dp, converted, tmp_path):
     """N -> M -> N: every file DeepSpeed wrote comes back: same objects, same tensor bytes but padding."""
     meta = truth_json(fixture_name)
-    _convert(converted(fixture_name, f"dp={dp}"), tmp_path / "n", f"dp={meta['world_size']}")
+    convert_and_open(converted(fixture_name, f"dp={dp}"), tmp_path / "n", f"dp={meta['world_size']}")
     original, back = tag_dir(fixture_dir(fixture_name)), tag_dir(tmp_path / "n")
     assert sorted(os.listdir(original)) == sorted(os.listdir(back))
-    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(fixture_name)))
+    covered = covered_elements(reshard.open_checkpoint(fixture_dir(fixture_name)))
     for name in sorted(os.listdir(original)):
         ours = deepspeed_pickles.load(back / name)
         if "elastic" in fixture_name and "optim" in name:
             # the one addition: DeepSpeed's elastic loader needs it and DeepSpeed omits it for torch.optim.Adam
             assert ours["optimizer_state_dict"].pop("base_optimizer_state_step") == meta["step"]
-        _assert_same_tree(deepspeed_pickles.load(original / name), ours, name, covered)
+        assert_same_tree(deepspeed_pickles.load(original / name), ours, name, covered)
 
 
 STAGE_CHANGES = [("z1_fp32_dp2", 3), ("z3_fp32_dp2", 1), ("z2_fp32_dp2", 3), ("z3_bf16_dp4", 2),
@@ -121,7 +73,7 @@ STAGE_CHANGES = [("z1_fp32_dp2", 3), ("z3_fp32_dp2", 1), ("z2_fp32_dp2", 3), ("z
 @pytest.mark.parametrize("name, stage", STAGE_CHANGES)
 def test_stage_changes_keep_every_tensor(name, stage, tmp_path):
     source = reshard.open_checkpoint(fixture_dir(name))
-    out = _convert(fixture_dir(name), tmp_path / "out", f"dp=3,zero={stage}")
+    out = convert_and_open(fixture_dir(name), tmp_path / "out", f"dp=3,zero={stage}")
     assert reshard.validate(out, deep=True).ok
     assert ds.of(out.layout).zero == stage
     for (param, state), _tensor in source.tensors.items():

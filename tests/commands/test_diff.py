@@ -12,7 +12,7 @@ import reshard.commands.diff
 from reshard.core.catalog import MASTER
 from reshard.core.dtypes import itemsize
 from tests.helpers.cli import run_cli
-from tests.helpers.damage import write_in_zip
+from tests.helpers.damage import ODD_STEP, set_step, write_in_zip
 from tests.helpers.fixtures import fixture_dir
 
 
@@ -212,7 +212,6 @@ def _groups(sd):
 def test_one_ranks_step_differing_is_a_difference(tmp_path):
     """Issue 24.5: one rank's step 3.0000002 among 4 ranks' 3. diff names that file (exit 1), also with --atol (it
     bounds tensors only: scalars compare exactly); the negative control: the untouched copy diffs clean."""
-    from tests.commands.test_validate import ODD, set_step
     src = fixture_dir("z2_fp32_dp4")
     changed = tmp_path / "changed"
     shutil.copytree(src, changed)
@@ -220,10 +219,10 @@ def test_one_ranks_step_differing_is_a_difference(tmp_path):
     victim = changed / "global_step3" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
     set_step(victim, 3.0000002)
     proc = run_cli("diff", src, changed, "--atol", "1", check=1)
-    assert proc.stdout.splitlines() == [f"B only: {victim}: {ODD}",
+    assert proc.stdout.splitlines() == [f"B only: {victim}: {ODD_STEP}",
                                         "DIFFERENT (atol 1): 1 difference; 34 tensors, 5,604 elements compared"]
     [d] = json.loads(run_cli("diff", changed, src, "--json", check=1).stdout)["differences"]
-    assert (d["name"], d["kind"], d["detail"]) == ("A only", "problem", f"{victim}: {ODD}")
+    assert (d["name"], d["kind"], d["detail"]) == ("A only", "problem", f"{victim}: {ODD_STEP}")
 
 
 @pytest.mark.parametrize("what,edit,line", [

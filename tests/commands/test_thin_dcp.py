@@ -21,70 +21,23 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import reshard
-from reshard.core.catalog import TensorKey
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import change_dcp_element
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES
+from tests.helpers.fsdp_truths import lightning_truth as truth_of, one_step_off as wrong_of
 from tests.helpers.lifecycle_runs import age, dcp_loop
+from tests.helpers.thin_runs import LIGHTNING, TITAN, check_lifecycle, series, thinned_lightning, thinned_titan
 
-TITAN = FIXTURES / "torchtitan" / "torchtitan_llama_fsdp2" / "checkpoint" / "step-3"
 TITAN_CHANGED = "layers.1.feed_forward.w2.weight"
-LIGHTNING = FIXTURES / "lightning_fsdp_dp2" / "step=3.ckpt"
 LIGHTNING_CHANGED = "net.mix.weight"     # (not net.emb.weight: the live model ties net.head.weight to it)
 HF_FULL = FIXTURES / "hf_fsdp_full_dp2" / "checkpoint-3"
-
-
-def series(source: Path, folder: Path, names) -> Path:
-    """`folder` holding a copy of `source` under each of `names`, saved an hour ago."""
-    for name in names:
-        shutil.copytree(source, folder / name)
-    age(folder)
-    return folder
-
-
-def thinned_titan(root: Path) -> Path:
-    run = series(TITAN, root / "checkpoint", ("step-1", "step-2", "step-3"))
-    reshard.thin(str(run / "step-1"), yes=True)
-    return run
-
-
-def thinned_lightning(root: Path) -> Path:
-    run = series(LIGHTNING, root / "lightning", ("step=1.ckpt", "step=2.ckpt"))
-    reshard.thin(str(run / "step=1.ckpt"), yes=True)
-    return run
-
-
-def flip_weight(folder: Path, name: str) -> None:
-    """One byte of `name`'s weights flipped in place, its zip member's CRC-32 left as it was."""
-    fragment = reshard.open_checkpoint(str(folder)).tensors[TensorKey(name, "module")].fragments[0]
-    at = fragment.storage.offset + fragment.elem_offset * 4
-    data = bytearray(open(fragment.storage.file, "rb").read())
-    data[at] ^= 0x40
-    open(fragment.storage.file, "wb").write(bytes(data))
-
-
-def check_lifecycle(run: Path, thin: str, full: str, tmp: Path, name: str) -> None:
-    """`list`: the thinned one complete and weights-only, smaller; its export the full one's; a flipped byte found."""
-    rows = {r["name"]: r for r in json.loads(run_cli("list", run, "--json", check=0).stdout)["checkpoints"]}
-    assert rows[thin]["status"] == "complete" and rows[thin]["weights_only"] is True, rows[thin]
-    assert rows[full]["weights_only"] is False and rows[thin]["bytes"] < rows[full]["bytes"]
-    assert rows[thin]["mtime"] == rows[full]["mtime"]
-    assert reshard.validate(str(run / thin), deep=True).ok
-    run_cli("export", run / full, tmp / "full.safetensors", check=0)
-    run_cli("export", run / thin, tmp / "thin.safetensors", check=0)
-    assert (tmp / "full.safetensors").read_bytes() == (tmp / "thin.safetensors").read_bytes()
-    flipped = shutil.copytree(run / thin, tmp / "flipped" / thin)
-    flip_weight(flipped, name)
-    proc = run_cli("validate", "--deep", flipped)
-    assert proc.returncode != 0 and "CRC" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 # -- torchtitan
@@ -142,7 +95,6 @@ def test_lightning_fsdp_folder_thinned_as_save_weights_only_writes_it(tmp_path):
 
 @shares("lightning_fsdp.py")
 def lightning_weights_jobs(out):
-    from tests.formats.framework.test_lightning_fsdp import truth_of, wrong_of
     run = thinned_lightning(out)
     truth = truth_of(LIGHTNING, out / "truth.pt")
     wrong = wrong_of(truth, out / "wrong.pt")

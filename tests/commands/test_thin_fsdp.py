@@ -30,16 +30,13 @@ import pytest
 import torch
 
 import reshard
-from tests.commands.test_thin_dcp import flip_weight, series, thinned_lightning, thinned_titan
-from tests.formats.framework.test_accelerate_fsdp_deepspeed import (
-    fsdp_truth as accelerate_truth,
-    full_truth as accelerate_full_truth,
-)
-from tests.formats.framework.test_hf_fsdp_deepspeed import fsdp_truth as trainer_truth, saves as deepspeed_saves
 from tests.helpers.cli import run_cli
-from tests.helpers.damage import change_dcp_element
+from tests.helpers.damage import change_dcp_element, flip_weight
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES
+from tests.helpers.fsdp_truths import full_truth, sharded_truth
+from tests.helpers.thin_runs import series, thinned_lightning, thinned_titan
+from tests.helpers.trainer_saves import deepspeed_trainer_saves
 
 HF_SHARDED = FIXTURES / "hf_fsdp_sharded_dp2" / "checkpoint-3"
 ACC_SHARDED = FIXTURES / "accelerate_fsdp_sharded_dp2" / "state"
@@ -168,14 +165,14 @@ def test_thin_in_a_bucket_drops_the_optimizer_folder(s3, tmp_path):
 
 # -- the frameworks' own loads
 
-@shares("hf_trainer_strategies.py", after=(deepspeed_saves,))
+@shares("hf_trainer_strategies.py", after=(deepspeed_trainer_saves,))
 def trainer_weights_jobs(out, saved):
     """The Trainer resuming from the thinned folder and from a copy with CHANGED altered, at 3 processes (the FSDP
     resumes' launch): (3, "fsdp", job)."""
     folder, _ = thinned("hf-sharded", out)
     changed = changed_copy(folder, out / "changed" / folder.name)
     truth = out / "truth.safetensors"
-    trainer_truth(truth)
+    sharded_truth(HF_SHARDED, truth)
     other = Path(saved[0]["out"]).parent / "truth.safetensors"      # the DeepSpeed run's, at the same step
     return [(3, "fsdp", {"mode": "weights", "strategy": "fsdp", "out": str(out / f"resumed-{n}"), "max_steps": 4,
                          "save_steps": 100, "checkpoint": str(f), "truth": str(truth), "negative": str(other)})
@@ -206,8 +203,8 @@ def accelerate_weights_jobs(out):
     processes (the FSDP loads' launch): (3, None, job)."""
     truths = {"accelerate-sharded": out / "sharded-truth.safetensors",
               "accelerate-full": out / "full-truth.safetensors"}
-    accelerate_truth(truths["accelerate-sharded"])
-    accelerate_full_truth(truths["accelerate-full"])
+    sharded_truth(ACC_SHARDED, truths["accelerate-sharded"])
+    full_truth(ACC_FULL, truths["accelerate-full"])
     jobs = []
     for kind, truth in truths.items():
         folder, _ = thinned(kind, out / kind)

@@ -8,7 +8,7 @@
   (fixtures/accelerate_fsdp_sharded_dp2): the folder `optimizer_0/` dropped.
 
 The runs are copies of those real saves laid out as their frameworks' run directories (tests/helpers/lifecycle_runs,
-tests/commands/test_thin_dcp.series). A kill at each step (reshard.lifecycle.thinning.STEPS, RESHARD_FAULT_AT) leaves
+tests/helpers/thin_runs.series). A kill at each step (reshard.lifecycle.thinning.STEPS, RESHARD_FAULT_AT) leaves
 the checkpoint's folder holding exactly the full form's files or exactly the thinned form's, `list` calling it
 complete and `validate --deep` proving it; the next `thin` (before the journal), `watch --once` or `prune --yes`
 finishes the swap or rolls it back, as the step says, and leaves no working name. The negative control: a folder
@@ -28,11 +28,11 @@ import pytest
 
 import reshard
 from reshard.lifecycle import thinning
-from tests.commands.test_thin_dcp import series
 from tests.helpers.cli import run_cli
 from tests.helpers.fixtures import FIXTURES
 from tests.helpers.lifecycle_runs import age, ds_run
 from tests.helpers.repo import REPO
+from tests.helpers.thin_runs import series
 
 # (how its run is made, the checkpoint thinned, the run's other checkpoints)
 SOURCES = {

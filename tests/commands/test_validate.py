@@ -7,6 +7,7 @@ import torch
 
 import reshard
 from tests.helpers.cli import run_cli
+from tests.helpers.damage import ODD_STEP, set_step
 from tests.helpers.fixtures import copy_fixture, fixture_dir, tag_dir
 
 
@@ -197,20 +198,6 @@ def test_a_manifest_written_with_sha256_still_verifies(tmp_path):
     assert any(f"no digest for {victim}" in p for p in problems)
 
 
-def set_step(path, value: float) -> None:
-    """Rewrite one rank's optimizer file (ZeRO-1/2 or 3) with every step it holds a float32 `value`, as torch's
-    Adam saves it (what a file of another save, or a flipped bit, would hold)."""
-    sd = torch.load(path, weights_only=False)
-    inner = sd["optimizer_state_dict"]
-    state = inner["base_optimizer_state" if "base_optimizer_state" in inner else "optimizer_state_dict"]["state"]
-    for entry in state.values():
-        entry["step"] = torch.tensor(value, dtype=torch.float32)
-    torch.save(sd, path)
-
-
-ODD = "param group 0: optimizer step is 3.000000238418579 here, 3.0 in the other 3 files (a file from another save?)"
-
-
 @pytest.mark.parametrize("name", ["z2_fp32_dp4", "z3_fp32_dp4"])
 @pytest.mark.parametrize("rank", [0, 2])
 def test_the_rank_whose_step_disagrees_is_the_one_named(tmp_path, name, rank):
@@ -221,7 +208,7 @@ def test_the_rank_whose_step_disagrees_is_the_one_named(tmp_path, name, rank):
     victim = tag_dir(save) / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
     set_step(victim, 3.0000002)
     problems, _ = _problems(save)
-    assert problems == [f"{victim}: {ODD}"]
+    assert problems == [f"{victim}: {ODD_STEP}"]
 
 
 def test_two_ranks_two_steps_both_are_named_with_their_values(tmp_path):

@@ -43,3 +43,17 @@ def _in_process(argv: list, where) -> tuple:
     finally:
         os.chdir(cwd)
     return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(proc, *needles, code=1) -> None:
+    """The run exited `code` with one line on stderr, no traceback, holding each of `needles`."""
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def lines_naming(proc, needle) -> list:
+    """The lines of the run's stdout and stderr holding `needle`."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if needle in line]

@@ -110,3 +110,71 @@ def alter_weight(tag_dir, state: str, size: int, crc: bool = True, name: str = "
     with open(path, "r+b") as f:
         f.seek(at)
         f.write(flipped)
+
+
+def _holder(tensor, element):
+    """(fragment, position in its shard) of the fragment holding flat element `element` of the logical tensor."""
+    import numpy as np
+
+    from reshard.core.placement import Shard, regions
+    coords = np.unravel_index(element, tensor.shape)
+    for frag in tensor.fragments:
+        shard = frag.shard or Shard.whole(tensor.shape)
+        for r in regions(shard, frag.start, frag.stop):
+            if all(a <= c < a + n for c, a, n in zip(coords, r.at, r.shape, strict=True)):
+                local = [c - a + lo for c, a, lo in zip(coords, r.at, r.local, strict=True)]
+                return frag, int(np.ravel_multi_index(local, shard.shape))
+    raise AssertionError(f"no fragment holds element {element}")
+
+
+def set_element(catalog, name, state, element, change) -> None:
+    """Replace one element x of the fp32 tensor (name, state) by change(x) in the file that holds it."""
+    import numpy as np
+
+    from reshard.core.dtypes import itemsize
+    tensor = catalog.tensor(name, state)
+    frag, position = _holder(tensor, element)
+    offset = frag.storage.offset + (frag.elem_offset + position - frag.start) * itemsize(tensor.dtype)
+    with open(frag.storage.file, "rb") as f:
+        f.seek(offset)
+        value = np.frombuffer(f.read(4), dtype="<f4")[0]
+    write_in_zip(frag.storage.file, offset, np.float32(change(value)).tobytes())
+
+
+def edit_dcp_metadata(path, edit) -> None:
+    """`edit` (a function of the unpickled Metadata) applied to a DCP folder's .metadata, written back in place."""
+    import pickle
+    meta_path = Path(path) / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+
+
+def set_step(path, value: float) -> None:
+    """Rewrite one rank's optimizer file (ZeRO-1/2 or 3) with every step it holds a float32 `value`, as torch's
+    Adam saves it (what a file of another save, or a flipped bit, would hold)."""
+    import torch
+    sd = torch.load(path, weights_only=False)
+    inner = sd["optimizer_state_dict"]
+    state = inner["base_optimizer_state" if "base_optimizer_state" in inner else "optimizer_state_dict"]["state"]
+    for entry in state.values():
+        entry["step"] = torch.tensor(value, dtype=torch.float32)
+    torch.save(sd, path)
+
+
+# What validate says of a 4-rank save's file whose steps set_step made 3.0000002 among the others' 3
+ODD_STEP = ("param group 0: optimizer step is 3.000000238418579 here, 3.0 in the other 3 files "
+            "(a file from another save?)")
+
+
+def flip_weight(folder: Path, name: str) -> None:
+    """One byte of `name`'s weights flipped in place, its zip member's CRC-32 left as it was."""
+    import reshard
+    from reshard.core.catalog import TensorKey
+    fragment = reshard.open_checkpoint(str(folder)).tensors[TensorKey(name, "module")].fragments[0]
+    at = fragment.storage.offset + fragment.elem_offset * 4
+    data = bytearray(open(fragment.storage.file, "rb").read())
+    data[at] ^= 0x40
+    open(fragment.storage.file, "wb").write(bytes(data))

@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.formats.dcp.test_torchtitan import hf_config
-from tests.formats.framework.test_framework_files import hf_folder
-from tests.formats.megatron.test_megatron_import import make_source
-from tests.formats.megatron.test_megatron_import_moe import make_source as make_mixtral
 from tests.helpers import lifecycle_runs
 from tests.helpers.doc_blocks import SETUP_REASON, Block, DocBlockError, blocks, commands, is_setup, run_block
 from tests.helpers.fixtures import fixture_dir
+from tests.helpers.hf_sources import make_llama, make_mixtral, torchtitan_hf_config
 from tests.helpers.repo import REPO
+from tests.helpers.trainer_folders import hf_folder
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 BLOCKS = [b for page in PAGES for b in blocks(page)]
@@ -77,21 +75,21 @@ def evals_csv(root):
 
 def hf_llama(root):
     """A Hugging Face Llama folder made by transformers with random weights
-    (tests/formats/megatron/test_megatron_import.py's fp32)."""
-    make_source(root / "hf-llama", "fp32")
+    (tests/helpers/hf_sources.py's fp32, as tests/formats/megatron/test_megatron_import.py makes it)."""
+    make_llama(root / "hf-llama", "fp32")
     return root / "hf-llama"
 
 
 def hf_mixtral(root):
     """A Hugging Face Mixtral folder made by transformers with random weights
-    (tests/formats/megatron/test_megatron_import_moe.py's)."""
+    (tests/helpers/hf_sources.py's, as tests/formats/megatron/test_megatron_import_moe.py makes it)."""
     make_mixtral(root / "hf-mixtral")
     return root / "hf-mixtral"
 
 
 def torchtitan_config(root):
     """The Hugging Face config.json of the torchtitan fixtures' model (what a torchtitan run's hf_assets_path holds)."""
-    return Path(hf_config(root))
+    return Path(torchtitan_hf_config(root))
 
 
 MAKERS = {"deepspeed-run": deepspeed_run, "trainer-run": trainer_run, "hf-trainer-deepspeed": hf_trainer_deepspeed,

@@ -12,7 +12,9 @@
   reshard.storage only its seams (files, names, protocol, routing) are imported from outside it;
 - each room imports only itself and the rooms before it (ROOMS: the order data flows in), with no exception left;
 - the leaves the formats share (the torch.save reader and writer, safetensors...) import no format's folder;
-- no test module and no script of tools/ changes sys.path.
+- no test module and no script of tools/ changes sys.path;
+- of tests/, a test module, a helper or conftest imports only tests.helpers (never another test module, a
+  script or conftest), and a script no test module.
 
 Each rule is run on a small synthetic package that breaks it (the negative controls), and the few violations left
 (RAW_ALLOWED, AGAINST_THE_FLOW) are listed exactly, so the test fails both when one is fixed and when a new one
@@ -524,6 +526,58 @@ def test_the_layout_check_finds_a_helper_and_a_path_patch(tmp_path):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     assert misplaced_test_modules(tmp_path) == {"core/helper.py: not a test module", "core/test_a.py: patches sys.path"}
+
+
+def cross_test_imports(tests: Path) -> set[str]:
+    """`file: module` for each import of tests/ that reaches into another test module: outside tests/scripts/ any
+    module of tests/ but tests.helpers (a test module, a script, conftest), in a script a test module (`test_*`);
+    lazy and relative imports alike. What tests share lives in tests/helpers/, so no test module is a library."""
+    found = set()
+    for path in sorted(tests.rglob("*.py")):
+        where = path.relative_to(tests)
+        parts = where.with_suffix("").parts
+        module = ".".join(("tests",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+        in_scripts = parts[0] == "scripts"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(module, parts[-1] == "__init__", node)
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                names = target.split(".")
+                if in_scripts:
+                    reaches = names[0] == "tests" and any(name.startswith("test_") for name in names)
+                else:
+                    reaches = names[0] == "conftest" or (names[0] == "tests" and names[1:2] != ["helpers"])
+                if reaches:
+                    found.add(f"{where.as_posix()}: {target}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert cross_test_imports(REPO / "tests") == set()
+
+
+def test_the_check_finds_an_import_of_another_test_module(tmp_path):
+    """Negative control: a test module taking a helper of another (at module level, lazily, relatively), a helper
+    importing a test module, a test importing a script or conftest, and a script a test module are named; imports of
+    tests.helpers, of third parties, and a script's of another script pass."""
+    for name, text in {
+            "core/test_a.py": "from tests.core.test_b import _x\nfrom tests.helpers.cli import run_cli\n"
+                              "import pytest\n",
+            "core/test_b.py": "from tests.helpers import repo\n\ndef f():\n    from tests.scripts.s import y\n",
+            "core/test_c.py": "from .test_b import v\nimport conftest\n",
+            "helpers/h.py": "import tests.core.test_b\nfrom tests.helpers.repo import REPO\n",
+            "scripts/s.py": "from tests.scripts.t import z\nfrom tests.core.test_b import w\n"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cross_test_imports(tmp_path) == {
+        "core/test_a.py: tests.core.test_b._x", "core/test_b.py: tests.scripts.s.y",
+        "core/test_c.py: tests.core.test_b.v", "core/test_c.py: conftest", "helpers/h.py: tests.core.test_b",
+        "scripts/s.py: tests.core.test_b.w"}
 
 
 def test_no_tool_patches_sys_path():

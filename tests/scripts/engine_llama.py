@@ -11,20 +11,7 @@ import json
 import os
 
 from tests.helpers.rank_main import run_main
-
-TOKENS = 64
-
-
-def config():
-    from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=TOKENS, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                       tie_word_embeddings=True)
-
-
-def probe():
-    import torch
-    return torch.arange(2 * 12).reshape(2, 12) % TOKENS
+from tests.helpers.tiny_llama import TOKENS, config, probe
 
 
 def main(jobs_path, results_path):

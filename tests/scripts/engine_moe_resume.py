@@ -22,6 +22,7 @@ import json
 import math
 import os
 
+from tests.helpers.engine_resume_checks import optimizer_states, start_ranks, tensor_problems
 from tests.helpers.rank_main import run_main
 
 
@@ -34,13 +35,8 @@ def main(jobs_path, results_path):
 
     import fixture_moe
     import make_fixtures
-    from tests.scripts.engine_tp_resume import compare
 
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    with open(jobs_path) as f:
-        jobs = json.load(f)
+    rank, world, jobs = start_ranks(jobs_path)
     results = []
     for job in jobs:
         spec = make_fixtures.CONFIGS[job["fixture"]]
@@ -91,10 +87,7 @@ def main(jobs_path, results_path):
             load_path, _ = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
             problems.append("load_checkpoint found nothing to load")
-        base = make_fixtures._base_optimizer(engine)
-        state_names = []
-        for st in base.state.values():
-            state_names += [k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0 and k not in state_names]
+        state_names, _ = optimizer_states(engine, make_fixtures)
         # sorted: the universal loader inserts each rank's states in the order of a Python set
         # (map_to_flat_opt_states), and every rank must all-gather the same state at once
         tensors = fixture_moe.moe_truth(engine, sorted(state_names), make_fixtures._flat_truth)
@@ -102,7 +95,7 @@ def main(jobs_path, results_path):
         if rank == 0:
             truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
             truth.pop("logits")
-            found = compare(tensors, truth, torch)
+            found = tensor_problems(tensors, truth)
             differ = sorted(line.split(":")[0] for line in found)
             problems += found
             if engine.global_steps != make_fixtures_meta(job)["global_steps"]:

@@ -19,20 +19,20 @@ import json
 import math
 import os
 
+from tests.helpers.engine_resume_checks import (
+    client_state_problems,
+    counter_problems,
+    optimizer_states,
+    start_ranks,
+    tensor_problems,
+)
 from tests.helpers.rank_main import run_main
 
 
 def main(jobs_path, results_path):
-    import deepspeed
-    import deepspeed.comm as dist
-    import torch
-
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    with open(jobs_path) as f:
-        jobs = json.load(f)
-    results = [resume(job, dist.get_rank()) for job in jobs]
-    if dist.get_rank() == 0:
+    rank, _, jobs = start_ranks(jobs_path)
+    results = [resume(job, rank) for job in jobs]
+    if rank == 0:
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
 
@@ -80,39 +80,22 @@ def resume(job, rank) -> dict:
 def loaded_problems(engine, load_path, client_state, job, rank) -> list:
     """What differs between the engine, as a load left it, and the fixture's truth (collective: every rank
     calls it; rank 0's list holds the problems)."""
-    import torch
     from safetensors.torch import load_file
 
     import fixture_megatron_pipe as fmp
     import make_fixtures
-    from tests.scripts.engine_tp_resume import compare
 
     problems = []
     if load_path is None:
         problems.append("load_checkpoint found nothing to load")
-    base = make_fixtures._base_optimizer(engine)
-    state_names, steps = [], []
-    for st in base.state.values():
-        for k, v in st.items():
-            if k == "step":
-                steps.append(make_fixtures._number(v))
-            elif torch.is_tensor(v) and v.dim() > 0 and k not in state_names:
-                state_names.append(k)
+    state_names, steps = optimizer_states(engine, make_fixtures)
     tensors = fmp.megatron_pipe_truth(engine, state_names, make_fixtures._flat_truth)
     truth = load_file(os.path.join(job["fixtures"], job["fixture"], "truth.safetensors"))
     with open(os.path.join(job["fixtures"], job["fixture"], "truth.json")) as f:
         meta = json.load(f)
     if rank == 0:
-        problems += compare(tensors, truth, torch)
-        info = {"step": steps[0] if steps else None, "state_names": state_names,
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "skipped_steps": engine.skipped_steps}
-        for key, value in info.items():
-            if value != meta[key]:
-                problems.append(f"{key}: {value!r} after resume, {meta[key]!r} when saved")
-        for key, value in meta["client_state"].items():
-            if (client_state or {}).get(key) != value:
-                problems.append(f"client state {key}: {(client_state or {}).get(key)!r} vs saved {value!r}")
+        problems += tensor_problems(tensors, truth) + counter_problems(engine, steps, state_names, meta)
+        problems += client_state_problems(client_state, meta)
     return problems
 
 

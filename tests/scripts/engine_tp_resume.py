@@ -21,6 +21,13 @@ import json
 import math
 import os
 
+from tests.helpers.engine_resume_checks import (
+    client_state_problems,
+    counter_problems,
+    optimizer_states,
+    start_ranks,
+    tensor_problems,
+)
 from tests.helpers.rank_main import run_main
 
 
@@ -34,11 +41,7 @@ def main(jobs_path, results_path):
     import fixture_parallel as fp
     import make_fixtures
 
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    with open(jobs_path) as f:
-        jobs = json.load(f)
+    rank, world, jobs = start_ranks(jobs_path)
     results = []
     for job in jobs:
         spec = copy.deepcopy(make_fixtures.CONFIGS[job["fixture"]])
@@ -62,17 +65,10 @@ def main(jobs_path, results_path):
             load_path, client_state = engine.load_checkpoint(job["checkpoint"])
         if load_path is None:
             problems.append("load_checkpoint found nothing to load")
-        base = make_fixtures._base_optimizer(engine)
         if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
             engine.optimizer._hp_optimizer_states_linked = False
             engine.optimizer._lazy_init_hp_params_optimizer_state()
-        state_names, steps = [], []
-        for st in base.state.values():
-            for k, v in st.items():
-                if k == "step":
-                    steps.append(make_fixtures._number(v))
-                elif torch.is_tensor(v) and v.dim() > 0 and k not in state_names:
-                    state_names.append(k)
+        state_names, steps = optimizer_states(engine, make_fixtures)
         if pipe:
             tensors = fp.pipe_truth(engine, state_names, make_fixtures._flat_truth)
         elif job["tp"] > 1:
@@ -84,18 +80,10 @@ def main(jobs_path, results_path):
             truth = load_file(os.path.join(fixture, "truth.safetensors"))
             with open(os.path.join(fixture, "truth.json")) as f:
                 meta = json.load(f)
-            problems += compare(tensors, truth, torch)
-            info = {"step": steps[0] if steps else None, "state_names": state_names,
-                    "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                    "skipped_steps": engine.skipped_steps}
-            for key, value in info.items():
-                if value != meta[key]:
-                    problems.append(f"{key}: {value!r} after resume, {meta[key]!r} when saved")
+            problems += tensor_problems(tensors, truth) + counter_problems(engine, steps, state_names, meta)
             if len(set(steps)) > 1:
                 problems.append(f"optimizer steps differ between params: {sorted(set(steps))}")
-            for key, value in meta["client_state"].items():
-                if (client_state or {}).get(key) != value:
-                    problems.append(f"client state {key}: {(client_state or {}).get(key)!r} vs saved {value!r}")
+            problems += client_state_problems(client_state, meta)
         if job.get("resave"):     # the engine's own save of the resumed state at this topology, to compare with
             engine.save_checkpoint(job["resave"], tag=open(os.path.join(job["checkpoint"], "latest")).read().strip(),
                                    client_state={k: (client_state or {}).get(k) for k in make_fixtures.CLIENT_STATE})
@@ -143,23 +131,6 @@ def whole_truth(engine, state_names):
     for k, v in engine.module.state_dict().items():
         out[f"module/{k}"] = v.detach().cpu().clone().contiguous()
     return out
-
-
-def compare(tensors, truth, torch):
-    problems = []
-    for key, expected in truth.items():
-        got = tensors.get(key)
-        if got is None:
-            problems.append(f"{key}: not in the resumed engine")
-        elif got.dtype != expected.dtype or got.shape != expected.shape:
-            problems.append(f"{key}: {got.dtype}{list(got.shape)} vs saved {expected.dtype}{list(expected.shape)}")
-        elif not torch.equal(got, expected):
-            diff = (got.float() - expected.float()).abs().max().item()
-            problems.append(f"{key}: differs from the saved engine's value (max abs diff {diff:g})")
-    extra = sorted(set(tensors) - set(truth))
-    if extra:
-        problems.append(f"resumed engine has tensors the fixture's truth lacks: {extra[:5]}")
-    return problems
 
 
 if __name__ == "__main__":

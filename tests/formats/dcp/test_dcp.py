@@ -8,7 +8,6 @@ into FSDP2 models and optimizers at 2 and 3 ranks (tests/scripts/dcp_fsdp2.py), 
 import json
 import math
 import os
-import pickle
 import shutil
 
 import numpy as np
@@ -20,9 +19,10 @@ import reshard
 from make_hostile import Payload
 from reshard.errors import ReshardError
 from tests.helpers.cli import run_cli
-from tests.helpers.damage import mutated
+from tests.helpers.damage import edit_dcp_metadata, mutated, set_element
 from tests.helpers.engine_state import fsdp2_differences, saved_param_groups
 from tests.helpers.fixtures import FIXTURES, fixture_dir, tag_dir, truth_json, truth_tensors
+from tests.helpers.moe import MOE_NAMES, mixtral_truth
 from tests.helpers.repo import SCRIPTS
 from tests.helpers.torchrun import run_torchrun, torchrun
 
@@ -36,7 +36,6 @@ PARALLEL_MODELS = {"autotp2_z1_fp32_dp2": {"model": "llama",
 # mixture-of-experts saves of DeepSpeed AutoEP (ZeRO-1/2/3, ep 2 and ep 2 x expert-dp 2, fp32 and bf16), written as
 # DCP and read through reshard.dcp_reader.Reader under transformers' Mixtral names (mixtral-autoep-fsdp)
 MOE_TO_LOAD = ["autoep2_z1_fp32", "autoep2_z2_bf16", "autoep2_z2_fp32_dp2", "autoep2_z3_fp32", "autoep2_z3_fp32_dp2"]
-MOE_NAMES = "mixtral-autoep-fsdp"
 CHANGED = ("model.layers.1.mlp.experts.w3", (2, 5, 7))     # an element of expert 2 changed in a copy of the source
 SWAPPED = "model.layers.0.mlp.experts.down_proj"           # its two FSDP2 chunks (experts 0-1, 2-3) swapped
 FIXTURES_TO_LOAD = ["z1_fp32_dp2", "z2_fp32_frozen_tied_dp2", "z3_fp32_dp4", "z3_bf16_dp2", "z1_bf16_frozen_tied_dp2",
@@ -141,7 +140,7 @@ def test_reads_a_real_dcp_save(variant, tmp_path):
 def test_param_groups_are_found_without_planner_data(saved, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(saved[0], src)
-    _edit_metadata(src, lambda meta: setattr(meta, "planner_data", None))
+    edit_dcp_metadata(src, lambda meta: setattr(meta, "planner_data", None))
     assert list(reshard.open_checkpoint(src).param_groups) == list(reshard.open_checkpoint(saved[0]).param_groups) \
         == saved[2]["param_groups"]
 
@@ -227,7 +226,7 @@ def test_validate_proves_the_chunks_tile_each_tensor(tmp_path):
         info = meta.storage_data.pop(MetadataIndex("model.emb.weight", chunk.offsets))
         chunk.offsets = torch.Size([chunk.offsets[0] - 1, 0])
         meta.storage_data[MetadataIndex("model.emb.weight", chunk.offsets, 1)] = info
-    _edit_metadata(dst, shift)
+    edit_dcp_metadata(dst, shift)
     proc = run_cli("validate", dst)
     assert proc.returncode == 1, proc.stdout
     for state in ("module", "fp32"):      # the fp32 master is the same bytes as the module entry
@@ -237,15 +236,6 @@ def test_validate_proves_the_chunks_tile_each_tensor(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # hostile and broken DCP directories
-
-
-def _edit_metadata(path, edit):
-    meta_path = path / ".metadata"
-    with open(meta_path, "rb") as f:
-        meta = pickle.load(f)
-    edit(meta)
-    with open(meta_path, "wb") as f:
-        pickle.dump(meta, f)
 
 
 def _first_info(meta):
@@ -262,7 +252,7 @@ def _append_value(path, key, blob):
     def edit(meta):
         info = next(i for index, i in meta.storage_data.items() if index.fqn == key)
         info.relative_path, info.offset, info.length = "__0_0.distcp", offset, len(blob)
-    _edit_metadata(path, edit)
+    edit_dcp_metadata(path, edit)
 
 
 def _torch_saved(obj):
@@ -278,11 +268,11 @@ def _hostile_cases(canary):
             p, "optim.param_groups.0.lr", _torch_saved(Payload(os.system, f"touch {canary}")))),
         "chunk_os_system": ("__0_0.distcp", "system", lambda p: _append_value(
             p, "model.l1.bias", _torch_saved({"x": Payload(os.system, f"touch {canary}")}))),
-        "metadata_os_system": (".metadata", "system", lambda p: _edit_metadata(
+        "metadata_os_system": (".metadata", "system", lambda p: edit_dcp_metadata(
             p, lambda m: m.planner_data.update(evil=Payload(os.system, f"touch {canary}")))),
-        "chunk_outside_file": ("__0_0.distcp", "wrong offsets", lambda p: _edit_metadata(
+        "chunk_outside_file": ("__0_0.distcp", "wrong offsets", lambda p: edit_dcp_metadata(
             p, lambda m: setattr(_first_info(m), "offset", 10**9))),
-        "path_escapes": (".metadata", "escapes", lambda p: _edit_metadata(
+        "path_escapes": (".metadata", "escapes", lambda p: edit_dcp_metadata(
             p, lambda m: setattr(_first_info(m), "relative_path", "../x"))),
         "truncated_distcp": ("__0_0.distcp", "truncated", lambda p: os.truncate(
             p / "__0_0.distcp", os.path.getsize(p / "__0_0.distcp") // 2)),
@@ -385,7 +375,6 @@ def _moe_jobs(out):
     """The 2-rank launch's MoE jobs ({name: job}): each MoE fixture converted to DCP under Mixtral's names and read
     through reshard.dcp_reader.Reader; and two negative controls: a source with one expert element changed,
     converted, and an output whose expert chunks of one tensor are swapped in its .metadata."""
-    from tests.formats.deepspeed.test_moe import _set_element
     jobs = {}
     for name in MOE_TO_LOAD:
         dst = out / f"moe-{name}"
@@ -397,8 +386,8 @@ def _moe_jobs(out):
     shutil.copytree(fixture_dir("autoep2_z3_fp32"), changed)
     param, at = CHANGED
     tensor = reshard.open_checkpoint(changed).tensor(param, "fp32")
-    _set_element(reshard.open_checkpoint(changed), param, "fp32", int(np.ravel_multi_index(at, tensor.shape)),
-                 lambda x: x + 0.5)
+    set_element(reshard.open_checkpoint(changed), param, "fp32", int(np.ravel_multi_index(at, tensor.shape)),
+                lambda x: x + 0.5)
     reshard.convert(changed, out / "moe-changed", "dp=2", fmt="dcp", names=MOE_NAMES)
     swapped = out / "moe-swapped"
     shutil.copytree(out / "moe-autoep2_z3_fp32", swapped)
@@ -406,7 +395,7 @@ def _moe_jobs(out):
     def swap(meta):
         first, second = [index for index in meta.storage_data if index.fqn == f"model.{SWAPPED}"]
         meta.storage_data[first], meta.storage_data[second] = meta.storage_data[second], meta.storage_data[first]
-    _edit_metadata(swapped, swap)
+    edit_dcp_metadata(swapped, swap)
     for control in ("changed", "swapped"):
         jobs[control] = {"model": "mixtral", "optimizer": "AdamW", "dcp": str(out / f"moe-{control}"),
                          "out": str(out / f"moe-{control}.pt")}
@@ -442,26 +431,6 @@ def fsdp2_loaded(fixtures_as_dcp, fsdp2_save):
     return loaded, dcp2, dcp2_job, moe
 
 
-def _mixtral_truth(name):
-    """The fixture's truth (fp32 masters, both moments) under transformers' Mixtral names and shapes, made here from
-    the engine's packed experts: gate_up_proj is w1 then w3 along dim 1 (MixtralExperts' chunk(2) takes gate
-    first), down_proj is w2, the router is mlp.gate."""
-    truth, out = truth_tensors(name), {}
-    for key, tensor in truth.items():
-        state, _, param = key.partition("/")
-        if state in ("module", "logits"):
-            continue            # FSDP2 holds the masters; the 16-bit copies are the engine's
-        layer, _, leaf = param.rpartition(".mlp.experts.")
-        if leaf == "w1":
-            up = truth[f"{state}/{layer}.mlp.experts.w3"]
-            out[f"{state}/{layer}.mlp.experts.gate_up_proj"] = torch.cat([tensor, up], dim=1)
-        elif leaf == "w2":
-            out[f"{state}/{layer}.mlp.experts.down_proj"] = tensor
-        elif leaf != "w3":
-            out[f"{state}/{param.replace('.mlp.router.gate.weight', '.mlp.gate.weight')}"] = tensor
-    return out
-
-
 @pytest.mark.engine
 def test_moe_saves_load_into_an_fsdp2_mixtral_with_dcp_load(fsdp2_loaded):
     """Issue #29: each AutoEP save (ZeRO-1/2/3, ep 2 and ep 2 x expert-dp 2, fp32 and bf16) converted with --format dcp
@@ -473,7 +442,7 @@ def test_moe_saves_load_into_an_fsdp2_mixtral_with_dcp_load(fsdp2_loaded):
     moe = fsdp2_loaded[3]
     names = set()
     for name in MOE_TO_LOAD:
-        truth, step = _mixtral_truth(name), truth_json(name)["step"]
+        truth, step = mixtral_truth(name), truth_json(name)["step"]
         for kind in ("out", "reader_out"):
             loaded = torch.load(moe[name][kind], weights_only=False)
             problems, compared = fsdp2_differences(loaded, truth, step)
@@ -483,7 +452,7 @@ def test_moe_saves_load_into_an_fsdp2_mixtral_with_dcp_load(fsdp2_loaded):
         assert math.isfinite(torch.load(moe[name]["reader_out"], weights_only=False)["next_loss"]), name
     assert {n for n in names if ".mlp." in n} == {f"model.layers.{i}.mlp.{p}" for i in range(2)
                                                   for p in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}
-    truth = _mixtral_truth("autoep2_z3_fp32")
+    truth = mixtral_truth("autoep2_z3_fp32")
     changed = torch.load(moe["changed"]["out"], weights_only=False)
     fused = "model.layers.1.mlp.experts.gate_up_proj"
     assert fsdp2_differences(changed, truth, 3)[0] == [f"fp32/{fused}: differs"]

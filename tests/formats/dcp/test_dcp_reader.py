@@ -16,9 +16,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import reshard
 import reshard.dcp_reader
-from fixture_model import build_model, make_batch
+from fixture_model import build_model
 from reshard.errors import ReshardError
 from tests.helpers.damage import write_in_zip
+from tests.helpers.dcp_resume import assert_resumed_as_truth, resume_fixture_model
 from tests.helpers.fixtures import ALL_FIXTURES, FIXTURES, copy_fixture, fixture_dir, tag_dir, truth_json, truth_tensors
 from tests.helpers.repo import REPO
 
@@ -91,49 +92,13 @@ FIXTURE_MODEL = ["z3_bf16_dp4", "z2_fp32_roundrobin_dp4", "z1_bf16_frozen_tied_d
                  "bf16opt_z1_dp2", "z2_fp16_dp2", "z2_fp32_sgd_dp2"]
 
 
-def _resume(name, reader, dtype=torch.float32):
-    """A fresh model and optimizer of the fixture's kind, loaded the way a training script resumes."""
-    model = build_model(tied="tied" in name, frozen="frozen" in name, seed=99).to(dtype)
-    named = dict(model.named_parameters())
-    # the param groups the run trained with (their hyper-parameters come from the checkpoint)
-    groups = [{"params": [named[n] for n in g["param_names"]]} for g in truth_json(name)["param_groups"]]
-    optim = torch.optim.SGD(groups, lr=0.5, momentum=0.9) if "sgd" in name else \
-        torch.optim.AdamW(groups, lr=0.5, weight_decay=0.3)
-    msd, osd = get_state_dict(model, optim)
-    dcp.load({"model": msd, "optim": osd}, storage_reader=reader)
-    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-    return model, optim
-
-
 @pytest.mark.parametrize("name", FIXTURE_MODEL)
 def test_a_training_script_resumes_through_get_state_dict(name):
-    assert_resumed_as_truth(name, *_resume(name, _reader(name)))
-
-
-def assert_resumed_as_truth(name, model, optim):
-    """The fixture model and optimizer hold the engine's truth of fixture `name`, and train one more step."""
-    truth, info = truth_tensors(name), truth_json(name)
-    for n, p in model.named_parameters():
-        expected = truth[f"fp32/{n}"] if p.requires_grad else truth[f"module/{n}"].float()
-        assert torch.equal(p.detach(), expected), n
-        for state in optim.state[p] if p.requires_grad else ():
-            if state != "step":
-                assert torch.equal(optim.state[p][state], truth[f"{state}/{n}"]), (n, state)
-            else:
-                assert float(optim.state[p]["step"]) == info["global_steps"]
-    saved_groups = info["param_groups"]
-    assert len(optim.param_groups) == len(saved_groups)
-    for group, saved in zip(optim.param_groups, saved_groups, strict=True):
-        assert (group["lr"], group["weight_decay"]) == (saved["lr"], saved["weight_decay"])   # not the script's
-    assert torch.equal(model.pos, torch.arange(5)) and torch.equal(model.scale, torch.tensor([1.0, 0.5, 0.25]))
-    loss = model(make_batch(99, 0))
-    loss.backward()
-    optim.step()
-    assert torch.isfinite(loss)
+    assert_resumed_as_truth(name, *resume_fixture_model(name, _reader(name)))
 
 
 def test_a_bf16_model_gets_its_master_rounded_as_torch_rounds():
-    model, _ = _resume("z3_fp32_dp2", _reader("z3_fp32_dp2"), torch.bfloat16)
+    model, _ = resume_fixture_model("z3_fp32_dp2", _reader("z3_fp32_dp2"), torch.bfloat16)
     truth = truth_tensors("z3_fp32_dp2")
     for n, p in model.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), truth[f"fp32/{n}"].to(torch.bfloat16)), n
@@ -158,7 +123,7 @@ def test_autotp_checkpoint_into_a_hugging_face_model():
 def test_negative_controls(tmp_path):
     """Another run's truth is not this one's; a changed element arrives changed; a missing rank file is one
     line naming it, before anything is loaded."""
-    model, _ = _resume("z3_bf16_dp4", _reader("z3_bf16_dp4"))
+    model, _ = resume_fixture_model("z3_bf16_dp4", _reader("z3_bf16_dp4"))
     other = truth_tensors("z3_fp32_dp4")
     assert not all(torch.equal(p.detach(), other[f"fp32/{n}"]) for n, p in model.named_parameters())
 
@@ -166,7 +131,7 @@ def test_negative_controls(tmp_path):
     master = reshard.open_checkpoint(save).tensor("l1.weight", "fp32").fragments[0]
     at = master.storage.offset + master.elem_offset * 4
     write_in_zip(master.storage.file, at, torch.tensor([123.25]).numpy().tobytes())
-    changed, _ = _resume("z2_fp32_dp2", _reader("z2_fp32_dp2", save))
+    changed, _ = resume_fixture_model("z2_fp32_dp2", _reader("z2_fp32_dp2", save))
     truth = truth_tensors("z2_fp32_dp2")["fp32/l1.weight"]
     differs = (changed.l1.weight.detach() != truth).nonzero()
     assert len(differs) == 1 and changed.l1.weight.detach().flatten()[master.start] == 123.25
@@ -175,7 +140,7 @@ def test_negative_controls(tmp_path):
     missing = next(tag_dir(broken).glob("zero_pp_rank_1_*optim_states.pt"))
     missing.unlink()
     with pytest.raises(ReshardError, match=missing.name):
-        _resume("z2_fp32_dp2", _reader("z2_fp32_dp2", broken))
+        resume_fixture_model("z2_fp32_dp2", _reader("z2_fp32_dp2", broken))
     shutil.rmtree(broken)
 
 
@@ -185,7 +150,7 @@ def test_elastic_checkpoints_hold_no_hyper_parameters():
     from torch.distributed.checkpoint import DefaultLoadPlanner
     with pytest.raises(dcp.api.CheckpointException,
                        match="Missing key in checkpoint state_dict: optim.param_groups.0.lr"):
-        _resume(ELASTIC, _reader(ELASTIC))
+        resume_fixture_model(ELASTIC, _reader(ELASTIC))
     model = build_model(seed=99)
     optim = torch.optim.AdamW(model.parameters(), lr=0.5)
     msd, osd = get_state_dict(model, optim)
@@ -205,7 +170,7 @@ def test_a_tensor_hyper_parameter_arrives_as_a_tensor(tmp_path):
         for group in tree["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]:
             group["lr"] = torch.tensor(group["lr"], dtype=torch.float64)
         torch.save(tree, path)
-    _, optim = _resume("z2_fp32_dp2", _reader("z2_fp32_dp2", save))
+    _, optim = resume_fixture_model("z2_fp32_dp2", _reader("z2_fp32_dp2", save))
     lr = optim.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float64
     assert float(lr) == truth_json("z2_fp32_dp2")["param_groups"][0]["lr"]

@@ -17,9 +17,10 @@ import reshard
 import reshard.dcp_reader
 from fixture_moe import MoENet, mixtral_config
 from reshard.errors import ReshardError
-from tests.formats.dcp.test_dcp import MOE_NAMES, _edit_metadata, _mixtral_truth
 from tests.helpers.cli import run_cli
+from tests.helpers.damage import edit_dcp_metadata
 from tests.helpers.fixtures import fixture_dir, truth_tensors
+from tests.helpers.moe import MOE_NAMES, mixtral_truth
 from tests.helpers.repo import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -50,7 +51,7 @@ def _differences(loaded: dict, truth: dict) -> list:
 @pytest.mark.parametrize("name", ["autoep2_z1_fp32", "autoep2_z2_bf16", "autoep2_z2_fp32_dp2_datafirst",
                                   "autoep2_z3_fp32", "autoep2_z3_fp32_dp2"])
 def test_the_output_and_the_reader_give_transformers_mixtral_the_engines_values(name, tmp_path):
-    truth = _mixtral_truth(name)
+    truth = mixtral_truth(name)
     run_cli("convert", fixture_dir(name), tmp_path / "dcp", "--format", "dcp", "--to", "dp=2", "--names", MOE_NAMES,
             "--quiet", check=0)
     assert _differences(_loaded(checkpoint_id=tmp_path / "dcp"), truth) == []
@@ -67,8 +68,8 @@ def test_experts_at_the_wrong_index_are_caught(tmp_path):
     def swap(meta):
         first, second = [index for index in meta.storage_data if index.fqn == f"model.{swapped}"]
         meta.storage_data[first], meta.storage_data[second] = meta.storage_data[second], meta.storage_data[first]
-    _edit_metadata(tmp_path / "dcp", swap)
-    truth = _mixtral_truth(name)
+    edit_dcp_metadata(tmp_path / "dcp", swap)
+    truth = mixtral_truth(name)
     loaded = _loaded(checkpoint_id=tmp_path / "dcp")
     assert _differences(loaded, truth) == [f"fp32/{swapped}"]
     assert torch.equal(loaded[f"fp32/{swapped}"], truth[f"fp32/{swapped}"][[2, 3, 0, 1]])
@@ -106,7 +107,7 @@ def test_gate_and_up_in_the_other_order_are_caught(tmp_path):
             rule["join"] = rule["join"][::-1]
     (tmp_path / "swapped.json").write_text(json.dumps(spec))
     reader = reshard.dcp_reader.Reader(fixture_dir("autoep2_z3_fp32"), names=str(tmp_path / "swapped.json"))
-    wrong = _differences(_loaded(storage_reader=reader), _mixtral_truth("autoep2_z3_fp32"))
+    wrong = _differences(_loaded(storage_reader=reader), mixtral_truth("autoep2_z3_fp32"))
     assert wrong == sorted(f"{s}/model.layers.{i}.mlp.experts.gate_up_proj" for s in ("fp32", *STATES) for i in (0, 1))
 
 

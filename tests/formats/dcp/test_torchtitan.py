@@ -39,6 +39,7 @@ from tests.helpers.cli import run_cli
 from tests.helpers.damage import change_dcp_element
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES
+from tests.helpers.hf_sources import torchtitan_hf_config as hf_config
 
 ROOT = FIXTURES / "torchtitan"
 SOURCE = ROOT / "torchtitan_llama_fsdp2" / "checkpoint" / "step-3"
@@ -82,7 +83,7 @@ def test_a_run_of_fused_qkv_saves_is_unverifiable_never_deleted_nor_thinned(tmp_
     """`list` has no --config: a fused save is not proven whole there, nor incomplete, so `prune
     --delete-incomplete --yes` keeps every one and `thin` refuses it in one line; the control: the same run of the
     unfused save is complete, and the same prune deletes the older one."""
-    from tests.commands.test_thin_dcp import series
+    from tests.helpers.thin_runs import series
     for source, kept in ((FUSED, ["step-1", "step-2"]), (SOURCE, ["step-2"])):
         run = series(source, tmp_path / source.parent.parent.name / "checkpoint", ("step-1", "step-2"))
         rows = json.loads(run_cli("list", run, "--json", check=0).stdout)["checkpoints"]
@@ -218,18 +219,6 @@ def test_a_fused_qkv_save_to_torchtitan_is_refused_in_one_line(tmp_path):
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
     assert "torchtitan's fused q/k/v (2 wqkv parameters) is not written back to torchtitan yet" in proc.stderr and \
         len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-
-
-def hf_config(folder) -> str:
-    """The Hugging Face config.json of the fixture's model (what a torchtitan run's hf_assets_path holds)."""
-    from transformers import LlamaConfig
-    m = json.loads((ROOT / "torchtitan_llama_fsdp2" / "truth.json").read_text())["model"]
-    LlamaConfig(hidden_size=m["dim"], intermediate_size=m["hidden_dim"], num_hidden_layers=m["n_layers"],
-                num_attention_heads=m["n_heads"], num_key_value_heads=m["n_kv_heads"],
-                head_dim=m["dim"] // m["n_heads"], vocab_size=m["vocab_size"], rms_norm_eps=m["norm_eps"],
-                rope_theta=m["rope_theta"], max_position_embeddings=32, tie_word_embeddings=False,
-                attention_bias=False, mlp_bias=False).save_pretrained(folder)
-    return str(folder / "config.json")
 
 
 def _logits(folder, fixture: str = "torchtitan_llama_fsdp2"):

@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
+from tests.helpers.tiny_llama import probe
 
 pytestmark = pytest.mark.engine
 CASES = [("2", "fp32"), ("3", "bf16")]
@@ -29,7 +30,6 @@ def trained(request, engine_launches):
 def test_from_pretrained_gives_the_engine_logits(trained, shard, tmp_path):
     from transformers import LlamaForCausalLM
 
-    from tests.scripts.engine_llama import probe
 
     out, dtype = trained
     export = tmp_path / "export"

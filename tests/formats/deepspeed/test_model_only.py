@@ -17,10 +17,10 @@ import shutil
 import pytest
 
 import reshard
-from tests.formats.megatron.test_megatron_import import make_source
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES
+from tests.helpers.hf_sources import make_llama
 
 FIXTURE = "z1_bf16_dp2"
 ALTERED = "l1.weight"
@@ -60,7 +60,7 @@ def test_deepspeed_starts_from_the_weights_bit_for_bit_and_an_altered_one_is_see
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf") / "llama"
-    make_source(folder, "bf16-sharded")
+    make_llama(folder, "bf16-sharded")
     return folder
 
 

@@ -5,23 +5,17 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
 import reshard
 from reshard.core.catalog import MASTER, MODULE
-from reshard.core.dtypes import itemsize
-from reshard.core.placement import Shard, regions
 from reshard.formats.deepspeed import topology as ds
 from reshard.reading.source_bytes import full_tensor
-from tests.helpers.cli import run_cli
-from tests.helpers.damage import write_in_zip
+from tests.helpers.cli import lines_naming, run_cli
+from tests.helpers.damage import set_element
 from tests.helpers.fixtures import FIXTURES, MOE_FIXTURES, fixture_dir, tag_dir, truth_json, truth_tensors
-
-AUTOEP = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep" and truth_json(n)["zero_stage"] != 3]
-AUTOEP_Z3 = [n for n in MOE_FIXTURES if truth_json(n)["kind"] == "autoep" and truth_json(n)["zero_stage"] == 3]
-PACKED = "model.layers.1.mlp.experts.w2"          # an AutoEP packed weight: (num_experts, hidden, intermediate)
+from tests.helpers.moe import AUTOEP, AUTOEP_Z3, PACKED, truth_differences
 
 
 def test_the_moe_fixtures_are_there():
@@ -33,33 +27,11 @@ def test_the_moe_fixtures_are_there():
         assert size < 1 << 20, (name, size)
 
 
-def _differences(catalog, truth) -> list:
-    """The truth's tensors (state/name) the catalog does not give bit for bit; and any catalog tensor beyond them.
-    A ZeRO-3 save keeps no module copy of a trainable param (the engine restores it from the fp32 master): there the
-    truth's module weight is compared with the master cast to its dtype."""
-    bad = []
-    for key, expected in truth.items():
-        state, _, name = key.partition("/")
-        if not name:            # the probe's logits
-            continue
-        held = catalog.aliases.get(name, name)     # (ZeRO-3: AutoEP's router alias is a tie)
-        if state == MODULE and (held, MODULE) not in catalog.tensors and ds.of(catalog.layout).zero == 3 \
-                and catalog.params[held].kind == "trainable":
-            got = full_tensor(catalog, held, MASTER).to(expected.dtype)
-            if got.shape != expected.shape or not torch.equal(got, expected):
-                bad.append(key)
-            continue
-        got = full_tensor(catalog, name, state)
-        if got.dtype != expected.dtype or got.shape != expected.shape or not torch.equal(got, expected):
-            bad.append(key)
-    return bad + sorted(f"{s}/{n}" for n, s in catalog.tensors if f"{s}/{n}" not in truth)
-
-
 @pytest.mark.parametrize("name", MOE_FIXTURES)
 def test_every_tensor_is_the_engines_truth(name):
     catalog = reshard.open_checkpoint(fixture_dir(name))
     meta = truth_json(name)
-    assert _differences(catalog, truth_tensors(name)) == []
+    assert truth_differences(catalog, truth_tensors(name)) == []
     assert sorted(n for n, p in catalog.params.items() if p.kind == "trainable") == sorted(meta["trainable"])
     assert catalog.layout.dp == meta["world_size"] and ds.of(catalog.layout).zero == meta["zero_stage"]
     experts = catalog.experts
@@ -140,10 +112,6 @@ def test_validate_passes(name):
     assert run_cli("validate", fixture_dir(name), check=0).stdout.startswith("complete")
 
 
-def _problem_lines(proc, needle):
-    return [line for line in (proc.stdout + proc.stderr).splitlines() if needle in line]
-
-
 @pytest.mark.parametrize("name", ["autoep2_z1_fp32", "dsmoe_ep2_z2_fp32"])
 def test_validate_names_a_missing_expert_file(name, tmp_path):
     save = tmp_path / "save"
@@ -151,7 +119,7 @@ def test_validate_names_a_missing_expert_file(name, tmp_path):
     missing = tag_dir(save) / "layer_0_expert_3_mp_rank_00_model_states.pt"
     os.remove(missing)
     proc = run_cli("validate", save, check=1)
-    [line] = _problem_lines(proc, missing.name)
+    [line] = lines_naming(proc, missing.name)
     assert line == f"{missing}: missing (expected for expert 3 of MoE layer 0)"
     assert proc.stdout.splitlines()[-1].startswith("NOT complete")
 
@@ -163,7 +131,7 @@ def test_validate_names_a_missing_expert_data_parallel_optimizer_file(tmp_path):
     missing = tag_dir(save) / "zero_pp_rank_3_mp_rank_00_optim_states.pt"
     os.remove(missing)
     proc = run_cli("validate", save, check=1)
-    [line] = _problem_lines(proc, missing.name)
+    [line] = lines_naming(proc, missing.name)
     assert line == f"{missing}: missing (expected for data-parallel rank 3)"
     # it held the half of ep rank 1's flat expert partition that has layer 1's w2: its experts 2-3 are missing,
     # ep rank 0's experts 0-1 are there (in rank 2's file)
@@ -174,29 +142,6 @@ def test_validate_names_a_missing_expert_data_parallel_optimizer_file(tmp_path):
     assert gap.endswith("1024 elements missing, at [1024, 2048)")
 
 
-def _holder(tensor, element):
-    """(fragment, position in its shard) of the fragment holding flat element `element` of the logical tensor."""
-    coords = np.unravel_index(element, tensor.shape)
-    for frag in tensor.fragments:
-        shard = frag.shard or Shard.whole(tensor.shape)
-        for r in regions(shard, frag.start, frag.stop):
-            if all(a <= c < a + n for c, a, n in zip(coords, r.at, r.shape, strict=True)):
-                local = [c - a + lo for c, a, lo in zip(coords, r.at, r.local, strict=True)]
-                return frag, int(np.ravel_multi_index(local, shard.shape))
-    raise AssertionError(f"no fragment holds element {element}")
-
-
-def _set_element(catalog, name, state, element, change):
-    """Replace one element x of the fp32 tensor (name, state) by change(x) in the file that holds it."""
-    tensor = catalog.tensor(name, state)
-    frag, position = _holder(tensor, element)
-    offset = frag.storage.offset + (frag.elem_offset + position - frag.start) * itemsize(tensor.dtype)
-    with open(frag.storage.file, "rb") as f:
-        f.seek(offset)
-        value = np.frombuffer(f.read(4), dtype="<f4")[0]
-    write_in_zip(frag.storage.file, offset, np.float32(change(value)).tobytes())
-
-
 def test_one_changed_expert_element_is_caught(tmp_path):
     """Negative control of the truth comparison: one element of expert 3's fp32 master changed in a copy is found,
     in that tensor only; `reshard diff` against the original names it; a NaN there fails `validate --deep`."""
@@ -204,17 +149,17 @@ def test_one_changed_expert_element_is_caught(tmp_path):
     save = tmp_path / "save"
     shutil.copytree(fixture_dir(name), save)
     element = 3 * 16 * 32 + 100          # expert 3 of the packed (4, 16, 32) weight
-    _set_element(reshard.open_checkpoint(save), PACKED, MASTER, element, lambda x: x + 0.5)
+    set_element(reshard.open_checkpoint(save), PACKED, MASTER, element, lambda x: x + 0.5)
     changed = reshard.open_checkpoint(save)
-    assert _differences(changed, truth_tensors(name)) == [f"fp32/{PACKED}"]
+    assert truth_differences(changed, truth_tensors(name)) == [f"fp32/{PACKED}"]
     diff = (full_tensor(changed, PACKED, MASTER) - truth_tensors(name)[f"fp32/{PACKED}"]).reshape(-1)
     assert diff.nonzero().reshape(-1).tolist() == [element] and float(diff[element]) == pytest.approx(0.5)
     proc = run_cli("diff", fixture_dir(name), save, check=1)
-    assert "DIFFERENT" in proc.stdout and _problem_lines(proc, PACKED)
-    _set_element(reshard.open_checkpoint(save), PACKED, MASTER, element, lambda x: float("nan"))
+    assert "DIFFERENT" in proc.stdout and lines_naming(proc, PACKED)
+    set_element(reshard.open_checkpoint(save), PACKED, MASTER, element, lambda x: float("nan"))
     run_cli("validate", save, check=0)              # complete: every element is there
     proc = run_cli("validate", save, "--deep", check=1)
-    assert len(_problem_lines(proc, PACKED)) == 1
+    assert len(lines_naming(proc, PACKED)) == 1
 
 
 def test_validate_names_an_unreadable_expert_file(tmp_path):
@@ -223,7 +168,7 @@ def test_validate_names_an_unreadable_expert_file(tmp_path):
     broken = tag_dir(save) / "layer_1_expert_0_mp_rank_00_model_states.pt"
     broken.write_bytes(broken.read_bytes()[:1000])           # cut short: not a zip any more
     proc = run_cli("validate", save, check=1)
-    [line] = _problem_lines(proc, broken.name)
+    [line] = lines_naming(proc, broken.name)
     assert line.startswith(f"{broken}: ")
     # its experts' weights are missing, every other expert's are there
     gaps = [line for line in proc.stdout.splitlines() if "missing, at" in line]

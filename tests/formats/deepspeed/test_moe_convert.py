@@ -4,7 +4,6 @@ the fixture's own topology (and there and back) the files are DeepSpeed's own; `
 changed expert element shows; what cannot be written is refused in one line. tests/formats/deepspeed/test_moe_engine.py
 has the
 engine load them."""
-import os
 import shutil
 from dataclasses import replace
 
@@ -12,16 +11,14 @@ import pytest
 import torch
 
 import reshard
-from reshard.commands.convert import make_plan
 from reshard.core.catalog import MASTER
-from reshard.core.placement import Shard
-from reshard.execution.executor import execute
 from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from reshard.formats.deepspeed.experts import expert_ranks
-from tests.commands.test_convert import _assert_same_tree, _covered_elements
-from tests.formats.deepspeed.test_moe import PACKED, _differences, _set_element
 from tests.helpers.cli import run_cli
+from tests.helpers.damage import set_element
+from tests.helpers.deepspeed_files import assert_deepspeeds_own_files, convert_and_open
 from tests.helpers.fixtures import MOE_FIXTURES, fixture_dir, tag_dir, truth_json, truth_tensors
+from tests.helpers.moe import PACKED, experts_held, truth_differences
 
 # (fixture, --to): ep 2 -> 1, 2 -> 4, ep 2 x expert-dp 2 -> ep 2 x expert-dp 1, the dense dp alone, a stage change.
 # dp is the data-parallel degree of the dense params (DeepSpeed's dp_world_size, the world here); the experts'
@@ -36,11 +33,6 @@ CONVERSIONS = [
 ]
 
 
-def _convert(src, dst, to):
-    execute(make_plan(reshard.open_checkpoint(src), to), str(dst), progress=False)
-    return reshard.open_checkpoint(dst)
-
-
 def _spec(catalog, to):
     """The (ep, dp, zero) `to` asks for, the source's where it names none."""
     given = dict(item.split("=") for item in to.split(","))
@@ -48,25 +40,12 @@ def _spec(catalog, to):
             int(given.get("zero", ds.of(catalog.layout).zero)))
 
 
-def _experts_held(catalog) -> dict:
-    """Optimizer file rank -> the global experts (of any packed weight's fp32 master) it holds."""
-    held = {}
-    for layer in catalog.experts.layers:
-        for param in layer.params:
-            tensor = catalog.tensors[(param, MASTER)]
-            for f in tensor.fragments:
-                blocks = f.shard.blocks if f.shard is not None else [Shard.whole(tensor.shape).blocks[0]]
-                for b in blocks:                 # (no shard at ep 1: the whole tensor)
-                    held.setdefault(f.rank, set()).update(range(b.at[0], b.at[0] + b.shape[0]))
-    return {rank: tuple(sorted(e)) for rank, e in held.items()}
-
-
 @pytest.mark.parametrize("name,to", CONVERSIONS)
 def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
     source = reshard.open_checkpoint(fixture_dir(name))
     ep, dp, zero = _spec(source, to)
-    out = _convert(fixture_dir(name), tmp_path / "out", to)
-    assert _differences(out, truth_tensors(name)) == []
+    out = convert_and_open(fixture_dir(name), tmp_path / "out", to)
+    assert truth_differences(out, truth_tensors(name)) == []
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     assert (out.experts.ep, out.experts.expert_dp, out.layout.dp, ds.of(out.layout).zero) == (ep, dp // ep, dp, zero)
@@ -74,7 +53,7 @@ def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
     # every rank's file holds the experts DeepSpeed's process groups give its expert-parallel rank
     data_first = name.endswith("datafirst")
     local = 4 // ep
-    assert _experts_held(out) == {
+    assert experts_held(out) == {
         d: tuple(range(expert_ranks(d, ep, dp // ep, data_first)[0] * local,
                        (expert_ranks(d, ep, dp // ep, data_first)[0] + 1) * local)) for d in range(dp)}
     model = deepspeed_pickles.load(tag_dir(tmp_path / "out") / "mp_rank_00_model_states.pt")
@@ -92,18 +71,10 @@ def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
             assert optim["partition_count"] == [dp, dp // ep], f.path
 
 
-def _assert_deepspeeds_own_files(fixture, out):
-    original, ours = tag_dir(fixture_dir(fixture)), tag_dir(out)
-    assert sorted(os.listdir(original)) == sorted(os.listdir(ours))
-    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(fixture)))
-    for name in sorted(os.listdir(original)):
-        _assert_same_tree(deepspeed_pickles.load(original / name), deepspeed_pickles.load(ours / name), name, covered)
-
-
 @pytest.mark.parametrize("name", MOE_FIXTURES)
 def test_its_own_topology_gives_deepspeeds_own_files(name, tmp_path):
-    _convert(fixture_dir(name), tmp_path / "out", "")
-    _assert_deepspeeds_own_files(name, tmp_path / "out")
+    convert_and_open(fixture_dir(name), tmp_path / "out", "")
+    assert_deepspeeds_own_files(name, tmp_path / "out")
 
 
 @pytest.mark.parametrize("name,there", [("autoep2_z1_fp32", "ep=1,dp=2"), ("autoep2_z1_fp32", "ep=4,dp=4"),
@@ -114,10 +85,10 @@ def test_its_own_topology_gives_deepspeeds_own_files(name, tmp_path):
 def test_there_and_back_gives_deepspeeds_own_files(name, there, tmp_path):
     """ep 1 -> 2 and 4 -> 2 included: the way back starts from our own output at another ep."""
     meta = truth_json(name)
-    _convert(fixture_dir(name), tmp_path / "there", there)
-    back = _convert(tmp_path / "there", tmp_path / "back", f"ep={meta['ep']},dp={meta['world_size']}")
+    convert_and_open(fixture_dir(name), tmp_path / "there", there)
+    back = convert_and_open(tmp_path / "there", tmp_path / "back", f"ep={meta['ep']},dp={meta['world_size']}")
     assert back.experts.ep == meta["ep"]
-    _assert_deepspeeds_own_files(name, tmp_path / "back")
+    assert_deepspeeds_own_files(name, tmp_path / "back")
 
 
 # (source, --to, the fixture DeepSpeed saved at the target's stage and topology): the same model config trained at
@@ -150,7 +121,7 @@ def test_a_stage_change_gives_the_model_states_the_engine_saves_at_that_stage(na
     for key and value for value (torch.load), but for what another run has: the module's values (ours are the
     source's) and global_samples. So the router alias (AutoEP's router under the model's name, a second name of
     one parameter) is in no frozen_param_shapes at ZeRO-2, and those keys are None at ZeRO-1."""
-    _convert(fixture_dir(name), tmp_path / "out", to)
+    convert_and_open(fixture_dir(name), tmp_path / "out", to)
     file = "mp_rank_00_model_states.pt"
     ours, theirs, source = (torch.load(tag_dir(d) / file, weights_only=False)
                             for d in (tmp_path / "out", fixture_dir(engines), fixture_dir(name)))
@@ -186,8 +157,8 @@ def test_a_deepspeed_moe_conversion_read_back_is_the_truth(to, tmp_path):
     its expert-parallel rank, named by their local number in param_shapes."""
     source = reshard.open_checkpoint(fixture_dir(DS_MOE))
     ep, dp, _ = _spec(source, to)
-    out = _convert(fixture_dir(DS_MOE), tmp_path / "out", to)
-    assert _differences(out, truth_tensors(DS_MOE)) == []
+    out = convert_and_open(fixture_dir(DS_MOE), tmp_path / "out", to)
+    assert truth_differences(out, truth_tensors(DS_MOE)) == []
     assert reshard.validate(out, deep=True).ok
     assert (out.experts.ep, out.experts.expert_dp, out.layout.dp) == (ep, dp // ep, dp)
     local = 4 // ep
@@ -204,10 +175,10 @@ def test_a_deepspeed_moe_conversion_read_back_is_the_truth(to, tmp_path):
 def test_ep_1_to_2_and_4(tmp_path):
     """An ep-1 save (our conversion of a fixture) converts up to ep 2 and ep 4 with every tensor the truth."""
     name = "autoep2_z2_fp32_dp2"
-    _convert(fixture_dir(name), tmp_path / "ep1", "ep=1,dp=4")
+    convert_and_open(fixture_dir(name), tmp_path / "ep1", "ep=1,dp=4")
     for ep in (2, 4):
-        out = _convert(tmp_path / "ep1", tmp_path / f"ep{ep}", f"ep={ep}")
-        assert out.experts.ep == ep and _differences(out, truth_tensors(name)) == []
+        out = convert_and_open(tmp_path / "ep1", tmp_path / f"ep{ep}", f"ep={ep}")
+        assert out.experts.ep == ep and truth_differences(out, truth_tensors(name)) == []
 
 
 def test_diff_finds_no_difference_and_a_changed_expert_element_shows(tmp_path):
@@ -219,9 +190,9 @@ def test_diff_finds_no_difference_and_a_changed_expert_element_shows(tmp_path):
     save = tmp_path / "save"
     shutil.copytree(fixture_dir(name), save)
     element = 3 * 16 * 32 + 100
-    _set_element(reshard.open_checkpoint(save), PACKED, MASTER, element, lambda x: x + 0.5)
-    changed = _convert(save, tmp_path / "changed", "ep=1,dp=2")
-    assert _differences(changed, truth_tensors(name)) == [f"fp32/{PACKED}"]
+    set_element(reshard.open_checkpoint(save), PACKED, MASTER, element, lambda x: x + 0.5)
+    changed = convert_and_open(save, tmp_path / "changed", "ep=1,dp=2")
+    assert truth_differences(changed, truth_tensors(name)) == [f"fp32/{PACKED}"]
     proc = run_cli("diff", fixture_dir(name), tmp_path / "changed", check=1)
     assert "DIFFERENT" in proc.stdout and PACKED in proc.stdout
 

@@ -13,11 +13,12 @@ import torch
 
 import reshard
 from reshard.core.catalog import MASTER
-from tests.formats.deepspeed.test_moe import PACKED, _set_element
-from tests.formats.deepspeed.test_universal import ds_to_universal
 from tests.helpers.cli import run_cli
+from tests.helpers.damage import set_element
 from tests.helpers.fixtures import FIXTURES, fixture_dir, truth_tensors
+from tests.helpers.moe import PACKED
 from tests.helpers.torchrun import run_torchrun
+from tests.helpers.universal import ds_to_universal
 
 pytestmark = pytest.mark.engine
 
@@ -86,7 +87,7 @@ def resumed(tmp_path_factory):
     # negative control: the first conversion with one expert element of its fp32 master changed
     changed = out / "changed"
     shutil.copytree(jobs[2][0]["checkpoint"], changed)
-    _set_element(reshard.open_checkpoint(changed), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
+    set_element(reshard.open_checkpoint(changed), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
     jobs[2].append({**jobs[2][0], "checkpoint": str(changed), "to": "changed"})
     # DeepSpeed's native load of the ep-2 fixture at ep 1
     jobs[2].append({"fixture": "autoep2_z1_fp32", "checkpoint": str(fixture_dir("autoep2_z1_fp32")), "ep": 1,
@@ -97,7 +98,7 @@ def resumed(tmp_path_factory):
     z3 = next(job for job in jobs[2] if job["fixture"] == "autoep2_z3_fp32" and job["to"] == "ep=1,dp=2")
     changed_z3 = out / "changed-z3"
     shutil.copytree(z3["checkpoint"], changed_z3)
-    _set_element(reshard.open_checkpoint(changed_z3), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
+    set_element(reshard.open_checkpoint(changed_z3), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
     jobs[2].append({**z3, "checkpoint": str(changed_z3), "to": "changed z3"})
     for world, name, ep in DIRECT:         # no conversion step
         jobs[world].append({"fixture": name, "checkpoint": str(fixture_dir(name)), "ep": ep, "fixtures": str(FIXTURES),

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from tests.formats.deepspeed.test_moe import AUTOEP
-from tests.formats.deepspeed.test_moe_convert import _assert_deepspeeds_own_files
-from tests.formats.deepspeed.test_universal import _files, _load, differences, ds_to_universal, ours
 from tests.helpers.cli import run_cli
+from tests.helpers.deepspeed_files import assert_deepspeeds_own_files
 from tests.helpers.fixtures import fixture_dir, truth_json, truth_tensors
+from tests.helpers.moe import AUTOEP
+from tests.helpers.universal import differences, ds_to_universal, load_output, our_universal, tree_files
 
 TAG = "global_step3"
 UC_INFO = f"{TAG}/mp_rank_00_model_states.pt.universal_checkpoint_info"
@@ -32,15 +32,16 @@ def _expected_differences() -> set:
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-universal")
-    return {name: (ds_to_universal(name, root / f"{name}-ds"), ours(name, root / f"{name}-ours")) for name in AUTOEP}
+    return {name: (ds_to_universal(name, root / f"{name}-ds"), our_universal(name, root / f"{name}-ours"))
+            for name in AUTOEP}
 
 
 def _tree_differences(theirs, mine) -> list:
-    assert _files(theirs) == _files(mine)
+    assert tree_files(theirs) == tree_files(mine)
     found = []
-    for rel in _files(theirs):
+    for rel in tree_files(theirs):
         if rel.endswith(".pt"):
-            found += [d.split(":")[0] for d in differences(_load(theirs / rel), _load(mine / rel), rel)]
+            found += [d.split(":")[0] for d in differences(load_output(theirs / rel), load_output(mine / rel), rel)]
     return found
 
 
@@ -61,7 +62,7 @@ def test_every_expert_is_whole_and_marked(trees, name):
     assert len(packed) == 6
     for param in packed:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            saved = _load(mine / TAG / "zero" / param / f"{state}.pt")
+            saved = load_output(mine / TAG / "zero" / param / f"{state}.pt")
             assert list(saved) == ["param", "cat_dim", "is_expert_param", "ep_num_experts"]
             assert (saved["cat_dim"], saved["is_expert_param"], saved["ep_num_experts"]) == (0, True, 4)
             assert torch.equal(saved["param"], truth[f"{state}/{param}"])
@@ -71,15 +72,15 @@ def test_another_ep_changes_only_the_model_states(trees, tmp_path):
     """The zero/ tree serves every ep (the loader cuts the experts by the live placement); the model states are
     the engine's at ep 4 x dp 4, and the expert group's name follows the ep."""
     _, mine = trees["autoep2_z1_fp32"]
-    at4 = ours("autoep2_z1_fp32", tmp_path / "ep4", "ep=4,dp=4")
+    at4 = our_universal("autoep2_z1_fp32", tmp_path / "ep4", "ep=4,dp=4")
     found = _tree_differences(mine, at4)
     assert found and all(d.startswith(f"{TAG}/mp_rank_00_model_states.pt") or
                          d.startswith(f"{TAG}/zero/optimizer_state.pt.param_groups[1].name") or
                          d.startswith(f"{TAG}/zero/optimizer_state.pt.partition_count") for d in found), found
-    states = _load(at4 / TAG / "mp_rank_00_model_states.pt")
+    states = load_output(at4 / TAG / "mp_rank_00_model_states.pt")
     assert states["dp_world_size"] == 4
     assert [e["ep_size"] for e in states["ds_autoep_layers"]] == [4, 4]
-    assert _load(at4 / TAG / "zero" / "optimizer_state.pt")["param_groups"][1]["name"] == "ep_size_4"
+    assert load_output(at4 / TAG / "zero" / "optimizer_state.pt")["param_groups"][1]["name"] == "ep_size_4"
 
 
 @pytest.mark.parametrize("name", AUTOEP)
@@ -92,11 +93,11 @@ def test_diff_finds_no_difference_and_the_way_back_gives_deepspeeds_own_files(tr
     meta = truth_json(name)
     run_cli("convert", mine, tmp_path / "back", "--format", "deepspeed", "--to",
             f"ep={meta['ep']},dp={meta['world_size']}", "--quiet", check=0)
-    _assert_deepspeeds_own_files(name, tmp_path / "back")
+    assert_deepspeeds_own_files(name, tmp_path / "back")
     changed = tmp_path / "changed"
     shutil.copytree(mine, changed)
     master = changed / TAG / "zero" / "model.layers.1.mlp.experts.w2" / "fp32.pt"
-    saved = _load(master)
+    saved = load_output(master)
     saved["param"][3, 0, 0] += 0.5
     torch.save(saved, master)
     proc = run_cli("diff", fixture_dir(name), changed, check=1)

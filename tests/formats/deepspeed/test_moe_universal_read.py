@@ -13,10 +13,11 @@ import torch
 import reshard
 from reshard.core.catalog import MASTER, MODULE
 from reshard.formats.deepspeed import topology as ds
-from tests.formats.deepspeed.test_moe import PACKED, _differences, _set_element
-from tests.formats.deepspeed.test_universal import _one_line_error, ds_to_universal
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import assert_one_line_error, run_cli
+from tests.helpers.damage import set_element
 from tests.helpers.fixtures import fixture_dir, truth_json, truth_tensors
+from tests.helpers.moe import PACKED, truth_differences
+from tests.helpers.universal import ds_to_universal
 
 READ = ["autoep2_z1_fp32", "autoep2_z2_bf16", "autoep2_z2_fp32_dp2"]
 CHANGED_ELEMENT = 3 * 16 * 32 + 100      # expert 3 of PACKED (4, 16, 32)
@@ -34,7 +35,7 @@ def test_the_tree_reads_as_the_engines_truth(trees, name):
     catalog = reshard.open_checkpoint(trees[name])
     source = reshard.open_checkpoint(fixture_dir(name))
     assert catalog.format == "universal"
-    assert _differences(catalog, truth_tensors(name)) == []
+    assert truth_differences(catalog, truth_tensors(name)) == []
     assert catalog.experts == source.experts            # ep, expert-dp, every layer's placement and params
     assert catalog.experts.expert_dp == truth_json(name)["world_size"] // 2
     assert {n: (p.kind, p.group) for n, p in catalog.params.items()} == \
@@ -55,7 +56,7 @@ def test_diff_of_the_save_and_its_tree_finds_no_difference(trees, name, tmp_path
     # negative control: one element of expert 3's fp32 master changed in a copy of the tree
     changed = tmp_path / "changed"
     shutil.copytree(trees[name], changed)
-    _set_element(reshard.open_checkpoint(changed), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
+    set_element(reshard.open_checkpoint(changed), PACKED, MASTER, CHANGED_ELEMENT, lambda x: x + 0.5)
     proc = run_cli("diff", fixture_dir(name), changed, check=1)
     found = [line.split(":")[0] for line in proc.stdout.splitlines()[:-1]]
     # a bf16 model's expert module is the master cast: it changes with it (and is compared, as a cast)
@@ -112,8 +113,8 @@ def test_a_cast_is_not_written_in_a_third_dtype(trees, tmp_path):
     """bf16 module weights that are an fp32 master cast, exported as fp32: the copy would cast the fp32 bytes once,
     not give the bf16 values; refused in one line, nothing written."""
     out = tmp_path / "fp32.safetensors"
-    _one_line_error(run_cli("export", trees["autoep2_z2_bf16"], out, "--weights", "module", "--dtype", "fp32"),
-                    "(module) is its float32 values cast to bfloat16; writing it as float32 is not supported")
+    assert_one_line_error(run_cli("export", trees["autoep2_z2_bf16"], out, "--weights", "module", "--dtype", "fp32"),
+                          "(module) is its float32 values cast to bfloat16; writing it as float32 is not supported")
     assert not out.exists()
 
 
@@ -130,7 +131,7 @@ def test_convert_writes_what_converting_the_save_writes(trees, name, to, tmp_pat
     assert files == _written(theirs)
     assert len([f for f in files if f.startswith("global_step3/layer_")]) == 8
     assert [f for f in files if (ours / f).read_bytes() != (theirs / f).read_bytes()] == []
-    assert _differences(reshard.open_checkpoint(ours), truth_tensors(name)) == []
+    assert truth_differences(reshard.open_checkpoint(ours), truth_tensors(name)) == []
 
 
 def _written(save_dir) -> list:
@@ -147,4 +148,4 @@ def test_refused_expert_trees(trees, tmp_path):
     state = torch.load(model, weights_only=False)
     state["ds_autoep_layers"] = None
     torch.save(state, model)
-    _one_line_error(run_cli("inspect", broken), "expert param groups (moe: True) without ds_autoep_layers")
+    assert_one_line_error(run_cli("inspect", broken), "expert param groups (moe: True) without ds_autoep_layers")

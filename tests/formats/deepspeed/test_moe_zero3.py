@@ -15,10 +15,11 @@ import reshard
 from reshard.core.catalog import MASTER
 from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
 from reshard.formats.deepspeed.experts import expert_ranks
-from tests.formats.deepspeed.test_moe import PACKED, _differences, _problem_lines, _set_element
-from tests.formats.deepspeed.test_moe_convert import _assert_deepspeeds_own_files, _convert, _experts_held
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import lines_naming, run_cli
+from tests.helpers.damage import set_element
+from tests.helpers.deepspeed_files import assert_deepspeeds_own_files, convert_and_open
 from tests.helpers.fixtures import fixture_dir, tag_dir, truth_json, truth_tensors
+from tests.helpers.moe import PACKED, experts_held, truth_differences
 
 Z3 = ["autoep2_z3_fp32", "autoep2_z3_fp32_dp2"]
 ELEMENT = 3 * 16 * 32 + 100          # expert 3 of the packed (4, 16, 32) weight
@@ -50,7 +51,7 @@ def test_a_zero3_save_has_no_expert_layer_files_and_every_rank_its_model_states(
     ("autoep2_z3_fp32", {0: (0, 1), 1: (2, 3)}),
     ("autoep2_z3_fp32_dp2", {0: (0, 1), 1: (2, 3), 2: (0, 1), 3: (2, 3)})])
 def test_which_rank_file_holds_which_experts(name, experts_of_rank):
-    assert _experts_held(reshard.open_checkpoint(fixture_dir(name))) == experts_of_rank
+    assert experts_held(reshard.open_checkpoint(fixture_dir(name))) == experts_of_rank
 
 
 @pytest.mark.parametrize("name", Z3)
@@ -71,7 +72,7 @@ def test_validate_names_a_missing_optimizer_file_and_the_experts_it_held(tmp_pat
     missing = tag_dir(save) / "zero_pp_rank_3_mp_rank_00_optim_states.pt"
     os.remove(missing)
     proc = run_cli("validate", save, check=1)
-    [line] = _problem_lines(proc, missing.name)
+    [line] = lines_naming(proc, missing.name)
     assert line == f"{missing}: missing (expected for data-parallel rank 3)"
     [gap] = [line for line in proc.stdout.splitlines() if f"{PACKED} (fp32, " in line]
     # PACKED (4, 16, 32): ep rank 1's local (2, 16, 32) = 1024 elements, cut in two parts of 512 over expert-dp 2
@@ -85,7 +86,7 @@ def test_validate_names_a_missing_model_states_file(tmp_path):
     missing = tag_dir(save) / "zero_pp_rank_1_mp_rank_00_model_states.pt"
     os.remove(missing)
     proc = run_cli("validate", save, check=1)
-    [line] = _problem_lines(proc, missing.name)
+    [line] = lines_naming(proc, missing.name)
     assert line == f"{missing}: missing (expected for data-parallel rank 1)"
 
 
@@ -93,11 +94,12 @@ def test_one_changed_expert_element_is_caught(tmp_path):
     name = "autoep2_z3_fp32_dp2"
     save = tmp_path / "save"
     shutil.copytree(fixture_dir(name), save)
-    _set_element(reshard.open_checkpoint(save), PACKED, MASTER, ELEMENT, lambda x: x + 0.5)
+    set_element(reshard.open_checkpoint(save), PACKED, MASTER, ELEMENT, lambda x: x + 0.5)
     # (ZeRO-3's module weight is its master: the engine restores it from it)
-    assert _differences(reshard.open_checkpoint(save), truth_tensors(name)) == [f"fp32/{PACKED}", f"module/{PACKED}"]
+    assert truth_differences(reshard.open_checkpoint(save), truth_tensors(name)) == \
+        [f"fp32/{PACKED}", f"module/{PACKED}"]
     proc = run_cli("diff", fixture_dir(name), save, check=1)
-    assert "DIFFERENT" in proc.stdout and _problem_lines(proc, PACKED)
+    assert "DIFFERENT" in proc.stdout and lines_naming(proc, PACKED)
 
 
 # (fixture, --to): across ep and dp under ZeRO-3, and across ZeRO stages both ways
@@ -115,14 +117,14 @@ def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
     given = dict(item.split("=") for item in to.split(","))
     ep, dp = int(given.get("ep", source.experts.ep)), int(given.get("dp", source.layout.dp))
     zero = int(given.get("zero", ds.of(source.layout).zero))
-    out = _convert(fixture_dir(name), tmp_path / "out", to)
-    assert _differences(out, truth_tensors(name)) == []
+    out = convert_and_open(fixture_dir(name), tmp_path / "out", to)
+    assert truth_differences(out, truth_tensors(name)) == []
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     assert (out.experts.ep, out.experts.expert_dp, out.layout.dp, ds.of(out.layout).zero) == (ep, dp // ep, dp, zero)
     local = 4 // ep
     data_first = name.endswith("datafirst")
-    assert _experts_held(out) == {
+    assert experts_held(out) == {
         d: tuple(range(expert_ranks(d, ep, dp // ep, data_first)[0] * local,
                        (expert_ranks(d, ep, dp // ep, data_first)[0] + 1) * local)) for d in range(dp)}
 
@@ -131,9 +133,9 @@ def test_a_conversion_read_back_is_the_truth(name, to, tmp_path):
                                         ("autoep2_z3_fp32_dp2", "ep=4"), ("autoep2_z3_fp32_dp2", "ep=1,dp=2,zero=2")])
 def test_there_and_back_gives_deepspeeds_own_files(name, there, tmp_path):
     meta = truth_json(name)
-    _convert(fixture_dir(name), tmp_path / "there", there)
-    _convert(tmp_path / "there", tmp_path / "back", f"ep=2,dp={meta['world_size']},zero=3")
-    _assert_deepspeeds_own_files(name, tmp_path / "back")
+    convert_and_open(fixture_dir(name), tmp_path / "there", there)
+    convert_and_open(tmp_path / "there", tmp_path / "back", f"ep=2,dp={meta['world_size']},zero=3")
+    assert_deepspeeds_own_files(name, tmp_path / "back")
 
 
 def _rewrite_model_states(save, change):
@@ -169,7 +171,7 @@ def test_a_rank_naming_other_experts_than_its_process_groups_is_a_problem(tmp_pa
         entry["ep_rank"] = 0
     torch.save(sd, path)
     proc = run_cli("validate", save, check=1)
-    [line] = _problem_lines(proc, path.name)
+    [line] = lines_naming(proc, path.name)
     assert line == f"{path}: MoE layer 0: ep rank, expert-data-parallel rank (0, 0), expected (1, 0) for " \
                    "data-parallel rank 1"
 

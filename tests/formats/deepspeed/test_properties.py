@@ -12,15 +12,13 @@ RESHARD_PROPERTY_EXAMPLES=N multiplies max_examples by N for a long run.
 """
 import os
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
 
 import reshard
-from tests.helpers.property_oracle import Topology, assert_ok, check_deepspeed, tag_dir
+from tests.helpers.property_models import zero_models
+from tests.helpers.property_oracle import assert_ok, check_deepspeed, tag_dir
 from tests.helpers.property_sources import (
-    LP,
     MODULE,
-    Model,
-    Param,
     bits,
     convert,
     scratch,
@@ -30,27 +28,6 @@ from tests.helpers.property_sources import (
 )
 
 SCALE = int(os.environ.get("RESHARD_PROPERTY_EXAMPLES", "1"))
-
-
-@st.composite
-def models(draw):
-    params = []
-    for i in range(draw(st.integers(1, 6))):
-        shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
-        kind = draw(st.sampled_from(["trainable", "trainable", "trainable", "frozen"])) if i else "trainable"
-        params.append(Param(f"p{i}.w", shape, kind))
-    if draw(st.booleans()):
-        params.append(Param("buf", (3,), "buffer"))
-    trainable = [p.name for p in params if p.kind == "trainable"]
-    groups = draw(st.integers(1, 2))
-    model = Model(tuple(params), tuple(tuple(trainable[g::groups]) for g in range(groups) if trainable[g::groups]),
-                  lp=draw(st.sampled_from(LP)),
-                  states=draw(st.sampled_from([("exp_avg", "exp_avg_sq"), ("momentum_buffer",)])),
-                  options=draw(st.sampled_from([{}, {"round_robin_gradients": True}, {"parameter_alignment": True},
-                                                {"sub_group_size": 40}])))
-    a = Topology(dp=draw(st.integers(1, 5)), zero=draw(st.sampled_from([1, 2, 3])))
-    b = Topology(dp=draw(st.integers(1, 6)), zero=draw(st.sampled_from([1, 2, 3])))
-    return model, a, b
 
 
 def _check(catalog, path, model, values, topo):
@@ -64,7 +41,7 @@ def _check(catalog, path, model, values, topo):
 
 
 @settings(max_examples=500 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(models())
+@given(zero_models())
 def test_conversions_move_every_element_to_its_place(case):
     model, a_topo, b_topo = case
     with scratch() as root:

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 import reshard
 from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
-from tests.formats.deepspeed.test_properties import models as dp_models
+from tests.helpers.property_models import zero_models
 from tests.helpers.property_oracle import (
     Refused,
     Topology,
@@ -361,7 +361,7 @@ def _dcp_save(model, values, path):
 
 
 @examples(15)
-@given(dp_models())
+@given(zero_models())
 def test_a_dcp_save_by_torch_converts_to_deepspeed(case):
     """A DCP directory written by torch (not by reshard) as a source: every element of the DeepSpeed files."""
     model, _, b_topo = case

@@ -20,9 +20,8 @@ from reshard.errors import ReshardError
 from reshard.execution.executor import execute
 from reshard.formats import target_layout
 from reshard.formats.deepspeed import topology as ds
-from tests.commands.test_convert import _covered_elements
-from tests.formats.deepspeed.test_tp_pp_convert import _assert_same_files
 from tests.helpers.cli import run_cli
+from tests.helpers.deepspeed_files import assert_same_files, covered_elements
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES, fixture_dir, tag_dir, truth_tensors
 from tests.helpers.repo import REPO
@@ -74,8 +73,8 @@ def test_converts_to_the_truth_and_back_to_deepspeeds_own_files(to, tmp_path):
     assert _layer_files(tmp_path / "out") == sorted(f"layer_{i:02d}{suffix(t)}-model_states.pt"
                                                     for i in range(6) for t in range(target.tp))
     _convert(tmp_path / "out", tmp_path / "back", "tp=2,pp=2,dp=2,partition=uniform")
-    _assert_same_files(tag_dir(fixture_dir(NAME)), tag_dir(tmp_path / "back"),
-                       _covered_elements(_open(fixture_dir(NAME))))
+    assert_same_files(tag_dir(fixture_dir(NAME)), tag_dir(tmp_path / "back"),
+                      covered_elements(_open(fixture_dir(NAME))))
 
 
 def test_cli_convert_and_export(tmp_path):
@@ -89,8 +88,8 @@ def test_cli_convert_and_export(tmp_path):
     proc = run_cli("convert", tmp_path / "tp1", tmp_path / "tp2", "--to", "tp=2,pp=2", check=1)
     assert "--layout-rules" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     run_cli("convert", tmp_path / "tp1", tmp_path / "tp2", "--to", "tp=2,pp=2", "--layout-rules", RULES, check=0)
-    _assert_same_files(tag_dir(fixture_dir(NAME)), tag_dir(tmp_path / "tp2"),
-                       _covered_elements(_open(fixture_dir(NAME))))
+    assert_same_files(tag_dir(fixture_dir(NAME)), tag_dir(tmp_path / "tp2"),
+                      covered_elements(_open(fixture_dir(NAME))))
 
 
 def test_a_tied_copy_that_differs_is_found_now_or_by_validate_deep(tmp_path, monkeypatch):

@@ -22,8 +22,8 @@ from reshard.errors import ReshardError
 from reshard.execution.executor import execute
 from reshard.formats import target_layout
 from reshard.formats.deepspeed import pickles as deepspeed_pickles, topology as ds
-from tests.commands.test_convert import _assert_same_tree, _covered_elements
 from tests.helpers.cli import run_cli
+from tests.helpers.deepspeed_files import assert_same_files, assert_same_tree, convert_and_open, covered_elements
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES, fixture_dir, tag_dir
 from tests.helpers.repo import REPO
@@ -37,11 +37,6 @@ TIED = "pipe2_tiedhead_z1_fp32_dp2"     # the embedding used again as the head, 
 PIPE_TARGETS = ["pp=1,dp=4", "pp=1,dp=2", "pp=2,dp=1", "pp=2,dp=3", "pp=4,dp=1", "pp=5,dp=1"]
 
 
-def _convert(src, dst, to):
-    execute(make_plan(reshard.open_checkpoint(src), to), str(dst), progress=False)
-    return reshard.open_checkpoint(dst)
-
-
 def _assert_same_tensors(a, b):
     if ds.of(b.layout).zero == 3 and ds.of(a.layout).zero != 3:     # ZeRO-3 keeps no 16-bit copy beside the fp32 master
         assert set(b.tensors) == {k for k in a.tensors if k[1] != "module" or a.params[k[0]].kind != "trainable"}
@@ -51,17 +46,11 @@ def _assert_same_tensors(a, b):
         assert torch.equal(reshard.full_tensor(a, name, state), reshard.full_tensor(b, name, state)), (name, state)
 
 
-def _assert_same_files(original, back, covered):
-    assert sorted(os.listdir(original)) == sorted(os.listdir(back))
-    for name in sorted(os.listdir(original)):
-        _assert_same_tree(deepspeed_pickles.load(original / name), deepspeed_pickles.load(back / name), name, covered)
-
-
 @pytest.mark.parametrize("to", TARGETS)
 @pytest.mark.parametrize("name", AUTOTP)
 def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
     source = reshard.open_checkpoint(fixture_dir(name))
-    out = _convert(fixture_dir(name), tmp_path / "out", to)
+    out = convert_and_open(fixture_dir(name), tmp_path / "out", to)
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     target = target_layout(source.layout, to, "deepspeed")
@@ -81,10 +70,10 @@ def test_autotp_converts_to_a_complete_checkpoint(name, to, tmp_path):
 @pytest.mark.parametrize("name", AUTOTP)
 @pytest.mark.parametrize("dp", [1, 3])
 def test_round_trip_through_another_dp_gives_back_deepspeeds_own_files(name, dp, tmp_path):
-    _convert(fixture_dir(name), tmp_path / "m", f"tp=2,dp={dp}")
-    _convert(tmp_path / "m", tmp_path / "n", "tp=2,dp=2")
-    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(name)))
-    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
+    convert_and_open(fixture_dir(name), tmp_path / "m", f"tp=2,dp={dp}")
+    convert_and_open(tmp_path / "m", tmp_path / "n", "tp=2,dp=2")
+    covered = covered_elements(reshard.open_checkpoint(fixture_dir(name)))
+    assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
 
 
 @pytest.mark.parametrize("name, to", [(AUTOTP[0], "tp=1,dp=4"), (AUTOTP[1], "tp=2,dp=1"), (PIPE, "pp=4,dp=1")])
@@ -112,7 +101,7 @@ def test_megatron_style_save_round_trips_through_its_rule_file(via, tmp_path):
     assert reshard.validate(middle, deep=True).ok
     _assert_same_tensors(source, middle)
     execute(make_plan(middle, "tp=2,dp=2,zero=1"), str(tmp_path / "n"), progress=False)
-    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), _covered_elements(source))
+    assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered_elements(source))
     whole = _convert_catalog(source, tmp_path / "tp1", "tp=1,dp=2")
     assert whole.layout.tp == 1 and reshard.validate(whole, deep=True).ok
     _assert_same_tensors(source, whole)
@@ -126,7 +115,7 @@ def _convert_catalog(catalog, dst, to):
 @pytest.mark.parametrize("to", PIPE_TARGETS)
 def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
     source = reshard.open_checkpoint(fixture_dir(PIPE))
-    out = _convert(fixture_dir(PIPE), tmp_path / "out", to)
+    out = convert_and_open(fixture_dir(PIPE), tmp_path / "out", to)
     report = reshard.validate(out, deep=True)
     assert report.ok, report.problems
     target = target_layout(source.layout, to, "deepspeed")
@@ -151,22 +140,22 @@ def test_pipeline_converts_to_a_complete_checkpoint(to, tmp_path):
                                             for via in ("pp=1,dp=4", "pp=4,dp=1", "pp=2,dp=3")] +
                          [(TIED, via, "pp=2,dp=2") for via in ("pp=4,dp=1", "pp=3,dp=3")])
 def test_pipeline_round_trip_gives_back_deepspeeds_own_files(name, via, back, tmp_path):
-    _convert(fixture_dir(name), tmp_path / "m", via)
-    _convert(tmp_path / "m", tmp_path / "n", back)
-    covered = _covered_elements(reshard.open_checkpoint(fixture_dir(name)))
-    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
+    convert_and_open(fixture_dir(name), tmp_path / "m", via)
+    convert_and_open(tmp_path / "m", tmp_path / "n", back)
+    covered = covered_elements(reshard.open_checkpoint(fixture_dir(name)))
+    assert_same_files(tag_dir(fixture_dir(name)), tag_dir(tmp_path / "n"), covered)
 
 
 def test_pipeline_partition_by_parameters_when_named(tmp_path):
     """The fixture's 5 layers weigh [348, 262, 24, 162, 348] trainable elements: DeepSpeed's 'parameters'
     partition at pp=2 is [0, 2, 5] (uniform: [0, 3, 5]), so layer 2 moves to the second stage."""
-    out = _convert(fixture_dir(PIPE), tmp_path / "out", "pp=2,dp=1,partition=parameters")
+    out = convert_and_open(fixture_dir(PIPE), tmp_path / "out", "pp=2,dp=1,partition=parameters")
     assert out.notes.stages["1.fc.weight"] == [0] and out.notes.stages["2.weight"] == [1]
     assert out.notes.stages["3.fc.weight"] == [1]
     assert out.notes.stages["tied_modules.emb.weight"] == [0, 1]
-    back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
-    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
-                       _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
+    back = convert_and_open(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
+    assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
+                      covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
     assert back.notes.stages == reshard.open_checkpoint(fixture_dir(PIPE)).notes.stages
 
 
@@ -225,18 +214,19 @@ def test_pipeline_partition_by_type_follows_deepspeeds():
 def test_pipeline_partition_by_type_when_named(tmp_path):
     """type:embed weighs the two tied Embed layers only: at pp=2 DeepSpeed cuts [0, 4, 5] (uniform [0, 3, 5],
     parameters [0, 2, 5]), so the last stage holds the output Embed alone."""
-    out = _convert(fixture_dir(PIPE), tmp_path / "out", f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")
+    out = convert_and_open(fixture_dir(PIPE), tmp_path / "out",
+                           f"pp=2,dp=1,partition=type:embed,layer_types={PIPE_TYPES}")
     assert out.notes.stages["3.fc.weight"] == [0] and out.notes.stages["tied_modules.emb.weight"] == [0, 1]
     assert reshard.validate(out, deep=True).ok
-    back = _convert(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
-    _assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
-                       _covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
+    back = convert_and_open(tmp_path / "out", tmp_path / "back", "pp=2,dp=2,partition=uniform")
+    assert_same_files(tag_dir(fixture_dir(PIPE)), tag_dir(tmp_path / "back"),
+                      covered_elements(reshard.open_checkpoint(fixture_dir(PIPE))))
     assert back.notes.stages == reshard.open_checkpoint(fixture_dir(PIPE)).notes.stages
     # a layout descriptor names them too (options.partition_method, options.layer_types)
     descriptor = tmp_path / "layout.json"
     descriptor.write_text(json.dumps({"kind": "reshard.core.layout", "version": 1, "dp": 1, "pp": 2, "options": {
         "partition_method": "type:embed", "layer_types": PIPE_TYPES.split("/")}}))
-    by_file = _convert(fixture_dir(PIPE), tmp_path / "by_file", str(descriptor))
+    by_file = convert_and_open(fixture_dir(PIPE), tmp_path / "by_file", str(descriptor))
     assert by_file.notes.stages == out.notes.stages
     pipe = reshard.open_checkpoint(fixture_dir(PIPE))
     for to, words in [("pp=2,partition=type:Block", "add layer_types="),
@@ -257,7 +247,7 @@ def test_refusals_are_one_line(tmp_path):
             make_plan(tp_source, to)
         assert "\n" not in str(e.value)
     pipe = reshard.open_checkpoint(fixture_dir(PIPE))
-    one_stage = _convert(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")     # any partition gives its one stage
+    one_stage = convert_and_open(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")     # any partition gives its one stage
     with pytest.raises(ReshardError, match="partition must be one of"):
         make_plan(one_stage, "pp=2,partition=block")
     for to, words in [("pp=6", "pp=6 but the model has 5 layers"), ("pp=2,zero=2", "ZeRO stage 1 only"),
@@ -348,7 +338,7 @@ def test_the_default_partition_is_deepspeeds_and_the_plan_says_when_the_source_c
     for source, to in [(src, "pp=2,dp=1"), (fixture_dir(PIPE), "pp=4,dp=1")]:
         assert json.loads(run_cli("plan", source, "--to", to, "--json").stdout)["partition"]["ambiguous"] is None
     # a one-stage source fits any method: the default, said in the note
-    one_stage = _convert(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")
+    one_stage = convert_and_open(fixture_dir(PIPE), tmp_path / "pp1", "pp=1")
     plan = make_plan(one_stage, "pp=2")
     assert plan.stage_cut.method == "parameters" and "cut pp=2 differently" in plan.stage_cut.ambiguous
     assert not json.loads(run_cli("plan", fixture_dir("z1_fp32_dp2"), "--to", "dp=4", "--json").stdout)["partition"]
@@ -415,10 +405,10 @@ def test_engine_resumes_at_the_new_topology_bit_exactly(resumed, name, to):
     assert result["problems"] == [], "\n".join(result["problems"])
     # the engine's own save of the state it resumed is our files again (tensor bytes but padding, trees equal)
     ours, theirs = tag_dir(Path(result["checkpoint"])), tag_dir(Path(result["resave"]))
-    covered = _covered_elements(reshard.open_checkpoint(result["checkpoint"]))
+    covered = covered_elements(reshard.open_checkpoint(result["checkpoint"]))
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
-        _assert_same_tree(deepspeed_pickles.load(ours / n), deepspeed_pickles.load(theirs / n), n, covered)
+        assert_same_tree(deepspeed_pickles.load(ours / n), deepspeed_pickles.load(theirs / n), n, covered)
 
 
 @pytest.mark.engine
@@ -477,7 +467,7 @@ def _recut(name, tmp_path, to, via_tp1=True):
     """fixture -> (tp=1,dp=2 ->) `to`, the rules read with the source of the re-cut."""
     src = fixture_dir(name)
     if via_tp1:
-        _convert(src, tmp_path / "tp1", "tp=1,dp=2")
+        convert_and_open(src, tmp_path / "tp1", "tp=1,dp=2")
         src = tmp_path / "tp1"
     out = tmp_path / to.replace(",", "-")
     execute(make_plan(reshard.open_checkpoint(src, layout_rules=RULES), to), str(out), progress=False)
@@ -488,11 +478,11 @@ def _recut(name, tmp_path, to, via_tp1=True):
 def test_tp1_recut_to_tp2_gives_back_deepspeeds_own_files(name, tmp_path):
     """AutoTP tp2-dp2 -> tp1-dp2 -> tp2-dp2: every file as the engine wrote it, universal_checkpoint_info
     (pattern lists, affine map) rebuilt from the rule file and the head count alone."""
-    _convert(fixture_dir(name), tmp_path / "tp1", "tp=1,dp=2")
+    convert_and_open(fixture_dir(name), tmp_path / "tp1", "tp=1,dp=2")
     back = tmp_path / "back"
     run_cli("convert", tmp_path / "tp1", back, "--to", f"tp=2,dp=2,kv_heads={KV_HEADS[name]}", "--layout-rules", RULES)
     source = reshard.open_checkpoint(fixture_dir(name))
-    _assert_same_files(tag_dir(fixture_dir(name)), tag_dir(back), _covered_elements(source))
+    assert_same_files(tag_dir(fixture_dir(name)), tag_dir(back), covered_elements(source))
     assert reshard.validate(reshard.open_checkpoint(back), deep=True).ok
 
 
@@ -557,10 +547,10 @@ def test_engine_resumes_a_recut_checkpoint_bit_exactly(name, to, via_tp1, engine
     dst = Path(result["checkpoint"])
     assert result["problems"] == [], "\n".join(result["problems"])
     ours, theirs = tag_dir(dst), tag_dir(Path(result["resave"]))
-    covered = _covered_elements(reshard.open_checkpoint(dst))
+    covered = covered_elements(reshard.open_checkpoint(dst))
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
     for n in sorted(os.listdir(ours)):
-        _assert_same_tree(deepspeed_pickles.load(ours / n), deepspeed_pickles.load(theirs / n), n, covered)
+        assert_same_tree(deepspeed_pickles.load(ours / n), deepspeed_pickles.load(theirs / n), n, covered)
 
 
 @pytest.mark.engine

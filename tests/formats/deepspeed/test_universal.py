@@ -5,12 +5,8 @@ same tensors) wherever that tool is right; on the round-robin fixture ours equal
 truth and ds_to_universal's does not; ds_to_universal's output read by reshard gives the truth
 back. The real engine resuming from these trees is in test_universal_engine.py.
 """
-import contextlib
-import io
 import json
 import os
-import sys
-from unittest import mock
 
 import pytest
 import torch
@@ -18,8 +14,10 @@ import torch
 import reshard
 from make_hostile import Payload
 from reshard.core.catalog import MASTER
-from tests.helpers.cli import run_cli
-from tests.helpers.fixtures import FIXTURE_NAMES, fixture_dir, tag_dir, truth_json, truth_tensors
+from tests.helpers.cli import assert_one_line_error, run_cli
+from tests.helpers.dcp_resume import assert_resumed_as_truth, resume_fixture_model
+from tests.helpers.fixtures import FIXTURE_NAMES, fixture_dir, truth_json, truth_tensors
+from tests.helpers.universal import differences, ds_to_universal, load_output, our_universal, tree_files
 
 # Fixtures DeepSpeed's ds_to_universal converts correctly (one per optimizer wrapper / stage / dtype family).
 DS_AGREES = ["z2_fp32_dp4", "z3_fp32_dp4", "bf16opt_z1_dp2", "z1_bf16_frozen_tied_dp2", "z2_fp16_dp2",
@@ -27,71 +25,23 @@ DS_AGREES = ["z2_fp32_dp4", "z3_fp32_dp4", "bf16opt_z1_dp2", "z1_bf16_frozen_tie
 ROUND_ROBIN = "z2_fp32_roundrobin_dp4"
 
 
-def ds_to_universal(name, out):
-    """Run DeepSpeed's converter on a fixture, as `python -m deepspeed.checkpoint.ds_to_universal` does, in this
-    process (one worker each: it forks none); `out` is the save dir it writes latest_universal in."""
-    from deepspeed.checkpoint import ds_to_universal as converter
-    src = tag_dir(fixture_dir(name))
-    argv = ["ds_to_universal", "--input_folder", str(src), "--output_folder", str(out / src.name),
-            "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    said = io.StringIO()
-    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(said):
-        converter.main(converter.parse_arguments())
-    assert (out / "latest_universal").is_file(), said.getvalue()[-2000:]
-    return out
-
-
-def ours(name, out, to=""):
-    run_cli("convert", fixture_dir(name), out, "--format", "universal", "--to", to, "--quiet", check=0)
-    return out
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("universal")
-    return {name: (ds_to_universal(name, root / f"{name}-ds"), ours(name, root / f"{name}-ours"))
+    return {name: (ds_to_universal(name, root / f"{name}-ds"), our_universal(name, root / f"{name}-ours"))
             for name in DS_AGREES + [ROUND_ROBIN]}
-
-
-def _files(save_dir):
-    return sorted(str(p.relative_to(save_dir)) for p in save_dir.rglob("*")
-                  if p.is_file() and p.name != "reshard-manifest.json")
-
-
-def differences(a, b, where=""):
-    """Every way two loaded objects differ: keys and order, types, dtypes, shapes, values."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)):
-            return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
-        if (a.dtype, a.shape) != (b.dtype, b.shape):
-            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
-        return [] if torch.equal(a, b) else [f"{where}: values differ"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = [] if list(a) == list(b) else [f"{where}: keys {list(a)} vs {list(b)}"]
-        return out + [d for k in a if k in b for d in differences(a[k], b[k], f"{where}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
-        if len(a) != len(b):
-            return [f"{where}: {len(a)} vs {len(b)} items"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{where}[{i}]")]
-    if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type):
-        return differences(vars(a), vars(b), where)
-    return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
-
-
-def _load(path):
-    return torch.load(path, weights_only=False)   # outputs only; DeepSpeed's classes are pickled in them
 
 
 @pytest.mark.parametrize("name", DS_AGREES)
 def test_our_tree_equals_ds_to_universal(built, name):
     theirs, mine = built[name]
-    assert _files(theirs) == _files(mine)
+    assert tree_files(theirs) == tree_files(mine)
     assert (theirs / "latest_universal").read_text() == (mine / "latest_universal").read_text()
     diffs = []
-    for rel in _files(theirs):
+    for rel in tree_files(theirs):
         if not rel.endswith(".pt"):
             continue
-        a, b = _load(theirs / rel), _load(mine / rel)
+        a, b = load_output(theirs / rel), load_output(mine / rel)
         if rel.endswith("zero/optimizer_state.pt") and truth_json(name)["zero_stage"] == 3:
             # ds_to_universal copies rank 0's whole ZeRO-3 optimizer file (its fp32 and moment partitions
             # too); the loader reads the loss scaler, state[i]['step'] and the param groups. Those must agree.
@@ -105,8 +55,8 @@ def test_our_tree_equals_ds_to_universal(built, name):
     if name == "z1_bf16_frozen_tied_dp2":
         # ds_to_universal writes a tied name from the bf16 module copy; ours is its holder's fp32 master
         expected = ["global_step3/zero/head.weight/fp32.pt.param: values differ"]
-        master = _load(mine / "global_step3/zero/emb.weight/fp32.pt")["param"]
-        assert torch.equal(_load(mine / "global_step3/zero/head.weight/fp32.pt")["param"], master)
+        master = load_output(mine / "global_step3/zero/emb.weight/fp32.pt")["param"]
+        assert torch.equal(load_output(mine / "global_step3/zero/head.weight/fp32.pt")["param"], master)
     assert diffs == expected
 
 
@@ -119,8 +69,8 @@ def test_round_robin_ours_is_the_truth_ds_to_universal_is_not(built):
         if state == "module":
             continue
         rel = f"global_step3/zero/{name}/{state}.pt"
-        assert torch.equal(_load(mine / rel)["param"], expected), key
-        worst_theirs = max(worst_theirs, (_load(theirs / rel)["param"] - expected).abs().max().item())
+        assert torch.equal(load_output(mine / rel)["param"], expected), key
+        worst_theirs = max(worst_theirs, (load_output(theirs / rel)["param"] - expected).abs().max().item())
     assert worst_theirs > 0.1     # DeepSpeed's defect B1: silently wrong by O(1)
 
 
@@ -145,7 +95,7 @@ def _assert_catalog_is_truth(catalog, name):
 def test_our_universal_output_reads_back_as_the_truth(tmp_path, name):
     stage = 2 if name == "z2_fp32_sgd_dp2" else 3 if truth_json(name)["zero_stage"] != 3 else 1
     for to in ("", f"zero={stage},dp=3"):     # the source's flavour, and the other one at another dp
-        out = ours(name, tmp_path / f"out{to}", to)
+        out = our_universal(name, tmp_path / f"out{to}", to)
         catalog = reshard.open_checkpoint(out)
         assert catalog.format == "universal" and reshard.validate(catalog).ok, reshard.validate(catalog).problems
         _assert_catalog_is_truth(catalog, name)
@@ -176,34 +126,25 @@ def test_universal_trees_load_through_the_reader(built, name):
     """(issue #15) dcp.load through reshard.dcp_reader.Reader from DeepSpeed's ds_to_universal tree and from ours:
     the fixture model and optimizer resume with the engine's truth."""
     import reshard.dcp_reader
-    from tests.formats.dcp.test_dcp_reader import _resume, assert_resumed_as_truth
     for tree in built[name]:
-        assert_resumed_as_truth(name, *_resume(name, reshard.dcp_reader.Reader(tree)))
+        assert_resumed_as_truth(name, *resume_fixture_model(name, reshard.dcp_reader.Reader(tree)))
 
 
 # ---------------------------------------------------------------------------------------------
 # refusals and broken inputs: one line, exit 1, nothing executed
 
 
-def _one_line_error(proc, *needles, code=1):
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 def test_refused_targets(tmp_path):
-    _one_line_error(run_cli("convert", fixture_dir("z2_fp32_dp2"), tmp_path / "a", "--format", "universal",
-                            "--to", "zero=0"), "zero is 1, 2 or 3", code=2)     # a usage error (the spec's range)
-    _one_line_error(run_cli("convert", fixture_dir("z2_fp32_sgd_dp2"), tmp_path / "b", "--format", "universal",
-                            "--to", "zero=3"), "momentum_buffer")
+    assert_one_line_error(run_cli("convert", fixture_dir("z2_fp32_dp2"), tmp_path / "a", "--format", "universal",
+                                  "--to", "zero=0"), "zero is 1, 2 or 3", code=2)     # a usage error (the spec's range)
+    assert_one_line_error(run_cli("convert", fixture_dir("z2_fp32_sgd_dp2"), tmp_path / "b", "--format", "universal",
+                                  "--to", "zero=3"), "momentum_buffer")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.fixture
 def universal_copy(tmp_path):
-    return ours("z2_fp32_dp2", tmp_path / "uc")
+    return our_universal("z2_fp32_dp2", tmp_path / "uc")
 
 
 def test_hostile_state_file_never_runs(universal_copy, tmp_path):
@@ -212,7 +153,7 @@ def test_hostile_state_file_never_runs(universal_copy, tmp_path):
     torch.save({"param": Payload(os.system, f"touch {canary}")}, victim)
     for command in (["inspect", universal_copy], ["validate", universal_copy],
                     ["convert", universal_copy, tmp_path / "x", "--format", "deepspeed"]):
-        _one_line_error(run_cli(*command), str(victim), "system (not on reshard's allow-list")
+        assert_one_line_error(run_cli(*command), str(victim), "system (not on reshard's allow-list")
         assert not canary.exists()
 
 
@@ -221,14 +162,14 @@ def test_missing_state_file(universal_copy, tmp_path):
     victim.unlink()
     proc = run_cli("validate", universal_copy)
     assert proc.returncode == 1 and "l1.weight" in proc.stdout + proc.stderr
-    _one_line_error(run_cli("convert", universal_copy, tmp_path / "x", "--format", "deepspeed", "--to", "dp=3"),
-                    "not complete")
+    assert_one_line_error(run_cli("convert", universal_copy, tmp_path / "x", "--format", "deepspeed", "--to", "dp=3"),
+                          "not complete")
     (universal_copy / "global_step3/zero/optimizer_state.pt").unlink()
-    _one_line_error(run_cli("inspect", universal_copy), "optimizer_state.pt", "missing")
+    assert_one_line_error(run_cli("inspect", universal_copy), "optimizer_state.pt", "missing")
 
 
 def test_shape_mismatch(universal_copy, tmp_path):
     victim = universal_copy / "global_step3/zero/l1.weight/fp32.pt"
     torch.save({"cat_dim": 0, "param": torch.zeros(3, 3)}, victim)
-    _one_line_error(run_cli("convert", universal_copy, tmp_path / "x", "--format", "deepspeed"), "fp32.pt")
+    assert_one_line_error(run_cli("convert", universal_copy, tmp_path / "x", "--format", "deepspeed"), "fp32.pt")
     assert not (tmp_path / "x").exists()

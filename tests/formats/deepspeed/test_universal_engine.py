@@ -9,10 +9,10 @@ resuming ds_to_universal's tree does NOT match the truth (the check sees its cor
 """
 import pytest
 
-from tests.formats.deepspeed.test_universal import ds_to_universal, ours
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES
+from tests.helpers.universal import ds_to_universal, our_universal
 
 pytestmark = pytest.mark.engine
 
@@ -47,7 +47,7 @@ def universal_jobs(out):
     for name, to, stage, world in OURS:
         dst = out / f"{name}-{to or 'same'}"
         if not dst.exists():
-            ours(name, dst, to)
+            our_universal(name, dst, to)
         jobs.append((world, None, _job(f"ours {name} {to} zero{stage} dp{world}", name, dst, stage, True)))
     for name, to, world in READ_BACK:
         theirs = ds_to_universal(name, out / f"{name}-ds")

@@ -14,11 +14,11 @@ output of the source first converted to tp=1 DeepSpeed files, and ds_to_universa
 import pytest
 import torch
 
-from tests.formats.deepspeed.test_universal import ds_to_universal
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
 from tests.helpers.fixtures import FIXTURES, fixture_dir
 from tests.helpers.repo import REPO
+from tests.helpers.universal import ds_to_universal
 
 AUTOTP = ["autotp2_z1_fp32_dp2", "autotp2_z1_fp32_uneven_dp2", "autotp2_z1_bf16_tied_dp2",
           "autotp2_z2_fp32_tied_dp2"]

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from reshard.formats.weights_only import PROVENANCE
-from tests.commands.test_thin_dcp import series
+from tests.helpers.accelerate_schedule import scheduled_lr
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import alter_weight
 from tests.helpers.engine_launches import shares
 from tests.helpers.lifecycle_runs import age
 from tests.helpers.pickles import check_pickles
+from tests.helpers.thin_runs import series
 
 pytestmark = pytest.mark.engine
 SCRIPT = "accelerate_deepspeed.py"
@@ -103,19 +104,6 @@ def result_of(engine_launches, kind: str, stage: int, dp: int | None = None) -> 
 def converted(source, engine_launches):
     engine_launches.results(loads)
     return {dp: source / f"dp{dp}" for dp in LOADS}
-
-
-def scheduled_lr(steps: int, training_steps: int = 10) -> float:
-    """The lr of the run's scheduler (linear over `training_steps`) after `steps` steps (Accelerate steps it once
-    per process per step)."""
-    import torch
-    from transformers import get_linear_schedule_with_warmup
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=training_steps)
-    for _ in range(steps):
-        optimizer.step()
-        scheduler.step()
-    return scheduler.get_last_lr()[0]
 
 
 def test_accelerates_folder_is_recognised(source):

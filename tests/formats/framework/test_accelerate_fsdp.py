@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.formats.framework.test_hf_fsdp import STATES, config, consolidated, one_step_behind_is_carried_or_refused
 from tests.helpers.cli import run_cli
+from tests.helpers.fsdp_steps import config, one_step_behind_is_carried_or_refused
+from tests.helpers.fsdp_truths import STATES, consolidated
 from tests.helpers.repo import REPO
 
 SOURCE = REPO / "fixtures" / "accelerate_fsdp_sharded_dp2" / "state"

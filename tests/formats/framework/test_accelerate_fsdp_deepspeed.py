@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.formats.framework.test_accelerate_deepspeed import scheduled_lr
-from tests.formats.framework.test_hf_fsdp import consolidated
+from tests.helpers.accelerate_schedule import scheduled_lr
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
+from tests.helpers.fsdp_truths import full_truth, sharded_truth
 from tests.helpers.repo import REPO
 
 pytestmark = pytest.mark.engine
@@ -36,26 +36,6 @@ DS_SOURCE = REPO / "fixtures" / "accelerate_deepspeed_z2_dp2" / "state"
 DS_TRUTH = DS_SOURCE.parent / "truth.safetensors"
 STEPS = 3
 TRAINING_STEPS = 20     # tests/scripts/accelerate_strategies.py's linear schedule
-
-
-def fsdp_truth(path: Path) -> None:
-    """The FSDP source as torch's dcp_to_torch_save reads it, under engine_state's keys (fp32/, exp_avg/, ...)."""
-    from safetensors.torch import save_file
-    model, optim = consolidated(FSDP_SOURCE, path.parent)
-    truth = {f"fp32/{name}": value for name, value in model.items()}
-    for name, states in optim["state"].items():
-        truth.update({f"{state}/{name}": states[state] for state in ("exp_avg", "exp_avg_sq")})
-    save_file(truth, str(path))
-
-
-def full_truth(path: Path) -> None:
-    """The full state dict's source as torch.load reads its two files, under engine_state's keys."""
-    import torch
-    from safetensors.torch import save_file
-    truth = {f"fp32/{name}": value for name, value in torch.load(FULL_SOURCE / "pytorch_model_fsdp.bin").items()}
-    for name, states in torch.load(FULL_SOURCE / "optimizer.bin")["state"].items():
-        truth.update({f"{state}/{name}": states[state] for state in ("exp_avg", "exp_avg_sq")})
-    save_file(truth, str(path))
 
 
 def _load(strategy, folder, truth, negative, scheduler, **more):
@@ -71,8 +51,8 @@ def loads(out):
     'mixed_precision'), but DeepSpeed after FSDP. Last, the full state dict's source converted to the sharded layout
     (FSDP, so before the DeepSpeed jobs; its result is the last)."""
     truth, full = out / "fsdp-truth.safetensors", out / "full-truth.safetensors"
-    fsdp_truth(truth)
-    full_truth(full)
+    sharded_truth(FSDP_SOURCE, truth)
+    full_truth(FULL_SOURCE, full)
     run_cli("convert", FSDP_SOURCE, out / "to-ds", "--format", "deepspeed", "--to", "dp=3,zero=2", "--quiet", check=0)
     run_cli("convert", DS_SOURCE, out / "to-fsdp", "--format", "fsdp", "--to", "dp=3", "--quiet", check=0)
     run_cli("convert", FULL_SOURCE, out / "full-to-sharded", "--format", "fsdp", "--to", "dp=3", "--quiet", check=0)

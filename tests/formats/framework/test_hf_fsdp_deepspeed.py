@@ -23,44 +23,15 @@ import pytest
 
 from tests.helpers.cli import run_cli
 from tests.helpers.engine_launches import shares
+from tests.helpers.fsdp_truths import full_truth, sharded_truth
 from tests.helpers.repo import REPO
+from tests.helpers.trainer_saves import SAVE, deepspeed_trainer_saves
 
 pytestmark = pytest.mark.engine
 SCRIPT = "hf_trainer_strategies.py"
 FSDP_SOURCE = REPO / "fixtures" / "hf_fsdp_sharded_dp2" / "checkpoint-3"
 FULL_SOURCE = REPO / "fixtures" / "hf_fsdp_full_dp2" / "checkpoint-3"
-SAVE, RESUMED_TO = 3, 4
-
-
-@shares(SCRIPT)
-def saves(out):
-    """The DeepSpeed ZeRO-2 run at 2 processes: (2, None, job)."""
-    return [(2, None, {"mode": "save", "strategy": "deepspeed", "stage": 2, "out": str(out / "ds" / "run"),
-                       "max_steps": SAVE, "save_steps": SAVE, "truth": str(out / "ds" / "truth.safetensors")})]
-
-
-def fsdp_truth(path: Path) -> None:
-    """The FSDP fixture as torch's dcp_to_torch_save reads it, under engine_state's keys (fp32/, exp_avg/, ...)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(FSDP_SOURCE / "pytorch_model_fsdp_0", path.with_suffix(".model.pt"))
-    dcp_to_torch_save(FSDP_SOURCE / "optimizer_0", path.with_suffix(".optim.pt"))
-    _save_truth(path, torch.load(path.with_suffix(".model.pt"))["model"],
-                torch.load(path.with_suffix(".optim.pt"))["optimizer"])
-
-
-def full_truth(path: Path) -> None:
-    """The full-state-dict fixture as torch.load reads its pytorch_model_fsdp.bin and optimizer.bin."""
-    import torch
-    _save_truth(path, torch.load(FULL_SOURCE / "pytorch_model_fsdp.bin"), torch.load(FULL_SOURCE / "optimizer.bin"))
-
-
-def _save_truth(path: Path, model: dict, optim: dict) -> None:
-    from safetensors.torch import save_file
-    truth = {f"fp32/{name}": value for name, value in model.items()}
-    for name, states in optim["state"].items():
-        truth.update({f"{state}/{name}": states[state] for state in ("exp_avg", "exp_avg_sq")})
-    save_file(truth, str(path))
+RESUMED_TO = 4
 
 
 def _resume(out, strategy, checkpoint, truth, negative, scheduler, **more):
@@ -69,20 +40,20 @@ def _resume(out, strategy, checkpoint, truth, negative, scheduler, **more):
             "scheduler": str(scheduler), **more}
 
 
-@shares(SCRIPT, after=(saves,))
+@shares(SCRIPT, after=(deepspeed_trainer_saves,))
 def resumes(out, saved):
     """Each folder converted to the other strategy at 3 processes and resumed there; then each unconverted folder
     resumed under the other strategy (which must fail): (3, strategy, job)."""
     ds_run = Path(saved[0]["out"])
     ds_source, ds_truth = ds_run / f"checkpoint-{SAVE}", ds_run.parent / "truth.safetensors"
     truth = out / "fsdp-truth.safetensors"
-    fsdp_truth(truth)
+    sharded_truth(FSDP_SOURCE, truth)
     run_cli("convert", FSDP_SOURCE, out / "to-ds" / f"checkpoint-{SAVE}", "--format", "deepspeed", "--to",
             "dp=3,zero=2", "--quiet", check=0)
     run_cli("convert", ds_source, out / "to-fsdp" / f"checkpoint-{SAVE}", "--format", "fsdp", "--to", "dp=3",
             "--quiet", check=0)
     full = out / "full-truth.safetensors"
-    full_truth(full)
+    full_truth(FULL_SOURCE, full)
     run_cli("convert", FULL_SOURCE, out / "full-to-sharded" / f"checkpoint-{SAVE}", "--format", "fsdp", "--to",
             "dp=3", "--quiet", check=0)
     return [

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.commands.test_thin_dcp import check_lifecycle, series
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import change_dcp_element
 from tests.helpers.engine_launches import shares
+from tests.helpers.fsdp_truths import lightning_truth as truth_of, one_step_off as wrong_of
+from tests.helpers.thin_runs import check_lifecycle, series
 
 pytestmark = pytest.mark.engine
 
@@ -48,36 +48,6 @@ def saves(out):
             (2, None, {"mode": "save", "dir": str(out / "full"), "seed": 0, "steps": STEPS, "state_dict_type": "full"}),
             (2, None, {"mode": "save", "dir": str(out / "model-parallel"), "seed": 0, "steps": STEPS,
                        "strategy": MODEL_PARALLEL})]
-
-
-def truth_of(ckpt: Path, out: Path) -> Path:
-    """What the saved folder holds, read by torch alone: its DCP items gathered by dcp_to_torch_save, Lightning's
-    global step and scheduler by torch.load of meta.pt; {"tensors": {"model/<fqn>", "<state>/<fqn>"}, ...}."""
-    if out.exists():        # read once for both strategies' resumes
-        return out
-    whole = out.with_suffix(".whole.pt")
-    dcp_to_torch_save(ckpt, whole)
-    saved = torch.load(whole)
-    whole.unlink()
-    meta = torch.load(ckpt / "meta.pt", weights_only=False)
-    model = saved["model"] if "model" in saved else saved["state_dict"]      # ModelParallelStrategy's key
-    tensors = {f"model/{k}": v for k, v in model.items()}
-    for fqn, states in saved["optimizer_0"]["state"].items():
-        tensors.update({f"{s}/{fqn}": v for s, v in states.items()})
-    torch.save({"tensors": tensors, "global_step": meta["global_step"], "scheduler": meta["lr_schedulers"][0]}, out)
-    return out
-
-
-def wrong_of(truth: Path, out: Path) -> Path:
-    """The negative control's truth: every tensor of `truth` one step off (the next float up, an integer plus one),
-    which an exact comparison must find in each."""
-    if out.exists():
-        return out
-    saved = torch.load(truth)
-    saved["tensors"] = {k: torch.nextafter(v, torch.full_like(v, float("inf"))) if v.is_floating_point() else v + 1
-                        for k, v in saved["tensors"].items()}
-    torch.save(saved, out)
-    return out
 
 
 def _converted(tmp: Path, kind: str = "") -> Path:

@@ -24,9 +24,7 @@ import math
 import pytest
 
 import reshard
-from reshard.commands.convert import make_plan
 from reshard.errors import ReshardError
-from reshard.execution.executor import execute
 from reshard.formats.hf import model as hf_model
 from reshard.formats.megatron.pickles import METADATA_ALLOWED
 from reshard.formats.megatron.reader import common_state
@@ -34,38 +32,25 @@ from reshard.rules.files import shipped
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import change_dcp_element
 from tests.helpers.engine_launches import shares
+from tests.helpers.hf_sources import (
+    FP32_BOUND,
+    LLAMA_NAMES,
+    LLAMA_SOURCES,
+    SEQ,
+    TOKENS,
+    logits_delta,
+    make_llama,
+    megatron_import,
+)
+from tests.helpers.megatron_saves import degrees
 from tests.helpers.property_sources import tree_bytes
 
-NAMES = "megatron-core-llama"
-SEQ = 8             # tests/scripts/megatron_import.py trains with tools/fixture_megatron_core.py's sequence length
-SHAPE = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=SEQ, rms_norm_eps=1e-5, initializer_range=0.2)
 # (source, --to): every topology the issue names, each precision and the tied, padded vocabulary
-SOURCES = {"fp32": dict(vocab_size=64, dtype="float32", rope_theta=10000.0),
-           "bf16-sharded": dict(vocab_size=64, dtype="bfloat16", rope_theta=500000.0, shard="20KB"),
-           "fp32-tied-63": dict(vocab_size=63, dtype="float32", rope_theta=10000.0, tie_word_embeddings=True)}
 CONVERSIONS = [("fp32", "tp=2,pp=1"), ("fp32", "tp=1,pp=2"), ("fp32", "tp=2,pp=2"), ("bf16-sharded", "tp=2,pp=1"),
                ("bf16-sharded", "tp=2,pp=2"), ("fp32-tied-63", "tp=2,pp=1"), ("fp32-tied-63", "tp=2,pp=2")]
-FP32_BOUND = 1e-5
 BF16_BOUND = 0.1    # bf16 arithmetic of two frameworks (measured: 0.078; each test records its max_abs_delta)
 # (the element the round trip's negative control changes: Megatron's name, the exported name)
 CHANGED = ("decoder.layers.1.mlp.linear_fc2.weight", "model.layers.1.mlp.down_proj.weight")
-TOKENS = [[1, 5, 9, 3, 60, 2, 7, 8], [4, 4, 33, 12, 0, 62, 2, 1]]
-
-
-def make_source(folder, name: str) -> None:
-    """A LlamaForCausalLM of SOURCES[name] with random weights, saved by save_pretrained."""
-    import torch
-    import transformers
-    given = dict(SOURCES[name])
-    dtype, shard = given.pop("dtype"), given.pop("shard", None)
-    rope = given.pop("rope_theta")
-    config = transformers.LlamaConfig(**SHAPE, **given, rope_parameters={"rope_theta": rope, "rope_type": "default"})
-    torch.manual_seed(7)
-    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(str(folder), **({"max_shard_size": shard} if shard else {}))
-
-
 def reference_logits(folder):
     import torch
     import transformers
@@ -74,20 +59,9 @@ def reference_logits(folder):
         return model(torch.tensor(TOKENS)).logits.float()
 
 
-def convert(source, dst, to: str, names: str = NAMES, model_order: bool = False) -> None:
-    """The import as `reshard convert` makes it: the source read without the model class's param order (the rule
-    file names every param), unless `model_order`."""
-    plan = make_plan(reshard.open_checkpoint(str(source), model_order=model_order), to, fmt="megatron", names=names)
-    execute(plan, str(dst), progress=False)
-
-
-def degrees(to: str) -> dict:
-    return {k: int(v) for k, v in (kv.split("=") for kv in to.split(","))}
-
-
 def rules_with(tmp, name: str, change) -> str:
     """The shipped rule file with `change` made to its rules: a negative control's."""
-    spec = json.loads(open(shipped("reshard.export-names")[NAMES]).read())
+    spec = json.loads(open(shipped("reshard.export-names")[LLAMA_NAMES]).read())
     change(spec["rules"])
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
@@ -122,14 +96,14 @@ def job(label, save, to, name, out) -> tuple:
 @shares("megatron_load.py")
 def import_jobs(out):
     """Every conversion and the two negative controls (2 ranks; tp=2·pp=2: 4)."""
-    for name in SOURCES:
-        make_source(out / name, name)
+    for name in LLAMA_SOURCES:
+        make_llama(out / name, name)
     jobs = []
     for index, (name, to) in enumerate(CONVERSIONS):
-        convert(out / name, out / f"import-{index}", to)
+        megatron_import(out / name, out / f"import-{index}", to)
         jobs.append(job(f"{name}:{to}", out / f"import-{index}", to, name, out))
     for control, change in (("concatenated", _concatenated), ("swapped", _swapped)):
-        convert(out / "fp32", out / control, "tp=2,pp=1", rules_with(out, control, change))
+        megatron_import(out / "fp32", out / control, "tp=2,pp=1", rules_with(out, control, change))
         jobs.append(job(control, out / control, "tp=2,pp=1", "fp32", out))
     return jobs
 
@@ -143,19 +117,9 @@ def loaded(engine_launches):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
-    for name in SOURCES:
-        make_source(out / name, name)
+    for name in LLAMA_SOURCES:
+        make_llama(out / name, name)
     return out
-
-
-def logits_delta(result: dict, want) -> float:
-    """The max |difference| of a loaded job's logits (Megatron's) from `want` (transformers'); the job must have
-    loaded (the shapes fit, whatever the values)."""
-    from safetensors.torch import load_file
-    assert result["loaded"] and result["error"] is None, result
-    got = load_file(result["logits_file"])["logits"]
-    assert got.shape == want.shape
-    return float((got - want).abs().max())
 
 
 @pytest.mark.engine
@@ -176,13 +140,13 @@ def test_q_k_v_concatenated_or_gate_up_swapped_load_and_give_other_logits(contro
     assert logits_delta(loaded[control], reference_logits(sources / "fp32")) > BF16_BOUND
 
 
-@pytest.mark.parametrize("name", list(SOURCES))
+@pytest.mark.parametrize("name", list(LLAMA_SOURCES))
 def test_the_round_trip_through_megatron_gives_the_source_bit_for_bit(name, sources, tmp_path):
     import torch
     from safetensors.torch import load_file
-    assert (sources / name / "model.safetensors.index.json").exists() == ("shard" in SOURCES[name])
-    convert(sources / name, tmp_path / "save", "tp=2,pp=2")
-    run_cli("export", tmp_path / "save", tmp_path / "back", "--names", NAMES, "--quiet", check=0)
+    assert (sources / name / "model.safetensors.index.json").exists() == ("shard" in LLAMA_SOURCES[name])
+    megatron_import(sources / name, tmp_path / "save", "tp=2,pp=2")
+    run_cli("export", tmp_path / "save", tmp_path / "back", "--names", LLAMA_NAMES, "--quiet", check=0)
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     source = _tensors(sources / name)
     assert set(back) == set(source)
@@ -192,10 +156,10 @@ def test_the_round_trip_through_megatron_gives_the_source_bit_for_bit(name, sour
         assert back[key].dtype == tensor.dtype and torch.equal(kept, tensor), key
         assert all(torch.equal(row, tensor[-1]) for row in added), key
     config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert config["tie_word_embeddings"] == SOURCES[name].get("tie_word_embeddings", False)
+    assert config["tie_word_embeddings"] == LLAMA_SOURCES[name].get("tie_word_embeddings", False)
     # negative control: one element changed in the Megatron save, and the same comparison names that tensor
     change_dcp_element(tmp_path / "save" / "release", CHANGED[0], METADATA_ALLOWED, state="module")
-    run_cli("export", tmp_path / "save", tmp_path / "changed", "--names", NAMES, "--quiet", check=0)
+    run_cli("export", tmp_path / "save", tmp_path / "changed", "--names", LLAMA_NAMES, "--quiet", check=0)
     changed = load_file(str(tmp_path / "changed" / "model.safetensors"))
     assert [k for k in source if not torch.equal(changed[k][:len(source[k])], source[k])] == [CHANGED[1]]
 
@@ -208,21 +172,21 @@ def _tensors(folder) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", list(SOURCES))
+@pytest.mark.parametrize("name", list(LLAMA_SOURCES))
 def test_the_import_builds_no_model_and_writes_what_the_models_order_would(name, sources, tmp_path, monkeypatch):
     """The CLI's import reads the folder without hf_model (transformers building the model class: seconds, the
     import's fixed cost), and its files are those of the import from the source read in the model's order, byte for
     byte. Negative controls: a plain read still asks hf_model (so the refusal below would be seen); a save with one
     element changed is told apart by the same comparison."""
-    convert(sources / name, tmp_path / "ordered", "tp=2,pp=2", model_order=True)
+    megatron_import(sources / name, tmp_path / "ordered", "tp=2,pp=2", model_order=True)
 
     def refused(folder):
         raise AssertionError(f"the model class was built for {folder}")
     monkeypatch.setattr(hf_model, "model_order", refused)
     with pytest.raises(AssertionError, match="the model class was built"):
         reshard.open_checkpoint(str(sources / name))
-    run_cli("convert", sources / name, tmp_path / "cli", "--format", "megatron", "--names", NAMES, "--to", "tp=2,pp=2",
-            "--quiet", check=0)
+    run_cli("convert", sources / name, tmp_path / "cli", "--format", "megatron", "--names", LLAMA_NAMES, "--to",
+            "tp=2,pp=2", "--quiet", check=0)
     ordered, cli = tree_bytes(str(tmp_path / "ordered")), tree_bytes(str(tmp_path / "cli"))
     assert sorted(ordered) == sorted(cli) and all(ordered[f] == cli[f] for f in ordered)
     change_dcp_element(tmp_path / "cli" / "release", CHANGED[0], METADATA_ALLOWED, state="module")
@@ -231,7 +195,7 @@ def test_the_import_builds_no_model_and_writes_what_the_models_order_would(name,
 
 
 def test_the_save_is_megatron_lms_release_folder_with_args_from_config(sources, tmp_path):
-    convert(sources / "fp32-tied-63", tmp_path / "save", "tp=2,pp=1")
+    megatron_import(sources / "fp32-tied-63", tmp_path / "save", "tp=2,pp=1")
     assert (tmp_path / "save" / "latest_checkpointed_iteration.txt").read_text() == "release"
     common = common_state(str(tmp_path / "save" / "release"))[0]
     args = vars(common["args"])
@@ -253,22 +217,22 @@ def test_a_config_that_contradicts_the_rules_or_the_tensors_is_refused(key, valu
     config = json.loads((source / "config.json").read_text())
     config[key] = value
     (source / "config.json").write_text(json.dumps(config))
-    proc = run_cli("convert", source, tmp_path / "out", "--format", "megatron", "--names", NAMES, "--to", "tp=2")
+    proc = run_cli("convert", source, tmp_path / "out", "--format", "megatron", "--names", LLAMA_NAMES, "--to", "tp=2")
     assert proc.returncode == 1 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(ReshardError):
-        convert(source, tmp_path / "out2", "tp=1")
+        megatron_import(source, tmp_path / "out2", "tp=1")
 
 
 def test_an_arguments_file_overrides_what_config_json_gives_and_is_checked(sources, tmp_path):
     given = tmp_path / "args.json"
     given.write_text(json.dumps({"args": {"make_vocab_size_divisible_by": 64, "seq_length": 4}}))
-    convert(sources / "fp32-tied-63", tmp_path / "save", f"tp=2,pp=1,args={given}")
+    megatron_import(sources / "fp32-tied-63", tmp_path / "save", f"tp=2,pp=1,args={given}")
     args = vars(common_state(str(tmp_path / "save" / "release"))[0]["args"])
     assert (args["vocab_size"], args["padded_vocab_size"], args["seq_length"]) == (63, 128, 4)   # 64 x tp rows
     given.write_text(json.dumps({"args": {"hidden_size": 32}}))
-    proc = run_cli("convert", sources / "fp32", tmp_path / "out", "--format", "megatron", "--names", NAMES, "--to",
-                   f"tp=2,args={given}")
+    proc = run_cli("convert", sources / "fp32", tmp_path / "out", "--format", "megatron", "--names", LLAMA_NAMES,
+                   "--to", f"tp=2,args={given}")
     assert proc.returncode == 1 and "args.padded_vocab_size, args.hidden_size" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 

@@ -29,28 +29,18 @@ import pytest
 from reshard.formats.megatron.pickles import METADATA_ALLOWED
 from reshard.formats.megatron.reader import common_state
 from reshard.rules.files import shipped
-from tests.formats.megatron.test_megatron_import import FP32_BOUND, SEQ, TOKENS, convert, degrees, logits_delta
 from tests.helpers.cli import run_cli
 from tests.helpers.damage import change_dcp_element
 from tests.helpers.engine_launches import shares
+from tests.helpers.hf_sources import FP32_BOUND, SEQ, TOKENS, logits_delta, make_mixtral, megatron_import
+from tests.helpers.megatron_saves import degrees
 
 NAMES = "megatron-core-mixtral"
-SHAPE = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=SEQ, rms_norm_eps=1e-5, vocab_size=64, num_local_experts=4,
-             num_experts_per_tok=2, router_aux_loss_coef=0.02, initializer_range=0.2, tie_word_embeddings=False)
 CONVERSIONS = ["tp=1,pp=1,dp=2,ep=2", "tp=2,pp=1,dp=2,ep=2", "tp=1,pp=2,dp=2,ep=2"]
 CONTROL = "tp=1,pp=1,dp=2,ep=2"
 # (the element the round trip's negative control changes: Megatron's name, the exported name)
 CHANGED = ("decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight",
            "model.layers.1.block_sparse_moe.experts.3.w2.weight")
-
-
-def make_source(folder) -> None:
-    import torch
-    import transformers
-    torch.manual_seed(7)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SHAPE))
-    model.save_pretrained(str(folder))
 
 
 def experts_swapped(source, folder) -> None:
@@ -100,15 +90,15 @@ def job(label, save, to, source) -> tuple:
 @shares("megatron_load.py")
 def import_moe_jobs(out):
     """Every conversion and the two negative controls (2 ranks; tp=2 or pp=2 with dp=2: 4)."""
-    make_source(out / "mixtral")
+    make_mixtral(out / "mixtral")
     jobs = []
     for index, to in enumerate(CONVERSIONS):
-        convert(out / "mixtral", out / f"import-{index}", to, NAMES)
+        megatron_import(out / "mixtral", out / f"import-{index}", to, NAMES)
         jobs.append(job(to, out / f"import-{index}", to, out / "mixtral"))
-    convert(out / "mixtral", out / "w1-w3", CONTROL, w1_w3_swapped(out))
+    megatron_import(out / "mixtral", out / "w1-w3", CONTROL, w1_w3_swapped(out))
     jobs.append(job("w1-w3", out / "w1-w3", CONTROL, out / "mixtral"))
     experts_swapped(out / "mixtral", out / "mixtral-swapped")
-    convert(out / "mixtral-swapped", out / "experts", CONTROL, NAMES)
+    megatron_import(out / "mixtral-swapped", out / "experts", CONTROL, NAMES)
     jobs.append(job("experts", out / "experts", CONTROL, out / "mixtral"))
     return jobs
 
@@ -121,7 +111,7 @@ def loaded(engine_launches):
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf") / "mixtral"
-    make_source(folder)
+    make_mixtral(folder)
     return folder
 
 
@@ -147,7 +137,7 @@ def test_w1_w3_or_two_experts_swapped_load_and_give_other_logits(control, loaded
 def test_the_round_trip_through_megatron_gives_the_mixtral_bit_for_bit(source, tmp_path):
     import torch
     from safetensors.torch import load_file
-    convert(source, tmp_path / "save", "tp=2,pp=2,dp=2,ep=2", NAMES)
+    megatron_import(source, tmp_path / "save", "tp=2,pp=2,dp=2,ep=2", NAMES)
     run_cli("export", tmp_path / "save", tmp_path / "back", "--names", NAMES, "--quiet", check=0)
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     given = load_file(str(source / "model.safetensors"))
@@ -166,7 +156,7 @@ def test_the_round_trip_through_megatron_gives_the_mixtral_bit_for_bit(source, t
 
 def test_the_save_holds_the_experts_args_and_megatrons_expert_stacks(source, tmp_path):
     from reshard.formats.dcp import metadata as md
-    convert(source, tmp_path / "save", "tp=2,pp=1,dp=2,ep=2", NAMES)
+    megatron_import(source, tmp_path / "save", "tp=2,pp=1,dp=2,ep=2", NAMES)
     args = vars(common_state(str(tmp_path / "save" / "release"))[0]["args"])
     assert (args["num_experts"], args["moe_router_topk"], args["moe_ffn_hidden_size"], args["ffn_hidden_size"]) == \
         (4, 2, 16, 16)
