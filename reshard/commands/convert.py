@@ -14,6 +14,7 @@ from reshard.formats import (
     default_tag,
     descriptor_layout,
     framework_dispositions,
+    registry,
     spec_keys_of,
     target_layout as spec_layout,
     with_framework,
@@ -52,9 +53,9 @@ def make_plan(source: Catalog | Complete, to: str, tag_out: str | None = None, f
     complete = source if isinstance(source, Complete) else prove_complete(source)
     another = fmt is not None and fmt != complete.catalog.format
     own_names = another and _writer(complete.catalog, fmt).SAVES_OWN_NAMES
-    # a model under its consumer's names, brought back to the checkpoint's (Megatron's torch_dist keys, torchtitan's
-    # FQNs: whatever the export-names file maps from)
-    if names and another and names_every_param(names):
+    # a published model (a Hugging Face folder) under its consumer's names, brought back to the checkpoint's
+    # (Megatron's torch_dist keys, torchtitan's FQNs: whatever the export-names file maps from)
+    if names and another and names_every_param(names) and registry.entry(complete.catalog.format).published:
         from reshard.rules import import_names
         complete = prove_complete(import_names.load(names, complete.catalog))
     elif names:

@@ -76,6 +76,9 @@ class Format:
     writer: WriterEntry | None = None
     writes: str = ""                # what `convert --format NAME` writes, in words (--help)
     thin: tuple[ThinForm, ...] = ()
+    # a model as its consumers publish it (what `export` writes): an export-names rule file given to `convert` from
+    # it is read backwards, the model brought back under the names of the checkpoint the rule file exports from
+    published: bool = False
 
 
 _TRAINER_WEIGHTS = ("reshard.formats.hf.trainer_weights",
@@ -151,7 +154,7 @@ FORMATS = (
                           "Accelerate"),)),
     Format("safetensors", "safetensors", "single-process.md", "safetensors files and save_pretrained folders",
            RunLayout("safetensors"),
-           readers=("reshard.formats.hf.safetensors_reader",)),
+           readers=("reshard.formats.hf.safetensors_reader",), published=True),
     Format("lightning", "Lightning", "single-process.md", "Lightning .ckpt files and folders",
            RunLayout("lightning", suffix=".ckpt"),
            readers=("reshard.formats.single.lightning",)),
