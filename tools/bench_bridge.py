@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -46,31 +45,19 @@ def main() -> int:
         "reshard convert": lambda dst: [sys.executable, "-P", "-m", "reshard", "convert", str(hf), dst, "--format",
                                         "megatron", "--names", "megatron-core-llama", "--to", "tp=1,pp=1"],
     }
-    samples: dict[str, list] = {name: [] for name in commands}
     bench_run.byte_compile()
-    cold = True
+
+    def free_port() -> None:        # the study script's process group takes MASTER_PORT: a free one, beside other jobs
+        os.environ["MASTER_PORT"] = str(torchrun_jobs.free_port())
     try:
-        for i in range(args.repeat):
-            for name, argv in commands.items():
-                dst = work / f"{name.split()[0].lower()}-{i}"
-                # (the study script's process group takes MASTER_PORT: a free one, beside other jobs)
-                os.environ["MASTER_PORT"] = str(torchrun_jobs.free_port())
-                cold = bench_run.drop_caches() and cold
-                samples[name].append(bench_run.measure(argv(str(dst))))
-                if i < args.repeat - 1:
-                    shutil.rmtree(dst)
-        same = _same_weights(work / f"megatron-bridge-{args.repeat - 1}", work / f"reshard-{args.repeat - 1}")
+        samples, last, cold = bench_run.alternate(commands, str(work), args.repeat, before=free_port)
+        same = _same_weights(Path(last["Megatron-Bridge import"]), Path(last["reshard convert"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     size = bench_run.du(hf)
-    base = statistics.median(s["seconds"] for s in samples["cp -r + sync"])
     print(f"{hf}: {size / 1e9:.2f} GB; {args.repeat} alternating runs; caches "
           f"{'dropped before each run' if cold else 'NOT dropped'}")
-    print(f"{'command':<24} {'median s':>9} {'x cp':>6} {'CPU s':>7} {'peak RSS MiB':>13}  runs")
-    for name, runs in samples.items():
-        seconds = statistics.median(r["seconds"] for r in runs)
-        print(f"{name:<24} {seconds:>9.2f} {seconds / base:>6.2f} {statistics.median(r['cpu'] for r in runs):>7.2f} "
-              f"{max(r['peak_rss'] for r in runs) / 2**20:>13.0f}  {[round(r['seconds'], 2) for r in runs]}")
+    bench_run.print_medians(samples, "cp -r + sync", size / 1e9, "read")
     print("the two saves' weights:", same)
     return 0
 

@@ -208,6 +208,39 @@ def run(args):
             json.dump({"source": src, "bytes": size, "cold": cold, "rows": table}, f, indent=1)
 
 
+def alternate(commands: dict, work, repeat: int, before=None) -> tuple[dict, dict, bool]:
+    """Run each of `commands` (name -> (output path -> argv)) `repeat` times, alternating, caches dropped before each
+    run when permitted, each into its own path under `work`; `before()` is called before each run. Gives the
+    measures by name, the last run's output path by name, and whether every run started cold. Earlier runs' outputs
+    are removed as the next begins."""
+    samples: dict[str, list] = {name: [] for name in commands}
+    last: dict[str, str] = {}
+    cold = True
+    for i in range(repeat):
+        for index, (name, argv) in enumerate(commands.items()):
+            if name in last:
+                shutil.rmtree(last[name], ignore_errors=True)
+            last[name] = os.path.join(work, f"{index}-{i}")
+            if before:
+                before()
+            cold = drop_caches() and cold
+            samples[name].append(measure(argv(last[name])))
+    return samples, last, cold
+
+
+def print_medians(samples: dict, baseline: str, gb: float, per: str) -> None:
+    """Each command's medians — wall seconds, × the `baseline` command's, CPU seconds and per GB of `gb` GB (`per`
+    says of what) — its peak RSS and every run's seconds."""
+    base = statistics.median(s["seconds"] for s in samples[baseline])
+    print(f"{'command':<32} {'median s':>9} {'x base':>7} {'CPU s':>6} {'CPU s/GB ' + per:>14} "
+          f"{'peak RSS MiB':>13}  runs")
+    for name, runs in samples.items():
+        seconds = statistics.median(r["seconds"] for r in runs)
+        cpu = statistics.median(r["cpu"] for r in runs)
+        print(f"{name:<32} {seconds:>9.2f} {seconds / base:>7.2f} {cpu:>6.2f} {cpu / gb:>14.2f} "
+              f"{max(r['peak_rss'] for r in runs) / 2**20:>13.0f}  {[round(r['seconds'], 2) for r in runs]}")
+
+
 def du(path) -> int:
     """Apparent bytes of the files under path (a sparse file counts its holes)."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)

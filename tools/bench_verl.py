@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -89,30 +88,15 @@ def run(args) -> int:
         "reshard export --dtype bf16": lambda dst: [sys.executable, "-P", "-m", "reshard", "export", str(actor), dst,
                                                     "--dtype", "bf16"],
     }
-    samples: dict[str, list] = {name: [] for name in commands}
     bench_run.byte_compile()
-    cold = True
     try:
-        for i in range(args.repeat):
-            for name, argv in commands.items():
-                dst = work / f"{len(samples[name])}-{name.split()[0]}"
-                cold = bench_run.drop_caches() and cold
-                samples[name].append(bench_run.measure(argv(str(dst))))
-                if i < args.repeat - 1:
-                    shutil.rmtree(dst)
-        merged, exported = (next(work.glob(f"*-{name.split()[0]}")) for name in list(commands)[1:])
-        same = _same_tensors(merged, exported)
+        samples, last, cold = bench_run.alternate(commands, str(work), args.repeat)
+        same = _same_tensors(Path(last["verl model_merger (bf16)"]), Path(last["reshard export --dtype bf16"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    base = statistics.median(s["seconds"] for s in samples["cp of the weights' files + sync"])
     print(f"{actor}: {bench_run.du(actor) / 1e9:.2f} GB, {len(weights)} weights' files of {read_bytes / 1e9:.2f} GB; "
           f"{args.repeat} alternating runs; caches {'dropped before each run' if cold else 'NOT dropped'}")
-    print(f"{'command':<32} {'median s':>9} {'x cp':>6} {'CPU s':>6} {'CPU s/GB w':>10} {'peak RSS MiB':>13}  runs")
-    for name, runs in samples.items():
-        seconds = statistics.median(r["seconds"] for r in runs)
-        cpu = statistics.median(r["cpu"] for r in runs)
-        print(f"{name:<32} {seconds:>9.2f} {seconds / base:>6.2f} {cpu:>6.2f} {cpu / (read_bytes / 1e9):>10.2f} "
-              f"{max(r['peak_rss'] for r in runs) / 2**20:>13.0f}  {[round(r['seconds'], 2) for r in runs]}")
+    bench_run.print_medians(samples, "cp of the weights' files + sync", read_bytes / 1e9, "read")
     print("the two folders' tensors:", same)
     return 0
 
