@@ -52,7 +52,7 @@ def print_inspect(info: Inspection) -> None:
         trained = "trainable and frozen not recorded (weights only)"
     else:
         trained = f"{info.trainable} trainable, {info.frozen} frozen" + \
-            ((" before thinning" if "thinned_on" in info.thinned else "") + " (weights only)"
+            ((" before thinning" if info.thinned_from_full else "") + " (weights only)"
              if info.thinned is not None and not info.param_groups else "")
     print(f"  parameters    {info.parameters} ({info.elements:,} element{'s' * (info.elements != 1)}): "
           f"{trained}; {counted(info.buffers, 'buffer')}")

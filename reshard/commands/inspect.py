@@ -119,12 +119,18 @@ class Inspection:
     def options(self) -> JsonObject:
         return self.own.options
 
+    @property
+    def thinned_from_full(self) -> bool:
+        """Its record is `reshard thin`'s (a full checkpoint made weights-only), not a model alone's written so
+        (weights_only.written_record)."""
+        return self.thinned is not None and "thinned_on" in self.thinned
+
     def weights_only_line(self) -> str | None:
         """e.g. "weights-only (thinned from a full deepspeed checkpoint on 2026-05-01; dropped the optimizer ...)"."""
         t = self.thinned
         if t is None:
             return None
-        if "thinned_on" not in t and "load" in t:      # (written so from a model alone: weights_only.written_record)
+        if not self.thinned_from_full and "load" in t:
             return f"weights-only (written from {t.get('from', '?')}, for {t['load']})"
         return f"weights-only (thinned from {t.get('from', 'a full checkpoint')} on {t.get('thinned_on', '?')}; " \
                f"dropped {t.get('dropped', '?')})"
@@ -157,7 +163,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     thinned = weights_only.provenance(catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root))
     if thinned is None and frame is not None:      # a framework's folder thinned whole (Accelerate's around DeepSpeed)
         thinned = weights_only.provenance(frame.folder)
-    trained: weights_only.Trained | None = weights_only.Trained(kinds.count("trainable"), kinds.count("frozen"))
+    trained: weights_only.Trained | None = weights_only.Trained.of(catalog)
     if thinned is not None and not catalog.param_groups:
         # the optimizer's groups, which said what was trained, were dropped: what the record kept of the source
         trained = weights_only.trained(thinned)

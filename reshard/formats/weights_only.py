@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from reshard.errors import ReshardError
 from reshard.storage import files as fs
+
+if TYPE_CHECKING:
+    from reshard.core.catalog import Catalog
 
 PROVENANCE = "reshard-thinned.json"
 KIND = "reshard.thinned"
@@ -38,6 +41,12 @@ class Trained:
     optimizer's param groups said so, and the weights-only form drops them, so the record keeps the counts."""
     trainable: int
     frozen: int
+
+    @classmethod
+    def of(cls, catalog: Catalog) -> Trained:
+        """The counts of `catalog`'s params, by their kind."""
+        kinds = [p.kind for p in catalog.params.values()]
+        return cls(kinds.count("trainable"), kinds.count("frozen"))
 
 
 def provenance_record(thinned_on: str, what: str, dropped: tuple[str, ...], bytes_before: int, bytes_after: int,

@@ -206,12 +206,11 @@ def _provenance(catalog: Catalog, form, path: str, before: int, keep_masters: bo
     """The record's text, its own size included in the bytes after."""
     kept = _form_bytes(catalog, form, path)
     on = time.strftime("%Y-%m-%d", time.gmtime())
-    kinds = [p.kind for p in catalog.params.values()]
-    trained = weights_only.Trained(kinds.count("trainable"), kinds.count("frozen"))
     text = ""
     for _ in range(3):      # the number's digits are part of the size it states
         text = weights_only.provenance_record(on, form.what, form.dropped, before, kept + len(text.encode()),
-                                              catalog.format, keep_masters, trained)
+                                              catalog.format, keep_masters,
+                                              weights_only.Trained.of(catalog))
     return text
 
 

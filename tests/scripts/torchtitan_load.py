@@ -14,21 +14,14 @@ same way, must equal the truth's, and where the job loads the data loaders (at t
 loaded position must be the truth's. Then one more training step runs. Rank 0 writes {"label", "loaded", "error",
 "problems": {truth's name: [...]}, "step", "last_epoch", "losses", "step_after"} per job.
 """
-import json
 import os
 import tempfile
 
-from tests.helpers.rank_main import run_main
+from tests.helpers.rank_main import gloo_jobs, run_main
 
 
 def main(jobs_path, results_path):
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    results = [_job(job) for job in json.loads(open(jobs_path).read())]
-    if dist.get_rank() == 0:
-        with open(results_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    gloo_jobs(_job, jobs_path, results_path)
 
 
 def _truth(folder: str) -> dict:

@@ -14,20 +14,13 @@ loaded actor (its sharded model and optimizer state dicts, the lr scheduler) mus
 training step runs. Rank 0 writes {"label", "loaded", "error", "problems", "last_epoch", "scheduler", "step_after",
 "loss"} per job, the problems of every rank gathered.
 """
-import json
 import os
 
-from tests.helpers.rank_main import run_main
+from tests.helpers.rank_main import gloo_jobs, run_main
 
 
 def main(jobs_path, results_path):
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    results = [_job(job) for job in json.loads(open(jobs_path).read())]
-    if dist.get_rank() == 0:
-        with open(results_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    gloo_jobs(_job, jobs_path, results_path)
 
 
 def _local(value):
