@@ -53,7 +53,7 @@ VOCAB = 64      # the embedding's rows (fixture_megatron_core's training batches
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(REPO / "fixtures" / NAME))
+    parser.add_argument("--out", default=str(REPO / "fixtures" / NAME / "dp2"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()

@@ -31,6 +31,10 @@ def print_inspect(info: Inspection) -> None:
     framework = info.framework
     tag = f" (tag {info.tag})" if info.tag else ""     # only formats with tag folders have one
     print(f"  format        {framework['title'] if framework else info.format}{tag}")
+    if info.framing:
+        print(f"  read as       {info.framing}")
+    for part in info.unread or ():
+        print(f"  not read      {part['path']}: {part['what']}")
     if info.weights_only_line():
         print(f"  tier          {info.weights_only_line()}")
     zero = f", ZeRO stage {info.zero_stage}" if info.zero_stage else ""

@@ -27,6 +27,18 @@ class OwnEntries(Protocol):
         """[{key, what, value}]"""
 
 
+@runtime_checkable
+class Framed(Protocol):
+    """A reader's notes for a save read inside a framework's own framing, of which some folders are not read (verl's
+    Megatron backend: its model's torch_dist save read, its optimizer's not)."""
+
+    def framing(self) -> str:
+        """The framing, in words."""
+
+    def unread(self) -> list[dict[str, str]]:
+        """[{path, what}] of what the save holds that is not read."""
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The checkpoint's parallel degrees."""
@@ -109,6 +121,8 @@ class Inspection:
     entries: tuple[JsonObject, ...] | None = None   # the framework's own state saved inside the checkpoint
     # a weights-only form `reshard thin` wrote: when, from what, what it dropped, bytes before/after; None: not one
     thinned: JsonObject | None = None
+    framing: str | None = None      # Framed: the framing the save was read in, and what of it is not read
+    unread: tuple[JsonObject, ...] | None = None
 
     @property
     def zero_stage(self) -> int | None:
@@ -152,6 +166,8 @@ class Inspection:
         if self.entries is not None:
             data["entries"] = self.entries
         data["thinned"] = self.thinned
+        if self.framing is not None:
+            data["framing"], data["unread"] = self.framing, self.unread
         return {k: jsonable(v) for k, v in data.items()}
 
 
@@ -201,6 +217,8 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         parameter_table=tuple(_param_row(catalog, p) for p in catalog.params.values()) if params else None,
         entries=tuple(catalog.notes.own_entries()) if isinstance(catalog.notes, OwnEntries) else None,
         thinned=thinned,
+        framing=catalog.notes.framing() if isinstance(catalog.notes, Framed) else None,
+        unread=tuple(catalog.notes.unread()) if isinstance(catalog.notes, Framed) else None,
     )
 
 

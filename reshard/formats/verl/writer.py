@@ -26,6 +26,7 @@ from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, Te
 from reshard.errors import ReshardError
 from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 from reshard.formats.verl import dtensors, flat_optim
+from reshard.formats.verl.megatron_reader import MegatronBackendNotes
 from reshard.formats.verl.notes import VerlNotes, rank_file
 from reshard.storage import files as fs
 
@@ -56,6 +57,9 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
 def _checked(catalog: Catalog, target: Layout) -> VerlNotes:
     """The source's notes, or the one line saying why this catalog is not written as verl's."""
     notes = catalog.notes
+    if isinstance(notes, MegatronBackendNotes):     # its optimizer is not read: a conversion would drop it
+        raise ReshardError.at(catalog.root, "verl's Megatron-backend checkpoints are not converted: reshard reads "
+                              "their model (inspect, validate, export), not their optimizer/dist_ckpt")
     if not isinstance(notes, VerlNotes):
         raise ReshardError.at(catalog.root, f"a {catalog.format} checkpoint is not written as verl's (its mesh, "
                                             "huggingface/ and extra state come from a verl source)")
