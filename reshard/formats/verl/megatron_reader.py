@@ -148,7 +148,7 @@ def read(path: str, options: NoOptions) -> Catalog:
                 problems.append(Problem(where, None, READER, f"missing: the manifest says {part} was saved"))
             continue
         files += _listed(where, folder, part, problems)
-        not_read.append((os.path.relpath(where, folder), f"{what}: not read (its files checked present)"))
+        not_read.append((os.path.relpath(where, folder), f"{what}; its files checked present"))
     step_folder = os.path.dirname(folder)
     step = manifest.get("global_step")
     notes = MegatronBackendNotes(inner.notes, os.path.basename(folder), manifest, tuple(not_read))

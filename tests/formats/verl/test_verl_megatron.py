@@ -57,7 +57,8 @@ def test_inspect_reads_the_model_and_names_what_it_does_not(where):
     assert {"model/dist_ckpt/__0_0.distcp", "optimizer/dist_ckpt/__1_1.distcp", "extra/dist_ckpt/__0_0.distcp"} <= files
     text = run_cli("inspect", where, check=0).stdout
     assert "not read      optimizer/dist_ckpt" in text
-    run_cli("validate", "--deep", where, check=0)
+    validated = run_cli("validate", "--deep", where, check=0).stdout
+    assert "not read: optimizer/dist_ckpt" in validated and validated.splitlines()[-1].startswith("complete; 17 ")
 
 
 @pytest.fixture(scope="module")
