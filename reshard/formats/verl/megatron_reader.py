@@ -96,17 +96,6 @@ def _is_role(folder: str) -> bool:
         fs.isdir(os.path.join(folder, LEGACY[0]))
 
 
-def _step_of_run(path: str) -> str | None:
-    """The step folder a run dir's tracker names, where it is one of this backend's; None: not a run dir of it."""
-    if not fs.isfile(os.path.join(path, fsdp_reader.TRACKER)):
-        return None
-    try:
-        step, _run, _name = fsdp_reader.resolve(path, None)
-    except CheckpointError:
-        return None
-    return step if role_folder(step) is not None else None
-
-
 def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
     return fsdp_reader.resolve(path, tag)
 
@@ -116,13 +105,13 @@ def sniff(path: str, tag: str | None) -> bool:
         return False
     if tag is not None:
         return role_folder(os.path.join(path, tag)) is not None
-    return role_folder(path) is not None or _step_of_run(path) is not None
+    return role_folder(path) is not None or fsdp_reader.step_of_run(path, role_folder) is not None
 
 
 def read(path: str, options: NoOptions) -> Catalog:
     path = fs.abspath(path)
     if role_folder(path) is None:
-        path = _step_of_run(path) or path
+        path = fsdp_reader.step_of_run(path, role_folder) or path
     folder = role_folder(path)
     if folder is None:
         raise CheckpointError(path, "no verl Megatron-backend role folder (actor/ or critic/ with model/, optimizer/ "

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from reshard.core.catalog import (
@@ -88,7 +89,19 @@ def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    return fs.isdir(path) and role_folder(path) is not None
+    return fs.isdir(path) and (role_folder(path) is not None or step_of_run(path) is not None)
+
+
+def step_of_run(path: str, role_of: Callable[[str], str | None] = role_folder) -> str | None:
+    """The step folder a run dir's tracker names, where `role_of` finds a role folder in it (an FSDP one by
+    default); None: not such a run dir."""
+    if not fs.isfile(os.path.join(path, TRACKER)):
+        return None
+    try:
+        step, _run, _name = resolve(path, None)
+    except CheckpointError:
+        return None
+    return step if role_of(step) is not None else None
 
 
 def _config(folder: str) -> dict:
@@ -103,6 +116,8 @@ def _config(folder: str) -> dict:
 
 def read(path: str, options: NoOptions) -> Catalog:
     path = fs.abspath(path)
+    if role_folder(path) is None:     # a run dir: the step its tracker names
+        path = step_of_run(path) or path
     folder = role_folder(path)
     if folder is None:
         raise CheckpointError(path, "no verl role folder (actor/ or critic/ with fsdp_config.json)")

@@ -238,6 +238,17 @@ def test_inspect_names_verl_its_world_size_step_and_optimizer(fsdp):
         assert "step          3 (global_steps 3" in out, out
 
 
+def test_a_run_dir_is_read_as_the_step_its_tracker_names(tmp_path):
+    data = json.loads(run_cli("inspect", FSDP[2], "--json", check=0).stdout)
+    assert (data["format"], data["tag"], data["path"]) == ("verl", "global_step_3", str(FSDP[2] / "global_step_3"))
+    # negative control: a tracker naming a step the run does not hold is no verl run dir (nor Megatron-LM's)
+    run = tmp_path / "run"
+    shutil.copytree(FSDP[2], run)
+    (run / "latest_checkpointed_iteration.txt").write_text("4")
+    proc = run_cli("inspect", run)
+    assert proc.returncode == 1 and "iter_0000004: missing" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("fsdp", sorted(FSDP))
 def test_validate_deep_finds_the_fixture_complete(fsdp):
     out = run_cli("validate", "--deep", FSDP[fsdp] / "global_step_3", check=0).stdout
