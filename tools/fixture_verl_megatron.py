@@ -1,17 +1,18 @@
 #!/usr/bin/env python
 """verl Megatron-backend fixture: a tiny GPTModel actor trained and saved by verl 0.9.1's own MegatronCheckpointManager,
-CPU, 2 processes (tp=1, pp=1, dp=2).
+CPU, 2 processes: tp=1, pp=1, dp=2 (dp2) and tp=2, pp=1, dp=1 (tp2).
 
 Usage::
 
-    PYTHONPATH=<ray and its imports, see below> python tools/fixture_verl_megatron.py [--out DIR]
+    PYTHONPATH=<ray and its imports, see below> python tools/fixture_verl_megatron.py [--only dp2|tp2] [--out DIR]
 
 Made with verl 0.9.1, megatron-core 0.16.1, torch 2.13.0+cpu, gloo, and the CPU shim of tools/megatron_cpu.py. What
 each rank builds is what verl's Megatron engine (verl/workers/engine/megatron/transformer_impl.py) builds for its
 actor, where this machine lets it:
 
 * the TransformerConfig by verl's own converter (``verl.models.mcore.hf_to_mcore_config``) from a tiny Qwen2
-  config (tools/verl_cpu.config: 2 layers, hidden 16, vocab 32 padded to VOCAB), with the fusions that need CUDA off;
+  config (tools/verl_cpu.config: 2 layers, hidden 16, vocab 32 padded to VOCAB), with the fusions that need CUDA off
+  and sequence parallelism off (the converter turns it on at tp > 1; gloo has no reduce-scatter);
 * the model wrapped as verl's ``get_model`` wraps it (Float16Module for bf16, Megatron's DistributedDataParallel with
   the distributed optimizer's buffers, ``grad_reduce_in_fp32``, no overlapped grad reduction, the parameters
   broadcast), written out here: verl's own wrap imports a name megatron-core 0.16.1 lacks; the GPTModel itself from
@@ -48,28 +49,33 @@ import torchrun_jobs
 REPO = Path(__file__).resolve().parent.parent
 
 WORLD, STEPS, NAME = 2, 3, "verl_megatron"
+CONFIGS = {"dp2": 1, "tp2": 2}      # each configuration's tensor-parallel degree (dp: what the 2 ranks leave)
 VOCAB = 64      # the embedding's rows (fixture_megatron_core's training batches draw below it)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(REPO / "fixtures" / NAME / "dp2"))
+    parser.add_argument("--out", default=str(REPO / "fixtures" / NAME))
+    parser.add_argument("--only", choices=sorted(CONFIGS))
+    parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     if args.worker:
-        torchrun_jobs.run_rank(worker, Path(args.worker))   # (leaves the group, ends the rank)
-    stage = Path(tempfile.mkdtemp(prefix=f"{NAME}."))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONHASHSEED": "0",
-           "VERL_LOGGING_LEVEL": "WARNING"}
-    torchrun_jobs.make_fixture(NAME, WORLD, [__file__, "--worker", stage], env, args.timeout, stage, Path(args.out))
-    print("wrote", args.out)
+        torchrun_jobs.run_rank(worker, Path(args.worker), CONFIGS[args.name])   # (leaves the group, ends the rank)
+    for name in [args.only] if args.only else list(CONFIGS):
+        stage = Path(tempfile.mkdtemp(prefix=f"{NAME}_{name}."))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONHASHSEED": "0",
+               "VERL_LOGGING_LEVEL": "WARNING"}
+        torchrun_jobs.make_fixture(name, WORLD, [__file__, "--worker", stage, "--name", name], env, args.timeout,
+                                   stage, Path(args.out) / name)
+        print("wrote", Path(args.out) / name)
     return 0
 
 
-def actor():
+def actor(tp: int):
     """(tf_config, ddp module, optimizer, scheduler, checkpoint manager) of verl's Megatron actor at this process
-    group (model parallel groups made at tp=1, pp=1)."""
+    group (model parallel groups made at tp, pp=1)."""
     import megatron_cpu
     megatron_cpu.install()
     import verl_cpu
@@ -90,7 +96,7 @@ def actor():
     )
     from verl.utils.megatron_utils import get_hf_rope_theta
 
-    mpu.initialize_model_parallel(1, 1)
+    mpu.initialize_model_parallel(tp, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     hf_config = verl_cpu.config()
@@ -100,7 +106,8 @@ def actor():
     tf_config = hf_to_mcore_config(hf_config, torch.bfloat16, use_cpu_initialization=True,
                                    masked_softmax_fusion=False, bias_activation_fusion=False,
                                    bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-                                   gradient_accumulation_fusion=False, attention_backend="local")
+                                   gradient_accumulation_fusion=False, attention_backend="local",
+                                   sequence_parallel=False)
 
     def provider(pre_process, post_process, vp_stage=None):
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
@@ -146,14 +153,14 @@ def actor():
     return tf_config, module, optimizer, scheduler, manager
 
 
-def worker(out: Path) -> None:
+def worker(out: Path, tp: int) -> None:
     import torch
     import torch.distributed as dist
 
     import fixture_megatron_core
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tf_config, module, optimizer, scheduler, manager = actor()
+    tf_config, module, optimizer, scheduler, manager = actor(tp)
     from megatron.core.distributed import finalize_model_grads
     tf_config.no_sync_func = module[0].no_sync
     tf_config.finalize_model_grads_func = finalize_model_grads
@@ -175,7 +182,8 @@ def worker(out: Path) -> None:
         import verl_cpu
         (out / "truth.json").write_text(json.dumps({
             "verl": verl_cpu.VERL, "megatron_core": megatron.core.__version__, "torch": torch.__version__,
-            "world": dist.get_world_size(), "tp": 1, "pp": 1, "dp": WORLD, "step": STEPS, "params_dtype": "bfloat16",
+            "world": dist.get_world_size(), "tp": tp, "pp": 1, "dp": WORLD // tp, "step": STEPS,
+            "params_dtype": "bfloat16",
             "optimizer": "distributed", "sharding_type": "dp_reshardable", "use_dist_checkpointing": True,
             "bridge": None, "layer_spec": "local", "losses": losses}, indent=1) + "\n")
     dist.barrier()

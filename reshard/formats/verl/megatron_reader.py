@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from reshard.core.catalog import Catalog, FileInfo, FormatNotes
+from reshard.core.layout import Degrees
 from reshard.core.problems import READER, Problem
 from reshard.errors import CheckpointError
 from reshard.formats.dcp import metadata as dcp_metadata
@@ -40,6 +41,7 @@ FORMAT = fsdp_reader.FORMAT
 OPTIONS = NoOptions
 IN_FRAMEWORK_FOLDERS = False
 MANIFEST = "ckpt_contents.json"
+TRANSFORMER_CONFIG = "transformer_config.json"
 SCHEMA = 2                                  # MegatronCheckpointManager.MANIFEST_SCHEMA_VERSION
 PARTS = ("model", "optimizer", "extra")     # the role folder's sub-folders, each <part>/dist_ckpt/
 DIST_CKPT = "dist_ckpt"
@@ -138,12 +140,35 @@ def read(path: str, options: NoOptions) -> Catalog:
             continue
         files += _listed(where, folder, part, problems)
         not_read.append((os.path.relpath(where, folder), f"{what}; its files checked present"))
+    layout = replace(inner.layout, degrees=_degrees(folder, manifest, inner.layout.degrees))
     step_folder = os.path.dirname(folder)
     step = manifest.get("global_step")
     notes = MegatronBackendNotes(inner.notes, os.path.basename(folder), manifest, tuple(not_read))
-    return replace(inner, root=folder, format=FORMAT, tag=os.path.basename(step_folder), files=tuple(files),
-                   problems=tuple(problems), notes=notes, save_dir=step_folder,
+    return replace(inner, root=folder, format=FORMAT, layout=layout, tag=os.path.basename(step_folder),
+                   files=tuple(files), problems=tuple(problems), notes=notes, save_dir=step_folder,
                    training=replace(inner.training, global_steps=step if isinstance(step, int) else None))
+
+
+def _degrees(folder: str, manifest: dict[str, Any], read: Degrees) -> Degrees:
+    """The degrees the ranks saved at: tp and pp from transformer_config.json (the model folder's common state holds
+    no Megatron-LM args, so the Megatron reader takes 1 for both), dp what the manifest's world size leaves; `read`
+    where the save does not say (no transformer_config.json: save_contents without "extra")."""
+    where = os.path.join(folder, TRANSFORMER_CONFIG)
+    if not fs.isfile(where):
+        return read
+    try:
+        with fs.open(where) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(where, f"not JSON: {e}") from None
+    tp, pp = (config.get(k) if isinstance(config, dict) else None for k in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    world = manifest.get("world_size")
+    if not (isinstance(tp, int) and isinstance(pp, int) and isinstance(world, int)) or min(tp, pp, world) < 1 or \
+            world % (tp * pp):
+        raise CheckpointError(where, f"tensor_model_parallel_size {tp!r} and pipeline_model_parallel_size {pp!r} "
+                              f"do not divide the manifest's world_size {world!r}")
+    return Degrees.of(world // (tp * pp), tp, pp)
 
 
 def _manifest(folder: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""verl's Megatron-backend checkpoints (fixtures/verl_megatron/dp2, saved by verl 0.9.1's own MegatronCheckpointManager
-at 2 CPU ranks: tools/fixture_verl_megatron.py), read through the Megatron reader.
+"""verl's Megatron-backend checkpoints (fixtures/verl_megatron/{dp2,tp2}, saved by verl 0.9.1's own
+MegatronCheckpointManager at 2 CPU ranks, tp=1 dp=2 and tp=2 dp=1: tools/fixture_verl_megatron.py), read through the
+Megatron reader.
 
-The fixture holds ``global_step_3/actor/`` as verl's manager lays it out (``ckpt_contents.json``,
+Each fixture holds ``global_step_3/actor/`` as verl's manager lays it out (``ckpt_contents.json``,
 ``transformer_config.json``, ``model/``, ``optimizer/`` and ``extra/dist_ckpt/``), ``global_step_3/data.pt`` and the
 tracker. reshard reads the model's torch_dist save with the Megatron reader and names the optimizer's and the RNG
 states' folders as not read, their files checked present. Proof of what it reads: megatron-core's own
@@ -25,32 +26,39 @@ from tests.helpers.fixtures import FIXTURES
 from tests.helpers.lifecycle_runs import age
 from tests.helpers.torchrun import run_torchrun
 
-RUN = FIXTURES / "verl_megatron" / "dp2"
+ROOT = FIXTURES / "verl_megatron"
+RUNS = {"dp2": (2, 1), "tp2": (1, 2)}       # each fixture's (dp, tp)
+RUN = ROOT / "dp2"
 STEP = RUN / "global_step_3"
 ACTOR = STEP / "actor"
 CHANGED = "decoder.layers.1.mlp.linear_fc2.weight"     # the weight the negative control changes
 STACK = "decoder.layers."
 
 
-def test_fixture_is_verl_own_layout():
-    assert (RUN / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert (STEP / "data.pt").is_file()
-    manifest = json.loads((ACTOR / "ckpt_contents.json").read_text())
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_fixture_is_verl_own_layout(name):
+    run = ROOT / name
+    actor = run / "global_step_3" / "actor"
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (run / "global_step_3" / "data.pt").is_file()
+    manifest = json.loads((actor / "ckpt_contents.json").read_text())
     assert (manifest["framework"], manifest["schema_version"], manifest["role"], manifest["global_step"],
             manifest["world_size"]) == ("megatron", 2, "actor", 3, 2)
     assert manifest["backend"] == {"has_bridge": False, "peft": False, "use_dist_checkpointing": True}
     for part in ("model", "optimizer", "extra"):
-        folder = ACTOR / part / "dist_ckpt"
+        folder = actor / part / "dist_ckpt"
         assert json.loads((folder / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
         assert (folder / ".metadata").is_file() and (folder / "common.pt").is_file()
-    assert (ACTOR / "transformer_config.json").is_file()
+    config = json.loads((actor / "transformer_config.json").read_text())
+    assert config["tensor_model_parallel_size"] == RUNS[name][1] == json.loads((run / "truth.json").read_text())["tp"]
 
 
-@pytest.mark.parametrize("where", [RUN, STEP, ACTOR])
+@pytest.mark.parametrize("where", [RUN, STEP, ACTOR, ROOT / "tp2"])
 def test_inspect_reads_the_model_and_names_what_it_does_not(where):
     info = json.loads(run_cli("inspect", "--json", where, check=0).stdout)
     assert (info["format"], info["tag"], info["global_steps"], info["parameters"]) == ("verl", "global_step_3", 3, 17)
-    assert info["topology"]["dp"] == 2 and info["dtype"] == "bfloat16"
+    dp, tp = RUNS["tp2" if "tp2" in str(where) else "dp2"]      # (the degrees transformer_config.json gives)
+    assert (info["topology"]["dp"], info["topology"]["tp"], info["dtype"]) == (dp, tp, "bfloat16")
     assert "Megatron backend" in info["framing"] and "model/dist_ckpt" in info["framing"]
     assert [u["path"] for u in info["unread"]] == ["optimizer/dist_ckpt", "extra/dist_ckpt"]
     files = {f["path"] for f in info["files"]}
@@ -63,20 +71,26 @@ def test_inspect_reads_the_model_and_names_what_it_does_not(where):
 
 @pytest.fixture(scope="module")
 def megatron_loaded(tmp_path_factory):
-    """megatron-core's own load of the fixture's model/dist_ckpt, and reshard's export of the fixture and of a copy
-    with one element of CHANGED changed: (loaded, exported, exported changed)."""
+    """{fixture: (megatron-core's own load of its model/dist_ckpt, reshard's export of it, reshard's export of a copy
+    with one element of CHANGED changed)}: one launch, a job per fixture."""
     from safetensors.torch import load_file
     out = tmp_path_factory.mktemp("verl_megatron")
-    job = {"label": "fixture", "folder": str(ACTOR / "model" / "dist_ckpt"), "out": str(out / "megatron.safetensors")}
-    [result] = run_torchrun("megatron_plain_load.py", 1, [job], out, "verl-megatron")
-    assert result["loaded"], result
-    changed = out / "changed" / "global_step_3" / "actor"
-    shutil.copytree(ACTOR, changed)
-    change_dcp_element(changed, CHANGED, METADATA_ALLOWED, state="module")
-    for source, name in ((ACTOR, "export"), (changed, "changed")):
-        run_cli("export", source, out / name / "model.safetensors", check=0)
-    return (load_file(job["out"]), load_file(str(out / "export" / "model.safetensors")),
-            load_file(str(out / "changed" / "model.safetensors")))
+    jobs = [{"label": name, "folder": str(ROOT / name / "global_step_3" / "actor" / "model" / "dist_ckpt"),
+             "out": str(out / f"{name}-megatron.safetensors")} for name in sorted(RUNS)]
+    results = run_torchrun("megatron_plain_load.py", 1, jobs, out, "verl-megatron")
+    assert all(r["loaded"] for r in results), results
+    found = {}
+    for job in jobs:
+        name = job["label"]
+        actor = ROOT / name / "global_step_3" / "actor"
+        changed = out / name / "changed" / "global_step_3" / "actor"
+        shutil.copytree(actor, changed)
+        change_dcp_element(changed, CHANGED, METADATA_ALLOWED, state="module")
+        for source, kind in ((actor, "export"), (changed, "changed")):
+            run_cli("export", source, out / name / kind / "model.safetensors", check=0)
+        found[name] = tuple(load_file(path) for path in (job["out"], str(out / name / "export" / "model.safetensors"),
+                                                         str(out / name / "changed" / "model.safetensors")))
+    return found
 
 
 def _unstacked(loaded: dict) -> dict:
@@ -91,9 +105,10 @@ def _unstacked(loaded: dict) -> dict:
     return out
 
 
-def test_export_equals_megatron_core_load(megatron_loaded):
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_export_equals_megatron_core_load(megatron_loaded, name):
     import torch
-    loaded, exported, _ = megatron_loaded
+    loaded, exported, _ = megatron_loaded[name]
     expected = _unstacked(loaded)
     assert sorted(exported) == sorted(expected)
     for name, tensor in expected.items():
@@ -101,9 +116,10 @@ def test_export_equals_megatron_core_load(megatron_loaded):
         assert torch.equal(exported[name], tensor), name
 
 
-def test_negative_control_changed_element_is_found(megatron_loaded):
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_negative_control_changed_element_is_found(megatron_loaded, name):
     import torch
-    loaded, _, changed = megatron_loaded
+    loaded, _, changed = megatron_loaded[name]
     expected = _unstacked(loaded)
     differing = [name for name, tensor in expected.items() if not torch.equal(changed[name], tensor)]
     assert differing == [CHANGED]
