@@ -45,3 +45,8 @@ class UnprovenMappingError(CheckpointError):
     """The files read, but which parameter an optimizer entry belongs to cannot be proven (entries and parameters of
     equal shapes in a file that keeps no parameter order): no proof that anything is missing, only that reshard
     cannot tell."""
+
+
+class UnreadLayoutError(CheckpointError):
+    """A framework's layout recognised but not read (verl's schema 1 Megatron layout, its model saved through a
+    bridge): no proof that anything is missing, only that reshard does not read it."""

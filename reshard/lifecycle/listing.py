@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from reshard.commands.validate import validate
-from reshard.errors import ReshardError, UnprovenMappingError, UnsafeCheckpointError
+from reshard.errors import ReshardError, UnprovenMappingError, UnreadLayoutError, UnsafeCheckpointError
 from reshard.formats import read as read_catalog, weights_only
 from reshard.lifecycle import run_layout, run_metrics, units
 from reshard.lifecycle.sizes import BytesByKind, RunBytes, added_up, cost_per_month, split
@@ -184,7 +184,7 @@ def _checked(entry, files: Files) -> tuple:
     try:
         catalog = read_catalog(entry.path)
     # not proof that anything is missing: only that reshard cannot read it, or cannot tell its tensors apart
-    except (UnsafeCheckpointError, UnprovenMappingError) as e:
+    except (UnsafeCheckpointError, UnprovenMappingError, UnreadLayoutError) as e:
         return _row(entry, files, UNVERIFIABLE, f"{e}; never deleted"), run_metrics.Recorded()
     except ReshardError as e:
         return _row(entry, files, INCOMPLETE, str(e)), run_metrics.Recorded()

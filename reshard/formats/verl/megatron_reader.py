@@ -28,7 +28,7 @@ from typing import Any
 from reshard.core.catalog import Catalog, FileInfo, FormatNotes
 from reshard.core.layout import Degrees
 from reshard.core.problems import READER, Problem
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, UnreadLayoutError
 from reshard.formats.dcp import metadata as dcp_metadata
 from reshard.formats.dcp.chunks import METADATA
 from reshard.formats.megatron import reader as megatron_reader
@@ -124,8 +124,8 @@ def read(path: str, options: NoOptions) -> Catalog:
         saved = manifest.get("contents", {}).get("model", {}) if isinstance(manifest.get("contents"), dict) else {}
         held = f"the model is saved as {saved.get('format')} in {saved.get('path')}" if isinstance(saved, dict) and \
             saved else "no model weights saved"
-        raise CheckpointError(model, f"no torch_dist save of the model ({held}): verl's Megatron checkpoints are "
-                              "read from model/dist_ckpt (use_dist_checkpointing=True)")
+        raise UnreadLayoutError(model, f"no torch_dist save of the model ({held}): verl's Megatron checkpoints are "
+                                "read from model/dist_ckpt (use_dist_checkpointing=True)")
     inner = megatron_reader.read(model, TagOption(None))
     prefix = os.path.relpath(model, folder)
     files = [replace(f, path=os.path.join(prefix, f.path)) for f in inner.files]
@@ -176,9 +176,9 @@ def _manifest(folder: str) -> dict[str, Any]:
     where = os.path.join(folder, MANIFEST)
     if not fs.isfile(where):
         if fs.isdir(os.path.join(folder, LEGACY[0])):
-            raise CheckpointError(os.path.join(folder, LEGACY[0]), "verl's schema 1 layout (dist_ckpt/ of model, "
-                                  "optimizer and RNG states in one save) is not read: verl's "
-                                  "scripts/migrate_megatron_checkpoint_layout.py moves it to schema 2")
+            raise UnreadLayoutError(os.path.join(folder, LEGACY[0]), "verl's schema 1 layout (dist_ckpt/ of model, "
+                                    "optimizer and RNG states in one save) is not read: verl's "
+                                    "scripts/migrate_megatron_checkpoint_layout.py moves it to schema 2")
         raise CheckpointError(where, "missing: verl writes it after every other file, so the save did not finish")
     try:
         with fs.open(where) as f:

@@ -171,3 +171,25 @@ def test_unfinished_save_without_its_manifest(tmp_path):
     assert_one_line_error(proc, "ckpt_contents.json", "missing", "did not finish")
     [row] = json.loads(run_cli("list", "--json", run, check=1).stdout)["checkpoints"]
     assert row["status"] == "incomplete" and "ckpt_contents.json" in row["why"]
+
+
+def test_schema_1_layout_is_named_in_one_line_and_never_deleted(tmp_path):
+    """verl's pre-v2 layout (dist_ckpt/ directly under the role, as its _raise_for_old_layout describes it): the
+    fixture's model save moved there, the v2 folders and the manifest gone."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    shutil.copytree(STEP, run / "global_step_2")
+    old = run / "global_step_2" / "actor"
+    (old / "model" / "dist_ckpt").rename(old / "dist_ckpt")
+    for name in ("model", "optimizer", "extra"):
+        shutil.rmtree(old / name)
+    (old / "ckpt_contents.json").unlink()
+    age(run)
+    assert_one_line_error(run_cli("inspect", run / "global_step_2"), "actor/dist_ckpt", "schema 1", "not read",
+                          "migrate_megatron_checkpoint_layout.py")
+    rows = json.loads(run_cli("list", "--json", run, check=0).stdout)["checkpoints"]
+    assert [(r["name"], r["status"]) for r in rows] == [("global_step_2", "unverifiable"),
+                                                        ("global_step_3", "complete")]
+    run_cli("prune", run, "--keep-last", "1", "--delete-incomplete", "--yes", check=0)
+    # never deleted, even with --delete-incomplete (which deletes a step missing a shard, as tested above)
+    assert (old / "dist_ckpt" / ".metadata").is_file() and (run / "global_step_3").is_dir()
