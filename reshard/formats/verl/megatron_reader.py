@@ -90,12 +90,12 @@ def role_folder(path: str) -> str | None:
 
 def _is_role(folder: str) -> bool:
     """A folder MegatronCheckpointManager saved into: its manifest, a <part>/dist_ckpt/ (the manifest comes last), or
-    schema 1's dist_ckpt/ directly inside; never an FSDP role folder."""
+    schema 1's dist_ckpt/ directly inside a role's folder (actor/, critic/); never an FSDP role folder."""
     if not fs.isdir(folder) or fs.isfile(os.path.join(folder, fsdp_reader.FSDP_CONFIG)):
         return False
     return fs.isfile(os.path.join(folder, MANIFEST)) or \
         any(fs.isdir(os.path.join(folder, part, DIST_CKPT)) for part in PARTS) or \
-        fs.isdir(os.path.join(folder, LEGACY[0]))
+        (os.path.basename(os.path.normpath(folder)) in fsdp_reader.ROLES and fs.isdir(os.path.join(folder, LEGACY[0])))
 
 
 def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
@@ -122,6 +122,8 @@ def read(path: str, options: NoOptions) -> Catalog:
     model = os.path.join(folder, "model", DIST_CKPT)
     if not fs.isfile(os.path.join(model, megatron_reader.CONFIG)):
         saved = manifest.get("contents", {}).get("model", {}) if isinstance(manifest.get("contents"), dict) else {}
+        if isinstance(saved, dict) and saved.get("format") == "megatron_dist_checkpoint":
+            raise CheckpointError(model, f"missing: {MANIFEST} says the model was saved here")
         held = f"the model is saved as {saved.get('format')} in {saved.get('path')}" if isinstance(saved, dict) and \
             saved else "no model weights saved"
         raise UnreadLayoutError(model, f"no torch_dist save of the model ({held}): verl's Megatron checkpoints are "

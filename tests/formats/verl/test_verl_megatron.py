@@ -173,6 +173,15 @@ def test_unfinished_save_without_its_manifest(tmp_path):
     assert row["status"] == "incomplete" and "ckpt_contents.json" in row["why"]
 
 
+def test_a_lost_model_folder_is_missing(tmp_path):
+    run = _run_copy(tmp_path)
+    shutil.rmtree(run / "global_step_3" / "actor" / "model" / "dist_ckpt")
+    age(run)
+    assert_one_line_error(run_cli("inspect", run), "model/dist_ckpt", "missing", "ckpt_contents.json says")
+    [row] = json.loads(run_cli("list", "--json", run, check=1).stdout)["checkpoints"]
+    assert row["status"] == "incomplete" and "model/dist_ckpt" in row["why"]
+
+
 def test_schema_1_layout_is_named_in_one_line_and_never_deleted(tmp_path):
     """verl's pre-v2 layout (dist_ckpt/ directly under the role, as its _raise_for_old_layout describes it): the
     fixture's model save moved there, the v2 folders and the manifest gone."""
