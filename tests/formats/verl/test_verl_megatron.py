@@ -105,6 +105,7 @@ def _unstacked(loaded: dict) -> dict:
     return out
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_export_equals_megatron_core_load(megatron_loaded, name):
     import torch
@@ -116,6 +117,7 @@ def test_export_equals_megatron_core_load(megatron_loaded, name):
         assert torch.equal(exported[name], tensor), name
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_negative_control_changed_element_is_found(megatron_loaded, name):
     import torch
