@@ -65,6 +65,11 @@ def _manifest(out: str) -> dict:
     return {}
 
 
+def _allocated(path: str) -> int:
+    """Bytes of `path`'s files that hold blocks (holes excluded)."""
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files)
+
+
 def _load() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
@@ -81,10 +86,13 @@ def run_fast(args) -> None:
             subprocess.run(["cp", "-r", src, os.path.join(work, "src")], check=True)
             src = os.path.join(work, "src")
         size = du(src)
+        # cp keeps a source's holes as holes (--sparse=auto) where reshard writes every byte: a sparse source
+        # (`make-synthetic --holes`) is copied with every byte written too
+        dense = ["--sparse=never"] if _allocated(src) < size / 2 else []
         reshard = [sys.executable, "-P", "-m", "reshard"]
         convert = reshard + ["convert", src, "{dst}", "--to", args.to, "--quiet"]
         commands = {
-            "cp -r": ["sh", "-c", 'cp -r "$0" "$1" && sync', src, "{dst}"],
+            "cp -r": ["sh", "-c", f'cp -r {" ".join(dense)} "$0" "$1" && sync', src, "{dst}"],
             "direct copy": [sys.executable, os.path.abspath(__file__), src, "{dst}"],
             f"convert {args.to}": convert,
             f"convert {args.to} --workers {args.workers}": convert + ["--workers", str(args.workers)],
