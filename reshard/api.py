@@ -97,7 +97,7 @@ def validate(source: str | os.PathLike[str] | Catalog, deep: bool = False, check
     Args:
         source: a checkpoint's path, or its Catalog.
         deep: also read every byte: NaN/Inf, and zip members whose CRC-32 does not match.
-        checksums: verify every file's digest (BLAKE3 or sha256) against the reshard manifest (convert and export
+        checksums: verify every file's digest (by its algorithm) against the reshard manifest (convert and export
             write one).
         progress: bars of the bytes read on stderr, where it is a terminal.
         tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
@@ -187,8 +187,9 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
         overwrite: replace a non-empty `dst`.
         resume: after an interrupted run, keep the files it finished (checked by their digest).
         progress: a bar of the bytes written on stderr, where it is a terminal.
-        digest: the manifest's digest of every file: "blake3" (the default: a third of sha256's CPU) or "sha256"
-            (for `sha256sum`); `validate(checksums=True)` verifies either.
+        digest: the manifest's digest of every file: "blake3" (the default: a third of sha256's CPU), "sha256"
+            (for `sha256sum`) or "xxh3-128" (a sixth of BLAKE3's CPU; not cryptographic); `validate(checksums=True)`
+            verifies each.
 
     Returns:
         Written: every file on disk with its size, the manifest, the stage cut of a pipeline target and what

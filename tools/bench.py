@@ -29,8 +29,8 @@
         (tools/bench_thin.py).
     python tools/bench.py fast SRC [--to dp=4] [--workers 2] [--repeat 3] [--workdir /dev/shm] [--json out.json]
         On tmpfs (fast storage: the CPU is the limit): `cp -r`, a direct copy, `reshard convert` with 1 and N
-        workers (and with --digest sha256: --sha256), `export`, `validate --deep`; wall, x cp, CPU seconds and per
-        GB, peak RSS of each process tree, the load beside them (tools/bench_fast.py).
+        workers (with --digest ALGORITHM: also that manifest digest), `export`, `validate --deep`; wall, x cp, CPU
+        seconds and per GB, peak RSS of each process tree, the load beside them (tools/bench_fast.py).
     python tools/bench.py verl-make DIR [--hidden 1024] [--layers 16] [--fsdp 2]
     python tools/bench.py verl DIR [--repeat 3]
         A Qwen2 actor saved by verl's own checkpoint manager on 2 CPU ranks; then `reshard export --dtype bf16` of it

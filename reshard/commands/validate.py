@@ -125,7 +125,7 @@ class Complete:
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False,
              progress: bool = False) -> ValidationReport:
-    """`deep` reads every byte for NaN/Inf; `checksums` verifies the digest (BLAKE3 or sha256) of every file against the
+    """`deep` reads every byte for NaN/Inf; `checksums` verifies the digest (by its algorithm) of every file against the
     reshard manifest (sizes are checked whenever a manifest is there). `progress`: bars of the bytes read
     and hashed on stderr, when it is a terminal."""
     report = _Found(problems=list(catalog.problems),

@@ -178,7 +178,7 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     With a `group` (reshard.execution.distributed) every rank writes its share; rank 0 commits once all
     ranks report success. Any failure but a hard kill removes the temporary sibling. `storage`: where the output
     is written (reshard.storage; by default the local filesystem). `digest`: the algorithm of every file's digest in
-    the manifest (reshard.digests: BLAKE3 by default, or sha256).
+    the manifest (reshard.digests: BLAKE3 by default, sha256 or XXH3-128).
     """
     with INTERRUPTS:
         return _execute(plan, Staging(dst, storage), overwrite, memory_budget, workers, progress, single_file,
