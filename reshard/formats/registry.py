@@ -135,7 +135,8 @@ FORMATS = (
     Format("verl", "verl", "verl.md", "verl FSDP global_step_N/ folders (actor, critic)",
            RunLayout("verl", checkpoints=r"^global_step_(\d+)$", pointer="latest_checkpointed_iteration.txt",
                      pointer_how=RESOLVE),
-           readers=("reshard.formats.verl.reader",),
+           # a run folder holds Megatron-LM's tracker file name
+           readers=("reshard.formats.verl.reader",), tried_before=("megatron",),
            writer=WriterEntry("reshard.formats.verl.writer", MESH_ONLY),
            writes="verl's FSDP step folder at any world size (FSDP1 or FSDP2: weights, optimizer, lr scheduler), "
                   "the default for a verl source"),
