@@ -40,6 +40,8 @@ def print_written(args: argparse.Namespace, dst: str, written: Written | None) -
         print(f"wrote {dst} ({written.output.words()}): {files_words(written)}, {human_bytes(written.size)}")
         for d in written.framework_files:
             print(f"  {d.line()}")
+        for folder in written.left_out:
+            print(f"  {folder}/ not in it: another model of the checkpoint, exported from its own folder")
 
 
 def files_words(written: Written) -> str:

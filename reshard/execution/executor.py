@@ -113,6 +113,8 @@ class Written:
     manifest: str
     stage_cut: StageCut | None = None
     framework_files: tuple = ()
+    # the source's other models an export does not hold (a verl step's critic/ beside the actor it exports)
+    left_out: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -126,6 +128,8 @@ class Written:
                 "manifest": self.manifest}
         if self.framework_files:
             data["framework_files"] = [d.to_dict() for d in self.framework_files]
+        if self.left_out:
+            data["left_out"] = list(self.left_out)
         return data
 
 

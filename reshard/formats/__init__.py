@@ -102,7 +102,7 @@ def rank_state(catalog: Catalog, format_name: str, target: Layout,
     for every other."""
     if format_name not in WRITERS or format_name != catalog.format or not writer(format_name).OWN_RANK_STATE:
         return None
-    return writer(format_name).rank_state(catalog, target, policy)
+    return importlib.import_module(WRITERS[format_name].module).rank_state(catalog, target, policy)
 
 
 def with_framework(catalog: Catalog, format_name: str, world: int, policy: str,

@@ -115,7 +115,7 @@ def read(path: str, options: NoOptions) -> Catalog:
     step_folder, tracker = path, None
     if role_folder(path) is None and fs.isfile(os.path.join(path, TRACKER)):    # a run: the step its tracker names
         step_folder, _, name = resolve(path, None)
-        tracker = _STEP.match(name).group(1)    # type: ignore[union-attr]  (resolve names global_step_N)
+        tracker = name[len("global_step_"):]     # (resolve names global_step_N)
     folder = role_folder(step_folder)
     if folder is None:
         raise CheckpointError(step_folder, "no verl role folder (actor/ or critic/ with fsdp_config.json)")
@@ -166,9 +166,9 @@ def read(path: str, options: NoOptions) -> Catalog:
     first_dtensor = next((v for v in models[0][1].values() if isinstance(v, ShardRef)), None)
     catalog.notes = _notes(path, folder, config, first_dtensor or _mesh_of_one(accelerator), flat, tracker)
     if folder != path:      # the step's other roles, each its own model (a role folder read alone has none)
-        catalog.companions = [read(os.path.join(step_folder, role), options) for role in ROLES
-                              if fs.isdir(os.path.join(step_folder, role)) and
-                              os.path.join(step_folder, role) != folder]
+        catalog.companions = tuple(read(os.path.join(step_folder, role), options) for role in ROLES
+                                   if fs.isdir(os.path.join(step_folder, role)) and
+                                   os.path.join(step_folder, role) != folder)
     return catalog.freeze()
 
 
