@@ -123,7 +123,8 @@ class Written:
     def to_dict(self) -> dict:
         """Plain data: what `reshard convert --json` and `reshard export --json` print."""
         output = self.output or Output("")
-        data = {"path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
+        data: dict[str, object] = {"path": self.path, "format": output.format, "topology": output.topology,
+                                   "tag": output.tag,
                 "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
                 "manifest": self.manifest}
         if self.framework_files:
