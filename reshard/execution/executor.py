@@ -123,10 +123,10 @@ class Written:
     def to_dict(self) -> dict:
         """Plain data: what `reshard convert --json` and `reshard export --json` print."""
         output = self.output or Output("")
-        data: dict[str, object] = {"path": self.path, "format": output.format, "topology": output.topology,
-                                   "tag": output.tag,
-                "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
-                "manifest": self.manifest}
+        data: dict[str, object] = {
+            "path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
+            "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
+            "manifest": self.manifest}
         if self.framework_files:
             data["framework_files"] = [d.to_dict() for d in self.framework_files]
         if self.left_out:
