@@ -184,13 +184,6 @@ def test_verl_loads_the_conversion_at_its_world_size_bit_equal_and_trains_on(loa
 
 
 @pytest.mark.engine
-def test_a_changed_element_of_the_conversion_is_found_in_what_verl_loaded(loaded):
-    result = loaded["changed at 4"]
-    assert result["loaded"], result
-    assert _differing(result["full"], loaded["fsdp2"]["full"]) == {CHANGED: 1}
-
-
-@pytest.mark.engine
 def test_verl_refuses_the_unconverted_fixture_at_4_ranks(loaded):
     for label in ("fsdp2 at 4", "critic at 4"):     # the actor's and the critic's files alike
         result = loaded[label]
@@ -350,6 +343,82 @@ def test_a_missing_or_truncated_rank_file_is_named(tmp_path):
     rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
     proc = run_cli("validate", "--deep", truncated)
     assert proc.returncode != 0 and "optim_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+
+
+@pytest.mark.parametrize("kind", ["model", "optim"])
+def test_a_missing_or_truncated_critic_rank_file_is_named(tmp_path, kind):
+    """The step is whole only with its critic: validate (and --deep) of the step names the critic's file."""
+    missing = tmp_path / "missing"
+    shutil.copytree(FSDP[2] / "global_step_3", missing)
+    (missing / "critic" / f"{kind}_world_size_2_rank_1.pt").unlink()
+    proc = run_cli("validate", missing)
+    assert proc.returncode != 0 and f"critic/{kind}_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+    truncated = tmp_path / "truncated"
+    shutil.copytree(FSDP[2] / "global_step_3", truncated)
+    rank1 = truncated / "critic" / f"{kind}_world_size_2_rank_1.pt"
+    rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
+    proc = run_cli("validate", "--deep", truncated)
+    assert proc.returncode != 0 and f"critic/{kind}_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+    # negative control: the same copy whole is complete
+    assert run_cli("validate", "--deep", FSDP[2] / "global_step_3", check=0).stdout.startswith("complete;")
+
+
+def test_a_run_folder_converts_to_a_run_folder_with_its_tracker_written_last(tmp_path):
+    """RUN (the tracker beside global_step_*/) converts the step the tracker names into DST/global_step_3/ and
+    writes DST/latest_checkpointed_iteration.txt, listed last (the executor writes text files after the rest, in
+    order); a newer step the tracker does not name is not converted. Negative controls: a run without its tracker,
+    and a tracker naming a step that is not there, are refused in one line with nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(FSDP[2], run)
+    shutil.copytree(run / "global_step_3", run / "global_step_4")     # a save in progress: the tracker says 3
+    dst = tmp_path / "dp4"
+    written = json.loads(run_cli("convert", run, dst, "--to", "dp=4", "--json", check=0).stdout)
+    assert sorted(p.name for p in dst.iterdir()) == ["global_step_3", "latest_checkpointed_iteration.txt",
+                                                     "reshard-manifest.json"]
+    assert (dst / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert written["files"][-1]["path"] == str(dst / "latest_checkpointed_iteration.txt"), written["files"][-3:]
+    assert sorted(p.name for p in (dst / "global_step_3").iterdir()) == ["actor", "critic", "data.pt"]
+    assert run_cli("diff", FSDP[2] / "global_step_3", dst / "global_step_3", check=0).returncode == 0
+    assert run_cli("validate", dst, check=0).stdout.startswith("complete;")
+    # a step folder as the source keeps writing DST as the step: no tracker
+    run_cli("convert", run / "global_step_3", tmp_path / "step", "--to", "dp=4", check=0)
+    assert not (tmp_path / "step" / "latest_checkpointed_iteration.txt").exists()
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    proc = run_cli("convert", run, tmp_path / "five", "--to", "dp=4")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc
+    assert "global_step_5" in proc.stderr and "names step 5" in proc.stderr, proc.stderr
+    (run / "latest_checkpointed_iteration.txt").unlink()
+    proc = run_cli("convert", run, tmp_path / "none", "--to", "dp=4")
+    assert proc.returncode != 0 and len(proc.stderr.splitlines()) == 1 and "run directory" in proc.stderr, proc
+    assert not (tmp_path / "five").exists() and not (tmp_path / "none").exists()
+
+
+def test_new_rank_state_is_honoured_for_the_extra_state_and_said_by_plan(tmp_path):
+    """fresh (the default): a new rank's extra state is the lr scheduler alone; copy-rank0: rank 0's file, byte for
+    byte, in each role; fail: refused in one line naming the rank, nothing written; plan says which."""
+    import torch
+    step = FSDP[2] / "global_step_3"
+    for policy in ("fresh", "copy-rank0"):
+        dst = tmp_path / policy
+        out = run_cli("convert", step, dst, "--to", "dp=3", "--new-rank-state", policy, check=0).stdout
+        for role in ("actor", "critic"):
+            new = dst / role / "extra_state_world_size_3_rank_2.pt"
+            rank0 = step / role / "extra_state_world_size_2_rank_0.pt"
+            if policy == "copy-rank0":
+                assert new.read_bytes() == rank0.read_bytes()
+                assert f"{role}/extra_state_world_size_3_rank_2.pt copied from rank 0" in out, out
+            else:
+                assert set(torch.load(new, weights_only=False)) == {"lr_scheduler"}
+                assert f"{role}/extra_state_world_size_3_rank_2.pt written fresh" in out, out
+    plan = run_cli("plan", step, "--to", "dp=3", "--new-rank-state", "copy-rank0", check=0).stdout
+    assert "per-rank --new-rank-state copy-rank0: new ranks get a copy of rank 0's" in plan, plan
+    data = json.loads(run_cli("plan", step, "--to", "dp=3", "--json", check=0).stdout)
+    assert data["framework"]["new_rank_state"] == "fresh" and "without RNG states" in data["framework"]["policy"]
+    proc = run_cli("convert", step, tmp_path / "fail", "--to", "dp=3", "--new-rank-state", "fail")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "rank 2 of 3" in proc.stderr, proc
+    assert not (tmp_path / "fail").exists()
+    # negative control: no new rank, nothing to refuse
+    run_cli("convert", step, tmp_path / "same", "--to", "dp=2", "--new-rank-state", "fail", check=0)
 
 
 def test_diff_finds_a_changed_weight_and_nothing_else(tmp_path):
