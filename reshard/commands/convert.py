@@ -113,9 +113,10 @@ def plan_for(complete: Complete, target: Layout, tag_out: str | None = None, fmt
                                             "needs --names RULES, the names of a model holding every expert "
                                             f"(shipped RULES: {shipped}); to {placing} it needs none; export reads "
                                             "them")
-    own = {"new_rank_state": new_rank_state} if target_format.OWN_RANK_STATE else {}
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
-                             target_format.target_files(catalog, target, tag, save_dir, **own))
+                             target_format.target_files(catalog, target, tag, save_dir))
+    if target_format.OWN_RANK_STATE:     # the per-process files it keeps of its own, of the processes the source lacked
+        targets += target_format.rank_state_files(catalog, target, new_rank_state)
     made = plan(catalog, target, targets, tag, target_format.describe(target, tag))
     if not catalog.companions:
         return made

@@ -139,9 +139,9 @@ class Writer(Protocol):
     # module's: a source under the module's names is written under its own by those rules undone
     SAVES_OWN_NAMES: bool
     # Its output holds per-process state of its own beside the model (verl's extra-state files: the lr scheduler and
-    # RNG states): target_files then takes `new_rank_state` (formats.framework.NEW_RANK_POLICIES: what a process the
-    # source lacked gets), and rank_state(catalog, target, policy) says it in words, with what becomes of each such
-    # file (framework.Disposition)
+    # RNG states): target_files leaves out the files of the processes the source lacked, which
+    # rank_state_files(catalog, target, policy) gives as the policy says (formats.framework.NEW_RANK_POLICIES), and
+    # rank_state(catalog, target, policy) says it in words, with what becomes of each such file (Disposition)
     OWN_RANK_STATE: bool
 
     def target_files(self, catalog: Catalog, target: Layout, tag: str,

@@ -51,8 +51,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 EXTRA_STATE = "the lr scheduler and RNG states"
 
 
-def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None,
-                 new_rank_state: str = FRESH) -> list:
+def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    """Every file but the extra state of the ranks the source lacked (rank_state_files: as --new-rank-state says)."""
     notes = _checked(catalog, target)
     world = target.dp
     index = {name: i for i, name in enumerate(n for n in catalog.order if catalog.params[n].kind != "buffer")}
@@ -63,7 +63,10 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             out.append(_flat_optim_file(catalog, notes, world, rank))
         elif catalog.param_groups:
             out.append(_optim_file(catalog, notes, world, rank, index))
-        out.append(_extra_state(catalog, notes, world, rank, new_rank_state))
+        if rank < len(notes.extra_states):     # its own file (the scheduler and its RNG states), renamed
+            source = os.path.join(catalog.root, notes.extra_states[rank])
+            out.append(CopiedFile(os.path.join(notes.role, rank_file("extra_state", world, rank)), source,
+                                  fs.getsize(source)))
     config = json.dumps({**notes.config, "world_size": world}, indent=4)    # as verl writes it
     out.append(TextFile(os.path.join(notes.role, FSDP_CONFIG), config))
     out += [CopiedFile(path, os.path.join(catalog.root, path), size) for path, size in notes.carried]
@@ -177,20 +180,24 @@ def _scalar(file: TorchFileBuilder, value: ScalarTensor) -> NewTensor:
     return file.slot(value.dtype, (), [Piece(1, value=value.value)])
 
 
-def _extra_state(catalog: Catalog, notes: VerlNotes, world: int, rank: int, policy: str) -> CopiedFile | TorchFile:
-    """A rank the source had: its own file (the scheduler and its RNG states), renamed. A new rank: as `policy`
-    says (the module's docstring)."""
-    name = os.path.join(notes.role, rank_file("extra_state", world, rank))
-    if rank < len(notes.extra_states) or policy == COPY_RANK0:
-        source = os.path.join(catalog.root, notes.extra_states[rank if rank < len(notes.extra_states) else 0])
-        return CopiedFile(name, source, fs.getsize(source))
-    if policy == FAIL:
-        raise ReshardError.at(os.path.join(catalog.root, notes.extra_states[0]),
-                              f"rank {rank} of {world} would have no extra state ({name}): the source saved "
-                              f"{len(notes.extra_states)} ranks; --new-rank-state fresh (the lr scheduler, verl seeds "
-                              "its RNG) or copy-rank0 (rank 0's, its random stream repeated)")
-    file = _torch_file(notes, "extra_state", world, rank)
-    return file.build({"lr_scheduler": catalog.training.lr_scheduler})
+def rank_state_files(catalog: Catalog, target: Layout, policy: str) -> list:
+    """The extra-state file of each rank the source lacked, as `policy` says (the module's docstring)."""
+    notes = _checked(catalog, target)
+    out: list = []
+    for rank in range(len(notes.extra_states), target.dp):
+        name = os.path.join(notes.role, rank_file("extra_state", target.dp, rank))
+        rank0 = os.path.join(catalog.root, notes.extra_states[0])
+        if policy == FAIL:
+            raise ReshardError.at(rank0, f"rank {rank} of {target.dp} would have no extra state ({name}): the source "
+                                         f"saved {len(notes.extra_states)} ranks; --new-rank-state fresh (the lr "
+                                         "scheduler, verl seeds its RNG) or copy-rank0 (rank 0's, its random stream "
+                                         "repeated)")
+        if policy == COPY_RANK0:
+            out.append(CopiedFile(name, rank0, fs.getsize(rank0)))
+        else:
+            out.append(_torch_file(notes, "extra_state", target.dp, rank).build(
+                {"lr_scheduler": catalog.training.lr_scheduler}))
+    return out
 
 
 def rank_state(catalog: Catalog, target: Layout, policy: str) -> tuple[str, tuple[Disposition, ...]]:
