@@ -175,12 +175,18 @@ def entry(name: str) -> Format:
 
 def readers() -> tuple[str, ...]:
     """Every reader module, in the order they are tried: the first whose sniff() accepts a path reads it. The
-    registry's order, but a format's readers before those of every format it is tried before."""
+    registry's order, but a format's readers before those of every format it is tried before (and so before those
+    that one is tried before: verl's before Megatron-LM's, before DCP's)."""
     waiting, ordered = list(FORMATS), []
+
+    def take(f: Format) -> None:
+        waiting.remove(f)
+        for first in [g for g in waiting if f.name in g.tried_before]:
+            if first in waiting:
+                take(first)
+        ordered.append(f)
     while waiting:
-        ready = next(f for f in waiting if not any(f.name in other.tried_before for other in waiting))
-        ordered.append(ready)
-        waiting.remove(ready)
+        take(waiting[0])
     return tuple(module for f in ordered for module in f.readers)
 
 
