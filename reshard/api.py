@@ -148,8 +148,8 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
         tag_out: the output's tag (default: the source's).
         fmt: the output's format (deepspeed, dcp, universal; default: the source's).
-        new_rank_state: a training framework's per-process files for processes the source lacked: "fresh",
-            "copy-rank0" or "fail".
+        new_rank_state: a training framework's per-process files for processes the source lacked, verl's extra
+            state too: "fresh", "copy-rank0" or "fail".
         dst: where the output would go, for the free-disk check (default: the working directory).
         memory_budget: bound on the copy buffers, in bytes (default: 512 MiB, reshard.execution.executor's);
             workers: local processes writing files.

@@ -28,6 +28,7 @@ from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, TextFile
 from reshard.errors import ReshardError
 from reshard.formats.framework.files import (
+    CARRIED,
     COPIED,
     COPY_RANK0,
     DROPPED,
@@ -70,7 +71,7 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
     config = json.dumps({**notes.config, "world_size": world}, indent=4)    # as verl writes it
     out.append(TextFile(os.path.join(notes.role, FSDP_CONFIG), config))
     out += [CopiedFile(path, os.path.join(catalog.root, path), size) for path, size in notes.carried]
-    if notes.tracker is not None:       # (the planner writes text files last, this one after them)
+    if notes.tracker is not None:       # (text files are written last, in order: this one after every role's)
         out.append(TextFile(TRACKER, notes.tracker))
     return out
 
@@ -210,16 +211,16 @@ def rank_state(catalog: Catalog, target: Layout, policy: str) -> tuple[str, tupl
     out: list[Disposition] = []
     for folder, each in (("", catalog), *catalog.companion_folders()):
         notes = _checked(each, target)
-        for rank in range(max(target.dp, len(notes.extra_states))):
+        saved = [os.path.join(folder, path) for path in notes.extra_states]
+        for rank in range(max(target.dp, len(saved))):
             name = os.path.join(folder, notes.role, rank_file("extra_state", target.dp, rank))
-            saved = os.path.join(folder, notes.extra_states[min(rank, len(notes.extra_states) - 1)])
             if rank >= target.dp:
-                out.append(Disposition(DROPPED, saved, None, f"rank {rank} does not exist at {target.dp}"))
-            elif rank < len(notes.extra_states):
-                out.append(Disposition(REWRITTEN, saved, name, f"{EXTRA_STATE} of rank {rank}; copied byte for byte"))
+                out.append(Disposition(DROPPED, saved[rank], None, f"rank {rank} does not exist at {target.dp}"))
+            elif rank < len(saved):
+                out.append(Disposition(CARRIED if saved[rank] == name else REWRITTEN, saved[rank], name,
+                                       f"{EXTRA_STATE} of rank {rank}; copied byte for byte"))
             elif policy == COPY_RANK0:
-                out.append(Disposition(COPIED, os.path.join(folder, notes.extra_states[0]), name,
-                                       f"{EXTRA_STATE}: rank 0's stream, repeated"))
+                out.append(Disposition(COPIED, saved[0], name, f"{EXTRA_STATE}: rank 0's stream, repeated"))
             elif policy == FRESH:
                 out.append(Disposition(FRESH_STATE, None, name, "the lr scheduler alone: verl seeds the RNG"))
     return f"--new-rank-state {policy}: {meaning}; kept for the ranks at both sizes, dropped for those gone", \
