@@ -505,9 +505,10 @@ def _module_names_arg(p: argparse.ArgumentParser) -> None:
 
 def _new_rank_state_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-rank-state", choices=NEW_RANK_POLICIES, default=FRESH,
-                   help="a training framework's per-process files (HF Trainer's rng_state_K.pth) for processes the "
-                        "source did not have: fresh (default: none, the framework seeds them), copy-rank0 (process "
-                        "0's, whose random stream they repeat), fail (refuse)")
+                   help="a training framework's per-process files (HF Trainer's rng_state_K.pth; verl's "
+                        "extra_state_world_size_W_rank_K.pt) for processes the source did not have: fresh "
+                        "(default: none, the framework seeds them; verl's the lr scheduler alone), copy-rank0 "
+                        "(process 0's, whose random stream they repeat), fail (refuse)")
 
 
 def _quiet_arg(p: argparse.ArgumentParser) -> None:

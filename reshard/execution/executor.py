@@ -113,6 +113,8 @@ class Written:
     manifest: str
     stage_cut: StageCut | None = None
     framework_files: tuple = ()
+    # the source's other models an export does not hold (a verl step's critic/ beside the actor it exports)
+    left_out: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -121,11 +123,14 @@ class Written:
     def to_dict(self) -> dict:
         """Plain data: what `reshard convert --json` and `reshard export --json` print."""
         output = self.output or Output("")
-        data = {"path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
-                "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
-                "manifest": self.manifest}
+        data: dict[str, object] = {
+            "path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
+            "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
+            "manifest": self.manifest}
         if self.framework_files:
             data["framework_files"] = [d.to_dict() for d in self.framework_files]
+        if self.left_out:
+            data["left_out"] = list(self.left_out)
         return data
 
 

@@ -135,7 +135,8 @@ FORMATS = (
     Format("verl", "verl", "verl.md", "verl FSDP global_step_N/ folders (actor, critic)",
            RunLayout("verl", checkpoints=r"^global_step_(\d+)$", pointer="latest_checkpointed_iteration.txt",
                      pointer_how=RESOLVE),
-           readers=("reshard.formats.verl.reader",),
+           # a run folder holds Megatron-LM's tracker file name
+           readers=("reshard.formats.verl.reader",), tried_before=("megatron",),
            writer=WriterEntry("reshard.formats.verl.writer", MESH_ONLY),
            writes="verl's FSDP step folder at any world size (FSDP1 or FSDP2: weights, optimizer, lr scheduler), "
                   "the default for a verl source"),
@@ -174,12 +175,18 @@ def entry(name: str) -> Format:
 
 def readers() -> tuple[str, ...]:
     """Every reader module, in the order they are tried: the first whose sniff() accepts a path reads it. The
-    registry's order, but a format's readers before those of every format it is tried before."""
+    registry's order, but a format's readers before those of every format it is tried before (and so before those
+    that one is tried before: verl's before Megatron-LM's, before DCP's)."""
     waiting, ordered = list(FORMATS), []
+
+    def take(f: Format) -> None:
+        waiting.remove(f)
+        for first in [g for g in waiting if f.name in g.tried_before]:
+            if first in waiting:
+                take(first)
+        ordered.append(f)
     while waiting:
-        ready = next(f for f in waiting if not any(f.name in other.tried_before for other in waiting))
-        ordered.append(ready)
-        waiting.remove(ready)
+        take(waiting[0])
     return tuple(module for f in ordered for module in f.readers)
 
 
