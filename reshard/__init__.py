@@ -17,31 +17,62 @@ The Python API mirrors the CLI, one function per command, each returning a typed
 """
 from __future__ import annotations
 
-from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
-from reshard.commands.inspect import Inspection
-from reshard.commands.validate import Complete, ValidationReport
-from reshard.core.catalog import Catalog
-from reshard.core.problems import Problem
-from reshard.errors import CheckpointError, ReshardError, UnknownFormatError, UsageError
-from reshard.lifecycle.listing import RECENT_SECONDS, list_checkpoints
-from reshard.lifecycle.pruning import prune
-from reshard.lifecycle.retention import Policy
-from reshard.lifecycle.thinning import ThinResult, thin
-from reshard.lifecycle.watching import Watcher
-from reshard.reading.source_bytes import full_tensor
+from typing import TYPE_CHECKING
+
 from reshard.version import __version__
 
-# the results of writing and comparing, from the modules that do it, loaded when first asked for: `import reshard`
-# (and every reader under it) stays light
-_LATER = {"PlanSummary": "reshard.commands.plan", "Written": "reshard.execution.executor",
-          "DiffReport": "reshard.commands.diff"}
+# Every name below is loaded from the module that defines it when first asked for: `import reshard` (and so every
+# submodule, the command line's included) costs nothing until a name is used, and the command line can set up its
+# process (cli/__init__.py: OpenBLAS's threads) before numpy is imported.
+_FROM = {
+    "reshard.api": ("convert", "diff", "export", "inspect", "open_checkpoint", "plan", "prove_complete", "validate"),
+    "reshard.commands.inspect": ("Inspection",),
+    "reshard.commands.validate": ("Complete", "ValidationReport"),
+    "reshard.commands.plan": ("PlanSummary",),
+    "reshard.commands.diff": ("DiffReport",),
+    "reshard.execution.executor": ("Written",),
+    "reshard.core.catalog": ("Catalog",),
+    "reshard.core.problems": ("Problem",),
+    "reshard.errors": ("CheckpointError", "ReshardError", "UnknownFormatError", "UsageError"),
+    "reshard.lifecycle.listing": ("RECENT_SECONDS", "list_checkpoints"),
+    "reshard.lifecycle.pruning": ("prune",),
+    "reshard.lifecycle.retention": ("Policy",),
+    "reshard.lifecycle.thinning": ("ThinResult", "thin"),
+    "reshard.lifecycle.watching": ("Watcher",),
+    "reshard.reading.source_bytes": ("full_tensor",),
+}
+_MODULE_OF = {name: module for module, names in _FROM.items() for name in names}
+
+if TYPE_CHECKING:     # what a type checker and an editor see: the same names, imported eagerly
+    from reshard.api import convert, diff, export, inspect, open_checkpoint, plan, prove_complete, validate
+    from reshard.commands.diff import DiffReport
+    from reshard.commands.inspect import Inspection
+    from reshard.commands.plan import PlanSummary
+    from reshard.commands.validate import Complete, ValidationReport
+    from reshard.core.catalog import Catalog
+    from reshard.core.problems import Problem
+    from reshard.errors import CheckpointError, ReshardError, UnknownFormatError, UsageError
+    from reshard.execution.executor import Written
+    from reshard.lifecycle.listing import RECENT_SECONDS, list_checkpoints
+    from reshard.lifecycle.pruning import prune
+    from reshard.lifecycle.retention import Policy
+    from reshard.lifecycle.thinning import ThinResult, thin
+    from reshard.lifecycle.watching import Watcher
+    from reshard.reading.source_bytes import full_tensor
 
 
 def __getattr__(name: str):
-    if name in _LATER:
-        import importlib
-        return getattr(importlib.import_module(_LATER[name]), name)
-    raise AttributeError(f"module 'reshard' has no attribute {name!r}")
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reshard' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value         # asked once
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_MODULE_OF])
 
 
 __all__ = ["open_checkpoint", "inspect", "validate", "prove_complete", "plan", "convert", "export", "diff",

@@ -97,7 +97,7 @@ def validate(source: str | os.PathLike[str] | Catalog, deep: bool = False, check
     Args:
         source: a checkpoint's path, or its Catalog.
         deep: also read every byte: NaN/Inf, and zip members whose CRC-32 does not match.
-        checksums: verify every file's digest (BLAKE3 or sha256) against the reshard manifest (convert and export
+        checksums: verify every file's digest (by its algorithm) against the reshard manifest (convert and export
             write one).
         progress: bars of the bytes read on stderr, where it is a terminal.
         tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
@@ -148,8 +148,8 @@ def plan(source: str | os.PathLike[str] | Catalog | Complete, to: str = "", *, t
         tag, layout_rules, config: as for open_checkpoint, when `source` is a path.
         tag_out: the output's tag (default: the source's).
         fmt: the output's format (deepspeed, dcp, universal; default: the source's).
-        new_rank_state: a training framework's per-process files for processes the source lacked: "fresh",
-            "copy-rank0" or "fail".
+        new_rank_state: a training framework's per-process files for processes the source lacked, verl's extra
+            state too: "fresh", "copy-rank0" or "fail".
         dst: where the output would go, for the free-disk check (default: the working directory).
         memory_budget: bound on the copy buffers, in bytes (default: 512 MiB, reshard.execution.executor's);
             workers: local processes writing files.
@@ -187,8 +187,9 @@ def convert(source: str | os.PathLike[str] | Catalog | Complete, dst: str | os.P
         overwrite: replace a non-empty `dst`.
         resume: after an interrupted run, keep the files it finished (checked by their digest).
         progress: a bar of the bytes written on stderr, where it is a terminal.
-        digest: the manifest's digest of every file: "blake3" (the default: a third of sha256's CPU) or "sha256"
-            (for `sha256sum`); `validate(checksums=True)` verifies either.
+        digest: the manifest's digest of every file: "blake3" (the default: a third of sha256's CPU), "sha256"
+            (for `sha256sum`) or "xxh3-128" (a sixth of BLAKE3's CPU; not cryptographic); `validate(checksums=True)`
+            verifies each.
 
     Returns:
         Written: every file on disk with its size, the manifest, the stage cut of a pipeline target and what
@@ -235,7 +236,8 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
 
     Returns:
         Written (as for convert); `to_dict()` is what `reshard export --json` prints. None on torchrun ranks
-        other than 0.
+        other than 0. A checkpoint of several models (a verl step: actor and critic) exports its first, the actor;
+        `left_out` names the others' folders, each exported on its own.
 
     Example:
         >>> written = reshard.export("ckpt/", "model.safetensors")
@@ -248,8 +250,11 @@ def export(source: str | os.PathLike[str] | Catalog | Complete, out: str | os.Pa
     complete = _complete(source, tag, layout_rules, read_config)
     made = export_plan(complete, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
                        with_optimizer=with_optimizer, fmt=fmt, weights=weights, names=names, config=config)
-    return _execute(made.plan, out, overwrite=overwrite, memory_budget=memory_budget, progress=progress,
-                    single_file=made.single_file, resume=resume, digest=digest)
+    written = _execute(made.plan, out, overwrite=overwrite, memory_budget=memory_budget, progress=progress,
+                       single_file=made.single_file, resume=resume, digest=digest)
+    # one model is exported: the checkpoint's first (a verl step's actor), the others named
+    left_out = tuple(folder for folder, _ in complete.catalog.companion_folders())
+    return replace(written, left_out=left_out) if written is not None and left_out else written
 
 
 def diff(a: str | os.PathLike[str] | Catalog, b: str | os.PathLike[str] | Catalog, *, tag_a: str | None = None,

@@ -6,6 +6,12 @@ times its speed per core on this project's machines (3.7 against 1.3 GB/s, with 
 storage is the difference between hashing dominating a conversion and not (docs/performance.md); `b3sum` checks
 it from a shell. sha256 stays available (`--digest sha256`) for those who verify with `sha256sum`, and manifests
 written with it before BLAKE3 was the default verify as they are: an entry names its algorithm by its key.
+
+XXH3-128 (`--digest xxh3-128`; `xxh128sum` checks it) is for storage faster than one core hashes: about 0.04
+CPU-seconds per GB here against BLAKE3's 0.23 and sha256's 0.56. It finds every accidental change (a flipped bit, a
+torn or truncated write) as surely as the others, but it is no cryptographic hash: a manifest kept apart from the
+files (a registry, a signed record) cannot prove them unchanged against someone who meant to change them, so it is
+not the default.
 """
 from __future__ import annotations
 
@@ -14,10 +20,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 import blake3
+import xxhash
 
 BLAKE3 = "blake3"
 SHA256 = "sha256"
-ALGORITHMS = (BLAKE3, SHA256)
+XXH3_128 = "xxh3-128"
+ALGORITHMS = (BLAKE3, SHA256, XXH3_128)
 DEFAULT = BLAKE3
 READ_BYTES = 4 << 20        # bytes per read when hashing a file already written
 
@@ -34,6 +42,8 @@ def new(algorithm: str) -> Hasher:
         return blake3.blake3()
     if algorithm == SHA256:
         return hashlib.sha256()
+    if algorithm == XXH3_128:
+        return xxhash.xxh3_128()
     raise ValueError(f"unknown digest {algorithm!r} (one of {', '.join(ALGORITHMS)})")
 
 

@@ -7,6 +7,9 @@
     python tools/bench.py make-synthetic DIR [the options of make]
         The checkpoint `make` would save, written by reshard's DeepSpeed writer without training
         (random tensor bytes): sizes whose model would not fit in RAM.
+    python tools/bench.py make-synthetic DIR --holes [the options of make]
+        The same with every tensor byte zero and punched out as a hole: a source as large as memory on tmpfs
+        for `fast` (reading a hole copies the kernel's zero page: a little cheaper than real bytes).
     python tools/bench.py make-synthetic DIR --sparse [--tp 8] [--pp 2] [--dp 2] [--layers 80]
         A Llama-70B-shaped Megatron-DeepSpeed pipeline (GPTModelPipe) at tp x pp, bf16 ZeRO-1, laid
         out by reshard's DeepSpeed writer, every header real and every tensor byte a hole: ~0.97 TB
@@ -26,8 +29,8 @@
         (tools/bench_thin.py).
     python tools/bench.py fast SRC [--to dp=4] [--workers 2] [--repeat 3] [--workdir /dev/shm] [--json out.json]
         On tmpfs (fast storage: the CPU is the limit): `cp -r`, a direct copy, `reshard convert` with 1 and N
-        workers (and with --digest sha256: --sha256), `export`, `validate --deep`; wall, x cp, CPU seconds and per
-        GB, peak RSS of each process tree, the load beside them (tools/bench_fast.py).
+        workers (with --digest ALGORITHM: also that manifest digest), `export`, `validate --deep`; wall, x cp, CPU
+        seconds and per GB, peak RSS of each process tree, the load beside them (tools/bench_fast.py).
     python tools/bench.py verl-make DIR [--hidden 1024] [--layers 16] [--fsdp 2]
     python tools/bench.py verl DIR [--repeat 3]
         A Qwen2 actor saved by verl's own checkpoint manager on 2 CPU ranks; then `reshard export --dtype bf16` of it
@@ -228,7 +231,10 @@ def make_synthetic(args):
     block = os.path.join(work, "src", "global_step1", "random.bin")
     os.makedirs(os.path.dirname(block))
     with open(block, "wb") as f:
-        f.write(np.random.default_rng(0).bytes(HIDDEN * HIDDEN * 4))
+        if args.holes:
+            f.truncate(HIDDEN * HIDDEN * 4)
+        else:
+            f.write(np.random.default_rng(0).bytes(HIDDEN * HIDDEN * 4))
     states = ["exp_avg", "exp_avg_sq"]
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     catalog = CatalogBuilder(root=os.path.dirname(block), format="deepspeed",
@@ -261,6 +267,10 @@ def make_synthetic(args):
     script = os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py")
     shutil.copy(script, os.path.join(args.dir, "zero_to_fp32.py"))
     os.remove(os.path.join(args.dir, "reshard-manifest.json"))
+    if args.holes:      # the zero runs written become holes: the bytes read back are the same
+        for folder, _, files in os.walk(args.dir):
+            for name in files:
+                subprocess.run(["fallocate", "--dig-holes", os.path.join(folder, name)], check=True)
     print(f"made {args.dir} in {time.perf_counter() - start:.0f} s: {du(args.dir) / 1e9:.2f} GB")
 
 
@@ -338,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Llama-70B-shaped Megatron-DeepSpeed GPTModelPipe (tp x pp, ZeRO-1, bf16) as sparse files: "
                         "headers real, tensor bytes holes (~1 TB apparent, a few MB on disk); --params, --stage and "
                         "--dtype do not apply")
+    m.add_argument("--holes", action="store_true",
+                   help="the same checkpoint with every tensor byte zero and left a hole (fallocate --dig-holes): "
+                        "10 GB of it holds a few MB of tmpfs, so `fast` can time a source as large as memory")
     m.add_argument("--tp", type=int, default=8, help="with --sparse: tensor-parallel degree (default 8)")
     m.add_argument("--pp", type=int, default=2, help="with --sparse: pipeline stages (default 2)")
     m.add_argument("--layers", type=int, default=80, help="with --sparse: decoder layers (default 80)")

@@ -7,8 +7,8 @@ then the commands alternate, REPEAT times, each writing into the work folder:
 - `cp -r SRC DST && sync`: the copy limit (coreutils' kernel copy: the bytes never reach a user buffer);
 - a direct copy: every file read into one buffer and written from it by one Python process (the least a program
   that sees every byte does: one read, one write, no check);
-- `reshard convert --to SPEC` with 1 worker and with N (`--workers N`), and with `--sha256` once with
-  `--digest sha256`;
+- `reshard convert --to SPEC` with 1 worker and with N (`--workers N`), and with `--digest ALGORITHM` once with
+  that digest (`export --dtype fp32` too);
 - `reshard export --dtype fp32` (no cast) and `--dtype bf16` (the training precision, a cast of every element);
   `reshard validate --deep`;
 - with `--before CHECKOUT` (another version's tree, e.g. `git worktree add /tmp/before COMMIT`), the same reshard
@@ -65,6 +65,11 @@ def _manifest(out: str) -> dict:
     return {}
 
 
+def _allocated(path: str) -> int:
+    """Bytes of `path`'s files that hold blocks (holes excluded)."""
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files)
+
+
 def _load() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
@@ -81,10 +86,13 @@ def run_fast(args) -> None:
             subprocess.run(["cp", "-r", src, os.path.join(work, "src")], check=True)
             src = os.path.join(work, "src")
         size = du(src)
+        # cp keeps a source's holes as holes (--sparse=auto) where reshard writes every byte: a sparse source
+        # (`make-synthetic --holes`) is copied with every byte written too
+        dense = ["--sparse=never"] if _allocated(src) < size / 2 else []
         reshard = [sys.executable, "-P", "-m", "reshard"]
         convert = reshard + ["convert", src, "{dst}", "--to", args.to, "--quiet"]
         commands = {
-            "cp -r": ["sh", "-c", 'cp -r "$0" "$1" && sync', src, "{dst}"],
+            "cp -r": ["sh", "-c", f'cp -r {" ".join(dense)} "$0" "$1" && sync', src, "{dst}"],
             "direct copy": [sys.executable, os.path.abspath(__file__), src, "{dst}"],
             f"convert {args.to}": convert,
             f"convert {args.to} --workers {args.workers}": convert + ["--workers", str(args.workers)],
@@ -92,10 +100,11 @@ def run_fast(args) -> None:
             "export bf16": reshard + ["export", src, "{dst}.safetensors", "--dtype", "bf16", "--quiet"],
             "validate --deep": reshard + ["validate", src, "--deep"],
         }
-        if args.sha256:     # (what the manifest's digest cost before BLAKE3 was its default)
-            commands[f"convert {args.to} --digest sha256"] = convert + ["--digest", "sha256"]
-            commands = {name: commands[name] for name in sorted(commands, key=lambda n: n.startswith(("export",
-                                                                                                        "validate")))}
+        for digest in args.digest or ():     # the manifest's other digests (sha256: the default before BLAKE3)
+            commands[f"convert {args.to} --digest {digest}"] = convert + ["--digest", digest]
+            commands[f"export fp32 --digest {digest}"] = commands["export fp32"] + ["--digest", digest]
+        commands = {name: commands[name] for name in sorted(commands, key=lambda n: n.startswith(("export",
+                                                                                                "validate")))}
         trees = {name: REPO for name in commands}
         if args.before:
             for name in [n for n in commands if n.startswith(("convert", "export", "validate")) and "sha256" not in n]:
@@ -155,8 +164,8 @@ def add_parser(command) -> None:
     t.add_argument("--workers", type=int, default=2, help="the N of `convert --workers N` (default 2)")
     t.add_argument("--repeat", type=int, default=3, help="alternating runs of each; the median is shown (default 3)")
     t.add_argument("--workdir", help="a tmpfs folder for the outputs (default /dev/shm)")
-    t.add_argument("--sha256", action="store_true", help="also `convert --digest sha256` (the manifest's digest "
-                   "before BLAKE3)")
+    t.add_argument("--digest", action="append", metavar="ALGORITHM", help="also `convert` and `export fp32` with "
+                   "`--digest ALGORITHM` (sha256: the manifest's digest before BLAKE3; xxh3-128); repeatable")
     t.add_argument("--before", metavar="CHECKOUT", help="also time the reshard commands of another version's tree "
                    "(git worktree add /tmp/before COMMIT), alternating with this one's")
     t.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")

@@ -2,13 +2,16 @@
 downloading it first (boto3's own parallel download, s3transfer) and converting the local copy. One S3 server
 (SeaweedFS `weed mini`, tools/s3_server.py) and the same bytes for every route, in one run:
 
-    python tools/bench_s3.py SRC [--to dp=2] [--repeat 1] [--workdir DIR] [--json out.json]
+    python tools/bench_s3.py SRC [--to dp=2] [--repeat 3] [--workdir DIR] [--json out.json]
 
 SRC is a local DeepSpeed save dir (e.g. `python tools/bench.py make-synthetic /tmp/z3 --params 170e6 --dp 4`:
-~2 GB of ZeRO-3 bf16); it is uploaded once. For each route: wall seconds, CPU seconds (user + system) and the peak
-RSS of the reshard (or download) process, from /usr/bin/time; and the local disk each route uses beyond the
-output. The server runs on this machine: its CPU competes with the client's and loopback is no network, so the
-figures compare the routes' work, not what a real object store over a network would give.
+~2 GB of ZeRO-3 bf16); it is uploaded once. For each route, the median of --repeat alternating runs: wall seconds,
+CPU seconds (user + system) and per GB of the source, and the peak RSS of the reshard (or download) process, from
+/usr/bin/time; and the local disk each route uses beyond the output. Beside the conversions: `export` and
+`validate --deep` straight from the bucket, and boto3's download alone (what reading the bytes through an S3 client
+costs here: the floor under every route that reads the bucket). The server runs on this machine: its CPU competes
+with the client's and loopback is no network, so the figures compare the routes' work, not what a real object store
+over a network would give.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="a local DeepSpeed save dir")
     parser.add_argument("--to", default="dp=2", help="the target topology (default dp=2)")
-    parser.add_argument("--repeat", type=int, default=1, help="alternating runs of each route (default 1)")
+    parser.add_argument("--repeat", type=int, default=3, help="alternating runs of each route; medians (default 3)")
     parser.add_argument("--workdir", help="where the server's data and the local outputs go (default: a tmp dir)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -86,6 +90,9 @@ def main() -> None:
             routes = {
                 "s3 -> s3": [reshard + ["convert", src, server.url(f"out-s3-{i}"), "--to", args.to, "--quiet"]],
                 "s3 -> local": [reshard + ["convert", src, local, "--to", args.to, "--quiet"]],
+                "s3 export -> local": [reshard + ["export", src, local + ".safetensors", "--quiet"]],
+                "s3 validate --deep": [reshard + ["validate", src, "--deep"]],
+                "download alone": [[sys.executable, "-c", DOWNLOAD, server.bucket, "src", copy + "-1"]],
                 "download + local convert": [
                     [sys.executable, "-c", DOWNLOAD, server.bucket, "src", copy],
                     reshard + ["convert", copy, local + "-2", "--to", args.to, "--quiet"]],
@@ -103,15 +110,19 @@ def main() -> None:
                 if name == "download + convert + upload":     # its local output is a temporary copy too
                     run["local_disk_beyond_output"] = du(copy + "-3") + du(local + "-3")
                 figures["routes"].setdefault(name, []).append(run)
-            for path in (copy, copy + "-3", local, local + "-2", local + "-3"):
+            for path in (copy, copy + "-1", copy + "-3", local, local + "-2", local + "-3"):
                 shutil.rmtree(path, ignore_errors=True)
+            for path in (local + ".safetensors", local + ".safetensors.reshard-manifest.json"):
+                if os.path.exists(path):
+                    os.remove(path)
     gb = figures["source_bytes"] / 1e9
-    print(f"{gb:.2f} GB source, --to {args.to}; upload {figures['upload_seconds']:.1f} s; best of {args.repeat}")
-    print(f"{'route':28} {'wall s':>7} {'GB/s':>6} {'cpu s':>7} {'peak RSS MiB':>13} {'extra disk GB':>14}")
+    print(f"{gb:.2f} GB source, --to {args.to}; upload {figures['upload_seconds']:.1f} s; medians of {args.repeat}")
+    print(f"{'route':28} {'wall s':>7} {'GB/s':>6} {'cpu s':>7} {'cpu s/GB':>9} {'peak RSS MiB':>13} "
+          f"{'extra disk GB':>14}")
     for name, runs in figures["routes"].items():
-        best = min(runs, key=lambda r: r["wall"])
-        print(f"{name:28} {best['wall']:7.1f} {gb / best['wall']:6.2f} {best['cpu']:7.1f} {best['rss_mib']:13.0f} "
-              f"{best['local_disk_beyond_output'] / 1e9:14.2f}")
+        wall, cpu = (statistics.median(r[key] for r in runs) for key in ("wall", "cpu"))
+        print(f"{name:28} {wall:7.1f} {gb / wall:6.2f} {cpu:7.1f} {cpu / gb:9.2f} "
+              f"{max(r['rss_mib'] for r in runs):13.0f} {runs[0]['local_disk_beyond_output'] / 1e9:14.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""verl fixtures: a tiny Qwen2 actor trained and saved by verl 0.9.1's own FSDPCheckpointManager, CPU, 2 processes.
+"""verl fixtures: a tiny Qwen2 actor and its critic trained and saved by verl 0.9.1's own FSDPCheckpointManager, CPU,
+2 processes.
 
 Usage::
 
@@ -8,13 +9,16 @@ Usage::
 Made with verl 0.9.1 (``pip install --no-deps verl==0.9.1`` and the modules pyproject's dev extras name), torch
 2.13.0+cpu, gloo. verl's trainer runs its workers under Ray; here each rank builds what verl's FSDP worker builds for
 its actor (tools/verl_cpu.actor: FSDP1 with ``use_orig_params=False`` or FSDP2 by verl's ``apply_fsdp2``, AdamW,
-a warmup schedule), trains ``STEPS`` steps and calls ``FSDPCheckpointManager.save_checkpoint`` as verl's trainer does
-(``<run>/global_step_3/actor``), then writes what the trainer writes beside it: ``global_step_3/data.pt`` (the data
-loader's state) and ``latest_checkpointed_iteration.txt``. Written, per fixture:
+a warmup schedule) and for its critic (tools/verl_cpu.critic: the same model as verl's value model, a token
+classifier of one label, wrapped alike), trains each ``STEPS`` steps and calls its
+``FSDPCheckpointManager.save_checkpoint`` as verl's trainer does (``RayPPOTrainer._save_checkpoint``: the actor's into
+``<run>/global_step_3/actor``, then the critic's into ``global_step_3/critic``), then writes what the trainer writes
+beside them: ``global_step_3/data.pt`` (the data loader's state) and, last, ``latest_checkpointed_iteration.txt``.
+Written, per fixture:
 
-    verl_fsdp{1,2}_dp2/global_step_3/actor/{model,optim,extra_state}_world_size_2_rank_{0,1}.pt
-    verl_fsdp{1,2}_dp2/global_step_3/actor/huggingface/   (config, tokenizer; rank 0)
-    verl_fsdp{1,2}_dp2/global_step_3/actor/fsdp_config.json
+    verl_fsdp{1,2}_dp2/global_step_3/{actor,critic}/{model,optim,extra_state}_world_size_2_rank_{0,1}.pt
+    verl_fsdp{1,2}_dp2/global_step_3/{actor,critic}/huggingface/   (config, tokenizer; rank 0)
+    verl_fsdp{1,2}_dp2/global_step_3/{actor,critic}/fsdp_config.json
     verl_fsdp{1,2}_dp2/global_step_3/data.pt
     verl_fsdp{1,2}_dp2/latest_checkpointed_iteration.txt
     verl_fsdp{1,2}_dp2/truth.json                         (versions, world size, FSDP version, step, losses)
@@ -60,11 +64,13 @@ def worker(out: Path, fsdp: int) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, optimizer, scheduler, manager = verl_cpu.actor(fsdp)
-    losses = [verl_cpu.train_step(model, optimizer, scheduler, step, rank) for step in range(1, STEPS + 1)]
     step_dir = out / f"global_step_{STEPS}"
-    manager.save_checkpoint(str(step_dir / "actor"), global_step=STEPS)
-    dist.barrier()
+    losses = {}
+    for role in verl_cpu.ROLES:     # the trainer's order: the actor's save, then the critic's
+        model, optimizer, scheduler, manager = verl_cpu.role(role, fsdp)
+        losses[role] = [verl_cpu.train_step(model, optimizer, scheduler, step, rank) for step in range(1, STEPS + 1)]
+        manager.save_checkpoint(str(step_dir / role), global_step=STEPS)
+        dist.barrier()
     if rank == 0:
         # what verl's RayPPOTrainer._save_checkpoint writes beside the roles: the data loader's state, then the tracker
         from torchdata.stateful_dataloader import StatefulDataLoader

@@ -9,6 +9,9 @@ nothing else of verl is patched.
 ``actor`` builds what verl's FSDP worker builds for its actor: a Hugging Face causal LM, wrapped by FSDP1
 (``FullyShardedDataParallel``, ``use_orig_params=False``, verl's transformer-layer wrap policy, FULL_SHARD over a 1-D
 device mesh) or FSDP2 (verl's ``apply_fsdp2``), AdamW and a warmup schedule, and verl's ``FSDPCheckpointManager``.
+``critic`` builds its critic the same way around the value model verl's FSDP engine loads for it
+(``verl/workers/engine/fsdp/transformer_impl.py``: ``load_valuehead_model``, transformers'
+``AutoModelForTokenClassification`` with ``num_labels=1`` and its dropouts at 0).
 """
 from __future__ import annotations
 
@@ -57,19 +60,45 @@ def tokenizer():
                                    pad_token="t0")
 
 
+ROLES = ("actor", "critic")
+
+
 def actor(fsdp: int, seed: int = 0, model_config=None):
     """(model, optimizer, lr_scheduler, checkpoint manager) of a verl FSDP actor at this process group's size, of
     `model_config` (default the fixtures' tiny Qwen2, `config()`)."""
     install()
     import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    return _wrapped(AutoModelForCausalLM.from_config(model_config or config(), dtype=torch.float32), fsdp)
+
+
+def critic(fsdp: int, seed: int = 0):
+    """The same of verl's FSDP critic: the fixtures' Qwen2 as the value model verl loads (a token classifier of one
+    label, its dropouts off, as verl's FSDP engine sets them)."""
+    install()
+    import torch
+    from transformers import AutoModelForTokenClassification
+    value = config()
+    value.num_labels, value.classifier_dropout, value.hidden_dropout, value.summary_dropout_prob = 1, 0.0, "0", 0.0
+    torch.manual_seed(seed)
+    return _wrapped(AutoModelForTokenClassification.from_config(value, dtype=torch.float32), fsdp)
+
+
+def role(name: str, fsdp: int, seed: int = 0):
+    """actor() or critic() by the role's folder name."""
+    return {"actor": actor, "critic": critic}[name](fsdp, seed)
+
+
+def _wrapped(module, fsdp: int):
+    """`module` wrapped as verl's FSDP workers wrap it, its optimizer, lr scheduler and checkpoint manager."""
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
+    from transformers import get_constant_schedule_with_warmup
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.fsdp_utils import apply_fsdp2, get_fsdp_wrap_policy
-    torch.manual_seed(seed)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    module = AutoModelForCausalLM.from_config(model_config or config(), dtype=torch.float32)
     if fsdp == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
         model = FullyShardedDataParallel(module, auto_wrap_policy=get_fsdp_wrap_policy(module, config=None),
@@ -94,8 +123,16 @@ def batch(step: int, rank: int):
 
 
 def train_step(model, optimizer, scheduler, step: int, rank: int) -> float:
+    """One optimizer step: the actor's language-model loss, the critic's (a value model: logits of one label) a
+    squared error against per-token returns."""
+    import torch
     tokens = batch(step, rank)
-    loss = model(input_ids=tokens, labels=tokens).loss
+    if "TokenClassification" in type(getattr(model, "module", model)).__name__:     # (FSDP1 wraps, FSDP2 subclasses)
+        values = model(input_ids=tokens).logits.squeeze(-1)
+        returns = (tokens.float() / VOCAB) - 0.5
+        loss = torch.nn.functional.mse_loss(values, returns)
+    else:
+        loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()

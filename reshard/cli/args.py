@@ -98,7 +98,8 @@ TARGET_FORMAT_HELP = "target format (default: the source's own, where it is one 
 MEMORY_HELP = "bound on the copy buffers, e.g. 512MiB, 2GB (default 512MiB)"
 WORKERS_HELP = "local processes writing files (default 1)"
 DIGEST_HELP = (f"the manifest's digest of every file: {digests.BLAKE3} (the default: a third of sha256's CPU; b3sum "
-               f"checks it) or {digests.SHA256} (for sha256sum); validate --checksums verifies either")
+               f"checks it), {digests.SHA256} (for sha256sum) or {digests.XXH3_128} (a sixth of BLAKE3's CPU, for "
+               "storage faster than a core hashes; not cryptographic; xxh128sum); validate --checksums verifies each")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deep", action="store_true",
                    help="also read the bytes and report NaN/Inf and zip members whose CRC-32 does not match")
     p.add_argument("--checksums", action="store_true",
-                   help="verify every file's digest (BLAKE3 or sha256) against the reshard manifest (convert/export "
+                   help="verify every file's digest (by its algorithm) against the reshard manifest (convert/export "
                    "write one; without one: a line says they are not verified, the verdict stands)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -504,9 +505,10 @@ def _module_names_arg(p: argparse.ArgumentParser) -> None:
 
 def _new_rank_state_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-rank-state", choices=NEW_RANK_POLICIES, default=FRESH,
-                   help="a training framework's per-process files (HF Trainer's rng_state_K.pth) for processes the "
-                        "source did not have: fresh (default: none, the framework seeds them), copy-rank0 (process "
-                        "0's, whose random stream they repeat), fail (refuse)")
+                   help="a training framework's per-process files (HF Trainer's rng_state_K.pth; verl's "
+                        "extra_state_world_size_W_rank_K.pt) for processes the source did not have: fresh "
+                        "(default: none, the framework seeds them; verl's the lr scheduler alone), copy-rank0 "
+                        "(process 0's, whose random stream they repeat), fail (refuse)")
 
 
 def _quiet_arg(p: argparse.ArgumentParser) -> None:

@@ -96,6 +96,9 @@ def print_inspect(info: Inspection) -> None:
             where = f"stages {','.join(map(str, row['stages']))}"
         print(f"    {row['name']:<32} {shape:<12} {row['kind']:<9} {row['dtype'] or '':<9} {in_group:<8} "
               f"{','.join(row['states'])} {tied} {where}".rstrip())
+    for folder, each in info.companions:
+        print(f"  model         {folder}/, another model of this checkpoint:")
+        print_inspect(each)
 
 
 def hyper_parameter(value: object) -> str:

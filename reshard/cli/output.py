@@ -40,6 +40,8 @@ def print_written(args: argparse.Namespace, dst: str, written: Written | None) -
         print(f"wrote {dst} ({written.output.words()}): {files_words(written)}, {human_bytes(written.size)}")
         for d in written.framework_files:
             print(f"  {d.line()}")
+        for folder in written.left_out:
+            print(f"  {folder}/ not in it: another model of the checkpoint, exported from its own folder")
 
 
 def files_words(written: Written) -> str:
@@ -51,8 +53,8 @@ def files_words(written: Written) -> str:
         catalog = reshard.open_checkpoint(written.path, model_order=False)
     except ReshardError:    # an output no reader opens alone: every file counted
         return counted(len(written.files), "file")
-    folder = catalog.root if fs.isdir(catalog.root) else os.path.dirname(catalog.root)
-    read_back = {fs.realpath(os.path.join(folder, f.path)) for f in catalog.files}
+    read_back = {fs.realpath(os.path.join(each.root if fs.isdir(each.root) else os.path.dirname(each.root), f.path))
+                 for each in (catalog, *catalog.companions) for f in each.files}     # (every model of it)
     others = sorted(os.path.relpath(f.path, written.path) for f in written.files
                     if fs.realpath(f.path) not in read_back)
     rest = f" and {counted(len(others), 'other')} ({', '.join(others)})" if others else ""

@@ -7,13 +7,14 @@ from reshard import paths
 from reshard.commands.validate import Complete, prove_complete
 from reshard.core.catalog import Catalog
 from reshard.core.layout import Layout, spec_keys
-from reshard.core.planner import Plan, plan
+from reshard.core.planner import Plan, joined, plan
 from reshard.errors import ReshardError, UsageError
 from reshard.formats import (
     FRESH,
     default_tag,
     descriptor_layout,
     framework_dispositions,
+    rank_state,
     registry,
     spec_keys_of,
     target_layout as spec_layout,
@@ -114,12 +115,27 @@ def plan_for(complete: Complete, target: Layout, tag_out: str | None = None, fmt
                                             "them")
     targets = with_framework(catalog, fmt or catalog.format, target.world_size, new_rank_state,
                              target_format.target_files(catalog, target, tag, save_dir))
-    return plan(catalog, target, targets, tag, target_format.describe(target, tag))
+    if target_format.OWN_RANK_STATE:     # the per-process files it keeps of its own, of the processes the source lacked
+        targets += target_format.rank_state_files(catalog, target, new_rank_state)
+    made = plan(catalog, target, targets, tag, target_format.describe(target, tag))
+    if not catalog.companions:
+        return made
+    if fmt is not None and fmt != catalog.format:
+        folder = catalog.companion_folders()[0][0]
+        raise ReshardError.at(catalog.root, f"a checkpoint of several models ({folder}/ beside this one) is written "
+                                            f"in its own format only: convert each model's folder on its own for "
+                                            f"--format {fmt}")
+    # each other model of the checkpoint (a verl step's critic) at the same target, under its own folder
+    return joined(made, [(folder, plan_for(prove_complete(each), each.layout.with_degrees(target.degrees), tag, fmt,
+                                           new_rank_state)) for folder, each in catalog.companion_folders()])
 
 
 def framework_files(catalog: Catalog, target: Layout, fmt: str | None, new_rank_state: str = FRESH) -> tuple:
-    """What becomes of each file of the training framework around the source (Disposition), for plan and convert."""
-    return framework_dispositions(catalog, fmt or catalog.format, target.world_size, new_rank_state)
+    """What becomes of each file of the training framework around the source (Disposition), or of each per-process
+    file the writer keeps of its own (verl's extra state), for plan and convert."""
+    own = rank_state(catalog, fmt or catalog.format, target, new_rank_state)
+    return own[1] if own is not None else \
+        framework_dispositions(catalog, fmt or catalog.format, target.world_size, new_rank_state)
 
 
 def batch_size_advice(catalog: Catalog, target: Layout, fmt: str | None = None) -> str | None:

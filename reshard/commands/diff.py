@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -129,8 +129,25 @@ def diff(a: Catalog, b: Catalog, atol: float = 0.0, progress: bool = False) -> D
                             f"at the same elements in A and B, counted equal: {_some(report.nan_bits)}")
     _compare_scalars(a, b, report)
     _compare_problems(a, b, report)
+    _compare_companions(a, b, atol, progress, report)
     return DiffReport(a.root, b.root, atol, report.compared, report.elements, tuple(report.differences),
                       tuple(report.notes))
+
+
+def _compare_companions(a: Catalog, b: Catalog, atol: float, progress: bool, report: _Found) -> None:
+    """The other models of each checkpoint (a verl step's critic), paired by their folder: each compared as its own
+    checkpoint, its differences named under its folder; one only one side holds, a difference."""
+    others = dict(b.companion_folders())
+    for folder, each in a.companion_folders():
+        if folder not in others:
+            report.differences.append(Difference(f"{folder}/", "model", "missing", "only in A"))
+            continue
+        inner = diff(each, others.pop(folder), atol, progress)
+        report.compared += inner.compared
+        report.elements += inner.elements
+        report.differences += [replace(d, name=f"{folder}/{d.name}") for d in inner.differences]
+        report.notes += [f"{folder}/: {note}" for note in inner.notes]
+    report.differences += [Difference(f"{folder}/", "model", "extra", "only in B") for folder in others]
 
 
 def _compare_scalars(a: Catalog, b: Catalog, report: _Found) -> None:

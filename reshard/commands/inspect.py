@@ -121,6 +121,8 @@ class Inspection:
     entries: tuple[JsonObject, ...] | None = None   # the framework's own state saved inside the checkpoint
     # a weights-only form `reshard thin` wrote: when, from what, what it dropped, bytes before/after; None: not one
     thinned: JsonObject | None = None
+    # the other models of the checkpoint (Catalog.companions: a verl step's critic), by folder
+    companions: tuple[tuple[str, Inspection], ...] = ()
     framing: str | None = None      # Framed: the framing the save was read in, and what of it is not read
     unread: tuple[JsonObject, ...] | None = None
 
@@ -168,7 +170,10 @@ class Inspection:
         data["thinned"] = self.thinned
         if self.framing is not None:
             data["framing"], data["unread"] = self.framing, self.unread
-        return {k: jsonable(v) for k, v in data.items()}
+        out = {k: jsonable(v) for k, v in data.items()}
+        if self.companions:
+            out["companions"] = {folder: each.to_dict() for folder, each in self.companions}
+        return out
 
 
 def inspect(catalog: Catalog, params: bool = False) -> Inspection:
@@ -217,6 +222,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         parameter_table=tuple(_param_row(catalog, p) for p in catalog.params.values()) if params else None,
         entries=tuple(catalog.notes.own_entries()) if isinstance(catalog.notes, OwnEntries) else None,
         thinned=thinned,
+        companions=tuple((folder, inspect(each, params)) for folder, each in catalog.companion_folders()),
         framing=catalog.notes.framing() if isinstance(catalog.notes, Framed) else None,
         unread=tuple(catalog.notes.unread()) if isinstance(catalog.notes, Framed) else None,
     )

@@ -10,7 +10,7 @@ from reshard.core.catalog import Catalog
 from reshard.core.planner import Plan, PlanOutline
 from reshard.execution.distributed import loads
 from reshard.execution.executor import DEFAULT_MEMORY_BUDGET, buffer_bytes
-from reshard.formats import FRESH, REPRODUCIBILITY
+from reshard.formats import FRESH, REPRODUCIBILITY, rank_state
 from reshard.formats.framework import framework_of
 from reshard.storage import files as fs
 from reshard.storage.routing import output_for, stream_buffer_bytes
@@ -79,9 +79,14 @@ def summarize(catalog: Catalog, plan: Plan, *, fmt: str | None = None, new_rank_
     summary = plan.summary()
     framework = None
     frame = framework_of(catalog)
+    own = rank_state(catalog, fmt or catalog.format, plan.target, new_rank_state)
     if frame is not None and (frame.files or frame.kinds):    # (torchtitan keeps its state inside the checkpoint)
         framework = FrameworkPlan(frame.name, new_rank_state, frame.policy_line(new_rank_state), len(frame.files),
                                   tuple(framework_files(catalog, plan.target, fmt, new_rank_state)))
+    elif own is not None:       # the per-process files the format keeps of its own (verl's extra state)
+        policy, files = own
+        framework = FrameworkPlan(catalog.format, new_rank_state, policy,
+                                  len({d.source for d in files if d.source is not None}), files)
     where = fs.abspath(dst) if dst else os.getcwd()
     free = output_for(where).free_bytes(where)     # None: an object store, which states none
     while free is not None and not fs.exists(where):    # the folder it was measured at

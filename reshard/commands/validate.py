@@ -125,17 +125,26 @@ class Complete:
 
 def validate(catalog: Catalog, deep: bool = False, checksums: bool = False,
              progress: bool = False) -> ValidationReport:
-    """`deep` reads every byte for NaN/Inf; `checksums` verifies the digest (BLAKE3 or sha256) of every file against the
+    """`deep` reads every byte for NaN/Inf; `checksums` verifies the digest (by its algorithm) of every file against the
     reshard manifest (sizes are checked whenever a manifest is there). `progress`: bars of the bytes read
     and hashed on stderr, when it is a terminal."""
-    report = _Found(problems=list(catalog.problems),
-                    files=len(catalog.files), deep=deep)
+    report = _Found(deep=deep)
+    _check_model(catalog, report, deep, progress)
+    _check_manifest(catalog, report, checksums, progress)
+    return report.report()
+
+
+def _check_model(catalog: Catalog, report: _Found, deep: bool, progress: bool) -> None:
+    """The checks of one model and of each other model of the checkpoint (Catalog.companions), whose files the
+    checkpoint's manifest covers."""
+    report.problems += catalog.problems
+    report.files += len(catalog.files)
     _check_coverage(catalog, report)
     _check_states_present(catalog, report)
-    _check_manifest(catalog, report, checksums, progress)
     if deep:
         _check_values(catalog, report, progress)
-    return report.report()
+    for companion in catalog.companions:
+        _check_model(companion, report, deep, progress)
 
 
 def prove_complete(catalog: Catalog) -> Complete:

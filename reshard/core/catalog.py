@@ -10,6 +10,7 @@ no one changes after; nothing here reads tensor bytes.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -278,15 +279,25 @@ class Catalog:
     model_files: tuple[str, ...] = ()
     # A mixture-of-experts save: its expert parallelism (None: no experts)
     experts: ExpertParallel | None = None
+    # Other models saved in this checkpoint beside this one (a verl step's critic beside its actor), each its own
+    # catalog rooted at a folder inside `root`: validate, inspect, diff and convert take them with this one (a
+    # checkpoint is never converted or proven whole in part); an export writes this one alone
+    companions: tuple[Catalog, ...] = ()
 
     def check_dtypes(self) -> None:
         """Every fragment's storage holds its tensor's dtype: the bytes are read as that dtype, so a storage of
         another (a hostile or mixed-up file) would be copied as garbage of the right size."""
+        for companion in self.companions:
+            companion.check_dtypes()
         for tensor in [*self.tensors.values(), *(r.copy for r in self.replicas)]:
             for fragment in tensor.fragments:
                 if fragment.storage.dtype != tensor.stored_dtype:
                     raise CheckpointError(fragment.storage.file, f"{tensor.name} ({tensor.state}): a storage of "
                                           f"{fragment.storage.dtype} holds part of a {tensor.stored_dtype} tensor")
+
+    def companion_folders(self) -> tuple[tuple[str, Catalog], ...]:
+        """(its folder relative to `root`, "critic"; catalog) of each companion, in order."""
+        return tuple((os.path.relpath(c.root, self.root), c) for c in self.companions)
 
     def tensor_order(self) -> list[str]:
         """The state_dict keys in order that name a param or an alias of one: `order` less the entries that hold
@@ -407,6 +418,7 @@ class CatalogBuilder:
     framework: TrainingFramework | None = None
     model_files: tuple[str, ...] = ()
     experts: ExpertParallel | None = None
+    companions: tuple[Catalog, ...] = ()
 
     def add(self, tensor: TensorDraft, file: str | None = None) -> TensorDraft:
         """The catalog's (name, state) tensor: `tensor`, or the one added before, which must agree on shape
@@ -447,7 +459,7 @@ class CatalogBuilder:
             tag=self.tag, training=self.training, maybe_buffers=tuple(self.maybe_buffers), notes=self.notes,
             files=tuple(self.files), problems=tuple(self.problems), replicas=tuple(self.replicas),
             save_dir=self.save_dir, framework=self.framework, model_files=tuple(self.model_files),
-            experts=self.experts)
+            experts=self.experts, companions=tuple(self.companions))
 
 
 def _file_of(tensor: TensorDraft) -> str | None:

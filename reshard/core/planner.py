@@ -8,8 +8,9 @@ it can be printed, saved as JSON, or split among workers.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from reshard.core.catalog import Catalog, TensorKey
@@ -249,6 +250,20 @@ def plan(catalog: Catalog, target: Layout, targets: Iterable[TensorFile | TextFi
     return Plan(catalog.root, catalog.layout, target, tag, tuple(files), tuple(texts), tuple(copied),
                 save_dir=catalog.save_dir, stage_cut=stage_cut, output=output,
                 checked=tuple(s for s in index.read if s.crc is not None))
+
+
+def joined(main: Plan, parts: Sequence[tuple[str, Plan]]) -> Plan:
+    """`main` with each part's files under the part's folder: one output of several models (a verl step's actor and
+    critic), one manifest. The parts' text files come before main's, whose own (a tracker naming the step) stay
+    last: a pointer names the output only once every model of it is whole."""
+    files, texts, copied, checked = list(main.files), [], list(main.copied), list(main.checked)
+    for folder, part in parts:
+        files += [replace(f, path=os.path.join(folder, f.path)) for f in part.files]
+        texts += [replace(t, path=os.path.join(folder, t.path)) for t in part.texts]
+        copied += [replace(c, path=os.path.join(folder, c.path)) for c in part.copied]
+        checked += part.checked
+    return replace(main, files=tuple(files), texts=(*texts, *main.texts), copied=tuple(copied),
+                   checked=tuple(checked))
 
 
 def _plan_file(file: TensorFile, index: _FragmentIndex) -> FilePlan:

@@ -113,6 +113,8 @@ class Written:
     manifest: str
     stage_cut: StageCut | None = None
     framework_files: tuple = ()
+    # the source's other models an export does not hold (a verl step's critic/ beside the actor it exports)
+    left_out: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -121,11 +123,14 @@ class Written:
     def to_dict(self) -> dict:
         """Plain data: what `reshard convert --json` and `reshard export --json` print."""
         output = self.output or Output("")
-        data = {"path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
-                "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
-                "manifest": self.manifest}
+        data: dict[str, object] = {
+            "path": self.path, "format": output.format, "topology": output.topology, "tag": output.tag,
+            "files": [{"path": f.path, "bytes": f.size} for f in self.files], "bytes": self.size,
+            "manifest": self.manifest}
         if self.framework_files:
             data["framework_files"] = [d.to_dict() for d in self.framework_files]
+        if self.left_out:
+            data["left_out"] = list(self.left_out)
         return data
 
 
@@ -178,7 +183,7 @@ def execute(plan: Plan, dst: str, *, overwrite: bool = False, memory_budget: int
     With a `group` (reshard.execution.distributed) every rank writes its share; rank 0 commits once all
     ranks report success. Any failure but a hard kill removes the temporary sibling. `storage`: where the output
     is written (reshard.storage; by default the local filesystem). `digest`: the algorithm of every file's digest in
-    the manifest (reshard.digests: BLAKE3 by default, or sha256).
+    the manifest (reshard.digests: BLAKE3 by default, sha256 or XXH3-128).
     """
     with INTERRUPTS:
         return _execute(plan, Staging(dst, storage), overwrite, memory_budget, workers, progress, single_file,

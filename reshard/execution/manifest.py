@@ -1,7 +1,7 @@
 """The integrity manifest every convert and export writes, and its verification.
 
 `reshard-manifest.json` at the top of the output lists each file's size and digest (computed as the bytes were
-written; reshard.digests: BLAKE3 by default, or sha256, the entry's key naming which), the reshard version, where
+written; reshard.digests: BLAKE3 by default, the entry's key naming which), the reshard version, where
 the data came from (the source's files with their sizes and modification times) and a summary of the plan. `verify`
 re-reads the files: sizes always, digests when asked (`reshard validate --checksums`).
 """

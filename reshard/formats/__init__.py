@@ -95,6 +95,16 @@ def framework_dispositions(catalog: Catalog, format_name: str, world: int,
     return frame.dispositions(world, policy)
 
 
+def rank_state(catalog: Catalog, format_name: str, target: Layout,
+               policy: str) -> tuple[str, tuple[framework.Disposition, ...]] | None:
+    """(what a process the source lacked gets under `policy`, in words; what becomes of each per-process file) of an
+    output whose writer keeps per-process state of its own (Writer.OWN_RANK_STATE: verl's extra-state files); None
+    for every other."""
+    if format_name not in WRITERS or format_name != catalog.format or not writer(format_name).OWN_RANK_STATE:
+        return None
+    return importlib.import_module(WRITERS[format_name].module).rank_state(catalog, target, policy)
+
+
 def with_framework(catalog: Catalog, format_name: str, world: int, policy: str,
                    targets: list[WriteRequest]) -> list[WriteRequest]:
     """The output's files: the writer's `targets` and the framework's own as framework_dispositions says, the

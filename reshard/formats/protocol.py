@@ -138,6 +138,11 @@ class Writer(Protocol):
     # It saves params under names of its own, which a module-names rule file (reshard.rules.module_names) maps to a
     # module's: a source under the module's names is written under its own by those rules undone
     SAVES_OWN_NAMES: bool
+    # Its output holds per-process state of its own beside the model (verl's extra-state files: the lr scheduler and
+    # RNG states): target_files leaves out the files of the processes the source lacked, which
+    # rank_state_files(catalog, target, policy) gives as the policy says (formats.framework.NEW_RANK_POLICIES), and
+    # rank_state(catalog, target, policy) says it in words, with what becomes of each such file (Disposition)
+    OWN_RANK_STATE: bool
 
     def target_files(self, catalog: Catalog, target: Layout, tag: str,
                      source_save_dir: str | None = None) -> list[WriteRequest]:

@@ -104,15 +104,6 @@ FORMATS = (
            writer=WriterEntry("reshard.formats.dcp.writer", MESH_ONLY),
            writes="a PyTorch distributed checkpoint (dcp.load, FSDP2)",
            thin=(ThinForm("reshard.formats.dcp.weights_only", "plain DCP folders", "dcp"),)),
-    Format("verl", "verl", "verl.md",
-           "verl global_step_N/ folders (actor, critic): FSDP, and the Megatron backend's model/dist_ckpt",
-           RunLayout("verl", checkpoints=r"^global_step_(\d+)$", pointer="latest_checkpointed_iteration.txt",
-                     pointer_how=RESOLVE),
-           # the Megatron backend's role folder holds torch_dist saves, and its run dir Megatron-LM's tracker's name
-           readers=("reshard.formats.verl.reader", "reshard.formats.verl.megatron_reader"), tried_before=("megatron",),
-           writer=WriterEntry("reshard.formats.verl.writer", MESH_ONLY),
-           writes="verl's FSDP step folder at any world size (FSDP1 or FSDP2: weights, optimizer, lr scheduler), "
-                  "the default for a verl source"),
     Format("megatron", "Megatron-core", "megatron.md",
            "Megatron-LM save dirs (megatron-core torch_dist, the legacy torch format)",
            RunLayout("megatron", checkpoints=r"^iter_(\d+)$", pointer="latest_checkpointed_iteration.txt",
@@ -141,6 +132,15 @@ FORMATS = (
            writer=WriterEntry("reshard.formats.dcp.torchtitan_writer", MESH_ONLY),
            writes="torchtitan's step-N folder (its CheckpointManager's flat keys), its own entries carried",
            thin=(ThinForm("reshard.formats.dcp.torchtitan_weights", "torchtitan step-N/", "torchtitan"),)),
+    Format("verl", "verl", "verl.md",
+           "verl global_step_N/ folders (actor, critic): FSDP, and the Megatron backend's model/dist_ckpt",
+           RunLayout("verl", checkpoints=r"^global_step_(\d+)$", pointer="latest_checkpointed_iteration.txt",
+                     pointer_how=RESOLVE),
+           # a run folder holds Megatron-LM's tracker file name; a Megatron-backend role folder torch_dist saves
+           readers=("reshard.formats.verl.reader", "reshard.formats.verl.megatron_reader"), tried_before=("megatron",),
+           writer=WriterEntry("reshard.formats.verl.writer", MESH_ONLY),
+           writes="verl's FSDP step folder at any world size (FSDP1 or FSDP2: weights, optimizer, lr scheduler), "
+                  "the default for a verl source"),
     Format("hf-trainer", "HF Trainer", "single-process.md",
            "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process)",
            RunLayout("hf-trainer", checkpoints=r"^checkpoint-(\d+)$", staging=r"^tmp-checkpoint-(\d+)$"),
@@ -176,12 +176,18 @@ def entry(name: str) -> Format:
 
 def readers() -> tuple[str, ...]:
     """Every reader module, in the order they are tried: the first whose sniff() accepts a path reads it. The
-    registry's order, but a format's readers before those of every format it is tried before."""
+    registry's order, but a format's readers before those of every format it is tried before (and so before those
+    that one is tried before: verl's before Megatron-LM's, before DCP's)."""
     waiting, ordered = list(FORMATS), []
+
+    def take(f: Format) -> None:
+        waiting.remove(f)
+        for first in [g for g in waiting if f.name in g.tried_before]:
+            if first in waiting:
+                take(first)
+        ordered.append(f)
     while waiting:
-        ready = next(f for f in waiting if not any(f.name in other.tried_before for other in waiting))
-        ordered.append(ready)
-        waiting.remove(ready)
+        take(waiting[0])
     return tuple(module for f in ordered for module in f.readers)
 
 

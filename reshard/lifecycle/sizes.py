@@ -62,17 +62,19 @@ def split(catalog: Catalog, files_bytes: int, within: str) -> BytesByKind | None
     catalog read from them says; None where the catalog points outside `within` or at more bytes than there are
     (then the two do not describe the same files, and no split is guessed)."""
     spans: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}    # file -> (weights, optimizer)
-    copied = {key.name for key in catalog.tensors if key.state == MODULE}
-    for tensor in catalog.tensors.values():
-        # a master is the weights where nothing else holds them; beside a module copy it is optimizer state
-        weights = tensor.state == MODULE or (tensor.state == MASTER and tensor.name not in copied)
-        for fragment in tensor.fragments:
-            storage = fragment.storage
-            if not _inside(storage.file, within):
-                return None
-            size = itemsize(storage.dtype)
-            start = storage.offset + fragment.elem_offset * size
-            spans.setdefault(storage.file, ([], []))[0 if weights else 1].append((start, start + fragment.numel * size))
+    for model in (catalog, *catalog.companions):     # every model of the checkpoint (a verl step's critic too)
+        copied = {key.name for key in model.tensors if key.state == MODULE}
+        for tensor in model.tensors.values():
+            # a master is the weights where nothing else holds them; beside a module copy it is optimizer state
+            weights = tensor.state == MODULE or (tensor.state == MASTER and tensor.name not in copied)
+            for fragment in tensor.fragments:
+                storage = fragment.storage
+                if not _inside(storage.file, within):
+                    return None
+                size = itemsize(storage.dtype)
+                start = storage.offset + fragment.elem_offset * size
+                spans.setdefault(storage.file, ([], []))[0 if weights else 1].append(
+                    (start, start + fragment.numel * size))
     weights_bytes = optimizer_bytes = 0
     for held, moved in spans.values():
         held, moved = _merged(held), _merged(moved)

@@ -1,6 +1,6 @@
 """How reshard.storage.posix writes a big file: strictly front to back, hashed as it goes, past the page cache.
 
-Bytes are gathered into a ring of page-aligned blocks. A full block is hashed (reshard.digests: BLAKE3 or sha256,
+Bytes are gathered into a ring of page-aligned blocks. A full block is hashed (reshard.digests: BLAKE3 by default,
 one thread, in order) and written at its place in the file (two threads, so two writes are in flight) while the producer
 fills the next block; a block is filled again once both are done. The file is opened with O_DIRECT where
 the filesystem allows it: a buffered write costs this machine's kernel about as much CPU as everything

@@ -123,3 +123,27 @@ def test_every_command_ends_with_examples_that_run(tmp_path):
         assert proc.returncode in allowed and not re.search(r"Traceback|usage:", proc.stderr), \
             f"{line}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}"
         assert proc.stdout.strip() or args[0] in ("convert", "export") and "--quiet" in args
+
+
+def test_the_command_runs_numpy_with_one_blas_thread_unless_the_user_chose(monkeypatch, capsys):
+    """The console script's entry (reshard.__main__.main) sets OPENBLAS_NUM_THREADS=1 before numpy loads (reshard
+    does no linear algebra; the pool's start-up costs each process CPU) and keeps a value the user set."""
+    import reshard.__main__ as entry
+    monkeypatch.setattr("sys.argv", ["reshard", "--version"])
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    assert entry.main() == 0 and os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    assert entry.main() == 0 and os.environ["OPENBLAS_NUM_THREADS"] == "4"
+    assert capsys.readouterr().out.count(reshard.__version__) == 2
+
+
+def test_import_reshard_loads_nothing_until_a_name_is_used():
+    """`import reshard` is light (its names load on first use, so the command line sets up its process first),
+    and every name it exports resolves."""
+    import subprocess
+    import sys
+    code = ("import sys, reshard; light = 'numpy' not in sys.modules and 'reshard.api' not in sys.modules; "
+            "missing = [n for n in reshard.__all__ if getattr(reshard, n, None) is None]; "
+            "print(light, missing, reshard.convert.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "[]", "reshard.api"], out

@@ -210,21 +210,22 @@ def test_workers_descriptor_and_tag_out(tmp_path):
     assert run_cli("convert", src, tmp_path / "x", "--to", "dp=2", "--memory-budget", "lots").returncode == 2
 
 
-@pytest.mark.parametrize("digest", ["blake3", "sha256"])
+@pytest.mark.parametrize("digest", ["blake3", "sha256", "xxh3-128"])
 def test_manifest_records_every_file_and_validate_checks_it(tmp_path, digest):
-    """Every file's size and digest, BLAKE3 by default, sha256 with --digest sha256 (what sha256sum prints), each
-    checked by validate --checksums; the controls: a flipped byte and a longer file caught."""
+    """Every file's size and digest, BLAKE3 by default, sha256 with --digest sha256 (what sha256sum prints) or XXH3-128
+    (xxh128sum's), each checked by validate --checksums; the controls: a flipped byte and a longer file caught."""
     import hashlib
     import json
 
     import blake3
+    import xxhash
     out = tmp_path / "out"
     chosen = () if digest == "blake3" else ("--digest", digest)
     run_cli("convert", fixture_dir("z2_fp32_dp2"), out, "--to", "dp=3", "--quiet", *chosen, check=0)
     manifest = json.loads((out / "reshard-manifest.json").read_text())
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"reshard-manifest.json"}
     assert set(manifest["files"]) == files
-    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[digest]
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256, "xxh3-128": xxhash.xxh3_128}[digest]
     for rel, entry in manifest["files"].items():
         data = (out / rel).read_bytes()
         assert entry == {"size": len(data), digest: reference(data).hexdigest()}

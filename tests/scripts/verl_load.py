@@ -1,18 +1,21 @@
-"""Load verl FSDP actor checkpoints with verl 0.9.1's own FSDPCheckpointManager at this launch's world size
-(torchrun, gloo, CPU), every job of the launch in turn.
+"""Load verl FSDP checkpoints (an actor's or a critic's) with verl 0.9.1's own FSDPCheckpointManager at this launch's
+world size (torchrun, gloo, CPU), every job of the launch in turn.
 
     torchrun --nproc_per_node W tests/scripts/verl_load.py JOBS.json RESULTS.json
 
-JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), "fsdp": 1 or 2, "truth": a role folder
-(optional), "full": where rank 0 writes the loaded weights whole (safetensors; optional), "full_optim": where it
-writes the loaded optimizer state whole, `<parameter>.<state>` (FSDP1's flat parameters split as FSDP's own
-metadata says; optional)}.
-For each job every rank builds the actor tools/fixture_verl.py saved (tools/verl_cpu.actor: a fresh seed, so its
+JOBS.json lists {"label", "folder": a role folder (global_step_N/actor), or "run": a run folder, whose step verl's own
+`find_latest_ckpt_path` finds from its tracker (the role folder inside it then loaded), "role": "actor" (the default)
+or "critic", "fsdp": 1 or 2, "truth": a role folder (optional), "full": where rank 0 writes the loaded weights whole
+(safetensors; optional), "full_optim": where it writes the loaded optimizer state whole, `<parameter>.<state>`
+(FSDP1's flat parameters split as FSDP's own metadata says; optional), "rng_of": an extra-state file whose torch RNG
+state each rank's, right after the load, is compared with (optional)}.
+For each job every rank builds the role tools/fixture_verl.py saved (tools/verl_cpu.role: a fresh seed, so its
 weights differ from the saved ones until loaded) and calls `FSDPCheckpointManager.load_checkpoint(folder)`. The truth
 is the truth folder's files of this rank as torch.load reads them (no reshard): what verl's manager saves of the
-loaded actor (its sharded model and optimizer state dicts, the lr scheduler) must equal it exactly. Then one more
-training step runs. Rank 0 writes {"label", "loaded", "error", "problems", "last_epoch", "scheduler", "step_after",
-"loss"} per job, the problems of every rank gathered.
+loaded model (its sharded model and optimizer state dicts, the lr scheduler) must equal it exactly. Then one more
+training step runs. Rank 0 writes {"label", "loaded", "error", "found", "problems", "last_epoch", "scheduler",
+"step_after", "loss", "rng_equal": per rank, whether its RNG state is rng_of's} per job, the problems of every rank
+gathered.
 """
 import os
 
@@ -90,18 +93,31 @@ def _job(job) -> dict:
 
     import verl_cpu
     verl_cpu.install()
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
     from verl.utils.fsdp_utils import get_fsdp_state_ctx
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = {"label": job["label"], "loaded": False, "error": None, "problems": [], "last_epoch": None,
-              "scheduler": None, "step_after": None, "loss": None}
-    model, optimizer, scheduler, manager = verl_cpu.actor(job["fsdp"], seed=1)
+    result = {"label": job["label"], "loaded": False, "error": None, "found": None, "problems": [],
+              "last_epoch": None, "scheduler": None, "step_after": None, "loss": None, "rng_equal": None}
+    role = job.get("role", "actor")
+    model, optimizer, scheduler, manager = verl_cpu.role(role, job["fsdp"], seed=1)
+    folder = job.get("folder")
+    if job.get("run"):      # verl's trainer's resume: the step its tracker names
+        result["found"] = find_latest_ckpt_path(job["run"])
+        folder = os.path.join(result["found"], role) if result["found"] else None
     try:
-        manager.load_checkpoint(job["folder"])
+        if folder is None:
+            raise FileNotFoundError(f"find_latest_ckpt_path({job['run']}) found no checkpoint")
+        manager.load_checkpoint(folder)
     except Exception as error:   # the negative control's failure, reported for the test to judge
         result["error"] = f"{type(error).__name__}: {error}"
         dist.barrier()
         return result
     result["loaded"] = True
+    if job.get("rng_of"):       # before anything draws from it
+        saved = torch.load(job["rng_of"], weights_only=False)["rng"]["cpu"]
+        equal = [None] * world
+        dist.all_gather_object(equal, bool(torch.equal(torch.get_rng_state(), saved)))
+        result["rng_equal"] = equal
     truth = job.get("truth")
     name = f"world_size_{world}_rank_{rank}.pt"
     with get_fsdp_state_ctx(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),

@@ -1,4 +1,4 @@
-"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its digest (BLAKE3 or sha256) is
+"""reshard.storage.posix_sink.HashingSink: the bytes on disk are the bytes written, its digest (by each algorithm) is
 theirs, whatever the sizes of the writes and wherever the file lives (direct I/O or, where refused, buffered)."""
 import errno
 import hashlib
@@ -11,6 +11,7 @@ import tempfile
 import blake3
 import numpy as np
 import pytest
+import xxhash
 
 from reshard.storage import posix_sink as sink
 from reshard.storage.posix_sink import BLOCK, HashingSink
@@ -35,12 +36,12 @@ def _pieces():
 
 
 @pytest.mark.parametrize("reserve", [0, 3 * BLOCK])
-@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256", "xxh3-128"])
 def test_bytes_and_digest(tmp_path, reserve, algorithm):
     pieces, data = _pieces()
     size, digest = _write(tmp_path / "f", pieces, reserve, algorithm)
     assert (tmp_path / "f").read_bytes() == data
-    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[algorithm]
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256, "xxh3-128": xxhash.xxh3_128}[algorithm]
     assert (size, digest) == (len(data), reference(data).hexdigest())
     assert digest != reference(data[:-1]).hexdigest()      # the control: one byte less, another digest
 
@@ -92,7 +93,7 @@ def test_a_failed_write_reaches_the_writer(tmp_path, monkeypatch):
         out.write(b"y")
 
 
-@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256", "xxh3-128"])
 def test_a_file_in_memory_is_written_from_the_callers_memory(tmp_path, monkeypatch, algorithm):
     """On tmpfs (here: the file system said to be one, and /dev/shm itself where there is one) blocks of a BLOCK
     or more go to the file straight from the caller's buffer, hashed meanwhile, after the short ring block before
@@ -100,7 +101,7 @@ def test_a_file_in_memory_is_written_from_the_callers_memory(tmp_path, monkeypat
     same digest, whatever the cuts. The caller's buffer is reused at once after each write (as the executor's
     block ring does): what is on disk is what was written then, not what the buffer held later."""
     pieces, data = _pieces()
-    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[algorithm]
+    reference = {"blake3": blake3.blake3, "sha256": hashlib.sha256, "xxh3-128": xxhash.xxh3_128}[algorithm]
     buffer = bytearray(2 * BLOCK)
     folders = [tmp_path] + ([pathlib.Path("/dev/shm")] if os.path.isdir("/dev/shm") else [])
     monkeypatch.setattr(sink, "in_memory", lambda fd: True)

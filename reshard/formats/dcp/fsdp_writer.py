@@ -29,6 +29,7 @@ MODEL, OPTIMIZER = "model", "optimizer"      # accelerate's save_fsdp_model / sa
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = True
 SAVES_OWN_NAMES = False
+OWN_RANK_STATE = False
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:

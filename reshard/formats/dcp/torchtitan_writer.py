@@ -29,6 +29,7 @@ from reshard.rules.export_names import ModelFacts
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = False        # it saves under the model's own FQNs
+OWN_RANK_STATE = False
 TIED = "tie_word_embeddings"   # a Hugging Face config's tie, which a model imported from one carries (import_names)
 
 

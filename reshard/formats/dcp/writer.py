@@ -89,6 +89,7 @@ def file_name(rank: int) -> str:
 PLACES_EXPERTS = False     # experts go in as one model's params only: convert --names (reshard.rules.module_names)
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = False
+OWN_RANK_STATE = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     check_target(target)

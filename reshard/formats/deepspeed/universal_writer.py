@@ -59,6 +59,7 @@ _SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partiti
 PLACES_EXPERTS = True      # AutoEP; deepspeed.moe is refused (_check_target)
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = False
+OWN_RANK_STATE = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     _check_target(catalog, target)

@@ -20,6 +20,7 @@ from reshard.formats.deepspeed.zero_target import TARGET, ZeroTarget, closing_fi
 PLACES_EXPERTS = True     # expert_writer
 RESUMED_BY_FRAMEWORKS = True
 SAVES_OWN_NAMES = False
+OWN_RANK_STATE = False
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
     # a model alone (never trained here: no optimizer state, not a thinned checkpoint), as a fine-tune starts from it

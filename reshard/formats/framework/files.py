@@ -28,6 +28,7 @@ from reshard.storage.names import MANIFEST
 FRESH, COPY_RANK0, FAIL = "fresh", "copy-rank0", "fail"
 NEW_RANK_POLICIES = (FRESH, COPY_RANK0, FAIL)
 CARRIED, REWRITTEN, DROPPED, NONE, COPIED = "carried", "rewritten", "dropped", "none", "copied from rank 0"
+FRESH_STATE = "written fresh"   # a new process's file written by the output's writer, not copied (verl's scheduler)
 UNKNOWN = "a file reshard does not know"
 # One line, printed by plan: what no conversion can promise.
 REPRODUCIBILITY = ("exact reproducibility across world sizes is impossible: each process's random stream and "
@@ -71,7 +72,8 @@ class FrameworkFile:
 @dataclass(frozen=True)
 class Disposition:
     """What becomes of one framework file (or of one new process's missing file) at the target world size."""
-    action: str              # CARRIED, REWRITTEN (renamed), DROPPED, NONE (a new process gets none), COPIED
+    action: str              # CARRIED, REWRITTEN (renamed), DROPPED, NONE (a new process gets none), COPIED,
+    #                          FRESH_STATE
     source: str | None       # the source file (None: a new process, nothing in the source)
     target: str | None       # its name in the output (None: not written)
     why: str
@@ -80,7 +82,7 @@ class Disposition:
         where: str | None
         if self.action == REWRITTEN:
             where = f"{self.source} -> {self.target}"
-        elif self.action in (NONE, COPIED):
+        elif self.action in (NONE, COPIED, FRESH_STATE):
             where = self.target
         else:
             where = self.source

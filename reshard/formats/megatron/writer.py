@@ -71,6 +71,7 @@ FORMAT = "megatron"
 PLACES_EXPERTS = True      # a mixture of experts' save, at any ep dividing dp and the experts (tp=1, pp=1)
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = True    # torch_dist keys: megatron-core-modules undone
+OWN_RANK_STATE = False
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}

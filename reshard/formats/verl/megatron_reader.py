@@ -98,6 +98,17 @@ def _is_role(folder: str) -> bool:
         (os.path.basename(os.path.normpath(folder)) in fsdp_reader.ROLES and fs.isdir(os.path.join(folder, LEGACY[0])))
 
 
+def _step_of_run(path: str) -> str | None:
+    """The step folder a run dir's tracker names, where it holds a Megatron-backend role; None: not such a run dir."""
+    if not fs.isfile(os.path.join(path, fsdp_reader.TRACKER)):
+        return None
+    try:
+        step, _run, _name = fsdp_reader.resolve(path, None)
+    except CheckpointError:
+        return None
+    return step if role_folder(step) is not None else None
+
+
 def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
     return fsdp_reader.resolve(path, tag)
 
@@ -107,13 +118,13 @@ def sniff(path: str, tag: str | None) -> bool:
         return False
     if tag is not None:
         return role_folder(os.path.join(path, tag)) is not None
-    return role_folder(path) is not None or fsdp_reader.step_of_run(path, role_folder) is not None
+    return role_folder(path) is not None or _step_of_run(path) is not None
 
 
 def read(path: str, options: NoOptions) -> Catalog:
     path = fs.abspath(path)
     if role_folder(path) is None:
-        path = fsdp_reader.step_of_run(path, role_folder) or path
+        path = _step_of_run(path) or path
     folder = role_folder(path)
     if folder is None:
         raise CheckpointError(path, "no verl Megatron-backend role folder (actor/ or critic/ with model/, optimizer/ "
@@ -142,6 +153,10 @@ def read(path: str, options: NoOptions) -> Catalog:
             continue
         files += _listed(where, folder, part, problems)
         not_read.append((os.path.relpath(where, folder), f"{what}; its files checked present"))
+    for role in fsdp_reader.ROLES:      # another role of the step (the critic): a model of its own, read alone
+        other = os.path.join(os.path.dirname(folder), role)
+        if other != folder and _is_role(other):
+            not_read.append((os.path.relpath(other, folder), f"the step's {role}: read it on its own ({role}/)"))
     layout = replace(inner.layout, degrees=_degrees(folder, manifest, inner.layout.degrees))
     step_folder = os.path.dirname(folder)
     step = manifest.get("global_step")

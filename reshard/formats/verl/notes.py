@@ -25,8 +25,8 @@ class VerlNotes:
     mesh_groups: tuple[str, ...]            # the mesh's process groups' names (the default group's: "0")
     extra_states: tuple[str, ...]           # each rank's extra-state file, relative to the root (rank order)
     carried: tuple[tuple[str, int], ...] = field(default=())   # (path relative to the root, size): no rank's files
-    other_roles: tuple[str, ...] = ()       # the step's role folders beside `role` (critic/ beside actor/)
     flat_params: tuple[FlatParam, ...] = ()  # FSDP1's, in the optimizer's index order (flat_params.py)
+    tracker: str | None = None              # read from a run folder: the step its tracker names ("3"), rewritten
 
     def param_details(self, name: str) -> dict:
         return {}

@@ -1,4 +1,8 @@
-"""Read verl's FSDP checkpoints: a role folder (``global_step_N/actor``) or the step folder holding it.
+"""Read verl's FSDP checkpoints: a role folder (``global_step_N/actor``), the step folder holding its roles, or the
+run folder whose tracker (``latest_checkpointed_iteration.txt``) names the step.
+
+A step's roles are each one model: the actor (the first role present) is the catalog, each other role (the critic) a
+companion catalog rooted at its own folder, so a step is validated, compared and converted whole.
 
 verl's FSDPCheckpointManager saves each rank's sharded state dicts with torch.save: the model as DTensors (FSDP2, and
 FSDP1 under verl's device mesh), each a row block (Shard(0)) of its parameter; FSDP2's optimizer as DTensors of the
@@ -14,7 +18,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
 from typing import Any
 
 from reshard.core.catalog import (
@@ -89,19 +92,12 @@ def resolve(path: str, tag: str | None) -> tuple[str, str | None, str]:
 
 
 def sniff(path: str, tag: str | None) -> bool:
-    return fs.isdir(path) and (role_folder(path) is not None or step_of_run(path) is not None)
-
-
-def step_of_run(path: str, role_of: Callable[[str], str | None] = role_folder) -> str | None:
-    """The step folder a run dir's tracker names, where `role_of` finds a role folder in it (an FSDP one by
-    default); None: not such a run dir."""
-    if not fs.isfile(os.path.join(path, TRACKER)):
-        return None
-    try:
-        step, _run, _name = resolve(path, None)
-    except CheckpointError:
-        return None
-    return step if role_of(step) is not None else None
+    """A role folder, a step folder holding one, or a run folder: verl's tracker beside step folders of roles
+    (Megatron-LM's tracker has the same name, beside iter_N folders); the step it names is read."""
+    if not fs.isdir(path):
+        return False
+    return role_folder(path) is not None or fs.isfile(os.path.join(path, TRACKER)) and any(
+        _STEP.match(name) and role_folder(os.path.join(path, name)) for name in fs.listdir(path))
 
 
 def _config(folder: str) -> dict:
@@ -116,14 +112,18 @@ def _config(folder: str) -> dict:
 
 def read(path: str, options: NoOptions) -> Catalog:
     path = fs.abspath(path)
-    if role_folder(path) is None:     # a run dir: the step its tracker names
-        path = step_of_run(path) or path
-    folder = role_folder(path)
+    step_folder, tracker = path, None
+    if role_folder(path) is None and fs.isfile(os.path.join(path, TRACKER)):    # a run: the step its tracker names
+        step_folder, _, name = resolve(path, None)
+        tracker = name[len("global_step_"):]     # (resolve names global_step_N)
+    folder = role_folder(step_folder)
     if folder is None:
-        raise CheckpointError(path, "no verl role folder (actor/ or critic/ with fsdp_config.json)")
+        raise CheckpointError(step_folder, "no verl role folder (actor/ or critic/ with fsdp_config.json)")
     config = _config(folder)
     world = config["world"]
     catalog = CatalogBuilder(root=path, format=FORMAT, layout=Layout.of(world, format_topology=UNPARTITIONED))
+    if tracker is not None:     # a run folder is its own save dir: output beside it does not overlap it
+        catalog.save_dir = path
     step = _STEP.match(os.path.basename(os.path.dirname(folder)))
     catalog.tag = os.path.basename(os.path.dirname(folder)) if step else ""
     models = _rank_files(catalog, folder, world, path, "model", "model_states")
@@ -164,7 +164,11 @@ def read(path: str, options: NoOptions) -> Catalog:
     scheduler, accelerator = _extra_state(folder, world)
     catalog.training = TrainingState(global_steps=int(step.group(1)) if step else None, lr_scheduler=scheduler)
     first_dtensor = next((v for v in models[0][1].values() if isinstance(v, ShardRef)), None)
-    catalog.notes = _notes(path, folder, config, first_dtensor or _mesh_of_one(accelerator), flat)
+    catalog.notes = _notes(path, folder, config, first_dtensor or _mesh_of_one(accelerator), flat, tracker)
+    if folder != path:      # the step's other roles, each its own model (a role folder read alone has none)
+        catalog.companions = tuple(read(os.path.join(step_folder, role), options) for role in ROLES
+                                   if fs.isdir(os.path.join(step_folder, role)) and
+                                   os.path.join(step_folder, role) != folder)
     return catalog.freeze()
 
 
@@ -174,30 +178,29 @@ def _mesh_of_one(accelerator: str | None) -> ShardRef:
     return ShardRef(None, (), "", mesh_dims=("fsdp",), device_type=accelerator or "cpu", mesh_groups=("0",))
 
 
-def _notes(root: str, folder: str, config: dict, first: ShardRef, flat: tuple) -> VerlNotes:
+def _notes(root: str, folder: str, config: dict, first: ShardRef, flat: tuple, tracker: str | None) -> VerlNotes:
     """The writer's facts: the mesh the ranks saved on (a 1-D mesh is all verl's FSDP workers build without HSDP),
-    and every file of the checkpoint that is no rank's."""
+    and every file of the checkpoint that is no rank's: the role's own and, read from a step or a run, the step's
+    (data.pt); another role's are its companion's, a run's other steps no part of it, reshard's manifest redone."""
     role = os.path.relpath(folder, root) if folder != root else ""
     with fs.open(os.path.join(folder, FSDP_CONFIG)) as f:
         saved = json.load(f)
+    scope = os.path.dirname(folder) if role else folder
     carried = []
-    for top, _dirs, files in fs.walk(root):
+    for top, dirs, files in fs.walk(scope):
+        dirs[:] = [d for d in dirs if _under(os.path.join(top, d), folder)]     # (another role's folder left out)
         for name in files:
-            rel = os.path.normpath(os.path.join(os.path.relpath(top, root), name))
             rank_owned = top == folder and (_ANY_RANK_FILE.match(name) or name == FSDP_CONFIG)
-            # the role's own files and the step's (data.pt); another role's are its own, reshard's manifest is redone
-            if rank_owned or name == names.MANIFEST or not (_under(rel, role) or os.sep not in rel):
-                continue
-            carried.append((rel, fs.getsize(os.path.join(top, name))))
-    others = tuple(r for r in ROLES if role and r != role and fs.isdir(os.path.join(root, r)))
+            if not rank_owned and name != names.MANIFEST:
+                carried.append((os.path.relpath(os.path.join(top, name), root), fs.getsize(os.path.join(top, name))))
     return VerlNotes(config["fsdp"], role, saved, tuple(first.mesh_dims), first.device_type,
                      tuple(first.mesh_groups), tuple(
                          os.path.relpath(os.path.join(folder, rank_file("extra_state", config["world"], r)), root)
-                         for r in range(config["world"])), tuple(sorted(carried)), others, flat)
+                         for r in range(config["world"])), tuple(sorted(carried)), flat, tracker)
 
 
-def _under(rel: str, folder: str) -> bool:
-    return folder == "" or rel.startswith(folder + os.sep)
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder + os.sep)
 
 
 def _shape(value) -> tuple:

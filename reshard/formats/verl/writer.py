@@ -5,9 +5,12 @@ Each rank's model file is its sharded state dict as FSDP2 gives it (and FSDP1 un
 parameter a DTensor of its torch.chunk row block over a 1-D mesh of W ranks (dtensors.py); its optimizer file is
 torch.optim's state_dict() of those blocks, each parameter keyed by its index in model order, the moments DTensors
 like the weights, `step` the parameter's own. The extra-state file of a rank the source had is carried as it is (the
-lr scheduler and that rank's RNG states); a rank the source lacked gets the lr scheduler without RNG states, so
-verl's loader leaves that process's random streams as its seed made them (a copy of another rank's would repeat its
-stream). The step's other files (`huggingface/`, `data.pt`) are carried.
+lr scheduler and that rank's RNG states); a rank the source lacked gets what --new-rank-state says: `fresh`, the lr
+scheduler without RNG states, so verl's loader leaves that process's random streams as its seed made them;
+`copy-rank0`, rank 0's file (scheduler and RNG states: rank 0's stream, repeated); `fail`, a refusal naming the rank.
+The step's other files (`huggingface/`, `data.pt`) are carried. Read from a run folder, the output is a run folder
+too: the step under its own name and verl's tracker naming it, written last (the trainer's order: its
+`find_latest_ckpt_path` finds the step only once it is whole).
 
 FSDP1's optimizer (use_orig_params=False) is each rank's block of FSDP's flat parameters: each block at W ranks is
 written from the parameters the flat one holds, in its order, then zeros up to the block's size (flat_optim.py).
@@ -24,6 +27,17 @@ from reshard.core.geometry import chunks
 from reshard.core.layout import Layout
 from reshard.core.write_requests import CopiedFile, NewTensor, Output, Piece, TextFile
 from reshard.errors import ReshardError
+from reshard.formats.framework.files import (
+    CARRIED,
+    COPIED,
+    COPY_RANK0,
+    DROPPED,
+    FAIL,
+    FRESH,
+    FRESH_STATE,
+    REWRITTEN,
+    Disposition,
+)
 from reshard.formats.torchsave_write import TorchFile, TorchFileBuilder
 from reshard.formats.verl import dtensors, flat_optim
 from reshard.formats.verl.megatron_reader import MegatronBackendNotes
@@ -33,10 +47,14 @@ from reshard.storage import files as fs
 PLACES_EXPERTS = False
 RESUMED_BY_FRAMEWORKS = False
 SAVES_OWN_NAMES = False        # it saves under the model's own state-dict names
+OWN_RANK_STATE = True          # each rank's extra-state file (lr scheduler, RNG states): rank_state
 FSDP_CONFIG = "fsdp_config.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+EXTRA_STATE = "the lr scheduler and RNG states"
 
 
 def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: str | None = None) -> list:
+    """Every file but the extra state of the ranks the source lacked (rank_state_files: as --new-rank-state says)."""
     notes = _checked(catalog, target)
     world = target.dp
     index = {name: i for i, name in enumerate(n for n in catalog.order if catalog.params[n].kind != "buffer")}
@@ -47,10 +65,15 @@ def target_files(catalog: Catalog, target: Layout, tag: str, source_save_dir: st
             out.append(_flat_optim_file(catalog, notes, world, rank))
         elif catalog.param_groups:
             out.append(_optim_file(catalog, notes, world, rank, index))
-        out.append(_extra_state(catalog, notes, world, rank))
+        if rank < len(notes.extra_states):     # its own file (the scheduler and its RNG states), renamed
+            source = os.path.join(catalog.root, notes.extra_states[rank])
+            out.append(CopiedFile(os.path.join(notes.role, rank_file("extra_state", world, rank)), source,
+                                  fs.getsize(source)))
     config = json.dumps({**notes.config, "world_size": world}, indent=4)    # as verl writes it
     out.append(TextFile(os.path.join(notes.role, FSDP_CONFIG), config))
     out += [CopiedFile(path, os.path.join(catalog.root, path), size) for path, size in notes.carried]
+    if notes.tracker is not None:       # (text files are written last, in order: this one after every role's)
+        out.append(TextFile(TRACKER, notes.tracker))
     return out
 
 
@@ -70,10 +93,6 @@ def _checked(catalog: Catalog, target: Layout) -> VerlNotes:
     if len(notes.mesh_dims) != 1:
         raise ReshardError.at(catalog.root, f"a device mesh of dims {notes.mesh_dims} (verl's HSDP) is not written; "
                                             "a 1-D fsdp mesh is")
-    if notes.other_roles:
-        raise ReshardError.at(os.path.join(catalog.root, notes.other_roles[0]),
-                              f"a second role beside {notes.role}/ is not converted with it yet: convert each role "
-                              "folder on its own (STEP/actor DST/actor, STEP/critic DST/critic) and copy data.pt")
     return notes
 
 
@@ -166,13 +185,50 @@ def _scalar(file: TorchFileBuilder, value: ScalarTensor) -> NewTensor:
     return file.slot(value.dtype, (), [Piece(1, value=value.value)])
 
 
-def _extra_state(catalog: Catalog, notes: VerlNotes, world: int, rank: int) -> CopiedFile | TorchFile:
-    """A rank the source had: its own file (the scheduler and its RNG states), renamed. A new rank: the scheduler."""
-    if rank < len(notes.extra_states):
-        source = os.path.join(catalog.root, notes.extra_states[rank])
-        return CopiedFile(os.path.join(notes.role, rank_file("extra_state", world, rank)), source, fs.getsize(source))
-    file = _torch_file(notes, "extra_state", world, rank)
-    return file.build({"lr_scheduler": catalog.training.lr_scheduler})
+def rank_state_files(catalog: Catalog, target: Layout, policy: str) -> list:
+    """The extra-state file of each rank the source lacked, as `policy` says (the module's docstring)."""
+    notes = _checked(catalog, target)
+    out: list = []
+    for rank in range(len(notes.extra_states), target.dp):
+        name = os.path.join(notes.role, rank_file("extra_state", target.dp, rank))
+        rank0 = os.path.join(catalog.root, notes.extra_states[0])
+        if policy == FAIL:
+            raise ReshardError.at(rank0, f"rank {rank} of {target.dp} would have no extra state ({name}): the source "
+                                         f"saved {len(notes.extra_states)} ranks; --new-rank-state fresh (the lr "
+                                         "scheduler, verl seeds its RNG) or copy-rank0 (rank 0's, its random stream "
+                                         "repeated)")
+        if policy == COPY_RANK0:
+            out.append(CopiedFile(name, rank0, fs.getsize(rank0)))
+        else:
+            out.append(_torch_file(notes, "extra_state", target.dp, rank).build(
+                {"lr_scheduler": catalog.training.lr_scheduler}))
+    return out
+
+
+def rank_state(catalog: Catalog, target: Layout, policy: str) -> tuple[str, tuple[Disposition, ...]]:
+    """(what a rank the source lacked gets under `policy`, in words; what becomes of each role's extra-state file at
+    the target's world size), for plan and the conversion's summary."""
+    meaning = {FRESH: "new ranks get the lr scheduler without RNG states: verl keeps the seeded streams of the process",
+               COPY_RANK0: "new ranks get a copy of rank 0's (the lr scheduler and RNG states: its random stream, "
+                           "repeated)",
+               FAIL: "a rank the source did not have is refused"}[policy]
+    out: list[Disposition] = []
+    for folder, each in (("", catalog), *catalog.companion_folders()):
+        notes = _checked(each, target)
+        saved = [os.path.join(folder, path) for path in notes.extra_states]
+        for rank in range(max(target.dp, len(saved))):
+            name = os.path.join(folder, notes.role, rank_file("extra_state", target.dp, rank))
+            if rank >= target.dp:
+                out.append(Disposition(DROPPED, saved[rank], None, f"rank {rank} does not exist at {target.dp}"))
+            elif rank < len(saved):
+                out.append(Disposition(CARRIED if saved[rank] == name else REWRITTEN, saved[rank], name,
+                                       f"{EXTRA_STATE} of rank {rank}; copied byte for byte"))
+            elif policy == COPY_RANK0:
+                out.append(Disposition(COPIED, saved[0], name, f"{EXTRA_STATE}: rank 0's stream, repeated"))
+            elif policy == FRESH:
+                out.append(Disposition(FRESH_STATE, None, name, "the lr scheduler alone: verl seeds the RNG"))
+    return f"--new-rank-state {policy}: {meaning}; kept for the ranks at both sizes, dropped for those gone", \
+        tuple(out)
 
 
 def output_tag(catalog: Catalog, tag: str) -> str:

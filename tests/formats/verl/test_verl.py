@@ -34,18 +34,27 @@ def _actor(run):
     return run / "global_step_3" / "actor"
 
 
+def _critic(run):
+    return run / "global_step_3" / "critic"
+
+
 @pytest.mark.parametrize("fsdp", sorted(FSDP))
 def test_fixture_is_verl_own_layout(fsdp):
     run = FSDP[fsdp]
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert (run / "global_step_3" / "data.pt").is_file()
-    actor = _actor(run)
-    assert json.loads((actor / "fsdp_config.json").read_text()) == {"FSDP_version": fsdp, "world_size": 2}
-    for kind in ("model", "optim", "extra_state"):
-        for rank in (0, 1):
-            assert (actor / f"{kind}_world_size_2_rank_{rank}.pt").is_file()
-    assert json.loads((actor / "huggingface" / "config.json").read_text())["model_type"] == "qwen2"
-    assert (actor / "huggingface" / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (run / "global_step_3").iterdir()) == ["actor", "critic", "data.pt"]
+    for role in (_actor(run), _critic(run)):
+        assert json.loads((role / "fsdp_config.json").read_text()) == {"FSDP_version": fsdp, "world_size": 2}
+        for kind in ("model", "optim", "extra_state"):
+            for rank in (0, 1):
+                assert (role / f"{kind}_world_size_2_rank_{rank}.pt").is_file()
+        assert json.loads((role / "huggingface" / "config.json").read_text())["model_type"] == "qwen2"
+        assert (role / "huggingface" / "tokenizer.json").is_file()
+    # the critic is verl's value model: one label, a value head (score) where the actor has its language head
+    assert json.loads((_critic(run) / "huggingface" / "config.json").read_text())["id2label"] == {"0": "LABEL_0"}
+    import torch
+    critic = torch.load(_critic(run) / "model_world_size_2_rank_0.pt", weights_only=False)
+    assert critic["score.weight"].shape == (1, 16) and "lm_head.weight" not in critic
 
 
 def _change_weight(actor, key, world=2):
@@ -57,8 +66,9 @@ def _change_weight(actor, key, world=2):
     torch.save(state, path)
 
 
-def _job(label, actor, fsdp, out=None, truth=None, optim=False):
-    job = {"label": label, "folder": str(actor), "fsdp": fsdp, "truth": str(truth) if truth else None}
+def _job(label, folder, fsdp, out=None, truth=None, optim=False, role="actor", **more):
+    job = {"label": label, "folder": str(folder) if folder else None, "fsdp": fsdp,
+           "truth": str(truth) if truth else None, "role": role, **{k: str(v) for k, v in more.items()}}
     if out is not None:
         job["full"] = str(out / f"{label}.safetensors")
         if optim:
@@ -67,26 +77,42 @@ def _job(label, actor, fsdp, out=None, truth=None, optim=False):
 
 
 def _launches(out):
-    """{world: its jobs}, one launch each: each fixture at 2 ranks (and a changed copy of the FSDP2 one), at 1 and at
-    4 (refused), and each converted to 1, 3 and 4 ranks, loaded there (and a changed copy of FSDP2's 4)."""
+    """{world: its jobs}, one launch each: each fixture's actor and critic at 2 ranks (and a changed copy of the FSDP2
+    actor), at 1 and at 4 (refused), and each step (both roles in one command) converted to 1, 3 and 4 ranks, loaded
+    there (and a changed copy of FSDP2's 4, of either role); FSDP1's run folder converted to 3 ranks with
+    --new-rank-state copy-rank0, each role found by verl's own find_latest_ckpt_path (and a step folder's output,
+    which holds no tracker, not found)."""
     for fsdp, run in FSDP.items():
         for world in CONVERTED:
             run_cli("convert", run / "global_step_3", _converted(out, fsdp, world), "--to", f"dp={world}", check=0)
+    run_cli("convert", FSDP[1], out / "run-dp3", "--to", "dp=3", "--new-rank-state", "copy-rank0", check=0)
     changed = out / "changed" / "global_step_3" / "actor"
     shutil.copytree(_actor(FSDP[2]), changed)
     _change_weight(changed, CHANGED)
-    changed4 = out / "changed4" / "actor"
-    shutil.copytree(_converted(out, 2, 4) / "actor", changed4)
-    _change_weight(changed4, CHANGED, world=4)
+    changed4 = {}
+    for role in ("actor", "critic"):
+        changed4[role] = out / "changed4" / role
+        shutil.copytree(_converted(out, 2, 4) / role, changed4[role])
+        _change_weight(changed4[role], CHANGED, world=4)
     launches = {2: [_job(f"fsdp{f}", _actor(r), f, out, truth=_actor(r), optim=True) for f, r in FSDP.items()],
                 1: [_job(f"fsdp{f} at 1", _actor(r), f) for f, r in FSDP.items()],
-                3: [], 4: [_job("fsdp2 at 4", _actor(FSDP[2]), 2)]}
+                3: [], 4: [_job("fsdp2 at 4", _actor(FSDP[2]), 2), _job("critic at 4", _critic(FSDP[2]), 2,
+                                                                         role="critic")]}
+    launches[2] += [_job(f"fsdp{f} critic", _critic(r), f, out, truth=_critic(r), optim=True, role="critic")
+                    for f, r in FSDP.items()]
     launches[2].append(_job("changed", changed, 2, truth=_actor(FSDP[2])))
     for fsdp in FSDP:
         for world in CONVERTED:
-            actor = _converted(out, fsdp, world) / "actor"
-            launches[world].append(_job(f"fsdp{fsdp} dp{world}", actor, fsdp, out, truth=actor, optim=True))
-    launches[4].append(_job("changed at 4", changed4, 2, out))
+            step = _converted(out, fsdp, world)
+            launches[world].append(_job(f"fsdp{fsdp} dp{world}", step / "actor", fsdp, out, truth=step / "actor",
+                                        optim=True, rng_of=_actor(FSDP[fsdp]) / "extra_state_world_size_2_rank_0.pt"))
+            launches[world].append(_job(f"fsdp{fsdp} critic dp{world}", step / "critic", fsdp, out,
+                                        truth=step / "critic", optim=True, role="critic"))
+    launches[4] += [_job(f"{role} changed at 4", folder, 2, out, role=role) for role, folder in changed4.items()]
+    launches[4].append(_job("step output as a run", None, 2, run=_converted(out, 2, 4).parent))
+    for role in ("actor", "critic"):
+        launches[3].append(_job(f"run {role} dp3", None, 1, out, optim=True, role=role, run=out / "run-dp3",
+                                rng_of=FSDP[1] / "global_step_3" / role / "extra_state_world_size_2_rank_0.pt"))
     return launches
 
 
@@ -158,16 +184,76 @@ def test_verl_loads_the_conversion_at_its_world_size_bit_equal_and_trains_on(loa
 
 
 @pytest.mark.engine
-def test_a_changed_element_of_the_conversion_is_found_in_what_verl_loaded(loaded):
-    result = loaded["changed at 4"]
-    assert result["loaded"], result
-    assert _differing(result["full"], loaded["fsdp2"]["full"]) == {CHANGED: 1}
+def test_verl_refuses_the_unconverted_fixture_at_4_ranks(loaded):
+    for label in ("fsdp2 at 4", "critic at 4"):     # the actor's and the critic's files alike
+        result = loaded[label]
+        assert not result["loaded"] and "model_world_size_4_rank_0.pt" in result["error"], result
+        assert "critic" in result["error"] if label.startswith("critic") else "actor" in result["error"]
+
+
+# A step's critic: converted with its actor in one command, loaded by verl's own manager into the critic verl builds
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_verl_loads_the_critic_at_2_ranks_as_saved_and_trains_on(loaded, fsdp):
+    result = loaded[f"fsdp{fsdp} critic"]
+    assert result["loaded"] and result["error"] is None and result["problems"] == [], result
+    assert result["last_epoch"] == 3 and math.isfinite(result["loss"]) and result["step_after"] == [4.0], result
+    # the value head where the actor has its language head; negative control: the actor's weights, loaded the same
+    # way, are not the critic's
+    import torch
+    from safetensors.torch import load_file
+    critic, actor = load_file(result["full"]), load_file(loaded[f"fsdp{fsdp}"]["full"])
+    assert critic["score.weight"].shape == (1, 16) and "lm_head.weight" not in critic
+    assert not torch.equal(critic[CHANGED], actor[CHANGED])
 
 
 @pytest.mark.engine
-def test_verl_refuses_the_unconverted_fixture_at_4_ranks(loaded):
-    result = loaded["fsdp2 at 4"]
-    assert not result["loaded"] and "model_world_size_4_rank_0.pt" in result["error"], result
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+@pytest.mark.parametrize("world", sorted(CONVERTED))
+def test_verl_loads_the_converted_critic_at_its_world_size_bit_equal_and_trains_on(loaded, fsdp, world):
+    """The critic of the step converted in one command with its actor: what verl's manager loads of it at `world`
+    ranks is what it loads at 2 of the source's critic (weights, both Adam moments, steps, scheduler)."""
+    result, source = loaded[f"fsdp{fsdp} critic dp{world}"], loaded[f"fsdp{fsdp} critic"]
+    assert result["loaded"] and result["error"] is None and result["problems"] == [], result
+    assert _differing(result["full"], source["full"]) == {}
+    assert _differing(result["full_optim"], source["full_optim"]) == {}
+    assert result["scheduler"] == source["scheduler"] and result["last_epoch"] == 3, result
+    assert math.isfinite(result["loss"]) and result["step_after"] == [4.0], result
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_changed_element_of_either_converted_role_is_found_in_what_verl_loaded(loaded, role):
+    result = loaded[f"{role} changed at 4"]
+    assert result["loaded"], result
+    assert _differing(result["full"], loaded["fsdp2" + (" critic" if role == "critic" else "")]["full"]) == \
+        {CHANGED: 1}
+
+
+# A run folder: converted into a run folder whose tracker verl's own find_latest_ckpt_path follows
+
+@pytest.mark.engine
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_verl_resumes_a_converted_run_from_its_tracker_with_rank_0s_rng_on_new_ranks(loaded, role):
+    """FSDP1's run folder converted to 3 ranks with --new-rank-state copy-rank0: verl's find_latest_ckpt_path finds
+    global_step_3 from the tracker written beside it, its manager loads each role there bit for bit as at 2 ranks from
+    the source, and the new rank 2's torch RNG state after the load is rank 0's saved one.
+    Negative controls: the fresh conversion's new ranks keep their own seeded streams; a step folder's output (no
+    tracker) is no run verl resumes."""
+    result = loaded[f"run {role} dp3"]
+    source = loaded["fsdp1" + (" critic" if role == "critic" else "")]
+    assert result["found"].endswith("run-dp3/global_step_3"), result
+    assert result["loaded"] and result["error"] is None, result
+    assert _differing(result["full"], source["full"]) == {} and _differing(result["full_optim"],
+                                                                           source["full_optim"]) == {}
+    assert result["step_after"] == [4.0], result
+    # (the fixture's ranks were seeded alike, so rank 1's own saved state is rank 0's too)
+    assert result["rng_equal"] == [True, True, True], result
+    assert loaded["fsdp1 dp3"]["rng_equal"] == [True, True, False]      # fresh: rank 2 its own seeded stream
+    assert loaded["fsdp2 dp4"]["rng_equal"] == [True, True, False, False]
+    missing = loaded["step output as a run"]
+    assert not missing["loaded"] and missing["found"] is None, missing
 
 
 def test_convert_writes_verl_files_and_carries_the_step(tmp_path):
@@ -192,6 +278,13 @@ def test_convert_writes_verl_files_and_carries_the_step(tmp_path):
     weight = model["model.norm.weight"]
     assert weight.shape == (16,) and weight.to_local().shape == (4,) and weight.device_mesh.size() == 3
     assert run_cli("validate", "--deep", dst, check=0).stdout.startswith("complete;")
+    # the critic beside it in the same command, at 3 ranks too; data.pt once, one manifest for the step
+    assert sorted(p.name for p in dst.iterdir()) == ["actor", "critic", "data.pt", "reshard-manifest.json"]
+    assert sorted(p.name for p in (dst / "critic").glob("*_rank_*.pt")) == sorted(
+        f"{kind}_world_size_3_rank_{rank}.pt" for kind in ("model", "optim", "extra_state") for rank in range(3))
+    assert json.loads((dst / "critic" / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 3}
+    assert torch.load(dst / "critic" / "model_world_size_3_rank_0.pt", weights_only=False)[
+        "score.weight"].device_mesh.size() == 3
     # negative control: the source, read the same way, is a mesh of 2
     assert torch.load(source / "model_world_size_2_rank_1.pt", weights_only=False)[
         "model.norm.weight"].device_mesh.size() == 2
@@ -238,17 +331,6 @@ def test_inspect_names_verl_its_world_size_step_and_optimizer(fsdp):
         assert "step          3 (global_steps 3" in out, out
 
 
-def test_a_run_dir_is_read_as_the_step_its_tracker_names(tmp_path):
-    data = json.loads(run_cli("inspect", FSDP[2], "--json", check=0).stdout)
-    assert (data["format"], data["tag"], data["path"]) == ("verl", "global_step_3", str(FSDP[2] / "global_step_3"))
-    # negative control: a tracker naming a step the run does not hold is no verl run dir (nor Megatron-LM's)
-    run = tmp_path / "run"
-    shutil.copytree(FSDP[2], run)
-    (run / "latest_checkpointed_iteration.txt").write_text("4")
-    proc = run_cli("inspect", run)
-    assert proc.returncode == 1 and "iter_0000004: missing" in proc.stderr, proc.stderr
-
-
 @pytest.mark.parametrize("fsdp", sorted(FSDP))
 def test_validate_deep_finds_the_fixture_complete(fsdp):
     out = run_cli("validate", "--deep", FSDP[fsdp] / "global_step_3", check=0).stdout
@@ -267,6 +349,82 @@ def test_a_missing_or_truncated_rank_file_is_named(tmp_path):
     rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
     proc = run_cli("validate", "--deep", truncated)
     assert proc.returncode != 0 and "optim_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+
+
+@pytest.mark.parametrize("kind", ["model", "optim"])
+def test_a_missing_or_truncated_critic_rank_file_is_named(tmp_path, kind):
+    """The step is whole only with its critic: validate (and --deep) of the step names the critic's file."""
+    missing = tmp_path / "missing"
+    shutil.copytree(FSDP[2] / "global_step_3", missing)
+    (missing / "critic" / f"{kind}_world_size_2_rank_1.pt").unlink()
+    proc = run_cli("validate", missing)
+    assert proc.returncode != 0 and f"critic/{kind}_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+    truncated = tmp_path / "truncated"
+    shutil.copytree(FSDP[2] / "global_step_3", truncated)
+    rank1 = truncated / "critic" / f"{kind}_world_size_2_rank_1.pt"
+    rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
+    proc = run_cli("validate", "--deep", truncated)
+    assert proc.returncode != 0 and f"critic/{kind}_world_size_2_rank_1.pt" in proc.stderr + proc.stdout, proc
+    # negative control: the same copy whole is complete
+    assert run_cli("validate", "--deep", FSDP[2] / "global_step_3", check=0).stdout.startswith("complete;")
+
+
+def test_a_run_folder_converts_to_a_run_folder_with_its_tracker_written_last(tmp_path):
+    """RUN (the tracker beside global_step_*/) converts the step the tracker names into DST/global_step_3/ and
+    writes DST/latest_checkpointed_iteration.txt, listed last (the executor writes text files after the rest, in
+    order); a newer step the tracker does not name is not converted. Negative controls: a run without its tracker,
+    and a tracker naming a step that is not there, are refused in one line with nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(FSDP[2], run)
+    shutil.copytree(run / "global_step_3", run / "global_step_4")     # a save in progress: the tracker says 3
+    dst = tmp_path / "dp4"
+    written = json.loads(run_cli("convert", run, dst, "--to", "dp=4", "--json", check=0).stdout)
+    assert sorted(p.name for p in dst.iterdir()) == ["global_step_3", "latest_checkpointed_iteration.txt",
+                                                     "reshard-manifest.json"]
+    assert (dst / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert written["files"][-1]["path"] == str(dst / "latest_checkpointed_iteration.txt"), written["files"][-3:]
+    assert sorted(p.name for p in (dst / "global_step_3").iterdir()) == ["actor", "critic", "data.pt"]
+    assert run_cli("diff", FSDP[2] / "global_step_3", dst / "global_step_3", check=0).returncode == 0
+    assert run_cli("validate", dst, check=0).stdout.startswith("complete;")
+    # a step folder as the source keeps writing DST as the step: no tracker
+    run_cli("convert", run / "global_step_3", tmp_path / "step", "--to", "dp=4", check=0)
+    assert not (tmp_path / "step" / "latest_checkpointed_iteration.txt").exists()
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    proc = run_cli("convert", run, tmp_path / "five", "--to", "dp=4")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc
+    assert "global_step_5" in proc.stderr and "names step 5" in proc.stderr, proc.stderr
+    (run / "latest_checkpointed_iteration.txt").unlink()
+    proc = run_cli("convert", run, tmp_path / "none", "--to", "dp=4")
+    assert proc.returncode != 0 and len(proc.stderr.splitlines()) == 1 and "run directory" in proc.stderr, proc
+    assert not (tmp_path / "five").exists() and not (tmp_path / "none").exists()
+
+
+def test_new_rank_state_is_honoured_for_the_extra_state_and_said_by_plan(tmp_path):
+    """fresh (the default): a new rank's extra state is the lr scheduler alone; copy-rank0: rank 0's file, byte for
+    byte, in each role; fail: refused in one line naming the rank, nothing written; plan says which."""
+    import torch
+    step = FSDP[2] / "global_step_3"
+    for policy in ("fresh", "copy-rank0"):
+        dst = tmp_path / policy
+        out = run_cli("convert", step, dst, "--to", "dp=3", "--new-rank-state", policy, check=0).stdout
+        for role in ("actor", "critic"):
+            new = dst / role / "extra_state_world_size_3_rank_2.pt"
+            rank0 = step / role / "extra_state_world_size_2_rank_0.pt"
+            if policy == "copy-rank0":
+                assert new.read_bytes() == rank0.read_bytes()
+                assert f"{role}/extra_state_world_size_3_rank_2.pt copied from rank 0" in out, out
+            else:
+                assert set(torch.load(new, weights_only=False)) == {"lr_scheduler"}
+                assert f"{role}/extra_state_world_size_3_rank_2.pt written fresh" in out, out
+    plan = run_cli("plan", step, "--to", "dp=3", "--new-rank-state", "copy-rank0", check=0).stdout
+    assert "per-rank --new-rank-state copy-rank0: new ranks get a copy of rank 0's" in plan, plan
+    data = json.loads(run_cli("plan", step, "--to", "dp=3", "--json", check=0).stdout)
+    assert data["framework"]["new_rank_state"] == "fresh" and "without RNG states" in data["framework"]["policy"]
+    proc = run_cli("convert", step, tmp_path / "fail", "--to", "dp=3", "--new-rank-state", "fail")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "rank 2 of 3" in proc.stderr, proc
+    assert not (tmp_path / "fail").exists()
+    # negative control: no new rank, nothing to refuse
+    run_cli("convert", step, tmp_path / "same", "--to", "dp=2", "--new-rank-state", "fail", check=0)
 
 
 def test_diff_finds_a_changed_weight_and_nothing_else(tmp_path):
@@ -309,8 +467,7 @@ def _run(tmp_path, steps=(1, 2, 3), tracker="2"):
     import os
     run = tmp_path / "run"
     for step in steps:
-        shutil.copytree(FSDP[2] / "global_step_3", run / f"global_step_{step}")
-        shutil.copytree(_actor(FSDP[2]), run / f"global_step_{step}" / "critic")     # a second role
+        shutil.copytree(FSDP[2] / "global_step_3", run / f"global_step_{step}")     # actor/ and critic/
     (run / "latest_checkpointed_iteration.txt").write_text(tracker)
     for path in run.rglob("*"):      # saved a while ago: no save in progress
         os.utime(path, (1e9, 1e9))
@@ -318,10 +475,22 @@ def _run(tmp_path, steps=(1, 2, 3), tracker="2"):
 
 
 def test_list_sees_each_step_folder_as_one_checkpoint(tmp_path):
+    """Each step is one row whose bytes are both roles' and data.pt's, weights and optimizer those of actor and
+    critic together; a step missing a critic rank file is INCOMPLETE, naming it."""
+    from tests.helpers import lifecycle_runs as lr
     run = _run(tmp_path)
-    data = json.loads(run_cli("list", run, "--json", check=0).stdout)
-    rows = data["checkpoints"] if isinstance(data, dict) else data
-    assert sorted(r["name"] for r in rows) == ["global_step_1", "global_step_2", "global_step_3"], rows
+    (run / "global_step_1" / "critic" / "optim_world_size_2_rank_1.pt").unlink()
+    lr.age(run)     # (no save in progress)
+    rows = {r["name"]: r for r in json.loads(run_cli("list", run, "--json", check=1).stdout)["checkpoints"]}
+    assert sorted(rows) == ["global_step_1", "global_step_2", "global_step_3"], rows
+    step = run / "global_step_3"
+    assert rows["global_step_3"]["bytes"] == sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    # the weights are both models' (each role's as inspect reads it alone; negative control: the actor's alone less)
+    weights = {role: json.loads(run_cli("inspect", step / role, "--json", check=0).stdout)["bytes_per_state"]["module"]
+               for role in ("actor", "critic")}
+    assert rows["global_step_3"]["bytes_by_kind"]["weights"] == weights["actor"] + weights["critic"], weights
+    assert rows["global_step_1"]["status"] == "incomplete", rows["global_step_1"]
+    assert "critic/optim_world_size_2_rank_1.pt" in rows["global_step_1"]["why"], rows["global_step_1"]
 
 
 def test_prune_deletes_whole_step_folders_and_keeps_the_one_the_tracker_names(tmp_path):
@@ -363,7 +532,7 @@ def test_watch_validates_each_new_step_as_it_lands_and_applies_the_policy(tmp_pa
     proc = run_cli(*args, check=0)
     assert "step 3: complete" in proc.stdout, proc.stdout
     assert entries() == ["global_step_3", "latest_checkpointed_iteration.txt"]
-    assert sorted(p.name for p in (run / "global_step_3").iterdir()) == ["actor", "data.pt"]
+    assert sorted(p.name for p in (run / "global_step_3").iterdir()) == ["actor", "critic", "data.pt"]
     # negative control: step 4 lands without rank 1's model file; it is flagged, and step 3 is not deleted for it
     shutil.copytree(FSDP[2] / "global_step_3", run / "global_step_4")
     (run / "global_step_4" / "actor" / "model_world_size_2_rank_1.pt").unlink()
@@ -375,20 +544,33 @@ def test_watch_validates_each_new_step_as_it_lands_and_applies_the_policy(tmp_pa
     assert entries() == ["global_step_3", "global_step_4", "latest_checkpointed_iteration.txt"]
 
 
-def test_a_step_with_a_critic_is_converted_role_by_role(tmp_path):
-    """A step folder holding actor/ and critic/ (the critic's files as verl's manager writes every role's: here the
-    actor's, copied) is refused in one line naming critic/, nothing written; each role folder converts on its own, and
-    reads back as its source does (diff: no difference)."""
-    step = tmp_path / "run" / "global_step_3"
-    shutil.copytree(FSDP[2] / "global_step_3", step)
-    shutil.copytree(step / "actor", step / "critic")
-    proc = run_cli("convert", step, tmp_path / "out", "--to", "dp=4")
-    assert proc.returncode == 1 and "critic" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc
-    assert not (tmp_path / "out").exists()
-    for role in ("actor", "critic"):
-        run_cli("convert", step / role, tmp_path / "dp4" / role, "--to", "dp=4", check=0)
-        assert run_cli("diff", step / role, tmp_path / "dp4" / role, check=0).returncode == 0
-    assert (tmp_path / "dp4" / "critic" / "optim_world_size_4_rank_3.pt").is_file()
+def test_a_step_converts_both_roles_in_one_command_and_reads_back_as_its_source(tmp_path):
+    """One command writes actor/ and critic/ at 4 ranks; diff, inspect, validate and export take the step's two
+    roles: diff finds no difference in either, and a changed critic element only under critic/ (negative control); a
+    role folder still converts alone; another --format is refused for a step of two models, nothing written."""
+    step = FSDP[1] / "global_step_3"
+    dst = tmp_path / "dp4" / "global_step_3"
+    run_cli("convert", step, dst, "--to", "dp=4", check=0)
+    assert run_cli("diff", step, dst, check=0).stdout.strip().endswith("no difference: 165 tensors, 33,171 elements "
+                                                                       "compared"), "both roles compared"
+    changed = tmp_path / "changed" / "global_step_3"
+    shutil.copytree(dst, changed)
+    (changed / "reshard-manifest.json").unlink()        # (the files change under it)
+    _change_weight(changed / "critic", CHANGED, world=4)
+    proc = run_cli("diff", dst, changed, check=1)
+    differing = [line for line in proc.stdout.splitlines() if "max abs diff" in line]
+    assert differing and all(line.startswith(f"critic/{CHANGED} (") for line in differing), proc.stdout
+    info = json.loads(run_cli("inspect", dst, "--json", check=0).stdout)
+    critic = info["companions"]["critic"]
+    assert (info["topology"]["dp"], critic["topology"]["dp"], critic["step"]) == (4, 4, 3), critic
+    assert critic["parameters"] == 28 and info["parameters"] == 27      # the value head, not the language head
+    exported = json.loads(run_cli("export", dst, tmp_path / "hf", "--json", check=0).stdout)
+    assert exported["left_out"] == ["critic"], exported
+    run_cli("convert", step / "critic", tmp_path / "alone" / "critic", "--to", "dp=3", check=0)
+    assert run_cli("diff", step / "critic", tmp_path / "alone" / "critic", check=0).returncode == 0
+    proc = run_cli("convert", step, tmp_path / "dcp", "--to", "dp=2", "--format", "dcp")
+    assert proc.returncode == 1 and "critic/" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc
+    assert not (tmp_path / "dcp").exists()
 
 
 def _torch_differences(a_dir, b_dir, world):
