@@ -107,7 +107,8 @@ def run_fast(args) -> None:
                                                                                                 "validate")))}
         trees = {name: REPO for name in commands}
         if args.before:
-            for name in [n for n in commands if n.startswith(("convert", "export", "validate")) and "sha256" not in n]:
+            mine = [n for n in commands if n.startswith(("convert", "export", "validate")) and "--digest" not in n]
+            for name in mine:
                 commands[f"before: {name}"], trees[f"before: {name}"] = commands[name], os.path.abspath(args.before)
         for tree in set(trees.values()):
             byte_compile(tree)
