@@ -72,14 +72,7 @@ def worker(out: Path, fsdp: int) -> None:
         manager.save_checkpoint(str(step_dir / role), global_step=STEPS)
         dist.barrier()
     if rank == 0:
-        # what verl's RayPPOTrainer._save_checkpoint writes beside the roles: the data loader's state, then the tracker
-        from torchdata.stateful_dataloader import StatefulDataLoader
-        loader = StatefulDataLoader(list(range(8)), batch_size=2)
-        it = iter(loader)
-        for _ in range(STEPS):
-            next(it)
-        torch.save(loader.state_dict(), step_dir / "data.pt")
-        (out / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+        verl_cpu.save_trainer_files(out, STEPS)
         import transformers
         (out / "truth.json").write_text(json.dumps({
             "verl": verl_cpu.VERL, "torch": torch.__version__, "transformers": transformers.__version__,

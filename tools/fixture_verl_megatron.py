@@ -169,17 +169,10 @@ def worker(out: Path, tp: int) -> None:
     manager.save_checkpoint(str(step_dir / "actor"), global_step=STEPS)
     dist.barrier()
     if rank == 0:
-        # what verl's RayPPOTrainer._save_checkpoint writes beside the roles: the data loader's state, then the tracker
-        from torchdata.stateful_dataloader import StatefulDataLoader
-        loader = StatefulDataLoader(list(range(8)), batch_size=2)
-        it = iter(loader)
-        for _ in range(STEPS):
-            next(it)
-        torch.save(loader.state_dict(), step_dir / "data.pt")
-        (out / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
         import megatron.core
 
         import verl_cpu
+        verl_cpu.save_trainer_files(out, STEPS)
         (out / "truth.json").write_text(json.dumps({
             "verl": verl_cpu.VERL, "megatron_core": megatron.core.__version__, "torch": torch.__version__,
             "world": dist.get_world_size(), "tp": tp, "pp": 1, "dp": WORLD // tp, "step": STEPS,

@@ -138,3 +138,17 @@ def train_step(model, optimizer, scheduler, step: int, rank: int) -> float:
     optimizer.zero_grad()
     scheduler.step()
     return float(loss.detach())
+
+
+def save_trainer_files(run, steps: int) -> None:
+    """What verl's RayPPOTrainer._save_checkpoint writes beside the roles (rank 0, after them): the data loader's
+    state in the step folder, then the tracker naming the step."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    loader = StatefulDataLoader(list(range(8)), batch_size=2)
+    it = iter(loader)
+    for _ in range(steps):
+        next(it)
+    torch.save(loader.state_dict(), os.path.join(run, f"global_step_{steps}", "data.pt"))
+    with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(steps))
