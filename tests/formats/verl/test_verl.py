@@ -631,14 +631,16 @@ def test_one_rank_and_back_gives_verl_own_files(tmp_path, fsdp):
 # Between verl and the other FSDP writers: --format dcp converts, proven by torch's own dcp.load; the HF Trainer's FSDP
 # layout and torchtitan's are refused either way in one line, the reason shown on the consumers' own objects
 
-def _dcp_loaded(folder, config_dir):
-    """torch's own dcp.load (no process group) of the DCP folder `folder` into the state dict of the model
-    `config_dir`'s config builds, and its optimizer's as the DCP writer names them (optim.state.<fqn>.<state>), every
-    tensor NaN before the load: {"model": {fqn: tensor}, "optim": {fqn.state: tensor}}."""
+def _dcp_loaded(folder, role_dir):
+    """torch's own dcp.load (no process group) of the DCP folder `folder` into the state dict of the model the role's
+    huggingface/ config builds (the actor's language model, the critic's value model: a token classifier of one
+    label), and its optimizer's as the DCP writer names them (optim.state.<fqn>.<state>), every tensor NaN before the
+    load: {"model": {fqn: tensor}, "optim": {fqn.state: tensor}}."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    builds = AutoModelForTokenClassification if role_dir.name == "critic" else AutoModelForCausalLM
+    model = builds.from_config(AutoConfig.from_pretrained(role_dir / "huggingface"), dtype=torch.float32)
     nan = float("nan")
     tree = {"model": {k: torch.full_like(v, nan) for k, v in model.state_dict().items()},
             "optim": {"state": {name: {"exp_avg": torch.full_like(p, nan), "exp_avg_sq": torch.full_like(p, nan),
@@ -657,33 +659,34 @@ def _unequal(live: dict, truth: dict) -> list:
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("role", ["actor", "critic"])
 @pytest.mark.parametrize("fsdp", sorted(FSDP))
-def test_dcp_from_verl_is_loaded_by_torch_into_the_model_with_what_verl_loaded(loaded, fsdp, tmp_path):
-    """The actor to --format dcp at 3 ranks: torch's dcp.load into the Qwen2's own state dict gives every weight, both
-    Adam moments and each parameter's step that verl's own loader loaded from the source at 2 ranks, bit for bit, and
-    the param groups verl saved. Negative control: a copy with one weight element changed loads with that weight alone
-    different."""
+def test_dcp_from_verl_is_loaded_by_torch_into_the_model_with_what_verl_loaded(loaded, fsdp, role, tmp_path):
+    """Each role folder to --format dcp at 3 ranks: torch's dcp.load into its Qwen2's own state dict gives every
+    weight, both Adam moments and each parameter's step that verl's own loader loaded from the source at 2 ranks, bit
+    for bit, and the param group verl saved. Negative control: a copy with one weight element changed loads with that
+    weight alone different."""
     import torch
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    actor = _actor(FSDP[fsdp])
-    run_cli("convert", actor, tmp_path / "dcp", "--format", "dcp", "--to", "dp=3", "--quiet", check=0)
-    got = _dcp_loaded(tmp_path / "dcp", actor / "huggingface")
-    verl = loaded[f"fsdp{fsdp}"]
+    folder = (_critic if role == "critic" else _actor)(FSDP[fsdp])
+    run_cli("convert", folder, tmp_path / "dcp", "--format", "dcp", "--to", "dp=3", "--quiet", check=0)
+    got = _dcp_loaded(tmp_path / "dcp", folder)
+    verl = loaded[f"fsdp{fsdp}" + (" critic" if role == "critic" else "")]
     assert _unequal(got["model"], load_file(verl["full"])) == []
     assert _unequal(got["optim"], load_file(verl["full_optim"])) == []
     dcp_to_torch_save(tmp_path / "dcp", tmp_path / "whole.pt")
     groups = torch.load(tmp_path / "whole.pt")["optim"]["param_groups"]
-    saved = torch.load(actor / "optim_world_size_2_rank_0.pt", weights_only=False)["param_groups"]
+    saved = torch.load(folder / "optim_world_size_2_rank_0.pt", weights_only=False)["param_groups"]
     assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == \
         [{k: v for k, v in g.items() if k != "params"} for g in saved]
     # verl's one group, over every parameter (FSDP1's saved group names its 3 flat parameters)
     assert len(groups) == len(saved) == 1 and sorted(groups[0]["params"]) == sorted(got["model"])
-    changed = tmp_path / "changed" / "actor"
-    shutil.copytree(actor, changed)
+    changed = tmp_path / "changed" / role
+    shutil.copytree(folder, changed)
     _change_weight(changed, CHANGED)
     run_cli("convert", changed, tmp_path / "dcp-changed", "--format", "dcp", "--to", "dp=3", "--quiet", check=0)
-    assert _unequal(_dcp_loaded(tmp_path / "dcp-changed", actor / "huggingface")["model"],
+    assert _unequal(_dcp_loaded(tmp_path / "dcp-changed", changed)["model"],
                     load_file(verl["full"])) == [CHANGED]
 
 
