@@ -151,7 +151,7 @@ FORMATS = (
                         "verl's lr scheduler and step have no Trainer file either (--format dcp keeps the whole "
                         "state; export gives from_pretrained the weights)"),
                ("torchtitan", "torchtitan loads its own models' FQNs (tok_embeddings.weight, "
-                              "layers.N.attention.wq.weight), not the Hugging Face names verl saves "
+                              "layers.N.attention.qkv_linear.wq.weight), not the Hugging Face names verl saves "
                               "(model.embed_tokens.weight), and no rule file maps them with the optimizer (--format "
                               "dcp writes the same state under verl's names)"))),
     Format("hf-trainer", "HF Trainer", "single-process.md",
