@@ -151,4 +151,7 @@ def _writer(catalog: Catalog, fmt: str | None):
     if fmt is None and catalog.format not in WRITERS:
         raise UsageError.at(catalog.root, f"{catalog.format} checkpoints are read, not written: name the output's "
                                           f"format with --format ({', '.join(WRITERS)})")
+    why = registry.not_written_as(catalog.format, fmt) if fmt is not None and fmt != catalog.format else None
+    if why is not None:
+        raise ReshardError.at(catalog.root, f"a {catalog.format} checkpoint is not converted to --format {fmt}: {why}")
     return writer(fmt or catalog.format)

@@ -79,6 +79,9 @@ class Format:
     # a model as its consumers publish it (what `export` writes): an export-names rule file given to `convert` from
     # it is read backwards, the model brought back under the names of the checkpoint the rule file exports from
     published: bool = False
+    # (output format, why): the other formats its checkpoints are not converted to, each with the reason in words: a
+    # writer of that format would write a folder its consumer does not load (convert refuses it, nothing written)
+    not_written_as: tuple[tuple[str, str], ...] = ()
 
 
 _TRAINER_WEIGHTS = ("reshard.formats.hf.trainer_weights",
@@ -140,7 +143,17 @@ FORMATS = (
            readers=("reshard.formats.verl.reader", "reshard.formats.verl.megatron_reader"), tried_before=("megatron",),
            writer=WriterEntry("reshard.formats.verl.writer", MESH_ONLY),
            writes="verl's FSDP step folder at any world size (FSDP1 or FSDP2: weights, optimizer, lr scheduler), "
-                  "the default for a verl source"),
+                  "the default for a verl source",
+           not_written_as=(
+               ("fsdp", "verl's FSDP optimizer is one param group over every parameter (build_optimizer), the HF "
+                        "Trainer's AdamW two (weight decay by parameter name), and the Trainer's resume refuses "
+                        "another grouping: a split would guess by names and change the decay of those it takes off; "
+                        "verl's lr scheduler and step have no Trainer file either (--format dcp keeps the whole "
+                        "state; export gives from_pretrained the weights)"),
+               ("torchtitan", "torchtitan loads its own models' FQNs (tok_embeddings.weight, "
+                              "layers.N.attention.qkv_linear.wq.weight), not the Hugging Face names verl saves "
+                              "(model.embed_tokens.weight), and no rule file maps them with the optimizer (--format "
+                              "dcp writes the same state under verl's names)"))),
     Format("hf-trainer", "HF Trainer", "single-process.md",
            "Hugging Face Trainer checkpoint folders (DeepSpeed, FSDP, one process)",
            RunLayout("hf-trainer", checkpoints=r"^checkpoint-(\d+)$", staging=r"^tmp-checkpoint-(\d+)$"),
@@ -172,6 +185,11 @@ def entry(name: str) -> Format:
         if f.name == name:
             return f
     raise KeyError(f"no format {name!r} in the registry")
+
+
+def not_written_as(source: str, target: str) -> str | None:
+    """Why checkpoints of format `source` are not converted to `target` (None: nothing said against it)."""
+    return dict(entry(source).not_written_as).get(target) if any(f.name == source for f in FORMATS) else None
 
 
 def readers() -> tuple[str, ...]:

@@ -84,8 +84,14 @@ def _checked(catalog: Catalog, target: Layout) -> VerlNotes:
         raise ReshardError.at(catalog.root, "verl's Megatron-backend checkpoints are not converted: reshard reads "
                               "their model (inspect, validate, export), not their optimizer/dist_ckpt")
     if not isinstance(notes, VerlNotes):
-        raise ReshardError.at(catalog.root, f"a {catalog.format} checkpoint is not written as verl's (its mesh, "
-                                            "huggingface/ and extra state come from a verl source)")
+        # verl's FSDPCheckpointManager.load_checkpoint hands the optimizer file to optimizer.load_state_dict, which
+        # refuses another number of param groups than build_optimizer's one
+        groups = len(catalog.param_groups)
+        grouping = f"its optimizer has {groups} param groups, verl's one (build_optimizer over every parameter), " \
+                   "which verl's load_state_dict refuses; and " if groups > 1 else ""
+        raise ReshardError.at(catalog.root, f"a {catalog.format} checkpoint is not written as verl's: {grouping}"
+                                            "verl's loader takes its device mesh, huggingface/ (config, tokenizer) "
+                                            "and extra state (lr scheduler, RNG) from a verl save, which this is not")
     if target.tp != 1 or target.pp != 1:
         raise ReshardError(f"target {target.topology()}: verl's FSDP checkpoints are written for dp ranks only")
     if notes.fsdp != 1 and notes.fsdp != 2:

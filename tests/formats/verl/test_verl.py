@@ -626,3 +626,112 @@ def test_one_rank_and_back_gives_verl_own_files(tmp_path, fsdp):
     run_cli("convert", one, tmp_path / "changed" / "global_step_3", "--to", "dp=2", check=0)
     assert _torch_differences(_actor(FSDP[fsdp]), tmp_path / "changed" / "global_step_3" / "actor", 2) == \
         [f"model_world_size_2_rank_1.pt:{CHANGED}"]
+
+
+# Between verl and the other FSDP writers: --format dcp converts, proven by torch's own dcp.load; the HF Trainer's FSDP
+# layout and torchtitan's are refused either way in one line, the reason shown on the consumers' own objects
+
+def _dcp_loaded(folder, role_dir):
+    """torch's own dcp.load (no process group) of the DCP folder `folder` into the state dict of the model the role's
+    huggingface/ config builds (the actor's language model, the critic's value model: a token classifier of one
+    label), and its optimizer's as the DCP writer names them (optim.state.<fqn>.<state>), every tensor NaN before the
+    load: {"model": {fqn: tensor}, "optim": {fqn.state: tensor}}."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    builds = AutoModelForTokenClassification if role_dir.name == "critic" else AutoModelForCausalLM
+    model = builds.from_config(AutoConfig.from_pretrained(role_dir / "huggingface"), dtype=torch.float32)
+    nan = float("nan")
+    tree = {"model": {k: torch.full_like(v, nan) for k, v in model.state_dict().items()},
+            "optim": {"state": {name: {"exp_avg": torch.full_like(p, nan), "exp_avg_sq": torch.full_like(p, nan),
+                                       "step": torch.tensor(nan)} for name, p in model.named_parameters()}}}
+    dcp.load(tree, checkpoint_id=str(folder))
+    return {"model": tree["model"], "optim": {f"{name}.{key}": value for name, states in tree["optim"]["state"].items()
+                                              for key, value in states.items()}}
+
+
+def _unequal(live: dict, truth: dict) -> list:
+    """The keys whose tensors differ, element for element in order (FSDP1's moments, split out of its flat
+    parameters, are flat in verl_load.py's truth; the loaded ones have the parameter's shape)."""
+    import torch
+    assert set(live) == set(truth), set(live) ^ set(truth)
+    return sorted(k for k in truth if not torch.equal(live[k].reshape(-1), truth[k].reshape(-1)))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("fsdp", sorted(FSDP))
+def test_dcp_from_verl_is_loaded_by_torch_into_the_model_with_what_verl_loaded(loaded, fsdp, role, tmp_path):
+    """Each role folder to --format dcp at 3 ranks: torch's dcp.load into its Qwen2's own state dict gives every
+    weight, both Adam moments and each parameter's step that verl's own loader loaded from the source at 2 ranks, bit
+    for bit, and the param group verl saved. Negative control: a copy with one weight element changed loads with that
+    weight alone different."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    folder = (_critic if role == "critic" else _actor)(FSDP[fsdp])
+    run_cli("convert", folder, tmp_path / "dcp", "--format", "dcp", "--to", "dp=3", "--quiet", check=0)
+    got = _dcp_loaded(tmp_path / "dcp", folder)
+    verl = loaded[f"fsdp{fsdp}" + (" critic" if role == "critic" else "")]
+    assert _unequal(got["model"], load_file(verl["full"])) == []
+    assert _unequal(got["optim"], load_file(verl["full_optim"])) == []
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "whole.pt")
+    groups = torch.load(tmp_path / "whole.pt")["optim"]["param_groups"]
+    saved = torch.load(folder / "optim_world_size_2_rank_0.pt", weights_only=False)["param_groups"]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in saved]
+    # verl's one group, over every parameter (FSDP1's saved group names its 3 flat parameters)
+    assert len(groups) == len(saved) == 1 and sorted(groups[0]["params"]) == sorted(got["model"])
+    changed = tmp_path / "changed" / role
+    shutil.copytree(folder, changed)
+    _change_weight(changed, CHANGED)
+    run_cli("convert", changed, tmp_path / "dcp-changed", "--format", "dcp", "--to", "dp=3", "--quiet", check=0)
+    assert _unequal(_dcp_loaded(tmp_path / "dcp-changed", changed)["model"],
+                    load_file(verl["full"])) == [CHANGED]
+
+
+@pytest.mark.parametrize("fmt", ["fsdp", "torchtitan"])
+@pytest.mark.parametrize("source", ["global_step_3/actor", "global_step_3", "."])
+def test_fsdp_and_torchtitan_from_verl_are_refused_in_one_line(tmp_path, fmt, source):
+    """From a role, a step or a run folder, nothing written: the line says why (the param groups, the names)."""
+    path = FSDP[2] / source
+    proc = run_cli("convert", path, tmp_path / "out", "--format", fmt, "--to", "dp=2")
+    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"reshard: {path.resolve()}: a verl checkpoint is not converted to --format {fmt}: "), line
+    assert ("one param group" if fmt == "fsdp" else "tok_embeddings.weight") in line, line
+    assert run_cli("plan", path, "--format", fmt, "--to", "dp=2").returncode == 1
+
+
+def test_the_hf_trainers_and_verls_optimizers_refuse_each_others_param_groups(tmp_path):
+    """Why neither way converts, on the real objects: the HF Trainer's create_optimizer on the fixture's Qwen2 builds
+    two param groups (decay, no decay), verl's build_optimizer one over every parameter; torch's load_state_dict,
+    which both resumes call, refuses verl's saved optimizer in the Trainer's and the Trainer's FSDP save
+    (fixtures/hf_fsdp_sharded_dp2, torch's dcp_to_torch_save) in verl's. Negative control: each loads a state of its
+    own grouping. The reverse conversion is refused in one line saying so."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    config = AutoConfig.from_pretrained(_actor(FSDP[2]) / "huggingface")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "t"), use_cpu=True, report_to=[],
+                                                          weight_decay=0.01))
+    trainers = trainer.create_optimizer()
+    assert [g["weight_decay"] for g in trainers.param_groups] == [0.01, 0.0]
+    verls = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)    # verl's build_optimizer: one group
+    saved = torch.load(_actor(FSDP[2]) / "optim_world_size_2_rank_0.pt", weights_only=False)
+    assert len(saved["param_groups"]) == 1 and len(saved["param_groups"][0]["params"]) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        trainers.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
+    hf = FIXTURES / "hf_fsdp_sharded_dp2" / "checkpoint-3"
+    dcp_to_torch_save(hf / "optimizer_0", tmp_path / "hf-optim.pt")
+    hf_groups = torch.load(tmp_path / "hf-optim.pt")["optimizer"]["param_groups"]
+    assert len(hf_groups) == 2
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        verls.load_state_dict({"state": {}, "param_groups": [dict(g, params=[0]) for g in hf_groups]})
+    verls.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})          # negative control: its own
+    trainers.load_state_dict(trainers.state_dict())
+    proc = run_cli("convert", hf, tmp_path / "verl", "--format", "verl", "--to", "dp=2")
+    assert proc.returncode == 1 and not (tmp_path / "verl").exists()
+    [line] = proc.stderr.splitlines()
+    assert "its optimizer has 2 param groups, verl's one" in line and "huggingface/" in line, line
