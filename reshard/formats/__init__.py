@@ -60,18 +60,19 @@ def read(path: str, tag: str | None = None, layout_rules: str | None = None, con
     param itself (ReadRequest.model_order). A training framework's folder around a DeepSpeed
     save (HF Trainer's checkpoint-N/, Accelerate's save_state dir, Lightning's *.ckpt/) is read as that save, with
     the framework's own files in catalog.framework and any of them missing in catalog.problems."""
-    reader = reader_for(path, tag)
-    rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
-    catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules, config,
-                                                                        None if model_order else False)))
-    catalog.check_dtypes()
-    around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
-    if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
-        catalog = replace(catalog, framework=around, model_files=catalog.model_files or around.model_files)
-    frame = framework.framework_of(catalog)
-    if frame is not None:
-        frame = replace(frame, world=catalog.layout.world_size)
-        catalog = replace(catalog, framework=frame, problems=(*catalog.problems, *frame.missing()))
+    with fs.settled():      # its readers ask what the same paths are many times: an object store answers once
+        reader = reader_for(path, tag)
+        rules = rule_files.find(layout_rules, rule_files.TP_RULES) if layout_rules else None
+        catalog = reader.read(path, reader_options(reader, path, ReadRequest(tag, rules, config,
+                                                                            None if model_order else False)))
+        catalog.check_dtypes()
+        around = framework.detect(path) if reader.IN_FRAMEWORK_FOLDERS else None
+        if around is not None:      # else what the reader found (Lightning, from DeepSpeed's client state)
+            catalog = replace(catalog, framework=around, model_files=catalog.model_files or around.model_files)
+        frame = framework.framework_of(catalog)
+        if frame is not None:
+            frame = replace(frame, world=catalog.layout.world_size)
+            catalog = replace(catalog, framework=frame, problems=(*catalog.problems, *frame.missing()))
     return catalog
 
 

@@ -128,7 +128,8 @@ def list_checkpoints(run_dir, metrics: str | None = None, metric_name: str | Non
         [('global_step2', 2, 'complete'), ('global_step3', 3, 'complete')]
     """
     root = fs.realpath(str(run_dir))
-    found = run_layout.scan(root)
+    with fs.settled():      # (the run's folders, asked of an object store once each)
+        found = run_layout.scan(root)
     user = run_metrics.read_metrics_file(metrics, metric_name) if metrics else {}
     sizes = {e.path: measure(e.path, root) for e in found.entries}
     if settle > 0:

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from reshard import digests
 from reshard.errors import ReshardError
+from reshard.storage.files import ANSWERS
 from reshard.storage.names import MANIFEST, UNFINISHED
 from reshard.storage.protocol import Found, LockHeld
 
@@ -132,14 +133,20 @@ class ObjectTree:
     """The FileTree protocol over an object store: a folder is a key prefix that holds objects."""
 
     def _head(self, url: str) -> dict | None:
+        answers = ANSWERS.get()
+        if answers is not None and ("head", url) in answers:
+            return answers["head", url]
         bucket, key = split(url)
-        if not key:
-            return None
-        try:
-            with errors(url):
-                return client().head_object(Bucket=bucket, Key=key)
-        except FileNotFoundError:
-            return None
+        head = None
+        if key:
+            try:
+                with errors(url):
+                    head = client().head_object(Bucket=bucket, Key=key)
+            except FileNotFoundError:
+                pass
+        if answers is not None:
+            answers["head", url] = head
+        return head
 
     def isfile(self, path: str) -> bool:
         return self._head(path) is not None
@@ -177,8 +184,14 @@ class ObjectTree:
 
     @staticmethod
     def _holds_objects(bucket: str, prefix: str, path: str) -> bool:
+        answers = ANSWERS.get()
+        if answers is not None and ("holds", bucket, prefix) in answers:
+            return answers["holds", bucket, prefix]
         with errors(path):
-            return bool(client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount"))
+            holds = bool(client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount"))
+        if answers is not None:
+            answers["holds", bucket, prefix] = holds
+        return holds
 
     def keys(self, path: str) -> list[dict]:
         """Every object under the prefix `path` (recursively): S3's listing entries (Key, Size, LastModified)."""

@@ -570,3 +570,35 @@ def test_a_prefix_walks_and_measures_as_its_local_copy_and_a_new_put_changes_its
     assert first == files.identity(s3.url("ident/x")) and first[1] == 3
     servers.put(s3, "ident/x", b"two!")
     assert files.identity(s3.url("ident/x")) != first and files.identity(s3.url("ident/nothere")) == ()
+
+
+
+def test_a_checkpoint_read_from_a_bucket_asks_what_each_path_is_once(s3, source, monkeypatch):
+    """Reading a checkpoint (inside `fs.settled()`, as every read is) asks the store what each object is once: at
+    most one HEAD per object, against several per object with the block made a no-op (the control), the same
+    catalog either way. Nothing is remembered past the block: an object replaced after it is seen as it now is."""
+    import contextlib
+
+    import reshard
+    from reshard.storage import files as fs, s3 as objects
+    heads: list[str] = []
+    client = objects.client()
+    client.meta.events.register("provide-client-params.s3.HeadObject", lambda params, **_: heads.append(params["Key"]))
+    try:
+        settled = reshard.open_checkpoint(source)
+        asked, heads[:] = list(heads), []
+        with monkeypatch.context() as m:
+            m.setattr(fs, "settled", contextlib.nullcontext)
+            unsettled = reshard.open_checkpoint(source)
+        assert asked and len(asked) == len(set(asked)) and len(heads) > len(set(heads)), (asked, heads)
+        assert settled.tensors.keys() == unsettled.tensors.keys()
+    finally:
+        client.meta.events.unregister("provide-client-params.s3.HeadObject")
+    bucket, key = objects.split(source)
+    url = objects.url_of(bucket, "settled/one-object")
+    client.put_object(Bucket=bucket, Key="settled/one-object", Body=b"12345")
+    with fs.settled():
+        assert fs.getsize(url) == 5
+        client.put_object(Bucket=bucket, Key="settled/one-object", Body=b"1234567")
+        assert fs.getsize(url) == 5         # within the block: asked once
+    assert fs.getsize(url) == 7
