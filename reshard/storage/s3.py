@@ -43,6 +43,8 @@ RUNS_KEPT = 4               # joined runs of small reads held per reader (at mos
 UPLOADS_IN_FLIGHT = 2       # parts being uploaded at once per stream (and the buffers they hold)
 RETRIES = 8                 # attempts per request (botocore's own backoff), and per body read (ours)
 DELETE_BATCH = 1000         # keys per DeleteObjects request (S3's limit)
+SMALL_OBJECT = 1 << 20      # within files.settled(), an object opened up to this size is fetched whole, once
+SETTLED_BYTES = 64 << 20    # and a settled block holds at most this many bytes of them
 
 
 def split(url: str) -> tuple[str, str]:
@@ -248,8 +250,34 @@ class ObjectTree:
 
     def open(self, path: str, mode: str = "rb", newline: str | None = None, buffering: int = -1,
              random_access: bool = False):
-        raw = ObjectReader(path, self.getsize(path))
+        size = self.getsize(path)
+        body = self._fetched(path, size)
+        if body is not None:
+            return FetchedObject(path, body)
+        raw = ObjectReader(path, size)
         return raw if buffering == 0 else io.BufferedReader(raw, buffer_size=1 << 16)
+
+    @staticmethod
+    def _fetched(url: str, size: int) -> bytes | None:
+        """Within files.settled(): a small object's bytes, fetched whole by its first open (a reader opens the same
+        small files again and again, each read a request), while the block holds at most SETTLED_BYTES of them;
+        None otherwise."""
+        answers = ANSWERS.get()
+        if answers is None or size > SMALL_OBJECT:
+            return None
+        if ("body", url) not in answers and answers.get("held", 0) + size <= SETTLED_BYTES:
+            body = bytearray(size)
+            got = get_range(url, 0, memoryview(body)) if size else 0
+            answers["body", url], answers["held"] = bytes(body[:got]), answers.get("held", 0) + size
+        return answers.get(("body", url))
+
+
+class FetchedObject(io.BytesIO):
+    """A small object read whole (ObjectTree._fetched), as a read-only file named by its URL."""
+
+    def __init__(self, url: str, body: bytes):
+        super().__init__(body)
+        self.name = url
 
 
 TREE = ObjectTree()

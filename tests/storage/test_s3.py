@@ -602,3 +602,11 @@ def test_a_checkpoint_read_from_a_bucket_asks_what_each_path_is_once(s3, source,
         client.put_object(Bucket=bucket, Key="settled/one-object", Body=b"1234567")
         assert fs.getsize(url) == 5         # within the block: asked once
     assert fs.getsize(url) == 7
+    with fs.settled():       # a small object opened twice is fetched once; outside the block, as it now is
+        with fs.open(url, "rb") as f:
+            assert f.read() == b"1234567" and f.name == url
+        client.put_object(Bucket=bucket, Key="settled/one-object", Body=b"7654321")
+        with fs.open(url, "rb") as f:
+            assert f.read() == b"1234567"
+    with fs.open(url, "rb") as f:
+        assert f.read() == b"7654321"
