@@ -8,8 +8,6 @@ object store has no folders: a key prefix holding objects is one, and it has no 
 from __future__ import annotations
 
 import builtins
-import contextlib
-import contextvars
 import io
 import os
 import posixpath
@@ -18,6 +16,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from reshard.storage.protocol import FileTree, Found
+from reshard.storage.settled import settled  # noqa: F401  (re-exported: fs.settled() around a read)
 
 SCHEMES = ("s3://",)
 
@@ -25,24 +24,6 @@ SCHEMES = ("s3://",)
 def is_url(path) -> bool:
     """Does `path` name an object in object storage (s3://bucket/key) rather than a local file?"""
     return isinstance(path, str) and path.startswith(SCHEMES)
-
-
-# What an object store answered about paths within a `settled()` block: {(question, path): answer}
-ANSWERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reshard_settled_answers", default=None)
-
-
-@contextlib.contextmanager
-def settled() -> Iterator[None]:
-    """Within the block, what an object store says a path is (a file and its size, a folder) is asked of it once.
-    For reading one checkpoint, whose readers ask it of the same files again and again, each time a request (a
-    run of 30 checkpoints in a bucket: 7,200 HEADs for 700 files); nothing is written within it, and a file that
-    changes under a reader is caught by the bytes it reads, as without the block. The local filesystem is asked
-    every time (its answers cost no request)."""
-    token = ANSWERS.set({})
-    try:
-        yield
-    finally:
-        ANSWERS.reset(token)
 
 
 def tree(path) -> FileTree:

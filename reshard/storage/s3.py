@@ -32,9 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from reshard import digests
 from reshard.errors import ReshardError
-from reshard.storage.files import ANSWERS
 from reshard.storage.names import MANIFEST, UNFINISHED
 from reshard.storage.protocol import Found, LockHeld
+from reshard.storage.settled import ANSWERS
 
 PART_BYTES = 8 << 20        # a ranged GET's and an upload part's size (S3's smallest part is 5 MiB)
 IN_FLIGHT = 8               # GETs at once per reader
