@@ -5,6 +5,7 @@ import argparse
 
 import reshard
 from reshard.cli.output import dump
+from reshard.commands.inspect import unread_parts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
         if report.checksum_line():
             print(report.checksum_line())
         # what the proof does not cover: parts of the save that are not read (their files are checked present)
-        for part in reshard.inspect(catalog).unread or ():
+        for part in unread_parts(catalog) or ():
             print(f"not read: {part['path']}: {part['what']}")
         print(report.summary())
     return 0 if report.ok else 1

@@ -176,6 +176,11 @@ class Inspection:
         return out
 
 
+def unread_parts(catalog: Catalog) -> tuple[JsonObject, ...] | None:
+    """[{path, what}] of what the save holds that its reader does not read (Framed notes); None: it reads all."""
+    return tuple(catalog.notes.unread()) if isinstance(catalog.notes, Framed) else None
+
+
 def inspect(catalog: Catalog, params: bool = False) -> Inspection:
     layout, contents = catalog.layout, catalog.contents()
     own = layout.format_topology.descriptor() if layout.format_topology is not None else {}
@@ -224,7 +229,7 @@ def inspect(catalog: Catalog, params: bool = False) -> Inspection:
         thinned=thinned,
         companions=tuple((folder, inspect(each, params)) for folder, each in catalog.companion_folders()),
         framing=catalog.notes.framing() if isinstance(catalog.notes, Framed) else None,
-        unread=tuple(catalog.notes.unread()) if isinstance(catalog.notes, Framed) else None,
+        unread=unread_parts(catalog),
     )
 
 
